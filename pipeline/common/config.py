@@ -1,0 +1,87 @@
+"""Server configuration shared by the launcher and the three processes."""
+
+from __future__ import annotations
+
+import msgspec
+
+from pipeline.common.layouts import Layout, step_descriptor_layout, step_output_layout
+
+# At most two steps are in flight in async mode (N running, N+1 queued), so
+# two descriptor slots would do; the spare ones let the scheduler publish
+# while the worker still holds the slot it is reading.
+DESCRIPTOR_RING_SLOTS = 4
+# Outputs are read by two processes at different paces; extra slots absorb
+# io_proc falling behind for a few steps without stalling the worker.
+OUTPUT_RING_SLOTS = 16
+# Reader indices on the output ring.
+OUTPUT_READER_SCHEDULER, OUTPUT_READER_IO = 0, 1
+
+
+class EngineConfig(msgspec.Struct, frozen=True):
+    """Everything the processes need to agree on.
+
+    Attributes:
+        model: model directory in Hugging Face layout (GGUF already converted),
+            or ``"sim"`` for the simulated device.
+        served_model_name: the name clients put in ``model``.
+        dtype: ``"float32"`` or ``"bfloat16"``.
+        device: ``"cpu"`` or ``"cuda"``.
+        host, port: where the HTTP server listens.
+        max_num_seqs: requests in one step at most (also the number of slots).
+        max_num_batched_tokens: tokens in one step at most (chunked prefill budget).
+        block_size: tokens per KV cache block.
+        max_model_len: prompt + output tokens of one request at most.
+        num_kv_blocks: KV cache blocks the worker allocates.
+        async_scheduling: plan step N+1 while step N runs.
+        debug_token_cache_poison: poison consumed token-id cache entries and
+            check every placeholder read (slower; tests turn it on).
+        instance: unique id of this server instance (names of rings and sockets).
+        ipc_dir: private directory holding this instance's zmq sockets.
+    """
+
+    model: str
+    served_model_name: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+    max_model_len: int = 2048
+    num_kv_blocks: int = 1024
+    async_scheduling: bool = True
+    debug_token_cache_poison: bool = False
+    instance: str = ""
+    ipc_dir: str = ""
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """Width of a block-table row."""
+        return -(-self.max_model_len // self.block_size)
+
+    @property
+    def descriptor_layout(self) -> Layout:
+        return step_descriptor_layout(self.max_num_seqs, self.max_num_batched_tokens, self.block_size)
+
+    @property
+    def output_layout(self) -> Layout:
+        return step_output_layout(self.max_num_seqs)
+
+    @property
+    def descriptor_ring_name(self) -> str:
+        return f"/pipeline-{self.instance}-desc"
+
+    @property
+    def output_ring_name(self) -> str:
+        return f"/pipeline-{self.instance}-out"
+
+    @property
+    def control_address(self) -> str:
+        """zmq address of io_proc -> scheduler control messages."""
+        return f"ipc://{self.ipc_dir}/to_scheduler"
+
+    @property
+    def reply_address(self) -> str:
+        """zmq address of scheduler -> io_proc replies."""
+        return f"ipc://{self.ipc_dir}/to_io"

@@ -1,0 +1,99 @@
+"""Control messages between io_proc and scheduler_proc (zmq + msgspec).
+
+Control is everything that happens per request, not per step: add, abort,
+stats, shutdown. Messages are msgspec structs in a tagged union, encoded as
+msgpack. ``io_proc -> scheduler`` uses :data:`ToScheduler`;
+``scheduler -> io_proc`` uses :data:`ToIO`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+import msgspec
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class SamplingParams(msgspec.Struct, frozen=True):
+    """How to sample one request.
+
+    Attributes:
+        max_tokens: output tokens to generate at most (>= 1), already clamped
+            so that prompt + output fits ``max_model_len``.
+        temperature: 0 means greedy.
+        top_p: nucleus mass in (0, 1].
+        top_k: keep the k most likely tokens; <= 0 disables.
+        seed: 63-bit seed of the request's sampling noise.
+        ignore_eos: keep generating after a stop token id.
+        stop_token_ids: token ids that end the request (EOS and the chat
+            template's end-of-turn token).
+    """
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+
+
+class AddRequest(msgspec.Struct, tag=True):
+    """Add a request. ``req_num`` is unique for the server's life."""
+
+    req_num: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class AbortRequest(msgspec.Struct, tag=True):
+    """Stop a request now (client gone, stop string seen). Unknown numbers are ignored."""
+
+    req_num: int
+
+
+class GetStats(msgspec.Struct, tag=True):
+    """Ask the scheduler for a :class:`Stats` reply."""
+
+    nonce: int
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    """Ask the receiver to exit its loop."""
+
+
+class Stats(msgspec.Struct, tag=True):
+    """Scheduler occupancy, answered to :class:`GetStats` with the same nonce."""
+
+    nonce: int
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_free_slots: int
+    num_total_slots: int
+    num_steps: int
+    num_preemptions: int
+
+
+ToScheduler = Union[AddRequest, AbortRequest, GetStats, Shutdown]
+ToIO = Union[Stats]
+
+
+def check_finish(token_id: int, num_output_tokens: int, params: SamplingParams) -> FinishReason | None:
+    """Why a request ends after producing ``token_id`` as its ``num_output_tokens``-th token.
+
+    The scheduler and io_proc both call this on the same tokens, so they
+    agree on every finish without talking to each other. Stop strings are
+    io_proc's alone (they need text) and end the request with an abort.
+
+    Returns:
+        "stop" for a stop token id (unless ``ignore_eos``), "length" when
+        ``max_tokens`` is reached, else None.
+    """
+    if not params.ignore_eos and token_id in params.stop_token_ids:
+        return "stop"
+    if num_output_tokens >= params.max_tokens:
+        return "length"
+    return None

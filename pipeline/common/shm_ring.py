@@ -1,0 +1,138 @@
+"""A single-writer, multi-reader ring of fixed-layout slots in POSIX shared memory.
+
+Ordering and back-pressure use POSIX named semaphores (``posix_ipc``), which
+are full memory barriers: the writer fills a slot, then posts each reader's
+``full`` semaphore; a reader waits on its ``full`` semaphore, reads, then
+posts its ``empty`` semaphore. The writer waits on every reader's ``empty``
+semaphore before reusing a slot, so a slot is rewritten only after every
+reader released it, and a full ring makes the writer wait instead of
+overwriting. Waits sleep in the kernel (futex), so an idle process burns no
+CPU. This is the classic bounded-buffer protocol (Dijkstra), with one
+``full``/``empty`` pair per reader so each reader consumes every slot.
+
+Both sides keep their slot index locally: the protocol is FIFO, so the
+writer's n-th publish is every reader's n-th acquire.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+import posix_ipc
+
+from pipeline.common.layouts import Layout
+
+
+class RingTimeout(Exception):
+    """Raised when a ring wait times out."""
+
+
+class ShmRing:
+    """One ring: ``num_slots`` slots of ``layout`` plus its semaphores.
+
+    Args:
+        name: POSIX name prefix, starting with ``/`` (unique per server instance).
+        layout: the slot layout.
+        num_slots: slots in the ring; size it from the worst case in flight.
+        num_readers: readers that must each consume every slot.
+        create: True in the process that creates the segment (the launcher),
+            False in processes that attach to it.
+
+    Raises:
+        posix_ipc.ExistentialError: creating a name that exists, or
+            attaching to one that does not.
+    """
+
+    def __init__(self, name: str, layout: Layout, num_slots: int, num_readers: int, create: bool):
+        if not name.startswith("/"):
+            raise ValueError(f"ring name must start with '/': {name!r}")
+        self.name, self.layout, self.num_slots, self.num_readers = name, layout, num_slots, num_readers
+        flags = posix_ipc.O_CREX if create else 0
+        size = layout.nbytes * num_slots
+        shm = posix_ipc.SharedMemory(name, flags, size=size if create else 0)
+        self._mmap = mmap.mmap(shm.fd, size)
+        shm.close_fd()
+        self._full = [posix_ipc.Semaphore(f"{name}-full{r}", flags, initial_value=0) for r in range(num_readers)]
+        self._empty = [posix_ipc.Semaphore(f"{name}-empty{r}", flags, initial_value=num_slots)
+                       for r in range(num_readers)]
+        self._slots = [layout.views(self._mmap, i * layout.nbytes) for i in range(num_slots)]
+        self._write_idx = 0
+        self._write_taken = 0  # readers whose `empty` was taken for the next slot
+        self._read_idx = [0] * num_readers
+
+    # -- writer side ---------------------------------------------------------
+
+    def acquire_write(self, timeout: float | None = None) -> dict[str, np.ndarray]:
+        """Wait until the next slot is free in every reader; return its views.
+
+        Args:
+            timeout: seconds to wait; None waits forever, 0 does not wait.
+
+        Raises:
+            RingTimeout: the slot did not become free in time. Semaphores
+                already taken for this slot are kept, so calling again
+                resumes the wait without losing a slot.
+        """
+        while self._write_taken < self.num_readers:
+            try:
+                self._empty[self._write_taken].acquire(timeout)
+            except posix_ipc.BusyError:
+                raise RingTimeout(self.name) from None
+            self._write_taken += 1
+        return self._slots[self._write_idx % self.num_slots]
+
+    def publish(self) -> None:
+        """Publish the slot returned by :meth:`acquire_write` to every reader."""
+        assert self._write_taken == self.num_readers, "publish() without acquire_write()"
+        self._write_taken = 0
+        self._write_idx += 1
+        for sem in self._full:
+            sem.release()
+
+    # -- reader side ---------------------------------------------------------
+
+    def acquire_read(self, reader: int, timeout: float | None = None) -> dict[str, np.ndarray]:
+        """Wait for the next published slot for ``reader``; return its views.
+
+        The views stay valid until :meth:`release_read`; copy what must outlive it.
+
+        Raises:
+            RingTimeout: nothing was published in time.
+        """
+        try:
+            self._full[reader].acquire(timeout)
+        except posix_ipc.BusyError:
+            raise RingTimeout(self.name) from None
+        return self._slots[self._read_idx[reader] % self.num_slots]
+
+    def release_read(self, reader: int) -> None:
+        """Give the slot last returned by :meth:`acquire_read` back to the writer."""
+        self._read_idx[reader] += 1
+        self._empty[reader].release()
+
+    # -- lifecycle -----------------------------------------------------------
+
+    def unlink(self) -> None:
+        """Remove the names; the memory lives on until the last process unmaps it.
+
+        Called once every process has attached, so nothing is left behind
+        however the processes end (``kill -9`` included). Idempotent.
+        """
+        names = [self.name] + [s.name for s in self._full + self._empty]
+        for i, n in enumerate(names):
+            try:
+                (posix_ipc.unlink_shared_memory if i == 0 else posix_ipc.unlink_semaphore)(n)
+            except posix_ipc.ExistentialError:
+                pass
+
+    def close(self) -> None:
+        """Drop this process's views and handles."""
+        self._slots = []
+        for sem in self._full + self._empty:
+            sem.close()
+        try:
+            self._mmap.close()
+        except BufferError:
+            # A caller still holds a view; the OS unmaps at exit.
+            pass

@@ -1,0 +1,362 @@
+"""Paged attention over a flat, preallocated KV cache.
+
+The tokens of one step are laid out request after request. Attention cost must
+stay O(batch x context) (DESIGN.md, "Facts measured on this machine"): one mask
+spanning every request's tokens would be O(tokens^2). So the step's requests are
+split into two groups, each attended with one batched call:
+
+- decode rows (query_len == 1): queries ``[Bd, H, 1, D]`` against each row's
+  own keys, padded to the longest context among decode rows;
+- prefill rows (query_len > 1): queries padded to the longest chunk among the
+  prefill rows only, ``[Bp, H, Qmax, D]``, with a causal mask.
+
+Keys and values are gathered block by block through each row's block table.
+Everything shaped by the batch (gather indices, masks, scatter indices) is
+computed once per step in :meth:`AttentionMetadata.build`; the per-layer path
+only indexes precomputed tensors, so it has no Python loop over requests and
+no host synchronisation.
+
+Cache layout, per layer: ``k_cache`` and ``v_cache`` are
+``[num_blocks * block_size, num_kv_heads, head_dim]``; token position ``p`` of
+a request whose block table is ``bt`` lives at flat index
+``bt[p // block_size] * block_size + p % block_size``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclasses.dataclass
+class AttentionGroup:
+    """Precomputed indices for one batched attention call (decode or prefill).
+
+    Attributes:
+        token_index: ``[rows, q_max]`` int64, index into the step's tokens of
+            each query; padded query slots repeat the row's last token so that
+            their mask row is non-empty (no NaN from an all-masked softmax).
+        block_ids: ``[rows, n_blocks]`` int64 KV block ids to gather; entries
+            beyond a row's context point at block 0 and are masked out.
+        mask: ``[rows, 1, q_max, n_blocks * block_size]`` bool, True where a
+            query may attend a key (key_pos <= query_pos, hence also
+            key_pos < context_len).
+        out_rows: ``[n_tokens]`` int64, index into the flattened
+            ``[rows * q_max]`` queries of each real (unpadded) query.
+        out_tokens: ``[n_tokens]`` int64, step-token index of each of them.
+        identity: True when the group holds every token of the step in order
+            with no padding, so queries and outputs are plain reshapes.
+    """
+
+    token_index: torch.Tensor
+    block_ids: torch.Tensor
+    mask: torch.Tensor
+    out_rows: torch.Tensor
+    out_tokens: torch.Tensor
+    identity: bool
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> AttentionGroup:
+        """Return a copy with every tensor on ``device``."""
+        return dataclasses.replace(
+            self,
+            token_index=self.token_index.to(device, non_blocking=non_blocking),
+            block_ids=self.block_ids.to(device, non_blocking=non_blocking),
+            mask=self.mask.to(device, non_blocking=non_blocking),
+            out_rows=self.out_rows.to(device, non_blocking=non_blocking),
+            out_tokens=self.out_tokens.to(device, non_blocking=non_blocking),
+        )
+
+
+@dataclasses.dataclass
+class AttentionMetadata:
+    """Per-step attention layout, shared by every layer.
+
+    Attributes:
+        num_tokens: T, the number of tokens in the step.
+        block_size: tokens per KV cache block.
+        positions: ``[T]`` int64, position of each token in its sequence.
+        slot_mapping: ``[T]`` int64, flat KV cache index each token's key and
+            value are written to.
+        decode: group of requests with query_len == 1, or None if there are none.
+        prefill: group of requests with query_len > 1, or None if there are none.
+    """
+
+    num_tokens: int
+    block_size: int
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    decode: AttentionGroup | None
+    prefill: AttentionGroup | None
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: torch.Tensor,
+        start_positions: torch.Tensor,
+        block_table: torch.Tensor,
+        block_size: int,
+    ) -> AttentionMetadata:
+        """Compute the step's slot mapping, gather indices and masks.
+
+        Request ``i`` owns step tokens ``[cu[i], cu[i] + query_lens[i])`` where
+        ``cu`` is the exclusive cumulative sum of ``query_lens``; their
+        positions are ``start_positions[i] + 0 .. query_lens[i] - 1``.
+
+        Args:
+            query_lens: ``[B]`` int64, tokens scheduled per request, each >= 1.
+            start_positions: ``[B]`` int64, position of each request's first
+                scheduled token (= tokens already in its KV cache).
+            block_table: ``[B, max_blocks_per_seq]`` int32 or int64, each
+                request's block-table row; entries past a request's context are
+                ignored and may hold anything.
+            block_size: tokens per KV cache block.
+
+        Returns:
+            Metadata on the inputs' device. Pass host (CPU) tensors: the build
+            reads batch maxima on the host, then move the result with
+            :meth:`to`.
+
+        Raises:
+            ValueError: on inconsistent shapes, an empty batch, a query_len < 1,
+                a negative start position, or a context that does not fit the
+                block table.
+        """
+        if query_lens.dim() != 1 or query_lens.numel() == 0:
+            raise ValueError(f"query_lens must be a non-empty 1-D tensor, got shape {tuple(query_lens.shape)}")
+        num_reqs = query_lens.numel()
+        if start_positions.shape != (num_reqs,):
+            raise ValueError(f"start_positions must have shape ({num_reqs},), got {tuple(start_positions.shape)}")
+        if block_table.dim() != 2 or block_table.shape[0] != num_reqs:
+            raise ValueError(
+                f"block_table must have shape ({num_reqs}, max_blocks_per_seq), got {tuple(block_table.shape)}"
+            )
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        query_lens = query_lens.long()
+        start_positions = start_positions.long()
+        block_table = block_table.long()
+        if bool((query_lens < 1).any()):
+            raise ValueError(f"every query_len must be >= 1, got {query_lens.tolist()}")
+        if bool((start_positions < 0).any()):
+            raise ValueError(f"start positions must be >= 0, got {start_positions.tolist()}")
+        context_lens = start_positions + query_lens
+        max_context = block_table.shape[1] * block_size
+        if int(context_lens.max()) > max_context:
+            raise ValueError(
+                f"a context of {int(context_lens.max())} tokens does not fit a block table of "
+                f"{block_table.shape[1]} blocks of {block_size}"
+            )
+
+        device = query_lens.device
+        token_starts = torch.cumsum(query_lens, 0) - query_lens
+        num_tokens = int(query_lens.sum())
+        request_of_token = torch.repeat_interleave(torch.arange(num_reqs, device=device), query_lens)
+        offsets = torch.arange(num_tokens, device=device) - token_starts[request_of_token]
+        positions = start_positions[request_of_token] + offsets
+        block_of_token = block_table[request_of_token, positions // block_size]
+        slot_mapping = block_of_token * block_size + positions % block_size
+
+        is_decode = query_lens == 1
+        decode_rows = torch.nonzero(is_decode).flatten()
+        prefill_rows = torch.nonzero(~is_decode).flatten()
+        groups = [
+            _build_group(rows, query_lens, start_positions, token_starts, block_table, block_size, num_reqs, num_tokens)
+            if rows.numel() > 0
+            else None
+            for rows in (decode_rows, prefill_rows)
+        ]
+        return cls(
+            num_tokens=num_tokens,
+            block_size=block_size,
+            positions=positions,
+            slot_mapping=slot_mapping,
+            decode=groups[0],
+            prefill=groups[1],
+        )
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> AttentionMetadata:
+        """Return a copy with every tensor on ``device`` (pinned sources allow non_blocking)."""
+        return dataclasses.replace(
+            self,
+            positions=self.positions.to(device, non_blocking=non_blocking),
+            slot_mapping=self.slot_mapping.to(device, non_blocking=non_blocking),
+            decode=None if self.decode is None else self.decode.to(device, non_blocking),
+            prefill=None if self.prefill is None else self.prefill.to(device, non_blocking),
+        )
+
+
+def _build_group(
+    rows: torch.Tensor,
+    query_lens: torch.Tensor,
+    start_positions: torch.Tensor,
+    token_starts: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    num_reqs: int,
+    num_tokens: int,
+) -> AttentionGroup:
+    """Build the padded layout of the requests ``rows`` (see :class:`AttentionGroup`)."""
+    device = rows.device
+    q_lens = query_lens[rows]
+    starts = start_positions[rows]
+    context_lens = starts + q_lens
+    q_max = int(q_lens.max())
+    n_blocks = (int(context_lens.max()) + block_size - 1) // block_size
+
+    # Padded query slots clamp to the row's last real query: a valid token
+    # index and a non-empty mask row, whose output is then dropped.
+    q_offsets = torch.minimum(torch.arange(q_max, device=device)[None, :], (q_lens - 1)[:, None])
+    token_index = token_starts[rows][:, None] + q_offsets
+    query_pos = starts[:, None] + q_offsets
+
+    # Unused block-table entries may be garbage (e.g. -1); point them at
+    # block 0 so the gather stays in bounds, the mask hides them.
+    block_cols = torch.arange(n_blocks, device=device)
+    needed = block_cols[None, :] * block_size < context_lens[:, None]
+    block_ids = torch.where(needed, block_table[rows, :n_blocks], 0)
+
+    key_pos = torch.arange(n_blocks * block_size, device=device)
+    mask = (key_pos[None, None, :] <= query_pos[:, :, None]).unsqueeze(1)
+
+    real = (torch.arange(q_max, device=device)[None, :] < q_lens[:, None]).flatten()
+    out_rows = torch.nonzero(real).flatten()
+    out_tokens = token_index.flatten()[out_rows]
+    identity = rows.numel() == num_reqs and out_rows.numel() == rows.numel() * q_max == num_tokens
+    return AttentionGroup(
+        token_index=token_index,
+        block_ids=block_ids,
+        mask=mask,
+        out_rows=out_rows,
+        out_tokens=out_tokens,
+        identity=identity,
+    )
+
+
+class GatherBuffer:
+    """Grow-only scratch memory for gathered keys and values.
+
+    On CPU a fresh multi-megabyte tensor per layer is served by glibc with
+    mmap and page-faulted in on every use: measured here, that doubled a
+    batch-64 decode step. Reusing one buffer across layers and steps avoids it.
+    Users run sequentially (one layer at a time, in stream order on CUDA).
+    """
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+
+    def get(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A contiguous 1-D tensor of ``numel`` elements; its content is undefined."""
+        buf = self._buffer
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
+            # A normal tensor, not an inference tensor: it stays writable if
+            # a later step runs outside torch.inference_mode.
+            with torch.inference_mode(False):
+                buf = self._buffer = torch.empty(numel, dtype=dtype, device=device)
+        return buf[:numel]
+
+
+def _gather_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    block_size: int,
+    workspace: GatherBuffer | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather each row's keys and values as ``[rows, KVH, n_blocks * block_size, D]`` views.
+
+    Whole blocks are gathered (block_size times fewer indices than per-token).
+    """
+    _, kv_heads, head_dim = k_cache.shape
+    rows, n_blocks = block_ids.shape
+    flat_ids = block_ids.flatten()
+    shape = (rows * n_blocks, block_size, kv_heads, head_dim)
+    numel = math.prod(shape)
+    out = None if workspace is None else workspace.get(2 * numel, k_cache.dtype, k_cache.device)
+    gathered = []
+    for i, cache in enumerate((k_cache, v_cache)):
+        blocks = cache.view(-1, block_size, kv_heads, head_dim)
+        if out is None:
+            g = blocks.index_select(0, flat_ids)
+        else:
+            g = torch.index_select(blocks, 0, flat_ids, out=out[i * numel : (i + 1) * numel].view(shape))
+        gathered.append(g.view(rows, n_blocks * block_size, kv_heads, head_dim).transpose(1, 2))
+    return gathered[0], gathered[1]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    workspace: GatherBuffer | None = None,
+) -> torch.Tensor:
+    """Write this step's keys and values into the cache, then attend.
+
+    The write comes first so each token attends to itself and to earlier
+    chunks of its own sequence.
+
+    Args:
+        q: ``[T, H, D]`` queries (RoPE applied).
+        k: ``[T, KVH, D]`` keys (RoPE applied), H a multiple of KVH.
+        v: ``[T, KVH, D]`` values.
+        k_cache: ``[num_blocks * block_size, KVH, D]``, written in place.
+        v_cache: same shape, written in place.
+        meta: the step's metadata, on the same device as the tensors.
+        scale: softmax scale, usually ``D ** -0.5``.
+        workspace: scratch for the gathered keys/values, shared by all
+            layers; None allocates per call (fine on CUDA, slow on CPU).
+
+    Returns:
+        ``[T, H, D]`` attention output, dtype of ``q``.
+    """
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+
+    num_tokens, num_heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    group_size = num_heads // kv_heads
+    out = None if _single_identity_group(meta) else q.new_empty(num_tokens, num_heads, head_dim)
+
+    dec = meta.decode
+    if dec is not None:
+        rows = dec.token_index.shape[0]
+        keys, values = _gather_kv(k_cache, v_cache, dec.block_ids, meta.block_size, workspace)
+        q_dec = q if dec.identity else q.index_select(0, dec.out_tokens)
+        # One query per row: fold the heads sharing a KV head into the query
+        # dimension. Unlike enable_gqa, this never expands K/V (enable_gqa was
+        # up to 7x slower for bfloat16 decode on CPU).
+        res = F.scaled_dot_product_attention(
+            q_dec.reshape(rows, kv_heads, group_size, head_dim), keys, values, attn_mask=dec.mask, scale=scale
+        ).reshape(rows, num_heads, head_dim)
+        if out is None:
+            return res
+        out.index_copy_(0, dec.out_tokens, res)
+
+    pre = meta.prefill
+    if pre is not None:
+        rows, q_max = pre.token_index.shape
+        keys, values = _gather_kv(k_cache, v_cache, pre.block_ids, meta.block_size, workspace)
+        if pre.identity:
+            q_pre = q.reshape(rows, q_max, num_heads, head_dim)
+        else:
+            q_pre = q.index_select(0, pre.token_index.flatten()).view(rows, q_max, num_heads, head_dim)
+        res = F.scaled_dot_product_attention(
+            q_pre.transpose(1, 2), keys, values, attn_mask=pre.mask, scale=scale, enable_gqa=True
+        ).transpose(1, 2)
+        if out is None:
+            return res.reshape(num_tokens, num_heads, head_dim)
+        res = res.reshape(rows * q_max, num_heads, head_dim)
+        out.index_copy_(0, pre.out_tokens, res.index_select(0, pre.out_rows))
+    return out
+
+
+def _single_identity_group(meta: AttentionMetadata) -> bool:
+    """True when one group covers the whole step in order, so its output is the result."""
+    group = meta.decode if meta.prefill is None else meta.prefill if meta.decode is None else None
+    return group is not None and group.identity

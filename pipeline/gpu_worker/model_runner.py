@@ -1,0 +1,225 @@
+"""Turns a StepDescriptor into a forward pass and sampled tokens.
+
+The runner keeps per-slot state on the device (DESIGN.md, "The step
+protocol"): the token-id cache (last token sampled for each slot), the
+block table, and sampling parameters. Placeholder input tokens are resolved
+from the token-id cache on the device, in stream order after the previous
+step's sampler wrote it, so launching step N+1 needs no device->host copy of
+step N's tokens. On CUDA the sampled tokens travel to pinned host memory on a
+separate copy stream and a per-step event says when they have arrived.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pipeline.common.config import EngineConfig
+from pipeline.common.layouts import (
+    DESC_NUM_NEW_BLOCKS, DESC_NUM_REQS, DESC_NUM_TOKENS, DESC_STEP_ID, PLACEHOLDER_TOKEN_ID,
+)
+from pipeline.gpu_worker.attention import AttentionMetadata
+from pipeline.gpu_worker.sampler import sample
+
+# Written into a token-id cache entry once a placeholder consumed it; reading
+# it again means a placeholder resolved to a stale token.
+POISON_TOKEN_ID = -7
+
+
+class StaleTokenError(RuntimeError):
+    """A placeholder resolved to a token-id cache entry that was already consumed."""
+
+
+@dataclass
+class StepInputs:
+    """Host copies of one StepDescriptor, taken before its ring slot is released.
+
+    Arrays are numpy; ``rows`` index requests, ``tokens`` index tokens.
+    """
+
+    step_id: int
+    req_num: np.ndarray  # [R] int64
+    slot: np.ndarray  # [R] int64
+    query_lens: np.ndarray  # [R] int64
+    start_pos: np.ndarray  # [R] int64
+    sample_rows: np.ndarray  # [S] int64, rows whose last token is sampled
+    new_rows: np.ndarray  # [K] int64, rows whose slot starts a request
+    temperature: np.ndarray  # [K] float32 (for new_rows)
+    top_p: np.ndarray  # [K] float32
+    top_k: np.ndarray  # [K] int32
+    seed: np.ndarray  # [K] int64
+    token_ids: np.ndarray  # [T] int64, PLACEHOLDER_TOKEN_ID where unresolved
+    new_blocks: np.ndarray  # [3, B] int64: slot, index, block id
+    prepare_start_ns: int
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose device work is enqueued; :meth:`ModelRunner.finish` collects it."""
+
+    step_id: int
+    req_num: np.ndarray  # [S] int64 of the sampled rows
+    tokens: torch.Tensor  # [S] int64, host (pinned on CUDA) once ``done`` fires
+    done: torch.cuda.Event | None  # None on CPU: the work already ran
+    start_event: torch.cuda.Event | None
+    prepare_start_ns: int
+    prepare_end_ns: int
+    launch_ns: int
+    device_start_ns: int = 0  # filled on CPU; on CUDA derived from events in finish
+    device_end_ns: int = 0
+
+    def is_done(self) -> bool:
+        return self.done is None or self.done.query()
+
+
+def read_descriptor(desc: dict[str, np.ndarray]) -> StepInputs:
+    """Copy what the step needs out of a StepDescriptor ring slot."""
+    t0 = time.monotonic_ns()
+    h = desc["header"]
+    r, t, b = int(h[DESC_NUM_REQS]), int(h[DESC_NUM_TOKENS]), int(h[DESC_NUM_NEW_BLOCKS])
+    new_rows = np.flatnonzero(desc["is_new"][:r])
+    return StepInputs(
+        step_id=int(h[DESC_STEP_ID]),
+        req_num=desc["req_num"][:r].copy(),
+        slot=desc["slot"][:r].astype(np.int64),
+        query_lens=desc["num_scheduled_tokens"][:r].astype(np.int64),
+        start_pos=desc["start_pos"][:r].astype(np.int64),
+        sample_rows=np.flatnonzero(desc["do_sample"][:r]),
+        new_rows=new_rows,
+        temperature=desc["temperature"][new_rows],
+        top_p=desc["top_p"][new_rows],
+        top_k=desc["top_k"][new_rows],
+        seed=desc["seed"][new_rows],
+        token_ids=desc["token_ids"][:t].astype(np.int64),
+        new_blocks=np.stack([desc["nb_slot"][:b], desc["nb_index"][:b], desc["nb_block"][:b]]).astype(np.int64),
+        prepare_start_ns=t0,
+    )
+
+
+class ModelRunner:
+    """Runs steps of a model on one device.
+
+    Args:
+        config: the engine configuration (slots, blocks, block size).
+        model: a :class:`pipeline.gpu_worker.model.LlamaForCausalLM` on ``device``.
+        device: where the model and all per-slot state live.
+        dtype: the KV cache dtype (the model's).
+    """
+
+    def __init__(self, config: EngineConfig, model, device: torch.device, dtype: torch.dtype):
+        self.config, self.model, self.device = config, model, device
+        s = config.max_num_seqs
+        self.kv_caches = model.allocate_kv_caches(config.num_kv_blocks, config.block_size, dtype, device)
+        self.token_cache = torch.full((s,), POISON_TOKEN_ID, dtype=torch.int64, device=device)
+        # The block table and sampling parameters stay on the host: attention
+        # metadata and sampler decisions are built there, and each step takes
+        # its own copy of the rows it uses, so later updates never reach a
+        # step already queued on the device.
+        self.block_table = np.zeros((s, config.max_blocks_per_seq), dtype=np.int64)
+        self.temperature = np.zeros(s, dtype=np.float32)
+        self.top_p = np.ones(s, dtype=np.float32)
+        self.top_k = np.zeros(s, dtype=np.int32)
+        self.seed = np.zeros(s, dtype=np.int64)
+        self.poison = config.debug_token_cache_poison
+        self.is_cuda = device.type == "cuda"
+        if self.is_cuda:
+            self.copy_stream = torch.cuda.Stream(device)
+            # Maps CUDA event times onto time.monotonic_ns (one sync at start-up).
+            self._clock_event = torch.cuda.Event(enable_timing=True)
+            self._clock_event.record()
+            self._clock_event.synchronize()
+            self._clock_ns = time.monotonic_ns()
+
+    def _to_device(self, a: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(a)
+        if self.is_cuda:
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    @torch.inference_mode()
+    def launch(self, x: StepInputs) -> LaunchedStep:
+        """Enqueue step ``x`` on the device: state updates, forward, sampling.
+
+        Every tensor the step reads is written in stream order before it, so
+        per-slot state of steps still queued is never changed under them.
+
+        Raises:
+            StaleTokenError: in poison mode, if a placeholder reads a consumed entry.
+        """
+        dev = self._to_device
+        if x.new_blocks.shape[1]:
+            self.block_table[x.new_blocks[0], x.new_blocks[1]] = x.new_blocks[2]
+        if len(x.new_rows):
+            slots = x.slot[x.new_rows]
+            self.temperature[slots], self.top_p[slots] = x.temperature, x.top_p
+            self.top_k[slots], self.seed[slots] = x.top_k, x.seed
+
+        is_placeholder = x.token_ids == PLACEHOLDER_TOKEN_ID
+
+        input_ids = dev(x.token_ids)
+        if is_placeholder.any():
+            idx = np.flatnonzero(is_placeholder)
+            row_of_token = np.repeat(np.arange(len(x.slot)), x.query_lens)
+            ph_slots = dev(x.slot[row_of_token[idx]])
+            resolved = self.token_cache[ph_slots]
+            if self.poison:
+                if bool((resolved < 0).any()):
+                    bad = x.slot[row_of_token[idx]][(resolved < 0).cpu().numpy()]
+                    raise StaleTokenError(f"step {x.step_id}: placeholder for slots {bad.tolist()} read a "
+                                          "consumed token-id cache entry")
+                self.token_cache[ph_slots] = POISON_TOKEN_ID
+            input_ids[dev(idx)] = resolved
+
+        meta = AttentionMetadata.build(torch.from_numpy(x.query_lens), torch.from_numpy(x.start_pos),
+                                       torch.from_numpy(self.block_table[x.slot]), self.config.block_size)
+        if self.is_cuda:
+            meta = meta.to(self.device, non_blocking=True)
+        prepare_end = time.monotonic_ns()
+
+        start_event = None
+        if self.is_cuda:
+            start_event = torch.cuda.Event(enable_timing=True)
+            start_event.record()
+        device_start = time.monotonic_ns()
+        hidden = self.model(input_ids, meta.positions, meta, self.kv_caches)
+        last = np.cumsum(x.query_lens)[x.sample_rows] - 1
+        logits = self.model.compute_logits(hidden[dev(last)])
+        sample_slots = x.slot[x.sample_rows]
+        sample_slots_t = dev(sample_slots)
+        # Seeded noise is keyed by the sampled token's position, so a request
+        # draws the same noise whatever batch it is in.
+        tokens = sample(logits, *(torch.from_numpy(a[sample_slots]) for a in (self.temperature, self.top_p,
+                                                                              self.top_k, self.seed)),
+                        torch.from_numpy(x.start_pos[x.sample_rows] + x.query_lens[x.sample_rows]))
+        self.token_cache[sample_slots_t] = tokens
+        launch_ns = time.monotonic_ns()
+
+        step = LaunchedStep(step_id=x.step_id, req_num=x.req_num[x.sample_rows], tokens=tokens, done=None,
+                            start_event=start_event, prepare_start_ns=x.prepare_start_ns,
+                            prepare_end_ns=prepare_end, launch_ns=launch_ns)
+        if self.is_cuda:
+            sampled = torch.cuda.Event()
+            sampled.record()
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            with torch.cuda.stream(self.copy_stream):
+                self.copy_stream.wait_event(sampled)
+                host.copy_(tokens, non_blocking=True)
+                step.done = torch.cuda.Event(enable_timing=True)
+                step.done.record()
+            # The device tensor must outlive the copy: tell the allocator.
+            tokens.record_stream(self.copy_stream)
+            step.tokens = host
+        else:
+            step.device_start_ns, step.device_end_ns = device_start, launch_ns
+        return step
+
+    def finish(self, step: LaunchedStep) -> LaunchedStep:
+        """Wait for ``step``'s tokens on the host and fill its device times."""
+        if step.done is not None:
+            step.done.synchronize()
+            step.device_start_ns = self._clock_ns + int(self._clock_event.elapsed_time(step.start_event) * 1e6)
+            step.device_end_ns = self._clock_ns + int(self._clock_event.elapsed_time(step.done) * 1e6)
+        return step

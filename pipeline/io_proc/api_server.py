@@ -1,0 +1,134 @@
+"""The FastAPI application: routes and the mapping of every error to an OpenAI error body.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``,
+``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+
+Errors: invalid input of any kind (bad JSON, wrong types, out-of-range
+values) is HTTP 400 ``invalid_request_error`` (FastAPI's 422 is replaced, as
+the OpenAI API and vLLM answer 400); an unknown model is 404
+``model_not_found``; unknown routes and methods keep their status; anything
+unexpected is 500 and affects only its own request.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from pipeline.common.config import EngineConfig
+from pipeline.io_proc.engine_client import EngineClient, EngineUnavailable
+from pipeline.io_proc.metrics import PipelineMetrics
+from pipeline.io_proc.protocol import (APIError, ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse,
+                                       ModelCard, ModelList)
+from pipeline.io_proc.serving import OpenAIServing, json_response
+from pipeline.io_proc.tokenization import Tokenization
+
+# How long /metrics waits for the scheduler's Stats reply.
+STATS_TIMEOUT_S = 5.0
+
+_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+                503: "service_unavailable_error"}
+
+
+def _error(status_code: int, message: str, type: str, param: str | None = None, code: str | None = None) -> Response:
+    return json_response(ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code)),
+                         status_code)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """A readable message and the offending parameter of a validation failure."""
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', 'decode error')}", None
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    msg = first.get("msg", "invalid value").removeprefix("Value error, ")
+    text = f"{param}: {msg}" if param else msg
+    if len(errors) > 1:
+        text += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    return text, param
+
+
+def build_app(config: EngineConfig, client: EngineClient, tokenization: Tokenization,
+              stop_token_ids: tuple[int, ...]) -> FastAPI:
+    """The OpenAI-compatible app.
+
+    Its lifespan starts the client (reader thread, reply receiver) and stops
+    it; closing the client and the ring is the caller's job.
+
+    Args:
+        config: server configuration.
+        client: engine client, not started yet.
+        tokenization: prompt encoding.
+        stop_token_ids: token ids that end generation.
+    """
+    serving = OpenAIServing(config, client, tokenization, stop_token_ids)
+    metrics = PipelineMetrics(client)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        client.start()
+        try:
+            yield
+        finally:
+            await client.stop()
+
+    app = FastAPI(title="pipeline", lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_request: Request, exc: APIError) -> Response:
+        return _error(exc.status_code, exc.message, exc.type, exc.param, exc.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request: Request, exc: RequestValidationError) -> Response:
+        message, param = _validation_message(exc)
+        return _error(400, message, "invalid_request_error", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException) -> Response:
+        return _error(exc.status_code, str(exc.detail), _ERROR_TYPES.get(exc.status_code, "api_error"))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_request: Request, exc: Exception) -> Response:
+        # Starlette re-raises after this response, so uvicorn logs the traceback.
+        return _error(500, f"internal server error: {type(exc).__name__}", "internal_server_error")
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
+        return await serving.chat(request, raw_request)
+
+    @app.post("/v1/completions")
+    async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+        return await serving.completion(request, raw_request)
+
+    @app.get("/v1/models")
+    async def show_models() -> Response:
+        return json_response(ModelList(data=[ModelCard(id=config.served_model_name, created=created,
+                                                       root=config.model, max_model_len=config.max_model_len)]))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not client.is_healthy():
+            return _error(503, "the output reader thread is not running", "service_unavailable_error")
+        return Response(b"{}", media_type="application/json")
+
+    @app.get("/metrics")
+    async def show_metrics() -> Response:
+        try:
+            stats = await client.get_stats(STATS_TIMEOUT_S)
+        except (TimeoutError, EngineUnavailable):
+            return _error(503, f"the scheduler did not answer a stats request within {STATS_TIMEOUT_S:g} s",
+                          "service_unavailable_error")
+        return Response(metrics.render(stats), media_type=metrics.content_type)
+
+    return app

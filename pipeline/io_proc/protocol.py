@@ -1,0 +1,285 @@
+"""Shapes of the OpenAI API as served by io_proc.
+
+Requests are pydantic models, validated by FastAPI (any failure becomes an
+HTTP 400 :class:`ErrorResponse`). Responses are msgspec structs: io_proc
+encodes a streaming chunk per request per step, and msgspec encodes them
+several times faster than pydantic.
+
+Source of the shapes: the OpenAI API reference for ``/v1/chat/completions``,
+``/v1/completions`` and ``/v1/models`` (the objects the ``openai`` Python
+client parses), with the conventions of vLLM's OpenAI-compatible server
+(``top_k``, ``ignore_eos``, the 400 error for too long requests).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# The OpenAI API accepts at most four stop sequences.
+MAX_STOP_STRINGS = 4
+
+
+# -- errors -------------------------------------------------------------------
+
+
+class APIError(Exception):
+    """An error returned to the client as ``{"error": {...}}`` with ``status_code``.
+
+    Args:
+        status_code: HTTP status.
+        message: human-readable, says what is wrong and what is allowed.
+        type: OpenAI error type ("invalid_request_error", "not_found_error", ...).
+        param: the offending request field, if any.
+        code: machine-readable code, if any (e.g. "model_not_found").
+    """
+
+    def __init__(self, status_code: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status_code, self.message, self.type, self.param, self.code = status_code, message, type, param, code
+
+    @classmethod
+    def bad_request(cls, message: str, param: str | None = None, code: str | None = None) -> "APIError":
+        """HTTP 400, ``invalid_request_error``."""
+        return cls(400, message, "invalid_request_error", param, code)
+
+    def to_response(self) -> "ErrorResponse":
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
+
+
+class ErrorInfo(msgspec.Struct, kw_only=True):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(msgspec.Struct, kw_only=True):
+    """``{"error": {"message", "type", "param", "code"}}``, the OpenAI error body."""
+
+    error: ErrorInfo
+
+
+# -- requests -----------------------------------------------------------------
+
+
+class _Request(BaseModel):
+    # Strict: a string is not a number and a number is not a string, as in the
+    # OpenAI API. Unknown fields are ignored, since clients send optional
+    # fields (user, metadata, ...) that change nothing here.
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class TextPart(_Request):
+    """One part of a message's content; only text parts are supported."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        """The content as one string; text parts are joined with newlines, like vLLM."""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(p.text for p in self.content)
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class SamplingRequest(_Request):
+    """Fields shared by chat and text completions.
+
+    ``top_k`` -1 or 0 disables it; ``seed`` absent means a random seed;
+    ``n`` must be 1 (or absent).
+    """
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    n: int | None = None
+
+    @field_validator("top_k")
+    @classmethod
+    def _check_top_k(cls, v: int | None) -> int | None:
+        if v is not None and v < -1:
+            raise ValueError(f"top_k must be -1 or 0 (disabled) or at least 1, got {v}")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences are allowed, got {len(stops)}")
+        if not all(stops):
+            raise ValueError("stop sequences must be non-empty strings")
+        return v
+
+    @field_validator("n")
+    @classmethod
+    def _check_n(cls, v: int | None) -> int | None:
+        if v is not None and v != 1:
+            raise ValueError(f"only n=1 is supported, got n={v}")
+        return v
+
+    @model_validator(mode="after")
+    def _check_stream_options(self) -> "SamplingRequest":
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    def stop_strings(self) -> list[str]:
+        """``stop`` as a list (possibly empty)."""
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """Body of ``POST /v1/chat/completions``. ``max_completion_tokens`` wins over ``max_tokens``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(SamplingRequest):
+    """Body of ``POST /v1/completions``.
+
+    ``prompt`` is a non-empty string, a list holding exactly one such string,
+    or a non-empty list of token ids (ints >= 0; the upper bound is checked
+    against the tokenizer when the request is served). After validation it
+    is a ``str`` or a ``list[int]``.
+    """
+
+    prompt: Any
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt(cls, v: Any) -> str | list[int]:
+        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], str):
+            v = v[0]
+        if isinstance(v, str):
+            if not v:
+                raise ValueError("prompt must not be empty")
+            return v
+        if isinstance(v, list) and v and all(type(t) is int for t in v):
+            if min(v) < 0:
+                raise ValueError("prompt token ids must be >= 0")
+            return v
+        raise ValueError("prompt must be a non-empty string, a list with exactly one string, "
+                         "or a non-empty list of token ids (batched prompts are not supported)")
+
+
+# -- responses ----------------------------------------------------------------
+
+
+class UsageInfo(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatCompletionMessage(msgspec.Struct, kw_only=True):
+    role: str = "assistant"
+    content: str
+
+
+class ChatCompletionChoice(msgspec.Struct, kw_only=True):
+    index: int = 0
+    message: ChatCompletionMessage
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A streamed message delta; absent fields are omitted (the final delta is ``{}``)."""
+
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatCompletionChunkChoice(msgspec.Struct, kw_only=True):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct, kw_only=True):
+    """One ``chat.completion.chunk``. ``usage`` is omitted unless the client
+    asked for it (``stream_options.include_usage``); then it is null on every
+    chunk but the last, which has no choices."""
+
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionChunkChoice]
+    usage: UsageInfo | None | msgspec.UnsetType = msgspec.UNSET
+
+
+class CompletionChoice(msgspec.Struct, kw_only=True):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(msgspec.Struct, kw_only=True):
+    """A ``text_completion`` object: the whole response, or one streamed chunk
+    (then ``usage`` follows the same rule as :class:`ChatCompletionChunk`)."""
+
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None | msgspec.UnsetType = msgspec.UNSET
+
+
+class ModelCard(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "model"
+    created: int
+    owned_by: str = "pipeline"
+    root: str
+    max_model_len: int
+
+
+class ModelList(msgspec.Struct, kw_only=True):
+    object: str = "list"
+    data: list[ModelCard]

@@ -1,0 +1,246 @@
+"""Serving one chat or text completion: request -> prompt and sampling
+parameters -> engine -> JSON response or Server-Sent Events stream.
+
+Stream format (OpenAI API): each chunk is ``data: <json>\\n\\n``; the stream
+ends with ``data: [DONE]\\n\\n``. Chat streams start with a delta
+``{"role": "assistant", "content": ""}``, send content deltas, then a chunk
+with an empty delta and the finish reason, then (``include_usage``) a chunk
+with no choices and the usage. Text completion streams send text chunks with
+``finish_reason`` null, then a chunk with empty text and the finish reason,
+then the usage chunk if asked for. Streamed text concatenates exactly to the
+non-streamed text: both read the same per-request deltas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from pipeline.common.config import EngineConfig
+from pipeline.common.messages import SamplingParams
+from pipeline.io_proc.engine_client import EngineClient, EngineUnavailable, RequestState
+from pipeline.io_proc.protocol import (APIError, ChatCompletionChoice, ChatCompletionChunk, ChatCompletionChunkChoice,
+                                       ChatCompletionMessage, ChatCompletionRequest, ChatCompletionResponse,
+                                       CompletionChoice, CompletionRequest, CompletionResponse, DeltaMessage,
+                                       ErrorInfo, ErrorResponse, UsageInfo, SamplingRequest)
+from pipeline.io_proc.tokenization import Tokenization
+
+logger = logging.getLogger(__name__)
+
+_SEED_MASK = (1 << 63) - 1
+# How often a non-streaming request checks that its client is still there.
+_DISCONNECT_POLL_S = 0.5
+_DONE = b"data: [DONE]\n\n"
+# HTTP status nginx uses for "client closed request"; nobody reads it.
+_CLIENT_CLOSED = 499
+
+
+def _sse(obj: msgspec.Struct) -> bytes:
+    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+
+
+def json_response(obj: msgspec.Struct, status_code: int = 200) -> Response:
+    """A JSON response encoded with msgspec."""
+    return Response(msgspec.json.encode(obj), status_code=status_code, media_type="application/json")
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response that runs ``on_close`` however it ends: fully sent,
+    client gone (Starlette cancels the send task), or server shutdown."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+            await self.body_iterator.aclose()
+
+
+class OpenAIServing:
+    """The chat and text completion endpoints' logic.
+
+    Args:
+        config: gives ``served_model_name`` and ``max_model_len``.
+        client: the engine client.
+        tokenization: prompt encoding.
+        stop_token_ids: token ids that end generation (see
+            :func:`~pipeline.io_proc.tokenization.load_tokenizer`).
+    """
+
+    def __init__(self, config: EngineConfig, client: EngineClient, tokenization: Tokenization,
+                 stop_token_ids: tuple[int, ...]):
+        self._model = config.served_model_name
+        self._max_model_len = config.max_model_len
+        self._client = client
+        self._tokenization = tokenization
+        self._stop_token_ids = stop_token_ids
+
+    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        """Serve ``POST /v1/chat/completions``.
+
+        Raises:
+            APIError: 404 unknown model, 400 invalid or too long request,
+                503 scheduler not taking requests.
+        """
+        self._check_model(req)
+        prompt = await self._tokenization.encode_chat(req.messages)
+        state = self._start(req, prompt, "messages")
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if req.stream:
+            return _EventStream(self._chat_stream(state, rid, created, req.include_usage()),
+                                lambda: self._client.release(state))
+        if not await self._wait(state, raw):
+            return Response(status_code=_CLIENT_CLOSED)
+        return json_response(ChatCompletionResponse(
+            id=rid, created=created, model=self._model,
+            choices=[ChatCompletionChoice(message=ChatCompletionMessage(content=state.take_text()),
+                                          finish_reason=state.finish_reason)],
+            usage=self._usage(state)))
+
+    async def completion(self, req: CompletionRequest, raw: Request) -> Response:
+        """Serve ``POST /v1/completions``.
+
+        Raises:
+            APIError: as :meth:`chat`, and 400 for token ids outside the vocabulary.
+        """
+        self._check_model(req)
+        if isinstance(req.prompt, str):
+            prompt = await self._tokenization.encode_text(req.prompt)
+        else:
+            prompt = req.prompt
+            vocab = self._tokenization.vocab_size
+            if max(prompt) >= vocab:
+                raise APIError.bad_request(f"prompt token id {max(prompt)} is out of range: the vocabulary "
+                                           f"has {vocab} tokens (ids 0..{vocab - 1})", param="prompt")
+        state = self._start(req, prompt, "prompt")
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        if req.stream:
+            return _EventStream(self._completion_stream(state, rid, created, req.include_usage()),
+                                lambda: self._client.release(state))
+        if not await self._wait(state, raw):
+            return Response(status_code=_CLIENT_CLOSED)
+        return json_response(CompletionResponse(
+            id=rid, created=created, model=self._model,
+            choices=[CompletionChoice(text=state.take_text(), finish_reason=state.finish_reason)],
+            usage=self._usage(state)))
+
+    # -- shared steps ------------------------------------------------------------
+
+    def _check_model(self, req: SamplingRequest) -> None:
+        if req.model is not None and req.model != self._model:
+            raise APIError(404, f"The model `{req.model}` does not exist. This server serves `{self._model}`.",
+                           type="invalid_request_error", param="model", code="model_not_found")
+
+    def _start(self, req: SamplingRequest, prompt: list[int], prompt_param: str) -> RequestState:
+        """Check lengths, build sampling parameters and add the request to the engine."""
+        n, limit = len(prompt), self._max_model_len
+        if n >= limit:
+            raise APIError.bad_request(
+                f"This model's maximum context length is {limit} tokens. However, your request has {n} input "
+                f"tokens, which leaves no room for output. Please reduce the length of the input.",
+                param=prompt_param, code="context_length_exceeded")
+        max_tokens = req.requested_max_tokens()
+        if max_tokens is None:
+            max_tokens = limit - n
+        elif n + max_tokens > limit:
+            raise APIError.bad_request(
+                f"This model's maximum context length is {limit} tokens. However, you requested {n + max_tokens} "
+                f"tokens ({n} in the {prompt_param}, {max_tokens} in the completion). Please reduce the length "
+                f"of the {prompt_param} or completion.",
+                param="max_tokens", code="context_length_exceeded")
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k if req.top_k is not None and req.top_k > 0 else 0,
+            seed=secrets.randbits(63) if req.seed is None else req.seed & _SEED_MASK,
+            ignore_eos=req.ignore_eos,
+            stop_token_ids=self._stop_token_ids,
+        )
+        try:
+            return self._client.add_request(prompt, params, req.stop_strings(), streaming=req.stream)
+        except EngineUnavailable as e:
+            raise APIError(503, f"{e}; retry later", type="service_unavailable_error") from None
+
+    async def _wait(self, state: RequestState, raw: Request) -> bool:
+        """Wait for a non-streaming request to finish; False if the client left
+        first (then the request is aborted)."""
+        try:
+            while state.finish_reason is None:
+                try:
+                    await asyncio.wait_for(state.wait_finished(), _DISCONNECT_POLL_S)
+                except TimeoutError:
+                    if await raw.is_disconnected():
+                        return False
+            return True
+        finally:
+            self._client.release(state)
+
+    @staticmethod
+    def _usage(state: RequestState) -> UsageInfo:
+        return UsageInfo(prompt_tokens=state.prompt_len, completion_tokens=state.num_output_tokens,
+                         total_tokens=state.prompt_len + state.num_output_tokens)
+
+    # -- streams -------------------------------------------------------------------
+
+    async def _chat_stream(self, state: RequestState, rid: str, created: int,
+                           include_usage: bool) -> AsyncIterator[bytes]:
+        usage = None if include_usage else msgspec.UNSET
+
+        def chunk(delta: DeltaMessage, finish_reason: str | None = None) -> bytes:
+            return _sse(ChatCompletionChunk(
+                id=rid, created=created, model=self._model, usage=usage,
+                choices=[ChatCompletionChunkChoice(delta=delta, finish_reason=finish_reason)]))
+
+        try:
+            yield chunk(DeltaMessage(role="assistant", content=""))
+            async for text in state.texts():
+                yield chunk(DeltaMessage(content=text))
+            yield chunk(DeltaMessage(), state.finish_reason)
+            if include_usage:
+                yield _sse(ChatCompletionChunk(id=rid, created=created, model=self._model, choices=[],
+                                               usage=self._usage(state)))
+        except Exception:
+            # Headers are sent: the error can only travel in the stream.
+            logger.exception("chat stream %s failed", rid)
+            yield _stream_error()
+        yield _DONE
+
+    async def _completion_stream(self, state: RequestState, rid: str, created: int,
+                                 include_usage: bool) -> AsyncIterator[bytes]:
+        usage = None if include_usage else msgspec.UNSET
+
+        def chunk(text: str, finish_reason: str | None = None) -> bytes:
+            return _sse(CompletionResponse(
+                id=rid, created=created, model=self._model, usage=usage,
+                choices=[CompletionChoice(text=text, finish_reason=finish_reason)]))
+
+        try:
+            async for text in state.texts():
+                yield chunk(text)
+            yield chunk("", state.finish_reason)
+            if include_usage:
+                yield _sse(CompletionResponse(id=rid, created=created, model=self._model, choices=[],
+                                              usage=self._usage(state)))
+        except Exception:
+            logger.exception("completion stream %s failed", rid)
+            yield _stream_error()
+        yield _DONE
+
+
+def _stream_error() -> bytes:
+    return _sse(ErrorResponse(error=ErrorInfo(message="internal server error while streaming",
+                                              type="internal_server_error")))

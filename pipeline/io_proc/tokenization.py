@@ -1,0 +1,111 @@
+"""Loading the tokenizer and turning requests into prompt token ids.
+
+``transformers`` is imported inside :func:`load_tokenizer`, not at module
+level, so importing io_proc stays light (``AutoTokenizer`` pulls in torch).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import functools
+import json
+import os
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from jinja2 import TemplateError
+
+from pipeline.io_proc.detokenizer import DecodeFn
+from pipeline.io_proc.protocol import APIError, ChatMessage
+
+
+def load_tokenizer(model_dir: str) -> tuple[Any, tuple[int, ...]]:
+    """Load the tokenizer of a Hugging Face model directory.
+
+    Returns:
+        ``(tokenizer, stop_token_ids)``: the ``transformers`` tokenizer, and the
+        token ids that end generation: the tokenizer's ``eos_token_id`` plus
+        ``eos_token_id`` (int or list) of ``generation_config.json`` in the
+        directory, if present (chat models list their end-of-turn token there).
+
+    Raises:
+        OSError, ValueError: from ``transformers`` when the directory has no
+            usable tokenizer; ``json.JSONDecodeError`` for a broken
+            ``generation_config.json``.
+    """
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    stop_ids: list[int] = []
+    if tokenizer.eos_token_id is not None:
+        stop_ids.append(int(tokenizer.eos_token_id))
+    gen_config = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(gen_config):
+        with open(gen_config, encoding="utf-8") as f:
+            eos = json.load(f).get("eos_token_id")
+        for t in (eos if isinstance(eos, list) else [eos] if eos is not None else []):
+            if int(t) not in stop_ids:
+                stop_ids.append(int(t))
+    return tokenizer, tuple(stop_ids)
+
+
+class Tokenization:
+    """Prompt encoding on one worker thread, and decoders for output tokens.
+
+    Encoding runs off the event loop (a long prompt or a chat template takes
+    milliseconds) on a single thread, because a Hugging Face fast tokenizer
+    may not be used by two threads at once ("Already borrowed").
+
+    Args:
+        tokenizer: a ``transformers`` tokenizer (see :func:`load_tokenizer`).
+    """
+
+    def __init__(self, tokenizer: Any):
+        self._tokenizer = tokenizer
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self.vocab_size = len(tokenizer)
+
+    async def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
+        """Prompt token ids of a conversation, rendered with the model's chat
+        template and the generation prompt appended.
+
+        Raises:
+            APIError: 400 if the model has no chat template or the template
+                rejects the conversation (e.g. roles not alternating).
+        """
+        if not getattr(self._tokenizer, "chat_template", None):
+            raise APIError.bad_request("this model has no chat template; use /v1/completions instead",
+                                       param="messages")
+        conversation = [{"role": m.role, "content": m.text()} for m in messages]
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._apply_chat_template, conversation)
+
+    def _apply_chat_template(self, conversation: list[dict[str, str]]) -> list[int]:
+        try:
+            out = self._tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+        except TemplateError as e:
+            raise APIError.bad_request(f"the chat template rejected the messages: {e}", param="messages") from e
+        # transformers 5 returns a BatchEncoding; older versions a plain list.
+        ids = out["input_ids"] if isinstance(out, Mapping) else out
+        return list(ids)
+
+    async def encode_text(self, text: str) -> list[int]:
+        """Prompt token ids of a completion prompt (with the tokenizer's usual
+        special tokens, e.g. BOS, as vLLM does)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._encode_text, text)
+
+    def _encode_text(self, text: str) -> list[int]:
+        return list(self._tokenizer(text)["input_ids"])
+
+    def make_decoder(self) -> DecodeFn:
+        """A decode function (special tokens skipped) over a private copy of the
+        tokenizer, for the output-reader thread: it then never shares the
+        Rust tokenizer with the encoding thread."""
+        return functools.partial(copy.deepcopy(self._tokenizer).decode, skip_special_tokens=True)
+
+    def close(self) -> None:
+        """Stop the encoding thread; queued work is cancelled."""
+        self._executor.shutdown(wait=False, cancel_futures=True)

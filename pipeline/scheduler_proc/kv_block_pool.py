@@ -1,0 +1,76 @@
+"""KV cache block and slot accounting with frees deferred against step ids."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+
+class BlockPool:
+    """Free lists of KV cache blocks and request slots.
+
+    A block or slot that an in-flight step still reads is not reusable until
+    that step has reported completion (DESIGN.md, "Deferred free"): callers
+    free with :meth:`free_after` naming the last step that references them,
+    and :meth:`step_completed` returns them to the free lists.
+
+    Args:
+        num_blocks: KV cache blocks (ids ``0..num_blocks-1``).
+        num_slots: request slots (ids ``0..num_slots-1``), i.e. ``max_num_seqs``.
+    """
+
+    def __init__(self, num_blocks: int, num_slots: int):
+        self.num_blocks, self.num_slots = num_blocks, num_slots
+        # Stacks popped from the end; reversed so low ids go first.
+        self._free_blocks = list(range(num_blocks - 1, -1, -1))
+        self._free_slots = list(range(num_slots - 1, -1, -1))
+        self._deferred: dict[int, list[tuple[list[int], int]]] = defaultdict(list)
+        self._num_deferred_blocks = 0
+        self._completed_step = -1
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free_blocks)
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    @property
+    def num_deferred_blocks(self) -> int:
+        """Blocks that come back once the steps in flight complete."""
+        return self._num_deferred_blocks
+
+    def allocate_blocks(self, n: int) -> list[int] | None:
+        """Take ``n`` blocks, or None (taking nothing) if fewer are free."""
+        if n > len(self._free_blocks):
+            return None
+        if n == 0:
+            return []
+        out = self._free_blocks[-n:]
+        del self._free_blocks[-n:]
+        return out
+
+    def allocate_slot(self) -> int | None:
+        """Take a slot, or None if none is free."""
+        return self._free_slots.pop() if self._free_slots else None
+
+    def free_after(self, step_id: int, blocks: list[int], slot: int) -> None:
+        """Free ``blocks`` and ``slot`` (-1: none) once step ``step_id`` has completed."""
+        if step_id <= self._completed_step:
+            self._release(blocks, slot)
+        else:
+            self._deferred[step_id].append((blocks, slot))
+            self._num_deferred_blocks += len(blocks)
+
+    def step_completed(self, step_id: int) -> None:
+        """Step ``step_id`` (and every earlier one) reported its output."""
+        self._completed_step = step_id
+        for s in [s for s in self._deferred if s <= step_id]:
+            for blocks, slot in self._deferred.pop(s):
+                self._num_deferred_blocks -= len(blocks)
+                self._release(blocks, slot)
+
+    def _release(self, blocks: list[int], slot: int) -> None:
+        self._free_blocks.extend(blocks)
+        if slot >= 0:
+            self._free_slots.append(slot)

@@ -1,0 +1,140 @@
+"""scheduler_proc: the process that plans steps.
+
+Loop: take control messages (zmq), plan a step into the descriptor ring
+whenever fewer than ``max_inflight`` steps are in flight (2 with
+asynchronous scheduling, 1 in lock step), otherwise wait on the output ring
+for the oldest step's tokens. Imports neither torch nor model code.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import msgspec
+import zmq
+
+from pipeline.common.config import (
+    DESCRIPTOR_RING_SLOTS, OUTPUT_READER_SCHEDULER, OUTPUT_RING_SLOTS, EngineConfig,
+)
+from pipeline.common.layouts import DESC_PLAN_END_NS, DESC_PLAN_START_NS, OUT_NUM_ROWS, OUT_STEP_ID
+from pipeline.common.messages import (
+    AbortRequest, AddRequest, GetStats, Shutdown, Stats, ToScheduler,
+)
+from pipeline.common.process import child_setup, report
+from pipeline.common.shm_ring import RingTimeout, ShmRing
+from pipeline.scheduler_proc.scheduler import Scheduler
+
+# How long a blocked wait lasts before the loop looks at the stop flag again.
+_IDLE_POLL_S = 0.2
+
+
+class SchedulerLoop:
+    """Owns the scheduler, its rings and sockets; :meth:`run` is the process body."""
+
+    def __init__(self, config: EngineConfig, desc_ring: ShmRing, out_ring: ShmRing,
+                 control: zmq.Socket, replies: zmq.Socket):
+        self.config = config
+        self.desc_ring, self.out_ring = desc_ring, out_ring
+        self.control, self.replies = control, replies
+        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, config.block_size,
+                                   config.num_kv_blocks, config.max_blocks_per_seq)
+        self.max_inflight = 2 if config.async_scheduling else 1
+        self.inflight: deque[int] = deque()
+        self._decoder = msgspec.msgpack.Decoder(ToScheduler)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._running = True
+
+    def run(self, stop) -> None:
+        """Serve until a Shutdown message or ``stop.is_set()``."""
+        wait_ms = 0
+        while self._running and not stop.is_set():
+            self._drain_control(wait_ms)
+            wait_ms = 0
+            if len(self.inflight) < self.max_inflight and self.scheduler.num_unfinished and self._plan_step():
+                continue
+            if self.inflight:
+                self._await_output()
+            else:  # nothing runs and nothing can: sleep in zmq until a message comes
+                wait_ms = int(_IDLE_POLL_S * 1000)
+
+    def _drain_control(self, timeout_ms: int) -> None:
+        if not self.control.poll(timeout_ms):
+            return
+        while True:
+            try:
+                raw = self.control.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            msg = self._decoder.decode(raw)
+            if isinstance(msg, AddRequest):
+                self.scheduler.add_request(msg)
+            elif isinstance(msg, AbortRequest):
+                self.scheduler.abort_request(msg.req_num)
+            elif isinstance(msg, GetStats):
+                self.replies.send(self._encoder.encode(self._stats(msg.nonce)))
+            elif isinstance(msg, Shutdown):
+                self._running = False
+
+    def _plan_step(self) -> bool:
+        try:
+            desc = self.desc_ring.acquire_write(timeout=_IDLE_POLL_S)
+        except RingTimeout:
+            return False
+        t0 = time.monotonic_ns()
+        step_id = self.scheduler.next_step_id
+        if not self.scheduler.schedule(desc):
+            return False  # slot stays acquired for the next try
+        desc["header"][DESC_PLAN_START_NS] = t0
+        desc["header"][DESC_PLAN_END_NS] = time.monotonic_ns()
+        self.desc_ring.publish()
+        self.inflight.append(step_id)
+        return True
+
+    def _await_output(self) -> None:
+        try:
+            out = self.out_ring.acquire_read(OUTPUT_READER_SCHEDULER, timeout=_IDLE_POLL_S)
+        except RingTimeout:
+            return
+        step_id = int(out["header"][OUT_STEP_ID])
+        n = int(out["header"][OUT_NUM_ROWS])
+        expected = self.inflight.popleft()
+        if step_id != expected:
+            raise RuntimeError(f"worker reported step {step_id}, expected {expected}")
+        req_nums, tokens = out["req_num"][:n].copy(), out["token_id"][:n].copy()
+        self.out_ring.release_read(OUTPUT_READER_SCHEDULER)
+        self.scheduler.process_output(step_id, req_nums, tokens)
+
+    def _stats(self, nonce: int) -> Stats:
+        s = self.scheduler
+        return Stats(nonce=nonce, num_running=len(s.running), num_waiting=len(s.waiting),
+                     num_free_blocks=s.pool.num_free_blocks, num_total_blocks=s.pool.num_blocks,
+                     num_free_slots=s.pool.num_free_slots, num_total_slots=s.pool.num_slots,
+                     num_steps=s.next_step_id, num_preemptions=s.num_preemptions)
+
+
+def run_scheduler(config: EngineConfig, status_conn) -> None:
+    """Process entry of scheduler_proc (see :mod:`pipeline.common.process`)."""
+    stop = child_setup("scheduler")
+    desc_ring = ShmRing(config.descriptor_ring_name, config.descriptor_layout, DESCRIPTOR_RING_SLOTS,
+                        num_readers=1, create=False)
+    out_ring = ShmRing(config.output_ring_name, config.output_layout, OUTPUT_RING_SLOTS,
+                       num_readers=2, create=False)
+    report(status_conn, "attached", "scheduler")
+    ctx = zmq.Context()
+    control = ctx.socket(zmq.PULL)
+    control.bind(config.control_address)
+    replies = ctx.socket(zmq.PUSH)
+    replies.connect(config.reply_address)
+    try:
+        loop = SchedulerLoop(config, desc_ring, out_ring, control, replies)
+    except ValueError as e:
+        report(status_conn, "error", "scheduler", str(e))
+        raise SystemExit(1)
+    report(status_conn, "ready", "scheduler")
+    try:
+        loop.run(stop)
+    finally:
+        ctx.destroy(linger=0)
+        desc_ring.close()
+        out_ring.close()

@@ -1,0 +1,285 @@
+"""Continuous-batching step planner with asynchronous scheduling.
+
+The scheduler plans step N+1 while step N runs, assuming every decoding
+request produces exactly one token in N. That token is not known yet, so
+N+1's input for it is :data:`PLACEHOLDER_TOKEN_ID`, which the worker resolves
+on the device from its token-id cache (DESIGN.md, "The step protocol").
+Planning uses plain Python and numpy: no torch, no model code.
+
+Policy (as vLLM v1's scheduler): running requests first, in arrival order,
+one token per decode and a chunk per unfinished prefill, then waiting
+requests in FIFO order, all under ``max_num_batched_tokens`` and
+``max_num_seqs``. KV blocks are allocated on demand; when none are left the
+newest running request is preempted (recompute: its blocks are freed and it
+restarts from its prompt plus the tokens it has produced).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+from pipeline.common.layouts import (
+    DESC_NUM_NEW_BLOCKS, DESC_NUM_REQS, DESC_NUM_TOKENS, DESC_STEP_ID, PLACEHOLDER_TOKEN_ID,
+)
+from pipeline.common.messages import AddRequest, SamplingParams, check_finish
+from pipeline.scheduler_proc.kv_block_pool import BlockPool
+
+
+class Request:
+    """Scheduler-side state of one request.
+
+    ``num_computed_tokens`` counts tokens already placed in a step (in flight
+    included); ``num_placeholders`` counts tokens sampled in steps whose
+    output has not arrived (0 or 1).
+    """
+
+    __slots__ = ("req_num", "prompt_token_ids", "output_token_ids", "params", "num_computed_tokens",
+                 "num_placeholders", "slot", "block_ids", "last_step_id", "is_new_in_slot")
+
+    def __init__(self, req_num: int, prompt_token_ids: list[int], params: SamplingParams):
+        self.req_num = req_num
+        self.prompt_token_ids = prompt_token_ids
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.num_computed_tokens = 0
+        self.num_placeholders = 0
+        self.slot = -1
+        self.block_ids: list[int] = []
+        self.last_step_id = -1
+        self.is_new_in_slot = True
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Prompt plus output tokens whose ids the scheduler has."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_outputs_planned(self) -> int:
+        """Output tokens received plus those sampled in steps in flight."""
+        return len(self.output_token_ids) + self.num_placeholders
+
+    def token_at(self, pos: int) -> int:
+        """Token id at position ``pos``, or the placeholder if not yet known."""
+        p = len(self.prompt_token_ids)
+        if pos < p:
+            return self.prompt_token_ids[pos]
+        if pos - p < len(self.output_token_ids):
+            return self.output_token_ids[pos - p]
+        return PLACEHOLDER_TOKEN_ID
+
+
+class Scheduler:
+    """Plans steps into StepDescriptor views and applies StepOutputs.
+
+    Args:
+        max_num_seqs: requests per step at most; also the number of slots.
+        max_num_batched_tokens: tokens per step at most.
+        block_size: tokens per KV block.
+        num_kv_blocks: KV blocks in the cache.
+        max_blocks_per_seq: block-table row width (``ceil(max_model_len / block_size)``).
+
+    Raises:
+        ValueError: if one request of ``max_model_len`` tokens could not fit.
+    """
+
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, block_size: int,
+                 num_kv_blocks: int, max_blocks_per_seq: int):
+        if num_kv_blocks < max_blocks_per_seq:
+            raise ValueError(
+                f"num_kv_blocks={num_kv_blocks} cannot hold one request of max_model_len "
+                f"({max_blocks_per_seq} blocks); raise the KV cache size or lower --max-model-len")
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.block_size = block_size
+        self.pool = BlockPool(num_kv_blocks, max_num_seqs)
+        self.requests: dict[int, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.next_step_id = 0
+        self.num_preemptions = 0
+
+    # -- control ----------------------------------------------------------------
+
+    def add_request(self, msg: AddRequest) -> None:
+        """Queue a new request. A repeated ``req_num`` is ignored."""
+        if msg.req_num in self.requests:
+            return
+        req = Request(msg.req_num, list(msg.prompt_token_ids), msg.params)
+        self.requests[req.req_num] = req
+        self.waiting.append(req)
+
+    def abort_request(self, req_num: int) -> None:
+        """Drop a request now; its blocks and slot return after its last step in flight."""
+        req = self.requests.get(req_num)
+        if req is not None:
+            self._remove(req)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    # -- planning ---------------------------------------------------------------
+
+    def schedule(self, desc: dict[str, np.ndarray]) -> int:
+        """Plan the next step into the StepDescriptor views ``desc``.
+
+        Returns:
+            The number of requests planned; 0 means nothing could run now
+            and ``desc`` holds no step (the step id is not consumed).
+        """
+        step_id = self.next_step_id
+        budget = self.max_num_batched_tokens
+        rows: list[tuple[Request, int, bool]] = []  # (request, num tokens, do_sample)
+        new_blocks: list[tuple[int, int, int]] = []  # (slot, index in row, block id)
+
+        for req in list(self.running):
+            if budget == 0 or len(rows) == self.max_num_seqs:
+                break
+            if req.slot < 0:  # preempted earlier in this loop
+                continue
+            if req.num_computed_tokens < req.num_known_tokens:  # unfinished prefill
+                n = min(req.num_known_tokens - req.num_computed_tokens, budget)
+            elif req.num_outputs_planned < req.params.max_tokens:  # decode
+                n = 1
+            else:  # its last token is in flight; it finishes when that arrives
+                continue
+            if not self._grow_blocks(req, n, new_blocks):
+                continue
+            rows.append((req, n, req.num_computed_tokens + n >= req.num_known_tokens))
+            budget -= n
+
+        while self.waiting and budget > 0 and len(rows) < self.max_num_seqs:
+            req = self.waiting[0]
+            if req.num_placeholders:
+                break  # preempted with a token still in flight: wait for it, keep FIFO order
+            n = min(req.num_known_tokens, budget)
+            if self.pool.num_free_slots == 0:
+                break
+            need = -(-n // self.block_size)
+            if need > self.pool.num_free_blocks:
+                break
+            self.waiting.popleft()
+            req.slot = self.pool.allocate_slot()
+            req.is_new_in_slot = True
+            self._grow_blocks(req, n, new_blocks)
+            self.running.append(req)
+            rows.append((req, n, n >= req.num_known_tokens))
+            budget -= n
+
+        if not rows:
+            return 0
+        self._write(desc, step_id, rows, new_blocks)
+        self.next_step_id += 1
+        return len(rows)
+
+    def _grow_blocks(self, req: Request, n: int, new_blocks: list[tuple[int, int, int]]) -> bool:
+        """Give ``req`` blocks for its next ``n`` tokens, preempting if needed.
+
+        Returns False if ``req`` cannot run this step (it may have been preempted).
+        """
+        need = -(-(req.num_computed_tokens + n) // self.block_size) - len(req.block_ids)
+        while need > self.pool.num_free_blocks:
+            if self.pool.num_free_blocks + self.pool.num_deferred_blocks >= need:
+                return False  # blocks come back when the step in flight completes
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is req:
+                return False
+        if need > 0:
+            start = len(req.block_ids)
+            blocks = self.pool.allocate_blocks(need)
+            req.block_ids.extend(blocks)
+            new_blocks.extend((req.slot, start + i, b) for i, b in enumerate(blocks))
+        return True
+
+    def _write(self, desc: dict[str, np.ndarray], step_id: int,
+               rows: list[tuple[Request, int, bool]], new_blocks: list[tuple[int, int, int]]) -> None:
+        n = len(rows)
+        tokens: list[int] = []
+        req_num, slot, num_sched, start, do_sample, is_new = [], [], [], [], [], []
+        new_rows = []
+        for i, (req, k, sample) in enumerate(rows):
+            pos = req.num_computed_tokens
+            if k == 1:
+                tokens.append(req.token_at(pos))
+            else:  # a prefill chunk: every id is known
+                known = req.prompt_token_ids + req.output_token_ids if pos + k > len(req.prompt_token_ids) \
+                    else req.prompt_token_ids
+                tokens.extend(known[pos:pos + k])
+            req_num.append(req.req_num)
+            slot.append(req.slot)
+            num_sched.append(k)
+            start.append(pos)
+            do_sample.append(sample)
+            is_new.append(req.is_new_in_slot)
+            if req.is_new_in_slot:
+                new_rows.append(i)
+                req.is_new_in_slot = False
+            req.num_computed_tokens = pos + k
+            req.last_step_id = step_id
+            if sample:
+                req.num_placeholders += 1
+
+        h = desc["header"]
+        h[DESC_STEP_ID], h[DESC_NUM_REQS], h[DESC_NUM_TOKENS], h[DESC_NUM_NEW_BLOCKS] = \
+            step_id, n, len(tokens), len(new_blocks)
+        desc["req_num"][:n] = req_num
+        desc["slot"][:n] = slot
+        desc["num_scheduled_tokens"][:n] = num_sched
+        desc["start_pos"][:n] = start
+        desc["do_sample"][:n] = do_sample
+        desc["is_new"][:n] = is_new
+        for i in new_rows:
+            p = rows[i][0].params
+            desc["temperature"][i], desc["top_p"][i], desc["top_k"][i], desc["seed"][i] = \
+                p.temperature, p.top_p, p.top_k, p.seed
+        desc["token_ids"][:len(tokens)] = tokens
+        if new_blocks:
+            nb = np.asarray(new_blocks, dtype=np.int32)
+            desc["nb_slot"][:len(nb)], desc["nb_index"][:len(nb)], desc["nb_block"][:len(nb)] = nb.T
+
+    # -- outputs ----------------------------------------------------------------
+
+    def process_output(self, step_id: int, req_nums: np.ndarray, token_ids: np.ndarray) -> list[int]:
+        """Apply StepOutput ``step_id``: append tokens, finish requests, release frees.
+
+        A token for a request that finished or was aborted is the one wasted
+        token of a step already in flight: it is dropped.
+
+        Returns:
+            ``req_num`` of the requests that finished (stop token or length).
+        """
+        finished = []
+        for r, t in zip(req_nums.tolist(), token_ids.tolist()):
+            req = self.requests.get(r)
+            if req is None:
+                continue
+            req.num_placeholders -= 1
+            req.output_token_ids.append(t)
+            if check_finish(t, len(req.output_token_ids), req.params) is not None:
+                finished.append(r)
+                self._remove(req)
+        self.pool.step_completed(step_id)
+        return finished
+
+    # -- internals --------------------------------------------------------------
+
+    def _remove(self, req: Request) -> None:
+        del self.requests[req.req_num]
+        if req.slot >= 0:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self.pool.free_after(req.last_step_id, req.block_ids, req.slot)
+        req.block_ids, req.slot = [], -1
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.pool.free_after(req.last_step_id, req.block_ids, req.slot)
+        req.block_ids, req.slot = [], -1
+        req.num_computed_tokens = 0
+        req.is_new_in_slot = True
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1

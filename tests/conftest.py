@@ -1,0 +1,145 @@
+"""Fixtures: models on disk, a real `pipeline-serve` in a subprocess, the HF reference."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of ``pid`` (from /proc)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(d.name))
+    return out
+
+
+def shm_entries(launcher_pid: int) -> list[str]:
+    """Shared-memory segments and semaphores of the server whose launcher is ``launcher_pid``."""
+    return [f for f in os.listdir("/dev/shm") if f"pipeline-{launcher_pid}-" in f]
+
+
+class Server:
+    """A running `pipeline-serve` subprocess."""
+
+    def __init__(self, args: list[str], timeout: float = 180.0):
+        self.port = free_port()
+        self.args = [sys.executable, "-m", "pipeline.launcher", "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.proc.stdout.read()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("server did not become healthy in time")
+            time.sleep(0.3)
+        self.children = child_pids(self.proc.pid)
+        self.model = httpx.get(f"{self.url}/v1/models").json()["data"][0]["id"]
+
+    def metrics(self) -> dict[str, float]:
+        out = {}
+        for line in httpx.get(f"{self.url}/metrics", timeout=10).text.splitlines():
+            if line.startswith("pipeline_"):
+                k, v = line.rsplit(" ", 1)
+                out[k] = float(v)
+        return out
+
+    def wait_idle(self, timeout: float = 30.0) -> dict[str, float]:
+        """Wait until no request runs; return the metrics then."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if m["pipeline_num_requests_running"] == 0 and m["pipeline_num_requests_waiting"] == 0:
+                return m
+            if time.monotonic() > deadline:
+                return m
+            time.sleep(0.2)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def smol_dir() -> Path:
+    """SmolLM2-135M-Instruct converted to a Hugging Face directory (cached across runs)."""
+    from pipeline.model_files import convert_gguf, default_model_path
+    return convert_gguf(default_model_path())
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, smol_dir) -> Path:
+    """A tiny random Llama with SmolLM2's tokenizer, built in seconds."""
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    d = tmp_path_factory.mktemp("tiny-llama")
+    tok = AutoTokenizer.from_pretrained(smol_dir)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      initializer_range=0.2, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      tie_word_embeddings=True)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    tok.save_pretrained(d)
+    GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id).save_pretrained(d)
+    return d
+
+
+def _server(request, args):
+    srv = Server(args)
+    request.addfinalizer(srv.stop)
+    return srv
+
+
+SMALL = ["--kv-cache-memory", "0.25", "--max-model-len", "1024", "--debug-token-cache-poison"]
+
+
+@pytest.fixture(scope="session")
+def tiny_async(request, tiny_dir):
+    return _server(request, ["--model", str(tiny_dir), "--max-num-batched-tokens", "32", *SMALL])
+
+
+@pytest.fixture(scope="session")
+def tiny_sync(request, tiny_dir):
+    return _server(request, ["--model", str(tiny_dir), "--max-num-batched-tokens", "32",
+                             "--no-async-scheduling", *SMALL])
+
+
+@pytest.fixture(scope="session")
+def smol_async(request, smol_dir):
+    return _server(request, ["--model", str(smol_dir), "--served-model-name", "smol", *SMALL])

@@ -1,0 +1,44 @@
+"""Hugging Face transformers as the reference for greedy outputs."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+NEAR_TIE = 1e-3
+
+
+@functools.lru_cache(maxsize=2)
+def load(model_dir: str):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(model_dir)
+
+
+@torch.inference_mode()
+def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy continuation by `generate`, EOS ignored (min_new_tokens = max_new_tokens)."""
+    model, _ = load(model_dir)
+    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                         min_new_tokens=max_new_tokens, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+@torch.inference_mode()
+def assert_same_greedy(model_dir: str, prompt_ids: list[int], ours: list[int], ref: list[int]) -> None:
+    """Token for token, except at a genuine near-tie of the reference's logits.
+
+    Where the two first diverge, the reference logits of the two chosen
+    tokens must differ by less than :data:`NEAR_TIE`; the position is printed
+    and the rest is not compared (the contexts differ from there on).
+    """
+    assert len(ours) == len(ref), (len(ours), len(ref))
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        if a != b:
+            model, _ = load(model_dir)
+            logits = model(torch.tensor([prompt_ids + ref[:i]])).logits[0, -1]
+            gap = abs(float(logits[a] - logits[b]))
+            print(f"near-tie check at output position {i}: ours {a}, reference {b}, logit gap {gap:.2e}")
+            assert gap < NEAR_TIE, f"diverged at position {i}: ours {a} vs reference {b} (logit gap {gap:.3g})"
+            return

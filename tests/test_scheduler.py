@@ -1,0 +1,190 @@
+"""The scheduler against a reference executor that checks the step protocol.
+
+The executor below plays the worker's part in one process: it keeps a
+token-id cache and block table per slot, resolves placeholders, and
+"samples" token ``f(request, position)``, so every request has one correct
+output sequence. It asserts what a real device would silently get wrong: a
+placeholder resolving to another request's or a consumed token, a block
+shared by two live requests, a KV position read before it was written.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+
+import numpy as np
+import pytest
+
+from pipeline.common.layouts import (
+    DESC_NUM_NEW_BLOCKS, DESC_NUM_REQS, DESC_NUM_TOKENS, DESC_STEP_ID, PLACEHOLDER_TOKEN_ID,
+    step_descriptor_layout,
+)
+from pipeline.common.messages import AddRequest, SamplingParams
+from pipeline.scheduler_proc.scheduler import Scheduler
+
+EOS = 3
+BS = 4
+
+
+def sampled_token(req_num: int, pos: int) -> int:
+    """Token a request samples after position ``pos``; EOS now and then."""
+    h = (req_num * 1_000_003 + pos * 7919) % 997
+    return EOS if h < 8 else 10 + h
+
+
+class ReferenceExecutor:
+    """Executes descriptors like the worker does, with checks instead of a model."""
+
+    def __init__(self, num_slots: int, num_blocks: int):
+        self.token_cache = [None] * num_slots
+        self.block_table = [dict() for _ in range(num_slots)]
+        self.kv = {}  # (block, offset) -> (req_num, pos, token)
+        self.slot_owner = [None] * num_slots
+
+    def execute(self, d: dict, inflight_refs: set) -> tuple[int, list[int], list[int], set]:
+        """Run descriptor ``d``; ``inflight_refs`` holds the slots and blocks of steps in flight.
+
+        Returns (step id, sampled request numbers, sampled tokens, what this step references).
+        """
+        h = d["header"]
+        n, t, nb = int(h[DESC_NUM_REQS]), int(h[DESC_NUM_TOKENS]), int(h[DESC_NUM_NEW_BLOCKS])
+        for s, i, b in zip(d["nb_slot"][:nb], d["nb_index"][:nb], d["nb_block"][:nb]):
+            assert ("block", int(b)) not in inflight_refs, f"block {b} reused while a step in flight reads it"
+            self.block_table[s][int(i)] = int(b)
+        refs = set()
+        tok = d["token_ids"][:t].tolist()
+        off, out_req, out_tok = 0, [], []
+        for r in range(n):
+            req, slot = int(d["req_num"][r]), int(d["slot"][r])
+            k, start = int(d["num_scheduled_tokens"][r]), int(d["start_pos"][r])
+            if d["is_new"][r]:
+                assert ("slot", slot) not in inflight_refs, f"slot {slot} reused while a step in flight reads it"
+                self.slot_owner[slot] = req
+                self.token_cache[slot] = None
+            assert self.slot_owner[slot] == req, "slot shared by two live requests"
+            for j in range(k):
+                pos, x = start + j, tok[off + j]
+                if x == PLACEHOLDER_TOKEN_ID:
+                    cached = self.token_cache[slot]
+                    assert cached is not None, f"placeholder of req {req} read a consumed/empty cache entry"
+                    x = cached
+                    self.token_cache[slot] = None  # poison
+                b = self.block_table[slot][pos // BS]
+                self.kv[(b, pos % BS)] = (req, pos, x)
+            refs.add(("slot", slot))
+            refs.update(("block", self.block_table[slot][i]) for i in range((start + k - 1) // BS + 1))
+            # Every earlier position of this request must be in its own blocks.
+            for p in range(start + k):
+                owner = self.kv.get((self.block_table[slot][p // BS], p % BS))
+                assert owner is not None and owner[:2] == (req, p), f"req {req} pos {p}: KV holds {owner}"
+            if d["do_sample"][r]:
+                y = sampled_token(req, start + k - 1)
+                self.token_cache[slot] = y
+                out_req.append(req)
+                out_tok.append(y)
+            off += k
+        return int(h[DESC_STEP_ID]), out_req, out_tok, refs
+
+
+def run(requests, depth: int, max_num_seqs=8, budget=16, num_blocks=64, abort_at=None, seed=0):
+    """Drive a Scheduler with ``depth`` steps in flight; return outputs per request."""
+    layout = step_descriptor_layout(max_num_seqs, budget, BS)
+    sched = Scheduler(max_num_seqs, budget, BS, num_blocks, max_blocks_per_seq=16)
+    ex = ReferenceExecutor(max_num_seqs, num_blocks)
+    outputs = {r.req_num: [] for r in requests}
+    finished = set()
+    pending = deque(requests)
+    inflight = deque()
+    rng = random.Random(seed)
+    step = 0
+    while pending or sched.num_unfinished or inflight:
+        while pending and rng.random() < 0.5:
+            sched.add_request(pending.popleft())
+        if len(inflight) < depth and sched.num_unfinished:
+            buf = bytearray(layout.nbytes)
+            d = layout.views(buf)
+            if sched.schedule(d):
+                refs = set().union(*(x[3] for x in inflight)) if inflight else set()
+                inflight.append(ex.execute(d, refs))
+                step += 1
+                if abort_at and step in abort_at:
+                    sched.abort_request(abort_at[step])
+                    finished.add(abort_at[step])
+                continue
+        if inflight:
+            sid, reqs, toks, _ = inflight.popleft()
+            for r, t in zip(reqs, toks):
+                if r not in finished and r in sched.requests:
+                    outputs[r].append(t)
+            finished.update(sched.process_output(sid, np.array(reqs, dtype=np.int64), np.array(toks, dtype=np.int32)))
+        elif pending:
+            sched.add_request(pending.popleft())
+    assert sched.pool.num_free_blocks == num_blocks, "KV blocks leaked"
+    assert sched.pool.num_free_slots == max_num_seqs, "slots leaked"
+    return outputs, sched
+
+
+def expected(req: AddRequest) -> list[int]:
+    out, pos = [], len(req.prompt_token_ids) - 1
+    while len(out) < req.params.max_tokens:
+        y = sampled_token(req.req_num, pos)
+        out.append(y)
+        pos += 1
+        if y == EOS and not req.params.ignore_eos:
+            break
+    return out
+
+
+def make_requests(n: int, seed: int, max_len=40) -> list[AddRequest]:
+    rng = random.Random(seed)
+    reqs = []
+    for i in range(1, n + 1):
+        prompt = [rng.randrange(10, 900) for _ in range(rng.randrange(1, 30))]
+        params = SamplingParams(max_tokens=rng.choice([1, 2, rng.randrange(1, max_len)]), temperature=0.0,
+                                ignore_eos=rng.random() < 0.3, stop_token_ids=(EOS,))
+        reqs.append(AddRequest(i, prompt, params))
+    return reqs
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("n", [1, 8, 40])
+def test_outputs_match_reference(depth, n):
+    reqs = make_requests(n, seed=n)
+    outputs, _ = run(reqs, depth)
+    for r in reqs:
+        assert outputs[r.req_num] == expected(r), r.req_num
+
+
+def test_preemption_under_kv_pressure_is_exact():
+    reqs = make_requests(24, seed=5, max_len=60)
+    outputs, sched = run(reqs, depth=2, num_blocks=24)
+    assert sched.num_preemptions > 0
+    for r in reqs:
+        assert outputs[r.req_num] == expected(r)
+
+
+def test_max_tokens_costs_no_extra_step():
+    req = AddRequest(1, [11, 12, 13], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    _, sched = run([req], depth=2)
+    assert sched.next_step_id == 1
+    req = AddRequest(2, [11, 12, 13], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    _, sched = run([req], depth=2)
+    assert sched.next_step_id == 5
+
+
+def test_aborts_free_everything():
+    reqs = make_requests(16, seed=9)
+    run(reqs, depth=2, abort_at={3: 2, 5: 7, 9: 1})
+
+
+def test_schedule_returns_zero_without_work():
+    layout = step_descriptor_layout(4, 16, BS)
+    sched = Scheduler(4, 16, BS, 16, 16)
+    assert sched.schedule(layout.views(bytearray(layout.nbytes))) == 0
+    assert sched.next_step_id == 0
+
+
+def test_kv_cache_too_small_for_one_request_is_rejected():
+    with pytest.raises(ValueError, match="max_model_len"):
+        Scheduler(4, 16, BS, num_kv_blocks=3, max_blocks_per_seq=16)

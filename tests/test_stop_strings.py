@@ -1,0 +1,169 @@
+"""Stop strings: nothing of a stop string ever reaches the client, output is cut
+before it, and held-back text is flushed when the request ends otherwise.
+
+The end-to-end cases run through :class:`OutputProcessor` with a byte-level
+"tokenizer" (one token per UTF-8 byte), which splits every multi-byte
+character over tokens like a real byte-level BPE does, and needs no model files.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pipeline.common.messages import SamplingParams
+from pipeline.io_proc.detokenizer import OutputProcessor, StopStringMatcher
+
+EOS = 256  # outside the byte range, like a special token
+
+
+def byte_decode(ids: list[int]) -> str:
+    return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def byte_encode(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def feed(matcher: StopStringMatcher, pieces: list[str]) -> tuple[list[str], bool]:
+    """Push pieces until a match; return what was released after each push."""
+    released = []
+    for p in pieces:
+        text, matched = matcher.push(p)
+        released.append(text)
+        if matched:
+            return released, True
+    return released, False
+
+
+def reference_cut(text: str, stops: list[str]) -> str | None:
+    """The text before the earliest stop string, or None if none occurs."""
+    hits = [i for i in (text.find(s) for s in stops) if i != -1]
+    return text[: min(hits)] if hits else None
+
+
+def run(text_tokens: list[int], stops: list[str], max_tokens: int = 1000, eos: bool = False):
+    """Run tokens through an OutputProcessor; return (deltas, finish, needs_abort, num_output_tokens)."""
+    proc = OutputProcessor(byte_decode, SamplingParams(max_tokens=max_tokens, stop_token_ids=(EOS,)), stops)
+    deltas = []
+    for t in text_tokens + ([EOS] if eos else []):
+        text, finish, needs_abort = proc.push(t)
+        deltas.append(text)
+        if finish is not None:
+            return deltas, finish, needs_abort, proc.num_output_tokens
+    return deltas, None, False, proc.num_output_tokens
+
+
+def test_split_across_deltas_never_leaks():
+    m = StopStringMatcher(["STOP"])
+    released, matched = feed(m, ["abc S", "T", "O", "P and more"])
+    assert matched
+    assert "".join(released) == "abc "
+    for i in range(len(released)):
+        assert "S" not in "".join(released[: i + 1])
+
+
+def test_partial_stop_that_does_not_complete_is_released():
+    m = StopStringMatcher(["STOP"])
+    released, matched = feed(m, ["x ST", "O", "NE y"])
+    assert not matched
+    assert "".join(released) + m.flush() == "x STONE y"
+
+
+def test_held_back_text_is_bounded_and_flushed():
+    m = StopStringMatcher(["</end>", "xy"])
+    released, matched = feed(m, ["hello wor", "ld and </en"])
+    assert not matched
+    # At most len("</end>") - 1 = 5 characters are held back.
+    assert "".join(released) == "hello world and"
+    assert m.flush() == " </en"
+    assert m.flush() == ""
+
+
+def test_multiple_stops_earliest_wins():
+    m = StopStringMatcher(["world", "lo w", "!"])
+    released, matched = feed(m, ["hel", "lo world!"])
+    assert matched and "".join(released) == "hel"
+
+
+def test_stop_at_very_start():
+    for pieces in (["STOP now"], ["S", "TOP"], ["ST", "OP"]):
+        released, matched = feed(StopStringMatcher(["STOP"]), pieces)
+        assert matched and "".join(released) == ""
+
+
+def test_single_character_stop_holds_nothing():
+    m = StopStringMatcher(["\n"])
+    assert m.push("abc") == ("abc", False)
+    assert m.push("d\ne") == ("d", True)
+
+
+@pytest.mark.parametrize("bad", [[], [""], ["ok", ""]])
+def test_invalid_stops(bad):
+    with pytest.raises(ValueError):
+        StopStringMatcher(bad)
+
+
+def test_random_splits_match_reference():
+    rng = random.Random(0)
+    alphabet = "ab c\nST日😀"
+    for _ in range(2000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
+        stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 4))]
+        cuts = sorted(rng.sample(range(len(text) + 1), k=min(len(text) + 1, rng.randint(0, 6))))
+        pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+        m = StopStringMatcher(stops)
+        released, matched = feed(m, pieces)
+        expected = reference_cut(text, stops)
+        out = "".join(released)
+        if expected is None:
+            assert not matched and out + m.flush() == text
+        else:
+            assert matched and out == expected
+
+
+def test_processor_cuts_before_stop_and_asks_for_abort():
+    tokens = byte_encode("Answer: 42. Done")
+    deltas, finish, needs_abort, n = run(tokens, ["Done"])
+    assert finish == "stop" and needs_abort
+    assert "".join(deltas) == "Answer: 42. "
+    # Tokens up to the one that completed the match are counted.
+    assert n == len(tokens)
+
+
+def test_processor_stop_split_inside_multibyte_characters():
+    text = "héllo 😀😀 wörld 世界 end"
+    deltas, finish, needs_abort, n = run(byte_encode(text), ["😀 w", "界"])
+    assert finish == "stop" and needs_abort
+    assert "".join(deltas) == "héllo 😀"
+    assert all("\ufffd" not in d for d in deltas)
+    assert n == len(byte_encode("héllo 😀😀 w"))
+
+
+def test_processor_flushes_held_text_on_eos_and_length():
+    text = "no stop here, just END"
+    deltas, finish, needs_abort, n = run(byte_encode(text), ["ENDING"], eos=True)
+    assert (finish, needs_abort) == ("stop", False)
+    assert "".join(deltas) == text
+    assert n == len(byte_encode(text)) + 1
+
+    deltas, finish, needs_abort, n = run(byte_encode(text), ["ENDING"], max_tokens=len(text))
+    assert (finish, needs_abort) == ("length", False)
+    assert "".join(deltas) == text
+    # Held back until the end: the last delta carries the tail.
+    assert deltas[-1].endswith("END")
+
+
+def test_processor_stop_on_the_last_allowed_token_needs_no_abort():
+    tokens = byte_encode("abc STOP")
+    deltas, finish, needs_abort, _ = run(tokens, ["STOP"], max_tokens=len(tokens))
+    # The scheduler frees it for length anyway; the client sees a stop.
+    assert (finish, needs_abort) == ("stop", False)
+    assert "".join(deltas) == "abc "
+
+
+def test_processor_stop_at_very_start():
+    deltas, finish, needs_abort, n = run(byte_encode("<|x|> rest"), ["<|x|>"])
+    assert (finish, needs_abort, n) == ("stop", True, 5)
+    assert "".join(deltas) == ""
