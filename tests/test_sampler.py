@@ -134,3 +134,9 @@ def test_rejects_bad_parameters(logits):
         sample(logits, *params(6, top_p=0.0))
     with pytest.raises(ValueError, match="shape"):
         sample(logits, *params(5))
+
+
+def test_empty_batch():
+    none = torch.empty(0)
+    tokens = sample(torch.empty(0, VOCAB), none, none, none.int(), none.long(), none.long())
+    assert tokens.shape == (0,) and tokens.dtype == torch.int64

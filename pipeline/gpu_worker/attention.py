@@ -5,8 +5,9 @@ stay O(batch x context) (DESIGN.md, "Facts measured on this machine"): one mask
 spanning every request's tokens would be O(tokens^2). So the step's requests are
 split into two groups, each attended with one batched call:
 
-- decode rows (query_len == 1): queries ``[Bd, H, 1, D]`` against each row's
-  own keys, padded to the longest context among decode rows;
+- decode rows (query_len == 1): queries ``[Bd, H, 1, D]`` (run as
+  ``[Bd, KVH, H / KVH, D]``) against each row's own keys, padded to the
+  longest context among decode rows;
 - prefill rows (query_len > 1): queries padded to the longest chunk among the
   prefill rows only, ``[Bp, H, Qmax, D]``, with a causal mask.
 

@@ -32,7 +32,10 @@ def _splitmix64(x: int) -> int:
 
 
 def noise_seed(seed: int, position: int) -> int:
-    """64-bit generator seed for one draw of request ``seed`` at output ``position``."""
+    """64-bit generator seed for one draw of request ``seed`` at output ``position``.
+
+    Well mixed in every bit: CPU generators keep only the low 32.
+    """
     return _splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64))
 
 
@@ -115,7 +118,7 @@ def _filter(x: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> None:
         k: ``[R]`` int64 on the host, 0 where top-k is off.
         p: ``[R]`` float32 on the host, 1 where top-p is off.
     """
-    num_rows, vocab = x.shape
+    vocab = x.shape[1]
     use_k = k > 0
     use_p = p < 1
     if not bool((use_k | use_p).any()):

@@ -1,0 +1,1 @@
+"""scheduler_proc: the process that plans steps (no torch, no model code)."""
