@@ -154,6 +154,7 @@ class Launcher:
             for obj in wait(list(by_conn) + list(by_sentinel), timeout=0.5):
                 if obj in by_sentinel:
                     name = by_sentinel[obj]
+                    self.procs[name].join(1.0)  # reap it so exitcode is set
                     print(f"pipeline-serve: {name} {_exit_description(self.procs[name].exitcode)}; "
                           "stopping the server", file=sys.stderr)
                     return 1

@@ -13,15 +13,17 @@ NEAR_TIE = 1e-3
 @functools.lru_cache(maxsize=2)
 def load(model_dir: str):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # Like the server's ignore_eos: EOS may be generated, and generation goes on after it.
+    model.generation_config.eos_token_id = None
     return model, AutoTokenizer.from_pretrained(model_dir)
 
 
 @torch.inference_mode()
 def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy continuation by `generate`, EOS ignored (min_new_tokens = max_new_tokens)."""
+    """Greedy continuation by `generate`, going on past EOS."""
     model, _ = load(model_dir)
     out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                         min_new_tokens=max_new_tokens, pad_token_id=0)
+                         pad_token_id=0)
     return out[0, len(prompt_ids):].tolist()
 
 

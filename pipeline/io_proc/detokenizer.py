@@ -142,12 +142,14 @@ class OutputProcessor:
     Attributes:
         num_output_tokens: tokens pushed so far, the finishing one included
             (what ``usage.completion_tokens`` reports).
+        token_ids: those tokens (a list that only grows).
     """
 
-    __slots__ = ("_detok", "_stop", "_params", "num_output_tokens")
+    __slots__ = ("_detok", "_stop", "_params", "num_output_tokens", "token_ids")
 
     def __init__(self, decode: DecodeFn, params: SamplingParams, stop: Sequence[str] = ()):
         self._detok = IncrementalDetokenizer(decode)
+        self.token_ids = self._detok.token_ids
         self._stop = StopStringMatcher(stop) if stop else None
         self._params = params
         self.num_output_tokens = 0

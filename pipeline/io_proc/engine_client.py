@@ -59,31 +59,37 @@ class RequestState:
         prompt_len: prompt tokens.
         processor: token -> text (reader thread only).
         finish_reason: None while running, then "stop", "length" or "abort".
-        num_output_tokens: output tokens, valid once finished.
+        num_output_tokens: output tokens delivered to this side so far (all
+            of them once finished).
+        every_token: deliver every token, even one that adds no text (a
+            stream that returns token ids).
         released: the client side is done with it (set by :meth:`EngineClient.release`).
     """
 
-    __slots__ = ("req_num", "prompt_len", "processor", "finish_reason", "num_output_tokens",
-                 "released", "_streaming", "_pieces", "_event")
+    __slots__ = ("req_num", "prompt_len", "processor", "finish_reason", "num_output_tokens", "every_token",
+                 "released", "_streaming", "_pieces", "_ids_taken", "_event")
 
-    def __init__(self, req_num: int, prompt_len: int, processor: OutputProcessor, streaming: bool):
+    def __init__(self, req_num: int, prompt_len: int, processor: OutputProcessor, streaming: bool,
+                 return_token_ids: bool):
         self.req_num = req_num
         self.prompt_len = prompt_len
         self.processor = processor
         self.finish_reason: FinishReason | None = None
         self.num_output_tokens = 0
+        self.every_token = streaming and return_token_ids
+        self.released = False
         self._streaming = streaming
         self._pieces: list[str] = []
+        self._ids_taken = 0
         self._event = asyncio.Event()
-        self.released = False
 
     def deliver(self, text: str, finish: FinishReason | None, num_output_tokens: int) -> None:
         """Queue ``text`` for the client and record a finish (event loop only)."""
         if text:
             self._pieces.append(text)
+        self.num_output_tokens = num_output_tokens
         if finish is not None:
             self.finish_reason = finish
-            self.num_output_tokens = num_output_tokens
         # A non-streaming waiter only cares about the end: waking it per step
         # would cost one task switch per request per step for nothing.
         if self._streaming or finish is not None:
@@ -95,24 +101,35 @@ class RequestState:
         self._pieces.clear()
         return text
 
+    def take_token_ids(self) -> list[int]:
+        """Output token ids delivered since the last call."""
+        # The reader thread only appends to the list, so slicing up to the
+        # delivered count is consistent.
+        ids = self.processor.token_ids[self._ids_taken:self.num_output_tokens]
+        self._ids_taken = self.num_output_tokens
+        return ids
+
     async def wait_finished(self) -> None:
         """Return once the request has a finish reason."""
         while self.finish_reason is None:
             await self._event.wait()
             self._event.clear()
 
-    async def texts(self) -> AsyncIterator[str]:
-        """Yield non-empty text as it arrives; end when the request finishes.
+    async def updates(self) -> AsyncIterator[tuple[str, list[int]]]:
+        """Yield ``(text, token_ids)`` as output arrives; end when the request finishes.
 
-        Text from steps that arrived while the consumer was busy is joined
-        into one piece, so a slow client costs fewer chunks, not more memory.
+        ``token_ids`` are the output tokens since the previous update. An
+        update is yielded when there is text, or, with :attr:`every_token`,
+        when there are tokens. What arrived while the consumer was busy is
+        joined into one update, so a slow client costs fewer chunks, not
+        more memory.
         """
         while True:
             await self._event.wait()
             self._event.clear()
-            text = self.take_text()
-            if text:
-                yield text
+            text, ids = self.take_text(), self.take_token_ids()
+            if text or (ids and self.every_token):
+                yield text, ids
             if self.finish_reason is not None:
                 return
 
@@ -121,7 +138,7 @@ class EngineClient:
     """Sends requests to the scheduler and routes sampled tokens back to them.
 
     Args:
-        config: the server configuration (zmq addresses, ``max_num_seqs``).
+        config: the server configuration (its zmq addresses).
         ring: the output ring, attached (``create=False``) with two readers.
         decode: see :data:`~pipeline.io_proc.detokenizer.DecodeFn`; used only
             by the reader thread.
@@ -194,21 +211,23 @@ class EngineClient:
     # -- requests (event loop) -------------------------------------------------
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, stop: Sequence[str],
-                    streaming: bool) -> RequestState:
+                    streaming: bool, return_token_ids: bool = False) -> RequestState:
         """Register a request and send it to the scheduler.
 
         Args:
             prompt_token_ids: the prompt, already checked against ``max_model_len``.
             params: sampling parameters (``max_tokens`` already clamped).
             stop: stop strings (possibly empty).
-            streaming: the consumer reads :meth:`RequestState.texts` (woken
+            streaming: the consumer reads :meth:`RequestState.updates` (woken
                 per step) rather than :meth:`RequestState.wait_finished`.
+            return_token_ids: a stream needs every token, text or not.
 
         Raises:
             EngineUnavailable: the scheduler's queue is full.
         """
         req_num = next(self._req_nums)
-        state = RequestState(req_num, len(prompt_token_ids), OutputProcessor(self._decode, params, stop), streaming)
+        state = RequestState(req_num, len(prompt_token_ids), OutputProcessor(self._decode, params, stop), streaming,
+                             return_token_ids)
         # Registered before sending: the first token may arrive right after.
         self._requests[req_num] = state
         try:
@@ -234,11 +253,14 @@ class EngineClient:
             self._send_abort(state.req_num)
 
     def abort_all(self) -> None:
-        """Finish every live request with "abort" (server shutdown); their
-        consumers wake up and end their responses."""
+        """Finish every live request with "abort" (server shutdown): their
+        consumers wake up and end their responses, and the scheduler is told."""
         for req_num in list(self._requests):
             state = self._requests.pop(req_num, None)
-            if state is not None and not state.released:
+            if state is None:
+                continue
+            self._send_abort(req_num)
+            if not state.released:
                 state.deliver("", "abort", state.processor.num_output_tokens)
                 self.num_finished["abort"] += 1
 
@@ -337,7 +359,7 @@ class EngineClient:
                 requests.pop(req_num, None)
                 if needs_abort:
                     self._send_abort(req_num)
-            if text or finish is not None:
+            if text or finish is not None or state.every_token:
                 outputs.append((state, text, finish, state.processor.num_output_tokens))
         self.num_generation_tokens += accepted
         if outputs:

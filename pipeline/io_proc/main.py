@@ -74,6 +74,10 @@ def run_io_proc(config: EngineConfig, status_conn: Connection) -> None:
             logger.error("%s", e)
             report(status_conn, "error", _NAME, str(e))
             code = 1
+        except Exception as e:
+            logger.exception("io_proc failed")
+            report(status_conn, "error", _NAME, f"io_proc failed: {type(e).__name__}: {e} (see its log)")
+            code = 1
     if code:
         sys.exit(code)
 

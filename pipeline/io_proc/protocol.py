@@ -7,8 +7,10 @@ several times faster than pydantic.
 
 Source of the shapes: the OpenAI API reference for ``/v1/chat/completions``,
 ``/v1/completions`` and ``/v1/models`` (the objects the ``openai`` Python
-client parses), with the conventions of vLLM's OpenAI-compatible server
-(``top_k``, ``ignore_eos``, the 400 error for too long requests).
+client parses), with the conventions and extensions of vLLM's
+OpenAI-compatible server (``top_k``, ``ignore_eos``, ``return_token_ids``, the
+400 error for too long requests). Fields that exist only for an extension are
+omitted from responses unless the request asked for them.
 """
 
 from __future__ import annotations
@@ -46,11 +48,10 @@ class APIError(Exception):
         """HTTP 400, ``invalid_request_error``."""
         return cls(400, message, "invalid_request_error", param, code)
 
-    def to_response(self) -> "ErrorResponse":
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
-
 
 class ErrorInfo(msgspec.Struct, kw_only=True):
+    """The body of an error; see :class:`APIError` for the fields."""
+
     message: str
     type: str
     param: str | None = None
@@ -81,6 +82,8 @@ class TextPart(_Request):
 
 
 class ChatMessage(_Request):
+    """One input message; the content is a string or a list of text parts."""
+
     role: Literal["system", "user", "assistant"]
     content: str | list[TextPart]
 
@@ -92,6 +95,8 @@ class ChatMessage(_Request):
 
 
 class StreamOptions(_Request):
+    """``include_usage``: end the stream with a chunk carrying the usage."""
+
     include_usage: bool = False
 
 
@@ -99,7 +104,8 @@ class SamplingRequest(_Request):
     """Fields shared by chat and text completions.
 
     ``top_k`` -1 or 0 disables it; ``seed`` absent means a random seed;
-    ``n`` must be 1 (or absent).
+    ``n`` must be 1 (or absent); ``return_token_ids`` (vLLM) adds the prompt
+    and output token ids to the response (per chunk when streaming).
     """
 
     model: str | None = None
@@ -113,6 +119,7 @@ class SamplingRequest(_Request):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     n: int | None = None
+    return_token_ids: bool = False
 
     @field_validator("top_k")
     @classmethod
@@ -151,9 +158,11 @@ class SamplingRequest(_Request):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     def include_usage(self) -> bool:
+        """Whether the stream ends with a usage chunk."""
         return self.stream_options is not None and self.stream_options.include_usage
 
     def requested_max_tokens(self) -> int | None:
+        """The client's output-token limit, or None for "up to ``max_model_len``"."""
         return self.max_tokens
 
 
@@ -199,30 +208,40 @@ class CompletionRequest(SamplingRequest):
 
 
 class UsageInfo(msgspec.Struct, kw_only=True):
+    """Token counts; ``completion_tokens`` includes the finishing token (EOS too)."""
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
 
 
 class ChatCompletionMessage(msgspec.Struct, kw_only=True):
+    """The generated message of a non-streamed chat completion."""
+
     role: str = "assistant"
     content: str
 
 
 class ChatCompletionChoice(msgspec.Struct, kw_only=True):
+    """The one choice of a ``chat.completion`` (``n`` is always 1)."""
+
     index: int = 0
     message: ChatCompletionMessage
     logprobs: None = None
     finish_reason: str | None
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatCompletionResponse(msgspec.Struct, kw_only=True):
+    """A ``chat.completion`` object; ``created`` is Unix time in seconds."""
+
     id: str
     object: str = "chat.completion"
     created: int
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
 
 
 class DeltaMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -233,10 +252,13 @@ class DeltaMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class ChatCompletionChunkChoice(msgspec.Struct, kw_only=True):
+    """The one choice of a chunk; ``finish_reason`` is null until the last."""
+
     index: int = 0
     delta: DeltaMessage
     logprobs: None = None
     finish_reason: str | None = None
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatCompletionChunk(msgspec.Struct, kw_only=True):
@@ -250,13 +272,18 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
     model: str
     choices: list[ChatCompletionChunkChoice]
     usage: UsageInfo | None | msgspec.UnsetType = msgspec.UNSET
+    prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
 
 
 class CompletionChoice(msgspec.Struct, kw_only=True):
+    """The one choice of a ``text_completion`` (whole or chunk)."""
+
     index: int = 0
     text: str
     logprobs: None = None
     finish_reason: str | None = None
+    prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
 
 
 class CompletionResponse(msgspec.Struct, kw_only=True):
@@ -272,6 +299,8 @@ class CompletionResponse(msgspec.Struct, kw_only=True):
 
 
 class ModelCard(msgspec.Struct, kw_only=True):
+    """One served model; ``root`` is the model directory."""
+
     id: str
     object: str = "model"
     created: int
@@ -281,5 +310,7 @@ class ModelCard(msgspec.Struct, kw_only=True):
 
 
 class ModelList(msgspec.Struct, kw_only=True):
+    """The body of ``GET /v1/models``."""
+
     object: str = "list"
     data: list[ModelCard]

@@ -9,6 +9,11 @@ with no choices and the usage. Text completion streams send text chunks with
 ``finish_reason`` null, then a chunk with empty text and the finish reason,
 then the usage chunk if asked for. Streamed text concatenates exactly to the
 non-streamed text: both read the same per-request deltas.
+
+With ``return_token_ids`` (vLLM), the prompt token ids go in the first chunk
+and each chunk carries the output token ids it covers, so a stream sends a
+chunk per token even when a token adds no text (part of a character, or text
+held back for stop strings).
 """
 
 from __future__ import annotations
@@ -99,15 +104,17 @@ class OpenAIServing:
         prompt = await self._tokenization.encode_chat(req.messages)
         state = self._start(req, prompt, "messages")
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        prompt_ids = prompt if req.return_token_ids else msgspec.UNSET
         if req.stream:
-            return _EventStream(self._chat_stream(state, rid, created, req.include_usage()),
+            return _EventStream(self._chat_stream(state, rid, created, req.include_usage(), prompt_ids),
                                 lambda: self._client.release(state))
         if not await self._wait(state, raw):
             return Response(status_code=_CLIENT_CLOSED)
         return json_response(ChatCompletionResponse(
-            id=rid, created=created, model=self._model,
+            id=rid, created=created, model=self._model, prompt_token_ids=prompt_ids,
             choices=[ChatCompletionChoice(message=ChatCompletionMessage(content=state.take_text()),
-                                          finish_reason=state.finish_reason)],
+                                          finish_reason=state.finish_reason,
+                                          token_ids=self._output_ids(req, state))],
             usage=self._usage(state)))
 
     async def completion(self, req: CompletionRequest, raw: Request) -> Response:
@@ -127,14 +134,16 @@ class OpenAIServing:
                                            f"has {vocab} tokens (ids 0..{vocab - 1})", param="prompt")
         state = self._start(req, prompt, "prompt")
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        prompt_ids = prompt if req.return_token_ids else msgspec.UNSET
         if req.stream:
-            return _EventStream(self._completion_stream(state, rid, created, req.include_usage()),
+            return _EventStream(self._completion_stream(state, rid, created, req.include_usage(), prompt_ids),
                                 lambda: self._client.release(state))
         if not await self._wait(state, raw):
             return Response(status_code=_CLIENT_CLOSED)
         return json_response(CompletionResponse(
             id=rid, created=created, model=self._model,
-            choices=[CompletionChoice(text=state.take_text(), finish_reason=state.finish_reason)],
+            choices=[CompletionChoice(text=state.take_text(), finish_reason=state.finish_reason,
+                                      prompt_token_ids=prompt_ids, token_ids=self._output_ids(req, state))],
             usage=self._usage(state)))
 
     # -- shared steps ------------------------------------------------------------
@@ -147,6 +156,8 @@ class OpenAIServing:
     def _start(self, req: SamplingRequest, prompt: list[int], prompt_param: str) -> RequestState:
         """Check lengths, build sampling parameters and add the request to the engine."""
         n, limit = len(prompt), self._max_model_len
+        if n == 0:
+            raise APIError.bad_request(f"the {prompt_param} encode to no tokens", param=prompt_param)
         if n >= limit:
             raise APIError.bad_request(
                 f"This model's maximum context length is {limit} tokens. However, your request has {n} input "
@@ -171,7 +182,8 @@ class OpenAIServing:
             stop_token_ids=self._stop_token_ids,
         )
         try:
-            return self._client.add_request(prompt, params, req.stop_strings(), streaming=req.stream)
+            return self._client.add_request(prompt, params, req.stop_strings(), streaming=req.stream,
+                                            return_token_ids=req.return_token_ids)
         except EngineUnavailable as e:
             raise APIError(503, f"{e}; retry later", type="service_unavailable_error") from None
 
@@ -190,25 +202,32 @@ class OpenAIServing:
             self._client.release(state)
 
     @staticmethod
+    def _output_ids(req: SamplingRequest, state: RequestState) -> list[int] | msgspec.UnsetType:
+        return state.take_token_ids() if req.return_token_ids else msgspec.UNSET
+
+    @staticmethod
     def _usage(state: RequestState) -> UsageInfo:
         return UsageInfo(prompt_tokens=state.prompt_len, completion_tokens=state.num_output_tokens,
                          total_tokens=state.prompt_len + state.num_output_tokens)
 
     # -- streams -------------------------------------------------------------------
 
-    async def _chat_stream(self, state: RequestState, rid: str, created: int,
-                           include_usage: bool) -> AsyncIterator[bytes]:
+    async def _chat_stream(self, state: RequestState, rid: str, created: int, include_usage: bool,
+                           prompt_ids: list[int] | msgspec.UnsetType) -> AsyncIterator[bytes]:
         usage = None if include_usage else msgspec.UNSET
+        with_ids = prompt_ids is not msgspec.UNSET
 
-        def chunk(delta: DeltaMessage, finish_reason: str | None = None) -> bytes:
+        def chunk(delta: DeltaMessage, finish_reason: str | None = None,
+                  token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET,
+                  prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET) -> bytes:
             return _sse(ChatCompletionChunk(
-                id=rid, created=created, model=self._model, usage=usage,
-                choices=[ChatCompletionChunkChoice(delta=delta, finish_reason=finish_reason)]))
+                id=rid, created=created, model=self._model, usage=usage, prompt_token_ids=prompt_token_ids,
+                choices=[ChatCompletionChunkChoice(delta=delta, finish_reason=finish_reason, token_ids=token_ids)]))
 
         try:
-            yield chunk(DeltaMessage(role="assistant", content=""))
-            async for text in state.texts():
-                yield chunk(DeltaMessage(content=text))
+            yield chunk(DeltaMessage(role="assistant", content=""), prompt_token_ids=prompt_ids)
+            async for text, ids in state.updates():
+                yield chunk(DeltaMessage(content=text), token_ids=ids if with_ids else msgspec.UNSET)
             yield chunk(DeltaMessage(), state.finish_reason)
             if include_usage:
                 yield _sse(ChatCompletionChunk(id=rid, created=created, model=self._model, choices=[],
@@ -219,18 +238,22 @@ class OpenAIServing:
             yield _stream_error()
         yield _DONE
 
-    async def _completion_stream(self, state: RequestState, rid: str, created: int,
-                                 include_usage: bool) -> AsyncIterator[bytes]:
+    async def _completion_stream(self, state: RequestState, rid: str, created: int, include_usage: bool,
+                                 prompt_ids: list[int] | msgspec.UnsetType) -> AsyncIterator[bytes]:
         usage = None if include_usage else msgspec.UNSET
+        with_ids = prompt_ids is not msgspec.UNSET
 
-        def chunk(text: str, finish_reason: str | None = None) -> bytes:
-            return _sse(CompletionResponse(
-                id=rid, created=created, model=self._model, usage=usage,
-                choices=[CompletionChoice(text=text, finish_reason=finish_reason)]))
+        def chunk(text: str, finish_reason: str | None = None,
+                  token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET) -> bytes:
+            nonlocal prompt_ids  # sent once, with the first chunk
+            c = CompletionChoice(text=text, finish_reason=finish_reason, prompt_token_ids=prompt_ids,
+                                 token_ids=token_ids)
+            prompt_ids = msgspec.UNSET
+            return _sse(CompletionResponse(id=rid, created=created, model=self._model, usage=usage, choices=[c]))
 
         try:
-            async for text in state.texts():
-                yield chunk(text)
+            async for text, ids in state.updates():
+                yield chunk(text, token_ids=ids if with_ids else msgspec.UNSET)
             yield chunk("", state.finish_reason)
             if include_usage:
                 yield _sse(CompletionResponse(id=rid, created=created, model=self._model, choices=[],

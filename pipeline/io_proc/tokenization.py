@@ -31,13 +31,17 @@ def load_tokenizer(model_dir: str) -> tuple[Any, tuple[int, ...]]:
         directory, if present (chat models list their end-of-turn token there).
 
     Raises:
+        FileNotFoundError: ``model_dir`` is not a directory (nothing is
+            downloaded: the server must start offline).
         OSError, ValueError: from ``transformers`` when the directory has no
             usable tokenizer; ``json.JSONDecodeError`` for a broken
             ``generation_config.json``.
     """
+    if not os.path.isdir(model_dir):
+        raise FileNotFoundError(f"{model_dir!r} is not a directory")
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     stop_ids: list[int] = []
     if tokenizer.eos_token_id is not None:
         stop_ids.append(int(tokenizer.eos_token_id))

@@ -1,0 +1,85 @@
+"""The simulated device: a CUDA-stream stand-in for measuring host overhead.
+
+It replaces only the forward pass and the sampling kernel (DESIGN.md,
+"Measuring the token gap"). Work enqueued on it returns at once and runs in
+order "in the background": a step enqueued at host time ``t`` starts at
+``max(t, end of the previous step)`` and lasts ``step_us + token_us ×
+tokens`` microseconds. The timeline is computed, not slept through, so no
+thread competes with the worker's host code for the GIL or a core; only
+waiting for an event sleeps, until the time that event completes.
+
+Tokens are deterministic: the token sampled after position ``p`` whose
+input token is ``x`` is a hash of ``(x, p)``, mapped onto ordinary words of
+the real vocabulary. Every token therefore depends on the whole chain
+before it, so a placeholder resolved to a wrong token changes all later
+output, which is what the async-equals-sync tests need to see.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+# SmolLM2's (and most BPE vocabularies') low ids are special or byte tokens;
+# ids in this range decode to ordinary text.
+_FIRST_WORD_ID = 1000
+_NUM_WORD_IDS = 8000
+
+
+class SimEvent:
+    """Completes at a known monotonic time; mirrors ``torch.cuda.Event``'s query/synchronize."""
+
+    __slots__ = ("time_ns",)
+
+    def __init__(self, time_ns: int):
+        self.time_ns = time_ns
+
+    def query(self) -> bool:
+        """True once the simulated stream has passed this event."""
+        return time.monotonic_ns() >= self.time_ns
+
+    def synchronize(self) -> None:
+        """Sleep until the event completes."""
+        wait = self.time_ns - time.monotonic_ns()
+        if wait > 0:
+            time.sleep(wait / 1e9)
+
+
+class SimulatedDevice:
+    """An in-order stream whose kernels take ``step_us + token_us × num_tokens``.
+
+    Args:
+        step_us: fixed cost of one step, microseconds (the A of A + B·tokens).
+        token_us: cost per token in the step, microseconds (the B).
+    """
+
+    def __init__(self, step_us: float, token_us: float):
+        if step_us < 0 or token_us < 0:
+            raise ValueError("simulated step and token times must be >= 0")
+        self.step_ns, self.token_ns = int(step_us * 1000), int(token_us * 1000)
+        self._busy_until = 0
+
+    def enqueue_step(self, num_tokens: int) -> tuple[int, int]:
+        """Enqueue one step; returns its simulated (start_ns, end_ns) on the monotonic clock."""
+        start = max(time.monotonic_ns(), self._busy_until)
+        self._busy_until = start + self.step_ns + self.token_ns * num_tokens
+        return start, self._busy_until
+
+
+def sim_next_tokens(last_input_ids: np.ndarray, last_positions: np.ndarray) -> np.ndarray:
+    """Deterministic "sampled" tokens.
+
+    Args:
+        last_input_ids: ``[S]`` int64, input token at each sampled row's last position.
+        last_positions: ``[S]`` int64, that position.
+
+    Returns:
+        ``[S]`` int64 token ids in ``[1000, 9000)``.
+    """
+    h = (last_input_ids.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+         + last_positions.astype(np.uint64) * np.uint64(0xBF58476D1CE4E5B9))
+    h ^= h >> np.uint64(31)
+    h *= np.uint64(0x94D049BB133111EB)
+    h ^= h >> np.uint64(29)
+    return (h % np.uint64(_NUM_WORD_IDS)).astype(np.int64) + _FIRST_WORD_ID
