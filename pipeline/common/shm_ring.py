@@ -77,7 +77,7 @@ class ShmRing:
         while self._write_taken < self.num_readers:
             try:
                 self._empty[self._write_taken].acquire(timeout)
-            except posix_ipc.BusyError:
+            except (posix_ipc.BusyError, posix_ipc.SignalError):  # a signal ends the wait like a timeout
                 raise RingTimeout(self.name) from None
             self._write_taken += 1
         return self._slots[self._write_idx % self.num_slots]
@@ -102,7 +102,7 @@ class ShmRing:
         """
         try:
             self._full[reader].acquire(timeout)
-        except posix_ipc.BusyError:
+        except (posix_ipc.BusyError, posix_ipc.SignalError):  # a signal ends the wait like a timeout
             raise RingTimeout(self.name) from None
         return self._slots[self._read_idx[reader] % self.num_slots]
 

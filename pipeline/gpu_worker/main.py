@@ -23,6 +23,7 @@ from pipeline.common.layouts import (
 from pipeline.common.process import child_setup, report
 from pipeline.common.shm_ring import RingTimeout, ShmRing
 from pipeline.gpu_worker.model_runner import LaunchedStep, ModelRunner, read_descriptor
+from pipeline.gpu_worker.sim_device import SimulatedDevice
 
 _IDLE_POLL_S = 0.2
 # While a launched step runs on the device, look for the next descriptor this often.
@@ -67,12 +68,15 @@ def serve(runner: ModelRunner, desc_ring: ShmRing, out_ring: ShmRing, stop) -> N
 
 def load_runner(config: EngineConfig) -> ModelRunner:
     """Load the model named by ``config`` and build its runner."""
-    from pipeline.gpu_worker.weights import load_model
-
     device = torch.device(config.device)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
-    model = load_model(config.model, dtype, device)
-    return ModelRunner(config, model, device, dtype)
+    if config.is_simulated:
+        # The host side of a step is small tensor work: extra intra-op
+        # threads would only spin and take a core from the other processes.
+        torch.set_num_threads(1)
+        return ModelRunner(config, SimulatedDevice(config.sim_step_us, config.sim_token_us), device, dtype)
+    from pipeline.gpu_worker.weights import load_model
+    return ModelRunner(config, load_model(config.model, dtype, device), device, dtype)
 
 
 def run_gpu_worker(config: EngineConfig, status_conn) -> None:

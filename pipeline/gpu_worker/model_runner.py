@@ -23,6 +23,7 @@ from pipeline.common.layouts import (
 )
 from pipeline.gpu_worker.attention import AttentionMetadata
 from pipeline.gpu_worker.sampler import sample
+from pipeline.gpu_worker.sim_device import SimEvent, SimulatedDevice, sim_next_tokens
 
 # Written into a token-id cache entry once a placeholder consumed it; reading
 # it again means a placeholder resolved to a stale token.
@@ -62,13 +63,13 @@ class LaunchedStep:
 
     step_id: int
     req_num: np.ndarray  # [S] int64 of the sampled rows
-    tokens: torch.Tensor  # [S] int64, host (pinned on CUDA) once ``done`` fires
-    done: torch.cuda.Event | None  # None on CPU: the work already ran
+    tokens: torch.Tensor | None  # [S] int64, host (pinned on CUDA) once ``done`` fires
+    done: torch.cuda.Event | SimEvent | None  # None on CPU torch: the work already ran
     start_event: torch.cuda.Event | None
     prepare_start_ns: int
     prepare_end_ns: int
     launch_ns: int
-    device_start_ns: int = 0  # filled on CPU; on CUDA derived from events in finish
+    device_start_ns: int = 0  # on CUDA derived from the events in finish()
     device_end_ns: int = 0
 
     def is_done(self) -> bool:
@@ -104,15 +105,20 @@ class ModelRunner:
 
     Args:
         config: the engine configuration (slots, blocks, block size).
-        model: a :class:`pipeline.gpu_worker.model.LlamaForCausalLM` on ``device``.
+        model: a :class:`pipeline.gpu_worker.model.LlamaForCausalLM` on
+            ``device``, or a :class:`SimulatedDevice` that replaces the forward
+            pass and sampling kernel (everything else runs unchanged).
         device: where the model and all per-slot state live.
         dtype: the KV cache dtype (the model's).
     """
 
     def __init__(self, config: EngineConfig, model, device: torch.device, dtype: torch.dtype):
-        self.config, self.model, self.device = config, model, device
+        self.config, self.device = config, device
         s = config.max_num_seqs
-        self.kv_caches = model.allocate_kv_caches(config.num_kv_blocks, config.block_size, dtype, device)
+        self.sim = model if isinstance(model, SimulatedDevice) else None
+        self.model = None if self.sim else model
+        self.kv_caches = [] if self.sim else model.allocate_kv_caches(config.num_kv_blocks, config.block_size,
+                                                                      dtype, device)
         self.token_cache = torch.full((s,), POISON_TOKEN_ID, dtype=torch.int64, device=device)
         # The block table and sampling parameters stay on the host: attention
         # metadata and sampler decisions are built there, and each step takes
@@ -179,27 +185,35 @@ class ModelRunner:
             meta = meta.to(self.device, non_blocking=True)
         prepare_end = time.monotonic_ns()
 
-        start_event = None
-        if self.is_cuda:
-            start_event = torch.cuda.Event(enable_timing=True)
-            start_event.record()
-        device_start = time.monotonic_ns()
-        hidden = self.model(input_ids, meta.positions, meta, self.kv_caches)
         last = np.cumsum(x.query_lens)[x.sample_rows] - 1
-        logits = self.model.compute_logits(hidden[dev(last)])
         sample_slots = x.slot[x.sample_rows]
         sample_slots_t = dev(sample_slots)
+        step = LaunchedStep(step_id=x.step_id, req_num=x.req_num[x.sample_rows], tokens=None, done=None,
+                            start_event=None, prepare_start_ns=x.prepare_start_ns, prepare_end_ns=prepare_end,
+                            launch_ns=0)
+        if self.sim is not None:
+            # The simulated kernel reads the resolved inputs like the model would.
+            tokens = torch.from_numpy(sim_next_tokens(input_ids[last].numpy(), meta.positions[last].numpy()))
+            self.token_cache[sample_slots_t] = tokens
+            step.device_start_ns, step.device_end_ns = self.sim.enqueue_step(len(x.token_ids))
+            step.done = SimEvent(step.device_end_ns)
+            step.tokens = tokens
+            step.launch_ns = time.monotonic_ns()
+            return step
+
+        if self.is_cuda:
+            step.start_event = torch.cuda.Event(enable_timing=True)
+            step.start_event.record()
+        device_start = time.monotonic_ns()
+        hidden = self.model(input_ids, meta.positions, meta, self.kv_caches)
+        logits = self.model.compute_logits(hidden[dev(last)])
         # Seeded noise is keyed by the sampled token's position, so a request
         # draws the same noise whatever batch it is in.
         tokens = sample(logits, *(torch.from_numpy(a[sample_slots]) for a in (self.temperature, self.top_p,
                                                                               self.top_k, self.seed)),
                         torch.from_numpy(x.start_pos[x.sample_rows] + x.query_lens[x.sample_rows]))
         self.token_cache[sample_slots_t] = tokens
-        launch_ns = time.monotonic_ns()
-
-        step = LaunchedStep(step_id=x.step_id, req_num=x.req_num[x.sample_rows], tokens=tokens, done=None,
-                            start_event=start_event, prepare_start_ns=x.prepare_start_ns,
-                            prepare_end_ns=prepare_end, launch_ns=launch_ns)
+        step.launch_ns = time.monotonic_ns()
         if self.is_cuda:
             sampled = torch.cuda.Event()
             sampled.record()
@@ -212,14 +226,16 @@ class ModelRunner:
             # The device tensor must outlive the copy: tell the allocator.
             tokens.record_stream(self.copy_stream)
             step.tokens = host
-        else:
-            step.device_start_ns, step.device_end_ns = device_start, launch_ns
+        else:  # CPU torch ran the step synchronously: wall time around it
+            step.tokens = tokens
+            step.device_start_ns, step.device_end_ns = device_start, step.launch_ns
         return step
 
     def finish(self, step: LaunchedStep) -> LaunchedStep:
         """Wait for ``step``'s tokens on the host and fill its device times."""
         if step.done is not None:
             step.done.synchronize()
+        if self.is_cuda:
             step.device_start_ns = self._clock_ns + int(self._clock_event.elapsed_time(step.start_event) * 1e6)
             step.device_end_ns = self._clock_ns + int(self._clock_event.elapsed_time(step.done) * 1e6)
         return step

@@ -22,6 +22,7 @@ import asyncio
 import itertools
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Sequence
 
 import msgspec
@@ -29,10 +30,11 @@ import zmq
 import zmq.asyncio
 
 from pipeline.common.config import OUTPUT_READER_IO, EngineConfig
-from pipeline.common.layouts import OUT_NUM_ROWS
+from pipeline.common.layouts import OUT_NUM_ROWS, OUT_STEP_ID
 from pipeline.common.messages import (AbortRequest, AddRequest, FinishReason, GetStats, SamplingParams, Stats,
                                       ToIO)
 from pipeline.common.shm_ring import RingTimeout, ShmRing
+from pipeline.common.trace import TraceRecorder
 from pipeline.io_proc.detokenizer import DecodeFn, OutputProcessor
 
 logger = logging.getLogger(__name__)
@@ -64,10 +66,14 @@ class RequestState:
         every_token: deliver every token, even one that adds no text (a
             stream that returns token ids).
         released: the client side is done with it (set by :meth:`EngineClient.release`).
+        arrival_time: ``time.perf_counter()`` when it was added (seconds).
+        delivery_times: ``(perf_counter, tokens so far)`` at each step that
+            delivered tokens, taken on the event loop: the client-side token
+            timeline (TTFT, ITL) without waking a streaming consumer per step.
     """
 
     __slots__ = ("req_num", "prompt_len", "processor", "finish_reason", "num_output_tokens", "every_token",
-                 "released", "_streaming", "_pieces", "_ids_taken", "_event")
+                 "released", "arrival_time", "delivery_times", "_streaming", "_pieces", "_ids_taken", "_event")
 
     def __init__(self, req_num: int, prompt_len: int, processor: OutputProcessor, streaming: bool,
                  return_token_ids: bool):
@@ -78,6 +84,8 @@ class RequestState:
         self.num_output_tokens = 0
         self.every_token = streaming and return_token_ids
         self.released = False
+        self.arrival_time = time.perf_counter()
+        self.delivery_times: list[tuple[float, int]] = []
         self._streaming = streaming
         self._pieces: list[str] = []
         self._ids_taken = 0
@@ -87,6 +95,8 @@ class RequestState:
         """Queue ``text`` for the client and record a finish (event loop only)."""
         if text:
             self._pieces.append(text)
+        if num_output_tokens > self.num_output_tokens:
+            self.delivery_times.append((time.perf_counter(), num_output_tokens))
         self.num_output_tokens = num_output_tokens
         if finish is not None:
             self.finish_reason = finish
@@ -142,6 +152,8 @@ class EngineClient:
         ring: the output ring, attached (``create=False``) with two readers.
         decode: see :data:`~pipeline.io_proc.detokenizer.DecodeFn`; used only
             by the reader thread.
+        trace: if given, the reader thread records the worker's spans from
+            each StepOutput header and its own per-step handling span.
 
     Raises:
         zmq.ZMQError: the reply address cannot be bound.
@@ -152,8 +164,9 @@ class EngineClient:
     as "abort").
     """
 
-    def __init__(self, config: EngineConfig, ring: ShmRing, decode: DecodeFn):
+    def __init__(self, config: EngineConfig, ring: ShmRing, decode: DecodeFn, trace: TraceRecorder | None = None):
         self._ring = ring
+        self._trace = trace
         self._decode = decode
         self._requests: dict[int, RequestState] = {}
         self._req_nums = itertools.count(1)
@@ -328,7 +341,12 @@ class EngineClient:
                     views = ring.acquire_read(reader, timeout=_RING_POLL_S)
                 except RingTimeout:
                     continue
-                n = int(views["header"][OUT_NUM_ROWS])
+                t0 = time.monotonic_ns()
+                header = views["header"]
+                n = int(header[OUT_NUM_ROWS])
+                if self._trace is not None:
+                    self._trace.add_worker_step(header)
+                    step_id = int(header[OUT_STEP_ID])
                 # tolist() copies the rows out, so the slot goes back to the
                 # worker before any text work is done.
                 req_nums = views["req_num"][:n].tolist()
@@ -336,6 +354,8 @@ class EngineClient:
                 ring.release_read(reader)
                 if n:
                     self._process_step(req_nums, token_ids)
+                if self._trace is not None:
+                    self._trace.add("io_proc", "output", "detokenize", step_id, t0, time.monotonic_ns())
         except BaseException as e:
             self.reader_error = e
             logger.exception("output reader thread failed")

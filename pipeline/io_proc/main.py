@@ -15,6 +15,7 @@ import uvicorn
 from pipeline.common.config import OUTPUT_RING_SLOTS, EngineConfig
 from pipeline.common.process import StopFlag, child_setup, report
 from pipeline.common.shm_ring import ShmRing
+from pipeline.common.trace import TraceRecorder
 from pipeline.io_proc.api_server import build_app
 from pipeline.io_proc.engine_client import EngineClient
 from pipeline.io_proc.tokenization import Tokenization, load_tokenizer
@@ -49,7 +50,7 @@ def run_io_proc(config: EngineConfig, status_conn: Connection) -> None:
 
     Steps: attach the output ring (reader ``OUTPUT_READER_IO``) and report
     ``("attached", "io_proc")``; bind the HTTP port; load the tokenizer from
-    ``config.model``; connect zmq (push to ``config.control_address``, pull
+    ``config.tokenizer``; connect zmq (push to ``config.control_address``, pull
     on ``config.reply_address``); serve the OpenAI API on
     ``config.host:config.port`` and report ``("ready", "io_proc")`` once
     listening. On a start-up failure it reports ``("error", "io_proc",
@@ -87,14 +88,18 @@ def _start_and_serve(config: EngineConfig, ring: ShmRing, stop: StopFlag, status
     sock = _bind(config.host, config.port)
     cleanup.callback(sock.close)
     try:
-        tokenizer, stop_token_ids = load_tokenizer(config.model)
+        tokenizer, stop_token_ids = load_tokenizer(config.tokenizer)
     except Exception as e:
-        raise _StartupError(f"cannot load the tokenizer from {config.model!r} ({type(e).__name__}: {e}); "
+        raise _StartupError(f"cannot load the tokenizer from {config.tokenizer!r} ({type(e).__name__}: {e}); "
                             "--model must be a Hugging Face model directory with tokenizer files") from e
     tokenization = Tokenization(tokenizer)
     cleanup.callback(tokenization.close)
+    trace = TraceRecorder() if config.trace else None
+    if trace is not None:
+        # Registered first among these, so it runs after the client has stopped reading.
+        cleanup.callback(trace.dump, config.trace_path("io_proc"))
     try:
-        client = EngineClient(config, ring, tokenization.make_decoder())
+        client = EngineClient(config, ring, tokenization.make_decoder(), trace)
     except Exception as e:
         raise _StartupError(f"cannot open the control sockets ({e}); check that {config.ipc_dir!r} exists "
                             "and is writable") from e

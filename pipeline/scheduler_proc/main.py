@@ -23,6 +23,7 @@ from pipeline.common.messages import (
 )
 from pipeline.common.process import child_setup, report
 from pipeline.common.shm_ring import RingTimeout, ShmRing
+from pipeline.common.trace import TraceRecorder
 from pipeline.scheduler_proc.scheduler import Scheduler
 
 # How long a blocked wait lasts before the loop looks at the stop flag again.
@@ -41,6 +42,7 @@ class SchedulerLoop:
                                    config.num_kv_blocks, config.max_blocks_per_seq)
         self.max_inflight = 2 if config.async_scheduling else 1
         self.inflight: deque[int] = deque()
+        self.trace = TraceRecorder() if config.trace else None
         self._decoder = msgspec.msgpack.Decoder(ToScheduler)
         self._encoder = msgspec.msgpack.Encoder()
         self._running = True
@@ -85,9 +87,11 @@ class SchedulerLoop:
         step_id = self.scheduler.next_step_id
         if not self.scheduler.schedule(desc):
             return False  # slot stays acquired for the next try
-        desc["header"][DESC_PLAN_START_NS] = t0
-        desc["header"][DESC_PLAN_END_NS] = time.monotonic_ns()
+        t1 = time.monotonic_ns()
+        desc["header"][DESC_PLAN_START_NS], desc["header"][DESC_PLAN_END_NS] = t0, t1
         self.desc_ring.publish()
+        if self.trace is not None:
+            self.trace.add("scheduler", "plan", "plan", step_id, t0, t1)
         self.inflight.append(step_id)
         return True
 
@@ -101,9 +105,12 @@ class SchedulerLoop:
         expected = self.inflight.popleft()
         if step_id != expected:
             raise RuntimeError(f"worker reported step {step_id}, expected {expected}")
+        t0 = time.monotonic_ns()
         req_nums, tokens = out["req_num"][:n].copy(), out["token_id"][:n].copy()
         self.out_ring.release_read(OUTPUT_READER_SCHEDULER)
         self.scheduler.process_output(step_id, req_nums, tokens)
+        if self.trace is not None:
+            self.trace.add("scheduler", "plan", "process_output", step_id, t0, time.monotonic_ns())
 
     def _stats(self, nonce: int) -> Stats:
         s = self.scheduler
@@ -135,6 +142,8 @@ def run_scheduler(config: EngineConfig, status_conn) -> None:
     try:
         loop.run(stop)
     finally:
+        if loop.trace is not None:
+            loop.trace.dump(config.trace_path("scheduler"))
         ctx.destroy(linger=0)
         desc_ring.close()
         out_ring.close()

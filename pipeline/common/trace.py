@@ -1,0 +1,109 @@
+"""Step timeline: spans recorded by the processes, merged into a Chrome trace.
+
+Every time is ``time.monotonic_ns()`` (one system-wide clock, so spans from
+different processes line up). A span is ``(role, track, name, step_id,
+start_ns, end_ns)``. The worker's spans travel in each StepOutput header
+(prepare, launch, device) and are recorded by whoever reads the output ring
+for io_proc; the scheduler records its planning spans itself.
+
+The merged file is Chrome's Trace Event Format (JSON object with
+``traceEvents``, complete events ``"ph": "X"`` in microseconds, one ``pid``
+per process and one ``tid`` per track), which Perfetto and chrome://tracing open.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.common.layouts import (
+    OUT_DEVICE_END_NS, OUT_DEVICE_START_NS, OUT_LAUNCH_NS, OUT_PREPARE_END_NS, OUT_PREPARE_START_NS,
+    OUT_STEP_ID,
+)
+
+Span = tuple[str, str, str, int, int, int]
+# Processes in the order their tracks appear.
+ROLES = ("scheduler", "gpu_worker", "io_proc")
+
+
+class TraceRecorder:
+    """Collects spans in memory; :meth:`dump` writes them as a JSON list."""
+
+    def __init__(self) -> None:
+        self.spans: list[Span] = []
+
+    def add(self, role: str, track: str, name: str, step_id: int, start_ns: int, end_ns: int) -> None:
+        self.spans.append((role, track, name, int(step_id), int(start_ns), int(end_ns)))
+
+    def add_worker_step(self, header: np.ndarray) -> None:
+        """Record the worker's spans carried by a StepOutput ``header`` (int64 view)."""
+        h = header.tolist()
+        step = h[OUT_STEP_ID]
+        self.add("gpu_worker", "host", "prepare", step, h[OUT_PREPARE_START_NS], h[OUT_PREPARE_END_NS])
+        self.add("gpu_worker", "host", "launch", step, h[OUT_PREPARE_END_NS], h[OUT_LAUNCH_NS])
+        self.add("gpu_worker", "device", "step", step, h[OUT_DEVICE_START_NS], h[OUT_DEVICE_END_NS])
+
+    def dump(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.spans))
+
+
+def load_spans(paths: list[str | Path]) -> list[Span]:
+    """Spans from the files that exist among ``paths``."""
+    out: list[Span] = []
+    for p in paths:
+        if Path(p).is_file():
+            out.extend(tuple(s) for s in json.loads(Path(p).read_text()))
+    return out
+
+
+def chrome_trace(spans: list[Span]) -> dict:
+    """Spans -> a Trace Event Format object, times relative to the first span."""
+    t0 = min((s[4] for s in spans), default=0)
+    tracks: dict[tuple[str, str], int] = {}
+    events = []
+    for pid, role in enumerate(ROLES, start=1):
+        events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": role}})
+        events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": pid}})
+    for role, track, name, step, start, end in sorted(spans, key=lambda s: s[4]):
+        pid = ROLES.index(role) + 1
+        if (role, track) not in tracks:
+            tracks[(role, track)] = tid = len([k for k in tracks if k[0] == role]) + 1
+            events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": track}})
+        events.append({"ph": "X", "name": name, "pid": pid, "tid": tracks[(role, track)],
+                       "ts": (start - t0) / 1000, "dur": max(end - start, 0) / 1000, "args": {"step": step}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_chrome_trace(spans: list[Span], path: str | Path) -> None:
+    Path(path).write_text(json.dumps(chrome_trace(spans)))
+
+
+def device_spans(spans: list[Span]) -> np.ndarray:
+    """``[N, 2]`` int64 (start_ns, end_ns) of the device spans, in step order."""
+    dev = sorted((s[3], s[4], s[5]) for s in spans if s[0] == "gpu_worker" and s[1] == "device")
+    return np.array([(a, b) for _, a, b in dev], dtype=np.int64).reshape(-1, 2)
+
+
+def gap_metrics(dev: np.ndarray) -> dict:
+    """Token gap and device-busy fraction over consecutive device spans.
+
+    Token gap = start(N+1) − end(N) (DESIGN.md, "Measuring the token gap"),
+    clamped at 0 (CPU wall-time spans can touch); busy fraction = Σ device
+    time / (last end − first start).
+
+    Returns:
+        ``{"token_gap_us": {p50, p90, p99, max, mean}, "device_busy_fraction"}``
+        (gaps are None with fewer than two steps).
+    """
+    if len(dev) < 2:
+        return {"token_gap_us": None, "device_busy_fraction": None}
+    gaps = np.maximum(dev[1:, 0] - dev[:-1, 1], 0) / 1000.0
+    busy = float((dev[:, 1] - dev[:, 0]).sum()) / float(dev[-1, 1] - dev[0, 0])
+    return {
+        "token_gap_us": {"p50": float(np.percentile(gaps, 50)), "p90": float(np.percentile(gaps, 90)),
+                         "p99": float(np.percentile(gaps, 99)), "max": float(gaps.max()),
+                         "mean": float(gaps.mean())},
+        "device_busy_fraction": min(busy, 1.0),
+    }
