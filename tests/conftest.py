@@ -143,3 +143,17 @@ def tiny_sync(request, tiny_dir):
 @pytest.fixture(scope="session")
 def smol_async(request, smol_dir):
     return _server(request, ["--model", str(smol_dir), "--served-model-name", "smol", *SMALL])
+
+
+SIM = ["--model", "sim", "--sim-step-us", "1000", "--max-num-batched-tokens", "32", "--max-model-len", "1024",
+       "--debug-token-cache-poison"]
+
+
+@pytest.fixture(scope="session")
+def sim_async(request):
+    return _server(request, SIM)
+
+
+@pytest.fixture(scope="session")
+def sim_sync(request):
+    return _server(request, [*SIM, "--no-async-scheduling"])

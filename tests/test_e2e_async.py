@@ -1,10 +1,11 @@
 """Asynchronous scheduling changes nothing a client sees.
 
-Both servers run the tiny Llama with a 32-token step budget (chunked
-prefill forced) and the token-cache poison mode on; the async one must give
-the lock-step one's tokens exactly, including with max_tokens=1 requests and
-requests aborted mid-generation, and both must end with every KV block and
-slot free.
+Each pair of servers (the tiny Llama, and the simulated device whose every
+token depends on the whole chain before it) runs with a 32-token step
+budget (chunked prefill forced) and the token-cache poison mode on; the
+async one must give the lock-step one's tokens exactly, including with
+max_tokens=1 requests and requests aborted mid-generation, and both must
+end with every KV block and slot free.
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ async def run_all(server, jobs):
 
 
 @pytest.mark.parametrize("concurrency", [1, 8, 64])
-def test_async_equals_lockstep(concurrency, tiny_async, tiny_sync):
+@pytest.mark.parametrize("model", ["tiny", "sim"])
+def test_async_equals_lockstep(request, model, concurrency):
+    tiny_async, tiny_sync = request.getfixturevalue(f"{model}_async"), request.getfixturevalue(f"{model}_sync")
     jobs = workload(concurrency if concurrency > 1 else 4, seed=concurrency)
     if concurrency == 1:
         a = [asyncio.run(run_all(tiny_async, [j]))[0] for j in jobs]

@@ -56,3 +56,20 @@ def test_kill_worker_stops_everything(tiny_dir):
     assert wait_gone(srv.children) == []
     assert shm_entries(srv.proc.pid) == []
     assert child_pids(srv.proc.pid) == []
+
+
+def test_serve_trace_has_three_process_tracks(tmp_path):
+    import json
+
+    import httpx
+
+    trace = tmp_path / "serve-trace.json"
+    srv = Server(["--model", "sim", "--sim-step-us", "1000", "--trace", str(trace)])
+    r = httpx.post(f"{srv.url}/v1/completions", timeout=60,
+                   json={"model": srv.model, "prompt": "hello", "max_tokens": 8, "ignore_eos": True})
+    assert r.status_code == 200
+    assert srv.stop(signal.SIGTERM) == 0
+    events = json.loads(trace.read_text())["traceEvents"]
+    pids = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert {pids[e["pid"]] for e in events if e["ph"] == "X"} == {"scheduler", "gpu_worker", "io_proc"}
+    assert shm_entries(srv.proc.pid) == []

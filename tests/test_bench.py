@@ -1,0 +1,57 @@
+"""pipeline-bench on the simulated device: JSON fields, trace schema, plot."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bench")
+    cmd = [sys.executable, "-m", "pipeline.bench", "--model", "sim", "--sim-step-us", "2000",
+           "--batch-size", "1", "--input-len", "8", "--output-len", "16", "--mode", "both",
+           "--json", str(d / "out.json"), "--trace", str(d / "trace.json"), "--plot", str(d / "out.png")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return d, r.stdout
+
+
+def test_json_fields_are_consistent(bench_run):
+    d, stdout = bench_run
+    out = json.loads((d / "out.json").read_text())
+    assert "token gap p50" in stdout and "async/sync" in stdout
+    for mode in ("async", "sync"):
+        r = out[mode]
+        gaps = r["token_gap_us"]
+        assert set(gaps) == {"p50", "p90", "p99", "max", "mean"}
+        assert all(v >= 0 for v in gaps.values())
+        assert gaps["p50"] <= gaps["p90"] <= gaps["p99"] <= gaps["max"]
+        assert 0 <= r["device_busy_fraction"] <= 1
+        assert r["output_tokens_per_s"] > 0
+        assert set(r["ttft_ms"]) == {"p50", "p99"} and set(r["itl_ms"]) == {"p50", "p99"}
+        # One request: one prefill step that samples the first token, then one decode step per token.
+        assert r["num_steps"] == 16
+        assert r["output_tokens"] == 16
+        assert r["config"]["batch_size"] == 1
+    assert out["ratio_async_over_sync"]["output_tokens_per_s"] > 0
+    assert (d / "out.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_trace_schema(bench_run, mode):
+    d, _ = bench_run
+    events = json.loads((d / f"trace.{mode}.json").read_text())["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert sorted(names.values()) == ["gpu_worker", "io_proc", "scheduler"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {names[e["pid"]] for e in spans} == {"gpu_worker", "io_proc", "scheduler"}
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    device = sorted((e for e in spans if threads[(e["pid"], e["tid"])] == "device"), key=lambda e: e["args"]["step"])
+    assert [e["args"]["step"] for e in device] == list(range(16))
+    for a, b in zip(device, device[1:]):
+        assert b["ts"] >= a["ts"] + a["dur"] - 1e-3  # monotone, non-overlapping
