@@ -21,7 +21,6 @@ import json
 import os
 import random
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -30,7 +29,7 @@ from tqdm import tqdm
 
 from pipeline.common.messages import SamplingParams
 from pipeline.common.trace import (
-    ROLES, TraceRecorder, device_spans, gap_metrics, load_spans, write_chrome_trace,
+    ROLES, TraceRecorder, device_spans, gap_metrics,
 )
 from pipeline.launcher import ChildFailed, Launcher, build_parser, make_config
 

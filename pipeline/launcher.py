@@ -20,7 +20,7 @@ import tempfile
 import time
 from multiprocessing.connection import wait
 
-from pipeline.common.config import DESCRIPTOR_RING_SLOTS, OUTPUT_RING_SLOTS, EngineConfig
+from pipeline.common.config import EngineConfig
 from pipeline.common.shm_ring import ShmRing
 from pipeline.common.trace import ROLES, load_spans, write_chrome_trace
 
@@ -161,8 +161,8 @@ class Launcher:
         targets = {"io_proc": run_io_proc, "scheduler": run_scheduler, "gpu_worker": run_gpu_worker}
         self.config, self.trace_file, self.profile_dir = config, trace_file, profile_dir
         self.rings = [
-            ShmRing(config.descriptor_ring_name, config.descriptor_layout, DESCRIPTOR_RING_SLOTS, 1, create=True),
-            ShmRing(config.output_ring_name, config.output_layout, OUTPUT_RING_SLOTS, 2, create=True),
+            config.descriptor_ring(create=True),
+            config.output_ring(create=True),
         ]
         ctx = mp.get_context("spawn")
         self.procs: dict[str, mp.Process] = {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from pipeline.common.layouts import Layout, step_descriptor_layout, step_output_layout
+from pipeline.common.shm_ring import ShmRing
 
 # At most two steps are in flight in async mode (N running, N+1 queued), so
 # two descriptor slots would do; the spare ones let the scheduler publish
@@ -94,6 +95,14 @@ class EngineConfig(msgspec.Struct, frozen=True):
     @property
     def output_ring_name(self) -> str:
         return f"/pipeline-{self.instance}-out"
+
+    def descriptor_ring(self, create: bool = False) -> ShmRing:
+        """The StepDescriptor ring (scheduler writes, worker reads); ``create`` in the launcher only."""
+        return ShmRing(self.descriptor_ring_name, self.descriptor_layout, DESCRIPTOR_RING_SLOTS, 1, create)
+
+    def output_ring(self, create: bool = False) -> ShmRing:
+        """The StepOutput ring (worker writes; scheduler and io_proc read)."""
+        return ShmRing(self.output_ring_name, self.output_layout, OUTPUT_RING_SLOTS, 2, create)
 
     @property
     def control_address(self) -> str:

@@ -15,7 +15,7 @@ from collections import deque
 
 import torch
 
-from pipeline.common.config import DESCRIPTOR_RING_SLOTS, OUTPUT_RING_SLOTS, EngineConfig
+from pipeline.common.config import EngineConfig
 from pipeline.common.layouts import (
     OUT_DEVICE_END_NS, OUT_DEVICE_START_NS, OUT_LAUNCH_NS, OUT_NUM_ROWS, OUT_PREPARE_END_NS,
     OUT_PREPARE_START_NS, OUT_PUBLISH_NS, OUT_STEP_ID,
@@ -82,10 +82,8 @@ def load_runner(config: EngineConfig) -> ModelRunner:
 def run_gpu_worker(config: EngineConfig, status_conn) -> None:
     """Process entry of gpu_worker (see :mod:`pipeline.common.process`)."""
     stop = child_setup("gpu_worker")
-    desc_ring = ShmRing(config.descriptor_ring_name, config.descriptor_layout, DESCRIPTOR_RING_SLOTS,
-                        num_readers=1, create=False)
-    out_ring = ShmRing(config.output_ring_name, config.output_layout, OUTPUT_RING_SLOTS,
-                       num_readers=2, create=False)
+    desc_ring = config.descriptor_ring()
+    out_ring = config.output_ring()
     report(status_conn, "attached", "gpu_worker")
     try:
         runner = load_runner(config)

@@ -12,7 +12,7 @@ from multiprocessing.connection import Connection
 
 import uvicorn
 
-from pipeline.common.config import OUTPUT_RING_SLOTS, EngineConfig
+from pipeline.common.config import EngineConfig
 from pipeline.common.process import StopFlag, child_setup, report
 from pipeline.common.shm_ring import ShmRing
 from pipeline.common.trace import TraceRecorder
@@ -61,7 +61,7 @@ def run_io_proc(config: EngineConfig, status_conn: Connection) -> None:
     stop = child_setup(_NAME)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     try:
-        ring = ShmRing(config.output_ring_name, config.output_layout, OUTPUT_RING_SLOTS, num_readers=2, create=False)
+        ring = config.output_ring()
     except Exception as e:
         report(status_conn, "error", _NAME, f"cannot attach the output ring {config.output_ring_name!r} ({e}); "
                                             "it must be created by the launcher before io_proc starts")

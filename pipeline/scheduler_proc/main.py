@@ -15,7 +15,7 @@ import msgspec
 import zmq
 
 from pipeline.common.config import (
-    DESCRIPTOR_RING_SLOTS, OUTPUT_READER_SCHEDULER, OUTPUT_RING_SLOTS, EngineConfig,
+    OUTPUT_READER_SCHEDULER, EngineConfig,
 )
 from pipeline.common.layouts import DESC_PLAN_END_NS, DESC_PLAN_START_NS, OUT_NUM_ROWS, OUT_STEP_ID
 from pipeline.common.messages import (
@@ -123,10 +123,8 @@ class SchedulerLoop:
 def run_scheduler(config: EngineConfig, status_conn) -> None:
     """Process entry of scheduler_proc (see :mod:`pipeline.common.process`)."""
     stop = child_setup("scheduler")
-    desc_ring = ShmRing(config.descriptor_ring_name, config.descriptor_layout, DESCRIPTOR_RING_SLOTS,
-                        num_readers=1, create=False)
-    out_ring = ShmRing(config.output_ring_name, config.output_layout, OUTPUT_RING_SLOTS,
-                       num_readers=2, create=False)
+    desc_ring = config.descriptor_ring()
+    out_ring = config.output_ring()
     report(status_conn, "attached", "scheduler")
     ctx = zmq.Context()
     control = ctx.socket(zmq.PULL)
