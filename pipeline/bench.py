@@ -292,6 +292,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         work = Workload.sharegpt_synth(args.num_requests, args.max_model_len or 2048, args.seed)
         args.max_model_len = args.max_model_len or 2048
+    unused = {"json", "plot", "trace", "async_scheduling",
+              *(("num_requests",) if args.workload == "fixed" else ("batch_size", "input_len", "output_len"))}
     modes = {"async": [True], "sync": [False], "both": [True, False]}[args.mode]
     trace = args.trace
     results, spans = {}, {}
@@ -303,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
                 root, ext = os.path.splitext(trace)
                 tf = f"{root}.{label}{ext or '.json'}"
             results[label], spans[label] = run_mode(args, work, a, tf)
-            results[label]["config"] = {k: v for k, v in vars(args).items() if k not in ("json", "plot")}
+            results[label]["config"] = {k: v for k, v in vars(args).items() if k not in unused}
     except (ChildFailed, TimeoutError) as e:
         print(f"pipeline-bench: {e}", file=sys.stderr)
         raise SystemExit(1)

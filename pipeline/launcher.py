@@ -27,13 +27,22 @@ from pipeline.common.trace import ROLES, load_spans, write_chrome_trace
 _STOP_GRACE_S = 5.0
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default unless it is None (those flags say in words what happens)."""
+
+    def _get_help_string(self, action):
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pipeline-serve",
         description="Serve a Llama-family model with an OpenAI-compatible HTTP API. Three processes "
                     "(HTTP/tokenizer, scheduler, model worker) pass every step through shared memory, and "
                     "the scheduler plans step N+1 while step N runs.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_HelpFormatter)
     p.add_argument("--model", default=None,
                    help="Hugging Face model directory or .gguf file of a Llama-family model, or `sim` for "
                         "the simulated device (no model: fixed-time steps and deterministic tokens, to measure "
@@ -310,7 +319,10 @@ def main(argv: list[str] | None = None) -> None:
     """Console entry of ``pipeline-serve``."""
     args = build_parser().parse_args(argv)
     config = make_config(args)
-    raise SystemExit(Launcher(config, trace_file=args.trace, profile_dir=args.profile).serve())
+    code = Launcher(config, trace_file=args.trace, profile_dir=args.profile).serve()
+    if code == 0:
+        print("pipeline-serve: stopped", file=sys.stderr)
+    raise SystemExit(code)
 
 
 if __name__ == "__main__":

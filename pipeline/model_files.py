@@ -47,15 +47,18 @@ def cache_dir() -> Path:
 def convert_gguf(gguf: Path) -> Path:
     """Dequantize a GGUF file into a Hugging Face directory, once, and cache it.
 
-    The cache key is the file's absolute path, size and mtime, so a changed
-    file is converted again. The directory appears atomically (renamed into
+    The cache key is the file's name, size and first 4 MiB (its header and
+    metadata), so the same file installed anywhere converts once, and a
+    changed file converts again. The directory appears atomically (renamed into
     place when complete), so an interrupted conversion leaves nothing half-written.
 
     Raises:
         ValueError: transformers cannot read the file.
     """
-    st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    h = hashlib.sha256(f"{gguf.name}:{gguf.stat().st_size}:".encode())
+    with open(gguf, "rb") as f:
+        h.update(f.read(4 << 20))
+    key = h.hexdigest()[:16]
     out = cache_dir() / f"{gguf.stem}-{key}"
     if (out / "config.json").is_file():
         return out
@@ -73,6 +76,7 @@ def convert_gguf(gguf: Path) -> Path:
         del model.config.quantization_config
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
+        tmp.chmod(0o755)  # mkdtemp made it private; the cache is shared by the user's servers
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -104,8 +108,24 @@ def resolve_model(model: str | None) -> tuple[Path, str]:
 
 
 def read_model_config(model_dir: Path) -> dict:
-    """The model's ``config.json`` as a dict."""
-    return json.loads((model_dir / "config.json").read_text())
+    """The model's ``config.json`` as a dict, checked to be a Llama-architecture model.
+
+    Raises:
+        ValueError: the file is not JSON, or the model is not ``model_type: llama``.
+    """
+    path = model_dir / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(cfg, dict) or cfg.get("model_type") != "llama":
+        kind = cfg.get("model_type") if isinstance(cfg, dict) else None
+        raise ValueError(f"{path} describes a model of type {kind!r}; only Llama-architecture models "
+                         "(model_type 'llama': Llama 2/3, SmolLM, TinyLlama, ...) are supported")
+    missing = [k for k in ("hidden_size", "num_attention_heads", "num_hidden_layers") if k not in cfg]
+    if missing:
+        raise ValueError(f"{path} lacks {', '.join(missing)}")
+    return cfg
 
 
 def kv_bytes_per_block(cfg: dict, block_size: int, dtype: str) -> int:

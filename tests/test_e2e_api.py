@@ -119,12 +119,21 @@ BAD = [
     ("/v1/completions", {"prompt": [10**9]}),
     ("/v1/completions", {"prompt": "hi", "stop": ""}),
     ("/v1/completions", {"prompt": "word " * 5000}),
+    ("/v1/completions", {"prompt": "\ud800"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\udfff"}]}),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}),
 ]
 
 
 @pytest.mark.parametrize("path,body", BAD)
 def test_bad_input_is_400_and_server_survives(smol_async, path, body):
-    r = httpx.post(f"{smol_async.url}{path}", json={"model": smol_async.model, **body}, timeout=30)
+    # json.dumps escapes non-ASCII, so lone surrogates travel as JSON allows ("\\ud800").
+    r = httpx.post(f"{smol_async.url}{path}", content=json.dumps({"model": smol_async.model, **body}),
+                   headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["message"]
@@ -143,3 +152,26 @@ def test_bad_json_and_unknown_model(smol_async):
     m = smol_async.wait_idle()
     assert m["pipeline_kv_blocks_free"] == m["pipeline_kv_blocks_total"]
     assert m["pipeline_slots_free"] == m["pipeline_slots_total"]
+
+
+def test_extreme_but_valid_sampling_values_are_served(smol_async):
+    """Values at the edges of what the descriptor stores must neither crash a process nor garble output."""
+    base = {"model": smol_async.model, "prompt": "The capital of France is", "max_tokens": 6, "ignore_eos": True,
+            "return_token_ids": True}
+    greedy = httpx.post(f"{smol_async.url}/v1/completions", json={**base, "temperature": 0}, timeout=60).json()
+    for extra in ({"top_k": 2**31}, {"top_k": 10**30}, {"top_p": 1e-46}, {"temperature": 1e-40},
+                  {"temperature": 1e-40, "top_p": 0.9}, {"temperature": 0.7, "top_p": 1e-300}):
+        r = httpx.post(f"{smol_async.url}/v1/completions", json={**base, **extra}, timeout=60)
+        assert r.status_code == 200, (extra, r.text)
+        if "temperature" in extra or "top_p" in extra:  # these all reduce to greedy
+            assert r.json()["choices"][0]["token_ids"] == greedy["choices"][0]["token_ids"], extra
+    assert httpx.get(f"{smol_async.url}/health").status_code == 200
+
+
+def test_developer_role_is_a_system_message(smol_async):
+    body = {"model": smol_async.model, "max_tokens": 8, "temperature": 0}
+    dev = httpx.post(f"{smol_async.url}/v1/chat/completions", timeout=60, json={**body, "messages": [
+        {"role": "developer", "content": "Answer briefly."}, {"role": "user", "content": "Hi"}]}).json()
+    sys_ = httpx.post(f"{smol_async.url}/v1/chat/completions", timeout=60, json={**body, "messages": [
+        {"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Hi"}]}).json()
+    assert dev["choices"][0]["message"] == sys_["choices"][0]["message"]

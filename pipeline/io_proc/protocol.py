@@ -84,8 +84,12 @@ class TextPart(_Request):
 class ChatMessage(_Request):
     """One input message; the content is a string or a list of text parts."""
 
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
+
+    def template_role(self) -> str:
+        """The role the chat template sees: OpenAI's ``developer`` is the ``system`` role."""
+        return "system" if self.role == "developer" else self.role
 
     def text(self) -> str:
         """The content as one string; text parts are joined with newlines, like vLLM."""
@@ -120,6 +124,27 @@ class SamplingRequest(_Request):
     ignore_eos: bool = False
     n: int | None = None
     return_token_ids: bool = False
+    # Accepted only at their "off" values: refusing is more honest than ignoring them.
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict | None = None
+    tools: list | None = None
+    response_format: dict | None = None
+
+    @model_validator(mode="after")
+    def _check_unsupported(self) -> "SamplingRequest":
+        unsupported = {
+            "logprobs": self.logprobs not in (None, False, 0), "top_logprobs": bool(self.top_logprobs),
+            "presence_penalty": bool(self.presence_penalty), "frequency_penalty": bool(self.frequency_penalty),
+            "logit_bias": bool(self.logit_bias), "tools": bool(self.tools),
+            "response_format": self.response_format not in (None, {"type": "text"}),
+        }
+        for name, used in unsupported.items():
+            if used:
+                raise ValueError(f"{name} is not supported by this server")
+        return self
 
     @field_validator("top_k")
     @classmethod

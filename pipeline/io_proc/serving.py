@@ -42,9 +42,16 @@ from pipeline.io_proc.tokenization import Tokenization
 logger = logging.getLogger(__name__)
 
 _SEED_MASK = (1 << 63) - 1
+_MIN_TEMPERATURE = 1e-5
+# A nucleus this small keeps only the most likely token (ties included); any
+# smaller value is the same, and 0 is not a valid float32 top_p.
+_MIN_TOP_P = 1e-6
+# top_k beyond any vocabulary means "disabled"; larger values do not fit int32.
+_INT32_MAX = 2**31 - 1
 # How often a non-streaming request checks that its client is still there.
 _DISCONNECT_POLL_S = 0.5
 _DONE = b"data: [DONE]\n\n"
+_ABORTED = "the server is shutting down and stopped this request before it finished; retry it"
 # HTTP status nginx uses for "client closed request"; nobody reads it.
 _CLIENT_CLOSED = 499
 
@@ -172,11 +179,15 @@ class OpenAIServing:
                 f"tokens ({n} in the {prompt_param}, {max_tokens} in the completion). Please reduce the length "
                 f"of the {prompt_param} or completion.",
                 param="max_tokens", code="context_length_exceeded")
+        temperature = 1.0 if req.temperature is None else req.temperature
+        top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
         params = SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=req.top_k if req.top_k is not None and req.top_k > 0 else 0,
+            # Below _MIN_TEMPERATURE, logits / temperature overflow: that is greedy (as vLLM treats it).
+            temperature=0.0 if temperature < _MIN_TEMPERATURE else temperature,
+            # The descriptor stores top_p as float32 and top_k as int32: keep both representable.
+            top_p=1.0 if req.top_p is None else max(req.top_p, _MIN_TOP_P),
+            top_k=0 if top_k > _INT32_MAX else top_k,
             seed=secrets.randbits(63) if req.seed is None else req.seed & _SEED_MASK,
             ignore_eos=req.ignore_eos,
             stop_token_ids=self._stop_token_ids,
@@ -189,7 +200,11 @@ class OpenAIServing:
 
     async def _wait(self, state: RequestState, raw: Request) -> bool:
         """Wait for a non-streaming request to finish; False if the client left
-        first (then the request is aborted)."""
+        first (then the request is aborted).
+
+        Raises:
+            APIError: 503 if the server ended the request (shutting down).
+        """
         try:
             while state.finish_reason is None:
                 try:
@@ -197,6 +212,8 @@ class OpenAIServing:
                 except TimeoutError:
                     if await raw.is_disconnected():
                         return False
+            if state.finish_reason == "abort":
+                raise APIError(503, _ABORTED, type="service_unavailable_error")
             return True
         finally:
             self._client.release(state)
@@ -228,6 +245,10 @@ class OpenAIServing:
             yield chunk(DeltaMessage(role="assistant", content=""), prompt_token_ids=prompt_ids)
             async for text, ids in state.updates():
                 yield chunk(DeltaMessage(content=text), token_ids=ids if with_ids else msgspec.UNSET)
+            if state.finish_reason == "abort":
+                yield _stream_aborted()
+                yield _DONE
+                return
             yield chunk(DeltaMessage(), state.finish_reason)
             if include_usage:
                 yield _sse(ChatCompletionChunk(id=rid, created=created, model=self._model, choices=[],
@@ -254,6 +275,10 @@ class OpenAIServing:
         try:
             async for text, ids in state.updates():
                 yield chunk(text, token_ids=ids if with_ids else msgspec.UNSET)
+            if state.finish_reason == "abort":
+                yield _stream_aborted()
+                yield _DONE
+                return
             yield chunk("", state.finish_reason)
             if include_usage:
                 yield _sse(CompletionResponse(id=rid, created=created, model=self._model, choices=[],
@@ -262,6 +287,11 @@ class OpenAIServing:
             logger.exception("completion stream %s failed", rid)
             yield _stream_error()
         yield _DONE
+
+
+def _stream_aborted() -> bytes:
+    """The error event of a stream the server ended before its finish (shutdown)."""
+    return _sse(ErrorResponse(error=ErrorInfo(message=_ABORTED, type="service_unavailable_error", code="503")))
 
 
 def _stream_error() -> bytes:

@@ -55,6 +55,20 @@ def load_tokenizer(model_dir: str) -> tuple[Any, tuple[int, ...]]:
     return tokenizer, tuple(stop_ids)
 
 
+def _utf8(text: str, param: str) -> str:
+    """``text`` if it is valid Unicode text (JSON can carry lone surrogates, which no tokenizer takes).
+
+    Raises:
+        APIError: 400 naming ``param``.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError.bad_request(f"{param} is not valid Unicode text: {e.reason} at position {e.start}",
+                                   param=param) from None
+    return text
+
+
 class Tokenization:
     """Prompt encoding on one worker thread, and decoders for output tokens.
 
@@ -82,7 +96,7 @@ class Tokenization:
         if not getattr(self._tokenizer, "chat_template", None):
             raise APIError.bad_request("this model has no chat template; use /v1/completions instead",
                                        param="messages")
-        conversation = [{"role": m.role, "content": m.text()} for m in messages]
+        conversation = [{"role": m.template_role(), "content": _utf8(m.text(), "messages")} for m in messages]
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self._apply_chat_template, conversation)
 
@@ -98,6 +112,7 @@ class Tokenization:
     async def encode_text(self, text: str) -> list[int]:
         """Prompt token ids of a completion prompt (with the tokenizer's usual
         special tokens, e.g. BOS, as vLLM does)."""
+        _utf8(text, "prompt")
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self._encode_text, text)
 
