@@ -248,7 +248,8 @@ def plot(results: dict[str, dict], spans: dict[str, list], path: str) -> None:
         mid = len(dev) // 2
         win = dev[mid:mid + 12]
         t0 = win[0, 0]
-        ax.broken_barh([((a - t0) / 1e6, (b - a) / 1e6) for a, b in win], (0, 1), color="tab:green")
+        ax.broken_barh([((a - t0) / 1e6, (b - a) / 1e6) for a, b in win], (0, 1), facecolor="tab:green",
+                       edgecolor="black", linewidth=0.4)
         ax.set_yticks([])
         ax.set_ylabel(m, rotation=0, ha="right", va="center")
         ax.set_xlabel("ms (12 steps from mid-run; white = device idle)")
