@@ -92,3 +92,20 @@ def test_32_concurrent_openai_requests_equal_alone(tiny_async):
     alone = [ask(i) for i in range(32)]
     assert together == alone
     assert [c for _, c in together] == lens
+
+
+def test_preemption_under_kv_pressure_changes_nothing(request, tiny_dir, tiny_sync):
+    """A KV cache barely larger than one request forces preemption (recompute) in flight."""
+    from tests.conftest import SMALL, Server
+
+    small = [a for a in SMALL if a not in ("--kv-cache-memory", "0.25")]
+    srv = Server(["--model", str(tiny_dir), "--max-num-batched-tokens", "32", "--num-kv-blocks", "80", *small])
+    request.addfinalizer(srv.stop)
+    jobs = [{"prompt": f"{i}: " + "the of and " * (20 + 10 * i), "max_tokens": 40, "abort_after": None}
+            for i in range(12)]
+    a = asyncio.run(run_all(srv, jobs))
+    s = asyncio.run(run_all(tiny_sync, jobs))
+    assert a == s
+    m = srv.wait_idle()
+    assert m["pipeline_num_preemptions_total"] > 0
+    assert m["pipeline_kv_blocks_free"] == m["pipeline_kv_blocks_total"] == 80
