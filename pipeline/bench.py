@@ -24,12 +24,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 from tqdm import tqdm
 
 from pipeline.common.messages import SamplingParams
 from pipeline.common.trace import (
-    ROLES, TraceRecorder, device_spans, gap_metrics,
+    ROLES, TraceRecorder, device_spans, gap_metrics, token_gaps_us,
 )
 from pipeline.launcher import ChildFailed, Launcher, build_parser, make_config
 
@@ -152,9 +153,8 @@ def run_mode(args: argparse.Namespace, work: Workload, async_scheduling: bool,
         bar.close()
         return summarize(times, []), []
 
-    args.async_scheduling = async_scheduling
-    args.trace = trace_file or "on"  # spans are always recorded: the gap figures come from them
-    config = make_config(args)
+    # Spans are always recorded: the gap figures come from them.
+    config = msgspec.structs.replace(make_config(args), async_scheduling=async_scheduling, trace=True)
     launcher = Launcher(config, roles=ROLES if args.http else ("scheduler", "gpu_worker"),
                         trace_file=trace_file, profile_dir=os.path.join(args.profile, label) if args.profile else None)
     recorder = TraceRecorder()
@@ -231,9 +231,8 @@ def plot(results: dict[str, dict], spans: dict[str, list], path: str) -> None:
                              gridspec_kw={"height_ratios": [3] + [1] * len(modes)})
     ax = axes[0]
     for m, color in zip(modes, ("tab:blue", "tab:orange")):
-        dev = device_spans(spans[m])
-        if len(dev) > 1:
-            gaps = np.maximum(dev[1:, 0] - dev[:-1, 1], 0) / 1000.0
+        gaps = token_gaps_us(device_spans(spans[m]))
+        if len(gaps):
             bins = np.logspace(0, max(1.0, np.log10(gaps.max() + 1) + 0.1), 50)
             ax.hist(gaps + 1, bins=bins, alpha=0.6, color=color,
                     label=f"{m}: p50 {np.percentile(gaps, 50):.0f} us, p99 {np.percentile(gaps, 99):.0f} us")

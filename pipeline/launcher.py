@@ -75,15 +75,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--debug-token-cache-poison", action="store_true",
                    help="Poison token-id cache entries once consumed and check every placeholder read "
                         "(slower; catches a placeholder resolving to a stale token).")
-    add_sim_and_trace_args(p)
-    p.add_argument("--profile", metavar="DIR", default=None,
-                   help="Record each process with py-spy; one flame graph per process (DIR/<process>.svg) "
-                        "is written when the server stops.")
-    return p
-
-
-def add_sim_and_trace_args(p: argparse.ArgumentParser) -> None:
-    """Flags shared by pipeline-serve and pipeline-bench."""
     p.add_argument("--sim-step-us", type=float, default=10_000.0,
                    help="With --model sim: fixed time of one simulated step, microseconds.")
     p.add_argument("--sim-token-us", type=float, default=0.0,
@@ -91,6 +82,10 @@ def add_sim_and_trace_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", metavar="FILE", default=None,
                    help="Write a Chrome-trace JSON step timeline (one track per process) to FILE on exit; "
                         "open it in Perfetto (ui.perfetto.dev).")
+    p.add_argument("--profile", metavar="DIR", default=None,
+                   help="Record each process with py-spy; one flame graph per process (DIR/<process>.svg) "
+                        "is written when the server stops.")
+    return p
 
 
 def _die(msg: str) -> None:

@@ -86,12 +86,17 @@ def device_spans(spans: list[Span]) -> np.ndarray:
     return np.array([(a, b) for _, a, b in dev], dtype=np.int64).reshape(-1, 2)
 
 
+def token_gaps_us(dev: np.ndarray) -> np.ndarray:
+    """Token gaps in microseconds: start(N+1) − end(N) of consecutive device spans,
+    clamped at 0 (CPU wall-time spans can touch)."""
+    return np.maximum(dev[1:, 0] - dev[:-1, 1], 0) / 1000.0
+
+
 def gap_metrics(dev: np.ndarray) -> dict:
     """Token gap and device-busy fraction over consecutive device spans.
 
-    Token gap = start(N+1) − end(N) (DESIGN.md, "Measuring the token gap"),
-    clamped at 0 (CPU wall-time spans can touch); busy fraction = Σ device
-    time / (last end − first start).
+    Token gap as :func:`token_gaps_us` (DESIGN.md, "Measuring the token
+    gap"); busy fraction = Σ device time / (last end − first start).
 
     Returns:
         ``{"token_gap_us": {p50, p90, p99, max, mean}, "device_busy_fraction"}``
@@ -99,7 +104,7 @@ def gap_metrics(dev: np.ndarray) -> dict:
     """
     if len(dev) < 2:
         return {"token_gap_us": None, "device_busy_fraction": None}
-    gaps = np.maximum(dev[1:, 0] - dev[:-1, 1], 0) / 1000.0
+    gaps = token_gaps_us(dev)
     busy = float((dev[:, 1] - dev[:, 0]).sum()) / float(dev[-1, 1] - dev[0, 0])
     return {
         "token_gap_us": {"p50": float(np.percentile(gaps, 50)), "p90": float(np.percentile(gaps, 90)),
