@@ -13,14 +13,10 @@ from __future__ import annotations
 import random
 from collections import deque
 
-import numpy as np
 import pytest
 
-from pipeline.common.layouts import (
-    DESC_NUM_NEW_BLOCKS, DESC_NUM_REQS, DESC_NUM_TOKENS, DESC_STEP_ID, PLACEHOLDER_TOKEN_ID,
-    step_descriptor_layout,
-)
 from pipeline.common.messages import AddRequest, SamplingParams
+from pipeline.common.step_protocol import PLACEHOLDER_TOKEN_ID, StepDescriptor, StepInputs, read_descriptor
 from pipeline.scheduler_proc.scheduler import Scheduler
 
 EOS = 3
@@ -42,54 +38,53 @@ class ReferenceExecutor:
         self.kv = {}  # (block, offset) -> (req_num, pos, token)
         self.slot_owner = [None] * num_slots
 
-    def execute(self, d: dict, inflight_refs: set) -> tuple[int, list[int], list[int], set]:
-        """Run descriptor ``d``; ``inflight_refs`` holds the slots and blocks of steps in flight.
+    def execute(self, x: StepInputs, inflight_refs: set) -> tuple[int, list[int], list[int], set]:
+        """Run step ``x`` (as the worker reads it); ``inflight_refs`` holds the slots and blocks of steps in flight.
 
         Returns (step id, sampled request numbers, sampled tokens, what this step references).
         """
-        h = d["header"]
-        n, t, nb = int(h[DESC_NUM_REQS]), int(h[DESC_NUM_TOKENS]), int(h[DESC_NUM_NEW_BLOCKS])
-        for s, i, b in zip(d["nb_slot"][:nb], d["nb_index"][:nb], d["nb_block"][:nb]):
-            assert ("block", int(b)) not in inflight_refs, f"block {b} reused while a step in flight reads it"
-            self.block_table[s][int(i)] = int(b)
+        for s, i, b in x.new_blocks.T.tolist():
+            assert ("block", b) not in inflight_refs, f"block {b} reused while a step in flight reads it"
+            self.block_table[s][i] = b
         refs = set()
-        tok = d["token_ids"][:t].tolist()
+        tok = x.token_ids.tolist()
+        new_rows, sample_rows = set(x.new_rows.tolist()), set(x.sample_rows.tolist())
         off, out_req, out_tok = 0, [], []
-        for r in range(n):
-            req, slot = int(d["req_num"][r]), int(d["slot"][r])
-            k, start = int(d["num_scheduled_tokens"][r]), int(d["start_pos"][r])
-            if d["is_new"][r]:
+        for r in range(len(x.req_num)):
+            req, slot = int(x.req_num[r]), int(x.slot[r])
+            k, start = int(x.query_lens[r]), int(x.start_pos[r])
+            if r in new_rows:
                 assert ("slot", slot) not in inflight_refs, f"slot {slot} reused while a step in flight reads it"
                 self.slot_owner[slot] = req
                 self.token_cache[slot] = None
             assert self.slot_owner[slot] == req, "slot shared by two live requests"
             for j in range(k):
-                pos, x = start + j, tok[off + j]
-                if x == PLACEHOLDER_TOKEN_ID:
+                pos, t = start + j, tok[off + j]
+                if t == PLACEHOLDER_TOKEN_ID:
                     cached = self.token_cache[slot]
                     assert cached is not None, f"placeholder of req {req} read a consumed/empty cache entry"
-                    x = cached
+                    t = cached
                     self.token_cache[slot] = None  # poison
                 b = self.block_table[slot][pos // BS]
-                self.kv[(b, pos % BS)] = (req, pos, x)
+                self.kv[(b, pos % BS)] = (req, pos, t)
             refs.add(("slot", slot))
             refs.update(("block", self.block_table[slot][i]) for i in range((start + k - 1) // BS + 1))
             # Every earlier position of this request must be in its own blocks.
             for p in range(start + k):
                 owner = self.kv.get((self.block_table[slot][p // BS], p % BS))
                 assert owner is not None and owner[:2] == (req, p), f"req {req} pos {p}: KV holds {owner}"
-            if d["do_sample"][r]:
+            if r in sample_rows:
                 y = sampled_token(req, start + k - 1)
                 self.token_cache[slot] = y
                 out_req.append(req)
                 out_tok.append(y)
             off += k
-        return int(h[DESC_STEP_ID]), out_req, out_tok, refs
+        return x.step_id, out_req, out_tok, refs
 
 
 def run(requests, depth: int, max_num_seqs=8, budget=16, num_blocks=64, abort_at=None, seed=0):
     """Drive a Scheduler with ``depth`` steps in flight; return outputs per request."""
-    layout = step_descriptor_layout(max_num_seqs, budget, BS)
+    layout = StepDescriptor.layout(max_num_seqs, budget, BS)
     sched = Scheduler(max_num_seqs, budget, BS, num_blocks, max_blocks_per_seq=16)
     ex = ReferenceExecutor(max_num_seqs, num_blocks)
     outputs = {r.req_num: [] for r in requests}
@@ -103,10 +98,10 @@ def run(requests, depth: int, max_num_seqs=8, budget=16, num_blocks=64, abort_at
             sched.add_request(pending.popleft())
         if len(inflight) < depth and sched.num_unfinished:
             buf = bytearray(layout.nbytes)
-            d = layout.views(buf)
+            d = StepDescriptor(layout.views(buf))
             if sched.schedule(d):
                 refs = set().union(*(x[3] for x in inflight)) if inflight else set()
-                inflight.append(ex.execute(d, refs))
+                inflight.append(ex.execute(read_descriptor(d), refs))
                 step += 1
                 if abort_at and step in abort_at:
                     sched.abort_request(abort_at[step])
@@ -117,7 +112,7 @@ def run(requests, depth: int, max_num_seqs=8, budget=16, num_blocks=64, abort_at
             for r, t in zip(reqs, toks):
                 if r not in finished and r in sched.requests:
                     outputs[r].append(t)
-            finished.update(sched.process_output(sid, np.array(reqs, dtype=np.int64), np.array(toks, dtype=np.int32)))
+            finished.update(sched.process_output(sid, reqs, toks))
         elif pending:
             sched.add_request(pending.popleft())
     assert sched.pool.num_free_blocks == num_blocks, "KV blocks leaked"
@@ -179,9 +174,9 @@ def test_aborts_free_everything():
 
 
 def test_schedule_returns_zero_without_work():
-    layout = step_descriptor_layout(4, 16, BS)
+    layout = StepDescriptor.layout(4, 16, BS)
     sched = Scheduler(4, 16, BS, 16, 16)
-    assert sched.schedule(layout.views(bytearray(layout.nbytes))) == 0
+    assert sched.schedule(StepDescriptor(layout.views(bytearray(layout.nbytes)))) == 0
     assert sched.next_step_id == 0
 
 

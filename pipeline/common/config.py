@@ -4,18 +4,10 @@ from __future__ import annotations
 
 import msgspec
 
-from pipeline.common.layouts import Layout, step_descriptor_layout, step_output_layout
+from pipeline.common.constants import cdiv
+from pipeline.common.layouts import Layout
 from pipeline.common.shm_ring import ShmRing
-
-# At most two steps are in flight in async mode (N running, N+1 queued), so
-# two descriptor slots would do; the spare ones let the scheduler publish
-# while the worker still holds the slot it is reading.
-DESCRIPTOR_RING_SLOTS = 4
-# Outputs are read by two processes at different paces; extra slots absorb
-# io_proc falling behind for a few steps without stalling the worker.
-OUTPUT_RING_SLOTS = 16
-# Reader indices on the output ring.
-OUTPUT_READER_SCHEDULER, OUTPUT_READER_IO = 0, 1
+from pipeline.common.step_protocol import DESCRIPTOR_RING_SLOTS, OUTPUT_RING_SLOTS, StepDescriptor, StepOutput
 
 
 class EngineConfig(msgspec.Struct, frozen=True):
@@ -78,15 +70,15 @@ class EngineConfig(msgspec.Struct, frozen=True):
     @property
     def max_blocks_per_seq(self) -> int:
         """Width of a block-table row."""
-        return -(-self.max_model_len // self.block_size)
+        return cdiv(self.max_model_len, self.block_size)
 
     @property
     def descriptor_layout(self) -> Layout:
-        return step_descriptor_layout(self.max_num_seqs, self.max_num_batched_tokens, self.block_size)
+        return StepDescriptor.layout(self.max_num_seqs, self.max_num_batched_tokens, self.block_size)
 
     @property
     def output_layout(self) -> Layout:
-        return step_output_layout(self.max_num_seqs)
+        return StepOutput.layout(self.max_num_seqs)
 
     @property
     def descriptor_ring_name(self) -> str:
@@ -96,13 +88,14 @@ class EngineConfig(msgspec.Struct, frozen=True):
     def output_ring_name(self) -> str:
         return f"/pipeline-{self.instance}-out"
 
-    def descriptor_ring(self, create: bool = False) -> ShmRing:
+    def descriptor_ring(self, create: bool = False) -> ShmRing[StepDescriptor]:
         """The StepDescriptor ring (scheduler writes, worker reads); ``create`` in the launcher only."""
-        return ShmRing(self.descriptor_ring_name, self.descriptor_layout, DESCRIPTOR_RING_SLOTS, 1, create)
+        return ShmRing(self.descriptor_ring_name, self.descriptor_layout, DESCRIPTOR_RING_SLOTS, 1, create,
+                       StepDescriptor)
 
-    def output_ring(self, create: bool = False) -> ShmRing:
+    def output_ring(self, create: bool = False) -> ShmRing[StepOutput]:
         """The StepOutput ring (worker writes; scheduler and io_proc read)."""
-        return ShmRing(self.output_ring_name, self.output_layout, OUTPUT_RING_SLOTS, 2, create)
+        return ShmRing(self.output_ring_name, self.output_layout, OUTPUT_RING_SLOTS, 2, create, StepOutput)
 
     @property
     def control_address(self) -> str:

@@ -17,18 +17,22 @@ writer's n-th publish is every reader's n-th acquire.
 from __future__ import annotations
 
 import mmap
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import posix_ipc
 
 from pipeline.common.layouts import Layout
 
+SlotT = TypeVar("SlotT")
+
 
 class RingTimeout(Exception):
     """Raised when a ring wait times out."""
 
 
-class ShmRing:
+class ShmRing(Generic[SlotT]):
     """One ring: ``num_slots`` slots of ``layout`` plus its semaphores.
 
     Args:
@@ -38,13 +42,16 @@ class ShmRing:
         num_readers: readers that must each consume every slot.
         create: True in the process that creates the segment (the launcher),
             False in processes that attach to it.
+        wrap: turns a slot's ``{field: view}`` dict into what the acquire
+            calls return (e.g. a typed view class); by default the dict itself.
 
     Raises:
         posix_ipc.ExistentialError: creating a name that exists, or
             attaching to one that does not.
     """
 
-    def __init__(self, name: str, layout: Layout, num_slots: int, num_readers: int, create: bool):
+    def __init__(self, name: str, layout: Layout, num_slots: int, num_readers: int, create: bool,
+                 wrap: Callable[[dict[str, np.ndarray]], Any] = dict):
         if not name.startswith("/"):
             raise ValueError(f"ring name must start with '/': {name!r}")
         self.name, self.layout, self.num_slots, self.num_readers = name, layout, num_slots, num_readers
@@ -56,14 +63,14 @@ class ShmRing:
         self._full = [posix_ipc.Semaphore(f"{name}-full{r}", flags, initial_value=0) for r in range(num_readers)]
         self._empty = [posix_ipc.Semaphore(f"{name}-empty{r}", flags, initial_value=num_slots)
                        for r in range(num_readers)]
-        self._slots = [layout.views(self._mmap, i * layout.nbytes) for i in range(num_slots)]
+        self._slots: list[SlotT] = [wrap(layout.views(self._mmap, i * layout.nbytes)) for i in range(num_slots)]
         self._write_idx = 0
         self._write_taken = 0  # readers whose `empty` was taken for the next slot
         self._read_idx = [0] * num_readers
 
     # -- writer side ---------------------------------------------------------
 
-    def acquire_write(self, timeout: float | None = None) -> dict[str, np.ndarray]:
+    def acquire_write(self, timeout: float | None = None) -> SlotT:
         """Wait until the next slot is free in every reader; return its views.
 
         Args:
@@ -92,7 +99,7 @@ class ShmRing:
 
     # -- reader side ---------------------------------------------------------
 
-    def acquire_read(self, reader: int, timeout: float | None = None) -> dict[str, np.ndarray]:
+    def acquire_read(self, reader: int, timeout: float | None = None) -> SlotT:
         """Wait for the next published slot for ``reader``; return its views.
 
         The views stay valid until :meth:`release_read`; copy what must outlive it.

@@ -2,9 +2,9 @@
 
 Every time is ``time.monotonic_ns()`` (one system-wide clock, so spans from
 different processes line up). A span is ``(role, track, name, step_id,
-start_ns, end_ns)``. The worker's spans travel in each StepOutput header
-(prepare, launch, device) and are recorded by whoever reads the output ring
-for io_proc; the scheduler records its planning spans itself.
+start_ns, end_ns)``. Each process records its own spans and writes them
+to ``EngineConfig.trace_path(role)`` when it exits; the launcher merges the
+files.
 
 The merged file is Chrome's Trace Event Format (JSON object with
 ``traceEvents``, complete events ``"ph": "X"`` in microseconds, one ``pid``
@@ -17,11 +17,6 @@ import json
 from pathlib import Path
 
 import numpy as np
-
-from pipeline.common.layouts import (
-    OUT_DEVICE_END_NS, OUT_DEVICE_START_NS, OUT_LAUNCH_NS, OUT_PREPARE_END_NS, OUT_PREPARE_START_NS,
-    OUT_STEP_ID,
-)
 
 Span = tuple[str, str, str, int, int, int]
 # Processes in the order their tracks appear.
@@ -36,14 +31,6 @@ class TraceRecorder:
 
     def add(self, role: str, track: str, name: str, step_id: int, start_ns: int, end_ns: int) -> None:
         self.spans.append((role, track, name, int(step_id), int(start_ns), int(end_ns)))
-
-    def add_worker_step(self, header: np.ndarray) -> None:
-        """Record the worker's spans carried by a StepOutput ``header`` (int64 view)."""
-        h = header.tolist()
-        step = h[OUT_STEP_ID]
-        self.add("gpu_worker", "host", "prepare", step, h[OUT_PREPARE_START_NS], h[OUT_PREPARE_END_NS])
-        self.add("gpu_worker", "host", "launch", step, h[OUT_PREPARE_END_NS], h[OUT_LAUNCH_NS])
-        self.add("gpu_worker", "device", "step", step, h[OUT_DEVICE_START_NS], h[OUT_DEVICE_END_NS])
 
     def dump(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.spans))
@@ -95,8 +82,8 @@ def token_gaps_us(dev: np.ndarray) -> np.ndarray:
 def gap_metrics(dev: np.ndarray) -> dict:
     """Token gap and device-busy fraction over consecutive device spans.
 
-    Token gap as :func:`token_gaps_us` (DESIGN.md, "Measuring the token
-    gap"); busy fraction = Σ device time / (last end − first start).
+    Token gap as :func:`token_gaps_us` (docs/design.md, "Measuring the
+    token gap"); busy fraction = Σ device time / (last end − first start).
 
     Returns:
         ``{"token_gap_us": {p50, p90, p99, max, mean}, "device_busy_fraction"}``

@@ -16,54 +16,72 @@ from collections import deque
 import torch
 
 from pipeline.common.config import EngineConfig
-from pipeline.common.layouts import (
-    OUT_DEVICE_END_NS, OUT_DEVICE_START_NS, OUT_LAUNCH_NS, OUT_NUM_ROWS, OUT_PREPARE_END_NS,
-    OUT_PREPARE_START_NS, OUT_PUBLISH_NS, OUT_STEP_ID,
-)
-from pipeline.common.process import child_setup, report
+from pipeline.common.constants import POLL_INTERVAL_S
+from pipeline.common.process import StopFlag, child_setup, report
 from pipeline.common.shm_ring import RingTimeout, ShmRing
-from pipeline.gpu_worker.model_runner import LaunchedStep, ModelRunner, read_descriptor
+from pipeline.common.step_protocol import DESCRIPTOR_READER_WORKER, StepDescriptor, StepOutput, read_descriptor
+from pipeline.common.trace import TraceRecorder
+from pipeline.gpu_worker.model_runner import LaunchedStep, ModelRunner
 from pipeline.gpu_worker.sim_device import SimulatedDevice
 
-_IDLE_POLL_S = 0.2
 # While a launched step runs on the device, look for the next descriptor this often.
 _BUSY_POLL_S = 0.0002
 
 
-def publish(out_ring: ShmRing, step: LaunchedStep, stop) -> None:
-    """Write ``step``'s sampled tokens and timings into the output ring."""
-    while True:
-        try:
-            out = out_ring.acquire_write(timeout=_IDLE_POLL_S)
-            break
-        except RingTimeout:
-            if stop.is_set():
-                return
-    n = len(step.req_num)
-    h = out["header"]
-    h[OUT_STEP_ID], h[OUT_NUM_ROWS] = step.step_id, n
-    h[OUT_PREPARE_START_NS], h[OUT_PREPARE_END_NS], h[OUT_LAUNCH_NS] = \
-        step.prepare_start_ns, step.prepare_end_ns, step.launch_ns
-    h[OUT_DEVICE_START_NS], h[OUT_DEVICE_END_NS] = step.device_start_ns, step.device_end_ns
-    out["req_num"][:n] = step.req_num
-    out["token_id"][:n] = step.tokens.numpy()
-    h[OUT_PUBLISH_NS] = time.monotonic_ns()
-    out_ring.publish()
+class WorkerProc:
+    """Owns the model runner and both rings; :meth:`run` is the process body.
 
+    With ``config.trace`` it records, per step, the host spans ``prepare``
+    (descriptor read to inputs ready) and ``launch`` (inputs ready to the
+    step enqueued) and the ``device`` span, and writes them to
+    ``config.trace_path("gpu_worker")`` in :meth:`close`.
+    """
 
-def serve(runner: ModelRunner, desc_ring: ShmRing, out_ring: ShmRing, stop) -> None:
-    """Run steps until ``stop.is_set()``."""
-    pending: deque[LaunchedStep] = deque()
-    while not stop.is_set():
-        while pending and pending[0].is_done():
-            publish(out_ring, runner.finish(pending.popleft()), stop)
-        try:
-            desc = desc_ring.acquire_read(0, timeout=_BUSY_POLL_S if pending else _IDLE_POLL_S)
-        except RingTimeout:
-            continue
-        inputs = read_descriptor(desc)
-        desc_ring.release_read(0)
-        pending.append(runner.launch(inputs))
+    def __init__(self, config: EngineConfig, runner: ModelRunner, desc_ring: ShmRing[StepDescriptor],
+                 out_ring: ShmRing[StepOutput]):
+        self.config, self.runner = config, runner
+        self.desc_ring, self.out_ring = desc_ring, out_ring
+        self.pending: deque[LaunchedStep] = deque()
+        self.trace = TraceRecorder() if config.trace else None
+
+    def run(self, stop: StopFlag) -> None:
+        """Run steps until ``stop.is_set()``."""
+        while not stop.is_set():
+            while self.pending and self.pending[0].is_done():
+                self._publish(self.runner.finish(self.pending.popleft()), stop)
+            try:
+                desc = self.desc_ring.acquire_read(DESCRIPTOR_READER_WORKER,
+                                                   timeout=_BUSY_POLL_S if self.pending else POLL_INTERVAL_S)
+            except RingTimeout:
+                continue
+            t0 = time.monotonic_ns()
+            inputs = read_descriptor(desc)
+            self.desc_ring.release_read(DESCRIPTOR_READER_WORKER)
+            self.pending.append(self.runner.launch(inputs, t0))
+
+    def _publish(self, step: LaunchedStep, stop: StopFlag) -> None:
+        """Write ``step``'s sampled tokens into the output ring."""
+        while True:
+            try:
+                out = self.out_ring.acquire_write(timeout=POLL_INTERVAL_S)
+                break
+            except RingTimeout:
+                if stop.is_set():
+                    return
+        out.write(step.step_id, step.req_num, step.tokens.numpy())
+        self.out_ring.publish()
+        if self.trace is not None:
+            s = step.step_id
+            self.trace.add("gpu_worker", "host", "prepare", s, step.prepare_start_ns, step.prepare_end_ns)
+            self.trace.add("gpu_worker", "host", "launch", s, step.prepare_end_ns, step.launch_ns)
+            self.trace.add("gpu_worker", "device", "step", s, step.device_start_ns, step.device_end_ns)
+
+    def close(self) -> None:
+        """Write the trace (if recording) and detach from the rings."""
+        if self.trace is not None:
+            self.trace.dump(self.config.trace_path("gpu_worker"))
+        self.desc_ring.close()
+        self.out_ring.close()
 
 
 def load_runner(config: EngineConfig) -> ModelRunner:
@@ -92,8 +110,8 @@ def run_gpu_worker(config: EngineConfig, status_conn) -> None:
         report(status_conn, "error", "gpu_worker", f"could not load model {config.model!r}: {e}")
         raise SystemExit(1)
     report(status_conn, "ready", "gpu_worker")
+    proc = WorkerProc(config, runner, desc_ring, out_ring)
     try:
-        serve(runner, desc_ring, out_ring, stop)
+        proc.run(stop)
     finally:
-        desc_ring.close()
-        out_ring.close()
+        proc.close()

@@ -1,6 +1,6 @@
 """Turns a StepDescriptor into a forward pass and sampled tokens.
 
-The runner keeps per-slot state on the device (DESIGN.md, "The step
+The runner keeps per-slot state on the device (docs/design.md, "The step
 protocol"): the token-id cache (last token sampled for each slot), the
 block table, and sampling parameters. Placeholder input tokens are resolved
 from the token-id cache on the device, in stream order after the previous
@@ -18,9 +18,7 @@ import numpy as np
 import torch
 
 from pipeline.common.config import EngineConfig
-from pipeline.common.layouts import (
-    DESC_NUM_NEW_BLOCKS, DESC_NUM_REQS, DESC_NUM_TOKENS, DESC_STEP_ID, PLACEHOLDER_TOKEN_ID,
-)
+from pipeline.common.step_protocol import PLACEHOLDER_TOKEN_ID, StepInputs
 from pipeline.gpu_worker.attention import AttentionMetadata
 from pipeline.gpu_worker.sampler import sample
 from pipeline.gpu_worker.sim_device import SimEvent, SimulatedDevice, sim_next_tokens
@@ -32,29 +30,6 @@ POISON_TOKEN_ID = -7
 
 class StaleTokenError(RuntimeError):
     """A placeholder resolved to a token-id cache entry that was already consumed."""
-
-
-@dataclass
-class StepInputs:
-    """Host copies of one StepDescriptor, taken before its ring slot is released.
-
-    Arrays are numpy; ``rows`` index requests, ``tokens`` index tokens.
-    """
-
-    step_id: int
-    req_num: np.ndarray  # [R] int64
-    slot: np.ndarray  # [R] int64
-    query_lens: np.ndarray  # [R] int64
-    start_pos: np.ndarray  # [R] int64
-    sample_rows: np.ndarray  # [S] int64, rows whose last token is sampled
-    new_rows: np.ndarray  # [K] int64, rows whose slot starts a request
-    temperature: np.ndarray  # [K] float32 (for new_rows)
-    top_p: np.ndarray  # [K] float32
-    top_k: np.ndarray  # [K] int32
-    seed: np.ndarray  # [K] int64
-    token_ids: np.ndarray  # [T] int64, PLACEHOLDER_TOKEN_ID where unresolved
-    new_blocks: np.ndarray  # [3, B] int64: slot, index, block id
-    prepare_start_ns: int
 
 
 @dataclass
@@ -74,30 +49,6 @@ class LaunchedStep:
 
     def is_done(self) -> bool:
         return self.done is None or self.done.query()
-
-
-def read_descriptor(desc: dict[str, np.ndarray]) -> StepInputs:
-    """Copy what the step needs out of a StepDescriptor ring slot."""
-    t0 = time.monotonic_ns()
-    h = desc["header"]
-    r, t, b = int(h[DESC_NUM_REQS]), int(h[DESC_NUM_TOKENS]), int(h[DESC_NUM_NEW_BLOCKS])
-    new_rows = np.flatnonzero(desc["is_new"][:r])
-    return StepInputs(
-        step_id=int(h[DESC_STEP_ID]),
-        req_num=desc["req_num"][:r].copy(),
-        slot=desc["slot"][:r].astype(np.int64),
-        query_lens=desc["num_scheduled_tokens"][:r].astype(np.int64),
-        start_pos=desc["start_pos"][:r].astype(np.int64),
-        sample_rows=np.flatnonzero(desc["do_sample"][:r]),
-        new_rows=new_rows,
-        temperature=desc["temperature"][new_rows],
-        top_p=desc["top_p"][new_rows],
-        top_k=desc["top_k"][new_rows],
-        seed=desc["seed"][new_rows],
-        token_ids=desc["token_ids"][:t].astype(np.int64),
-        new_blocks=np.stack([desc["nb_slot"][:b], desc["nb_index"][:b], desc["nb_block"][:b]]).astype(np.int64),
-        prepare_start_ns=t0,
-    )
 
 
 class ModelRunner:
@@ -146,8 +97,11 @@ class ModelRunner:
         return t
 
     @torch.inference_mode()
-    def launch(self, x: StepInputs) -> LaunchedStep:
+    def launch(self, x: StepInputs, prepare_start_ns: int) -> LaunchedStep:
         """Enqueue step ``x`` on the device: state updates, forward, sampling.
+
+        ``prepare_start_ns`` (``time.monotonic_ns()``) is when the worker
+        started reading the step; it goes into the step's trace spans.
 
         Every tensor the step reads is written in stream order before it, so
         per-slot state of steps still queued is never changed under them.
@@ -189,7 +143,7 @@ class ModelRunner:
         sample_slots = x.slot[x.sample_rows]
         sample_slots_t = dev(sample_slots)
         step = LaunchedStep(step_id=x.step_id, req_num=x.req_num[x.sample_rows], tokens=None, done=None,
-                            start_event=None, prepare_start_ns=x.prepare_start_ns, prepare_end_ns=prepare_end,
+                            start_event=None, prepare_start_ns=prepare_start_ns, prepare_end_ns=prepare_end,
                             launch_ns=0)
         if self.sim is not None:
             # The simulated kernel reads the resolved inputs like the model would.

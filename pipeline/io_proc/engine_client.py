@@ -29,18 +29,17 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from pipeline.common.config import OUTPUT_READER_IO, EngineConfig
-from pipeline.common.layouts import OUT_NUM_ROWS, OUT_STEP_ID
+from pipeline.common.config import EngineConfig
+from pipeline.common.constants import POLL_INTERVAL_S
 from pipeline.common.messages import (AbortRequest, AddRequest, FinishReason, GetStats, SamplingParams, Stats,
                                       ToIO)
 from pipeline.common.shm_ring import RingTimeout, ShmRing
+from pipeline.common.step_protocol import OUTPUT_READER_IO, StepOutput
 from pipeline.common.trace import TraceRecorder
 from pipeline.io_proc.detokenizer import DecodeFn, OutputProcessor
 
 logger = logging.getLogger(__name__)
 
-# How long one ring wait lasts before the reader thread rechecks for shutdown.
-_RING_POLL_S = 0.2
 # Control messages queued towards a scheduler that does not read them before
 # sends fail (EngineUnavailable) instead of blocking the event loop.
 _CONTROL_SNDHWM = 100_000
@@ -152,8 +151,7 @@ class EngineClient:
         ring: the output ring, attached (``create=False``) with two readers.
         decode: see :data:`~pipeline.io_proc.detokenizer.DecodeFn`; used only
             by the reader thread.
-        trace: if given, the reader thread records the worker's spans from
-            each StepOutput header and its own per-step handling span.
+        trace: if given, the reader thread records its per-step handling span.
 
     Raises:
         zmq.ZMQError: the reply address cannot be bound.
@@ -164,7 +162,7 @@ class EngineClient:
     as "abort").
     """
 
-    def __init__(self, config: EngineConfig, ring: ShmRing, decode: DecodeFn, trace: TraceRecorder | None = None):
+    def __init__(self, config: EngineConfig, ring: ShmRing[StepOutput], decode: DecodeFn, trace: TraceRecorder | None = None):
         self._ring = ring
         self._trace = trace
         self._decode = decode
@@ -338,24 +336,18 @@ class EngineClient:
         try:
             while not self._closing.is_set():
                 try:
-                    views = ring.acquire_read(reader, timeout=_RING_POLL_S)
+                    slot = ring.acquire_read(reader, timeout=POLL_INTERVAL_S)
                 except RingTimeout:
                     continue
                 t0 = time.monotonic_ns()
-                header = views["header"]
-                n = int(header[OUT_NUM_ROWS])
-                if self._trace is not None:
-                    self._trace.add_worker_step(header)
-                    step_id = int(header[OUT_STEP_ID])
-                # tolist() copies the rows out, so the slot goes back to the
+                # read() copies the rows out, so the slot goes back to the
                 # worker before any text work is done.
-                req_nums = views["req_num"][:n].tolist()
-                token_ids = views["token_id"][:n].tolist()
+                out = slot.read()
                 ring.release_read(reader)
-                if n:
-                    self._process_step(req_nums, token_ids)
+                if out.req_nums:
+                    self._process_step(out.req_nums, out.token_ids)
                 if self._trace is not None:
-                    self._trace.add("io_proc", "output", "detokenize", step_id, t0, time.monotonic_ns())
+                    self._trace.add("io_proc", "output", "detokenize", out.step_id, t0, time.monotonic_ns())
         except BaseException as e:
             self.reader_error = e
             logger.exception("output reader thread failed")

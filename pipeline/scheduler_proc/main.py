@@ -1,9 +1,10 @@
 """scheduler_proc: the process that plans steps.
 
 Loop: take control messages (zmq), plan a step into the descriptor ring
-whenever fewer than ``max_inflight`` steps are in flight (2 with
-asynchronous scheduling, 1 in lock step), otherwise wait on the output ring
-for the oldest step's tokens. Imports neither torch nor model code.
+whenever fewer than ``max_inflight`` steps are in flight
+(:data:`~pipeline.common.step_protocol.MAX_INFLIGHT_STEPS` with asynchronous
+scheduling, 1 in lock step), otherwise wait on the output ring for the oldest
+step's tokens. Imports neither torch nor model code.
 """
 
 from __future__ import annotations
@@ -14,33 +15,27 @@ from collections import deque
 import msgspec
 import zmq
 
-from pipeline.common.config import (
-    OUTPUT_READER_SCHEDULER, EngineConfig,
-)
-from pipeline.common.layouts import DESC_PLAN_END_NS, DESC_PLAN_START_NS, OUT_NUM_ROWS, OUT_STEP_ID
-from pipeline.common.messages import (
-    AbortRequest, AddRequest, GetStats, Shutdown, Stats, ToScheduler,
-)
+from pipeline.common.config import EngineConfig
+from pipeline.common.constants import POLL_INTERVAL_S
+from pipeline.common.messages import AbortRequest, AddRequest, GetStats, Shutdown, Stats, ToScheduler
 from pipeline.common.process import child_setup, report
 from pipeline.common.shm_ring import RingTimeout, ShmRing
+from pipeline.common.step_protocol import MAX_INFLIGHT_STEPS, OUTPUT_READER_SCHEDULER, StepDescriptor, StepOutput
 from pipeline.common.trace import TraceRecorder
 from pipeline.scheduler_proc.scheduler import Scheduler
 
-# How long a blocked wait lasts before the loop looks at the stop flag again.
-_IDLE_POLL_S = 0.2
 
-
-class SchedulerLoop:
+class SchedulerProc:
     """Owns the scheduler, its rings and sockets; :meth:`run` is the process body."""
 
-    def __init__(self, config: EngineConfig, desc_ring: ShmRing, out_ring: ShmRing,
+    def __init__(self, config: EngineConfig, desc_ring: ShmRing[StepDescriptor], out_ring: ShmRing[StepOutput],
                  control: zmq.Socket, replies: zmq.Socket):
         self.config = config
         self.desc_ring, self.out_ring = desc_ring, out_ring
         self.control, self.replies = control, replies
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, config.block_size,
                                    config.num_kv_blocks, config.max_blocks_per_seq)
-        self.max_inflight = 2 if config.async_scheduling else 1
+        self.max_inflight = MAX_INFLIGHT_STEPS if config.async_scheduling else 1
         self.inflight: deque[int] = deque()
         self.trace = TraceRecorder() if config.trace else None
         self._decoder = msgspec.msgpack.Decoder(ToScheduler)
@@ -58,7 +53,7 @@ class SchedulerLoop:
             if self.inflight:
                 self._await_output()
             else:  # nothing runs and nothing can: sleep in zmq until a message comes
-                wait_ms = int(_IDLE_POLL_S * 1000)
+                wait_ms = int(POLL_INTERVAL_S * 1000)
 
     def _drain_control(self, timeout_ms: int) -> None:
         if not self.control.poll(timeout_ms):
@@ -80,37 +75,33 @@ class SchedulerLoop:
 
     def _plan_step(self) -> bool:
         try:
-            desc = self.desc_ring.acquire_write(timeout=_IDLE_POLL_S)
+            desc = self.desc_ring.acquire_write(timeout=POLL_INTERVAL_S)
         except RingTimeout:
             return False
         t0 = time.monotonic_ns()
         step_id = self.scheduler.next_step_id
         if not self.scheduler.schedule(desc):
             return False  # slot stays acquired for the next try
-        t1 = time.monotonic_ns()
-        desc["header"][DESC_PLAN_START_NS], desc["header"][DESC_PLAN_END_NS] = t0, t1
         self.desc_ring.publish()
         if self.trace is not None:
-            self.trace.add("scheduler", "plan", "plan", step_id, t0, t1)
+            self.trace.add("scheduler", "plan", "plan", step_id, t0, time.monotonic_ns())
         self.inflight.append(step_id)
         return True
 
     def _await_output(self) -> None:
         try:
-            out = self.out_ring.acquire_read(OUTPUT_READER_SCHEDULER, timeout=_IDLE_POLL_S)
+            slot = self.out_ring.acquire_read(OUTPUT_READER_SCHEDULER, timeout=POLL_INTERVAL_S)
         except RingTimeout:
             return
-        step_id = int(out["header"][OUT_STEP_ID])
-        n = int(out["header"][OUT_NUM_ROWS])
-        expected = self.inflight.popleft()
-        if step_id != expected:
-            raise RuntimeError(f"worker reported step {step_id}, expected {expected}")
         t0 = time.monotonic_ns()
-        req_nums, tokens = out["req_num"][:n].copy(), out["token_id"][:n].copy()
+        out = slot.read()
         self.out_ring.release_read(OUTPUT_READER_SCHEDULER)
-        self.scheduler.process_output(step_id, req_nums, tokens)
+        expected = self.inflight.popleft()
+        if out.step_id != expected:
+            raise RuntimeError(f"worker reported step {out.step_id}, expected {expected}")
+        self.scheduler.process_output(out.step_id, out.req_nums, out.token_ids)
         if self.trace is not None:
-            self.trace.add("scheduler", "plan", "process_output", step_id, t0, time.monotonic_ns())
+            self.trace.add("scheduler", "plan", "process_output", out.step_id, t0, time.monotonic_ns())
 
     def _stats(self, nonce: int) -> Stats:
         s = self.scheduler
@@ -132,7 +123,7 @@ def run_scheduler(config: EngineConfig, status_conn) -> None:
     replies = ctx.socket(zmq.PUSH)
     replies.connect(config.reply_address)
     try:
-        loop = SchedulerLoop(config, desc_ring, out_ring, control, replies)
+        loop = SchedulerProc(config, desc_ring, out_ring, control, replies)
     except ValueError as e:
         report(status_conn, "error", "scheduler", str(e))
         raise SystemExit(1)

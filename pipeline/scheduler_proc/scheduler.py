@@ -3,7 +3,7 @@
 The scheduler plans step N+1 while step N runs, assuming every decoding
 request produces exactly one token in N. That token is not known yet, so
 N+1's input for it is :data:`PLACEHOLDER_TOKEN_ID`, which the worker resolves
-on the device from its token-id cache (DESIGN.md, "The step protocol").
+on the device from its token-id cache (docs/design.md, "The step protocol").
 Planning uses plain Python and numpy: no torch, no model code.
 
 Policy (as vLLM v1's scheduler): running requests first, in arrival order,
@@ -18,12 +18,10 @@ from __future__ import annotations
 
 from collections import deque
 
-import numpy as np
 
-from pipeline.common.layouts import (
-    DESC_NUM_NEW_BLOCKS, DESC_NUM_REQS, DESC_NUM_TOKENS, DESC_STEP_ID, PLACEHOLDER_TOKEN_ID,
-)
+from pipeline.common.constants import cdiv
 from pipeline.common.messages import AddRequest, SamplingParams, check_finish
+from pipeline.common.step_protocol import PLACEHOLDER_TOKEN_ID, DescriptorBuilder, StepDescriptor
 from pipeline.scheduler_proc.kv_block_pool import BlockPool
 
 
@@ -99,6 +97,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.next_step_id = 0
         self.num_preemptions = 0
+        self._builder = DescriptorBuilder()
 
     # -- control ----------------------------------------------------------------
 
@@ -122,8 +121,8 @@ class Scheduler:
 
     # -- planning ---------------------------------------------------------------
 
-    def schedule(self, desc: dict[str, np.ndarray]) -> int:
-        """Plan the next step into the StepDescriptor views ``desc``.
+    def schedule(self, desc: StepDescriptor) -> int:
+        """Plan the next step into the descriptor slot ``desc``.
 
         Returns:
             The number of requests planned; 0 means nothing could run now
@@ -132,7 +131,7 @@ class Scheduler:
         step_id = self.next_step_id
         budget = self.max_num_batched_tokens
         rows: list[tuple[Request, int, bool]] = []  # (request, num tokens, do_sample)
-        new_blocks: list[tuple[int, int, int]] = []  # (slot, index in row, block id)
+        self._builder.clear()
 
         for req in list(self.running):
             if budget == 0 or len(rows) == self.max_num_seqs:
@@ -145,7 +144,7 @@ class Scheduler:
                 n = 1
             else:  # its last token is in flight; it finishes when that arrives
                 continue
-            if not self._grow_blocks(req, n, new_blocks):
+            if not self._grow_blocks(req, n):
                 continue
             rows.append((req, n, req.num_computed_tokens + n >= req.num_known_tokens))
             budget -= n
@@ -157,29 +156,29 @@ class Scheduler:
             n = min(req.num_known_tokens, budget)
             if self.pool.num_free_slots == 0:
                 break
-            need = -(-n // self.block_size)
+            need = cdiv(n, self.block_size)
             if need > self.pool.num_free_blocks:
                 break
             self.waiting.popleft()
             req.slot = self.pool.allocate_slot()
             req.is_new_in_slot = True
-            self._grow_blocks(req, n, new_blocks)
+            self._grow_blocks(req, n)
             self.running.append(req)
             rows.append((req, n, n >= req.num_known_tokens))
             budget -= n
 
         if not rows:
             return 0
-        self._write(desc, step_id, rows, new_blocks)
+        self._write(desc, step_id, rows)
         self.next_step_id += 1
         return len(rows)
 
-    def _grow_blocks(self, req: Request, n: int, new_blocks: list[tuple[int, int, int]]) -> bool:
+    def _grow_blocks(self, req: Request, n: int) -> bool:
         """Give ``req`` blocks for its next ``n`` tokens, preempting if needed.
 
         Returns False if ``req`` cannot run this step (it may have been preempted).
         """
-        need = -(-(req.num_computed_tokens + n) // self.block_size) - len(req.block_ids)
+        need = cdiv(req.num_computed_tokens + n, self.block_size) - len(req.block_ids)
         while need > self.pool.num_free_blocks:
             if self.pool.num_free_blocks + self.pool.num_deferred_blocks >= need:
                 return False  # blocks come back when the step in flight completes
@@ -191,58 +190,31 @@ class Scheduler:
             start = len(req.block_ids)
             blocks = self.pool.allocate_blocks(need)
             req.block_ids.extend(blocks)
-            new_blocks.extend((req.slot, start + i, b) for i, b in enumerate(blocks))
+            for i, b in enumerate(blocks):
+                self._builder.add_block(req.slot, start + i, b)
         return True
 
-    def _write(self, desc: dict[str, np.ndarray], step_id: int,
-               rows: list[tuple[Request, int, bool]], new_blocks: list[tuple[int, int, int]]) -> None:
-        n = len(rows)
-        tokens: list[int] = []
-        req_num, slot, num_sched, start, do_sample, is_new = [], [], [], [], [], []
-        new_rows = []
-        for i, (req, k, sample) in enumerate(rows):
+    def _write(self, desc: StepDescriptor, step_id: int, rows: list[tuple[Request, int, bool]]) -> None:
+        b = self._builder
+        for req, k, sample in rows:
             pos = req.num_computed_tokens
             if k == 1:
-                tokens.append(req.token_at(pos))
+                tokens = [req.token_at(pos)]
             else:  # a prefill chunk: every id is known
                 known = req.prompt_token_ids + req.output_token_ids if pos + k > len(req.prompt_token_ids) \
                     else req.prompt_token_ids
-                tokens.extend(known[pos:pos + k])
-            req_num.append(req.req_num)
-            slot.append(req.slot)
-            num_sched.append(k)
-            start.append(pos)
-            do_sample.append(sample)
-            is_new.append(req.is_new_in_slot)
-            if req.is_new_in_slot:
-                new_rows.append(i)
-                req.is_new_in_slot = False
+                tokens = known[pos:pos + k]
+            b.add_row(req.req_num, req.slot, pos, tokens, sample, req.params if req.is_new_in_slot else None)
+            req.is_new_in_slot = False
             req.num_computed_tokens = pos + k
             req.last_step_id = step_id
             if sample:
                 req.num_placeholders += 1
-
-        h = desc["header"]
-        h[DESC_STEP_ID], h[DESC_NUM_REQS], h[DESC_NUM_TOKENS], h[DESC_NUM_NEW_BLOCKS] = \
-            step_id, n, len(tokens), len(new_blocks)
-        desc["req_num"][:n] = req_num
-        desc["slot"][:n] = slot
-        desc["num_scheduled_tokens"][:n] = num_sched
-        desc["start_pos"][:n] = start
-        desc["do_sample"][:n] = do_sample
-        desc["is_new"][:n] = is_new
-        for i in new_rows:
-            p = rows[i][0].params
-            desc["temperature"][i], desc["top_p"][i], desc["top_k"][i], desc["seed"][i] = \
-                p.temperature, p.top_p, p.top_k, p.seed
-        desc["token_ids"][:len(tokens)] = tokens
-        if new_blocks:
-            nb = np.asarray(new_blocks, dtype=np.int32)
-            desc["nb_slot"][:len(nb)], desc["nb_index"][:len(nb)], desc["nb_block"][:len(nb)] = nb.T
+        b.write(desc, step_id)
 
     # -- outputs ----------------------------------------------------------------
 
-    def process_output(self, step_id: int, req_nums: np.ndarray, token_ids: np.ndarray) -> list[int]:
+    def process_output(self, step_id: int, req_nums: list[int], token_ids: list[int]) -> list[int]:
         """Apply StepOutput ``step_id``: append tokens, finish requests, release frees.
 
         A token for a request that finished or was aborted is the one wasted
@@ -252,7 +224,7 @@ class Scheduler:
             ``req_num`` of the requests that finished (stop token or length).
         """
         finished = []
-        for r, t in zip(req_nums.tolist(), token_ids.tolist()):
+        for r, t in zip(req_nums, token_ids):
             req = self.requests.get(r)
             if req is None:
                 continue

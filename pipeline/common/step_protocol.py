@@ -1,0 +1,307 @@
+"""The step protocol: what travels on the two shared-memory rings, and how.
+
+Two messages cross process boundaries once per step (docs/design.md, "The
+step protocol"):
+
+* :class:`StepDescriptor` (scheduler -> worker): what to compute in step N.
+  The scheduler fills it with a :class:`DescriptorBuilder`; the worker copies
+  it out with :func:`read_descriptor` before releasing the ring slot.
+* :class:`StepOutput` (worker -> scheduler and io_proc): the tokens sampled
+  in step N. The worker fills it with :meth:`StepOutput.write`; both readers
+  decode it with :meth:`StepOutput.read`.
+
+Each class is a set of typed numpy views over one ring slot, laid out by
+:class:`~pipeline.common.layouts.Layout`; arrays are sized by the configured
+maxima and the header says how many entries are live. This module is the
+only place that knows the field names, so a misspelt field fails at import
+or in a type checker, not in another process at run time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeline.common.layouts import Layout
+from pipeline.common.messages import SamplingParams
+
+# Token id meaning "the token this slot sampled in the previous step"; the
+# worker resolves it from its on-device token-id cache (docs/design.md,
+# "Placeholders and the token-id cache").
+PLACEHOLDER_TOKEN_ID = -1
+
+# Steps in flight with asynchronous scheduling: N runs on the device while
+# N+1 is queued behind it (docs/design.md, "The in-flight limit"). Lock step
+# keeps one.
+MAX_INFLIGHT_STEPS = 2
+# Two spare descriptor slots beyond the in-flight limit let the scheduler
+# publish N+2's slot while the worker still holds the slot it is reading.
+DESCRIPTOR_RING_SLOTS = MAX_INFLIGHT_STEPS + 2
+# The output ring is read by two processes at different paces; extra slots
+# absorb io_proc falling behind for a few steps without stalling the worker.
+OUTPUT_RING_SLOTS = 16
+# Reader indices: the worker on the descriptor ring; the scheduler and io_proc
+# on the output ring.
+DESCRIPTOR_READER_WORKER = 0
+OUTPUT_READER_SCHEDULER, OUTPUT_READER_IO = 0, 1
+
+
+def max_new_blocks_per_step(max_num_seqs: int, max_num_batched_tokens: int, block_size: int) -> int:
+    """Worst-case number of block-table entries one step can add.
+
+    Each scheduled request's tokens span at most ``ceil(n / block_size) + 1``
+    blocks it did not have, so the sum is bounded by the token budget divided
+    by the block size plus two per request.
+    """
+    return max_num_batched_tokens // block_size + 2 * max_num_seqs
+
+
+class StepDescriptor:
+    """Typed views of one StepDescriptor ring slot.
+
+    Header (int64): ``step_id``, ``num_reqs`` (R), ``num_tokens`` (T),
+    ``num_new_blocks`` (B). Per request ``i < R`` (arrays of length
+    ``max_num_seqs``): ``req_num`` (int64, unique for the server's life),
+    ``slot`` (int32), ``num_scheduled_tokens`` (int32), ``start_pos`` (int32,
+    position of its first scheduled token), ``do_sample`` (uint8: the last
+    scheduled token's logits are sampled), ``is_new`` (uint8: the request's
+    first step in this slot; only then are its sampling parameters
+    ``temperature`` f32, ``top_p`` f32, ``top_k`` i32, ``seed`` i64 valid).
+    Per token ``t < T``: ``token_ids`` (int32, a real id or
+    :data:`PLACEHOLDER_TOKEN_ID`), request-major. Per new block-table entry
+    ``b < B``: ``block_table[nb_slot[b], nb_index[b]] = nb_block[b]`` (int32).
+    """
+
+    __slots__ = ("header", "req_num", "slot", "num_scheduled_tokens", "start_pos", "do_sample", "is_new",
+                 "temperature", "top_p", "top_k", "seed", "token_ids", "nb_slot", "nb_index", "nb_block")
+    header: np.ndarray
+    req_num: np.ndarray
+    slot: np.ndarray
+    num_scheduled_tokens: np.ndarray
+    start_pos: np.ndarray
+    do_sample: np.ndarray
+    is_new: np.ndarray
+    temperature: np.ndarray
+    top_p: np.ndarray
+    top_k: np.ndarray
+    seed: np.ndarray
+    token_ids: np.ndarray
+    nb_slot: np.ndarray
+    nb_index: np.ndarray
+    nb_block: np.ndarray
+
+    _STEP_ID, _NUM_REQS, _NUM_TOKENS, _NUM_NEW_BLOCKS = range(4)
+    HEADER_LEN = 4
+
+    @classmethod
+    def layout(cls, max_num_seqs: int, max_num_batched_tokens: int, block_size: int) -> Layout:
+        """The slot layout for these limits."""
+        s, t = max_num_seqs, max_num_batched_tokens
+        b = max_new_blocks_per_step(max_num_seqs, max_num_batched_tokens, block_size)
+        return Layout.of([
+            ("header", np.int64, cls.HEADER_LEN),
+            ("req_num", np.int64, s),
+            ("slot", np.int32, s),
+            ("num_scheduled_tokens", np.int32, s),
+            ("start_pos", np.int32, s),
+            ("do_sample", np.uint8, s),
+            ("is_new", np.uint8, s),
+            ("temperature", np.float32, s),
+            ("top_p", np.float32, s),
+            ("top_k", np.int32, s),
+            ("seed", np.int64, s),
+            ("token_ids", np.int32, t),
+            ("nb_slot", np.int32, b),
+            ("nb_index", np.int32, b),
+            ("nb_block", np.int32, b),
+        ])
+
+    def __init__(self, views: dict[str, np.ndarray]):
+        for name in self.__slots__:
+            setattr(self, name, views[name])
+
+    @property
+    def step_id(self) -> int:
+        return int(self.header[self._STEP_ID])
+
+    @property
+    def num_reqs(self) -> int:
+        return int(self.header[self._NUM_REQS])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.header[self._NUM_TOKENS])
+
+    @property
+    def num_new_blocks(self) -> int:
+        return int(self.header[self._NUM_NEW_BLOCKS])
+
+
+class DescriptorBuilder:
+    """Collects one step's rows on the scheduler side, then writes them into a slot.
+
+    Rows are added in descriptor order; :meth:`write` fills a
+    :class:`StepDescriptor` and :meth:`clear` readies the builder for the next
+    step (one builder is reused, so planning allocates no per-step objects
+    beyond the row lists).
+    """
+
+    def __init__(self) -> None:
+        self._req_num: list[int] = []
+        self._slot: list[int] = []
+        self._num_tokens: list[int] = []
+        self._start_pos: list[int] = []
+        self._do_sample: list[bool] = []
+        self._is_new: list[bool] = []
+        self._sampling: list[tuple[int, SamplingParams]] = []
+        self._token_ids: list[int] = []
+        self._new_blocks: list[tuple[int, int, int]] = []
+
+    def __len__(self) -> int:
+        """Rows added since the last :meth:`clear`."""
+        return len(self._req_num)
+
+    def clear(self) -> None:
+        for lst in (self._req_num, self._slot, self._num_tokens, self._start_pos, self._do_sample, self._is_new,
+                    self._sampling, self._token_ids, self._new_blocks):
+            lst.clear()
+
+    def add_row(self, req_num: int, slot: int, start_pos: int, token_ids: list[int], do_sample: bool,
+                new_params: SamplingParams | None) -> None:
+        """Schedule ``token_ids`` (positions ``start_pos...``) of request ``req_num`` in ``slot``.
+
+        Args:
+            token_ids: real ids or :data:`PLACEHOLDER_TOKEN_ID`; at least one.
+            do_sample: sample a token from the last scheduled position.
+            new_params: the request's sampling parameters on its first step
+                in ``slot`` (the worker stores them per slot), else None.
+        """
+        if new_params is not None:
+            self._sampling.append((len(self._req_num), new_params))
+        self._req_num.append(req_num)
+        self._slot.append(slot)
+        self._num_tokens.append(len(token_ids))
+        self._start_pos.append(start_pos)
+        self._do_sample.append(do_sample)
+        self._is_new.append(new_params is not None)
+        self._token_ids.extend(token_ids)
+
+    def add_block(self, slot: int, index: int, block_id: int) -> None:
+        """Set ``block_table[slot, index] = block_id`` before the step runs."""
+        self._new_blocks.append((slot, index, block_id))
+
+    def write(self, desc: StepDescriptor, step_id: int) -> None:
+        """Write the collected rows into ``desc`` as step ``step_id``."""
+        n, t, b = len(self._req_num), len(self._token_ids), len(self._new_blocks)
+        h = desc.header
+        h[StepDescriptor._STEP_ID], h[StepDescriptor._NUM_REQS] = step_id, n
+        h[StepDescriptor._NUM_TOKENS], h[StepDescriptor._NUM_NEW_BLOCKS] = t, b
+        desc.req_num[:n] = self._req_num
+        desc.slot[:n] = self._slot
+        desc.num_scheduled_tokens[:n] = self._num_tokens
+        desc.start_pos[:n] = self._start_pos
+        desc.do_sample[:n] = self._do_sample
+        desc.is_new[:n] = self._is_new
+        for i, p in self._sampling:
+            desc.temperature[i], desc.top_p[i], desc.top_k[i], desc.seed[i] = p.temperature, p.top_p, p.top_k, p.seed
+        desc.token_ids[:t] = self._token_ids
+        if b:
+            nb = np.asarray(self._new_blocks, dtype=np.int32)
+            desc.nb_slot[:b], desc.nb_index[:b], desc.nb_block[:b] = nb.T
+
+
+@dataclass
+class StepInputs:
+    """The worker's host copy of one StepDescriptor, taken before its ring slot is released.
+
+    Arrays are numpy int64 unless noted; ``R`` rows (requests), ``T`` tokens,
+    ``S`` sampled rows, ``K`` rows new in their slot, ``B`` new block-table entries.
+    """
+
+    step_id: int
+    req_num: np.ndarray  # [R]
+    slot: np.ndarray  # [R]
+    query_lens: np.ndarray  # [R] tokens scheduled per row
+    start_pos: np.ndarray  # [R] position of each row's first scheduled token
+    sample_rows: np.ndarray  # [S] rows whose last token is sampled
+    new_rows: np.ndarray  # [K] rows whose slot starts a request
+    temperature: np.ndarray  # [K] float32 (for new_rows)
+    top_p: np.ndarray  # [K] float32
+    top_k: np.ndarray  # [K] int32
+    seed: np.ndarray  # [K]
+    token_ids: np.ndarray  # [T], PLACEHOLDER_TOKEN_ID where unresolved
+    new_blocks: np.ndarray  # [3, B]: slot, index in the slot's row, block id
+
+
+def read_descriptor(desc: StepDescriptor) -> StepInputs:
+    """Copy what the worker needs out of a descriptor slot (the slot may be reused after)."""
+    r, t, b = desc.num_reqs, desc.num_tokens, desc.num_new_blocks
+    new_rows = np.flatnonzero(desc.is_new[:r])
+    return StepInputs(
+        step_id=desc.step_id,
+        req_num=desc.req_num[:r].copy(),
+        slot=desc.slot[:r].astype(np.int64),
+        query_lens=desc.num_scheduled_tokens[:r].astype(np.int64),
+        start_pos=desc.start_pos[:r].astype(np.int64),
+        sample_rows=np.flatnonzero(desc.do_sample[:r]),
+        new_rows=new_rows,
+        temperature=desc.temperature[new_rows],
+        top_p=desc.top_p[new_rows],
+        top_k=desc.top_k[new_rows],
+        seed=desc.seed[new_rows],
+        token_ids=desc.token_ids[:t].astype(np.int64),
+        new_blocks=np.stack([desc.nb_slot[:b], desc.nb_index[:b], desc.nb_block[:b]]).astype(np.int64),
+    )
+
+
+@dataclass
+class DecodedOutput:
+    """One StepOutput copied out of its ring slot: row ``r`` gave ``token_ids[r]`` to ``req_nums[r]``."""
+
+    step_id: int
+    req_nums: list[int]
+    token_ids: list[int]
+
+
+class StepOutput:
+    """Typed views of one StepOutput ring slot.
+
+    Header (int64): ``step_id``, ``num_rows`` (S). Row ``r < S`` (arrays of
+    length ``max_num_seqs``): ``req_num`` (int64) and the sampled ``token_id``
+    (int32). Only rows whose descriptor row had ``do_sample`` set produce an
+    output row, in descriptor order.
+    """
+
+    __slots__ = ("header", "req_num", "token_id")
+    header: np.ndarray
+    req_num: np.ndarray
+    token_id: np.ndarray
+
+    _STEP_ID, _NUM_ROWS = range(2)
+    HEADER_LEN = 2
+
+    @classmethod
+    def layout(cls, max_num_seqs: int) -> Layout:
+        """The slot layout for ``max_num_seqs`` rows."""
+        return Layout.of([
+            ("header", np.int64, cls.HEADER_LEN),
+            ("req_num", np.int64, max_num_seqs),
+            ("token_id", np.int32, max_num_seqs),
+        ])
+
+    def __init__(self, views: dict[str, np.ndarray]):
+        for name in self.__slots__:
+            setattr(self, name, views[name])
+
+    def write(self, step_id: int, req_nums: np.ndarray, token_ids: np.ndarray) -> None:
+        """Fill the slot with step ``step_id``'s ``[S]`` request numbers and sampled token ids."""
+        n = len(req_nums)
+        self.header[self._STEP_ID], self.header[self._NUM_ROWS] = step_id, n
+        self.req_num[:n] = req_nums
+        self.token_id[:n] = token_ids
+
+    def read(self) -> DecodedOutput:
+        """Copy the slot out as Python lists (the slot may be released right after)."""
+        n = int(self.header[self._NUM_ROWS])
+        return DecodedOutput(int(self.header[self._STEP_ID]), self.req_num[:n].tolist(), self.token_id[:n].tolist())
