@@ -1,0 +1,101 @@
+"""The step-protocol codec: what the scheduler writes is exactly what the worker and io_proc read."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.common.messages import SamplingParams
+from pipeline.common.step_protocol import (
+    PLACEHOLDER_TOKEN_ID, DescriptorBuilder, StepDescriptor, StepOutput, max_new_blocks_per_step, read_descriptor,
+)
+
+MAX_SEQS, MAX_TOKENS, BLOCK = 8, 64, 4
+
+
+@st.composite
+def steps(draw):
+    """A random step within the limits: rows with token chunks, sampling params on new rows, new blocks."""
+    n = draw(st.integers(1, MAX_SEQS))
+    budget = MAX_TOKENS
+    rows = []
+    for i in range(n):
+        k = draw(st.integers(1, max(1, budget - (n - i - 1))))
+        budget -= k
+        toks = draw(st.lists(st.one_of(st.just(PLACEHOLDER_TOKEN_ID), st.integers(0, 50_000)), min_size=k,
+                             max_size=k))
+        params = draw(st.one_of(st.none(), st.builds(
+            SamplingParams, max_tokens=st.integers(1, 100), temperature=st.floats(0, 2, width=32),
+            top_p=st.floats(0.0625, 1, width=32), top_k=st.integers(0, 100), seed=st.integers(0, 2**62))))
+        rows.append((draw(st.integers(1, 2**40)), i, draw(st.integers(0, 4096)), toks, draw(st.booleans()), params))
+    cap = max_new_blocks_per_step(MAX_SEQS, MAX_TOKENS, BLOCK)
+    blocks = draw(st.lists(st.tuples(st.integers(0, MAX_SEQS - 1), st.integers(0, 511), st.integers(0, 10_000)),
+                           max_size=cap))
+    return draw(st.integers(0, 2**40)), rows, blocks
+
+
+def _slot(layout):
+    return layout.views(bytearray(layout.nbytes))
+
+
+@settings(max_examples=60, deadline=None)
+@given(steps())
+def test_descriptor_round_trip(step):
+    step_id, rows, blocks = step
+    desc = StepDescriptor(_slot(StepDescriptor.layout(MAX_SEQS, MAX_TOKENS, BLOCK)))
+    # A builder reused across steps must not leak the previous step's rows.
+    b = DescriptorBuilder()
+    b.add_row(999, 7, 0, [1, 2, 3], True, SamplingParams(max_tokens=1))
+    b.add_block(7, 0, 5)
+    b.clear()
+    for row in rows:
+        b.add_row(*row)
+    for blk in blocks:
+        b.add_block(*blk)
+    assert len(b) == len(rows)
+    b.write(desc, step_id)
+
+    x = read_descriptor(desc)
+    assert x.step_id == step_id
+    assert x.req_num.tolist() == [r[0] for r in rows]
+    assert x.slot.tolist() == [r[1] for r in rows]
+    assert x.start_pos.tolist() == [r[2] for r in rows]
+    assert x.query_lens.tolist() == [len(r[3]) for r in rows]
+    assert x.token_ids.tolist() == [t for r in rows for t in r[3]]
+    assert x.sample_rows.tolist() == [i for i, r in enumerate(rows) if r[4]]
+    new = [i for i, r in enumerate(rows) if r[5] is not None]
+    assert x.new_rows.tolist() == new
+    params = [rows[i][5] for i in new]
+    np.testing.assert_array_equal(x.temperature, np.array([p.temperature for p in params], dtype=np.float32))
+    np.testing.assert_array_equal(x.top_p, np.array([p.top_p for p in params], dtype=np.float32))
+    assert x.top_k.tolist() == [p.top_k for p in params]
+    assert x.seed.tolist() == [p.seed for p in params]
+    assert x.new_blocks.T.tolist() == [list(blk) for blk in blocks]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**40), st.lists(st.tuples(st.integers(1, 2**50), st.integers(0, 2**31 - 1)),
+                                        max_size=MAX_SEQS))
+def test_output_round_trip(step_id, rows):
+    out = StepOutput(_slot(StepOutput.layout(MAX_SEQS)))
+    out.write(7, np.array([1, 2, 3]), np.array([4, 5, 6]))  # a previous step in the same slot
+    out.write(step_id, np.array([r for r, _ in rows], dtype=np.int64), np.array([t for _, t in rows], dtype=np.int64))
+    got = out.read()
+    assert (got.step_id, got.req_nums, got.token_ids) == (step_id, [r for r, _ in rows], [t for _, t in rows])
+
+
+def test_descriptor_copy_outlives_the_slot():
+    """The worker releases the slot right after reading: its copy must not alias the ring."""
+    desc = StepDescriptor(_slot(StepDescriptor.layout(MAX_SEQS, MAX_TOKENS, BLOCK)))
+    b = DescriptorBuilder()
+    b.add_row(5, 1, 10, [PLACEHOLDER_TOKEN_ID], True, None)
+    b.add_block(1, 2, 3)
+    b.write(desc, 1)
+    x = read_descriptor(desc)
+    b.clear()
+    b.add_row(6, 2, 0, [9, 9], False, SamplingParams(max_tokens=1))
+    b.add_block(2, 0, 4)
+    b.write(desc, 2)
+    assert (x.step_id, x.req_num.tolist(), x.slot.tolist(), x.token_ids.tolist()) == (1, [5], [1], [-1])
+    assert x.new_blocks.T.tolist() == [[1, 2, 3]]
