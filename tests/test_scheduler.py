@@ -37,6 +37,7 @@ class ReferenceExecutor:
         self.block_table = [dict() for _ in range(num_slots)]
         self.kv = {}  # (block, offset) -> (req_num, pos, token)
         self.slot_owner = [None] * num_slots
+        self.sampled = {}  # (req_num, pos) -> the token sampled for that position
 
     def execute(self, x: StepInputs, inflight_refs: set) -> tuple[int, list[int], list[int], set]:
         """Run step ``x`` (as the worker reads it); ``inflight_refs`` holds the slots and blocks of steps in flight.
@@ -65,6 +66,7 @@ class ReferenceExecutor:
                     assert cached is not None, f"placeholder of req {req} read a consumed/empty cache entry"
                     t = cached
                     self.token_cache[slot] = None  # poison
+                assert self.sampled.get((req, pos), t) == t, f"req {req} pos {pos}: input {t} is not the sampled token"
                 b = self.block_table[slot][pos // BS]
                 self.kv[(b, pos % BS)] = (req, pos, t)
             refs.add(("slot", slot))
@@ -75,6 +77,7 @@ class ReferenceExecutor:
                 assert owner is not None and owner[:2] == (req, p), f"req {req} pos {p}: KV holds {owner}"
             if r in sample_rows:
                 y = sampled_token(req, start + k - 1)
+                self.sampled[(req, start + k)] = y
                 self.token_cache[slot] = y
                 out_req.append(req)
                 out_tok.append(y)
@@ -82,10 +85,11 @@ class ReferenceExecutor:
         return x.step_id, out_req, out_tok, refs
 
 
-def run(requests, depth: int, max_num_seqs=8, budget=16, num_blocks=64, abort_at=None, seed=0):
+def run(requests, depth: int, max_num_seqs=8, budget=16, num_blocks=64, abort_at=None, seed=0,
+        max_blocks_per_seq=16):
     """Drive a Scheduler with ``depth`` steps in flight; return outputs per request."""
     layout = StepDescriptor.layout(max_num_seqs, budget, BS)
-    sched = Scheduler(max_num_seqs, budget, BS, num_blocks, max_blocks_per_seq=16)
+    sched = Scheduler(max_num_seqs, budget, BS, num_blocks, max_blocks_per_seq=max_blocks_per_seq)
     ex = ReferenceExecutor(max_num_seqs, num_blocks)
     outputs = {r.req_num: [] for r in requests}
     finished = set()
@@ -157,6 +161,23 @@ def test_preemption_under_kv_pressure_is_exact():
     assert sched.num_preemptions > 0
     for r in reqs:
         assert outputs[r.req_num] == expected(r)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("num_blocks", [2000, 120])
+def test_steady_decode_path_is_exact(depth, num_blocks):
+    """Long decodes take the vectorized path; joins, aborts, EOS, block crossings and (with 120
+    blocks) preemptions in the middle of it leave every output exact and free everything."""
+    reqs = make_requests(96, seed=11, max_len=120)
+    aborted = {10: 5, 40: 17, 41: 18, 90: 60}
+    outputs, sched = run(reqs, depth, max_num_seqs=32, budget=64, num_blocks=num_blocks, abort_at=aborted,
+                         max_blocks_per_seq=64)
+    assert sched.num_steady_steps > 20
+    if num_blocks == 120:
+        assert sched.num_preemptions > 0
+    for r in reqs:
+        if r.req_num not in aborted.values():
+            assert outputs[r.req_num] == expected(r), r.req_num
 
 
 def test_max_tokens_costs_no_extra_step():

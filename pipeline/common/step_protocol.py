@@ -211,6 +211,29 @@ class DescriptorBuilder:
             desc.nb_slot[:b], desc.nb_index[:b], desc.nb_block[:b] = nb.T
 
 
+    def write_decode(self, desc: StepDescriptor, step_id: int, req_num: np.ndarray, slot: np.ndarray,
+                     start_pos: np.ndarray, token_ids: np.ndarray) -> None:
+        """Write a step of one decode token per row from ``[R]`` arrays (the scheduler's fast path).
+
+        Every row samples and none is new in its slot; block-table entries are
+        the ones added with :meth:`add_block` since the last :meth:`clear`.
+        """
+        n, b = len(req_num), len(self._new_blocks)
+        h = desc.header
+        h[StepDescriptor._STEP_ID], h[StepDescriptor._NUM_REQS] = step_id, n
+        h[StepDescriptor._NUM_TOKENS], h[StepDescriptor._NUM_NEW_BLOCKS] = n, b
+        desc.req_num[:n] = req_num
+        desc.slot[:n] = slot
+        desc.num_scheduled_tokens[:n] = 1
+        desc.start_pos[:n] = start_pos
+        desc.do_sample[:n] = 1
+        desc.is_new[:n] = 0
+        desc.token_ids[:n] = token_ids
+        if b:
+            nb = np.asarray(self._new_blocks, dtype=np.int32)
+            desc.nb_slot[:b], desc.nb_index[:b], desc.nb_block[:b] = nb.T
+
+
 @dataclass
 class StepInputs:
     """The worker's host copy of one StepDescriptor, taken before its ring slot is released.

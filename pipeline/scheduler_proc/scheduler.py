@@ -6,6 +6,12 @@ N+1's input for it is :data:`PLACEHOLDER_TOKEN_ID`, which the worker resolves
 on the device from its token-id cache (docs/design.md, "The step protocol").
 Planning uses plain Python and numpy: no torch, no model code.
 
+A step that changes nothing but positions (every running request decodes,
+none joins, leaves or finishes its prefill) takes a vectorized fast path:
+the descriptor is the previous one with positions advanced, computed with
+numpy over per-row arrays; per-request counters are brought up to date
+only when the batch changes (docs/design.md, "The scheduler").
+
 Policy (as vLLM v1's scheduler): running requests first, in arrival order,
 one token per decode and a chunk per unfinished prefill, then waiting
 requests in FIFO order, all under ``max_num_batched_tokens`` and
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 from collections import deque
 
+import numpy as np
 
 from pipeline.common.constants import cdiv
 from pipeline.common.messages import AddRequest, SamplingParams, check_finish
@@ -97,7 +104,17 @@ class Scheduler:
         self.running: list[Request] = []
         self.next_step_id = 0
         self.num_preemptions = 0
+        self.num_steady_steps = 0  # steps planned by the vectorized decode path
         self._builder = DescriptorBuilder()
+        self._last_output_step = -1
+        # Steady decode state (None outside it): the rows of the last step, in
+        # order, and per row its next position and the tokens it may still
+        # plan. While steady, `_fast_steps` steps have advanced these arrays
+        # but not the rows' num_computed_tokens, num_placeholders and
+        # last_step_id; `_leave_steady` applies them.
+        self._steady: list[Request] | None = None
+        self._steady_req_num = self._steady_slot = self._steady_pos = self._steady_remaining = np.zeros(0, np.int64)
+        self._fast_steps = 0
 
     # -- control ----------------------------------------------------------------
 
@@ -113,6 +130,7 @@ class Scheduler:
         """Drop a request now; its blocks and slot return after its last step in flight."""
         req = self.requests.get(req_num)
         if req is not None:
+            self._leave_steady()
             self._remove(req)
 
     @property
@@ -128,6 +146,11 @@ class Scheduler:
             The number of requests planned; 0 means nothing could run now
             and ``desc`` holds no step (the step id is not consumed).
         """
+        if self._steady is not None:
+            n = self._schedule_steady_decode(desc)
+            if n:
+                return n
+            self._leave_steady()
         step_id = self.next_step_id
         budget = self.max_num_batched_tokens
         rows: list[tuple[Request, int, bool]] = []  # (request, num tokens, do_sample)
@@ -170,6 +193,64 @@ class Scheduler:
         if not rows:
             return 0
         self._write(desc, step_id, rows)
+        self.next_step_id += 1
+        if len(rows) == len(self.running) and all(k == 1 and sample for _, k, sample in rows):
+            self._enter_steady([req for req, _, _ in rows])
+        return len(rows)
+
+    def _enter_steady(self, rows: list[Request]) -> None:
+        """The step just written decoded every running request: plan the next ones vectorized."""
+        self._steady = rows
+        self._steady_req_num = np.fromiter((r.req_num for r in rows), np.int64, len(rows))
+        self._steady_slot = np.fromiter((r.slot for r in rows), np.int64, len(rows))
+        self._steady_pos = np.fromiter((r.num_computed_tokens for r in rows), np.int64, len(rows))
+        self._steady_remaining = np.fromiter((r.params.max_tokens - r.num_outputs_planned for r in rows), np.int64,
+                                             len(rows))
+        self._fast_steps = 0
+
+    def _leave_steady(self) -> None:
+        """Apply the fast steps to the rows' own counters; the general path takes over."""
+        rows, k = self._steady, self._fast_steps
+        if rows is None:
+            return
+        if k:
+            last = self.next_step_id - 1
+            for req in rows:
+                req.num_computed_tokens += k
+                req.num_placeholders += k
+                req.last_step_id = last
+        self._steady = None
+
+    def _schedule_steady_decode(self, desc: StepDescriptor) -> int:
+        """Plan one more decode of every steady row; 0 if the batch must change instead.
+
+        The batch must change when a waiting request could take a free slot,
+        a row has planned its last token, or new blocks are short.
+        """
+        rows = self._steady
+        if (self.waiting and self.pool.num_free_slots) or self._steady_remaining.min() < 1:
+            return 0
+        pos = self._steady_pos
+        crossing = np.flatnonzero(pos % self.block_size == 0)
+        if len(crossing) > self.pool.num_free_blocks:
+            return 0
+        b = self._builder
+        b.clear()
+        for i in crossing.tolist():
+            req = rows[i]
+            block = self.pool.allocate_blocks(1)[0]
+            b.add_block(req.slot, len(req.block_ids), block)
+            req.block_ids.append(block)
+        step_id = self.next_step_id
+        if self._last_output_step == step_id - 1:  # lock step: every row's input token is known
+            tokens = np.fromiter((r.output_token_ids[-1] for r in rows), np.int64, len(rows))
+        else:  # the previous step's tokens are on the device only
+            tokens = np.full(len(rows), PLACEHOLDER_TOKEN_ID, np.int64)
+        b.write_decode(desc, step_id, self._steady_req_num, self._steady_slot, pos, tokens)
+        pos += 1
+        self._steady_remaining -= 1
+        self._fast_steps += 1
+        self.num_steady_steps += 1
         self.next_step_id += 1
         return len(rows)
 
@@ -232,8 +313,10 @@ class Scheduler:
             req.output_token_ids.append(t)
             if check_finish(t, len(req.output_token_ids), req.params) is not None:
                 finished.append(r)
+                self._leave_steady()
                 self._remove(req)
         self.pool.step_completed(step_id)
+        self._last_output_step = step_id
         return finished
 
     # -- internals --------------------------------------------------------------
