@@ -1,0 +1,132 @@
+"""``pipeline-bench``: token gap, device-busy fraction, throughput, TTFT and ITL.
+
+Without ``--http`` the benchmark starts the scheduler and the worker as real
+processes and plays io_proc's part itself (the same EngineClient: control
+over zmq, tokens from the output ring, incremental detokenization), so no
+HTTP cost is in the figures. With ``--http`` it starts the whole server (or
+uses ``--url``) and streams requests through the OpenAI API.
+
+``--mode both`` runs asynchronous scheduling and lock step back to back in
+one invocation, on the same workload, and reports their ratios: this
+machine is shared and noisy, so only figures measured together compare.
+Token gap and busy fraction come from the worker's per-step device spans
+(DESIGN.md, "Measuring the token gap").
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+
+import msgspec
+from tqdm import tqdm
+
+from pipeline.bench.drivers import drive_engine, drive_http
+from pipeline.bench.report import plot, print_table, summarize
+from pipeline.bench.workloads import Workload
+from pipeline.common.config import EngineConfig
+from pipeline.common.trace import ROLES
+from pipeline.launcher import ChildFailed, Launcher
+from pipeline.server_args import build_parser, make_config
+
+
+def run_mode(args: argparse.Namespace, config: EngineConfig | None, http: bool, work: Workload, label: str,
+             trace_file: str | None) -> tuple[dict, list]:
+    """Run ``work`` once on ``config``'s processes, or on the server at ``--url`` when config is None.
+
+    Returns:
+        (figures, spans); no spans with ``--url``.
+    """
+    bar = tqdm(total=sum(work.output_lens), desc=f"{label:5s}", unit="tok", file=sys.stderr)
+    if config is None:
+        import httpx
+        model = httpx.get(f"{args.url}/v1/models").json()["data"][0]["id"]
+        times = asyncio.run(drive_http(args.url, model, work, bar))
+        bar.close()
+        return summarize(times, []), []
+
+    launcher = Launcher(config, roles=ROLES if http else ("scheduler", "gpu_worker"),
+                        trace_file=trace_file, profile_dir=os.path.join(args.profile, label) if args.profile else None)
+    try:
+        launcher.start()
+        if http:
+            times = asyncio.run(drive_http(f"http://{config.host}:{config.port}", config.served_model_name,
+                                           work, bar))
+        else:
+            times = asyncio.run(drive_engine(config, launcher.output_ring, work, bar))
+    finally:
+        bar.close()
+        launcher.stop()
+    return summarize(times, launcher.spans), launcher.spans
+
+
+def build_bench_parser() -> argparse.ArgumentParser:
+    """``pipeline-serve``'s parser with the benchmark's flags added."""
+    p = build_parser()
+    p.prog = "pipeline-bench"
+    p.description = __doc__.split("\n\n")[0] + " " + " ".join(__doc__.split("\n\n")[1].split())
+    g = p.add_argument_group("benchmark")
+    g.add_argument("--workload", choices=["fixed", "sharegpt-synth"], default="fixed",
+                   help="fixed: --batch-size requests of --input-len prompt and --output-len output tokens; "
+                        "sharegpt-synth: --num-requests with long-tailed lengths. All arrive at once, ignore EOS.")
+    g.add_argument("--batch-size", type=int, default=64, help="fixed workload: number of requests")
+    g.add_argument("--input-len", type=int, default=32, help="fixed workload: prompt tokens")
+    g.add_argument("--output-len", type=int, default=128, help="fixed workload: output tokens")
+    g.add_argument("--num-requests", type=int, default=200, help="sharegpt-synth: number of requests")
+    g.add_argument("--seed", type=int, default=0, help="workload seed")
+    g.add_argument("--mode", choices=["async", "sync", "both"], default="both",
+                   help="scheduling mode(s); both runs async then sync and reports ratios")
+    g.add_argument("--http", action="store_true",
+                   help="start the whole server and send requests through the OpenAI API")
+    g.add_argument("--url", default=None, help="with --http: benchmark a running server instead (no gap figures)")
+    g.add_argument("--json", metavar="FILE", default=None, help="write the figures per mode here")
+    g.add_argument("--plot", metavar="FILE.png", default=None, help="draw gap histograms and a timeline strip")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry of ``pipeline-bench``."""
+    args = build_bench_parser().parse_args(argv)
+    http = args.http or bool(args.url)
+    if args.workload == "fixed":
+        # Every request of the batch runs at once: give the engine room for it.
+        sizes = {"max_num_seqs": max(args.max_num_seqs, args.batch_size),
+                 "max_num_batched_tokens": max(args.max_num_batched_tokens, args.batch_size)}
+        work = Workload.fixed(args.batch_size, args.input_len, args.output_len, args.seed)
+    else:
+        sizes = {"max_model_len": args.max_model_len or 2048}
+        work = Workload.sharegpt_synth(args.num_requests, sizes["max_model_len"], args.seed)
+    unused = {"json", "plot", "trace", "async_scheduling",
+              *(("num_requests",) if args.workload == "fixed" else ("batch_size", "input_len", "output_len"))}
+    flags = {**{k: v for k, v in vars(args).items() if k not in unused}, **sizes, "http": http}
+    modes = {"async": [True], "sync": [False], "both": [True, False]}[args.mode]
+    trace = args.trace
+    results, spans = {}, {}
+    try:
+        for a in modes:
+            label = "async" if a else "sync"
+            tf = trace
+            if trace and len(modes) == 2:
+                root, ext = os.path.splitext(trace)
+                tf = f"{root}.{label}{ext or '.json'}"
+            config = None
+            if not args.url:  # spans are always recorded: the gap figures come from them
+                config = msgspec.structs.replace(make_config(args, **sizes), async_scheduling=a, trace=True)
+            results[label], spans[label] = run_mode(args, config, http, work, label, tf)
+            results[label]["config"] = flags
+    except (ChildFailed, TimeoutError) as e:
+        print(f"pipeline-bench: {e}", file=sys.stderr)
+        raise SystemExit(1)
+    print_table(results)
+    if args.json:
+        out = dict(results)
+        if len(results) == 2:
+            a, s = results["async"], results["sync"]
+            out["ratio_async_over_sync"] = {"output_tokens_per_s": a["output_tokens_per_s"] / s["output_tokens_per_s"]}
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    if args.plot:
+        plot(results, spans, args.plot)
