@@ -7,8 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# Prompt token ids are drawn from this range: ordinary words in SmolLM2's vocabulary.
-WORD_IDS = (1000, 9000)
+from pipeline.common.constants import SIM_WORD_ID_RANGE as WORD_IDS
 
 
 @dataclass
