@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from pipeline.bench.drivers import RequestTimes
-from pipeline.common.trace import device_spans, gap_metrics, token_gaps_us
+from pipeline.common.trace import ROLES, cpu_per_step_us, device_spans, gap_metrics, token_gaps_us
 
 
 def summarize(times: list[RequestTimes], spans: list) -> dict:
@@ -24,6 +24,8 @@ def summarize(times: list[RequestTimes], spans: list) -> dict:
         "itl_ms": ({"p50": float(np.percentile(itl, 50) * 1e3), "p99": float(np.percentile(itl, 99) * 1e3)}
                    if itl else None),
         "num_steps": int(len(dev)) if len(dev) else None,
+        "cpu_per_step_us": {role: {"p50": float(np.percentile(v, 50)), "p99": float(np.percentile(v, 99))}
+                            for role, v in cpu_per_step_us(spans).items() if len(v)},
         "num_requests": len(times),
         "output_tokens": sum(t.num_tokens for t in times),
         "wall_s": wall_s,
@@ -44,6 +46,10 @@ def print_table(results: dict[str, dict]) -> None:
             ("TTFT p99 (ms)", lambda r: r["ttft_ms"]["p99"]),
             ("ITL p50 (ms)", lambda r: r["itl_ms"] and r["itl_ms"]["p50"]),
             ("ITL p99 (ms)", lambda r: r["itl_ms"] and r["itl_ms"]["p99"]),
+            *((f"{role} CPU/step {q} (us)",
+               lambda r, role=role, q=q: r["cpu_per_step_us"].get(role, {}).get(q))
+              for role in ROLES for q in ("p50", "p99")
+              if any(role in r.get("cpu_per_step_us", {}) for r in results.values())),
             ("steps", lambda r: r["num_steps"]),
             ("wall time (s)", lambda r: r["wall_s"])]
     modes = list(results)

@@ -2,23 +2,28 @@
 
 Every time is ``time.monotonic_ns()`` (one system-wide clock, so spans from
 different processes line up). A span is ``(role, track, name, step_id,
-start_ns, end_ns)``. Each process records its own spans and writes them
-to ``EngineConfig.trace_path(role)`` when it exits; the launcher merges the
-files.
+start_ns, end_ns, cpu_ns)``; ``cpu_ns`` is -1 except on the ``cpu`` track,
+where one span per step covers the wall time since the process's previous
+step and ``cpu_ns`` is the CPU time the whole process (all its threads) spent
+in it: the host cost of a step, per process. Each process records its own
+spans and writes them to ``EngineConfig.trace_path(role)`` when it exits;
+the launcher merges the files.
 
 The merged file is Chrome's Trace Event Format (JSON object with
 ``traceEvents``, complete events ``"ph": "X"`` in microseconds, one ``pid``
-per process and one ``tid`` per track), which Perfetto and chrome://tracing open.
+per process and one ``tid`` per track, and a counter ``"ph": "C"`` of CPU
+per step), which Perfetto and chrome://tracing open.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
 
-Span = tuple[str, str, str, int, int, int]
+Span = tuple[str, str, str, int, int, int, int]
 # Processes in the order their tracks appear.
 ROLES = ("scheduler", "gpu_worker", "io_proc")
 
@@ -28,9 +33,21 @@ class TraceRecorder:
 
     def __init__(self) -> None:
         self.spans: list[Span] = []
+        self._last_step: tuple[int, int] | None = None  # (monotonic_ns, process CPU ns) at the previous step
 
     def add(self, role: str, track: str, name: str, step_id: int, start_ns: int, end_ns: int) -> None:
-        self.spans.append((role, track, name, int(step_id), int(start_ns), int(end_ns)))
+        self.spans.append((role, track, name, int(step_id), int(start_ns), int(end_ns), -1))
+
+    def add_step_cpu(self, role: str, step_id: int) -> None:
+        """Close step ``step_id`` of this process: a ``cpu`` span since the previous call.
+
+        The first call only sets the starting point (it would count start-up).
+        """
+        now, cpu = time.monotonic_ns(), time.process_time_ns()
+        if self._last_step is not None:
+            start, cpu0 = self._last_step
+            self.spans.append((role, "cpu", "step", int(step_id), start, now, cpu - cpu0))
+        self._last_step = (now, cpu)
 
     def dump(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.spans))
@@ -53,8 +70,12 @@ def chrome_trace(spans: list[Span]) -> dict:
     for pid, role in enumerate(ROLES, start=1):
         events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": role}})
         events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": pid}})
-    for role, track, name, step, start, end in sorted(spans, key=lambda s: s[4]):
+    for role, track, name, step, start, end, cpu in sorted(spans, key=lambda s: s[4]):
         pid = ROLES.index(role) + 1
+        if cpu >= 0:
+            events.append({"ph": "C", "name": "CPU per step (us)", "pid": pid, "ts": (end - t0) / 1000,
+                           "args": {"cpu_us": cpu / 1000}})
+            continue
         if (role, track) not in tracks:
             tracks[(role, track)] = tid = len([k for k in tracks if k[0] == role]) + 1
             events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": track}})
@@ -71,6 +92,15 @@ def device_spans(spans: list[Span]) -> np.ndarray:
     """``[N, 2]`` int64 (start_ns, end_ns) of the device spans, in step order."""
     dev = sorted((s[3], s[4], s[5]) for s in spans if s[0] == "gpu_worker" and s[1] == "device")
     return np.array([(a, b) for _, a, b in dev], dtype=np.int64).reshape(-1, 2)
+
+
+def cpu_per_step_us(spans: list[Span]) -> dict[str, np.ndarray]:
+    """Per role, the CPU microseconds its process spent per step (from the ``cpu`` track)."""
+    out: dict[str, list[float]] = {}
+    for s in spans:
+        if s[6] >= 0:
+            out.setdefault(s[0], []).append(s[6] / 1000)
+    return {role: np.array(v) for role, v in out.items()}
 
 
 def token_gaps_us(dev: np.ndarray) -> np.ndarray:

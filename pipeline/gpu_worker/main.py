@@ -75,6 +75,7 @@ class WorkerProc:
             self.trace.add("gpu_worker", "host", "prepare", s, step.prepare_start_ns, step.prepare_end_ns)
             self.trace.add("gpu_worker", "host", "launch", s, step.prepare_end_ns, step.launch_ns)
             self.trace.add("gpu_worker", "device", "step", s, step.device_start_ns, step.device_end_ns)
+            self.trace.add_step_cpu("gpu_worker", s)
 
     def close(self) -> None:
         """Write the trace (if recording) and detach from the rings."""

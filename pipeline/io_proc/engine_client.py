@@ -348,6 +348,7 @@ class EngineClient:
                     self._process_step(out.req_nums, out.token_ids)
                 if self._trace is not None:
                     self._trace.add("io_proc", "output", "detokenize", out.step_id, t0, time.monotonic_ns())
+                    self._trace.add_step_cpu("io_proc", out.step_id)
         except BaseException as e:
             self.reader_error = e
             logger.exception("output reader thread failed")

@@ -102,6 +102,7 @@ class SchedulerProc:
         self.scheduler.process_output(out.step_id, out.req_nums, out.token_ids)
         if self.trace is not None:
             self.trace.add("scheduler", "plan", "process_output", out.step_id, t0, time.monotonic_ns())
+            self.trace.add_step_cpu("scheduler", out.step_id)
 
     def _stats(self, nonce: int) -> Stats:
         s = self.scheduler

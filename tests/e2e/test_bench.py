@@ -37,6 +37,10 @@ def test_json_fields_are_consistent(bench_run):
         assert r["num_steps"] == 16
         assert r["output_tokens"] == 16
         assert r["config"]["batch_size"] == 1
+        # Host CPU per step of each process, from one `cpu` span per step after the first.
+        assert set(r["cpu_per_step_us"]) == {"scheduler", "gpu_worker", "io_proc"}
+        assert all(0 <= c["p50"] <= c["p99"] for c in r["cpu_per_step_us"].values())
+    assert "gpu_worker CPU/step p50 (us)" in stdout
     assert out["ratio_async_over_sync"]["output_tokens_per_s"] > 0
     assert (d / "out.png").stat().st_size > 10_000
 
@@ -55,3 +59,6 @@ def test_trace_schema(bench_run, mode):
     assert [e["args"]["step"] for e in device] == list(range(16))
     for a, b in zip(device, device[1:]):
         assert b["ts"] >= a["ts"] + a["dur"] - 1e-3  # monotone, non-overlapping
+    counters = [e for e in events if e["ph"] == "C"]
+    assert {names[e["pid"]] for e in counters} == {"gpu_worker", "io_proc", "scheduler"}
+    assert all(e["args"]["cpu_us"] >= 0 for e in counters)
