@@ -78,7 +78,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
 
     @property
     def output_layout(self) -> Layout:
-        return StepOutput.layout(self.max_num_seqs)
+        return StepOutput.layout(self.max_num_seqs, self.max_num_batched_tokens)
 
     @property
     def descriptor_ring_name(self) -> str:

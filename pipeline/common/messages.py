@@ -19,8 +19,9 @@ class SamplingParams(msgspec.Struct, frozen=True):
     """How to sample one request.
 
     Attributes:
-        max_tokens: output tokens to generate at most (>= 1), already clamped
-            so that prompt + output fits ``max_model_len``.
+        max_tokens: output tokens to generate at most (>= 0; 0 only with
+            ``prompt_logprobs``), already clamped so that prompt + output
+            fits ``max_model_len``.
         temperature: 0 means greedy.
         top_p: nucleus mass in (0, 1].
         top_k: keep the k most likely tokens; <= 0 disables.
@@ -28,6 +29,12 @@ class SamplingParams(msgspec.Struct, frozen=True):
         ignore_eos: keep generating after a stop token id.
         stop_token_ids: token ids that end the request (EOS and the chat
             template's end-of-turn token).
+        logprobs: with each sampled token, return its log-probability and
+            the ``logprobs`` most likely alternatives (0..MAX_LOGPROBS);
+            -1 returns none.
+        prompt_logprobs: the same for every prompt token after the first
+            (what ``echo`` with ``logprobs`` needs); -1 for none. With
+            ``max_tokens`` 0 the request ends after its prefill.
     """
 
     max_tokens: int
@@ -37,6 +44,8 @@ class SamplingParams(msgspec.Struct, frozen=True):
     seed: int = 0
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    logprobs: int = -1
+    prompt_logprobs: int = -1
 
 
 class AddRequest(msgspec.Struct, tag=True):

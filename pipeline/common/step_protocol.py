@@ -41,6 +41,9 @@ DESCRIPTOR_RING_SLOTS = MAX_INFLIGHT_STEPS + 2
 # The output ring is read by two processes at different paces; extra slots
 # absorb io_proc falling behind for a few steps without stalling the worker.
 OUTPUT_RING_SLOTS = 16
+# Alternatives returned per token with log-probabilities (OpenAI's top_logprobs
+# limit); the output slot has room for this many per token.
+MAX_LOGPROBS = 20
 # Reader indices: the worker on the descriptor ring; the scheduler and io_proc
 # on the output ring.
 DESCRIPTOR_READER_WORKER = 0
@@ -67,14 +70,19 @@ class StepDescriptor:
     position of its first scheduled token), ``do_sample`` (uint8: the last
     scheduled token's logits are sampled), ``is_new`` (uint8: the request's
     first step in this slot; only then are its sampling parameters
-    ``temperature`` f32, ``top_p`` f32, ``top_k`` i32, ``seed`` i64 valid).
+    ``temperature`` f32, ``top_p`` f32, ``top_k`` i32, ``seed`` i64 and its
+    log-probability counts ``logprobs`` i32 and ``prompt_logprobs`` i32
+    valid, -1 meaning none), ``next_prompt_token`` (int32: for a row
+    computing prompt log-probabilities, the prompt token after its last
+    scheduled one, else -1).
     Per token ``t < T``: ``token_ids`` (int32, a real id or
     :data:`PLACEHOLDER_TOKEN_ID`), request-major. Per new block-table entry
     ``b < B``: ``block_table[nb_slot[b], nb_index[b]] = nb_block[b]`` (int32).
     """
 
     __slots__ = ("header", "req_num", "slot", "num_scheduled_tokens", "start_pos", "do_sample", "is_new",
-                 "temperature", "top_p", "top_k", "seed", "token_ids", "nb_slot", "nb_index", "nb_block")
+                 "temperature", "top_p", "top_k", "seed", "logprobs", "prompt_logprobs", "next_prompt_token",
+                 "token_ids", "nb_slot", "nb_index", "nb_block")
     header: np.ndarray
     req_num: np.ndarray
     slot: np.ndarray
@@ -86,6 +94,9 @@ class StepDescriptor:
     top_p: np.ndarray
     top_k: np.ndarray
     seed: np.ndarray
+    logprobs: np.ndarray
+    prompt_logprobs: np.ndarray
+    next_prompt_token: np.ndarray
     token_ids: np.ndarray
     nb_slot: np.ndarray
     nb_index: np.ndarray
@@ -111,6 +122,9 @@ class StepDescriptor:
             ("top_p", np.float32, s),
             ("top_k", np.int32, s),
             ("seed", np.int64, s),
+            ("logprobs", np.int32, s),
+            ("prompt_logprobs", np.int32, s),
+            ("next_prompt_token", np.int32, s),
             ("token_ids", np.int32, t),
             ("nb_slot", np.int32, b),
             ("nb_index", np.int32, b),
@@ -154,6 +168,7 @@ class DescriptorBuilder:
         self._start_pos: list[int] = []
         self._do_sample: list[bool] = []
         self._is_new: list[bool] = []
+        self._next_prompt_token: list[int] = []
         self._sampling: list[tuple[int, SamplingParams]] = []
         self._token_ids: list[int] = []
         self._new_blocks: list[tuple[int, int, int]] = []
@@ -164,11 +179,11 @@ class DescriptorBuilder:
 
     def clear(self) -> None:
         for lst in (self._req_num, self._slot, self._num_tokens, self._start_pos, self._do_sample, self._is_new,
-                    self._sampling, self._token_ids, self._new_blocks):
+                    self._next_prompt_token, self._sampling, self._token_ids, self._new_blocks):
             lst.clear()
 
     def add_row(self, req_num: int, slot: int, start_pos: int, token_ids: list[int], do_sample: bool,
-                new_params: SamplingParams | None) -> None:
+                new_params: SamplingParams | None, next_prompt_token: int = -1) -> None:
         """Schedule ``token_ids`` (positions ``start_pos...``) of request ``req_num`` in ``slot``.
 
         Args:
@@ -176,6 +191,8 @@ class DescriptorBuilder:
             do_sample: sample a token from the last scheduled position.
             new_params: the request's sampling parameters on its first step
                 in ``slot`` (the worker stores them per slot), else None.
+            next_prompt_token: for a request with prompt log-probabilities,
+                the prompt token that follows ``token_ids`` (-1 past the prompt).
         """
         if new_params is not None:
             self._sampling.append((len(self._req_num), new_params))
@@ -185,6 +202,7 @@ class DescriptorBuilder:
         self._start_pos.append(start_pos)
         self._do_sample.append(do_sample)
         self._is_new.append(new_params is not None)
+        self._next_prompt_token.append(next_prompt_token)
         self._token_ids.extend(token_ids)
 
     def add_block(self, slot: int, index: int, block_id: int) -> None:
@@ -203,8 +221,10 @@ class DescriptorBuilder:
         desc.start_pos[:n] = self._start_pos
         desc.do_sample[:n] = self._do_sample
         desc.is_new[:n] = self._is_new
+        desc.next_prompt_token[:n] = self._next_prompt_token
         for i, p in self._sampling:
             desc.temperature[i], desc.top_p[i], desc.top_k[i], desc.seed[i] = p.temperature, p.top_p, p.top_k, p.seed
+            desc.logprobs[i], desc.prompt_logprobs[i] = p.logprobs, p.prompt_logprobs
         desc.token_ids[:t] = self._token_ids
         if b:
             nb = np.asarray(self._new_blocks, dtype=np.int32)
@@ -228,6 +248,7 @@ class DescriptorBuilder:
         desc.start_pos[:n] = start_pos
         desc.do_sample[:n] = 1
         desc.is_new[:n] = 0
+        desc.next_prompt_token[:n] = -1
         desc.token_ids[:n] = token_ids
         if b:
             nb = np.asarray(self._new_blocks, dtype=np.int32)
@@ -253,6 +274,9 @@ class StepInputs:
     top_p: np.ndarray  # [K] float32
     top_k: np.ndarray  # [K] int32
     seed: np.ndarray  # [K]
+    logprobs: np.ndarray  # [K] int32, alternatives per sampled token, -1 for none
+    prompt_logprobs: np.ndarray  # [K] int32, alternatives per prompt token, -1 for none
+    next_prompt_token: np.ndarray  # [R] prompt token after each row's chunk, -1 if none
     token_ids: np.ndarray  # [T], PLACEHOLDER_TOKEN_ID where unresolved
     new_blocks: np.ndarray  # [3, B]: slot, index in the slot's row, block id
 
@@ -273,58 +297,145 @@ def read_descriptor(desc: StepDescriptor) -> StepInputs:
         top_p=desc.top_p[new_rows],
         top_k=desc.top_k[new_rows],
         seed=desc.seed[new_rows],
+        logprobs=desc.logprobs[new_rows],
+        prompt_logprobs=desc.prompt_logprobs[new_rows],
+        next_prompt_token=desc.next_prompt_token[:r].astype(np.int64),
         token_ids=desc.token_ids[:t].astype(np.int64),
         new_blocks=np.stack([desc.nb_slot[:b], desc.nb_index[:b], desc.nb_block[:b]]).astype(np.int64),
     )
 
 
 @dataclass
+class TokenLogprobs:
+    """Log-probabilities of ``N`` chosen tokens (raw model log-softmax).
+
+    ``logprob[i]`` is token ``i``'s own; ``top_ids[i, :k]`` and
+    ``top_logprobs[i, :k]`` its ``k`` most likely alternatives in descending
+    order (``k`` as the request asked; columns past it are unspecified).
+    ``index`` says whose tokens they are: output rows for sampled tokens,
+    request numbers for prompt tokens.
+    """
+
+    index: np.ndarray  # [N] int64
+    logprob: np.ndarray  # [N] float32
+    top_ids: np.ndarray  # [N, MAX_LOGPROBS] int32
+    top_logprobs: np.ndarray  # [N, MAX_LOGPROBS] float32
+    pos: np.ndarray | None = None  # [N] int64 position of each prompt token (prompt entries only)
+
+
+@dataclass
 class DecodedOutput:
-    """One StepOutput copied out of its ring slot: row ``r`` gave ``token_ids[r]`` to ``req_nums[r]``."""
+    """One StepOutput copied out of its ring slot: row ``r`` gave ``token_ids[r]`` to ``req_nums[r]``.
+
+    ``logprobs`` (rows whose request asked, ``index`` = row) and
+    ``prompt_logprobs`` (``index`` = request number, with positions) are None
+    when the step has none or the reader did not ask for them.
+    """
 
     step_id: int
     req_nums: list[int]
     token_ids: list[int]
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: TokenLogprobs | None = None
 
 
 class StepOutput:
     """Typed views of one StepOutput ring slot.
 
-    Header (int64): ``step_id``, ``num_rows`` (S). Row ``r < S`` (arrays of
-    length ``max_num_seqs``): ``req_num`` (int64) and the sampled ``token_id``
+    Header (int64): ``step_id``, ``num_rows`` (S), ``num_logprob_rows`` (L),
+    ``num_prompt_entries`` (P). Row ``r < S`` (arrays of length
+    ``max_num_seqs``): ``req_num`` (int64) and the sampled ``token_id``
     (int32). Only rows whose descriptor row had ``do_sample`` set produce an
-    output row, in descriptor order.
+    output row, in descriptor order. Rows whose request asked for
+    log-probabilities, ``l < L``: ``lp_row`` (int32, the output row),
+    ``lp_logprob`` (f32), ``lp_top_ids`` (int32) and ``lp_top_logprobs``
+    (f32), ``MAX_LOGPROBS`` per row. Prompt tokens, ``e < P`` (arrays of
+    length ``max_num_batched_tokens``): ``pe_req_num`` (int64), ``pe_pos``
+    (int32, the prompt token's position), ``pe_logprob``, ``pe_top_ids``,
+    ``pe_top_logprobs`` likewise.
     """
 
-    __slots__ = ("header", "req_num", "token_id")
+    __slots__ = ("header", "req_num", "token_id", "lp_row", "lp_logprob", "lp_top_ids", "lp_top_logprobs",
+                 "pe_req_num", "pe_pos", "pe_logprob", "pe_top_ids", "pe_top_logprobs")
     header: np.ndarray
     req_num: np.ndarray
     token_id: np.ndarray
+    lp_row: np.ndarray
+    lp_logprob: np.ndarray
+    lp_top_ids: np.ndarray
+    lp_top_logprobs: np.ndarray
+    pe_req_num: np.ndarray
+    pe_pos: np.ndarray
+    pe_logprob: np.ndarray
+    pe_top_ids: np.ndarray
+    pe_top_logprobs: np.ndarray
 
-    _STEP_ID, _NUM_ROWS = range(2)
-    HEADER_LEN = 2
+    _STEP_ID, _NUM_ROWS, _NUM_LOGPROB_ROWS, _NUM_PROMPT_ENTRIES = range(4)
+    HEADER_LEN = 4
 
     @classmethod
-    def layout(cls, max_num_seqs: int) -> Layout:
-        """The slot layout for ``max_num_seqs`` rows."""
+    def layout(cls, max_num_seqs: int, max_num_batched_tokens: int) -> Layout:
+        """The slot layout for ``max_num_seqs`` rows and a step of ``max_num_batched_tokens``."""
+        s, t, k = max_num_seqs, max_num_batched_tokens, MAX_LOGPROBS
         return Layout.of([
             ("header", np.int64, cls.HEADER_LEN),
-            ("req_num", np.int64, max_num_seqs),
-            ("token_id", np.int32, max_num_seqs),
+            ("req_num", np.int64, s),
+            ("token_id", np.int32, s),
+            ("lp_row", np.int32, s),
+            ("lp_logprob", np.float32, s),
+            ("lp_top_ids", np.int32, s * k),
+            ("lp_top_logprobs", np.float32, s * k),
+            ("pe_req_num", np.int64, t),
+            ("pe_pos", np.int32, t),
+            ("pe_logprob", np.float32, t),
+            ("pe_top_ids", np.int32, t * k),
+            ("pe_top_logprobs", np.float32, t * k),
         ])
 
     def __init__(self, views: dict[str, np.ndarray]):
         for name in self.__slots__:
-            setattr(self, name, views[name])
+            v = views[name]
+            setattr(self, name, v.reshape(-1, MAX_LOGPROBS) if name.endswith(("top_ids", "top_logprobs")) else v)
 
-    def write(self, step_id: int, req_nums: np.ndarray, token_ids: np.ndarray) -> None:
-        """Fill the slot with step ``step_id``'s ``[S]`` request numbers and sampled token ids."""
+    def write(self, step_id: int, req_nums: np.ndarray, token_ids: np.ndarray,
+              logprobs: TokenLogprobs | None = None, prompt_logprobs: TokenLogprobs | None = None) -> None:
+        """Fill the slot with step ``step_id``'s ``[S]`` request numbers and sampled token ids.
+
+        ``logprobs.index`` are output rows; ``prompt_logprobs.index`` request
+        numbers, with ``pos`` set.
+        """
         n = len(req_nums)
-        self.header[self._STEP_ID], self.header[self._NUM_ROWS] = step_id, n
+        h = self.header
+        h[self._STEP_ID], h[self._NUM_ROWS] = step_id, n
         self.req_num[:n] = req_nums
         self.token_id[:n] = token_ids
+        h[self._NUM_LOGPROB_ROWS] = 0 if logprobs is None else len(logprobs.index)
+        if logprobs is not None:
+            m = len(logprobs.index)
+            self.lp_row[:m] = logprobs.index
+            self.lp_logprob[:m] = logprobs.logprob
+            self.lp_top_ids[:m] = logprobs.top_ids
+            self.lp_top_logprobs[:m] = logprobs.top_logprobs
+        h[self._NUM_PROMPT_ENTRIES] = 0 if prompt_logprobs is None else len(prompt_logprobs.index)
+        if prompt_logprobs is not None:
+            m = len(prompt_logprobs.index)
+            self.pe_req_num[:m] = prompt_logprobs.index
+            self.pe_pos[:m] = prompt_logprobs.pos
+            self.pe_logprob[:m] = prompt_logprobs.logprob
+            self.pe_top_ids[:m] = prompt_logprobs.top_ids
+            self.pe_top_logprobs[:m] = prompt_logprobs.top_logprobs
 
-    def read(self) -> DecodedOutput:
-        """Copy the slot out as Python lists (the slot may be released right after)."""
-        n = int(self.header[self._NUM_ROWS])
-        return DecodedOutput(int(self.header[self._STEP_ID]), self.req_num[:n].tolist(), self.token_id[:n].tolist())
+    def read(self, logprobs: bool = False) -> DecodedOutput:
+        """Copy the slot out (the slot may be released right after); log-probabilities only if asked."""
+        h = self.header
+        n = int(h[self._NUM_ROWS])
+        out = DecodedOutput(int(h[self._STEP_ID]), self.req_num[:n].tolist(), self.token_id[:n].tolist())
+        if logprobs:
+            if m := int(h[self._NUM_LOGPROB_ROWS]):
+                out.logprobs = TokenLogprobs(self.lp_row[:m].astype(np.int64), self.lp_logprob[:m].copy(),
+                                             self.lp_top_ids[:m].copy(), self.lp_top_logprobs[:m].copy())
+            if m := int(h[self._NUM_PROMPT_ENTRIES]):
+                out.prompt_logprobs = TokenLogprobs(self.pe_req_num[:m].copy(), self.pe_logprob[:m].copy(),
+                                                    self.pe_top_ids[:m].copy(), self.pe_top_logprobs[:m].copy(),
+                                                    self.pe_pos[:m].astype(np.int64))
+        return out

@@ -107,6 +107,7 @@ class Scheduler:
         self.num_steady_steps = 0  # steps planned by the vectorized decode path
         self._builder = DescriptorBuilder()
         self._last_output_step = -1
+        self._finish_after: dict[int, list[Request]] = {}  # step id -> requests that end when it completes
         # Steady decode state (None outside it): the rows of the last step, in
         # order, and per row its next position and the tokens it may still
         # plan. While steady, `_fast_steps` steps have advanced these arrays
@@ -169,7 +170,7 @@ class Scheduler:
                 continue
             if not self._grow_blocks(req, n):
                 continue
-            rows.append((req, n, req.num_computed_tokens + n >= req.num_known_tokens))
+            rows.append((req, n, self._samples(req, req.num_computed_tokens + n)))
             budget -= n
 
         while self.waiting and budget > 0 and len(rows) < self.max_num_seqs:
@@ -187,7 +188,7 @@ class Scheduler:
             req.is_new_in_slot = True
             self._grow_blocks(req, n)
             self.running.append(req)
-            rows.append((req, n, n >= req.num_known_tokens))
+            rows.append((req, n, self._samples(req, n)))
             budget -= n
 
         if not rows:
@@ -197,6 +198,15 @@ class Scheduler:
         if len(rows) == len(self.running) and all(k == 1 and sample for _, k, sample in rows):
             self._enter_steady([req for req, _, _ in rows])
         return len(rows)
+
+    @staticmethod
+    def _samples(req: Request, end: int) -> bool:
+        """Whether a row of ``req`` that computes up to position ``end`` samples a token.
+
+        Only the chunk that reaches the last known token samples, and a request
+        with ``max_tokens`` 0 (prompt log-probabilities only) never does.
+        """
+        return end >= req.num_known_tokens and req.params.max_tokens > 0
 
     def _enter_steady(self, rows: list[Request]) -> None:
         """The step just written decoded every running request: plan the next ones vectorized."""
@@ -285,8 +295,15 @@ class Scheduler:
                 known = req.prompt_token_ids + req.output_token_ids if pos + k > len(req.prompt_token_ids) \
                     else req.prompt_token_ids
                 tokens = known[pos:pos + k]
-            b.add_row(req.req_num, req.slot, pos, tokens, sample, req.params if req.is_new_in_slot else None)
+            next_prompt_token = -1
+            if req.params.prompt_logprobs >= 0 and pos + k < len(req.prompt_token_ids):
+                next_prompt_token = req.prompt_token_ids[pos + k]
+            b.add_row(req.req_num, req.slot, pos, tokens, sample, req.params if req.is_new_in_slot else None,
+                      next_prompt_token)
             req.is_new_in_slot = False
+            if req.params.max_tokens == 0 and pos + k >= req.num_known_tokens:
+                # Its last prompt log-probabilities come with this step's output: it ends then.
+                self._finish_after.setdefault(step_id, []).append(req)
             req.num_computed_tokens = pos + k
             req.last_step_id = step_id
             if sample:
@@ -302,7 +319,8 @@ class Scheduler:
         token of a step already in flight: it is dropped.
 
         Returns:
-            ``req_num`` of the requests that finished (stop token or length).
+            ``req_num`` of the requests that finished (stop token, length, or the
+            end of the prefill of a request with ``max_tokens`` 0).
         """
         finished = []
         for r, t in zip(req_nums, token_ids):
@@ -313,6 +331,11 @@ class Scheduler:
             req.output_token_ids.append(t)
             if check_finish(t, len(req.output_token_ids), req.params) is not None:
                 finished.append(r)
+                self._leave_steady()
+                self._remove(req)
+        for req in self._finish_after.pop(step_id, ()):
+            if self.requests.get(req.req_num) is req:
+                finished.append(req.req_num)
                 self._leave_steady()
                 self._remove(req)
         self.pool.step_completed(step_id)

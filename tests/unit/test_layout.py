@@ -16,7 +16,7 @@ FIELDS = [("header", np.int64, 8), ("flag", np.uint8, 3), ("data", np.int32, 64)
     Layout.of([("a", np.uint8, 1)]),
     Layout.of([("a", np.int64, 9), ("b", np.uint8, 65), ("c", "float64", 1)]),
     StepDescriptor.layout(max_num_seqs=7, max_num_batched_tokens=33, block_size=16),
-    StepOutput.layout(max_num_seqs=5),
+    StepOutput.layout(max_num_seqs=5, max_num_batched_tokens=33),
 ], ids=["mixed", "one-byte", "odd-sizes", "step-descriptor", "step-output"])
 def test_offsets_aligned_and_fields_do_not_overlap(layout):
     """Every field starts on a 64-byte boundary, fits before the next one, and the slot is a multiple of 64."""

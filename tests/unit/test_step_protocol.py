@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 
 from pipeline.common.messages import SamplingParams
 from pipeline.common.step_protocol import (
-    PLACEHOLDER_TOKEN_ID, DescriptorBuilder, StepDescriptor, StepOutput, max_new_blocks_per_step, read_descriptor,
+    MAX_LOGPROBS, PLACEHOLDER_TOKEN_ID, DescriptorBuilder, StepDescriptor, StepOutput, TokenLogprobs,
+    max_new_blocks_per_step, read_descriptor,
 )
 
 MAX_SEQS, MAX_TOKENS, BLOCK = 8, 64, 4
@@ -27,8 +28,10 @@ def steps(draw):
                              max_size=k))
         params = draw(st.one_of(st.none(), st.builds(
             SamplingParams, max_tokens=st.integers(1, 100), temperature=st.floats(0, 2, width=32),
-            top_p=st.floats(0.0625, 1, width=32), top_k=st.integers(0, 100), seed=st.integers(0, 2**62))))
-        rows.append((draw(st.integers(1, 2**40)), i, draw(st.integers(0, 4096)), toks, draw(st.booleans()), params))
+            top_p=st.floats(0.0625, 1, width=32), top_k=st.integers(0, 100), seed=st.integers(0, 2**62),
+            logprobs=st.integers(-1, MAX_LOGPROBS), prompt_logprobs=st.integers(-1, MAX_LOGPROBS))))
+        rows.append((draw(st.integers(1, 2**40)), i, draw(st.integers(0, 4096)), toks, draw(st.booleans()), params,
+                     draw(st.integers(-1, 50_000))))
     cap = max_new_blocks_per_step(MAX_SEQS, MAX_TOKENS, BLOCK)
     blocks = draw(st.lists(st.tuples(st.integers(0, MAX_SEQS - 1), st.integers(0, 511), st.integers(0, 10_000)),
                            max_size=cap))
@@ -71,6 +74,9 @@ def test_descriptor_round_trip(step):
     np.testing.assert_array_equal(x.top_p, np.array([p.top_p for p in params], dtype=np.float32))
     assert x.top_k.tolist() == [p.top_k for p in params]
     assert x.seed.tolist() == [p.seed for p in params]
+    assert x.logprobs.tolist() == [p.logprobs for p in params]
+    assert x.prompt_logprobs.tolist() == [p.prompt_logprobs for p in params]
+    assert x.next_prompt_token.tolist() == [r[6] for r in rows]
     assert x.new_blocks.T.tolist() == [list(blk) for blk in blocks]
 
 
@@ -78,11 +84,40 @@ def test_descriptor_round_trip(step):
 @given(st.integers(0, 2**40), st.lists(st.tuples(st.integers(1, 2**50), st.integers(0, 2**31 - 1)),
                                         max_size=MAX_SEQS))
 def test_output_round_trip(step_id, rows):
-    out = StepOutput(_slot(StepOutput.layout(MAX_SEQS)))
+    out = StepOutput(_slot(StepOutput.layout(MAX_SEQS, MAX_TOKENS)))
     out.write(7, np.array([1, 2, 3]), np.array([4, 5, 6]))  # a previous step in the same slot
     out.write(step_id, np.array([r for r, _ in rows], dtype=np.int64), np.array([t for _, t in rows], dtype=np.int64))
     got = out.read()
     assert (got.step_id, got.req_nums, got.token_ids) == (step_id, [r for r, _ in rows], [t for _, t in rows])
+    assert got.logprobs is None and got.prompt_logprobs is None
+
+
+def _logprobs(rng, n: int, index) -> TokenLogprobs:
+    return TokenLogprobs(np.asarray(index, dtype=np.int64), rng.standard_normal(n).astype(np.float32),
+                         rng.integers(0, 50_000, (n, MAX_LOGPROBS)).astype(np.int32),
+                         rng.standard_normal((n, MAX_LOGPROBS)).astype(np.float32))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, MAX_SEQS), st.integers(0, MAX_TOKENS), st.integers(0, 2**32))
+def test_output_logprobs_round_trip(num_rows, num_prompt, seed):
+    rng = np.random.default_rng(seed)
+    out = StepOutput(_slot(StepOutput.layout(MAX_SEQS, MAX_TOKENS)))
+    rows = sorted(rng.choice(max(num_rows, 1), size=rng.integers(0, num_rows + 1), replace=False).tolist())
+    lp = _logprobs(rng, len(rows), rows)
+    plp = _logprobs(rng, num_prompt, rng.integers(1, 99, num_prompt))
+    plp.pos = rng.integers(1, 4000, num_prompt)
+    out.write(3, np.arange(num_rows), np.arange(num_rows), lp if rows else None, plp if num_prompt else None)
+    assert out.read().logprobs is None  # only when asked
+    got = out.read(logprobs=True)
+    for want, have in ((lp if rows else None, got.logprobs), (plp if num_prompt else None, got.prompt_logprobs)):
+        if want is None:
+            assert have is None
+            continue
+        for f in ("index", "logprob", "top_ids", "top_logprobs"):
+            np.testing.assert_array_equal(getattr(have, f), getattr(want, f))
+    if num_prompt:
+        np.testing.assert_array_equal(got.prompt_logprobs.pos, plp.pos)
 
 
 def test_descriptor_copy_outlives_the_slot():
