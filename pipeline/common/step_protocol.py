@@ -72,16 +72,19 @@ class StepDescriptor:
     first step in this slot; only then are its sampling parameters
     ``temperature`` f32, ``top_p`` f32, ``top_k`` i32, ``seed`` i64 and its
     log-probability counts ``logprobs`` i32 and ``prompt_logprobs`` i32
-    valid, -1 meaning none), ``next_prompt_token`` (int32: for a row
-    computing prompt log-probabilities, the prompt token after its last
-    scheduled one, else -1).
+    valid, -1 meaning none), ``num_prompt_logprobs`` (int32: how many of the
+    row's positions, from its first, predict a prompt token whose
+    log-probability is wanted: position ``j`` predicts the token at ``j+1``)
+    and ``next_prompt_token`` (int32: the prompt token after the row's last
+    scheduled one when that one is among them, else -1).
     Per token ``t < T``: ``token_ids`` (int32, a real id or
     :data:`PLACEHOLDER_TOKEN_ID`), request-major. Per new block-table entry
     ``b < B``: ``block_table[nb_slot[b], nb_index[b]] = nb_block[b]`` (int32).
     """
 
     __slots__ = ("header", "req_num", "slot", "num_scheduled_tokens", "start_pos", "do_sample", "is_new",
-                 "temperature", "top_p", "top_k", "seed", "logprobs", "prompt_logprobs", "next_prompt_token",
+                 "temperature", "top_p", "top_k", "seed", "logprobs", "prompt_logprobs", "num_prompt_logprobs",
+                 "next_prompt_token",
                  "token_ids", "nb_slot", "nb_index", "nb_block")
     header: np.ndarray
     req_num: np.ndarray
@@ -96,6 +99,7 @@ class StepDescriptor:
     seed: np.ndarray
     logprobs: np.ndarray
     prompt_logprobs: np.ndarray
+    num_prompt_logprobs: np.ndarray
     next_prompt_token: np.ndarray
     token_ids: np.ndarray
     nb_slot: np.ndarray
@@ -124,6 +128,7 @@ class StepDescriptor:
             ("seed", np.int64, s),
             ("logprobs", np.int32, s),
             ("prompt_logprobs", np.int32, s),
+            ("num_prompt_logprobs", np.int32, s),
             ("next_prompt_token", np.int32, s),
             ("token_ids", np.int32, t),
             ("nb_slot", np.int32, b),
@@ -168,6 +173,7 @@ class DescriptorBuilder:
         self._start_pos: list[int] = []
         self._do_sample: list[bool] = []
         self._is_new: list[bool] = []
+        self._num_prompt_logprobs: list[int] = []
         self._next_prompt_token: list[int] = []
         self._sampling: list[tuple[int, SamplingParams]] = []
         self._token_ids: list[int] = []
@@ -179,11 +185,11 @@ class DescriptorBuilder:
 
     def clear(self) -> None:
         for lst in (self._req_num, self._slot, self._num_tokens, self._start_pos, self._do_sample, self._is_new,
-                    self._next_prompt_token, self._sampling, self._token_ids, self._new_blocks):
+                    self._num_prompt_logprobs, self._next_prompt_token, self._sampling, self._token_ids, self._new_blocks):
             lst.clear()
 
     def add_row(self, req_num: int, slot: int, start_pos: int, token_ids: list[int], do_sample: bool,
-                new_params: SamplingParams | None, next_prompt_token: int = -1) -> None:
+                new_params: SamplingParams | None, num_prompt_logprobs: int = 0, next_prompt_token: int = -1) -> None:
         """Schedule ``token_ids`` (positions ``start_pos...``) of request ``req_num`` in ``slot``.
 
         Args:
@@ -191,8 +197,10 @@ class DescriptorBuilder:
             do_sample: sample a token from the last scheduled position.
             new_params: the request's sampling parameters on its first step
                 in ``slot`` (the worker stores them per slot), else None.
-            next_prompt_token: for a request with prompt log-probabilities,
-                the prompt token that follows ``token_ids`` (-1 past the prompt).
+            num_prompt_logprobs: how many of the row's positions, from the
+                first, predict a prompt token whose log-probability is wanted.
+            next_prompt_token: the prompt token after the row's last position
+                when that position is among them, else -1.
         """
         if new_params is not None:
             self._sampling.append((len(self._req_num), new_params))
@@ -202,6 +210,7 @@ class DescriptorBuilder:
         self._start_pos.append(start_pos)
         self._do_sample.append(do_sample)
         self._is_new.append(new_params is not None)
+        self._num_prompt_logprobs.append(num_prompt_logprobs)
         self._next_prompt_token.append(next_prompt_token)
         self._token_ids.extend(token_ids)
 
@@ -221,6 +230,7 @@ class DescriptorBuilder:
         desc.start_pos[:n] = self._start_pos
         desc.do_sample[:n] = self._do_sample
         desc.is_new[:n] = self._is_new
+        desc.num_prompt_logprobs[:n] = self._num_prompt_logprobs
         desc.next_prompt_token[:n] = self._next_prompt_token
         for i, p in self._sampling:
             desc.temperature[i], desc.top_p[i], desc.top_k[i], desc.seed[i] = p.temperature, p.top_p, p.top_k, p.seed
@@ -248,6 +258,7 @@ class DescriptorBuilder:
         desc.start_pos[:n] = start_pos
         desc.do_sample[:n] = 1
         desc.is_new[:n] = 0
+        desc.num_prompt_logprobs[:n] = 0
         desc.next_prompt_token[:n] = -1
         desc.token_ids[:n] = token_ids
         if b:
@@ -276,7 +287,8 @@ class StepInputs:
     seed: np.ndarray  # [K]
     logprobs: np.ndarray  # [K] int32, alternatives per sampled token, -1 for none
     prompt_logprobs: np.ndarray  # [K] int32, alternatives per prompt token, -1 for none
-    next_prompt_token: np.ndarray  # [R] prompt token after each row's chunk, -1 if none
+    num_prompt_logprobs: np.ndarray  # [R] positions from the row's first that predict a wanted prompt token
+    next_prompt_token: np.ndarray  # [R] prompt token after each row's chunk when wanted, else -1
     token_ids: np.ndarray  # [T], PLACEHOLDER_TOKEN_ID where unresolved
     new_blocks: np.ndarray  # [3, B]: slot, index in the slot's row, block id
 
@@ -299,6 +311,7 @@ def read_descriptor(desc: StepDescriptor) -> StepInputs:
         seed=desc.seed[new_rows],
         logprobs=desc.logprobs[new_rows],
         prompt_logprobs=desc.prompt_logprobs[new_rows],
+        num_prompt_logprobs=desc.num_prompt_logprobs[:r].astype(np.int64),
         next_prompt_token=desc.next_prompt_token[:r].astype(np.int64),
         token_ids=desc.token_ids[:t].astype(np.int64),
         new_blocks=np.stack([desc.nb_slot[:b], desc.nb_index[:b], desc.nb_block[:b]]).astype(np.int64),

@@ -295,11 +295,13 @@ class Scheduler:
                 known = req.prompt_token_ids + req.output_token_ids if pos + k > len(req.prompt_token_ids) \
                     else req.prompt_token_ids
                 tokens = known[pos:pos + k]
-            next_prompt_token = -1
-            if req.params.prompt_logprobs >= 0 and pos + k < len(req.prompt_token_ids):
-                next_prompt_token = req.prompt_token_ids[pos + k]
+            num_plp, next_prompt_token = 0, -1
+            if req.params.prompt_logprobs >= 0:  # positions pos..pos+num_plp-1 predict prompt tokens
+                num_plp = max(0, min(k, len(req.prompt_token_ids) - 1 - pos))
+                if num_plp == k:
+                    next_prompt_token = req.prompt_token_ids[pos + k]
             b.add_row(req.req_num, req.slot, pos, tokens, sample, req.params if req.is_new_in_slot else None,
-                      next_prompt_token)
+                      num_plp, next_prompt_token)
             req.is_new_in_slot = False
             if req.params.max_tokens == 0 and pos + k >= req.num_known_tokens:
                 # Its last prompt log-probabilities come with this step's output: it ends then.

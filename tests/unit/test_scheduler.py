@@ -38,6 +38,7 @@ class ReferenceExecutor:
         self.kv = {}  # (block, offset) -> (req_num, pos, token)
         self.slot_owner = [None] * num_slots
         self.sampled = {}  # (req_num, pos) -> the token sampled for that position
+        self.prompt_lp_positions = {}  # req_num -> positions whose prompt log-probability was computed
 
     def execute(self, x: StepInputs, inflight_refs: set) -> tuple[int, list[int], list[int], set]:
         """Run step ``x`` (as the worker reads it); ``inflight_refs`` holds the slots and blocks of steps in flight.
@@ -75,8 +76,11 @@ class ReferenceExecutor:
             for p in range(start + k):
                 owner = self.kv.get((self.block_table[slot][p // BS], p % BS))
                 assert owner is not None and owner[:2] == (req, p), f"req {req} pos {p}: KV holds {owner}"
-            if x.next_prompt_token[r] >= 0:  # the next chunk must start with it
+            m = int(x.num_prompt_logprobs[r])
+            assert 0 <= m <= k and (x.next_prompt_token[r] >= 0) == (m == k > 0)
+            if m == k > 0:  # the next chunk must start with it
                 self.sampled[(req, start + k)] = int(x.next_prompt_token[r])
+            self.prompt_lp_positions.setdefault(req, set()).update(range(start + 1, start + m + 1))
             if r in sample_rows:
                 y = sampled_token(req, start + k - 1)
                 self.sampled[(req, start + k)] = y
@@ -123,6 +127,10 @@ def run(requests, depth: int, max_num_seqs=8, budget=16, num_blocks=64, abort_at
             sched.add_request(pending.popleft())
     assert sched.pool.num_free_blocks == num_blocks, "KV blocks leaked"
     assert sched.pool.num_free_slots == max_num_seqs, "slots leaked"
+    for r in requests:  # every prompt token after the first gets its log-probability, nothing else does
+        want = set(range(1, len(r.prompt_token_ids))) if r.params.prompt_logprobs >= 0 else set()
+        got = ex.prompt_lp_positions.get(r.req_num, set())
+        assert got == want or (abort_at and r.req_num in abort_at.values() and got <= want), r.req_num
     return outputs, sched
 
 

@@ -31,7 +31,7 @@ def steps(draw):
             top_p=st.floats(0.0625, 1, width=32), top_k=st.integers(0, 100), seed=st.integers(0, 2**62),
             logprobs=st.integers(-1, MAX_LOGPROBS), prompt_logprobs=st.integers(-1, MAX_LOGPROBS))))
         rows.append((draw(st.integers(1, 2**40)), i, draw(st.integers(0, 4096)), toks, draw(st.booleans()), params,
-                     draw(st.integers(-1, 50_000))))
+                     draw(st.integers(0, k)), draw(st.integers(-1, 50_000))))
     cap = max_new_blocks_per_step(MAX_SEQS, MAX_TOKENS, BLOCK)
     blocks = draw(st.lists(st.tuples(st.integers(0, MAX_SEQS - 1), st.integers(0, 511), st.integers(0, 10_000)),
                            max_size=cap))
@@ -76,7 +76,8 @@ def test_descriptor_round_trip(step):
     assert x.seed.tolist() == [p.seed for p in params]
     assert x.logprobs.tolist() == [p.logprobs for p in params]
     assert x.prompt_logprobs.tolist() == [p.prompt_logprobs for p in params]
-    assert x.next_prompt_token.tolist() == [r[6] for r in rows]
+    assert x.num_prompt_logprobs.tolist() == [r[6] for r in rows]
+    assert x.next_prompt_token.tolist() == [r[7] for r in rows]
     assert x.new_blocks.T.tolist() == [list(blk) for blk in blocks]
 
 
