@@ -77,7 +77,12 @@ def convert_gguf(gguf: Path) -> Path:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         tmp.chmod(0o755)  # mkdtemp made it private; the cache is shared by the user's servers
-        os.replace(tmp, out)
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            # Another process converted the same file at the same time and won the rename.
+            if not (out / "config.json").is_file():
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
