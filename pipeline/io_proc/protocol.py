@@ -11,6 +11,10 @@ client parses), with the conventions and extensions of vLLM's
 OpenAI-compatible server (``top_k``, ``ignore_eos``, ``return_token_ids``, the
 400 error for too long requests). Fields that exist only for an extension are
 omitted from responses unless the request asked for them.
+
+The module is longer than the others because it is one flat list of the API's
+shapes (errors, requests with their validation, responses); splitting it
+would only scatter them.
 """
 
 from __future__ import annotations

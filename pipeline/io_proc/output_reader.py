@@ -1,0 +1,138 @@
+"""The output reader thread: StepOutputs from the ring -> text per request -> the event loop.
+
+The thread reads every ``StepOutput`` from the output ring as reader
+``OUTPUT_READER_IO``, copies its rows and releases the slot before any text
+work, runs each row through its request's
+:class:`~pipeline.io_proc.detokenizer.OutputProcessor` (detokenization, stop
+strings, ``check_finish``), and hands the step's results to the event loop
+with one ``call_soon_threadsafe`` (docs/design.md, "io_proc").
+
+The table of live requests is shared with the
+:class:`~pipeline.io_proc.engine_client.EngineClient` (single dict
+operations, atomic under the GIL): the loop inserts before sending
+``AddRequest`` and removes on abort; this thread removes on finish. A row
+whose request is not in the table is dropped: after a finish (or abort) a
+request may still get one token from the step already in flight, and no token
+after a finish may reach a client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from pipeline.common.constants import POLL_INTERVAL_S
+from pipeline.common.messages import FinishReason
+from pipeline.common.shm_ring import RingTimeout, ShmRing
+from pipeline.common.step_protocol import OUTPUT_READER_IO, StepOutput
+from pipeline.common.trace import TraceRecorder
+from pipeline.io_proc.request_state import RequestState
+
+logger = logging.getLogger(__name__)
+
+# One request's result of one step: (state, new text, finish reason or None,
+# output tokens so far).
+StepResult = tuple[RequestState, str, FinishReason | None, int]
+
+
+class OutputReader:
+    """The thread that routes sampled tokens to their requests.
+
+    Args:
+        ring: the output ring, attached with two readers; this reads as
+            ``OUTPUT_READER_IO``.
+        requests: the live-request table, ``req_num -> RequestState``
+            (shared with the engine client; see the module docstring).
+        send_abort: tells the scheduler to abort a request (called from this
+            thread when a stop string ends one; must be thread-safe).
+        dispatch: called on the event loop with one step's results, once per
+            step that has any.
+        trace: if given, each step's handling is recorded as a ``detokenize``
+            span, and the process's CPU time per step as a ``cpu`` span.
+
+    Attributes:
+        error: the exception that ended the thread, if one did.
+        num_generation_tokens: tokens accepted for live requests so far.
+    """
+
+    def __init__(self, ring: ShmRing[StepOutput], requests: dict[int, RequestState],
+                 send_abort: Callable[[int], None], dispatch: Callable[[list[StepResult]], None],
+                 trace: TraceRecorder | None = None):
+        self._ring = ring
+        self._requests = requests
+        self._send_abort = send_abort
+        self._dispatch = dispatch
+        self._trace = trace
+        self._closing = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.error: BaseException | None = None
+        self.num_generation_tokens = 0
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start the thread; results are dispatched on ``loop``."""
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="io-output-reader", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread and wait for it (within one ring poll, ``POLL_INTERVAL_S``); blocks."""
+        self._closing.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def is_alive(self) -> bool:
+        """True while the thread runs."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def _run(self) -> None:
+        ring, reader = self._ring, OUTPUT_READER_IO
+        try:
+            while not self._closing.is_set():
+                try:
+                    slot = ring.acquire_read(reader, timeout=POLL_INTERVAL_S)
+                except RingTimeout:
+                    continue
+                t0 = time.monotonic_ns()
+                # read() copies the rows out, so the slot goes back to the
+                # worker before any text work is done.
+                out = slot.read()
+                ring.release_read(reader)
+                if out.req_nums:
+                    self.process_step(out.req_nums, out.token_ids)
+                if self._trace is not None:
+                    self._trace.add("io_proc", "output", "detokenize", out.step_id, t0, time.monotonic_ns())
+                    self._trace.add_step_cpu("io_proc", out.step_id)
+        except BaseException as e:
+            self.error = e
+            logger.exception("output reader thread failed")
+
+    def process_step(self, req_nums: list[int], token_ids: list[int]) -> None:
+        """Run one step's rows (``req_nums[i]`` sampled ``token_ids[i]``) through
+        their requests and dispatch the results to the loop (reader thread)."""
+        requests = self._requests
+        outputs: list[StepResult] = []
+        accepted = 0
+        for req_num, token_id in zip(req_nums, token_ids):
+            state = requests.get(req_num)
+            if state is None:
+                continue
+            accepted += 1
+            try:
+                text, finish, needs_abort = state.processor.push(token_id)
+            except Exception:
+                # One request's failure must not stop the others' output.
+                logger.exception("output processing failed for request %d; aborting it", req_num)
+                text, finish, needs_abort = "", "abort", True
+            if finish is not None:
+                requests.pop(req_num, None)
+                if needs_abort:
+                    self._send_abort(req_num)
+            if text or finish is not None or state.every_token:
+                outputs.append((state, text, finish, state.processor.num_output_tokens))
+        self.num_generation_tokens += accepted
+        if outputs:
+            self._loop.call_soon_threadsafe(self._dispatch, outputs)

@@ -1,0 +1,120 @@
+"""One live request on io_proc's side: what waits to be sent to its client.
+
+A :class:`RequestState` is created by
+:meth:`~pipeline.io_proc.engine_client.EngineClient.add_request`, fed by the
+output reader (:mod:`pipeline.io_proc.output_reader`) and consumed by a
+handler in :mod:`pipeline.io_proc.serving` (docs/design.md, "io_proc").
+
+Thread ownership: ``processor`` is used only by the output-reader thread;
+everything else only by the event loop (the reader hands each step's results
+to the loop, which calls :meth:`RequestState.deliver`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from pipeline.common.messages import FinishReason
+from pipeline.io_proc.detokenizer import OutputProcessor
+
+
+class RequestState:
+    """One live request: its output processor and what waits to be sent to the client.
+
+    :meth:`~pipeline.io_proc.engine_client.EngineClient.release` must be
+    called when the client side is done with it.
+
+    Attributes:
+        req_num: the request's number (unique for the server's life).
+        prompt_len: prompt tokens.
+        processor: token -> text (reader thread only).
+        finish_reason: None while running, then "stop", "length" or "abort".
+        num_output_tokens: output tokens delivered to this side so far (all
+            of them once finished).
+        every_token: deliver every token, even one that adds no text (a
+            stream that returns token ids).
+        released: the client side is done with it (set by ``EngineClient.release``).
+        arrival_time: ``time.perf_counter()`` when it was added (seconds).
+        delivery_times: ``(perf_counter seconds, tokens so far)`` at each step
+            that delivered tokens, taken on the event loop: the client-side
+            token timeline (TTFT, ITL) without waking a streaming consumer per step.
+    """
+
+    __slots__ = ("req_num", "prompt_len", "processor", "finish_reason", "num_output_tokens", "every_token",
+                 "released", "arrival_time", "delivery_times", "_streaming", "_pieces", "_ids_taken", "_event")
+
+    def __init__(self, req_num: int, prompt_len: int, processor: OutputProcessor, streaming: bool,
+                 return_token_ids: bool):
+        self.req_num = req_num
+        self.prompt_len = prompt_len
+        self.processor = processor
+        self.finish_reason: FinishReason | None = None
+        self.num_output_tokens = 0
+        self.every_token = streaming and return_token_ids
+        self.released = False
+        self.arrival_time = time.perf_counter()
+        self.delivery_times: list[tuple[float, int]] = []
+        self._streaming = streaming
+        self._pieces: list[str] = []
+        self._ids_taken = 0
+        self._event = asyncio.Event()
+
+    def deliver(self, text: str, finish: FinishReason | None, num_output_tokens: int) -> None:
+        """Queue ``text`` for the client and record a finish (event loop only).
+
+        Args:
+            text: new text (possibly "").
+            finish: the finish reason if the request ended with this step.
+            num_output_tokens: output tokens so far, this step's included.
+        """
+        if text:
+            self._pieces.append(text)
+        if num_output_tokens > self.num_output_tokens:
+            self.delivery_times.append((time.perf_counter(), num_output_tokens))
+        self.num_output_tokens = num_output_tokens
+        if finish is not None:
+            self.finish_reason = finish
+        # A non-streaming waiter only cares about the end: waking it per step
+        # would cost one task switch per request per step for nothing.
+        if self._streaming or finish is not None:
+            self._event.set()
+
+    def take_text(self) -> str:
+        """Text produced since the last call (deltas of several steps are joined)."""
+        text = "".join(self._pieces)
+        self._pieces.clear()
+        return text
+
+    def take_token_ids(self) -> list[int]:
+        """Output token ids delivered since the last call."""
+        # The reader thread only appends to the list, so slicing up to the
+        # delivered count is consistent.
+        ids = self.processor.token_ids[self._ids_taken:self.num_output_tokens]
+        self._ids_taken = self.num_output_tokens
+        return ids
+
+    async def wait_finished(self) -> None:
+        """Return once the request has a finish reason."""
+        while self.finish_reason is None:
+            await self._event.wait()
+            self._event.clear()
+
+    async def updates(self) -> AsyncIterator[tuple[str, list[int]]]:
+        """Yield ``(text, token_ids)`` as output arrives; end when the request finishes.
+
+        ``token_ids`` are the output tokens since the previous update. An
+        update is yielded when there is text, or, with :attr:`every_token`,
+        when there are tokens. What arrived while the consumer was busy is
+        joined into one update, so a slow client costs fewer chunks, not
+        more memory.
+        """
+        while True:
+            await self._event.wait()
+            self._event.clear()
+            text, ids = self.take_text(), self.take_token_ids()
+            if text or (ids and self.every_token):
+                yield text, ids
+            if self.finish_reason is not None:
+                return
