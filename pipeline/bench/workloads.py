@@ -18,14 +18,14 @@ class Workload:
     output_lens: list[int]
 
     @classmethod
-    def fixed(cls, batch_size: int, input_len: int, output_len: int, seed: int) -> "Workload":
+    def fixed(cls, batch_size: int, input_len: int, output_len: int, seed: int) -> Workload:
         """``batch_size`` requests of ``input_len`` prompt and ``output_len`` output tokens."""
         rng = random.Random(seed)
         return cls([[rng.randrange(*WORD_IDS) for _ in range(input_len)] for _ in range(batch_size)],
                    [output_len] * batch_size)
 
     @classmethod
-    def sharegpt_synth(cls, num_requests: int, max_model_len: int, seed: int) -> "Workload":
+    def sharegpt_synth(cls, num_requests: int, max_model_len: int, seed: int) -> Workload:
         """Long-tailed lengths like ShareGPT conversations: log-normal prompt
         (median 180 tokens) and output (median 130) lengths, clipped to fit."""
         rng = np.random.default_rng(seed)

@@ -31,7 +31,7 @@ class Layout:
     nbytes: int
 
     @classmethod
-    def of(cls, fields: list[tuple[str, type | str, int]]) -> "Layout":
+    def of(cls, fields: list[tuple[str, type | str, int]]) -> Layout:
         """Lay out ``fields`` one after another, each 64-byte aligned.
 
         Raises:

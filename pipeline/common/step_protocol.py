@@ -185,7 +185,8 @@ class DescriptorBuilder:
 
     def clear(self) -> None:
         for lst in (self._req_num, self._slot, self._num_tokens, self._start_pos, self._do_sample, self._is_new,
-                    self._num_prompt_logprobs, self._next_prompt_token, self._sampling, self._token_ids, self._new_blocks):
+                    self._num_prompt_logprobs, self._next_prompt_token, self._sampling, self._token_ids,
+                    self._new_blocks):
             lst.clear()
 
     def add_row(self, req_num: int, slot: int, start_pos: int, token_ids: list[int], do_sample: bool,

@@ -127,7 +127,7 @@ def run_scheduler(config: EngineConfig, status_conn) -> None:
         loop = SchedulerProc(config, desc_ring, out_ring, control, replies)
     except ValueError as e:
         report(status_conn, "error", "scheduler", str(e))
-        raise SystemExit(1)
+        raise SystemExit(1) from None
     report(status_conn, "ready", "scheduler")
     try:
         loop.run(stop)

@@ -8,8 +8,14 @@ from hypothesis import strategies as st
 
 from pipeline.common.messages import SamplingParams
 from pipeline.common.step_protocol import (
-    MAX_LOGPROBS, PLACEHOLDER_TOKEN_ID, DescriptorBuilder, StepDescriptor, StepOutput, TokenLogprobs,
-    max_new_blocks_per_step, read_descriptor,
+    MAX_LOGPROBS,
+    PLACEHOLDER_TOKEN_ID,
+    DescriptorBuilder,
+    StepDescriptor,
+    StepOutput,
+    TokenLogprobs,
+    max_new_blocks_per_step,
+    read_descriptor,
 )
 
 MAX_SEQS, MAX_TOKENS, BLOCK = 8, 64, 4
