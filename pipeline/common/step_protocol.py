@@ -28,7 +28,7 @@ from pipeline.common.messages import SamplingParams
 
 # Token id meaning "the token this slot sampled in the previous step"; the
 # worker resolves it from its on-device token-id cache (docs/design.md,
-# "Placeholders and the token-id cache").
+# "The step protocol").
 PLACEHOLDER_TOKEN_ID = -1
 
 # Steps in flight with asynchronous scheduling: N runs on the device while

@@ -9,7 +9,7 @@ class BlockPool:
     """Free lists of KV cache blocks and request slots.
 
     A block or slot that an in-flight step still reads is not reusable until
-    that step has reported completion (DESIGN.md, "Deferred free"): callers
+    that step has reported completion (docs/design.md, "Deferred free"): callers
     free with :meth:`free_after` naming the last step that references them,
     and :meth:`step_completed` returns them to the free lists.
 
