@@ -17,12 +17,11 @@ import time
 
 import torch
 
-from pipeline.gpu_worker.attention import AttentionMetadata
 from pipeline.gpu_worker.weights import load_model
 
 
 def _step(model, kv_caches, query_lens, starts, block_table, block_size) -> None:
-    meta = AttentionMetadata.build(query_lens, starts, block_table, block_size)
+    meta = model.attn_backend.build_metadata(query_lens, starts, block_table, block_size, torch.device("cpu"))
     input_ids = torch.zeros(meta.num_tokens, dtype=torch.int64)
     hidden = model(input_ids, meta.positions, meta, kv_caches)
     last = torch.cumsum(query_lens, 0) - 1

@@ -3,7 +3,8 @@
 Numerically this follows transformers' ``LlamaForCausalLM`` (RMSNorm, RoPE in
 the ``rotate_half`` convention, grouped-query attention, SwiGLU MLP), but the
 step's tokens are one flat ``[T]`` batch of many requests and attention goes
-through :func:`pipeline.gpu_worker.attention.paged_attention`.
+through an attention backend (:class:`pipeline.gpu_worker.attention.AttentionBackend`),
+so the model does not know how attention is computed.
 
 Q, K and V share one matmul, as do the MLP's gate and up projections: matrix
 multiplies dominate a CPU step and fewer, larger GEMMs run faster. On CPU,
@@ -22,9 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.gpu_worker.attention import AttentionMetadata, GatherBuffer, paged_attention
-
-KVCache = tuple[torch.Tensor, torch.Tensor]
+from pipeline.gpu_worker.attention import AttentionBackend, AttentionMetadata, KVCache, default_backend
 
 # A private op (used by inductor's CPU backend); absent in builds without oneDNN.
 _onednn_linear = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
@@ -127,7 +126,7 @@ class LlamaDecoderLayer(nn.Module):
         sin: torch.Tensor,
         meta: AttentionMetadata,
         kv_cache: KVCache,
-        workspace: GatherBuffer,
+        attn: AttentionBackend,
     ) -> torch.Tensor:
         """``hidden [T, hidden_size]`` -> ``[T, hidden_size]``; writes this step's K/V into ``kv_cache``."""
         num_tokens = hidden.shape[0]
@@ -138,8 +137,8 @@ class LlamaDecoderLayer(nn.Module):
         q = qk[:, : self.num_heads]
         k = qk[:, self.num_heads :]
         v = qkv[:, self.num_heads + self.num_kv_heads :]
-        attn = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, workspace)
-        hidden = hidden + self.o_proj(attn.reshape(num_tokens, -1))
+        out = attn.forward(q, k, v, kv_cache, meta, self.scale)
+        hidden = hidden + self.o_proj(out.reshape(num_tokens, -1))
 
         gate_up = self.gate_up_proj(self.post_attention_layernorm(hidden))
         gate = F.silu(gate_up[:, : self.intermediate_size])
@@ -162,12 +161,14 @@ class LlamaForCausalLM(nn.Module):
 
     Args:
         config: a ``transformers.LlamaConfig`` (any object with its fields).
+        attn_backend: how attention is computed; default
+            :func:`~pipeline.gpu_worker.attention.default_backend`.
 
     Raises:
         ValueError: for an activation other than SiLU or an unsupported RoPE type.
     """
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, attn_backend: AttentionBackend | None = None) -> None:
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}: only 'silu' is implemented")
@@ -181,7 +182,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
 
-        self.attn_workspace = GatherBuffer()
+        self.attn_backend = attn_backend or default_backend()
 
         inv_freq = rope_inverse_frequencies(config)
         freqs = torch.arange(config.max_position_embeddings, dtype=torch.int64).float()[:, None] * inv_freq
@@ -207,7 +208,8 @@ class LlamaForCausalLM(nn.Module):
             input_ids: ``[T]`` int64 token ids, laid out as ``meta`` describes.
             positions: ``[T]`` int64, each below ``max_position_embeddings``
                 (out-of-range positions are an indexing error).
-            meta: the step's :class:`AttentionMetadata`, on the model's device.
+            meta: the step's metadata from ``self.attn_backend.build_metadata``,
+                on the model's device.
             kv_caches: one ``(k_cache, v_cache)`` per layer, as made by
                 :meth:`allocate_kv_caches`; written in place.
 
@@ -218,7 +220,7 @@ class LlamaForCausalLM(nn.Module):
         sin = self.rope_sin.index_select(0, positions)
         hidden = self.embed_tokens(input_ids)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, meta, kv_cache, self.attn_workspace)
+            hidden = layer(hidden, cos, sin, meta, kv_cache, self.attn_backend)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

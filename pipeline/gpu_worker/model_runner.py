@@ -1,12 +1,21 @@
-"""Turns a StepDescriptor into a forward pass and sampled tokens.
+"""Turns a StepDescriptor into enqueued device work and, later, host tokens.
 
-The runner keeps per-slot state on the device (docs/design.md, "The step
-protocol"): the token-id cache (last token sampled for each slot), the
-block table, and sampling parameters. Placeholder input tokens are resolved
-from the token-id cache on the device, in stream order after the previous
-step's sampler wrote it, so launching step N+1 needs no device->host copy of
-step N's tokens. On CUDA the sampled tokens travel to pinned host memory on a
-separate copy stream and a per-step event says when they have arrived.
+:meth:`ModelRunner.launch` runs four named steps (docs/design.md, "The step
+protocol"; "The worker"):
+
+1. :meth:`~ModelRunner._apply_slot_updates`: new block-table entries and the
+   sampling parameters of rows new in their slot;
+2. :meth:`~ModelRunner._resolve_placeholders`: placeholder inputs read the
+   token-id cache on the device (poison mode checks and poisons what they read);
+3. :meth:`~ModelRunner._forward_and_sample`: attention metadata, then the
+   :class:`~pipeline.gpu_worker.executor.Executor` (real model or simulated
+   device); the sampled tokens go into the token-id cache;
+4. :meth:`~ModelRunner._start_host_copy`: on CUDA the tokens travel to pinned
+   host memory on a copy stream, and a per-step event says when they arrived.
+
+Placeholders are resolved on the device, in stream order after the previous
+step's sampler wrote the cache, so launching step N+1 needs no device->host
+copy of step N's tokens. :meth:`ModelRunner.finish` collects a step.
 """
 
 from __future__ import annotations
@@ -19,9 +28,8 @@ import torch
 
 from pipeline.common.config import EngineConfig
 from pipeline.common.step_protocol import PLACEHOLDER_TOKEN_ID, StepInputs
-from pipeline.gpu_worker.attention import AttentionMetadata
-from pipeline.gpu_worker.sampler import sample
-from pipeline.gpu_worker.sim_device import SimEvent, SimulatedDevice, sim_next_tokens
+from pipeline.gpu_worker.executor import Executed, Executor, SamplingInputs
+from pipeline.gpu_worker.sim_device import SimEvent
 
 # Written into a token-id cache entry once a placeholder consumed it; reading
 # it again means a placeholder resolved to a stale token.
@@ -34,7 +42,10 @@ class StaleTokenError(RuntimeError):
 
 @dataclass
 class LaunchedStep:
-    """A step whose device work is enqueued; :meth:`ModelRunner.finish` collects it."""
+    """A step whose device work is enqueued; :meth:`ModelRunner.finish` collects it.
+
+    Times are ``time.monotonic_ns()``.
+    """
 
     step_id: int
     req_num: np.ndarray  # [S] int64 of the sampled rows
@@ -56,20 +67,16 @@ class ModelRunner:
 
     Args:
         config: the engine configuration (slots, blocks, block size).
-        model: a :class:`pipeline.gpu_worker.model.LlamaForCausalLM` on
-            ``device``, or a :class:`SimulatedDevice` that replaces the forward
-            pass and sampling kernel (everything else runs unchanged).
+        executor: the real model (:class:`~pipeline.gpu_worker.executor.ModelExecutor`)
+            or the simulated device (:class:`~pipeline.gpu_worker.executor.SimExecutor`,
+            which replaces only the forward pass and the sampling kernel).
         device: where the model and all per-slot state live.
-        dtype: the KV cache dtype (the model's).
     """
 
-    def __init__(self, config: EngineConfig, model, device: torch.device, dtype: torch.dtype):
+    def __init__(self, config: EngineConfig, executor: Executor, device: torch.device):
         self.config, self.device = config, device
         s = config.max_num_seqs
-        self.sim = model if isinstance(model, SimulatedDevice) else None
-        self.model = None if self.sim else model
-        self.kv_caches = [] if self.sim else model.allocate_kv_caches(config.num_kv_blocks, config.block_size,
-                                                                      dtype, device)
+        self.executor = executor
         self.token_cache = torch.full((s,), POISON_TOKEN_ID, dtype=torch.int64, device=device)
         # The block table and sampling parameters stay on the host: attention
         # metadata and sampler decisions are built there, and each step takes
@@ -109,7 +116,19 @@ class ModelRunner:
         Raises:
             StaleTokenError: in poison mode, if a placeholder reads a consumed entry.
         """
-        dev = self._to_device
+        self._apply_slot_updates(x)
+        input_ids = self._resolve_placeholders(x)
+        executed, prepare_end = self._forward_and_sample(x, input_ids)
+        launch_ns = time.monotonic_ns()
+        step = LaunchedStep(step_id=x.step_id, req_num=x.req_num[x.sample_rows], tokens=None, done=executed.done,
+                            start_event=executed.start_event, prepare_start_ns=prepare_start_ns,
+                            prepare_end_ns=prepare_end, launch_ns=launch_ns,
+                            device_start_ns=executed.device_start_ns, device_end_ns=executed.device_end_ns)
+        self._start_host_copy(step, executed)
+        return step
+
+    def _apply_slot_updates(self, x: StepInputs) -> None:
+        """Block-table entries and the ``is_new`` rows' sampling parameters, per slot."""
         if x.new_blocks.shape[1]:
             self.block_table[x.new_blocks[0], x.new_blocks[1]] = x.new_blocks[2]
         if len(x.new_rows):
@@ -117,73 +136,66 @@ class ModelRunner:
             self.temperature[slots], self.top_p[slots] = x.temperature, x.top_p
             self.top_k[slots], self.seed[slots] = x.top_k, x.seed
 
+    def _resolve_placeholders(self, x: StepInputs) -> torch.Tensor:
+        """``[T]`` int64 device input ids, placeholders read from the token-id cache.
+
+        In poison mode each consumed cache entry is overwritten with
+        :data:`POISON_TOKEN_ID`, and a read of a poisoned entry raises.
+        """
         is_placeholder = x.token_ids == PLACEHOLDER_TOKEN_ID
+        input_ids = self._to_device(x.token_ids)
+        if not is_placeholder.any():
+            return input_ids
+        idx = np.flatnonzero(is_placeholder)
+        row_of_token = np.repeat(np.arange(len(x.slot)), x.query_lens)
+        ph_slots = self._to_device(x.slot[row_of_token[idx]])
+        resolved = self.token_cache[ph_slots]
+        if self.poison:
+            if bool((resolved < 0).any()):
+                bad = x.slot[row_of_token[idx]][(resolved < 0).cpu().numpy()]
+                raise StaleTokenError(f"step {x.step_id}: placeholder for slots {bad.tolist()} read a "
+                                      "consumed token-id cache entry")
+            self.token_cache[ph_slots] = POISON_TOKEN_ID
+        input_ids[self._to_device(idx)] = resolved
+        return input_ids
 
-        input_ids = dev(x.token_ids)
-        if is_placeholder.any():
-            idx = np.flatnonzero(is_placeholder)
-            row_of_token = np.repeat(np.arange(len(x.slot)), x.query_lens)
-            ph_slots = dev(x.slot[row_of_token[idx]])
-            resolved = self.token_cache[ph_slots]
-            if self.poison:
-                if bool((resolved < 0).any()):
-                    bad = x.slot[row_of_token[idx]][(resolved < 0).cpu().numpy()]
-                    raise StaleTokenError(f"step {x.step_id}: placeholder for slots {bad.tolist()} read a "
-                                          "consumed token-id cache entry")
-                self.token_cache[ph_slots] = POISON_TOKEN_ID
-            input_ids[dev(idx)] = resolved
+    def _forward_and_sample(self, x: StepInputs, input_ids: torch.Tensor) -> tuple[Executed, int]:
+        """Build the attention metadata, run the executor, write the token-id cache.
 
-        meta = AttentionMetadata.build(torch.from_numpy(x.query_lens), torch.from_numpy(x.start_pos),
-                                       torch.from_numpy(self.block_table[x.slot]), self.config.block_size)
-        if self.is_cuda:
-            meta = meta.to(self.device, non_blocking=True)
+        Returns:
+            The executor's result and when preparation ended (``monotonic_ns``).
+        """
+        meta = self.executor.attn_backend.build_metadata(
+            torch.from_numpy(x.query_lens), torch.from_numpy(x.start_pos),
+            torch.from_numpy(self.block_table[x.slot]), self.config.block_size, self.device)
         prepare_end = time.monotonic_ns()
 
         last = np.cumsum(x.query_lens)[x.sample_rows] - 1
         sample_slots = x.slot[x.sample_rows]
-        sample_slots_t = dev(sample_slots)
-        step = LaunchedStep(step_id=x.step_id, req_num=x.req_num[x.sample_rows], tokens=None, done=None,
-                            start_event=None, prepare_start_ns=prepare_start_ns, prepare_end_ns=prepare_end,
-                            launch_ns=0)
-        if self.sim is not None:
-            # The simulated kernel reads the resolved inputs like the model would.
-            tokens = torch.from_numpy(sim_next_tokens(input_ids[last].numpy(), meta.positions[last].numpy()))
-            self.token_cache[sample_slots_t] = tokens
-            step.device_start_ns, step.device_end_ns = self.sim.enqueue_step(len(x.token_ids))
-            step.done = SimEvent(step.device_end_ns)
-            step.tokens = tokens
-            step.launch_ns = time.monotonic_ns()
-            return step
+        sampling = SamplingInputs(*(torch.from_numpy(a[sample_slots]) for a in (self.temperature, self.top_p,
+                                                                                  self.top_k, self.seed)),
+                                  position=torch.from_numpy(x.start_pos[x.sample_rows] + x.query_lens[x.sample_rows]))
+        executed = self.executor.execute(input_ids, meta, last, sampling)
+        self.token_cache[self._to_device(sample_slots)] = executed.tokens
+        return executed, prepare_end
 
-        if self.is_cuda:
-            step.start_event = torch.cuda.Event(enable_timing=True)
-            step.start_event.record()
-        device_start = time.monotonic_ns()
-        hidden = self.model(input_ids, meta.positions, meta, self.kv_caches)
-        logits = self.model.compute_logits(hidden[dev(last)])
-        # Seeded noise is keyed by the sampled token's position, so a request
-        # draws the same noise whatever batch it is in.
-        tokens = sample(logits, *(torch.from_numpy(a[sample_slots]) for a in (self.temperature, self.top_p,
-                                                                              self.top_k, self.seed)),
-                        torch.from_numpy(x.start_pos[x.sample_rows] + x.query_lens[x.sample_rows]))
-        self.token_cache[sample_slots_t] = tokens
-        step.launch_ns = time.monotonic_ns()
-        if self.is_cuda:
-            sampled = torch.cuda.Event()
-            sampled.record()
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            with torch.cuda.stream(self.copy_stream):
-                self.copy_stream.wait_event(sampled)
-                host.copy_(tokens, non_blocking=True)
-                step.done = torch.cuda.Event(enable_timing=True)
-                step.done.record()
-            # The device tensor must outlive the copy: tell the allocator.
-            tokens.record_stream(self.copy_stream)
-            step.tokens = host
-        else:  # CPU torch ran the step synchronously: wall time around it
+    def _start_host_copy(self, step: LaunchedStep, executed: Executed) -> None:
+        """Give ``step`` its host tokens: on CUDA a pinned copy on the copy stream, gated by events."""
+        tokens = executed.tokens
+        if not self.is_cuda:  # CPU torch and the simulated device: already host tensors
             step.tokens = tokens
-            step.device_start_ns, step.device_end_ns = device_start, step.launch_ns
-        return step
+            return
+        sampled = torch.cuda.Event()
+        sampled.record()
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        with torch.cuda.stream(self.copy_stream):
+            self.copy_stream.wait_event(sampled)
+            host.copy_(tokens, non_blocking=True)
+            step.done = torch.cuda.Event(enable_timing=True)
+            step.done.record()
+        # The device tensor must outlive the copy: tell the allocator.
+        tokens.record_stream(self.copy_stream)
+        step.tokens = host
 
     def finish(self, step: LaunchedStep) -> LaunchedStep:
         """Wait for ``step``'s tokens on the host and fill its device times."""

@@ -1,7 +1,7 @@
 """The simulated device: a CUDA-stream stand-in for measuring host overhead.
 
-It replaces only the forward pass and the sampling kernel (DESIGN.md,
-"Measuring the token gap"). Work enqueued on it returns at once and runs in
+It replaces only the forward pass and the sampling kernel (docs/design.md,
+"The simulated device"). Work enqueued on it returns at once and runs in
 order "in the background": a step enqueued at host time ``t`` starts at
 ``max(t, end of the previous step)`` and lasts ``step_us + token_us ×
 tokens`` microseconds. The timeline is computed, not slept through, so no

@@ -1,9 +1,8 @@
-"""Paged attention over a flat, preallocated KV cache.
+"""The ``torch_sdpa`` attention backend: padded groups over ``scaled_dot_product_attention``.
 
-The tokens of one step are laid out request after request. Attention cost must
-stay O(batch x context) (DESIGN.md, "Facts measured on this machine"): one mask
-spanning every request's tokens would be O(tokens^2). So the step's requests are
-split into two groups, each attended with one batched call:
+Attention cost must stay O(batch x context) (docs/design.md, "The worker"):
+one mask spanning every request's tokens would be O(tokens^2). So the step's
+requests are split into two groups, each attended with one batched call:
 
 - decode rows (query_len == 1): queries ``[Bd, H, 1, D]`` (run as
   ``[Bd, KVH, H / KVH, D]``) against each row's own keys, padded to the
@@ -11,16 +10,16 @@ split into two groups, each attended with one batched call:
 - prefill rows (query_len > 1): queries padded to the longest chunk among the
   prefill rows only, ``[Bp, H, Qmax, D]``, with a causal mask.
 
-Keys and values are gathered block by block through each row's block table.
-Everything shaped by the batch (gather indices, masks, scatter indices) is
-computed once per step in :meth:`AttentionMetadata.build`; the per-layer path
-only indexes precomputed tensors, so it has no Python loop over requests and
-no host synchronisation.
+Keys and values are gathered block by block through each row's block table
+(cache layout in :mod:`pipeline.gpu_worker.attention.backend`). Everything
+shaped by the batch (gather indices, masks, scatter indices) is computed once
+per step in :meth:`SDPAMetadata.build`; the per-layer path only indexes
+precomputed tensors, so it has no Python loop over requests and no host
+synchronisation.
 
-Cache layout, per layer: ``k_cache`` and ``v_cache`` are
-``[num_blocks * block_size, num_kv_heads, head_dim]``; token position ``p`` of
-a request whose block table is ``bt`` lives at flat index
-``bt[p // block_size] * block_size + p % block_size``.
+The module is a little over 300 lines because the metadata build and the
+forward that consumes it are one unit: every index the build computes is
+read by exactly one line of :func:`paged_attention`.
 """
 
 from __future__ import annotations
@@ -30,6 +29,9 @@ import math
 
 import torch
 import torch.nn.functional as F
+
+from pipeline.gpu_worker.attention.backend import (AttentionBackend, AttentionMetadata, KVCache, check_step_inputs,
+                                                   token_layout)
 
 
 @dataclasses.dataclass
@@ -72,23 +74,14 @@ class AttentionGroup:
 
 
 @dataclasses.dataclass
-class AttentionMetadata:
-    """Per-step attention layout, shared by every layer.
+class SDPAMetadata(AttentionMetadata):
+    """Per-step layout for :class:`TorchSDPABackend`, shared by every layer.
 
-    Attributes:
-        num_tokens: T, the number of tokens in the step.
-        block_size: tokens per KV cache block.
-        positions: ``[T]`` int64, position of each token in its sequence.
-        slot_mapping: ``[T]`` int64, flat KV cache index each token's key and
-            value are written to.
+    Attributes (beyond :class:`~pipeline.gpu_worker.attention.backend.AttentionMetadata`):
         decode: group of requests with query_len == 1, or None if there are none.
         prefill: group of requests with query_len > 1, or None if there are none.
     """
 
-    num_tokens: int
-    block_size: int
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
     decode: AttentionGroup | None
     prefill: AttentionGroup | None
 
@@ -99,66 +92,19 @@ class AttentionMetadata:
         start_positions: torch.Tensor,
         block_table: torch.Tensor,
         block_size: int,
-    ) -> AttentionMetadata:
-        """Compute the step's slot mapping, gather indices and masks.
+    ) -> SDPAMetadata:
+        """Compute the step's slot mapping, gather indices and masks on the host.
 
-        Request ``i`` owns step tokens ``[cu[i], cu[i] + query_lens[i])`` where
-        ``cu`` is the exclusive cumulative sum of ``query_lens``; their
-        positions are ``start_positions[i] + 0 .. query_lens[i] - 1``.
-
-        Args:
-            query_lens: ``[B]`` int64, tokens scheduled per request, each >= 1.
-            start_positions: ``[B]`` int64, position of each request's first
-                scheduled token (= tokens already in its KV cache).
-            block_table: ``[B, max_blocks_per_seq]`` int32 or int64, each
-                request's block-table row; entries past a request's context are
-                ignored and may hold anything.
-            block_size: tokens per KV cache block.
-
-        Returns:
-            Metadata on the inputs' device. Pass host (CPU) tensors: the build
-            reads batch maxima on the host, then move the result with
-            :meth:`to`.
-
-        Raises:
-            ValueError: on inconsistent shapes, an empty batch, a query_len < 1,
-                a negative start position, or a context that does not fit the
-                block table.
+        Arguments and errors as
+        :meth:`~pipeline.gpu_worker.attention.backend.AttentionBackend.build_metadata`.
+        The build reads batch maxima on the host, so pass host (CPU)
+        tensors, then move the result with :meth:`to`.
         """
-        if query_lens.dim() != 1 or query_lens.numel() == 0:
-            raise ValueError(f"query_lens must be a non-empty 1-D tensor, got shape {tuple(query_lens.shape)}")
+        query_lens, start_positions, block_table = check_step_inputs(
+            query_lens, start_positions, block_table, block_size)
         num_reqs = query_lens.numel()
-        if start_positions.shape != (num_reqs,):
-            raise ValueError(f"start_positions must have shape ({num_reqs},), got {tuple(start_positions.shape)}")
-        if block_table.dim() != 2 or block_table.shape[0] != num_reqs:
-            raise ValueError(
-                f"block_table must have shape ({num_reqs}, max_blocks_per_seq), got {tuple(block_table.shape)}"
-            )
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        query_lens = query_lens.long()
-        start_positions = start_positions.long()
-        block_table = block_table.long()
-        if bool((query_lens < 1).any()):
-            raise ValueError(f"every query_len must be >= 1, got {query_lens.tolist()}")
-        if bool((start_positions < 0).any()):
-            raise ValueError(f"start positions must be >= 0, got {start_positions.tolist()}")
-        context_lens = start_positions + query_lens
-        max_context = block_table.shape[1] * block_size
-        if int(context_lens.max()) > max_context:
-            raise ValueError(
-                f"a context of {int(context_lens.max())} tokens does not fit a block table of "
-                f"{block_table.shape[1]} blocks of {block_size}"
-            )
-
-        device = query_lens.device
-        token_starts = torch.cumsum(query_lens, 0) - query_lens
-        num_tokens = int(query_lens.sum())
-        request_of_token = torch.repeat_interleave(torch.arange(num_reqs, device=device), query_lens)
-        offsets = torch.arange(num_tokens, device=device) - token_starts[request_of_token]
-        positions = start_positions[request_of_token] + offsets
-        block_of_token = block_table[request_of_token, positions // block_size]
-        slot_mapping = block_of_token * block_size + positions % block_size
+        token_starts, positions, slot_mapping, num_tokens = token_layout(
+            query_lens, start_positions, block_table, block_size)
 
         is_decode = query_lens == 1
         decode_rows = torch.nonzero(is_decode).flatten()
@@ -178,7 +124,7 @@ class AttentionMetadata:
             prefill=groups[1],
         )
 
-    def to(self, device: torch.device, non_blocking: bool = False) -> AttentionMetadata:
+    def to(self, device: torch.device, non_blocking: bool = False) -> SDPAMetadata:
         """Return a copy with every tensor on ``device`` (pinned sources allow non_blocking)."""
         return dataclasses.replace(
             self,
@@ -293,7 +239,7 @@ def paged_attention(
     v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    meta: AttentionMetadata,
+    meta: SDPAMetadata,
     scale: float,
     workspace: GatherBuffer | None = None,
 ) -> torch.Tensor:
@@ -357,7 +303,43 @@ def paged_attention(
     return out
 
 
-def _single_identity_group(meta: AttentionMetadata) -> bool:
+def _single_identity_group(meta: SDPAMetadata) -> bool:
     """True when one group covers the whole step in order, so its output is the result."""
     group = meta.decode if meta.prefill is None else meta.prefill if meta.decode is None else None
     return group is not None and group.identity
+
+
+class TorchSDPABackend(AttentionBackend):
+    """Padded decode and prefill groups over SDPA (see the module docstring).
+
+    Owns the :class:`GatherBuffer` its layers share.
+    """
+
+    name = "torch_sdpa"
+
+    def __init__(self) -> None:
+        self.workspace = GatherBuffer()
+
+    def build_metadata(
+        self,
+        query_lens: torch.Tensor,
+        start_positions: torch.Tensor,
+        block_table: torch.Tensor,
+        block_size: int,
+        device: torch.device,
+    ) -> SDPAMetadata:
+        meta = SDPAMetadata.build(query_lens, start_positions, block_table, block_size)
+        if device.type == "cuda":
+            meta = meta.to(device, non_blocking=True)
+        return meta
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        meta: SDPAMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        return paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, scale, self.workspace)
