@@ -21,10 +21,10 @@ import time
 
 import numpy as np
 
-# SmolLM2's (and most BPE vocabularies') low ids are special or byte tokens;
-# ids in this range decode to ordinary text.
-_FIRST_WORD_ID = 1000
-_NUM_WORD_IDS = 8000
+from pipeline.common.constants import SIM_WORD_ID_RANGE
+
+_FIRST_WORD_ID = SIM_WORD_ID_RANGE[0]
+_NUM_WORD_IDS = SIM_WORD_ID_RANGE[1] - SIM_WORD_ID_RANGE[0]
 
 
 class SimEvent:
@@ -75,7 +75,7 @@ def sim_next_tokens(last_input_ids: np.ndarray, last_positions: np.ndarray) -> n
         last_positions: ``[S]`` int64, that position.
 
     Returns:
-        ``[S]`` int64 token ids in ``[1000, 9000)``.
+        ``[S]`` int64 token ids in ``SIM_WORD_ID_RANGE``.
     """
     h = (last_input_ids.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
          + last_positions.astype(np.uint64) * np.uint64(0xBF58476D1CE4E5B9))
