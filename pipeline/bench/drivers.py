@@ -35,7 +35,7 @@ async def drive_engine(config: EngineConfig, output_ring: ShmRing, work: Workloa
     tokenizer, _ = load_tokenizer(config.tokenizer)
     tokenization = Tokenization(tokenizer)
     recorder = TraceRecorder()
-    client = EngineClient(config, output_ring, tokenization.make_decoder(), recorder)
+    client = EngineClient(config, output_ring, tokenization.make_detokenizer(), recorder)
     client.start()
     try:
         return await _drive_client(client, work, bar)

@@ -1,71 +1,67 @@
 """Output token ids -> client text: incremental detokenization, stop strings, finish.
 
 Everything here runs on io_proc's output-reader thread, one object set per
-request, and is pure Python over a ``decode`` function, so it is tested without
-a server.
+request. Detokenization is the ``tokenizers`` library's streaming decoder
+(``DecodeStream``, in Rust, as vLLM uses it): about 1 us per token instead
+of two full ``decode`` calls through ``transformers`` (about 10 us), which is
+what lets one io_proc keep up with a batch of 1024 at millisecond steps.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from tokenizers.decoders import DecodeStream
 
 from pipeline.common.messages import FinishReason, SamplingParams, check_finish
 
-# What a byte-level decoder emits for an incomplete UTF-8 sequence.
-_REPLACEMENT_CHAR = "\ufffd"
 
-DecodeFn = Callable[[list[int]], str]
-"""``decode(token_ids) -> text`` with special tokens skipped, e.g.
-``functools.partial(tokenizer.decode, skip_special_tokens=True)``."""
+class Detokenizer(Protocol):
+    """One request's token -> text state: :meth:`push` returns the text a token completes."""
+
+    token_ids: list[int]
+
+    def push(self, token_id: int) -> str: ...
+
+
+NewDetokenizer = Callable[[], Detokenizer]
+"""Makes a fresh :class:`Detokenizer` for a new request."""
 
 
 class IncrementalDetokenizer:
     """Turns one request's output tokens into text deltas, one token at a time.
 
-    The prefix-offset / read-offset algorithm of Hugging Face
-    text-generation-inference and vLLM (``detokenize_incrementally``): decode
-    the window ``token_ids[prefix_offset:]`` and the already-emitted part
-    ``token_ids[prefix_offset:read_offset]``; the difference is the new text.
-    Decoding a short window keeps the per-token cost constant, and starting
-    the window one step back keeps context-dependent decoders (e.g.
-    SentencePiece's leading space) right.
+    ``DecodeStream`` implements the prefix-offset / read-offset algorithm of
+    text-generation-inference and vLLM: it decodes a short window ending at
+    the new token and returns the text beyond what the window's start already
+    produced, so the cost per token is constant, and context-dependent
+    decoders (SentencePiece's leading space) stay right. A character whose
+    UTF-8 bytes are split over several tokens (emoji, CJK) yields nothing until
+    its last byte arrives and is then emitted whole; an incomplete character
+    still pending when the request ends is never emitted (no U+FFFD reaches a
+    client). Special tokens are skipped. For text made of complete characters
+    the deltas concatenate to ``decode(token_ids, skip_special_tokens=True)``.
 
-    A character whose UTF-8 bytes are split over several tokens (emoji, CJK)
-    decodes to U+FFFD until its last byte arrives; while the window ends with
-    U+FFFD nothing is emitted and the offsets stay, so the character is
-    emitted whole later. Otherwise the window advances past every token
-    consumed, whether or not it produced text (a skipped special token moves
-    the window too). Offsets never move backwards.
-
-    For text made of complete characters, the concatenation of all deltas
-    equals ``decode(token_ids)``. An incomplete character still pending when
-    the request ends is never emitted (no U+FFFD reaches a client).
+    Args:
+        tokenizer: a ``tokenizers.Tokenizer`` (a fast tokenizer's
+            ``backend_tokenizer``), used by this thread only.
 
     Attributes:
         token_ids: every output token pushed so far (list of int).
-        prefix_offset: start of the decode window (index into ``token_ids``).
-        read_offset: end of the text already emitted (index into ``token_ids``).
     """
 
-    __slots__ = ("_decode", "token_ids", "prefix_offset", "read_offset")
+    __slots__ = ("_tokenizer", "_stream", "token_ids")
 
-    def __init__(self, decode: DecodeFn):
-        self._decode = decode
+    def __init__(self, tokenizer: Any):
+        self._tokenizer = tokenizer
+        self._stream = DecodeStream(skip_special_tokens=True)
         self.token_ids: list[int] = []
-        self.prefix_offset = 0
-        self.read_offset = 0
 
     def push(self, token_id: int) -> str:
         """Append ``token_id``; return the text it completes ("" if none yet)."""
-        ids = self.token_ids
-        ids.append(token_id)
-        new_text = self._decode(ids[self.prefix_offset:])
-        if new_text.endswith(_REPLACEMENT_CHAR):
-            return ""
-        prefix_text = self._decode(ids[self.prefix_offset:self.read_offset])
-        self.prefix_offset = self.read_offset
-        self.read_offset = len(ids)
-        return new_text[len(prefix_text):]
+        self.token_ids.append(token_id)
+        return self._stream.step(self._tokenizer, token_id) or ""
 
 
 class StopStringMatcher:
@@ -135,7 +131,7 @@ class OutputProcessor:
     ``max_tokens``, the same rule the scheduler applies on its side).
 
     Args:
-        decode: see :data:`DecodeFn`.
+        detokenizer: this request's :class:`Detokenizer`.
         params: the request's sampling parameters.
         stop: stop strings (may be empty).
 
@@ -147,9 +143,9 @@ class OutputProcessor:
 
     __slots__ = ("_detok", "_stop", "_params", "num_output_tokens", "token_ids")
 
-    def __init__(self, decode: DecodeFn, params: SamplingParams, stop: Sequence[str] = ()):
-        self._detok = IncrementalDetokenizer(decode)
-        self.token_ids = self._detok.token_ids
+    def __init__(self, detokenizer: Detokenizer, params: SamplingParams, stop: Sequence[str] = ()):
+        self._detok = detokenizer
+        self.token_ids = detokenizer.token_ids
         self._stop = StopStringMatcher(stop) if stop else None
         self._params = params
         self.num_output_tokens = 0

@@ -31,7 +31,7 @@ from pipeline.common.messages import AbortRequest, AddRequest, GetStats, Samplin
 from pipeline.common.shm_ring import ShmRing
 from pipeline.common.step_protocol import StepOutput
 from pipeline.common.trace import TraceRecorder
-from pipeline.io_proc.detokenizer import DecodeFn, OutputProcessor
+from pipeline.io_proc.detokenizer import NewDetokenizer, OutputProcessor
 from pipeline.io_proc.output_reader import OutputReader, StepResult
 from pipeline.io_proc.request_state import RequestState
 
@@ -54,8 +54,9 @@ class EngineClient:
     Args:
         config: the server configuration (its zmq addresses).
         ring: the output ring, attached (``create=False``) with two readers.
-        decode: see :data:`~pipeline.io_proc.detokenizer.DecodeFn`; used only
-            by the reader thread.
+        new_detokenizer: makes each request's detokenizer (see
+            :class:`~pipeline.io_proc.detokenizer.Detokenizer`), which only
+            the reader thread uses.
         trace: if given, the reader thread records its per-step handling span.
 
     Raises:
@@ -67,9 +68,9 @@ class EngineClient:
     as "abort").
     """
 
-    def __init__(self, config: EngineConfig, ring: ShmRing[StepOutput], decode: DecodeFn,
+    def __init__(self, config: EngineConfig, ring: ShmRing[StepOutput], new_detokenizer: NewDetokenizer,
                  trace: TraceRecorder | None = None):
-        self._decode = decode
+        self._new_detokenizer = new_detokenizer
         self._requests: dict[int, RequestState] = {}
         self._req_nums = itertools.count(1)
         self._nonces = itertools.count(1)
@@ -144,7 +145,7 @@ class EngineClient:
             EngineUnavailable: the scheduler's queue is full.
         """
         req_num = next(self._req_nums)
-        state = RequestState(req_num, len(prompt_token_ids), OutputProcessor(self._decode, params, stop), streaming,
+        state = RequestState(req_num, len(prompt_token_ids), OutputProcessor(self._new_detokenizer(), params, stop), streaming,
                              return_token_ids)
         # Registered before sending: the first token may arrive right after.
         self._requests[req_num] = state

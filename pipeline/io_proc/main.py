@@ -93,7 +93,7 @@ class IoProc:
             # Registered before the client's close, so it runs after the client has stopped reading.
             cleanup.callback(trace.dump, config.trace_path(_NAME))
         try:
-            self.client = EngineClient(config, ring, tokenization.make_decoder(), trace)
+            self.client = EngineClient(config, ring, tokenization.make_detokenizer(), trace)
         except Exception as e:
             raise StartupError(f"cannot open the control sockets ({e}); check that {config.ipc_dir!r} exists "
                                "and is writable") from e

@@ -17,7 +17,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from pipeline.io_proc.detokenizer import DecodeFn
+from pipeline.io_proc.detokenizer import IncrementalDetokenizer, NewDetokenizer
 from pipeline.io_proc.protocol import APIError, ChatMessage
 
 
@@ -119,11 +119,18 @@ class Tokenization:
     def _encode_text(self, text: str) -> list[int]:
         return list(self._tokenizer(text)["input_ids"])
 
-    def make_decoder(self) -> DecodeFn:
-        """A decode function (special tokens skipped) over a private copy of the
-        tokenizer, for the output-reader thread: it then never shares the
-        Rust tokenizer with the encoding thread."""
-        return functools.partial(copy.deepcopy(self._tokenizer).decode, skip_special_tokens=True)
+    def make_detokenizer(self) -> NewDetokenizer:
+        """A factory of per-request :class:`IncrementalDetokenizer` over a private copy of the
+        tokenizer, for the output-reader thread: it then never shares the Rust
+        tokenizer with the encoding thread.
+
+        Raises:
+            ValueError: the tokenizer is not a fast one (no ``tokenizer.json``).
+        """
+        backend = getattr(copy.deepcopy(self._tokenizer), "backend_tokenizer", None)
+        if backend is None:
+            raise ValueError("pipeline needs a fast tokenizer (a tokenizer.json in the model directory)")
+        return functools.partial(IncrementalDetokenizer, backend)
 
     def close(self) -> None:
         """Stop the encoding thread; queued work is cancelled."""

@@ -38,7 +38,7 @@ async def run(config, output_ring, work: list[dict]) -> tuple[list[list[int]], d
     from pipeline.io_proc.tokenization import Tokenization, load_tokenizer
 
     tokenization = Tokenization(load_tokenizer(config.tokenizer)[0])
-    client = EngineClient(config, output_ring, tokenization.make_decoder())
+    client = EngineClient(config, output_ring, tokenization.make_detokenizer())
     client.start()
 
     async def one(job: dict) -> list[int]:

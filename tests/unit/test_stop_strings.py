@@ -2,7 +2,7 @@
 before it, and held-back text is flushed when the request ends otherwise.
 
 The end-to-end cases run through :class:`OutputProcessor` with a byte-level
-"tokenizer" (one token per UTF-8 byte), which splits every multi-byte
+detokenizer (one token per UTF-8 byte), which splits every multi-byte
 character over tokens like a real byte-level BPE does, and needs no model files.
 """
 
@@ -18,8 +18,23 @@ from pipeline.io_proc.detokenizer import OutputProcessor, StopStringMatcher
 EOS = 256  # outside the byte range, like a special token
 
 
-def byte_decode(ids: list[int]) -> str:
-    return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+class ByteDetokenizer:
+    """One token per UTF-8 byte; a character comes out once its last byte arrives; ids >= 256 are special."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self._pending = b""
+
+    def push(self, token_id: int) -> str:
+        self.token_ids.append(token_id)
+        if token_id >= 256:
+            return ""
+        self._pending += bytes([token_id])
+        try:
+            text, self._pending = self._pending.decode("utf-8"), b""
+        except UnicodeDecodeError:
+            return ""
+        return text
 
 
 def byte_encode(text: str) -> list[int]:
@@ -45,7 +60,7 @@ def reference_cut(text: str, stops: list[str]) -> str | None:
 
 def run(text_tokens: list[int], stops: list[str], max_tokens: int = 1000, eos: bool = False):
     """Run tokens through an OutputProcessor; return (deltas, finish, needs_abort, num_output_tokens)."""
-    proc = OutputProcessor(byte_decode, SamplingParams(max_tokens=max_tokens, stop_token_ids=(EOS,)), stops)
+    proc = OutputProcessor(ByteDetokenizer(), SamplingParams(max_tokens=max_tokens, stop_token_ids=(EOS,)), stops)
     deltas = []
     for t in text_tokens + ([EOS] if eos else []):
         text, finish, needs_abort = proc.push(t)
