@@ -111,7 +111,7 @@ def run_gpu_worker(config: EngineConfig, status_conn) -> None:
     except Exception as e:  # start-up failure: tell the launcher why, then exit
         traceback.print_exc()
         report(status_conn, "error", "gpu_worker", f"could not load model {config.model!r}: {e}")
-        raise SystemExit(1)
+        raise SystemExit(1) from None
     report(status_conn, "ready", "gpu_worker")
     proc = WorkerProc(config, runner, desc_ring, out_ring)
     try:

@@ -24,8 +24,15 @@ from starlette.responses import Response
 from pipeline.common.config import EngineConfig
 from pipeline.io_proc.engine_client import EngineClient, EngineUnavailable
 from pipeline.io_proc.metrics import PipelineMetrics
-from pipeline.io_proc.protocol import (APIError, ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse,
-                                       ModelCard, ModelList)
+from pipeline.io_proc.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
 from pipeline.io_proc.serving import OpenAIServing, json_response
 from pipeline.io_proc.tokenization import Tokenization
 

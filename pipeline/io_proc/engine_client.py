@@ -145,8 +145,8 @@ class EngineClient:
             EngineUnavailable: the scheduler's queue is full.
         """
         req_num = next(self._req_nums)
-        state = RequestState(req_num, len(prompt_token_ids), OutputProcessor(self._new_detokenizer(), params, stop), streaming,
-                             return_token_ids)
+        processor = OutputProcessor(self._new_detokenizer(), params, stop)
+        state = RequestState(req_num, len(prompt_token_ids), processor, streaming, return_token_ids)
         # Registered before sending: the first token may arrive right after.
         self._requests[req_num] = state
         try:

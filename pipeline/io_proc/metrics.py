@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from pipeline.common.messages import Stats
 from pipeline.io_proc.engine_client import EngineClient
 
+
 class PipelineMetrics:
     """A registry exposing the scheduler's last :class:`Stats` and io counters.
 

@@ -48,7 +48,7 @@ class APIError(Exception):
         self.status_code, self.message, self.type, self.param, self.code = status_code, message, type, param, code
 
     @classmethod
-    def bad_request(cls, message: str, param: str | None = None, code: str | None = None) -> "APIError":
+    def bad_request(cls, message: str, param: str | None = None, code: str | None = None) -> APIError:
         """HTTP 400, ``invalid_request_error``."""
         return cls(400, message, "invalid_request_error", param, code)
 
@@ -138,7 +138,7 @@ class SamplingRequest(_Request):
     response_format: dict | None = None
 
     @model_validator(mode="after")
-    def _check_unsupported(self) -> "SamplingRequest":
+    def _check_unsupported(self) -> SamplingRequest:
         unsupported = {
             "logprobs": self.logprobs not in (None, False, 0), "top_logprobs": bool(self.top_logprobs),
             "presence_penalty": bool(self.presence_penalty), "frequency_penalty": bool(self.frequency_penalty),
@@ -175,7 +175,7 @@ class SamplingRequest(_Request):
         return v
 
     @model_validator(mode="after")
-    def _check_stream_options(self) -> "SamplingRequest":
+    def _check_stream_options(self) -> SamplingRequest:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self

@@ -33,10 +33,23 @@ from starlette.types import Receive, Scope, Send
 from pipeline.common.config import EngineConfig
 from pipeline.common.messages import SamplingParams
 from pipeline.io_proc.engine_client import EngineClient, EngineUnavailable
-from pipeline.io_proc.protocol import (APIError, ChatCompletionChoice, ChatCompletionChunk, ChatCompletionChunkChoice,
-                                       ChatCompletionMessage, ChatCompletionRequest, ChatCompletionResponse,
-                                       CompletionChoice, CompletionRequest, CompletionResponse, DeltaMessage,
-                                       ErrorInfo, ErrorResponse, UsageInfo, SamplingRequest)
+from pipeline.io_proc.protocol import (
+    APIError,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionChunkChoice,
+    ChatCompletionMessage,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ErrorInfo,
+    ErrorResponse,
+    SamplingRequest,
+    UsageInfo,
+)
 from pipeline.io_proc.request_state import RequestState
 from pipeline.io_proc.tokenization import Tokenization
 

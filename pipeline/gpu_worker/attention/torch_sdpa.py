@@ -30,8 +30,13 @@ import math
 import torch
 import torch.nn.functional as F
 
-from pipeline.gpu_worker.attention.backend import (AttentionBackend, AttentionMetadata, KVCache, check_step_inputs,
-                                                   token_layout)
+from pipeline.gpu_worker.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    KVCache,
+    check_step_inputs,
+    token_layout,
+)
 
 
 @dataclasses.dataclass
