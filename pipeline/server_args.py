@@ -105,9 +105,14 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         cfg = read_model_config(model_dir)
     except (FileNotFoundError, ValueError, OSError) as e:
         _die(str(e))
-    max_model_len = args.max_model_len or min(cfg.get("max_position_embeddings", 8192), 8192)
+    max_positions = cfg.get("max_position_embeddings")
+    max_model_len = args.max_model_len or min(max_positions or 8192, 8192)
     if max_model_len < 2:
         _die("--max-model-len must be at least 2")
+    if not sim and max_positions and max_model_len > max_positions:
+        # A position past the model's RoPE table is an asynchronous device assert on CUDA.
+        _die(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings {max_positions}; "
+             f"use at most {max_positions}")
     if args.num_kv_blocks:
         num_blocks = args.num_kv_blocks
     elif sim:  # nothing is allocated: enough blocks that the simulation never preempts
@@ -128,7 +133,8 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         served_model_name=args.served_model_name or ("sim" if sim else name), dtype=args.dtype,
         device=device, host=args.host, port=args.port, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-        max_model_len=max_model_len, num_kv_blocks=num_blocks, async_scheduling=args.async_scheduling,
+        max_model_len=max_model_len, num_kv_blocks=num_blocks,
+        vocab_size=0 if sim else int(cfg.get("vocab_size", 0)), async_scheduling=args.async_scheduling,
         debug_token_cache_poison=args.debug_token_cache_poison, sim_step_us=args.sim_step_us,
         sim_token_us=args.sim_token_us, trace=bool(args.trace),
         instance=f"{os.getpid()}-{secrets.token_hex(4)}", ipc_dir=tempfile.mkdtemp(prefix="pipeline-"))

@@ -21,7 +21,7 @@ from pipeline.gpu_worker.weights import load_model
 
 
 def _step(model, kv_caches, query_lens, starts, block_table, block_size) -> None:
-    meta = model.attn_backend.build_metadata(query_lens, starts, block_table, block_size, torch.device("cpu"))
+    meta = model.attn_backend.build_from_rows(query_lens, starts, block_table, block_size)
     input_ids = torch.zeros(meta.num_tokens, dtype=torch.int64)
     hidden = model(input_ids, meta.positions, meta, kv_caches)
     last = torch.cumsum(query_lens, 0) - 1

@@ -25,7 +25,11 @@ class EngineConfig(msgspec.Struct, frozen=True):
         max_num_seqs: requests in one step at most (also the number of slots).
         max_num_batched_tokens: tokens in one step at most (chunked prefill budget).
         block_size: tokens per KV cache block.
-        max_model_len: prompt + output tokens of one request at most.
+        max_model_len: prompt + output tokens of one request at most (at most
+            the model's ``max_position_embeddings``).
+        vocab_size: token ids the model has embedding rows for; 0 when there
+            is no model (the simulated device). io_proc refuses prompt ids at
+            or above it.
         num_kv_blocks: KV cache blocks the worker allocates.
         async_scheduling: plan step N+1 while step N runs.
         debug_token_cache_poison: poison consumed token-id cache entries and
@@ -49,6 +53,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
     block_size: int = 16
     max_model_len: int = 2048
     num_kv_blocks: int = 1024
+    vocab_size: int = 0
     async_scheduling: bool = True
     debug_token_cache_poison: bool = False
     sim_step_us: float = 10_000.0

@@ -4,18 +4,21 @@
 protocol"; "The worker"):
 
 1. :meth:`~ModelRunner._apply_slot_updates`: new block-table entries and the
-   sampling parameters of rows new in their slot;
+   sampling parameters of rows new in their slot, written on the device;
 2. :meth:`~ModelRunner._resolve_placeholders`: placeholder inputs read the
-   token-id cache on the device (poison mode checks and poisons what they read);
+   token-id cache on the device; poison mode poisons what they read and
+   computes a "stale" flag on the device;
 3. :meth:`~ModelRunner._forward_and_sample`: attention metadata, then the
    :class:`~pipeline.gpu_worker.executor.Executor` (real model or simulated
    device); the sampled tokens go into the token-id cache;
-4. :meth:`~ModelRunner._start_host_copy`: on CUDA the tokens travel to pinned
-   host memory on a copy stream, and a per-step event says when they arrived.
+4. :meth:`~ModelRunner._start_host_copy`: the tokens (and the stale flags)
+   travel to pinned host memory on a copy stream; an event says when.
 
-Placeholders are resolved on the device, in stream order after the previous
-step's sampler wrote the cache, so launching step N+1 needs no device->host
-copy of step N's tokens. :meth:`ModelRunner.finish` collects a step.
+On a GPU none of these waits for the device: inputs go up through pinned
+staging buffers, decisions are taken from host copies of the descriptor and
+of the per-slot parameters, and nothing device-side is read on the host until
+:meth:`ModelRunner.finish`, which the worker calls once the step's event has
+fired. ``tests/unit/test_no_host_sync.py`` guards this.
 """
 
 from __future__ import annotations
@@ -28,12 +31,13 @@ import torch
 
 from pipeline.common.config import EngineConfig
 from pipeline.common.step_protocol import PLACEHOLDER_TOKEN_ID, StepInputs
+from pipeline.gpu_worker.attention.backend import StepLayout
+from pipeline.gpu_worker.device import DeviceClock, DeviceOps, device_ops
 from pipeline.gpu_worker.executor import Executed, Executor, SamplingInputs
-from pipeline.gpu_worker.sim_device import SimEvent
+from pipeline.gpu_worker.sampler import SamplingPlan
+from pipeline.gpu_worker.slot_state import POISON_TOKEN_ID, SlotState
 
-# Written into a token-id cache entry once a placeholder consumed it; reading
-# it again means a placeholder resolved to a stale token.
-POISON_TOKEN_ID = -7
+__all__ = ["POISON_TOKEN_ID", "LaunchedStep", "ModelRunner", "StaleTokenError"]
 
 
 class StaleTokenError(RuntimeError):
@@ -44,17 +48,21 @@ class StaleTokenError(RuntimeError):
 class LaunchedStep:
     """A step whose device work is enqueued; :meth:`ModelRunner.finish` collects it.
 
-    Times are ``time.monotonic_ns()``.
+    Times are ``time.monotonic_ns()``. ``tokens`` and ``stale`` are host
+    tensors whose contents are valid once ``done`` has fired.
     """
 
     step_id: int
     req_num: np.ndarray  # [S] int64 of the sampled rows
-    tokens: torch.Tensor | None  # [S] int64, host (pinned on CUDA) once ``done`` fires
-    done: torch.cuda.Event | SimEvent | None  # None on CPU torch: the work already ran
-    start_event: torch.cuda.Event | None
     prepare_start_ns: int
-    prepare_end_ns: int
-    launch_ns: int
+    tokens: torch.Tensor | None = None  # [S] int64 (pinned on CUDA)
+    done: object | None = None  # CUDA or simulated event; None on CPU torch: the work already ran
+    start_event: torch.cuda.Event | None = None  # CUDA: recorded before the forward
+    anchor: tuple[object, int] | None = None  # CUDA: (event, host ns) if launched on an idle device
+    stale: torch.Tensor | None = None  # poison mode: [P] int64, 1 where a placeholder read a poisoned entry
+    stale_slots: np.ndarray | None = None  # [P] the slot each placeholder read
+    prepare_end_ns: int = 0
+    launch_ns: int = 0
     device_start_ns: int = 0  # on CUDA derived from the events in finish()
     device_end_ns: int = 0
 
@@ -71,137 +79,151 @@ class ModelRunner:
             or the simulated device (:class:`~pipeline.gpu_worker.executor.SimExecutor`,
             which replaces only the forward pass and the sampling kernel).
         device: where the model and all per-slot state live.
+        ops: how data moves to and from ``device``; default :func:`~pipeline.gpu_worker.device.device_ops`.
     """
 
-    def __init__(self, config: EngineConfig, executor: Executor, device: torch.device):
-        self.config, self.device = config, device
-        s = config.max_num_seqs
-        self.executor = executor
-        self.token_cache = torch.full((s,), POISON_TOKEN_ID, dtype=torch.int64, device=device)
-        # The block table and sampling parameters stay on the host: attention
-        # metadata and sampler decisions are built there, and each step takes
-        # its own copy of the rows it uses, so later updates never reach a
-        # step already queued on the device.
-        self.block_table = np.zeros((s, config.max_blocks_per_seq), dtype=np.int64)
-        self.temperature = np.zeros(s, dtype=np.float32)
-        self.top_p = np.ones(s, dtype=np.float32)
-        self.top_k = np.zeros(s, dtype=np.int32)
-        self.seed = np.zeros(s, dtype=np.int64)
+    def __init__(self, config: EngineConfig, executor: Executor, device: torch.device, ops: DeviceOps | None = None):
+        self.config, self.device, self.executor = config, device, executor
+        self.ops = ops or device_ops(device)
+        self.slots = SlotState(config.max_num_seqs, config.max_blocks_per_seq, self.ops)
         self.poison = config.debug_token_cache_poison
-        self.is_cuda = device.type == "cuda"
-        if self.is_cuda:
-            self.copy_stream = torch.cuda.Stream(device)
-            # Maps CUDA event times onto time.monotonic_ns (one sync at start-up).
-            self._clock_event = torch.cuda.Event(enable_timing=True)
-            self._clock_event.record()
-            self._clock_event.synchronize()
-            self._clock_ns = time.monotonic_ns()
+        self.clock = DeviceClock()
+        self._in_flight = 0  # launched, not yet finished
 
-    def _to_device(self, a: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(a)
-        if self.is_cuda:
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t
+    @property
+    def token_cache(self) -> torch.Tensor:
+        """``[max_num_seqs]`` int64 on the device: the last token sampled in each slot."""
+        return self.slots.token_cache
 
     @torch.inference_mode()
     def launch(self, x: StepInputs, prepare_start_ns: int) -> LaunchedStep:
-        """Enqueue step ``x`` on the device: state updates, forward, sampling.
+        """Enqueue step ``x`` on the device: state updates, forward, sampling, host copy.
 
         ``prepare_start_ns`` (``time.monotonic_ns()``) is when the worker
-        started reading the step; it goes into the step's trace spans.
-
-        Every tensor the step reads is written in stream order before it, so
+        started reading the step; it goes into the step's trace spans. Every
+        tensor the step reads is written in stream order before it, so
         per-slot state of steps still queued is never changed under them.
 
         Raises:
-            StaleTokenError: in poison mode, if a placeholder reads a consumed entry.
+            ValueError: a token id or position the model cannot take (checked
+                on the host: on CUDA it would be an asynchronous device assert).
         """
+        step = LaunchedStep(step_id=x.step_id, req_num=x.req_num[x.sample_rows], prepare_start_ns=prepare_start_ns)
+        if self.ops.is_async and self._in_flight == 0:
+            # Idle device: this event runs at once, so it pins device time to host time.
+            step.anchor = DeviceClock.anchor(self.ops.new_event(timing=True))
+        self._check_inputs(x)
         self._apply_slot_updates(x)
-        input_ids = self._resolve_placeholders(x)
-        executed, prepare_end = self._forward_and_sample(x, input_ids)
-        launch_ns = time.monotonic_ns()
-        step = LaunchedStep(step_id=x.step_id, req_num=x.req_num[x.sample_rows], tokens=None, done=executed.done,
-                            start_event=executed.start_event, prepare_start_ns=prepare_start_ns,
-                            prepare_end_ns=prepare_end, launch_ns=launch_ns,
-                            device_start_ns=executed.device_start_ns, device_end_ns=executed.device_end_ns)
+        input_ids = self._resolve_placeholders(x, step)
+        executed = self._forward_and_sample(x, input_ids, step)
         self._start_host_copy(step, executed)
+        self._in_flight += 1
         return step
 
-    def _apply_slot_updates(self, x: StepInputs) -> None:
-        """Block-table entries and the ``is_new`` rows' sampling parameters, per slot."""
-        if x.new_blocks.shape[1]:
-            self.block_table[x.new_blocks[0], x.new_blocks[1]] = x.new_blocks[2]
-        if len(x.new_rows):
-            slots = x.slot[x.new_rows]
-            self.temperature[slots], self.top_p[slots] = x.temperature, x.top_p
-            self.top_k[slots], self.seed[slots] = x.top_k, x.seed
+    def _check_inputs(self, x: StepInputs) -> None:
+        """Refuse token ids and positions the model has no row for (host arrays only)."""
+        vocab, max_pos = self.executor.vocab_size, self.executor.max_positions
+        if vocab is not None and len(x.token_ids) and int(x.token_ids.max()) >= vocab:
+            raise ValueError(f"step {x.step_id}: token id {int(x.token_ids.max())} is outside the vocabulary "
+                             f"of {vocab}")
+        if max_pos is not None and len(x.start_pos) and int((x.start_pos + x.query_lens).max()) > max_pos:
+            raise ValueError(f"step {x.step_id}: a position reaches max_position_embeddings {max_pos}")
 
-    def _resolve_placeholders(self, x: StepInputs) -> torch.Tensor:
+    def _apply_slot_updates(self, x: StepInputs) -> None:
+        """Block-table entries and the ``is_new`` rows' sampling parameters, per slot, on the device."""
+        self.slots.apply(x)
+
+    def _resolve_placeholders(self, x: StepInputs, step: LaunchedStep) -> torch.Tensor:
         """``[T]`` int64 device input ids, placeholders read from the token-id cache.
 
         In poison mode each consumed cache entry is overwritten with
-        :data:`POISON_TOKEN_ID`, and a read of a poisoned entry raises.
+        :data:`POISON_TOKEN_ID`, and ``step.stale`` gets, per placeholder, a
+        device flag "read a poisoned entry" that :meth:`finish` checks.
         """
         is_placeholder = x.token_ids == PLACEHOLDER_TOKEN_ID
-        input_ids = self._to_device(x.token_ids)
         if not is_placeholder.any():
-            return input_ids
+            return self.ops.upload([x.token_ids])[0]
         idx = np.flatnonzero(is_placeholder)
         row_of_token = np.repeat(np.arange(len(x.slot)), x.query_lens)
-        ph_slots = self._to_device(x.slot[row_of_token[idx]])
-        resolved = self.token_cache[ph_slots]
+        ph_slots = x.slot[row_of_token[idx]]
+        input_ids, idx_d, ph_slots_d = self.ops.upload([x.token_ids, idx, ph_slots])
+        cache = self.slots.token_cache
+        resolved = cache.index_select(0, ph_slots_d)
         if self.poison:
-            if bool((resolved < 0).any()):
-                bad = x.slot[row_of_token[idx]][(resolved < 0).cpu().numpy()]
-                raise StaleTokenError(f"step {x.step_id}: placeholder for slots {bad.tolist()} read a "
-                                      "consumed token-id cache entry")
-            self.token_cache[ph_slots] = POISON_TOKEN_ID
-        input_ids[self._to_device(idx)] = resolved
+            step.stale, step.stale_slots = (resolved < 0).long(), ph_slots
+            cache.index_fill_(0, ph_slots_d, POISON_TOKEN_ID)
+        # A stale read must not reach the embedding as a negative id (an
+        # asynchronous device assert on CUDA); poison mode reports it in finish().
+        input_ids.index_copy_(0, idx_d, resolved.clamp(min=0))
         return input_ids
 
-    def _forward_and_sample(self, x: StepInputs, input_ids: torch.Tensor) -> tuple[Executed, int]:
-        """Build the attention metadata, run the executor, write the token-id cache.
+    def _sampling_inputs(self, x: StepInputs) -> tuple[torch.Tensor, torch.Tensor, SamplingInputs]:
+        """``(last [S], sample slots [S], sampling)`` on the device for the sampled rows.
 
-        Returns:
-            The executor's result and when preparation ended (``monotonic_ns``).
+        Which rows are greedy and what filtering runs is decided from the
+        host mirror of the slots' parameters; the values are gathered from
+        the device copy.
         """
-        meta = self.executor.attn_backend.build_metadata(
-            torch.from_numpy(x.query_lens), torch.from_numpy(x.start_pos),
-            torch.from_numpy(self.block_table[x.slot]), self.config.block_size, self.device)
-        prepare_end = time.monotonic_ns()
+        rows = x.sample_rows
+        last = (np.cumsum(x.query_lens) - 1)[rows]
+        sample_slots = x.slot[rows]
+        positions = x.start_pos[rows] + x.query_lens[rows]
+        hot = np.flatnonzero(self.slots.host_temperature[sample_slots] > 0)
+        hot_slots = sample_slots[hot]
+        last_d, slots_d, hot_d, hot_slots_d, positions_d = self.ops.upload(
+            [last, sample_slots, hot, hot_slots, positions[hot]])
+        s = self.slots
+        plan = SamplingPlan.build(hot_d if hot.size else None, s.host_top_k[hot_slots], s.host_top_p[hot_slots],
+                                  self.executor.vocab_size or np.iinfo(np.int64).max,
+                                  host_reads_ok=not self.ops.is_async)
+        sampling = SamplingInputs(plan, *(t.index_select(0, hot_slots_d) for t in (s.temperature, s.top_p, s.top_k,
+                                                                                   s.seed)), position=positions_d)
+        return last_d, slots_d, sampling
 
-        last = np.cumsum(x.query_lens)[x.sample_rows] - 1
-        sample_slots = x.slot[x.sample_rows]
-        sampling = SamplingInputs(*(torch.from_numpy(a[sample_slots]) for a in (self.temperature, self.top_p,
-                                                                                  self.top_k, self.seed)),
-                                  position=torch.from_numpy(x.start_pos[x.sample_rows] + x.query_lens[x.sample_rows]))
+    def _forward_and_sample(self, x: StepInputs, input_ids: torch.Tensor, step: LaunchedStep) -> Executed:
+        """Build the attention metadata, run the executor, write the token-id cache."""
+        layout = StepLayout.build(x.query_lens, x.start_pos, x.slot, self.config.block_size,
+                                  self.config.max_blocks_per_seq)
+        meta = self.executor.attn_backend.build_metadata(layout, self.slots.block_table, self.ops.upload)
+        last, sample_slots, sampling = self._sampling_inputs(x)
+        step.prepare_end_ns = time.monotonic_ns()
+
+        step.start_event = self.ops.timing_event()
+        device_start = time.monotonic_ns()
         executed = self.executor.execute(input_ids, meta, last, sampling)
-        self.token_cache[self._to_device(sample_slots)] = executed.tokens
-        return executed, prepare_end
+        self.slots.token_cache.index_copy_(0, sample_slots, executed.tokens)
+        step.launch_ns = time.monotonic_ns()
+        if executed.done is not None:  # the simulated device's own timeline
+            step.device_start_ns, step.device_end_ns = executed.device_start_ns, executed.device_end_ns
+        elif not self.ops.is_async:  # CPU torch ran the step synchronously: wall time around it
+            step.device_start_ns, step.device_end_ns = device_start, step.launch_ns
+        return executed
 
     def _start_host_copy(self, step: LaunchedStep, executed: Executed) -> None:
-        """Give ``step`` its host tokens: on CUDA a pinned copy on the copy stream, gated by events."""
+        """Start copying the tokens (and poison flags) to the host; ``step.done`` says when they are there."""
         tokens = executed.tokens
-        if not self.is_cuda:  # CPU torch and the simulated device: already host tensors
-            step.tokens = tokens
-            return
-        sampled = torch.cuda.Event()
-        sampled.record()
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        with torch.cuda.stream(self.copy_stream):
-            self.copy_stream.wait_event(sampled)
-            host.copy_(tokens, non_blocking=True)
-            step.done = torch.cuda.Event(enable_timing=True)
-            step.done.record()
-        # The device tensor must outlive the copy: tell the allocator.
-        tokens.record_stream(self.copy_stream)
-        step.tokens = host
+        out = tokens if step.stale is None else torch.cat([tokens, step.stale])
+        host, done = self.ops.copy_to_host(out)
+        num_sampled = tokens.shape[0]
+        step.tokens = host[:num_sampled]
+        if step.stale is not None:
+            step.stale = host[num_sampled:]
+        step.done = executed.done if executed.done is not None else done
 
     def finish(self, step: LaunchedStep) -> LaunchedStep:
-        """Wait for ``step``'s tokens on the host and fill its device times."""
+        """Wait for ``step``'s tokens on the host and fill its device times.
+
+        Raises:
+            StaleTokenError: in poison mode, if a placeholder of the step read a consumed entry.
+        """
         if step.done is not None:
             step.done.synchronize()
-        if self.is_cuda:
-            step.device_start_ns = self._clock_ns + int(self._clock_event.elapsed_time(step.start_event) * 1e6)
-            step.device_end_ns = self._clock_ns + int(self._clock_event.elapsed_time(step.done) * 1e6)
+        self._in_flight -= 1
+        if self.ops.is_async:
+            step.device_start_ns, step.device_end_ns = self.clock.span(step.anchor, step.start_event, step.done)
+        if step.stale is not None:
+            bad = step.stale.numpy().astype(bool)
+            if bad.any():
+                raise StaleTokenError(f"step {step.step_id}: placeholder for slots {step.stale_slots[bad].tolist()} "
+                                      "read a consumed token-id cache entry")
         return step

@@ -2,41 +2,67 @@
 
 A sampled row's token depends only on its own logits, its request's seed and
 its output position, never on which other rows share the batch or where the
-row sits in it: each row's noise comes from a generator seeded with
-``mix(seed, position)``, and every batched operation is row-wise.
+row sits in it: every batched operation is row-wise, and the noise of row
+``r`` at vocabulary index ``v`` is a counter-based hash of ``(seed_r,
+position_r, v)``, computed for all rows at once (no generator per row).
 
 Sampling is the exponential race: with ``E_i ~ Exp(1)`` i.i.d.,
 ``argmax_i(p_i / E_i)`` is distributed as ``p``. It is computed in log space,
 ``argmax_i(x_i - log E_i)`` over the filtered, temperature-scaled logits
 ``x`` (the softmax normaliser is a common shift), which needs no softmax and
 cannot underflow.
+
+Nothing here reads a device value on the host (docs/design.md, "The
+worker"): the decisions that shape the work (which rows sample, how many
+top-k candidates, whether top-p runs) come from a host-side
+:class:`SamplingPlan`; the per-row values live on the device.
 """
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
 
-_MASK64 = (1 << 64) - 1
+import numpy as np
+import torch
 
 # On CPU a full-vocabulary sort dominates the step (110 ms for 64 x 49152
 # here); top-p rows first try this many candidates via topk, which almost
 # always hold the nucleus, and only rows whose nucleus is larger are sorted.
 _TOP_P_CANDIDATES = 1024
 
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
+_M32 = 0xFFFFFFFF
+# Uniforms are (k + 0.5) / 2**23 for a 23-bit k: strictly inside (0, 1), so
+# -log(u) is never 0 or inf and a draw cannot single out (or lose) a token.
+_U_BITS = 23
 
 
-def noise_seed(seed: int, position: int) -> int:
-    """64-bit generator seed for one draw of request ``seed`` at output ``position``.
+@dataclass
+class SamplingPlan:
+    """Host-side decisions for one batch's sampling; never derived from device values.
 
-    Well mixed in every bit: CPU generators keep only the low 32.
+    Attributes:
+        rows: ``[R]`` int64 on the logits' device, the rows (of ``S``) with
+            temperature > 0; None when every row is greedy.
+        k_max: the largest active top-k among ``rows`` (0: top-k is off for all).
+        use_top_p: some row in ``rows`` has top_p < 1.
+        host_reads_ok: the device is the host (CPU torch), so the sampler may
+            take shortcuts that read values (a partial sort with a fallback).
     """
-    return _splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64))
+
+    rows: torch.Tensor | None
+    k_max: int = 0
+    use_top_p: bool = False
+    host_reads_ok: bool = False
+
+    @classmethod
+    def build(cls, rows: torch.Tensor | None, top_k: np.ndarray, top_p: np.ndarray, vocab: int,
+              host_reads_ok: bool) -> SamplingPlan:
+        """Plan from the host copies of the sampled rows' ``top_k`` and ``top_p`` (``[R]`` each)."""
+        if rows is None or len(top_k) == 0:
+            return cls(rows=None)
+        active_k = top_k[(top_k > 0) & (top_k < vocab)]
+        return cls(rows=rows, k_max=int(active_k.max()) if active_k.size else 0,
+                   use_top_p=bool((top_p < 1).any()), host_reads_ok=host_reads_ok)
 
 
 def sample(
@@ -47,17 +73,13 @@ def sample(
     seeds: torch.Tensor,
     output_positions: torch.Tensor,
 ) -> torch.Tensor:
-    """Pick one token per row.
+    """Pick one token per row, from host (CPU) parameter tensors.
 
     Rows with ``temperature == 0`` are greedy: exactly ``logits.argmax(-1)``.
     Other rows: logits / temperature, then top-k, then top-p over what top-k
     kept, then one seeded draw. Tokens tied with the last one kept by top-k or
-    top-p are kept as well.
-
-    The five parameter tensors should be host (CPU) tensors: they decide on
-    the host which rows to sample and how to seed the generators. Tensors on
-    ``logits.device`` also work but are read back (a device sync on CUDA).
-    Give unseeded requests a random seed when they are admitted.
+    top-p are kept as well. The worker calls :func:`sample_rows` with a plan
+    and device parameters instead; this wrapper validates and plans.
 
     Args:
         logits: ``[S, V]`` float32, on any device.
@@ -85,76 +107,148 @@ def sample(
         raise ValueError(f"temperature must be >= 0, got {temperature.tolist()}")
     if not bool(((top_p > 0) & (top_p <= 1)).all()):
         raise ValueError(f"top_p must be in (0, 1], got {top_p.tolist()}")
-
-    tokens = logits.argmax(-1)
     rows = torch.nonzero(temperature > 0).flatten()
-    if rows.numel() == 0:
-        return tokens
-
     device = logits.device
-    rows_dev = rows.to(device)
-    x = logits.index_select(0, rows_dev)
-    x.div_(temperature[rows].to(device=device, dtype=x.dtype)[:, None])
-    k = top_k[rows].long()
-    k = torch.where((k > 0) & (k < vocab), k, 0)
-    _filter(x, k, top_p[rows])
-
-    race = torch.empty_like(x)
-    generator = torch.Generator(device=device)
-    for i, (seed, position) in enumerate(zip(seeds[rows].tolist(), output_positions[rows].tolist(), strict=True)):
-        generator.manual_seed(noise_seed(seed, position))
-        race[i].uniform_(generator=generator)
-    # E = -log U is Exp(1); U < 1 so E > 0 and log E is finite or +inf (U == 0),
-    # so no NaN can reach the argmax. (exponential_ is 8x slower on CPU.)
-    x.sub_(race.log_().neg_().log_())
-    return tokens.index_copy_(0, rows_dev, x.argmax(-1))
+    plan = SamplingPlan.build(rows.to(device) if rows.numel() else None, top_k[rows].long().numpy(),
+                              top_p[rows].numpy(), vocab, host_reads_ok=device.type == "cpu")
+    on_device = [t[rows].to(device) for t in (temperature, top_p, top_k.long(), seeds, output_positions)]
+    return sample_rows(logits, plan, *on_device)
 
 
-def _filter(x: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> None:
+def sample_rows(
+    logits: torch.Tensor,
+    plan: SamplingPlan,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+) -> torch.Tensor:
+    """Pick one token per row with no host synchronisation.
+
+    Args:
+        logits: ``[S, V]`` float32.
+        plan: which rows sample and what filtering runs (see :class:`SamplingPlan`).
+        temperature, top_p: ``[R]`` float32 on the logits' device, for ``plan.rows``.
+        top_k, seeds, positions: ``[R]`` int64 on the logits' device.
+
+    Returns:
+        ``[S]`` int64 token ids on the logits' device.
+    """
+    tokens = logits.argmax(-1)
+    if plan.rows is None:
+        return tokens
+    vocab = logits.shape[1]
+    x = logits.index_select(0, plan.rows)
+    x.div_(temperature[:, None])
+    k = torch.where((top_k > 0) & (top_k < vocab), top_k, 0)
+    _filter(x, k, top_p, plan)
+    x.sub_(uniform_noise(seeds, positions, vocab).log_().neg_().log_())
+    return tokens.index_copy_(0, plan.rows, x.argmax(-1))
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer bijection with strong avalanche (a "lowbias32" of C. Wellons), in place.
+
+    ``x`` is int64 holding values in ``[0, 2**32)``. Both multipliers are
+    below 2**31, so no product overflows int64 (signed overflow would be
+    undefined), and masking keeps the low 32 bits.
+    """
+    x ^= x >> 16
+    x *= 0x21F0AAAD
+    x &= _M32
+    x ^= x >> 15
+    x *= 0x735A2D97
+    x &= _M32
+    x ^= x >> 15
+    return x
+
+
+# mix32(v) for every vocabulary index, per (vocab size, device): the counter
+# half of the noise hash does not depend on the row, so it is computed once.
+_COUNTER_BITS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _counter_bits(vocab: int, device: torch.device) -> torch.Tensor:
+    bits = _COUNTER_BITS.get((vocab, device))
+    if bits is None:
+        # A normal tensor even when first made in inference mode: it is reused outside it.
+        with torch.inference_mode(False):
+            bits = _COUNTER_BITS[(vocab, device)] = _mix32(torch.arange(vocab, dtype=torch.int64, device=device))
+    return bits
+
+
+def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Uniforms ``[R, vocab]`` float32 in ``[2**-24, 1 - 2**-24]``, a pure function of (seed, position, index).
+
+    Counter-based noise (the idea of Philox) in plain torch ops, for every
+    row at once: each row's 32-bit key comes from its seed and position
+    (three rounds of :func:`_mix32`), the counter is the vocabulary index,
+    and ``mix32(mix32(index) ^ key)`` gives 32 random bits per (row, index):
+    two rounds with the key between them. A row therefore draws the same
+    noise in any batch, and no per-row generator or kernel is needed. On a
+    GPU this is ~15 elementwise passes over ``[R, V]``.
+
+    Args:
+        seeds: ``[R]`` int64 (any 64-bit value).
+        positions: ``[R]`` int64, the sampled token's position.
+        vocab: V.
+    """
+    lo, hi = seeds & _M32, (seeds >> 32) & _M32
+    key = _mix32(_mix32(_mix32(lo ^ 0x9E3779B9) ^ hi) ^ (positions & _M32))
+    h = _counter_bits(vocab, seeds.device)[None, :] ^ key[:, None]
+    return bits_to_uniform(_mix32(h))
+
+
+def bits_to_uniform(h: torch.Tensor) -> torch.Tensor:
+    """32-bit values (int64) -> float32 ``(k + 0.5) / 2**23`` from their top 23 bits; never 0 or 1."""
+    h >>= 32 - _U_BITS
+    return h.float().add_(0.5).mul_(2.0 ** -_U_BITS)
+
+
+def _filter(x: torch.Tensor, k: torch.Tensor, p: torch.Tensor, plan: SamplingPlan) -> None:
     """Set to -inf, in place, the logits outside each row's top-k then top-p set.
 
     Args:
         x: ``[R, V]`` temperature-scaled logits, modified in place.
-        k: ``[R]`` int64 on the host, 0 where top-k is off.
-        p: ``[R]`` float32 on the host, 1 where top-p is off.
+        k: ``[R]`` int64, 0 where top-k is off.
+        p: ``[R]`` float32, 1 where top-p is off.
+        plan: ``k_max`` and ``use_top_p`` say what runs at all.
     """
     vocab = x.shape[1]
-    use_k = k > 0
-    use_p = p < 1
-    if not bool((use_k | use_p).any()):
+    if plan.k_max == 0 and not plan.use_top_p:
         return
-    device = x.device
-    k_max = int(k.max())
-    if not bool(use_p.any()):
-        num_cand = k_max
-    elif x.is_cpu:
-        num_cand = max(k_max, min(vocab, _TOP_P_CANDIDATES))
+    if not plan.use_top_p:
+        num_cand = plan.k_max
+    elif plan.host_reads_ok:
+        num_cand = max(plan.k_max, min(vocab, _TOP_P_CANDIDATES))
     else:
         # Sorting is cheap on GPUs, and a fixed length keeps the cumulative
         # sums independent of the other rows' top_k.
         num_cand = vocab
     cand = x.sort(dim=-1, descending=True).values if num_cand >= vocab else x.topk(num_cand, dim=-1).values
 
-    k_limit = torch.where(use_k, k, vocab).to(device)
-    if bool(use_k.any()):
+    use_k = k > 0
+    k_limit = torch.where(use_k, k, vocab)
+    if plan.k_max > 0:
         kth = cand.gather(1, (k_limit.clamp(max=num_cand) - 1)[:, None])
-        kth.masked_fill_(~use_k.to(device)[:, None], float("-inf"))
+        kth.masked_fill_(~use_k[:, None], float("-inf"))
         x.masked_fill_(x < kth, float("-inf"))
-    if not bool(use_p.any()):
+    if not plan.use_top_p:
         return
 
     # Top-p sees the distribution renormalised over what top-k kept.
+    use_p = p < 1
     lse = x.logsumexp(dim=-1, keepdim=True)
-    p_dev = p.to(device=device, dtype=x.dtype)
-    kept, threshold = _top_p_threshold(cand, lse, k_limit, p_dev)
+    kept, threshold = _top_p_threshold(cand, lse, k_limit, p)
     if num_cand < vocab:
         # Rows whose nucleus may extend past the candidates: sort them fully.
-        # Only reached on CPU, where these reads are not device syncs.
+        # Only with host_reads_ok (CPU torch), where these reads cost nothing.
         short = torch.nonzero(use_p & ~use_k & (kept == num_cand)).flatten()
         if short.numel() > 0:
             full = x.index_select(0, short).sort(dim=-1, descending=True).values
-            threshold[short] = _top_p_threshold(full, lse[short], k_limit[short], p_dev[short])[1]
-    threshold.masked_fill_(~use_p.to(device), float("-inf"))
+            threshold[short] = _top_p_threshold(full, lse[short], k_limit[short], p[short])[1]
+    threshold.masked_fill_(~use_p, float("-inf"))
     x.masked_fill_(x < threshold[:, None], float("-inf"))
 
 

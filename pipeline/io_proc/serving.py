@@ -99,7 +99,7 @@ class OpenAIServing:
     """The chat and text completion endpoints' logic.
 
     Args:
-        config: gives ``served_model_name`` and ``max_model_len``.
+        config: gives ``served_model_name``, ``max_model_len`` and the model's ``vocab_size``.
         client: the engine client.
         tokenization: prompt encoding.
         stop_token_ids: token ids that end generation (see
@@ -113,6 +113,9 @@ class OpenAIServing:
         self._client = client
         self._tokenization = tokenization
         self._stop_token_ids = stop_token_ids
+        # Prompt ids must have an embedding row (an out-of-range id is an
+        # asynchronous device assert on CUDA) and decode with the tokenizer.
+        self._vocab_limit = min(tokenization.vocab_size, config.vocab_size or tokenization.vocab_size)
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         """Serve ``POST /v1/chat/completions``.
@@ -149,10 +152,6 @@ class OpenAIServing:
             prompt = await self._tokenization.encode_text(req.prompt)
         else:
             prompt = req.prompt
-            vocab = self._tokenization.vocab_size
-            if max(prompt) >= vocab:
-                raise APIError.bad_request(f"prompt token id {max(prompt)} is out of range: the vocabulary "
-                                           f"has {vocab} tokens (ids 0..{vocab - 1})", param="prompt")
         state = self._start(req, prompt, "prompt")
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         prompt_ids = prompt if req.return_token_ids else msgspec.UNSET
@@ -179,6 +178,10 @@ class OpenAIServing:
         n, limit = len(prompt), self._max_model_len
         if n == 0:
             raise APIError.bad_request(f"the {prompt_param} encode to no tokens", param=prompt_param)
+        if max(prompt) >= self._vocab_limit:
+            vocab = self._vocab_limit
+            raise APIError.bad_request(f"prompt token id {max(prompt)} is out of range: the vocabulary "
+                                       f"has {vocab} tokens (ids 0..{vocab - 1})", param=prompt_param)
         if n >= limit:
             raise APIError.bad_request(
                 f"This model's maximum context length is {limit} tokens. However, your request has {n} input "

@@ -117,6 +117,7 @@ BAD = [
     ("/v1/completions", {"prompt": ""}),
     ("/v1/completions", {"prompt": [1, -5]}),
     ("/v1/completions", {"prompt": [10**9]}),
+    ("/v1/completions", {"prompt": [1, 49152]}),  # SmolLM2's vocabulary is ids 0..49151
     ("/v1/completions", {"prompt": "hi", "stop": ""}),
     ("/v1/completions", {"prompt": "word " * 5000}),
     ("/v1/completions", {"prompt": "\ud800"}),

@@ -6,12 +6,14 @@ import pytest
 import torch
 import transformers
 
-from pipeline.gpu_worker.attention.torch_sdpa import SDPAMetadata, paged_attention
+from pipeline.gpu_worker.attention.torch_sdpa import TorchSDPABackend, paged_attention
 from pipeline.gpu_worker.model import LlamaForCausalLM
 from pipeline.gpu_worker.weights import load_model
 
 BLOCK_SIZE = 16
 CPU = torch.device("cpu")
+# One block-table row per request, on the host.
+build_metadata = TorchSDPABackend().build_from_rows
 
 
 def tiny_config(**overrides) -> transformers.LlamaConfig:
@@ -51,7 +53,7 @@ def run_step(model, kv_caches, chunks, block_tables):
     query_lens = torch.tensor([len(ids) for _, _, ids in chunks])
     starts = torch.tensor([start for _, start, _ in chunks])
     table = torch.stack([block_tables[seq] for seq, _, _ in chunks])
-    meta = model.attn_backend.build_metadata(query_lens, starts, table, BLOCK_SIZE, CPU)
+    meta = model.attn_backend.build_from_rows(query_lens, starts, table, BLOCK_SIZE)
     input_ids = torch.tensor([t for _, _, ids in chunks for t in ids])
     with torch.inference_mode():
         hidden = model(input_ids, meta.positions, meta, kv_caches)
@@ -79,7 +81,7 @@ def test_prompt_logits_match_transformers(tie):
     prompt = torch.randint(0, 512, (45,))
     with torch.inference_mode():
         expected = hf(prompt[None]).logits[0]
-        meta = SDPAMetadata.build(torch.tensor([45]), torch.tensor([0]), torch.tensor([[5, 2, 9]]), BLOCK_SIZE)
+        meta = build_metadata(torch.tensor([45]), torch.tensor([0]), torch.tensor([[5, 2, 9]]), BLOCK_SIZE)
         kv = ours.allocate_kv_caches(10, BLOCK_SIZE, torch.float32, CPU)
         logits = ours.compute_logits(ours(prompt, meta.positions, meta, kv))
     assert logits.dtype == torch.float32
@@ -103,7 +105,7 @@ def test_llama3_rope_matches_transformers():
     with torch.inference_mode():
         expected = hf(prompt[None]).logits[0]
         table = torch.arange(13)[None]
-        meta = SDPAMetadata.build(torch.tensor([200]), torch.tensor([0]), table, BLOCK_SIZE)
+        meta = build_metadata(torch.tensor([200]), torch.tensor([0]), table, BLOCK_SIZE)
         kv = ours.allocate_kv_caches(13, BLOCK_SIZE, torch.float32, CPU)
         logits = ours.compute_logits(ours(prompt, meta.positions, meta, kv))
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
@@ -197,7 +199,7 @@ def test_load_model_rejects_other_architectures(tmp_path):
 
 def test_metadata_layout():
     table = torch.tensor([[4, 1, 7, -1], [2, 0, -1, -1], [3, -1, -1, -1]], dtype=torch.int32)
-    meta = SDPAMetadata.build(torch.tensor([1, 3, 1]), torch.tensor([9, 2, 0]), table, 4)
+    meta = build_metadata(torch.tensor([1, 3, 1]), torch.tensor([9, 2, 0]), table, 4)
     assert meta.num_tokens == 5
     assert meta.positions.tolist() == [9, 2, 3, 4, 0]
     assert meta.slot_mapping.tolist() == [7 * 4 + 1, 2 * 4 + 2, 2 * 4 + 3, 0 * 4 + 0, 3 * 4 + 0]
@@ -231,7 +233,7 @@ def test_paged_attention_matches_reference():
     q = torch.randn(total, heads, dim, generator=gen)
     k = torch.randn(total, kv_heads, dim, generator=gen)
     v = torch.randn(total, kv_heads, dim, generator=gen)
-    meta = SDPAMetadata.build(query_lens, starts, table, block_size)
+    meta = build_metadata(query_lens, starts, table, block_size)
     out = paged_attention(q, k, v, k_cache, v_cache, meta, scale=0.3)
     assert torch.isfinite(out).all()
 
@@ -253,8 +255,8 @@ def test_paged_attention_matches_reference():
 def test_metadata_rejects_bad_input():
     table = torch.zeros((2, 2), dtype=torch.int32)
     with pytest.raises(ValueError, match="query_len"):
-        SDPAMetadata.build(torch.tensor([1, 0]), torch.tensor([0, 0]), table, 16)
+        build_metadata(torch.tensor([1, 0]), torch.tensor([0, 0]), table, 16)
     with pytest.raises(ValueError, match="does not fit"):
-        SDPAMetadata.build(torch.tensor([1, 1]), torch.tensor([0, 32]), table, 16)
+        build_metadata(torch.tensor([1, 1]), torch.tensor([0, 32]), table, 16)
     with pytest.raises(ValueError, match="start_positions"):
-        SDPAMetadata.build(torch.tensor([1, 1]), torch.tensor([0]), table, 16)
+        build_metadata(torch.tensor([1, 1]), torch.tensor([0]), table, 16)

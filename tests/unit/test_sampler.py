@@ -140,3 +140,39 @@ def test_empty_batch():
     none = torch.empty(0)
     tokens = sample(torch.empty(0, VOCAB), none, none, none.int(), none.long(), none.long())
     assert tokens.shape == (0,) and tokens.dtype == torch.int64
+
+
+def test_noise_for_all_rows_in_one_go_without_generators(logits, monkeypatch):
+    """No torch.Generator per row: the noise is a counter-based hash of (seed, position, token)."""
+    args = params(6, temperature=1.0, top_p=0.9, seed=[1, 2, 3, 4, 5, 6], position=[9, 8, 7, 6, 5, 4])
+    expected = sample(logits, *args)
+
+    def no_generators(*a, **k):
+        raise AssertionError("a per-row generator was created")
+
+    monkeypatch.setattr(torch, "Generator", no_generators)
+    assert torch.equal(sample(logits, *args), expected)
+    seeds, positions = torch.tensor([5, 2**63 - 1, -1]), torch.tensor([0, 7, 2**31 - 1])
+    batch = sampler.uniform_noise(seeds, positions, VOCAB)
+    for i in range(3):  # a row's noise does not depend on the other rows
+        assert torch.equal(sampler.uniform_noise(seeds[i:i + 1], positions[i:i + 1], VOCAB)[0], batch[i])
+
+
+def test_uniforms_stay_strictly_inside_0_1():
+    """A zero draw would make -log(u) infinite and could hand the row to token 0."""
+    u = sampler.bits_to_uniform(torch.tensor([0, 1, 2**31, 2**32 - 1]))
+    assert u.dtype == torch.float32 and bool((u > 0).all()) and bool((u < 1).all())
+    race = u.log().neg().log()
+    assert bool(torch.isfinite(race).all())
+    noise = sampler.uniform_noise(torch.arange(64), torch.arange(64) * 3, 4096)
+    assert 0 < float(noise.min()) and float(noise.max()) < 1
+    assert abs(float(noise.mean()) - 0.5) < 0.01
+    hist = torch.histc(noise, bins=16, min=0, max=1) / noise.numel()
+    assert float((hist - 1 / 16).abs().max()) < 0.005
+
+
+def test_only_surviving_token_is_drawn_whatever_the_seed():
+    logits_row = torch.full((VOCAB,), -5.0)
+    logits_row[0] = -4.0  # token 0 is the runner-up, filtered out by top_k=1
+    logits_row[137] = 10.0
+    assert set(draws(logits_row, n=2000, top_k=1).tolist()) == {137}

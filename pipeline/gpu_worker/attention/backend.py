@@ -8,24 +8,121 @@ KV cache and that same metadata. Whatever the backend precomputes (gather
 indices, masks, kernel plans) lives in its metadata subclass, so a new
 backend is a new module here, not an edit of the model or the runner.
 
+Metadata is built without waiting for the device: everything whose *shape*
+depends on the batch is derived on the host from the descriptor's small
+arrays (:class:`StepLayout`, numpy), copied up in one non-blocking upload,
+and everything large (masks, gathered block ids, the slot mapping) is
+computed from those on the device, reading the device-resident block table.
+
 Cache layout, shared by every backend: per layer ``k_cache`` and ``v_cache``
 are ``[num_blocks * block_size, num_kv_heads, head_dim]``; token position
 ``p`` of a request whose block table is ``bt`` lives at flat index
 ``bt[p // block_size] * block_size + p % block_size``.
-
-This module also holds what every paged backend computes the same way: input
-checks, and each token's position and KV-cache slot.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 # One layer's (k_cache, v_cache).
 KVCache = tuple[torch.Tensor, torch.Tensor]
+# Copies int64 host arrays to the device in one non-blocking transfer; returns them in order.
+Upload = Callable[[Sequence[np.ndarray]], list[torch.Tensor]]
+
+
+def host_upload(arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
+    """:data:`Upload` for a CPU "device": int64 tensors over the arrays."""
+    return [torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)) for a in arrays]
+
+
+@dataclasses.dataclass
+class StepLayout:
+    """One step's token layout, computed on the host (numpy int64; no device values).
+
+    Request ``i`` owns step tokens ``[token_starts[i], token_starts[i] +
+    query_lens[i])``; their positions are ``start_positions[i] + 0 ..
+    query_lens[i] - 1``.
+
+    Attributes:
+        query_lens: ``[B]`` tokens scheduled per request, each >= 1.
+        start_positions: ``[B]`` position of each request's first scheduled
+            token (= tokens already in its KV cache).
+        slots: ``[B]`` each request's row in the block table.
+        block_size: tokens per KV cache block.
+        token_starts: ``[B]`` exclusive cumulative sum of ``query_lens``.
+        request_of_token: ``[T]`` the request each token belongs to.
+        positions: ``[T]`` position of each token in its sequence.
+        num_tokens: T.
+    """
+
+    query_lens: np.ndarray
+    start_positions: np.ndarray
+    slots: np.ndarray
+    block_size: int
+    token_starts: np.ndarray
+    request_of_token: np.ndarray
+    positions: np.ndarray
+    num_tokens: int
+
+    @classmethod
+    def build(cls, query_lens, start_positions, slots, block_size: int, max_blocks_per_seq: int) -> StepLayout:
+        """Check and lay out a step.
+
+        Args:
+            query_lens, start_positions, slots: ``[B]`` integer arrays (or host tensors).
+            block_size: tokens per KV cache block.
+            max_blocks_per_seq: width of a block-table row.
+
+        Raises:
+            ValueError: on inconsistent shapes, an empty batch, a query_len < 1,
+                a negative start position, or a context that does not fit a
+                block-table row.
+        """
+        q = np.asarray(query_lens, dtype=np.int64)
+        s = np.asarray(start_positions, dtype=np.int64)
+        if q.ndim != 1 or q.size == 0:
+            raise ValueError(f"query_lens must be a non-empty 1-D array, got shape {q.shape}")
+        if s.shape != q.shape:
+            raise ValueError(f"start_positions must have shape ({q.size},), got {s.shape}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if (q < 1).any():
+            raise ValueError(f"every query_len must be >= 1, got {q.tolist()}")
+        if (s < 0).any():
+            raise ValueError(f"start positions must be >= 0, got {s.tolist()}")
+        longest = int((s + q).max())
+        if longest > max_blocks_per_seq * block_size:
+            raise ValueError(f"a context of {longest} tokens does not fit a block table of "
+                             f"{max_blocks_per_seq} blocks of {block_size}")
+        token_starts = np.cumsum(q) - q
+        num_tokens = int(q.sum())
+        request_of_token = np.repeat(np.arange(q.size), q)
+        positions = s[request_of_token] + np.arange(num_tokens) - token_starts[request_of_token]
+        return cls(query_lens=q, start_positions=s, slots=np.asarray(slots, dtype=np.int64), block_size=block_size,
+                   token_starts=token_starts, request_of_token=request_of_token, positions=positions,
+                   num_tokens=num_tokens)
+
+    def slot_mapping_inputs(self) -> list[np.ndarray]:
+        """``[slot of each token, block column of each token]`` for :func:`slot_mapping`."""
+        return [self.slots[self.request_of_token], self.positions // self.block_size]
+
+
+def slot_mapping(block_table: torch.Tensor, token_slots: torch.Tensor, token_cols: torch.Tensor,
+                 positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``[T]`` int64 flat KV-cache index of each token, on the device.
+
+    Args:
+        block_table: ``[rows, max_blocks_per_seq]`` int64.
+        token_slots, token_cols: ``[T]`` the block-table row and column of
+            each token (from :meth:`StepLayout.slot_mapping_inputs`).
+        positions: ``[T]`` each token's position.
+    """
+    return block_table[token_slots, token_cols] * block_size + positions % block_size
 
 
 @dataclasses.dataclass
@@ -35,10 +132,10 @@ class AttentionMetadata:
     Attributes:
         num_tokens: T, the number of tokens in the step.
         block_size: tokens per KV cache block.
-        positions: ``[T]`` int64, position of each token in its sequence
-            (the model's RoPE index).
-        slot_mapping: ``[T]`` int64, flat KV cache index each token's key and
-            value are written to.
+        positions: ``[T]`` int64 on the device, position of each token in its
+            sequence (the model's RoPE index).
+        slot_mapping: ``[T]`` int64 on the device, flat KV cache index each
+            token's key and value are written to.
     """
 
     num_tokens: int
@@ -57,34 +154,15 @@ class AttentionBackend(ABC):
     name: str = "abstract"
 
     @abstractmethod
-    def build_metadata(
-        self,
-        query_lens: torch.Tensor,
-        start_positions: torch.Tensor,
-        block_table: torch.Tensor,
-        block_size: int,
-        device: torch.device,
-    ) -> AttentionMetadata:
-        """Lay out one step.
-
-        Request ``i`` owns step tokens ``[cu[i], cu[i] + query_lens[i])``
-        where ``cu`` is the exclusive cumulative sum of ``query_lens``; their
-        positions are ``start_positions[i] + 0 .. query_lens[i] - 1``.
+    def build_metadata(self, layout: StepLayout, block_table: torch.Tensor, upload: Upload) -> AttentionMetadata:
+        """Lay out one step on the device without waiting for it.
 
         Args:
-            query_lens: ``[B]`` int64 host tensor, tokens scheduled per request, each >= 1.
-            start_positions: ``[B]`` int64 host tensor, position of each
-                request's first scheduled token (= tokens already in its KV cache).
-            block_table: ``[B, max_blocks_per_seq]`` int32/int64 host tensor,
-                each request's block-table row; entries past a request's
-                context are ignored and may hold anything.
-            block_size: tokens per KV cache block.
-            device: where the metadata's tensors must live.
-
-        Raises:
-            ValueError: on inconsistent shapes, an empty batch, a query_len < 1,
-                a negative start position, or a context that does not fit the
-                block table.
+            layout: the step's host-side layout.
+            block_table: ``[rows, max_blocks_per_seq]`` int64 on the device;
+                request ``i`` uses row ``layout.slots[i]``. Entries past a
+                request's context are ignored and may hold anything.
+            upload: moves the host arrays the build derives to the device.
         """
 
     @abstractmethod
@@ -114,70 +192,20 @@ class AttentionBackend(ABC):
             ``[T, H, D]`` attention output, dtype of ``q``.
         """
 
+    def build_from_rows(self, query_lens, start_positions, block_table: torch.Tensor,
+                        block_size: int) -> AttentionMetadata:
+        """:meth:`build_metadata` with one block-table row per request, for CPU tensors (tests, benchmarks).
 
-def check_step_inputs(
-    query_lens: torch.Tensor, start_positions: torch.Tensor, block_table: torch.Tensor, block_size: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Validate a step's layout inputs (see :meth:`AttentionBackend.build_metadata`).
+        Args:
+            query_lens, start_positions: ``[B]`` host integers.
+            block_table: ``[B, max_blocks_per_seq]`` integer CPU tensor, row ``i`` for request ``i``.
 
-    Reads the values on the host: pass host tensors.
-
-    Returns:
-        ``(query_lens, start_positions, block_table)`` as int64.
-
-    Raises:
-        ValueError: as :meth:`AttentionBackend.build_metadata`.
-    """
-    if query_lens.dim() != 1 or query_lens.numel() == 0:
-        raise ValueError(f"query_lens must be a non-empty 1-D tensor, got shape {tuple(query_lens.shape)}")
-    num_reqs = query_lens.numel()
-    if start_positions.shape != (num_reqs,):
-        raise ValueError(f"start_positions must have shape ({num_reqs},), got {tuple(start_positions.shape)}")
-    if block_table.dim() != 2 or block_table.shape[0] != num_reqs:
-        raise ValueError(
-            f"block_table must have shape ({num_reqs}, max_blocks_per_seq), got {tuple(block_table.shape)}"
-        )
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    query_lens = query_lens.long()
-    start_positions = start_positions.long()
-    block_table = block_table.long()
-    if bool((query_lens < 1).any()):
-        raise ValueError(f"every query_len must be >= 1, got {query_lens.tolist()}")
-    if bool((start_positions < 0).any()):
-        raise ValueError(f"start positions must be >= 0, got {start_positions.tolist()}")
-    context_lens = start_positions + query_lens
-    max_context = block_table.shape[1] * block_size
-    if int(context_lens.max()) > max_context:
-        raise ValueError(
-            f"a context of {int(context_lens.max())} tokens does not fit a block table of "
-            f"{block_table.shape[1]} blocks of {block_size}"
-        )
-    return query_lens, start_positions, block_table
-
-
-def token_layout(
-    query_lens: torch.Tensor, start_positions: torch.Tensor, block_table: torch.Tensor, block_size: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """Each token's position and KV-cache slot.
-
-    Args:
-        query_lens, start_positions: ``[B]`` int64 (checked by :func:`check_step_inputs`).
-        block_table: ``[B, max_blocks_per_seq]`` int64.
-        block_size: tokens per KV cache block.
-
-    Returns:
-        ``(token_starts [B], positions [T], slot_mapping [T], T)``, int64
-        tensors on the inputs' device; ``token_starts`` is the exclusive
-        cumulative sum of ``query_lens``.
-    """
-    device = query_lens.device
-    num_reqs = query_lens.numel()
-    token_starts = torch.cumsum(query_lens, 0) - query_lens
-    num_tokens = int(query_lens.sum())
-    request_of_token = torch.repeat_interleave(torch.arange(num_reqs, device=device), query_lens)
-    offsets = torch.arange(num_tokens, device=device) - token_starts[request_of_token]
-    positions = start_positions[request_of_token] + offsets
-    block_of_token = block_table[request_of_token, positions // block_size]
-    slot_mapping = block_of_token * block_size + positions % block_size
-    return token_starts, positions, slot_mapping, num_tokens
+        Raises:
+            ValueError: as :meth:`StepLayout.build`, or a block table whose rows do not match.
+        """
+        num_reqs = len(query_lens)
+        if block_table.dim() != 2 or block_table.shape[0] != num_reqs:
+            raise ValueError(
+                f"block_table must have shape ({num_reqs}, max_blocks_per_seq), got {tuple(block_table.shape)}")
+        layout = StepLayout.build(query_lens, start_positions, np.arange(num_reqs), block_size, block_table.shape[1])
+        return self.build_metadata(layout, block_table.long(), host_upload)

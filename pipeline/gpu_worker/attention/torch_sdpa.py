@@ -12,14 +12,10 @@ requests are split into two groups, each attended with one batched call:
 
 Keys and values are gathered block by block through each row's block table
 (cache layout in :mod:`pipeline.gpu_worker.attention.backend`). Everything
-shaped by the batch (gather indices, masks, scatter indices) is computed once
-per step in :meth:`SDPAMetadata.build`; the per-layer path only indexes
-precomputed tensors, so it has no Python loop over requests and no host
-synchronisation.
-
-The module is a little over 300 lines because the metadata build and the
-forward that consumes it are one unit: every index the build computes is
-read by exactly one line of :func:`paged_attention`.
+shaped by the batch is computed once per step in :meth:`TorchSDPABackend.build_metadata`:
+small index arrays on the host, masks and block ids on the device; the
+per-layer path only indexes precomputed tensors, so it has no Python loop
+over requests and no host synchronisation.
 """
 
 from __future__ import annotations
@@ -27,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -34,14 +31,15 @@ from pipeline.gpu_worker.attention.backend import (
     AttentionBackend,
     AttentionMetadata,
     KVCache,
-    check_step_inputs,
-    token_layout,
+    StepLayout,
+    Upload,
+    slot_mapping,
 )
 
 
 @dataclasses.dataclass
 class AttentionGroup:
-    """Precomputed indices for one batched attention call (decode or prefill).
+    """Precomputed indices for one batched attention call (decode or prefill), on the device.
 
     Attributes:
         token_index: ``[rows, q_max]`` int64, index into the step's tokens of
@@ -66,17 +64,6 @@ class AttentionGroup:
     out_tokens: torch.Tensor
     identity: bool
 
-    def to(self, device: torch.device, non_blocking: bool = False) -> AttentionGroup:
-        """Return a copy with every tensor on ``device``."""
-        return dataclasses.replace(
-            self,
-            token_index=self.token_index.to(device, non_blocking=non_blocking),
-            block_ids=self.block_ids.to(device, non_blocking=non_blocking),
-            mask=self.mask.to(device, non_blocking=non_blocking),
-            out_rows=self.out_rows.to(device, non_blocking=non_blocking),
-            out_tokens=self.out_tokens.to(device, non_blocking=non_blocking),
-        )
-
 
 @dataclasses.dataclass
 class SDPAMetadata(AttentionMetadata):
@@ -90,101 +77,50 @@ class SDPAMetadata(AttentionMetadata):
     decode: AttentionGroup | None
     prefill: AttentionGroup | None
 
-    @classmethod
-    def build(
-        cls,
-        query_lens: torch.Tensor,
-        start_positions: torch.Tensor,
-        block_table: torch.Tensor,
-        block_size: int,
-    ) -> SDPAMetadata:
-        """Compute the step's slot mapping, gather indices and masks on the host.
 
-        Arguments and errors as
-        :meth:`~pipeline.gpu_worker.attention.backend.AttentionBackend.build_metadata`.
-        The build reads batch maxima on the host, so pass host (CPU)
-        tensors, then move the result with :meth:`to`.
-        """
-        query_lens, start_positions, block_table = check_step_inputs(
-            query_lens, start_positions, block_table, block_size)
-        num_reqs = query_lens.numel()
-        token_starts, positions, slot_mapping, num_tokens = token_layout(
-            query_lens, start_positions, block_table, block_size)
+@dataclasses.dataclass
+class _HostGroup:
+    """The host half of one group: shapes and small index arrays (numpy int64)."""
 
-        is_decode = query_lens == 1
-        decode_rows = torch.nonzero(is_decode).flatten()
-        prefill_rows = torch.nonzero(~is_decode).flatten()
-        groups = [
-            _build_group(rows, query_lens, start_positions, token_starts, block_table, block_size, num_reqs, num_tokens)
-            if rows.numel() > 0
-            else None
-            for rows in (decode_rows, prefill_rows)
-        ]
-        return cls(
-            num_tokens=num_tokens,
-            block_size=block_size,
-            positions=positions,
-            slot_mapping=slot_mapping,
-            decode=groups[0],
-            prefill=groups[1],
-        )
-
-    def to(self, device: torch.device, non_blocking: bool = False) -> SDPAMetadata:
-        """Return a copy with every tensor on ``device`` (pinned sources allow non_blocking)."""
-        return dataclasses.replace(
-            self,
-            positions=self.positions.to(device, non_blocking=non_blocking),
-            slot_mapping=self.slot_mapping.to(device, non_blocking=non_blocking),
-            decode=None if self.decode is None else self.decode.to(device, non_blocking),
-            prefill=None if self.prefill is None else self.prefill.to(device, non_blocking),
-        )
+    q_max: int
+    n_blocks: int
+    identity: bool
+    arrays: list[np.ndarray]  # slots [rows], context_lens [rows], token_index, query_pos, out_rows, out_tokens
 
 
-def _build_group(
-    rows: torch.Tensor,
-    query_lens: torch.Tensor,
-    start_positions: torch.Tensor,
-    token_starts: torch.Tensor,
-    block_table: torch.Tensor,
-    block_size: int,
-    num_reqs: int,
-    num_tokens: int,
-) -> AttentionGroup:
-    """Build the padded layout of the requests ``rows`` (see :class:`AttentionGroup`)."""
-    device = rows.device
-    q_lens = query_lens[rows]
-    starts = start_positions[rows]
+def _host_group(layout: StepLayout, rows: np.ndarray) -> _HostGroup:
+    """Shapes and indices of the padded group of requests ``rows`` (see :class:`AttentionGroup`)."""
+    q_lens = layout.query_lens[rows]
+    starts = layout.start_positions[rows]
     context_lens = starts + q_lens
     q_max = int(q_lens.max())
-    n_blocks = (int(context_lens.max()) + block_size - 1) // block_size
-
+    n_blocks = -(-int(context_lens.max()) // layout.block_size)
     # Padded query slots clamp to the row's last real query: a valid token
     # index and a non-empty mask row, whose output is then dropped.
-    q_offsets = torch.minimum(torch.arange(q_max, device=device)[None, :], (q_lens - 1)[:, None])
-    token_index = token_starts[rows][:, None] + q_offsets
+    q_offsets = np.minimum(np.arange(q_max)[None, :], (q_lens - 1)[:, None])
+    token_index = layout.token_starts[rows][:, None] + q_offsets
     query_pos = starts[:, None] + q_offsets
+    out_rows = np.flatnonzero(np.arange(q_max)[None, :] < q_lens[:, None])
+    out_tokens = token_index.ravel()[out_rows]
+    identity = rows.size == layout.query_lens.size and out_rows.size == rows.size * q_max == layout.num_tokens
+    return _HostGroup(q_max, n_blocks, identity,
+                      [layout.slots[rows], context_lens, token_index, query_pos, out_rows, out_tokens])
 
+
+def _device_group(host: _HostGroup, dev: list[torch.Tensor], block_table: torch.Tensor,
+                  block_size: int) -> AttentionGroup:
+    """Block ids and mask of one group, built on the device from its uploaded indices."""
+    slots, context_lens, token_index, query_pos, out_rows, out_tokens = dev
+    device = block_table.device
     # Unused block-table entries may be garbage (e.g. -1); point them at
     # block 0 so the gather stays in bounds, the mask hides them.
-    block_cols = torch.arange(n_blocks, device=device)
+    block_cols = torch.arange(host.n_blocks, device=device)
     needed = block_cols[None, :] * block_size < context_lens[:, None]
-    block_ids = torch.where(needed, block_table[rows, :n_blocks], 0)
-
-    key_pos = torch.arange(n_blocks * block_size, device=device)
+    block_ids = torch.where(needed, block_table[slots, : host.n_blocks], 0)
+    key_pos = torch.arange(host.n_blocks * block_size, device=device)
     mask = (key_pos[None, None, :] <= query_pos[:, :, None]).unsqueeze(1)
-
-    real = (torch.arange(q_max, device=device)[None, :] < q_lens[:, None]).flatten()
-    out_rows = torch.nonzero(real).flatten()
-    out_tokens = token_index.flatten()[out_rows]
-    identity = rows.numel() == num_reqs and out_rows.numel() == rows.numel() * q_max == num_tokens
-    return AttentionGroup(
-        token_index=token_index,
-        block_ids=block_ids,
-        mask=mask,
-        out_rows=out_rows,
-        out_tokens=out_tokens,
-        identity=identity,
-    )
+    return AttentionGroup(token_index=token_index, block_ids=block_ids, mask=mask, out_rows=out_rows,
+                          out_tokens=out_tokens, identity=host.identity)
 
 
 class GatherBuffer:
@@ -325,18 +261,31 @@ class TorchSDPABackend(AttentionBackend):
     def __init__(self) -> None:
         self.workspace = GatherBuffer()
 
-    def build_metadata(
-        self,
-        query_lens: torch.Tensor,
-        start_positions: torch.Tensor,
-        block_table: torch.Tensor,
-        block_size: int,
-        device: torch.device,
-    ) -> SDPAMetadata:
-        meta = SDPAMetadata.build(query_lens, start_positions, block_table, block_size)
-        if device.type == "cuda":
-            meta = meta.to(device, non_blocking=True)
-        return meta
+    def build_metadata(self, layout: StepLayout, block_table: torch.Tensor, upload: Upload) -> SDPAMetadata:
+        is_decode = layout.query_lens == 1
+        hosts = [_host_group(layout, rows) if rows.size else None
+                 for rows in (np.flatnonzero(is_decode), np.flatnonzero(~is_decode))]
+        # One upload for the whole step: positions, slot-mapping inputs, then each group's arrays.
+        arrays = [layout.positions, *layout.slot_mapping_inputs()]
+        for h in hosts:
+            arrays += h.arrays if h is not None else []
+        dev = upload(arrays)
+        positions, token_slots, token_cols = dev[:3]
+        groups, i = [], 3
+        for h in hosts:
+            if h is None:
+                groups.append(None)
+                continue
+            groups.append(_device_group(h, dev[i:i + len(h.arrays)], block_table, layout.block_size))
+            i += len(h.arrays)
+        return SDPAMetadata(
+            num_tokens=layout.num_tokens,
+            block_size=layout.block_size,
+            positions=positions,
+            slot_mapping=slot_mapping(block_table, token_slots, token_cols, positions, layout.block_size),
+            decode=groups[0],
+            prefill=groups[1],
+        )
 
     def forward(
         self,

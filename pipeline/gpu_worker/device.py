@@ -1,0 +1,198 @@
+"""How the runner moves data to and from its device and marks time there.
+
+On a GPU nothing in :meth:`~pipeline.gpu_worker.model_runner.ModelRunner.launch`
+may make the host wait for the device (docs/design.md, "The worker"), so
+every transfer follows one of two patterns, both here:
+
+* **host -> device** (:meth:`DeviceOps.upload`): host arrays are packed into
+  one staging buffer (pinned on CUDA) and copied with ``non_blocking=True``.
+  A copy from pageable memory would be synchronous. The caching host
+  allocator keeps a pinned buffer from being reused until its copy has run.
+* **device -> host** (:meth:`DeviceOps.copy_to_host`): a copy into a fresh
+  pinned buffer on a separate copy stream, gated by an event recorded after
+  the producer; a second event says when the bytes have arrived.
+
+:class:`DeviceOps` itself is CPU torch: the "device" is host memory, work runs
+when it is called, and nothing is copied. :class:`CudaOps` is the GPU.
+:class:`DeviceClock` maps device events onto ``time.monotonic_ns()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.float32): torch.float32}
+
+
+class DeviceOps:
+    """CPU torch: synchronous, and host arrays are used in place.
+
+    Attributes:
+        device: where the runner's device tensors live.
+        is_async: True when enqueued work may still be running after the call
+            that enqueued it returns (so events, not wall time, time it).
+    """
+
+    is_async = False
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def upload(self, arrays: Sequence[np.ndarray], dtype: type = np.int64) -> list[torch.Tensor]:
+        """Device copies of ``arrays`` (each cast to ``dtype``: int64 or float32), in order.
+
+        On CPU torch these share memory with the cast arrays: callers pass
+        arrays they no longer change.
+        """
+        return [torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)) for a in arrays]
+
+    def copy_to_host(self, t: torch.Tensor) -> tuple[torch.Tensor, object | None]:
+        """Start copying ``t`` to the host; returns ``(host tensor, done event or None)``.
+
+        The host tensor is valid once the event has fired (None: at once).
+        """
+        return t, None
+
+    def timing_event(self) -> object | None:
+        """An event recorded now on the compute stream (None where nothing is timed by events)."""
+        return None
+
+
+class AsyncOps(DeviceOps):
+    """A stream-ordered device: staging buffers, non-blocking copies, events.
+
+    Subclasses provide the buffers, events and the copy stream
+    (:meth:`host_buffer`, :meth:`new_event`, :meth:`copy_stream_ctx`); the
+    transfer patterns are written once, here.
+    """
+
+    is_async = True
+
+    def host_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A fresh 1-D host buffer the device can copy asynchronously (pinned)."""
+        raise NotImplementedError
+
+    def new_event(self, timing: bool = False):
+        """An unrecorded event; ``timing`` enables ``elapsed_time``."""
+        raise NotImplementedError
+
+    def copy_stream_ctx(self, ready) -> contextlib.AbstractContextManager:
+        """Run the enclosed copies on the copy stream, after event ``ready``."""
+        raise NotImplementedError
+
+    def keep_alive_for_copy(self, t: torch.Tensor) -> None:
+        """Tell the allocator that the copy stream still reads ``t``."""
+
+    def upload(self, arrays: Sequence[np.ndarray], dtype: type = np.int64) -> list[torch.Tensor]:
+        sizes = [a.size for a in arrays]
+        total = sum(sizes)
+        host = self.host_buffer(max(total, 1), _TORCH_DTYPES[np.dtype(dtype)])
+        view, offset = host.numpy(), 0
+        for a, n in zip(arrays, sizes, strict=True):
+            view[offset:offset + n] = a.ravel()
+            offset += n
+        dev = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+        dev.copy_(host, non_blocking=True)
+        out, offset = [], 0
+        for a, n in zip(arrays, sizes, strict=True):
+            out.append(dev[offset:offset + n].view(a.shape))
+            offset += n
+        return out
+
+    def copy_to_host(self, t: torch.Tensor) -> tuple[torch.Tensor, object]:
+        ready = self.new_event()
+        ready.record()
+        host = self.host_buffer(t.numel(), t.dtype).view(t.shape)
+        with self.copy_stream_ctx(ready):
+            host.copy_(t, non_blocking=True)
+            done = self.new_event(timing=True)
+            done.record()
+        self.keep_alive_for_copy(t)
+        return host, done
+
+    def timing_event(self):
+        event = self.new_event(timing=True)
+        event.record()
+        return event
+
+
+class CudaOps(AsyncOps):
+    """The current CUDA device: pinned staging, a copy stream, CUDA events."""
+
+    def __init__(self, device: torch.device):
+        super().__init__(device)
+        self.copy_stream = torch.cuda.Stream(device)
+
+    def host_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, pin_memory=True)
+
+    def new_event(self, timing: bool = False) -> torch.cuda.Event:
+        return torch.cuda.Event(enable_timing=timing)
+
+    @contextlib.contextmanager
+    def copy_stream_ctx(self, ready: torch.cuda.Event):
+        with torch.cuda.stream(self.copy_stream):
+            self.copy_stream.wait_event(ready)
+            yield
+
+    def keep_alive_for_copy(self, t: torch.Tensor) -> None:
+        t.record_stream(self.copy_stream)
+
+
+def device_ops(device: torch.device) -> DeviceOps:
+    """The ops for ``device``: :class:`CudaOps` on CUDA, else synchronous :class:`DeviceOps`."""
+    return CudaOps(device) if device.type == "cuda" else DeviceOps(device)
+
+
+class DeviceClock:
+    """Maps device events onto ``time.monotonic_ns()`` without waiting for the device.
+
+    CUDA times an event only relative to another (``elapsed_time``, float32
+    milliseconds, about 0.5 us resolution). Timing every event against one
+    event from start-up loses precision with uptime (float32 keeps ~7
+    digits: ~4 us after a minute, ~0.25 ms after an hour). Instead each
+    step is timed against a **reference** that is at most one step old:
+
+    * an **anchor**, recorded when the device is idle (nothing in flight),
+      with the host time of recording: the idle stream runs it at once, so
+      its device time is that host time (give or take the launch latency);
+    * otherwise the previous finished step's end event, whose host time was
+      derived the same way.
+
+    So every ``elapsed_time`` spans about one step, and the gap between two
+    consecutive steps is measured directly between their events.
+    """
+
+    def __init__(self) -> None:
+        self._ref = None
+        self._ref_ns = 0
+
+    @staticmethod
+    def anchor(event) -> tuple[object, int]:
+        """Record ``event`` now (the device must be idle) and pair it with the host time."""
+        event.record()
+        return event, time.monotonic_ns()
+
+    def span(self, anchor: tuple[object, int] | None, start, end) -> tuple[int, int]:
+        """Host times ``(start_ns, end_ns)`` of two completed events of the next step in order.
+
+        Args:
+            anchor: the step's anchor if it was launched on an idle device, else None.
+            start, end: the step's events; both must have completed.
+
+        Raises:
+            RuntimeError: no anchor was ever given (the first step must have one).
+        """
+        if anchor is not None:
+            self._ref, self._ref_ns = anchor
+        if self._ref is None:
+            raise RuntimeError("DeviceClock: the first timed step must carry an anchor")
+        start_ns = self._ref_ns + round(self._ref.elapsed_time(start) * 1e6)
+        end_ns = self._ref_ns + round(self._ref.elapsed_time(end) * 1e6)
+        self._ref, self._ref_ns = end, end_ns
+        return start_ns, end_ns
