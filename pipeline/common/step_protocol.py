@@ -14,7 +14,9 @@ Each class is a set of typed numpy views over one ring slot, laid out by
 :class:`~pipeline.common.layouts.Layout`; arrays are sized by the configured
 maxima and the header says how many entries are live. This module is the
 only place that knows the field names, so a misspelt field fails at import
-or in a type checker, not in another process at run time.
+or in a type checker, not in another process at run time. That is also why
+it is longer than most modules: both messages, their writers and their
+readers belong together.
 """
 
 from __future__ import annotations

@@ -130,7 +130,7 @@ class ModelRunner:
             raise ValueError(f"step {x.step_id}: a position reaches max_position_embeddings {max_pos}")
 
     def _apply_slot_updates(self, x: StepInputs) -> None:
-        """Block-table entries and the ``is_new`` rows' sampling parameters, per slot, on the device."""
+        """Block-table entries and the sampling parameters of rows new in their slot, on the device."""
         self.slots.apply(x)
 
     def _resolve_placeholders(self, x: StepInputs, step: LaunchedStep) -> torch.Tensor:

@@ -4,7 +4,7 @@ A request keeps one slot while it runs (docs/design.md, "The step
 protocol"). For each slot the device holds the last sampled token (the
 token-id cache), the block-table row, and the sampling parameters. Updates
 come from the descriptor: new block-table entries every step, parameters
-only on a request's first step in its slot (``is_new``). They are enqueued
+only on a request's first step in its slot. They are enqueued
 on the compute stream before the step that reads them, so a step already
 queued never sees a later step's update, and no update waits for the device.
 

@@ -18,6 +18,9 @@ requests in FIFO order, all under ``max_num_batched_tokens`` and
 ``max_num_seqs``. KV blocks are allocated on demand; when none are left the
 newest running request is preempted (recompute: its blocks are freed and it
 restarts from its prompt plus the tokens it has produced).
+
+Planning, the steady-decode path and applying outputs share every request's
+counters, so they stay in one module, longer than most.
 """
 
 from __future__ import annotations
@@ -154,7 +157,7 @@ class Scheduler:
             self._leave_steady()
         step_id = self.next_step_id
         budget = self.max_num_batched_tokens
-        rows: list[tuple[Request, int, bool]] = []  # (request, num tokens, do_sample)
+        rows: list[tuple[Request, int, bool]] = []  # (request, num tokens, samples)
         self._builder.clear()
 
         for req in list(self.running):
@@ -295,13 +298,13 @@ class Scheduler:
                 known = req.prompt_token_ids + req.output_token_ids if pos + k > len(req.prompt_token_ids) \
                     else req.prompt_token_ids
                 tokens = known[pos:pos + k]
-            num_plp, next_prompt_token = 0, -1
+            num_plp, next_token = 0, -1
             if req.params.prompt_logprobs >= 0:  # positions pos..pos+num_plp-1 predict prompt tokens
                 num_plp = max(0, min(k, len(req.prompt_token_ids) - 1 - pos))
                 if num_plp == k:
-                    next_prompt_token = req.prompt_token_ids[pos + k]
+                    next_token = req.prompt_token_ids[pos + k]
             b.add_row(req.req_num, req.slot, pos, tokens, sample, req.params if req.is_new_in_slot else None,
-                      num_plp, next_prompt_token)
+                      num_plp, next_token)
             req.is_new_in_slot = False
             if req.params.max_tokens == 0 and pos + k >= req.num_known_tokens:
                 # Its last prompt log-probabilities come with this step's output: it ends then.
