@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -42,17 +43,31 @@ def shm_entries(launcher_pid: int) -> list[str]:
 
 
 class Server:
-    """A running `pipeline-serve` subprocess."""
+    """A running `pipeline-serve` subprocess.
 
-    def __init__(self, args: list[str], timeout: float = 180.0):
+    Args:
+        args: pipeline-serve flags (``--port`` is added).
+        timeout: seconds to wait for ``/health``.
+        config: ``EngineConfig`` fields to set that have no flag (see
+            ``tests/serve_with_config.py``).
+        log: a file for the server's output (default: a pipe, read only if it fails to start).
+    """
+
+    def __init__(self, args: list[str], timeout: float = 180.0, config: dict | None = None, log=None):
         self.port = free_port()
-        self.args = [sys.executable, "-m", "pipeline.launcher", "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if config:
+            self.args = [sys.executable, "-m", "tests.serve_with_config", json.dumps(config),
+                         "--port", str(self.port), *args]
+        else:
+            self.args = [sys.executable, "-m", "pipeline.launcher", "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(self.args, stdout=log or subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     cwd=REPO)
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.proc.stdout.read()}")
+                out = self.proc.stdout.read() if self.proc.stdout else "(see its log file)"
+                raise RuntimeError(f"server exited {self.proc.returncode}:\n{out}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
                     break

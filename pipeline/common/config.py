@@ -38,6 +38,15 @@ class EngineConfig(msgspec.Struct, frozen=True):
             device's step time ``A + B × tokens`` in microseconds.
         trace: record per-step spans for a Chrome-trace timeline; each
             process writes its spans to ``trace_path(role)`` when it exits.
+        max_request_body_bytes: largest HTTP request body io_proc reads;
+            a larger one is answered 413 before it is parsed.
+        http_header_timeout_s: seconds a client has to send a request's
+            headers, from the connection's opening (or the first byte of the
+            next request on a kept-alive connection); then it is closed.
+        http_body_timeout_s: seconds a client has to send a request's body
+            once its headers are in; then it gets 408 and is closed.
+        limit_concurrency: open HTTP connections plus running requests at
+            which io_proc answers new requests with 503.
         instance: unique id of this server instance (names of rings and sockets).
         ipc_dir: private directory holding this instance's zmq sockets.
     """
@@ -60,6 +69,10 @@ class EngineConfig(msgspec.Struct, frozen=True):
     sim_token_us: float = 0.0
     tokenizer: str = ""
     trace: bool = False
+    max_request_body_bytes: int = 4 * 2**20
+    http_header_timeout_s: float = 10.0
+    http_body_timeout_s: float = 60.0
+    limit_concurrency: int = 4096
     instance: str = ""
     ipc_dir: str = ""
 

@@ -3,11 +3,12 @@
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``,
 ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
 
-Errors: invalid input of any kind (bad JSON, wrong types, out-of-range
-values) is HTTP 400 ``invalid_request_error`` (FastAPI's 422 is replaced, as
-the OpenAI API and vLLM answer 400); an unknown model is 404
-``model_not_found``; unknown routes and methods keep their status; anything
-unexpected is 500 and affects only its own request.
+Errors: invalid input of any kind (bad JSON, a body that is not JSON, wrong
+types, out-of-range values) is HTTP 400 ``invalid_request_error`` (FastAPI's
+422 is replaced, as the OpenAI API and vLLM answer 400); an unknown model is
+404 ``model_not_found``; a body over ``max_request_body_bytes`` is 413 (see
+:mod:`pipeline.io_proc.http_limits`); unknown routes and methods keep their
+status; anything unexpected is 500 and affects only its own request.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from starlette.responses import Response
 
 from pipeline.common.config import EngineConfig
 from pipeline.io_proc.engine_client import EngineClient, EngineUnavailable
+from pipeline.io_proc.http_limits import RequestBodyLimit
 from pipeline.io_proc.metrics import PipelineMetrics
 from pipeline.io_proc.protocol import (
     APIError,
@@ -48,7 +50,12 @@ def _error(status_code: int, message: str, type: str, param: str | None = None, 
                          status_code)
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def _is_json(content_type: str | None) -> bool:
+    media_type = (content_type or "").split(";", 1)[0].strip().lower()
+    return media_type == "application/json" or (media_type.startswith("application/") and media_type.endswith("+json"))
+
+
+def _validation_message(exc: RequestValidationError, content_type: str | None) -> tuple[str, str | None]:
     """A readable message and the offending parameter of a validation failure."""
     errors = exc.errors()
     if not errors:
@@ -56,6 +63,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     first = errors[0]
     if first.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', 'decode error')}", None
+    if tuple(first.get("loc", ())) == ("body",) and not _is_json(content_type):
+        # FastAPI parses only a JSON content type; any other leaves the body as bytes.
+        got = f"Content-Type {content_type!r}" if content_type else "no Content-Type"
+        return f"the request body must be JSON sent with Content-Type: application/json (got {got})", None
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     msg = first.get("msg", "invalid value").removeprefix("Value error, ")
@@ -91,14 +102,15 @@ def build_app(config: EngineConfig, client: EngineClient, tokenization: Tokeniza
             await client.stop()
 
     app = FastAPI(title="pipeline", lifespan=lifespan)
+    app.add_middleware(RequestBodyLimit, max_bytes=config.max_request_body_bytes)
 
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, exc: APIError) -> Response:
         return _error(exc.status_code, exc.message, exc.type, exc.param, exc.code)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_request: Request, exc: RequestValidationError) -> Response:
-        message, param = _validation_message(exc)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+        message, param = _validation_message(exc, request.headers.get("content-type"))
         return _error(400, message, "invalid_request_error", param)
 
     @app.exception_handler(StarletteHTTPException)

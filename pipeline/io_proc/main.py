@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import resource
 import socket
 import sys
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ from pipeline.common.step_protocol import StepOutput
 from pipeline.common.trace import TraceRecorder
 from pipeline.io_proc.api_server import build_app
 from pipeline.io_proc.engine_client import EngineClient
+from pipeline.io_proc.http_limits import OncePerInterval, guarded_h11_protocol
 from pipeline.io_proc.tokenization import Tokenization, load_tokenizer
 
 logger = logging.getLogger("pipeline.io_proc")
@@ -37,6 +39,12 @@ _WATCH_INTERVAL_S = 0.1
 # Open responses get this long to finish after a stop (they are all ended with
 # "abort" first, so they normally finish at once).
 _GRACEFUL_SHUTDOWN_S = 0.5
+# uvicorn's warnings about refused or malformed requests are logged at most
+# this often (seconds), with a count of those left out.
+_REPEATED_WARNING_S = 10.0
+# File descriptors io_proc needs besides one per HTTP connection (rings, zmq,
+# tokenizer files, logs).
+_SPARE_FDS = 256
 
 
 class _Server(uvicorn.Server):
@@ -99,8 +107,14 @@ class IoProc:
                                "and is writable") from e
         cleanup.callback(self.client.close)
         app = build_app(config, self.client, tokenization, stop_token_ids)
-        self.server = _Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                                             access_log=False, timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S))
+        _raise_fd_limit(config.limit_concurrency + _SPARE_FDS)
+        # Warnings any client can trigger at will, one line per request otherwise.
+        for message in ("Exceeded concurrency limit.", "Invalid HTTP request received."):
+            logging.getLogger("uvicorn.error").addFilter(OncePerInterval(message, _REPEATED_WARNING_S))
+        self.server = _Server(uvicorn.Config(
+            app, host=config.host, port=config.port, log_level="warning", access_log=False,
+            timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S, limit_concurrency=config.limit_concurrency,
+            http=guarded_h11_protocol(config.http_header_timeout_s, config.http_body_timeout_s)))
 
     def run(self, stop: StopFlag, status_conn: Connection) -> int:
         """Serve until ``stop`` is set; returns the exit status.
@@ -183,6 +197,18 @@ def run_io_proc(config: EngineConfig, status_conn: Connection) -> None:
         ring.close()
     if code:
         sys.exit(code)
+
+
+def _raise_fd_limit(wanted: int) -> None:
+    """Raise this process's soft limit on open files towards ``wanted`` (up to the hard limit), so
+    ``limit_concurrency`` connections fit; many systems start at 1024."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        new = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        if new < wanted:
+            logger.warning("open files are limited to %d (hard limit): fewer connections than "
+                           "--limit-concurrency can be accepted", new)
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -62,8 +62,6 @@ _MIN_TEMPERATURE = 1e-5
 _MIN_TOP_P = 1e-6
 # top_k beyond any vocabulary means "disabled"; larger values do not fit int32.
 _INT32_MAX = 2**31 - 1
-# How often a non-streaming request checks that its client is still there.
-_DISCONNECT_POLL_S = 0.5
 _DONE = b"data: [DONE]\n\n"
 _ABORTED = "the server is shutting down and stopped this request before it finished; retry it"
 # HTTP status nginx uses for "client closed request"; nobody reads it.
@@ -110,6 +108,7 @@ class OpenAIServing:
                  stop_token_ids: tuple[int, ...]):
         self._model = config.served_model_name
         self._max_model_len = config.max_model_len
+        self._max_prompt_chars = tokenization.max_prompt_chars(config.max_model_len)
         self._client = client
         self._tokenization = tokenization
         self._stop_token_ids = stop_token_ids
@@ -125,6 +124,7 @@ class OpenAIServing:
                 503 scheduler not taking requests.
         """
         self._check_model(req)
+        self._check_chars(sum(len(m.text()) for m in req.messages), "messages")
         prompt = await self._tokenization.encode_chat(req.messages)
         state = self._start(req, prompt, "messages")
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -149,6 +149,7 @@ class OpenAIServing:
         """
         self._check_model(req)
         if isinstance(req.prompt, str):
+            self._check_chars(len(req.prompt), "prompt")
             prompt = await self._tokenization.encode_text(req.prompt)
         else:
             prompt = req.prompt
@@ -172,6 +173,19 @@ class OpenAIServing:
         if req.model is not None and req.model != self._model:
             raise APIError(404, f"The model `{req.model}` does not exist. This server serves `{self._model}`.",
                            type="invalid_request_error", param="model", code="model_not_found")
+
+    def _check_chars(self, num_chars: int, param: str) -> None:
+        """Refuse, before tokenizing it, a text too long to fit ``max_model_len`` whatever it encodes to.
+
+        Raises:
+            APIError: 400 ``context_length_exceeded``.
+        """
+        if num_chars > self._max_prompt_chars:
+            limit = self._max_model_len
+            raise APIError.bad_request(
+                f"This model's maximum context length is {limit} tokens. However, your request has {num_chars} "
+                f"characters in the {param}, more than {limit} tokens can hold (at most {self._max_prompt_chars}). "
+                f"Please reduce the length of the input.", param=param, code="context_length_exceeded")
 
     def _start(self, req: SamplingRequest, prompt: list[int], prompt_param: str) -> RequestState:
         """Check lengths, build sampling parameters and add the request to the engine."""
@@ -217,22 +231,23 @@ class OpenAIServing:
 
     async def _wait(self, state: RequestState, raw: Request) -> bool:
         """Wait for a non-streaming request to finish; False if the client left
-        first (then the request is aborted).
+        first (then the request is aborted at once, within the step).
 
         Raises:
             APIError: 503 if the server ended the request (shutting down).
         """
+        finished = asyncio.ensure_future(state.wait_finished())
+        left = asyncio.ensure_future(_client_left(raw))
         try:
-            while state.finish_reason is None:
-                try:
-                    await asyncio.wait_for(state.wait_finished(), _DISCONNECT_POLL_S)
-                except TimeoutError:
-                    if await raw.is_disconnected():
-                        return False
+            await asyncio.wait((finished, left), return_when=asyncio.FIRST_COMPLETED)
+            if state.finish_reason is None:
+                return False
             if state.finish_reason == "abort":
                 raise APIError(503, _ABORTED, type="service_unavailable_error")
             return True
         finally:
+            finished.cancel()
+            left.cancel()
             self._client.release(state)
 
     @staticmethod
@@ -304,6 +319,16 @@ class OpenAIServing:
             logger.exception("completion stream %s failed", rid)
             yield _stream_error()
         yield _DONE
+
+
+async def _client_left(raw: Request) -> None:
+    """Return when the client disconnects (the ASGI ``http.disconnect`` message).
+
+    Only for a request whose body has been read: the server's ``receive``
+    then has nothing but the disconnect to deliver.
+    """
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _stream_aborted() -> bytes:

@@ -69,21 +69,47 @@ def _utf8(text: str, param: str) -> str:
     return text
 
 
+# Threads that encode prompts, so one long prompt never queues the others
+# behind it (encoding releases the GIL).
+ENCODE_THREADS = 4
+# A tokenizer whose normalizer may rewrite text (e.g. NFC composition) may
+# make it shorter before splitting; the character bound allows this factor.
+_NORMALIZER_MARGIN = 4
+
+
 class Tokenization:
-    """Prompt encoding on one worker thread, and decoders for output tokens.
+    """Prompt encoding on a pool of threads, and decoders for output tokens.
 
     Encoding runs off the event loop (a long prompt or a chat template takes
-    milliseconds) on a single thread, because a Hugging Face fast tokenizer
-    may not be used by two threads at once ("Already borrowed").
+    milliseconds to seconds) on ``num_threads`` threads that share the
+    tokenizer. That is safe because encoding only reads it: a Hugging Face
+    fast tokenizer raises "Already borrowed" only when a call changes its
+    truncation or padding while another runs, and every call here uses the
+    same settings (none). The output-reader thread decodes with its own copy
+    (:meth:`make_decoder`).
 
     Args:
         tokenizer: a ``transformers`` tokenizer (see :func:`load_tokenizer`).
+        num_threads: encoding threads.
+
+    Attributes:
+        vocab_size: token ids are ``0..vocab_size-1``.
+        max_token_chars: the most characters one token stands for (the
+            longest vocabulary entry; a byte-level entry's length is its byte
+            count), times a margin if the tokenizer normalizes text first.
     """
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, num_threads: int = ENCODE_THREADS):
         self._tokenizer = tokenizer
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.vocab_size = len(tokenizer)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        margin = 1 if backend is not None and backend.normalizer is None else _NORMALIZER_MARGIN
+        self.max_token_chars = margin * max(1, max(map(len, tokenizer.get_vocab())))
+        self._executor = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="tokenize")
+
+    def max_prompt_chars(self, max_tokens: int) -> int:
+        """Characters beyond which a text surely encodes to more than ``max_tokens`` tokens."""
+        return max_tokens * self.max_token_chars
 
     async def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
         """Prompt token ids of a conversation, rendered with the model's chat
@@ -133,5 +159,5 @@ class Tokenization:
         return functools.partial(IncrementalDetokenizer, backend)
 
     def close(self) -> None:
-        """Stop the encoding thread; queued work is cancelled."""
+        """Stop the encoding threads; queued work is cancelled."""
         self._executor.shutdown(wait=False, cancel_futures=True)

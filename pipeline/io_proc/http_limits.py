@@ -1,0 +1,241 @@
+"""Bounds on what one HTTP client can cost io_proc: time, bytes and sockets.
+
+* :func:`guarded_h11_protocol` (the connection layer) subclasses uvicorn's h11
+  protocol. It enforces two read deadlines. A request's headers must arrive
+  within ``header_timeout_s`` of the connection's opening, or of the first
+  byte of the next request on a kept-alive connection. Its body must arrive
+  within ``body_timeout_s`` of the end of its headers. This covers the rest of
+  a body that is discarded after an early 413 too. The protocol also drops
+  writes to a transport that is already closing: asyncio logs
+  ``socket.send() raised exception`` for every write to a lost connection
+  after the fifth. Those writes came from a response whose client had just
+  gone (a stream's final chunks are several writes in a row).
+* :class:`RequestBodyLimit` (the ASGI layer) reads each request body before
+  the app sees it and caps its size: 413 at once when ``Content-Length`` is
+  over the limit, and 413 as soon as a chunked body passes it. No JSON is
+  parsed before that.
+
+uvicorn's own bounds are used as they are: ``limit_concurrency`` answers 503
+once that many connections or requests are open, ``timeout_keep_alive``
+closes idle kept-alive connections, and h11 answers 400 to headers larger
+than 16 KiB (``h11_max_incomplete_event_size``) or malformed. uvicorn logs a
+warning for each such 503 and 400; :class:`OncePerInterval` thins them out. uvicorn has no timeout for
+a request that is still arriving, so this module adds one. See
+docs/design.md, "io_proc".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import h11
+import msgspec
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from pipeline.io_proc.protocol import ErrorInfo, ErrorResponse
+
+
+def error_body(message: str, type: str, code: str | None = None) -> bytes:
+    """An OpenAI error object, ``{"error": {...}}``, as JSON bytes."""
+    return msgspec.json.encode(ErrorResponse(error=ErrorInfo(message=message, type=type, code=code)))
+
+
+class _QuietTransport:
+    """A transport whose ``write`` does nothing once it is closing; everything
+    else is the wrapped transport's."""
+
+    __slots__ = ("_transport",)
+
+    def __init__(self, transport: asyncio.Transport):
+        self._transport = transport
+
+    def write(self, data: bytes) -> None:
+        if not self._transport.is_closing():
+            self._transport.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+class _GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with read deadlines and quiet writes (see the module docstring).
+
+    Subclasses made by :func:`guarded_h11_protocol` set the two timeouts
+    (seconds). A missed header deadline closes the connection; a missed body
+    deadline answers 408 (if no response has started) and closes it.
+    """
+
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self._deadline: asyncio.TimerHandle | None = None
+        self._phase: str | None = None
+        super().connection_made(transport)
+        self.transport = _QuietTransport(transport)  # type: ignore[assignment]
+        self._update_deadline()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._set_phase(None)
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._update_deadline()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._update_deadline()
+
+    def _update_deadline(self) -> None:
+        """Time the phase the client is in: "headers", "body", or none.
+
+        None covers a request that has fully arrived and an idle kept-alive
+        connection, which uvicorn's keep-alive timer covers (uvicorn cancels
+        that timer when bytes arrive, and does not arm it after the rest of
+        a body was discarded: then the header deadline runs instead).
+        """
+        if self.transport.is_closing():
+            phase = None
+        elif self.conn.their_state is h11.IDLE:
+            phase = "headers" if self.timeout_keep_alive_task is None else None
+        elif self.conn.their_state is h11.SEND_BODY:
+            phase = "body"
+        else:
+            phase = None
+        if phase != self._phase:
+            self._set_phase(phase)
+
+    def _set_phase(self, phase: str | None) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        self._phase = phase
+        if phase is not None:
+            timeout = self.header_timeout_s if phase == "headers" else self.body_timeout_s
+            self._deadline = self.loop.call_later(timeout, self._expire)
+
+    def _expire(self) -> None:
+        phase, self._deadline, self._phase = self._phase, None, None
+        if self.transport.is_closing():
+            return
+        cycle = self.cycle
+        if phase == "body" and cycle is not None and not cycle.response_started:
+            # The app is waiting for the body: it gets a disconnect, and its
+            # own sends become no-ops, while the client gets a 408.
+            cycle.disconnected = True
+            cycle.message_event.set()
+            body = error_body(f"the request body did not arrive within {self.body_timeout_s:g} s",
+                              "invalid_request_error", "request_timeout")
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                       (b"connection", b"close")]
+            try:
+                for event in (h11.Response(status_code=408, headers=headers, reason=b"Request Timeout"),
+                              h11.Data(data=body), h11.EndOfMessage()):
+                    self.transport.write(self.conn.send(event))
+            except h11.LocalProtocolError:
+                pass
+        self.transport.close()
+
+
+def guarded_h11_protocol(header_timeout_s: float, body_timeout_s: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with these read deadlines (seconds), for
+    ``uvicorn.Config(http=...)``."""
+    return type("GuardedH11Protocol", (_GuardedH11Protocol,),
+                {"header_timeout_s": header_timeout_s, "body_timeout_s": body_timeout_s})
+
+
+class RequestBodyLimit:
+    """ASGI middleware: read each HTTP request body up to ``max_bytes`` before the app runs.
+
+    Over the limit the client gets 413 with an OpenAI error object, at once
+    when ``Content-Length`` says so (nothing is read) and otherwise as soon
+    as the bytes read pass it. The app then receives the body as one
+    ``http.request`` message, and later ``receive`` calls go to the server
+    (a disconnect). A client that leaves while sending is simply dropped.
+
+    Args:
+        app: the ASGI app.
+        max_bytes: the largest body accepted, in bytes.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope["headers"]:
+            # h11 has already refused a malformed or repeated Content-Length.
+            if name == b"content-length" and int(value) > self.max_bytes:
+                await self._too_large(send)
+                return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left before its body was complete
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                chunks.clear()
+                await self._too_large(send)
+                return
+            if chunk:
+                chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        # b"".join of one bytes object returns it without a copy.
+        first: Message | None = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        async def replay() -> Message:
+            nonlocal first
+            if first is not None:
+                message, first = first, None
+                return message
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, send: Send) -> None:
+        body = error_body(f"the request body is larger than this server's limit of {self.max_bytes} bytes",
+                          "invalid_request_error", "request_too_large")
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class OncePerInterval(logging.Filter):
+    """A logging filter that passes records with message ``message`` at most
+    once per ``interval_s`` seconds, noting how many it dropped since the last one.
+
+    uvicorn logs "Exceeded concurrency limit." for every request it refuses
+    with 503, and "Invalid HTTP request received." for every malformed one:
+    under a flood that would be a line per request.
+    """
+
+    def __init__(self, message: str, interval_s: float):
+        super().__init__()
+        self.message, self.interval_s = message, interval_s
+        self._last = -float("inf")
+        self._dropped = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage() != self.message:
+            return True
+        now = time.monotonic()
+        if now - self._last < self.interval_s:
+            self._dropped += 1
+            return False
+        if self._dropped:
+            record.msg, record.args = f"{self.message} ({self._dropped} more since the last report)", ()
+        self._last, self._dropped = now, 0
+        return True
