@@ -69,6 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="With --model sim: fixed time of one simulated step, microseconds.")
     p.add_argument("--sim-token-us", type=float, default=0.0,
                    help="With --model sim: extra simulated time per token in the step, microseconds.")
+    p.add_argument("--max-request-body-bytes", type=int, default=4 * 2**20,
+                   help="Largest HTTP request body accepted; a larger one gets 413 before it is parsed.")
+    p.add_argument("--http-header-timeout", type=float, default=10.0,
+                   help="Seconds a client has to send a request's headers; then the connection is closed.")
+    p.add_argument("--http-body-timeout", type=float, default=60.0,
+                   help="Seconds a client has to send a request's body once its headers are in; then 408.")
+    p.add_argument("--limit-concurrency", type=int, default=4096,
+                   help="Open HTTP connections plus running requests at which new requests get 503.")
     p.add_argument("--trace", metavar="FILE", default=None,
                    help="Write a Chrome-trace JSON step timeline (one track per process) to FILE on exit; "
                         "open it in Perfetto (ui.perfetto.dev).")
@@ -96,7 +104,8 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
     if unknown := flags.keys() - vars(args).keys():
         raise TypeError(f"make_config: no such flags: {sorted(unknown)}")
     args = argparse.Namespace(**{**vars(args), **flags})
-    for flag in ("max_num_seqs", "max_num_batched_tokens", "block_size", "port"):
+    for flag in ("max_num_seqs", "max_num_batched_tokens", "block_size", "port", "max_request_body_bytes",
+                 "http_header_timeout", "http_body_timeout", "limit_concurrency"):
         if getattr(args, flag) <= 0:
             _die(f"--{flag.replace('_', '-')} must be positive")
     sim = args.model == "sim"
@@ -136,5 +145,7 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         max_model_len=max_model_len, num_kv_blocks=num_blocks,
         vocab_size=0 if sim else int(cfg.get("vocab_size", 0)), async_scheduling=args.async_scheduling,
         debug_token_cache_poison=args.debug_token_cache_poison, sim_step_us=args.sim_step_us,
-        sim_token_us=args.sim_token_us, trace=bool(args.trace),
+        sim_token_us=args.sim_token_us, trace=bool(args.trace), max_request_body_bytes=args.max_request_body_bytes,
+        http_header_timeout_s=args.http_header_timeout, http_body_timeout_s=args.http_body_timeout,
+        limit_concurrency=args.limit_concurrency,
         instance=f"{os.getpid()}-{secrets.token_hex(4)}", ipc_dir=tempfile.mkdtemp(prefix="pipeline-"))

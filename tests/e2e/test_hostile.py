@@ -82,8 +82,8 @@ def read_until_closed(s: socket.socket, timeout: float) -> tuple[bytes, float]:
             data += chunk
     except ConnectionResetError:
         pass
-    except socket.timeout:
-        raise AssertionError(f"the server kept the connection open for {timeout} s; got {data[:200]!r}")
+    except TimeoutError:
+        raise AssertionError(f"the server kept the connection open for {timeout} s; got {data[:200]!r}") from None
     return data, time.monotonic() - t0
 
 

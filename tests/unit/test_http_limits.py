@@ -16,7 +16,6 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from pipeline.io_proc.http_limits import OncePerInterval, RequestBodyLimit, guarded_h11_protocol
 
-
 # -- RequestBodyLimit --------------------------------------------------------------------
 
 

@@ -10,7 +10,7 @@ import pytest
 from pipeline.common.config import EngineConfig
 from pipeline.io_proc.protocol import APIError, CompletionRequest
 from pipeline.io_proc.serving import OpenAIServing
-from pipeline.launcher import build_parser, make_config
+from pipeline.server_args import build_parser, make_config
 
 
 @pytest.fixture()
@@ -38,6 +38,10 @@ def test_config_carries_the_model_vocabulary(model_dir):
 
 class _Tokenization:
     vocab_size = 1000  # the tokenizer knows more ids than the model has rows for
+
+    @staticmethod
+    def max_prompt_chars(max_tokens: int) -> int:
+        return 100 * max_tokens
 
 
 class _Client:

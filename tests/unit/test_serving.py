@@ -18,7 +18,7 @@ from pipeline.io_proc.serving import OpenAIServing
 def make_serving() -> tuple[OpenAIServing, list[RequestState]]:
     released: list[RequestState] = []
     client = SimpleNamespace(release=released.append)
-    tokenization = SimpleNamespace(max_prompt_chars=lambda max_tokens: 100 * max_tokens)
+    tokenization = SimpleNamespace(max_prompt_chars=lambda max_tokens: 100 * max_tokens, vocab_size=1000)
     return OpenAIServing(EngineConfig(model="sim", served_model_name="sim"), client, tokenization, ()), released
 
 
