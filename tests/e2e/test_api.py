@@ -25,7 +25,7 @@ def sse_chunks(server, path: str, body: dict) -> list[dict]:
 
 
 def test_paris(smol_async):
-    r = httpx.post(f"{smol_async.url}/v1/chat/completions", timeout=60, json={
+    r = httpx.post(f"{smol_async.url}/v1/chat/completions", timeout=180, json={
         "model": smol_async.model, "max_tokens": 32, "temperature": 0,
         "messages": [{"role": "user", "content": "What is the capital of France?"}]})
     assert r.status_code == 200
@@ -42,7 +42,7 @@ def test_paris(smol_async):
 def test_chat_stream_equals_non_stream(smol_async, prompt):
     body = {"model": smol_async.model, "max_tokens": 40, "temperature": 0,
             "messages": [{"role": "user", "content": prompt}]}
-    full = httpx.post(f"{smol_async.url}/v1/chat/completions", json=body, timeout=60).json()
+    full = httpx.post(f"{smol_async.url}/v1/chat/completions", json=body, timeout=180).json()
     chunks = sse_chunks(smol_async, "/v1/chat/completions", {**body, "stream_options": {"include_usage": True}})
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
@@ -58,7 +58,7 @@ def test_chat_stream_equals_non_stream(smol_async, prompt):
 def test_completion_stream_equals_non_stream_and_length(smol_async):
     body = {"model": smol_async.model, "prompt": "The history of Rome", "max_tokens": 20, "temperature": 0,
             "ignore_eos": True}
-    full = httpx.post(f"{smol_async.url}/v1/completions", json=body, timeout=60).json()
+    full = httpx.post(f"{smol_async.url}/v1/completions", json=body, timeout=180).json()
     assert full["object"] == "text_completion"
     assert full["choices"][0]["finish_reason"] == "length"
     assert full["usage"]["completion_tokens"] == 20
@@ -71,10 +71,10 @@ def test_completion_stream_equals_non_stream_and_length(smol_async):
 def test_stop_strings_cut_output(smol_async):
     base = {"model": smol_async.model, "prompt": "1, 2, 3, 4, 5, 6,", "max_tokens": 30, "temperature": 0,
             "ignore_eos": True}
-    free = httpx.post(f"{smol_async.url}/v1/completions", json=base, timeout=60).json()["choices"][0]["text"]
+    free = httpx.post(f"{smol_async.url}/v1/completions", json=base, timeout=180).json()["choices"][0]["text"]
     assert " 9" in free, free  # the model counts on
     for stop in [" 9", [" 9", "zzz"], ["8, 9"]]:
-        r = httpx.post(f"{smol_async.url}/v1/completions", json={**base, "stop": stop}, timeout=60).json()
+        r = httpx.post(f"{smol_async.url}/v1/completions", json={**base, "stop": stop}, timeout=180).json()
         first = stop if isinstance(stop, str) else stop[0]
         assert r["choices"][0]["text"] == free[:free.index(first)]
         assert r["choices"][0]["finish_reason"] == "stop"
@@ -89,9 +89,9 @@ def test_stop_strings_cut_output(smol_async):
 def test_seeded_sampling_is_reproducible(smol_async):
     body = {"model": smol_async.model, "prompt": "Once upon a time", "max_tokens": 24, "temperature": 1.0,
             "top_p": 0.9, "top_k": 50, "seed": 1234, "ignore_eos": True}
-    a = httpx.post(f"{smol_async.url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
-    b = httpx.post(f"{smol_async.url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
-    c = httpx.post(f"{smol_async.url}/v1/completions", json={**body, "seed": 99}, timeout=60).json()
+    a = httpx.post(f"{smol_async.url}/v1/completions", json=body, timeout=180).json()["choices"][0]["text"]
+    b = httpx.post(f"{smol_async.url}/v1/completions", json=body, timeout=180).json()["choices"][0]["text"]
+    c = httpx.post(f"{smol_async.url}/v1/completions", json={**body, "seed": 99}, timeout=180).json()
     assert a == b
     assert c["choices"][0]["text"] != a
 
@@ -159,10 +159,10 @@ def test_extreme_but_valid_sampling_values_are_served(smol_async):
     """Values at the edges of what the descriptor stores must neither crash a process nor garble output."""
     base = {"model": smol_async.model, "prompt": "The capital of France is", "max_tokens": 6, "ignore_eos": True,
             "return_token_ids": True}
-    greedy = httpx.post(f"{smol_async.url}/v1/completions", json={**base, "temperature": 0}, timeout=60).json()
+    greedy = httpx.post(f"{smol_async.url}/v1/completions", json={**base, "temperature": 0}, timeout=180).json()
     for extra in ({"top_k": 2**31}, {"top_k": 10**30}, {"top_p": 1e-46}, {"temperature": 1e-40},
                   {"temperature": 1e-40, "top_p": 0.9}, {"temperature": 0.7, "top_p": 1e-300}):
-        r = httpx.post(f"{smol_async.url}/v1/completions", json={**base, **extra}, timeout=60)
+        r = httpx.post(f"{smol_async.url}/v1/completions", json={**base, **extra}, timeout=180)
         assert r.status_code == 200, (extra, r.text)
         if "temperature" in extra or "top_p" in extra:  # these all reduce to greedy
             assert r.json()["choices"][0]["token_ids"] == greedy["choices"][0]["token_ids"], extra
@@ -171,8 +171,8 @@ def test_extreme_but_valid_sampling_values_are_served(smol_async):
 
 def test_developer_role_is_a_system_message(smol_async):
     body = {"model": smol_async.model, "max_tokens": 8, "temperature": 0}
-    dev = httpx.post(f"{smol_async.url}/v1/chat/completions", timeout=60, json={**body, "messages": [
+    dev = httpx.post(f"{smol_async.url}/v1/chat/completions", timeout=180, json={**body, "messages": [
         {"role": "developer", "content": "Answer briefly."}, {"role": "user", "content": "Hi"}]}).json()
-    sys_ = httpx.post(f"{smol_async.url}/v1/chat/completions", timeout=60, json={**body, "messages": [
+    sys_ = httpx.post(f"{smol_async.url}/v1/chat/completions", timeout=180, json={**body, "messages": [
         {"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Hi"}]}).json()
     assert dev["choices"][0]["message"] == sys_["choices"][0]["message"]
