@@ -1,4 +1,4 @@
-"""Llama-family decoder in plain torch over a paged KV cache.
+"""Llama-family decoder in plain torch over a paged KV cache (one model, one module).
 
 Numerically this follows transformers' ``LlamaForCausalLM`` (RMSNorm, RoPE in
 the ``rotate_half`` convention, grouped-query attention, SwiGLU MLP), but the

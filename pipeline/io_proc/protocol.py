@@ -1,5 +1,8 @@
 """Shapes of the OpenAI API as served by io_proc.
 
+One module on purpose (longer than most): every request and response shape of
+the API, so a field's validation and its wire name are read in one place.
+
 Requests are pydantic models, validated by FastAPI (any failure becomes an
 HTTP 400 :class:`ErrorResponse`). Responses are msgspec structs: io_proc
 encodes a streaming chunk per request per step, and msgspec encodes them

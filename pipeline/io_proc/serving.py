@@ -1,6 +1,9 @@
 """Serving one chat or text completion: request -> prompt and sampling
 parameters -> engine -> JSON response or Server-Sent Events stream.
 
+Both endpoints share every step (checks, parameters, waiting, streaming), so
+they live together, in a module longer than most.
+
 Stream format (OpenAI API): each chunk is ``data: <json>\\n\\n``; the stream
 ends with ``data: [DONE]\\n\\n``. Chat streams start with a delta
 ``{"role": "assistant", "content": ""}``, send content deltas, then a chunk
