@@ -20,10 +20,12 @@ import asyncio
 import json
 import os
 import sys
+import tempfile
 
 import msgspec
 from tqdm import tqdm
 
+from pipeline.bench.bound import BoundReplay
 from pipeline.bench.drivers import drive_engine, drive_http
 from pipeline.bench.report import plot, print_table, summarize
 from pipeline.bench.workloads import Workload
@@ -82,6 +84,9 @@ def build_bench_parser() -> argparse.ArgumentParser:
     g.add_argument("--http", action="store_true",
                    help="start the whole server and send requests through the OpenAI API")
     g.add_argument("--url", default=None, help="with --http: benchmark a running server instead (no gap figures)")
+    g.add_argument("--bound", action="store_true",
+                   help="after each run, replay its exact steps through the bare model forward in this process "
+                        "(server stopped) and report engine throughput / bound throughput; real model only")
     g.add_argument("--json", metavar="FILE", default=None, help="write the figures per mode here")
     g.add_argument("--plot", metavar="FILE.png", default=None, help="draw gap histograms and a timeline strip")
     return p
@@ -99,12 +104,18 @@ def main(argv: list[str] | None = None) -> None:
     else:
         sizes = {"max_model_len": args.max_model_len or 2048}
         work = Workload.sharegpt_synth(args.num_requests, sizes["max_model_len"], args.seed)
-    unused = {"json", "plot", "trace", "async_scheduling",
+    if args.bound and (args.url or args.model == "sim"):
+        print("pipeline-bench: --bound needs a real model run by this benchmark (not --url, not sim)",
+              file=sys.stderr)
+        raise SystemExit(2)
+    unused = {"json", "plot", "trace", "async_scheduling", "bound",
               *(("num_requests",) if args.workload == "fixed" else ("batch_size", "input_len", "output_len"))}
     flags = {**{k: v for k, v in vars(args).items() if k not in unused}, **sizes, "http": http}
     modes = {"async": [True], "sync": [False], "both": [True, False]}[args.mode]
     trace = args.trace
     results, spans = {}, {}
+    replay = None
+    shapes_dir = tempfile.TemporaryDirectory(prefix="pipeline-bench-") if args.bound else None
     try:
         for a in modes:
             label = "async" if a else "sync"
@@ -115,11 +126,22 @@ def main(argv: list[str] | None = None) -> None:
             config = None
             if not args.url:  # spans are always recorded: the gap figures come from them
                 config = msgspec.structs.replace(make_config(args, **sizes), async_scheduling=a, trace=True)
+                if shapes_dir:
+                    config = msgspec.structs.replace(
+                        config, step_shapes_file=os.path.join(shapes_dir.name, f"{label}.npz"))
             results[label], spans[label] = run_mode(args, config, http, work, label, tf)
+            if shapes_dir:
+                replay = replay or BoundReplay(config)  # loaded after the first run: nothing else runs now
+                bound_s = replay.replay(config.step_shapes_file, label)
+                results[label]["bound"] = {"replay_s": bound_s,
+                                           "engine_over_bound": bound_s / results[label]["wall_s"]}
             results[label]["config"] = flags
     except (ChildFailed, TimeoutError) as e:
         print(f"pipeline-bench: {e}", file=sys.stderr)
         raise SystemExit(1) from None
+    finally:
+        if shapes_dir:
+            shapes_dir.cleanup()
     print_table(results)
     if args.json:
         out = dict(results)

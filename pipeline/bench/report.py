@@ -50,6 +50,9 @@ def print_table(results: dict[str, dict]) -> None:
                lambda r, role=role, q=q: r["cpu_per_step_us"].get(role, {}).get(q))
               for role in ROLES for q in ("p50", "p99")
               if any(role in r.get("cpu_per_step_us", {}) for r in results.values())),
+            *((("bound: replay of the same steps (s)", lambda r: r["bound"]["replay_s"]),
+               ("engine / bound throughput", lambda r: r["bound"]["engine_over_bound"]))
+              if all("bound" in r for r in results.values()) else ()),
             ("steps", lambda r: r["num_steps"]),
             ("wall time (s)", lambda r: r["wall_s"])]
     modes = list(results)

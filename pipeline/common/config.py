@@ -38,6 +38,10 @@ class EngineConfig(msgspec.Struct, frozen=True):
             device's step time ``A + B × tokens`` in microseconds.
         trace: record per-step spans for a Chrome-trace timeline; each
             process writes its spans to ``trace_path(role)`` when it exits.
+        step_shapes_file: where the worker writes, on exit, every step's
+            rows (tokens scheduled, start position, sampled or not) as an
+            ``.npz`` file; empty: not recorded. ``pipeline-bench --bound``
+            replays them through the bare model.
         max_request_body_bytes: largest HTTP request body io_proc reads;
             a larger one is answered 413 before it is parsed.
         http_header_timeout_s: seconds a client has to send a request's
@@ -69,6 +73,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
     sim_token_us: float = 0.0
     tokenizer: str = ""
     trace: bool = False
+    step_shapes_file: str = ""
     max_request_body_bytes: int = 4 * 2**20
     http_header_timeout_s: float = 10.0
     http_body_timeout_s: float = 60.0

@@ -24,6 +24,7 @@ from pipeline.common.trace import TraceRecorder
 from pipeline.gpu_worker.executor import ModelExecutor, SimExecutor
 from pipeline.gpu_worker.model_runner import LaunchedStep, ModelRunner
 from pipeline.gpu_worker.sim_device import SimulatedDevice
+from pipeline.gpu_worker.step_shapes import StepShapeRecorder
 
 # While a launched step runs on the device, look for the next descriptor this often.
 _BUSY_POLL_S = 0.0002
@@ -44,6 +45,7 @@ class WorkerProc:
         self.desc_ring, self.out_ring = desc_ring, out_ring
         self.pending: deque[LaunchedStep] = deque()
         self.trace = TraceRecorder() if config.trace else None
+        self.step_shapes = StepShapeRecorder() if config.step_shapes_file else None
 
     def run(self, stop: StopFlag) -> None:
         """Run steps until ``stop.is_set()``."""
@@ -58,6 +60,8 @@ class WorkerProc:
             t0 = time.monotonic_ns()
             inputs = read_descriptor(desc)
             self.desc_ring.release_read(DESCRIPTOR_READER_WORKER)
+            if self.step_shapes is not None:
+                self.step_shapes.add(inputs)
             self.pending.append(self.runner.launch(inputs, t0))
 
     def _publish(self, step: LaunchedStep, stop: StopFlag) -> None:
@@ -79,9 +83,11 @@ class WorkerProc:
             self.trace.add_step_cpu("gpu_worker", s)
 
     def close(self) -> None:
-        """Write the trace (if recording) and detach from the rings."""
+        """Write the trace and step shapes (if recording) and detach from the rings."""
         if self.trace is not None:
             self.trace.dump(self.config.trace_path("gpu_worker"))
+        if self.step_shapes is not None:
+            self.step_shapes.save(self.config.step_shapes_file)
         self.desc_ring.close()
         self.out_ring.close()
 

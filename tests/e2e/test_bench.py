@@ -62,3 +62,19 @@ def test_trace_schema(bench_run, mode):
     counters = [e for e in events if e["ph"] == "C"]
     assert {names[e["pid"]] for e in counters} == {"gpu_worker", "io_proc", "scheduler"}
     assert all(e["args"]["cpu_us"] >= 0 for e in counters)
+
+
+def test_bound_replays_every_step(tmp_path, tiny_dir):
+    """--bound replays exactly the steps the worker ran and reports replay time / wall time."""
+    out = tmp_path / "out.json"
+    cmd = [sys.executable, "-m", "pipeline.bench", "--model", str(tiny_dir), "--batch-size", "3",
+           "--input-len", "40", "--output-len", "6", "--max-num-batched-tokens", "64", "--mode", "async",
+           "--bound", "--json", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())["async"]
+    bound = res["bound"]
+    assert bound["replay_s"] > 0
+    assert bound["engine_over_bound"] == pytest.approx(bound["replay_s"] / res["wall_s"])
+    assert "engine / bound throughput" in r.stdout
+
