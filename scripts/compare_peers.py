@@ -111,8 +111,7 @@ def run_vllm(model_dir: str, work: Workload, args: argparse.Namespace) -> list[R
     port = _free_port()
     cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
            "--port", str(port), "--host", "127.0.0.1", "--dtype", args.dtype,
-           "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(len(work.prompts)),
-           "--disable-log-requests"]
+           "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(len(work.prompts))]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
     return _serve_and_drive(cmd, port, work, "vllm", env=env)
 
