@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import secrets
 import sys
 import tempfile
@@ -69,6 +70,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="With --model sim: fixed time of one simulated step, microseconds.")
     p.add_argument("--sim-token-us", type=float, default=0.0,
                    help="With --model sim: extra simulated time per token in the step, microseconds.")
+    p.add_argument("--worker-threads", type=int, default=0,
+                   help="torch intra-op threads of the model worker; 0: one per CPU the worker may run on "
+                        "(see --worker-cpus).")
+    p.add_argument("--worker-cpus", default="",
+                   help="CPUs the model worker runs on, as a list like 0-3,6 (Linux CPU numbers); empty: every "
+                        "CPU. With --frontend-cpus, keeps the worker's threads and the other processes off each "
+                        "other's cores.")
+    p.add_argument("--frontend-cpus", default="",
+                   help="CPUs the scheduler and HTTP/tokenizer processes run on, as a list like 4,5; empty: "
+                        "every CPU.")
     p.add_argument("--max-request-body-bytes", type=int, default=4 * 2**20,
                    help="Largest HTTP request body accepted; a larger one gets 413 before it is parsed.")
     p.add_argument("--http-header-timeout", type=float, default=10.0,
@@ -91,6 +102,24 @@ def _die(msg: str) -> None:
     raise SystemExit(2)
 
 
+def parse_cpu_list(text: str, flag: str) -> tuple[int, ...]:
+    """``"0-3,6"`` → ``(0, 1, 2, 3, 6)``; ``""`` → ``()``. Exits with a message on a malformed list
+    or a CPU this process may not run on (``os.sched_getaffinity``)."""
+    if not text.strip():
+        return ()
+    cpus: set[int] = set()
+    for part in text.split(","):
+        if not re.fullmatch(r"\d+(-\d+)?", part.strip()):
+            _die(f"{flag} {text!r} is not a CPU list; write it like 0-3,6")
+        lo, _, hi = part.strip().partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else cpus
+    if not cpus or not cpus <= allowed:
+        _die(f"{flag} {text!r} names CPUs this machine does not offer; available: "
+             f"{','.join(map(str, sorted(allowed)))}")
+    return tuple(sorted(cpus))
+
+
 def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
     """Resolve the model and derive sizes; exits with a message on bad flags.
 
@@ -108,6 +137,10 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
                  "http_header_timeout", "http_body_timeout", "limit_concurrency"):
         if getattr(args, flag) <= 0:
             _die(f"--{flag.replace('_', '-')} must be positive")
+    if args.worker_threads < 0:
+        _die("--worker-threads must be 0 (automatic) or positive")
+    worker_cpus = parse_cpu_list(args.worker_cpus, "--worker-cpus")
+    frontend_cpus = parse_cpu_list(args.frontend_cpus, "--frontend-cpus")
     sim = args.model == "sim"
     try:
         model_dir, name = resolve_model(None if sim else args.model)
@@ -147,5 +180,6 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         debug_token_cache_poison=args.debug_token_cache_poison, sim_step_us=args.sim_step_us,
         sim_token_us=args.sim_token_us, trace=bool(args.trace), max_request_body_bytes=args.max_request_body_bytes,
         http_header_timeout_s=args.http_header_timeout, http_body_timeout_s=args.http_body_timeout,
-        limit_concurrency=args.limit_concurrency,
+        limit_concurrency=args.limit_concurrency, worker_threads=args.worker_threads,
+        worker_cpus=worker_cpus, frontend_cpus=frontend_cpus,
         instance=f"{os.getpid()}-{secrets.token_hex(4)}", ipc_dir=tempfile.mkdtemp(prefix="pipeline-"))

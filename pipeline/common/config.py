@@ -51,6 +51,10 @@ class EngineConfig(msgspec.Struct, frozen=True):
             once its headers are in; then it gets 408 and is closed.
         limit_concurrency: open HTTP connections plus running requests at
             which io_proc answers new requests with 503.
+        worker_threads: torch intra-op threads of the worker; 0: one per CPU
+            the worker may run on.
+        worker_cpus: CPUs the worker runs on; empty: every CPU.
+        frontend_cpus: CPUs the scheduler and io_proc run on; empty: every CPU.
         instance: unique id of this server instance (names of rings and sockets).
         ipc_dir: private directory holding this instance's zmq sockets.
     """
@@ -78,6 +82,9 @@ class EngineConfig(msgspec.Struct, frozen=True):
     http_header_timeout_s: float = 10.0
     http_body_timeout_s: float = 60.0
     limit_concurrency: int = 4096
+    worker_threads: int = 0
+    worker_cpus: tuple[int, ...] = ()
+    frontend_cpus: tuple[int, ...] = ()
     instance: str = ""
     ipc_dir: str = ""
 

@@ -57,6 +57,20 @@ def child_setup(name: str) -> StopFlag:
     return flag
 
 
+def pin_to_cpus(cpus: tuple[int, ...]) -> None:
+    """Restrict the calling process (all its threads) to ``cpus``; ``()`` leaves it on every CPU.
+
+    On a machine with few cores the worker's intra-op threads and the other
+    two processes otherwise take turns on the same cores, and a decode step
+    waits for whichever thread was descheduled (docs/design.md, "The worker").
+
+    Raises:
+        OSError: a CPU that does not exist or is not allowed to this process.
+    """
+    if cpus and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cpus)
+
+
 def report(conn: Connection, *msg) -> None:
     """Send a status tuple to the launcher; a closed pipe means it is gone."""
     try:

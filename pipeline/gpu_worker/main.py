@@ -9,6 +9,7 @@ the overlap is the scheduler planning N+1 during N's forward.
 
 from __future__ import annotations
 
+import os
 import time
 import traceback
 from collections import deque
@@ -17,7 +18,7 @@ import torch
 
 from pipeline.common.config import EngineConfig
 from pipeline.common.constants import POLL_INTERVAL_S
-from pipeline.common.process import StopFlag, child_setup, report
+from pipeline.common.process import StopFlag, child_setup, pin_to_cpus, report
 from pipeline.common.shm_ring import RingTimeout, ShmRing
 from pipeline.common.step_protocol import DESCRIPTOR_READER_WORKER, StepDescriptor, StepOutput, read_descriptor
 from pipeline.common.trace import TraceRecorder
@@ -102,6 +103,7 @@ def load_runner(config: EngineConfig) -> ModelRunner:
         torch.set_num_threads(1)
         return ModelRunner(config, SimExecutor(SimulatedDevice(config.sim_step_us, config.sim_token_us)), device)
     from pipeline.gpu_worker.weights import load_model
+    torch.set_num_threads(config.worker_threads or len(os.sched_getaffinity(0)))
     model = load_model(config.model, dtype, device)
     return ModelRunner(config, ModelExecutor(config, model, device, dtype), device)
 
@@ -109,6 +111,7 @@ def load_runner(config: EngineConfig) -> ModelRunner:
 def run_gpu_worker(config: EngineConfig, status_conn) -> None:
     """Process entry of gpu_worker (see :mod:`pipeline.common.process`)."""
     stop = child_setup("gpu_worker")
+    pin_to_cpus(config.worker_cpus)
     desc_ring = config.descriptor_ring()
     out_ring = config.output_ring()
     report(status_conn, "attached", "gpu_worker")

@@ -19,7 +19,7 @@ from multiprocessing.connection import Connection
 import uvicorn
 
 from pipeline.common.config import EngineConfig
-from pipeline.common.process import StopFlag, child_setup, report
+from pipeline.common.process import StopFlag, child_setup, pin_to_cpus, report
 from pipeline.common.shm_ring import ShmRing
 from pipeline.common.step_protocol import StepOutput
 from pipeline.common.trace import TraceRecorder
@@ -171,6 +171,7 @@ def run_io_proc(config: EngineConfig, status_conn: Connection) -> None:
     stop exits within about a second.
     """
     stop = child_setup(_NAME)
+    pin_to_cpus(config.frontend_cpus)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     try:
         ring = config.output_ring()

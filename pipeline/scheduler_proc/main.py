@@ -18,7 +18,7 @@ import zmq
 from pipeline.common.config import EngineConfig
 from pipeline.common.constants import POLL_INTERVAL_S
 from pipeline.common.messages import AbortRequest, AddRequest, GetStats, Shutdown, Stats, ToScheduler
-from pipeline.common.process import child_setup, report
+from pipeline.common.process import child_setup, pin_to_cpus, report
 from pipeline.common.shm_ring import RingTimeout, ShmRing
 from pipeline.common.step_protocol import MAX_INFLIGHT_STEPS, OUTPUT_READER_SCHEDULER, StepDescriptor, StepOutput
 from pipeline.common.trace import TraceRecorder
@@ -115,6 +115,7 @@ class SchedulerProc:
 def run_scheduler(config: EngineConfig, status_conn) -> None:
     """Process entry of scheduler_proc (see :mod:`pipeline.common.process`)."""
     stop = child_setup("scheduler")
+    pin_to_cpus(config.frontend_cpus)
     desc_ring = config.descriptor_ring()
     out_ring = config.output_ring()
     report(status_conn, "attached", "scheduler")
