@@ -95,15 +95,16 @@ def _drive_when_healthy(proc: subprocess.Popen, url: str, work: Workload, label:
 
 
 def run_pipeline(model_arg: str | None, work: Workload, args: argparse.Namespace, async_scheduling: bool,
-                 ) -> list[RequestTimes]:
-    """``pipeline-serve`` from this interpreter, sized for the workload."""
+                 extra_args: tuple[str, ...] = (), label: str = "") -> list[RequestTimes]:
+    """``pipeline-serve`` from this interpreter, sized for the workload, with ``extra_args`` added."""
     port = _free_port()
     cmd = [sys.executable, "-m", "pipeline.launcher", "--port", str(port), "--max-model-len", str(args.max_model_len),
            "--max-num-seqs", str(len(work.prompts)), "--dtype", args.dtype,
            "--async-scheduling" if async_scheduling else "--no-async-scheduling"]
     if model_arg:
         cmd += ["--model", model_arg]
-    return _serve_and_drive(cmd, port, work, "pipeline-" + ("async" if async_scheduling else "sync"))
+    label = label or "pipeline-" + ("async" if async_scheduling else "sync")
+    return _serve_and_drive([*cmd, *extra_args], port, work, label)
 
 
 def run_vllm(model_dir: str, work: Workload, args: argparse.Namespace) -> list[RequestTimes]:
