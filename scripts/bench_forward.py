@@ -16,8 +16,8 @@ prints each case's step time and its ratio to ``u300`` for the same backend:
 - ``u300``: every request decodes with 300 tokens of context;
 - ``tail``: long-tailed contexts of the same mean (about 295), one of 1,300;
 - ``u1300``: every request decodes with 1,300 tokens of context;
-- ``mixed``: ``tail`` less two decode rows, plus two prefill chunks in the
-  same step (320 tokens at position 960, 128 tokens at position 0);
+- ``mixed``: ``tail`` less one short decode row, plus two prefill chunks in
+  the same step (320 tokens at position 960, 128 tokens at position 0);
 - ``chunks``: those two prefill chunks alone (``mixed`` should cost about
   ``tail`` + ``chunks``).
 
@@ -88,7 +88,7 @@ def make_case(name: str, batch: int) -> tuple[list[int], list[int]]:
     if name == "tail":
         return [1] * batch, [c - 1 for c in tail]
     if name == "mixed":
-        dec = sorted(tail)[:1] + sorted(tail)[2:]  # drop two short rows, keep the long one
+        dec = sorted(tail)[:1] + sorted(tail)[2:]  # drop one short row, keep the long one
         return [1] * len(dec) + [320, 128], [c - 1 for c in dec] + [960, 0]
     if name == "chunks":
         return [320, 128], [960, 0]
