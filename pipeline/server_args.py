@@ -14,7 +14,7 @@ import secrets
 import sys
 import tempfile
 
-from pipeline.common.config import EngineConfig
+from pipeline.common.config import ATTENTION_BACKENDS, EngineConfig
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -48,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Weights, activations and KV cache dtype.")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="Device of the model worker; auto picks cuda when available.")
+    p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                   help="How the worker computes attention. auto: flashinfer on CUDA with float16/bfloat16 when "
+                        "the flashinfer package is installed, else torch_bucketed (SDPA per bucket of "
+                        "similar-length requests, so each request's cost follows its own context). "
+                        "torch_sdpa: every decode row padded to the step's longest context (the reference).")
     p.add_argument("--max-num-seqs", type=int, default=256, help="Requests in one step at most.")
     p.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="Tokens in one step at most; longer prompts are prefilled in chunks of this size, "
@@ -180,6 +185,6 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         debug_token_cache_poison=args.debug_token_cache_poison, sim_step_us=args.sim_step_us,
         sim_token_us=args.sim_token_us, trace=bool(args.trace), max_request_body_bytes=args.max_request_body_bytes,
         http_header_timeout_s=args.http_header_timeout, http_body_timeout_s=args.http_body_timeout,
-        limit_concurrency=args.limit_concurrency, worker_threads=args.worker_threads,
-        worker_cpus=worker_cpus, frontend_cpus=frontend_cpus,
+        limit_concurrency=args.limit_concurrency, attention_backend=args.attention_backend,
+        worker_threads=args.worker_threads, worker_cpus=worker_cpus, frontend_cpus=frontend_cpus,
         instance=f"{os.getpid()}-{secrets.token_hex(4)}", ipc_dir=tempfile.mkdtemp(prefix="pipeline-"))

@@ -167,6 +167,12 @@ def smol_async(request, smol_dir):
     return _server(request, ["--model", str(smol_dir), "--served-model-name", "smol", *SMALL])
 
 
+@pytest.fixture(scope="session")
+def smol_sync(request, smol_dir):
+    return _server(request, ["--model", str(smol_dir), "--served-model-name", "smol", "--no-async-scheduling",
+                             *SMALL])
+
+
 SIM = ["--model", "sim", "--sim-step-us", "1000", "--max-num-batched-tokens", "32", "--max-model-len", "1024",
        "--debug-token-cache-poison"]
 

@@ -32,7 +32,7 @@ class BoundReplay:
         self.device = torch.device(config.device)
         self.dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
         self.block_size = config.block_size
-        self.model = load_model(config.model, self.dtype, self.device)
+        self.model = load_model(config.model, self.dtype, self.device, config.attention_backend)
         self.kv_caches = self.model.allocate_kv_caches(config.num_kv_blocks, config.block_size, self.dtype,
                                                        self.device)
         # Row i of a step gets its own run of blocks, spread over the whole cache as the engine's would be.

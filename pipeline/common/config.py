@@ -9,6 +9,10 @@ from pipeline.common.layouts import Layout
 from pipeline.common.shm_ring import ShmRing
 from pipeline.common.step_protocol import DESCRIPTOR_RING_SLOTS, OUTPUT_RING_SLOTS, StepDescriptor, StepOutput
 
+# Attention backends the worker can run (pipeline.gpu_worker.attention); here so
+# that the launcher can offer them without importing torch.
+ATTENTION_BACKENDS = ("auto", "torch_bucketed", "flashinfer", "torch_sdpa")
+
 
 class EngineConfig(msgspec.Struct, frozen=True):
     """Everything the processes need to agree on.
@@ -34,6 +38,9 @@ class EngineConfig(msgspec.Struct, frozen=True):
         async_scheduling: plan step N+1 while step N runs.
         debug_token_cache_poison: poison consumed token-id cache entries and
             check every placeholder read (slower; tests turn it on).
+        attention_backend: the worker's attention backend, one of
+            :data:`ATTENTION_BACKENDS` (docs/design.md, "The worker"); ``auto``
+            is flashinfer where it can run, else torch_bucketed.
         sim_step_us, sim_token_us: with ``model == "sim"``, the simulated
             device's step time ``A + B × tokens`` in microseconds.
         trace: record per-step spans for a Chrome-trace timeline; each
@@ -76,6 +83,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
     sim_step_us: float = 10_000.0
     sim_token_us: float = 0.0
     tokenizer: str = ""
+    attention_backend: str = "auto"
     trace: bool = False
     step_shapes_file: str = ""
     max_request_body_bytes: int = 4 * 2**20

@@ -122,11 +122,17 @@ class SimExecutor(Executor):
     Its "device" is host memory, so it reads the resolved inputs directly
     (a real device would compute the tokens on the device). Sampling
     parameters are ignored.
+
+    Args:
+        sim: the simulated device's timeline.
+        attn_backend: builds the step's metadata, as it would for a model
+            (docs/design.md, "The simulated device"); default
+            :func:`~pipeline.gpu_worker.attention.default_backend`.
     """
 
-    def __init__(self, sim: SimulatedDevice):
+    def __init__(self, sim: SimulatedDevice, attn_backend: AttentionBackend | None = None):
         self.sim = sim
-        self.attn_backend = default_backend()
+        self.attn_backend = attn_backend or default_backend()
 
     def execute(self, input_ids: torch.Tensor, meta: AttentionMetadata, last: torch.Tensor,
                 sampling: SamplingInputs) -> Executed:

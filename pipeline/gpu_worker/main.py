@@ -22,6 +22,7 @@ from pipeline.common.process import StopFlag, child_setup, pin_to_cpus, report
 from pipeline.common.shm_ring import RingTimeout, ShmRing
 from pipeline.common.step_protocol import DESCRIPTOR_READER_WORKER, StepDescriptor, StepOutput, read_descriptor
 from pipeline.common.trace import TraceRecorder
+from pipeline.gpu_worker.attention import make_backend
 from pipeline.gpu_worker.executor import ModelExecutor, SimExecutor
 from pipeline.gpu_worker.model_runner import LaunchedStep, ModelRunner
 from pipeline.gpu_worker.sim_device import SimulatedDevice
@@ -101,10 +102,11 @@ def load_runner(config: EngineConfig) -> ModelRunner:
         # The host side of a step is small tensor work: extra intra-op
         # threads would only spin and take a core from the other processes.
         torch.set_num_threads(1)
-        return ModelRunner(config, SimExecutor(SimulatedDevice(config.sim_step_us, config.sim_token_us)), device)
+        sim = SimulatedDevice(config.sim_step_us, config.sim_token_us)
+        return ModelRunner(config, SimExecutor(sim, make_backend(config.attention_backend)), device)
     from pipeline.gpu_worker.weights import load_model
     torch.set_num_threads(config.worker_threads or len(os.sched_getaffinity(0)))
-    model = load_model(config.model, dtype, device)
+    model = load_model(config.model, dtype, device, config.attention_backend)
     return ModelRunner(config, ModelExecutor(config, model, device, dtype), device)
 
 

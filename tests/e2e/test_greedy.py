@@ -2,11 +2,14 @@
 
 Prompts are sent as token ids to /v1/completions with ignore_eos, so the
 comparison is exact over all 48 tokens; all prompts run concurrently, so
-batching, chunked prefill and placeholders are all exercised.
+batching, chunked prefill and placeholders are all exercised. A long-tailed
+mix (one prompt of 1,000 tokens beside short ones) checks that attention is
+exact when the requests of one step have very different contexts.
 """
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -59,8 +62,40 @@ def test_smollm2_async_equals_hf(smol_async, smol_dir):
     check_against_hf(smol_async, smol_dir)
 
 
-def test_smollm2_sync_equals_hf(request, smol_dir):
-    from tests.conftest import SMALL, Server
-    srv = Server(["--model", str(smol_dir), "--no-async-scheduling", *SMALL])
-    request.addfinalizer(srv.stop)
-    check_against_hf(srv, smol_dir)
+def test_smollm2_sync_equals_hf(smol_sync, smol_dir):
+    check_against_hf(smol_sync, smol_dir)
+
+
+LONG_PROMPT_TOKENS = 1000
+LONG_NEW_TOKENS = 12
+SHORT_NEW_TOKENS = NEW_TOKENS  # the continuations check_against_hf already asked the reference for
+
+
+def long_prompt_ids(tok) -> list[int]:
+    """A prompt of exactly :data:`LONG_PROMPT_TOKENS` ids of ordinary text."""
+    text = " ".join(f"Note {i}: {PROMPTS[i % len(PROMPTS)]} {i * 7 % 13} apples." for i in range(200))
+    ids = tok(text)["input_ids"]
+    assert len(ids) >= LONG_PROMPT_TOKENS
+    return ids[:LONG_PROMPT_TOKENS]
+
+
+@pytest.mark.parametrize("case", ["tiny-async", "tiny-sync", "smol-async", "smol-sync"])
+def test_long_tailed_mix_equals_hf(case, request, tiny_dir, smol_dir):
+    """One request of 1,000 prompt tokens beside short ones: steps mix its prefill chunks with the
+    short requests' decodes, then its decodes at ~1,000 tokens of context with theirs at a few
+    dozen (attention whose cost follows each request's own context must still be exact)."""
+    server = request.getfixturevalue(case.replace("-", "_"))
+    model_dir = tiny_dir if case.startswith("tiny") else smol_dir
+    _, tok = load(str(model_dir))
+    shorts = [tok(p)["input_ids"] for p in PROMPTS[:4]]
+    long_ids = long_prompt_ids(tok)
+    with ThreadPoolExecutor(len(shorts) + 1) as pool:
+        futures = [pool.submit(complete_ids, server, p, SHORT_NEW_TOKENS) for p in shorts]
+        time.sleep(0.5)  # the short ones are decoding when the long prompt's chunks arrive
+        long_out = pool.submit(complete_ids, server, long_ids, LONG_NEW_TOKENS).result()
+        ours = [f.result() for f in futures]
+    for p, o in zip(shorts, ours):
+        assert_same_greedy(str(model_dir), p, o, hf_greedy(str(model_dir), p, SHORT_NEW_TOKENS))
+    assert_same_greedy(str(model_dir), long_ids, long_out, hf_greedy(str(model_dir), long_ids, LONG_NEW_TOKENS))
+    m = server.wait_idle()
+    assert m["pipeline_kv_blocks_free"] == m["pipeline_kv_blocks_total"]

@@ -12,7 +12,7 @@ from pipeline.gpu_worker.weights import load_model
 
 BLOCK_SIZE = 16
 CPU = torch.device("cpu")
-# One block-table row per request, on the host.
+# The torch_sdpa backend's own metadata (its layout tests); one block-table row per request, on the host.
 build_metadata = TorchSDPABackend().build_from_rows
 
 
@@ -81,7 +81,8 @@ def test_prompt_logits_match_transformers(tie):
     prompt = torch.randint(0, 512, (45,))
     with torch.inference_mode():
         expected = hf(prompt[None]).logits[0]
-        meta = build_metadata(torch.tensor([45]), torch.tensor([0]), torch.tensor([[5, 2, 9]]), BLOCK_SIZE)
+        meta = ours.attn_backend.build_from_rows(torch.tensor([45]), torch.tensor([0]), torch.tensor([[5, 2, 9]]),
+                                                 BLOCK_SIZE)
         kv = ours.allocate_kv_caches(10, BLOCK_SIZE, torch.float32, CPU)
         logits = ours.compute_logits(ours(prompt, meta.positions, meta, kv))
     assert logits.dtype == torch.float32
@@ -105,7 +106,7 @@ def test_llama3_rope_matches_transformers():
     with torch.inference_mode():
         expected = hf(prompt[None]).logits[0]
         table = torch.arange(13)[None]
-        meta = build_metadata(torch.tensor([200]), torch.tensor([0]), table, BLOCK_SIZE)
+        meta = ours.attn_backend.build_from_rows(torch.tensor([200]), torch.tensor([0]), table, BLOCK_SIZE)
         kv = ours.allocate_kv_caches(13, BLOCK_SIZE, torch.float32, CPU)
         logits = ours.compute_logits(ours(prompt, meta.positions, meta, kv))
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)

@@ -6,7 +6,8 @@ non-blocking uploads, copy stream, events) on a tiny random Llama, and fails
 on any call that would synchronise a CUDA stream. The steps cover prefill,
 decode and mixed prefill+decode, greedy and sampled rows (temperature,
 top-k, top-p, seeds), placeholders resolved in flight (step N+1 launched
-before N is finished), with poison mode on. On a CUDA machine the same
+before N is finished), with poison mode on, through each CPU attention
+backend (torch_bucketed, torch_sdpa). On a CUDA machine the same
 steps run under ``torch.cuda.set_sync_debug_mode("error")``, and a marker
 event queued behind ``torch.cuda._sleep`` must still be pending when
 ``launch`` returns.
@@ -24,6 +25,7 @@ from pipeline.common.constants import cdiv
 from pipeline.common.messages import SamplingParams
 from pipeline.common.step_protocol import PLACEHOLDER_TOKEN_ID, DescriptorBuilder, StepDescriptor, read_descriptor
 from pipeline.gpu_worker import sampler
+from pipeline.gpu_worker.attention import make_backend
 from pipeline.gpu_worker.device import DeviceOps
 from pipeline.gpu_worker.executor import ModelExecutor
 from pipeline.gpu_worker.model import LlamaForCausalLM
@@ -41,12 +43,12 @@ SAMPLED = [
 PARAMS = {"greedy": [GREEDY] * 4, "sampled": SAMPLED, "mixed": [GREEDY, SAMPLED[0], SAMPLED[1], SAMPLED[2]]}
 
 
-def tiny_model(max_position_embeddings: int = 256) -> LlamaForCausalLM:
+def tiny_model(max_position_embeddings: int = 256, attention_backend: str = "auto") -> LlamaForCausalLM:
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2,
                                    max_position_embeddings=max_position_embeddings)
-    return LlamaForCausalLM(cfg).eval().requires_grad_(False)
+    return LlamaForCausalLM(cfg, make_backend(attention_backend)).eval().requires_grad_(False)
 
 
 def engine_config(max_model_len: int = 128) -> EngineConfig:
@@ -124,9 +126,9 @@ def guard(monkeypatch):
     return g
 
 
-def guarded_runner(guard: SyncGuard, config: EngineConfig) -> ModelRunner:
+def guarded_runner(guard: SyncGuard, config: EngineConfig, attention_backend: str = "auto") -> ModelRunner:
     """A runner on the CUDA code path, its device state known to ``guard``."""
-    model = tiny_model()
+    model = tiny_model(attention_backend=attention_backend)
     guard.mark_device(*model.parameters(), *model.buffers())
     cpu = torch.device("cpu")
     with guard, guard.paused():  # device allocations are made under the mode so it tags them
@@ -134,9 +136,10 @@ def guarded_runner(guard: SyncGuard, config: EngineConfig) -> ModelRunner:
 
 
 @pytest.mark.parametrize("kind", ["greedy", "sampled", "mixed"])
-def test_launch_never_syncs(guard, kind):
+@pytest.mark.parametrize("attention_backend", ["torch_bucketed", "torch_sdpa"])
+def test_launch_never_syncs(guard, kind, attention_backend):
     config = engine_config()
-    runner = guarded_runner(guard, config)
+    runner = guarded_runner(guard, config, attention_backend)
 
     def launch(x):
         with guard:
@@ -151,7 +154,8 @@ def test_launch_never_syncs(guard, kind):
 
     # The CUDA code path computes what the synchronous CPU path computes.
     cpu = torch.device("cpu")
-    reference = ModelRunner(config, ModelExecutor(config, tiny_model(), cpu, torch.float32), cpu, DeviceOps(cpu))
+    model = tiny_model(attention_backend=attention_backend)
+    reference = ModelRunner(config, ModelExecutor(config, model, cpu, torch.float32), cpu, DeviceOps(cpu))
     expected = run_scenario(reference, PARAMS[kind], lambda x: reference.launch(x, 0), reference.finish)
     assert tokens == expected
     assert all(0 <= t < 512 for step in tokens for t in step)

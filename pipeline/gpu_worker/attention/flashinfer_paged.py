@@ -1,0 +1,168 @@
+"""The ``flashinfer`` attention backend (CUDA): FlashInfer's paged-KV batch prefill kernel.
+
+One kernel call per layer serves the whole step, decode rows and prefill
+chunks alike (a decode row is a one-token append), reading each request's
+own pages through its block table: cost follows each request's context, with
+no gather and no padding. The cache is used as allocated: per layer
+``[num_blocks * block_size, KVH, D]``, viewed as FlashInfer's "NHD" pages
+``[num_blocks, block_size, KVH, D]`` (docs/design.md, "The worker").
+
+Why FlashInfer rather than flash-attn: flash-attn 2's paged KV
+(``block_table`` in ``flash_attn_varlen_func`` / ``flash_attn_with_kvcache``)
+needs pages of a multiple of 256 tokens, and this runtime's blocks are 16
+(``--block-size``); FlashInfer takes any page size, GQA, and a query length
+per request (``qo_indptr``), with the causal mask aligned to the end of each
+request's keys, exactly "each token attends to its own prefix".
+
+**No host synchronisation.** :meth:`FlashInferBackend.build_metadata` plans
+the step with ``qo_indptr``, ``paged_kv_indptr`` and
+``paged_kv_last_page_len`` as pinned *host* tensors computed from the step's
+host layout (FlashInfer reads them on the host to schedule the kernel; given
+device tensors it would copy them back, a sync), and ``paged_kv_indices``
+read on the device from the device block table, through page indices
+uploaded with the positions in the step's one non-blocking copy.
+``plan`` then enqueues a copy of its schedule from a page-locked buffer. With asynchronous
+scheduling step N+1 is planned while step N may not have started, so the
+backend alternates between two wrappers (two such buffers): the in-flight
+limit (docs/design.md, "The in-flight limit") guarantees that when a wrapper
+is planned again, the step that used it has finished.
+
+Supported: CUDA, float16 / bfloat16 (FlashInfer has no float32 kernels),
+head sizes 64, 128 and 256. :func:`unsupported_reason` says why not
+otherwise, and start-up then falls back to a torch backend. The first step
+may JIT-compile FlashInfer's kernels (minutes) unless its prebuilt kernels
+are installed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from typing import Any
+
+import numpy as np
+import torch
+
+from pipeline.gpu_worker.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    KVCache,
+    StepLayout,
+    Upload,
+    slot_mapping,
+)
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+# FlashInfer's recommended float workspace (split-KV partial results); shared by both wrappers.
+WORKSPACE_BYTES = 128 * 1024 * 1024
+
+
+def unsupported_reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why the flashinfer backend cannot serve this model here, or None if it can.
+
+    Args:
+        device: where the model runs.
+        dtype: the model's and KV cache's dtype.
+        head_dim: the model's attention head size, in elements.
+    """
+    if device.type != "cuda":
+        return f"it runs on CUDA only, not {device.type}"
+    if dtype not in SUPPORTED_DTYPES:
+        return f"it has no {dtype} kernels (float16 and bfloat16 only)"
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        return f"head_dim {head_dim} is not one of {SUPPORTED_HEAD_DIMS}"
+    if importlib.util.find_spec("flashinfer") is None:
+        return "the flashinfer package is not installed (pip install flashinfer-python)"
+    return None
+
+
+@dataclasses.dataclass
+class FlashInferMetadata(AttentionMetadata):
+    """Per-step metadata for :class:`FlashInferBackend` (beyond the common fields).
+
+    Attributes:
+        wrapper: the ``BatchPrefillWithPagedKVCacheWrapper`` planned for this step.
+    """
+
+    wrapper: Any
+
+
+def _pinned_int32(a: np.ndarray) -> torch.Tensor:
+    """``a`` as an int32 tensor in page-locked host memory (what ``plan`` reads on the host)."""
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).pin_memory()
+
+
+class FlashInferBackend(AttentionBackend):
+    """FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` over the paged cache (see the module docstring).
+
+    Args:
+        num_heads, num_kv_heads, head_dim: the model's attention shape.
+        dtype: the model's (and KV cache's) dtype.
+        device: a CUDA device.
+        scale: softmax scale, default ``head_dim ** -0.5``; planned once per
+            step, so :meth:`forward` must be given the same.
+
+    Raises:
+        ValueError: if :func:`unsupported_reason` finds a reason.
+    """
+
+    name = "flashinfer"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 scale: float | None = None) -> None:
+        reason = unsupported_reason(device, dtype, head_dim)
+        if reason is not None:
+            raise ValueError(f"attention backend flashinfer: {reason}")
+        import flashinfer
+
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.dtype = dtype
+        self.scale = head_dim**-0.5 if scale is None else scale
+        workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._wrappers = [flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD") for _ in range(2)]
+        self._turn = 0
+
+    def build_metadata(self, layout: StepLayout, block_table: torch.Tensor, upload: Upload) -> FlashInferMetadata:
+        q_lens, starts, bs = layout.query_lens, layout.start_positions, layout.block_size
+        context_lens = starts + q_lens
+        pages = -(-context_lens // bs)
+        qo_indptr = np.concatenate(([0], np.cumsum(q_lens)))
+        kv_indptr = np.concatenate(([0], np.cumsum(pages)))
+        last_page_len = (context_lens - 1) % bs + 1
+        # Each request's pages, in order: its first ``pages`` block-table
+        # entries, read on the device (the table lives there).
+        page_slots = np.repeat(layout.slots, pages)
+        page_cols = np.arange(int(kv_indptr[-1])) - np.repeat(kv_indptr[:-1], pages)
+        positions, token_slots, token_cols, page_slots_d, page_cols_d = upload(
+            [layout.positions, *layout.slot_mapping_inputs(), page_slots, page_cols])
+        kv_indices = block_table[page_slots_d, page_cols_d].to(torch.int32)
+
+        wrapper = self._wrappers[self._turn]
+        self._turn ^= 1
+        wrapper.plan(
+            _pinned_int32(qo_indptr), _pinned_int32(kv_indptr), kv_indices, _pinned_int32(last_page_len),
+            num_qo_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim_qk=self.head_dim, page_size=bs,
+            causal=True, sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.dtype, non_blocking=True,
+        )
+        return FlashInferMetadata(num_tokens=layout.num_tokens, block_size=bs, positions=positions,
+                                  slot_mapping=slot_mapping(block_table, token_slots, token_cols, positions, bs),
+                                  wrapper=wrapper)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        meta: FlashInferMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        if scale != self.scale:
+            raise ValueError(f"flashinfer planned softmax scale {self.scale}, forward got {scale}")
+        k_cache, v_cache = kv_cache
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
+        pages = k_cache.shape[0] // meta.block_size
+        shape = (pages, meta.block_size, k_cache.shape[1], k_cache.shape[2])
+        return meta.wrapper.run(q.contiguous(), (k_cache.view(shape), v_cache.view(shape)))

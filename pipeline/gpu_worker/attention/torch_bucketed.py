@@ -1,0 +1,374 @@
+"""The ``torch_bucketed`` attention backend: cost follows each request's own context.
+
+The padded backend (``torch_sdpa``) pads every decode row to the longest
+context of the step and gathers all of that padded K/V in every layer, so one
+long request makes the whole batch pay for its length. Here the step's
+requests are grouped into a few **buckets of similar length**, once per step
+on the host (:func:`plan_buckets`), and each bucket is one SDPA call over its
+rows' own blocks, padded only to the bucket's longest context
+(docs/design.md, "The worker"):
+
+- decode rows (query_len == 1) are grouped by context; a row joins the
+  bucket of a longer one while that bucket's context is at most
+  :data:`SLACK` times its own, or at most :data:`MIN_PAD` tokens longer.
+  Queries run as ``[rows, KVH, H / KVH, D]`` (the heads sharing a KV head
+  folded into the query dimension, so K/V are never expanded);
+- prefill rows (query_len > 1) are grouped likewise, and also by chunk length
+  (padded queries cost compute), with a causal mask at each row's offset.
+
+So the keys touched are each request's own context plus at most
+``SLACK - 1`` of it (or ``MIN_PAD`` tokens), and a step makes a few SDPA calls
+per layer, not one per request. This won over exact varlen gathers with a
+scatter-based softmax, a per-request loop, split-K partitions merged by
+log-sum-exp, and ``flex_attention`` on this project's CPU
+(``scripts/bench_attention.py``).
+
+**Cache layout.** The cache tensors are allocated as every backend's
+(``[num_blocks * block_size, KVH, D]``), but this backend uses their memory
+head-major, as ``[KVH, num_blocks * block_size, D]``: position ``p`` of head
+``h`` lives at ``[h, bt[p // block_size] * block_size + p % block_size]``.
+Gathered this way each row's keys of one head come out contiguous, which the
+CPU SDPA kernel reads faster. The memory belongs to one backend for the
+server's life, so nothing else sees the difference; ``head_major=False``
+keeps the shared layout.
+
+**No host synchronisation.** Everything shaped by the batch (the buckets,
+their rows, query indices and context lengths) is decided on the host from
+the :class:`~pipeline.gpu_worker.attention.backend.StepLayout` and uploaded
+in one transfer; block ids are then read from the device block table and the
+masks built on the device.
+
+The module is one unit: the build lays out exactly what :meth:`forward`
+indexes, and splitting them would only scatter that contract.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pipeline.gpu_worker.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    KVCache,
+    StepLayout,
+    Upload,
+    slot_mapping,
+)
+from pipeline.gpu_worker.attention.torch_sdpa import GatherBuffer
+
+# A row joins a bucket whose (padded) context is at most SLACK x its own ...
+SLACK = 1.25
+# ... or at most MIN_PAD tokens longer (short rows: a call costs more than a few padded keys).
+MIN_PAD = 64
+# Prefill rows also need chunk lengths within SLACK of each other, or MIN_QUERY_PAD apart.
+MIN_QUERY_PAD = 16
+
+
+def plan_buckets(context_lens: np.ndarray, query_lens: np.ndarray, slack: float = SLACK, min_pad: int = MIN_PAD,
+                 min_query_pad: int = MIN_QUERY_PAD) -> list[np.ndarray]:
+    """Group rows of similar context (and query) length (docs/design.md, "The worker").
+
+    Greedy, longest context first: a bucket is opened by its longest row and
+    takes each next row (in descending context order) while the bucket's
+    longest context is within ``slack`` x (or ``min_pad`` tokens of) the
+    row's, and the bucket's query lengths stay within ``slack`` x (or
+    ``min_query_pad`` of) each other.
+
+    Args:
+        context_lens: ``[R]`` integer, each row's context in tokens (keys it attends), R >= 1.
+        query_lens: ``[R]`` integer, each row's queries in tokens.
+        slack, min_pad, min_query_pad: the limits above.
+
+    Returns:
+        The buckets, as int64 arrays of row indices in ascending order (so a
+        single bucket of every row keeps the step's order); longest bucket first.
+    """
+    order = np.argsort(-context_lens, kind="stable")
+    if query_lens.min() == query_lens.max():
+        # Equal queries (decode rows): a bucket opened at context ``top`` takes
+        # every next row down to min(top / slack, top - min_pad); one binary
+        # search per bucket instead of a Python step per row.
+        neg = -context_lens[order]  # ascending
+        buckets, i = [], 0
+        while i < order.size:
+            top = -neg[i]
+            j = int(np.searchsorted(neg, -min(top / slack, top - min_pad), side="right"))
+            buckets.append(np.sort(order[i:j]))
+            i = j
+        return buckets
+    ctx = context_lens[order].tolist()
+    ql = query_lens[order].tolist()
+    groups: list[list[int]] = []
+    top = q_min = q_max = 0
+    for i, (c, q) in enumerate(zip(ctx, ql, strict=True)):
+        lo, hi = min(q_min, q), max(q_max, q)
+        if groups and (top <= slack * c or top - c <= min_pad) and (hi <= slack * lo or hi - lo <= min_query_pad):
+            groups[-1].append(i)
+            q_min, q_max = lo, hi
+        else:
+            groups.append([i])
+            top, q_min, q_max = c, q, q
+    return [np.sort(order[g]) for g in groups]
+
+
+@dataclasses.dataclass
+class Bucket:
+    """One SDPA call: rows of similar length, on the device.
+
+    Attributes:
+        q_max: queries per row after padding (1 for decode).
+        block_ids: ``[rows, n_blocks]`` int64 KV blocks to gather; entries
+            past a row's context point at block 0 and are masked out.
+        mask: ``[rows, 1, q_max, n_blocks * block_size]`` bool, True where a
+            query may attend a key (``key_pos <= query_pos``).
+        token_index: ``[rows * q_max]`` int64, step-token index of each
+            (padded) query; padded queries repeat the row's last token, so
+            their mask row is not empty.
+        out_rows: ``[n]`` int64, which of the ``rows * q_max`` queries are
+            real; None when all are (decode).
+        out_tokens: ``[n]`` int64, step-token index of each real query.
+        identity: the bucket is the whole step, in order, without padding:
+            queries and output are plain reshapes.
+    """
+
+    q_max: int
+    block_ids: torch.Tensor
+    mask: torch.Tensor
+    token_index: torch.Tensor
+    out_rows: torch.Tensor | None
+    out_tokens: torch.Tensor
+    identity: bool
+
+
+@dataclasses.dataclass
+class BucketedMetadata(AttentionMetadata):
+    """Per-step layout for :class:`TorchBucketedBackend`, shared by every layer.
+
+    Attributes (beyond :class:`~pipeline.gpu_worker.attention.backend.AttentionMetadata`):
+        decode: buckets of rows with query_len == 1, longest first.
+        prefill: buckets of rows with query_len > 1, longest first.
+    """
+
+    decode: list[Bucket]
+    prefill: list[Bucket]
+
+
+def _block_ids(block_table: torch.Tensor, slots: torch.Tensor, context_lens: torch.Tensor, n_blocks: int,
+               block_size: int) -> torch.Tensor:
+    """``[rows, n_blocks]`` each row's first blocks, read on the device; unused entries -> block 0.
+
+    Unused block-table entries may hold anything (e.g. -1): pointing them at
+    block 0 keeps the gather in bounds, and the mask hides them.
+    """
+    needed = torch.arange(n_blocks, device=block_table.device)[None, :] * block_size < context_lens[:, None]
+    return torch.where(needed, block_table[slots, :n_blocks], 0)
+
+
+@dataclasses.dataclass
+class _HostPrefill:
+    """The host half of a prefill bucket: shapes and small index arrays (numpy int64)."""
+
+    q_max: int
+    n_blocks: int
+    identity: bool
+    padded: bool  # some queries are padding (out_rows needed)
+    arrays: list[np.ndarray]  # slots, context_lens, query_pos, token_index[, out_rows, out_tokens]
+
+
+def _host_prefill(layout: StepLayout, rows: np.ndarray) -> _HostPrefill:
+    """Shapes and indices of the prefill bucket of requests ``rows`` (see :class:`Bucket`)."""
+    q_lens = layout.query_lens[rows]
+    starts = layout.start_positions[rows]
+    context_lens = starts + q_lens
+    q_max = int(q_lens.max())
+    n_blocks = -(-int(context_lens.max()) // layout.block_size)
+    # Padded query slots repeat the row's last real query: a valid token
+    # index and a non-empty mask row, whose output is then dropped.
+    q_offsets = np.minimum(np.arange(q_max)[None, :], (q_lens - 1)[:, None])
+    token_index = (layout.token_starts[rows][:, None] + q_offsets).ravel()
+    query_pos = starts[:, None] + q_offsets
+    real = (np.arange(q_max)[None, :] < q_lens[:, None]).ravel()
+    padded = not real.all()
+    identity = (not padded and token_index.size == layout.num_tokens
+                and bool((token_index == np.arange(layout.num_tokens)).all()))
+    arrays = [layout.slots[rows], context_lens, query_pos, token_index]
+    if padded:
+        out_rows = np.flatnonzero(real)
+        arrays += [out_rows, token_index[out_rows]]
+    return _HostPrefill(q_max, n_blocks, identity, padded, arrays)
+
+
+def _device_prefill(host: _HostPrefill, dev: list[torch.Tensor], block_table: torch.Tensor,
+                    block_size: int) -> Bucket:
+    """A prefill bucket's block ids and causal mask, built on the device from its uploaded indices."""
+    slots, context_lens, query_pos, token_index = dev[:4]
+    out_rows, out_tokens = dev[4:] if host.padded else (None, token_index)
+    key_pos = torch.arange(host.n_blocks * block_size, device=block_table.device)
+    mask = (key_pos[None, None, :] <= query_pos[:, :, None]).unsqueeze(1)
+    return Bucket(q_max=host.q_max, block_ids=_block_ids(block_table, slots, context_lens, host.n_blocks, block_size),
+                  mask=mask, token_index=token_index, out_rows=out_rows, out_tokens=out_tokens,
+                  identity=host.identity)
+
+
+@dataclasses.dataclass
+class _HostDecode:
+    """The host half of all decode buckets at once: rows ordered bucket by bucket (numpy int64)."""
+
+    bounds: list[tuple[int, int, int]]  # per bucket: first row, row count, n_blocks
+    identity: bool
+    arrays: list[np.ndarray]  # slots [R], context_lens [R], token_index [R]
+
+
+def _host_decode(layout: StepLayout, rows: np.ndarray, plan: list[np.ndarray]) -> _HostDecode:
+    """Every decode bucket's indices in three arrays, so the build costs the same for 1 bucket or 20."""
+    order = rows[np.concatenate(plan)]
+    context_lens = layout.start_positions[order] + 1
+    row_blocks = -(-context_lens // layout.block_size)
+    bounds, first = [], 0
+    for b in plan:
+        bounds.append((first, b.size, int(row_blocks[first:first + b.size].max())))
+        first += b.size
+    token_index = layout.token_starts[order]
+    identity = (len(plan) == 1 and order.size == layout.num_tokens
+                and bool((token_index == np.arange(layout.num_tokens)).all()))
+    return _HostDecode(bounds, identity, [layout.slots[order], context_lens, token_index])
+
+
+def _device_decode(host: _HostDecode, dev: list[torch.Tensor], block_table: torch.Tensor,
+                   block_size: int) -> list[Bucket]:
+    """Decode buckets as views of one block-id table and one mask built on the device."""
+    slots, context_lens, token_index = dev
+    n_blocks = host.bounds[0][2]  # plan_buckets puts the longest bucket first
+    block_ids = _block_ids(block_table, slots, context_lens, n_blocks, block_size)
+    key_pos = torch.arange(n_blocks * block_size, device=block_table.device)
+    mask = (key_pos[None, :] < context_lens[:, None])[:, None, None, :]
+    return [Bucket(q_max=1, block_ids=block_ids[a:a + n, :nb], mask=mask[a:a + n, ..., :nb * block_size],
+                   token_index=token_index[a:a + n], out_rows=None, out_tokens=token_index[a:a + n],
+                   identity=host.identity)
+            for a, n, nb in host.bounds]
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, block_size: int, head_major: bool,
+            out: torch.Tensor) -> torch.Tensor:
+    """Gather each row's blocks of one cache into ``out``, as a ``[rows, KVH, n_blocks * block_size, D]`` view.
+
+    ``cache`` is ``[KVH, slots, D]`` if ``head_major`` else ``[slots, KVH, D]``.
+    """
+    rows, n_blocks = block_ids.shape
+    flat = block_ids.flatten()
+    if head_major:
+        kv_heads, _, head_dim = cache.shape
+        g = torch.index_select(cache.view(kv_heads, -1, block_size, head_dim), 1, flat,
+                               out=out.view(kv_heads, rows * n_blocks, block_size, head_dim))
+        return g.view(kv_heads, rows, n_blocks * block_size, head_dim).transpose(0, 1)
+    _, kv_heads, head_dim = cache.shape
+    g = torch.index_select(cache.view(-1, block_size, kv_heads, head_dim), 0, flat,
+                           out=out.view(rows * n_blocks, block_size, kv_heads, head_dim))
+    return g.view(rows, n_blocks * block_size, kv_heads, head_dim).transpose(1, 2)
+
+
+class TorchBucketedBackend(AttentionBackend):
+    """SDPA per bucket of similar-length requests (see the module docstring).
+
+    Owns the :class:`~pipeline.gpu_worker.attention.torch_sdpa.GatherBuffer`
+    its layers share.
+
+    Args:
+        head_major: use the cache memory head-major (faster gathers on CPU).
+        slack, min_pad, min_query_pad: bucket limits (see :func:`plan_buckets`).
+    """
+
+    name = "torch_bucketed"
+
+    def __init__(self, head_major: bool = True, slack: float = SLACK, min_pad: int = MIN_PAD,
+                 min_query_pad: int = MIN_QUERY_PAD) -> None:
+        self.head_major = head_major
+        self.limits = (slack, min_pad, min_query_pad)
+        self.workspace = GatherBuffer()
+
+    def build_metadata(self, layout: StepLayout, block_table: torch.Tensor, upload: Upload) -> BucketedMetadata:
+        q_lens = layout.query_lens
+        ctx = layout.start_positions + q_lens
+        is_decode = q_lens == 1
+        rows = np.flatnonzero(is_decode)
+        decode = _host_decode(layout, rows, plan_buckets(ctx[rows], q_lens[rows], *self.limits)) if rows.size else None
+        rows = np.flatnonzero(~is_decode)
+        prefill = [_host_prefill(layout, rows[b])
+                   for b in (plan_buckets(ctx[rows], q_lens[rows], *self.limits) if rows.size else [])]
+        # One upload for the whole step: positions, slot-mapping inputs, decode buckets, prefill buckets.
+        arrays = [layout.positions, *layout.slot_mapping_inputs()]
+        arrays += decode.arrays if decode is not None else []
+        for h in prefill:
+            arrays += h.arrays
+        dev = upload(arrays)
+        positions, token_slots, token_cols = dev[:3]
+        i = 3
+        decode_buckets = []
+        if decode is not None:
+            decode_buckets = _device_decode(decode, dev[i:i + 3], block_table, layout.block_size)
+            i += 3
+        prefill_buckets = []
+        for h in prefill:
+            prefill_buckets.append(_device_prefill(h, dev[i:i + len(h.arrays)], block_table, layout.block_size))
+            i += len(h.arrays)
+        return BucketedMetadata(
+            num_tokens=layout.num_tokens,
+            block_size=layout.block_size,
+            positions=positions,
+            slot_mapping=slot_mapping(block_table, token_slots, token_cols, positions, layout.block_size),
+            decode=decode_buckets,
+            prefill=prefill_buckets,
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        meta: BucketedMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        k_cache, v_cache = kv_cache
+        num_tokens, num_heads, head_dim = q.shape
+        kv_heads = k.shape[1]
+        group_size = num_heads // kv_heads
+        if self.head_major:
+            k_cache = k_cache.view(kv_heads, -1, head_dim)
+            v_cache = v_cache.view(kv_heads, -1, head_dim)
+            k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+            v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        else:
+            k_cache.index_copy_(0, meta.slot_mapping, k)
+            v_cache.index_copy_(0, meta.slot_mapping, v)
+
+        buckets = meta.decode + meta.prefill
+        out = None if len(buckets) == 1 and buckets[0].identity else q.new_empty(num_tokens, num_heads, head_dim)
+        for b in buckets:
+            rows, n_blocks = b.block_ids.shape
+            numel = rows * n_blocks * meta.block_size * kv_heads * head_dim
+            scratch = self.workspace.get(2 * numel, k_cache.dtype, k_cache.device)
+            keys = _gather(k_cache, b.block_ids, meta.block_size, self.head_major, scratch[:numel])
+            values = _gather(v_cache, b.block_ids, meta.block_size, self.head_major, scratch[numel:])
+            q_b = q if b.identity else q.index_select(0, b.token_index)
+            if b.q_max == 1:
+                # One query per row: fold the heads sharing a KV head into the
+                # query dimension, so K/V are never expanded.
+                res = F.scaled_dot_product_attention(
+                    q_b.reshape(rows, kv_heads, group_size, head_dim), keys, values, attn_mask=b.mask, scale=scale
+                ).view(rows, num_heads, head_dim)
+            else:
+                res = F.scaled_dot_product_attention(
+                    q_b.reshape(rows, b.q_max, num_heads, head_dim).transpose(1, 2), keys, values, attn_mask=b.mask,
+                    scale=scale, enable_gqa=True,
+                ).transpose(1, 2).reshape(rows * b.q_max, num_heads, head_dim)
+            if out is None:
+                return res
+            if b.out_rows is not None:
+                res = res.index_select(0, b.out_rows)
+            out.index_copy_(0, b.out_tokens, res)
+        return out

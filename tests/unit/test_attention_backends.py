@@ -1,0 +1,238 @@
+"""Every attention backend equals plain dense causal attention, request by request.
+
+Random steps mix decode rows and prefill chunks of varied contexts, with
+varied block sizes, GQA ratios and head sizes, over shuffled (non-contiguous)
+block tables whose unused entries hold garbage, read on the device through
+each request's slot as the worker does (docs/design.md, "The worker"). Each case runs through the
+backend's own cache writes: earlier steps prefill every request's history, a
+few requests at a time, then comes the mixed step under test; every step's
+output is compared with a float64 reference, to 1e-5 in float32. Since the
+history goes in through the backend, a backend may lay out its cache memory
+as it likes.
+
+The CPU backends always run; flashinfer runs where it can (CUDA, the package
+installed), in bfloat16 (it has no float32 kernels) to 2e-2, on the cases
+whose head size it supports.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.gpu_worker.attention import TorchSDPABackend, make_backend
+from pipeline.gpu_worker.attention.backend import StepLayout
+from pipeline.gpu_worker.attention.torch_bucketed import TorchBucketedBackend, plan_buckets
+from pipeline.server_args import build_parser, make_config
+
+CPU = torch.device("cpu")
+
+
+@dataclass
+class Setup:
+    backend: object
+    device: torch.device
+    dtype: torch.dtype
+    atol: float
+
+
+def _cpu(factory):
+    return lambda heads, kv_heads, head_dim: Setup(factory(), CPU, torch.float32, 1e-5)
+
+
+def _flashinfer(heads, kv_heads, head_dim):
+    from pipeline.gpu_worker.attention import flashinfer_paged
+    dev = torch.device("cuda")
+    if flashinfer_paged.unsupported_reason(dev, torch.bfloat16, head_dim) is not None:
+        pytest.skip(f"flashinfer cannot serve head_dim {head_dim} here")
+    return Setup(flashinfer_paged.FlashInferBackend(heads, kv_heads, head_dim, torch.bfloat16, dev), dev,
+                 torch.bfloat16, 2e-2)
+
+
+def _flashinfer_here() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    from pipeline.gpu_worker.attention import flashinfer_paged
+    return flashinfer_paged.unsupported_reason(torch.device("cuda"), torch.bfloat16, 64) is None
+
+
+SETUPS = {
+    "torch_sdpa": _cpu(TorchSDPABackend),
+    "torch_bucketed": _cpu(TorchBucketedBackend),
+    "torch_bucketed_token_major": _cpu(lambda: TorchBucketedBackend(head_major=False)),
+    # Small limits, so that random steps make many buckets.
+    "torch_bucketed_tight": _cpu(lambda: TorchBucketedBackend(slack=1.05, min_pad=0, min_query_pad=0)),
+    **({"flashinfer": _flashinfer} if _flashinfer_here() else {}),
+}
+
+
+def reference(q, keys, values, query_lens, starts, scale):
+    """Dense causal attention per request in float64.
+
+    ``keys[i]``/``values[i]`` are request ``i``'s whole ``[context, KVH, D]``.
+    """
+    out, t = [], 0
+    heads = q.shape[1]
+    for i, (ql, st) in enumerate(zip(query_lens, starts)):
+        k = keys[i].double().repeat_interleave(heads // keys[i].shape[1], 1)
+        v = values[i].double().repeat_interleave(heads // keys[i].shape[1], 1)
+        qq = q[t : t + ql].double()
+        s = torch.einsum("qhd,khd->hqk", qq, k) * scale
+        qpos = torch.arange(st, st + ql)
+        s = s.masked_fill(torch.arange(st + ql)[None, None, :] > qpos[None, :, None], float("-inf"))
+        out.append(torch.einsum("hqk,khd->qhd", s.softmax(-1), v))
+        t += ql
+    return torch.cat(out)
+
+
+class Case:
+    """Requests with their whole Q/K/V, a shuffled block table and a cache, for one backend."""
+
+    def __init__(self, setup: Setup, query_lens, starts, block_size, heads, kv_heads, head_dim, rng, seed):
+        self.setup, self.query_lens, self.starts, self.block_size = setup, query_lens, starts, block_size
+        n = len(query_lens)
+        contexts = [s + q for s, q in zip(starts, query_lens)]
+        need = [-(-c // block_size) for c in contexts]
+        # Shuffled blocks from a pool larger than needed; unused entries are garbage.
+        pool = list(range(sum(need) + 7))
+        rng.shuffle(pool)
+        table = torch.full((n, max(need) + 3), -1, dtype=torch.int64)
+        for i, nb in enumerate(need):
+            table[i, :nb] = torch.tensor([pool.pop() for _ in range(nb)])
+        # Request i's row is slot i; a step's rows are any subset, in any order.
+        self.block_table = table.to(setup.device)
+        self.rng = rng
+        num_slots = (sum(need) + 7) * block_size
+        self.cache = tuple(torch.zeros(num_slots, kv_heads, head_dim, dtype=setup.dtype, device=setup.device)
+                           for _ in range(2))
+        gen = torch.Generator().manual_seed(seed)
+        # Values as the backend's dtype can hold them, so the reference sees the same inputs.
+        self.q, self.k, self.v = ([torch.randn(c, h, head_dim, generator=gen).to(setup.dtype).float() for c in contexts]
+                                  for h in (heads, kv_heads, kv_heads))
+        self.scale = head_dim**-0.5
+
+    def step(self, rows, query_lens, starts, check=True):
+        """One step of ``rows`` (through the backend's cache writes), checked against the reference."""
+        s = self.setup
+        q, k, v = (torch.cat([x[r][st : st + n] for r, st, n in zip(rows, starts, query_lens)])
+                   for x in (self.q, self.k, self.v))
+        layout = StepLayout.build(query_lens, starts, rows, self.block_size, self.block_table.shape[1])
+        meta = s.backend.build_metadata(layout, self.block_table, self.upload)
+        out = s.backend.forward(*(x.to(s.device, s.dtype) for x in (q, k, v)), self.cache, meta, self.scale)
+        assert out.shape == q.shape and out.dtype == s.dtype
+        if not check:
+            return
+        ref = reference(q, [self.k[r][: st + n] for r, st, n in zip(rows, starts, query_lens)],
+                        [self.v[r][: st + n] for r, st, n in zip(rows, starts, query_lens)], query_lens, starts,
+                        self.scale)
+        err = (out.cpu().double() - ref).abs().max().item()
+        assert err <= s.atol, f"max abs error {err:.2e} > {s.atol:.0e}"
+
+    def upload(self, arrays):
+        """The worker's upload, plainly: int64 copies on the backend's device."""
+        return [torch.from_numpy(np.asarray(a, dtype=np.int64)).to(self.setup.device) for a in arrays]
+
+    def history(self, check=True):
+        """Earlier steps: each request's positions before its start, prefilled a few requests at a time."""
+        # Similar lengths together: the padded backend pads a step's prefills to the longest.
+        hist = sorted((i for i in range(len(self.starts)) if self.starts[i] > 0), key=lambda i: self.starts[i])
+        for j in range(0, len(hist), 4):
+            rows = hist[j : j + 4]
+            self.step(rows, [self.starts[i] for i in rows], [0] * len(rows), check)
+
+    def run(self, check_history=True):
+        self.history(check_history)
+        rows = list(range(len(self.starts)))
+        self.rng.shuffle(rows)
+        self.step(rows, [self.query_lens[i] for i in rows], [self.starts[i] for i in rows])
+
+
+@pytest.mark.parametrize("name", SETUPS)
+@pytest.mark.parametrize("seed", range(8))
+@torch.inference_mode()
+def test_backend_equals_dense_reference(name, seed):
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 4, 16, 32])
+    heads, kv_heads = rng.choice([(4, 4), (8, 2), (9, 3), (6, 1), (16, 4)])
+    head_dim = rng.choice([16, 64])
+    query_lens, starts = [], []
+    for _ in range(rng.randint(1, 12)):
+        start = rng.choice([0, rng.randint(0, 40), rng.randint(0, 300), rng.randint(500, 1100)])
+        ql = 1 if (start > 0 and rng.random() < 0.6) else rng.choice([2, rng.randint(2, 64), rng.randint(64, 200)])
+        query_lens.append(ql)
+        starts.append(start)
+    setup = SETUPS[name](heads, kv_heads, head_dim)
+    Case(setup, query_lens, starts, block_size, heads, kv_heads, head_dim, rng, seed).run()
+
+
+@pytest.mark.parametrize("name", SETUPS)
+@torch.inference_mode()
+def test_long_tailed_decode_with_chunks(name):
+    """62 decode rows of long-tailed contexts (one of 1,300) beside two prefill chunks, SmolLM2's GQA."""
+    gen = np.random.default_rng(0)
+    ctx = np.clip(np.exp(gen.normal(size=61) * 0.7) * 250, 1, 1000).astype(int).tolist() + [1300]
+    query_lens = [1] * len(ctx) + [96, 17]
+    starts = [c - 1 for c in ctx] + [400, 0]
+    setup = SETUPS[name](9, 3, 64)
+    # History unchecked here (the random cases check prefill): its reference would dominate the time.
+    Case(setup, query_lens, starts, 16, 9, 3, 64, random.Random(0), 0).run(check_history=False)
+
+
+def test_attention_backend_flag_reaches_the_worker_config():
+    parser = build_parser()
+    assert "--attention-backend" in parser.format_help()
+    for flags, expected in ([], "auto"), (["--attention-backend", "torch_sdpa"], "torch_sdpa"):
+        config = make_config(parser.parse_args(["--model", "sim", *flags]))
+        shutil.rmtree(config.ipc_dir)
+        assert config.attention_backend == expected
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--attention-backend", "nope"])
+
+
+def test_make_backend_picks_by_name_and_device():
+    assert isinstance(make_backend("auto"), TorchBucketedBackend)
+    assert isinstance(make_backend("auto", num_heads=9, num_kv_heads=3, head_dim=64), TorchBucketedBackend)
+    assert isinstance(make_backend("torch_sdpa"), TorchSDPABackend)
+    with pytest.raises(ValueError, match="CUDA only"):
+        make_backend("flashinfer", device=CPU, dtype=torch.bfloat16, num_heads=9, num_kv_heads=3, head_dim=64)
+    with pytest.raises(ValueError, match="unknown"):
+        make_backend("nope")
+
+
+@pytest.mark.parametrize("decode_only", [True, False])
+def test_plan_buckets_bounds_padding(decode_only):
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n = int(rng.integers(1, 300))
+        ctx = rng.integers(1, 3000, n)
+        ql = np.ones(n, dtype=np.int64) if decode_only else np.where(rng.random(n) < 0.5, 1, rng.integers(1, 512, n))
+        slack, min_pad, min_qpad = float(rng.choice([1.0, 1.25, 2.0])), int(rng.choice([0, 64])), 16
+        buckets = plan_buckets(ctx, ql, slack, min_pad, min_qpad)
+        assert np.array_equal(np.sort(np.concatenate(buckets)), np.arange(n))
+        tops = [ctx[b].max() for b in buckets]
+        assert tops == sorted(tops, reverse=True)
+        for b in buckets:
+            assert np.array_equal(b, np.sort(b))
+            top = ctx[b].max()
+            assert ((top <= slack * ctx[b]) | (top - ctx[b] <= min_pad)).all()
+            hi, lo = ql[b].max(), ql[b].min()
+            assert hi <= slack * lo or hi - lo <= min_qpad
+        if decode_only:  # greedy: the next bucket's longest row did not fit the previous bucket
+            for prev, nxt in zip(buckets, buckets[1:]):
+                top, c = ctx[prev].max(), ctx[nxt].max()
+                assert top > slack * c and top - c > min_pad
+
+
+def test_plan_buckets_groups_uniform_and_long_tail():
+    assert [b.tolist() for b in plan_buckets(np.full(64, 300), np.ones(64, dtype=np.int64))] == [list(range(64))]
+    gen = np.random.default_rng(0)
+    ctx = np.append(np.clip(np.exp(gen.normal(size=63) * 0.7) * 280, 16, 1000).astype(np.int64), 1300)
+    buckets = plan_buckets(ctx, np.ones(64, dtype=np.int64))
+    assert len(buckets) <= 16
+    padded = sum(len(b) * ctx[b].max() for b in buckets)
+    assert padded <= 1.25 * ctx.sum() + 64 * len(ctx)
