@@ -43,6 +43,7 @@ class Launcher:
         config: the instance's configuration.
         roles: which processes to start; a benchmark that plays io_proc's
             part in-process starts only the scheduler and the worker.
+            ``"gpu_worker"`` starts one process per tensor-parallel rank.
         trace_file: write the merged Chrome trace here on stop.
         profile_dir: record each process with py-spy; flame graphs land here on stop.
 
@@ -66,10 +67,15 @@ class Launcher:
         ctx = mp.get_context("spawn")
         self.procs: dict[str, mp.Process] = {}
         self.conns = {}
-        for name in roles:
-            parent, child = ctx.Pipe(duplex=False)
-            self.procs[name] = ctx.Process(target=targets[name], args=(config, child), name=f"pipeline-{name}")
-            self.conns[name] = parent
+        for role in roles:
+            # Tensor parallelism: one worker process per rank, each told its rank.
+            ranks = range(config.tensor_parallel_size) if role == "gpu_worker" else [None]
+            for rank in ranks:
+                name = role if rank is None else config.worker_role(rank)
+                parent, child = ctx.Pipe(duplex=False)
+                args = (config, child) if rank is None else (config, child, rank)
+                self.procs[name] = ctx.Process(target=targets[role], args=args, name=f"pipeline-{name}")
+                self.conns[name] = parent
         self.profiler = Profiler(profile_dir) if profile_dir else None
         self.spans: list = []
         self._signalled = False
@@ -169,7 +175,8 @@ class Launcher:
         if self.profiler:
             self.profiler.finish()
         if self.config.trace:
-            self.spans = load_spans([self.config.trace_path(r) for r in ROLES])
+            # io_proc's file too when a benchmark played its part in-process.
+            self.spans = load_spans([self.config.trace_path(r) for r in dict.fromkeys([*ROLES, *self.procs])])
             if self.trace_file:
                 write_chrome_trace(self.spans, self.trace_file)
                 print(f"pipeline: wrote step timeline to {self.trace_file} (open it in https://ui.perfetto.dev)",

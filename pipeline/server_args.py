@@ -14,6 +14,7 @@ import sys
 import tempfile
 
 from pipeline.common.config import EngineConfig
+from pipeline.common.parallel import TPShape
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -56,9 +57,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Prompt plus output tokens of one request at most. Default: the model's "
                         "max_position_embeddings, capped at 8192.")
     p.add_argument("--kv-cache-memory", type=float, default=2.0,
-                   help="GiB of memory for the KV cache (sets the number of blocks).")
+                   help="GiB of memory for the KV cache on each device (sets the number of blocks; with "
+                        "tensor parallelism every rank holds its KV heads' share of every block).")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="Number of KV cache blocks; overrides --kv-cache-memory.")
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                   help="Shard the model over this many worker processes, one device each (Megatron-style: "
+                        "attention heads, KV heads and the MLP split across ranks, two all-reduces per layer, "
+                        "vocabulary-parallel embedding and LM head). Collectives use torch.distributed: NCCL "
+                        "on CUDA (rank r on cuda:r), gloo on CPU. Must divide the attention heads and the "
+                        "intermediate size, and divide or be a multiple of the KV heads (then each KV head is "
+                        "replicated). Each rank reads only its shard from the safetensors checkpoint.")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="Plan step N+1 while step N runs. --no-async-scheduling plans in lock step "
                         "(the reference for A/B measurements and correctness).")
@@ -105,7 +114,7 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         raise TypeError(f"make_config: no such flags: {sorted(unknown)}")
     args = argparse.Namespace(**{**vars(args), **flags})
     for flag in ("max_num_seqs", "max_num_batched_tokens", "block_size", "port", "max_request_body_bytes",
-                 "http_header_timeout", "http_body_timeout", "limit_concurrency"):
+                 "http_header_timeout", "http_body_timeout", "limit_concurrency", "tensor_parallel_size"):
         if getattr(args, flag) <= 0:
             _die(f"--{flag.replace('_', '-')} must be positive")
     sim = args.model == "sim"
@@ -122,12 +131,20 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         # A position past the model's RoPE table is an asynchronous device assert on CUDA.
         _die(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings {max_positions}; "
              f"use at most {max_positions}")
+    tp = args.tensor_parallel_size
+    kv_heads = None
+    if not sim and tp > 1:
+        try:
+            kv_heads = TPShape.from_hf_config(cfg, tp).num_kv_heads
+        except (KeyError, ValueError) as e:
+            _die(f"--tensor-parallel-size: {e}")
     if args.num_kv_blocks:
         num_blocks = args.num_kv_blocks
     elif sim:  # nothing is allocated: enough blocks that the simulation never preempts
         num_blocks = args.max_num_seqs * -(-max_model_len // args.block_size)
     else:
-        num_blocks = int(args.kv_cache_memory * 2**30 // kv_bytes_per_block(cfg, args.block_size, args.dtype))
+        num_blocks = int(args.kv_cache_memory * 2**30 // kv_bytes_per_block(cfg, args.block_size, args.dtype,
+                                                                            kv_heads))
     if num_blocks * args.block_size < max_model_len:
         _die(f"the KV cache ({num_blocks} blocks of {args.block_size} tokens) cannot hold one request of "
              f"--max-model-len {max_model_len}; raise --kv-cache-memory or lower --max-model-len")
@@ -137,6 +154,11 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
     elif device == "auto":
         import torch
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and tp > 1:
+        import torch
+        if tp > torch.cuda.device_count():
+            _die(f"--tensor-parallel-size {tp} needs {tp} CUDA devices (one per rank), "
+                 f"found {torch.cuda.device_count()}")
     return EngineConfig(
         model="sim" if sim else str(model_dir), tokenizer=str(model_dir),
         served_model_name=args.served_model_name or ("sim" if sim else name), dtype=args.dtype,
@@ -147,5 +169,5 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         debug_token_cache_poison=args.debug_token_cache_poison, sim_step_us=args.sim_step_us,
         sim_token_us=args.sim_token_us, trace=bool(args.trace), max_request_body_bytes=args.max_request_body_bytes,
         http_header_timeout_s=args.http_header_timeout, http_body_timeout_s=args.http_body_timeout,
-        limit_concurrency=args.limit_concurrency,
+        limit_concurrency=args.limit_concurrency, tensor_parallel_size=tp,
         instance=f"{os.getpid()}-{secrets.token_hex(4)}", ipc_dir=tempfile.mkdtemp(prefix="pipeline-"))

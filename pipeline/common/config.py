@@ -47,6 +47,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
             once its headers are in; then it gets 408 and is closed.
         limit_concurrency: open HTTP connections plus running requests at
             which io_proc answers new requests with 503.
+        tensor_parallel_size: worker ranks the model is sharded over, one
+            process and one device each (docs/design.md, "Parallelism").
         instance: unique id of this server instance (names of rings and sockets).
         ipc_dir: private directory holding this instance's zmq sockets.
     """
@@ -73,6 +75,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
     http_header_timeout_s: float = 10.0
     http_body_timeout_s: float = 60.0
     limit_concurrency: int = 4096
+    tensor_parallel_size: int = 1
     instance: str = ""
     ipc_dir: str = ""
 
@@ -80,6 +83,15 @@ class EngineConfig(msgspec.Struct, frozen=True):
     def is_simulated(self) -> bool:
         """True when the simulated device replaces the model."""
         return self.model == "sim"
+
+    def worker_role(self, rank: int) -> str:
+        """Process name of worker rank ``rank``: ``gpu_worker`` for rank 0, ``gpu_worker-tp<rank>`` otherwise."""
+        return "gpu_worker" if rank == 0 else f"gpu_worker-tp{rank}"
+
+    @property
+    def tp_init_method(self) -> str:
+        """torch.distributed rendezvous of the worker ranks: a file store in the private ``ipc_dir``."""
+        return f"file://{self.ipc_dir}/tp-rendezvous"
 
     def trace_path(self, role: str) -> str:
         """Where process ``role`` writes its trace spans (JSON list)."""
@@ -107,12 +119,15 @@ class EngineConfig(msgspec.Struct, frozen=True):
         return f"/pipeline-{self.instance}-out"
 
     def descriptor_ring(self, create: bool = False) -> ShmRing[StepDescriptor]:
-        """The StepDescriptor ring (scheduler writes, worker reads); ``create`` in the launcher only."""
-        return ShmRing(self.descriptor_ring_name, self.descriptor_layout, DESCRIPTOR_RING_SLOTS, 1, create,
-                       StepDescriptor)
+        """The StepDescriptor ring (scheduler writes; every worker rank reads, as reader ``rank``).
+
+        ``create`` in the launcher only.
+        """
+        return ShmRing(self.descriptor_ring_name, self.descriptor_layout, DESCRIPTOR_RING_SLOTS,
+                       self.tensor_parallel_size, create, StepDescriptor)
 
     def output_ring(self, create: bool = False) -> ShmRing[StepOutput]:
-        """The StepOutput ring (worker writes; scheduler and io_proc read)."""
+        """The StepOutput ring (worker rank 0 writes; scheduler and io_proc read)."""
         return ShmRing(self.output_ring_name, self.output_layout, OUTPUT_RING_SLOTS, 2, create, StepOutput)
 
     @property
