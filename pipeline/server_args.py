@@ -68,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "on CUDA (rank r on cuda:r), gloo on CPU. Must divide the attention heads and the "
                         "intermediate size, and divide or be a multiple of the KV heads (then each KV head is "
                         "replicated). Each rank reads only its shard from the safetensors checkpoint.")
+    p.add_argument("-dp", "--data-parallel-size", type=int, default=1,
+                   help="Run this many independent engines (each a scheduler and its --tensor-parallel-size "
+                        "worker ranks, with its own KV cache) behind the one HTTP server, which sends each new "
+                        "request to the engine with the fewest waiting, then running, requests. On CUDA engine "
+                        "e uses devices e*TP .. e*TP+TP-1.")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="Plan step N+1 while step N runs. --no-async-scheduling plans in lock step "
                         "(the reference for A/B measurements and correctness).")
@@ -114,7 +119,8 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         raise TypeError(f"make_config: no such flags: {sorted(unknown)}")
     args = argparse.Namespace(**{**vars(args), **flags})
     for flag in ("max_num_seqs", "max_num_batched_tokens", "block_size", "port", "max_request_body_bytes",
-                 "http_header_timeout", "http_body_timeout", "limit_concurrency", "tensor_parallel_size"):
+                 "http_header_timeout", "http_body_timeout", "limit_concurrency", "tensor_parallel_size",
+                 "data_parallel_size"):
         if getattr(args, flag) <= 0:
             _die(f"--{flag.replace('_', '-')} must be positive")
     sim = args.model == "sim"
@@ -154,11 +160,12 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
     elif device == "auto":
         import torch
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and tp > 1:
+    dp = args.data_parallel_size
+    if device == "cuda" and tp * dp > 1:
         import torch
-        if tp > torch.cuda.device_count():
-            _die(f"--tensor-parallel-size {tp} needs {tp} CUDA devices (one per rank), "
-                 f"found {torch.cuda.device_count()}")
+        if tp * dp > torch.cuda.device_count():
+            _die(f"--tensor-parallel-size {tp} x --data-parallel-size {dp} needs {tp * dp} CUDA devices "
+                 f"(one per rank), found {torch.cuda.device_count()}")
     return EngineConfig(
         model="sim" if sim else str(model_dir), tokenizer=str(model_dir),
         served_model_name=args.served_model_name or ("sim" if sim else name), dtype=args.dtype,
@@ -169,5 +176,5 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         debug_token_cache_poison=args.debug_token_cache_poison, sim_step_us=args.sim_step_us,
         sim_token_us=args.sim_token_us, trace=bool(args.trace), max_request_body_bytes=args.max_request_body_bytes,
         http_header_timeout_s=args.http_header_timeout, http_body_timeout_s=args.http_body_timeout,
-        limit_concurrency=args.limit_concurrency, tensor_parallel_size=tp,
+        limit_concurrency=args.limit_concurrency, tensor_parallel_size=tp, data_parallel_size=dp,
         instance=f"{os.getpid()}-{secrets.token_hex(4)}", ipc_dir=tempfile.mkdtemp(prefix="pipeline-"))

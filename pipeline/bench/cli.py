@@ -56,7 +56,7 @@ def run_mode(args: argparse.Namespace, config: EngineConfig | None, http: bool, 
             times = asyncio.run(drive_http(f"http://{config.host}:{config.port}", config.served_model_name,
                                            work, bar))
         else:
-            times = asyncio.run(drive_engine(config, launcher.output_ring, work, bar))
+            times = asyncio.run(drive_engine(config, launcher.output_rings, work, bar))
     finally:
         bar.close()
         launcher.stop()

@@ -49,6 +49,11 @@ class EngineConfig(msgspec.Struct, frozen=True):
             which io_proc answers new requests with 503.
         tensor_parallel_size: worker ranks the model is sharded over, one
             process and one device each (docs/design.md, "Parallelism").
+        data_parallel_size: engines (scheduler plus worker ranks) behind the
+            one io_proc.
+        engine_index: which engine this config addresses, 0 ..
+            ``data_parallel_size - 1`` (see :meth:`engines`); it names the
+            engine's rings, control socket, rendezvous and processes.
         instance: unique id of this server instance (names of rings and sockets).
         ipc_dir: private directory holding this instance's zmq sockets.
     """
@@ -76,6 +81,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
     http_body_timeout_s: float = 60.0
     limit_concurrency: int = 4096
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    engine_index: int = 0
     instance: str = ""
     ipc_dir: str = ""
 
@@ -84,14 +91,35 @@ class EngineConfig(msgspec.Struct, frozen=True):
         """True when the simulated device replaces the model."""
         return self.model == "sim"
 
+    def engines(self) -> list[EngineConfig]:
+        """One config per data-parallel engine, ``engine_index`` 0 .. ``data_parallel_size - 1``."""
+        return [msgspec.structs.replace(self, engine_index=e) for e in range(self.data_parallel_size)]
+
+    @property
+    def _engine_suffix(self) -> str:
+        # Engine 0 keeps the single-engine names.
+        return f"-dp{self.engine_index}" if self.engine_index else ""
+
+    @property
+    def scheduler_role(self) -> str:
+        """Process name of this engine's scheduler: ``scheduler``, ``scheduler-dp<e>`` for engine e > 0."""
+        return "scheduler" + self._engine_suffix
+
     def worker_role(self, rank: int) -> str:
-        """Process name of worker rank ``rank``: ``gpu_worker`` for rank 0, ``gpu_worker-tp<rank>`` otherwise."""
-        return "gpu_worker" if rank == 0 else f"gpu_worker-tp{rank}"
+        """Process name of this engine's worker rank ``rank``: ``gpu_worker[-dp<e>][-tp<rank>]``.
+
+        The engine part is left out for engine 0 and the rank part for rank 0.
+        """
+        return "gpu_worker" + self._engine_suffix + (f"-tp{rank}" if rank else "")
+
+    def device_index(self, rank: int) -> int:
+        """CUDA device of this engine's worker rank ``rank``: engines take consecutive groups of devices."""
+        return self.engine_index * self.tensor_parallel_size + rank
 
     @property
     def tp_init_method(self) -> str:
-        """torch.distributed rendezvous of the worker ranks: a file store in the private ``ipc_dir``."""
-        return f"file://{self.ipc_dir}/tp-rendezvous"
+        """torch.distributed rendezvous of the engine's worker ranks: a file store in the private ``ipc_dir``."""
+        return f"file://{self.ipc_dir}/tp-rendezvous{self._engine_suffix}"
 
     def trace_path(self, role: str) -> str:
         """Where process ``role`` writes its trace spans (JSON list)."""
@@ -112,11 +140,11 @@ class EngineConfig(msgspec.Struct, frozen=True):
 
     @property
     def descriptor_ring_name(self) -> str:
-        return f"/pipeline-{self.instance}-desc"
+        return f"/pipeline-{self.instance}{self._engine_suffix}-desc"
 
     @property
     def output_ring_name(self) -> str:
-        return f"/pipeline-{self.instance}-out"
+        return f"/pipeline-{self.instance}{self._engine_suffix}-out"
 
     def descriptor_ring(self, create: bool = False) -> ShmRing[StepDescriptor]:
         """The StepDescriptor ring (scheduler writes; every worker rank reads, as reader ``rank``).
@@ -132,10 +160,10 @@ class EngineConfig(msgspec.Struct, frozen=True):
 
     @property
     def control_address(self) -> str:
-        """zmq address of io_proc -> scheduler control messages."""
-        return f"ipc://{self.ipc_dir}/to_scheduler"
+        """zmq address of io_proc -> this engine's scheduler control messages."""
+        return f"ipc://{self.ipc_dir}/to_scheduler{self._engine_suffix}"
 
     @property
     def reply_address(self) -> str:
-        """zmq address of scheduler -> io_proc replies."""
+        """zmq address of scheduler -> io_proc replies (every engine's scheduler connects to it)."""
         return f"ipc://{self.ipc_dir}/to_io"

@@ -19,14 +19,14 @@ from pipeline.gpu_worker.parallel import TPGroup
 def init_tensor_parallel(config: EngineConfig, rank: int) -> TPGroup:
     """Join the engine's process group as ``rank``; returns once every rank has joined.
 
-    On CUDA, rank ``r`` takes device ``cuda:r``.
+    On CUDA, the rank takes device ``config.device_index(rank)``.
 
     Raises:
         RuntimeError: the rendezvous or the backend failed (from torch.distributed).
     """
     backend = "gloo"
     if config.device == "cuda":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(config.device_index(rank))
         backend = "nccl"
     dist.init_process_group(backend, init_method=config.tp_init_method, rank=rank,
                             world_size=config.tensor_parallel_size)

@@ -100,7 +100,7 @@ def load_runner(config: EngineConfig, rank: int = 0) -> ModelRunner:
     With ``config.tensor_parallel_size > 1`` this first joins the ranks'
     process group, so it returns only once every rank has started.
     """
-    device = torch.device(config.device)
+    device = torch.device("cuda", config.device_index(rank)) if config.device == "cuda" else torch.device("cpu")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
     if config.is_simulated:
         # The host side of a step is small tensor work: extra intra-op
@@ -111,8 +111,6 @@ def load_runner(config: EngineConfig, rank: int = 0) -> ModelRunner:
         from pipeline.gpu_worker.distributed import init_tensor_parallel
         from pipeline.gpu_worker.parallel import load_parallel_model
         tp = init_tensor_parallel(config, rank)
-        if config.device == "cuda":
-            device = torch.device("cuda", rank)
         model = load_parallel_model(config.model, dtype, device, tp)
     else:
         from pipeline.gpu_worker.weights import load_model
