@@ -43,6 +43,8 @@ class Launcher:
         config: the instance's configuration.
         roles: which processes to start; a benchmark that plays io_proc's
             part in-process starts only the scheduler and the worker.
+            ``"scheduler"`` starts one per data-parallel engine, and
+            ``"gpu_worker"`` one per engine and tensor-parallel rank.
         trace_file: write the merged Chrome trace here on stop.
         profile_dir: record each process with py-spy; flame graphs land here on stop.
 
@@ -57,27 +59,35 @@ class Launcher:
         from pipeline.io_proc.main import run_io_proc
         from pipeline.scheduler_proc.main import run_scheduler
 
-        targets = {"io_proc": run_io_proc, "scheduler": run_scheduler, "gpu_worker": run_gpu_worker}
         self.config, self.trace_file = config, trace_file
-        self.rings = [
-            config.descriptor_ring(create=True),
-            config.output_ring(create=True),
-        ]
+        engines = config.engines()
+        # Each engine's descriptor ring, then its output ring.
+        self.rings = [ring for e in engines for ring in (e.descriptor_ring(create=True), e.output_ring(create=True))]
         ctx = mp.get_context("spawn")
         self.procs: dict[str, mp.Process] = {}
         self.conns = {}
-        for name in roles:
+
+        def add(name: str, target, engine: EngineConfig, *args) -> None:
             parent, child = ctx.Pipe(duplex=False)
-            self.procs[name] = ctx.Process(target=targets[name], args=(config, child), name=f"pipeline-{name}")
+            self.procs[name] = ctx.Process(target=target, args=(engine, child, *args), name=f"pipeline-{name}")
             self.conns[name] = parent
+
+        for e in engines:
+            if "scheduler" in roles:
+                add(e.scheduler_role, run_scheduler, e)
+            if "gpu_worker" in roles:  # tensor parallelism: one process per rank, each told its rank
+                for rank in range(config.tensor_parallel_size):
+                    add(e.worker_role(rank), run_gpu_worker, e, rank)
+        if "io_proc" in roles:  # one for all engines
+            add("io_proc", run_io_proc, config)
         self.profiler = Profiler(profile_dir) if profile_dir else None
         self.spans: list = []
         self._signalled = False
 
     @property
-    def output_ring(self) -> ShmRing:
-        """The launcher's handle on the StepOutput ring, for a benchmark that plays io_proc's part."""
-        return self.rings[1]
+    def output_rings(self) -> list[ShmRing]:
+        """The launcher's handles on the engines' StepOutput rings, for a benchmark that plays io_proc's part."""
+        return self.rings[1::2]
 
     def start(self, timeout: float = 600.0) -> None:
         """Start every process and wait until all are ready.
@@ -169,7 +179,8 @@ class Launcher:
         if self.profiler:
             self.profiler.finish()
         if self.config.trace:
-            self.spans = load_spans([self.config.trace_path(r) for r in ROLES])
+            # io_proc's file too when a benchmark played its part in-process.
+            self.spans = load_spans([self.config.trace_path(r) for r in dict.fromkeys([*ROLES, *self.procs])])
             if self.trace_file:
                 write_chrome_trace(self.spans, self.trace_file)
                 print(f"pipeline: wrote step timeline to {self.trace_file} (open it in https://ui.perfetto.dev)",

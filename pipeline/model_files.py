@@ -134,8 +134,12 @@ def read_model_config(model_dir: Path) -> dict:
     return cfg
 
 
-def kv_bytes_per_block(cfg: dict, block_size: int, dtype: str) -> int:
-    """Bytes of keys plus values for one block across all layers."""
+def kv_bytes_per_block(cfg: dict, block_size: int, dtype: str, kv_heads: int | None = None) -> int:
+    """Bytes of keys plus values for one block across all layers.
+
+    ``kv_heads``: the KV heads one device holds (a tensor-parallel rank's
+    share); default all of the model's.
+    """
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    kv_heads = kv_heads or cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * block_size * _DTYPE_BYTES[dtype]

@@ -15,6 +15,7 @@ import sys
 import tempfile
 
 from pipeline.common.config import ATTENTION_BACKENDS, EngineConfig
+from pipeline.common.parallel import TPShape
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -62,9 +63,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Prompt plus output tokens of one request at most. Default: the model's "
                         "max_position_embeddings, capped at 8192.")
     p.add_argument("--kv-cache-memory", type=float, default=2.0,
-                   help="GiB of memory for the KV cache (sets the number of blocks).")
+                   help="GiB of memory for the KV cache on each device (sets the number of blocks; with "
+                        "tensor parallelism every rank holds its KV heads' share of every block).")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="Number of KV cache blocks; overrides --kv-cache-memory.")
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                   help="Shard the model over this many worker processes, one device each (Megatron-style: "
+                        "attention heads, KV heads and the MLP split across ranks, two all-reduces per layer, "
+                        "vocabulary-parallel embedding and LM head). Collectives use torch.distributed: NCCL "
+                        "on CUDA (rank r on cuda:r), gloo on CPU. Must divide the attention heads and the "
+                        "intermediate size, and divide or be a multiple of the KV heads (then each KV head is "
+                        "replicated). Each rank reads only its shard from the safetensors checkpoint.")
+    p.add_argument("-dp", "--data-parallel-size", type=int, default=1,
+                   help="Run this many independent engines (each a scheduler and its --tensor-parallel-size "
+                        "worker ranks, with its own KV cache) behind the one HTTP server, which sends each new "
+                        "request to the engine with the fewest waiting, then running, requests. On CUDA engine "
+                        "e uses devices e*TP .. e*TP+TP-1.")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="Plan step N+1 while step N runs. --no-async-scheduling plans in lock step "
                         "(the reference for A/B measurements and correctness).")
@@ -139,7 +153,8 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         raise TypeError(f"make_config: no such flags: {sorted(unknown)}")
     args = argparse.Namespace(**{**vars(args), **flags})
     for flag in ("max_num_seqs", "max_num_batched_tokens", "block_size", "port", "max_request_body_bytes",
-                 "http_header_timeout", "http_body_timeout", "limit_concurrency"):
+                 "http_header_timeout", "http_body_timeout", "limit_concurrency", "tensor_parallel_size",
+                 "data_parallel_size"):
         if getattr(args, flag) <= 0:
             _die(f"--{flag.replace('_', '-')} must be positive")
     if args.worker_threads < 0:
@@ -160,12 +175,20 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         # A position past the model's RoPE table is an asynchronous device assert on CUDA.
         _die(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings {max_positions}; "
              f"use at most {max_positions}")
+    tp = args.tensor_parallel_size
+    kv_heads = None
+    if not sim and tp > 1:
+        try:
+            kv_heads = TPShape.from_hf_config(cfg, tp).num_kv_heads
+        except (KeyError, ValueError) as e:
+            _die(f"--tensor-parallel-size: {e}")
     if args.num_kv_blocks:
         num_blocks = args.num_kv_blocks
     elif sim:  # nothing is allocated: enough blocks that the simulation never preempts
         num_blocks = args.max_num_seqs * -(-max_model_len // args.block_size)
     else:
-        num_blocks = int(args.kv_cache_memory * 2**30 // kv_bytes_per_block(cfg, args.block_size, args.dtype))
+        num_blocks = int(args.kv_cache_memory * 2**30 // kv_bytes_per_block(cfg, args.block_size, args.dtype,
+                                                                            kv_heads))
     if num_blocks * args.block_size < max_model_len:
         _die(f"the KV cache ({num_blocks} blocks of {args.block_size} tokens) cannot hold one request of "
              f"--max-model-len {max_model_len}; raise --kv-cache-memory or lower --max-model-len")
@@ -175,6 +198,12 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
     elif device == "auto":
         import torch
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    dp = args.data_parallel_size
+    if device == "cuda" and tp * dp > 1:
+        import torch
+        if tp * dp > torch.cuda.device_count():
+            _die(f"--tensor-parallel-size {tp} x --data-parallel-size {dp} needs {tp * dp} CUDA devices "
+                 f"(one per rank), found {torch.cuda.device_count()}")
     return EngineConfig(
         model="sim" if sim else str(model_dir), tokenizer=str(model_dir),
         served_model_name=args.served_model_name or ("sim" if sim else name), dtype=args.dtype,
@@ -187,4 +216,5 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         http_header_timeout_s=args.http_header_timeout, http_body_timeout_s=args.http_body_timeout,
         limit_concurrency=args.limit_concurrency, attention_backend=args.attention_backend,
         worker_threads=args.worker_threads, worker_cpus=worker_cpus, frontend_cpus=frontend_cpus,
+        tensor_parallel_size=tp, data_parallel_size=dp,
         instance=f"{os.getpid()}-{secrets.token_hex(4)}", ipc_dir=tempfile.mkdtemp(prefix="pipeline-"))

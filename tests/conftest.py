@@ -123,23 +123,34 @@ def smol_dir() -> Path:
     return convert_gguf(default_model_path())
 
 
-@pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory, smol_dir) -> Path:
-    """A tiny random Llama with SmolLM2's tokenizer, built in seconds."""
+def make_tiny_llama(d: Path, smol_dir: Path, **fields) -> Path:
+    """Save a tiny random Llama with SmolLM2's tokenizer in ``d``; ``fields`` override the config."""
     import torch
     from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    d = tmp_path_factory.mktemp("tiny-llama")
     tok = AutoTokenizer.from_pretrained(smol_dir)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                      initializer_range=0.2, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                      tie_word_embeddings=True)
+    cfg = LlamaConfig(**{**dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                                initializer_range=0.2, bos_token_id=tok.bos_token_id,
+                                eos_token_id=tok.eos_token_id, tie_word_embeddings=True), **fields})
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(d)
     tok.save_pretrained(d)
     GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id).save_pretrained(d)
     return d
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, smol_dir) -> Path:
+    """A tiny random Llama with SmolLM2's tokenizer, built in seconds."""
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smol_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_kv4_dir(tmp_path_factory, smol_dir) -> Path:
+    """Like ``tiny_dir`` with 8 attention heads over 4 KV heads: splits over 2 or 4 tensor-parallel ranks."""
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama-kv4"), smol_dir, num_attention_heads=8,
+                           num_key_value_heads=4)
 
 
 def _server(request, args):

@@ -58,7 +58,7 @@ def run_mode(args: argparse.Namespace, config: EngineConfig | None, http: bool, 
             times = asyncio.run(drive_http(f"http://{config.host}:{config.port}", config.served_model_name,
                                            work, bar))
         else:
-            times = asyncio.run(drive_engine(config, launcher.output_ring, work, bar))
+            times = asyncio.run(drive_engine(config, launcher.output_rings, work, bar))
     finally:
         bar.close()
         launcher.stop()
@@ -104,9 +104,10 @@ def main(argv: list[str] | None = None) -> None:
     else:
         sizes = {"max_model_len": args.max_model_len or 2048}
         work = Workload.sharegpt_synth(args.num_requests, sizes["max_model_len"], args.seed)
-    if args.bound and (args.url or args.model == "sim"):
-        print("pipeline-bench: --bound needs a real model run by this benchmark (not --url, not sim)",
-              file=sys.stderr)
+    if args.bound and (args.url or args.model == "sim" or args.data_parallel_size > 1
+                       or args.tensor_parallel_size > 1):
+        print("pipeline-bench: --bound replays one engine's steps on one device: it needs a real model run by "
+              "this benchmark, without --url, sim, -tp or -dp", file=sys.stderr)
         raise SystemExit(2)
     unused = {"json", "plot", "trace", "async_scheduling", "bound",
               *(("num_requests",) if args.workload == "fixed" else ("batch_size", "input_len", "output_len"))}

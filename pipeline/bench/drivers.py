@@ -23,8 +23,10 @@ class RequestTimes:
     num_tokens: int = 0
 
 
-async def drive_engine(config: EngineConfig, output_ring: ShmRing, work: Workload, bar) -> list[RequestTimes]:
-    """Play io_proc's part in-process: an EngineClient on ``output_ring``, every request submitted at once.
+async def drive_engine(config: EngineConfig, output_rings: list[ShmRing], work: Workload, bar
+                       ) -> list[RequestTimes]:
+    """Play io_proc's part in-process: an EngineClient on ``output_rings`` (one per engine), every
+    request submitted at once.
 
     The client's spans go to ``config.trace_path("io_proc")``, the file io_proc
     itself would write, so the launcher's stop() finds them with the others'.
@@ -35,7 +37,7 @@ async def drive_engine(config: EngineConfig, output_ring: ShmRing, work: Workloa
     tokenizer, _ = load_tokenizer(config.tokenizer)
     tokenization = Tokenization(tokenizer)
     recorder = TraceRecorder()
-    client = EngineClient(config, output_ring, tokenization.make_detokenizer(), recorder)
+    client = EngineClient(config, output_rings, tokenization.make_detokenizer(), recorder)
     client.start()
     try:
         return await _drive_client(client, work, bar)

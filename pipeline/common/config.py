@@ -62,6 +62,13 @@ class EngineConfig(msgspec.Struct, frozen=True):
             the worker may run on.
         worker_cpus: CPUs the worker runs on; empty: every CPU.
         frontend_cpus: CPUs the scheduler and io_proc run on; empty: every CPU.
+        tensor_parallel_size: worker ranks the model is sharded over, one
+            process and one device each (docs/design.md, "Parallelism").
+        data_parallel_size: engines (scheduler plus worker ranks) behind the
+            one io_proc.
+        engine_index: which engine this config addresses, 0 ..
+            ``data_parallel_size - 1`` (see :meth:`engines`); it names the
+            engine's rings, control socket, rendezvous and processes.
         instance: unique id of this server instance (names of rings and sockets).
         ipc_dir: private directory holding this instance's zmq sockets.
     """
@@ -93,6 +100,9 @@ class EngineConfig(msgspec.Struct, frozen=True):
     worker_threads: int = 0
     worker_cpus: tuple[int, ...] = ()
     frontend_cpus: tuple[int, ...] = ()
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    engine_index: int = 0
     instance: str = ""
     ipc_dir: str = ""
 
@@ -100,6 +110,36 @@ class EngineConfig(msgspec.Struct, frozen=True):
     def is_simulated(self) -> bool:
         """True when the simulated device replaces the model."""
         return self.model == "sim"
+
+    def engines(self) -> list[EngineConfig]:
+        """One config per data-parallel engine, ``engine_index`` 0 .. ``data_parallel_size - 1``."""
+        return [msgspec.structs.replace(self, engine_index=e) for e in range(self.data_parallel_size)]
+
+    @property
+    def _engine_suffix(self) -> str:
+        # Engine 0 keeps the single-engine names.
+        return f"-dp{self.engine_index}" if self.engine_index else ""
+
+    @property
+    def scheduler_role(self) -> str:
+        """Process name of this engine's scheduler: ``scheduler``, ``scheduler-dp<e>`` for engine e > 0."""
+        return "scheduler" + self._engine_suffix
+
+    def worker_role(self, rank: int) -> str:
+        """Process name of this engine's worker rank ``rank``: ``gpu_worker[-dp<e>][-tp<rank>]``.
+
+        The engine part is left out for engine 0 and the rank part for rank 0.
+        """
+        return "gpu_worker" + self._engine_suffix + (f"-tp{rank}" if rank else "")
+
+    def device_index(self, rank: int) -> int:
+        """CUDA device of this engine's worker rank ``rank``: engines take consecutive groups of devices."""
+        return self.engine_index * self.tensor_parallel_size + rank
+
+    @property
+    def tp_init_method(self) -> str:
+        """torch.distributed rendezvous of the engine's worker ranks: a file store in the private ``ipc_dir``."""
+        return f"file://{self.ipc_dir}/tp-rendezvous{self._engine_suffix}"
 
     def trace_path(self, role: str) -> str:
         """Where process ``role`` writes its trace spans (JSON list)."""
@@ -120,27 +160,30 @@ class EngineConfig(msgspec.Struct, frozen=True):
 
     @property
     def descriptor_ring_name(self) -> str:
-        return f"/pipeline-{self.instance}-desc"
+        return f"/pipeline-{self.instance}{self._engine_suffix}-desc"
 
     @property
     def output_ring_name(self) -> str:
-        return f"/pipeline-{self.instance}-out"
+        return f"/pipeline-{self.instance}{self._engine_suffix}-out"
 
     def descriptor_ring(self, create: bool = False) -> ShmRing[StepDescriptor]:
-        """The StepDescriptor ring (scheduler writes, worker reads); ``create`` in the launcher only."""
-        return ShmRing(self.descriptor_ring_name, self.descriptor_layout, DESCRIPTOR_RING_SLOTS, 1, create,
-                       StepDescriptor)
+        """The StepDescriptor ring (scheduler writes; every worker rank reads, as reader ``rank``).
+
+        ``create`` in the launcher only.
+        """
+        return ShmRing(self.descriptor_ring_name, self.descriptor_layout, DESCRIPTOR_RING_SLOTS,
+                       self.tensor_parallel_size, create, StepDescriptor)
 
     def output_ring(self, create: bool = False) -> ShmRing[StepOutput]:
-        """The StepOutput ring (worker writes; scheduler and io_proc read)."""
+        """The StepOutput ring (worker rank 0 writes; scheduler and io_proc read)."""
         return ShmRing(self.output_ring_name, self.output_layout, OUTPUT_RING_SLOTS, 2, create, StepOutput)
 
     @property
     def control_address(self) -> str:
-        """zmq address of io_proc -> scheduler control messages."""
-        return f"ipc://{self.ipc_dir}/to_scheduler"
+        """zmq address of io_proc -> this engine's scheduler control messages."""
+        return f"ipc://{self.ipc_dir}/to_scheduler{self._engine_suffix}"
 
     @property
     def reply_address(self) -> str:
-        """zmq address of scheduler -> io_proc replies."""
+        """zmq address of scheduler -> io_proc replies (every engine's scheduler connects to it)."""
         return f"ipc://{self.ipc_dir}/to_io"

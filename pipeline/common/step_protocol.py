@@ -46,9 +46,9 @@ OUTPUT_RING_SLOTS = 16
 # Alternatives returned per token with log-probabilities (OpenAI's top_logprobs
 # limit); the output slot has room for this many per token.
 MAX_LOGPROBS = 20
-# Reader indices: the worker on the descriptor ring; the scheduler and io_proc
-# on the output ring.
-DESCRIPTOR_READER_WORKER = 0
+# Reader indices. On the descriptor ring, worker rank r reads as reader r
+# (rank 0 alone without tensor parallelism). On the output ring, which only
+# rank 0 writes, the scheduler and io_proc.
 OUTPUT_READER_SCHEDULER, OUTPUT_READER_IO = 0, 1
 
 

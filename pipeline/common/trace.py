@@ -24,7 +24,8 @@ from pathlib import Path
 import numpy as np
 
 Span = tuple[str, str, str, int, int, int, int]
-# Processes in the order their tracks appear.
+# Processes in the order their tracks appear; worker ranks other than 0 are
+# roles ``gpu_worker-tp<rank>`` (EngineConfig.worker_role).
 ROLES = ("scheduler", "gpu_worker", "io_proc")
 
 
@@ -67,11 +68,13 @@ def chrome_trace(spans: list[Span]) -> dict:
     t0 = min((s[4] for s in spans), default=0)
     tracks: dict[tuple[str, str], int] = {}
     events = []
-    for pid, role in enumerate(ROLES, start=1):
+    # One process track per role, the worker ranks (gpu_worker-tp1, ...) after gpu_worker.
+    roles = sorted({*ROLES, *(s[0] for s in spans)}, key=lambda r: (ROLES.index(r.split("-")[0]), r))
+    for pid, role in enumerate(roles, start=1):
         events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": role}})
         events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": pid}})
     for role, track, name, step, start, end, cpu in sorted(spans, key=lambda s: s[4]):
-        pid = ROLES.index(role) + 1
+        pid = roles.index(role) + 1
         if cpu >= 0:
             events.append({"ph": "C", "name": "CPU per step (us)", "pid": pid, "ts": (end - t0) / 1000,
                            "args": {"cpu_us": cpu / 1000}})

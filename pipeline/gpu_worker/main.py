@@ -20,7 +20,7 @@ from pipeline.common.config import EngineConfig
 from pipeline.common.constants import POLL_INTERVAL_S
 from pipeline.common.process import StopFlag, child_setup, pin_to_cpus, report
 from pipeline.common.shm_ring import RingTimeout, ShmRing
-from pipeline.common.step_protocol import DESCRIPTOR_READER_WORKER, StepDescriptor, StepOutput, read_descriptor
+from pipeline.common.step_protocol import StepDescriptor, StepOutput, read_descriptor
 from pipeline.common.trace import TraceRecorder
 from pipeline.gpu_worker.attention import make_backend
 from pipeline.gpu_worker.executor import ModelExecutor, SimExecutor
@@ -33,21 +33,28 @@ _BUSY_POLL_S = 0.0002
 
 
 class WorkerProc:
-    """Owns the model runner and both rings; :meth:`run` is the process body.
+    """Owns the model runner and its rings; :meth:`run` is the process body.
 
     With ``config.trace`` it records, per step, the host spans ``prepare``
     (descriptor read to inputs ready) and ``launch`` (inputs ready to the
     step enqueued) and the ``device`` span, and writes them to
-    ``config.trace_path("gpu_worker")`` in :meth:`close`.
+    ``config.trace_path(role)`` in :meth:`close`.
+
+    Under tensor parallelism every rank runs this loop on the same
+    descriptors (rank ``r`` reads as descriptor-ring reader ``r``) and
+    samples the same tokens into its own token-id cache; only rank 0 has
+    ``out_ring`` and publishes the StepOutput (docs/design.md, "Parallelism").
     """
 
     def __init__(self, config: EngineConfig, runner: ModelRunner, desc_ring: ShmRing[StepDescriptor],
-                 out_ring: ShmRing[StepOutput]):
-        self.config, self.runner = config, runner
+                 out_ring: ShmRing[StepOutput] | None, rank: int = 0):
+        self.config, self.runner, self.rank = config, runner, rank
+        self.role = config.worker_role(rank)
         self.desc_ring, self.out_ring = desc_ring, out_ring
         self.pending: deque[LaunchedStep] = deque()
         self.trace = TraceRecorder() if config.trace else None
-        self.step_shapes = StepShapeRecorder() if config.step_shapes_file else None
+        # Every rank runs the same steps: rank 0's record is the step list.
+        self.step_shapes = StepShapeRecorder() if config.step_shapes_file and rank == 0 else None
 
     def run(self, stop: StopFlag) -> None:
         """Run steps until ``stop.is_set()``."""
@@ -55,48 +62,54 @@ class WorkerProc:
             while self.pending and self.pending[0].is_done():
                 self._publish(self.runner.finish(self.pending.popleft()), stop)
             try:
-                desc = self.desc_ring.acquire_read(DESCRIPTOR_READER_WORKER,
+                desc = self.desc_ring.acquire_read(self.rank,
                                                    timeout=_BUSY_POLL_S if self.pending else POLL_INTERVAL_S)
             except RingTimeout:
                 continue
             t0 = time.monotonic_ns()
             inputs = read_descriptor(desc)
-            self.desc_ring.release_read(DESCRIPTOR_READER_WORKER)
+            self.desc_ring.release_read(self.rank)
             if self.step_shapes is not None:
                 self.step_shapes.add(inputs)
             self.pending.append(self.runner.launch(inputs, t0))
 
     def _publish(self, step: LaunchedStep, stop: StopFlag) -> None:
-        """Write ``step``'s sampled tokens into the output ring."""
-        while True:
+        """Write ``step``'s sampled tokens into the output ring (rank 0; other ranks only trace)."""
+        while self.out_ring is not None:
             try:
                 out = self.out_ring.acquire_write(timeout=POLL_INTERVAL_S)
-                break
             except RingTimeout:
                 if stop.is_set():
                     return
-        out.write(step.step_id, step.req_num, step.tokens.numpy())
-        self.out_ring.publish()
+                continue
+            out.write(step.step_id, step.req_num, step.tokens.numpy())
+            self.out_ring.publish()
+            break
         if self.trace is not None:
-            s = step.step_id
-            self.trace.add("gpu_worker", "host", "prepare", s, step.prepare_start_ns, step.prepare_end_ns)
-            self.trace.add("gpu_worker", "host", "launch", s, step.prepare_end_ns, step.launch_ns)
-            self.trace.add("gpu_worker", "device", "step", s, step.device_start_ns, step.device_end_ns)
-            self.trace.add_step_cpu("gpu_worker", s)
+            s, role = step.step_id, self.role
+            self.trace.add(role, "host", "prepare", s, step.prepare_start_ns, step.prepare_end_ns)
+            self.trace.add(role, "host", "launch", s, step.prepare_end_ns, step.launch_ns)
+            self.trace.add(role, "device", "step", s, step.device_start_ns, step.device_end_ns)
+            self.trace.add_step_cpu(role, s)
 
     def close(self) -> None:
         """Write the trace and step shapes (if recording) and detach from the rings."""
         if self.trace is not None:
-            self.trace.dump(self.config.trace_path("gpu_worker"))
+            self.trace.dump(self.config.trace_path(self.role))
         if self.step_shapes is not None:
             self.step_shapes.save(self.config.step_shapes_file)
         self.desc_ring.close()
-        self.out_ring.close()
+        if self.out_ring is not None:
+            self.out_ring.close()
 
 
-def load_runner(config: EngineConfig) -> ModelRunner:
-    """Load the model named by ``config`` and build its runner."""
-    device = torch.device(config.device)
+def load_runner(config: EngineConfig, rank: int = 0) -> ModelRunner:
+    """Load the model named by ``config`` (rank ``rank``'s shard under tensor parallelism) and build its runner.
+
+    With ``config.tensor_parallel_size > 1`` this first joins the ranks'
+    process group, so it returns only once every rank has started.
+    """
+    device = torch.device("cuda", config.device_index(rank)) if config.device == "cuda" else torch.device("cpu")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
     if config.is_simulated:
         # The host side of a step is small tensor work: extra intra-op
@@ -104,27 +117,34 @@ def load_runner(config: EngineConfig) -> ModelRunner:
         torch.set_num_threads(1)
         sim = SimulatedDevice(config.sim_step_us, config.sim_token_us)
         return ModelRunner(config, SimExecutor(sim, make_backend(config.attention_backend)), device)
-    from pipeline.gpu_worker.weights import load_model
     torch.set_num_threads(config.worker_threads or len(os.sched_getaffinity(0)))
-    model = load_model(config.model, dtype, device, config.attention_backend)
+    if config.tensor_parallel_size > 1:
+        from pipeline.gpu_worker.distributed import init_tensor_parallel
+        from pipeline.gpu_worker.parallel import load_parallel_model
+        tp = init_tensor_parallel(config, rank)
+        model = load_parallel_model(config.model, dtype, device, tp, config.attention_backend)
+    else:
+        from pipeline.gpu_worker.weights import load_model
+        model = load_model(config.model, dtype, device, config.attention_backend)
     return ModelRunner(config, ModelExecutor(config, model, device, dtype), device)
 
 
-def run_gpu_worker(config: EngineConfig, status_conn) -> None:
-    """Process entry of gpu_worker (see :mod:`pipeline.common.process`)."""
-    stop = child_setup("gpu_worker")
+def run_gpu_worker(config: EngineConfig, status_conn, rank: int = 0) -> None:
+    """Process entry of gpu_worker rank ``rank`` (see :mod:`pipeline.common.process`)."""
+    role = config.worker_role(rank)
+    stop = child_setup(role)
     pin_to_cpus(config.worker_cpus)
     desc_ring = config.descriptor_ring()
-    out_ring = config.output_ring()
-    report(status_conn, "attached", "gpu_worker")
+    out_ring = config.output_ring() if rank == 0 else None
+    report(status_conn, "attached", role)
     try:
-        runner = load_runner(config)
+        runner = load_runner(config, rank)
     except Exception as e:  # start-up failure: tell the launcher why, then exit
         traceback.print_exc()
-        report(status_conn, "error", "gpu_worker", f"could not load model {config.model!r}: {e}")
+        report(status_conn, "error", role, f"could not load model {config.model!r}: {e}")
         raise SystemExit(1) from None
-    report(status_conn, "ready", "gpu_worker")
-    proc = WorkerProc(config, runner, desc_ring, out_ring)
+    report(status_conn, "ready", role)
+    proc = WorkerProc(config, runner, desc_ring, out_ring, rank)
     try:
         proc.run(stop)
     finally:

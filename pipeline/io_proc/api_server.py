@@ -144,7 +144,7 @@ def build_app(config: EngineConfig, client: EngineClient, tokenization: Tokeniza
     @app.get("/metrics")
     async def show_metrics() -> Response:
         try:
-            stats = await client.get_stats(STATS_TIMEOUT_S)
+            stats = await client.get_engine_stats(STATS_TIMEOUT_S)
         except (TimeoutError, EngineUnavailable):
             return _error(503, f"the scheduler did not answer a stats request within {STATS_TIMEOUT_S:g} s",
                           "service_unavailable_error")

@@ -17,6 +17,7 @@ client and is shared with the reader thread: see
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import threading
@@ -49,11 +50,18 @@ class EngineUnavailable(Exception):
 
 
 class EngineClient:
-    """Sends requests to the scheduler and routes sampled tokens back to them.
+    """Sends requests to the engines' schedulers and routes sampled tokens back to them.
+
+    With data parallelism (``config.data_parallel_size`` engines) each new
+    request goes to the engine with the fewest waiting requests, then the
+    fewest running ones, as io_proc sees them: a live request is waiting
+    until its first token arrives. Aborts go to the request's engine, and
+    :meth:`get_engine_stats` asks every engine (docs/design.md, "Parallelism").
 
     Args:
         config: the server configuration (its zmq addresses).
-        ring: the output ring, attached (``create=False``) with two readers.
+        rings: each engine's output ring, attached (``create=False``) with two
+            readers, in engine order; one reader thread per ring.
         new_detokenizer: makes each request's detokenizer (see
             :class:`~pipeline.io_proc.detokenizer.Detokenizer`), which only
             the reader thread uses.
@@ -68,7 +76,7 @@ class EngineClient:
     as "abort").
     """
 
-    def __init__(self, config: EngineConfig, ring: ShmRing[StepOutput], new_detokenizer: NewDetokenizer,
+    def __init__(self, config: EngineConfig, rings: Sequence[ShmRing[StepOutput]], new_detokenizer: NewDetokenizer,
                  trace: TraceRecorder | None = None):
         self._new_detokenizer = new_detokenizer
         self._requests: dict[int, RequestState] = {}
@@ -77,18 +85,24 @@ class EngineClient:
         self._stats_waiters: dict[int, asyncio.Future[Stats]] = {}
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(ToIO)
-        # zmq sockets are not thread-safe; the push socket is used by the loop
-        # (add, abort, stats) and by the reader thread (stop-string aborts).
+        # zmq sockets are not thread-safe; the push sockets are used by the loop
+        # (add, abort, stats) and by the reader threads (stop-string aborts).
         self._send_lock = threading.Lock()
         self._ctx = zmq.asyncio.Context()
-        self._push = zmq.Socket(self._ctx, zmq.PUSH)
-        self._push.setsockopt(zmq.LINGER, 0)
-        self._push.setsockopt(zmq.SNDHWM, _CONTROL_SNDHWM)
-        self._push.connect(config.control_address)
-        self._pull = self._ctx.socket(zmq.PULL)
+        self._pushes = []
+        for engine in config.engines():
+            push = zmq.Socket(self._ctx, zmq.PUSH)
+            push.setsockopt(zmq.LINGER, 0)
+            push.setsockopt(zmq.SNDHWM, _CONTROL_SNDHWM)
+            push.connect(engine.control_address)
+            self._pushes.append(push)
+        if len(rings) != len(self._pushes):
+            raise ValueError(f"{len(rings)} output rings for {len(self._pushes)} engines")
+        self._pull = self._ctx.socket(zmq.PULL)  # every engine's scheduler replies here
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.bind(config.reply_address)
-        self._reader = OutputReader(ring, self._requests, self._send_abort, self._dispatch, trace)
+        self._readers = [OutputReader(ring, self._requests, functools.partial(self._send_abort, engine=e),
+                                      self._dispatch, trace) for e, ring in enumerate(rings)]
         self._replies_task: asyncio.Task | None = None
         self.num_prompt_tokens = 0
         self.num_finished: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
@@ -96,36 +110,39 @@ class EngineClient:
     @property
     def num_generation_tokens(self) -> int:
         """Output tokens accepted for live requests so far."""
-        return self._reader.num_generation_tokens
+        return sum(r.num_generation_tokens for r in self._readers)
 
     @property
     def reader_error(self) -> BaseException | None:
-        """The exception that ended the output reader thread, if one did."""
-        return self._reader.error
+        """The exception that ended an output reader thread, if one did."""
+        return next((r.error for r in self._readers if r.error is not None), None)
 
     # -- lifecycle (event loop) ------------------------------------------------
 
     def start(self) -> None:
-        """Start the output reader thread and the reply receiver; call from the running loop."""
+        """Start the output reader threads and the reply receiver; call from the running loop."""
         loop = asyncio.get_running_loop()
         self._replies_task = loop.create_task(self._receive_replies())
-        self._reader.start(loop)
+        for reader in self._readers:
+            reader.start(loop)
 
     async def stop(self) -> None:
-        """Stop the reader thread (within one ring poll, ``POLL_INTERVAL_S``) and the reply receiver."""
-        await asyncio.to_thread(self._reader.stop)
+        """Stop the reader threads (within one ring poll, ``POLL_INTERVAL_S``) and the reply receiver."""
+        for reader in self._readers:
+            await asyncio.to_thread(reader.stop)
         if self._replies_task is not None:
             self._replies_task.cancel()
 
     def close(self) -> None:
         """Close the zmq sockets and context without waiting for unsent messages."""
-        self._push.close(linger=0)
+        for push in self._pushes:
+            push.close(linger=0)
         self._pull.close(linger=0)
         self._ctx.term()
 
     def is_healthy(self) -> bool:
-        """True while the reader thread runs."""
-        return self._reader.is_alive()
+        """True while every output reader thread runs."""
+        return all(r.is_alive() for r in self._readers)
 
     # -- requests (event loop) -------------------------------------------------
 
@@ -147,15 +164,25 @@ class EngineClient:
         req_num = next(self._req_nums)
         processor = OutputProcessor(self._new_detokenizer(), params, stop)
         state = RequestState(req_num, len(prompt_token_ids), processor, streaming, return_token_ids)
+        state.engine = self._pick_engine()
         # Registered before sending: the first token may arrive right after.
         self._requests[req_num] = state
         try:
-            self._send(AddRequest(req_num, prompt_token_ids, params))
+            self._send(AddRequest(req_num, prompt_token_ids, params), state.engine)
         except EngineUnavailable:
             del self._requests[req_num]
             raise
         self.num_prompt_tokens += len(prompt_token_ids)
         return state
+
+    def _pick_engine(self) -> int:
+        """The engine with the fewest waiting, then running, live requests (lowest index on a tie)."""
+        if len(self._pushes) == 1:
+            return 0
+        load = [[0, 0] for _ in self._pushes]
+        for state in self._requests.values():
+            load[state.engine][state.num_output_tokens > 0] += 1
+        return min(range(len(load)), key=lambda e: (*load[e], e))
 
     def release(self, state: RequestState) -> None:
         """The client is done with ``state``; abort the request if it still runs.
@@ -169,7 +196,7 @@ class EngineClient:
             return
         self.num_finished["abort"] += 1
         if self._requests.pop(state.req_num, None) is not None:
-            self._send_abort(state.req_num)
+            self._send_abort(state.req_num, state.engine)
 
     def abort_all(self) -> None:
         """Finish every live request with "abort" (server shutdown): their
@@ -178,26 +205,35 @@ class EngineClient:
             state = self._requests.pop(req_num, None)
             if state is None:
                 continue
-            self._send_abort(req_num)
+            self._send_abort(req_num, state.engine)
             if not state.released:
                 state.deliver("", "abort", state.processor.num_output_tokens)
                 self.num_finished["abort"] += 1
 
     async def get_stats(self, timeout: float) -> Stats:
-        """Ask the scheduler for its occupancy.
+        """The engines' occupancy, summed (``nonce`` 0); as :meth:`get_engine_stats`."""
+        per_engine = await self.get_engine_stats(timeout)
+        return Stats(0, *(sum(getattr(s, f) for s in per_engine) for f in Stats.__struct_fields__[1:]))
+
+    async def get_engine_stats(self, timeout: float) -> list[Stats]:
+        """Ask every engine's scheduler for its occupancy; one reply per engine, in engine order.
 
         Raises:
-            TimeoutError: no reply within ``timeout`` seconds.
-            EngineUnavailable: the scheduler's queue is full.
+            TimeoutError: not every reply came within ``timeout`` seconds.
+            EngineUnavailable: a scheduler's queue is full.
         """
-        nonce = next(self._nonces)
-        future: asyncio.Future[Stats] = asyncio.get_running_loop().create_future()
-        self._stats_waiters[nonce] = future
+        loop = asyncio.get_running_loop()
+        nonces = [next(self._nonces) for _ in self._pushes]
+        for nonce in nonces:
+            self._stats_waiters[nonce] = loop.create_future()
         try:
-            self._send(GetStats(nonce))
-            return await asyncio.wait_for(future, timeout)
+            for engine, nonce in enumerate(nonces):
+                self._send(GetStats(nonce), engine)
+            async with asyncio.timeout(timeout):
+                return [await self._stats_waiters[n] for n in nonces]
         finally:
-            del self._stats_waiters[nonce]
+            for nonce in nonces:
+                del self._stats_waiters[nonce]
 
     async def _receive_replies(self) -> None:
         while True:
@@ -222,16 +258,16 @@ class EngineClient:
 
     # -- control sends (any thread) --------------------------------------------
 
-    def _send(self, msg: AddRequest | AbortRequest | GetStats) -> None:
+    def _send(self, msg: AddRequest | AbortRequest | GetStats, engine: int) -> None:
         with self._send_lock:
             try:
-                self._push.send(self._encoder.encode(msg), zmq.NOBLOCK)
+                self._pushes[engine].send(self._encoder.encode(msg), zmq.NOBLOCK)
             except zmq.Again:
                 raise EngineUnavailable("the scheduler is not reading control messages") from None
 
-    def _send_abort(self, req_num: int) -> None:
+    def _send_abort(self, req_num: int, engine: int) -> None:
         try:
-            self._send(AbortRequest(req_num))
+            self._send(AbortRequest(req_num), engine)
         except EngineUnavailable:
             # The request stays in the scheduler until it finishes by length
             # or EOS; its tokens are dropped here since it left the table.

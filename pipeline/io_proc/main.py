@@ -67,25 +67,25 @@ class IoProc:
 
     Construction does the start-up steps: bind the HTTP port
     (``config.host:config.port``), load the tokenizer from
-    ``config.tokenizer``, open the control sockets (push to
-    ``config.control_address``, pull on ``config.reply_address``) and build
+    ``config.tokenizer``, open the control sockets (push to each engine's
+    ``control_address``, pull on ``config.reply_address``) and build
     the app. :meth:`close` releases all of it (and writes the trace when
-    ``config.trace``); the output ring stays the caller's.
+    ``config.trace``); the output rings (one per engine) stay the caller's.
 
     Raises:
         StartupError: a start-up step failed (what was opened is closed again).
     """
 
-    def __init__(self, config: EngineConfig, ring: ShmRing[StepOutput]):
+    def __init__(self, config: EngineConfig, rings: list[ShmRing[StepOutput]]):
         self.config = config
         self._cleanup = contextlib.ExitStack()
         try:
-            self._open(ring)
+            self._open(rings)
         except BaseException:
             self._cleanup.close()
             raise
 
-    def _open(self, ring: ShmRing[StepOutput]) -> None:
+    def _open(self, rings: list[ShmRing[StepOutput]]) -> None:
         config, cleanup = self.config, self._cleanup
         self.sock = _bind(config.host, config.port)
         cleanup.callback(self.sock.close)
@@ -101,7 +101,7 @@ class IoProc:
             # Registered before the client's close, so it runs after the client has stopped reading.
             cleanup.callback(trace.dump, config.trace_path(_NAME))
         try:
-            self.client = EngineClient(config, ring, tokenization.make_detokenizer(), trace)
+            self.client = EngineClient(config, rings, tokenization.make_detokenizer(), trace)
         except Exception as e:
             raise StartupError(f"cannot open the control sockets ({e}); check that {config.ipc_dir!r} exists "
                                "and is writable") from e
@@ -164,7 +164,7 @@ class IoProc:
 def run_io_proc(config: EngineConfig, status_conn: Connection) -> None:
     """Process entry of io_proc: run until SIGTERM (or the launcher's death).
 
-    Attaches the output ring (reader ``OUTPUT_READER_IO``) and reports
+    Attaches every engine's output ring (reader ``OUTPUT_READER_IO``) and reports
     ``("attached", "io_proc")``, then builds and runs an :class:`IoProc`. On
     a start-up failure it reports ``("error", "io_proc", message)`` and exits
     with status 1; it also exits with 1 if the output reader thread dies. A
@@ -173,15 +173,17 @@ def run_io_proc(config: EngineConfig, status_conn: Connection) -> None:
     stop = child_setup(_NAME)
     pin_to_cpus(config.frontend_cpus)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
-    try:
-        ring = config.output_ring()
-    except Exception as e:
-        report(status_conn, "error", _NAME, f"cannot attach the output ring {config.output_ring_name!r} ({e}); "
-                                            "it must be created by the launcher before io_proc starts")
-        sys.exit(1)
+    rings: list[ShmRing[StepOutput]] = []
+    for engine in config.engines():
+        try:
+            rings.append(engine.output_ring())
+        except Exception as e:
+            report(status_conn, "error", _NAME, f"cannot attach the output ring {engine.output_ring_name!r} ({e}); "
+                                                "it must be created by the launcher before io_proc starts")
+            sys.exit(1)
     report(status_conn, "attached", _NAME)
     try:
-        proc = IoProc(config, ring)
+        proc = IoProc(config, rings)
         try:
             code = proc.run(stop, status_conn)
         finally:
@@ -195,7 +197,8 @@ def run_io_proc(config: EngineConfig, status_conn: Connection) -> None:
         report(status_conn, "error", _NAME, f"io_proc failed: {type(e).__name__}: {e} (see its log)")
         code = 1
     finally:
-        ring.close()
+        for ring in rings:
+            ring.close()
     if code:
         sys.exit(code)
 

@@ -1,7 +1,7 @@
 """Prometheus metrics of ``GET /metrics``.
 
-Scheduler figures come from a :class:`~pipeline.common.messages.Stats` reply
-fetched on each scrape; io-side counters are read from the
+Scheduler figures come from one :class:`~pipeline.common.messages.Stats`
+reply per engine fetched on each scrape, reported in total and per engine; io-side counters are read from the
 :class:`~pipeline.io_proc.engine_client.EngineClient`. Each app has its own
 registry, so several servers in one process (tests) do not collide.
 """
@@ -18,9 +18,9 @@ from pipeline.io_proc.engine_client import EngineClient
 
 
 class PipelineMetrics:
-    """A registry exposing the scheduler's last :class:`Stats` and io counters.
+    """A registry exposing the schedulers' last :class:`Stats` and io counters.
 
-    Exposed names: gauges ``pipeline_num_requests_running``,
+    Exposed names, summed over the data-parallel engines: gauges ``pipeline_num_requests_running``,
     ``pipeline_num_requests_waiting``, ``pipeline_kv_blocks_free``,
     ``pipeline_kv_blocks_total``, ``pipeline_slots_free``,
     ``pipeline_slots_total``; counters (the scheduler's cumulative counts)
@@ -28,37 +28,43 @@ class PipelineMetrics:
     counters ``pipeline_prompt_tokens_total``,
     ``pipeline_generation_tokens_total`` and
     ``pipeline_requests_finished_total{finished_reason="stop"|"length"|"abort"}``.
+    Each scheduler figure also per engine, labelled ``engine``: the same name
+    with ``pipeline_engine_`` for ``pipeline_`` (``pipeline_engine_kv_blocks_free{engine="0"}``).
     """
 
     def __init__(self, client: EngineClient):
         self._client = client
-        self._stats: Stats | None = None
+        self._stats: list[Stats] = []
         self._registry = CollectorRegistry(auto_describe=False)
         self._registry.register(self)
 
     content_type = CONTENT_TYPE_LATEST
 
-    def render(self, stats: Stats) -> bytes:
-        """The exposition text (of type :attr:`content_type`) with ``stats``."""
+    def render(self, stats: list[Stats]) -> bytes:
+        """The exposition text (of type :attr:`content_type`) with ``stats``, one per engine in engine order."""
         self._stats = stats
         return generate_latest(self._registry)
 
     def collect(self) -> Iterator[Metric]:
         """Called by the registry during :meth:`render`."""
-        s = self._stats
-        if s is not None:
-            for name, doc, value in (
-                ("pipeline_num_requests_running", "Requests in the running batch.", s.num_running),
-                ("pipeline_num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
-                ("pipeline_kv_blocks_free", "Free KV cache blocks.", s.num_free_blocks),
-                ("pipeline_kv_blocks_total", "KV cache blocks.", s.num_total_blocks),
-                ("pipeline_slots_free", "Free request slots.", s.num_free_slots),
-                ("pipeline_slots_total", "Request slots (max_num_seqs).", s.num_total_slots),
-            ):
-                yield GaugeMetricFamily(name, doc, value=value)
-            yield CounterMetricFamily("pipeline_num_steps", "Steps planned by the scheduler.", value=s.num_steps)
-            yield CounterMetricFamily("pipeline_num_preemptions", "Requests preempted (recompute).",
-                                      value=s.num_preemptions)
+        gauges = (
+            ("num_requests_running", "Requests in the running batch.", "num_running"),
+            ("num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
+            ("kv_blocks_free", "Free KV cache blocks.", "num_free_blocks"),
+            ("kv_blocks_total", "KV cache blocks.", "num_total_blocks"),
+            ("slots_free", "Free request slots.", "num_free_slots"),
+            ("slots_total", "Request slots (max_num_seqs).", "num_total_slots"),
+        )
+        counters = (("num_steps", "Steps planned by the scheduler.", "num_steps"),
+                    ("num_preemptions", "Requests preempted (recompute).", "num_preemptions"))
+        for kind, rows in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)) if self._stats else ():
+            for name, doc, field in rows:
+                values = [getattr(s, field) for s in self._stats]
+                yield kind(f"pipeline_{name}", doc, value=sum(values))
+                per_engine = kind(f"pipeline_engine_{name}", f"{doc} Per data-parallel engine.", labels=["engine"])
+                for e, v in enumerate(values):
+                    per_engine.add_metric([str(e)], v)
+                yield per_engine
         c = self._client
         yield CounterMetricFamily("pipeline_prompt_tokens", "Prompt tokens of accepted requests.",
                                   value=c.num_prompt_tokens)

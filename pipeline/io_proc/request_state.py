@@ -36,6 +36,7 @@ class RequestState:
         every_token: deliver every token, even one that adds no text (a
             stream that returns token ids).
         released: the client side is done with it (set by ``EngineClient.release``).
+        engine: the data-parallel engine that serves it (0 with one engine).
         arrival_time: ``time.perf_counter()`` when it was added (seconds).
         delivery_times: ``(perf_counter seconds, tokens so far)`` at each step
             that delivered tokens, taken on the event loop: the client-side
@@ -43,7 +44,8 @@ class RequestState:
     """
 
     __slots__ = ("req_num", "prompt_len", "processor", "finish_reason", "num_output_tokens", "every_token",
-                 "released", "arrival_time", "delivery_times", "_streaming", "_pieces", "_ids_taken", "_event")
+                 "released", "engine", "arrival_time", "delivery_times", "_streaming", "_pieces", "_ids_taken",
+                 "_event")
 
     def __init__(self, req_num: int, prompt_len: int, processor: OutputProcessor, streaming: bool,
                  return_token_ids: bool):
@@ -54,6 +56,7 @@ class RequestState:
         self.num_output_tokens = 0
         self.every_token = streaming and return_token_ids
         self.released = False
+        self.engine = 0
         self.arrival_time = time.perf_counter()
         self.delivery_times: list[tuple[float, int]] = []
         self._streaming = streaming

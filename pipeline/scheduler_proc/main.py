@@ -84,7 +84,7 @@ class SchedulerProc:
             return False  # slot stays acquired for the next try
         self.desc_ring.publish()
         if self.trace is not None:
-            self.trace.add("scheduler", "plan", "plan", step_id, t0, time.monotonic_ns())
+            self.trace.add(self.config.scheduler_role, "plan", "plan", step_id, t0, time.monotonic_ns())
         self.inflight.append(step_id)
         return True
 
@@ -101,8 +101,8 @@ class SchedulerProc:
             raise RuntimeError(f"worker reported step {out.step_id}, expected {expected}")
         self.scheduler.process_output(out.step_id, out.req_nums, out.token_ids)
         if self.trace is not None:
-            self.trace.add("scheduler", "plan", "process_output", out.step_id, t0, time.monotonic_ns())
-            self.trace.add_step_cpu("scheduler", out.step_id)
+            self.trace.add(self.config.scheduler_role, "plan", "process_output", out.step_id, t0, time.monotonic_ns())
+            self.trace.add_step_cpu(self.config.scheduler_role, out.step_id)
 
     def _stats(self, nonce: int) -> Stats:
         s = self.scheduler
@@ -114,11 +114,12 @@ class SchedulerProc:
 
 def run_scheduler(config: EngineConfig, status_conn) -> None:
     """Process entry of scheduler_proc (see :mod:`pipeline.common.process`)."""
-    stop = child_setup("scheduler")
+    role = config.scheduler_role
+    stop = child_setup(role)
     pin_to_cpus(config.frontend_cpus)
     desc_ring = config.descriptor_ring()
     out_ring = config.output_ring()
-    report(status_conn, "attached", "scheduler")
+    report(status_conn, "attached", role)
     ctx = zmq.Context()
     control = ctx.socket(zmq.PULL)
     control.bind(config.control_address)
@@ -127,14 +128,14 @@ def run_scheduler(config: EngineConfig, status_conn) -> None:
     try:
         loop = SchedulerProc(config, desc_ring, out_ring, control, replies)
     except ValueError as e:
-        report(status_conn, "error", "scheduler", str(e))
+        report(status_conn, "error", role, str(e))
         raise SystemExit(1) from None
-    report(status_conn, "ready", "scheduler")
+    report(status_conn, "ready", role)
     try:
         loop.run(stop)
     finally:
         if loop.trace is not None:
-            loop.trace.dump(config.trace_path("scheduler"))
+            loop.trace.dump(config.trace_path(role))
         ctx.destroy(linger=0)
         desc_ring.close()
         out_ring.close()

@@ -32,13 +32,13 @@ def jobs(seed: int) -> list[dict]:
     return out
 
 
-async def run(config, output_ring, work: list[dict]) -> tuple[list[list[int]], dict]:
+async def run(config, output_rings, work: list[dict]) -> tuple[list[list[int]], dict]:
     """Every job's output token ids, and the scheduler's stats once every deferred free has landed."""
     from pipeline.io_proc.engine_client import EngineClient
     from pipeline.io_proc.tokenization import Tokenization, load_tokenizer
 
     tokenization = Tokenization(load_tokenizer(config.tokenizer)[0])
-    client = EngineClient(config, output_ring, tokenization.make_detokenizer())
+    client = EngineClient(config, output_rings, tokenization.make_detokenizer())
     client.start()
 
     async def one(job: dict) -> list[int]:
@@ -84,7 +84,7 @@ def serve_and_run(async_scheduling: bool, work: list[dict]) -> tuple[list[list[i
     launcher = Launcher(config, roles=("scheduler", "gpu_worker"))
     try:
         launcher.start()
-        return asyncio.run(run(config, launcher.output_ring, work))
+        return asyncio.run(run(config, launcher.output_rings, work))
     finally:
         launcher.stop()
 
