@@ -61,7 +61,7 @@ class WorkerProc:
             self.pending.append(self.runner.launch(inputs, t0))
 
     def _publish(self, step: LaunchedStep, stop: StopFlag) -> None:
-        """Write ``step``'s sampled tokens into the output ring."""
+        """Write ``step``'s sampled tokens and log-probabilities into the output ring."""
         while True:
             try:
                 out = self.out_ring.acquire_write(timeout=POLL_INTERVAL_S)
@@ -69,7 +69,7 @@ class WorkerProc:
             except RingTimeout:
                 if stop.is_set():
                     return
-        out.write(step.step_id, step.req_num, step.tokens.numpy())
+        out.write(step.step_id, step.req_num, step.tokens.numpy(), step.logprobs, step.prompt_logprobs)
         self.out_ring.publish()
         if self.trace is not None:
             s = step.step_id
