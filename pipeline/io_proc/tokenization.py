@@ -18,6 +18,7 @@ from typing import Any
 from jinja2 import TemplateError
 
 from pipeline.io_proc.detokenizer import IncrementalDetokenizer, NewDetokenizer
+from pipeline.io_proc.logprobs import TokenTexts
 from pipeline.io_proc.protocol import APIError, ChatMessage
 
 
@@ -144,6 +145,16 @@ class Tokenization:
 
     def _encode_text(self, text: str) -> list[int]:
         return list(self._tokenizer(text)["input_ids"])
+
+    async def decode(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids`` (special tokens kept, as vLLM's ``echo`` and ``/detokenize`` give it)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._tokenizer.decode, token_ids)
+
+    @functools.cached_property
+    def token_texts(self) -> TokenTexts:
+        """Each token's text and bytes, for log-probabilities (event loop only)."""
+        return TokenTexts(self._tokenizer)
 
     def make_detokenizer(self) -> NewDetokenizer:
         """A factory of per-request :class:`IncrementalDetokenizer` over a private copy of the
