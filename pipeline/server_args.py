@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Name clients pass as `model`. Default: the model's file or directory name.")
     p.add_argument("--host", default="127.0.0.1", help="Address the HTTP server binds.")
     p.add_argument("--port", type=int, default=8000, help="Port the HTTP server listens on.")
+    p.add_argument("--api-key", default=None,
+                   help="Require `Authorization: Bearer <key>` on the API routes (401 without it); "
+                        "/health and /metrics stay open.")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="Weights, activations and KV cache dtype.")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
@@ -147,5 +150,5 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         debug_token_cache_poison=args.debug_token_cache_poison, sim_step_us=args.sim_step_us,
         sim_token_us=args.sim_token_us, trace=bool(args.trace), max_request_body_bytes=args.max_request_body_bytes,
         http_header_timeout_s=args.http_header_timeout, http_body_timeout_s=args.http_body_timeout,
-        limit_concurrency=args.limit_concurrency,
+        limit_concurrency=args.limit_concurrency, api_key=args.api_key or "",
         instance=f"{os.getpid()}-{secrets.token_hex(4)}", ipc_dir=tempfile.mkdtemp(prefix="pipeline-"))

@@ -47,6 +47,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
             once its headers are in; then it gets 408 and is closed.
         limit_concurrency: open HTTP connections plus running requests at
             which io_proc answers new requests with 503.
+        api_key: when not empty, io_proc requires ``Authorization: Bearer
+            <api_key>`` on every route but ``/health`` and ``/metrics``.
         instance: unique id of this server instance (names of rings and sockets).
         ipc_dir: private directory holding this instance's zmq sockets.
     """
@@ -73,6 +75,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
     http_header_timeout_s: float = 10.0
     http_body_timeout_s: float = 60.0
     limit_concurrency: int = 4096
+    api_key: str = ""
     instance: str = ""
     ipc_dir: str = ""
 

@@ -56,9 +56,13 @@ from pipeline.io_proc.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
     SamplingRequest,
+    TokenizeRequest,
+    TokenizeResponse,
     UsageInfo,
 )
 from pipeline.io_proc.request_state import RequestState
@@ -204,9 +208,36 @@ class OpenAIServing:
         return json_response(CompletionResponse(id=rid, created=created, model=self._model, choices=choices,
                                                 usage=self._usage(states)))
 
+    async def tokenize(self, req: TokenizeRequest) -> Response:
+        """Serve ``POST /tokenize`` (vLLM's shape): the ids a prompt or a conversation encodes to.
+
+        Raises:
+            APIError: 404 unknown model, 400 too long a text or a template error.
+        """
+        self._check_model(req)
+        if req.prompt is not None:
+            self._check_chars(len(req.prompt), "prompt")
+            ids = await self._tokenization.encode_text(req.prompt, req.add_special_tokens)
+        else:
+            self._check_chars(sum(len(m.text()) for m in req.messages), "messages")
+            ids = await self._tokenization.encode_chat(req.messages, req.add_generation_prompt)
+        return json_response(TokenizeResponse(count=len(ids), max_model_len=self._max_model_len, tokens=ids))
+
+    async def detokenize(self, req: DetokenizeRequest) -> Response:
+        """Serve ``POST /detokenize`` (vLLM's shape): the text of token ids.
+
+        Raises:
+            APIError: 404 unknown model, 400 an id outside the vocabulary.
+        """
+        self._check_model(req)
+        if req.tokens and max(req.tokens) >= self._vocab_limit:
+            raise APIError.bad_request(f"token id {max(req.tokens)} is out of range: the vocabulary has "
+                                       f"{self._vocab_limit} tokens", param="tokens")
+        return json_response(DetokenizeResponse(prompt=await self._tokenization.decode(req.tokens)))
+
     # -- shared steps ------------------------------------------------------------
 
-    def _check_model(self, req: SamplingRequest) -> None:
+    def _check_model(self, req: SamplingRequest | TokenizeRequest | DetokenizeRequest) -> None:
         if req.model is not None and req.model != self._model:
             raise APIError(404, f"The model `{req.model}` does not exist. This server serves `{self._model}`.",
                            type="invalid_request_error", param="model", code="model_not_found")
