@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Name clients pass as `model`. Default: the model's file or directory name.")
     p.add_argument("--host", default="127.0.0.1", help="Address the HTTP server binds.")
     p.add_argument("--port", type=int, default=8000, help="Port the HTTP server listens on.")
+    p.add_argument("--api-key", default=None,
+                   help="Require `Authorization: Bearer <key>` on the API routes (401 without it); "
+                        "/health and /metrics stay open.")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="Weights, activations and KV cache dtype.")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
@@ -216,5 +219,5 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         http_header_timeout_s=args.http_header_timeout, http_body_timeout_s=args.http_body_timeout,
         limit_concurrency=args.limit_concurrency, attention_backend=args.attention_backend,
         worker_threads=args.worker_threads, worker_cpus=worker_cpus, frontend_cpus=frontend_cpus,
-        tensor_parallel_size=tp, data_parallel_size=dp,
+        tensor_parallel_size=tp, data_parallel_size=dp, api_key=args.api_key or "",
         instance=f"{os.getpid()}-{secrets.token_hex(4)}", ipc_dir=tempfile.mkdtemp(prefix="pipeline-"))

@@ -51,9 +51,11 @@ class Server:
         config: ``EngineConfig`` fields to set that have no flag (see
             ``tests/serve_with_config.py``).
         log: a file for the server's output (default: a pipe, read only if it fails to start).
+        api_key: the key the server was given with ``--api-key``, for the start-up model query.
     """
 
-    def __init__(self, args: list[str], timeout: float = 180.0, config: dict | None = None, log=None):
+    def __init__(self, args: list[str], timeout: float = 180.0, config: dict | None = None, log=None,
+                 api_key: str | None = None):
         self.port = free_port()
         if config:
             self.args = [sys.executable, "-m", "tests.serve_with_config", json.dumps(config),
@@ -78,7 +80,8 @@ class Server:
                 raise RuntimeError("server did not become healthy in time")
             time.sleep(0.3)
         self.children = child_pids(self.proc.pid)
-        self.model = httpx.get(f"{self.url}/v1/models").json()["data"][0]["id"]
+        auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.model = httpx.get(f"{self.url}/v1/models", headers=auth).json()["data"][0]["id"]
 
     def metrics(self) -> dict[str, float]:
         out = {}

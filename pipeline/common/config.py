@@ -69,6 +69,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
         engine_index: which engine this config addresses, 0 ..
             ``data_parallel_size - 1`` (see :meth:`engines`); it names the
             engine's rings, control socket, rendezvous and processes.
+        api_key: when not empty, io_proc requires ``Authorization: Bearer
+            <api_key>`` on every route but ``/health`` and ``/metrics``.
         instance: unique id of this server instance (names of rings and sockets).
         ipc_dir: private directory holding this instance's zmq sockets.
     """
@@ -103,6 +105,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     engine_index: int = 0
+    api_key: str = ""
     instance: str = ""
     ipc_dir: str = ""
 

@@ -16,8 +16,16 @@ import torch
 
 from pipeline.common.config import EngineConfig
 from pipeline.gpu_worker.attention import AttentionBackend, AttentionMetadata, default_backend
+from pipeline.gpu_worker.logprobs import token_logprobs
 from pipeline.gpu_worker.sampler import SamplingPlan, sample_rows
-from pipeline.gpu_worker.sim_device import SimEvent, SimulatedDevice, sim_next_tokens
+from pipeline.gpu_worker.sim_device import SimEvent, SimulatedDevice, sim_logprobs, sim_next_tokens
+
+# Prompt log-probabilities go through the LM head this many positions at a
+# time, so a long prefill chunk never holds a [chunk, vocab] float32 block.
+_PROMPT_LOGITS_ROWS = 1024
+
+# (logprob [N] float32, top_ids [N, MAX_LOGPROBS] int32, top_logprobs [N, MAX_LOGPROBS] float32) on the device.
+LogprobTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @dataclass
@@ -39,16 +47,38 @@ class SamplingInputs:
 
 
 @dataclass
+class LogprobInputs:
+    """Which log-probabilities a step computes (docs/design.md, "The step protocol").
+
+    Attributes:
+        rows: ``[L]`` int64 on the device, indices into the ``S`` sampled rows
+            whose request asked for log-probabilities; None for none.
+        prompt_positions: ``[P]`` int64 on the device, step-token indices
+            whose position predicts a wanted prompt token; None for none.
+        prompt_targets: ``[P]`` int64 on the device, the prompt token each predicts.
+    """
+
+    rows: torch.Tensor | None = None
+    prompt_positions: torch.Tensor | None = None
+    prompt_targets: torch.Tensor | None = None
+
+
+@dataclass
 class Executed:
     """Tokens of one enqueued step, and the step's timeline if the executor has its own clock.
 
     Attributes:
         tokens: ``[S]`` int64 on the device (may still be being computed).
+        logprobs: the ``L`` requested sampled rows' log-probabilities (see
+            :func:`~pipeline.gpu_worker.logprobs.token_logprobs`), or None.
+        prompt_logprobs: the ``P`` prompt positions' log-probabilities, or None.
         done: fires when the tokens exist (the simulated device); None otherwise.
         device_start_ns, device_end_ns: the simulated timeline (``time.monotonic_ns()``); 0 otherwise.
     """
 
     tokens: torch.Tensor
+    logprobs: LogprobTensors | None = None
+    prompt_logprobs: LogprobTensors | None = None
     done: SimEvent | None = None
     device_start_ns: int = 0
     device_end_ns: int = 0
@@ -70,14 +100,15 @@ class Executor(ABC):
 
     @abstractmethod
     def execute(self, input_ids: torch.Tensor, meta: AttentionMetadata, last: torch.Tensor,
-                sampling: SamplingInputs) -> Executed:
-        """Enqueue the step's forward and sampling; must not wait for the device.
+                sampling: SamplingInputs, logprobs: LogprobInputs) -> Executed:
+        """Enqueue the step's forward, sampling and log-probabilities; must not wait for the device.
 
         Args:
             input_ids: ``[T]`` int64 on the device, placeholders resolved.
             meta: the step's attention metadata, on the device.
             last: ``[S]`` int64 on the device, step-token index of each sampled row's last token.
             sampling: how to sample those rows.
+            logprobs: which log-probabilities to compute, from the same forward.
         """
 
 
@@ -107,13 +138,26 @@ class ModelExecutor(Executor):
         self.kv_caches = model.allocate_kv_caches(config.num_kv_blocks, config.block_size, dtype, device)
 
     def execute(self, input_ids: torch.Tensor, meta: AttentionMetadata, last: torch.Tensor,
-                sampling: SamplingInputs) -> Executed:
+                sampling: SamplingInputs, logprobs: LogprobInputs) -> Executed:
         hidden = self.model(input_ids, meta.positions, meta, self.kv_caches)
         logits = self.model.compute_logits(hidden.index_select(0, last))
         # Seeded noise is keyed by the sampled token's position, so a request
-        # draws the same noise whatever batch it is in.
+        # draws the same noise whatever batch it is in. The sampler filters a
+        # copy: `logits` stay raw for the log-probabilities below.
         s = sampling
-        return Executed(tokens=sample_rows(logits, s.plan, s.temperature, s.top_p, s.top_k, s.seed, s.position))
+        tokens = sample_rows(logits, s.plan, s.temperature, s.top_p, s.top_k, s.seed, s.position)
+        executed = Executed(tokens=tokens)
+        if logprobs.rows is not None:
+            executed.logprobs = token_logprobs(logits.index_select(0, logprobs.rows),
+                                               tokens.index_select(0, logprobs.rows))
+        if logprobs.prompt_positions is not None:
+            parts = []
+            for i in range(0, logprobs.prompt_positions.shape[0], _PROMPT_LOGITS_ROWS):
+                pos = logprobs.prompt_positions[i:i + _PROMPT_LOGITS_ROWS]
+                parts.append(token_logprobs(self.model.compute_logits(hidden.index_select(0, pos)),
+                                            logprobs.prompt_targets[i:i + _PROMPT_LOGITS_ROWS]))
+            executed.prompt_logprobs = parts[0] if len(parts) == 1 else tuple(torch.cat(p) for p in zip(*parts))
+        return executed
 
 
 class SimExecutor(Executor):
@@ -121,7 +165,9 @@ class SimExecutor(Executor):
 
     Its "device" is host memory, so it reads the resolved inputs directly
     (a real device would compute the tokens on the device). Sampling
-    parameters are ignored.
+    parameters are ignored. Log-probabilities are deterministic stand-ins
+    (:func:`~pipeline.gpu_worker.sim_device.sim_logprobs`) of the same
+    shapes, so the async-equals-lock-step tests cover their path.
 
     Args:
         sim: the simulated device's timeline.
@@ -135,8 +181,22 @@ class SimExecutor(Executor):
         self.attn_backend = attn_backend or default_backend()
 
     def execute(self, input_ids: torch.Tensor, meta: AttentionMetadata, last: torch.Tensor,
-                sampling: SamplingInputs) -> Executed:
+                sampling: SamplingInputs, logprobs: LogprobInputs) -> Executed:
         # The simulated kernel reads the resolved inputs like the model would.
-        tokens = torch.from_numpy(sim_next_tokens(input_ids[last].numpy(), meta.positions[last].numpy()))
+        last_ids, last_pos = input_ids[last].numpy(), meta.positions[last].numpy()
+        tokens = sim_next_tokens(last_ids, last_pos)
         start, end = self.sim.enqueue_step(input_ids.numel())
-        return Executed(tokens=tokens, done=SimEvent(end), device_start_ns=start, device_end_ns=end)
+        executed = Executed(tokens=torch.from_numpy(tokens), done=SimEvent(end), device_start_ns=start,
+                            device_end_ns=end)
+        if logprobs.rows is not None:
+            r = logprobs.rows.numpy()
+            executed.logprobs = _as_tensors(sim_logprobs(last_ids[r], last_pos[r], tokens[r]))
+        if logprobs.prompt_positions is not None:
+            p = logprobs.prompt_positions.numpy()
+            executed.prompt_logprobs = _as_tensors(sim_logprobs(input_ids[p].numpy(), meta.positions[p].numpy(),
+                                                                logprobs.prompt_targets.numpy()))
+        return executed
+
+
+def _as_tensors(arrays: tuple) -> LogprobTensors:
+    return tuple(torch.from_numpy(a) for a in arrays)

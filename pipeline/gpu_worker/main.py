@@ -74,7 +74,8 @@ class WorkerProc:
             self.pending.append(self.runner.launch(inputs, t0))
 
     def _publish(self, step: LaunchedStep, stop: StopFlag) -> None:
-        """Write ``step``'s sampled tokens into the output ring (rank 0; other ranks only trace)."""
+        """Write ``step``'s sampled tokens and log-probabilities into the output ring (rank 0; other ranks
+        only trace)."""
         while self.out_ring is not None:
             try:
                 out = self.out_ring.acquire_write(timeout=POLL_INTERVAL_S)
@@ -82,7 +83,7 @@ class WorkerProc:
                 if stop.is_set():
                     return
                 continue
-            out.write(step.step_id, step.req_num, step.tokens.numpy())
+            out.write(step.step_id, step.req_num, step.tokens.numpy(), step.logprobs, step.prompt_logprobs)
             self.out_ring.publish()
             break
         if self.trace is not None:

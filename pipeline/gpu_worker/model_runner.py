@@ -10,9 +10,11 @@ protocol"; "The worker"):
    computes a "stale" flag on the device;
 3. :meth:`~ModelRunner._forward_and_sample`: attention metadata, then the
    :class:`~pipeline.gpu_worker.executor.Executor` (real model or simulated
-   device); the sampled tokens go into the token-id cache;
-4. :meth:`~ModelRunner._start_host_copy`: the tokens (and the stale flags)
-   travel to pinned host memory on a copy stream; an event says when.
+   device), which also computes the log-probabilities asked for from the
+   same forward; the sampled tokens go into the token-id cache;
+4. :meth:`~ModelRunner._start_host_copy`: the tokens, the stale flags and the
+   log-probabilities travel together to pinned host memory on a copy stream
+   (one copy); an event says when.
 
 On a GPU none of these waits for the device: inputs go up through pinned
 staging buffers, decisions are taken from host copies of the descriptor and
@@ -30,10 +32,11 @@ import numpy as np
 import torch
 
 from pipeline.common.config import EngineConfig
-from pipeline.common.step_protocol import PLACEHOLDER_TOKEN_ID, StepInputs
+from pipeline.common.step_protocol import MAX_LOGPROBS, PLACEHOLDER_TOKEN_ID, StepInputs, TokenLogprobs
 from pipeline.gpu_worker.attention.backend import StepLayout
 from pipeline.gpu_worker.device import DeviceClock, DeviceOps, device_ops
-from pipeline.gpu_worker.executor import Executed, Executor, SamplingInputs
+from pipeline.gpu_worker.executor import Executed, Executor, LogprobInputs, LogprobTensors, SamplingInputs
+from pipeline.gpu_worker.logprobs import PromptLogprobPlan
 from pipeline.gpu_worker.sampler import SamplingPlan
 from pipeline.gpu_worker.slot_state import POISON_TOKEN_ID, SlotState
 
@@ -49,7 +52,8 @@ class LaunchedStep:
     """A step whose device work is enqueued; :meth:`ModelRunner.finish` collects it.
 
     Times are ``time.monotonic_ns()``. ``tokens`` and ``stale`` are host
-    tensors whose contents are valid once ``done`` has fired.
+    tensors whose contents are valid once ``done`` has fired; ``logprobs``
+    and ``prompt_logprobs`` are filled by :meth:`ModelRunner.finish`.
     """
 
     step_id: int
@@ -61,6 +65,11 @@ class LaunchedStep:
     anchor: tuple[object, int] | None = None  # CUDA: (event, host ns) if launched on an idle device
     stale: torch.Tensor | None = None  # poison mode: [P] int64, 1 where a placeholder read a poisoned entry
     stale_slots: np.ndarray | None = None  # [P] the slot each placeholder read
+    lp_rows: np.ndarray | None = None  # [L] output rows whose request asked for log-probabilities
+    prompt_plan: PromptLogprobPlan | None = None  # the prompt positions whose log-probabilities are computed
+    lp_host: torch.Tensor | None = None  # packed log-probabilities (see ModelRunner._start_host_copy)
+    logprobs: TokenLogprobs | None = None  # index = output row
+    prompt_logprobs: TokenLogprobs | None = None  # index = request number, with positions
     prepare_end_ns: int = 0
     launch_ns: int = 0
     device_start_ns: int = 0  # on CUDA derived from the events in finish()
@@ -180,17 +189,37 @@ class ModelRunner:
                                                                                    s.seed)), position=positions_d)
         return last_d, slots_d, sampling
 
+    def _logprob_inputs(self, x: StepInputs, step: LaunchedStep) -> LogprobInputs:
+        """Which sampled rows and prompt positions get log-probabilities, decided on the host.
+
+        Sampled rows come from the host mirror of the slots' ``logprobs``;
+        prompt positions from the descriptor (:class:`PromptLogprobPlan`).
+        """
+        out = LogprobInputs()
+        rows = np.flatnonzero(self.slots.host_logprobs[x.slot[x.sample_rows]] >= 0)
+        plan = PromptLogprobPlan.of(x)
+        arrays = ([rows] if len(rows) else []) + ([plan.flat, plan.next_token] if plan is not None else [])
+        if not arrays:
+            return out
+        uploaded = self.ops.upload(arrays)
+        if len(rows):
+            step.lp_rows, out.rows = rows, uploaded.pop(0)
+        if plan is not None:
+            step.prompt_plan, (out.prompt_positions, out.prompt_targets) = plan, uploaded
+        return out
+
     def _forward_and_sample(self, x: StepInputs, input_ids: torch.Tensor, step: LaunchedStep) -> Executed:
         """Build the attention metadata, run the executor, write the token-id cache."""
         layout = StepLayout.build(x.query_lens, x.start_pos, x.slot, self.config.block_size,
                                   self.config.max_blocks_per_seq)
         meta = self.executor.attn_backend.build_metadata(layout, self.slots.block_table, self.ops.upload)
         last, sample_slots, sampling = self._sampling_inputs(x)
+        logprobs = self._logprob_inputs(x, step)
         step.prepare_end_ns = time.monotonic_ns()
 
         step.start_event = self.ops.timing_event()
         device_start = time.monotonic_ns()
-        executed = self.executor.execute(input_ids, meta, last, sampling)
+        executed = self.executor.execute(input_ids, meta, last, sampling, logprobs)
         self.slots.token_cache.index_copy_(0, sample_slots, executed.tokens)
         step.launch_ns = time.monotonic_ns()
         if executed.done is not None:  # the simulated device's own timeline
@@ -200,14 +229,28 @@ class ModelRunner:
         return executed
 
     def _start_host_copy(self, step: LaunchedStep, executed: Executed) -> None:
-        """Start copying the tokens (and poison flags) to the host; ``step.done`` says when they are there."""
+        """Start copying the tokens, poison flags and log-probabilities to the host, in one copy.
+
+        Everything travels as one int64 tensor, so one event says when all
+        of it has arrived: the tokens, then the stale flags, then per
+        log-probability set ``N`` values, ``N x MAX_LOGPROBS`` ids and ``N x
+        MAX_LOGPROBS`` values, float32 travelling as their int32 bit patterns.
+        ``step.done`` fires when they are there.
+        """
         tokens = executed.tokens
-        out = tokens if step.stale is None else torch.cat([tokens, step.stale])
+        parts = [tokens] + ([step.stale] if step.stale is not None else [])
+        for lp in (executed.logprobs, executed.prompt_logprobs):
+            if lp is not None:
+                parts.extend(_pack(lp))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
         host, done = self.ops.copy_to_host(out)
         num_sampled = tokens.shape[0]
         step.tokens = host[:num_sampled]
+        end = num_sampled
         if step.stale is not None:
-            step.stale = host[num_sampled:]
+            end += step.stale.shape[0]
+            step.stale = host[num_sampled:end]
+        step.lp_host = host[end:]
         step.done = executed.done if executed.done is not None else done
 
     def finish(self, step: LaunchedStep) -> LaunchedStep:
@@ -226,4 +269,27 @@ class ModelRunner:
             if bad.any():
                 raise StaleTokenError(f"step {step.step_id}: placeholder for slots {step.stale_slots[bad].tolist()} "
                                       "read a consumed token-id cache entry")
+        packed, offset = step.lp_host.numpy() if step.lp_host is not None else None, 0
+        if step.lp_rows is not None:
+            step.logprobs, offset = _unpack(packed, offset, step.lp_rows)
+        if step.prompt_plan is not None:
+            plan = step.prompt_plan
+            step.prompt_logprobs, offset = _unpack(packed, offset, plan.req_num)
+            step.prompt_logprobs.pos = plan.pos
         return step
+
+
+def _pack(lp: LogprobTensors) -> list[torch.Tensor]:
+    """One log-probability set as flat int64 tensors: float32 values as their bit patterns."""
+    logprob, top_ids, top_logprobs = lp
+    return [logprob.contiguous().view(torch.int32).long(), top_ids.reshape(-1).long(),
+            top_logprobs.contiguous().view(torch.int32).reshape(-1).long()]
+
+
+def _unpack(packed: np.ndarray, offset: int, index: np.ndarray) -> tuple[TokenLogprobs, int]:
+    """Read back one set packed by :func:`_pack` at ``offset``; returns it and the offset after it."""
+    n, k = len(index), MAX_LOGPROBS
+    logprob = packed[offset:offset + n].astype(np.int32).view(np.float32)
+    top_ids = packed[offset + n:offset + n + n * k].astype(np.int32).reshape(n, k)
+    top_logprobs = packed[offset + n + n * k:offset + n + 2 * n * k].astype(np.int32).view(np.float32).reshape(n, k)
+    return TokenLogprobs(index.astype(np.int64), logprob, top_ids, top_logprobs), offset + n + 2 * n * k

@@ -12,7 +12,8 @@ Tokens are deterministic: the token sampled after position ``p`` whose
 input token is ``x`` is a hash of ``(x, p)``, mapped onto ordinary words of
 the real vocabulary. Every token therefore depends on the whole chain
 before it, so a placeholder resolved to a wrong token changes all later
-output, which is what the async-equals-sync tests need to see.
+output, which is what the async-equals-sync tests need to see. Its
+log-probabilities are stand-ins derived the same way (:func:`sim_logprobs`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 import numpy as np
 
 from pipeline.common.constants import SIM_WORD_ID_RANGE
+from pipeline.common.step_protocol import MAX_LOGPROBS
 
 _FIRST_WORD_ID = SIM_WORD_ID_RANGE[0]
 _NUM_WORD_IDS = SIM_WORD_ID_RANGE[1] - SIM_WORD_ID_RANGE[0]
@@ -77,9 +79,48 @@ def sim_next_tokens(last_input_ids: np.ndarray, last_positions: np.ndarray) -> n
     Returns:
         ``[S]`` int64 token ids in ``SIM_WORD_ID_RANGE``.
     """
-    h = (last_input_ids.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-         + last_positions.astype(np.uint64) * np.uint64(0xBF58476D1CE4E5B9))
+    h = _hash2(last_input_ids, last_positions)
+    return (h % np.uint64(_NUM_WORD_IDS)).astype(np.int64) + _FIRST_WORD_ID
+
+
+def _hash2(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """A uint64 hash of two int arrays, elementwise (a splitmix64-style finalizer)."""
+    h = a.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) + b.astype(np.uint64) * np.uint64(0xBF58476D1CE4E5B9)
     h ^= h >> np.uint64(31)
     h *= np.uint64(0x94D049BB133111EB)
     h ^= h >> np.uint64(29)
-    return (h % np.uint64(_NUM_WORD_IDS)).astype(np.int64) + _FIRST_WORD_ID
+    return h
+
+
+def sim_logprobs(input_ids: np.ndarray, positions: np.ndarray,
+                 targets: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Deterministic stand-in log-probabilities of ``targets``, each following (input token, position).
+
+    The simulated model's most likely token after ``(x, p)`` is
+    :func:`sim_next_tokens`'s, with a log-probability in (-1.05, -0.05]
+    hashed from ``(x, p)``; its other ``MAX_LOGPROBS - 1`` alternatives are
+    distinct word ids, each 0.5 below the previous. A target among them gets
+    its listed value, any other a value below all of them. Like the real
+    values they depend only on the inputs, never on the batch.
+
+    Args:
+        input_ids: ``[N]`` int64, the token at the predicting position.
+        positions: ``[N]`` int64, that position.
+        targets: ``[N]`` int64, the token whose log-probability is wanted.
+
+    Returns:
+        ``(logprob [N] float32, top_ids [N, MAX_LOGPROBS] int32,
+        top_logprobs [N, MAX_LOGPROBS] float32)``: finite, at most 0, top
+        entries in descending order.
+    """
+    h = _hash2(input_ids, positions)
+    first = (h % np.uint64(_NUM_WORD_IDS)).astype(np.int64)
+    j = np.arange(MAX_LOGPROBS)
+    # 7919 is prime to the range's size, so the alternatives are distinct.
+    top_ids = ((first[:, None] + 7919 * j) % _NUM_WORD_IDS + _FIRST_WORD_ID).astype(np.int32)
+    top0 = -0.05 - (h >> np.uint64(11)).astype(np.int64) % 1000 / 1000
+    top_lp = (top0[:, None] - 0.5 * j).astype(np.float32)
+    match = top_ids == targets[:, None]
+    other = top0 - 0.5 * MAX_LOGPROBS - _hash2(h.astype(np.int64), targets).astype(np.int64) % 1000 / 100
+    lp = np.where(match.any(1), top_lp[np.arange(len(h)), match.argmax(1)], other).astype(np.float32)
+    return lp, top_ids, top_lp

@@ -34,7 +34,9 @@ class SlotState:
     at :data:`POISON_TOKEN_ID`), ``block_table [slots, max_blocks_per_seq]``
     int64, ``temperature``/``top_p [slots]`` float32, ``top_k``/``seed
     [slots]`` int64. Host mirrors (numpy): ``host_temperature``,
-    ``host_top_p``, ``host_top_k``.
+    ``host_top_p``, ``host_top_k``; host only: ``host_logprobs [slots]``
+    int64, alternatives wanted per sampled token, -1 for no log-probabilities
+    (the worker computes all ``MAX_LOGPROBS``; io_proc keeps what was asked).
     """
 
     def __init__(self, num_slots: int, max_blocks_per_seq: int, ops: DeviceOps):
@@ -49,6 +51,7 @@ class SlotState:
         self.host_temperature = np.zeros(num_slots, dtype=np.float32)
         self.host_top_p = np.ones(num_slots, dtype=np.float32)
         self.host_top_k = np.zeros(num_slots, dtype=np.int64)
+        self.host_logprobs = np.full(num_slots, -1, dtype=np.int64)
 
     def apply(self, x: StepInputs) -> None:
         """Enqueue step ``x``'s block-table entries and its new rows' sampling parameters."""
@@ -67,3 +70,4 @@ class SlotState:
             self.seed.index_copy_(0, slots_d, seed_d)
             self.host_temperature[slots], self.host_top_p[slots] = x.temperature, x.top_p
             self.host_top_k[slots] = x.top_k
+            self.host_logprobs[slots] = x.logprobs

@@ -1,7 +1,10 @@
 """The FastAPI application: routes and the mapping of every error to an OpenAI error body.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``,
-``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize`` (vLLM's
+shapes), ``GET /health``, ``GET /metrics``. With an API key configured,
+every route but ``/health`` and ``/metrics`` needs ``Authorization: Bearer
+<key>`` (401 otherwise, as the OpenAI API and vLLM's ``--api-key`` answer).
 
 Errors: invalid input of any kind (bad JSON, a body that is not JSON, wrong
 types, out-of-range values) is HTTP 400 ``invalid_request_error`` (FastAPI's
@@ -13,6 +16,7 @@ status; anything unexpected is 500 and affects only its own request.
 
 from __future__ import annotations
 
+import hmac
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -21,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pipeline.common.config import EngineConfig
 from pipeline.io_proc.engine_client import EngineClient, EngineUnavailable
@@ -30,10 +35,12 @@ from pipeline.io_proc.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ErrorInfo,
     ErrorResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
 )
 from pipeline.io_proc.serving import OpenAIServing, json_response
 from pipeline.io_proc.tokenization import Tokenization
@@ -41,8 +48,8 @@ from pipeline.io_proc.tokenization import Tokenization
 # How long /metrics waits for the scheduler's Stats reply.
 STATS_TIMEOUT_S = 5.0
 
-_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
-                503: "service_unavailable_error"}
+_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
+                405: "invalid_request_error", 503: "service_unavailable_error"}
 
 
 def _error(status_code: int, message: str, type: str, param: str | None = None, code: str | None = None) -> Response:
@@ -76,6 +83,37 @@ def _validation_message(exc: RequestValidationError, content_type: str | None) -
     return text, param
 
 
+# Routes that answer without an API key: probes and scrapers carry none.
+_OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
+class ApiKeyAuth:
+    """ASGI middleware: HTTP requests outside :data:`_OPEN_PATHS` must carry ``Authorization: Bearer <api_key>``.
+
+    Otherwise they get 401 with an OpenAI error object
+    (``invalid_request_error``, code ``invalid_api_key``) before the body is
+    read. The key is compared in constant time.
+
+    Args:
+        app: the ASGI app.
+        api_key: the key clients must send (non-empty).
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(given, self._expected):
+                response = _error(401, "missing or invalid API key: send the header 'Authorization: Bearer <key>'",
+                                  "invalid_request_error", code="invalid_api_key")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def build_app(config: EngineConfig, client: EngineClient, tokenization: Tokenization,
               stop_token_ids: tuple[int, ...]) -> FastAPI:
     """The OpenAI-compatible app.
@@ -103,6 +141,9 @@ def build_app(config: EngineConfig, client: EngineClient, tokenization: Tokeniza
 
     app = FastAPI(title="pipeline", lifespan=lifespan)
     app.add_middleware(RequestBodyLimit, max_bytes=config.max_request_body_bytes)
+    if config.api_key:
+        # Added last, so it runs first: an unauthenticated body is never read.
+        app.add_middleware(ApiKeyAuth, api_key=config.api_key)
 
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, exc: APIError) -> Response:
@@ -129,6 +170,14 @@ def build_app(config: EngineConfig, client: EngineClient, tokenization: Tokeniza
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
         return await serving.completion(request, raw_request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> Response:
+        return await serving.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> Response:
+        return await serving.detokenize(request)
 
     @app.get("/v1/models")
     async def show_models() -> Response:

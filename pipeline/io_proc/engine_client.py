@@ -152,7 +152,9 @@ class EngineClient:
 
         Args:
             prompt_token_ids: the prompt, already checked against ``max_model_len``.
-            params: sampling parameters (``max_tokens`` already clamped).
+            params: sampling parameters (``max_tokens`` already clamped; 0
+                returns only what the prompt gives: its log-probabilities if
+                asked, and the request finishes with "length").
             stop: stop strings (possibly empty).
             streaming: the consumer reads :meth:`RequestState.updates` (woken
                 per step) rather than :meth:`RequestState.wait_finished`.
@@ -163,7 +165,14 @@ class EngineClient:
         """
         req_num = next(self._req_nums)
         processor = OutputProcessor(self._new_detokenizer(), params, stop)
-        state = RequestState(req_num, len(prompt_token_ids), processor, streaming, return_token_ids)
+        state = RequestState(req_num, len(prompt_token_ids), processor, streaming, return_token_ids, params,
+                             prompt_token_ids)
+        if params.max_tokens == 0 and state.prompt_logprobs_missing == 0:
+            # Nothing for the device to compute (an echo of a one-token prompt,
+            # or without log-probabilities): finished as it starts.
+            state.deliver("", "length", 0)
+            self.num_finished["length"] += 1
+            return state
         state.engine = self._pick_engine()
         # Registered before sending: the first token may arrive right after.
         self._requests[req_num] = state

@@ -5,7 +5,11 @@ The thread reads every ``StepOutput`` from the output ring as reader
 work, runs each row through its request's
 :class:`~pipeline.io_proc.detokenizer.OutputProcessor` (detokenization, stop
 strings, ``check_finish``), and hands the step's results to the event loop
-with one ``call_soon_threadsafe`` (docs/design.md, "io_proc").
+with one ``call_soon_threadsafe`` (docs/design.md, "io_proc"). Log-probabilities
+travel in the same StepOutput: each output token's entry is stored on its
+request before the token is delivered, and prompt entries are stored by
+position; a request with ``max_tokens`` 0 finishes when its last prompt
+entry arrives, in the step where the scheduler finishes it too.
 
 The table of live requests is shared with the
 :class:`~pipeline.io_proc.engine_client.EngineClient` (single dict
@@ -27,8 +31,9 @@ from collections.abc import Callable
 from pipeline.common.constants import POLL_INTERVAL_S
 from pipeline.common.messages import FinishReason
 from pipeline.common.shm_ring import RingTimeout, ShmRing
-from pipeline.common.step_protocol import OUTPUT_READER_IO, StepOutput
+from pipeline.common.step_protocol import OUTPUT_READER_IO, DecodedOutput, StepOutput, TokenLogprobs
 from pipeline.common.trace import TraceRecorder
+from pipeline.io_proc.logprobs import TokenLogprob
 from pipeline.io_proc.request_state import RequestState
 
 logger = logging.getLogger(__name__)
@@ -99,10 +104,10 @@ class OutputReader:
                 t0 = time.monotonic_ns()
                 # read() copies the rows out, so the slot goes back to the
                 # worker before any text work is done.
-                out = slot.read()
+                out = slot.read(logprobs=True)
                 ring.release_read(reader)
-                if out.req_nums:
-                    self.process_step(out.req_nums, out.token_ids)
+                if out.req_nums or out.prompt_logprobs is not None:
+                    self.process_step(out)
                 if self._trace is not None:
                     self._trace.add("io_proc", "output", "detokenize", out.step_id, t0, time.monotonic_ns())
                     self._trace.add_step_cpu("io_proc", out.step_id)
@@ -110,17 +115,30 @@ class OutputReader:
             self.error = e
             logger.exception("output reader thread failed")
 
-    def process_step(self, req_nums: list[int], token_ids: list[int]) -> None:
-        """Run one step's rows (``req_nums[i]`` sampled ``token_ids[i]``) through
-        their requests and dispatch the results to the loop (reader thread)."""
+    def process_step(self, out: DecodedOutput) -> None:
+        """Run one step's rows (``out.req_nums[i]`` sampled ``out.token_ids[i]``) and
+        log-probabilities through their requests and dispatch the results to the
+        loop (reader thread).
+
+        Prompt entries come first: a request's last prompt entries arrive in
+        the step that samples its first token.
+        """
         requests = self._requests
         outputs: list[StepResult] = []
+        if out.prompt_logprobs is not None:
+            self._prompt_logprobs(out.prompt_logprobs, outputs)
+        rows = {} if out.logprobs is None else {int(r): i for i, r in enumerate(out.logprobs.index)}
         accepted = 0
-        for req_num, token_id in zip(req_nums, token_ids):
+        for row, (req_num, token_id) in enumerate(zip(out.req_nums, out.token_ids)):
             state = requests.get(req_num)
             if state is None:
                 continue
             accepted += 1
+            i = rows.get(row)
+            if i is not None:
+                lp = out.logprobs
+                state.logprobs.append(TokenLogprob.of(token_id, lp.logprob[i], lp.top_ids[i], lp.top_logprobs[i],
+                                                      state.params.logprobs))
             try:
                 text, finish, needs_abort = state.processor.push(token_id)
             except Exception:
@@ -136,3 +154,21 @@ class OutputReader:
         self.num_generation_tokens += accepted
         if outputs:
             self._loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    def _prompt_logprobs(self, plp: TokenLogprobs, outputs: list[StepResult]) -> None:
+        """Store prompt entries by position; finish requests with ``max_tokens`` 0 that are complete."""
+        requests = self._requests
+        touched = {}
+        for i, (req_num, pos) in enumerate(zip(plp.index.tolist(), plp.pos.tolist())):
+            state = requests.get(req_num)
+            if state is None or state.prompt_logprobs is None:
+                continue
+            k = state.params.prompt_logprobs
+            state.set_prompt_logprob(pos, TokenLogprob.of(state.prompt_token_ids[pos], plp.logprob[i],
+                                                          plp.top_ids[i], plp.top_logprobs[i], k))
+            touched[req_num] = state
+        for req_num, state in touched.items():
+            # The scheduler finishes such a request in the step that computes its last prompt entry.
+            if state.params.max_tokens == 0 and state.prompt_logprobs_missing == 0:
+                requests.pop(req_num, None)
+                outputs.append((state, "", "length", 0))

@@ -25,10 +25,15 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from pipeline.common.step_protocol import MAX_LOGPROBS
 
 # The OpenAI API accepts at most four stop sequences.
 MAX_STOP_STRINGS = 4
+# Prompts in one completions request (a list of strings or of token-id lists),
+# as the OpenAI API bounds a batched input; each becomes its own request.
+MAX_PROMPTS = 2048
 
 
 # -- errors -------------------------------------------------------------------
@@ -132,8 +137,6 @@ class SamplingRequest(_Request):
     n: int | None = None
     return_token_ids: bool = False
     # Accepted only at their "off" values: refusing is more honest than ignoring them.
-    logprobs: bool | int | None = None
-    top_logprobs: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict | None = None
@@ -143,7 +146,6 @@ class SamplingRequest(_Request):
     @model_validator(mode="after")
     def _check_unsupported(self) -> SamplingRequest:
         unsupported = {
-            "logprobs": self.logprobs not in (None, False, 0), "top_logprobs": bool(self.top_logprobs),
             "presence_penalty": bool(self.presence_penalty), "frequency_penalty": bool(self.frequency_penalty),
             "logit_bias": bool(self.logit_bias), "tools": bool(self.tools),
             "response_format": self.response_format not in (None, {"type": "text"}),
@@ -197,12 +199,38 @@ class SamplingRequest(_Request):
         """The client's output-token limit, or None for "up to ``max_model_len``"."""
         return self.max_tokens
 
+    def sampled_logprobs(self) -> int:
+        """Alternatives wanted with each output token's log-probability; -1 for no log-probabilities."""
+        return -1
+
+    def prompt_logprobs(self) -> int:
+        """Alternatives wanted with each prompt token's log-probability; -1 for none."""
+        return -1
+
 
 class ChatCompletionRequest(SamplingRequest):
-    """Body of ``POST /v1/chat/completions``. ``max_completion_tokens`` wins over ``max_tokens``."""
+    """Body of ``POST /v1/chat/completions``. ``max_completion_tokens`` wins over ``max_tokens``.
+
+    ``logprobs: true`` returns each output token's log-probability, with its
+    ``top_logprobs`` (0..20) most likely alternatives; ``top_logprobs``
+    needs ``logprobs: true`` (OpenAI API reference; vLLM refuses it
+    otherwise too).
+    """
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _check_top_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs requires logprobs: true")
+        return v
+
+    def sampled_logprobs(self) -> int:
+        return (self.top_logprobs or 0) if self.logprobs else -1
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -211,32 +239,102 @@ class ChatCompletionRequest(SamplingRequest):
 class CompletionRequest(SamplingRequest):
     """Body of ``POST /v1/completions``.
 
-    ``prompt`` is a non-empty string, a list holding exactly one such string,
-    or a non-empty list of token ids (ints >= 0; the upper bound is checked
-    against the tokenizer when the request is served). After validation it
-    is a ``str`` or a ``list[int]``.
+    ``prompt`` is, as in the OpenAI API, a non-empty string, a list of such
+    strings, a non-empty list of token ids (ints >= 0; the upper bound is
+    checked against the tokenizer when the request is served), or a list of
+    such lists; each prompt of a list gets its own choice, ``index`` in list
+    order. After validation it is a list of prompts, each a ``str`` or a
+    ``list[int]``.
+
+    ``logprobs`` (0..20) returns each token's log-probability and that many
+    alternatives; ``echo`` prepends the prompt to the text (and, with
+    ``logprobs``, the prompt tokens' log-probabilities, the first null).
+    ``max_tokens`` 0 is allowed with ``echo`` (the prompt alone: what
+    evaluation harnesses score).
     """
 
     prompt: Any
+    max_tokens: int | None = Field(default=None, ge=0)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _check_prompt(cls, v: Any) -> str | list[int]:
-        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], str):
-            v = v[0]
-        if isinstance(v, str):
-            if not v:
-                raise ValueError("prompt must not be empty")
-            return v
-        if isinstance(v, list) and v and all(type(t) is int for t in v):
-            if min(v) < 0:
-                raise ValueError("prompt token ids must be >= 0")
-            return v
-        raise ValueError("prompt must be a non-empty string, a list with exactly one string, "
-                         "or a non-empty list of token ids (batched prompts are not supported)")
+    def _check_prompt(cls, v: Any) -> list[str | list[int]]:
+        if isinstance(v, str) or (isinstance(v, list) and v and all(type(t) is int for t in v)):
+            v = [v]
+        if not isinstance(v, list) or not v or len(v) > MAX_PROMPTS:
+            raise ValueError(f"prompt must be a non-empty string, a list of 1 to {MAX_PROMPTS} strings, "
+                             "a non-empty list of token ids, or a list of such lists")
+        if len({type(p) for p in v}) > 1:
+            raise ValueError("a list of prompts must hold only strings or only token-id lists, not both")
+        for p in v:
+            if isinstance(p, str):
+                if not p:
+                    raise ValueError("prompts must not be empty")
+            elif isinstance(p, list) and p and all(type(t) is int for t in p):
+                if min(p) < 0:
+                    raise ValueError("prompt token ids must be >= 0")
+            else:
+                raise ValueError("each prompt of a list must be a non-empty string or a non-empty list of token "
+                                 "ids >= 0")
+        return v
+
+    def sampled_logprobs(self) -> int:
+        return -1 if self.logprobs is None else self.logprobs
+
+    def prompt_logprobs(self) -> int:
+        return self.logprobs if self.echo and self.logprobs is not None else -1
+
+
+class TokenizeRequest(_Request):
+    """Body of ``POST /tokenize`` (vLLM's shape): a ``prompt``, or chat ``messages`` rendered
+    with the chat template (``add_generation_prompt``, default true), exactly one of them."""
+
+    model: str | None = None
+    prompt: str | None = None
+    add_special_tokens: bool = True
+    # validate_default: the one-of check runs when messages is absent too.
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1, validate_default=True)
+    add_generation_prompt: bool = True
+
+    @field_validator("messages")
+    @classmethod
+    def _one_input(cls, v: list[ChatMessage] | None, info: ValidationInfo) -> list[ChatMessage] | None:
+        if (v is None) == (info.data.get("prompt") is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return v
+
+
+class DetokenizeRequest(_Request):
+    """Body of ``POST /detokenize`` (vLLM's shape): token ids to turn back into text."""
+
+    model: str | None = None
+    tokens: list[int]
+
+    @field_validator("tokens")
+    @classmethod
+    def _check_tokens(cls, v: list[int]) -> list[int]:
+        if v and min(v) < 0:
+            raise ValueError("token ids must be >= 0")
+        return v
 
 
 # -- responses ----------------------------------------------------------------
+
+
+class TokenizeResponse(msgspec.Struct, kw_only=True):
+    """``{"count", "max_model_len", "tokens"}``, as vLLM answers ``/tokenize``."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(msgspec.Struct, kw_only=True):
+    """``{"prompt": text}``, as vLLM answers ``/detokenize``."""
+
+    prompt: str
 
 
 class UsageInfo(msgspec.Struct, kw_only=True):
@@ -255,11 +353,12 @@ class ChatCompletionMessage(msgspec.Struct, kw_only=True):
 
 
 class ChatCompletionChoice(msgspec.Struct, kw_only=True):
-    """The one choice of a ``chat.completion`` (``n`` is always 1)."""
+    """The one choice of a ``chat.completion`` (``n`` is always 1); ``logprobs`` is
+    ``{"content": [...]}`` (see :func:`~pipeline.io_proc.logprobs.chat_logprobs`) when asked."""
 
     index: int = 0
     message: ChatCompletionMessage
-    logprobs: None = None
+    logprobs: dict | None = None
     finish_reason: str | None
     token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
 
@@ -284,11 +383,12 @@ class DeltaMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class ChatCompletionChunkChoice(msgspec.Struct, kw_only=True):
-    """The one choice of a chunk; ``finish_reason`` is null until the last."""
+    """The one choice of a chunk; ``finish_reason`` is null until the last; ``logprobs``
+    covers the chunk's tokens when asked."""
 
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: dict | None = None
     finish_reason: str | None = None
     token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
 
@@ -308,11 +408,12 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
 
 
 class CompletionChoice(msgspec.Struct, kw_only=True):
-    """The one choice of a ``text_completion`` (whole or chunk)."""
+    """One choice of a ``text_completion`` (whole or chunk), one per prompt; ``logprobs`` is
+    the legacy object (see :func:`~pipeline.io_proc.logprobs.completion_logprobs`) when asked."""
 
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: dict | None = None
     finish_reason: str | None = None
     prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
     token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET

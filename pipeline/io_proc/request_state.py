@@ -16,8 +16,9 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-from pipeline.common.messages import FinishReason
+from pipeline.common.messages import FinishReason, SamplingParams
 from pipeline.io_proc.detokenizer import OutputProcessor
+from pipeline.io_proc.logprobs import TokenLogprob
 
 
 class RequestState:
@@ -34,7 +35,14 @@ class RequestState:
         num_output_tokens: output tokens delivered to this side so far (all
             of them once finished).
         every_token: deliver every token, even one that adds no text (a
-            stream that returns token ids).
+            stream that returns token ids or log-probabilities).
+        logprobs: each output token's :class:`TokenLogprob`, appended by the
+            reader thread before the token is delivered (requests that asked
+            for log-probabilities; otherwise stays empty).
+        prompt_logprobs: per prompt position, its :class:`TokenLogprob`
+            (position 0's logprob is None: nothing predicts it), filled by the
+            reader thread; None unless the request asked for them.
+        prompt_logprobs_missing: prompt positions whose entry has not arrived.
         released: the client side is done with it (set by ``EngineClient.release``).
         engine: the data-parallel engine that serves it (0 with one engine).
         arrival_time: ``time.perf_counter()`` when it was added (seconds).
@@ -44,17 +52,28 @@ class RequestState:
     """
 
     __slots__ = ("req_num", "prompt_len", "processor", "finish_reason", "num_output_tokens", "every_token",
-                 "released", "engine", "arrival_time", "delivery_times", "_streaming", "_pieces", "_ids_taken",
+                 "released", "engine", "arrival_time", "delivery_times", "params", "prompt_token_ids", "logprobs",
+                 "prompt_logprobs", "prompt_logprobs_missing", "_streaming", "_pieces", "_ids_taken", "_lps_taken",
                  "_event")
 
     def __init__(self, req_num: int, prompt_len: int, processor: OutputProcessor, streaming: bool,
-                 return_token_ids: bool):
+                 return_token_ids: bool, params: SamplingParams | None = None,
+                 prompt_token_ids: list[int] | None = None):
         self.req_num = req_num
         self.prompt_len = prompt_len
         self.processor = processor
         self.finish_reason: FinishReason | None = None
         self.num_output_tokens = 0
-        self.every_token = streaming and return_token_ids
+        self.params = params
+        self.prompt_token_ids = prompt_token_ids
+        wants_logprobs = params is not None and params.logprobs >= 0
+        self.every_token = streaming and (return_token_ids or wants_logprobs)
+        self.logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
+        self.prompt_logprobs_missing = 0
+        if params is not None and params.prompt_logprobs >= 0 and prompt_token_ids:
+            self.prompt_logprobs = [TokenLogprob(prompt_token_ids[0], None, [], [])] + [None] * (prompt_len - 1)
+            self.prompt_logprobs_missing = prompt_len - 1
         self.released = False
         self.engine = 0
         self.arrival_time = time.perf_counter()
@@ -62,6 +81,7 @@ class RequestState:
         self._streaming = streaming
         self._pieces: list[str] = []
         self._ids_taken = 0
+        self._lps_taken = 0
         self._event = asyncio.Event()
 
     def deliver(self, text: str, finish: FinishReason | None, num_output_tokens: int) -> None:
@@ -98,16 +118,31 @@ class RequestState:
         self._ids_taken = self.num_output_tokens
         return ids
 
+    def take_logprobs(self) -> list[TokenLogprob]:
+        """Log-probabilities of the output tokens delivered since the last call."""
+        # As take_token_ids: the reader appends an entry before its token is delivered.
+        end = min(self.num_output_tokens, len(self.logprobs))
+        lps = self.logprobs[self._lps_taken:end]
+        self._lps_taken = end
+        return lps
+
+    def set_prompt_logprob(self, pos: int, entry: TokenLogprob) -> None:
+        """Record prompt position ``pos``'s entry (reader thread); a repeat (after a preemption) is ignored."""
+        if self.prompt_logprobs[pos] is None:
+            self.prompt_logprobs[pos] = entry
+            self.prompt_logprobs_missing -= 1
+
     async def wait_finished(self) -> None:
         """Return once the request has a finish reason."""
         while self.finish_reason is None:
             await self._event.wait()
             self._event.clear()
 
-    async def updates(self) -> AsyncIterator[tuple[str, list[int]]]:
-        """Yield ``(text, token_ids)`` as output arrives; end when the request finishes.
+    async def updates(self) -> AsyncIterator[tuple[str, list[int], list[TokenLogprob]]]:
+        """Yield ``(text, token_ids, logprobs)`` as output arrives; end when the request finishes.
 
-        ``token_ids`` are the output tokens since the previous update. An
+        ``token_ids`` are the output tokens since the previous update, and
+        ``logprobs`` their entries (empty unless the request asked). An
         update is yielded when there is text, or, with :attr:`every_token`,
         when there are tokens. What arrived while the consumer was busy is
         joined into one update, so a slow client costs fewer chunks, not
@@ -116,8 +151,8 @@ class RequestState:
         while True:
             await self._event.wait()
             self._event.clear()
-            text, ids = self.take_text(), self.take_token_ids()
+            text, ids, lps = self.take_text(), self.take_token_ids(), self.take_logprobs()
             if text or (ids and self.every_token):
-                yield text, ids
+                yield text, ids, lps
             if self.finish_reason is not None:
                 return

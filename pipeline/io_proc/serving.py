@@ -16,7 +16,14 @@ non-streamed text: both read the same per-request deltas.
 With ``return_token_ids`` (vLLM), the prompt token ids go in the first chunk
 and each chunk carries the output token ids it covers, so a stream sends a
 chunk per token even when a token adds no text (part of a character, or text
-held back for stop strings).
+held back for stop strings). Log-probabilities stream the same way: each
+chunk carries the entries of the tokens it covers.
+
+A completions request with a list of prompts runs one engine request per
+prompt, concurrently; choice ``i`` answers prompt ``i`` (OpenAI API), and a
+stream interleaves the choices' chunks as their tokens arrive. With
+``echo``, a choice's text starts with its prompt (the prompt string, or the
+decoded token ids), and its first streamed chunk is that prompt.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from starlette.types import Receive, Scope, Send
 from pipeline.common.config import EngineConfig
 from pipeline.common.messages import SamplingParams
 from pipeline.io_proc.engine_client import EngineClient, EngineUnavailable
+from pipeline.io_proc.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
 from pipeline.io_proc.protocol import (
     APIError,
     ChatCompletionChoice,
@@ -48,9 +56,13 @@ from pipeline.io_proc.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
     SamplingRequest,
+    TokenizeRequest,
+    TokenizeResponse,
     UsageInfo,
 )
 from pipeline.io_proc.request_state import RequestState
@@ -119,6 +131,11 @@ class OpenAIServing:
         # asynchronous device assert on CUDA) and decode with the tokenizer.
         self._vocab_limit = min(tokenization.vocab_size, config.vocab_size or tokenization.vocab_size)
 
+    @property
+    def _texts(self):
+        """Token texts and bytes for log-probabilities."""
+        return self._tokenization.token_texts
+
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         """Serve ``POST /v1/chat/completions``.
 
@@ -133,46 +150,94 @@ class OpenAIServing:
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         prompt_ids = prompt if req.return_token_ids else msgspec.UNSET
         if req.stream:
-            return _EventStream(self._chat_stream(state, rid, created, req.include_usage(), prompt_ids),
+            return _EventStream(self._chat_stream(req, [state], rid, created, prompt_ids),
                                 lambda: self._client.release(state))
-        if not await self._wait(state, raw):
+        if not await self._wait([state], raw):
             return Response(status_code=_CLIENT_CLOSED)
+        logprobs = {"content": chat_logprobs(self._texts, state.take_logprobs())} if req.logprobs else None
         return json_response(ChatCompletionResponse(
             id=rid, created=created, model=self._model, prompt_token_ids=prompt_ids,
             choices=[ChatCompletionChoice(message=ChatCompletionMessage(content=state.take_text()),
-                                          finish_reason=state.finish_reason,
+                                          logprobs=logprobs, finish_reason=state.finish_reason,
                                           token_ids=self._output_ids(req, state))],
-            usage=self._usage(state)))
+            usage=self._usage([state])))
 
     async def completion(self, req: CompletionRequest, raw: Request) -> Response:
-        """Serve ``POST /v1/completions``.
+        """Serve ``POST /v1/completions``: one choice per prompt.
 
         Raises:
-            APIError: as :meth:`chat`, and 400 for token ids outside the vocabulary.
+            APIError: as :meth:`chat`, 400 for token ids outside the vocabulary,
+                and 400 for ``max_tokens`` 0 without ``echo``.
         """
         self._check_model(req)
-        if isinstance(req.prompt, str):
-            self._check_chars(len(req.prompt), "prompt")
-            prompt = await self._tokenization.encode_text(req.prompt)
-        else:
-            prompt = req.prompt
-        state = self._start(req, prompt, "prompt")
+        if req.max_tokens == 0 and not req.echo:
+            raise APIError.bad_request("max_tokens must be at least 1 unless echo is true", param="max_tokens")
+        prompts: list[list[int]] = []
+        for p in req.prompt:
+            if isinstance(p, str):
+                self._check_chars(len(p), "prompt")
+                prompts.append(await self._tokenization.encode_text(p))
+            else:
+                prompts.append(p)
+        echoes = [p if isinstance(p, str) else await self._tokenization.decode(p) for p in req.prompt] \
+            if req.echo else [""] * len(prompts)
+        states: list[RequestState] = []
+        try:
+            for ids in prompts:
+                states.append(self._start(req, ids, "prompt"))
+        except APIError:
+            for st in states:
+                self._client.release(st)
+            raise
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        prompt_ids = prompt if req.return_token_ids else msgspec.UNSET
+        prompt_ids = prompts if req.return_token_ids else [msgspec.UNSET] * len(prompts)
         if req.stream:
-            return _EventStream(self._completion_stream(state, rid, created, req.include_usage(), prompt_ids),
-                                lambda: self._client.release(state))
-        if not await self._wait(state, raw):
+            return _EventStream(self._completion_stream(req, states, echoes, rid, created, prompt_ids),
+                                lambda: [self._client.release(st) for st in states])
+        if not await self._wait(states, raw):
             return Response(status_code=_CLIENT_CLOSED)
-        return json_response(CompletionResponse(
-            id=rid, created=created, model=self._model,
-            choices=[CompletionChoice(text=state.take_text(), finish_reason=state.finish_reason,
-                                      prompt_token_ids=prompt_ids, token_ids=self._output_ids(req, state))],
-            usage=self._usage(state)))
+        choices = []
+        for i, st in enumerate(states):
+            logprobs = None
+            if req.logprobs is not None:
+                entries = (st.prompt_logprobs if req.echo else []) + st.take_logprobs()
+                logprobs = completion_logprobs(self._texts, entries)
+            choices.append(CompletionChoice(index=i, text=echoes[i] + st.take_text(), logprobs=logprobs,
+                                            finish_reason=st.finish_reason, prompt_token_ids=prompt_ids[i],
+                                            token_ids=self._output_ids(req, st)))
+        return json_response(CompletionResponse(id=rid, created=created, model=self._model, choices=choices,
+                                                usage=self._usage(states)))
+
+    async def tokenize(self, req: TokenizeRequest) -> Response:
+        """Serve ``POST /tokenize`` (vLLM's shape): the ids a prompt or a conversation encodes to.
+
+        Raises:
+            APIError: 404 unknown model, 400 too long a text or a template error.
+        """
+        self._check_model(req)
+        if req.prompt is not None:
+            self._check_chars(len(req.prompt), "prompt")
+            ids = await self._tokenization.encode_text(req.prompt, req.add_special_tokens)
+        else:
+            self._check_chars(sum(len(m.text()) for m in req.messages), "messages")
+            ids = await self._tokenization.encode_chat(req.messages, req.add_generation_prompt)
+        return json_response(TokenizeResponse(count=len(ids), max_model_len=self._max_model_len, tokens=ids))
+
+    async def detokenize(self, req: DetokenizeRequest) -> Response:
+        """Serve ``POST /detokenize`` (vLLM's shape): the text of token ids.
+
+        Raises:
+            APIError: 404 unknown model, 400 an id outside the vocabulary.
+        """
+        self._check_model(req)
+        if req.tokens and max(req.tokens) >= self._vocab_limit:
+            raise APIError.bad_request(f"token id {max(req.tokens)} is out of range: the vocabulary has "
+                                       f"{self._vocab_limit} tokens", param="tokens")
+        return json_response(DetokenizeResponse(prompt=await self._tokenization.decode(req.tokens)))
 
     # -- shared steps ------------------------------------------------------------
 
-    def _check_model(self, req: SamplingRequest) -> None:
+    def _check_model(self, req: SamplingRequest | TokenizeRequest | DetokenizeRequest) -> None:
         if req.model is not None and req.model != self._model:
             raise APIError(404, f"The model `{req.model}` does not exist. This server serves `{self._model}`.",
                            type="invalid_request_error", param="model", code="model_not_found")
@@ -225,6 +290,8 @@ class OpenAIServing:
             seed=secrets.randbits(63) if req.seed is None else req.seed & _SEED_MASK,
             ignore_eos=req.ignore_eos,
             stop_token_ids=self._stop_token_ids,
+            logprobs=req.sampled_logprobs(),
+            prompt_logprobs=req.prompt_logprobs(),
         )
         try:
             return self._client.add_request(prompt, params, req.stop_strings(), streaming=req.stream,
@@ -232,96 +299,157 @@ class OpenAIServing:
         except EngineUnavailable as e:
             raise APIError(503, f"{e}; retry later", type="service_unavailable_error") from None
 
-    async def _wait(self, state: RequestState, raw: Request) -> bool:
-        """Wait for a non-streaming request to finish; False if the client left
-        first (then the request is aborted at once, within the step).
+    async def _wait(self, states: list[RequestState], raw: Request) -> bool:
+        """Wait for non-streaming requests to finish; False if the client left
+        first (then the requests are aborted at once, within the step).
 
         Raises:
-            APIError: 503 if the server ended the request (shutting down).
+            APIError: 503 if the server ended a request (shutting down).
         """
-        finished = asyncio.ensure_future(state.wait_finished())
+        finished = asyncio.ensure_future(asyncio.gather(*(st.wait_finished() for st in states)))
         left = asyncio.ensure_future(_client_left(raw))
         try:
             await asyncio.wait((finished, left), return_when=asyncio.FIRST_COMPLETED)
-            if state.finish_reason is None:
+            if any(st.finish_reason is None for st in states):
                 return False
-            if state.finish_reason == "abort":
+            if any(st.finish_reason == "abort" for st in states):
                 raise APIError(503, _ABORTED, type="service_unavailable_error")
             return True
         finally:
             finished.cancel()
             left.cancel()
-            self._client.release(state)
+            for st in states:
+                self._client.release(st)
 
     @staticmethod
     def _output_ids(req: SamplingRequest, state: RequestState) -> list[int] | msgspec.UnsetType:
         return state.take_token_ids() if req.return_token_ids else msgspec.UNSET
 
     @staticmethod
-    def _usage(state: RequestState) -> UsageInfo:
-        return UsageInfo(prompt_tokens=state.prompt_len, completion_tokens=state.num_output_tokens,
-                         total_tokens=state.prompt_len + state.num_output_tokens)
+    def _usage(states: list[RequestState]) -> UsageInfo:
+        prompt = sum(st.prompt_len for st in states)
+        completion = sum(st.num_output_tokens for st in states)
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
     # -- streams -------------------------------------------------------------------
 
-    async def _chat_stream(self, state: RequestState, rid: str, created: int, include_usage: bool,
+    async def _chat_stream(self, req: ChatCompletionRequest, states: list[RequestState], rid: str, created: int,
                            prompt_ids: list[int] | msgspec.UnsetType) -> AsyncIterator[bytes]:
+        include_usage = req.include_usage()
         usage = None if include_usage else msgspec.UNSET
         with_ids = prompt_ids is not msgspec.UNSET
 
-        def chunk(delta: DeltaMessage, finish_reason: str | None = None,
-                  token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET,
+        def chunk(i: int, delta: DeltaMessage, finish_reason: str | None = None,
+                  token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET, logprobs: dict | None = None,
                   prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET) -> bytes:
             return _sse(ChatCompletionChunk(
                 id=rid, created=created, model=self._model, usage=usage, prompt_token_ids=prompt_token_ids,
-                choices=[ChatCompletionChunkChoice(delta=delta, finish_reason=finish_reason, token_ids=token_ids)]))
+                choices=[ChatCompletionChunkChoice(index=i, delta=delta, finish_reason=finish_reason,
+                                                   token_ids=token_ids, logprobs=logprobs)]))
 
         try:
-            yield chunk(DeltaMessage(role="assistant", content=""), prompt_token_ids=prompt_ids)
-            async for text, ids in state.updates():
-                yield chunk(DeltaMessage(content=text), token_ids=ids if with_ids else msgspec.UNSET)
-            if state.finish_reason == "abort":
-                yield _stream_aborted()
-                yield _DONE
-                return
-            yield chunk(DeltaMessage(), state.finish_reason)
+            for i in range(len(states)):
+                yield chunk(i, DeltaMessage(role="assistant", content=""), prompt_token_ids=prompt_ids)
+            async for i, update in _merged_updates(states):
+                st = states[i]
+                if update is not None:
+                    text, ids, lps = update
+                    logprobs = {"content": chat_logprobs(self._texts, lps)} if req.logprobs else None
+                    yield chunk(i, DeltaMessage(content=text), token_ids=ids if with_ids else msgspec.UNSET,
+                                logprobs=logprobs)
+                elif st.finish_reason == "abort":
+                    yield _stream_aborted()
+                    yield _DONE
+                    return
+                else:
+                    yield chunk(i, DeltaMessage(), st.finish_reason)
             if include_usage:
                 yield _sse(ChatCompletionChunk(id=rid, created=created, model=self._model, choices=[],
-                                               usage=self._usage(state)))
+                                               usage=self._usage(states)))
         except Exception:
             # Headers are sent: the error can only travel in the stream.
             logger.exception("chat stream %s failed", rid)
             yield _stream_error()
         yield _DONE
 
-    async def _completion_stream(self, state: RequestState, rid: str, created: int, include_usage: bool,
-                                 prompt_ids: list[int] | msgspec.UnsetType) -> AsyncIterator[bytes]:
+    async def _completion_stream(self, req: CompletionRequest, states: list[RequestState], echoes: list[str],
+                                 rid: str, created: int,
+                                 prompt_ids: list[list[int] | msgspec.UnsetType]) -> AsyncIterator[bytes]:
+        include_usage = req.include_usage()
         usage = None if include_usage else msgspec.UNSET
-        with_ids = prompt_ids is not msgspec.UNSET
+        with_ids = req.return_token_ids
+        started = [False] * len(states)
+        offsets = [0] * len(states)  # text_offset of each choice's next token
 
-        def chunk(text: str, finish_reason: str | None = None,
-                  token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET) -> bytes:
-            nonlocal prompt_ids  # sent once, with the first chunk
-            c = CompletionChoice(text=text, finish_reason=finish_reason, prompt_token_ids=prompt_ids,
+        def chunk(i: int, text: str, finish_reason: str | None = None,
+                  token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET,
+                  entries: list[TokenLogprob] | None = None) -> bytes:
+            logprobs = None
+            if req.logprobs is not None and entries is not None:
+                logprobs = completion_logprobs(self._texts, entries, offsets[i])
+                if entries:
+                    offsets[i] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+            c = CompletionChoice(index=i, text=text, finish_reason=finish_reason, logprobs=logprobs,
+                                 prompt_token_ids=prompt_ids[i] if not started[i] else msgspec.UNSET,
                                  token_ids=token_ids)
-            prompt_ids = msgspec.UNSET
+            started[i] = True  # the prompt ids go with a choice's first chunk only
             return _sse(CompletionResponse(id=rid, created=created, model=self._model, usage=usage, choices=[c]))
 
         try:
-            async for text, ids in state.updates():
-                yield chunk(text, token_ids=ids if with_ids else msgspec.UNSET)
-            if state.finish_reason == "abort":
-                yield _stream_aborted()
-                yield _DONE
-                return
-            yield chunk("", state.finish_reason)
+            async for i, update in _merged_updates(states):
+                st = states[i]
+                if st.finish_reason == "abort" and update is None:
+                    yield _stream_aborted()
+                    yield _DONE
+                    return
+                if req.echo and not started[i]:
+                    # The prompt's entries are complete once any output (or the finish) has come.
+                    yield chunk(i, echoes[i], entries=st.prompt_logprobs)
+                if update is not None:
+                    text, ids, lps = update
+                    yield chunk(i, text, token_ids=ids if with_ids else msgspec.UNSET, entries=lps)
+                else:
+                    yield chunk(i, "", st.finish_reason)
             if include_usage:
                 yield _sse(CompletionResponse(id=rid, created=created, model=self._model, choices=[],
-                                              usage=self._usage(state)))
+                                              usage=self._usage(states)))
         except Exception:
             logger.exception("completion stream %s failed", rid)
             yield _stream_error()
         yield _DONE
+
+
+async def _merged_updates(states: list[RequestState]) -> AsyncIterator[tuple[int, tuple | None]]:
+    """Each request's :meth:`RequestState.updates` as ``(i, update)``, as they arrive, then
+    ``(i, None)`` when request ``i`` has finished; ends when all have."""
+    if len(states) == 1:
+        async for update in states[0].updates():
+            yield 0, update
+        yield 0, None
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, st: RequestState) -> None:
+        try:
+            async for update in st.updates():
+                queue.put_nowait((i, update))
+            queue.put_nowait((i, None))
+        except Exception as e:  # surfaces in the consumer, which owns the stream
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, st)) for i, st in enumerate(states)]
+    try:
+        remaining = len(states)
+        while remaining:
+            i, update = await queue.get()
+            if isinstance(update, Exception):
+                raise update
+            if update is None:
+                remaining -= 1
+            yield i, update
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 async def _client_left(raw: Request) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 from jinja2 import TemplateError
 
 from pipeline.io_proc.detokenizer import IncrementalDetokenizer, NewDetokenizer
+from pipeline.io_proc.logprobs import TokenTexts
 from pipeline.io_proc.protocol import APIError, ChatMessage
 
 
@@ -111,9 +112,9 @@ class Tokenization:
         """Characters beyond which a text surely encodes to more than ``max_tokens`` tokens."""
         return max_tokens * self.max_token_chars
 
-    async def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
+    async def encode_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
         """Prompt token ids of a conversation, rendered with the model's chat
-        template and the generation prompt appended.
+        template and (unless ``add_generation_prompt`` is false) the generation prompt appended.
 
         Raises:
             APIError: 400 if the model has no chat template or the template
@@ -124,26 +125,38 @@ class Tokenization:
                                        param="messages")
         conversation = [{"role": m.template_role(), "content": _utf8(m.text(), "messages")} for m in messages]
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._apply_chat_template, conversation)
+        return await loop.run_in_executor(self._executor, self._apply_chat_template, conversation,
+                                          add_generation_prompt)
 
-    def _apply_chat_template(self, conversation: list[dict[str, str]]) -> list[int]:
+    def _apply_chat_template(self, conversation: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
         try:
-            out = self._tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+            out = self._tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=True)
         except TemplateError as e:
             raise APIError.bad_request(f"the chat template rejected the messages: {e}", param="messages") from e
         # transformers 5 returns a BatchEncoding; older versions a plain list.
         ids = out["input_ids"] if isinstance(out, Mapping) else out
         return list(ids)
 
-    async def encode_text(self, text: str) -> list[int]:
+    async def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Prompt token ids of a completion prompt (with the tokenizer's usual
-        special tokens, e.g. BOS, as vLLM does)."""
+        special tokens, e.g. BOS, unless ``add_special_tokens`` is false, as vLLM does)."""
         _utf8(text, "prompt")
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._encode_text, text)
+        return await loop.run_in_executor(self._executor, self._encode_text, text, add_special_tokens)
 
-    def _encode_text(self, text: str) -> list[int]:
-        return list(self._tokenizer(text)["input_ids"])
+    def _encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self._tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    async def decode(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids`` (special tokens kept, as vLLM's ``echo`` and ``/detokenize`` give it)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._tokenizer.decode, token_ids)
+
+    @functools.cached_property
+    def token_texts(self) -> TokenTexts:
+        """Each token's text and bytes, for log-probabilities (event loop only)."""
+        return TokenTexts(self._tokenizer)
 
     def make_detokenizer(self) -> NewDetokenizer:
         """A factory of per-request :class:`IncrementalDetokenizer` over a private copy of the

@@ -6,7 +6,10 @@ budget (chunked prefill forced) and the token-cache poison mode on; the
 async one must give the lock-step one's tokens exactly, including with
 max_tokens=1 requests and requests aborted mid-generation, and both must
 end with every KV block and slot free. A sampled variant (temperature 1,
-top-p 0.9, seeded) checks the same on the tiny Llama.
+top-p 0.9, seeded) checks the same on the tiny Llama. Requests with
+``logprobs`` and ``echo`` (prompt log-probabilities across prefill chunks,
+``max_tokens`` 0 among them) must give the lock-step server's values too,
+also when preemption recomputes their prompts.
 """
 
 from __future__ import annotations
@@ -30,13 +33,20 @@ def workload(n: int, seed: int) -> list[dict]:
     return out
 
 
-async def run_one(client: httpx.AsyncClient, model: str, job: dict) -> list[int]:
+async def run_one(client: httpx.AsyncClient, model: str, job: dict) -> list[int] | tuple:
+    """The output token ids; with ``job["logprobs"]`` (echo, logprobs k, not aborted), also the
+    text and the log-probabilities object."""
     body = {"model": model, "prompt": job["prompt"], "max_tokens": job["max_tokens"], "temperature": 0,
             "ignore_eos": True, "return_token_ids": True, **job.get("sampling", {})}
+    if job.get("logprobs") is not None:
+        body.update(logprobs=job["logprobs"], echo=True)
     if job["abort_after"] is None:
         r = await client.post("/v1/completions", json=body)
         assert r.status_code == 200, r.text
-        return r.json()["choices"][0]["token_ids"]
+        choice = r.json()["choices"][0]
+        if job.get("logprobs") is not None:
+            return choice["token_ids"], choice["text"], choice["logprobs"]
+        return choice["token_ids"]
     ids = []
     async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
         async for line in r.aiter_lines():
@@ -101,6 +111,51 @@ def test_sampled_async_equals_lockstep(tiny_async, tiny_sync, concurrency):
         assert m["pipeline_slots_free"] == m["pipeline_slots_total"], m
 
 
+@pytest.mark.parametrize("model", ["tiny", "sim"])
+def test_logprobs_async_equal_lockstep(request, model):
+    """Echo with logprobs: prompts of 1 to 120 tokens (up to four prefill chunks), max_tokens 0 to 40,
+    mixed with plain and aborted requests, 24 at once."""
+    srv_async, srv_sync = request.getfixturevalue(f"{model}_async"), request.getfixturevalue(f"{model}_sync")
+    jobs = workload(24, seed=77)
+    rng = random.Random(77)
+    for job in jobs:
+        if job["abort_after"] is None and rng.random() < 0.7:
+            job["logprobs"] = rng.choice([0, 1, 5])
+            job["max_tokens"] = rng.choice([0, 1, job["max_tokens"]])
+    a = asyncio.run(run_all(srv_async, jobs))
+    s = asyncio.run(run_all(srv_sync, jobs))
+    assert any(job.get("logprobs") is not None and job["max_tokens"] == 0 for job in jobs)
+    for job, x, y in zip(jobs, a, s):
+        if model == "tiny" and job.get("logprobs") is not None:
+            assert_same_logprobs(x, y)  # tokens exact; floats may differ in the last bits with the batch shape
+        else:
+            assert x == y, job
+        if job.get("logprobs") is not None:
+            ids, _, lp = x
+            assert len(ids) == job["max_tokens"] and lp["token_logprobs"][0] is None
+            assert len(lp["token_logprobs"]) == len(lp["tokens"]) > len(ids)
+    for srv in (srv_async, srv_sync):
+        m = srv.wait_idle()
+        assert m["pipeline_kv_blocks_free"] == m["pipeline_kv_blocks_total"], m
+        assert m["pipeline_slots_free"] == m["pipeline_slots_total"], m
+
+
+def assert_same_logprobs(x: tuple, y: tuple, tol: float = 1e-4) -> None:
+    """Equal ids, text and tokens, and log-probabilities within ``tol``.
+
+    A real model's values depend in their last bits on the batch a row ran
+    in (matrix products are blocked by batch size), which async and lock
+    step form differently.
+    """
+    (ids_x, text_x, lp_x), (ids_y, text_y, lp_y) = x, y
+    assert ids_x == ids_y and text_x == text_y and lp_x["tokens"] == lp_y["tokens"]
+    assert lp_x["text_offset"] == lp_y["text_offset"]
+    for a, b in zip(lp_x["token_logprobs"], lp_y["token_logprobs"]):
+        assert (a is None and b is None) or abs(a - b) < tol
+    for a, b in zip(lp_x["top_logprobs"], lp_y["top_logprobs"]):
+        assert (a is None and b is None) or sorted(a.values()) == pytest.approx(sorted(b.values()), abs=tol)
+
+
 def test_32_concurrent_openai_requests_equal_alone(tiny_async):
     client = openai.OpenAI(base_url=f"{tiny_async.url}/v1", api_key="none")
     rng = random.Random(32)
@@ -128,11 +183,15 @@ def test_preemption_under_kv_pressure_changes_nothing(request, tiny_dir, tiny_sy
     small = [a for a in SMALL if a not in ("--kv-cache-memory", "0.25")]
     srv = Server(["--model", str(tiny_dir), "--max-num-batched-tokens", "32", "--num-kv-blocks", "80", *small])
     request.addfinalizer(srv.stop)
-    jobs = [{"prompt": f"{i}: " + "the of and " * (20 + 10 * i), "max_tokens": 40, "abort_after": None}
-            for i in range(12)]
+    jobs = [{"prompt": f"{i}: " + "the of and " * (20 + 10 * i), "max_tokens": 40, "abort_after": None,
+             "logprobs": 2 if i % 2 else None} for i in range(12)]
     a = asyncio.run(run_all(srv, jobs))
     s = asyncio.run(run_all(tiny_sync, jobs))
-    assert a == s
+    for job, x, y in zip(jobs, a, s):
+        if job["logprobs"] is None:
+            assert x == y
+        else:
+            assert_same_logprobs(x, y)
     m = srv.wait_idle()
     assert m["pipeline_num_preemptions_total"] > 0
     assert m["pipeline_kv_blocks_free"] == m["pipeline_kv_blocks_total"] == 80

@@ -51,7 +51,7 @@ async def run(config, output_rings, work: list[dict]) -> tuple[list[list[int]], 
                 await state.wait_finished()
                 return state.processor.token_ids[:state.num_output_tokens]
             ids: list[int] = []
-            async for _, new in state.updates():
+            async for _, new, _ in state.updates():
                 ids.extend(new)
                 if len(ids) >= k:
                     break  # released below: the request is aborted mid-generation

@@ -7,7 +7,8 @@ import time
 import numpy as np
 import pytest
 
-from pipeline.gpu_worker.sim_device import SimEvent, SimulatedDevice, sim_next_tokens
+from pipeline.common.step_protocol import MAX_LOGPROBS
+from pipeline.gpu_worker.sim_device import SimEvent, SimulatedDevice, sim_logprobs, sim_next_tokens
 
 
 def test_enqueue_returns_at_once_and_runs_in_order():
@@ -46,3 +47,20 @@ def test_tokens_are_deterministic_words_of_the_chain():
     assert (a == b).all()
     assert a[0] != a[1] and a[0] != a[2]  # depends on both the input token and the position
     assert ((a >= 1000) & (a < 9000)).all()
+
+
+def test_sim_logprobs_are_plausible_and_depend_only_on_inputs():
+    rng = np.random.default_rng(1)
+    x, p = rng.integers(0, 49152, 64), rng.integers(0, 1000, 64)
+    predicted = sim_next_tokens(x, p)
+    targets = np.where(rng.random(64) < 0.5, predicted, rng.integers(0, 49152, 64))
+    lp, top_ids, top_lp = sim_logprobs(x, p, targets)
+    assert lp.dtype == np.float32 and top_ids.shape == top_lp.shape == (64, MAX_LOGPROBS)
+    assert np.isfinite(lp).all() and np.isfinite(top_lp).all() and (lp <= 0).all()
+    assert (top_lp[:, :-1] > top_lp[:, 1:]).all() and (top_ids[:, 0] == predicted).all()
+    assert (lp[targets == predicted] == top_lp[targets == predicted, 0]).all()
+    assert (lp[targets != predicted] <= top_lp[targets != predicted, -1]).all()
+    assert all(len(set(row)) == MAX_LOGPROBS for row in top_ids.tolist())
+    # Row by row the same values in any batch.
+    lp1, ids1, top1 = sim_logprobs(x[5:6], p[5:6], targets[5:6])
+    assert lp1[0] == lp[5] and (ids1[0] == top_ids[5]).all() and (top1[0] == top_lp[5]).all()
