@@ -58,6 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "similar-length requests, so each request's cost follows its own context). "
                         "torch_sdpa: every decode row padded to the step's longest context (the reference).")
     p.add_argument("--max-num-seqs", type=int, default=256, help="Requests in one step at most.")
+    p.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
+                   help="Batch sizes of decode-only steps captured as CUDA graphs at start-up (CUDA, one rank "
+                        "only). A decode step of B requests replays the graph of the smallest size >= B with the "
+                        "extra rows padded out; steps with prefill tokens or more requests run eagerly. Sizes "
+                        "above --max-num-seqs or --max-num-batched-tokens are dropped. Default, as vLLM's: 1 2 4, "
+                        "multiples of 8 up to 256, then of 16, up to --max-num-seqs capped at 512. Ignored on CPU.")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="Run every step eagerly: capture no CUDA graphs.")
     p.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="Tokens in one step at most; longer prompts are prefilled in chunks of this size, "
                         "mixed with decodes.")
@@ -117,6 +125,30 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Record each process with py-spy; one flame graph per process (DIR/<process>.svg) "
                         "is written when the server stops.")
     return p
+
+
+MAX_CUDA_GRAPH_SIZE = 512
+
+
+def cuda_graph_sizes(requested: list[int] | None, max_rows: int) -> tuple[int, ...]:
+    """The decode batch sizes to capture as CUDA graphs, ascending (docs/design.md, "The worker").
+
+    Args:
+        requested: ``--cuda-graph-sizes``; None for the default, which follows
+            vLLM's: 1, 2, 4, multiples of 8 below 256, multiples of 16 from 256,
+            up to ``min(max_rows, 512)``, which is included.
+        max_rows: the most requests a decode-only step can hold
+            (``min(--max-num-seqs, --max-num-batched-tokens)``); larger sizes are dropped.
+
+    Exits with a message on a size below 1.
+    """
+    if requested is None:
+        cap = min(max_rows, MAX_CUDA_GRAPH_SIZE)
+        grid = [1, 2, 4, *range(8, 256, 8), *range(256, cap + 1, 16)]
+        return tuple(sorted({n for n in grid if n <= cap} | {cap}))
+    if min(requested) < 1:
+        _die(f"--cuda-graph-sizes must be positive, got {requested}")
+    return tuple(sorted({n for n in requested if n <= max_rows}))
 
 
 def _die(msg: str) -> None:
@@ -202,6 +234,10 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         import torch
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dp = args.data_parallel_size
+    # Graphs are captured on CUDA with one rank only (docs/design.md, "The worker").
+    graph_sizes = cuda_graph_sizes(args.cuda_graph_sizes, min(args.max_num_seqs, args.max_num_batched_tokens))
+    if args.enforce_eager or device != "cuda" or tp > 1:
+        graph_sizes = ()
     if device == "cuda" and tp * dp > 1:
         import torch
         if tp * dp > torch.cuda.device_count():
@@ -220,4 +256,5 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         limit_concurrency=args.limit_concurrency, attention_backend=args.attention_backend,
         worker_threads=args.worker_threads, worker_cpus=worker_cpus, frontend_cpus=frontend_cpus,
         tensor_parallel_size=tp, data_parallel_size=dp, api_key=args.api_key or "",
+        cuda_graph_sizes=graph_sizes,
         instance=f"{os.getpid()}-{secrets.token_hex(4)}", ipc_dir=tempfile.mkdtemp(prefix="pipeline-"))

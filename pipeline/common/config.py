@@ -66,6 +66,9 @@ class EngineConfig(msgspec.Struct, frozen=True):
             process and one device each (docs/design.md, "Parallelism").
         data_parallel_size: engines (scheduler plus worker ranks) behind the
             one io_proc.
+        cuda_graph_sizes: batch sizes of decode-only steps the worker
+            captures as CUDA graphs, ascending; empty: every step runs eagerly
+            (``--enforce-eager``, CPU, tensor parallelism). docs/design.md, "The worker".
         engine_index: which engine this config addresses, 0 ..
             ``data_parallel_size - 1`` (see :meth:`engines`); it names the
             engine's rings, control socket, rendezvous and processes.
@@ -104,6 +107,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
     frontend_cpus: tuple[int, ...] = ()
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    cuda_graph_sizes: tuple[int, ...] = ()
     engine_index: int = 0
     api_key: str = ""
     instance: str = ""

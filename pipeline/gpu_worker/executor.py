@@ -16,6 +16,7 @@ import torch
 
 from pipeline.common.config import EngineConfig
 from pipeline.gpu_worker.attention import AttentionBackend, AttentionMetadata, default_backend
+from pipeline.gpu_worker.cuda_graphs import PAD_BLOCKS, GraphStep
 from pipeline.gpu_worker.logprobs import token_logprobs
 from pipeline.gpu_worker.sampler import SamplingPlan, sample_rows
 from pipeline.gpu_worker.sim_device import SimEvent, SimulatedDevice, sim_logprobs, sim_next_tokens
@@ -121,6 +122,10 @@ class ModelExecutor(Executor):
         device: where the model lives.
         dtype: the KV cache dtype (the model's).
 
+    The KV cache holds :data:`~pipeline.gpu_worker.cuda_graphs.PAD_BLOCKS`
+    blocks beyond ``config.num_kv_blocks``, which the scheduler never hands
+    out: the padding rows of CUDA graph steps write there.
+
     Raises:
         ValueError: ``config.max_model_len`` exceeds the model's
             ``max_position_embeddings`` (a position past the RoPE table is an
@@ -135,12 +140,16 @@ class ModelExecutor(Executor):
         self.vocab_size = int(model.config.vocab_size)
         self.model = model
         self.attn_backend = model.attn_backend
-        self.kv_caches = model.allocate_kv_caches(config.num_kv_blocks, config.block_size, dtype, device)
+        self.kv_caches = model.allocate_kv_caches(config.num_kv_blocks + PAD_BLOCKS, config.block_size, dtype,
+                                                  device)
 
     def execute(self, input_ids: torch.Tensor, meta: AttentionMetadata, last: torch.Tensor,
                 sampling: SamplingInputs, logprobs: LogprobInputs) -> Executed:
-        hidden = self.model(input_ids, meta.positions, meta, self.kv_caches)
-        logits = self.model.compute_logits(hidden.index_select(0, last))
+        if isinstance(meta, GraphStep):  # a decode-only step (no prompt positions): its CUDA graph
+            logits = meta.run(input_ids).index_select(0, last)
+        else:
+            hidden = self.model(input_ids, meta.positions, meta, self.kv_caches)
+            logits = self.model.compute_logits(hidden.index_select(0, last))
         # Seeded noise is keyed by the sampled token's position, so a request
         # draws the same noise whatever batch it is in. The sampler filters a
         # copy: `logits` stay raw for the log-probabilities below.

@@ -23,6 +23,7 @@ from pipeline.common.shm_ring import RingTimeout, ShmRing
 from pipeline.common.step_protocol import StepDescriptor, StepOutput, read_descriptor
 from pipeline.common.trace import TraceRecorder
 from pipeline.gpu_worker.attention import make_backend
+from pipeline.gpu_worker.cuda_graphs import install_decode_graphs
 from pipeline.gpu_worker.executor import ModelExecutor, SimExecutor
 from pipeline.gpu_worker.model_runner import LaunchedStep, ModelRunner
 from pipeline.gpu_worker.sim_device import SimulatedDevice
@@ -127,7 +128,10 @@ def load_runner(config: EngineConfig, rank: int = 0) -> ModelRunner:
     else:
         from pipeline.gpu_worker.weights import load_model
         model = load_model(config.model, dtype, device, config.attention_backend)
-    return ModelRunner(config, ModelExecutor(config, model, device, dtype), device)
+    runner = ModelRunner(config, ModelExecutor(config, model, device, dtype), device)
+    if config.cuda_graph_sizes:  # after the KV cache exists, so the graphs' pool comes from what is left
+        install_decode_graphs(runner, config.cuda_graph_sizes)
+    return runner
 
 
 def run_gpu_worker(config: EngineConfig, status_conn, rank: int = 0) -> None:

@@ -7,7 +7,8 @@ on any call that would synchronise a CUDA stream. The steps cover prefill,
 decode and mixed prefill+decode, greedy and sampled rows (temperature,
 top-k, top-p, seeds), placeholders resolved in flight (step N+1 launched
 before N is finished), with poison mode on, through each CPU attention
-backend (torch_bucketed, torch_sdpa). On a CUDA machine the same
+backend (torch_bucketed, torch_sdpa), eagerly and through the CUDA graph
+path of decode-only steps (captured on CUDA). On a CUDA machine the same
 steps run under ``torch.cuda.set_sync_debug_mode("error")``, and a marker
 event queued behind ``torch.cuda._sleep`` must still be pending when
 ``launch`` returns.
@@ -26,6 +27,7 @@ from pipeline.common.messages import SamplingParams
 from pipeline.common.step_protocol import PLACEHOLDER_TOKEN_ID, DescriptorBuilder, StepDescriptor, read_descriptor
 from pipeline.gpu_worker import sampler
 from pipeline.gpu_worker.attention import make_backend
+from pipeline.gpu_worker.cuda_graphs import install_decode_graphs
 from pipeline.gpu_worker.device import DeviceOps
 from pipeline.gpu_worker.executor import ModelExecutor
 from pipeline.gpu_worker.model import LlamaForCausalLM
@@ -41,6 +43,8 @@ SAMPLED = [
     SamplingParams(max_tokens=64, temperature=0.7, seed=2**62 + 5),
 ]
 PARAMS = {"greedy": [GREEDY] * 4, "sampled": SAMPLED, "mixed": [GREEDY, SAMPLED[0], SAMPLED[1], SAMPLED[2]]}
+# The scenario's decode-only steps have 3, 4 and 1 rows: padded, exact and exact.
+GRAPH_SIZES = (1, 4)
 
 
 def tiny_model(max_position_embeddings: int = 256, attention_backend: str = "auto") -> LlamaForCausalLM:
@@ -126,20 +130,26 @@ def guard(monkeypatch):
     return g
 
 
-def guarded_runner(guard: SyncGuard, config: EngineConfig, attention_backend: str = "auto") -> ModelRunner:
-    """A runner on the CUDA code path, its device state known to ``guard``."""
+def guarded_runner(guard: SyncGuard, config: EngineConfig, attention_backend: str = "auto",
+                   graph_sizes: tuple[int, ...] = ()) -> ModelRunner:
+    """A runner on the CUDA code path, its device state known to ``guard``; ``graph_sizes``: decode graphs."""
     model = tiny_model(attention_backend=attention_backend)
     guard.mark_device(*model.parameters(), *model.buffers())
     cpu = torch.device("cpu")
     with guard, guard.paused():  # device allocations are made under the mode so it tags them
-        return ModelRunner(config, ModelExecutor(config, model, cpu, torch.float32), cpu, FakeAsyncOps(cpu, guard))
+        runner = ModelRunner(config, ModelExecutor(config, model, cpu, torch.float32), cpu, FakeAsyncOps(cpu, guard))
+        if graph_sizes:
+            install_decode_graphs(runner, graph_sizes)
+        return runner
 
 
 @pytest.mark.parametrize("kind", ["greedy", "sampled", "mixed"])
 @pytest.mark.parametrize("attention_backend", ["torch_bucketed", "torch_sdpa"])
-def test_launch_never_syncs(guard, kind, attention_backend):
+@pytest.mark.parametrize("graphs", ["eager", "graphs"])
+def test_launch_never_syncs(guard, kind, attention_backend, graphs):
+    """With ``graphs``, decode-only steps take the CUDA graph path (its body run eagerly: no capture on CPU)."""
     config = engine_config()
-    runner = guarded_runner(guard, config, attention_backend)
+    runner = guarded_runner(guard, config, attention_backend, GRAPH_SIZES if graphs == "graphs" else ())
 
     def launch(x):
         with guard:
@@ -202,19 +212,24 @@ def test_guard_catches_syncs(guard):
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def cuda_runner(max_model_len: int = 128) -> ModelRunner:
+def cuda_runner(max_model_len: int = 128, graphs: str = "eager") -> ModelRunner:
+    """A CUDA runner; ``graphs == "graphs"`` captures decode graphs of :data:`GRAPH_SIZES`."""
     config = engine_config(max_model_len)
     dev = torch.device("cuda")
     model = tiny_model(max(256, max_model_len)).to(dev)
-    return ModelRunner(config, ModelExecutor(config, model, dev, torch.float32), dev)
+    runner = ModelRunner(config, ModelExecutor(config, model, dev, torch.float32), dev)
+    if graphs == "graphs":
+        install_decode_graphs(runner, GRAPH_SIZES)
+    return runner
 
 
 @pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("kind", ["greedy", "sampled", "mixed"])
-def test_launch_never_syncs_on_cuda(kind):
-    runner = cuda_runner()
-    warm = cuda_runner()  # first calls may initialise CUDA libraries (cuBLAS handles, kernels)
+@pytest.mark.parametrize("graphs", ["eager", "graphs"])
+def test_launch_never_syncs_on_cuda(kind, graphs):
+    runner = cuda_runner(graphs=graphs)
+    warm = cuda_runner(graphs=graphs)  # first calls may initialise CUDA libraries (cuBLAS handles, kernels)
     run_scenario(warm, PARAMS[kind], lambda x: warm.launch(x, 0), warm.finish)
 
     def launch(x):
@@ -231,10 +246,11 @@ def test_launch_never_syncs_on_cuda(kind):
 @pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("kind", ["greedy", "sampled", "long_context"])
-def test_launch_returns_while_the_device_is_busy(kind):
+@pytest.mark.parametrize("graphs", ["eager", "graphs"])
+def test_launch_returns_while_the_device_is_busy(kind, graphs):
     """A marker queued behind a long device sleep is still pending when launch() returns."""
     long = kind == "long_context"
-    runner = cuda_runner(4096 if long else 128)
+    runner = cuda_runner(4096 if long else 128, graphs)
     params = GREEDY if kind == "greedy" else SAMPLED[0]
     steps = Steps(runner.config)
     prompt = list(np.random.default_rng(0).integers(0, 512, 3000 if long else 7))

@@ -252,11 +252,42 @@ def _device_decode(host: _HostDecode, dev: list[torch.Tensor], block_table: torc
             for a, n, nb in host.bounds]
 
 
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor, block_size: int, head_major: bool,
-            out: torch.Tensor) -> torch.Tensor:
+def write_kv(kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+             head_major: bool) -> KVCache:
+    """Write a step's keys and values into one layer's cache; returns the cache in its layout.
+
+    Args:
+        kv_cache: ``(k_cache, v_cache)``, each ``[slots, KVH, D]`` as allocated.
+        k, v: ``[T, KVH, D]``.
+        slot_mapping: ``[T]`` int64, flat cache index of each token.
+        head_major: use the memory as ``[KVH, slots, D]`` (see the module docstring).
+
+    Returns:
+        ``(k_cache, v_cache)`` as ``[KVH, slots, D]`` views if ``head_major``, else as given.
+    """
+    k_cache, v_cache = kv_cache
+    if head_major:
+        kv_heads, head_dim = k.shape[1], k.shape[2]
+        k_cache = k_cache.view(kv_heads, -1, head_dim)
+        v_cache = v_cache.view(kv_heads, -1, head_dim)
+        k_cache.index_copy_(1, slot_mapping, k.transpose(0, 1))
+        v_cache.index_copy_(1, slot_mapping, v.transpose(0, 1))
+    else:
+        k_cache.index_copy_(0, slot_mapping, k)
+        v_cache.index_copy_(0, slot_mapping, v)
+    return k_cache, v_cache
+
+
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, block_size: int, head_major: bool,
+                  out: torch.Tensor) -> torch.Tensor:
     """Gather each row's blocks of one cache into ``out``, as a ``[rows, KVH, n_blocks * block_size, D]`` view.
 
-    ``cache`` is ``[KVH, slots, D]`` if ``head_major`` else ``[slots, KVH, D]``.
+    Args:
+        cache: ``[KVH, slots, D]`` if ``head_major`` else ``[slots, KVH, D]`` (as :func:`write_kv` returns it).
+        block_ids: ``[rows, n_blocks]`` int64 block ids.
+        block_size: tokens per block.
+        head_major: the cache's layout.
+        out: ``rows * n_blocks * block_size * KVH * D`` contiguous elements of the cache's dtype.
     """
     rows, n_blocks = block_ids.shape
     flat = block_ids.flatten()
@@ -333,18 +364,10 @@ class TorchBucketedBackend(AttentionBackend):
         meta: BucketedMetadata,
         scale: float,
     ) -> torch.Tensor:
-        k_cache, v_cache = kv_cache
+        k_cache, v_cache = write_kv(kv_cache, k, v, meta.slot_mapping, self.head_major)
         num_tokens, num_heads, head_dim = q.shape
         kv_heads = k.shape[1]
         group_size = num_heads // kv_heads
-        if self.head_major:
-            k_cache = k_cache.view(kv_heads, -1, head_dim)
-            v_cache = v_cache.view(kv_heads, -1, head_dim)
-            k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-            v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
-        else:
-            k_cache.index_copy_(0, meta.slot_mapping, k)
-            v_cache.index_copy_(0, meta.slot_mapping, v)
 
         buckets = meta.decode + meta.prefill
         out = None if len(buckets) == 1 and buckets[0].identity else q.new_empty(num_tokens, num_heads, head_dim)
@@ -352,8 +375,8 @@ class TorchBucketedBackend(AttentionBackend):
             rows, n_blocks = b.block_ids.shape
             numel = rows * n_blocks * meta.block_size * kv_heads * head_dim
             scratch = self.workspace.get(2 * numel, k_cache.dtype, k_cache.device)
-            keys = _gather(k_cache, b.block_ids, meta.block_size, self.head_major, scratch[:numel])
-            values = _gather(v_cache, b.block_ids, meta.block_size, self.head_major, scratch[numel:])
+            keys = gather_blocks(k_cache, b.block_ids, meta.block_size, self.head_major, scratch[:numel])
+            values = gather_blocks(v_cache, b.block_ids, meta.block_size, self.head_major, scratch[numel:])
             q_b = q if b.identity else q.index_select(0, b.token_index)
             if b.q_max == 1:
                 # One query per row: fold the heads sharing a KV head into the
