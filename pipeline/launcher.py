@@ -4,6 +4,8 @@ The launcher owns the lifecycle (docs/design.md, "Processes and lifecycle"):
 it creates every shared-memory ring, starts io_proc, scheduler_proc and
 gpu_worker, unlinks the rings as soon as all three have attached (so the kernel frees them however the
 processes end), and stops everyone on a signal or on the death of any child.
+With ``--nnodes > 1`` a launcher on a node other than the head starts only
+that node's worker ranks (docs/design.md, "Parallelism").
 The flags and the config they make are in :mod:`pipeline.server_args`,
 ``--profile``'s py-spy recording in :mod:`pipeline.profiler`.
 """
@@ -36,6 +38,10 @@ class ChildFailed(Exception):
     """A child process died or reported a start-up error; the message says which and why."""
 
 
+class HeadStopped(Exception):
+    """On a node other than the head: a worker rank ended because the head node's server stopped."""
+
+
 class Launcher:
     """Starts, watches and stops the processes of one server instance.
 
@@ -44,7 +50,9 @@ class Launcher:
         roles: which processes to start; a benchmark that plays io_proc's
             part in-process starts only the scheduler and the worker.
             ``"scheduler"`` starts one per data-parallel engine, and
-            ``"gpu_worker"`` one per engine and tensor-parallel rank.
+            ``"gpu_worker"`` one per engine and tensor-parallel rank. On a
+            node other than the head (``config.is_head`` false) only the
+            node's worker ranks start, and no ring is created.
         trace_file: write the merged Chrome trace here on stop.
         profile_dir: record each process with py-spy; flame graphs land here on stop.
 
@@ -61,8 +69,11 @@ class Launcher:
 
         self.config, self.trace_file = config, trace_file
         engines = config.engines()
-        # Each engine's descriptor ring, then its output ring.
-        self.rings = [ring for e in engines for ring in (e.descriptor_ring(create=True), e.output_ring(create=True))]
+        if not config.is_head:
+            roles = ("gpu_worker",)
+        # Each engine's descriptor ring, then its output ring; only the head node has them.
+        self.rings = [ring for e in engines if config.is_head
+                      for ring in (e.descriptor_ring(create=True), e.output_ring(create=True))]
         ctx = mp.get_context("spawn")
         self.procs: dict[str, mp.Process] = {}
         self.conns = {}
@@ -76,7 +87,7 @@ class Launcher:
             if "scheduler" in roles:
                 add(e.scheduler_role, run_scheduler, e)
             if "gpu_worker" in roles:  # tensor parallelism: one process per rank, each told its rank
-                for rank in range(config.tensor_parallel_size):
+                for rank in config.local_ranks:
                     add(e.worker_role(rank), run_gpu_worker, e, rank)
         if "io_proc" in roles:  # one for all engines
             add("io_proc", run_io_proc, config)
@@ -127,7 +138,23 @@ class Launcher:
         for name, p in self.procs.items():
             if p.exitcode is not None or (p.pid is not None and not p.is_alive()):
                 p.join(1.0)  # reap it so exitcode is set
-                raise ChildFailed(f"{name} {_exit_description(p.exitcode)}")
+                kind, why = self._last_report(name)
+                if kind == "done" and p.exitcode == 0:
+                    raise HeadStopped(f"{name}: {why}")
+                raise ChildFailed(f"{name} {_exit_description(p.exitcode)}" + (f": {why}" if why else ""))
+
+    def _last_report(self, name: str) -> tuple[str, str]:
+        """What a dead child said last after start-up: ``("error", why)`` (a worker that lost another
+        node's ranks), ``("done", why)`` (a rank whose head node stopped), or ``("", "")``."""
+        last, conn = ("", ""), self.conns[name]
+        try:
+            while conn.poll():
+                kind, _, *rest = conn.recv()
+                if kind in ("error", "done"):
+                    last = (kind, rest[0])
+        except (EOFError, OSError):
+            pass
+        return last
 
     def _on_signal(self, *_args) -> None:
         self._signalled = True
@@ -140,14 +167,22 @@ class Launcher:
         try:
             self.start()
             c = self.config
-            print(f"pipeline-serve: serving {c.served_model_name!r} on http://{c.host}:{c.port} "
-                  f"(async scheduling {'on' if c.async_scheduling else 'off'}, "
-                  f"{'simulated device' if c.is_simulated else c.device + ', ' + c.dtype}; "
-                  f"ready in {time.monotonic() - t0:.1f} s)", flush=True)
+            if c.is_head:
+                print(f"pipeline-serve: serving {c.served_model_name!r} on http://{c.host}:{c.port} "
+                      f"(async scheduling {'on' if c.async_scheduling else 'off'}, "
+                      f"{'simulated device' if c.is_simulated else c.device + ', ' + c.dtype}; "
+                      f"ready in {time.monotonic() - t0:.1f} s)", flush=True)
+            else:
+                print(f"pipeline-serve: node {c.node_rank} of {c.nnodes} running tensor-parallel ranks "
+                      f"{c.local_ranks.start}-{c.local_ranks.stop - 1} of {c.tensor_parallel_size} for the head at "
+                      f"{c.master_addr}:{c.master_port} (ready in {time.monotonic() - t0:.1f} s)", flush=True)
             sentinels = [p.sentinel for p in self.procs.values()]
             while not self._signalled:
                 if wait(sentinels, timeout=0.5):
                     self._check_alive()
+            return 0
+        except HeadStopped as e:
+            print(f"pipeline-serve: {e}; stopping this node", file=sys.stderr)
             return 0
         except ChildFailed as e:
             if self._signalled:

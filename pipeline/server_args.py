@@ -90,6 +90,23 @@ def build_parser() -> argparse.ArgumentParser:
                         "worker ranks, with its own KV cache) behind the one HTTP server, which sends each new "
                         "request to the engine with the fewest waiting, then running, requests. On CUDA engine "
                         "e uses devices e*TP .. e*TP+TP-1.")
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="Spread the --tensor-parallel-size ranks over this many machines, the same number on each "
+                        "(it must divide the size). Start pipeline-serve on every machine with the same flags and "
+                        "its own --node-rank; the ranks meet at --master-addr:--master-port (torchrun style). "
+                        "Node 0 runs the HTTP server, the scheduler and ranks 0 .. TP/nnodes-1; its rank 0 "
+                        "relays every step's descriptor to the other nodes' ranks with a torch.distributed "
+                        "broadcast over gloo. Not combinable with --data-parallel-size.")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="This machine's place among the --nnodes, 0 .. nnodes-1. Node 0 is the head (the whole "
+                        "server); node n runs only tensor-parallel ranks n*TP/nnodes .. (n+1)*TP/nnodes-1 and "
+                        "no HTTP server (its --host and --port are unused).")
+    p.add_argument("--master-addr", default=None,
+                   help="With --nnodes > 1 (then required): the head node's address, which every node must "
+                        "reach; the ranks' TCP rendezvous store listens there.")
+    p.add_argument("--master-port", type=int, default=29500,
+                   help="With --nnodes > 1: a free TCP port on the head node for the ranks' rendezvous store "
+                        "(torch.distributed also opens further ports between the ranks).")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="Plan step N+1 while step N runs. --no-async-scheduling plans in lock step "
                         "(the reference for A/B measurements and correctness).")
@@ -174,6 +191,27 @@ def parse_cpu_list(text: str, flag: str) -> tuple[int, ...]:
     return tuple(sorted(cpus))
 
 
+def _check_nodes(nnodes: int, node_rank: int, master_addr: str | None, master_port: int, tp: int, dp: int) -> None:
+    """Exit with a message on a multi-node combination that cannot run (docs/design.md, "Parallelism")."""
+    if nnodes < 1:
+        _die("--nnodes must be positive")
+    if not 0 <= node_rank < nnodes:
+        _die(f"--node-rank {node_rank} is not a node of --nnodes {nnodes}: nodes are numbered 0 .. {nnodes - 1}")
+    if not 0 < master_port < 65536:
+        _die(f"--master-port {master_port} is not a TCP port (1 .. 65535)")
+    if nnodes == 1:
+        return
+    if tp % nnodes:
+        _die(f"--nnodes {nnodes} does not divide --tensor-parallel-size {tp}: every node runs the same number "
+             f"of ranks; use a size that is a multiple of {nnodes}")
+    if not master_addr:
+        _die(f"--nnodes {nnodes} needs --master-addr: the address of the head node (--node-rank 0), where the "
+             "ranks meet")
+    if dp > 1:
+        _die("--nnodes > 1 spreads one engine's tensor-parallel ranks over machines; it does not combine with "
+             "--data-parallel-size")
+
+
 def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
     """Resolve the model and derive sizes; exits with a message on bad flags.
 
@@ -211,6 +249,8 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         _die(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings {max_positions}; "
              f"use at most {max_positions}")
     tp = args.tensor_parallel_size
+    dp = args.data_parallel_size
+    _check_nodes(args.nnodes, args.node_rank, args.master_addr, args.master_port, tp, dp)
     kv_heads = None
     if not sim and tp > 1:
         try:
@@ -233,16 +273,16 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
     elif device == "auto":
         import torch
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    dp = args.data_parallel_size
     # Graphs are captured on CUDA with one rank only (docs/design.md, "The worker").
     graph_sizes = cuda_graph_sizes(args.cuda_graph_sizes, min(args.max_num_seqs, args.max_num_batched_tokens))
     if args.enforce_eager or device != "cuda" or tp > 1:
         graph_sizes = ()
-    if device == "cuda" and tp * dp > 1:
+    local = tp // args.nnodes * dp  # ranks this machine runs
+    if device == "cuda" and local > 1:
         import torch
-        if tp * dp > torch.cuda.device_count():
-            _die(f"--tensor-parallel-size {tp} x --data-parallel-size {dp} needs {tp * dp} CUDA devices "
-                 f"(one per rank), found {torch.cuda.device_count()}")
+        if local > torch.cuda.device_count():
+            _die(f"--tensor-parallel-size {tp} x --data-parallel-size {dp} / --nnodes {args.nnodes} needs "
+                 f"{local} CUDA devices on this node (one per rank), found {torch.cuda.device_count()}")
     return EngineConfig(
         model="sim" if sim else str(model_dir), tokenizer=str(model_dir),
         served_model_name=args.served_model_name or ("sim" if sim else name), dtype=args.dtype,
@@ -255,6 +295,7 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         http_header_timeout_s=args.http_header_timeout, http_body_timeout_s=args.http_body_timeout,
         limit_concurrency=args.limit_concurrency, attention_backend=args.attention_backend,
         worker_threads=args.worker_threads, worker_cpus=worker_cpus, frontend_cpus=frontend_cpus,
-        tensor_parallel_size=tp, data_parallel_size=dp, api_key=args.api_key or "",
+        tensor_parallel_size=tp, data_parallel_size=dp, nnodes=args.nnodes, node_rank=args.node_rank,
+        master_addr=args.master_addr or "", master_port=args.master_port, api_key=args.api_key or "",
         cuda_graph_sizes=graph_sizes,
         instance=f"{os.getpid()}-{secrets.token_hex(4)}", ipc_dir=tempfile.mkdtemp(prefix="pipeline-"))

@@ -109,6 +109,10 @@ def main(argv: list[str] | None = None) -> None:
         print("pipeline-bench: --bound replays one engine's steps on one device: it needs a real model run by "
               "this benchmark, without --url, sim, -tp or -dp", file=sys.stderr)
         raise SystemExit(2)
+    if args.nnodes > 1:
+        print("pipeline-bench: the benchmark runs the server's processes itself, on this machine only: it "
+              "takes no --nnodes (benchmark a multi-node server over HTTP with --url)", file=sys.stderr)
+        raise SystemExit(2)
     unused = {"json", "plot", "trace", "async_scheduling", "bound",
               *(("num_requests",) if args.workload == "fixed" else ("batch_size", "input_len", "output_len"))}
     flags = {**{k: v for k, v in vars(args).items() if k not in unused}, **sizes, "http": http}

@@ -69,6 +69,14 @@ class EngineConfig(msgspec.Struct, frozen=True):
         cuda_graph_sizes: batch sizes of decode-only steps the worker
             captures as CUDA graphs, ascending; empty: every step runs eagerly
             (``--enforce-eager``, CPU, tensor parallelism). docs/design.md, "The worker".
+        nnodes: machines the tensor-parallel ranks are spread over; each runs
+            ``tensor_parallel_size / nnodes`` of them (docs/design.md,
+            "Parallelism").
+        node_rank: this machine's place, 0 .. ``nnodes - 1``; node 0 (the
+            head) runs the HTTP server, the scheduler and ranks 0 ..
+            ``ranks_per_node - 1``, node n ranks ``n * ranks_per_node`` onward.
+        master_addr, master_port: the head's address and a free TCP port on
+            it, where the ranks meet (``tcp://`` rendezvous) when ``nnodes > 1``.
         engine_index: which engine this config addresses, 0 ..
             ``data_parallel_size - 1`` (see :meth:`engines`); it names the
             engine's rings, control socket, rendezvous and processes.
@@ -108,6 +116,10 @@ class EngineConfig(msgspec.Struct, frozen=True):
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     cuda_graph_sizes: tuple[int, ...] = ()
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = ""
+    master_port: int = 29500
     engine_index: int = 0
     api_key: str = ""
     instance: str = ""
@@ -139,13 +151,34 @@ class EngineConfig(msgspec.Struct, frozen=True):
         """
         return "gpu_worker" + self._engine_suffix + (f"-tp{rank}" if rank else "")
 
+    @property
+    def is_head(self) -> bool:
+        """True on node 0, which runs io_proc, the scheduler and the rings (always, on one node)."""
+        return self.node_rank == 0
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Worker ranks each node runs: ``tensor_parallel_size / nnodes``."""
+        return self.tensor_parallel_size // self.nnodes
+
+    @property
+    def local_ranks(self) -> range:
+        """The tensor-parallel ranks this node runs (all of them on one node)."""
+        return range(self.node_rank * self.ranks_per_node, (self.node_rank + 1) * self.ranks_per_node)
+
     def device_index(self, rank: int) -> int:
-        """CUDA device of this engine's worker rank ``rank``: engines take consecutive groups of devices."""
-        return self.engine_index * self.tensor_parallel_size + rank
+        """CUDA device of this engine's worker rank ``rank`` on its node: engines take consecutive groups."""
+        return self.engine_index * self.ranks_per_node + rank % self.ranks_per_node
 
     @property
     def tp_init_method(self) -> str:
-        """torch.distributed rendezvous of the engine's worker ranks: a file store in the private ``ipc_dir``."""
+        """torch.distributed rendezvous of the engine's worker ranks.
+
+        On one node a file store in the private ``ipc_dir`` (no port to race
+        for); over several nodes the head's TCP store at ``master_addr:master_port``.
+        """
+        if self.nnodes > 1:
+            return f"tcp://{self.master_addr}:{self.master_port}"
         return f"file://{self.ipc_dir}/tp-rendezvous{self._engine_suffix}"
 
     def trace_path(self, role: str) -> str:
@@ -174,12 +207,13 @@ class EngineConfig(msgspec.Struct, frozen=True):
         return f"/pipeline-{self.instance}{self._engine_suffix}-out"
 
     def descriptor_ring(self, create: bool = False) -> ShmRing[StepDescriptor]:
-        """The StepDescriptor ring (scheduler writes; every worker rank reads, as reader ``rank``).
+        """The StepDescriptor ring (scheduler writes; every head-node worker rank reads, as reader ``rank``).
 
-        ``create`` in the launcher only.
+        Ranks on other nodes get the descriptors relayed by rank 0 instead
+        (docs/design.md, "Parallelism"). ``create`` in the launcher only.
         """
         return ShmRing(self.descriptor_ring_name, self.descriptor_layout, DESCRIPTOR_RING_SLOTS,
-                       self.tensor_parallel_size, create, StepDescriptor)
+                       self.ranks_per_node, create, StepDescriptor)
 
     def output_ring(self, create: bool = False) -> ShmRing[StepOutput]:
         """The StepOutput ring (worker rank 0 writes; scheduler and io_proc read)."""

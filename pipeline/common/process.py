@@ -4,7 +4,10 @@ The launcher starts each child with :func:`multiprocessing` (spawn) and a
 pipe end; the child reports ``("attached", name)`` once it has opened every
 shared-memory ring (the launcher then unlinks their names), ``("ready",
 name)`` once it can serve, and ``("error", name, message)`` before exiting
-on a start-up error.
+on a start-up error. A worker rank of a multi-node run also reports
+``("error", name, message)`` when it loses another node's ranks, and, on a
+node other than the head, ``("done", name, message)`` before exiting
+cleanly because the head stopped (docs/design.md, "Parallelism").
 """
 
 from __future__ import annotations

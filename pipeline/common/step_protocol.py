@@ -321,6 +321,53 @@ def read_descriptor(desc: StepDescriptor) -> StepInputs:
     )
 
 
+def _live_counts(header: np.ndarray) -> list[tuple[str, int]]:
+    """Each StepDescriptor field's name and live length under ``header``, in layout order."""
+    r = int(header[StepDescriptor._NUM_REQS])
+    t = int(header[StepDescriptor._NUM_TOKENS])
+    b = int(header[StepDescriptor._NUM_NEW_BLOCKS])
+    counts = {"header": StepDescriptor.HEADER_LEN, "token_ids": t, "nb_slot": b, "nb_index": b, "nb_block": b}
+    return [(name, counts.get(name, r)) for name in StepDescriptor.__slots__]
+
+
+_ITEMSIZE = {name: dtype.itemsize for name, dtype, _ in StepDescriptor.layout(1, 1, 1).fields}
+PACKED_HEADER_NBYTES = StepDescriptor.HEADER_LEN * _ITEMSIZE["header"]
+
+
+def packed_descriptor_nbytes(header: np.ndarray) -> int:
+    """Bytes :func:`pack_descriptor` writes for a descriptor with this ``header`` (int64 ``[4]``)."""
+    return sum(_ITEMSIZE[name] * n for name, n in _live_counts(header))
+
+
+def pack_descriptor(desc: StepDescriptor, out: np.ndarray) -> int:
+    """Copy the live entries of ``desc`` into ``out`` (uint8), back to back; returns the bytes written.
+
+    The header comes first, so a reader holding the first
+    :data:`PACKED_HEADER_NBYTES` bytes knows the total
+    (:func:`packed_descriptor_nbytes`). A step of R rows, T tokens and B new
+    block-table entries takes ``32 + 58 R + 4 T + 12 B`` bytes, where the
+    slot has the fixed size of the configured maxima: this is what rank 0
+    relays to ranks on other nodes (docs/design.md, "Parallelism"). ``out``
+    must hold at least the slot layout's ``nbytes``.
+    """
+    off = 0
+    for name, n in _live_counts(desc.header):
+        raw = getattr(desc, name)[:n].view(np.uint8)
+        out[off:off + raw.size] = raw
+        off += raw.size
+    return off
+
+
+def unpack_descriptor(buf: np.ndarray, desc: StepDescriptor) -> None:
+    """Write what :func:`pack_descriptor` packed into ``buf`` (uint8) back into ``desc``'s fields."""
+    off = 0
+    for name, n in _live_counts(buf[:PACKED_HEADER_NBYTES].view(np.int64)):
+        view = getattr(desc, name)
+        size = view.itemsize * n
+        view[:n] = buf[off:off + size].view(view.dtype)
+        off += size
+
+
 @dataclass
 class TokenLogprobs:
     """Log-probabilities of ``N`` chosen tokens (raw model log-softmax).

@@ -1,28 +1,168 @@
-"""The tensor-parallel process group of one engine's worker ranks.
+"""The tensor-parallel process group of one engine's worker ranks, and the descriptor relay between nodes.
 
-Each rank is one gpu_worker process with one device. The ranks meet over a
-private rendezvous: a ``file://`` store in the instance's socket directory,
-which only this user can reach and which needs no free port
-(docs/design.md, "Parallelism"). The collectives run on gloo for CPU
-tensors and NCCL for CUDA ones.
+Each rank is one gpu_worker process with one device. On one node the ranks
+meet over a private rendezvous: a ``file://`` store in the instance's socket
+directory, which only this user can reach and which needs no free port.
+Over several nodes (``--nnodes``) they meet at the head's TCP store
+(``tcp://master_addr:master_port``), in the style of ``torchrun``. The
+collectives run on gloo for CPU tensors and NCCL for CUDA ones
+(docs/design.md, "Parallelism").
+
+A rank on another node cannot map the head's shared-memory descriptor ring,
+so rank 0 relays every descriptor it reads to those ranks with a
+``torch.distributed`` broadcast, as vLLM's message queue does for its remote
+readers (:class:`DescriptorRelay`).
 """
 
 from __future__ import annotations
 
+import time
+from datetime import timedelta
+
+import msgspec
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from pipeline.common.config import EngineConfig
+from pipeline.common.step_protocol import (
+    PACKED_HEADER_NBYTES,
+    StepDescriptor,
+    pack_descriptor,
+    packed_descriptor_nbytes,
+    unpack_descriptor,
+)
 from pipeline.gpu_worker.parallel import TPGroup
 
+# The first broadcast of every relayed step has this fixed size: the header
+# and, for most steps, the whole packed descriptor (a decode step of about 60
+# requests), so a step usually costs one broadcast; a larger one sends the
+# rest in a second broadcast sized from the header.
+_FIRST_NBYTES = 4096
+# An idle rank 0 sends an empty message this often, so that the loss of a
+# node's ranks is noticed (the send fails) within about this long, not only
+# at the next request.
+HEARTBEAT_S = 1.0
+_HEARTBEAT_STEP_ID = -1
+# Sent by rank 0 as it stops, so the other nodes stop too instead of reporting a lost peer.
+_STOP_STEP_ID = -2
+# Settings every node must share for the ranks to run the same steps: the
+# descriptor layout, the KV cache geometry and what the model computes.
+_SHARED_FIELDS = ("dtype", "device", "max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len",
+                  "num_kv_blocks", "vocab_size", "debug_token_cache_poison", "sim_step_us", "sim_token_us",
+                  "tensor_parallel_size", "nnodes")
 
-def init_tensor_parallel(config: EngineConfig, rank: int) -> TPGroup:
+
+class DescriptorRelay:
+    """Rank 0's copy of every StepDescriptor, broadcast to the ranks on other nodes.
+
+    The relay group is a gloo group of rank 0 and every rank not on the
+    head node, apart from the model's group so that relay messages never
+    interleave with the model's collectives. Each message is the packed
+    descriptor (:func:`~pipeline.common.step_protocol.pack_descriptor`, its
+    live bytes only) as a uint8 CPU tensor: a fixed first broadcast of
+    ``min(4096, slot size)`` bytes holding the header, then one of the rest
+    when the step is larger. Rank 0's sends are asynchronous, so relaying
+    adds the packing and an enqueue to its step, not the network.
+
+    Args:
+        config: the engine's configuration (its descriptor layout).
+        rank: this process's tensor-parallel rank; 0 sends, the others receive.
+        group: the relay process group.
+
+    Raises (from :meth:`send`, :meth:`heartbeat` and :meth:`receive`):
+        RuntimeError: a peer's connection failed (gloo's error: its process
+            died or the network is down).
+    """
+
+    def __init__(self, config: EngineConfig, rank: int, group: dist.ProcessGroup):
+        layout = config.descriptor_layout
+        self.rank, self.group = rank, group
+        self._first = min(_FIRST_NBYTES, layout.nbytes)
+        self._buf = torch.zeros(max(layout.nbytes, self._first), dtype=torch.uint8)
+        self._np = self._buf.numpy()
+        self._slot = StepDescriptor(layout.views(bytearray(layout.nbytes)))  # receivers unpack here
+        self._works: list[dist.Work] = []
+        self._last_send = time.monotonic()
+        self.head_stopped = False  # receivers: rank 0 said it stops
+
+    def send(self, desc: StepDescriptor) -> None:
+        """Rank 0: broadcast ``desc``'s live bytes (copied out of the ring slot before this returns)."""
+        self._wait_sent()
+        n = pack_descriptor(desc, self._np)
+        self._broadcast_async(n)
+
+    def heartbeat(self) -> None:
+        """Rank 0, idle: send an empty message if nothing went out for :data:`HEARTBEAT_S` seconds."""
+        if time.monotonic() - self._last_send < HEARTBEAT_S:
+            return
+        self._send_empty(_HEARTBEAT_STEP_ID)
+
+    def send_stop(self) -> None:
+        """Rank 0, stopping: tell the other nodes' ranks to stop; a peer already gone is ignored."""
+        try:
+            self._send_empty(_STOP_STEP_ID)
+            self._wait_sent()
+        except RuntimeError:
+            pass
+
+    def _send_empty(self, step_id: int) -> None:
+        self._wait_sent()
+        self._np[:PACKED_HEADER_NBYTES].view(np.int64)[:] = (step_id, 0, 0, 0)
+        self._broadcast_async(PACKED_HEADER_NBYTES)
+
+    def _wait_sent(self) -> None:
+        # The buffer is rewritten only once the previous step has left it.
+        for w in self._works:
+            w.wait()
+        self._works.clear()
+
+    def _broadcast_async(self, n: int) -> None:
+        self._works.append(dist.broadcast(self._buf[:self._first], 0, group=self.group, async_op=True))
+        if n > self._first:
+            self._works.append(dist.broadcast(self._buf[self._first:n], 0, group=self.group, async_op=True))
+        self._last_send = time.monotonic()
+
+    def receive(self, timeout: float) -> StepDescriptor | None:
+        """Ranks on other nodes: the next relayed descriptor, or None after ``timeout`` seconds.
+
+        The returned view stays valid until the next call. A broadcast that
+        has not arrived stays posted, so the next call resumes it. None with
+        :attr:`head_stopped` set: rank 0 stopped (:meth:`send_stop`).
+        """
+        if not self._works:
+            self._works.append(dist.broadcast(self._buf[:self._first], 0, group=self.group, async_op=True))
+        work = self._works[0]
+        try:
+            work.wait(timedelta(seconds=timeout))
+        except RuntimeError:
+            if work.is_completed():
+                raise  # the broadcast failed
+            return None  # timed out; it stays posted
+        self._works.clear()
+        header = self._np[:PACKED_HEADER_NBYTES].view(np.int64)
+        if header[0] < 0:  # a heartbeat or the stop
+            self.head_stopped = header[0] == _STOP_STEP_ID
+            return None
+        n = packed_descriptor_nbytes(header)
+        if n > self._first:
+            dist.broadcast(self._buf[self._first:n], 0, group=self.group)
+        unpack_descriptor(self._np, self._slot)
+        return self._slot
+
+
+def init_tensor_parallel(config: EngineConfig, rank: int) -> tuple[TPGroup, DescriptorRelay | None]:
     """Join the engine's process group as ``rank``; returns once every rank has joined.
 
-    On CUDA, the rank takes device ``config.device_index(rank)``.
+    On CUDA, the rank takes device ``config.device_index(rank)``. With
+    ``config.nnodes > 1`` every rank also joins the relay group; rank 0 and
+    the ranks on other nodes get a :class:`DescriptorRelay` (the head's other
+    ranks read the ring and get None), after checking that every node was
+    started with the head's settings.
 
     Raises:
         RuntimeError: the rendezvous or the backend failed (from torch.distributed).
+        ValueError: a node's settings differ from the head's; the message names them.
     """
     backend = "gloo"
     if config.device == "cuda":
@@ -30,4 +170,29 @@ def init_tensor_parallel(config: EngineConfig, rank: int) -> TPGroup:
         backend = "nccl"
     dist.init_process_group(backend, init_method=config.tp_init_method, rank=rank,
                             world_size=config.tensor_parallel_size)
-    return TPGroup(rank, config.tensor_parallel_size, dist.group.WORLD)
+    tp = TPGroup(rank, config.tensor_parallel_size, dist.group.WORLD)
+    if config.nnodes == 1:
+        return tp, None
+    members = [0, *range(config.ranks_per_node, config.tensor_parallel_size)]
+    # Every rank must take part in creating a group, members or not. One
+    # relay message may take gloo's default timeout (30 minutes) to come:
+    # rank 0's heartbeats keep an idle wait to about a second, and a dead
+    # peer's closed connection fails it at once.
+    group = dist.new_group(members, backend="gloo")
+    if rank not in members:
+        return tp, None
+    _check_same_settings(config, group, len(members))
+    return tp, DescriptorRelay(config, rank, group)
+
+
+def _check_same_settings(config: EngineConfig, group: dist.ProcessGroup, size: int) -> None:
+    """Compare every relay member's :data:`_SHARED_FIELDS` with the head's; raise on all members if any differs."""
+    mine = {k: v for k, v in msgspec.structs.asdict(config).items() if k in _SHARED_FIELDS}
+    head = [mine]
+    dist.broadcast_object_list(head, 0, group=group)
+    diff = [f"{k}={mine[k]!r} (head: {v!r})" for k, v in head[0].items() if mine[k] != v]
+    complaints: list[str] = [""] * size
+    dist.all_gather_object(complaints, f"node {config.node_rank}: {', '.join(diff)}" if diff else "", group=group)
+    if bad := [c for c in complaints if c]:
+        raise ValueError("the nodes were started with different settings: " + "; ".join(bad)
+                         + "; start every node with the same flags (model, sizes, dtype)")

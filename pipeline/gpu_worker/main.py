@@ -10,9 +10,11 @@ the overlap is the scheduler planning N+1 during N's forward.
 from __future__ import annotations
 
 import os
+import re
 import time
 import traceback
 from collections import deque
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,6 +31,9 @@ from pipeline.gpu_worker.model_runner import LaunchedStep, ModelRunner
 from pipeline.gpu_worker.sim_device import SimulatedDevice
 from pipeline.gpu_worker.step_shapes import StepShapeRecorder
 
+if TYPE_CHECKING:  # importing it loads transformers, which a single simulated rank never needs
+    from pipeline.gpu_worker.distributed import DescriptorRelay
+
 # While a launched step runs on the device, look for the next descriptor this often.
 _BUSY_POLL_S = 0.0002
 
@@ -42,34 +47,52 @@ class WorkerProc:
     ``config.trace_path(role)`` in :meth:`close`.
 
     Under tensor parallelism every rank runs this loop on the same
-    descriptors (rank ``r`` reads as descriptor-ring reader ``r``) and
-    samples the same tokens into its own token-id cache; only rank 0 has
-    ``out_ring`` and publishes the StepOutput (docs/design.md, "Parallelism").
+    descriptors (rank ``r`` on the head node reads as descriptor-ring reader
+    ``r``) and samples the same tokens into its own token-id cache; only
+    rank 0 has ``out_ring`` and publishes the StepOutput. Over several nodes
+    rank 0 also relays each descriptor to the other nodes' ranks, which have
+    no ``desc_ring`` and receive from ``relay`` instead (docs/design.md,
+    "Parallelism").
     """
 
-    def __init__(self, config: EngineConfig, runner: ModelRunner, desc_ring: ShmRing[StepDescriptor],
-                 out_ring: ShmRing[StepOutput] | None, rank: int = 0):
+    def __init__(self, config: EngineConfig, runner: ModelRunner, desc_ring: ShmRing[StepDescriptor] | None,
+                 out_ring: ShmRing[StepOutput] | None, rank: int = 0, relay: DescriptorRelay | None = None):
         self.config, self.runner, self.rank = config, runner, rank
         self.role = config.worker_role(rank)
-        self.desc_ring, self.out_ring = desc_ring, out_ring
+        self.desc_ring, self.out_ring, self.relay = desc_ring, out_ring, relay
         self.pending: deque[LaunchedStep] = deque()
         self.trace = TraceRecorder() if config.trace else None
         # Every rank runs the same steps: rank 0's record is the step list.
         self.step_shapes = StepShapeRecorder() if config.step_shapes_file and rank == 0 else None
 
     def run(self, stop: StopFlag) -> None:
-        """Run steps until ``stop.is_set()``."""
+        """Run steps until ``stop.is_set()`` or, on a node other than the head, until rank 0 stops."""
         while not stop.is_set():
             while self.pending and self.pending[0].is_done():
                 self._publish(self.runner.finish(self.pending.popleft()), stop)
-            try:
-                desc = self.desc_ring.acquire_read(self.rank,
-                                                   timeout=_BUSY_POLL_S if self.pending else POLL_INTERVAL_S)
-            except RingTimeout:
-                continue
-            t0 = time.monotonic_ns()
-            inputs = read_descriptor(desc)
-            self.desc_ring.release_read(self.rank)
+            timeout = _BUSY_POLL_S if self.pending else POLL_INTERVAL_S
+            if self.desc_ring is None:  # a rank on another node
+                desc = self.relay.receive(timeout)
+                if self.relay.head_stopped:
+                    return
+                if desc is None:
+                    continue
+                t0 = time.monotonic_ns()
+                inputs = read_descriptor(desc)
+            else:
+                try:
+                    desc = self.desc_ring.acquire_read(self.rank, timeout=timeout)
+                except RingTimeout:
+                    desc = None
+                if desc is None:
+                    if self.relay is not None:
+                        self.relay.heartbeat()
+                    continue
+                t0 = time.monotonic_ns()
+                if self.relay is not None:
+                    self.relay.send(desc)
+                inputs = read_descriptor(desc)
+                self.desc_ring.release_read(self.rank)
             if self.step_shapes is not None:
                 self.step_shapes.add(inputs)
             self.pending.append(self.runner.launch(inputs, t0))
@@ -100,16 +123,26 @@ class WorkerProc:
             self.trace.dump(self.config.trace_path(self.role))
         if self.step_shapes is not None:
             self.step_shapes.save(self.config.step_shapes_file)
-        self.desc_ring.close()
+        if self.relay is not None and self.rank == 0:
+            self.relay.send_stop()
+        if self.desc_ring is not None:
+            self.desc_ring.close()
         if self.out_ring is not None:
             self.out_ring.close()
 
 
-def load_runner(config: EngineConfig, rank: int = 0) -> ModelRunner:
+def load_runner(config: EngineConfig, rank: int = 0) -> tuple[ModelRunner, DescriptorRelay | None]:
     """Load the model named by ``config`` (rank ``rank``'s shard under tensor parallelism) and build its runner.
 
     With ``config.tensor_parallel_size > 1`` this first joins the ranks'
-    process group, so it returns only once every rank has started.
+    process group, so it returns only once every rank has started. Returns
+    the runner and, over several nodes, rank 0's or a remote rank's
+    descriptor relay (else None).
+
+    Raises:
+        ValueError: the model cannot be loaded as configured, or another
+            node's settings differ from the head's.
+        RuntimeError: the rendezvous failed.
     """
     device = torch.device("cuda", config.device_index(rank)) if config.device == "cuda" else torch.device("cpu")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
@@ -118,12 +151,19 @@ def load_runner(config: EngineConfig, rank: int = 0) -> ModelRunner:
         # threads would only spin and take a core from the other processes.
         torch.set_num_threads(1)
         sim = SimulatedDevice(config.sim_step_us, config.sim_token_us)
-        return ModelRunner(config, SimExecutor(sim, make_backend(config.attention_backend)), device)
+        # Simulated ranks run no collectives; over several nodes they still
+        # need the process group for the relay.
+        relay = None
+        if config.nnodes > 1:
+            from pipeline.gpu_worker.distributed import init_tensor_parallel
+            relay = init_tensor_parallel(config, rank)[1]
+        return ModelRunner(config, SimExecutor(sim, make_backend(config.attention_backend)), device), relay
     torch.set_num_threads(config.worker_threads or len(os.sched_getaffinity(0)))
+    relay = None
     if config.tensor_parallel_size > 1:
         from pipeline.gpu_worker.distributed import init_tensor_parallel
         from pipeline.gpu_worker.parallel import load_parallel_model
-        tp = init_tensor_parallel(config, rank)
+        tp, relay = init_tensor_parallel(config, rank)
         model = load_parallel_model(config.model, dtype, device, tp, config.attention_backend)
     else:
         from pipeline.gpu_worker.weights import load_model
@@ -131,7 +171,7 @@ def load_runner(config: EngineConfig, rank: int = 0) -> ModelRunner:
     runner = ModelRunner(config, ModelExecutor(config, model, device, dtype), device)
     if config.cuda_graph_sizes:  # after the KV cache exists, so the graphs' pool comes from what is left
         install_decode_graphs(runner, config.cuda_graph_sizes)
-    return runner
+    return runner, relay
 
 
 def run_gpu_worker(config: EngineConfig, status_conn, rank: int = 0) -> None:
@@ -139,18 +179,32 @@ def run_gpu_worker(config: EngineConfig, status_conn, rank: int = 0) -> None:
     role = config.worker_role(rank)
     stop = child_setup(role)
     pin_to_cpus(config.worker_cpus)
-    desc_ring = config.descriptor_ring()
+    # The rings live on the head node; ranks elsewhere get the descriptors from the relay.
+    desc_ring = config.descriptor_ring() if config.is_head else None
     out_ring = config.output_ring() if rank == 0 else None
     report(status_conn, "attached", role)
     try:
-        runner = load_runner(config, rank)
+        runner, relay = load_runner(config, rank)
     except Exception as e:  # start-up failure: tell the launcher why, then exit
         traceback.print_exc()
         report(status_conn, "error", role, f"could not load model {config.model!r}: {e}")
         raise SystemExit(1) from None
     report(status_conn, "ready", role)
-    proc = WorkerProc(config, runner, desc_ring, out_ring, rank)
+    proc = WorkerProc(config, runner, desc_ring, out_ring, rank, relay)
     try:
         proc.run(stop)
+        if relay is not None and relay.head_stopped:
+            report(status_conn, "done", role, "the head node stopped")
+    except RuntimeError as e:
+        if config.nnodes == 1:
+            raise
+        # A relay or model collective with another node's ranks failed:
+        # their process died or the network is down. Tell the launcher in
+        # one line; the traceback stays on stderr.
+        traceback.print_exc()
+        # gloo's messages start with its source location; the first sentence says what happened.
+        why = re.sub(r"^\[[^\]]*\]\s*", "", str(e)).split(". ")[0] or type(e).__name__
+        report(status_conn, "error", role, f"lost the tensor-parallel ranks on another node ({why})")
+        raise SystemExit(1) from None
     finally:
         proc.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -15,7 +17,10 @@ from pipeline.common.step_protocol import (
     StepOutput,
     TokenLogprobs,
     max_new_blocks_per_step,
+    pack_descriptor,
+    packed_descriptor_nbytes,
     read_descriptor,
+    unpack_descriptor,
 )
 
 MAX_SEQS, MAX_TOKENS, BLOCK = 8, 64, 4
@@ -85,6 +90,29 @@ def test_descriptor_round_trip(step):
     assert x.num_prompt_logprobs.tolist() == [r[6] for r in rows]
     assert x.next_prompt_token.tolist() == [r[7] for r in rows]
     assert x.new_blocks.T.tolist() == [list(blk) for blk in blocks]
+
+
+@settings(max_examples=40, deadline=None)
+@given(steps(), steps())
+def test_packed_descriptor_round_trip(step, previous):
+    """What rank 0 relays to other nodes unpacks, over a slot holding an older step, into the same inputs."""
+    layout = StepDescriptor.layout(MAX_SEQS, MAX_TOKENS, BLOCK)
+    src, dst = StepDescriptor(_slot(layout)), StepDescriptor(_slot(layout))
+    for desc, (step_id, rows, blocks) in ((dst, previous), (src, step)):
+        b = DescriptorBuilder()
+        for row in rows:
+            b.add_row(*row)
+        for blk in blocks:
+            b.add_block(*blk)
+        b.write(desc, step_id)
+    buf = np.full(layout.nbytes, 0xAB, dtype=np.uint8)
+    n = pack_descriptor(src, buf)
+    _, rows, blocks = step
+    assert n == packed_descriptor_nbytes(src.header) == 32 + 58 * len(rows) + 4 * src.num_tokens + 12 * len(blocks)
+    unpack_descriptor(buf, dst)
+    want, got = read_descriptor(src), read_descriptor(dst)
+    for f in dataclasses.fields(want):
+        np.testing.assert_array_equal(getattr(got, f.name), getattr(want, f.name), err_msg=f.name)
 
 
 @settings(max_examples=40, deadline=None)
