@@ -11,9 +11,9 @@ import argparse
 import os
 import secrets
 import sys
-import tempfile
 
 from pipeline.common.config import EngineConfig
+from pipeline.common.instance_files import make_ipc_dir, sweep_dead_instances
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Seconds a client has to send a request's body once its headers are in; then 408.")
     p.add_argument("--limit-concurrency", type=int, default=4096,
                    help="Open HTTP connections plus running requests at which new requests get 503.")
+    p.add_argument("--step-timeout", type=float, default=300.0,
+                   help="Seconds a step may run without producing its output before the server declares the "
+                        "worker hung and stops with an error (clients get 503); 0 disables the watchdog.")
     p.add_argument("--trace", metavar="FILE", default=None,
                    help="Write a Chrome-trace JSON step timeline (one track per process) to FILE on exit; "
                         "open it in Perfetto (ui.perfetto.dev).")
@@ -128,6 +131,8 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         num_blocks = args.max_num_seqs * -(-max_model_len // args.block_size)
     else:
         num_blocks = int(args.kv_cache_memory * 2**30 // kv_bytes_per_block(cfg, args.block_size, args.dtype))
+    if args.step_timeout < 0:
+        _die("--step-timeout must be 0 (off) or positive")
     if num_blocks * args.block_size < max_model_len:
         _die(f"the KV cache ({num_blocks} blocks of {args.block_size} tokens) cannot hold one request of "
              f"--max-model-len {max_model_len}; raise --kv-cache-memory or lower --max-model-len")
@@ -137,6 +142,8 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
     elif device == "auto":
         import torch
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    # What launchers killed by SIGKILL left behind (their children remove it too, unless they died alike).
+    sweep_dead_instances()
     return EngineConfig(
         model="sim" if sim else str(model_dir), tokenizer=str(model_dir),
         served_model_name=args.served_model_name or ("sim" if sim else name), dtype=args.dtype,
@@ -147,5 +154,5 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         debug_token_cache_poison=args.debug_token_cache_poison, sim_step_us=args.sim_step_us,
         sim_token_us=args.sim_token_us, trace=bool(args.trace), max_request_body_bytes=args.max_request_body_bytes,
         http_header_timeout_s=args.http_header_timeout, http_body_timeout_s=args.http_body_timeout,
-        limit_concurrency=args.limit_concurrency,
-        instance=f"{os.getpid()}-{secrets.token_hex(4)}", ipc_dir=tempfile.mkdtemp(prefix="pipeline-"))
+        limit_concurrency=args.limit_concurrency, step_timeout_s=args.step_timeout,
+        instance=f"{os.getpid()}-{secrets.token_hex(4)}", ipc_dir=make_ipc_dir())

@@ -47,6 +47,12 @@ class EngineConfig(msgspec.Struct, frozen=True):
             once its headers are in; then it gets 408 and is closed.
         limit_concurrency: open HTTP connections plus running requests at
             which io_proc answers new requests with 503.
+        step_timeout_s: seconds a step in flight may go without its output
+            before the scheduler declares the worker hung and stops the
+            server with a message; 0 disables the watchdog.
+        debug_fail_step: the worker raises ``RuntimeError`` when it
+            launches this step, as a failing forward pass would (the fault
+            tests use it); -1: never.
         instance: unique id of this server instance (names of rings and sockets).
         ipc_dir: private directory holding this instance's zmq sockets.
     """
@@ -73,6 +79,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
     http_header_timeout_s: float = 10.0
     http_body_timeout_s: float = 60.0
     limit_concurrency: int = 4096
+    step_timeout_s: float = 300.0
+    debug_fail_step: int = -1
     instance: str = ""
     ipc_dir: str = ""
 

@@ -17,7 +17,7 @@ import torch
 
 from pipeline.common.config import EngineConfig
 from pipeline.common.constants import POLL_INTERVAL_S
-from pipeline.common.process import StopFlag, child_setup, report
+from pipeline.common.process import StopFlag, report
 from pipeline.common.shm_ring import RingTimeout, ShmRing
 from pipeline.common.step_protocol import DESCRIPTOR_READER_WORKER, StepDescriptor, StepOutput, read_descriptor
 from pipeline.common.trace import TraceRecorder
@@ -46,7 +46,12 @@ class WorkerProc:
         self.trace = TraceRecorder() if config.trace else None
 
     def run(self, stop: StopFlag) -> None:
-        """Run steps until ``stop.is_set()``."""
+        """Run steps until ``stop.is_set()``.
+
+        Raises:
+            Exception: whatever a launch raised (a failing forward pass,
+                ``StaleTokenError``); the process reports it and exits with 1.
+        """
         while not stop.is_set():
             while self.pending and self.pending[0].is_done():
                 self._publish(self.runner.finish(self.pending.popleft()), stop)
@@ -58,6 +63,8 @@ class WorkerProc:
             t0 = time.monotonic_ns()
             inputs = read_descriptor(desc)
             self.desc_ring.release_read(DESCRIPTOR_READER_WORKER)
+            if inputs.step_id == self.config.debug_fail_step:
+                raise RuntimeError(f"injected fault: the forward pass of step {inputs.step_id} failed")
             self.pending.append(self.runner.launch(inputs, t0))
 
     def _publish(self, step: LaunchedStep, stop: StopFlag) -> None:
@@ -100,9 +107,8 @@ def load_runner(config: EngineConfig) -> ModelRunner:
     return ModelRunner(config, ModelExecutor(config, model, device, dtype), device)
 
 
-def run_gpu_worker(config: EngineConfig, status_conn) -> None:
-    """Process entry of gpu_worker (see :mod:`pipeline.common.process`)."""
-    stop = child_setup("gpu_worker")
+def run_gpu_worker(config: EngineConfig, status_conn, stop: StopFlag) -> int:
+    """Process body of gpu_worker (see :mod:`pipeline.child`): run steps until ``stop``; returns the exit status."""
     desc_ring = config.descriptor_ring()
     out_ring = config.output_ring()
     report(status_conn, "attached", "gpu_worker")
@@ -111,10 +117,11 @@ def run_gpu_worker(config: EngineConfig, status_conn) -> None:
     except Exception as e:  # start-up failure: tell the launcher why, then exit
         traceback.print_exc()
         report(status_conn, "error", "gpu_worker", f"could not load model {config.model!r}: {e}")
-        raise SystemExit(1) from None
+        return 1
     report(status_conn, "ready", "gpu_worker")
     proc = WorkerProc(config, runner, desc_ring, out_ring)
     try:
         proc.run(stop)
     finally:
         proc.close()
+    return 0
