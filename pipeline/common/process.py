@@ -10,15 +10,25 @@ name, message)`` before exiting on an error, at start-up or later
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 
 _PR_SET_PDEATHSIG = 1
+
+
+class Stopped(BaseException):
+    """Raised by :meth:`StopFlag.interrupting` when a stop cuts a long start-up step short.
+
+    A BaseException, like KeyboardInterrupt, so that no ``except Exception``
+    in the interrupted library code takes it for an error of its own.
+    """
 
 
 class StopFlag:
@@ -43,6 +53,26 @@ class StopFlag:
     def is_set(self) -> bool:
         """True once SIGTERM arrived or the launcher is gone."""
         return self._event.is_set() or self.launcher_gone()
+
+    @contextlib.contextmanager
+    def interrupting(self) -> Iterator[None]:
+        """Within the block, SIGTERM raises :class:`Stopped` (and sets the flag) instead of waiting to be polled.
+
+        For a long step with no loop to poll from, such as loading a model:
+        a stop then takes effect at once rather than after the load. Raises
+        :class:`Stopped` at once if the flag is already set.
+        """
+        def interrupt(*_args) -> None:
+            self.set()
+            raise Stopped
+
+        if self.is_set():
+            raise Stopped
+        previous = signal.signal(signal.SIGTERM, interrupt)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def child_setup(name: str, launcher_pid: int) -> StopFlag:

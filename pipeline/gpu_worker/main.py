@@ -17,7 +17,7 @@ import torch
 
 from pipeline.common.config import EngineConfig
 from pipeline.common.constants import POLL_INTERVAL_S
-from pipeline.common.process import StopFlag, report
+from pipeline.common.process import StopFlag, Stopped, report
 from pipeline.common.shm_ring import RingTimeout, ShmRing
 from pipeline.common.step_protocol import DESCRIPTOR_READER_WORKER, StepDescriptor, StepOutput, read_descriptor
 from pipeline.common.trace import TraceRecorder
@@ -113,7 +113,10 @@ def run_gpu_worker(config: EngineConfig, status_conn, stop: StopFlag) -> int:
     out_ring = config.output_ring()
     report(status_conn, "attached", "gpu_worker")
     try:
-        runner = load_runner(config)
+        with stop.interrupting():
+            runner = load_runner(config)
+    except Stopped:
+        return 0  # stopped while loading: the model is not needed any more
     except Exception as e:  # start-up failure: tell the launcher why, then exit
         traceback.print_exc()
         report(status_conn, "error", "gpu_worker", f"could not load model {config.model!r}: {e}")
