@@ -139,6 +139,7 @@ def test_kill9_under_load_fails_clients_and_leaves_nothing(role, tmp_path):
     log = open(tmp_path / "server.log", "w+")
     srv = Server(SLOW_SIM, log=log)
     load = Load(srv)
+    assert len(ipc_dirs(srv.proc.pid)) == 1  # named after its owner, so that its removal can be checked
     t0 = time.monotonic()
     os.kill(srv.proc.pid if role == "launcher" else role_pid(srv, role), signal.SIGKILL)
     load.join(15)
