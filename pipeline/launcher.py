@@ -12,14 +12,22 @@ The flags and the config they make are in :mod:`pipeline.server_args`,
 
 from __future__ import annotations
 
-import multiprocessing as mp
+import contextlib
+import os
 import shutil
 import signal
+import socket
+import subprocess
 import sys
 import time
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
 
+import msgspec
+
+import pipeline
 from pipeline.common.config import EngineConfig
+from pipeline.common.instance_files import remove_files_of
+from pipeline.common.process import exit_now
 from pipeline.common.shm_ring import ShmRing
 from pipeline.common.trace import ROLES, load_spans, write_chrome_trace
 from pipeline.profiler import Profiler
@@ -35,7 +43,40 @@ def _exit_description(code: int | None) -> str:
 
 
 class ChildFailed(Exception):
-    """A child process died or reported a start-up error; the message says which and why."""
+    """A child process died or reported an error; the message says which and why."""
+
+
+class _Child(subprocess.Popen):
+    """One child process (``python -m pipeline.child``) and a pidfd that becomes readable when it exits."""
+
+    @classmethod
+    def start(cls, kind: str, config: EngineConfig, rank: int = 0) -> tuple[_Child, Connection]:
+        """Start a process of ``kind`` (io_proc, scheduler, gpu_worker rank ``rank``) for the engine
+        ``config`` addresses; returns it and the read end of its status pipe.
+
+        The config goes over the child's standard input; the package's own
+        directory leads ``PYTHONPATH``, so the child runs this very code.
+        """
+        status_r, status_w = os.pipe()
+        env = dict(os.environ)
+        root = os.path.dirname(os.path.dirname(os.path.abspath(pipeline.__file__)))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        try:
+            child = cls([sys.executable, "-m", "pipeline.child", kind, str(status_w), str(os.getpid()), str(rank)],
+                        stdin=subprocess.PIPE, pass_fds=(status_w,), env=env)
+        finally:
+            os.close(status_w)
+        child.sentinel = os.pidfd_open(child.pid)
+        try:
+            child.stdin.write(msgspec.json.encode(config))
+            child.stdin.close()
+        except BrokenPipeError:
+            pass  # it died at once: _check_alive reports it
+        return child, Connection(status_r, writable=False)
+
+    def close(self) -> None:
+        """Release the pidfd (after the child was reaped)."""
+        os.close(self.sentinel)
 
 
 class HeadStopped(Exception):
@@ -49,10 +90,6 @@ class Launcher:
         config: the instance's configuration.
         roles: which processes to start; a benchmark that plays io_proc's
             part in-process starts only the scheduler and the worker.
-            ``"scheduler"`` starts one per data-parallel engine, and
-            ``"gpu_worker"`` one per engine and tensor-parallel rank. On a
-            node other than the head (``config.is_head`` false) only the
-            node's worker ranks start, and no ring is created.
         trace_file: write the merged Chrome trace here on stop.
         profile_dir: record each process with py-spy; flame graphs land here on stop.
 
@@ -63,42 +100,41 @@ class Launcher:
 
     def __init__(self, config: EngineConfig, roles: tuple[str, ...] = ROLES,
                  trace_file: str | None = None, profile_dir: str | None = None):
-        from pipeline.gpu_worker.main import run_gpu_worker
-        from pipeline.io_proc.main import run_io_proc
-        from pipeline.scheduler_proc.main import run_scheduler
-
         self.config, self.trace_file = config, trace_file
-        engines = config.engines()
-        if not config.is_head:
-            roles = ("gpu_worker",)
+        self.roles = roles if config.is_head else ("gpu_worker",)
         # Each engine's descriptor ring, then its output ring; only the head node has them.
-        self.rings = [ring for e in engines if config.is_head
+        self.rings = [ring for e in config.engines() if config.is_head
                       for ring in (e.descriptor_ring(create=True), e.output_ring(create=True))]
-        ctx = mp.get_context("spawn")
-        self.procs: dict[str, mp.Process] = {}
-        self.conns = {}
-
-        def add(name: str, target, engine: EngineConfig, *args) -> None:
-            parent, child = ctx.Pipe(duplex=False)
-            self.procs[name] = ctx.Process(target=target, args=(engine, child, *args), name=f"pipeline-{name}")
-            self.conns[name] = parent
-
-        for e in engines:
-            if "scheduler" in roles:
-                add(e.scheduler_role, run_scheduler, e)
-            if "gpu_worker" in roles:  # tensor parallelism: one process per rank, each told its rank
-                for rank in config.local_ranks:
-                    add(e.worker_role(rank), run_gpu_worker, e, rank)
-        if "io_proc" in roles:  # one for all engines
-            add("io_proc", run_io_proc, config)
+        self.procs: dict[str, _Child] = {}
+        self.conns: dict[str, Connection] = {}
         self.profiler = Profiler(profile_dir) if profile_dir else None
         self.spans: list = []
-        self._signalled = False
+        self._signalled: str | None = None  # the name of the signal that stops the server
+        # Written by the C-level signal handler (signal.set_wakeup_fd), so a
+        # signal ends the wait on the children at once: a retried wait would
+        # otherwise sleep out its timeout first.
+        self._wakeup_r, self._wakeup_w = socket.socketpair()
+        self._wakeup_r.setblocking(False)
+        self._wakeup_w.setblocking(False)
 
     @property
     def output_rings(self) -> list[ShmRing]:
         """The launcher's handles on the engines' StepOutput rings, for a benchmark that plays io_proc's part."""
         return self.rings[1::2]
+
+    def _start_children(self) -> None:
+        """One scheduler and one process per local worker rank for each engine, then one io_proc for all."""
+        def add(name: str, kind: str, engine: EngineConfig, rank: int = 0) -> None:
+            self.procs[name], self.conns[name] = _Child.start(kind, engine, rank)
+
+        for e in self.config.engines():
+            if "scheduler" in self.roles:
+                add(e.scheduler_role, "scheduler", e)
+            if "gpu_worker" in self.roles:  # tensor parallelism: one process per rank, each told its rank
+                for rank in self.config.local_ranks:
+                    add(e.worker_role(rank), "gpu_worker", e, rank)
+        if "io_proc" in self.roles:
+            add("io_proc", "io_proc", self.config)
 
     def start(self, timeout: float = 600.0) -> None:
         """Start every process and wait until all are ready.
@@ -107,21 +143,15 @@ class Launcher:
             ChildFailed: a process died or reported an error first.
             TimeoutError: not ready within ``timeout`` seconds.
         """
-        for p in self.procs.values():
-            p.start()
+        self._start_children()
         attached, ready = set(), set()
         deadline = time.monotonic() + timeout
         while len(ready) < len(self.procs):
             if self._signalled:
-                raise ChildFailed("interrupted during start-up")
+                raise ChildFailed(f"{self._signalled} during start-up")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"processes not ready after {timeout:.0f} s: {sorted(set(self.procs) - ready)}")
-            self._check_alive()
-            for conn in wait(list(self.conns.values()), timeout=0.5):
-                try:
-                    kind, name, *rest = conn.recv()
-                except EOFError:
-                    continue  # its death shows up in _check_alive
+            for kind, name, *rest in self._messages(0.5):
                 if kind == "attached":
                     attached.add(name)
                     if len(attached) == len(self.procs):
@@ -131,24 +161,42 @@ class Launcher:
                     ready.add(name)
                 elif kind == "error":
                     raise ChildFailed(f"{name}: {rest[0]}")
+            # After the messages: a child that reported an error and exited is named by its message.
+            self._check_alive()
         if self.profiler:
             self.profiler.start({name: p.pid for name, p in self.procs.items()})
 
+    def _messages(self, timeout: float) -> list[tuple]:
+        """Status messages that arrive within ``timeout`` seconds (none once a child has died)."""
+        out = []
+        conns = [c for c in self.conns.values() if not c.closed]
+        for ready in wait(conns + [p.sentinel for p in self.procs.values()] + [self._wakeup_r], timeout=timeout):
+            if ready is self._wakeup_r:
+                with contextlib.suppress(BlockingIOError):
+                    self._wakeup_r.recv(4096)
+                continue
+            if not isinstance(ready, Connection):
+                continue  # a child exited: _check_alive says which
+            try:
+                out.append(ready.recv())
+            except (EOFError, OSError):
+                ready.close()  # the child is gone
+        return out
+
     def _check_alive(self) -> None:
         for name, p in self.procs.items():
-            if p.exitcode is not None or (p.pid is not None and not p.is_alive()):
-                p.join(1.0)  # reap it so exitcode is set
+            if p.poll() is not None:
                 kind, why = self._last_report(name)
-                if kind == "done" and p.exitcode == 0:
+                if kind == "done" and p.returncode == 0:
                     raise HeadStopped(f"{name}: {why}")
-                raise ChildFailed(f"{name} {_exit_description(p.exitcode)}" + (f": {why}" if why else ""))
+                raise ChildFailed(f"{name} {_exit_description(p.returncode)}" + (f": {why}" if why else ""))
 
     def _last_report(self, name: str) -> tuple[str, str]:
-        """What a dead child said last after start-up: ``("error", why)`` (a worker that lost another
-        node's ranks), ``("done", why)`` (a rank whose head node stopped), or ``("", "")``."""
+        """What a dead child said last: ``("error", why)``, ``("done", why)`` (a rank on another node
+        whose head stopped), or ``("", "")``."""
         last, conn = ("", ""), self.conns[name]
         try:
-            while conn.poll():
+            while not conn.closed and conn.poll():
                 kind, _, *rest = conn.recv()
                 if kind in ("error", "done"):
                     last = (kind, rest[0])
@@ -156,14 +204,16 @@ class Launcher:
             pass
         return last
 
-    def _on_signal(self, *_args) -> None:
-        self._signalled = True
+    def _on_signal(self, signum: int, _frame) -> None:
+        self._signalled = signal.Signals(signum).name
 
     def serve(self) -> int:
         """``pipeline-serve``'s body: start, watch until a signal or a death; returns the exit code."""
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGTERM, self._on_signal)
+        signal.set_wakeup_fd(self._wakeup_w.fileno(), warn_on_full_buffer=False)
         t0 = time.monotonic()
+        ready_printed = False
         try:
             self.start()
             c = self.config
@@ -176,20 +226,29 @@ class Launcher:
                 print(f"pipeline-serve: node {c.node_rank} of {c.nnodes} running tensor-parallel ranks "
                       f"{c.local_ranks.start}-{c.local_ranks.stop - 1} of {c.tensor_parallel_size} for the head at "
                       f"{c.master_addr}:{c.master_port} (ready in {time.monotonic() - t0:.1f} s)", flush=True)
-            sentinels = [p.sentinel for p in self.procs.values()]
+            ready_printed = True
             while not self._signalled:
-                if wait(sentinels, timeout=0.5):
-                    self._check_alive()
+                # A child reports an error before it exits: its message says why, its exit status does not.
+                for kind, name, *rest in self._messages(0.5):
+                    if kind == "error":
+                        raise ChildFailed(f"{name}: {rest[0]}")
+                    if kind == "done":
+                        raise HeadStopped(f"{name}: {rest[0]}")
+                self._check_alive()
             return 0
         except HeadStopped as e:
             print(f"pipeline-serve: {e}; stopping this node", file=sys.stderr)
             return 0
         except ChildFailed as e:
             if self._signalled:
+                if not ready_printed:
+                    print(f"pipeline-serve: {self._signalled} during start-up; stopping before serving",
+                          file=sys.stderr)
                 return 0
             print(f"pipeline-serve: {e}; stopping the server", file=sys.stderr)
             return 1
         finally:
+            signal.set_wakeup_fd(-1)
             self.stop()
 
     def stop(self) -> None:
@@ -199,15 +258,18 @@ class Launcher:
         (a no-op once they were unlinked at start-up) and removes the socket directory.
         """
         for p in self.procs.values():
-            if p.is_alive():
+            if p.poll() is None:
                 p.terminate()
         deadline = time.monotonic() + _STOP_GRACE_S
         for p in self.procs.values():
-            if p.pid is not None:
-                p.join(max(0.0, deadline - time.monotonic()))
-                if p.is_alive():
-                    p.kill()
-                    p.join()
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            p.close()
+        for conn in self.conns.values():
+            conn.close()
         for ring in self.rings:
             ring.unlink()
             ring.close()
@@ -221,16 +283,44 @@ class Launcher:
                 print(f"pipeline: wrote step timeline to {self.trace_file} (open it in https://ui.perfetto.dev)",
                       file=sys.stderr)
         shutil.rmtree(self.config.ipc_dir, ignore_errors=True)
+        self._wakeup_r.close()
+        self._wakeup_w.close()
+
+
+class _StartUpInterrupted(Exception):
+    """SIGINT or SIGTERM arrived before :meth:`Launcher.serve` took over the signals."""
+
+
+def _interrupt_start_up(signum: int, _frame) -> None:
+    raise _StartUpInterrupted(signal.Signals(signum).name)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console entry of ``pipeline-serve``."""
-    args = build_parser().parse_args(argv)
-    config = make_config(args)
-    code = Launcher(config, trace_file=args.trace, profile_dir=args.profile).serve()
+    """Console entry of ``pipeline-serve``; exits with :meth:`Launcher.serve`'s status.
+
+    A SIGINT or SIGTERM while the flags are read, the model is resolved or
+    the rings are created (before the children start) ends start-up with a
+    message and status 0, and removes the socket directory and ring names
+    this launcher had made (docs/design.md, "Processes and lifecycle").
+    """
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt_start_up)
+    try:
+        args = build_parser().parse_args(argv)
+        config = make_config(args)
+        launcher = Launcher(config, trace_file=args.trace, profile_dir=args.profile)
+        code = launcher.serve()  # which takes the signals over at once
+    except _StartUpInterrupted as e:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        remove_files_of(os.getpid())
+        print(f"pipeline-serve: {e} during start-up; stopped before serving, nothing left behind", file=sys.stderr)
+        exit_now(0)
     if code == 0:
         print("pipeline-serve: stopped", file=sys.stderr)
-    raise SystemExit(code)
+    # Everything is stopped and removed: skip the interpreter's teardown (torch, when
+    # --device auto imported it, costs about a second of it).
+    exit_now(code)
 
 
 if __name__ == "__main__":

@@ -12,9 +12,9 @@ import os
 import re
 import secrets
 import sys
-import tempfile
 
 from pipeline.common.config import ATTENTION_BACKENDS, EngineConfig
+from pipeline.common.instance_files import make_ipc_dir, sweep_dead_instances
 from pipeline.common.parallel import TPShape
 
 
@@ -135,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Seconds a client has to send a request's body once its headers are in; then 408.")
     p.add_argument("--limit-concurrency", type=int, default=4096,
                    help="Open HTTP connections plus running requests at which new requests get 503.")
+    p.add_argument("--step-timeout", type=float, default=300.0,
+                   help="Seconds a step may run without producing its output before the server declares the "
+                        "worker hung and stops with an error (clients get 503); 0 disables the watchdog.")
     p.add_argument("--trace", metavar="FILE", default=None,
                    help="Write a Chrome-trace JSON step timeline (one track per process) to FILE on exit; "
                         "open it in Perfetto (ui.perfetto.dev).")
@@ -264,6 +267,8 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
     else:
         num_blocks = int(args.kv_cache_memory * 2**30 // kv_bytes_per_block(cfg, args.block_size, args.dtype,
                                                                             kv_heads))
+    if args.step_timeout < 0:
+        _die("--step-timeout must be 0 (off) or positive")
     if num_blocks * args.block_size < max_model_len:
         _die(f"the KV cache ({num_blocks} blocks of {args.block_size} tokens) cannot hold one request of "
              f"--max-model-len {max_model_len}; raise --kv-cache-memory or lower --max-model-len")
@@ -283,6 +288,8 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         if local > torch.cuda.device_count():
             _die(f"--tensor-parallel-size {tp} x --data-parallel-size {dp} / --nnodes {args.nnodes} needs "
                  f"{local} CUDA devices on this node (one per rank), found {torch.cuda.device_count()}")
+    # What launchers killed by SIGKILL left behind (their children remove it too, unless they died alike).
+    sweep_dead_instances()
     return EngineConfig(
         model="sim" if sim else str(model_dir), tokenizer=str(model_dir),
         served_model_name=args.served_model_name or ("sim" if sim else name), dtype=args.dtype,
@@ -297,5 +304,5 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         worker_threads=args.worker_threads, worker_cpus=worker_cpus, frontend_cpus=frontend_cpus,
         tensor_parallel_size=tp, data_parallel_size=dp, nnodes=args.nnodes, node_rank=args.node_rank,
         master_addr=args.master_addr or "", master_port=args.master_port, api_key=args.api_key or "",
-        cuda_graph_sizes=graph_sizes,
-        instance=f"{os.getpid()}-{secrets.token_hex(4)}", ipc_dir=tempfile.mkdtemp(prefix="pipeline-"))
+        cuda_graph_sizes=graph_sizes, step_timeout_s=args.step_timeout,
+        instance=f"{os.getpid()}-{secrets.token_hex(4)}", ipc_dir=make_ipc_dir())

@@ -82,6 +82,12 @@ class EngineConfig(msgspec.Struct, frozen=True):
             engine's rings, control socket, rendezvous and processes.
         api_key: when not empty, io_proc requires ``Authorization: Bearer
             <api_key>`` on every route but ``/health`` and ``/metrics``.
+        step_timeout_s: seconds a step in flight may go without its output
+            before the scheduler declares the worker hung and stops the
+            server with a message; 0 disables the watchdog.
+        debug_fail_step: the worker raises ``RuntimeError`` when it
+            launches this step, as a failing forward pass would (the fault
+            tests use it); -1: never.
         instance: unique id of this server instance (names of rings and sockets).
         ipc_dir: private directory holding this instance's zmq sockets.
     """
@@ -122,6 +128,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
     master_port: int = 29500
     engine_index: int = 0
     api_key: str = ""
+    step_timeout_s: float = 300.0
+    debug_fail_step: int = -1
     instance: str = ""
     ipc_dir: str = ""
 

@@ -57,11 +57,13 @@ class ShmRing(Generic[SlotT]):
         self.name, self.layout, self.num_slots, self.num_readers = name, layout, num_slots, num_readers
         flags = posix_ipc.O_CREX if create else 0
         size = layout.nbytes * num_slots
-        shm = posix_ipc.SharedMemory(name, flags, size=size if create else 0)
+        # Mode 0600: only this user's processes may map the ring or touch its semaphores.
+        shm = posix_ipc.SharedMemory(name, flags, mode=0o600, size=size if create else 0)
         self._mmap = mmap.mmap(shm.fd, size)
         shm.close_fd()
-        self._full = [posix_ipc.Semaphore(f"{name}-full{r}", flags, initial_value=0) for r in range(num_readers)]
-        self._empty = [posix_ipc.Semaphore(f"{name}-empty{r}", flags, initial_value=num_slots)
+        self._full = [posix_ipc.Semaphore(f"{name}-full{r}", flags, mode=0o600, initial_value=0)
+                      for r in range(num_readers)]
+        self._empty = [posix_ipc.Semaphore(f"{name}-empty{r}", flags, mode=0o600, initial_value=num_slots)
                        for r in range(num_readers)]
         self._slots: list[SlotT] = [wrap(layout.views(self._mmap, i * layout.nbytes)) for i in range(num_slots)]
         self._write_idx = 0

@@ -20,7 +20,7 @@ import torch
 
 from pipeline.common.config import EngineConfig
 from pipeline.common.constants import POLL_INTERVAL_S
-from pipeline.common.process import StopFlag, child_setup, pin_to_cpus, report
+from pipeline.common.process import StopFlag, Stopped, report
 from pipeline.common.shm_ring import RingTimeout, ShmRing
 from pipeline.common.step_protocol import StepDescriptor, StepOutput, read_descriptor
 from pipeline.common.trace import TraceRecorder
@@ -66,7 +66,12 @@ class WorkerProc:
         self.step_shapes = StepShapeRecorder() if config.step_shapes_file and rank == 0 else None
 
     def run(self, stop: StopFlag) -> None:
-        """Run steps until ``stop.is_set()`` or, on a node other than the head, until rank 0 stops."""
+        """Run steps until ``stop.is_set()`` or, on a node other than the head, until rank 0 stops.
+
+        Raises:
+            Exception: whatever a launch raised (a failing forward pass,
+                ``StaleTokenError``); the process reports it and exits with 1.
+        """
         while not stop.is_set():
             while self.pending and self.pending[0].is_done():
                 self._publish(self.runner.finish(self.pending.popleft()), stop)
@@ -93,6 +98,8 @@ class WorkerProc:
                     self.relay.send(desc)
                 inputs = read_descriptor(desc)
                 self.desc_ring.release_read(self.rank)
+            if inputs.step_id == self.config.debug_fail_step:
+                raise RuntimeError(f"injected fault: the forward pass of step {inputs.step_id} failed")
             if self.step_shapes is not None:
                 self.step_shapes.add(inputs)
             self.pending.append(self.runner.launch(inputs, t0))
@@ -174,21 +181,23 @@ def load_runner(config: EngineConfig, rank: int = 0) -> tuple[ModelRunner, Descr
     return runner, relay
 
 
-def run_gpu_worker(config: EngineConfig, status_conn, rank: int = 0) -> None:
-    """Process entry of gpu_worker rank ``rank`` (see :mod:`pipeline.common.process`)."""
+def run_gpu_worker(config: EngineConfig, status_conn, stop: StopFlag, rank: int = 0) -> int:
+    """Process body of gpu_worker rank ``rank`` (see :mod:`pipeline.child`): run steps until ``stop``;
+    returns the exit status."""
     role = config.worker_role(rank)
-    stop = child_setup(role)
-    pin_to_cpus(config.worker_cpus)
     # The rings live on the head node; ranks elsewhere get the descriptors from the relay.
     desc_ring = config.descriptor_ring() if config.is_head else None
     out_ring = config.output_ring() if rank == 0 else None
     report(status_conn, "attached", role)
     try:
-        runner, relay = load_runner(config, rank)
+        with stop.interrupting():
+            runner, relay = load_runner(config, rank)
+    except Stopped:
+        return 0  # stopped while loading: the model is not needed any more
     except Exception as e:  # start-up failure: tell the launcher why, then exit
         traceback.print_exc()
         report(status_conn, "error", role, f"could not load model {config.model!r}: {e}")
-        raise SystemExit(1) from None
+        return 1
     report(status_conn, "ready", role)
     proc = WorkerProc(config, runner, desc_ring, out_ring, rank, relay)
     try:
@@ -205,6 +214,7 @@ def run_gpu_worker(config: EngineConfig, status_conn, rank: int = 0) -> None:
         # gloo's messages start with its source location; the first sentence says what happened.
         why = re.sub(r"^\[[^\]]*\]\s*", "", str(e)).split(". ")[0] or type(e).__name__
         report(status_conn, "error", role, f"lost the tensor-parallel ranks on another node ({why})")
-        raise SystemExit(1) from None
+        return 1
     finally:
         proc.close()
+    return 0

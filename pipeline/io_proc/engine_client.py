@@ -106,6 +106,7 @@ class EngineClient:
         self._replies_task: asyncio.Task | None = None
         self.num_prompt_tokens = 0
         self.num_finished: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
+        self._shutting_down = False
 
     @property
     def num_generation_tokens(self) -> int:
@@ -161,8 +162,13 @@ class EngineClient:
             return_token_ids: a stream needs every token, text or not.
 
         Raises:
-            EngineUnavailable: the scheduler's queue is full.
+            EngineUnavailable: the scheduler's queue is full, or the server is
+                shutting down (:meth:`abort_all` was called).
         """
+        if self._shutting_down:
+            # A request still being tokenized when the stop came would
+            # otherwise start after abort_all and hold the shutdown.
+            raise EngineUnavailable("the server is shutting down")
         req_num = next(self._req_nums)
         processor = OutputProcessor(self._new_detokenizer(), params, stop)
         state = RequestState(req_num, len(prompt_token_ids), processor, streaming, return_token_ids, params,
@@ -209,7 +215,9 @@ class EngineClient:
 
     def abort_all(self) -> None:
         """Finish every live request with "abort" (server shutdown): their
-        consumers wake up and end their responses, and the scheduler is told."""
+        consumers wake up and end their responses, and the scheduler is told.
+        From now on :meth:`add_request` refuses new requests (a 503)."""
+        self._shutting_down = True
         for req_num in list(self._requests):
             state = self._requests.pop(req_num, None)
             if state is None:

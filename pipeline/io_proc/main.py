@@ -1,7 +1,7 @@
 """io_proc's process body: uvicorn serving the OpenAI API over the engine client.
 
-:func:`run_io_proc` is the entry the launcher starts in a spawned child; it
-builds an :class:`IoProc` and runs it (docs/design.md, "Processes and
+:func:`run_io_proc` is the entry the launcher's child runs (:mod:`pipeline.child`);
+it builds an :class:`IoProc` and runs it (docs/design.md, "Processes and
 lifecycle").
 """
 
@@ -12,14 +12,13 @@ import contextlib
 import logging
 import resource
 import socket
-import sys
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
 
 import uvicorn
 
 from pipeline.common.config import EngineConfig
-from pipeline.common.process import StopFlag, child_setup, pin_to_cpus, report
+from pipeline.common.process import StopFlag, report
 from pipeline.common.shm_ring import ShmRing
 from pipeline.common.step_protocol import StepOutput
 from pipeline.common.trace import TraceRecorder
@@ -161,18 +160,15 @@ class IoProc:
         return code
 
 
-def run_io_proc(config: EngineConfig, status_conn: Connection) -> None:
-    """Process entry of io_proc: run until SIGTERM (or the launcher's death).
+def run_io_proc(config: EngineConfig, status_conn: Connection, stop: StopFlag) -> int:
+    """Process body of io_proc: run until ``stop`` is set (SIGTERM or the launcher's death).
 
     Attaches every engine's output ring (reader ``OUTPUT_READER_IO``) and reports
-    ``("attached", "io_proc")``, then builds and runs an :class:`IoProc`. On
-    a start-up failure it reports ``("error", "io_proc", message)`` and exits
-    with status 1; it also exits with 1 if the output reader thread dies. A
-    stop exits within about a second.
+    ``("attached", "io_proc")``, then builds and runs an :class:`IoProc`.
+    Returns the exit status: 1 after a start-up failure (reported as
+    ``("error", "io_proc", message)``) or if the output reader thread dies,
+    else 0. A stop returns within about 0.3 s.
     """
-    stop = child_setup(_NAME)
-    pin_to_cpus(config.frontend_cpus)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     rings: list[ShmRing[StepOutput]] = []
     for engine in config.engines():
         try:
@@ -180,7 +176,9 @@ def run_io_proc(config: EngineConfig, status_conn: Connection) -> None:
         except Exception as e:
             report(status_conn, "error", _NAME, f"cannot attach the output ring {engine.output_ring_name!r} ({e}); "
                                                 "it must be created by the launcher before io_proc starts")
-            sys.exit(1)
+            for ring in rings:
+                ring.close()
+            return 1
     report(status_conn, "attached", _NAME)
     try:
         proc = IoProc(config, rings)
@@ -199,8 +197,7 @@ def run_io_proc(config: EngineConfig, status_conn: Connection) -> None:
     finally:
         for ring in rings:
             ring.close()
-    if code:
-        sys.exit(code)
+    return code
 
 
 def _raise_fd_limit(wanted: int) -> None:

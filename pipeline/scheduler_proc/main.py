@@ -9,6 +9,7 @@ step's tokens. Imports neither torch nor model code.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 
@@ -18,15 +19,26 @@ import zmq
 from pipeline.common.config import EngineConfig
 from pipeline.common.constants import POLL_INTERVAL_S
 from pipeline.common.messages import AbortRequest, AddRequest, GetStats, Shutdown, Stats, ToScheduler
-from pipeline.common.process import child_setup, pin_to_cpus, report
+from pipeline.common.process import StopFlag, report
 from pipeline.common.shm_ring import RingTimeout, ShmRing
 from pipeline.common.step_protocol import MAX_INFLIGHT_STEPS, OUTPUT_READER_SCHEDULER, StepDescriptor, StepOutput
 from pipeline.common.trace import TraceRecorder
 from pipeline.scheduler_proc.scheduler import Scheduler
 
+logger = logging.getLogger("pipeline.scheduler")
+
+
+class StepTimeout(Exception):
+    """A step in flight produced no output within ``--step-timeout``: the worker is hung."""
+
 
 class SchedulerProc:
-    """Owns the scheduler, its rings and sockets; :meth:`run` is the process body."""
+    """Owns the scheduler, its rings and sockets; :meth:`run` is the process body.
+
+    A control message that does not decode is logged and dropped. With
+    ``config.step_timeout_s`` > 0, :meth:`run` raises :class:`StepTimeout`
+    when the oldest step in flight has waited that long for its output.
+    """
 
     def __init__(self, config: EngineConfig, desc_ring: ShmRing[StepDescriptor], out_ring: ShmRing[StepOutput],
                  control: zmq.Socket, replies: zmq.Socket):
@@ -37,6 +49,9 @@ class SchedulerProc:
                                    config.num_kv_blocks, config.max_blocks_per_seq)
         self.max_inflight = MAX_INFLIGHT_STEPS if config.async_scheduling else 1
         self.inflight: deque[int] = deque()
+        # time.monotonic() at which the oldest step in flight was published, or since its
+        # predecessor's output arrived (it cannot run before): what the watchdog measures.
+        self._oldest_since = 0.0
         self.trace = TraceRecorder() if config.trace else None
         self._decoder = msgspec.msgpack.Decoder(ToScheduler)
         self._encoder = msgspec.msgpack.Encoder()
@@ -63,7 +78,12 @@ class SchedulerProc:
                 raw = self.control.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            msg = self._decoder.decode(raw)
+            try:
+                msg = self._decoder.decode(raw)
+            except msgspec.DecodeError as e:
+                # Only io_proc writes here, but one bad message must not take the engine down.
+                logger.warning("dropped a malformed control message (%d bytes): %s", len(raw), e)
+                continue
             if isinstance(msg, AddRequest):
                 self.scheduler.add_request(msg)
             elif isinstance(msg, AbortRequest):
@@ -85,6 +105,8 @@ class SchedulerProc:
         self.desc_ring.publish()
         if self.trace is not None:
             self.trace.add(self.config.scheduler_role, "plan", "plan", step_id, t0, time.monotonic_ns())
+        if not self.inflight:
+            self._oldest_since = time.monotonic()
         self.inflight.append(step_id)
         return True
 
@@ -92,6 +114,10 @@ class SchedulerProc:
         try:
             slot = self.out_ring.acquire_read(OUTPUT_READER_SCHEDULER, timeout=POLL_INTERVAL_S)
         except RingTimeout:
+            waited = time.monotonic() - self._oldest_since
+            if self.config.step_timeout_s and waited > self.config.step_timeout_s:
+                raise StepTimeout(f"step {self.inflight[0]} has produced no output for {waited:.1f} s "
+                                  f"(--step-timeout {self.config.step_timeout_s:g}): the worker is hung") from None
             return
         t0 = time.monotonic_ns()
         out = slot.read()
@@ -99,6 +125,7 @@ class SchedulerProc:
         expected = self.inflight.popleft()
         if out.step_id != expected:
             raise RuntimeError(f"worker reported step {out.step_id}, expected {expected}")
+        self._oldest_since = time.monotonic()
         self.scheduler.process_output(out.step_id, out.req_nums, out.token_ids)
         if self.trace is not None:
             self.trace.add(self.config.scheduler_role, "plan", "process_output", out.step_id, t0, time.monotonic_ns())
@@ -112,11 +139,9 @@ class SchedulerProc:
                      num_steps=s.next_step_id, num_preemptions=s.num_preemptions)
 
 
-def run_scheduler(config: EngineConfig, status_conn) -> None:
-    """Process entry of scheduler_proc (see :mod:`pipeline.common.process`)."""
+def run_scheduler(config: EngineConfig, status_conn, stop: StopFlag) -> int:
+    """Process body of scheduler_proc (see :mod:`pipeline.child`): serve until ``stop``; returns the exit status."""
     role = config.scheduler_role
-    stop = child_setup(role)
-    pin_to_cpus(config.frontend_cpus)
     desc_ring = config.descriptor_ring()
     out_ring = config.output_ring()
     report(status_conn, "attached", role)
@@ -129,7 +154,7 @@ def run_scheduler(config: EngineConfig, status_conn) -> None:
         loop = SchedulerProc(config, desc_ring, out_ring, control, replies)
     except ValueError as e:
         report(status_conn, "error", role, str(e))
-        raise SystemExit(1) from None
+        return 1
     report(status_conn, "ready", role)
     try:
         loop.run(stop)
@@ -139,3 +164,4 @@ def run_scheduler(config: EngineConfig, status_conn) -> None:
         ctx.destroy(linger=0)
         desc_ring.close()
         out_ring.close()
+    return 0

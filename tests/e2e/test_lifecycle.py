@@ -53,6 +53,8 @@ def test_kill_worker_stops_everything(tiny_dir):
     out = srv.proc.stdout.read()
     assert code != 0
     assert "gpu_worker" in out and "SIGKILL" in out, out
+    # No multiprocessing resource tracker runs, so none warns of "leaked" semaphores.
+    assert "leaked" not in out and "resource_tracker" not in out, out
     assert wait_gone(srv.children) == []
     assert shm_entries(srv.proc.pid) == []
     assert child_pids(srv.proc.pid) == []

@@ -1,0 +1,104 @@
+"""The files a server instance leaves in the file system, and their removal.
+
+An instance owns two kinds of named objects (docs/design.md, "Processes and
+lifecycle"): its socket directory ``<tmp>/pipeline-<launcher pid>-<random>``
+(mode 0700) and, until every child has attached, its rings' shared-memory
+segments and semaphores ``/dev/shm/[sem.]pipeline-<launcher pid>-<hex>-*``
+(mode 0600). Both names start with the launcher's pid, so whoever finds one
+can tell whether its owner still runs. The children remove their instance's
+files when they notice the launcher died, and every launcher first sweeps
+away what dead instances of the same user left (a ``kill -9`` of a launcher
+before its children attached, or of the whole process group).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+
+_PREFIX = "pipeline-"
+# pipeline-<pid>-..., as a socket directory or (after an optional "sem.") a ring name in /dev/shm.
+_NAME = re.compile(r"^(?:sem\.)?pipeline-(\d+)-")
+_SHM_DIR = "/dev/shm"
+
+
+def make_ipc_dir() -> str:
+    """Create this process's private socket directory (mode 0700) under the system temp directory.
+
+    Its name starts with ``pipeline-<pid>-``, so :func:`sweep_dead_instances`
+    can tell when its owner is gone. Raises ``OSError`` if it cannot be created.
+    """
+    return tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-")
+
+
+def pid_alive(pid: int) -> bool:
+    """True if a process ``pid`` exists (of any user)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_files_of(pid: int, *, only_if_dead: bool = False) -> list[str]:
+    """Remove the socket directories and ring names that instance owner ``pid`` left.
+
+    Only entries owned by this user are touched. With ``only_if_dead``, an
+    entry is removed only while ``pid`` runs no more (checked per entry).
+    Returns the paths removed; errors (a racing remover) are ignored.
+    """
+    removed = []
+    for base in (tempfile.gettempdir(), _SHM_DIR):
+        try:
+            names = os.listdir(base)
+        except OSError:
+            continue
+        for name in names:
+            m = _NAME.match(name)
+            if m is None or int(m.group(1)) != pid:
+                continue
+            path = os.path.join(base, name)
+            if base != _SHM_DIR and (name.startswith("sem.") or not os.path.isdir(path)):
+                continue  # in the temp directory only socket directories are ours
+            if _remove_own(path, pid, only_if_dead):
+                removed.append(path)
+    return removed
+
+
+def sweep_dead_instances() -> list[str]:
+    """Remove every socket directory and ring name of this user whose launcher is gone.
+
+    A launcher calls this before it creates its own files. Returns the paths removed.
+    """
+    removed = []
+    owners = set()
+    for base in (tempfile.gettempdir(), _SHM_DIR):
+        try:
+            owners.update(int(m.group(1)) for m in map(_NAME.match, os.listdir(base)) if m)
+        except OSError:
+            continue
+    for pid in sorted(owners):
+        if pid != os.getpid() and not pid_alive(pid):
+            removed += remove_files_of(pid, only_if_dead=True)
+    return removed
+
+
+def _remove_own(path: str, pid: int, only_if_dead: bool) -> bool:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    if st.st_uid != os.getuid() or (only_if_dead and pid_alive(pid)):
+        return False
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)  # on Linux, the same as shm_unlink / sem_unlink of the name
+    except OSError:
+        return False
+    return True
