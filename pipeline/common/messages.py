@@ -35,6 +35,19 @@ class SamplingParams(msgspec.Struct, frozen=True):
         prompt_logprobs: the same for every prompt token after the first
             (what ``echo`` with ``logprobs`` needs); -1 for none. With
             ``max_tokens`` 0 the request ends after its prefill.
+        presence_penalty: subtracted from the logit of every token that
+            occurs in the output so far (OpenAI semantics, -2..2; 0 is off).
+        frequency_penalty: subtracted once per occurrence in the output so
+            far (OpenAI semantics, -2..2; 0 is off).
+        repetition_penalty: divides positive and multiplies negative logits
+            of tokens in the prompt or the output (vLLM semantics, after
+            Keskar et al. 2019; > 0, 1 is off).
+        min_p: drop tokens less likely than ``min_p`` times the most likely
+            one, after temperature (Nguyen et al. 2024; 0 is off).
+        min_tokens: ``stop_token_ids`` cannot be sampled before this many
+            output tokens (0 is off).
+        logit_bias: ``(token id, bias)`` pairs added to the logits before
+            sampling, at most ``MAX_LOGIT_BIAS`` (step_protocol).
     """
 
     max_tokens: int
@@ -46,6 +59,12 @@ class SamplingParams(msgspec.Struct, frozen=True):
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int = -1
     prompt_logprobs: int = -1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 class AddRequest(msgspec.Struct, tag=True):

@@ -27,7 +27,7 @@ from typing import Any, Literal
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from pipeline.common.step_protocol import MAX_LOGPROBS
+from pipeline.common.step_protocol import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 
 # The OpenAI API accepts at most four stop sequences.
 MAX_STOP_STRINGS = 4
@@ -122,6 +122,17 @@ class SamplingRequest(_Request):
     ``top_k`` -1 or 0 disables it; ``seed`` absent means a random seed;
     ``n`` must be 1 (or absent); ``return_token_ids`` (vLLM) adds the prompt
     and output token ids to the response (per chunk when streaming).
+
+    Penalties and biases (docs/design.md, "Penalties and biases"):
+    ``presence_penalty`` and ``frequency_penalty`` in -2..2 (OpenAI API
+    reference); ``repetition_penalty`` > 0, 1 off (vLLM, after Keskar et al.
+    2019); ``logit_bias`` maps token ids (as decimal strings, the JSON keys
+    OpenAI's clients send) to a bias in -100..100, at most
+    ``MAX_LOGIT_BIAS`` of them; ``min_p`` in 0..1 (vLLM, after Nguyen et al.
+    2024); ``min_tokens`` (vLLM): the stop token ids cannot end the output
+    before this many tokens; ``stop_token_ids`` (vLLM): more ids that end
+    it, also with ``ignore_eos``. Token ids are checked against the
+    vocabulary when the request is served.
     """
 
     model: str | None = None
@@ -136,24 +147,51 @@ class SamplingRequest(_Request):
     ignore_eos: bool = False
     n: int | None = None
     return_token_ids: bool = False
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = None
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     # Accepted only at their "off" values: refusing is more honest than ignoring them.
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict | None = None
     tools: list | None = None
     response_format: dict | None = None
 
     @model_validator(mode="after")
     def _check_unsupported(self) -> SamplingRequest:
         unsupported = {
-            "presence_penalty": bool(self.presence_penalty), "frequency_penalty": bool(self.frequency_penalty),
-            "logit_bias": bool(self.logit_bias), "tools": bool(self.tools),
-            "response_format": self.response_format not in (None, {"type": "text"}),
+            "tools": bool(self.tools), "response_format": self.response_format not in (None, {"type": "text"}),
         }
         for name, used in unsupported.items():
             if used:
                 raise ValueError(f"{name} is not supported by this server")
         return self
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is None:
+            return v
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries are allowed, got {len(v)}")
+        for key, bias in v.items():
+            if not (key.isascii() and key.isdigit() and str(int(key)) == key):
+                raise ValueError(f"logit_bias keys must be token ids written as decimal integers, got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {key}")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _check_stop_token_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v and min(v) < 0:
+            raise ValueError("stop_token_ids must be token ids >= 0")
+        return v
+
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as ``(token id, bias)`` pairs (possibly none)."""
+        return tuple((int(k), float(b)) for k, b in (self.logit_bias or {}).items())
 
     @field_validator("top_k")
     @classmethod

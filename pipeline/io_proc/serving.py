@@ -42,6 +42,7 @@ from starlette.types import Receive, Scope, Send
 
 from pipeline.common.config import EngineConfig
 from pipeline.common.messages import SamplingParams
+from pipeline.common.step_protocol import MAX_STOP_TOKEN_IDS
 from pipeline.io_proc.engine_client import EngineClient, EngineUnavailable
 from pipeline.io_proc.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
 from pipeline.io_proc.protocol import (
@@ -278,6 +279,20 @@ class OpenAIServing:
                 f"tokens ({n} in the {prompt_param}, {max_tokens} in the completion). Please reduce the length "
                 f"of the {prompt_param} or completion.",
                 param="max_tokens", code="context_length_exceeded")
+        if req.min_tokens > max_tokens:
+            raise APIError.bad_request(f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens})",
+                                       param="min_tokens")
+        logit_bias = req.logit_bias_pairs()
+        for name, ids in (("logit_bias", [t for t, _ in logit_bias]), ("stop_token_ids", req.stop_token_ids or [])):
+            if ids and max(ids) >= self._vocab_limit:
+                raise APIError.bad_request(f"{name}: token id {max(ids)} is out of range: the vocabulary has "
+                                           f"{self._vocab_limit} tokens", param=name)
+        # As in vLLM, ignore_eos drops only the EOS ids: the request's own stop_token_ids still end it.
+        eos_ids = () if req.ignore_eos else self._stop_token_ids
+        stop_ids = tuple(dict.fromkeys((*(req.stop_token_ids or ()), *eos_ids)))
+        if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+            raise APIError.bad_request(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} stop token ids in all, with "
+                                       f"the model's {len(self._stop_token_ids)}", param="stop_token_ids")
         temperature = 1.0 if req.temperature is None else req.temperature
         top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
         params = SamplingParams(
@@ -288,10 +303,15 @@ class OpenAIServing:
             top_p=1.0 if req.top_p is None else max(req.top_p, _MIN_TOP_P),
             top_k=0 if top_k > _INT32_MAX else top_k,
             seed=secrets.randbits(63) if req.seed is None else req.seed & _SEED_MASK,
-            ignore_eos=req.ignore_eos,
-            stop_token_ids=self._stop_token_ids,
+            stop_token_ids=stop_ids,
             logprobs=req.sampled_logprobs(),
             prompt_logprobs=req.prompt_logprobs(),
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            min_p=req.min_p or 0.0,
+            min_tokens=req.min_tokens,
+            logit_bias=logit_bias,
         )
         try:
             return self._client.add_request(prompt, params, req.stop_strings(), streaming=req.stream,

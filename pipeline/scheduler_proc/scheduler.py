@@ -304,7 +304,7 @@ class Scheduler:
                 if num_plp == k:
                     next_token = req.prompt_token_ids[pos + k]
             b.add_row(req.req_num, req.slot, pos, tokens, sample, req.params if req.is_new_in_slot else None,
-                      num_plp, next_token)
+                      num_plp, next_token, len(req.prompt_token_ids))
             req.is_new_in_slot = False
             if req.params.max_tokens == 0 and pos + k >= req.num_known_tokens:
                 # Its last prompt log-probabilities come with this step's output: it ends then.

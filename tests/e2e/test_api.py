@@ -124,7 +124,7 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\udfff"}]}),
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 3}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "tools": [{"type": "function", "function": {"name": "f"}}]}),
 ]

@@ -9,7 +9,10 @@ end with every KV block and slot free. A sampled variant (temperature 1,
 top-p 0.9, seeded) checks the same on the tiny Llama. Requests with
 ``logprobs`` and ``echo`` (prompt log-probabilities across prefill chunks,
 ``max_tokens`` 0 among them) must give the lock-step server's values too,
-also when preemption recomputes their prompts.
+also when preemption recomputes their prompts. So must requests with
+penalties, ``logit_bias``, ``min_p`` and ``min_tokens`` that join a running
+unpenalized batch (their counts are updated on the device from placeholder
+inputs), also when preemption re-prefills their outputs.
 """
 
 from __future__ import annotations
@@ -111,6 +114,34 @@ def test_sampled_async_equals_lockstep(tiny_async, tiny_sync, concurrency):
         assert m["pipeline_slots_free"] == m["pipeline_slots_total"], m
 
 
+PENALTIES = [
+    {"presence_penalty": 1.5, "frequency_penalty": 0.7},
+    {"repetition_penalty": 1.6, "logit_bias": {"1000": 3.0, "2000": -100}},
+    {"temperature": 1.0, "seed": 7, "min_p": 0.2, "frequency_penalty": -1.0, "repetition_penalty": 0.8},
+    {"min_tokens": 5, "stop_token_ids": [1000, 1001], "presence_penalty": -2.0},
+]
+
+
+def test_penalized_async_equals_lockstep(tiny_async, tiny_sync):
+    """24 requests at once, every other one penalized: each penalized request joins a batch that is
+    already decoding, and must give the lock-step server's tokens exactly."""
+    jobs = workload(24, seed=55)
+    for i, job in enumerate(jobs):
+        if i % 2:
+            job["sampling"] = PENALTIES[i // 2 % len(PENALTIES)]
+            job["max_tokens"] = max(job["max_tokens"], 16)
+    a = asyncio.run(run_all(tiny_async, jobs))
+    s = asyncio.run(run_all(tiny_sync, jobs))
+    for job, x, y in zip(jobs, a, s):
+        assert x == y, job
+    # The penalties did act: the same prompts decoded plainly give other tokens somewhere.
+    plain = asyncio.run(run_all(tiny_sync, [{**j, "sampling": {}} for j in jobs]))
+    assert any(x != p for job, x, p in zip(jobs, s, plain) if "sampling" in job)
+    for srv in (tiny_async, tiny_sync):
+        m = srv.wait_idle()
+        assert m["pipeline_slots_free"] == m["pipeline_slots_total"], m
+
+
 @pytest.mark.parametrize("model", ["tiny", "sim"])
 def test_logprobs_async_equal_lockstep(request, model):
     """Echo with logprobs: prompts of 1 to 120 tokens (up to four prefill chunks), max_tokens 0 to 40,
@@ -184,7 +215,8 @@ def test_preemption_under_kv_pressure_changes_nothing(request, tiny_dir, tiny_sy
     srv = Server(["--model", str(tiny_dir), "--max-num-batched-tokens", "32", "--num-kv-blocks", "80", *small])
     request.addfinalizer(srv.stop)
     jobs = [{"prompt": f"{i}: " + "the of and " * (20 + 10 * i), "max_tokens": 40, "abort_after": None,
-             "logprobs": 2 if i % 2 else None} for i in range(12)]
+             "logprobs": 2 if i % 2 else None, "sampling": PENALTIES[i // 3 % 2] if i % 3 == 0 else {}}
+            for i in range(12)]
     a = asyncio.run(run_all(srv, jobs))
     s = asyncio.run(run_all(tiny_sync, jobs))
     for job, x, y in zip(jobs, a, s):

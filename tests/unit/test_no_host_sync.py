@@ -5,7 +5,8 @@ of the runner (:class:`~tests.unit.sync_guard.FakeAsyncOps`: pinned staging,
 non-blocking uploads, copy stream, events) on a tiny random Llama, and fails
 on any call that would synchronise a CUDA stream. The steps cover prefill,
 decode and mixed prefill+decode, greedy and sampled rows (temperature,
-top-k, top-p, seeds), placeholders resolved in flight (step N+1 launched
+top-k, top-p, seeds), penalties and biases (counts updated on the device),
+placeholders resolved in flight (step N+1 launched
 before N is finished), with poison mode on. On a CUDA machine the same
 steps run under ``torch.cuda.set_sync_debug_mode("error")``, and a marker
 event queued behind ``torch.cuda._sleep`` must still be pending when
@@ -38,7 +39,15 @@ SAMPLED = [
     SamplingParams(max_tokens=64, temperature=1.3, top_k=5, seed=11),
     SamplingParams(max_tokens=64, temperature=0.7, seed=2**62 + 5),
 ]
-PARAMS = {"greedy": [GREEDY] * 4, "sampled": SAMPLED, "mixed": [GREEDY, SAMPLED[0], SAMPLED[1], SAMPLED[2]]}
+PENALIZED = [
+    SamplingParams(max_tokens=64, temperature=0.0, presence_penalty=0.5, frequency_penalty=0.3, min_tokens=3,
+                   stop_token_ids=(5, 9), logit_bias=((3, 4.0), (8, -50.0))),
+    SamplingParams(max_tokens=64, temperature=0.9, top_p=0.9, seed=5, repetition_penalty=1.3, min_p=0.1),
+    SamplingParams(max_tokens=64, temperature=1.1, top_k=20, seed=6, min_p=0.05, logit_bias=((1, -100.0),)),
+    GREEDY,
+]
+PARAMS = {"greedy": [GREEDY] * 4, "sampled": SAMPLED, "mixed": [GREEDY, SAMPLED[0], SAMPLED[1], SAMPLED[2]],
+          "penalized": PENALIZED}
 
 
 def tiny_model(max_position_embeddings: int = 256) -> LlamaForCausalLM:
@@ -133,7 +142,7 @@ def guarded_runner(guard: SyncGuard, config: EngineConfig) -> ModelRunner:
         return ModelRunner(config, ModelExecutor(config, model, cpu, torch.float32), cpu, FakeAsyncOps(cpu, guard))
 
 
-@pytest.mark.parametrize("kind", ["greedy", "sampled", "mixed"])
+@pytest.mark.parametrize("kind", ["greedy", "sampled", "mixed", "penalized"])
 def test_launch_never_syncs(guard, kind):
     config = engine_config()
     runner = guarded_runner(guard, config)
@@ -207,7 +216,7 @@ def cuda_runner(max_model_len: int = 128) -> ModelRunner:
 
 @pytest.mark.cuda
 @cuda
-@pytest.mark.parametrize("kind", ["greedy", "sampled", "mixed"])
+@pytest.mark.parametrize("kind", ["greedy", "sampled", "mixed", "penalized"])
 def test_launch_never_syncs_on_cuda(kind):
     runner = cuda_runner()
     warm = cuda_runner()  # first calls may initialise CUDA libraries (cuBLAS handles, kernels)
