@@ -68,11 +68,27 @@ class SamplingParams(msgspec.Struct, frozen=True):
 
 
 class AddRequest(msgspec.Struct, tag=True):
-    """Add a request. ``req_num`` is unique for the server's life."""
+    """Add a request. ``req_num`` is unique for the server's life.
+
+    With ``n`` > 1 the prompt has ``n`` choices: they are the requests
+    ``req_num + 1 .. req_num + n`` (io_proc reserves all ``n + 1`` numbers),
+    choice ``i`` sampling with :func:`choice_seed` ``(params.seed, i)``, and
+    ``req_num`` itself names the shared prefill, which samples nothing
+    (docs/design.md, "Parallel choices").
+    """
 
     req_num: int
     prompt_token_ids: list[int]
     params: SamplingParams
+    n: int = 1
+
+
+_SEED_MASK = (1 << 63) - 1
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice ``index`` of a request with ``n`` > 1: ``seed + index`` (as vLLM derives it), 63 bits."""
+    return (seed + index) & _SEED_MASK
 
 
 class AbortRequest(msgspec.Struct, tag=True):

@@ -224,6 +224,11 @@ class DescriptorBuilder:
         """Rows added since the last :meth:`clear`."""
         return len(self._req_num)
 
+    @property
+    def num_blocks(self) -> int:
+        """Block-table entries added since the last :meth:`clear`."""
+        return len(self._new_blocks)
+
     def clear(self) -> None:
         for lst in (self._req_num, self._slot, self._num_tokens, self._start_pos, self._do_sample, self._is_new,
                     self._num_prompt_logprobs, self._next_prompt_token, self._sampling, self._token_ids,

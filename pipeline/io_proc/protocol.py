@@ -31,6 +31,8 @@ from pipeline.common.step_protocol import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP
 
 # The OpenAI API accepts at most four stop sequences.
 MAX_STOP_STRINGS = 4
+# Choices per prompt (n); each is a sequence in a slot of its own.
+MAX_CHOICES = 128
 # Prompts in one completions request (a list of strings or of token-id lists),
 # as the OpenAI API bounds a batched input; each becomes its own request.
 MAX_PROMPTS = 2048
@@ -120,7 +122,8 @@ class SamplingRequest(_Request):
     """Fields shared by chat and text completions.
 
     ``top_k`` -1 or 0 disables it; ``seed`` absent means a random seed;
-    ``n`` must be 1 (or absent); ``return_token_ids`` (vLLM) adds the prompt
+    ``n`` (1..``MAX_CHOICES``) choices per prompt, choice ``i`` seeded with
+    ``seed + i``; ``best_of`` is refused; ``return_token_ids`` (vLLM) adds the prompt
     and output token ids to the response (per chunk when streaming).
 
     Penalties and biases (docs/design.md, "Penalties and biases"):
@@ -145,7 +148,8 @@ class SamplingRequest(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    n: int | None = None
+    n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
+    best_of: int | None = None
     return_token_ids: bool = False
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
@@ -210,12 +214,16 @@ class SamplingRequest(_Request):
             raise ValueError("stop sequences must be non-empty strings")
         return v
 
-    @field_validator("n")
+    @field_validator("best_of")
     @classmethod
-    def _check_n(cls, v: int | None) -> int | None:
+    def _check_best_of(cls, v: int | None) -> int | None:
         if v is not None and v != 1:
-            raise ValueError(f"only n=1 is supported, got n={v}")
+            raise ValueError("best_of is not supported; ask for n choices and rank them on the client")
         return v
+
+    def num_choices(self) -> int:
+        """``n``: choices per prompt."""
+        return 1 if self.n is None else self.n
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> SamplingRequest:
@@ -391,7 +399,7 @@ class ChatCompletionMessage(msgspec.Struct, kw_only=True):
 
 
 class ChatCompletionChoice(msgspec.Struct, kw_only=True):
-    """The one choice of a ``chat.completion`` (``n`` is always 1); ``logprobs`` is
+    """One choice of a ``chat.completion`` (``index`` 0..n-1); ``logprobs`` is
     ``{"content": [...]}`` (see :func:`~pipeline.io_proc.logprobs.chat_logprobs`) when asked."""
 
     index: int = 0
@@ -421,7 +429,7 @@ class DeltaMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class ChatCompletionChunkChoice(msgspec.Struct, kw_only=True):
-    """The one choice of a chunk; ``finish_reason`` is null until the last; ``logprobs``
+    """The choice a chunk is about; ``finish_reason`` is null until its last; ``logprobs``
     covers the chunk's tokens when asked."""
 
     index: int = 0

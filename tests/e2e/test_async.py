@@ -12,7 +12,8 @@ top-p 0.9, seeded) checks the same on the tiny Llama. Requests with
 also when preemption recomputes their prompts. So must requests with
 penalties, ``logit_bias``, ``min_p`` and ``min_tokens`` that join a running
 unpenalized batch (their counts are updated on the device from placeholder
-inputs), also when preemption re-prefills their outputs.
+inputs), also when preemption re-prefills their outputs, and seeded requests
+with n = 3 whose choices share a prefill.
 """
 
 from __future__ import annotations
@@ -227,3 +228,24 @@ def test_preemption_under_kv_pressure_changes_nothing(request, tiny_dir, tiny_sy
     m = srv.wait_idle()
     assert m["pipeline_num_preemptions_total"] > 0
     assert m["pipeline_kv_blocks_free"] == m["pipeline_kv_blocks_total"] == 80
+
+
+def test_seeded_choices_async_equal_lockstep(tiny_async, tiny_sync):
+    """n = 3 with seeds, six requests at once, prompts of 1 to 120 tokens (shared prefills from 0 to 7 blocks)."""
+    jobs = workload(6, seed=3)
+
+    async def run_n(server):
+        async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+            async def one(i, job):
+                r = await client.post("/v1/completions", json={
+                    "model": server.model, "prompt": job["prompt"], "max_tokens": 12, "n": 3, "seed": 500 + i,
+                    "temperature": 1.0, "ignore_eos": True, "return_token_ids": True})
+                assert r.status_code == 200, r.text
+                return [c["token_ids"] for c in r.json()["choices"]]
+            return await asyncio.gather(*(one(i, j) for i, j in enumerate(jobs)))
+
+    assert asyncio.run(run_n(tiny_async)) == asyncio.run(run_n(tiny_sync))
+    for srv in (tiny_async, tiny_sync):
+        m = srv.wait_idle()
+        assert m["pipeline_kv_blocks_free"] == m["pipeline_kv_blocks_total"], m
+        assert m["pipeline_slots_free"] == m["pipeline_slots_total"], m

@@ -45,8 +45,8 @@ class _Tokenization:
 
 
 class _Client:
-    def add_request(self, prompt, params, stops, streaming, return_token_ids):
-        return ("added", prompt)
+    def add_choices(self, prompt, params, stops, streaming, return_token_ids, n):
+        return [("added", prompt)] * n
 
 
 def test_prompt_ids_are_checked_against_the_model_vocabulary():
@@ -56,5 +56,5 @@ def test_prompt_ids_are_checked_against_the_model_vocabulary():
         serving._start(CompletionRequest(prompt=[5, 300], max_tokens=2), [5, 300], "prompt")
     assert e.value.status_code == 400 and e.value.param == "prompt"
     assert "prompt token id 300 is out of range: the vocabulary has 300 tokens" in e.value.message
-    assert serving._start(CompletionRequest(prompt=[5, 299], max_tokens=2), [5, 299], "prompt") == ("added",
-                                                                                                   [5, 299])
+    assert serving._start(CompletionRequest(prompt=[5, 299], max_tokens=2), [5, 299], "prompt") == [("added",
+                                                                                                    [5, 299])]
