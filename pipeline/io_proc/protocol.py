@@ -122,7 +122,9 @@ class SamplingRequest(_Request):
     """Fields shared by chat and text completions.
 
     ``top_k`` -1 or 0 disables it; ``seed`` absent means a random seed;
-    ``n`` (1..``MAX_CHOICES``) choices per prompt, choice ``i`` seeded with
+    ``max_completion_tokens`` (OpenAI's newer name for ``max_tokens``) wins
+    over ``max_tokens``; ``user`` is accepted and ignored (as every unknown
+    field); ``n`` (1..``MAX_CHOICES``) choices per prompt, choice ``i`` seeded with
     ``seed + i``; ``best_of`` is refused; ``return_token_ids`` (vLLM) adds the prompt
     and output token ids to the response (per chunk when streaming).
 
@@ -140,6 +142,7 @@ class SamplingRequest(_Request):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = None
@@ -242,8 +245,11 @@ class SamplingRequest(_Request):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def requested_max_tokens(self) -> int | None:
-        """The client's output-token limit, or None for "up to ``max_model_len``"."""
-        return self.max_tokens
+        """The client's output-token limit, or None for "up to ``max_model_len``".
+
+        ``max_completion_tokens`` (OpenAI's newer name) wins over ``max_tokens``.
+        """
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def sampled_logprobs(self) -> int:
         """Alternatives wanted with each output token's log-probability; -1 for no log-probabilities."""
@@ -255,7 +261,7 @@ class SamplingRequest(_Request):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    """Body of ``POST /v1/chat/completions``. ``max_completion_tokens`` wins over ``max_tokens``.
+    """Body of ``POST /v1/chat/completions``.
 
     ``logprobs: true`` returns each output token's log-probability, with its
     ``top_logprobs`` (0..20) most likely alternatives; ``top_logprobs``
@@ -264,7 +270,6 @@ class ChatCompletionRequest(SamplingRequest):
     """
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
@@ -277,9 +282,6 @@ class ChatCompletionRequest(SamplingRequest):
 
     def sampled_logprobs(self) -> int:
         return (self.top_logprobs or 0) if self.logprobs else -1
-
-    def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
 class CompletionRequest(SamplingRequest):

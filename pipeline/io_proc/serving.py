@@ -176,7 +176,7 @@ class OpenAIServing:
                 and 400 for ``max_tokens`` 0 without ``echo``.
         """
         self._check_model(req)
-        if req.max_tokens == 0 and not req.echo:
+        if req.requested_max_tokens() == 0 and not req.echo:
             raise APIError.bad_request("max_tokens must be at least 1 unless echo is true", param="max_tokens")
         prompts: list[list[int]] = []
         for p in req.prompt:
