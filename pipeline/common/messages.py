@@ -35,6 +35,19 @@ class SamplingParams(msgspec.Struct, frozen=True):
         prompt_logprobs: the same for every prompt token after the first
             (what ``echo`` with ``logprobs`` needs); -1 for none. With
             ``max_tokens`` 0 the request ends after its prefill.
+        presence_penalty: subtracted from the logit of every token that
+            occurs in the output so far (OpenAI semantics, -2..2; 0 is off).
+        frequency_penalty: subtracted once per occurrence in the output so
+            far (OpenAI semantics, -2..2; 0 is off).
+        repetition_penalty: divides positive and multiplies negative logits
+            of tokens in the prompt or the output (vLLM semantics, after
+            Keskar et al. 2019; > 0, 1 is off).
+        min_p: drop tokens less likely than ``min_p`` times the most likely
+            one, after temperature (Nguyen et al. 2024; 0 is off).
+        min_tokens: ``stop_token_ids`` cannot be sampled before this many
+            output tokens (0 is off).
+        logit_bias: ``(token id, bias)`` pairs added to the logits before
+            sampling, at most ``MAX_LOGIT_BIAS`` (step_protocol).
     """
 
     max_tokens: int
@@ -46,14 +59,36 @@ class SamplingParams(msgspec.Struct, frozen=True):
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int = -1
     prompt_logprobs: int = -1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 class AddRequest(msgspec.Struct, tag=True):
-    """Add a request. ``req_num`` is unique for the server's life."""
+    """Add a request. ``req_num`` is unique for the server's life.
+
+    With ``n`` > 1 the prompt has ``n`` choices: they are the requests
+    ``req_num + 1 .. req_num + n`` (io_proc reserves all ``n + 1`` numbers),
+    choice ``i`` sampling with :func:`choice_seed` ``(params.seed, i)``, and
+    ``req_num`` itself names the shared prefill, which samples nothing
+    (docs/design.md, "Parallel choices").
+    """
 
     req_num: int
     prompt_token_ids: list[int]
     params: SamplingParams
+    n: int = 1
+
+
+_SEED_MASK = (1 << 63) - 1
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice ``index`` of a request with ``n`` > 1: ``seed + index`` (as vLLM derives it), 63 bits."""
+    return (seed + index) & _SEED_MASK
 
 
 class AbortRequest(msgspec.Struct, tag=True):

@@ -46,6 +46,12 @@ OUTPUT_RING_SLOTS = 16
 # Alternatives returned per token with log-probabilities (OpenAI's top_logprobs
 # limit); the output slot has room for this many per token.
 MAX_LOGPROBS = 20
+# Room per request in the descriptor for logit_bias entries and for the stop
+# token ids that min_tokens masks: parameters travel once, in fixed-size
+# fields, so the variable-size ones are bounded (io_proc refuses more with a
+# 400). Per descriptor slot at 256 rows they cost 0.6 MiB and 32 KiB.
+MAX_LOGIT_BIAS = 300
+MAX_STOP_TOKEN_IDS = 32
 # Reader indices. On the descriptor ring, worker rank r reads as reader r
 # (rank 0 alone without tensor parallelism). On the output ring, which only
 # rank 0 writes, the scheduler and io_proc.
@@ -74,7 +80,13 @@ class StepDescriptor:
     first step in this slot; only then are its sampling parameters
     ``temperature`` f32, ``top_p`` f32, ``top_k`` i32, ``seed`` i64 and its
     log-probability counts ``logprobs`` i32 and ``prompt_logprobs`` i32
-    valid, -1 meaning none), ``num_prompt_logprobs`` (int32: how many of the
+    valid, -1 meaning none, and so are its penalties and biases:
+    ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``,
+    ``min_p`` f32, ``min_tokens`` i32, ``prompt_len`` i32 (positions from it
+    on hold output tokens), ``num_logit_bias`` i32 with ``logit_bias_ids``
+    i32 and ``logit_bias_values`` f32, ``MAX_LOGIT_BIAS`` per row, and
+    ``num_stop_ids`` i32 with ``stop_ids`` i32, ``MAX_STOP_TOKEN_IDS`` per
+    row, the ids ``min_tokens`` masks), ``num_prompt_logprobs`` (int32: how many of the
     row's positions, from its first, predict a prompt token whose
     log-probability is wanted: position ``j`` predicts the token at ``j+1``)
     and ``next_prompt_token`` (int32: the prompt token after the row's last
@@ -86,7 +98,9 @@ class StepDescriptor:
 
     __slots__ = ("header", "req_num", "slot", "num_scheduled_tokens", "start_pos", "do_sample", "is_new",
                  "temperature", "top_p", "top_k", "seed", "logprobs", "prompt_logprobs", "num_prompt_logprobs",
-                 "next_prompt_token",
+                 "next_prompt_token", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
+                 "min_tokens", "prompt_len", "num_logit_bias", "logit_bias_ids", "logit_bias_values",
+                 "num_stop_ids", "stop_ids",
                  "token_ids", "nb_slot", "nb_index", "nb_block")
     header: np.ndarray
     req_num: np.ndarray
@@ -103,6 +117,17 @@ class StepDescriptor:
     prompt_logprobs: np.ndarray
     num_prompt_logprobs: np.ndarray
     next_prompt_token: np.ndarray
+    presence_penalty: np.ndarray
+    frequency_penalty: np.ndarray
+    repetition_penalty: np.ndarray
+    min_p: np.ndarray
+    min_tokens: np.ndarray
+    prompt_len: np.ndarray
+    num_logit_bias: np.ndarray
+    logit_bias_ids: np.ndarray
+    logit_bias_values: np.ndarray
+    num_stop_ids: np.ndarray
+    stop_ids: np.ndarray
     token_ids: np.ndarray
     nb_slot: np.ndarray
     nb_index: np.ndarray
@@ -132,6 +157,17 @@ class StepDescriptor:
             ("prompt_logprobs", np.int32, s),
             ("num_prompt_logprobs", np.int32, s),
             ("next_prompt_token", np.int32, s),
+            ("presence_penalty", np.float32, s),
+            ("frequency_penalty", np.float32, s),
+            ("repetition_penalty", np.float32, s),
+            ("min_p", np.float32, s),
+            ("min_tokens", np.int32, s),
+            ("prompt_len", np.int32, s),
+            ("num_logit_bias", np.int32, s),
+            ("logit_bias_ids", np.int32, s * MAX_LOGIT_BIAS),
+            ("logit_bias_values", np.float32, s * MAX_LOGIT_BIAS),
+            ("num_stop_ids", np.int32, s),
+            ("stop_ids", np.int32, s * MAX_STOP_TOKEN_IDS),
             ("token_ids", np.int32, t),
             ("nb_slot", np.int32, b),
             ("nb_index", np.int32, b),
@@ -141,6 +177,9 @@ class StepDescriptor:
     def __init__(self, views: dict[str, np.ndarray]):
         for name in self.__slots__:
             setattr(self, name, views[name])
+        self.logit_bias_ids = self.logit_bias_ids.reshape(-1, MAX_LOGIT_BIAS)
+        self.logit_bias_values = self.logit_bias_values.reshape(-1, MAX_LOGIT_BIAS)
+        self.stop_ids = self.stop_ids.reshape(-1, MAX_STOP_TOKEN_IDS)
 
     @property
     def step_id(self) -> int:
@@ -177,13 +216,18 @@ class DescriptorBuilder:
         self._is_new: list[bool] = []
         self._num_prompt_logprobs: list[int] = []
         self._next_prompt_token: list[int] = []
-        self._sampling: list[tuple[int, SamplingParams]] = []
+        self._sampling: list[tuple[int, SamplingParams, int]] = []
         self._token_ids: list[int] = []
         self._new_blocks: list[tuple[int, int, int]] = []
 
     def __len__(self) -> int:
         """Rows added since the last :meth:`clear`."""
         return len(self._req_num)
+
+    @property
+    def num_blocks(self) -> int:
+        """Block-table entries added since the last :meth:`clear`."""
+        return len(self._new_blocks)
 
     def clear(self) -> None:
         for lst in (self._req_num, self._slot, self._num_tokens, self._start_pos, self._do_sample, self._is_new,
@@ -192,7 +236,8 @@ class DescriptorBuilder:
             lst.clear()
 
     def add_row(self, req_num: int, slot: int, start_pos: int, token_ids: list[int], do_sample: bool,
-                new_params: SamplingParams | None, num_prompt_logprobs: int = 0, next_prompt_token: int = -1) -> None:
+                new_params: SamplingParams | None, num_prompt_logprobs: int = 0, next_prompt_token: int = -1,
+                prompt_len: int = 0) -> None:
         """Schedule ``token_ids`` (positions ``start_pos...``) of request ``req_num`` in ``slot``.
 
         Args:
@@ -204,9 +249,12 @@ class DescriptorBuilder:
                 first, predict a prompt token whose log-probability is wanted.
             next_prompt_token: the prompt token after the row's last position
                 when that position is among them, else -1.
+            prompt_len: with ``new_params``, the request's prompt length:
+                the worker counts tokens at positions from it on as output
+                (penalties), the others as prompt (repetition penalty).
         """
         if new_params is not None:
-            self._sampling.append((len(self._req_num), new_params))
+            self._sampling.append((len(self._req_num), new_params, prompt_len))
         self._req_num.append(req_num)
         self._slot.append(slot)
         self._num_tokens.append(len(token_ids))
@@ -235,9 +283,20 @@ class DescriptorBuilder:
         desc.is_new[:n] = self._is_new
         desc.num_prompt_logprobs[:n] = self._num_prompt_logprobs
         desc.next_prompt_token[:n] = self._next_prompt_token
-        for i, p in self._sampling:
+        for i, p, prompt_len in self._sampling:
             desc.temperature[i], desc.top_p[i], desc.top_k[i], desc.seed[i] = p.temperature, p.top_p, p.top_k, p.seed
             desc.logprobs[i], desc.prompt_logprobs[i] = p.logprobs, p.prompt_logprobs
+            desc.presence_penalty[i], desc.frequency_penalty[i] = p.presence_penalty, p.frequency_penalty
+            desc.repetition_penalty[i], desc.min_p[i] = p.repetition_penalty, p.min_p
+            desc.min_tokens[i], desc.prompt_len[i] = p.min_tokens, prompt_len
+            nb = desc.num_logit_bias[i] = len(p.logit_bias)
+            if nb:
+                ids, values = zip(*p.logit_bias)
+                desc.logit_bias_ids[i, :nb], desc.logit_bias_values[i, :nb] = ids, values
+            # Only min_tokens needs the stop ids on the worker, and only if they stop the request.
+            stop = p.stop_token_ids if p.min_tokens > 0 and not p.ignore_eos else ()
+            desc.num_stop_ids[i] = len(stop)
+            desc.stop_ids[i, :len(stop)] = stop
         desc.token_ids[:t] = self._token_ids
         if b:
             nb = np.asarray(self._new_blocks, dtype=np.int32)
@@ -290,6 +349,16 @@ class StepInputs:
     seed: np.ndarray  # [K]
     logprobs: np.ndarray  # [K] int32, alternatives per sampled token, -1 for none
     prompt_logprobs: np.ndarray  # [K] int32, alternatives per prompt token, -1 for none
+    presence_penalty: np.ndarray  # [K] float32
+    frequency_penalty: np.ndarray  # [K] float32
+    repetition_penalty: np.ndarray  # [K] float32
+    min_p: np.ndarray  # [K] float32
+    min_tokens: np.ndarray  # [K]
+    prompt_len: np.ndarray  # [K]
+    num_logit_bias: np.ndarray  # [K]
+    logit_bias_ids: np.ndarray  # [K, MAX_LOGIT_BIAS], entries past num_logit_bias unspecified
+    logit_bias_values: np.ndarray  # [K, MAX_LOGIT_BIAS] float32
+    stop_ids: list[np.ndarray]  # K arrays: the ids min_tokens masks
     num_prompt_logprobs: np.ndarray  # [R] positions from the row's first that predict a wanted prompt token
     next_prompt_token: np.ndarray  # [R] prompt token after each row's chunk when wanted, else -1
     token_ids: np.ndarray  # [T], PLACEHOLDER_TOKEN_ID where unresolved
@@ -314,6 +383,16 @@ def read_descriptor(desc: StepDescriptor) -> StepInputs:
         seed=desc.seed[new_rows],
         logprobs=desc.logprobs[new_rows],
         prompt_logprobs=desc.prompt_logprobs[new_rows],
+        presence_penalty=desc.presence_penalty[new_rows],
+        frequency_penalty=desc.frequency_penalty[new_rows],
+        repetition_penalty=desc.repetition_penalty[new_rows],
+        min_p=desc.min_p[new_rows],
+        min_tokens=desc.min_tokens[new_rows].astype(np.int64),
+        prompt_len=desc.prompt_len[new_rows].astype(np.int64),
+        num_logit_bias=desc.num_logit_bias[new_rows].astype(np.int64),
+        logit_bias_ids=desc.logit_bias_ids[new_rows].astype(np.int64),
+        logit_bias_values=desc.logit_bias_values[new_rows],
+        stop_ids=[desc.stop_ids[i, :desc.num_stop_ids[i]].astype(np.int64) for i in new_rows],
         num_prompt_logprobs=desc.num_prompt_logprobs[:r].astype(np.int64),
         next_prompt_token=desc.next_prompt_token[:r].astype(np.int64),
         token_ids=desc.token_ids[:t].astype(np.int64),

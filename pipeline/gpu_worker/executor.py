@@ -18,6 +18,7 @@ from pipeline.common.config import EngineConfig
 from pipeline.gpu_worker.attention import AttentionBackend, AttentionMetadata, default_backend
 from pipeline.gpu_worker.cuda_graphs import PAD_BLOCKS, GraphStep
 from pipeline.gpu_worker.logprobs import token_logprobs
+from pipeline.gpu_worker.penalties import PenaltyInputs, PenaltyState, apply_penalties
 from pipeline.gpu_worker.sampler import SamplingPlan, sample_rows
 from pipeline.gpu_worker.sim_device import SimEvent, SimulatedDevice, sim_logprobs, sim_next_tokens
 
@@ -33,10 +34,12 @@ LogprobTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 class SamplingInputs:
     """How to sample a step's ``S`` sampled rows.
 
-    ``plan.rows`` selects the ``R`` rows with temperature > 0; the five
-    tensors are ``[R]`` on the device, for those rows: ``temperature`` and
-    ``top_p`` float32, ``top_k`` (0 = off), ``seed`` and ``position`` (of the
-    token being sampled) int64.
+    ``plan.rows`` selects the ``R`` rows with temperature > 0; the six
+    tensors are ``[R]`` on the device, for those rows: ``temperature``,
+    ``top_p`` and ``min_p`` float32, ``top_k`` (0 = off), ``seed`` and
+    ``position`` (of the token being sampled) int64. ``penalties`` says which
+    of the ``S`` rows get penalties and biases first (None: none), read from
+    ``penalty_state``.
     """
 
     plan: SamplingPlan
@@ -45,6 +48,9 @@ class SamplingInputs:
     top_k: torch.Tensor
     seed: torch.Tensor
     position: torch.Tensor
+    min_p: torch.Tensor
+    penalties: PenaltyInputs | None = None
+    penalty_state: PenaltyState | None = None
 
 
 @dataclass
@@ -151,10 +157,11 @@ class ModelExecutor(Executor):
             hidden = self.model(input_ids, meta.positions, meta, self.kv_caches)
             logits = self.model.compute_logits(hidden.index_select(0, last))
         # Seeded noise is keyed by the sampled token's position, so a request
-        # draws the same noise whatever batch it is in. The sampler filters a
-        # copy: `logits` stay raw for the log-probabilities below.
+        # draws the same noise whatever batch it is in. Penalties and the
+        # sampler work on copies: `logits` stay raw for the log-probabilities below.
         s = sampling
-        tokens = sample_rows(logits, s.plan, s.temperature, s.top_p, s.top_k, s.seed, s.position)
+        processed = apply_penalties(logits, s.penalties, s.penalty_state)
+        tokens = sample_rows(processed, s.plan, s.temperature, s.top_p, s.top_k, s.seed, s.position, s.min_p)
         executed = Executed(tokens=tokens)
         if logprobs.rows is not None:
             executed.logprobs = token_logprobs(logits.index_select(0, logprobs.rows),
@@ -174,7 +181,7 @@ class SimExecutor(Executor):
 
     Its "device" is host memory, so it reads the resolved inputs directly
     (a real device would compute the tokens on the device). Sampling
-    parameters are ignored. Log-probabilities are deterministic stand-ins
+    parameters, penalties and biases are ignored. Log-probabilities are deterministic stand-ins
     (:func:`~pipeline.gpu_worker.sim_device.sim_logprobs`) of the same
     shapes, so the async-equals-lock-step tests cover their path.
 

@@ -7,7 +7,8 @@ protocol"; "The worker"):
    sampling parameters of rows new in their slot, written on the device;
 2. :meth:`~ModelRunner._resolve_placeholders`: placeholder inputs read the
    token-id cache on the device; poison mode poisons what they read and
-   computes a "stale" flag on the device;
+   computes a "stale" flag on the device; the inputs of slots with penalties
+   are counted on the device (``SlotState.count_inputs``);
 3. :meth:`~ModelRunner._forward_and_sample`: attention metadata, then the
    :class:`~pipeline.gpu_worker.executor.Executor` (real model or simulated
    device), which also computes the log-probabilities asked for from the
@@ -37,6 +38,7 @@ from pipeline.gpu_worker.attention.backend import StepLayout
 from pipeline.gpu_worker.device import DeviceClock, DeviceOps, device_ops
 from pipeline.gpu_worker.executor import Executed, Executor, LogprobInputs, LogprobTensors, SamplingInputs
 from pipeline.gpu_worker.logprobs import PromptLogprobPlan
+from pipeline.gpu_worker.penalties import plan_penalties
 from pipeline.gpu_worker.sampler import SamplingPlan
 from pipeline.gpu_worker.slot_state import POISON_TOKEN_ID, SlotState
 
@@ -94,7 +96,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, executor: Executor, device: torch.device, ops: DeviceOps | None = None):
         self.config, self.device, self.executor = config, device, executor
         self.ops = ops or device_ops(device)
-        self.slots = SlotState(config.max_num_seqs, config.max_blocks_per_seq, self.ops)
+        self.slots = SlotState(config.max_num_seqs, config.max_blocks_per_seq, self.ops, executor.vocab_size)
         self.poison = config.debug_token_cache_poison
         self.clock = DeviceClock()
         self._in_flight = 0  # launched, not yet finished
@@ -124,6 +126,7 @@ class ModelRunner:
         self._check_inputs(x)
         self._apply_slot_updates(x)
         input_ids = self._resolve_placeholders(x, step)
+        self.slots.count_inputs(x, input_ids)
         executed = self._forward_and_sample(x, input_ids, step)
         self._start_host_copy(step, executed)
         self._in_flight += 1
@@ -169,9 +172,10 @@ class ModelRunner:
     def _sampling_inputs(self, x: StepInputs) -> tuple[torch.Tensor, torch.Tensor, SamplingInputs]:
         """``(last [S], sample slots [S], sampling)`` on the device for the sampled rows.
 
-        Which rows are greedy and what filtering runs is decided from the
-        host mirror of the slots' parameters; the values are gathered from
-        the device copy.
+        Which rows are greedy, what filtering runs and which rows get
+        penalties is decided from the host mirror of the slots' parameters
+        and the descriptor's positions; the values are gathered from the
+        device copy.
         """
         rows = x.sample_rows
         last = (np.cumsum(x.query_lens) - 1)[rows]
@@ -184,9 +188,16 @@ class ModelRunner:
         s = self.slots
         plan = SamplingPlan.build(hot_d if hot.size else None, s.host_top_k[hot_slots], s.host_top_p[hot_slots],
                                   self.executor.vocab_size or np.iinfo(np.int64).max,
-                                  host_reads_ok=not self.ops.is_async)
+                                  host_reads_ok=not self.ops.is_async, min_p=s.host_min_p[hot_slots])
         sampling = SamplingInputs(plan, *(t.index_select(0, hot_slots_d) for t in (s.temperature, s.top_p, s.top_k,
-                                                                                   s.seed)), position=positions_d)
+                                                                                   s.seed)), position=positions_d,
+                                  min_p=s.min_p.index_select(0, hot_slots_d))
+        if s.penalty is not None:
+            sampling.penalty_state = s.penalty
+            sampling.penalties = plan_penalties(
+                sample_slots, positions - s.host_prompt_len[sample_slots], s.host_penalized[sample_slots],
+                s.host_num_bias[sample_slots], s.host_min_tokens[sample_slots],
+                s.host_stop_ids, self.ops.upload)
         return last_d, slots_d, sampling
 
     def _logprob_inputs(self, x: StepInputs, step: LaunchedStep) -> LogprobInputs:

@@ -1,4 +1,4 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds.
+"""Token sampling: greedy, temperature, min-p, top-k, top-p, per-request seeds.
 
 A sampled row's token depends only on its own logits, its request's seed and
 its output position, never on which other rows share the batch or where the
@@ -45,6 +45,7 @@ class SamplingPlan:
             temperature > 0; None when every row is greedy.
         k_max: the largest active top-k among ``rows`` (0: top-k is off for all).
         use_top_p: some row in ``rows`` has top_p < 1.
+        use_min_p: some row in ``rows`` has min_p > 0.
         host_reads_ok: the device is the host (CPU torch), so the sampler may
             take shortcuts that read values (a partial sort with a fallback).
     """
@@ -52,17 +53,19 @@ class SamplingPlan:
     rows: torch.Tensor | None
     k_max: int = 0
     use_top_p: bool = False
+    use_min_p: bool = False
     host_reads_ok: bool = False
 
     @classmethod
     def build(cls, rows: torch.Tensor | None, top_k: np.ndarray, top_p: np.ndarray, vocab: int,
-              host_reads_ok: bool) -> SamplingPlan:
-        """Plan from the host copies of the sampled rows' ``top_k`` and ``top_p`` (``[R]`` each)."""
+              host_reads_ok: bool, min_p: np.ndarray | None = None) -> SamplingPlan:
+        """Plan from the host copies of the sampled rows' ``top_k``, ``top_p`` and ``min_p`` (``[R]`` each)."""
         if rows is None or len(top_k) == 0:
             return cls(rows=None)
         active_k = top_k[(top_k > 0) & (top_k < vocab)]
         return cls(rows=rows, k_max=int(active_k.max()) if active_k.size else 0,
-                   use_top_p=bool((top_p < 1).any()), host_reads_ok=host_reads_ok)
+                   use_top_p=bool((top_p < 1).any()), use_min_p=min_p is not None and bool((min_p > 0).any()),
+                   host_reads_ok=host_reads_ok)
 
 
 def sample(
@@ -72,11 +75,12 @@ def sample(
     top_k: torch.Tensor,
     seeds: torch.Tensor,
     output_positions: torch.Tensor,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pick one token per row, from host (CPU) parameter tensors.
 
     Rows with ``temperature == 0`` are greedy: exactly ``logits.argmax(-1)``.
-    Other rows: logits / temperature, then top-k, then top-p over what top-k
+    Other rows: logits / temperature, then min-p, then top-k, then top-p over what top-k
     kept, then one seeded draw. Tokens tied with the last one kept by top-k or
     top-p are kept as well. The worker calls :func:`sample_rows` with a plan
     and device parameters instead; this wrapper validates and plans.
@@ -90,28 +94,34 @@ def sample(
         output_positions: ``[S]`` int64, position of the token being sampled
             (its output index or its sequence position: anything that
             depends only on the request and the token, never on the batch).
+        min_p: ``[S]`` float32 in [0, 1]; None or 0 disables it.
 
     Returns:
         ``[S]`` int64 token ids on ``logits.device``.
 
     Raises:
-        ValueError: on mismatched shapes, a negative or NaN temperature, or
-            top_p outside (0, 1].
+        ValueError: on mismatched shapes, a negative or NaN temperature,
+            top_p outside (0, 1], or min_p outside [0, 1].
     """
     num_rows, vocab = logits.shape
-    params = (temperature, top_p, top_k, seeds, output_positions)
+    if min_p is None:
+        min_p = torch.zeros(num_rows)
+    params = (temperature, top_p, top_k, seeds, output_positions, min_p)
     if any(t.shape != (num_rows,) for t in params):
         raise ValueError(f"sampling parameters must all have shape ({num_rows},)")
-    temperature, top_p, top_k, seeds, output_positions = (t.cpu() for t in params)
+    temperature, top_p, top_k, seeds, output_positions, min_p = (t.cpu() for t in params)
     if not bool((temperature >= 0).all()):
         raise ValueError(f"temperature must be >= 0, got {temperature.tolist()}")
     if not bool(((top_p > 0) & (top_p <= 1)).all()):
         raise ValueError(f"top_p must be in (0, 1], got {top_p.tolist()}")
+    if not bool(((min_p >= 0) & (min_p <= 1)).all()):
+        raise ValueError(f"min_p must be in [0, 1], got {min_p.tolist()}")
     rows = torch.nonzero(temperature > 0).flatten()
     device = logits.device
     plan = SamplingPlan.build(rows.to(device) if rows.numel() else None, top_k[rows].long().numpy(),
-                              top_p[rows].numpy(), vocab, host_reads_ok=device.type == "cpu")
-    on_device = [t[rows].to(device) for t in (temperature, top_p, top_k.long(), seeds, output_positions)]
+                              top_p[rows].numpy(), vocab, host_reads_ok=device.type == "cpu",
+                              min_p=min_p[rows].numpy())
+    on_device = [t[rows].to(device) for t in (temperature, top_p, top_k.long(), seeds, output_positions, min_p)]
     return sample_rows(logits, plan, *on_device)
 
 
@@ -123,14 +133,22 @@ def sample_rows(
     top_k: torch.Tensor,
     seeds: torch.Tensor,
     positions: torch.Tensor,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pick one token per row with no host synchronisation.
+
+    Temperature, then min-p (tokens whose probability is below ``min_p``
+    times the most likely one's are dropped: Nguyen et al. 2024, "Turning Up
+    the Heat: Min-p Sampling for Creative and Coherent LLM Outputs"; after
+    temperature and before top-k/top-p, as vLLM applies it), then top-k and
+    top-p, then the seeded draw.
 
     Args:
         logits: ``[S, V]`` float32.
         plan: which rows sample and what filtering runs (see :class:`SamplingPlan`).
         temperature, top_p: ``[R]`` float32 on the logits' device, for ``plan.rows``.
         top_k, seeds, positions: ``[R]`` int64 on the logits' device.
+        min_p: ``[R]`` float32 in [0, 1] on the logits' device; read only if ``plan.use_min_p``.
 
     Returns:
         ``[S]`` int64 token ids on the logits' device.
@@ -141,10 +159,27 @@ def sample_rows(
     vocab = logits.shape[1]
     x = logits.index_select(0, plan.rows)
     x.div_(temperature[:, None])
+    if plan.use_min_p:
+        apply_min_p(x, min_p)
     k = torch.where((top_k > 0) & (top_k < vocab), top_k, 0)
     _filter(x, k, top_p, plan)
     x.sub_(uniform_noise(seeds, positions, vocab).log_().neg_().log_())
     return tokens.index_copy_(0, plan.rows, x.argmax(-1))
+
+
+def apply_min_p(x: torch.Tensor, min_p: torch.Tensor) -> None:
+    """Set to -inf, in place, each row's logits whose probability is below ``min_p`` times its largest.
+
+    Min-p sampling (Nguyen et al. 2024): ``p_i < min_p * p_max`` is
+    ``x_i < x_max + log(min_p)`` in logit space, so no softmax is needed, and
+    ``min_p`` 0 (``log`` = -inf) keeps every token. The most likely token is
+    always kept.
+
+    Args:
+        x: ``[R, V]`` float32 temperature-scaled logits, modified in place.
+        min_p: ``[R]`` float32 in [0, 1] on the same device.
+    """
+    x.masked_fill_(x < x.amax(-1, keepdim=True) + min_p.log()[:, None], float("-inf"))
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:

@@ -26,9 +26,10 @@ from collections.abc import Sequence
 import msgspec
 import zmq
 import zmq.asyncio
+from msgspec.structs import replace
 
 from pipeline.common.config import EngineConfig
-from pipeline.common.messages import AbortRequest, AddRequest, GetStats, SamplingParams, Stats, ToIO
+from pipeline.common.messages import AbortRequest, AddRequest, GetStats, SamplingParams, Stats, ToIO, choice_seed
 from pipeline.common.shm_ring import ShmRing
 from pipeline.common.step_protocol import StepOutput
 from pipeline.common.trace import TraceRecorder
@@ -149,7 +150,16 @@ class EngineClient:
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, stop: Sequence[str],
                     streaming: bool, return_token_ids: bool = False) -> RequestState:
-        """Register a request and send it to the scheduler.
+        """Register a request of one choice and send it to the scheduler (see :meth:`add_choices`)."""
+        return self.add_choices(prompt_token_ids, params, stop, streaming, return_token_ids)[0]
+
+    def add_choices(self, prompt_token_ids: list[int], params: SamplingParams, stop: Sequence[str],
+                    streaming: bool, return_token_ids: bool = False, n: int = 1) -> list[RequestState]:
+        """Register ``n`` choices of one prompt and send them to the scheduler as one request.
+
+        With ``n`` > 1 the scheduler prefills the prompt once for all of them
+        (docs/design.md, "Parallel choices"); choice ``i`` samples with seed
+        :func:`~pipeline.common.messages.choice_seed` ``(params.seed, i)``.
 
         Args:
             prompt_token_ids: the prompt, already checked against ``max_model_len``.
@@ -160,6 +170,10 @@ class EngineClient:
             streaming: the consumer reads :meth:`RequestState.updates` (woken
                 per step) rather than :meth:`RequestState.wait_finished`.
             return_token_ids: a stream needs every token, text or not.
+            n: choices, >= 1.
+
+        Returns:
+            One state per choice, in choice order.
 
         Raises:
             EngineUnavailable: the scheduler's queue is full, or the server is
@@ -169,26 +183,35 @@ class EngineClient:
             # A request still being tokenized when the stop came would
             # otherwise start after abort_all and hold the shutdown.
             raise EngineUnavailable("the server is shutting down")
+        # n > 1: the first number names the shared prefill, the next n the choices.
         req_num = next(self._req_nums)
-        processor = OutputProcessor(self._new_detokenizer(), params, stop)
-        state = RequestState(req_num, len(prompt_token_ids), processor, streaming, return_token_ids, params,
-                             prompt_token_ids)
-        if params.max_tokens == 0 and state.prompt_logprobs_missing == 0:
+        nums = [req_num] if n == 1 else [next(self._req_nums) for _ in range(n)]
+        states = []
+        for i, num in enumerate(nums):
+            p = params if n == 1 else replace(params, seed=choice_seed(params.seed, i))
+            states.append(RequestState(num, len(prompt_token_ids), OutputProcessor(self._new_detokenizer(), p, stop),
+                                       streaming, return_token_ids, p, prompt_token_ids))
+        if params.max_tokens == 0 and states[0].prompt_logprobs_missing == 0:
             # Nothing for the device to compute (an echo of a one-token prompt,
             # or without log-probabilities): finished as it starts.
-            state.deliver("", "length", 0)
-            self.num_finished["length"] += 1
-            return state
-        state.engine = self._pick_engine()
+            for state in states:
+                state.deliver("", "length", 0)
+            self.num_finished["length"] += n
+            return states
+        engine = self._pick_engine()
+        for state in states:
+            state.engine = engine
         # Registered before sending: the first token may arrive right after.
-        self._requests[req_num] = state
+        for state in states:
+            self._requests[state.req_num] = state
         try:
-            self._send(AddRequest(req_num, prompt_token_ids, params), state.engine)
+            self._send(AddRequest(req_num, prompt_token_ids, params, n=n), engine)
         except EngineUnavailable:
-            del self._requests[req_num]
+            for state in states:
+                del self._requests[state.req_num]
             raise
         self.num_prompt_tokens += len(prompt_token_ids)
-        return state
+        return states
 
     def _pick_engine(self) -> int:
         """The engine with the fewest waiting, then running, live requests (lowest index on a tie)."""

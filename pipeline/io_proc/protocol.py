@@ -27,10 +27,12 @@ from typing import Any, Literal
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from pipeline.common.step_protocol import MAX_LOGPROBS
+from pipeline.common.step_protocol import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 
 # The OpenAI API accepts at most four stop sequences.
 MAX_STOP_STRINGS = 4
+# Choices per prompt (n); each is a sequence in a slot of its own.
+MAX_CHOICES = 128
 # Prompts in one completions request (a list of strings or of token-id lists),
 # as the OpenAI API bounds a batched input; each becomes its own request.
 MAX_PROMPTS = 2048
@@ -120,12 +122,27 @@ class SamplingRequest(_Request):
     """Fields shared by chat and text completions.
 
     ``top_k`` -1 or 0 disables it; ``seed`` absent means a random seed;
-    ``n`` must be 1 (or absent); ``return_token_ids`` (vLLM) adds the prompt
+    ``max_completion_tokens`` (OpenAI's newer name for ``max_tokens``) wins
+    over ``max_tokens``; ``user`` is accepted and ignored (as every unknown
+    field); ``n`` (1..``MAX_CHOICES``) choices per prompt, choice ``i`` seeded with
+    ``seed + i``; ``best_of`` is refused; ``return_token_ids`` (vLLM) adds the prompt
     and output token ids to the response (per chunk when streaming).
+
+    Penalties and biases (docs/design.md, "Penalties and biases"):
+    ``presence_penalty`` and ``frequency_penalty`` in -2..2 (OpenAI API
+    reference); ``repetition_penalty`` > 0, 1 off (vLLM, after Keskar et al.
+    2019); ``logit_bias`` maps token ids (as decimal strings, the JSON keys
+    OpenAI's clients send) to a bias in -100..100, at most
+    ``MAX_LOGIT_BIAS`` of them; ``min_p`` in 0..1 (vLLM, after Nguyen et al.
+    2024); ``min_tokens`` (vLLM): the stop token ids cannot end the output
+    before this many tokens; ``stop_token_ids`` (vLLM): more ids that end
+    it, also with ``ignore_eos``. Token ids are checked against the
+    vocabulary when the request is served.
     """
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = None
@@ -134,26 +151,54 @@ class SamplingRequest(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    n: int | None = None
+    n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
+    best_of: int | None = None
     return_token_ids: bool = False
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = None
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     # Accepted only at their "off" values: refusing is more honest than ignoring them.
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict | None = None
     tools: list | None = None
     response_format: dict | None = None
 
     @model_validator(mode="after")
     def _check_unsupported(self) -> SamplingRequest:
         unsupported = {
-            "presence_penalty": bool(self.presence_penalty), "frequency_penalty": bool(self.frequency_penalty),
-            "logit_bias": bool(self.logit_bias), "tools": bool(self.tools),
-            "response_format": self.response_format not in (None, {"type": "text"}),
+            "tools": bool(self.tools), "response_format": self.response_format not in (None, {"type": "text"}),
         }
         for name, used in unsupported.items():
             if used:
                 raise ValueError(f"{name} is not supported by this server")
         return self
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is None:
+            return v
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries are allowed, got {len(v)}")
+        for key, bias in v.items():
+            if not (key.isascii() and key.isdigit() and str(int(key)) == key):
+                raise ValueError(f"logit_bias keys must be token ids written as decimal integers, got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {key}")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _check_stop_token_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v and min(v) < 0:
+            raise ValueError("stop_token_ids must be token ids >= 0")
+        return v
+
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as ``(token id, bias)`` pairs (possibly none)."""
+        return tuple((int(k), float(b)) for k, b in (self.logit_bias or {}).items())
 
     @field_validator("top_k")
     @classmethod
@@ -172,12 +217,16 @@ class SamplingRequest(_Request):
             raise ValueError("stop sequences must be non-empty strings")
         return v
 
-    @field_validator("n")
+    @field_validator("best_of")
     @classmethod
-    def _check_n(cls, v: int | None) -> int | None:
+    def _check_best_of(cls, v: int | None) -> int | None:
         if v is not None and v != 1:
-            raise ValueError(f"only n=1 is supported, got n={v}")
+            raise ValueError("best_of is not supported; ask for n choices and rank them on the client")
         return v
+
+    def num_choices(self) -> int:
+        """``n``: choices per prompt."""
+        return 1 if self.n is None else self.n
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> SamplingRequest:
@@ -196,8 +245,11 @@ class SamplingRequest(_Request):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def requested_max_tokens(self) -> int | None:
-        """The client's output-token limit, or None for "up to ``max_model_len``"."""
-        return self.max_tokens
+        """The client's output-token limit, or None for "up to ``max_model_len``".
+
+        ``max_completion_tokens`` (OpenAI's newer name) wins over ``max_tokens``.
+        """
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def sampled_logprobs(self) -> int:
         """Alternatives wanted with each output token's log-probability; -1 for no log-probabilities."""
@@ -209,7 +261,7 @@ class SamplingRequest(_Request):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    """Body of ``POST /v1/chat/completions``. ``max_completion_tokens`` wins over ``max_tokens``.
+    """Body of ``POST /v1/chat/completions``.
 
     ``logprobs: true`` returns each output token's log-probability, with its
     ``top_logprobs`` (0..20) most likely alternatives; ``top_logprobs``
@@ -218,7 +270,6 @@ class ChatCompletionRequest(SamplingRequest):
     """
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
@@ -231,9 +282,6 @@ class ChatCompletionRequest(SamplingRequest):
 
     def sampled_logprobs(self) -> int:
         return (self.top_logprobs or 0) if self.logprobs else -1
-
-    def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
 class CompletionRequest(SamplingRequest):
@@ -353,7 +401,7 @@ class ChatCompletionMessage(msgspec.Struct, kw_only=True):
 
 
 class ChatCompletionChoice(msgspec.Struct, kw_only=True):
-    """The one choice of a ``chat.completion`` (``n`` is always 1); ``logprobs`` is
+    """One choice of a ``chat.completion`` (``index`` 0..n-1); ``logprobs`` is
     ``{"content": [...]}`` (see :func:`~pipeline.io_proc.logprobs.chat_logprobs`) when asked."""
 
     index: int = 0
@@ -383,7 +431,7 @@ class DeltaMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class ChatCompletionChunkChoice(msgspec.Struct, kw_only=True):
-    """The one choice of a chunk; ``finish_reason`` is null until the last; ``logprobs``
+    """The choice a chunk is about; ``finish_reason`` is null until its last; ``logprobs``
     covers the chunk's tokens when asked."""
 
     index: int = 0

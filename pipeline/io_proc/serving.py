@@ -21,7 +21,10 @@ chunk carries the entries of the tokens it covers.
 
 A completions request with a list of prompts runs one engine request per
 prompt, concurrently; choice ``i`` answers prompt ``i`` (OpenAI API), and a
-stream interleaves the choices' chunks as their tokens arrive. With
+stream interleaves the choices' chunks as their tokens arrive. With ``n`` >
+1, each prompt has ``n`` choices, prompt-major (choice ``p * n + i`` is
+prompt ``p``'s ``i``-th), from one engine request that prefills the prompt
+once (docs/design.md, "Parallel choices"); usage counts each prompt once. With
 ``echo``, a choice's text starts with its prompt (the prompt string, or the
 decoded token ids), and its first streamed chunk is that prompt.
 """
@@ -42,6 +45,7 @@ from starlette.types import Receive, Scope, Send
 
 from pipeline.common.config import EngineConfig
 from pipeline.common.messages import SamplingParams
+from pipeline.common.step_protocol import MAX_STOP_TOKEN_IDS
 from pipeline.io_proc.engine_client import EngineClient, EngineUnavailable
 from pipeline.io_proc.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
 from pipeline.io_proc.protocol import (
@@ -146,21 +150,23 @@ class OpenAIServing:
         self._check_model(req)
         self._check_chars(sum(len(m.text()) for m in req.messages), "messages")
         prompt = await self._tokenization.encode_chat(req.messages)
-        state = self._start(req, prompt, "messages")
+        states = self._start(req, prompt, "messages")
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         prompt_ids = prompt if req.return_token_ids else msgspec.UNSET
         if req.stream:
-            return _EventStream(self._chat_stream(req, [state], rid, created, prompt_ids),
-                                lambda: self._client.release(state))
-        if not await self._wait([state], raw):
+            return _EventStream(self._chat_stream(req, states, rid, created, prompt_ids),
+                                lambda: [self._client.release(st) for st in states])
+        if not await self._wait(states, raw):
             return Response(status_code=_CLIENT_CLOSED)
-        logprobs = {"content": chat_logprobs(self._texts, state.take_logprobs())} if req.logprobs else None
-        return json_response(ChatCompletionResponse(
-            id=rid, created=created, model=self._model, prompt_token_ids=prompt_ids,
-            choices=[ChatCompletionChoice(message=ChatCompletionMessage(content=state.take_text()),
-                                          logprobs=logprobs, finish_reason=state.finish_reason,
-                                          token_ids=self._output_ids(req, state))],
-            usage=self._usage([state])))
+        choices = []
+        for i, st in enumerate(states):
+            logprobs = {"content": chat_logprobs(self._texts, st.take_logprobs())} if req.logprobs else None
+            choices.append(ChatCompletionChoice(index=i, message=ChatCompletionMessage(content=st.take_text()),
+                                                logprobs=logprobs, finish_reason=st.finish_reason,
+                                                token_ids=self._output_ids(req, st)))
+        return json_response(ChatCompletionResponse(id=rid, created=created, model=self._model,
+                                                    prompt_token_ids=prompt_ids, choices=choices,
+                                                    usage=self._usage(states, len(states))))
 
     async def completion(self, req: CompletionRequest, raw: Request) -> Response:
         """Serve ``POST /v1/completions``: one choice per prompt.
@@ -170,7 +176,7 @@ class OpenAIServing:
                 and 400 for ``max_tokens`` 0 without ``echo``.
         """
         self._check_model(req)
-        if req.max_tokens == 0 and not req.echo:
+        if req.requested_max_tokens() == 0 and not req.echo:
             raise APIError.bad_request("max_tokens must be at least 1 unless echo is true", param="max_tokens")
         prompts: list[list[int]] = []
         for p in req.prompt:
@@ -181,16 +187,19 @@ class OpenAIServing:
                 prompts.append(p)
         echoes = [p if isinstance(p, str) else await self._tokenization.decode(p) for p in req.prompt] \
             if req.echo else [""] * len(prompts)
+        # Choices are prompt-major, as in the OpenAI API: choice p * n + i is prompt p's i-th.
+        n = req.num_choices()
         states: list[RequestState] = []
         try:
             for ids in prompts:
-                states.append(self._start(req, ids, "prompt"))
+                states.extend(self._start(req, ids, "prompt"))
         except APIError:
             for st in states:
                 self._client.release(st)
             raise
+        echoes = [e for e in echoes for _ in range(n)]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        prompt_ids = prompts if req.return_token_ids else [msgspec.UNSET] * len(prompts)
+        prompt_ids = [p for p in prompts for _ in range(n)] if req.return_token_ids else [msgspec.UNSET] * len(states)
         if req.stream:
             return _EventStream(self._completion_stream(req, states, echoes, rid, created, prompt_ids),
                                 lambda: [self._client.release(st) for st in states])
@@ -206,7 +215,7 @@ class OpenAIServing:
                                             finish_reason=st.finish_reason, prompt_token_ids=prompt_ids[i],
                                             token_ids=self._output_ids(req, st)))
         return json_response(CompletionResponse(id=rid, created=created, model=self._model, choices=choices,
-                                                usage=self._usage(states)))
+                                                usage=self._usage(states, n)))
 
     async def tokenize(self, req: TokenizeRequest) -> Response:
         """Serve ``POST /tokenize`` (vLLM's shape): the ids a prompt or a conversation encodes to.
@@ -255,8 +264,8 @@ class OpenAIServing:
                 f"characters in the {param}, more than {limit} tokens can hold (at most {self._max_prompt_chars}). "
                 f"Please reduce the length of the input.", param=param, code="context_length_exceeded")
 
-    def _start(self, req: SamplingRequest, prompt: list[int], prompt_param: str) -> RequestState:
-        """Check lengths, build sampling parameters and add the request to the engine."""
+    def _start(self, req: SamplingRequest, prompt: list[int], prompt_param: str) -> list[RequestState]:
+        """Check lengths, build sampling parameters and add the request's ``n`` choices to the engine."""
         n, limit = len(prompt), self._max_model_len
         if n == 0:
             raise APIError.bad_request(f"the {prompt_param} encode to no tokens", param=prompt_param)
@@ -278,6 +287,20 @@ class OpenAIServing:
                 f"tokens ({n} in the {prompt_param}, {max_tokens} in the completion). Please reduce the length "
                 f"of the {prompt_param} or completion.",
                 param="max_tokens", code="context_length_exceeded")
+        if req.min_tokens > max_tokens:
+            raise APIError.bad_request(f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens})",
+                                       param="min_tokens")
+        logit_bias = req.logit_bias_pairs()
+        for name, ids in (("logit_bias", [t for t, _ in logit_bias]), ("stop_token_ids", req.stop_token_ids or [])):
+            if ids and max(ids) >= self._vocab_limit:
+                raise APIError.bad_request(f"{name}: token id {max(ids)} is out of range: the vocabulary has "
+                                           f"{self._vocab_limit} tokens", param=name)
+        # As in vLLM, ignore_eos drops only the EOS ids: the request's own stop_token_ids still end it.
+        eos_ids = () if req.ignore_eos else self._stop_token_ids
+        stop_ids = tuple(dict.fromkeys((*(req.stop_token_ids or ()), *eos_ids)))
+        if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+            raise APIError.bad_request(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} stop token ids in all, with "
+                                       f"the model's {len(self._stop_token_ids)}", param="stop_token_ids")
         temperature = 1.0 if req.temperature is None else req.temperature
         top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
         params = SamplingParams(
@@ -288,14 +311,19 @@ class OpenAIServing:
             top_p=1.0 if req.top_p is None else max(req.top_p, _MIN_TOP_P),
             top_k=0 if top_k > _INT32_MAX else top_k,
             seed=secrets.randbits(63) if req.seed is None else req.seed & _SEED_MASK,
-            ignore_eos=req.ignore_eos,
-            stop_token_ids=self._stop_token_ids,
+            stop_token_ids=stop_ids,
             logprobs=req.sampled_logprobs(),
             prompt_logprobs=req.prompt_logprobs(),
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            min_p=req.min_p or 0.0,
+            min_tokens=req.min_tokens,
+            logit_bias=logit_bias,
         )
         try:
-            return self._client.add_request(prompt, params, req.stop_strings(), streaming=req.stream,
-                                            return_token_ids=req.return_token_ids)
+            return self._client.add_choices(prompt, params, req.stop_strings(), streaming=req.stream,
+                                            return_token_ids=req.return_token_ids, n=req.num_choices())
         except EngineUnavailable as e:
             raise APIError(503, f"{e}; retry later", type="service_unavailable_error") from None
 
@@ -326,8 +354,9 @@ class OpenAIServing:
         return state.take_token_ids() if req.return_token_ids else msgspec.UNSET
 
     @staticmethod
-    def _usage(states: list[RequestState]) -> UsageInfo:
-        prompt = sum(st.prompt_len for st in states)
+    def _usage(states: list[RequestState], n: int) -> UsageInfo:
+        """Prompt tokens once per prompt (its ``n`` choices are consecutive), completion tokens of every choice."""
+        prompt = sum(st.prompt_len for st in states[::n])
         completion = sum(st.num_output_tokens for st in states)
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
@@ -365,7 +394,7 @@ class OpenAIServing:
                     yield chunk(i, DeltaMessage(), st.finish_reason)
             if include_usage:
                 yield _sse(ChatCompletionChunk(id=rid, created=created, model=self._model, choices=[],
-                                               usage=self._usage(states)))
+                                               usage=self._usage(states, len(states))))
         except Exception:
             # Headers are sent: the error can only travel in the stream.
             logger.exception("chat stream %s failed", rid)
@@ -412,7 +441,7 @@ class OpenAIServing:
                     yield chunk(i, "", st.finish_reason)
             if include_usage:
                 yield _sse(CompletionResponse(id=rid, created=created, model=self._model, choices=[],
-                                              usage=self._usage(states)))
+                                              usage=self._usage(states, req.num_choices())))
         except Exception:
             logger.exception("completion stream %s failed", rid)
             yield _stream_error()

@@ -13,6 +13,11 @@ class BlockPool:
     free with :meth:`free_after` naming the last step that references them,
     and :meth:`step_completed` returns them to the free lists.
 
+    Blocks are reference-counted: the choices of a request with ``n`` > 1
+    share its prompt's full blocks (:meth:`share`; docs/design.md, "Parallel
+    choices"), and a block returns to the free list when its last holder
+    frees it.
+
     Args:
         num_blocks: KV cache blocks (ids ``0..num_blocks-1``).
         num_slots: request slots (ids ``0..num_slots-1``), i.e. ``max_num_seqs``.
@@ -23,6 +28,7 @@ class BlockPool:
         # Stacks popped from the end; reversed so low ids go first.
         self._free_blocks = list(range(num_blocks - 1, -1, -1))
         self._free_slots = list(range(num_slots - 1, -1, -1))
+        self._refs = [0] * num_blocks
         self._deferred: dict[int, list[tuple[list[int], int]]] = defaultdict(list)
         self._num_deferred_blocks = 0
         self._completed_step = -1
@@ -37,7 +43,7 @@ class BlockPool:
 
     @property
     def num_deferred_blocks(self) -> int:
-        """Blocks that come back once the steps in flight complete."""
+        """Blocks that come back once the steps in flight complete (at most: a shared one may stay held)."""
         return self._num_deferred_blocks
 
     def allocate_blocks(self, n: int) -> list[int] | None:
@@ -48,7 +54,14 @@ class BlockPool:
             return []
         out = self._free_blocks[-n:]
         del self._free_blocks[-n:]
+        for b in out:
+            self._refs[b] = 1
         return out
+
+    def share(self, blocks: list[int]) -> None:
+        """One more holder for each of ``blocks``; each holder frees them once."""
+        for b in blocks:
+            self._refs[b] += 1
 
     def allocate_slot(self) -> int | None:
         """Take a slot, or None if none is free."""
@@ -71,6 +84,9 @@ class BlockPool:
                 self._release(blocks, slot)
 
     def _release(self, blocks: list[int], slot: int) -> None:
-        self._free_blocks.extend(blocks)
+        for b in blocks:
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                self._free_blocks.append(b)
         if slot >= 0:
             self._free_slots.append(slot)

@@ -28,10 +28,16 @@ from __future__ import annotations
 from collections import deque
 
 import numpy as np
+from msgspec.structs import replace
 
 from pipeline.common.constants import cdiv
-from pipeline.common.messages import AddRequest, SamplingParams, check_finish
-from pipeline.common.step_protocol import PLACEHOLDER_TOKEN_ID, DescriptorBuilder, StepDescriptor
+from pipeline.common.messages import AddRequest, SamplingParams, check_finish, choice_seed
+from pipeline.common.step_protocol import (
+    PLACEHOLDER_TOKEN_ID,
+    DescriptorBuilder,
+    StepDescriptor,
+    max_new_blocks_per_step,
+)
 from pipeline.scheduler_proc.kv_block_pool import BlockPool
 
 
@@ -40,11 +46,12 @@ class Request:
 
     ``num_computed_tokens`` counts tokens already placed in a step (in flight
     included); ``num_placeholders`` counts tokens sampled in steps whose
-    output has not arrived (0 or 1).
+    output has not arrived (0 or 1). A shared prefill (``choices`` set) has
+    as its prompt only the prefix its choices share, and samples nothing.
     """
 
     __slots__ = ("req_num", "prompt_token_ids", "output_token_ids", "params", "num_computed_tokens",
-                 "num_placeholders", "slot", "block_ids", "last_step_id", "is_new_in_slot")
+                 "num_placeholders", "slot", "block_ids", "last_step_id", "is_new_in_slot", "choices", "parent")
 
     def __init__(self, req_num: int, prompt_token_ids: list[int], params: SamplingParams):
         self.req_num = req_num
@@ -57,6 +64,10 @@ class Request:
         self.block_ids: list[int] = []
         self.last_step_id = -1
         self.is_new_in_slot = True
+        # A shared prefill (n > 1) lists the choices it forks into once planned;
+        # each of those names it until then (docs/design.md, "Parallel choices").
+        self.choices: list[Request] | None = None
+        self.parent: Request | None = None
 
     @property
     def num_known_tokens(self) -> int:
@@ -109,6 +120,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_steady_steps = 0  # steps planned by the vectorized decode path
         self._builder = DescriptorBuilder()
+        self._max_new_blocks = max_new_blocks_per_step(max_num_seqs, max_num_batched_tokens, block_size)
         self._last_output_step = -1
         self._finish_after: dict[int, list[Request]] = {}  # step id -> requests that end when it completes
         # Steady decode state (None outside it): the rows of the last step, in
@@ -123,19 +135,57 @@ class Scheduler:
     # -- control ----------------------------------------------------------------
 
     def add_request(self, msg: AddRequest) -> None:
-        """Queue a new request. A repeated ``req_num`` is ignored."""
+        """Queue a new request. A repeated ``req_num`` is ignored.
+
+        With ``msg.n`` > 1, the choices share the KV blocks of the prompt's
+        longest prefix of whole blocks that leaves at least one prompt token:
+        a shared prefill computes it once, and each choice then computes the
+        rest of the prompt itself, in its own blocks (docs/design.md,
+        "Parallel choices"). Without such a prefix, or with prompt
+        log-probabilities (each choice reports its own), the choices run as
+        independent requests.
+        """
         if msg.req_num in self.requests:
             return
-        req = Request(msg.req_num, list(msg.prompt_token_ids), msg.params)
-        self.requests[req.req_num] = req
-        self.waiting.append(req)
+        prompt = list(msg.prompt_token_ids)
+        if msg.n == 1:
+            req = Request(msg.req_num, prompt, msg.params)
+            self.requests[req.req_num] = req
+            self.waiting.append(req)
+            return
+        choices = [Request(msg.req_num + 1 + i, prompt, replace(msg.params, seed=choice_seed(msg.params.seed, i)))
+                   for i in range(msg.n)]
+        for c in choices:
+            self.requests[c.req_num] = c
+        shared = (len(prompt) - 1) // self.block_size * self.block_size
+        if shared == 0 or msg.params.prompt_logprobs >= 0:
+            self.waiting.extend(choices)
+            return
+        prefill = Request(msg.req_num, prompt[:shared], msg.params)
+        prefill.choices = choices
+        for c in choices:
+            c.parent = prefill
+        self.requests[prefill.req_num] = prefill
+        self.waiting.append(prefill)
 
     def abort_request(self, req_num: int) -> None:
-        """Drop a request now; its blocks and slot return after its last step in flight."""
+        """Drop a request now; its blocks and slot return after its last step in flight.
+
+        A choice still waiting for its shared prefill leaves it; the prefill
+        is dropped once no choice waits for it.
+        """
         req = self.requests.get(req_num)
-        if req is not None:
-            self._leave_steady()
-            self._remove(req)
+        if req is None:
+            return
+        self._leave_steady()
+        if req.parent is not None:
+            prefill = req.parent
+            prefill.choices.remove(req)
+            del self.requests[req_num]
+            if not prefill.choices:
+                self._remove(prefill)
+            return
+        self._remove(req)
 
     @property
     def num_unfinished(self) -> int:
@@ -180,18 +230,25 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_placeholders:
                 break  # preempted with a token still in flight: wait for it, keep FIFO order
-            n = min(req.num_known_tokens, budget)
+            # A choice starts after its shared prefix, in blocks it inherited.
+            start, inherited = req.num_computed_tokens, len(req.block_ids)
+            n = min(req.num_known_tokens - start, budget)
             if self.pool.num_free_slots == 0:
                 break
-            need = cdiv(n, self.block_size)
-            if need > self.pool.num_free_blocks:
+            need = cdiv(start + n, self.block_size) - inherited
+            if need > self.pool.num_free_blocks or \
+                    self._builder.num_blocks + inherited + need > self._max_new_blocks:
+                if not self.running and not rows:
+                    self._unshare_waiting()  # waiting choices hold the blocks the head needs
                 break
             self.waiting.popleft()
             req.slot = self.pool.allocate_slot()
             req.is_new_in_slot = True
+            for i, b in enumerate(req.block_ids):  # the new slot's block-table row
+                self._builder.add_block(req.slot, i, b)
             self._grow_blocks(req, n)
             self.running.append(req)
-            rows.append((req, n, self._samples(req, n)))
+            rows.append((req, n, self._samples(req, start + n)))
             budget -= n
 
         if not rows:
@@ -207,9 +264,10 @@ class Scheduler:
         """Whether a row of ``req`` that computes up to position ``end`` samples a token.
 
         Only the chunk that reaches the last known token samples, and a request
-        with ``max_tokens`` 0 (prompt log-probabilities only) never does.
+        with ``max_tokens`` 0 (prompt log-probabilities only) or a shared
+        prefill never does.
         """
-        return end >= req.num_known_tokens and req.params.max_tokens > 0
+        return end >= req.num_known_tokens and req.params.max_tokens > 0 and req.choices is None
 
     def _enter_steady(self, rows: list[Request]) -> None:
         """The step just written decoded every running request: plan the next ones vectorized."""
@@ -304,7 +362,7 @@ class Scheduler:
                 if num_plp == k:
                     next_token = req.prompt_token_ids[pos + k]
             b.add_row(req.req_num, req.slot, pos, tokens, sample, req.params if req.is_new_in_slot else None,
-                      num_plp, next_token)
+                      num_plp, next_token, len(req.prompt_token_ids))
             req.is_new_in_slot = False
             if req.params.max_tokens == 0 and pos + k >= req.num_known_tokens:
                 # Its last prompt log-probabilities come with this step's output: it ends then.
@@ -313,7 +371,34 @@ class Scheduler:
             req.last_step_id = step_id
             if sample:
                 req.num_placeholders += 1
+            if req.choices is not None and req.num_computed_tokens == req.num_known_tokens:
+                self._fork(req)
         b.write(desc, step_id)
+
+    def _unshare_waiting(self) -> None:
+        """Waiting choices give back the prefix blocks they inherited, and will compute their prompts whole.
+
+        Only when nothing runs: then nothing else would ever free blocks for the waiting head.
+        """
+        for req in self.waiting:
+            if req.block_ids and req.num_placeholders == 0:
+                self.pool.free_after(req.last_step_id, req.block_ids, -1)
+                req.block_ids, req.num_computed_tokens = [], 0
+
+    def _fork(self, prefill: Request) -> None:
+        """The shared prefill is planned: its choices take its blocks and wait, first in line.
+
+        Steps run in order on the device, so a choice planned in a later step
+        reads the prefix's KV already written.
+        """
+        for c in reversed(prefill.choices):
+            self.pool.share(prefill.block_ids)
+            c.block_ids = list(prefill.block_ids)
+            c.num_computed_tokens = prefill.num_known_tokens
+            c.parent = None
+            self.waiting.appendleft(c)
+        prefill.choices = []
+        self._remove(prefill)
 
     # -- outputs ----------------------------------------------------------------
 

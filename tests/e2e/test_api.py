@@ -112,7 +112,7 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_p": 0}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 0}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}),
     ("/v1/completions", {"prompt": ""}),
     ("/v1/completions", {"prompt": [1, -5]}),
@@ -124,7 +124,7 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\udfff"}]}),
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 3}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "tools": [{"type": "function", "function": {"name": "f"}}]}),
 ]

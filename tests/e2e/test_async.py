@@ -9,7 +9,11 @@ end with every KV block and slot free. A sampled variant (temperature 1,
 top-p 0.9, seeded) checks the same on the tiny Llama. Requests with
 ``logprobs`` and ``echo`` (prompt log-probabilities across prefill chunks,
 ``max_tokens`` 0 among them) must give the lock-step server's values too,
-also when preemption recomputes their prompts.
+also when preemption recomputes their prompts. So must requests with
+penalties, ``logit_bias``, ``min_p`` and ``min_tokens`` that join a running
+unpenalized batch (their counts are updated on the device from placeholder
+inputs), also when preemption re-prefills their outputs, and seeded requests
+with n = 3 whose choices share a prefill.
 """
 
 from __future__ import annotations
@@ -111,6 +115,34 @@ def test_sampled_async_equals_lockstep(tiny_async, tiny_sync, concurrency):
         assert m["pipeline_slots_free"] == m["pipeline_slots_total"], m
 
 
+PENALTIES = [
+    {"presence_penalty": 1.5, "frequency_penalty": 0.7},
+    {"repetition_penalty": 1.6, "logit_bias": {"1000": 3.0, "2000": -100}},
+    {"temperature": 1.0, "seed": 7, "min_p": 0.2, "frequency_penalty": -1.0, "repetition_penalty": 0.8},
+    {"min_tokens": 5, "stop_token_ids": [1000, 1001], "presence_penalty": -2.0},
+]
+
+
+def test_penalized_async_equals_lockstep(tiny_async, tiny_sync):
+    """24 requests at once, every other one penalized: each penalized request joins a batch that is
+    already decoding, and must give the lock-step server's tokens exactly."""
+    jobs = workload(24, seed=55)
+    for i, job in enumerate(jobs):
+        if i % 2:
+            job["sampling"] = PENALTIES[i // 2 % len(PENALTIES)]
+            job["max_tokens"] = max(job["max_tokens"], 16)
+    a = asyncio.run(run_all(tiny_async, jobs))
+    s = asyncio.run(run_all(tiny_sync, jobs))
+    for job, x, y in zip(jobs, a, s):
+        assert x == y, job
+    # The penalties did act: the same prompts decoded plainly give other tokens somewhere.
+    plain = asyncio.run(run_all(tiny_sync, [{**j, "sampling": {}} for j in jobs]))
+    assert any(x != p for job, x, p in zip(jobs, s, plain) if "sampling" in job)
+    for srv in (tiny_async, tiny_sync):
+        m = srv.wait_idle()
+        assert m["pipeline_slots_free"] == m["pipeline_slots_total"], m
+
+
 @pytest.mark.parametrize("model", ["tiny", "sim"])
 def test_logprobs_async_equal_lockstep(request, model):
     """Echo with logprobs: prompts of 1 to 120 tokens (up to four prefill chunks), max_tokens 0 to 40,
@@ -184,7 +216,8 @@ def test_preemption_under_kv_pressure_changes_nothing(request, tiny_dir, tiny_sy
     srv = Server(["--model", str(tiny_dir), "--max-num-batched-tokens", "32", "--num-kv-blocks", "80", *small])
     request.addfinalizer(srv.stop)
     jobs = [{"prompt": f"{i}: " + "the of and " * (20 + 10 * i), "max_tokens": 40, "abort_after": None,
-             "logprobs": 2 if i % 2 else None} for i in range(12)]
+             "logprobs": 2 if i % 2 else None, "sampling": PENALTIES[i // 3 % 2] if i % 3 == 0 else {}}
+            for i in range(12)]
     a = asyncio.run(run_all(srv, jobs))
     s = asyncio.run(run_all(tiny_sync, jobs))
     for job, x, y in zip(jobs, a, s):
@@ -195,3 +228,24 @@ def test_preemption_under_kv_pressure_changes_nothing(request, tiny_dir, tiny_sy
     m = srv.wait_idle()
     assert m["pipeline_num_preemptions_total"] > 0
     assert m["pipeline_kv_blocks_free"] == m["pipeline_kv_blocks_total"] == 80
+
+
+def test_seeded_choices_async_equal_lockstep(tiny_async, tiny_sync):
+    """n = 3 with seeds, six requests at once, prompts of 1 to 120 tokens (shared prefills from 0 to 7 blocks)."""
+    jobs = workload(6, seed=3)
+
+    async def run_n(server):
+        async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+            async def one(i, job):
+                r = await client.post("/v1/completions", json={
+                    "model": server.model, "prompt": job["prompt"], "max_tokens": 12, "n": 3, "seed": 500 + i,
+                    "temperature": 1.0, "ignore_eos": True, "return_token_ids": True})
+                assert r.status_code == 200, r.text
+                return [c["token_ids"] for c in r.json()["choices"]]
+            return await asyncio.gather(*(one(i, j) for i, j in enumerate(jobs)))
+
+    assert asyncio.run(run_n(tiny_async)) == asyncio.run(run_n(tiny_sync))
+    for srv in (tiny_async, tiny_sync):
+        m = srv.wait_idle()
+        assert m["pipeline_kv_blocks_free"] == m["pipeline_kv_blocks_total"], m
+        assert m["pipeline_slots_free"] == m["pipeline_slots_total"], m

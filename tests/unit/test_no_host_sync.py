@@ -5,10 +5,11 @@ of the runner (:class:`~tests.unit.sync_guard.FakeAsyncOps`: pinned staging,
 non-blocking uploads, copy stream, events) on a tiny random Llama, and fails
 on any call that would synchronise a CUDA stream. The steps cover prefill,
 decode and mixed prefill+decode, greedy and sampled rows (temperature,
-top-k, top-p, seeds), placeholders resolved in flight (step N+1 launched
-before N is finished), with poison mode on, through each CPU attention
-backend (torch_bucketed, torch_sdpa), eagerly and through the CUDA graph
-path of decode-only steps (captured on CUDA). On a CUDA machine the same
+top-k, top-p, seeds), penalties and biases (counts updated on the device),
+placeholders resolved in flight (step N+1 launched before N is finished),
+with poison mode on, through each CPU attention backend (torch_bucketed,
+torch_sdpa), eagerly and through the CUDA graph path of decode-only steps
+(captured on CUDA). On a CUDA machine the same
 steps run under ``torch.cuda.set_sync_debug_mode("error")``, and a marker
 event queued behind ``torch.cuda._sleep`` must still be pending when
 ``launch`` returns.
@@ -42,9 +43,17 @@ SAMPLED = [
     SamplingParams(max_tokens=64, temperature=1.3, top_k=5, seed=11),
     SamplingParams(max_tokens=64, temperature=0.7, seed=2**62 + 5),
 ]
-PARAMS = {"greedy": [GREEDY] * 4, "sampled": SAMPLED, "mixed": [GREEDY, SAMPLED[0], SAMPLED[1], SAMPLED[2]]}
+PENALIZED = [
+    SamplingParams(max_tokens=64, temperature=0.0, presence_penalty=0.5, frequency_penalty=0.3, min_tokens=3,
+                   stop_token_ids=(5, 9), logit_bias=((3, 4.0), (8, -50.0))),
+    SamplingParams(max_tokens=64, temperature=0.9, top_p=0.9, seed=5, repetition_penalty=1.3, min_p=0.1),
+    SamplingParams(max_tokens=64, temperature=1.1, top_k=20, seed=6, min_p=0.05, logit_bias=((1, -100.0),)),
+    GREEDY,
+]
 # The scenario's decode-only steps have 3, 4 and 1 rows: padded, exact and exact.
 GRAPH_SIZES = (1, 4)
+PARAMS = {"greedy": [GREEDY] * 4, "sampled": SAMPLED, "mixed": [GREEDY, SAMPLED[0], SAMPLED[1], SAMPLED[2]],
+          "penalized": PENALIZED}
 
 
 def tiny_model(max_position_embeddings: int = 256, attention_backend: str = "auto") -> LlamaForCausalLM:
@@ -143,7 +152,7 @@ def guarded_runner(guard: SyncGuard, config: EngineConfig, attention_backend: st
         return runner
 
 
-@pytest.mark.parametrize("kind", ["greedy", "sampled", "mixed"])
+@pytest.mark.parametrize("kind", ["greedy", "sampled", "mixed", "penalized"])
 @pytest.mark.parametrize("attention_backend", ["torch_bucketed", "torch_sdpa"])
 @pytest.mark.parametrize("graphs", ["eager", "graphs"])
 def test_launch_never_syncs(guard, kind, attention_backend, graphs):
@@ -225,7 +234,7 @@ def cuda_runner(max_model_len: int = 128, graphs: str = "eager") -> ModelRunner:
 
 @pytest.mark.cuda
 @cuda
-@pytest.mark.parametrize("kind", ["greedy", "sampled", "mixed"])
+@pytest.mark.parametrize("kind", ["greedy", "sampled", "mixed", "penalized"])
 @pytest.mark.parametrize("graphs", ["eager", "graphs"])
 def test_launch_never_syncs_on_cuda(kind, graphs):
     runner = cuda_runner(graphs=graphs)

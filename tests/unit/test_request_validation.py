@@ -45,8 +45,9 @@ class _Tokenization:
 
 
 class _Client:
-    def add_request(self, prompt, params, stops, streaming, return_token_ids):
-        return ("added", prompt)
+    def add_choices(self, prompt, params, stops, streaming, return_token_ids, n):
+        self.params = params
+        return [("added", prompt)] * n
 
 
 def test_prompt_ids_are_checked_against_the_model_vocabulary():
@@ -56,5 +57,16 @@ def test_prompt_ids_are_checked_against_the_model_vocabulary():
         serving._start(CompletionRequest(prompt=[5, 300], max_tokens=2), [5, 300], "prompt")
     assert e.value.status_code == 400 and e.value.param == "prompt"
     assert "prompt token id 300 is out of range: the vocabulary has 300 tokens" in e.value.message
-    assert serving._start(CompletionRequest(prompt=[5, 299], max_tokens=2), [5, 299], "prompt") == ("added",
-                                                                                                   [5, 299])
+    assert serving._start(CompletionRequest(prompt=[5, 299], max_tokens=2), [5, 299], "prompt") == [("added",
+                                                                                                    [5, 299])]
+
+
+def test_max_completion_tokens_wins_on_completions():
+    config = EngineConfig(model="m", served_model_name="m", max_model_len=64, vocab_size=300)
+    client = _Client()
+    serving = OpenAIServing(config, client, _Tokenization(), stop_token_ids=())
+    req = CompletionRequest(prompt=[5], max_tokens=9, max_completion_tokens=3, user="someone")
+    serving._start(req, [5], "prompt")
+    assert client.params.max_tokens == 3
+    with pytest.raises(ValueError, match="max_completion_tokens"):
+        CompletionRequest(prompt=[5], max_completion_tokens=0)

@@ -32,7 +32,9 @@ def sampled_token(req_num: int, pos: int) -> int:
 class ReferenceExecutor:
     """Executes descriptors like the worker does, with checks instead of a model."""
 
-    def __init__(self, num_slots: int, num_blocks: int):
+    def __init__(self, num_slots: int, num_blocks: int, prefill_of: dict[int, int] | None = None):
+        # Choices of an n > 1 request read their shared prefill's KV: choice req_num -> prefill req_num.
+        self.prefill_of = prefill_of or {}
         self.token_cache = [None] * num_slots
         self.block_table = [dict() for _ in range(num_slots)]
         self.kv = {}  # (block, offset) -> (req_num, pos, token)
@@ -45,8 +47,10 @@ class ReferenceExecutor:
 
         Returns (step id, sampled request numbers, sampled tokens, what this step references).
         """
+        prefills = set(self.prefill_of.values())
         for s, i, b in x.new_blocks.T.tolist():
-            assert ("block", b) not in inflight_refs, f"block {b} reused while a step in flight reads it"
+            shared = self.kv.get((b, 0), (None,))[0] in prefills  # a choice's row gets its prefill's blocks
+            assert shared or ("block", b) not in inflight_refs, f"block {b} reused while a step in flight reads it"
             self.block_table[s][i] = b
         refs = set()
         tok = x.token_ids.tolist()
@@ -75,7 +79,8 @@ class ReferenceExecutor:
             # Every earlier position of this request must be in its own blocks.
             for p in range(start + k):
                 owner = self.kv.get((self.block_table[slot][p // BS], p % BS))
-                assert owner is not None and owner[:2] == (req, p), f"req {req} pos {p}: KV holds {owner}"
+                mine = owner is not None and owner[1] == p and owner[0] in (req, self.prefill_of.get(req))
+                assert mine, f"req {req} pos {p}: KV holds {owner}"
             m = int(x.num_prompt_logprobs[r])
             assert 0 <= m <= k and (x.next_prompt_token[r] >= 0) == (m == k > 0)
             if m == k > 0:  # the next chunk must start with it
@@ -96,8 +101,9 @@ def run(requests, depth: int, max_num_seqs=8, budget=16, num_blocks=64, abort_at
     """Drive a Scheduler with ``depth`` steps in flight; return outputs per request."""
     layout = StepDescriptor.layout(max_num_seqs, budget, BS)
     sched = Scheduler(max_num_seqs, budget, BS, num_blocks, max_blocks_per_seq=max_blocks_per_seq)
-    ex = ReferenceExecutor(max_num_seqs, num_blocks)
-    outputs = {r.req_num: [] for r in requests}
+    ex = ReferenceExecutor(max_num_seqs, num_blocks,
+                           {r.req_num + 1 + i: r.req_num for r in requests if r.n > 1 for i in range(r.n)})
+    outputs = {c: [] for r in requests for c in choice_nums(r)}
     finished = set()
     pending = deque(requests)
     inflight = deque()
@@ -127,17 +133,23 @@ def run(requests, depth: int, max_num_seqs=8, budget=16, num_blocks=64, abort_at
             sched.add_request(pending.popleft())
     assert sched.pool.num_free_blocks == num_blocks, "KV blocks leaked"
     assert sched.pool.num_free_slots == max_num_seqs, "slots leaked"
-    for r in requests:  # every prompt token after the first gets its log-probability, nothing else does
+    for r in (r for r in requests if r.n == 1):  # every prompt token after the first, once, nothing else
         want = set(range(1, len(r.prompt_token_ids))) if r.params.prompt_logprobs >= 0 else set()
         got = ex.prompt_lp_positions.get(r.req_num, set())
         assert got == want or (abort_at and r.req_num in abort_at.values() and got <= want), r.req_num
     return outputs, sched
 
 
-def expected(req: AddRequest) -> list[int]:
+def choice_nums(req: AddRequest) -> list[int]:
+    """The request numbers that produce ``req``'s outputs (its choices when ``n`` > 1)."""
+    return [req.req_num] if req.n == 1 else [req.req_num + 1 + i for i in range(req.n)]
+
+
+def expected(req: AddRequest, req_num: int | None = None) -> list[int]:
+    """The outputs of ``req`` (of its choice ``req_num`` when ``n`` > 1)."""
     out, pos = [], len(req.prompt_token_ids) - 1
     while len(out) < req.params.max_tokens:
-        y = sampled_token(req.req_num, pos)
+        y = sampled_token(req.req_num if req_num is None else req_num, pos)
         out.append(y)
         pos += 1
         if y == EOS and not req.params.ignore_eos:
@@ -217,3 +229,45 @@ def test_schedule_returns_zero_without_work():
 def test_kv_cache_too_small_for_one_request_is_rejected():
     with pytest.raises(ValueError, match="max_model_len"):
         Scheduler(4, 16, BS, num_kv_blocks=3, max_blocks_per_seq=16)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("num_blocks", [400, 40])
+def test_choices_share_the_prompt_blocks(depth, num_blocks):
+    """n > 1: each choice gets its own exact outputs, reads the prefix its shared prefill wrote (the
+    executor checks every KV position), and every block comes back, also with aborts and, with 40
+    blocks, preemption; plain requests run beside them."""
+    rng = random.Random(depth)
+    reqs, num = [], 1
+    for _ in range(12):
+        n = rng.choice([1, 2, 4])
+        prompt = [rng.randrange(10, 900) for _ in range(rng.randrange(1, 30))]
+        params = SamplingParams(max_tokens=rng.randrange(1, 20), temperature=0.0, stop_token_ids=(EOS,))
+        reqs.append(AddRequest(num, prompt, params, n=n))
+        num += n + 1
+    aborted = {4: reqs[3].req_num + 1, 9: reqs[7].req_num + reqs[7].n}
+    outputs, sched = run(reqs, depth, budget=16, num_blocks=num_blocks, abort_at=aborted)
+    for r in reqs:
+        for c in choice_nums(r):
+            if c not in aborted.values():
+                assert outputs[c] == expected(r, c), c
+
+
+def test_four_choices_allocate_the_prompt_once():
+    """A 300-token prompt with n = 4: its 18 whole blocks before the last token are allocated once. A
+    choice's new slot needs a block-table entry per inherited block, so with 8 slots (48 entries per
+    step) two choices join per step."""
+    bs, prompt = 16, list(range(10, 310))
+    sched = Scheduler(8, 512, bs, 200, max_blocks_per_seq=32)
+    layout = StepDescriptor.layout(8, 512, bs)
+    sched.add_request(AddRequest(1, prompt, SamplingParams(max_tokens=4, temperature=0.0), n=4))
+    # The shared prefill (288 tokens); two choices (their last 12 prompt tokens); two more, two decodes.
+    for rows in (1, 2, 4):
+        assert sched.schedule(StepDescriptor(layout.views(bytearray(layout.nbytes)))) == rows
+    assert sched.pool.num_free_blocks == 200 - 18 - 4  # 18 shared + one block per choice
+    sched.process_output(0, [], [])
+    sched.process_output(1, [2, 3], [7, 7])
+    sched.process_output(2, [2, 3, 4, 5], [7, 7, 7, 7])
+    for c in (2, 3, 4, 5):
+        sched.abort_request(c)
+    assert sched.pool.num_free_blocks == 200 and sched.pool.num_free_slots == 8

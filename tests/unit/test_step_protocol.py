@@ -10,7 +10,9 @@ from hypothesis import strategies as st
 
 from pipeline.common.messages import SamplingParams
 from pipeline.common.step_protocol import (
+    MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
+    MAX_STOP_TOKEN_IDS,
     PLACEHOLDER_TOKEN_ID,
     DescriptorBuilder,
     StepDescriptor,
@@ -40,9 +42,15 @@ def steps(draw):
         params = draw(st.one_of(st.none(), st.builds(
             SamplingParams, max_tokens=st.integers(1, 100), temperature=st.floats(0, 2, width=32),
             top_p=st.floats(0.0625, 1, width=32), top_k=st.integers(0, 100), seed=st.integers(0, 2**62),
-            logprobs=st.integers(-1, MAX_LOGPROBS), prompt_logprobs=st.integers(-1, MAX_LOGPROBS))))
+            logprobs=st.integers(-1, MAX_LOGPROBS), prompt_logprobs=st.integers(-1, MAX_LOGPROBS),
+            presence_penalty=st.floats(-2, 2, width=32), frequency_penalty=st.floats(-2, 2, width=32),
+            repetition_penalty=st.floats(0.125, 4, width=32), min_p=st.floats(0, 1, width=32),
+            min_tokens=st.integers(0, 100), ignore_eos=st.booleans(),
+            stop_token_ids=st.lists(st.integers(0, 50_000), max_size=MAX_STOP_TOKEN_IDS, unique=True).map(tuple),
+            logit_bias=st.dictionaries(st.integers(0, 50_000), st.floats(-100, 100, width=32),
+                                       max_size=MAX_LOGIT_BIAS).map(lambda d: tuple(d.items())))))
         rows.append((draw(st.integers(1, 2**40)), i, draw(st.integers(0, 4096)), toks, draw(st.booleans()), params,
-                     draw(st.integers(0, k)), draw(st.integers(-1, 50_000))))
+                     draw(st.integers(0, k)), draw(st.integers(-1, 50_000)), draw(st.integers(0, 4096))))
     cap = max_new_blocks_per_step(MAX_SEQS, MAX_TOKENS, BLOCK)
     blocks = draw(st.lists(st.tuples(st.integers(0, MAX_SEQS - 1), st.integers(0, 511), st.integers(0, 10_000)),
                            max_size=cap))
@@ -87,6 +95,18 @@ def test_descriptor_round_trip(step):
     assert x.seed.tolist() == [p.seed for p in params]
     assert x.logprobs.tolist() == [p.logprobs for p in params]
     assert x.prompt_logprobs.tolist() == [p.prompt_logprobs for p in params]
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
+        np.testing.assert_array_equal(getattr(x, name), np.array([getattr(p, name) for p in params], np.float32))
+    assert x.min_tokens.tolist() == [p.min_tokens for p in params]
+    assert x.prompt_len.tolist() == [rows[i][8] for i in new]
+    for j, p in enumerate(params):
+        nb = len(p.logit_bias)
+        assert x.num_logit_bias[j] == nb
+        assert x.logit_bias_ids[j, :nb].tolist() == [t for t, _ in p.logit_bias]
+        np.testing.assert_array_equal(x.logit_bias_values[j, :nb], np.array([b for _, b in p.logit_bias], np.float32))
+        # The worker gets the stop ids only when min_tokens has something to mask.
+        masked = p.stop_token_ids if p.min_tokens > 0 and not p.ignore_eos else ()
+        assert x.stop_ids[j].tolist() == list(masked)
     assert x.num_prompt_logprobs.tolist() == [r[6] for r in rows]
     assert x.next_prompt_token.tolist() == [r[7] for r in rows]
     assert x.new_blocks.T.tolist() == [list(blk) for blk in blocks]

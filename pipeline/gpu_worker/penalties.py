@@ -1,0 +1,138 @@
+"""Penalties and biases on the logits, per request, on the device (docs/design.md, "Penalties and biases").
+
+Before sampling, the rows of a step whose request asked for any of them get,
+in vLLM's order:
+
+1. ``logit_bias``: each listed token's bias added to its logit;
+2. ``min_tokens``: the stop token ids set to -inf while the request has
+   fewer output tokens than ``min_tokens``;
+3. the repetition penalty (vLLM's semantics, after the CTRL paper, Keskar et
+   al. 2019, "CTRL: A Conditional Transformer Language Model for
+   Controllable Generation", eq. 2): the logit ``l`` of every token seen in
+   the prompt or the output becomes ``l / r`` if ``l > 0``, else ``l * r``;
+4. the frequency and presence penalties (OpenAI API reference, "Parameter
+   details": ``mu[j] -> mu[j] - c[j] * alpha_frequency - float(c[j] > 0) *
+   alpha_presence``), ``c[j]`` counting token ``j`` in the output so far.
+
+Temperature, ``min_p`` and top-k/top-p follow in the sampler. The
+log-probabilities stay the raw model's: this works on a copy of the logits.
+
+The counts live on the device, per slot (:class:`~pipeline.gpu_worker.slot_state.SlotState`):
+they are updated from each step's resolved input ids, so the token a
+placeholder stands for is counted on the device when the next step reads it,
+and no step waits for the host. Which rows and which of the four run is
+decided on the host (:func:`plan_penalties`), from the slots' host mirrors and
+the descriptor's positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class PenaltyInputs:
+    """What one step's penalties need, on the device.
+
+    Attributes:
+        rows: ``[Q]`` int64, the sampled rows (of ``S``) that any of them applies to.
+        slots: ``[Q]`` int64, those rows' slots.
+        use_bias: some row has ``logit_bias`` entries.
+        use_penalties: some row has a presence, frequency or repetition penalty.
+        min_tokens_rows, min_tokens_ids: ``[M]`` int64 each: set the logit of
+            token ``min_tokens_ids[m]`` in row ``rows[min_tokens_rows[m]]``
+            to -inf (a stop token id before ``min_tokens``); None for none.
+    """
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    use_bias: bool
+    use_penalties: bool
+    min_tokens_rows: torch.Tensor | None = None
+    min_tokens_ids: torch.Tensor | None = None
+
+
+def plan_penalties(slots: np.ndarray, output_index: np.ndarray, penalized: np.ndarray, num_bias: np.ndarray,
+                   min_tokens: np.ndarray, stop_ids: Sequence[np.ndarray],
+                   upload: Callable[[list[np.ndarray]], list[torch.Tensor]]) -> PenaltyInputs | None:
+    """Decide on the host which sampled rows get what; None when no row gets anything.
+
+    Args:
+        slots: ``[S]`` the sampled rows' slots.
+        output_index: ``[S]`` how many output tokens each request has before
+            the one being sampled (its position minus its prompt length).
+        penalized, num_bias, min_tokens: ``[S]`` the slots' host mirrors
+            (``min_tokens`` 0 where there are no stop ids to mask).
+        stop_ids: per slot (all slots), the ids ``min_tokens`` masks.
+        upload: host arrays to int64 device tensors (``DeviceOps.upload``).
+    """
+    masks_stop = output_index < min_tokens
+    rows = np.flatnonzero(penalized | (num_bias > 0) | masks_stop)
+    if not len(rows):
+        return None
+    arrays = [rows, slots[rows]]
+    stopped = np.flatnonzero(masks_stop[rows])
+    if len(stopped):
+        ids = [stop_ids[slots[rows[q]]] for q in stopped]
+        arrays += [np.repeat(stopped, [len(i) for i in ids]), np.concatenate(ids)]
+    up = upload(arrays)
+    return PenaltyInputs(rows=up[0], slots=up[1], use_bias=bool((num_bias[rows] > 0).any()),
+                         use_penalties=bool(penalized[rows].any()),
+                         min_tokens_rows=up[2] if len(stopped) else None,
+                         min_tokens_ids=up[3] if len(stopped) else None)
+
+
+@dataclass
+class PenaltyState:
+    """The per-slot device tensors the penalties read (owned by ``SlotState``).
+
+    Attributes:
+        counts: ``[slots, V]`` int32, occurrences of each token in the output so far.
+        in_prompt: ``[slots, V]`` bool, the token occurs in the prompt.
+        presence, frequency, repetition: ``[slots]`` float32.
+        bias_ids: ``[slots, MAX_LOGIT_BIAS]`` int64; unused entries point at token 0 with value 0.
+        bias_values: ``[slots, MAX_LOGIT_BIAS]`` float32.
+    """
+
+    counts: torch.Tensor
+    in_prompt: torch.Tensor
+    presence: torch.Tensor
+    frequency: torch.Tensor
+    repetition: torch.Tensor
+    bias_ids: torch.Tensor
+    bias_values: torch.Tensor
+
+
+def apply_penalties(logits: torch.Tensor, inputs: PenaltyInputs | None, state: PenaltyState) -> torch.Tensor:
+    """The logits the sampler should see: ``logits`` itself when no row is penalized, else a penalized copy.
+
+    Args:
+        logits: ``[S, V]`` float32 raw logits of the sampled rows (left unchanged).
+        inputs: which rows and what to apply; None for nothing.
+        state: the slots' counts and parameters.
+
+    Returns:
+        ``[S, V]`` float32 on the logits' device. Never waits for the device.
+    """
+    if inputs is None:
+        return logits
+    x = logits.index_select(0, inputs.rows)
+    if inputs.use_bias:
+        # Unused entries add 0 to token 0; OpenAI's keys are distinct, so no entry adds twice.
+        x.scatter_add_(1, state.bias_ids.index_select(0, inputs.slots), state.bias_values.index_select(0, inputs.slots))
+    if inputs.min_tokens_rows is not None:
+        x.index_put_((inputs.min_tokens_rows, inputs.min_tokens_ids), x.new_full((), float("-inf")))
+    if inputs.use_penalties:
+        counts = state.counts.index_select(0, inputs.slots)
+        in_output = counts > 0
+        seen = in_output | state.in_prompt.index_select(0, inputs.slots)
+        r = state.repetition.index_select(0, inputs.slots)[:, None]
+        # -inf (a masked stop token) stays -inf through all three: r > 0.
+        x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+        x -= state.frequency.index_select(0, inputs.slots)[:, None] * counts
+        x -= state.presence.index_select(0, inputs.slots)[:, None] * in_output
+    return logits.index_copy(0, inputs.rows, x)
