@@ -334,7 +334,7 @@ class OpenAIServing:
         Raises:
             APIError: 503 if the server ended a request (shutting down).
         """
-        finished = asyncio.ensure_future(asyncio.gather(*(st.wait_finished() for st in states)))
+        finished = asyncio.ensure_future(_all_finished(states))
         left = asyncio.ensure_future(_client_left(raw))
         try:
             await asyncio.wait((finished, left), return_when=asyncio.FIRST_COMPLETED)
@@ -479,6 +479,13 @@ async def _merged_updates(states: list[RequestState]) -> AsyncIterator[tuple[int
     finally:
         for t in tasks:
             t.cancel()
+
+
+async def _all_finished(states: list[RequestState]) -> None:
+    # One task rather than a gather: a cancelled gather whose children end
+    # cancelled logs "exception was never retrieved".
+    for st in states:
+        await st.wait_finished()
 
 
 async def _client_left(raw: Request) -> None:
