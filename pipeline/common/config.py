@@ -7,7 +7,13 @@ import msgspec
 from pipeline.common.constants import cdiv
 from pipeline.common.layouts import Layout
 from pipeline.common.shm_ring import ShmRing
-from pipeline.common.step_protocol import DESCRIPTOR_RING_SLOTS, OUTPUT_RING_SLOTS, StepDescriptor, StepOutput
+from pipeline.common.step_protocol import (
+    DESCRIPTOR_RING_SLOTS,
+    MASK_BITS,
+    OUTPUT_RING_SLOTS,
+    StepDescriptor,
+    StepOutput,
+)
 
 # Attention backends the worker can run (pipeline.gpu_worker.attention); here so
 # that the launcher can offer them without importing torch.
@@ -200,7 +206,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
 
     @property
     def descriptor_layout(self) -> Layout:
-        return StepDescriptor.layout(self.max_num_seqs, self.max_num_batched_tokens, self.block_size)
+        return StepDescriptor.layout(self.max_num_seqs, self.max_num_batched_tokens, self.block_size,
+                                     cdiv(self.vocab_size, MASK_BITS))
 
     @property
     def output_layout(self) -> Layout:

@@ -48,6 +48,10 @@ class SamplingParams(msgspec.Struct, frozen=True):
             output tokens (0 is off).
         logit_bias: ``(token id, bias)`` pairs added to the logits before
             sampling, at most ``MAX_LOGIT_BIAS`` (step_protocol).
+        grammar: an llguidance grammar (``pipeline.common.grammar.build_grammar``)
+            every output token must follow; empty for none. The scheduler
+            sends its token bitmask with each step that samples the request
+            (docs/design.md, "Structured output").
     """
 
     max_tokens: int
@@ -65,6 +69,7 @@ class SamplingParams(msgspec.Struct, frozen=True):
     min_p: float = 0.0
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    grammar: str = ""
 
 
 class AddRequest(msgspec.Struct, tag=True):

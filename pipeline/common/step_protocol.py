@@ -52,6 +52,14 @@ MAX_LOGPROBS = 20
 # 400). Per descriptor slot at 256 rows they cost 0.6 MiB and 32 KiB.
 MAX_LOGIT_BIAS = 300
 MAX_STOP_TOKEN_IDS = 32
+# Rows per step that carry a token bitmask (structured output): each takes
+# ceil(V / 32) int32 words, 6 KiB at 49,152 tokens and 16 KiB at 128,256, so
+# the count is bounded; a constrained row beyond it waits a step
+# (docs/design.md, "Structured output").
+MAX_MASKED_ROWS = 32
+# Bits per bitmask word: the packed layout of llguidance and xgrammar (token
+# ``t`` is allowed when bit ``t % 32`` of word ``t // 32`` is set).
+MASK_BITS = 32
 # Reader indices. On the descriptor ring, worker rank r reads as reader r
 # (rank 0 alone without tensor parallelism). On the output ring, which only
 # rank 0 writes, the scheduler and io_proc.
@@ -72,7 +80,8 @@ class StepDescriptor:
     """Typed views of one StepDescriptor ring slot.
 
     Header (int64): ``step_id``, ``num_reqs`` (R), ``num_tokens`` (T),
-    ``num_new_blocks`` (B). Per request ``i < R`` (arrays of length
+    ``num_new_blocks`` (B), ``num_masks`` (M), ``mask_words`` (W, the
+    words of one token bitmask: ``ceil(vocab / 32)``, 0 without a model). Per request ``i < R`` (arrays of length
     ``max_num_seqs``): ``req_num`` (int64, unique for the server's life),
     ``slot`` (int32), ``num_scheduled_tokens`` (int32), ``start_pos`` (int32,
     position of its first scheduled token), ``do_sample`` (uint8: the last
@@ -101,7 +110,7 @@ class StepDescriptor:
                  "next_prompt_token", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
                  "min_tokens", "prompt_len", "num_logit_bias", "logit_bias_ids", "logit_bias_values",
                  "num_stop_ids", "stop_ids",
-                 "token_ids", "nb_slot", "nb_index", "nb_block")
+                 "token_ids", "nb_slot", "nb_index", "nb_block", "mask_row", "bitmask")
     header: np.ndarray
     req_num: np.ndarray
     slot: np.ndarray
@@ -132,13 +141,15 @@ class StepDescriptor:
     nb_slot: np.ndarray
     nb_index: np.ndarray
     nb_block: np.ndarray
+    mask_row: np.ndarray
+    bitmask: np.ndarray
 
-    _STEP_ID, _NUM_REQS, _NUM_TOKENS, _NUM_NEW_BLOCKS = range(4)
-    HEADER_LEN = 4
+    _STEP_ID, _NUM_REQS, _NUM_TOKENS, _NUM_NEW_BLOCKS, _NUM_MASKS, _MASK_WORDS = range(6)
+    HEADER_LEN = 6
 
     @classmethod
-    def layout(cls, max_num_seqs: int, max_num_batched_tokens: int, block_size: int) -> Layout:
-        """The slot layout for these limits."""
+    def layout(cls, max_num_seqs: int, max_num_batched_tokens: int, block_size: int, mask_words: int = 0) -> Layout:
+        """The slot layout for these limits; ``mask_words`` per token bitmask (0: no structured output)."""
         s, t = max_num_seqs, max_num_batched_tokens
         b = max_new_blocks_per_step(max_num_seqs, max_num_batched_tokens, block_size)
         return Layout.of([
@@ -172,11 +183,15 @@ class StepDescriptor:
             ("nb_slot", np.int32, b),
             ("nb_index", np.int32, b),
             ("nb_block", np.int32, b),
+            ("mask_row", np.int32, MAX_MASKED_ROWS),
+            ("bitmask", np.int32, max(1, MAX_MASKED_ROWS * mask_words)),
         ])
 
     def __init__(self, views: dict[str, np.ndarray]):
         for name in self.__slots__:
             setattr(self, name, views[name])
+        words = self.bitmask.size // MAX_MASKED_ROWS
+        self.bitmask = self.bitmask[:MAX_MASKED_ROWS * words].reshape(MAX_MASKED_ROWS, words)
         self.logit_bias_ids = self.logit_bias_ids.reshape(-1, MAX_LOGIT_BIAS)
         self.logit_bias_values = self.logit_bias_values.reshape(-1, MAX_LOGIT_BIAS)
         self.stop_ids = self.stop_ids.reshape(-1, MAX_STOP_TOKEN_IDS)
@@ -196,6 +211,10 @@ class StepDescriptor:
     @property
     def num_new_blocks(self) -> int:
         return int(self.header[self._NUM_NEW_BLOCKS])
+
+    @property
+    def num_masks(self) -> int:
+        return int(self.header[self._NUM_MASKS])
 
 
 class DescriptorBuilder:
@@ -219,6 +238,7 @@ class DescriptorBuilder:
         self._sampling: list[tuple[int, SamplingParams, int]] = []
         self._token_ids: list[int] = []
         self._new_blocks: list[tuple[int, int, int]] = []
+        self._masks: list[tuple[int, np.ndarray]] = []
 
     def __len__(self) -> int:
         """Rows added since the last :meth:`clear`."""
@@ -229,15 +249,20 @@ class DescriptorBuilder:
         """Block-table entries added since the last :meth:`clear`."""
         return len(self._new_blocks)
 
+    @property
+    def num_masks(self) -> int:
+        """Rows with a token bitmask added since the last :meth:`clear` (at most :data:`MAX_MASKED_ROWS`)."""
+        return len(self._masks)
+
     def clear(self) -> None:
         for lst in (self._req_num, self._slot, self._num_tokens, self._start_pos, self._do_sample, self._is_new,
                     self._num_prompt_logprobs, self._next_prompt_token, self._sampling, self._token_ids,
-                    self._new_blocks):
+                    self._new_blocks, self._masks):
             lst.clear()
 
     def add_row(self, req_num: int, slot: int, start_pos: int, token_ids: list[int], do_sample: bool,
                 new_params: SamplingParams | None, num_prompt_logprobs: int = 0, next_prompt_token: int = -1,
-                prompt_len: int = 0) -> None:
+                prompt_len: int = 0, bitmask: np.ndarray | None = None) -> None:
         """Schedule ``token_ids`` (positions ``start_pos...``) of request ``req_num`` in ``slot``.
 
         Args:
@@ -252,7 +277,12 @@ class DescriptorBuilder:
             prompt_len: with ``new_params``, the request's prompt length:
                 the worker counts tokens at positions from it on as output
                 (penalties), the others as prompt (repetition penalty).
+            bitmask: with ``do_sample``, int32 ``[W]``: the tokens the
+                sampled one may be (structured output); the caller keeps
+                :attr:`num_masks` below :data:`MAX_MASKED_ROWS`.
         """
+        if bitmask is not None:
+            self._masks.append((len(self._req_num), bitmask))
         if new_params is not None:
             self._sampling.append((len(self._req_num), new_params, prompt_len))
         self._req_num.append(req_num)
@@ -275,6 +305,9 @@ class DescriptorBuilder:
         h = desc.header
         h[StepDescriptor._STEP_ID], h[StepDescriptor._NUM_REQS] = step_id, n
         h[StepDescriptor._NUM_TOKENS], h[StepDescriptor._NUM_NEW_BLOCKS] = t, b
+        h[StepDescriptor._NUM_MASKS], h[StepDescriptor._MASK_WORDS] = len(self._masks), desc.bitmask.shape[1]
+        for m, (row, mask) in enumerate(self._masks):
+            desc.mask_row[m], desc.bitmask[m] = row, mask
         desc.req_num[:n] = self._req_num
         desc.slot[:n] = self._slot
         desc.num_scheduled_tokens[:n] = self._num_tokens
@@ -314,6 +347,7 @@ class DescriptorBuilder:
         h = desc.header
         h[StepDescriptor._STEP_ID], h[StepDescriptor._NUM_REQS] = step_id, n
         h[StepDescriptor._NUM_TOKENS], h[StepDescriptor._NUM_NEW_BLOCKS] = n, b
+        h[StepDescriptor._NUM_MASKS], h[StepDescriptor._MASK_WORDS] = 0, desc.bitmask.shape[1]
         desc.req_num[:n] = req_num
         desc.slot[:n] = slot
         desc.num_scheduled_tokens[:n] = 1
@@ -363,6 +397,8 @@ class StepInputs:
     next_prompt_token: np.ndarray  # [R] prompt token after each row's chunk when wanted, else -1
     token_ids: np.ndarray  # [T], PLACEHOLDER_TOKEN_ID where unresolved
     new_blocks: np.ndarray  # [3, B]: slot, index in the slot's row, block id
+    mask_rows: np.ndarray  # [M] rows (all sampled) whose sampled token is constrained by a bitmask
+    bitmask: np.ndarray  # [M, W] int32: bit t % 32 of word t // 32 set = token t allowed
 
 
 def read_descriptor(desc: StepDescriptor) -> StepInputs:
@@ -397,6 +433,8 @@ def read_descriptor(desc: StepDescriptor) -> StepInputs:
         next_prompt_token=desc.next_prompt_token[:r].astype(np.int64),
         token_ids=desc.token_ids[:t].astype(np.int64),
         new_blocks=np.stack([desc.nb_slot[:b], desc.nb_index[:b], desc.nb_block[:b]]).astype(np.int64),
+        mask_rows=desc.mask_row[:desc.num_masks].astype(np.int64),
+        bitmask=desc.bitmask[:desc.num_masks].copy(),
     )
 
 
@@ -405,7 +443,12 @@ def _live_counts(header: np.ndarray) -> list[tuple[str, int]]:
     r = int(header[StepDescriptor._NUM_REQS])
     t = int(header[StepDescriptor._NUM_TOKENS])
     b = int(header[StepDescriptor._NUM_NEW_BLOCKS])
-    counts = {"header": StepDescriptor.HEADER_LEN, "token_ids": t, "nb_slot": b, "nb_index": b, "nb_block": b}
+    m = int(header[StepDescriptor._NUM_MASKS])
+    counts = {"header": StepDescriptor.HEADER_LEN, "token_ids": t, "nb_slot": b, "nb_index": b, "nb_block": b,
+              "mask_row": m, "bitmask": m * int(header[StepDescriptor._MASK_WORDS]),
+              # Two-dimensional fields count elements: their rows are whole.
+              "logit_bias_ids": r * MAX_LOGIT_BIAS, "logit_bias_values": r * MAX_LOGIT_BIAS,
+              "stop_ids": r * MAX_STOP_TOKEN_IDS}
     return [(name, counts.get(name, r)) for name in StepDescriptor.__slots__]
 
 
@@ -414,7 +457,7 @@ PACKED_HEADER_NBYTES = StepDescriptor.HEADER_LEN * _ITEMSIZE["header"]
 
 
 def packed_descriptor_nbytes(header: np.ndarray) -> int:
-    """Bytes :func:`pack_descriptor` writes for a descriptor with this ``header`` (int64 ``[4]``)."""
+    """Bytes :func:`pack_descriptor` writes for a descriptor with this ``header`` (int64 ``[6]``)."""
     return sum(_ITEMSIZE[name] * n for name, n in _live_counts(header))
 
 
@@ -423,15 +466,17 @@ def pack_descriptor(desc: StepDescriptor, out: np.ndarray) -> int:
 
     The header comes first, so a reader holding the first
     :data:`PACKED_HEADER_NBYTES` bytes knows the total
-    (:func:`packed_descriptor_nbytes`). A step of R rows, T tokens and B new
-    block-table entries takes ``32 + 58 R + 4 T + 12 B`` bytes, where the
+    (:func:`packed_descriptor_nbytes`). A step of R rows, T tokens, B new
+    block-table entries and M bitmasks of W words takes ``48 + 2618 R + 4 T
+    + 12 B + 4 M (W + 1)`` bytes (2,528 of a row's bytes are its bias and
+    stop-id room), where the
     slot has the fixed size of the configured maxima: this is what rank 0
     relays to ranks on other nodes (docs/design.md, "Parallelism"). ``out``
     must hold at least the slot layout's ``nbytes``.
     """
     off = 0
     for name, n in _live_counts(desc.header):
-        raw = getattr(desc, name)[:n].view(np.uint8)
+        raw = getattr(desc, name).reshape(-1)[:n].view(np.uint8)
         out[off:off + raw.size] = raw
         off += raw.size
     return off
@@ -441,7 +486,7 @@ def unpack_descriptor(buf: np.ndarray, desc: StepDescriptor) -> None:
     """Write what :func:`pack_descriptor` packed into ``buf`` (uint8) back into ``desc``'s fields."""
     off = 0
     for name, n in _live_counts(buf[:PACKED_HEADER_NBYTES].view(np.int64)):
-        view = getattr(desc, name)
+        view = getattr(desc, name).reshape(-1)
         size = view.itemsize * n
         view[:n] = buf[off:off + size].view(view.dtype)
         off += size

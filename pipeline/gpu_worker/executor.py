@@ -21,6 +21,7 @@ from pipeline.gpu_worker.logprobs import token_logprobs
 from pipeline.gpu_worker.penalties import PenaltyInputs, PenaltyState, apply_penalties
 from pipeline.gpu_worker.sampler import SamplingPlan, sample_rows
 from pipeline.gpu_worker.sim_device import SimEvent, SimulatedDevice, sim_logprobs, sim_next_tokens
+from pipeline.gpu_worker.token_mask import apply_token_bitmask
 
 # Prompt log-probabilities go through the LM head this many positions at a
 # time, so a long prefill chunk never holds a [chunk, vocab] float32 block.
@@ -39,7 +40,9 @@ class SamplingInputs:
     ``top_p`` and ``min_p`` float32, ``top_k`` (0 = off), ``seed`` and
     ``position`` (of the token being sampled) int64. ``penalties`` says which
     of the ``S`` rows get penalties and biases first (None: none), read from
-    ``penalty_state``.
+    ``penalty_state``. ``mask_rows`` (``[M]`` int64, None for none) are the
+    rows constrained by a grammar, and ``bitmask`` (``[M, W]``) the tokens
+    each may sample (:func:`~pipeline.gpu_worker.token_mask.apply_token_bitmask`).
     """
 
     plan: SamplingPlan
@@ -51,6 +54,8 @@ class SamplingInputs:
     min_p: torch.Tensor
     penalties: PenaltyInputs | None = None
     penalty_state: PenaltyState | None = None
+    mask_rows: torch.Tensor | None = None
+    bitmask: torch.Tensor | None = None
 
 
 @dataclass
@@ -160,7 +165,8 @@ class ModelExecutor(Executor):
         # draws the same noise whatever batch it is in. Penalties and the
         # sampler work on copies: `logits` stay raw for the log-probabilities below.
         s = sampling
-        processed = apply_penalties(logits, s.penalties, s.penalty_state)
+        # The grammar's mask comes last, so that no bias or penalty can bring back a rejected token.
+        processed = apply_token_bitmask(apply_penalties(logits, s.penalties, s.penalty_state), s.mask_rows, s.bitmask)
         tokens = sample_rows(processed, s.plan, s.temperature, s.top_p, s.top_k, s.seed, s.position, s.min_p)
         executed = Executed(tokens=tokens)
         if logprobs.rows is not None:

@@ -192,6 +192,8 @@ class ModelRunner:
         sampling = SamplingInputs(plan, *(t.index_select(0, hot_slots_d) for t in (s.temperature, s.top_p, s.top_k,
                                                                                    s.seed)), position=positions_d,
                                   min_p=s.min_p.index_select(0, hot_slots_d))
+        if len(x.mask_rows):  # structured output: the descriptor rows become sampled-row indices
+            sampling.mask_rows, sampling.bitmask = self.ops.upload([np.searchsorted(rows, x.mask_rows), x.bitmask])
         if s.penalty is not None:
             sampling.penalty_state = s.penalty
             sampling.penalties = plan_penalties(

@@ -138,6 +138,13 @@ class SamplingRequest(_Request):
     before this many tokens; ``stop_token_ids`` (vLLM): more ids that end
     it, also with ``ignore_eos``. Token ids are checked against the
     vocabulary when the request is served.
+
+    Structured output (docs/design.md, "Structured output"): ``response_format``
+    ``{"type": "text"}`` (the default), ``{"type": "json_object"}`` or
+    ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...},
+    "strict": ...}}`` (OpenAI's structured outputs guide), or one of vLLM's
+    ``guided_json`` (a schema, as an object or JSON text), ``guided_regex``
+    and ``guided_choice`` (a list of strings); see :meth:`structured_output`.
     """
 
     model: str | None = None
@@ -161,19 +168,51 @@ class SamplingRequest(_Request):
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     min_tokens: int = Field(default=0, ge=0)
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
-    # Accepted only at their "off" values: refusing is more honest than ignoring them.
-    tools: list | None = None
     response_format: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    # Accepted only at its "off" value: refusing is more honest than ignoring it.
+    tools: list | None = None
 
     @model_validator(mode="after")
     def _check_unsupported(self) -> SamplingRequest:
-        unsupported = {
-            "tools": bool(self.tools), "response_format": self.response_format not in (None, {"type": "text"}),
-        }
-        for name, used in unsupported.items():
-            if used:
-                raise ValueError(f"{name} is not supported by this server")
+        if self.tools:
+            raise ValueError("tools is not supported by this server")
         return self
+
+    def structured_output(self) -> tuple[str, object, str] | None:
+        """``(kind, spec, param)`` for :func:`~pipeline.common.grammar.build_grammar`, or None for free text.
+
+        Raises:
+            APIError: 400 naming the field: an unknown ``response_format``
+                type, a ``json_schema`` without its ``schema``, or more than
+                one way of constraining the output.
+        """
+        found = []
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type")
+            if kind == "json_object":
+                found.append(("json_object", None, "response_format"))
+            elif kind == "json_schema":
+                js = rf.get("json_schema")
+                if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
+                    raise APIError.bad_request("response_format.json_schema.schema must be a JSON schema object",
+                                               param="response_format")
+                found.append(("json_schema", js["schema"], "response_format"))
+            elif kind != "text":
+                raise APIError.bad_request("response_format.type must be one of 'text', 'json_object' and "
+                                           f"'json_schema', got {kind!r}", param="response_format")
+        for kind, spec, param in (("json_schema", self.guided_json, "guided_json"),
+                                  ("regex", self.guided_regex, "guided_regex"),
+                                  ("choice", self.guided_choice, "guided_choice")):
+            if spec is not None:
+                found.append((kind, spec, param))
+        if len(found) > 1:
+            raise APIError.bad_request(f"give at most one of {', '.join(p for _, _, p in found)}",
+                                       param=found[1][2])
+        return found[0] if found else None
 
     @field_validator("logit_bias")
     @classmethod

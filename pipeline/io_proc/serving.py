@@ -44,6 +44,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pipeline.common.config import EngineConfig
+from pipeline.common.grammar import GrammarError, build_grammar
 from pipeline.common.messages import SamplingParams
 from pipeline.common.step_protocol import MAX_STOP_TOKEN_IDS
 from pipeline.io_proc.engine_client import EngineClient, EngineUnavailable
@@ -134,6 +135,7 @@ class OpenAIServing:
         # Prompt ids must have an embedding row (an out-of-range id is an
         # asynchronous device assert on CUDA) and decode with the tokenizer.
         self._vocab_limit = min(tokenization.vocab_size, config.vocab_size or tokenization.vocab_size)
+        self._structured_output = config.vocab_size > 0
 
     @property
     def _texts(self):
@@ -301,6 +303,7 @@ class OpenAIServing:
         if len(stop_ids) > MAX_STOP_TOKEN_IDS:
             raise APIError.bad_request(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} stop token ids in all, with "
                                        f"the model's {len(self._stop_token_ids)}", param="stop_token_ids")
+        grammar = self._grammar(req, stop_ids)
         temperature = 1.0 if req.temperature is None else req.temperature
         top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
         params = SamplingParams(
@@ -320,12 +323,38 @@ class OpenAIServing:
             min_p=req.min_p or 0.0,
             min_tokens=req.min_tokens,
             logit_bias=logit_bias,
+            grammar=grammar,
         )
         try:
             return self._client.add_choices(prompt, params, req.stop_strings(), streaming=req.stream,
                                             return_token_ids=req.return_token_ids, n=req.num_choices())
         except EngineUnavailable as e:
             raise APIError(503, f"{e}; retry later", type="service_unavailable_error") from None
+
+    def _grammar(self, req: SamplingRequest, stop_ids: tuple[int, ...]) -> str:
+        """The request's llguidance grammar (docs/design.md, "Structured output"), or "" for free text.
+
+        Raises:
+            APIError: 400 naming the field for a malformed schema, regex or
+                choice list, without a model (the simulated device samples
+                no logits), with ``min_tokens`` (it could forbid the only
+                token the grammar allows), or with no stop token to end on.
+        """
+        so = req.structured_output()
+        if so is None:
+            return ""
+        kind, spec, param = so
+        if not self._structured_output:
+            raise APIError.bad_request("structured output needs a model; the simulated device has none", param=param)
+        if req.min_tokens:
+            raise APIError.bad_request(f"min_tokens cannot be combined with {param}", param="min_tokens")
+        if not stop_ids:
+            raise APIError.bad_request(f"{param} needs a stop token to end on: with ignore_eos, give stop_token_ids",
+                                       param="ignore_eos")
+        try:
+            return build_grammar(kind, spec, param)
+        except GrammarError as e:
+            raise APIError.bad_request(str(e), param=e.param) from None
 
     async def _wait(self, states: list[RequestState], raw: Request) -> bool:
         """Wait for non-streaming requests to finish; False if the client left

@@ -17,11 +17,18 @@ import msgspec
 import zmq
 
 from pipeline.common.config import EngineConfig
-from pipeline.common.constants import POLL_INTERVAL_S
+from pipeline.common.constants import POLL_INTERVAL_S, cdiv
+from pipeline.common.grammar import load_tokenizer
 from pipeline.common.messages import AbortRequest, AddRequest, GetStats, Shutdown, Stats, ToScheduler
 from pipeline.common.process import StopFlag, report
 from pipeline.common.shm_ring import RingTimeout, ShmRing
-from pipeline.common.step_protocol import MAX_INFLIGHT_STEPS, OUTPUT_READER_SCHEDULER, StepDescriptor, StepOutput
+from pipeline.common.step_protocol import (
+    MASK_BITS,
+    MAX_INFLIGHT_STEPS,
+    OUTPUT_READER_SCHEDULER,
+    StepDescriptor,
+    StepOutput,
+)
 from pipeline.common.trace import TraceRecorder
 from pipeline.scheduler_proc.scheduler import Scheduler
 
@@ -45,8 +52,13 @@ class SchedulerProc:
         self.config = config
         self.desc_ring, self.out_ring = desc_ring, out_ring
         self.control, self.replies = control, replies
+        # Structured output needs llguidance's view of the tokenizer; building it takes ~0.2 s, so it is
+        # done here, before the first step, not when the first grammar request arrives.
+        grammar_tokenizer = load_tokenizer(config.tokenizer or config.model, config.vocab_size) \
+            if config.vocab_size else None
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, config.block_size,
-                                   config.num_kv_blocks, config.max_blocks_per_seq)
+                                   config.num_kv_blocks, config.max_blocks_per_seq, grammar_tokenizer,
+                                   cdiv(config.vocab_size, MASK_BITS))
         self.max_inflight = MAX_INFLIGHT_STEPS if config.async_scheduling else 1
         self.inflight: deque[int] = deque()
         # time.monotonic() at which the oldest step in flight was published, or since its

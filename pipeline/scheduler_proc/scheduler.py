@@ -25,20 +25,25 @@ counters, so they stay in one module, longer than most.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 
 import numpy as np
 from msgspec.structs import replace
 
 from pipeline.common.constants import cdiv
+from pipeline.common.grammar import GrammarState
 from pipeline.common.messages import AddRequest, SamplingParams, check_finish, choice_seed
 from pipeline.common.step_protocol import (
+    MAX_MASKED_ROWS,
     PLACEHOLDER_TOKEN_ID,
     DescriptorBuilder,
     StepDescriptor,
     max_new_blocks_per_step,
 )
 from pipeline.scheduler_proc.kv_block_pool import BlockPool
+
+log = logging.getLogger(__name__)
 
 
 class Request:
@@ -48,12 +53,16 @@ class Request:
     included); ``num_placeholders`` counts tokens sampled in steps whose
     output has not arrived (0 or 1). A shared prefill (``choices`` set) has
     as its prompt only the prefix its choices share, and samples nothing.
+    ``grammar`` is the matcher of a structured-output request (None for
+    others); it has consumed every token of ``output_token_ids``.
     """
 
     __slots__ = ("req_num", "prompt_token_ids", "output_token_ids", "params", "num_computed_tokens",
-                 "num_placeholders", "slot", "block_ids", "last_step_id", "is_new_in_slot", "choices", "parent")
+                 "num_placeholders", "slot", "block_ids", "last_step_id", "is_new_in_slot", "choices", "parent",
+                 "grammar")
 
-    def __init__(self, req_num: int, prompt_token_ids: list[int], params: SamplingParams):
+    def __init__(self, req_num: int, prompt_token_ids: list[int], params: SamplingParams,
+                 grammar: GrammarState | None = None):
         self.req_num = req_num
         self.prompt_token_ids = prompt_token_ids
         self.output_token_ids: list[int] = []
@@ -68,6 +77,7 @@ class Request:
         # each of those names it until then (docs/design.md, "Parallel choices").
         self.choices: list[Request] | None = None
         self.parent: Request | None = None
+        self.grammar = grammar
 
     @property
     def num_known_tokens(self) -> int:
@@ -98,13 +108,17 @@ class Scheduler:
         block_size: tokens per KV block.
         num_kv_blocks: KV blocks in the cache.
         max_blocks_per_seq: block-table row width (``ceil(max_model_len / block_size)``).
+        grammar_tokenizer: llguidance's tokenizer
+            (:func:`~pipeline.common.grammar.load_tokenizer`) for requests
+            with a grammar; None when the model has none (the simulated device).
+        mask_words: int32 words of one token bitmask (``ceil(vocab / 32)``).
 
     Raises:
         ValueError: if one request of ``max_model_len`` tokens could not fit.
     """
 
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, block_size: int,
-                 num_kv_blocks: int, max_blocks_per_seq: int):
+                 num_kv_blocks: int, max_blocks_per_seq: int, grammar_tokenizer=None, mask_words: int = 0):
         if num_kv_blocks < max_blocks_per_seq:
             raise ValueError(
                 f"num_kv_blocks={num_kv_blocks} cannot hold one request of max_model_len "
@@ -120,6 +134,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_steady_steps = 0  # steps planned by the vectorized decode path
         self._builder = DescriptorBuilder()
+        self._grammar_tokenizer, self._mask_words = grammar_tokenizer, mask_words
         self._max_new_blocks = max_new_blocks_per_step(max_num_seqs, max_num_batched_tokens, block_size)
         self._last_output_step = -1
         self._finish_after: dict[int, list[Request]] = {}  # step id -> requests that end when it completes
@@ -149,12 +164,12 @@ class Scheduler:
             return
         prompt = list(msg.prompt_token_ids)
         if msg.n == 1:
-            req = Request(msg.req_num, prompt, msg.params)
+            req = Request(msg.req_num, prompt, msg.params, self._new_grammar(msg.params))
             self.requests[req.req_num] = req
             self.waiting.append(req)
             return
-        choices = [Request(msg.req_num + 1 + i, prompt, replace(msg.params, seed=choice_seed(msg.params.seed, i)))
-                   for i in range(msg.n)]
+        choices = [Request(msg.req_num + 1 + i, prompt, replace(msg.params, seed=choice_seed(msg.params.seed, i)),
+                           self._new_grammar(msg.params)) for i in range(msg.n)]
         for c in choices:
             self.requests[c.req_num] = c
         shared = (len(prompt) - 1) // self.block_size * self.block_size
@@ -167,6 +182,14 @@ class Scheduler:
             c.parent = prefill
         self.requests[prefill.req_num] = prefill
         self.waiting.append(prefill)
+
+    def _new_grammar(self, params: SamplingParams) -> GrammarState | None:
+        """A fresh matcher for a request with a grammar (about 1 ms: llguidance compiles lazily), else None."""
+        if not params.grammar:
+            return None
+        if self._grammar_tokenizer is None:
+            raise ValueError("structured output needs a model with a tokenizer")
+        return GrammarState(self._grammar_tokenizer, params.grammar, params.stop_token_ids)
 
     def abort_request(self, req_num: int) -> None:
         """Drop a request now; its blocks and slot return after its last step in flight.
@@ -208,6 +231,7 @@ class Scheduler:
         step_id = self.next_step_id
         budget = self.max_num_batched_tokens
         rows: list[tuple[Request, int, bool]] = []  # (request, num tokens, samples)
+        num_masks = 0  # rows planned that sample under a grammar
         self._builder.clear()
 
         for req in list(self.running):
@@ -218,12 +242,19 @@ class Scheduler:
             if req.num_computed_tokens < req.num_known_tokens:  # unfinished prefill
                 n = min(req.num_known_tokens - req.num_computed_tokens, budget)
             elif req.num_outputs_planned < req.params.max_tokens:  # decode
+                if req.grammar is not None and req.num_placeholders:
+                    continue  # its mask needs the token in flight: it sits out this step alone
                 n = 1
             else:  # its last token is in flight; it finishes when that arrives
                 continue
+            sample = self._samples(req, req.num_computed_tokens + n)
+            if sample and req.grammar is not None:
+                if num_masks == MAX_MASKED_ROWS:
+                    continue
+                num_masks += 1
             if not self._grow_blocks(req, n):
                 continue
-            rows.append((req, n, self._samples(req, req.num_computed_tokens + n)))
+            rows.append((req, n, sample))
             budget -= n
 
         while self.waiting and budget > 0 and len(rows) < self.max_num_seqs:
@@ -234,6 +265,9 @@ class Scheduler:
             start, inherited = req.num_computed_tokens, len(req.block_ids)
             n = min(req.num_known_tokens - start, budget)
             if self.pool.num_free_slots == 0:
+                break
+            masked = req.grammar is not None and self._samples(req, start + n)
+            if masked and num_masks == MAX_MASKED_ROWS:
                 break
             need = cdiv(start + n, self.block_size) - inherited
             if need > self.pool.num_free_blocks or \
@@ -249,13 +283,16 @@ class Scheduler:
             self._grow_blocks(req, n)
             self.running.append(req)
             rows.append((req, n, self._samples(req, start + n)))
+            num_masks += masked
             budget -= n
 
         if not rows:
             return 0
         self._write(desc, step_id, rows)
         self.next_step_id += 1
-        if len(rows) == len(self.running) and all(k == 1 and sample for _, k, sample in rows):
+        # Grammar rows need their own token back before each step, which the vectorized path cannot wait for.
+        if len(rows) == len(self.running) and all(k == 1 and sample and req.grammar is None
+                                                  for req, k, sample in rows):
             self._enter_steady([req for req, _, _ in rows])
         return len(rows)
 
@@ -361,8 +398,12 @@ class Scheduler:
                 num_plp = max(0, min(k, len(req.prompt_token_ids) - 1 - pos))
                 if num_plp == k:
                     next_token = req.prompt_token_ids[pos + k]
+            mask = None
+            if sample and req.grammar is not None:
+                mask = np.empty(self._mask_words, np.int32)
+                req.grammar.fill_mask(mask)
             b.add_row(req.req_num, req.slot, pos, tokens, sample, req.params if req.is_new_in_slot else None,
-                      num_plp, next_token, len(req.prompt_token_ids))
+                      num_plp, next_token, len(req.prompt_token_ids), mask)
             req.is_new_in_slot = False
             if req.params.max_tokens == 0 and pos + k >= req.num_known_tokens:
                 # Its last prompt log-probabilities come with this step's output: it ends then.
@@ -419,6 +460,9 @@ class Scheduler:
                 continue
             req.num_placeholders -= 1
             req.output_token_ids.append(t)
+            if req.grammar is not None and not req.grammar.accept(t):
+                # The worker's mask forbids this; the matcher keeps its state and the request goes on.
+                log.error("request %d: token %d is outside its grammar", r, t)
             if check_finish(t, len(req.output_token_ids), req.params) is not None:
                 finished.append(r)
                 self._leave_steady()

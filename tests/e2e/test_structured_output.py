@@ -1,0 +1,86 @@
+"""Structured output through the server (SmolLM2, greedy): valid JSON, async equal to lock step, 400s.
+
+docs/design.md, "Structured output".
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+PERSON = [{"role": "user", "content": "Give me a person as JSON with a name and an age."}]
+
+
+def chat(srv, **body) -> dict:
+    r = httpx.post(f"{srv.url}/v1/chat/completions", timeout=300,
+                   json={"model": srv.model, "messages": PERSON, "temperature": 0, "max_tokens": 60,
+                         "return_token_ids": True, **body})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def complete(srv, prompt: str, **body) -> dict:
+    r = httpx.post(f"{srv.url}/v1/completions", timeout=300,
+                   json={"model": srv.model, "prompt": prompt, "temperature": 0, "max_tokens": 12,
+                         "return_token_ids": True, **body})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def _check_person(text: str) -> None:
+    obj = json.loads(text)
+    assert set(obj) == {"name", "age"}, obj
+    assert isinstance(obj["name"], str) and len(obj["name"]) <= 20 and type(obj["age"]) is int, obj
+
+
+def test_json_schema_async_equals_lock_step(smol_async, smol_sync):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+    a, s = chat(smol_async, response_format=fmt), chat(smol_sync, response_format=fmt)
+    _check_person(a["message"]["content"])
+    assert a["finish_reason"] == "stop"
+    assert a["token_ids"] == s["token_ids"]
+
+
+def test_json_object_and_guided_fields(smol_async):
+    c = chat(smol_async, response_format={"type": "json_object"}, max_tokens=80)
+    assert c["finish_reason"] == "stop" and isinstance(json.loads(c["message"]["content"]), dict)
+    c = complete(smol_async, "The person:", guided_json=SCHEMA, max_tokens=60)
+    _check_person(c["text"])
+    c = complete(smol_async, "Is the sky blue? Answer:", guided_choice=["yes", "no"])
+    assert c["text"] in ("yes", "no") and c["finish_reason"] == "stop"
+    c = complete(smol_async, "A year:", guided_regex="[12][0-9]{3}")
+    assert len(c["text"]) == 4 and c["text"].isdigit()
+
+
+def test_grammar_request_leaves_others_at_lock_step(smol_async, smol_sync):
+    """Three free requests beside one grammar request give their lock-step tokens, and it its own."""
+    prompts = ["The capital of France is", "One, two, three,", "def fibonacci(n):"]
+    want = [complete(smol_sync, p)["token_ids"] for p in prompts]
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+    want_json = chat(smol_sync, response_format=fmt)["token_ids"]
+    with ThreadPoolExecutor(4) as pool:
+        constrained = pool.submit(chat, smol_async, response_format=fmt)
+        free = [pool.submit(complete, smol_async, p) for p in prompts]
+        assert [f.result()["token_ids"] for f in free] == want
+        assert constrained.result()["token_ids"] == want_json
+
+
+@pytest.mark.parametrize("field, value", [
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x"}}),
+    ("response_format", {"type": "yaml"}),
+    ("guided_json", {"properties": {"a": {"$ref": "#/nope"}}}),
+    ("guided_regex", "(("),
+    ("guided_choice", []),
+])
+def test_bad_grammar_is_400_naming_the_field(smol_async, field, value):
+    r = httpx.post(f"{smol_async.url}/v1/chat/completions", timeout=60,
+                   json={"model": smol_async.model, "messages": PERSON, field: value})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == field, err
