@@ -29,6 +29,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -40,6 +41,11 @@ from pipeline.bench.workloads import Workload
 from pipeline.model_files import resolve_model
 
 PEERS = ("pipeline-async", "pipeline-sync", "transformers", "vllm")
+
+
+def _log_path(label: str) -> str:
+    """Where a server's output goes (the temp directory: it is read only when something fails)."""
+    return os.path.join(tempfile.gettempdir(), f"compare-peers-{label}.log")
 
 
 def _free_port() -> int:
@@ -55,7 +61,7 @@ def _serve_and_drive(cmd: list[str], port: int, work: Workload, label: str, env:
     Raises:
         RuntimeError: the server exited or did not become healthy within ``start_timeout_s``.
     """
-    with open(f"{label}.server.log", "w") as log:
+    with open(_log_path(label), "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             return _drive_when_healthy(proc, f"http://127.0.0.1:{port}", work, label, start_timeout_s)
@@ -73,7 +79,7 @@ def _drive_when_healthy(proc: subprocess.Popen, url: str, work: Workload, label:
     deadline = time.monotonic() + start_timeout_s
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"{label}: server exited with {proc.returncode}; see {label}.server.log")
+            raise RuntimeError(f"{label}: server exited with {proc.returncode}; see {_log_path(label)}")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 models = httpx.get(f"{url}/v1/models", timeout=5).json()
@@ -81,7 +87,7 @@ def _drive_when_healthy(proc: subprocess.Popen, url: str, work: Workload, label:
         except httpx.HTTPError:
             pass
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{label}: no healthy server after {start_timeout_s:.0f} s; see {label}.server.log")
+            raise RuntimeError(f"{label}: no healthy server after {start_timeout_s:.0f} s; see {_log_path(label)}")
         time.sleep(1)
     model = models["data"][0]["id"]
     # One short request first, untimed: first-call costs (lazy imports, allocator growth) are not serving speed.

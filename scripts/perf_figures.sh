@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Regenerate the README's performance figures into docs/perf/ (about 35 minutes on 2 cores).
+#
+#   bash scripts/perf_figures.sh                        # every figure
+#   VLLM_PYTHON=../vllm-venv/bin/python bash scripts/perf_figures.sh   # vLLM's CPU build as a peer too
+#   bash scripts/perf_figures.sh sim                    # only the simulated-device tables
+#
+# Each table compares figures measured in one invocation (async vs lock step, engine vs bound,
+# pipeline vs its peers): machines differ 2-3x in absolute speed, and a busy machine changes
+# everything at once, so run it on an otherwise idle machine and compare the ratios.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+BENCH=("$PY" -m pipeline.bench)
+OUT=docs/perf
+ONLY=${1:-all}
+mkdir -p "$OUT"
+
+run() {  # run NAME CMD...: the table to OUT/NAME.txt, the command on its first line
+  local name=$1; shift
+  echo "== $name: $*"
+  { echo "\$ $*"; "$@" 2>/dev/null; } | tee "$OUT/$name.txt"
+}
+
+if [[ $ONLY == all || $ONLY == sim ]]; then
+  # The token gap with 10 ms and 2 ms steps at batch 256 and 1024 (simulated device: host overhead only).
+  for bs in 256 1024; do
+    run "sim-$bs" "${BENCH[@]}" --model sim --sim-step-us 10000 --batch-size "$bs" --output-len 256 --mode both \
+      --json "$OUT/sim-$bs.json" --plot "$OUT/sim-$bs.png"
+    run "sim-2ms-$bs" "${BENCH[@]}" --model sim --sim-step-us 2000 --batch-size "$bs" --output-len 256 \
+      --mode both --json "$OUT/sim-2ms-$bs.json"
+  done
+fi
+
+if [[ $ONLY == all || $ONLY == model ]]; then
+  # SmolLM2-135M on the CPU: async vs lock step, and engine vs the bare model replaying the same steps.
+  run smollm2-sharegpt "${BENCH[@]}" --workload sharegpt-synth --num-requests 64 --mode both --bound \
+    --json "$OUT/smollm2-sharegpt.json"
+  run smollm2-http-64 "${BENCH[@]}" --http --batch-size 64 --input-len 150 --output-len 150 --mode both --bound \
+    --json "$OUT/smollm2-http-64.json"
+  # Peers on the same workload, one after another.
+  peers=(--workload sharegpt-synth --num-requests 64 --json "$OUT/peers-sharegpt.json")
+  [[ -n ${VLLM_PYTHON:-} ]] && peers+=(--vllm-python "$VLLM_PYTHON")
+  run peers-sharegpt "$PY" scripts/compare_peers.py "${peers[@]}"
+  run cpu-placement "$PY" scripts/compare_cpu_placement.py --workload fixed --batch-size 64 --input-len 150 \
+    --output-len 150
+fi
