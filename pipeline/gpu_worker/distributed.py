@@ -108,7 +108,9 @@ class DescriptorRelay:
 
     def _send_empty(self, step_id: int) -> None:
         self._wait_sent()
-        self._np[:PACKED_HEADER_NBYTES].view(np.int64)[:] = (step_id, 0, 0, 0)
+        header = self._np[:PACKED_HEADER_NBYTES].view(np.int64)
+        header[:] = 0  # no rows, tokens, blocks or masks
+        header[0] = step_id
         self._broadcast_async(PACKED_HEADER_NBYTES)
 
     def _wait_sent(self) -> None:

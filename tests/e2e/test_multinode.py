@@ -96,7 +96,7 @@ def test_killing_node_1_stops_the_head(tiny_kv4_dir):
         t.join(60)
     out = head.proc.stdout.read()
     assert code != 0
-    assert "gpu_worker exited with code 1: lost the tensor-parallel ranks on another node" in out, out
+    assert "gpu_worker: lost the tensor-parallel ranks on another node" in out, out
     assert sum(r != 200 for r in results) >= 3, results  # at least the requests under way failed
     assert wait_gone(head.children + node1_ranks) == []
     assert shm_entries(head.proc.pid) == []
