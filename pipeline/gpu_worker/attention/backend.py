@@ -112,6 +112,43 @@ class StepLayout:
         return [self.slots[self.request_of_token], self.positions // self.block_size]
 
 
+@dataclasses.dataclass(frozen=True)
+class PaddedQueries:
+    """Requests ``rows`` of a step as a ``[R, q_max]`` grid of queries, for backends that pad rows.
+
+    Padded query slots repeat the row's last real query: a valid token index
+    and a non-empty mask row, whose output is then dropped.
+
+    Attributes:
+        q_max: the longest row's scheduled tokens.
+        n_blocks: KV blocks of the longest context.
+        context_lens: ``[R]`` int64 tokens each row attends to after this step.
+        token_index: ``[R, q_max]`` int64 index of each query in the step's tokens.
+        query_pos: ``[R, q_max]`` int64 position of each query.
+        real: ``[R * q_max]`` bool, the grid's real queries (row-major).
+    """
+
+    q_max: int
+    n_blocks: int
+    context_lens: np.ndarray
+    token_index: np.ndarray
+    query_pos: np.ndarray
+    real: np.ndarray
+
+    @classmethod
+    def of(cls, layout: StepLayout, rows: np.ndarray) -> PaddedQueries:
+        """The grid of ``layout``'s requests ``rows`` (host arrays)."""
+        q_lens = layout.query_lens[rows]
+        starts = layout.start_positions[rows]
+        context_lens = starts + q_lens
+        q_max = int(q_lens.max())
+        q_offsets = np.minimum(np.arange(q_max)[None, :], (q_lens - 1)[:, None])
+        return cls(q_max=q_max, n_blocks=-(-int(context_lens.max()) // layout.block_size),
+                   context_lens=context_lens, token_index=layout.token_starts[rows][:, None] + q_offsets,
+                   query_pos=starts[:, None] + q_offsets,
+                   real=(np.arange(q_max)[None, :] < q_lens[:, None]).ravel())
+
+
 def slot_mapping(block_table: torch.Tensor, token_slots: torch.Tensor, token_cols: torch.Tensor,
                  positions: torch.Tensor, block_size: int) -> torch.Tensor:
     """``[T]`` int64 flat KV-cache index of each token, on the device.

@@ -54,6 +54,7 @@ from pipeline.gpu_worker.attention.backend import (
     AttentionBackend,
     AttentionMetadata,
     KVCache,
+    PaddedQueries,
     StepLayout,
     Upload,
     slot_mapping,
@@ -181,25 +182,16 @@ class _HostPrefill:
 
 def _host_prefill(layout: StepLayout, rows: np.ndarray) -> _HostPrefill:
     """Shapes and indices of the prefill bucket of requests ``rows`` (see :class:`Bucket`)."""
-    q_lens = layout.query_lens[rows]
-    starts = layout.start_positions[rows]
-    context_lens = starts + q_lens
-    q_max = int(q_lens.max())
-    n_blocks = -(-int(context_lens.max()) // layout.block_size)
-    # Padded query slots repeat the row's last real query: a valid token
-    # index and a non-empty mask row, whose output is then dropped.
-    q_offsets = np.minimum(np.arange(q_max)[None, :], (q_lens - 1)[:, None])
-    token_index = (layout.token_starts[rows][:, None] + q_offsets).ravel()
-    query_pos = starts[:, None] + q_offsets
-    real = (np.arange(q_max)[None, :] < q_lens[:, None]).ravel()
-    padded = not real.all()
+    g = PaddedQueries.of(layout, rows)
+    token_index = g.token_index.ravel()
+    padded = not g.real.all()
     identity = (not padded and token_index.size == layout.num_tokens
                 and bool((token_index == np.arange(layout.num_tokens)).all()))
-    arrays = [layout.slots[rows], context_lens, query_pos, token_index]
+    arrays = [layout.slots[rows], g.context_lens, g.query_pos, token_index]
     if padded:
-        out_rows = np.flatnonzero(real)
+        out_rows = np.flatnonzero(g.real)
         arrays += [out_rows, token_index[out_rows]]
-    return _HostPrefill(q_max, n_blocks, identity, padded, arrays)
+    return _HostPrefill(g.q_max, g.n_blocks, identity, padded, arrays)
 
 
 def _device_prefill(host: _HostPrefill, dev: list[torch.Tensor], block_table: torch.Tensor,

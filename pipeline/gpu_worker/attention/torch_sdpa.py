@@ -31,6 +31,7 @@ from pipeline.gpu_worker.attention.backend import (
     AttentionBackend,
     AttentionMetadata,
     KVCache,
+    PaddedQueries,
     StepLayout,
     Upload,
     slot_mapping,
@@ -90,21 +91,12 @@ class _HostGroup:
 
 def _host_group(layout: StepLayout, rows: np.ndarray) -> _HostGroup:
     """Shapes and indices of the padded group of requests ``rows`` (see :class:`AttentionGroup`)."""
-    q_lens = layout.query_lens[rows]
-    starts = layout.start_positions[rows]
-    context_lens = starts + q_lens
-    q_max = int(q_lens.max())
-    n_blocks = -(-int(context_lens.max()) // layout.block_size)
-    # Padded query slots clamp to the row's last real query: a valid token
-    # index and a non-empty mask row, whose output is then dropped.
-    q_offsets = np.minimum(np.arange(q_max)[None, :], (q_lens - 1)[:, None])
-    token_index = layout.token_starts[rows][:, None] + q_offsets
-    query_pos = starts[:, None] + q_offsets
-    out_rows = np.flatnonzero(np.arange(q_max)[None, :] < q_lens[:, None])
-    out_tokens = token_index.ravel()[out_rows]
-    identity = rows.size == layout.query_lens.size and out_rows.size == rows.size * q_max == layout.num_tokens
-    return _HostGroup(q_max, n_blocks, identity,
-                      [layout.slots[rows], context_lens, token_index, query_pos, out_rows, out_tokens])
+    g = PaddedQueries.of(layout, rows)
+    out_rows = np.flatnonzero(g.real)
+    out_tokens = g.token_index.ravel()[out_rows]
+    identity = rows.size == layout.query_lens.size and out_rows.size == rows.size * g.q_max == layout.num_tokens
+    return _HostGroup(g.q_max, g.n_blocks, identity,
+                      [layout.slots[rows], g.context_lens, g.token_index, g.query_pos, out_rows, out_tokens])
 
 
 def _device_group(host: _HostGroup, dev: list[torch.Tensor], block_table: torch.Tensor,
