@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -117,6 +118,31 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return self.proc.wait()
+
+
+def load_until_generating(server: Server, clients: int, min_tokens: int, timeout: float = 60.0,
+                          ) -> tuple[list[threading.Thread], list[object]]:
+    """Start ``clients`` threads that each post ``clients`` long completions, and return once the server
+    has generated ``min_tokens`` tokens. Returns the threads and their results (status codes or errors)."""
+    results: list[object] = []
+
+    def load() -> None:
+        body = {"model": server.model, "prompt": "the of and " * 30, "max_tokens": 150, "ignore_eos": True}
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            for _ in range(clients):
+                try:
+                    results.append(c.post("/v1/completions", json=body).status_code)
+                except httpx.HTTPError as e:
+                    results.append(e)
+
+    threads = [threading.Thread(target=load) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    while server.metrics().get("pipeline_generation_tokens_total", 0) < min_tokens:
+        assert time.monotonic() < deadline, "no tokens generated"
+        time.sleep(0.1)
+    return threads, results
 
 
 @pytest.fixture(scope="session")

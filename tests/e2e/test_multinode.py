@@ -15,13 +15,10 @@ import os
 import signal
 import subprocess
 import sys
-import threading
-import time
 
-import httpx
 import pytest
 
-from tests.conftest import REPO, Server, child_pids, free_port, shm_entries
+from tests.conftest import REPO, Server, child_pids, free_port, load_until_generating, shm_entries
 from tests.e2e.test_async import run_all
 from tests.e2e.test_lifecycle import wait_gone
 from tests.e2e.test_tensor_parallel import BASE, jobs
@@ -71,23 +68,7 @@ def test_two_nodes_equal_tp1(tiny_kv4_dir, reference):
 
 def test_killing_node_1_stops_the_head(tiny_kv4_dir):
     node1, head = start_two_nodes(tiny_kv4_dir, *BASE, "--kv-cache-memory", "0.01")
-    results: list[object] = []
-
-    def load():
-        body = {"model": head.model, "prompt": "the of and " * 30, "max_tokens": 150, "ignore_eos": True}
-        with httpx.Client(base_url=head.url, timeout=60) as c:
-            for _ in range(3):
-                try:
-                    results.append(c.post("/v1/completions", json=body).status_code)
-                except httpx.HTTPError as e:
-                    results.append(e)
-    clients = [threading.Thread(target=load) for _ in range(3)]
-    for t in clients:
-        t.start()
-    deadline = time.monotonic() + 60
-    while head.metrics().get("pipeline_generation_tokens_total", 0) < 10:
-        assert time.monotonic() < deadline, "no tokens generated"
-        time.sleep(0.1)
+    clients, results = load_until_generating(head, 3, 10)
     node1_ranks = child_pids(node1.pid)
     os.kill(node1.pid, signal.SIGKILL)
     node1.wait(10)

@@ -14,13 +14,11 @@ import asyncio
 import json
 import os
 import signal
-import threading
-import time
 
 import httpx
 import pytest
 
-from tests.conftest import Server, child_pids, shm_entries
+from tests.conftest import Server, child_pids, load_until_generating, shm_entries
 from tests.e2e.test_async import run_all
 from tests.e2e.test_lifecycle import wait_gone
 
@@ -64,24 +62,7 @@ def test_tp2_equals_tp1(tiny_kv4_dir, reference, mode):
 def test_kill_rank_1_under_load_stops_everything(tiny_kv4_dir):
     srv = Server(["--model", str(tiny_kv4_dir), *BASE, "--kv-cache-memory", "0.01", "-tp", "2"])
     rank1 = next(p for p in srv.children if b"pipeline-gpu_worker-tp1" in open(f"/proc/{p}/cmdline", "rb").read())
-    results: list[object] = []
-
-    def load():
-        body = {"model": srv.model, "prompt": "the of and " * 30, "max_tokens": 150, "ignore_eos": True}
-        with httpx.Client(base_url=srv.url, timeout=60) as c:
-            for _ in range(4):
-                try:
-                    results.append(c.post("/v1/completions", json=body).status_code)
-                except httpx.HTTPError as e:
-                    results.append(e)
-    clients = [threading.Thread(target=load) for _ in range(4)]
-    for t in clients:
-        t.start()
-    # Kill once generation is under way.
-    deadline = time.monotonic() + 30
-    while srv.metrics().get("pipeline_generation_tokens_total", 0) < 20:
-        assert time.monotonic() < deadline, "no tokens generated"
-        time.sleep(0.1)
+    clients, results = load_until_generating(srv, 4, 20, timeout=30)  # kill once generation is under way
     os.kill(rank1, signal.SIGKILL)
     code = srv.proc.wait(30)
     for t in clients:
