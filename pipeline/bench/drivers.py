@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pipeline.bench.workloads import Workload
 from pipeline.common.config import EngineConfig
 from pipeline.common.messages import SamplingParams
+from pipeline.common.process import freeze_startup_heap
 from pipeline.common.shm_ring import ShmRing
 from pipeline.common.trace import TraceRecorder
 
@@ -38,6 +39,7 @@ async def drive_engine(config: EngineConfig, output_rings: list[ShmRing], work: 
     tokenization = Tokenization(tokenizer)
     recorder = TraceRecorder()
     client = EngineClient(config, output_rings, tokenization.make_detokenizer(), recorder)
+    freeze_startup_heap()  # as io_proc does before serving
     client.start()
     try:
         return await _drive_client(client, work, bar)

@@ -20,7 +20,7 @@ import torch
 
 from pipeline.common.config import EngineConfig
 from pipeline.common.constants import POLL_INTERVAL_S
-from pipeline.common.process import StopFlag, Stopped, report
+from pipeline.common.process import StopFlag, Stopped, freeze_startup_heap, report
 from pipeline.common.shm_ring import RingTimeout, ShmRing
 from pipeline.common.step_protocol import StepDescriptor, StepOutput, read_descriptor
 from pipeline.common.trace import TraceRecorder
@@ -198,6 +198,7 @@ def run_gpu_worker(config: EngineConfig, status_conn, stop: StopFlag, rank: int 
         traceback.print_exc()
         report(status_conn, "error", role, f"could not load model {config.model!r}: {e}")
         return 1
+    freeze_startup_heap()
     report(status_conn, "ready", role)
     proc = WorkerProc(config, runner, desc_ring, out_ring, rank, relay)
     try:

@@ -18,7 +18,7 @@ from multiprocessing.connection import Connection
 import uvicorn
 
 from pipeline.common.config import EngineConfig
-from pipeline.common.process import StopFlag, report
+from pipeline.common.process import StopFlag, freeze_startup_heap, report
 from pipeline.common.shm_ring import ShmRing
 from pipeline.common.step_protocol import StepOutput
 from pipeline.common.trace import TraceRecorder
@@ -143,6 +143,7 @@ class IoProc:
                 return 0
             await asyncio.sleep(0.01)
         logger.info("serving the OpenAI API on http://%s:%d", self.config.host, self.config.port)
+        freeze_startup_heap()
         report(status_conn, "ready", _NAME)
         code = 0
         while not serving.done() and not stop.is_set():

@@ -20,7 +20,7 @@ from pipeline.common.config import EngineConfig
 from pipeline.common.constants import POLL_INTERVAL_S, cdiv
 from pipeline.common.grammar import load_tokenizer
 from pipeline.common.messages import AbortRequest, AddRequest, GetStats, Shutdown, Stats, ToScheduler
-from pipeline.common.process import StopFlag, report
+from pipeline.common.process import StopFlag, freeze_startup_heap, report
 from pipeline.common.shm_ring import RingTimeout, ShmRing
 from pipeline.common.step_protocol import (
     MASK_BITS,
@@ -167,6 +167,7 @@ def run_scheduler(config: EngineConfig, status_conn, stop: StopFlag) -> int:
     except ValueError as e:
         report(status_conn, "error", role, str(e))
         return 1
+    freeze_startup_heap()
     report(status_conn, "ready", role)
     try:
         loop.run(stop)
