@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.io_proc.byte_level import UNICODE_TO_BYTE
+
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # SentencePiece byte fallback
 
 
@@ -37,18 +39,6 @@ class TokenLogprob:
         return cls(int(token_id), float(logprob), top_ids[:k].tolist(), top_logprobs[:k].tolist())
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table that byte-level BPE vocabularies are written in."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
-
-
 class TokenTexts:
     """Each token id's raw bytes and display text, computed once per id.
 
@@ -65,7 +55,7 @@ class TokenTexts:
         except AttributeError:  # a slow tokenizer
             decoder = {}
         self._byte_level = "ByteLevel" in json.dumps(decoder)
-        self._unbyte = {c: b for b, c in _bytes_to_unicode().items()}
+        self._unbyte = UNICODE_TO_BYTE
         self._cache: dict[int, tuple[str, list[int]]] = {}
 
     def get(self, token_id: int) -> tuple[str, list[int]]:

@@ -17,7 +17,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from pipeline.io_proc.detokenizer import IncrementalDetokenizer, NewDetokenizer
+from pipeline.io_proc.detokenizer import NewDetokenizer, new_detokenizer
 from pipeline.io_proc.logprobs import TokenTexts
 from pipeline.io_proc.protocol import APIError, ChatMessage
 
@@ -159,9 +159,11 @@ class Tokenization:
         return TokenTexts(self._tokenizer)
 
     def make_detokenizer(self) -> NewDetokenizer:
-        """A factory of per-request :class:`IncrementalDetokenizer` over a private copy of the
-        tokenizer, for the output-reader thread: it then never shares the Rust
-        tokenizer with the encoding thread.
+        """A factory of per-request detokenizers for the output-reader thread
+        (:func:`~pipeline.io_proc.detokenizer.new_detokenizer`: a table lookup
+        for a byte-level tokenizer, ``DecodeStream`` otherwise), over a private
+        copy of the tokenizer: that thread then never shares the Rust tokenizer
+        with the encoding threads.
 
         Raises:
             ValueError: the tokenizer is not a fast one (no ``tokenizer.json``).
@@ -169,7 +171,7 @@ class Tokenization:
         backend = getattr(copy.deepcopy(self._tokenizer), "backend_tokenizer", None)
         if backend is None:
             raise ValueError("pipeline needs a fast tokenizer (a tokenizer.json in the model directory)")
-        return functools.partial(IncrementalDetokenizer, backend)
+        return new_detokenizer(backend)
 
     def close(self) -> None:
         """Stop the encoding threads; queued work is cancelled."""
