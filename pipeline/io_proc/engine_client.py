@@ -21,6 +21,7 @@ import functools
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Sequence
 
 import msgspec
@@ -35,7 +36,7 @@ from pipeline.common.step_protocol import StepOutput
 from pipeline.common.trace import TraceRecorder
 from pipeline.io_proc.detokenizer import NewDetokenizer, OutputProcessor
 from pipeline.io_proc.output_reader import OutputReader, StepResult
-from pipeline.io_proc.request_state import RequestState
+from pipeline.io_proc.request_state import RequestState, StepTime
 
 __all__ = ["EngineClient", "EngineUnavailable", "OutputReader", "RequestState"]
 
@@ -189,8 +190,9 @@ class EngineClient:
         states = []
         for i, num in enumerate(nums):
             p = params if n == 1 else replace(params, seed=choice_seed(params.seed, i))
-            states.append(RequestState(num, len(prompt_token_ids), OutputProcessor(self._new_detokenizer(), p, stop),
-                                       streaming, return_token_ids, p, prompt_token_ids))
+            processor = OutputProcessor(self._new_detokenizer(), p, stop, incremental=streaming)
+            states.append(RequestState(num, len(prompt_token_ids), processor, streaming, return_token_ids, p,
+                                       prompt_token_ids))
         if params.max_tokens == 0 and states[0].prompt_logprobs_missing == 0:
             # Nothing for the device to compute (an echo of a one-token prompt,
             # or without log-probabilities): finished as it starts.
@@ -219,7 +221,9 @@ class EngineClient:
             return 0
         load = [[0, 0] for _ in self._pushes]
         for state in self._requests.values():
-            load[state.engine][state.num_output_tokens > 0] += 1
+            # The processor's count, not the delivered one: a non-streaming
+            # request is delivered nothing before its finish.
+            load[state.engine][state.processor.num_output_tokens > 0] += 1
         return min(range(len(load)), key=lambda e: (*load[e], e))
 
     def release(self, state: RequestState) -> None:
@@ -287,8 +291,9 @@ class EngineClient:
             if future is not None and not future.done():
                 future.set_result(reply)
 
-    def _dispatch(self, outputs: list[StepResult]) -> None:
-        """Deliver one step's results (runs on the loop, one call per step)."""
+    def _dispatch(self, step: StepTime, outputs: list[StepResult]) -> None:
+        """Stamp one step's arrival and deliver its results (runs on the loop, one call per step)."""
+        step.time = time.perf_counter()
         for state, text, finish, num_output_tokens in outputs:
             if state.released:
                 continue

@@ -5,7 +5,10 @@ The thread reads every ``StepOutput`` from the output ring as reader
 work, runs each row through its request's
 :class:`~pipeline.io_proc.detokenizer.OutputProcessor` (detokenization, stop
 strings, ``check_finish``), and hands the step's results to the event loop
-with one ``call_soon_threadsafe`` (docs/design.md, "io_proc"). Log-probabilities
+with one ``call_soon_threadsafe`` (docs/design.md, "io_proc"). A row costs
+one processor push and a timeline entry; only a finish, or new output for a
+stream, becomes a result for the loop: a non-streaming request's text stays
+in its processor until it finishes. Log-probabilities
 travel in the same StepOutput: each output token's entry is stored on its
 request before the token is delivered, and prompt entries are stored by
 position; a request with ``max_tokens`` 0 finishes when its last prompt
@@ -34,7 +37,7 @@ from pipeline.common.shm_ring import RingTimeout, ShmRing
 from pipeline.common.step_protocol import OUTPUT_READER_IO, DecodedOutput, StepOutput, TokenLogprobs
 from pipeline.common.trace import TraceRecorder
 from pipeline.io_proc.logprobs import TokenLogprob
-from pipeline.io_proc.request_state import RequestState
+from pipeline.io_proc.request_state import RequestState, StepTime
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +56,10 @@ class OutputReader:
             (shared with the engine client; see the module docstring).
         send_abort: tells the scheduler to abort a request (called from this
             thread when a stop string ends one; must be thread-safe).
-        dispatch: called on the event loop with one step's results, once per
-            step that has any.
+        dispatch: called on the event loop as ``dispatch(step, results)``
+            once per step that gave live requests tokens or has results;
+            it must set ``step.time`` (the :class:`StepTime` every such
+            request's ``token_steps`` got in this step).
         trace: if given, each step's handling is recorded as a ``detokenize``
             span, and the process's CPU time per step as a ``cpu`` span.
 
@@ -64,7 +69,7 @@ class OutputReader:
     """
 
     def __init__(self, ring: ShmRing[StepOutput], requests: dict[int, RequestState],
-                 send_abort: Callable[[int], None], dispatch: Callable[[list[StepResult]], None],
+                 send_abort: Callable[[int], None], dispatch: Callable[[StepTime, list[StepResult]], None],
                  trace: TraceRecorder | None = None):
         self._ring = ring
         self._requests = requests
@@ -120,40 +125,51 @@ class OutputReader:
         log-probabilities through their requests and dispatch the results to the
         loop (reader thread).
 
-        Prompt entries come first: a request's last prompt entries arrive in
-        the step that samples its first token.
+        Log-probabilities come first: a request's last prompt entries arrive
+        in the step that samples its first token, and a token's own entry
+        must be stored before the token is delivered.
         """
         requests = self._requests
         outputs: list[StepResult] = []
         if out.prompt_logprobs is not None:
             self._prompt_logprobs(out.prompt_logprobs, outputs)
-        rows = {} if out.logprobs is None else {int(r): i for i, r in enumerate(out.logprobs.index)}
-        accepted = 0
-        for row, (req_num, token_id) in enumerate(zip(out.req_nums, out.token_ids)):
+        if out.logprobs is not None:
+            self._token_logprobs(out)
+        step = StepTime()
+        dropped = 0
+        for req_num, token_id in zip(out.req_nums, out.token_ids):
             state = requests.get(req_num)
             if state is None:
+                dropped += 1
                 continue
-            accepted += 1
-            i = rows.get(row)
-            if i is not None:
-                lp = out.logprobs
-                state.logprobs.append(TokenLogprob.of(token_id, lp.logprob[i], lp.top_ids[i], lp.top_logprobs[i],
-                                                      state.params.logprobs))
+            state.token_steps.append(step)
+            proc = state.processor
             try:
-                text, finish, needs_abort = state.processor.push(token_id)
+                finish = proc.push(token_id)
             except Exception:
                 # One request's failure must not stop the others' output.
                 logger.exception("output processing failed for request %d; aborting it", req_num)
-                text, finish, needs_abort = "", "abort", True
+                finish, proc.needs_abort = "abort", True
             if finish is not None:
                 requests.pop(req_num, None)
-                if needs_abort:
+                if proc.needs_abort:
                     self._send_abort(req_num)
-            if text or finish is not None or state.every_token:
-                outputs.append((state, text, finish, state.processor.num_output_tokens))
+                outputs.append((state, proc.take_text(), finish, proc.num_output_tokens))
+            elif state.streaming and (proc.text_pieces or state.every_token):
+                outputs.append((state, proc.take_text(), None, proc.num_output_tokens))
+        accepted = len(out.req_nums) - dropped
         self.num_generation_tokens += accepted
-        if outputs:
-            self._loop.call_soon_threadsafe(self._dispatch, outputs)
+        if accepted or outputs:
+            self._loop.call_soon_threadsafe(self._dispatch, step, outputs)
+
+    def _token_logprobs(self, out: DecodedOutput) -> None:
+        """Store each sampled token's entry on its request (live ones only)."""
+        lp, requests = out.logprobs, self._requests
+        for i, row in enumerate(lp.index.tolist()):
+            state = requests.get(out.req_nums[row])
+            if state is not None:
+                state.logprobs.append(TokenLogprob.of(out.token_ids[row], lp.logprob[i], lp.top_ids[i],
+                                                      lp.top_logprobs[i], state.params.logprobs))
 
     def _prompt_logprobs(self, plp: TokenLogprobs, outputs: list[StepResult]) -> None:
         """Store prompt entries by position; finish requests with ``max_tokens`` 0 that are complete."""

@@ -5,9 +5,10 @@ A :class:`RequestState` is created by
 output reader (:mod:`pipeline.io_proc.output_reader`) and consumed by a
 handler in :mod:`pipeline.io_proc.serving` (docs/design.md, "io_proc").
 
-Thread ownership: ``processor`` is used only by the output-reader thread;
-everything else only by the event loop (the reader hands each step's results
-to the loop, which calls :meth:`RequestState.deliver`).
+Thread ownership: ``processor`` is used only by the output-reader thread,
+which also appends to ``token_steps``, ``logprobs`` and ``prompt_logprobs``;
+everything else is the event loop's (the reader hands each step's results to
+the loop, which calls :meth:`RequestState.deliver`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,23 @@ from collections.abc import AsyncIterator
 from pipeline.common.messages import FinishReason, SamplingParams
 from pipeline.io_proc.detokenizer import OutputProcessor
 from pipeline.io_proc.logprobs import TokenLogprob
+
+
+class StepTime:
+    """When the event loop took one step's results from the reader thread.
+
+    The reader makes one per step and appends it to :attr:`RequestState.token_steps`
+    of every request that got a token in the step; the loop sets :attr:`time`
+    when it handles the step, once for all of them.
+
+    Attributes:
+        time: ``time.perf_counter()`` seconds, None until the loop has taken the step.
+    """
+
+    __slots__ = ("time",)
+
+    def __init__(self) -> None:
+        self.time: float | None = None
 
 
 class RequestState:
@@ -33,7 +51,10 @@ class RequestState:
         processor: token -> text (reader thread only).
         finish_reason: None while running, then "stop", "length" or "abort".
         num_output_tokens: output tokens delivered to this side so far (all
-            of them once finished).
+            of them once finished; a non-streaming request's only at its finish).
+        streaming: the consumer reads :meth:`updates` and is woken per step;
+            otherwise it waits for the finish (:meth:`wait_finished`) and
+            nothing is delivered before it.
         every_token: deliver every token, even one that adds no text (a
             stream that returns token ids or log-probabilities).
         logprobs: each output token's :class:`TokenLogprob`, appended by the
@@ -46,14 +67,14 @@ class RequestState:
         released: the client side is done with it (set by ``EngineClient.release``).
         engine: the data-parallel engine that serves it (0 with one engine).
         arrival_time: ``time.perf_counter()`` when it was added (seconds).
-        delivery_times: ``(perf_counter seconds, tokens so far)`` at each step
-            that delivered tokens, taken on the event loop: the client-side
-            token timeline (TTFT, ITL) without waking a streaming consumer per step.
+        token_steps: one :class:`StepTime` per output token, that of the
+            step which brought it (appended by the reader thread); see
+            :attr:`delivery_times`.
     """
 
     __slots__ = ("req_num", "prompt_len", "processor", "finish_reason", "num_output_tokens", "every_token",
-                 "released", "engine", "arrival_time", "delivery_times", "params", "prompt_token_ids", "logprobs",
-                 "prompt_logprobs", "prompt_logprobs_missing", "_streaming", "_pieces", "_ids_taken", "_lps_taken",
+                 "released", "engine", "arrival_time", "token_steps", "params", "prompt_token_ids", "logprobs",
+                 "prompt_logprobs", "prompt_logprobs_missing", "streaming", "_pieces", "_ids_taken", "_lps_taken",
                  "_event")
 
     def __init__(self, req_num: int, prompt_len: int, processor: OutputProcessor, streaming: bool,
@@ -77,8 +98,8 @@ class RequestState:
         self.released = False
         self.engine = 0
         self.arrival_time = time.perf_counter()
-        self.delivery_times: list[tuple[float, int]] = []
-        self._streaming = streaming
+        self.token_steps: list[StepTime] = []
+        self.streaming = streaming
         self._pieces: list[str] = []
         self._ids_taken = 0
         self._lps_taken = 0
@@ -94,15 +115,20 @@ class RequestState:
         """
         if text:
             self._pieces.append(text)
-        if num_output_tokens > self.num_output_tokens:
-            self.delivery_times.append((time.perf_counter(), num_output_tokens))
         self.num_output_tokens = num_output_tokens
         if finish is not None:
             self.finish_reason = finish
-        # A non-streaming waiter only cares about the end: waking it per step
-        # would cost one task switch per request per step for nothing.
-        if self._streaming or finish is not None:
+        # A non-streaming waiter only cares about the end (the reader thread
+        # does not even deliver to it before), so only a finish wakes it.
+        if self.streaming or finish is not None:
             self._event.set()
+
+    @property
+    def delivery_times(self) -> list[tuple[float, int]]:
+        """``(perf_counter seconds, tokens so far)`` for each step that brought this request
+        tokens, as the event loop took the step: the client-side token timeline (TTFT, ITL),
+        kept without delivering to, or waking, any consumer per step."""
+        return [(step.time, n) for n, step in enumerate(self.token_steps, 1) if step.time is not None]
 
     def take_text(self) -> str:
         """Text produced since the last call (deltas of several steps are joined)."""

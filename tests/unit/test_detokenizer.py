@@ -57,10 +57,10 @@ def _stream(new_detok, ids):
 @pytest.mark.parametrize("text", TEXTS)
 def test_round_trip(tokenizer, decode, new_detok, text):
     ids = tokenizer.encode(text, add_special_tokens=False)
-    detok, deltas = _stream(new_detok, ids)
+    _, deltas = _stream(new_detok, ids)
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == decode(ids) == text
-    assert detok.token_ids == ids
+    assert new_detok().push_many(ids) == text
 
 
 def test_split_characters_are_emitted_whole(tokenizer, new_detok):
@@ -113,15 +113,44 @@ def test_output_processor_counts_and_finishes(tokenizer, new_detok):
     eos = tokenizer.eos_token_id
     params = SamplingParams(max_tokens=100, stop_token_ids=(eos,))
     proc = OutputProcessor(new_detok(), params)
-    out = [proc.push(t) for t in ids + [eos]]
-    assert all(f is None for _, f, _ in out[:-1])
-    assert out[-1] == ("", "stop", False)  # the scheduler stops EOS itself: no abort
-    assert "".join(t for t, _, _ in out) == "Hello 世界"
+    finishes = [proc.push(t) for t in ids]
+    assert finishes == [None] * len(ids)
+    assert proc.take_text() == "Hello 世界" and proc.take_text() == ""  # text waits until taken, once
+    assert proc.push(eos) == "stop" and not proc.needs_abort  # the scheduler stops EOS itself: no abort
+    assert proc.take_text() == ""
     assert proc.num_output_tokens == len(ids) + 1  # EOS counts as generated
 
     proc = OutputProcessor(new_detok(), SamplingParams(max_tokens=2, stop_token_ids=(eos,)))
-    assert proc.push(ids[0])[1] is None
-    assert proc.push(ids[1])[1:] == ("length", False)
+    assert proc.push(ids[0]) is None
+    assert proc.push(ids[1]) == "length" and not proc.needs_abort
 
     proc = OutputProcessor(new_detok(), SamplingParams(max_tokens=5, ignore_eos=True, stop_token_ids=(eos,)))
-    assert proc.push(eos)[1] is None
+    assert proc.push(eos) is None
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_text_at_the_finish_equals_the_incremental_text(tokenizer, new_detok, text):
+    """A processor that detokenizes only at the finish (no stream, no stop strings) gives the
+    stream's text and the same finishes, whichever way the request ends."""
+    eos = tokenizer.eos_token_id
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    for seq, params in ((ids[:-1], SamplingParams(max_tokens=len(ids) - 1)),  # "length", maybe mid-character
+                        (ids + [eos], SamplingParams(max_tokens=999, stop_token_ids=(eos,)))):  # "stop"
+        out = {}
+        for incremental in (True, False):
+            proc = OutputProcessor(new_detok(), params, incremental=incremental)
+            finishes, texts = [], []
+            for t in seq:
+                finishes.append(proc.push(t))
+                texts.append(proc.take_text())
+            out[incremental] = finishes, "".join(texts), proc.token_ids, proc.num_output_tokens
+            if not incremental:
+                assert not any(texts[:-1])  # nothing before the finish
+        assert out[True] == out[False]
+        assert out[True][0][-1] is not None
+    # Stop strings need the text as it comes: a stop string ends the request either way.
+    proc = OutputProcessor(new_detok(), SamplingParams(max_tokens=999), stop=["world"], incremental=False)
+    for t in tokenizer.encode("Hello, world! More.", add_special_tokens=False):
+        if (finish := proc.push(t)) is not None:
+            break
+    assert finish == "stop" and proc.needs_abort and proc.take_text() == "Hello, "

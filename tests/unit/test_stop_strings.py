@@ -22,11 +22,12 @@ class ByteDetokenizer:
     """One token per UTF-8 byte; a character comes out once its last byte arrives; ids >= 256 are special."""
 
     def __init__(self) -> None:
-        self.token_ids: list[int] = []
         self._pending = b""
 
+    def push_many(self, token_ids: list[int]) -> str:
+        return "".join(map(self.push, token_ids))
+
     def push(self, token_id: int) -> str:
-        self.token_ids.append(token_id)
         if token_id >= 256:
             return ""
         self._pending += bytes([token_id])
@@ -63,10 +64,10 @@ def run(text_tokens: list[int], stops: list[str], max_tokens: int = 1000, eos: b
     proc = OutputProcessor(ByteDetokenizer(), SamplingParams(max_tokens=max_tokens, stop_token_ids=(EOS,)), stops)
     deltas = []
     for t in text_tokens + ([EOS] if eos else []):
-        text, finish, needs_abort = proc.push(t)
-        deltas.append(text)
+        finish = proc.push(t)
+        deltas.append(proc.take_text())
         if finish is not None:
-            return deltas, finish, needs_abort, proc.num_output_tokens
+            return deltas, finish, proc.needs_abort, proc.num_output_tokens
     return deltas, None, False, proc.num_output_tokens
 
 
