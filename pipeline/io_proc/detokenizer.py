@@ -4,7 +4,7 @@ Everything here runs on io_proc's output-reader thread, one object set per
 request. Two detokenizers give the same text, chosen per tokenizer at
 start-up (:func:`new_detokenizer`): for a byte-level BPE tokenizer (decoder
 ``ByteLevel``: GPT-2, Llama 3, SmolLM) :class:`ByteLevelDetokenizer` looks
-each token's text up in a table built once (about 0.1 us per token); for
+each token's text up in a table built once (about 0.2 us per token); for
 every other decoder :class:`IncrementalDetokenizer` runs the ``tokenizers``
 library's streaming decoder (``DecodeStream``, in Rust, as vLLM uses it;
 about 1 us per token, which at a batch of 1024 is a millisecond per step).
