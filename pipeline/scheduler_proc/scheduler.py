@@ -146,10 +146,19 @@ class Scheduler:
         # (its true last_step_id) are current and the Request's own fields
         # are not; `_apply_steady` applies them. `_others` is
         # every other running request, in running order.
+        # `_unapplied` also counts down as the row's tokens arrive; `_left` is
+        # the tokens it may still receive before `max_tokens` ends it,
+        # `_stop` its stop token ids (-1 padded; none with ignore_eos) and
+        # `_req_num` its request number (-1 once the slot holds no steady row).
         self._steady_req: list[Request | None] = [None] * max_num_seqs
         self._steady_slots = np.zeros(0, np.int64)
-        self._req_num, self._pos, self._remaining, self._unapplied, self._last, self._admitted = (
+        self._pos, self._remaining, self._unapplied, self._last, self._admitted, self._left = (
             np.zeros(max_num_seqs, np.int64) for _ in range(6))
+        self._req_num = np.full(max_num_seqs, -1, np.int64)
+        self._stop = np.full((max_num_seqs, 1), -1, np.int64)
+        # Step id -> its steady rows, which lead its output: (slots, request numbers as an array and a
+        # list, their output lists).
+        self._steady_planned: dict[int, tuple[np.ndarray, np.ndarray, list[int], list[list[int]]]] = {}
         self._others: list[Request] = []
         self._num_admitted = 0  # admissions so far: `_admitted[slot]` orders running requests
 
@@ -352,6 +361,13 @@ class Scheduler:
         self._remaining[slots] = [r.params.max_tokens - r.num_outputs_planned for r in reqs]
         self._unapplied[slots] = 0
         self._last[slots] = [r.last_step_id for r in reqs]
+        self._left[slots] = [r.params.max_tokens - len(r.output_token_ids) for r in reqs]
+        for r in reqs:
+            stop = () if r.params.ignore_eos else r.params.stop_token_ids
+            if len(stop) > self._stop.shape[1]:
+                self._stop = np.pad(self._stop, ((0, 0), (0, len(stop) - self._stop.shape[1])), constant_values=-1)
+            self._stop[r.slot] = -1
+            self._stop[r.slot, :len(stop)] = stop
         self._steady_slots = np.concatenate([self._steady_slots, slots])
         self._others = [r for r in self._others if self._steady_req[r.slot] is not r]
 
@@ -362,6 +378,7 @@ class Scheduler:
         req.num_placeholders += int(self._unapplied[slot])
         req.last_step_id = int(self._last[slot])
         self._steady_req[slot] = None
+        self._req_num[slot] = -1
 
     def _leave_steady(self) -> None:
         """Every steady row goes back to the general path (``_others``, in running order)."""
@@ -432,7 +449,10 @@ class Scheduler:
                                      len(steady))
             else:  # the previous step's tokens are on the device only
                 tokens = np.full(len(steady), PLACEHOLDER_TOKEN_ID, np.int64)
-            decode = (self._req_num[steady], steady, pos, tokens)
+            nums = self._req_num[steady]
+            decode = (nums, steady, pos, tokens)
+            self._steady_planned[step_id] = (steady, nums, nums.tolist(),
+                                             [self._steady_req[s].output_token_ids for s in steady.tolist()])
             self._pos[steady] = pos + 1
             self._remaining[steady] -= 1
             self._unapplied[steady] += 1
@@ -480,20 +500,25 @@ class Scheduler:
         Returns:
             ``req_num`` of the requests that finished (stop token, length, or the
             end of the prefill of a request with ``max_tokens`` 0).
+
+        Raises:
+            RuntimeError: if the output's first rows are not the step's steady
+                rows in the order planned (the worker writes sampled rows in
+                descriptor order).
         """
-        finished = []
-        for r, t in zip(req_nums, token_ids):
+        finished: list[int] = []
+        rest = zip(req_nums, token_ids)
+        planned = self._steady_planned.pop(step_id, None)
+        if planned is not None:
+            d = len(planned[2])
+            if req_nums[:d] != planned[2]:
+                raise RuntimeError(f"step {step_id}: output rows are not the steady rows planned")
+            rest = zip(req_nums[d:], token_ids[d:])
+            self._steady_output(*planned, token_ids[:d], finished)
+        for r, t in rest:
             req = self.requests.get(r)
-            if req is None:
-                continue
-            req.num_placeholders -= 1
-            req.output_token_ids.append(t)
-            if req.grammar is not None and not req.grammar.accept(t):
-                # The worker's mask forbids this; the matcher keeps its state and the request goes on.
-                log.error("request %d: token %d is outside its grammar", r, t)
-            if check_finish(t, len(req.output_token_ids), req.params) is not None:
-                finished.append(r)
-                self._remove(req)
+            if req is not None:
+                self._apply_token(req, t, finished)
         for req in self._finish_after.pop(step_id, ()):
             if self.requests.get(req.req_num) is req:
                 finished.append(req.req_num)
@@ -501,6 +526,60 @@ class Scheduler:
         self.pool.step_completed(step_id)
         self._last_output_step = step_id
         return finished
+
+    def _apply_token(self, req: Request, t: int, finished: list[int]) -> None:
+        """Append ``t`` to ``req`` through its own counters; remove it and list it in ``finished`` if it ends."""
+        req.num_placeholders -= 1
+        req.output_token_ids.append(t)
+        if req.slot >= 0 and self._steady_req[req.slot] is req:  # a steady row's first token came from a general row
+            self._left[req.slot] -= 1
+        if req.grammar is not None and not req.grammar.accept(t):
+            # The worker's mask forbids this; the matcher keeps its state and the request goes on.
+            log.error("request %d: token %d is outside its grammar", req.req_num, t)
+        if check_finish(t, len(req.output_token_ids), req.params) is not None:
+            finished.append(req.req_num)
+            self._remove(req)
+
+    def _steady_output(self, slots: np.ndarray, nums: np.ndarray, num_list: list[int], outs: list[list[int]],
+                       tokens: list[int], finished: list[int]) -> None:
+        """Apply the tokens of a step's steady rows (``slots``, ``nums``: int64 ``[D]``), vectorized.
+
+        A row that has left the steady rows since it was planned goes through
+        :meth:`_apply_token`, or is dropped if its request is gone. Requests
+        that end are removed and listed in ``finished``.
+        """
+        kept = self._req_num[slots] == nums
+        if not kept.all():
+            for i in np.flatnonzero(~kept).tolist():
+                req = self.requests.get(num_list[i])
+                if req is not None:
+                    self._apply_token(req, tokens[i], finished)
+            idx = np.flatnonzero(kept)
+            slots, keep = slots[idx], idx.tolist()
+            num_list, outs, tokens = [num_list[i] for i in keep], [outs[i] for i in keep], [tokens[i] for i in keep]
+        for out, t in zip(outs, tokens):
+            out.append(t)
+        self._unapplied[slots] -= 1
+        self._left[slots] -= 1
+        ended = np.flatnonzero((self._left[slots] <= 0) | (self._stop[slots] == np.asarray(tokens)[:, None]).any(1))
+        if len(ended):
+            finished.extend(num_list[i] for i in ended.tolist())
+            self._remove_steady(slots[ended])
+
+    def _remove_steady(self, slots: np.ndarray) -> None:
+        """:meth:`_remove` for the steady rows in ``slots`` (int64 ``[k]``), with one pass over the running list.
+
+        At batch 1024 a few dozen rows can end in one step; removing them one
+        by one would scan the running list once for each.
+        """
+        for s in slots.tolist():
+            req = self._steady_req[s]
+            self._apply_steady(s)
+            del self.requests[req.req_num]
+            self.pool.free_after(req.last_step_id, req.block_ids, s)
+            req.block_ids, req.slot = [], -1
+        self.running = [r for r in self.running if r.slot >= 0]  # a running request has a slot
+        self._steady_slots = self._steady_slots[~np.isin(self._steady_slots, slots)]
 
     # -- internals --------------------------------------------------------------
 

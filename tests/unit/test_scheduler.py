@@ -297,25 +297,26 @@ class GeneralOnlyScheduler(StubGrammarScheduler):
 
 
 def plan_signature(d: StepDescriptor) -> tuple:
-    """What a step computes, independent of row order and block ids: its rows and which table entries it sets."""
+    """What a step computes, independent of row order, slot and block ids: its rows, and the block-table
+    entries it sets as (request, index)."""
     x = read_descriptor(d)
     tokens, rows, off = x.token_ids.tolist(), [], 0
     sampled, new = set(x.sample_rows.tolist()), set(x.new_rows.tolist())
-    for r, (req, slot, k, start) in enumerate(zip(x.req_num.tolist(), x.slot.tolist(), x.query_lens.tolist(),
-                                                  x.start_pos.tolist())):
-        rows.append((req, slot, start, tuple(tokens[off:off + k]), r in sampled, r in new,
+    for r, (req, k, start) in enumerate(zip(x.req_num.tolist(), x.query_lens.tolist(), x.start_pos.tolist())):
+        rows.append((req, start, tuple(tokens[off:off + k]), r in sampled, r in new,
                      int(x.num_prompt_logprobs[r]), int(x.next_prompt_token[r])))
         off += k
-    return x.step_id, sorted(rows), sorted(map(tuple, x.new_blocks[:2].T.tolist()))
+    owner = dict(zip(x.slot.tolist(), x.req_num.tolist()))
+    return x.step_id, sorted(rows), sorted((owner[s], i) for s, i in x.new_blocks[:2].T.tolist())
 
 
 @pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("max_num_seqs,budget,num_blocks", [(32, 64, 2000), (32, 64, 90), (32, 12, 2000), (32, 20, 90)])
 def test_steady_rows_plan_what_the_general_path_plans(depth, max_num_seqs, budget, num_blocks):
-    """Step by step, the scheduler plans the same rows (tokens, positions, slots, samples, new block-table
-    entries) as the same scheduler with steady rows turned off, through joins, prefills that share the budget
-    (12 tokens for 32 rows: the budget cuts), grammar rows ahead of steady ones, block crossings, aborts, EOS
-    and (90 blocks) preemptions."""
+    """Step by step, the scheduler plans the same rows (tokens, positions, samples, new block-table entries)
+    as the same scheduler with steady rows turned off, and finishes the same requests, through joins,
+    prefills that share the budget (12 tokens for 32 rows: the budget cuts), grammar rows ahead of steady
+    ones, block crossings, aborts, EOS and (90 blocks) preemptions."""
     reqs = make_requests(96, seed=12, max_len=120)
     # Long outputs keep many rows decoding at once; every seventh request has a grammar.
     reqs = [replace(r, params=replace(r.params, grammar="any" if r.req_num % 7 == 1 else "",
@@ -335,20 +336,25 @@ def test_steady_rows_plan_what_the_general_path_plans(depth, max_num_seqs, budge
             planned = [s.schedule(d) for s, d in zip(scheds, descs)]
             assert planned[0] == planned[1], step
             if planned[0]:
-                sig = [plan_signature(d) for d in descs]
-                assert sig[0] == sig[1], f"step {step}"
-                _, rows, _ = sig[0]
-                inflight.append([(req, sampled_token(req, start + len(toks) - 1))
-                                 for req, _, start, toks, samples, *_ in rows if samples])
+                assert plan_signature(descs[0]) == plan_signature(descs[1]), f"step {step}"
+                # Each one's output lists its sampled rows in its own descriptor order, as the worker's does.
+                outs = []
+                for d in descs:
+                    x = read_descriptor(d)
+                    rows = x.sample_rows.tolist()
+                    last = (x.start_pos + x.query_lens - 1)[rows].tolist()
+                    reqs = x.req_num[rows].tolist()
+                    outs.append((reqs, [sampled_token(r, p) for r, p in zip(reqs, last)]))
+                inflight.append(outs)
                 step += 1
                 if step in aborts:
                     for s in scheds:
                         s.abort_request(aborts[step])
                 continue
         if inflight:
-            out = inflight.popleft()
+            outs = inflight.popleft()
             sid = scheds[0]._last_output_step + 1
-            done = [sorted(s.process_output(sid, [r for r, _ in out], [t for _, t in out])) for s in scheds]
+            done = [sorted(s.process_output(sid, *out)) for s, out in zip(scheds, outs)]
             assert done[0] == done[1]
         elif pending:
             for s in scheds:
