@@ -11,7 +11,8 @@ out of a real StepOutput slot, one token per sampled row.
 Prints the CPU time (this thread's, so other processes on a shared machine
 only add noise, not time) of ``schedule`` and ``process_output`` per step
 and their sum, as p50 / p99 / max in microseconds, over the steps after the
-prefill, and the count of steps the vectorized steady-decode path planned.
+prefill, and the count of steps that planned steady rows (docs/design.md, "The
+scheduler").
 ``--profile FILE`` writes a cProfile of the whole run instead.
 """
 

@@ -20,7 +20,7 @@ requests in FIFO order, all under ``max_num_batched_tokens`` and
 newest running request is preempted (recompute: its blocks are freed and it
 restarts from its prompt plus the tokens it has produced).
 
-Planning, the steady-decode path and applying outputs share every request's
+Planning, the steady rows and applying outputs share every request's
 counters, so they stay in one module, longer than most.
 """
 
@@ -133,7 +133,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.next_step_id = 0
         self.num_preemptions = 0
-        self.num_steady_steps = 0  # steps planned by the vectorized decode path
+        self.num_steady_steps = 0  # steps that planned steady rows
         self._builder = DescriptorBuilder()
         self._grammar_tokenizer, self._mask_words = grammar_tokenizer, mask_words
         self._max_new_blocks = max_new_blocks_per_step(max_num_seqs, max_num_batched_tokens, block_size)

@@ -192,7 +192,7 @@ def test_preemption_under_kv_pressure_is_exact():
 @pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("num_blocks", [2000, 90])
 def test_steady_decode_path_is_exact(depth, num_blocks):
-    """Long decodes take the vectorized path; joins, aborts, EOS, block crossings and (with 90
+    """Long decodes become steady rows; joins, aborts, EOS, block crossings and (with 90
     blocks) preemptions in the middle of it leave every output exact and free everything."""
     reqs = make_requests(96, seed=11, max_len=120)
     aborted = {10: 5, 40: 17, 41: 18, 90: 60}
