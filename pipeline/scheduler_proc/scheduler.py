@@ -47,6 +47,10 @@ from pipeline.scheduler_proc.kv_block_pool import BlockPool
 
 log = logging.getLogger(__name__)
 
+# Steps a steady row's tokens wait in the scheduler's per-slot buffer before
+# joining its request's list (int32: 512 KiB at 1024 slots).
+_TOKEN_BUFFER = 128
+
 
 class Request:
     """Scheduler-side state of one request.
@@ -151,17 +155,21 @@ class Scheduler:
         # every other running request, in running order.
         # `_unapplied` also counts down as the row's tokens arrive; `_left` is
         # the tokens it may still receive before `max_tokens` ends it,
-        # `_stop` its stop token ids (-1 padded; none with ignore_eos) and
-        # `_req_num` its request number (-1 once the slot holds no steady row).
+        # `_stop` its stop token ids (-1 padded; none with ignore_eos),
+        # `_last_token` its latest token, and `_req_num` its request number
+        # (-1 once the slot holds no steady row). Its newest tokens wait in
+        # `_tokens[slot, :_num_tokens[slot]]`, which is moved to the request's
+        # own list every _TOKEN_BUFFER steps and when it leaves: appending to
+        # a thousand lists a step costs more than the rest of the step.
         self._steady_req: list[Request | None] = [None] * max_num_seqs
         self._steady_slots = np.zeros(0, np.int64)
-        self._pos, self._remaining, self._unapplied, self._last, self._admitted, self._left = (
-            np.zeros(max_num_seqs, np.int64) for _ in range(6))
+        (self._pos, self._remaining, self._unapplied, self._last, self._admitted, self._left, self._last_token,
+         self._num_tokens) = (np.zeros(max_num_seqs, np.int64) for _ in range(8))
         self._req_num = np.full(max_num_seqs, -1, np.int64)
         self._stop = np.full((max_num_seqs, 1), -1, np.int64)
-        # Step id -> its steady rows, which lead its output: (slots, request numbers as an array and a
-        # list, their output lists).
-        self._steady_planned: dict[int, tuple[np.ndarray, np.ndarray, list[int], list[list[int]]]] = {}
+        self._tokens = np.zeros((max_num_seqs, _TOKEN_BUFFER), np.int32)
+        # Step id -> its steady rows, which lead its output: (slots, request numbers as an array and a list).
+        self._steady_planned: dict[int, tuple[np.ndarray, np.ndarray, list[int]]] = {}
         self._others: list[Request] = []
         self._num_admitted = 0  # admissions so far: `_admitted[slot]` orders running requests
 
@@ -363,6 +371,7 @@ class Scheduler:
         self._pos[slots] = [r.num_computed_tokens for r in reqs]
         self._remaining[slots] = [r.params.max_tokens - r.num_outputs_planned for r in reqs]
         self._unapplied[slots] = 0
+        self._num_tokens[slots] = 0
         self._last[slots] = [r.last_step_id for r in reqs]
         self._left[slots] = [r.params.max_tokens - len(r.output_token_ids) for r in reqs]
         for r in reqs:
@@ -377,6 +386,7 @@ class Scheduler:
     def _apply_steady(self, slot: int) -> None:
         """Bring the steady row in ``slot`` up to date and make it an ordinary running request."""
         req = self._steady_req[slot]
+        self._move_tokens(slot)
         req.num_computed_tokens = int(self._pos[slot])
         req.num_placeholders += int(self._unapplied[slot])
         req.last_step_id = int(self._last[slot])
@@ -448,14 +458,12 @@ class Scheduler:
         if len(steady):
             pos = self._pos[steady]
             if self._last_output_step == step_id - 1:  # lock step: every row's input token is known
-                tokens = np.fromiter((self._steady_req[s].output_token_ids[-1] for s in steady.tolist()), np.int64,
-                                     len(steady))
+                tokens = self._last_token[steady]
             else:  # the previous step's tokens are on the device only
                 tokens = np.full(len(steady), PLACEHOLDER_TOKEN_ID, np.int64)
             nums = self._req_num[steady]
             decode = (nums, steady, pos, tokens)
-            self._steady_planned[step_id] = (steady, nums, nums.tolist(),
-                                             [self._steady_req[s].output_token_ids for s in steady.tolist()])
+            self._steady_planned[step_id] = (steady, nums, nums.tolist())
             self._pos[steady] = pos + 1
             self._remaining[steady] -= 1
             self._unapplied[steady] += 1
@@ -518,6 +526,9 @@ class Scheduler:
                 raise RuntimeError(f"step {step_id}: output rows are not the steady rows planned")
             rest = zip(req_nums[d:], token_ids[d:])
             self._steady_output(*planned, token_ids[:d], finished)
+        # Each steady row's buffer is emptied once every _TOKEN_BUFFER steps, never all at once.
+        for s in self._steady_slots[(self._steady_slots + step_id) % _TOKEN_BUFFER == 0].tolist():
+            self._move_tokens(s)
         for r, t in rest:
             req = self.requests.get(r)
             if req is not None:
@@ -533,9 +544,11 @@ class Scheduler:
     def _apply_token(self, req: Request, t: int, finished: list[int]) -> None:
         """Append ``t`` to ``req`` through its own counters; remove it and list it in ``finished`` if it ends."""
         req.num_placeholders -= 1
-        req.output_token_ids.append(t)
-        if req.slot >= 0 and self._steady_req[req.slot] is req:  # a steady row's first token came from a general row
+        if req.slot >= 0 and self._steady_req[req.slot] is req:  # a steady row's token from a general row
+            self._move_tokens(req.slot)  # older tokens first
             self._left[req.slot] -= 1
+            self._last_token[req.slot] = t
+        req.output_token_ids.append(t)
         if req.grammar is not None and not req.grammar.accept(t):
             # The worker's mask forbids this; the matcher keeps its state and the request goes on.
             log.error("request %d: token %d is outside its grammar", req.req_num, t)
@@ -543,8 +556,15 @@ class Scheduler:
             finished.append(req.req_num)
             self._remove(req)
 
-    def _steady_output(self, slots: np.ndarray, nums: np.ndarray, num_list: list[int], outs: list[list[int]],
-                       tokens: list[int], finished: list[int]) -> None:
+    def _move_tokens(self, slot: int) -> None:
+        """Append the tokens buffered for the steady row in ``slot`` to its request's own list."""
+        n = self._num_tokens[slot]
+        if n:
+            self._steady_req[slot].output_token_ids.frombytes(self._tokens[slot, :n].tobytes())
+            self._num_tokens[slot] = 0
+
+    def _steady_output(self, slots: np.ndarray, nums: np.ndarray, num_list: list[int], tokens: list[int],
+                       finished: list[int]) -> None:
         """Apply the tokens of a step's steady rows (``slots``, ``nums``: int64 ``[D]``), vectorized.
 
         A row that has left the steady rows since it was planned goes through
@@ -558,13 +578,15 @@ class Scheduler:
                 if req is not None:
                     self._apply_token(req, tokens[i], finished)
             idx = np.flatnonzero(kept)
-            slots, keep = slots[idx], idx.tolist()
-            num_list, outs, tokens = [num_list[i] for i in keep], [outs[i] for i in keep], [tokens[i] for i in keep]
-        for out, t in zip(outs, tokens):
-            out.append(t)
+            slots, tok, num_list = slots[idx], np.asarray(tokens)[idx], [num_list[i] for i in idx.tolist()]
+        else:
+            tok = np.asarray(tokens)
+        self._tokens[slots, self._num_tokens[slots]] = tok
+        self._num_tokens[slots] += 1
+        self._last_token[slots] = tok
         self._unapplied[slots] -= 1
         self._left[slots] -= 1
-        ended = np.flatnonzero((self._left[slots] <= 0) | (self._stop[slots] == np.asarray(tokens)[:, None]).any(1))
+        ended = np.flatnonzero((self._left[slots] <= 0) | (self._stop[slots] == tok[:, None]).any(1))
         if len(ended):
             finished.extend(num_list[i] for i in ended.tolist())
             self._remove_steady(slots[ended])
@@ -575,6 +597,7 @@ class Scheduler:
         At batch 1024 a few dozen rows can end in one step; removing them one
         by one would scan the running list once for each.
         """
+        self._num_tokens[slots] = 0  # nobody reads an ended request's tokens
         for s in slots.tolist():
             req = self._steady_req[s]
             self._apply_steady(s)

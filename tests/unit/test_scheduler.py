@@ -18,6 +18,7 @@ from msgspec.structs import replace
 
 from pipeline.common.messages import AddRequest, SamplingParams
 from pipeline.common.step_protocol import PLACEHOLDER_TOKEN_ID, StepDescriptor, StepInputs, read_descriptor
+from pipeline.scheduler_proc import scheduler as scheduler_module
 from pipeline.scheduler_proc.scheduler import Scheduler
 
 EOS = 3
@@ -191,9 +192,11 @@ def test_preemption_under_kv_pressure_is_exact():
 
 @pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("num_blocks", [2000, 90])
-def test_steady_decode_path_is_exact(depth, num_blocks):
+def test_steady_decode_path_is_exact(depth, num_blocks, monkeypatch):
     """Long decodes become steady rows; joins, aborts, EOS, block crossings and (with 90
-    blocks) preemptions in the middle of it leave every output exact and free everything."""
+    blocks) preemptions in the middle of it leave every output exact and free everything. Steady rows'
+    tokens wait at most 3 steps in the scheduler's buffer here, so they move to the requests' lists often."""
+    monkeypatch.setattr(scheduler_module, "_TOKEN_BUFFER", 3)
     reqs = make_requests(96, seed=11, max_len=120)
     aborted = {10: 5, 40: 17, 41: 18, 90: 60}
     outputs, sched = run(reqs, depth, max_num_seqs=32, budget=64, num_blocks=num_blocks, abort_at=aborted,
@@ -312,11 +315,12 @@ def plan_signature(d: StepDescriptor) -> tuple:
 
 @pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("max_num_seqs,budget,num_blocks", [(32, 64, 2000), (32, 64, 90), (32, 12, 2000), (32, 20, 90)])
-def test_steady_rows_plan_what_the_general_path_plans(depth, max_num_seqs, budget, num_blocks):
+def test_steady_rows_plan_what_the_general_path_plans(depth, max_num_seqs, budget, num_blocks, monkeypatch):
     """Step by step, the scheduler plans the same rows (tokens, positions, samples, new block-table entries)
     as the same scheduler with steady rows turned off, and finishes the same requests, through joins,
     prefills that share the budget (12 tokens for 32 rows: the budget cuts), grammar rows ahead of steady
-    ones, block crossings, aborts, EOS and (90 blocks) preemptions."""
+    ones, block crossings, aborts, EOS and (90 blocks) preemptions, whose recompute needs every token in order."""
+    monkeypatch.setattr(scheduler_module, "_TOKEN_BUFFER", 3)
     reqs = make_requests(96, seed=12, max_len=120)
     # Long outputs keep many rows decoding at once; every seventh request has a grammar.
     reqs = [replace(r, params=replace(r.params, grammar="any" if r.req_num % 7 == 1 else "",
