@@ -238,6 +238,8 @@ class DescriptorBuilder:
         self._sampling: list[tuple[int, SamplingParams, int]] = []
         self._token_ids: list[int] = []
         self._new_blocks: list[tuple[int, int, int]] = []
+        self._new_block_arrays: list[np.ndarray] = []  # [3, k] int: slot, index, block (from add_blocks)
+        self._num_array_blocks = 0
         self._masks: list[tuple[int, np.ndarray]] = []
 
     def __len__(self) -> int:
@@ -247,7 +249,7 @@ class DescriptorBuilder:
     @property
     def num_blocks(self) -> int:
         """Block-table entries added since the last :meth:`clear`."""
-        return len(self._new_blocks)
+        return len(self._new_blocks) + self._num_array_blocks
 
     @property
     def num_masks(self) -> int:
@@ -257,8 +259,9 @@ class DescriptorBuilder:
     def clear(self) -> None:
         for lst in (self._req_num, self._slot, self._num_tokens, self._start_pos, self._do_sample, self._is_new,
                     self._num_prompt_logprobs, self._next_prompt_token, self._sampling, self._token_ids,
-                    self._new_blocks, self._masks):
+                    self._new_blocks, self._new_block_arrays, self._masks):
             lst.clear()
+        self._num_array_blocks = 0
 
     def add_row(self, req_num: int, slot: int, start_pos: int, token_ids: list[int], do_sample: bool,
                 new_params: SamplingParams | None, num_prompt_logprobs: int = 0, next_prompt_token: int = -1,
@@ -299,24 +302,46 @@ class DescriptorBuilder:
         """Set ``block_table[slot, index] = block_id`` before the step runs."""
         self._new_blocks.append((slot, index, block_id))
 
-    def write(self, desc: StepDescriptor, step_id: int) -> None:
-        """Write the collected rows into ``desc`` as step ``step_id``."""
-        n, t, b = len(self._req_num), len(self._token_ids), len(self._new_blocks)
+    def add_blocks(self, slots: np.ndarray, indices: np.ndarray, block_ids: np.ndarray) -> None:
+        """Set ``block_table[slots[j], indices[j]] = block_ids[j]`` for every ``j`` (int arrays ``[k]``)."""
+        self._new_block_arrays.append(np.stack([slots, indices, block_ids]))
+        self._num_array_blocks += len(block_ids)
+
+    def write(self, desc: StepDescriptor, step_id: int,
+              decode: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
+        """Write the collected rows into ``desc`` as step ``step_id``.
+
+        Args:
+            decode: ``(req_num, slot, start_pos, token_ids)``, int arrays
+                ``[D]``: D rows of one token each, which sample and are not
+                new in their slot (the scheduler's vectorized decode rows),
+                written first; the rows added with :meth:`add_row` follow.
+        """
+        d = 0 if decode is None else len(decode[0])
+        n, t, b = d + len(self._req_num), d + len(self._token_ids), self.num_blocks
         h = desc.header
         h[StepDescriptor._STEP_ID], h[StepDescriptor._NUM_REQS] = step_id, n
         h[StepDescriptor._NUM_TOKENS], h[StepDescriptor._NUM_NEW_BLOCKS] = t, b
         h[StepDescriptor._NUM_MASKS], h[StepDescriptor._MASK_WORDS] = len(self._masks), desc.bitmask.shape[1]
         for m, (row, mask) in enumerate(self._masks):
-            desc.mask_row[m], desc.bitmask[m] = row, mask
-        desc.req_num[:n] = self._req_num
-        desc.slot[:n] = self._slot
-        desc.num_scheduled_tokens[:n] = self._num_tokens
-        desc.start_pos[:n] = self._start_pos
-        desc.do_sample[:n] = self._do_sample
-        desc.is_new[:n] = self._is_new
-        desc.num_prompt_logprobs[:n] = self._num_prompt_logprobs
-        desc.next_prompt_token[:n] = self._next_prompt_token
+            desc.mask_row[m], desc.bitmask[m] = d + row, mask
+        if d:
+            desc.req_num[:d], desc.slot[:d], desc.start_pos[:d], desc.token_ids[:d] = decode
+            desc.num_scheduled_tokens[:d] = 1
+            desc.do_sample[:d] = 1
+            desc.is_new[:d] = 0
+            desc.num_prompt_logprobs[:d] = 0
+            desc.next_prompt_token[:d] = -1
+        desc.req_num[d:n] = self._req_num
+        desc.slot[d:n] = self._slot
+        desc.num_scheduled_tokens[d:n] = self._num_tokens
+        desc.start_pos[d:n] = self._start_pos
+        desc.do_sample[d:n] = self._do_sample
+        desc.is_new[d:n] = self._is_new
+        desc.num_prompt_logprobs[d:n] = self._num_prompt_logprobs
+        desc.next_prompt_token[d:n] = self._next_prompt_token
         for i, p, prompt_len in self._sampling:
+            i += d
             desc.temperature[i], desc.top_p[i], desc.top_k[i], desc.seed[i] = p.temperature, p.top_p, p.top_k, p.seed
             desc.logprobs[i], desc.prompt_logprobs[i] = p.logprobs, p.prompt_logprobs
             desc.presence_penalty[i], desc.frequency_penalty[i] = p.presence_penalty, p.frequency_penalty
@@ -330,36 +355,10 @@ class DescriptorBuilder:
             stop = p.stop_token_ids if p.min_tokens > 0 and not p.ignore_eos else ()
             desc.num_stop_ids[i] = len(stop)
             desc.stop_ids[i, :len(stop)] = stop
-        desc.token_ids[:t] = self._token_ids
+        desc.token_ids[d:t] = self._token_ids
         if b:
-            nb = np.asarray(self._new_blocks, dtype=np.int32)
-            desc.nb_slot[:b], desc.nb_index[:b], desc.nb_block[:b] = nb.T
-
-
-    def write_decode(self, desc: StepDescriptor, step_id: int, req_num: np.ndarray, slot: np.ndarray,
-                     start_pos: np.ndarray, token_ids: np.ndarray) -> None:
-        """Write a step of one decode token per row from ``[R]`` arrays (the scheduler's fast path).
-
-        Every row samples and none is new in its slot; block-table entries are
-        the ones added with :meth:`add_block` since the last :meth:`clear`.
-        """
-        n, b = len(req_num), len(self._new_blocks)
-        h = desc.header
-        h[StepDescriptor._STEP_ID], h[StepDescriptor._NUM_REQS] = step_id, n
-        h[StepDescriptor._NUM_TOKENS], h[StepDescriptor._NUM_NEW_BLOCKS] = n, b
-        h[StepDescriptor._NUM_MASKS], h[StepDescriptor._MASK_WORDS] = 0, desc.bitmask.shape[1]
-        desc.req_num[:n] = req_num
-        desc.slot[:n] = slot
-        desc.num_scheduled_tokens[:n] = 1
-        desc.start_pos[:n] = start_pos
-        desc.do_sample[:n] = 1
-        desc.is_new[:n] = 0
-        desc.num_prompt_logprobs[:n] = 0
-        desc.next_prompt_token[:n] = -1
-        desc.token_ids[:n] = token_ids
-        if b:
-            nb = np.asarray(self._new_blocks, dtype=np.int32)
-            desc.nb_slot[:b], desc.nb_index[:b], desc.nb_block[:b] = nb.T
+            parts = self._new_block_arrays + ([np.asarray(self._new_blocks).T] if self._new_blocks else [])
+            desc.nb_slot[:b], desc.nb_index[:b], desc.nb_block[:b] = np.concatenate(parts, axis=1)
 
 
 @dataclass

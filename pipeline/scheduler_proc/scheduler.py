@@ -6,11 +6,12 @@ N+1's input for it is :data:`PLACEHOLDER_TOKEN_ID`, which the worker resolves
 on the device from its token-id cache (docs/design.md, "The step protocol").
 Planning uses plain Python and numpy: no torch, no model code.
 
-A step that changes nothing but positions (every running request decodes,
-none joins, leaves or finishes its prefill) takes a vectorized fast path:
-the descriptor is the previous one with positions advanced, computed with
-numpy over per-row arrays; per-request counters are brought up to date
-only when the batch changes (docs/design.md, "The scheduler").
+Running requests that plainly decode (one token a step, no grammar) are
+*steady rows*: their counters live in per-slot numpy arrays and each step
+plans them all at once, so per-request Python work is left for the rows that
+change (a join, a prefill chunk, a finish, a new block); the rows' own
+counters are brought up to date only when they leave (docs/design.md, "The
+scheduler").
 
 Policy (as vLLM v1's scheduler): running requests first, in arrival order,
 one token per decode and a chunk per unfinished prefill, then waiting
@@ -19,13 +20,14 @@ requests in FIFO order, all under ``max_num_batched_tokens`` and
 newest running request is preempted (recompute: its blocks are freed and it
 restarts from its prompt plus the tokens it has produced).
 
-Planning, the steady-decode path and applying outputs share every request's
+Planning, the steady rows and applying outputs share every request's
 counters, so they stay in one module, longer than most.
 """
 
 from __future__ import annotations
 
 import logging
+from array import array
 from collections import deque
 
 import numpy as np
@@ -44,6 +46,10 @@ from pipeline.common.step_protocol import (
 from pipeline.scheduler_proc.kv_block_pool import BlockPool
 
 log = logging.getLogger(__name__)
+
+# Steps a steady row's tokens wait in the scheduler's per-slot buffer before
+# joining its request's list (int32: 512 KiB at 1024 slots).
+_TOKEN_BUFFER = 128
 
 
 class Request:
@@ -65,7 +71,9 @@ class Request:
                  grammar: GrammarState | None = None):
         self.req_num = req_num
         self.prompt_token_ids = prompt_token_ids
-        self.output_token_ids: list[int] = []
+        # int32 ids: a request that ends frees one buffer, not an object per token (at batch 1024 a few
+        # dozen requests of hundreds of tokens can end in one step).
+        self.output_token_ids = array("i")
         self.params = params
         self.num_computed_tokens = 0
         self.num_placeholders = 0
@@ -132,20 +140,38 @@ class Scheduler:
         self.running: list[Request] = []
         self.next_step_id = 0
         self.num_preemptions = 0
-        self.num_steady_steps = 0  # steps planned by the vectorized decode path
+        self.num_steady_steps = 0  # steps that planned steady rows
         self._builder = DescriptorBuilder()
         self._grammar_tokenizer, self._mask_words = grammar_tokenizer, mask_words
         self._max_new_blocks = max_new_blocks_per_step(max_num_seqs, max_num_batched_tokens, block_size)
         self._last_output_step = -1
         self._finish_after: dict[int, list[Request]] = {}  # step id -> requests that end when it completes
-        # Steady decode state (None outside it): the rows of the last step, in
-        # order, and per row its next position and the tokens it may still
-        # plan. While steady, `_fast_steps` steps have advanced these arrays
-        # but not the rows' num_computed_tokens, num_placeholders and
-        # last_step_id; `_leave_steady` applies them.
-        self._steady: list[Request] | None = None
-        self._steady_req_num = self._steady_slot = self._steady_pos = self._steady_remaining = np.zeros(0, np.int64)
-        self._fast_steps = 0
+        # Steady rows, by slot: `_steady_slots` lists them in the order they
+        # joined. For a steady row, `_pos` (its true num_computed_tokens),
+        # `_remaining` (tokens it may still plan), `_unapplied` (tokens planned
+        # since it joined, not yet added to its num_placeholders) and `_last`
+        # (its true last_step_id) are current and the Request's own fields
+        # are not; `_apply_steady` applies them. `_others` is
+        # every other running request, in running order.
+        # `_unapplied` also counts down as the row's tokens arrive; `_left` is
+        # the tokens it may still receive before `max_tokens` ends it,
+        # `_stop` its stop token ids (-1 padded; none with ignore_eos),
+        # `_last_token` its latest token, and `_req_num` its request number
+        # (-1 once the slot holds no steady row). Its newest tokens wait in
+        # `_tokens[slot, :_num_tokens[slot]]`, which is moved to the request's
+        # own list every _TOKEN_BUFFER steps and when it leaves: appending to
+        # a thousand lists a step costs more than the rest of the step.
+        self._steady_req: list[Request | None] = [None] * max_num_seqs
+        self._steady_slots = np.zeros(0, np.int64)
+        (self._pos, self._remaining, self._unapplied, self._last, self._admitted, self._left, self._last_token,
+         self._num_tokens) = (np.zeros(max_num_seqs, np.int64) for _ in range(8))
+        self._req_num = np.full(max_num_seqs, -1, np.int64)
+        self._stop = np.full((max_num_seqs, 1), -1, np.int64)
+        self._tokens = np.zeros((max_num_seqs, _TOKEN_BUFFER), np.int32)
+        # Step id -> its steady rows, which lead its output: (slots, request numbers as an array and a list).
+        self._steady_planned: dict[int, tuple[np.ndarray, np.ndarray, list[int]]] = {}
+        self._others: list[Request] = []
+        self._num_admitted = 0  # admissions so far: `_admitted[slot]` orders running requests
 
     # -- control ----------------------------------------------------------------
 
@@ -200,7 +226,6 @@ class Scheduler:
         req = self.requests.get(req_num)
         if req is None:
             return
-        self._leave_steady()
         if req.parent is not None:
             prefill = req.parent
             prefill.choices.remove(req)
@@ -223,19 +248,16 @@ class Scheduler:
             The number of requests planned; 0 means nothing could run now
             and ``desc`` holds no step (the step id is not consumed).
         """
-        if self._steady is not None:
-            n = self._schedule_steady_decode(desc)
-            if n:
-                return n
-            self._leave_steady()
         step_id = self.next_step_id
-        budget = self.max_num_batched_tokens
+        self._builder.clear()
+        steady = self._plan_steady()
+        budget = self.max_num_batched_tokens - len(steady)
+        max_rows = self.max_num_seqs - len(steady)
         rows: list[tuple[Request, int, bool]] = []  # (request, num tokens, samples)
         num_masks = 0  # rows planned that sample under a grammar
-        self._builder.clear()
 
-        for req in list(self.running):
-            if budget == 0 or len(rows) == self.max_num_seqs:
+        for req in list(self._others):
+            if budget == 0 or len(rows) == max_rows:
                 break
             if req.slot < 0:  # preempted earlier in this loop
                 continue
@@ -257,7 +279,7 @@ class Scheduler:
             rows.append((req, n, sample))
             budget -= n
 
-        while self.waiting and budget > 0 and len(rows) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(rows) < max_rows:
             req = self.waiting[0]
             if req.num_placeholders:
                 break  # preempted with a token still in flight: wait for it, keep FIFO order
@@ -278,23 +300,22 @@ class Scheduler:
             self.waiting.popleft()
             req.slot = self.pool.allocate_slot()
             req.is_new_in_slot = True
+            self._admitted[req.slot] = self._num_admitted
+            self._num_admitted += 1
             for i, b in enumerate(req.block_ids):  # the new slot's block-table row
                 self._builder.add_block(req.slot, i, b)
             self._grow_blocks(req, n)
             self.running.append(req)
+            self._others.append(req)
             rows.append((req, n, self._samples(req, start + n)))
             num_masks += masked
             budget -= n
 
-        if not rows:
+        if not rows and not len(steady):
             return 0
-        self._write(desc, step_id, rows)
+        self._write(desc, step_id, rows, steady)
         self.next_step_id += 1
-        # Grammar rows need their own token back before each step, which the vectorized path cannot wait for.
-        if len(rows) == len(self.running) and all(k == 1 and sample and req.grammar is None
-                                                  for req, k, sample in rows):
-            self._enter_steady([req for req, _, _ in rows])
-        return len(rows)
+        return len(rows) + len(steady)
 
     @staticmethod
     def _samples(req: Request, end: int) -> bool:
@@ -306,61 +327,78 @@ class Scheduler:
         """
         return end >= req.num_known_tokens and req.params.max_tokens > 0 and req.choices is None
 
-    def _enter_steady(self, rows: list[Request]) -> None:
-        """The step just written decoded every running request: plan the next ones vectorized."""
-        self._steady = rows
-        self._steady_req_num = np.fromiter((r.req_num for r in rows), np.int64, len(rows))
-        self._steady_slot = np.fromiter((r.slot for r in rows), np.int64, len(rows))
-        self._steady_pos = np.fromiter((r.num_computed_tokens for r in rows), np.int64, len(rows))
-        self._steady_remaining = np.fromiter((r.params.max_tokens - r.num_outputs_planned for r in rows), np.int64,
-                                             len(rows))
-        self._fast_steps = 0
+    def _plan_steady(self) -> np.ndarray:
+        """Slots (int64 ``[D]``) of the steady rows that decode in the step being planned.
+
+        Allocates the blocks of those that cross into a new one. A steady row
+        that has planned its last token sits out. Planning the steady rows
+        before the others must give the step the general path would: so when
+        the token budget might not reach every row and some other running
+        request precedes a steady row, or when blocks might run short (the
+        general path would make rows wait or preempt), every steady row goes
+        back to the general path first and none is returned.
+        """
+        slots = self._steady_slots
+        if not len(slots):
+            return slots
+        active = slots[self._remaining[slots] > 0]
+        crossing = active[self._pos[active] % self.block_size == 0]
+        tokens = blocks = 0  # at most what the other running requests take
+        for req in self._others:
+            n = max(1, req.num_known_tokens - req.num_computed_tokens)
+            tokens += n
+            blocks += max(0, cdiv(req.num_computed_tokens + n, self.block_size) - len(req.block_ids))
+        others_after = not self._others or not len(active) or \
+            self._admitted[self._others[0].slot] > self._admitted[active].max()
+        # Every active row was planned in the previous step, so they fit the budget by themselves.
+        if len(crossing) + blocks > self.pool.num_free_blocks or \
+                (len(active) + tokens > self.max_num_batched_tokens and not others_after):
+            self._leave_steady()
+            return self._steady_slots
+        if len(crossing):
+            new = self.pool.allocate_blocks(len(crossing))
+            self._builder.add_blocks(crossing, self._pos[crossing] // self.block_size, np.asarray(new))
+            for s, b in zip(crossing.tolist(), new):
+                self._steady_req[s].block_ids.append(b)
+        return active
+
+    def _join_steady(self, reqs: list[Request]) -> None:
+        """``reqs`` (running, each just planned one sampled decode token, no grammar) become steady rows."""
+        slots = np.fromiter((r.slot for r in reqs), np.int64, len(reqs))
+        for r in reqs:
+            self._steady_req[r.slot] = r
+        self._req_num[slots] = [r.req_num for r in reqs]
+        self._pos[slots] = [r.num_computed_tokens for r in reqs]
+        self._remaining[slots] = [r.params.max_tokens - r.num_outputs_planned for r in reqs]
+        self._unapplied[slots] = 0
+        self._num_tokens[slots] = 0
+        self._last[slots] = [r.last_step_id for r in reqs]
+        self._left[slots] = [r.params.max_tokens - len(r.output_token_ids) for r in reqs]
+        for r in reqs:
+            stop = () if r.params.ignore_eos else r.params.stop_token_ids
+            if len(stop) > self._stop.shape[1]:
+                self._stop = np.pad(self._stop, ((0, 0), (0, len(stop) - self._stop.shape[1])), constant_values=-1)
+            self._stop[r.slot] = -1
+            self._stop[r.slot, :len(stop)] = stop
+        self._steady_slots = np.concatenate([self._steady_slots, slots])
+        self._others = [r for r in self._others if self._steady_req[r.slot] is not r]
+
+    def _apply_steady(self, slot: int) -> None:
+        """Bring the steady row in ``slot`` up to date and make it an ordinary running request."""
+        req = self._steady_req[slot]
+        self._move_tokens(slot)
+        req.num_computed_tokens = int(self._pos[slot])
+        req.num_placeholders += int(self._unapplied[slot])
+        req.last_step_id = int(self._last[slot])
+        self._steady_req[slot] = None
+        self._req_num[slot] = -1
 
     def _leave_steady(self) -> None:
-        """Apply the fast steps to the rows' own counters; the general path takes over."""
-        rows, k = self._steady, self._fast_steps
-        if rows is None:
-            return
-        if k:
-            last = self.next_step_id - 1
-            for req in rows:
-                req.num_computed_tokens += k
-                req.num_placeholders += k
-                req.last_step_id = last
-        self._steady = None
-
-    def _schedule_steady_decode(self, desc: StepDescriptor) -> int:
-        """Plan one more decode of every steady row; 0 if the batch must change instead.
-
-        The batch must change when a waiting request could take a free slot,
-        a row has planned its last token, or new blocks are short.
-        """
-        rows = self._steady
-        if (self.waiting and self.pool.num_free_slots) or self._steady_remaining.min() < 1:
-            return 0
-        pos = self._steady_pos
-        crossing = np.flatnonzero(pos % self.block_size == 0)
-        if len(crossing) > self.pool.num_free_blocks:
-            return 0
-        b = self._builder
-        b.clear()
-        for i in crossing.tolist():
-            req = rows[i]
-            block = self.pool.allocate_blocks(1)[0]
-            b.add_block(req.slot, len(req.block_ids), block)
-            req.block_ids.append(block)
-        step_id = self.next_step_id
-        if self._last_output_step == step_id - 1:  # lock step: every row's input token is known
-            tokens = np.fromiter((r.output_token_ids[-1] for r in rows), np.int64, len(rows))
-        else:  # the previous step's tokens are on the device only
-            tokens = np.full(len(rows), PLACEHOLDER_TOKEN_ID, np.int64)
-        b.write_decode(desc, step_id, self._steady_req_num, self._steady_slot, pos, tokens)
-        pos += 1
-        self._steady_remaining -= 1
-        self._fast_steps += 1
-        self.num_steady_steps += 1
-        self.next_step_id += 1
-        return len(rows)
+        """Every steady row goes back to the general path (``_others``, in running order)."""
+        for s in self._steady_slots.tolist():
+            self._apply_steady(s)
+        self._steady_slots = self._steady_slots[:0]
+        self._others = list(self.running)
 
     def _grow_blocks(self, req: Request, n: int) -> bool:
         """Give ``req`` blocks for its next ``n`` tokens, preempting if needed.
@@ -383,14 +421,16 @@ class Scheduler:
                 self._builder.add_block(req.slot, start + i, b)
         return True
 
-    def _write(self, desc: StepDescriptor, step_id: int, rows: list[tuple[Request, int, bool]]) -> None:
+    def _write(self, desc: StepDescriptor, step_id: int, rows: list[tuple[Request, int, bool]],
+               steady: np.ndarray) -> None:
+        """Write the step: the ``steady`` rows' decodes (slots, int64 ``[D]``), then ``rows``; update counters."""
         b = self._builder
         for req, k, sample in rows:
             pos = req.num_computed_tokens
             if k == 1:
                 tokens = [req.token_at(pos)]
             else:  # a prefill chunk: every id is known
-                known = req.prompt_token_ids + req.output_token_ids if pos + k > len(req.prompt_token_ids) \
+                known = req.prompt_token_ids + req.output_token_ids.tolist() if pos + k > len(req.prompt_token_ids) \
                     else req.prompt_token_ids
                 tokens = known[pos:pos + k]
             num_plp, next_token = 0, -1
@@ -414,7 +454,26 @@ class Scheduler:
                 req.num_placeholders += 1
             if req.choices is not None and req.num_computed_tokens == req.num_known_tokens:
                 self._fork(req)
-        b.write(desc, step_id)
+        decode = None
+        if len(steady):
+            pos = self._pos[steady]
+            if self._last_output_step == step_id - 1:  # lock step: every row's input token is known
+                tokens = self._last_token[steady]
+            else:  # the previous step's tokens are on the device only
+                tokens = np.full(len(steady), PLACEHOLDER_TOKEN_ID, np.int64)
+            nums = self._req_num[steady]
+            decode = (nums, steady, pos, tokens)
+            self._steady_planned[step_id] = (steady, nums, nums.tolist())
+            self._pos[steady] = pos + 1
+            self._remaining[steady] -= 1
+            self._unapplied[steady] += 1
+            self._last[steady] = step_id
+            self.num_steady_steps += 1
+        b.write(desc, step_id, decode)
+        # Grammar rows need their own token back before each step, which steady rows cannot wait for.
+        joining = [req for req, k, sample in rows if k == 1 and sample and req.grammar is None]
+        if joining:
+            self._join_steady(joining)
 
     def _unshare_waiting(self) -> None:
         """Waiting choices give back the prefix blocks they inherited, and will compute their prompts whole.
@@ -452,43 +511,124 @@ class Scheduler:
         Returns:
             ``req_num`` of the requests that finished (stop token, length, or the
             end of the prefill of a request with ``max_tokens`` 0).
+
+        Raises:
+            RuntimeError: if the output's first rows are not the step's steady
+                rows in the order planned (the worker writes sampled rows in
+                descriptor order).
         """
-        finished = []
-        for r, t in zip(req_nums, token_ids):
+        finished: list[int] = []
+        rest = zip(req_nums, token_ids)
+        planned = self._steady_planned.pop(step_id, None)
+        if planned is not None:
+            d = len(planned[2])
+            if req_nums[:d] != planned[2]:
+                raise RuntimeError(f"step {step_id}: output rows are not the steady rows planned")
+            rest = zip(req_nums[d:], token_ids[d:])
+            self._steady_output(*planned, token_ids[:d], finished)
+        # Each steady row's buffer is emptied once every _TOKEN_BUFFER steps, never all at once.
+        for s in self._steady_slots[(self._steady_slots + step_id) % _TOKEN_BUFFER == 0].tolist():
+            self._move_tokens(s)
+        for r, t in rest:
             req = self.requests.get(r)
-            if req is None:
-                continue
-            req.num_placeholders -= 1
-            req.output_token_ids.append(t)
-            if req.grammar is not None and not req.grammar.accept(t):
-                # The worker's mask forbids this; the matcher keeps its state and the request goes on.
-                log.error("request %d: token %d is outside its grammar", r, t)
-            if check_finish(t, len(req.output_token_ids), req.params) is not None:
-                finished.append(r)
-                self._leave_steady()
-                self._remove(req)
+            if req is not None:
+                self._apply_token(req, t, finished)
         for req in self._finish_after.pop(step_id, ()):
             if self.requests.get(req.req_num) is req:
                 finished.append(req.req_num)
-                self._leave_steady()
                 self._remove(req)
         self.pool.step_completed(step_id)
         self._last_output_step = step_id
         return finished
+
+    def _apply_token(self, req: Request, t: int, finished: list[int]) -> None:
+        """Append ``t`` to ``req`` through its own counters; remove it and list it in ``finished`` if it ends."""
+        req.num_placeholders -= 1
+        if req.slot >= 0 and self._steady_req[req.slot] is req:  # a steady row's token from a general row
+            self._move_tokens(req.slot)  # older tokens first
+            self._left[req.slot] -= 1
+            self._last_token[req.slot] = t
+        req.output_token_ids.append(t)
+        if req.grammar is not None and not req.grammar.accept(t):
+            # The worker's mask forbids this; the matcher keeps its state and the request goes on.
+            log.error("request %d: token %d is outside its grammar", req.req_num, t)
+        if check_finish(t, len(req.output_token_ids), req.params) is not None:
+            finished.append(req.req_num)
+            self._remove(req)
+
+    def _move_tokens(self, slot: int) -> None:
+        """Append the tokens buffered for the steady row in ``slot`` to its request's own list."""
+        n = self._num_tokens[slot]
+        if n:
+            self._steady_req[slot].output_token_ids.frombytes(self._tokens[slot, :n].tobytes())
+            self._num_tokens[slot] = 0
+
+    def _steady_output(self, slots: np.ndarray, nums: np.ndarray, num_list: list[int], tokens: list[int],
+                       finished: list[int]) -> None:
+        """Apply the tokens of a step's steady rows (``slots``, ``nums``: int64 ``[D]``), vectorized.
+
+        A row that has left the steady rows since it was planned goes through
+        :meth:`_apply_token`, or is dropped if its request is gone. Requests
+        that end are removed and listed in ``finished``.
+        """
+        kept = self._req_num[slots] == nums
+        if not kept.all():
+            for i in np.flatnonzero(~kept).tolist():
+                req = self.requests.get(num_list[i])
+                if req is not None:
+                    self._apply_token(req, tokens[i], finished)
+            idx = np.flatnonzero(kept)
+            slots, tok, num_list = slots[idx], np.asarray(tokens)[idx], [num_list[i] for i in idx.tolist()]
+        else:
+            tok = np.asarray(tokens)
+        self._tokens[slots, self._num_tokens[slots]] = tok
+        self._num_tokens[slots] += 1
+        self._last_token[slots] = tok
+        self._unapplied[slots] -= 1
+        self._left[slots] -= 1
+        ended = np.flatnonzero((self._left[slots] <= 0) | (self._stop[slots] == tok[:, None]).any(1))
+        if len(ended):
+            finished.extend(num_list[i] for i in ended.tolist())
+            self._remove_steady(slots[ended])
+
+    def _remove_steady(self, slots: np.ndarray) -> None:
+        """:meth:`_remove` for the steady rows in ``slots`` (int64 ``[k]``), with one pass over the running list.
+
+        At batch 1024 a few dozen rows can end in one step; removing them one
+        by one would scan the running list once for each.
+        """
+        self._num_tokens[slots] = 0  # nobody reads an ended request's tokens
+        for s in slots.tolist():
+            req = self._steady_req[s]
+            self._apply_steady(s)
+            del self.requests[req.req_num]
+            self.pool.free_after(req.last_step_id, req.block_ids, s)
+            req.block_ids, req.slot = [], -1
+        self.running = [r for r in self.running if r.slot >= 0]  # a running request has a slot
+        self._steady_slots = self._steady_slots[self._req_num[self._steady_slots] >= 0]
 
     # -- internals --------------------------------------------------------------
 
     def _remove(self, req: Request) -> None:
         del self.requests[req.req_num]
         if req.slot >= 0:
-            self.running.remove(req)
+            self._leave_running(req)
         else:
             self.waiting.remove(req)
         self.pool.free_after(req.last_step_id, req.block_ids, req.slot)
         req.block_ids, req.slot = [], -1
 
-    def _preempt(self, req: Request) -> None:
+    def _leave_running(self, req: Request) -> None:
+        """Take ``req`` (running) out of the running lists, steady or not, its counters up to date."""
         self.running.remove(req)
+        if self._steady_req[req.slot] is req:
+            self._apply_steady(req.slot)
+            self._steady_slots = self._steady_slots[self._steady_slots != req.slot]
+        else:
+            self._others.remove(req)
+
+    def _preempt(self, req: Request) -> None:
+        self._leave_running(req)
         self.pool.free_after(req.last_step_id, req.block_ids, req.slot)
         req.block_ids, req.slot = [], -1
         req.num_computed_tokens = 0

@@ -4,7 +4,7 @@ The scheduler and the worker run as real processes; the test plays io_proc's
 part in-process (the same EngineClient the server uses), so a thousand
 streams cost no HTTP. Every simulated token depends on the whole chain
 before it and poison mode is on, so one misresolved placeholder, in the
-steady-decode path or around a batch change, changes every later token.
+steady rows or around a batch change, changes every later token.
 """
 
 from __future__ import annotations

@@ -14,9 +14,11 @@ import random
 from collections import deque
 
 import pytest
+from msgspec.structs import replace
 
 from pipeline.common.messages import AddRequest, SamplingParams
 from pipeline.common.step_protocol import PLACEHOLDER_TOKEN_ID, StepDescriptor, StepInputs, read_descriptor
+from pipeline.scheduler_proc import scheduler as scheduler_module
 from pipeline.scheduler_proc.scheduler import Scheduler
 
 EOS = 3
@@ -190,9 +192,11 @@ def test_preemption_under_kv_pressure_is_exact():
 
 @pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("num_blocks", [2000, 90])
-def test_steady_decode_path_is_exact(depth, num_blocks):
-    """Long decodes take the vectorized path; joins, aborts, EOS, block crossings and (with 90
-    blocks) preemptions in the middle of it leave every output exact and free everything."""
+def test_steady_decode_path_is_exact(depth, num_blocks, monkeypatch):
+    """Long decodes become steady rows; joins, aborts, EOS, block crossings and (with 90
+    blocks) preemptions in the middle of it leave every output exact and free everything. Steady rows'
+    tokens wait at most 3 steps in the scheduler's buffer here, so they move to the requests' lists often."""
+    monkeypatch.setattr(scheduler_module, "_TOKEN_BUFFER", 3)
     reqs = make_requests(96, seed=11, max_len=120)
     aborted = {10: 5, 40: 17, 41: 18, 90: 60}
     outputs, sched = run(reqs, depth, max_num_seqs=32, budget=64, num_blocks=num_blocks, abort_at=aborted,
@@ -271,3 +275,94 @@ def test_four_choices_allocate_the_prompt_once():
     for c in (2, 3, 4, 5):
         sched.abort_request(c)
     assert sched.pool.num_free_blocks == 200 and sched.pool.num_free_slots == 8
+
+
+class StubGrammar:
+    """A grammar that allows every token: its rows are masked, never steady, and sit out while a token is in flight."""
+
+    def fill_mask(self, out):
+        out[:] = -1
+
+    def accept(self, token_id):
+        return True
+
+
+class StubGrammarScheduler(Scheduler):
+    def _new_grammar(self, params):
+        return StubGrammar() if params.grammar else None
+
+
+class GeneralOnlyScheduler(StubGrammarScheduler):
+    """The scheduler with its steady rows turned off: every row goes through the general path."""
+
+    def _join_steady(self, reqs):
+        pass
+
+
+def plan_signature(d: StepDescriptor) -> tuple:
+    """What a step computes, independent of row order, slot and block ids: its rows, and the block-table
+    entries it sets as (request, index)."""
+    x = read_descriptor(d)
+    tokens, rows, off = x.token_ids.tolist(), [], 0
+    sampled, new = set(x.sample_rows.tolist()), set(x.new_rows.tolist())
+    for r, (req, k, start) in enumerate(zip(x.req_num.tolist(), x.query_lens.tolist(), x.start_pos.tolist())):
+        rows.append((req, start, tuple(tokens[off:off + k]), r in sampled, r in new,
+                     int(x.num_prompt_logprobs[r]), int(x.next_prompt_token[r])))
+        off += k
+    owner = dict(zip(x.slot.tolist(), x.req_num.tolist()))
+    return x.step_id, sorted(rows), sorted((owner[s], i) for s, i in x.new_blocks[:2].T.tolist())
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("max_num_seqs,budget,num_blocks", [(32, 64, 2000), (32, 64, 90), (32, 12, 2000), (32, 20, 90)])
+def test_steady_rows_plan_what_the_general_path_plans(depth, max_num_seqs, budget, num_blocks, monkeypatch):
+    """Step by step, the scheduler plans the same rows (tokens, positions, samples, new block-table entries)
+    as the same scheduler with steady rows turned off, and finishes the same requests, through joins,
+    prefills that share the budget (12 tokens for 32 rows: the budget cuts), grammar rows ahead of steady
+    ones, block crossings, aborts, EOS and (90 blocks) preemptions, whose recompute needs every token in order."""
+    monkeypatch.setattr(scheduler_module, "_TOKEN_BUFFER", 3)
+    reqs = make_requests(96, seed=12, max_len=120)
+    # Long outputs keep many rows decoding at once; every seventh request has a grammar.
+    reqs = [replace(r, params=replace(r.params, grammar="any" if r.req_num % 7 == 1 else "",
+                                      max_tokens=r.params.max_tokens and 20 + r.req_num % 90)) for r in reqs]
+    aborts = {12: 5, 40: 17, 41: 30, 90: 60}
+    scheds = [StubGrammarScheduler(max_num_seqs, budget, BS, num_blocks, 64, mask_words=1),
+              GeneralOnlyScheduler(max_num_seqs, budget, BS, num_blocks, 64, mask_words=1)]
+    layout = StepDescriptor.layout(max_num_seqs, budget, BS, mask_words=1)
+    descs = [StepDescriptor(layout.views(bytearray(layout.nbytes))) for _ in scheds]
+    pending, inflight, rng, step = deque(reqs), deque(), random.Random(3), 0
+    while pending or scheds[0].num_unfinished or inflight:
+        if pending and rng.random() < 0.3:
+            for s in scheds:
+                s.add_request(pending[0])
+            pending.popleft()
+        if len(inflight) < depth and scheds[0].num_unfinished:
+            planned = [s.schedule(d) for s, d in zip(scheds, descs)]
+            assert planned[0] == planned[1], step
+            if planned[0]:
+                assert plan_signature(descs[0]) == plan_signature(descs[1]), f"step {step}"
+                # Each one's output lists its sampled rows in its own descriptor order, as the worker's does.
+                outs = []
+                for d in descs:
+                    x = read_descriptor(d)
+                    rows = x.sample_rows.tolist()
+                    last = (x.start_pos + x.query_lens - 1)[rows].tolist()
+                    reqs = x.req_num[rows].tolist()
+                    outs.append((reqs, [sampled_token(r, p) for r, p in zip(reqs, last)]))
+                inflight.append(outs)
+                step += 1
+                if step in aborts:
+                    for s in scheds:
+                        s.abort_request(aborts[step])
+                continue
+        if inflight:
+            outs = inflight.popleft()
+            sid = scheds[0]._last_output_step + 1
+            done = [sorted(s.process_output(sid, *out)) for s, out in zip(scheds, outs)]
+            assert done[0] == done[1]
+        elif pending:
+            for s in scheds:
+                s.add_request(pending[0])
+            pending.popleft()
+    assert scheds[0].num_steady_steps > 20 and scheds[1].num_steady_steps == 0
+    assert scheds[0].num_preemptions == scheds[1].num_preemptions and (num_blocks > 90 or scheds[0].num_preemptions)

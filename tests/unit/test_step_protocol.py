@@ -154,7 +154,7 @@ def test_bitmask_rows_round_trip():
         x = read_descriptor(desc)
         assert x.mask_rows.tolist() == [1] and x.bitmask.tolist() == [[5, -1, 0]]
     b.clear()
-    b.write_decode(src, 5, np.array([7]), np.array([0]), np.array([2]), np.array([-1]))
+    b.write(src, 5, decode=(np.array([7]), np.array([0]), np.array([2]), np.array([-1])))
     assert read_descriptor(src).bitmask.shape == (0, 3)
 
 
@@ -196,6 +196,24 @@ def test_output_logprobs_round_trip(num_rows, num_prompt, seed):
             np.testing.assert_array_equal(getattr(have, f), getattr(want, f))
     if num_prompt:
         np.testing.assert_array_equal(got.prompt_logprobs.pos, plp.pos)
+
+
+def test_decode_rows_come_first():
+    """Vectorized decode rows lead the descriptor; added rows, their parameters, masks and blocks follow them."""
+    desc = StepDescriptor(_slot(StepDescriptor.layout(MAX_SEQS, MAX_TOKENS, BLOCK, mask_words=2)))
+    b = DescriptorBuilder()
+    b.add_row(9, 4, 0, [5, 6, 7], True, SamplingParams(max_tokens=3, temperature=0.5), prompt_len=3,
+              bitmask=np.array([1, 2], np.int32))
+    b.add_block(4, 0, 11)
+    b.add_blocks(np.array([1, 2]), np.array([3, 5]), np.array([12, 13]))
+    b.write(desc, 3, decode=(np.array([7, 8]), np.array([1, 2]), np.array([48, 80]), np.array([-1, -1])))
+    x = read_descriptor(desc)
+    assert x.req_num.tolist() == [7, 8, 9] and x.slot.tolist() == [1, 2, 4]
+    assert x.query_lens.tolist() == [1, 1, 3] and x.start_pos.tolist() == [48, 80, 0]
+    assert x.token_ids.tolist() == [-1, -1, 5, 6, 7] and x.sample_rows.tolist() == [0, 1, 2]
+    assert x.new_rows.tolist() == [2] and x.temperature.tolist() == [0.5] and x.prompt_len.tolist() == [3]
+    assert x.mask_rows.tolist() == [2] and x.bitmask.tolist() == [[1, 2]]
+    assert sorted(x.new_blocks.T.tolist()) == [[1, 3, 12], [2, 5, 13], [4, 0, 11]]
 
 
 def test_descriptor_copy_outlives_the_slot():
