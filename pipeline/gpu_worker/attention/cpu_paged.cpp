@@ -72,7 +72,17 @@ void decode_task(const T* q_rows[G], T* out_rows[G], const T* k_head, const T* v
   for (int64_t start = 0, b = 0; start < ctx; start += block_size, ++b) {
     const int64_t n = std::min(block_size, ctx - start);
     const T* kb = k_head + row_blocks[b] * block_size * D;
-    if (start + block_size < ctx) prefetch_block(k_head + row_blocks[b + 1] * block_size * D, block_bytes);
+    // Prefetch two blocks ahead (one block's compute did not cover a fetch), and V's first two
+    // blocks during the last K block, so they arrive while the softmax runs.
+    if (start == 0) {
+      prefetch_block(kb, block_bytes);
+      if (block_size < ctx) prefetch_block(k_head + row_blocks[1] * block_size * D, block_bytes);
+    }
+    if (start + 2 * block_size < ctx) prefetch_block(k_head + row_blocks[b + 2] * block_size * D, block_bytes);
+    if (start + block_size >= ctx) {
+      prefetch_block(v_head + row_blocks[0] * block_size * D, block_bytes);
+      if (block_size < ctx) prefetch_block(v_head + row_blocks[1] * block_size * D, block_bytes);
+    }
     int64_t t = 0;
 #if defined(__AVX512F__)
     if constexpr (D % 16 == 0) {
@@ -108,7 +118,7 @@ void decode_task(const T* q_rows[G], T* out_rows[G], const T* k_head, const T* v
   for (int64_t start = 0, b = 0; start < ctx; start += block_size, ++b) {
     const int64_t n = std::min(block_size, ctx - start);
     const T* vb = v_head + row_blocks[b] * block_size * D;
-    if (start + block_size < ctx) prefetch_block(v_head + row_blocks[b + 1] * block_size * D, block_bytes);
+    if (start + 2 * block_size < ctx) prefetch_block(v_head + row_blocks[b + 2] * block_size * D, block_bytes);
     for (int64_t t = 0; t < n; ++t) {
       const T* vr = vb + t * D;
       for (int g = 0; g < G; ++g) {
