@@ -54,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Device of the model worker; auto picks cuda when available.")
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                    help="How the worker computes attention. auto: flashinfer on CUDA with float16/bfloat16 when "
-                        "the flashinfer package is installed, else torch_bucketed (SDPA per bucket of "
+                        "the flashinfer package is installed; on CPU cpu_paged (a C++ kernel, built at start-up, "
+                        "that reads the paged cache in place for decode rows) where a compiler is available; "
+                        "else torch_bucketed (SDPA per bucket of "
                         "similar-length requests, so each request's cost follows its own context). "
                         "torch_sdpa: every decode row padded to the step's longest context (the reference).")
     p.add_argument("--max-num-seqs", type=int, default=256, help="Requests in one step at most.")

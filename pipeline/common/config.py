@@ -17,7 +17,7 @@ from pipeline.common.step_protocol import (
 
 # Attention backends the worker can run (pipeline.gpu_worker.attention); here so
 # that the launcher can offer them without importing torch.
-ATTENTION_BACKENDS = ("auto", "torch_bucketed", "flashinfer", "torch_sdpa")
+ATTENTION_BACKENDS = ("auto", "cpu_paged", "torch_bucketed", "flashinfer", "torch_sdpa")
 
 
 class EngineConfig(msgspec.Struct, frozen=True):
@@ -46,7 +46,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
             check every placeholder read (slower; tests turn it on).
         attention_backend: the worker's attention backend, one of
             :data:`ATTENTION_BACKENDS` (docs/design.md, "The worker"); ``auto``
-            is flashinfer where it can run, else torch_bucketed.
+            is flashinfer where it can run, else cpu_paged on CPU where its kernel
+            builds, else torch_bucketed.
         sim_step_us, sim_token_us: with ``model == "sim"``, the simulated
             device's step time ``A + B × tokens`` in microseconds.
         trace: record per-step spans for a Chrome-trace timeline; each

@@ -10,7 +10,8 @@ output is compared with a float64 reference, to 1e-5 in float32. Since the
 history goes in through the backend, a backend may lay out its cache memory
 as it likes.
 
-The CPU backends always run; flashinfer runs where it can (CUDA, the package
+The CPU backends always run (cpu_paged where its kernel builds, also in
+bfloat16 to 2e-2); flashinfer runs where it can (CUDA, the package
 installed), in bfloat16 (it has no float32 kernels) to 2e-2, on the cases
 whose head size it supports.
 """
@@ -25,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.gpu_worker.attention import TorchSDPABackend, make_backend
+from pipeline.gpu_worker.attention import CpuPagedBackend, TorchSDPABackend, cpu_paged, make_backend
 from pipeline.gpu_worker.attention.backend import StepLayout
 from pipeline.gpu_worker.attention.torch_bucketed import TorchBucketedBackend, plan_buckets
 from pipeline.server_args import build_parser, make_config
@@ -43,6 +44,14 @@ class Setup:
 
 def _cpu(factory):
     return lambda heads, kv_heads, head_dim: Setup(factory(), CPU, torch.float32, 1e-5)
+
+
+def _cpu_paged(dtype, atol):
+    def setup(heads, kv_heads, head_dim):
+        if cpu_paged.unavailable_reason() is not None:
+            pytest.skip(f"cpu_paged cannot run here: {cpu_paged.unavailable_reason()}")
+        return Setup(CpuPagedBackend(), CPU, dtype, atol)
+    return setup
 
 
 def _flashinfer(heads, kv_heads, head_dim):
@@ -67,6 +76,8 @@ SETUPS = {
     "torch_bucketed_token_major": _cpu(lambda: TorchBucketedBackend(head_major=False)),
     # Small limits, so that random steps make many buckets.
     "torch_bucketed_tight": _cpu(lambda: TorchBucketedBackend(slack=1.05, min_pad=0, min_query_pad=0)),
+    "cpu_paged": _cpu_paged(torch.float32, 1e-5),
+    "cpu_paged_bf16": _cpu_paged(torch.bfloat16, 2e-2),
     **({"flashinfer": _flashinfer} if _flashinfer_here() else {}),
 }
 
@@ -195,8 +206,10 @@ def test_attention_backend_flag_reaches_the_worker_config():
 
 
 def test_make_backend_picks_by_name_and_device():
-    assert isinstance(make_backend("auto"), TorchBucketedBackend)
-    assert isinstance(make_backend("auto", num_heads=9, num_kv_heads=3, head_dim=64), TorchBucketedBackend)
+    assert type(make_backend("auto")) is TorchBucketedBackend  # the simulated device: no model shape
+    expected = "torch_bucketed" if cpu_paged.unavailable_reason() else "cpu_paged"
+    assert make_backend("auto", num_heads=9, num_kv_heads=3, head_dim=64).name == expected
+    assert make_backend("torch_bucketed", num_heads=9, num_kv_heads=3, head_dim=64).name == "torch_bucketed"
     assert isinstance(make_backend("torch_sdpa"), TorchSDPABackend)
     with pytest.raises(ValueError, match="CUDA only"):
         make_backend("flashinfer", device=CPU, dtype=torch.bfloat16, num_heads=9, num_kv_heads=3, head_dim=64)
@@ -236,3 +249,46 @@ def test_plan_buckets_groups_uniform_and_long_tail():
     assert len(buckets) <= 16
     padded = sum(len(b) * ctx[b].max() for b in buckets)
     assert padded <= 1.25 * ctx.sum() + 64 * len(ctx)
+
+
+def test_cpu_paged_falls_back_with_one_log_line(monkeypatch, caplog):
+    """Without a compiler (or a failed build) auto keeps torch_bucketed and says why; asked for, cpu_paged refuses."""
+    monkeypatch.setattr(cpu_paged, "unavailable_reason", lambda: "no C++ compiler found")
+    with caplog.at_level("WARNING"):
+        backend = make_backend("auto", num_heads=9, num_kv_heads=3, head_dim=64)
+    assert type(backend) is TorchBucketedBackend
+    assert [r.getMessage() for r in caplog.records] == [
+        "cpu_paged attention unavailable (no C++ compiler found); using torch_bucketed"]
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+        make_backend("cpu_paged", num_heads=9, num_kv_heads=3, head_dim=64)
+
+
+def test_cpu_paged_refuses_other_devices_and_dtypes():
+    with pytest.raises(ValueError, match="cpu_paged runs on CPU"):
+        make_backend("cpu_paged", dtype=torch.float16, num_heads=9, num_kv_heads=3, head_dim=64)
+
+
+@torch.inference_mode()
+def test_cpu_paged_reads_strided_queries_as_the_model_passes_them():
+    """The model's q is a slice of the fused QKV output (row stride > H * D); decode rows out of step order."""
+    if cpu_paged.unavailable_reason() is not None:
+        pytest.skip(f"cpu_paged cannot run here: {cpu_paged.unavailable_reason()}")
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, bs, slots = 9, 3, 64, 16, 64 * 16
+    assert cpu_paged.supports(heads, kv_heads, dim)  # SmolLM2's shape runs the kernel, not the fallback
+    qkv = torch.randn(5, heads + 2 * kv_heads, dim, generator=gen)
+    q = qkv[:, :heads]
+    k_cache, v_cache = (torch.randn(kv_heads, slots, dim, generator=gen) for _ in range(2))
+    block_ids = torch.randperm(64, generator=gen)[:15].view(5, 3)
+    context_lens = torch.tensor([33, 1, 48, 17, 20])
+    token_index = torch.tensor([3, 0, 4, 1, 2])
+    out = torch.full((5, heads, dim), float("nan"))
+    torch.ops.pipeline_cpu.paged_decode(out, q, k_cache, v_cache, token_index, block_ids, context_lens, 0.125, bs)
+    for r in range(5):
+        slot = (block_ids[r][:, None] * bs + torch.arange(bs)).flatten()[: context_lens[r]]
+        keys = k_cache[:, slot].repeat_interleave(heads // kv_heads, 0)
+        values = v_cache[:, slot].repeat_interleave(heads // kv_heads, 0)
+        t = token_index[r]
+        ref = (torch.einsum("hd,hkd->hk", q[t].double(), keys.double()) * 0.125).softmax(-1)
+        torch.testing.assert_close(out[t].double(), torch.einsum("hk,hkd->hd", ref, values.double()),
+                                   atol=1e-5, rtol=0)

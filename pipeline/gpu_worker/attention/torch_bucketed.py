@@ -134,6 +134,8 @@ class Bucket:
         out_tokens: ``[n]`` int64, step-token index of each real query.
         identity: the bucket is the whole step, in order, without padding:
             queries and output are plain reshapes.
+        context_lens: ``[rows]`` int64, each row's context in tokens (decode
+            buckets; None for prefill).
     """
 
     q_max: int
@@ -143,6 +145,7 @@ class Bucket:
     out_rows: torch.Tensor | None
     out_tokens: torch.Tensor
     identity: bool
+    context_lens: torch.Tensor | None = None
 
 
 @dataclasses.dataclass
@@ -240,7 +243,7 @@ def _device_decode(host: _HostDecode, dev: list[torch.Tensor], block_table: torc
     mask = (key_pos[None, :] < context_lens[:, None])[:, None, None, :]
     return [Bucket(q_max=1, block_ids=block_ids[a:a + n, :nb], mask=mask[a:a + n, ..., :nb * block_size],
                    token_index=token_index[a:a + n], out_rows=None, out_tokens=token_index[a:a + n],
-                   identity=host.identity)
+                   identity=host.identity, context_lens=context_lens[a:a + n])
             for a, n, nb in host.bounds]
 
 
@@ -318,7 +321,7 @@ class TorchBucketedBackend(AttentionBackend):
         ctx = layout.start_positions + q_lens
         is_decode = q_lens == 1
         rows = np.flatnonzero(is_decode)
-        decode = _host_decode(layout, rows, plan_buckets(ctx[rows], q_lens[rows], *self.limits)) if rows.size else None
+        decode = _host_decode(layout, rows, self.plan_decode(ctx[rows])) if rows.size else None
         rows = np.flatnonzero(~is_decode)
         prefill = [_host_prefill(layout, rows[b])
                    for b in (plan_buckets(ctx[rows], q_lens[rows], *self.limits) if rows.size else [])]
@@ -347,6 +350,10 @@ class TorchBucketedBackend(AttentionBackend):
             prefill=prefill_buckets,
         )
 
+    def plan_decode(self, context_lens: np.ndarray) -> list[np.ndarray]:
+        """Buckets of the step's decode rows, given their ``[R]`` contexts (see :func:`plan_buckets`)."""
+        return plan_buckets(context_lens, np.ones_like(context_lens), *self.limits)
+
     def forward(
         self,
         q: torch.Tensor,
@@ -357,33 +364,47 @@ class TorchBucketedBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         k_cache, v_cache = write_kv(kv_cache, k, v, meta.slot_mapping, self.head_major)
-        num_tokens, num_heads, head_dim = q.shape
-        kv_heads = k.shape[1]
-        group_size = num_heads // kv_heads
-
         buckets = meta.decode + meta.prefill
-        out = None if len(buckets) == 1 and buckets[0].identity else q.new_empty(num_tokens, num_heads, head_dim)
+        out = None if len(buckets) == 1 and buckets[0].identity else q.new_empty(q.shape)
         for b in buckets:
-            rows, n_blocks = b.block_ids.shape
-            numel = rows * n_blocks * meta.block_size * kv_heads * head_dim
-            scratch = self.workspace.get(2 * numel, k_cache.dtype, k_cache.device)
-            keys = gather_blocks(k_cache, b.block_ids, meta.block_size, self.head_major, scratch[:numel])
-            values = gather_blocks(v_cache, b.block_ids, meta.block_size, self.head_major, scratch[numel:])
-            q_b = q if b.identity else q.index_select(0, b.token_index)
-            if b.q_max == 1:
-                # One query per row: fold the heads sharing a KV head into the
-                # query dimension, so K/V are never expanded.
-                res = F.scaled_dot_product_attention(
-                    q_b.reshape(rows, kv_heads, group_size, head_dim), keys, values, attn_mask=b.mask, scale=scale
-                ).view(rows, num_heads, head_dim)
-            else:
-                res = F.scaled_dot_product_attention(
-                    q_b.reshape(rows, b.q_max, num_heads, head_dim).transpose(1, 2), keys, values, attn_mask=b.mask,
-                    scale=scale, enable_gqa=True,
-                ).transpose(1, 2).reshape(rows * b.q_max, num_heads, head_dim)
+            res = self.attend_bucket(q, k_cache, v_cache, b, meta.block_size, scale)
             if out is None:
                 return res
-            if b.out_rows is not None:
-                res = res.index_select(0, b.out_rows)
             out.index_copy_(0, b.out_tokens, res)
         return out
+
+    def attend_bucket(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, b: Bucket,
+                      block_size: int, scale: float) -> torch.Tensor:
+        """One bucket's SDPA call over its gathered blocks.
+
+        Args:
+            q: ``[T, H, D]`` the step's queries.
+            k_cache, v_cache: the layer's caches as :func:`write_kv` returns them.
+            b: the bucket.
+            block_size: tokens per block.
+            scale: softmax scale.
+
+        Returns:
+            ``[len(b.out_tokens), H, D]``: the output of each of the bucket's
+            real queries, in the order of ``b.out_tokens``.
+        """
+        num_heads, head_dim = q.shape[1:]
+        kv_heads = k_cache.shape[0] if self.head_major else k_cache.shape[1]
+        rows, n_blocks = b.block_ids.shape
+        numel = rows * n_blocks * block_size * kv_heads * head_dim
+        scratch = self.workspace.get(2 * numel, k_cache.dtype, k_cache.device)
+        keys = gather_blocks(k_cache, b.block_ids, block_size, self.head_major, scratch[:numel])
+        values = gather_blocks(v_cache, b.block_ids, block_size, self.head_major, scratch[numel:])
+        q_b = q if b.identity else q.index_select(0, b.token_index)
+        if b.q_max == 1:
+            # One query per row: fold the heads sharing a KV head into the
+            # query dimension, so K/V are never expanded.
+            return F.scaled_dot_product_attention(
+                q_b.reshape(rows, kv_heads, num_heads // kv_heads, head_dim), keys, values, attn_mask=b.mask,
+                scale=scale,
+            ).view(rows, num_heads, head_dim)
+        res = F.scaled_dot_product_attention(
+            q_b.reshape(rows, b.q_max, num_heads, head_dim).transpose(1, 2), keys, values, attn_mask=b.mask,
+            scale=scale, enable_gqa=True,
+        ).transpose(1, 2).reshape(rows * b.q_max, num_heads, head_dim)
+        return res if b.out_rows is None else res.index_select(0, b.out_rows)

@@ -1,0 +1,222 @@
+// Paged decode attention on the CPU, reading the KV cache in place (docs/design.md, "The worker").
+//
+// One query per row; each (row, KV head) task reads that row's keys block by
+// block straight from the head-major cache, so no per-layer copy of the
+// row's K/V is made. Two passes over the row's context: scores (each key row
+// loaded once for the KV head's whole query group), then softmax and the
+// weighted sum of values. Built at start-up by cpu_paged.py; compiled for the
+// host CPU, so the inner loops vectorize with its widest SIMD.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// Bring a whole block of one head (block_size rows of dim elements) towards the core: blocks are
+// scattered, and hardware prefetchers do not cross into the next block's page on their own.
+template <typename T>
+inline void prefetch_block(const T* p, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(reinterpret_cast<const char*>(p) + off);
+}
+
+#if defined(__AVX512F__)
+// 16 elements as float32 (bfloat16 is the high half of a float32).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// Dot products of one query (D floats) with 4 key rows, reduced together: one
+// horizontal reduction per 4 keys instead of one per key.
+template <typename T, int D>
+inline void dot4(const float* qg, const T* k0, int64_t stride, float* out) {
+  __m512 a = _mm512_setzero_ps(), b = a, c = a, d = a;
+  for (int i = 0; i < D; i += 16) {
+    const __m512 qv = _mm512_loadu_ps(qg + i);
+    a = _mm512_fmadd_ps(qv, load16(k0 + i), a);
+    b = _mm512_fmadd_ps(qv, load16(k0 + stride + i), b);
+    c = _mm512_fmadd_ps(qv, load16(k0 + 2 * stride + i), c);
+    d = _mm512_fmadd_ps(qv, load16(k0 + 3 * stride + i), d);
+  }
+  // Per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3], then [sum a, sum b, sum c, sum d].
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd), _mm512_extractf32x8_ps(abcd, 1));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1)));
+}
+#endif
+
+// One (row, KV head) task: the G queries sharing the head against the row's ctx keys.
+// G and D are compile-time so the queries and accumulators stay in registers.
+template <typename T, int G, int D>
+void decode_task(const T* q_rows[G], T* out_rows[G], const T* k_head, const T* v_head, const int64_t* row_blocks,
+                 int64_t ctx, int64_t block_size, float scale, std::vector<float>& scores) {
+  float qf[G][D], acc[G][D];
+  for (int g = 0; g < G; ++g)
+    for (int d = 0; d < D; ++d) qf[g][d] = static_cast<float>(q_rows[g][d]) * scale, acc[g][d] = 0.f;
+  scores.resize(G * ctx);
+  const int64_t block_bytes = block_size * D * sizeof(T);
+  // Pass 1: scaled scores, [G, ctx]; each key row is loaded once for the whole query group.
+  for (int64_t start = 0, b = 0; start < ctx; start += block_size, ++b) {
+    const int64_t n = std::min(block_size, ctx - start);
+    const T* kb = k_head + row_blocks[b] * block_size * D;
+    // Prefetch two blocks ahead (one block's compute did not cover a fetch), and V's first two
+    // blocks during the last K block, so they arrive while the softmax runs.
+    if (start == 0) {
+      prefetch_block(kb, block_bytes);
+      if (block_size < ctx) prefetch_block(k_head + row_blocks[1] * block_size * D, block_bytes);
+    }
+    if (start + 2 * block_size < ctx) prefetch_block(k_head + row_blocks[b + 2] * block_size * D, block_bytes);
+    if (start + block_size >= ctx) {
+      prefetch_block(v_head + row_blocks[0] * block_size * D, block_bytes);
+      if (block_size < ctx) prefetch_block(v_head + row_blocks[1] * block_size * D, block_bytes);
+    }
+    int64_t t = 0;
+#if defined(__AVX512F__)
+    if constexpr (D % 16 == 0) {
+      for (; t + 4 <= n; t += 4)
+        for (int g = 0; g < G; ++g) dot4<T, D>(qf[g], kb + t * D, D, scores.data() + g * ctx + start + t);
+    }
+#endif
+    for (; t < n; ++t) {
+      const T* kr = kb + t * D;
+      for (int g = 0; g < G; ++g) {
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (int d = 0; d < D; ++d) s += qf[g][d] * static_cast<float>(kr[d]);
+        scores[g * ctx + start + t] = s;
+      }
+    }
+  }
+  // Softmax per query, unnormalised; the sum divides at the end.
+  float inv_sum[G];
+  for (int g = 0; g < G; ++g) {
+    float* sg = scores.data() + g * ctx;
+    float mx = sg[0];
+    for (int64_t i = 1; i < ctx; ++i) mx = std::max(mx, sg[i]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < ctx; ++i) {
+      sg[i] = std::exp(sg[i] - mx);
+      sum += sg[i];
+    }
+    inv_sum[g] = 1.f / sum;
+  }
+  // Pass 2: weighted sum of values, accumulated in registers.
+  for (int64_t start = 0, b = 0; start < ctx; start += block_size, ++b) {
+    const int64_t n = std::min(block_size, ctx - start);
+    const T* vb = v_head + row_blocks[b] * block_size * D;
+    if (start + 2 * block_size < ctx) prefetch_block(v_head + row_blocks[b + 2] * block_size * D, block_bytes);
+    for (int64_t t = 0; t < n; ++t) {
+      const T* vr = vb + t * D;
+      for (int g = 0; g < G; ++g) {
+        const float p = scores[g * ctx + start + t];
+#pragma omp simd
+        for (int d = 0; d < D; ++d) acc[g][d] += p * static_cast<float>(vr[d]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int d = 0; d < D; ++d) out_rows[g][d] = static_cast<T>(acc[g][d] * inv_sum[g]);
+}
+
+template <typename T, int G, int D>
+void decode_rows(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const at::Tensor& token_index, const at::Tensor& block_ids, const at::Tensor& context_lens,
+                 double scale, int64_t block_size) {
+  const int64_t rows = block_ids.size(0), max_blocks = block_ids.size(1);
+  const int64_t kv_heads = k_cache.size(0), slots = k_cache.size(1);
+  const int64_t q_row = q.stride(0), q_head = q.stride(1), o_row = out.stride(0), o_head = out.stride(1);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t* tok = token_index.data_ptr<int64_t>();
+  const int64_t* bids = block_ids.data_ptr<int64_t>();
+  const int64_t* ctxs = context_lens.data_ptr<int64_t>();
+  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / kv_heads, h = task % kv_heads;
+      const T* q_rows[G];
+      T* out_rows[G];
+      for (int g = 0; g < G; ++g) {
+        q_rows[g] = qp + tok[r] * q_row + (h * G + g) * q_head;
+        out_rows[g] = op + tok[r] * o_row + (h * G + g) * o_head;
+      }
+      decode_task<T, G, D>(q_rows, out_rows, kp + h * slots * D, vp + h * slots * D, bids + r * max_blocks, ctxs[r],
+                           block_size, static_cast<float>(scale), scores);
+    }
+  });
+}
+
+// The (group, head_dim) shapes compiled: G = query heads per KV head, D = head_dim.
+#define PIPELINE_SHAPES(X) X(1, 64) X(2, 64) X(3, 64) X(4, 64) X(5, 64) X(6, 64) X(8, 64) \
+  X(1, 128) X(2, 128) X(4, 128) X(8, 128)
+
+template <typename T>
+bool dispatch(int64_t group, int64_t dim, at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+              const at::Tensor& v_cache, const at::Tensor& token_index, const at::Tensor& block_ids,
+              const at::Tensor& context_lens, double scale, int64_t block_size) {
+#define PIPELINE_RUN(G, D)                                                                                      \
+  if (group == G && dim == D) {                                                                               \
+    decode_rows<T, G, D>(out, q, k_cache, v_cache, token_index, block_ids, context_lens, scale, block_size); \
+    return true;                                                                                              \
+  }
+  PIPELINE_SHAPES(PIPELINE_RUN)
+#undef PIPELINE_RUN
+  return false;
+}
+
+bool supports(int64_t group, int64_t dim) {
+#define PIPELINE_MATCH(G, D) if (group == G && dim == D) return true;
+  PIPELINE_SHAPES(PIPELINE_MATCH)
+#undef PIPELINE_MATCH
+  return false;
+}
+
+void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& token_index, const at::Tensor& block_ids, const at::Tensor& context_lens,
+                  double scale, int64_t block_size) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous [KVH, slots, D]");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "q and out need contiguous head_dim");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type(), "dtype mismatch");
+  TORCH_CHECK(block_ids.is_contiguous() && token_index.is_contiguous() && context_lens.is_contiguous(),
+              "index tensors must be contiguous");
+  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "query heads must be a multiple of KV heads");
+  const int64_t group = q.size(1) / k_cache.size(0), dim = k_cache.size(2);
+  bool done = false;
+  if (q.scalar_type() == at::kFloat) {
+    done = dispatch<float>(group, dim, out, q, k_cache, v_cache, token_index, block_ids, context_lens, scale,
+                           block_size);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    done = dispatch<at::BFloat16>(group, dim, out, q, k_cache, v_cache, token_index, block_ids, context_lens, scale,
+                                  block_size);
+  } else {
+    TORCH_CHECK(false, "paged_decode supports float32 and bfloat16, got ", q.scalar_type());
+  }
+  TORCH_CHECK(done, "paged_decode is not compiled for ", group, " query heads per KV head and head_dim ", dim);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pipeline_cpu, m) {
+  m.def(
+      "paged_decode(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor token_index, "
+      "Tensor block_ids, Tensor context_lens, float scale, int block_size) -> ()");
+  m.def("supports(int group, int head_dim) -> bool", &supports);
+}
+
+TORCH_LIBRARY_IMPL(pipeline_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }

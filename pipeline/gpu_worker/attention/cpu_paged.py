@@ -1,0 +1,128 @@
+"""The ``cpu_paged`` attention backend: decode rows read the paged cache in place.
+
+``torch_bucketed`` copies each bucket's blocks into a scratch buffer in every
+layer before its SDPA call: for a 64-request decode step at contexts of 300
+that is every row's whole K/V written once and read twice per layer, and on
+this project's CPU the gather and the small-query SDPA calls took about half
+of the step (docs/design.md, "The worker"). Here decode rows go through a
+C++ kernel (``cpu_paged.cpp``) that reads each row's keys and values block
+by block straight from the cache, as vLLM's CPU paged-attention kernel does:
+one task per (row, KV head), on torch's intra-op threads, its cost following
+the row's own context (no buckets, no padding). Prefill rows keep
+``torch_bucketed``'s path (one SDPA call per bucket: its GEMM-shaped work
+suits SDPA), and the cache memory is used head-major as there.
+
+The kernel is compiled for the host CPU at start-up by
+``torch.utils.cpp_extension`` (ninja and a C++ compiler; about 10 s, then
+cached). Where it cannot be built or loaded, :func:`unavailable_reason` says
+why and ``auto`` keeps ``torch_bucketed``.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import platform
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pipeline.gpu_worker.attention.backend import KVCache
+from pipeline.gpu_worker.attention.torch_bucketed import BucketedMetadata, TorchBucketedBackend, write_kv
+
+_SOURCE = Path(__file__).with_name("cpu_paged.cpp")
+# -march=native: the library is built on the machine that runs it. -ffast-math
+# lets the softmax's exp vectorize (glibc's libmvec) and the dot products
+# reassociate; both stay within float32 rounding of the reference (the tests'
+# 1e-5).
+_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"]
+
+
+def _host_tag() -> str:
+    """A short hash of this CPU's model and feature flags: a -march=native build is only valid on such a CPU."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))][:2]
+    except OSError:
+        lines = [platform.processor()]
+    return hashlib.sha256("\n".join([platform.machine(), *lines]).encode()).hexdigest()[:12]
+
+
+@functools.cache
+def unavailable_reason() -> str | None:
+    """None once the kernel is built and loaded (first call builds it), else why it cannot be.
+
+    The ops are then ``torch.ops.pipeline_cpu.paged_decode`` and ``.supports``.
+    """
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        return "no C++ compiler found"
+    try:
+        from torch.utils import cpp_extension
+
+        cpp_extension.load(f"pipeline_cpu_paged_{_host_tag()}", [str(_SOURCE)], extra_cflags=_CFLAGS,
+                           is_python_module=False, verbose=False)
+    except Exception as e:  # noqa: BLE001 -- any build or load failure means: use torch_bucketed
+        return f"building the kernel failed: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[-1]}"
+    return None
+
+
+@functools.cache
+def supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether the kernel is compiled for this attention shape (it is specialised per query group and head size).
+
+    Raises:
+        RuntimeError: the kernel is not available (see :func:`unavailable_reason`).
+    """
+    if unavailable_reason() is not None:
+        raise RuntimeError(f"cpu_paged kernel unavailable: {unavailable_reason()}")
+    return num_heads % num_kv_heads == 0 and torch.ops.pipeline_cpu.supports(num_heads // num_kv_heads, head_dim)
+
+
+class CpuPagedBackend(TorchBucketedBackend):
+    """Decode rows by the in-place paged kernel, prefill rows as ``torch_bucketed`` (see the module docstring).
+
+    Args:
+        slack, min_pad, min_query_pad: prefill bucket limits (see
+            :func:`~pipeline.gpu_worker.attention.torch_bucketed.plan_buckets`).
+
+    Raises:
+        RuntimeError: the kernel cannot be built or loaded here (the reason is given).
+    """
+
+    name = "cpu_paged"
+
+    def __init__(self, **limits) -> None:
+        super().__init__(head_major=True, **limits)
+        reason = unavailable_reason()
+        if reason is not None:
+            raise RuntimeError(f"attention backend cpu_paged cannot run here: {reason}")
+        self._kernel = torch.ops.pipeline_cpu.paged_decode
+
+    def plan_decode(self, context_lens: np.ndarray) -> list[np.ndarray]:
+        """All decode rows in one bucket: the kernel's cost already follows each row's own context."""
+        return [np.arange(context_lens.size)]
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        meta: BucketedMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        k_cache, v_cache = write_kv(kv_cache, k, v, meta.slot_mapping, head_major=True)
+        out = q.new_empty(q.shape)
+        for b in meta.decode:
+            if supports(q.shape[1], k.shape[1], q.shape[2]):
+                # Reads q and writes out at each row's token index: no gathered copies.
+                self._kernel(out, q, k_cache, v_cache, b.token_index, b.block_ids, b.context_lens, scale,
+                             meta.block_size)
+            else:  # a shape the kernel is not built for: correct, padded to the longest row
+                out.index_copy_(0, b.out_tokens, self.attend_bucket(q, k_cache, v_cache, b, meta.block_size, scale))
+        for b in meta.prefill:
+            out.index_copy_(0, b.out_tokens, self.attend_bucket(q, k_cache, v_cache, b, meta.block_size, scale))
+        return out
