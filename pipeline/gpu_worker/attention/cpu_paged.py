@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import platform
 import shutil
 from pathlib import Path
@@ -31,6 +32,8 @@ import torch
 
 from pipeline.gpu_worker.attention.backend import KVCache
 from pipeline.gpu_worker.attention.torch_bucketed import BucketedMetadata, TorchBucketedBackend, write_kv
+
+logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_paged.cpp")
 # -march=native: the library is built on the machine that runs it. -ffast-math
@@ -59,6 +62,9 @@ def unavailable_reason() -> str | None:
     compiler = shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         return "no C++ compiler found"
+    # The first start on a machine compiles (10-30 s): say so rather than look hung.
+    logger.info("cpu_paged: loading the attention kernel (compiled for this CPU on its first start, 10-30 s; "
+                "cached after)")
     try:
         from torch.utils import cpp_extension
 
