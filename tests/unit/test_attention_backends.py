@@ -27,7 +27,7 @@ import torch
 
 from pipeline.gpu_worker.attention import TorchSDPABackend, make_backend
 from pipeline.gpu_worker.attention.backend import StepLayout
-from pipeline.gpu_worker.attention.torch_bucketed import TorchBucketedBackend, plan_buckets
+from pipeline.gpu_worker.attention.torch_bucketed import PrefixTable, TorchBucketedBackend, plan_buckets
 from pipeline.server_args import build_parser, make_config
 
 CPU = torch.device("cpu")
@@ -236,3 +236,13 @@ def test_plan_buckets_groups_uniform_and_long_tail():
     assert len(buckets) <= 16
     padded = sum(len(b) * ctx[b].max() for b in buckets)
     assert padded <= 1.25 * ctx.sum() + 64 * len(ctx)
+
+
+def test_prefix_table_rows_are_the_comparison_they_replace():
+    """Gathered masks equal ``arange(width) < length``: first use, a wider step (the table grows), a
+    narrower one (a column slice of the grown table), and past the table's limit (computed)."""
+    table = PrefixTable()
+    gen = torch.Generator().manual_seed(0)
+    for width in (5, 300, 40, 5000):
+        lengths = torch.randint(0, width + 1, (64,), generator=gen)
+        assert torch.equal(table.rows(lengths, width), torch.arange(width)[None, :] < lengths[:, None])
