@@ -176,9 +176,10 @@ class UploadBatch:
     def __init__(self) -> None:
         self._staged: list[Staged] = []
 
-    def add(self, a: np.ndarray, dtype: type | None = None) -> Staged:
-        """Stage ``a`` (cast to ``dtype`` if given; int64, int32 or float32); its ``dev`` is set by :meth:`upload`."""
-        s = Staged(a if dtype is None else np.asarray(a, dtype=dtype))
+    def add(self, a: np.ndarray, dtype: type = np.int64) -> Staged:
+        """Stage ``a`` cast to ``dtype`` (int64, int32 or float32; no copy if it has it); its ``dev`` is set by
+        :meth:`upload`."""
+        s = Staged(np.asarray(a, dtype=dtype))
         self._staged.append(s)
         return s
 

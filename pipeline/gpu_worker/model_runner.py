@@ -256,7 +256,7 @@ class ModelRunner:
             out.top_k, out.top_p, out.min_p = s.host_top_k[hot_slots], s.host_top_p[hot_slots], s.host_min_p[hot_slots]
         if len(x.mask_rows):  # structured output: the descriptor rows become sampled-row indices
             out.mask_rows = batch.add(np.searchsorted(rows, x.mask_rows))
-            out.bitmask = batch.add(x.bitmask, np.int64)
+            out.bitmask = batch.add(x.bitmask)  # int32 words, widened
         if s.penalty is not None and s.any_penalty_work:
             out.penalties = plan_penalties(
                 sample_slots, positions - s.host_prompt_len[sample_slots], s.host_penalized[sample_slots],

@@ -173,7 +173,7 @@ class SlotState:
             floats[:, col] = values
         ints = np.empty((len(slots), 2), dtype=np.int64)
         ints[:, TOP_K], ints[:, SEED] = x.top_k, x.seed
-        u.slots, u.floats, u.ints = batch.add(slots), batch.add(floats), batch.add(ints)
+        u.slots, u.floats, u.ints = batch.add(slots), batch.add(floats, np.float32), batch.add(ints)
         self.host_temperature[slots], self.host_top_p[slots] = x.temperature, x.top_p
         self.host_top_k[slots], self.host_min_p[slots] = x.top_k, x.min_p
         self.host_logprobs[slots] = x.logprobs
@@ -188,7 +188,7 @@ class SlotState:
             if x.num_logit_bias.any():
                 # Entries past a row's count become (token 0, +0): adding them changes nothing.
                 unused = np.arange(MAX_LOGIT_BIAS)[None, :] >= x.num_logit_bias[:, None]
-                u.bias_ids = batch.add(np.where(unused, 0, x.logit_bias_ids), np.int64)
+                u.bias_ids = batch.add(np.where(unused, 0, x.logit_bias_ids))
                 u.bias_values = batch.add(np.where(unused, 0, x.logit_bias_values), np.float32)
             if penalized.any():
                 u.fresh = batch.add(slots[penalized])

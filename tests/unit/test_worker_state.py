@@ -80,7 +80,7 @@ def test_an_upload_batch_keeps_each_arrays_dtype_and_shape_on_the_cuda_path():
               np.arange(6, dtype=np.int32).reshape(2, 3), np.zeros(0, dtype=np.int64),
               np.full((4, 6), -2.5, dtype=np.float32), np.array([2**40 + 1])]
     batch = UploadBatch()
-    staged = [batch.add(a) for a in arrays] + [batch.add([7, 8], np.int64)]
+    staged = [batch.add(a, a.dtype) for a in arrays] + [batch.add([7, 8])]
     batch.upload(ops)
     for s, a in zip(staged, arrays + [np.array([7, 8])], strict=True):
         assert s.dev.shape == a.shape and s.dev.numpy().dtype == a.dtype
