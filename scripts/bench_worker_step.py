@@ -7,7 +7,10 @@ prefill step starts ``--batch`` requests, then decode steps follow in which
 every input is a placeholder and one row in ``--block-size`` gets a new
 block-table entry (the rows' positions are staggered, as in a server). Each
 step's CPU time (``time.thread_time_ns``) is recorded; the script prints the
-decode steps' p50, p90, p99 and max in microseconds.
+decode steps' p50, p90, p99 and max in microseconds. With ``--repeat N`` the
+whole sequence runs N times, on a fresh runner each, and each step counts its
+least CPU time of the N: on a shared machine other work inflates CPU time too
+(caches, SMT siblings), and the minimum is what the step itself costs.
 
 ``--ops cpu`` is what ``pipeline-bench --model sim`` runs (CPU torch: uploads
 are views of the host arrays); ``--ops async`` is the CUDA code path
@@ -108,16 +111,19 @@ def _descriptors(config: EngineConfig, batch: int, steps: int, prompt: int, kind
     return out
 
 
-def run(batch: int, steps: int, ops_kind: str, kind: str, profile: str | None = None) -> np.ndarray:
-    """Per-decode-step CPU microseconds of read_descriptor + launch + finish."""
+def _config(batch: int) -> EngineConfig:
+    return EngineConfig(model="sim", served_model_name="sim", max_num_seqs=batch,
+                        max_num_batched_tokens=max(8192, batch * 48), block_size=16, max_model_len=2048,
+                        num_kv_blocks=batch * 128)
+
+
+def run(batch: int, descs: list[bytes], ops_kind: str, profile: str | None = None) -> np.ndarray:
+    """Per-decode-step CPU microseconds of read_descriptor + launch + finish over ``descs`` (prefill first)."""
     torch.set_num_threads(1)
-    config = EngineConfig(model="sim", served_model_name="sim", max_num_seqs=batch,
-                          max_num_batched_tokens=max(8192, batch * 48), block_size=16, max_model_len=2048,
-                          num_kv_blocks=batch * 128)
+    config = _config(batch)
     cpu = torch.device("cpu")
     ops = DeviceOps(cpu) if ops_kind == "cpu" else _HostAsyncOps(cpu)
     runner = ModelRunner(config, SimExecutor(SimulatedDevice(0, 0)), cpu, ops)
-    descs = _descriptors(config, batch, steps, 32, kind)
     slot_buf = bytearray(config.descriptor_layout.nbytes)
     slot = StepDescriptor(config.descriptor_layout.views(slot_buf))
     times = []
@@ -144,15 +150,17 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200, help="decode steps timed")
     p.add_argument("--ops", nargs="+", choices=["cpu", "async"], default=["cpu", "async"])
     p.add_argument("--params", nargs="+", choices=["greedy", "sampled", "mixed"], default=["greedy", "mixed"])
+    p.add_argument("--repeat", type=int, default=1, help="runs per case; each step's least CPU time counts")
     p.add_argument("--profile", help="write a cProfile of the decode steps here (first case only)")
     args = p.parse_args()
     print("| batch | ops | params | p50 us | p90 us | p99 us | max us | mean us |")
     print("|---|---|---|---|---|---|---|---|")
     profile = args.profile
     for batch in args.batch:
-        for ops in args.ops:
-            for kind in args.params:
-                t = run(batch, args.steps, ops, kind, profile)
+        for kind in args.params:
+            descs = _descriptors(_config(batch), batch, args.steps, 32, kind)
+            for ops in args.ops:
+                t = np.min([run(batch, descs, ops, profile if r == 0 else None) for r in range(args.repeat)], axis=0)
                 profile = None
                 p50, p90, p99 = np.percentile(t, [50, 90, 99])
                 print(f"| {batch} | {ops} | {kind} | {p50:.0f} | {p90:.0f} | {p99:.0f} | {t.max():.0f} | "
