@@ -6,6 +6,8 @@ every transfer follows one of two patterns, both here:
 
 * **host -> device** (:meth:`DeviceOps.upload`): host arrays are packed into
   one staging buffer (pinned on CUDA) and copied with ``non_blocking=True``.
+  An :class:`UploadBatch` collects the arrays of several parts of a step
+  (each keeping its dtype) so that they travel in one such copy.
   A copy from pageable memory would be synchronous. The caching host
   allocator keeps a pinned buffer from being reused until its copy has run.
 * **device -> host** (:meth:`DeviceOps.copy_to_host`): a copy into a fresh
@@ -26,7 +28,11 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.float32): torch.float32}
+_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
+                 np.dtype(np.float32): torch.float32}
+# Each array starts at a multiple of this many bytes of the staging buffer, so
+# its slice of the device copy can be viewed as its dtype.
+_ALIGN = 8
 
 
 class DeviceOps:
@@ -44,12 +50,16 @@ class DeviceOps:
         self.device = device
 
     def upload(self, arrays: Sequence[np.ndarray], dtype: type = np.int64) -> list[torch.Tensor]:
-        """Device copies of ``arrays`` (each cast to ``dtype``: int64 or float32), in order.
+        """Device copies of ``arrays`` (each cast to ``dtype``: int64, int32 or float32), in order, in one copy.
 
         On CPU torch these share memory with the cast arrays: callers pass
         arrays they no longer change.
         """
-        return [torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)) for a in arrays]
+        return self.upload_mixed([np.asarray(a, dtype=dtype) for a in arrays])
+
+    def upload_mixed(self, arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
+        """Device copies of ``arrays``, each keeping its own dtype (int64, int32 or float32), in one copy."""
+        return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
 
     def copy_to_host(self, t: torch.Tensor) -> tuple[torch.Tensor, object | None]:
         """Start copying ``t`` to the host; returns ``(host tensor, done event or None)``.
@@ -88,21 +98,19 @@ class AsyncOps(DeviceOps):
     def keep_alive_for_copy(self, t: torch.Tensor) -> None:
         """Tell the allocator that the copy stream still reads ``t``."""
 
-    def upload(self, arrays: Sequence[np.ndarray], dtype: type = np.int64) -> list[torch.Tensor]:
-        sizes = [a.size for a in arrays]
-        total = sum(sizes)
-        host = self.host_buffer(max(total, 1), _TORCH_DTYPES[np.dtype(dtype)])
-        view, offset = host.numpy(), 0
-        for a, n in zip(arrays, sizes, strict=True):
-            view[offset:offset + n] = a.ravel()
-            offset += n
-        dev = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+    def upload_mixed(self, arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
+        offsets, total = [], 0
+        for a in arrays:
+            offsets.append(total)
+            total += -(-a.nbytes // _ALIGN) * _ALIGN
+        host = self.host_buffer(max(total, _ALIGN), torch.uint8)
+        view = host.numpy()
+        for a, off in zip(arrays, offsets, strict=True):
+            view[off:off + a.nbytes].view(a.dtype)[:] = a.reshape(-1)
+        dev = torch.empty(host.shape, dtype=torch.uint8, device=self.device)
         dev.copy_(host, non_blocking=True)
-        out, offset = [], 0
-        for a, n in zip(arrays, sizes, strict=True):
-            out.append(dev[offset:offset + n].view(a.shape))
-            offset += n
-        return out
+        return [dev[off:off + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape)
+                for a, off in zip(arrays, offsets, strict=True)]
 
     def copy_to_host(self, t: torch.Tensor) -> tuple[torch.Tensor, object]:
         ready = self.new_event()
@@ -142,6 +150,45 @@ class CudaOps(AsyncOps):
 
     def keep_alive_for_copy(self, t: torch.Tensor) -> None:
         t.record_stream(self.copy_stream)
+
+
+class Staged:
+    """One host array of an :class:`UploadBatch`; ``dev`` is its device copy once the batch is uploaded."""
+
+    __slots__ = ("host", "dev")
+
+    def __init__(self, host: np.ndarray):
+        self.host = host
+        self.dev: torch.Tensor | None = None
+
+
+class UploadBatch:
+    """Host arrays from the parts of one step, copied to the device together (docs/design.md, "The worker").
+
+    Each part of a step first decides on the host what it will need
+    (:meth:`add` returns a :class:`Staged` handle), then :meth:`upload` makes
+    one staging buffer and one non-blocking copy for all of them, and the
+    parts enqueue their device work reading ``handle.dev``. A copy costs the
+    host a pinned buffer, a device buffer and a copy call whatever its size,
+    so a step pays that once, not once per part.
+    """
+
+    def __init__(self) -> None:
+        self._staged: list[Staged] = []
+
+    def add(self, a: np.ndarray, dtype: type = np.int64) -> Staged:
+        """Stage ``a`` cast to ``dtype`` (int64, int32 or float32; no copy if it has it); its ``dev`` is set by
+        :meth:`upload`."""
+        s = Staged(np.asarray(a, dtype=dtype))
+        self._staged.append(s)
+        return s
+
+    def upload(self, ops: DeviceOps) -> None:
+        """Copy every staged array to the device in one transfer (none if nothing is staged)."""
+        if self._staged:
+            for s, d in zip(self._staged, ops.upload_mixed([s.host for s in self._staged]), strict=True):
+                s.dev = d
+            self._staged = []
 
 
 def device_ops(device: torch.device) -> DeviceOps:

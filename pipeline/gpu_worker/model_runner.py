@@ -1,10 +1,12 @@
 """Turns a StepDescriptor into enqueued device work and, later, host tokens.
 
-:meth:`ModelRunner.launch` runs four named steps (docs/design.md, "The step
-protocol"; "The worker"):
+:meth:`ModelRunner.launch` first decides on the host everything the step
+needs from the device and stages those arrays in one
+:class:`~pipeline.gpu_worker.device.UploadBatch`, copied up at once; it then
+runs four named steps (docs/design.md, "The step protocol"; "The worker"):
 
-1. :meth:`~ModelRunner._apply_slot_updates`: new block-table entries and the
-   sampling parameters of rows new in their slot, written on the device;
+1. ``SlotState.write``: new block-table entries and the sampling parameters
+   of rows new in their slot, written on the device;
 2. :meth:`~ModelRunner._resolve_placeholders`: placeholder inputs read the
    token-id cache on the device; poison mode poisons what they read and
    computes a "stale" flag on the device; the inputs of slots with penalties
@@ -35,12 +37,12 @@ import torch
 from pipeline.common.config import EngineConfig
 from pipeline.common.step_protocol import MAX_LOGPROBS, PLACEHOLDER_TOKEN_ID, StepInputs, TokenLogprobs
 from pipeline.gpu_worker.attention.backend import StepLayout
-from pipeline.gpu_worker.device import DeviceClock, DeviceOps, device_ops
+from pipeline.gpu_worker.device import DeviceClock, DeviceOps, Staged, UploadBatch, device_ops
 from pipeline.gpu_worker.executor import Executed, Executor, LogprobInputs, LogprobTensors, SamplingInputs
 from pipeline.gpu_worker.logprobs import PromptLogprobPlan
-from pipeline.gpu_worker.penalties import plan_penalties
+from pipeline.gpu_worker.penalties import PenaltyPlan, plan_penalties
 from pipeline.gpu_worker.sampler import SamplingPlan
-from pipeline.gpu_worker.slot_state import POISON_TOKEN_ID, SlotState
+from pipeline.gpu_worker.slot_state import MIN_P, POISON_TOKEN_ID, SEED, TEMPERATURE, TOP_K, TOP_P, SlotState
 
 __all__ = ["POISON_TOKEN_ID", "LaunchedStep", "ModelRunner", "StaleTokenError"]
 
@@ -81,6 +83,48 @@ class LaunchedStep:
         return self.done is None or self.done.query()
 
 
+@dataclass
+class _Placeholders:
+    """A step's input ids, and where placeholders are and which slot each reads (staged; None: none)."""
+
+    token_ids: Staged  # [T] int64
+    index: Staged | None = None  # [P] int64 step-token index of each placeholder
+    slots: Staged | None = None  # [P] int64 the slot each reads
+    host_slots: np.ndarray | None = None  # the same, on the host (poison mode names them)
+
+
+@dataclass
+class _Sampling:
+    """A step's sampling decided on the host (staged arrays; None: not needed).
+
+    ``last``/``sample_slots [S]``: step-token index and slot of each sampled
+    row. ``hot [R]``: the sampled rows with temperature > 0, with their
+    ``hot_slots`` and ``positions``, and host copies of their ``top_k``,
+    ``top_p`` and ``min_p`` for the :class:`SamplingPlan`.
+    """
+
+    last: Staged
+    sample_slots: Staged
+    hot: Staged | None = None
+    hot_slots: Staged | None = None
+    positions: Staged | None = None
+    top_k: np.ndarray | None = None
+    top_p: np.ndarray | None = None
+    min_p: np.ndarray | None = None
+    mask_rows: Staged | None = None
+    bitmask: Staged | None = None
+    penalties: PenaltyPlan | None = None
+
+
+@dataclass
+class _Logprobs:
+    """The staged arrays of :class:`~pipeline.gpu_worker.executor.LogprobInputs` (None: none)."""
+
+    rows: Staged | None = None
+    prompt_positions: Staged | None = None
+    prompt_targets: Staged | None = None
+
+
 class ModelRunner:
     """Runs steps of a model on one device.
 
@@ -100,6 +144,9 @@ class ModelRunner:
         self.poison = config.debug_token_cache_poison
         self.clock = DeviceClock()
         self._in_flight = 0  # launched, not yet finished
+        # The sampling parameters of a batch with no row to sample with temperature: empty, never read.
+        f, i = (torch.zeros(0, dtype=d, device=device) for d in (torch.float32, torch.int64))
+        self._no_rows = (f, f, i, i, i, f)  # temperature, top_p, top_k, seed, position, min_p
 
     @property
     def token_cache(self) -> torch.Tensor:
@@ -115,6 +162,11 @@ class ModelRunner:
         tensor the step reads is written in stream order before it, so
         per-slot state of steps still queued is never changed under them.
 
+        Every part of the step first decides on the host what it needs and
+        stages its arrays; one upload then copies them all (the attention
+        metadata makes the step's only other copy), and the device work
+        follows in stream order.
+
         Raises:
             ValueError: a token id or position the model cannot take (checked
                 on the host: on CUDA it would be an asynchronous device assert).
@@ -124,10 +176,17 @@ class ModelRunner:
             # Idle device: this event runs at once, so it pins device time to host time.
             step.anchor = DeviceClock.anchor(self.ops.new_event(timing=True))
         self._check_inputs(x)
-        self._apply_slot_updates(x)
-        input_ids = self._resolve_placeholders(x, step)
-        self.slots.count_inputs(x, input_ids)
-        executed = self._forward_and_sample(x, input_ids, step)
+        batch = UploadBatch()
+        update = self.slots.stage(x, batch)
+        placeholders = self._stage_placeholders(x, batch)
+        counts = self.slots.stage_counts(x, batch)
+        sampling = self._stage_sampling(x, batch)
+        logprobs = self._stage_logprobs(x, step, batch)
+        batch.upload(self.ops)
+        self.slots.write(update)
+        input_ids = self._resolve_placeholders(placeholders, step)
+        self.slots.count_inputs(counts, input_ids)
+        executed = self._forward_and_sample(x, input_ids, sampling, logprobs, step)
         self._start_host_copy(step, executed)
         self._in_flight += 1
         return step
@@ -141,99 +200,124 @@ class ModelRunner:
         if max_pos is not None and len(x.start_pos) and int((x.start_pos + x.query_lens).max()) > max_pos:
             raise ValueError(f"step {x.step_id}: a position reaches max_position_embeddings {max_pos}")
 
-    def _apply_slot_updates(self, x: StepInputs) -> None:
-        """Block-table entries and the sampling parameters of rows new in their slot, on the device."""
-        self.slots.apply(x)
+    def _stage_placeholders(self, x: StepInputs, batch: UploadBatch) -> _Placeholders:
+        """Stage the input ids and, if any, which of them are placeholders and whose slot each reads."""
+        ph = _Placeholders(batch.add(x.token_ids))
+        is_placeholder = x.token_ids == PLACEHOLDER_TOKEN_ID
+        if is_placeholder.any():
+            idx = np.flatnonzero(is_placeholder)
+            if len(x.token_ids) == len(x.slot):  # one token per row (decode): token i is row i's
+                ph_slots = x.slot[idx]
+            else:
+                ph_slots = x.slot[np.repeat(np.arange(len(x.slot)), x.query_lens)[idx]]
+            ph.index, ph.slots, ph.host_slots = batch.add(idx), batch.add(ph_slots), ph_slots
+        return ph
 
-    def _resolve_placeholders(self, x: StepInputs, step: LaunchedStep) -> torch.Tensor:
+    def _resolve_placeholders(self, ph: _Placeholders, step: LaunchedStep) -> torch.Tensor:
         """``[T]`` int64 device input ids, placeholders read from the token-id cache.
 
         In poison mode each consumed cache entry is overwritten with
         :data:`POISON_TOKEN_ID`, and ``step.stale`` gets, per placeholder, a
         device flag "read a poisoned entry" that :meth:`finish` checks.
         """
-        is_placeholder = x.token_ids == PLACEHOLDER_TOKEN_ID
-        if not is_placeholder.any():
-            return self.ops.upload([x.token_ids])[0]
-        idx = np.flatnonzero(is_placeholder)
-        row_of_token = np.repeat(np.arange(len(x.slot)), x.query_lens)
-        ph_slots = x.slot[row_of_token[idx]]
-        input_ids, idx_d, ph_slots_d = self.ops.upload([x.token_ids, idx, ph_slots])
+        input_ids = ph.token_ids.dev
+        if ph.index is None:
+            return input_ids
         cache = self.slots.token_cache
-        resolved = cache.index_select(0, ph_slots_d)
+        resolved = cache.index_select(0, ph.slots.dev)
         if self.poison:
-            step.stale, step.stale_slots = (resolved < 0).long(), ph_slots
-            cache.index_fill_(0, ph_slots_d, POISON_TOKEN_ID)
+            step.stale, step.stale_slots = (resolved < 0).long(), ph.host_slots
+            cache.index_fill_(0, ph.slots.dev, POISON_TOKEN_ID)
         # A stale read must not reach the embedding as a negative id (an
         # asynchronous device assert on CUDA); poison mode reports it in finish().
-        input_ids.index_copy_(0, idx_d, resolved.clamp(min=0))
+        input_ids.index_copy_(0, ph.index.dev, resolved.clamp(min=0))
         return input_ids
 
-    def _sampling_inputs(self, x: StepInputs) -> tuple[torch.Tensor, torch.Tensor, SamplingInputs]:
-        """``(last [S], sample slots [S], sampling)`` on the device for the sampled rows.
+    def _stage_sampling(self, x: StepInputs, batch: UploadBatch) -> _Sampling:
+        """Stage what sampling the step's sampled rows needs, decided on the host.
 
         Which rows are greedy, what filtering runs and which rows get
         penalties is decided from the host mirror of the slots' parameters
         and the descriptor's positions; the values are gathered from the
-        device copy.
+        device copy in :meth:`_sampling_inputs`. A batch where no slot
+        samples with temperature, or none has penalties, skips that planning.
         """
         rows = x.sample_rows
-        last = (np.cumsum(x.query_lens) - 1)[rows]
+        # One token per row (decode): each row's last token is its own index.
+        last = rows if len(x.token_ids) == len(x.slot) else (np.cumsum(x.query_lens) - 1)[rows]
         sample_slots = x.slot[rows]
         positions = x.start_pos[rows] + x.query_lens[rows]
-        hot = np.flatnonzero(self.slots.host_temperature[sample_slots] > 0)
-        hot_slots = sample_slots[hot]
-        last_d, slots_d, hot_d, hot_slots_d, positions_d = self.ops.upload(
-            [last, sample_slots, hot, hot_slots, positions[hot]])
         s = self.slots
-        plan = SamplingPlan.build(hot_d if hot.size else None, s.host_top_k[hot_slots], s.host_top_p[hot_slots],
-                                  self.executor.vocab_size or np.iinfo(np.int64).max,
-                                  host_reads_ok=not self.ops.is_async, min_p=s.host_min_p[hot_slots])
-        sampling = SamplingInputs(plan, *(t.index_select(0, hot_slots_d) for t in (s.temperature, s.top_p, s.top_k,
-                                                                                   s.seed)), position=positions_d,
-                                  min_p=s.min_p.index_select(0, hot_slots_d))
+        out = _Sampling(batch.add(last), batch.add(sample_slots))
+        hot = np.flatnonzero(s.host_temperature[sample_slots] > 0) if s.any_hot else ()
+        if len(hot):
+            hot_slots = sample_slots[hot]
+            out.hot, out.hot_slots, out.positions = batch.add(hot), batch.add(hot_slots), batch.add(positions[hot])
+            out.top_k, out.top_p, out.min_p = s.host_top_k[hot_slots], s.host_top_p[hot_slots], s.host_min_p[hot_slots]
         if len(x.mask_rows):  # structured output: the descriptor rows become sampled-row indices
-            sampling.mask_rows, sampling.bitmask = self.ops.upload([np.searchsorted(rows, x.mask_rows), x.bitmask])
-        if s.penalty is not None:
-            sampling.penalty_state = s.penalty
-            sampling.penalties = plan_penalties(
+            out.mask_rows = batch.add(np.searchsorted(rows, x.mask_rows))
+            out.bitmask = batch.add(x.bitmask)  # int32 words, widened
+        if s.penalty is not None and s.any_penalty_work:
+            out.penalties = plan_penalties(
                 sample_slots, positions - s.host_prompt_len[sample_slots], s.host_penalized[sample_slots],
-                s.host_num_bias[sample_slots], s.host_min_tokens[sample_slots],
-                s.host_stop_ids, self.ops.upload)
-        return last_d, slots_d, sampling
-
-    def _logprob_inputs(self, x: StepInputs, step: LaunchedStep) -> LogprobInputs:
-        """Which sampled rows and prompt positions get log-probabilities, decided on the host.
-
-        Sampled rows come from the host mirror of the slots' ``logprobs``;
-        prompt positions from the descriptor (:class:`PromptLogprobPlan`).
-        """
-        out = LogprobInputs()
-        rows = np.flatnonzero(self.slots.host_logprobs[x.slot[x.sample_rows]] >= 0)
-        plan = PromptLogprobPlan.of(x)
-        arrays = ([rows] if len(rows) else []) + ([plan.flat, plan.next_token] if plan is not None else [])
-        if not arrays:
-            return out
-        uploaded = self.ops.upload(arrays)
-        if len(rows):
-            step.lp_rows, out.rows = rows, uploaded.pop(0)
-        if plan is not None:
-            step.prompt_plan, (out.prompt_positions, out.prompt_targets) = plan, uploaded
+                s.host_num_bias[sample_slots], s.host_min_tokens[sample_slots], s.host_stop_ids)
+            if out.penalties is not None:
+                out.penalties.stage(batch)
         return out
 
-    def _forward_and_sample(self, x: StepInputs, input_ids: torch.Tensor, step: LaunchedStep) -> Executed:
+    def _sampling_inputs(self, st: _Sampling) -> SamplingInputs:
+        """The :class:`SamplingInputs` of a staged plan (its batch uploaded): parameters gathered on the device."""
+        s = self.slots
+        if st.hot is None:
+            sampling = SamplingInputs(SamplingPlan(rows=None), *self._no_rows)
+        else:
+            vocab = self.executor.vocab_size or np.iinfo(np.int64).max
+            plan = SamplingPlan.build(st.hot.dev, st.top_k, st.top_p, vocab, host_reads_ok=not self.ops.is_async,
+                                      min_p=st.min_p)
+            # One gather per parameter table; the columns are views of it.
+            f = s.float_params.index_select(0, st.hot_slots.dev)
+            i = s.int_params.index_select(0, st.hot_slots.dev)
+            sampling = SamplingInputs(plan, temperature=f[:, TEMPERATURE], top_p=f[:, TOP_P], top_k=i[:, TOP_K],
+                                      seed=i[:, SEED], position=st.positions.dev, min_p=f[:, MIN_P])
+        if st.mask_rows is not None:
+            sampling.mask_rows, sampling.bitmask = st.mask_rows.dev, st.bitmask.dev
+        if st.penalties is not None:
+            sampling.penalty_state = s.penalty
+            sampling.penalties = st.penalties.on_device()
+        return sampling
+
+    def _stage_logprobs(self, x: StepInputs, step: LaunchedStep, batch: UploadBatch) -> _Logprobs:
+        """Stage which sampled rows and prompt positions get log-probabilities, decided on the host.
+
+        Sampled rows come from the host mirror of the slots' ``logprobs``
+        (skipped when no slot wants any); prompt positions from the
+        descriptor (:class:`PromptLogprobPlan`).
+        """
+        out = _Logprobs()
+        rows = np.flatnonzero(self.slots.host_logprobs[x.slot[x.sample_rows]] >= 0) if self.slots.any_logprobs else ()
+        if len(rows):
+            step.lp_rows, out.rows = rows, batch.add(rows)
+        plan = PromptLogprobPlan.of(x)
+        if plan is not None:
+            step.prompt_plan = plan
+            out.prompt_positions, out.prompt_targets = batch.add(plan.flat), batch.add(plan.next_token)
+        return out
+
+    def _forward_and_sample(self, x: StepInputs, input_ids: torch.Tensor, staged_sampling: _Sampling,
+                            staged_logprobs: _Logprobs, step: LaunchedStep) -> Executed:
         """Build the attention metadata, run the executor, write the token-id cache."""
         layout = StepLayout.build(x.query_lens, x.start_pos, x.slot, self.config.block_size,
                                   self.config.max_blocks_per_seq)
         meta = self.executor.attn_backend.build_metadata(layout, self.slots.block_table, self.ops.upload)
-        last, sample_slots, sampling = self._sampling_inputs(x)
-        logprobs = self._logprob_inputs(x, step)
+        sampling = self._sampling_inputs(staged_sampling)
+        logprobs = LogprobInputs(*(a.dev if a is not None else None for a in (
+            staged_logprobs.rows, staged_logprobs.prompt_positions, staged_logprobs.prompt_targets)))
         step.prepare_end_ns = time.monotonic_ns()
 
         step.start_event = self.ops.timing_event()
         device_start = time.monotonic_ns()
-        executed = self.executor.execute(input_ids, meta, last, sampling, logprobs)
-        self.slots.token_cache.index_copy_(0, sample_slots, executed.tokens)
+        executed = self.executor.execute(input_ids, meta, staged_sampling.last.dev, sampling, logprobs)
+        self.slots.token_cache.index_copy_(0, staged_sampling.sample_slots.dev, executed.tokens)
         step.launch_ns = time.monotonic_ns()
         if executed.done is not None:  # the simulated device's own timeline
             step.device_start_ns, step.device_end_ns = executed.device_start_ns, executed.device_end_ns

@@ -27,11 +27,13 @@ the descriptor's positions.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from pipeline.gpu_worker.device import Staged, UploadBatch
 
 
 @dataclass
@@ -56,9 +58,39 @@ class PenaltyInputs:
     min_tokens_ids: torch.Tensor | None = None
 
 
+@dataclass
+class PenaltyPlan:
+    """The host half of :class:`PenaltyInputs` (numpy int64), decided by :func:`plan_penalties`.
+
+    :meth:`stage` puts its arrays into the step's upload batch;
+    :meth:`on_device`, after the batch is uploaded, gives the inputs.
+    """
+
+    rows: np.ndarray
+    slots: np.ndarray
+    use_bias: bool
+    use_penalties: bool
+    min_tokens_rows: np.ndarray | None = None
+    min_tokens_ids: np.ndarray | None = None
+    _staged: list[Staged] = field(default_factory=list)
+
+    def stage(self, batch: UploadBatch) -> None:
+        """Add the plan's arrays to ``batch``."""
+        arrays = [self.rows, self.slots]
+        if self.min_tokens_rows is not None:
+            arrays += [self.min_tokens_rows, self.min_tokens_ids]
+        self._staged = [batch.add(a) for a in arrays]
+
+    def on_device(self) -> PenaltyInputs:
+        """The :class:`PenaltyInputs` of the staged arrays (their batch uploaded)."""
+        dev = [s.dev for s in self._staged]
+        has_min = self.min_tokens_rows is not None
+        return PenaltyInputs(rows=dev[0], slots=dev[1], use_bias=self.use_bias, use_penalties=self.use_penalties,
+                             min_tokens_rows=dev[2] if has_min else None, min_tokens_ids=dev[3] if has_min else None)
+
+
 def plan_penalties(slots: np.ndarray, output_index: np.ndarray, penalized: np.ndarray, num_bias: np.ndarray,
-                   min_tokens: np.ndarray, stop_ids: Sequence[np.ndarray],
-                   upload: Callable[[list[np.ndarray]], list[torch.Tensor]]) -> PenaltyInputs | None:
+                   min_tokens: np.ndarray, stop_ids: Sequence[np.ndarray]) -> PenaltyPlan | None:
     """Decide on the host which sampled rows get what; None when no row gets anything.
 
     Args:
@@ -68,22 +100,18 @@ def plan_penalties(slots: np.ndarray, output_index: np.ndarray, penalized: np.nd
         penalized, num_bias, min_tokens: ``[S]`` the slots' host mirrors
             (``min_tokens`` 0 where there are no stop ids to mask).
         stop_ids: per slot (all slots), the ids ``min_tokens`` masks.
-        upload: host arrays to int64 device tensors (``DeviceOps.upload``).
     """
     masks_stop = output_index < min_tokens
     rows = np.flatnonzero(penalized | (num_bias > 0) | masks_stop)
     if not len(rows):
         return None
-    arrays = [rows, slots[rows]]
+    plan = PenaltyPlan(rows=rows, slots=slots[rows], use_bias=bool((num_bias[rows] > 0).any()),
+                       use_penalties=bool(penalized[rows].any()))
     stopped = np.flatnonzero(masks_stop[rows])
     if len(stopped):
         ids = [stop_ids[slots[rows[q]]] for q in stopped]
-        arrays += [np.repeat(stopped, [len(i) for i in ids]), np.concatenate(ids)]
-    up = upload(arrays)
-    return PenaltyInputs(rows=up[0], slots=up[1], use_bias=bool((num_bias[rows] > 0).any()),
-                         use_penalties=bool(penalized[rows].any()),
-                         min_tokens_rows=up[2] if len(stopped) else None,
-                         min_tokens_ids=up[3] if len(stopped) else None)
+        plan.min_tokens_rows, plan.min_tokens_ids = np.repeat(stopped, [len(i) for i in ids]), np.concatenate(ids)
+    return plan
 
 
 @dataclass

@@ -28,7 +28,7 @@ import torch
 
 from pipeline.gpu_worker.attention import CpuPagedBackend, TorchSDPABackend, cpu_paged, make_backend
 from pipeline.gpu_worker.attention.backend import StepLayout
-from pipeline.gpu_worker.attention.torch_bucketed import TorchBucketedBackend, plan_buckets
+from pipeline.gpu_worker.attention.torch_bucketed import PrefixTable, TorchBucketedBackend, plan_buckets
 from pipeline.server_args import build_parser, make_config
 
 CPU = torch.device("cpu")
@@ -292,3 +292,13 @@ def test_cpu_paged_reads_strided_queries_as_the_model_passes_them():
         ref = (torch.einsum("hd,hkd->hk", q[t].double(), keys.double()) * 0.125).softmax(-1)
         torch.testing.assert_close(out[t].double(), torch.einsum("hk,hkd->hd", ref, values.double()),
                                    atol=1e-5, rtol=0)
+
+
+def test_prefix_table_rows_are_the_comparison_they_replace():
+    """Gathered masks equal ``arange(width) < length``: first use, a wider step (the table grows), a
+    narrower one (a column slice of the grown table), and past the table's limit (computed)."""
+    table = PrefixTable()
+    gen = torch.Generator().manual_seed(0)
+    for width in (5, 300, 40, 5000):
+        lengths = torch.randint(0, width + 1, (64,), generator=gen)
+        assert torch.equal(table.rows(lengths, width), torch.arange(width)[None, :] < lengths[:, None])

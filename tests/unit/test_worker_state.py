@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from pipeline.common.messages import SamplingParams
-from pipeline.gpu_worker.device import DeviceOps
+from pipeline.gpu_worker.device import DeviceOps, UploadBatch
 from pipeline.gpu_worker.executor import ModelExecutor
 from pipeline.gpu_worker.model_runner import ModelRunner
 from pipeline.gpu_worker.slot_state import POISON_TOKEN_ID, SlotState
+from tests.unit.sync_guard import FakeAsyncOps, SyncGuard
 from tests.unit.test_no_host_sync import GREEDY, SAMPLED, Steps, engine_config, tiny_model
 
 CPU = torch.device("cpu")
@@ -49,3 +50,38 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_the_device_sees_the
     with pytest.raises(ValueError, match="token id 512 is outside the vocabulary of 512"):
         runner.launch(steps.make([(0, 0, [1, 512], True, GREEDY)]), 0)
     assert np.all(runner.slots.host_temperature == 0)  # nothing was applied
+
+
+def test_feature_flags_follow_the_slots_parameters():
+    """A step skips sampling, log-probability and penalty planning only while no slot asks for them."""
+    config = engine_config()
+    state = SlotState(config.max_num_seqs, config.max_blocks_per_seq, DeviceOps(CPU), vocab_size=512)
+    steps = Steps(config)
+    flags = lambda: (state.any_hot, state.any_logprobs, state.any_penalized, state.any_penalty_work)  # noqa: E731
+    state.apply(steps.make([(0, 0, [1, 2], True, GREEDY), (1, 0, [3], True, GREEDY)]))
+    assert flags() == (False, False, False, False)
+    special = SamplingParams(max_tokens=8, temperature=0.7, seed=1, logprobs=2, repetition_penalty=1.2)
+    state.apply(steps.make([(1, 0, [3], True, special)]))
+    assert flags() == (True, True, True, True)
+    assert state.penalty.repetition[1].item() == pytest.approx(1.2)
+    assert state.temperature[1].item() == pytest.approx(0.7)
+    biased = SamplingParams(max_tokens=8, temperature=0.0, logit_bias=((5, 1.0),))
+    state.apply(steps.make([(1, 0, [3], True, biased)]))  # the slot's next request replaces every parameter
+    assert flags() == (False, False, False, True)
+    assert state.penalty.repetition[1].item() == 1.0 and state.temperature[1].item() == 0.0
+    state.apply(steps.make([(1, 0, [3], True, GREEDY)]))
+    assert flags() == (False, False, False, False)
+
+
+def test_an_upload_batch_keeps_each_arrays_dtype_and_shape_on_the_cuda_path():
+    """Mixed dtypes and sizes share one staging buffer: every slice starts aligned for its dtype."""
+    ops = FakeAsyncOps(CPU, SyncGuard())
+    arrays = [np.arange(3, dtype=np.int64), np.linspace(0, 1, 5, dtype=np.float32),
+              np.arange(6, dtype=np.int32).reshape(2, 3), np.zeros(0, dtype=np.int64),
+              np.full((4, 6), -2.5, dtype=np.float32), np.array([2**40 + 1])]
+    batch = UploadBatch()
+    staged = [batch.add(a, a.dtype) for a in arrays] + [batch.add([7, 8])]
+    batch.upload(ops)
+    for s, a in zip(staged, arrays + [np.array([7, 8])], strict=True):
+        assert s.dev.shape == a.shape and s.dev.numpy().dtype == a.dtype
+        np.testing.assert_array_equal(s.dev.numpy(), a)
