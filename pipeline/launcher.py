@@ -62,8 +62,12 @@ class _Child(subprocess.Popen):
         root = os.path.dirname(os.path.dirname(os.path.abspath(pipeline.__file__)))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         try:
-            child = cls([sys.executable, "-m", "pipeline.child", kind, str(status_w), str(os.getpid()), str(rank)],
-                        stdin=subprocess.PIPE, pass_fds=(status_w,), env=env)
+            child = cls(
+                [sys.executable, "-m", "pipeline.child", kind, str(status_w), str(os.getpid()), str(rank)],
+                stdin=subprocess.PIPE,
+                pass_fds=(status_w,),
+                env=env,
+            )
         finally:
             os.close(status_w)
         child.sentinel = os.pidfd_open(child.pid)
@@ -98,13 +102,22 @@ class Launcher:
     part writes io_proc's file itself, before calling stop).
     """
 
-    def __init__(self, config: EngineConfig, roles: tuple[str, ...] = ROLES,
-                 trace_file: str | None = None, profile_dir: str | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        roles: tuple[str, ...] = ROLES,
+        trace_file: str | None = None,
+        profile_dir: str | None = None,
+    ):
         self.config, self.trace_file = config, trace_file
         self.roles = roles if config.is_head else ("gpu_worker",)
         # Each engine's descriptor ring, then its output ring; only the head node has them.
-        self.rings = [ring for e in config.engines() if config.is_head
-                      for ring in (e.descriptor_ring(create=True), e.output_ring(create=True))]
+        self.rings = [
+            ring
+            for e in config.engines()
+            if config.is_head
+            for ring in (e.descriptor_ring(create=True), e.output_ring(create=True))
+        ]
         self.procs: dict[str, _Child] = {}
         self.conns: dict[str, Connection] = {}
         self.profiler = Profiler(profile_dir) if profile_dir else None
@@ -124,6 +137,7 @@ class Launcher:
 
     def _start_children(self) -> None:
         """One scheduler and one process per local worker rank for each engine, then one io_proc for all."""
+
         def add(name: str, kind: str, engine: EngineConfig, rank: int = 0) -> None:
             self.procs[name], self.conns[name] = _Child.start(kind, engine, rank)
 
@@ -218,14 +232,20 @@ class Launcher:
             self.start()
             c = self.config
             if c.is_head:
-                print(f"pipeline-serve: serving {c.served_model_name!r} on http://{c.host}:{c.port} "
-                      f"(async scheduling {'on' if c.async_scheduling else 'off'}, "
-                      f"{'simulated device' if c.is_simulated else c.device + ', ' + c.dtype}; "
-                      f"ready in {time.monotonic() - t0:.1f} s)", flush=True)
+                print(
+                    f"pipeline-serve: serving {c.served_model_name!r} on http://{c.host}:{c.port} "
+                    f"(async scheduling {'on' if c.async_scheduling else 'off'}, "
+                    f"{'simulated device' if c.is_simulated else c.device + ', ' + c.dtype}; "
+                    f"ready in {time.monotonic() - t0:.1f} s)",
+                    flush=True,
+                )
             else:
-                print(f"pipeline-serve: node {c.node_rank} of {c.nnodes} running tensor-parallel ranks "
-                      f"{c.local_ranks.start}-{c.local_ranks.stop - 1} of {c.tensor_parallel_size} for the head at "
-                      f"{c.master_addr}:{c.master_port} (ready in {time.monotonic() - t0:.1f} s)", flush=True)
+                print(
+                    f"pipeline-serve: node {c.node_rank} of {c.nnodes} running tensor-parallel ranks "
+                    f"{c.local_ranks.start}-{c.local_ranks.stop - 1} of {c.tensor_parallel_size} for the head at "
+                    f"{c.master_addr}:{c.master_port} (ready in {time.monotonic() - t0:.1f} s)",
+                    flush=True,
+                )
             ready_printed = True
             while not self._signalled:
                 # A child reports an error before it exits: its message says why, its exit status does not.
@@ -242,8 +262,9 @@ class Launcher:
         except ChildFailed as e:
             if self._signalled:
                 if not ready_printed:
-                    print(f"pipeline-serve: {self._signalled} during start-up; stopping before serving",
-                          file=sys.stderr)
+                    print(
+                        f"pipeline-serve: {self._signalled} during start-up; stopping before serving", file=sys.stderr
+                    )
                 return 0
             print(f"pipeline-serve: {e}; stopping the server", file=sys.stderr)
             return 1
@@ -280,8 +301,10 @@ class Launcher:
             self.spans = load_spans([self.config.trace_path(r) for r in dict.fromkeys([*ROLES, *self.procs])])
             if self.trace_file:
                 write_chrome_trace(self.spans, self.trace_file)
-                print(f"pipeline: wrote step timeline to {self.trace_file} (open it in https://ui.perfetto.dev)",
-                      file=sys.stderr)
+                print(
+                    f"pipeline: wrote step timeline to {self.trace_file} (open it in https://ui.perfetto.dev)",
+                    file=sys.stderr,
+                )
         shutil.rmtree(self.config.ipc_dir, ignore_errors=True)
         self._wakeup_r.close()
         self._wakeup_w.close()

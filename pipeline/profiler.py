@@ -30,9 +30,25 @@ class Profiler:
         for name, pid in pids.items():
             out = os.path.join(self.out_dir, f"{name}.svg")
             try:
-                self._recorders.append(subprocess.Popen(
-                    [exe, "record", "--pid", str(pid), "--output", out, "--format", "flamegraph",
-                     "--rate", "200", "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+                self._recorders.append(
+                    subprocess.Popen(
+                        [
+                            exe,
+                            "record",
+                            "--pid",
+                            str(pid),
+                            "--output",
+                            out,
+                            "--format",
+                            "flamegraph",
+                            "--rate",
+                            "200",
+                            "--nonblocking",
+                        ],
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.PIPE,
+                    )
+                )
             except FileNotFoundError:
                 print("pipeline: --profile needs py-spy (`pip install py-spy`); not profiling", file=sys.stderr)
                 return
@@ -46,7 +62,6 @@ class Profiler:
                 rec.send_signal(signal.SIGINT)
                 rec.wait(30)
             if rec.returncode:
-                print(f"pipeline: py-spy failed: {rec.stderr.read().decode(errors='replace')[-500:]}",
-                      file=sys.stderr)
+                print(f"pipeline: py-spy failed: {rec.stderr.read().decode(errors='replace')[-500:]}", file=sys.stderr)
         if self._recorders:
             print(f"pipeline: flame graphs in {self.out_dir}", file=sys.stderr)

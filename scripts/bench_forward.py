@@ -119,15 +119,25 @@ def run_cases(args, models: dict[str, torch.nn.Module]) -> None:
         kv_caches = model.allocate_kv_caches(num_blocks, bs, dtype, torch.device("cpu"))
         cfg = model.config
         for name in args.attention_backends:
-            backend = (TorchBucketedBackend(head_major=False) if name == "torch_bucketed_token_major" else
-                       make_backend(name, dtype=dtype, num_heads=cfg.num_attention_heads,
-                                    num_kv_heads=cfg.num_key_value_heads, head_dim=model.head_dim))
+            backend = (
+                TorchBucketedBackend(head_major=False)
+                if name == "torch_bucketed_token_major"
+                else make_backend(
+                    name,
+                    dtype=dtype,
+                    num_heads=cfg.num_attention_heads,
+                    num_kv_heads=cfg.num_key_value_heads,
+                    head_dim=model.head_dim,
+                )
+            )
             label = name if len(models) == 1 else f"{name}/{dt}"
             columns[label] = (model, kv_caches, backend)
     times: dict[tuple[str, str], list[float]] = {(c, b): [] for c in cases for b in columns}
     clock = time.perf_counter if args.clock == "wall" else time.process_time
-    print(f"threads={torch.get_num_threads()} dtype={' '.join(models)} batch={batch} block_size={bs} "
-          f"repeat={args.repeat} clock={args.clock} (ms per step: median, min)")
+    print(
+        f"threads={torch.get_num_threads()} dtype={' '.join(models)} batch={batch} block_size={bs} "
+        f"repeat={args.repeat} clock={args.clock} (ms per step: median, min)"
+    )
     with torch.inference_mode():
         for r in range(args.warmup + args.repeat):
             for c, (q, s) in cases.items():
@@ -139,8 +149,10 @@ def run_cases(args, models: dict[str, torch.nn.Module]) -> None:
                     if r >= args.warmup:
                         times[(c, b)].append((clock() - t0) * 1e3)
     base = "u300" if "u300" in cases else next(iter(cases))
-    print(f"{'case':>6} {'rows':>5} {'tokens':>7} {'ctx mean':>9} {'ctx max':>8}  " +
-          "  ".join(f"{b:>26}" for b in columns))
+    print(
+        f"{'case':>6} {'rows':>5} {'tokens':>7} {'ctx mean':>9} {'ctx max':>8}  "
+        + "  ".join(f"{b:>26}" for b in columns)
+    )
     for c, (q, s) in cases.items():
         ctx = np.array(q) + np.array(s)
         cells = []
@@ -174,14 +186,14 @@ GREEDY_PROMPTS = [
 def _greedy(model, prompt: list[int], new_tokens: int, block_size: int) -> list[int]:
     """``new_tokens`` greedy tokens after ``prompt`` through the paged model (prefill, then one decode per token)."""
     total = len(prompt) + new_tokens
-    kv = model.allocate_kv_caches(-(-total // block_size), block_size, next(model.parameters()).dtype,
-                                  torch.device("cpu"))
+    kv = model.allocate_kv_caches(
+        -(-total // block_size), block_size, next(model.parameters()).dtype, torch.device("cpu")
+    )
     table = torch.arange(-(-total // block_size))[None]
     ids, start, out = list(prompt), 0, []
     while len(out) < new_tokens:
         chunk = ids[start:]
-        meta = model.attn_backend.build_from_rows(torch.tensor([len(chunk)]), torch.tensor([start]), table,
-                                                  block_size)
+        meta = model.attn_backend.build_from_rows(torch.tensor([len(chunk)]), torch.tensor([start]), table, block_size)
         hidden = model(torch.tensor(chunk), meta.positions, meta, kv)
         nxt = int(model.compute_logits(hidden[-1:]).argmax())
         start = len(ids)
@@ -195,8 +207,9 @@ def _forced_argmax(model, ids: list[int], block_size: int) -> list[int]:
     """Each position's argmax next token, with ``ids`` as the context (one prefill)."""
     blocks = -(-len(ids) // block_size)
     kv = model.allocate_kv_caches(blocks, block_size, next(model.parameters()).dtype, torch.device("cpu"))
-    meta = model.attn_backend.build_from_rows(torch.tensor([len(ids)]), torch.tensor([0]),
-                                              torch.arange(blocks)[None], block_size)
+    meta = model.attn_backend.build_from_rows(
+        torch.tensor([len(ids)]), torch.tensor([0]), torch.arange(blocks)[None], block_size
+    )
     return model.compute_logits(model(torch.tensor(ids), meta.positions, meta, kv)).argmax(-1).tolist()
 
 
@@ -221,43 +234,69 @@ def greedy_agreement(args, models: dict[str, torch.nn.Module]) -> None:
         same = total = 0
         prefixes = []
         for prompt, ref in refs:
-            forced = _forced_argmax(models[dt], prompt + ref[:-1], args.block_size)[len(prompt) - 1:]
+            forced = _forced_argmax(models[dt], prompt + ref[:-1], args.block_size)[len(prompt) - 1 :]
             same += sum(a == b for a, b in zip(forced, ref, strict=True))
             total += len(ref)
             free = _greedy(models[dt], prompt, n, args.block_size)
             prefixes.append(next((i for i, (a, b) in enumerate(zip(free, ref, strict=True)) if a != b), n))
-        print(f"{dt:>9}: same next token given {first}'s context {same}/{total} ({same / total:.1%}); "
-              f"free-running tokens before the first difference per prompt {prefixes}")
+        print(
+            f"{dt:>9}: same next token given {first}'s context {same}/{total} ({same / total:.1%}); "
+            f"free-running tokens before the first difference per prompt {prefixes}"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model-dir", default=None,
-                        help="Hugging Face Llama directory (default: the default model, SmolLM2-135M)")
+    parser.add_argument(
+        "--model-dir", default=None, help="Hugging Face Llama directory (default: the default model, SmolLM2-135M)"
+    )
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--context", type=int, default=300, help="cached tokens per sequence")
     parser.add_argument("--prefill-chunk", type=int, default=512, help="0 to skip the prefill row")
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--dtype", nargs="+", choices=["float32", "bfloat16"], default=["float32"],
-                        help="with --cases or --greedy-agreement, several: each is measured against the first")
+    parser.add_argument(
+        "--dtype",
+        nargs="+",
+        choices=["float32", "bfloat16"],
+        default=["float32"],
+        help="with --cases or --greedy-agreement, several: each is measured against the first",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--cases", nargs="+", choices=["u300", "tail", "u1300", "mixed", "chunks"], default=None,
-                        help="time these context mixes instead of the batch sweep (see above)")
-    parser.add_argument("--attention-backends", nargs="+", default=["auto"],
-                        help="with --cases: the backends to compare (names as --attention-backend, or "
-                             "torch_bucketed_token_major: torch_bucketed on the cache's token-major layout)")
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        choices=["u300", "tail", "u1300", "mixed", "chunks"],
+        default=None,
+        help="time these context mixes instead of the batch sweep (see above)",
+    )
+    parser.add_argument(
+        "--attention-backends",
+        nargs="+",
+        default=["auto"],
+        help="with --cases: the backends to compare (names as --attention-backend, or "
+        "torch_bucketed_token_major: torch_bucketed on the cache's token-major layout)",
+    )
     parser.add_argument("--repeat", type=int, default=5, help="with --cases: timed rounds")
-    parser.add_argument("--greedy-agreement", type=int, default=0, metavar="N",
-                        help="with several --dtype: also compare N greedy tokens of each with the first's on a "
-                             "few prompts")
-    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                        help="with --cases: cpu times this process's CPU time (with --threads 1, steadier "
-                             "than wall time on a machine shared with other work)")
+    parser.add_argument(
+        "--greedy-agreement",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with several --dtype: also compare N greedy tokens of each with the first's on a few prompts",
+    )
+    parser.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="with --cases: cpu times this process's CPU time (with --threads 1, steadier "
+        "than wall time on a machine shared with other work)",
+    )
     args = parser.parse_args()
     if args.model_dir is None:
         from pipeline.model_files import convert_gguf, default_model_path
+
         args.model_dir = str(convert_gguf(default_model_path()))
 
     if args.threads:
@@ -273,7 +312,7 @@ def main() -> None:
         return
     if len(models) > 1:
         parser.error("the batch sweep takes one --dtype")
-    (dt, model), = models.items()
+    ((dt, model),) = models.items()
     dtype = getattr(torch, dt)
     bs = args.block_size
     blocks_per_seq = (max(args.context + 1, args.prefill_chunk) + bs - 1) // bs

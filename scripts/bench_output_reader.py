@@ -48,8 +48,10 @@ from pipeline.io_proc.engine_client import EngineClient
 from pipeline.io_proc.tokenization import Tokenization, load_tokenizer
 from pipeline.model_files import convert_gguf, default_model_path
 
-TEXT = ("Café, naïve, façade, déjà vu. 日本語のテキストと中文文本。Emoji 😀 then 🎉🎉 and 👨‍👩‍👧‍👦. "
-        "Plain words make up most of any output, so here are some more of them. ")
+TEXT = (
+    "Café, naïve, façade, déjà vu. 日本語のテキストと中文文本。Emoji 😀 then 🎉🎉 and 👨‍👩‍👧‍👦. "
+    "Plain words make up most of any output, so here are some more of them. "
+)
 
 
 def token_stream(tokenizer, text: bool, n: int, seed: int) -> list[int]:
@@ -109,8 +111,9 @@ def main() -> None:
 
     tokenizer, _ = load_tokenizer(str(convert_gguf(default_model_path())))
     tokenization = Tokenization(tokenizer)
-    streams = np.array([token_stream(tokenizer, args.text, args.output_len, i) for i in range(args.batch)],
-                       dtype=np.int32)
+    streams = np.array(
+        [token_stream(tokenizer, args.text, args.output_len, i) for i in range(args.batch)], dtype=np.int32
+    )
 
     new_detok = tokenization.make_detokenizer()
     flat = streams[:64].ravel().tolist()
@@ -122,10 +125,17 @@ def main() -> None:
     detok_ns = (time.process_time_ns() - t0) / len(flat)
 
     with tempfile.TemporaryDirectory() as ipc_dir:
-        config = EngineConfig(model="sim", served_model_name="sim", tokenizer="", ipc_dir=ipc_dir,
-                              max_num_seqs=args.batch)
-        ring = ShmRing(f"/bench-output-reader-{os.getpid()}", StepOutput.layout(args.batch, args.batch), 4, 2,
-                       create=True, wrap=StepOutput)
+        config = EngineConfig(
+            model="sim", served_model_name="sim", tokenizer="", ipc_dir=ipc_dir, max_num_seqs=args.batch
+        )
+        ring = ShmRing(
+            f"/bench-output-reader-{os.getpid()}",
+            StepOutput.layout(args.batch, args.batch),
+            4,
+            2,
+            create=True,
+            wrap=StepOutput,
+        )
         ring.unlink()
         trace = TraceRecorder()
         client = EngineClient(config, [ring], new_detok, trace)
@@ -139,8 +149,10 @@ def main() -> None:
     cpu = [s[6] / 1e3 for s in trace.spans if s[1] == "cpu"][1:-1]
     step = [(s[5] - s[4]) / 1e3 for s in trace.spans if s[2] == "detokenize"][1:-1]
     q = lambda v, pct: float(np.percentile(v, pct))  # noqa: E731
-    print(f"batch {args.batch}, {len(cpu)} steady steps, {'streaming' if args.streaming else 'non-streaming'}, "
-          f"{'text' if args.text else 'random word'} tokens")
+    print(
+        f"batch {args.batch}, {len(cpu)} steady steps, {'streaming' if args.streaming else 'non-streaming'}, "
+        f"{'text' if args.text else 'random word'} tokens"
+    )
     print(f"cpu/step          p50 {q(cpu, 50):8.1f} us  p99 {q(cpu, 99):8.1f} us  mean {statistics.mean(cpu):8.1f} us")
     print(f"process_step      p50 {q(step, 50):8.1f} us  p99 {q(step, 99):8.1f} us")
     print(f"detokenize/token      {detok_ns / 1e3:8.3f} us")

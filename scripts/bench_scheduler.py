@@ -32,8 +32,9 @@ from pipeline.common.step_protocol import StepDescriptor, StepOutput
 from pipeline.scheduler_proc.scheduler import Scheduler
 
 
-def run(batch: int, input_len: int, output_len: int, block_size: int, budget: int, depth: int,
-        seed: int) -> tuple[np.ndarray, np.ndarray, int, Scheduler]:
+def run(
+    batch: int, input_len: int, output_len: int, block_size: int, budget: int, depth: int, seed: int
+) -> tuple[np.ndarray, np.ndarray, int, Scheduler]:
     """One run; returns per-step CPU ns of planning and of output processing ``[steps]``, the prefill steps
     to skip and the scheduler."""
     max_len = input_len + output_len
@@ -83,8 +84,12 @@ def main() -> None:
     a = p.parse_args()
     budget = a.budget or max(512, a.batch)
     if a.profile:
-        cProfile.runctx("run(a.batch, a.input_len, a.output_len, a.block_size, budget, a.depth, a.seed)",
-                        globals(), {"run": run, "a": a, "budget": budget}, a.profile)
+        cProfile.runctx(
+            "run(a.batch, a.input_len, a.output_len, a.block_size, budget, a.depth, a.seed)",
+            globals(),
+            {"run": run, "a": a, "budget": budget},
+            a.profile,
+        )
         return
     plans, procs, steady = [], [], 0
     for i in range(a.repeat):
@@ -94,8 +99,10 @@ def main() -> None:
         procs.append(proc[skip:n])
         steady += sched.num_steady_steps
     plan, proc = np.concatenate(plans) / 1e3, np.concatenate(procs) / 1e3
-    print(f"batch {a.batch}, {len(plan)} decode steps over {a.repeat} runs, {steady} planned steady; "
-          "CPU us p50 / p99 / max")
+    print(
+        f"batch {a.batch}, {len(plan)} decode steps over {a.repeat} runs, {steady} planned steady; "
+        "CPU us p50 / p99 / max"
+    )
     for name, v in (("schedule", plan), ("process_output", proc), ("sum", plan + proc)):
         print(f"  {name:15s} {np.percentile(v, 50):8.1f} {np.percentile(v, 99):8.1f} {v.max():8.1f}")
 

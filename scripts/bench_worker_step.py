@@ -49,8 +49,9 @@ from pipeline.gpu_worker.sim_device import SimulatedDevice
 
 _GREEDY = SamplingParams(max_tokens=1 << 20, temperature=0.0)
 _SAMPLED = SamplingParams(max_tokens=1 << 20, temperature=0.8, top_p=0.9, top_k=50, seed=7)
-_PENALIZED = SamplingParams(max_tokens=1 << 20, temperature=0.0, presence_penalty=0.5, repetition_penalty=1.1,
-                            logit_bias=((3, 2.0),))
+_PENALIZED = SamplingParams(
+    max_tokens=1 << 20, temperature=0.0, presence_penalty=0.5, repetition_penalty=1.1, logit_bias=((3, 2.0),)
+)
 _LOGPROBS = SamplingParams(max_tokens=1 << 20, temperature=0.0, logprobs=5)
 
 
@@ -112,9 +113,15 @@ def _descriptors(config: EngineConfig, batch: int, steps: int, prompt: int, kind
 
 
 def _config(batch: int) -> EngineConfig:
-    return EngineConfig(model="sim", served_model_name="sim", max_num_seqs=batch,
-                        max_num_batched_tokens=max(8192, batch * 48), block_size=16, max_model_len=2048,
-                        num_kv_blocks=batch * 128)
+    return EngineConfig(
+        model="sim",
+        served_model_name="sim",
+        max_num_seqs=batch,
+        max_num_batched_tokens=max(8192, batch * 48),
+        block_size=16,
+        max_model_len=2048,
+        num_kv_blocks=batch * 128,
+    )
 
 
 def run(batch: int, descs: list[bytes], ops_kind: str, profile: str | None = None) -> np.ndarray:
@@ -163,8 +170,11 @@ def main() -> None:
                 t = np.min([run(batch, descs, ops, profile if r == 0 else None) for r in range(args.repeat)], axis=0)
                 profile = None
                 p50, p90, p99 = np.percentile(t, [50, 90, 99])
-                print(f"| {batch} | {ops} | {kind} | {p50:.0f} | {p90:.0f} | {p99:.0f} | {t.max():.0f} | "
-                      f"{t.mean():.0f} |", flush=True)
+                print(
+                    f"| {batch} | {ops} | {kind} | {p50:.0f} | {p90:.0f} | {p99:.0f} | {t.max():.0f} | "
+                    f"{t.mean():.0f} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -44,8 +44,11 @@ def main() -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
-    work = (Workload.fixed(args.batch_size, args.input_len, args.output_len, args.seed) if args.workload == "fixed"
-            else Workload.sharegpt_synth(args.num_requests, args.max_model_len, args.seed))
+    work = (
+        Workload.fixed(args.batch_size, args.input_len, args.output_len, args.seed)
+        if args.workload == "fixed"
+        else Workload.sharegpt_synth(args.num_requests, args.max_model_len, args.seed)
+    )
     results = {}
     for name, flags in variants(sorted(os.sched_getaffinity(0))).items():
         results[name] = summarize(run_pipeline(args.model, work, args, True, flags, label="placement"), [])
@@ -55,8 +58,10 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- |")
     for name, r in results.items():
         itl = r["itl_ms"] or {"p50": float("nan"), "p99": float("nan")}
-        print(f"| {name} | {r['output_tokens_per_s']:.1f} | {r['output_tokens_per_s'] / base:.2f} | "
-              f"{itl['p50']:.0f} | {itl['p99']:.0f} |")
+        print(
+            f"| {name} | {r['output_tokens_per_s']:.1f} | {r['output_tokens_per_s'] / base:.2f} | "
+            f"{itl['p50']:.0f} | {itl['p99']:.0f} |"
+        )
 
 
 if __name__ == "__main__":

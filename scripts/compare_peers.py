@@ -54,8 +54,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve_and_drive(cmd: list[str], port: int, work: Workload, label: str, env: dict | None = None,
-                     start_timeout_s: float = 600.0) -> list[RequestTimes]:
+def _serve_and_drive(
+    cmd: list[str], port: int, work: Workload, label: str, env: dict | None = None, start_timeout_s: float = 600.0
+) -> list[RequestTimes]:
     """Start a server with ``cmd``, wait for ``/health``, stream ``work`` through it, stop it.
 
     Raises:
@@ -74,8 +75,9 @@ def _serve_and_drive(cmd: list[str], port: int, work: Workload, label: str, env:
                 proc.wait()
 
 
-def _drive_when_healthy(proc: subprocess.Popen, url: str, work: Workload, label: str,
-                        start_timeout_s: float) -> list[RequestTimes]:
+def _drive_when_healthy(
+    proc: subprocess.Popen, url: str, work: Workload, label: str, start_timeout_s: float
+) -> list[RequestTimes]:
     deadline = time.monotonic() + start_timeout_s
     while True:
         if proc.poll() is not None:
@@ -91,8 +93,11 @@ def _drive_when_healthy(proc: subprocess.Popen, url: str, work: Workload, label:
         time.sleep(1)
     model = models["data"][0]["id"]
     # One short request first, untimed: first-call costs (lazy imports, allocator growth) are not serving speed.
-    httpx.post(f"{url}/v1/completions", timeout=600, json={"model": model, "prompt": work.prompts[0][:16],
-                                                            "max_tokens": 4, "temperature": 0})
+    httpx.post(
+        f"{url}/v1/completions",
+        timeout=600,
+        json={"model": model, "prompt": work.prompts[0][:16], "max_tokens": 4, "temperature": 0},
+    )
     bar = tqdm(total=sum(work.output_lens), desc=f"{label:14s}", unit="tok", file=sys.stderr)
     try:
         return asyncio.run(drive_http(url, model, work, bar))
@@ -100,13 +105,30 @@ def _drive_when_healthy(proc: subprocess.Popen, url: str, work: Workload, label:
         bar.close()
 
 
-def run_pipeline(model_arg: str | None, work: Workload, args: argparse.Namespace, async_scheduling: bool,
-                 extra_args: tuple[str, ...] = (), label: str = "") -> list[RequestTimes]:
+def run_pipeline(
+    model_arg: str | None,
+    work: Workload,
+    args: argparse.Namespace,
+    async_scheduling: bool,
+    extra_args: tuple[str, ...] = (),
+    label: str = "",
+) -> list[RequestTimes]:
     """``pipeline-serve`` from this interpreter, sized for the workload, with ``extra_args`` added."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "pipeline.launcher", "--port", str(port), "--max-model-len", str(args.max_model_len),
-           "--max-num-seqs", str(len(work.prompts)), "--dtype", args.dtype,
-           "--async-scheduling" if async_scheduling else "--no-async-scheduling"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pipeline.launcher",
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(args.max_model_len),
+        "--max-num-seqs",
+        str(len(work.prompts)),
+        "--dtype",
+        args.dtype,
+        "--async-scheduling" if async_scheduling else "--no-async-scheduling",
+    ]
     if model_arg:
         cmd += ["--model", model_arg]
     label = label or "pipeline-" + ("async" if async_scheduling else "sync")
@@ -116,9 +138,23 @@ def run_pipeline(model_arg: str | None, work: Workload, args: argparse.Namespace
 def run_vllm(model_dir: str, work: Workload, args: argparse.Namespace) -> list[RequestTimes]:
     """vLLM's OpenAI server on the converted model directory, from ``--vllm-python``."""
     port = _free_port()
-    cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-           "--port", str(port), "--host", "127.0.0.1", "--dtype", args.dtype,
-           "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(len(work.prompts))]
+    cmd = [
+        args.vllm_python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model_dir,
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--dtype",
+        args.dtype,
+        "--max-model-len",
+        str(args.max_model_len),
+        "--max-num-seqs",
+        str(len(work.prompts)),
+    ]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
     return _serve_and_drive(cmd, port, work, "vllm", env=env)
 
@@ -128,16 +164,16 @@ def run_transformers(model_dir: str, work: Workload, args: argparse.Namespace) -
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype),
-                                                 attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=getattr(torch, args.dtype), attn_implementation="sdpa"
+    )
     gen = GenerationConfig(do_sample=False, max_new_tokens=max(work.output_lens), eos_token_id=-1)
     bar = tqdm(total=sum(work.output_lens), desc=f"{'transformers':14s}", unit="tok", file=sys.stderr)
     times: dict[str, RequestTimes] = {}
     with model.continuous_batching_context_manager(generation_config=gen, block=True, timeout=5) as manager:
         t0 = time.perf_counter()
         for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lens)):
-            rid = manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=n, streaming=True,
-                                      eos_token_id=-1)
+            rid = manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=n, streaming=True, eos_token_id=-1)
             times[rid] = RequestTimes(submit=t0)
         finished = 0
         while finished < len(times):
@@ -159,8 +195,9 @@ def run_transformers(model_dir: str, work: Workload, args: argparse.Namespace) -
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry: parse flags, run each peer, print the table, write ``--json``."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--model", default=None, help="as pipeline-serve --model (default: SmolLM2-135M-Instruct)")
     p.add_argument("--workload", choices=["fixed", "sharegpt-synth"], default="sharegpt-synth")
     p.add_argument("--num-requests", type=int, default=64, help="sharegpt-synth: number of requests")
@@ -171,8 +208,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated subset of {','.join(PEERS)}")
-    p.add_argument("--vllm-python", default=None,
-                   help="python of a virtual environment with vllm-cpu installed; vllm is skipped without it")
+    p.add_argument(
+        "--vllm-python",
+        default=None,
+        help="python of a virtual environment with vllm-cpu installed; vllm is skipped without it",
+    )
     p.add_argument("--json", metavar="FILE", default=None, help="write every peer's figures here")
     args = p.parse_args(argv)
 
@@ -189,28 +229,37 @@ def main(argv: list[str] | None = None) -> None:
     else:
         work = Workload.sharegpt_synth(args.num_requests, args.max_model_len, args.seed)
 
-    runners = {"pipeline-async": lambda: run_pipeline(args.model, work, args, True),
-               "pipeline-sync": lambda: run_pipeline(args.model, work, args, False),
-               "transformers": lambda: run_transformers(model_dir, work, args),
-               "vllm": lambda: run_vllm(model_dir, work, args)}
+    runners = {
+        "pipeline-async": lambda: run_pipeline(args.model, work, args, True),
+        "pipeline-sync": lambda: run_pipeline(args.model, work, args, False),
+        "transformers": lambda: run_transformers(model_dir, work, args),
+        "vllm": lambda: run_vllm(model_dir, work, args),
+    }
     results = {}
     for peer in peers:
         times = runners[peer]()
         results[peer] = summarize(times, [])
         if results[peer]["output_tokens"] != sum(work.output_lens):
-            print(f"compare_peers: {peer} returned {results[peer]['output_tokens']} tokens, "
-                  f"expected {sum(work.output_lens)}", file=sys.stderr)
+            print(
+                f"compare_peers: {peer} returned {results[peer]['output_tokens']} tokens, "
+                f"expected {sum(work.output_lens)}",
+                file=sys.stderr,
+            )
 
     base = results.get("pipeline-async", {}).get("output_tokens_per_s")
-    print(f"\n{len(work.prompts)} requests, {sum(len(x) for x in work.prompts)} prompt tokens, "
-          f"{sum(work.output_lens)} output tokens ({args.workload}, {args.dtype})\n")
+    print(
+        f"\n{len(work.prompts)} requests, {sum(len(x) for x in work.prompts)} prompt tokens, "
+        f"{sum(work.output_lens)} output tokens ({args.workload}, {args.dtype})\n"
+    )
     print("| peer | output tok/s | ÷ pipeline-async | TTFT p50 (ms) | ITL p50 (ms) | ITL p99 (ms) |")
     print("| --- | --- | --- | --- | --- | --- |")
     for peer, r in results.items():
         itl = r["itl_ms"] or {"p50": float("nan"), "p99": float("nan")}
         ratio = f"{r['output_tokens_per_s'] / base:.2f}" if base else "-"
-        print(f"| {peer} | {r['output_tokens_per_s']:.1f} | {ratio} | {r['ttft_ms']['p50']:.0f} | "
-              f"{itl['p50']:.0f} | {itl['p99']:.0f} |")
+        print(
+            f"| {peer} | {r['output_tokens_per_s']:.1f} | {ratio} | {r['ttft_ms']['p50']:.0f} | "
+            f"{itl['p50']:.0f} | {itl['p99']:.0f} |"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"workload": vars(args), "results": results}, f, indent=2)

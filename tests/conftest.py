@@ -55,16 +55,25 @@ class Server:
         api_key: the key the server was given with ``--api-key``, for the start-up model query.
     """
 
-    def __init__(self, args: list[str], timeout: float = 180.0, config: dict | None = None, log=None,
-                 api_key: str | None = None):
+    def __init__(
+        self, args: list[str], timeout: float = 180.0, config: dict | None = None, log=None, api_key: str | None = None
+    ):
         self.port = free_port()
         if config:
-            self.args = [sys.executable, "-m", "tests.serve_with_config", json.dumps(config),
-                         "--port", str(self.port), *args]
+            self.args = [
+                sys.executable,
+                "-m",
+                "tests.serve_with_config",
+                json.dumps(config),
+                "--port",
+                str(self.port),
+                *args,
+            ]
         else:
             self.args = [sys.executable, "-m", "pipeline.launcher", "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(self.args, stdout=log or subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     cwd=REPO)
+        self.proc = subprocess.Popen(
+            self.args, stdout=log or subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO
+        )
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + timeout
         while True:
@@ -102,9 +111,12 @@ class Server:
         deadline = time.monotonic() + timeout
         while True:
             m = self.metrics()
-            if (m["pipeline_num_requests_running"] == 0 and m["pipeline_num_requests_waiting"] == 0
-                    and m["pipeline_kv_blocks_free"] == m["pipeline_kv_blocks_total"]
-                    and m["pipeline_slots_free"] == m["pipeline_slots_total"]):
+            if (
+                m["pipeline_num_requests_running"] == 0
+                and m["pipeline_num_requests_waiting"] == 0
+                and m["pipeline_kv_blocks_free"] == m["pipeline_kv_blocks_total"]
+                and m["pipeline_slots_free"] == m["pipeline_slots_total"]
+            ):
                 return m
             if time.monotonic() > deadline:
                 return m
@@ -120,8 +132,12 @@ class Server:
             return self.proc.wait()
 
 
-def load_until_generating(server: Server, clients: int, min_tokens: int, timeout: float = 60.0,
-                          ) -> tuple[list[threading.Thread], list[object]]:
+def load_until_generating(
+    server: Server,
+    clients: int,
+    min_tokens: int,
+    timeout: float = 60.0,
+) -> tuple[list[threading.Thread], list[object]]:
     """Start ``clients`` threads that each post ``clients`` long completions, and return once the server
     has generated ``min_tokens`` tokens. Returns the threads and their results (status codes or errors)."""
     results: list[object] = []
@@ -149,6 +165,7 @@ def load_until_generating(server: Server, clients: int, min_tokens: int, timeout
 def smol_dir() -> Path:
     """SmolLM2-135M-Instruct converted to a Hugging Face directory (cached across runs)."""
     from pipeline.model_files import convert_gguf, default_model_path
+
     return convert_gguf(default_model_path())
 
 
@@ -158,10 +175,24 @@ def make_tiny_llama(d: Path, smol_dir: Path, **fields) -> Path:
     from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     tok = AutoTokenizer.from_pretrained(smol_dir)
-    cfg = LlamaConfig(**{**dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                                initializer_range=0.2, bos_token_id=tok.bos_token_id,
-                                eos_token_id=tok.eos_token_id, tie_word_embeddings=True), **fields})
+    cfg = LlamaConfig(
+        **{
+            **dict(
+                vocab_size=len(tok),
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=1024,
+                initializer_range=0.2,
+                bos_token_id=tok.bos_token_id,
+                eos_token_id=tok.eos_token_id,
+                tie_word_embeddings=True,
+            ),
+            **fields,
+        }
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(d)
     tok.save_pretrained(d)
@@ -178,8 +209,9 @@ def tiny_dir(tmp_path_factory, smol_dir) -> Path:
 @pytest.fixture(scope="session")
 def tiny_kv4_dir(tmp_path_factory, smol_dir) -> Path:
     """Like ``tiny_dir`` with 8 attention heads over 4 KV heads: splits over 2 or 4 tensor-parallel ranks."""
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama-kv4"), smol_dir, num_attention_heads=8,
-                           num_key_value_heads=4)
+    return make_tiny_llama(
+        tmp_path_factory.mktemp("tiny-llama-kv4"), smol_dir, num_attention_heads=8, num_key_value_heads=4
+    )
 
 
 def _server(request, args):
@@ -198,8 +230,9 @@ def tiny_async(request, tiny_dir):
 
 @pytest.fixture(scope="session")
 def tiny_sync(request, tiny_dir):
-    return _server(request, ["--model", str(tiny_dir), "--max-num-batched-tokens", "32",
-                             "--no-async-scheduling", *SMALL])
+    return _server(
+        request, ["--model", str(tiny_dir), "--max-num-batched-tokens", "32", "--no-async-scheduling", *SMALL]
+    )
 
 
 @pytest.fixture(scope="session")
@@ -209,12 +242,20 @@ def smol_async(request, smol_dir):
 
 @pytest.fixture(scope="session")
 def smol_sync(request, smol_dir):
-    return _server(request, ["--model", str(smol_dir), "--served-model-name", "smol", "--no-async-scheduling",
-                             *SMALL])
+    return _server(request, ["--model", str(smol_dir), "--served-model-name", "smol", "--no-async-scheduling", *SMALL])
 
 
-SIM = ["--model", "sim", "--sim-step-us", "1000", "--max-num-batched-tokens", "32", "--max-model-len", "1024",
-       "--debug-token-cache-poison"]
+SIM = [
+    "--model",
+    "sim",
+    "--sim-step-us",
+    "1000",
+    "--max-num-batched-tokens",
+    "32",
+    "--max-model-len",
+    "1024",
+    "--debug-token-cache-poison",
+]
 
 
 @pytest.fixture(scope="session")

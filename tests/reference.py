@@ -31,9 +31,8 @@ def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int) -> lis
 @torch.inference_mode()
 def _hf_greedy(model_dir: str, prompt_ids: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
     model, _ = load(model_dir)
-    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                         pad_token_id=0)
-    return tuple(out[0, len(prompt_ids):].tolist())
+    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    return tuple(out[0, len(prompt_ids) :].tolist())
 
 
 @torch.inference_mode()

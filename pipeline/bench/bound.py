@@ -33,16 +33,16 @@ class BoundReplay:
         self.dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
         self.block_size = config.block_size
         self.model = load_model(config.model, self.dtype, self.device, config.attention_backend)
-        self.kv_caches = self.model.allocate_kv_caches(config.num_kv_blocks, config.block_size, self.dtype,
-                                                       self.device)
+        self.kv_caches = self.model.allocate_kv_caches(config.num_kv_blocks, config.block_size, self.dtype, self.device)
         # Row i of a step gets its own run of blocks, spread over the whole cache as the engine's would be.
         width = config.max_blocks_per_seq
         ids = np.arange(config.max_num_seqs * width) % config.num_kv_blocks
         self.block_table = torch.from_numpy(ids.reshape(config.max_num_seqs, width)).to(self.device)
 
     def _step(self, query_lens: np.ndarray, start_pos: np.ndarray, sampled: np.ndarray) -> None:
-        meta = self.model.attn_backend.build_from_rows(query_lens, start_pos, self.block_table[:len(query_lens)],
-                                                       self.block_size)
+        meta = self.model.attn_backend.build_from_rows(
+            query_lens, start_pos, self.block_table[: len(query_lens)], self.block_size
+        )
         input_ids = torch.zeros(meta.num_tokens, dtype=torch.int64, device=self.device)
         hidden = self.model(input_ids, meta.positions, meta, self.kv_caches)
         last = torch.from_numpy(np.cumsum(query_lens)[sampled] - 1).to(self.device)

@@ -35,8 +35,14 @@ from pipeline.launcher import ChildFailed, Launcher
 from pipeline.server_args import build_parser, make_config
 
 
-def run_mode(args: argparse.Namespace, config: EngineConfig | None, http: bool, work: Workload, label: str,
-             trace_file: str | None) -> tuple[dict, list]:
+def run_mode(
+    args: argparse.Namespace,
+    config: EngineConfig | None,
+    http: bool,
+    work: Workload,
+    label: str,
+    trace_file: str | None,
+) -> tuple[dict, list]:
     """Run ``work`` once on ``config``'s processes, or on the server at ``--url`` when config is None.
 
     Returns:
@@ -45,18 +51,22 @@ def run_mode(args: argparse.Namespace, config: EngineConfig | None, http: bool, 
     bar = tqdm(total=sum(work.output_lens), desc=f"{label:5s}", unit="tok", file=sys.stderr)
     if config is None:
         import httpx
+
         model = httpx.get(f"{args.url}/v1/models").json()["data"][0]["id"]
         times = asyncio.run(drive_http(args.url, model, work, bar))
         bar.close()
         return summarize(times, []), []
 
-    launcher = Launcher(config, roles=ROLES if http else ("scheduler", "gpu_worker"),
-                        trace_file=trace_file, profile_dir=os.path.join(args.profile, label) if args.profile else None)
+    launcher = Launcher(
+        config,
+        roles=ROLES if http else ("scheduler", "gpu_worker"),
+        trace_file=trace_file,
+        profile_dir=os.path.join(args.profile, label) if args.profile else None,
+    )
     try:
         launcher.start()
         if http:
-            times = asyncio.run(drive_http(f"http://{config.host}:{config.port}", config.served_model_name,
-                                           work, bar))
+            times = asyncio.run(drive_http(f"http://{config.host}:{config.port}", config.served_model_name, work, bar))
         else:
             times = asyncio.run(drive_engine(config, launcher.output_rings, work, bar))
     finally:
@@ -71,22 +81,34 @@ def build_bench_parser() -> argparse.ArgumentParser:
     p.prog = "pipeline-bench"
     p.description = __doc__.split("\n\n")[0] + " " + " ".join(__doc__.split("\n\n")[1].split())
     g = p.add_argument_group("benchmark")
-    g.add_argument("--workload", choices=["fixed", "sharegpt-synth"], default="fixed",
-                   help="fixed: --batch-size requests of --input-len prompt and --output-len output tokens; "
-                        "sharegpt-synth: --num-requests with long-tailed lengths. All arrive at once, ignore EOS.")
+    g.add_argument(
+        "--workload",
+        choices=["fixed", "sharegpt-synth"],
+        default="fixed",
+        help="fixed: --batch-size requests of --input-len prompt and --output-len output tokens; "
+        "sharegpt-synth: --num-requests with long-tailed lengths. All arrive at once, ignore EOS.",
+    )
     g.add_argument("--batch-size", type=int, default=64, help="fixed workload: number of requests")
     g.add_argument("--input-len", type=int, default=32, help="fixed workload: prompt tokens")
     g.add_argument("--output-len", type=int, default=128, help="fixed workload: output tokens")
     g.add_argument("--num-requests", type=int, default=200, help="sharegpt-synth: number of requests")
     g.add_argument("--seed", type=int, default=0, help="workload seed")
-    g.add_argument("--mode", choices=["async", "sync", "both"], default="both",
-                   help="scheduling mode(s); both runs async then sync and reports ratios")
-    g.add_argument("--http", action="store_true",
-                   help="start the whole server and send requests through the OpenAI API")
+    g.add_argument(
+        "--mode",
+        choices=["async", "sync", "both"],
+        default="both",
+        help="scheduling mode(s); both runs async then sync and reports ratios",
+    )
+    g.add_argument(
+        "--http", action="store_true", help="start the whole server and send requests through the OpenAI API"
+    )
     g.add_argument("--url", default=None, help="with --http: benchmark a running server instead (no gap figures)")
-    g.add_argument("--bound", action="store_true",
-                   help="after each run, replay its exact steps through the bare model forward in this process "
-                        "(server stopped) and report engine throughput / bound throughput; real model only")
+    g.add_argument(
+        "--bound",
+        action="store_true",
+        help="after each run, replay its exact steps through the bare model forward in this process "
+        "(server stopped) and report engine throughput / bound throughput; real model only",
+    )
     g.add_argument("--json", metavar="FILE", default=None, help="write the figures per mode here")
     g.add_argument("--plot", metavar="FILE.png", default=None, help="draw gap histograms and a timeline strip")
     return p
@@ -98,23 +120,36 @@ def main(argv: list[str] | None = None) -> None:
     http = args.http or bool(args.url)
     if args.workload == "fixed":
         # Every request of the batch runs at once: give the engine room for it.
-        sizes = {"max_num_seqs": max(args.max_num_seqs, args.batch_size),
-                 "max_num_batched_tokens": max(args.max_num_batched_tokens, args.batch_size)}
+        sizes = {
+            "max_num_seqs": max(args.max_num_seqs, args.batch_size),
+            "max_num_batched_tokens": max(args.max_num_batched_tokens, args.batch_size),
+        }
         work = Workload.fixed(args.batch_size, args.input_len, args.output_len, args.seed)
     else:
         sizes = {"max_model_len": args.max_model_len or 2048}
         work = Workload.sharegpt_synth(args.num_requests, sizes["max_model_len"], args.seed)
-    if args.bound and (args.url or args.model == "sim" or args.data_parallel_size > 1
-                       or args.tensor_parallel_size > 1):
-        print("pipeline-bench: --bound replays one engine's steps on one device: it needs a real model run by "
-              "this benchmark, without --url, sim, -tp or -dp", file=sys.stderr)
+    if args.bound and (args.url or args.model == "sim" or args.data_parallel_size > 1 or args.tensor_parallel_size > 1):
+        print(
+            "pipeline-bench: --bound replays one engine's steps on one device: it needs a real model run by "
+            "this benchmark, without --url, sim, -tp or -dp",
+            file=sys.stderr,
+        )
         raise SystemExit(2)
     if args.nnodes > 1:
-        print("pipeline-bench: the benchmark runs the server's processes itself, on this machine only: it "
-              "takes no --nnodes (benchmark a multi-node server over HTTP with --url)", file=sys.stderr)
+        print(
+            "pipeline-bench: the benchmark runs the server's processes itself, on this machine only: it "
+            "takes no --nnodes (benchmark a multi-node server over HTTP with --url)",
+            file=sys.stderr,
+        )
         raise SystemExit(2)
-    unused = {"json", "plot", "trace", "async_scheduling", "bound",
-              *(("num_requests",) if args.workload == "fixed" else ("batch_size", "input_len", "output_len"))}
+    unused = {
+        "json",
+        "plot",
+        "trace",
+        "async_scheduling",
+        "bound",
+        *(("num_requests",) if args.workload == "fixed" else ("batch_size", "input_len", "output_len")),
+    }
     flags = {**{k: v for k, v in vars(args).items() if k not in unused}, **sizes, "http": http}
     modes = {"async": [True], "sync": [False], "both": [True, False]}[args.mode]
     trace = args.trace
@@ -133,13 +168,13 @@ def main(argv: list[str] | None = None) -> None:
                 config = msgspec.structs.replace(make_config(args, **sizes), async_scheduling=a, trace=True)
                 if shapes_dir:
                     config = msgspec.structs.replace(
-                        config, step_shapes_file=os.path.join(shapes_dir.name, f"{label}.npz"))
+                        config, step_shapes_file=os.path.join(shapes_dir.name, f"{label}.npz")
+                    )
             results[label], spans[label] = run_mode(args, config, http, work, label, tf)
             if shapes_dir:
                 replay = replay or BoundReplay(config)  # loaded after the first run: nothing else runs now
                 bound_s = replay.replay(config.step_shapes_file, label)
-                results[label]["bound"] = {"replay_s": bound_s,
-                                           "engine_over_bound": bound_s / results[label]["wall_s"]}
+                results[label]["bound"] = {"replay_s": bound_s, "engine_over_bound": bound_s / results[label]["wall_s"]}
             results[label]["config"] = flags
     except (ChildFailed, TimeoutError) as e:
         print(f"pipeline-bench: {e}", file=sys.stderr)

@@ -24,8 +24,7 @@ class RequestTimes:
     num_tokens: int = 0
 
 
-async def drive_engine(config: EngineConfig, output_rings: list[ShmRing], work: Workload, bar
-                       ) -> list[RequestTimes]:
+async def drive_engine(config: EngineConfig, output_rings: list[ShmRing], work: Workload, bar) -> list[RequestTimes]:
     """Play io_proc's part in-process: an EngineClient on ``output_rings`` (one per engine), every
     request submitted at once.
 
@@ -60,6 +59,7 @@ async def _drive_client(client, work: Workload, bar) -> list[RequestTimes]:
     one finishes, they cost the loop ~0.1 ms per request in the very steps
     whose io_proc CPU the benchmark reports.
     """
+
     async def one(i: int):
         params = SamplingParams(max_tokens=work.output_lens[i], temperature=0.0, seed=i, ignore_eos=True)
         state = client.add_request(work.prompts[i], params, stop=(), streaming=False)
@@ -88,8 +88,15 @@ async def drive_http(url: str, model: str, work: Workload, bar) -> list[RequestT
 
     async def one(client, i: int) -> RequestTimes:
         t = RequestTimes(submit=time.perf_counter())
-        body = {"model": model, "prompt": work.prompts[i], "max_tokens": work.output_lens[i], "temperature": 0,
-                "ignore_eos": True, "stream": True, "return_token_ids": True}
+        body = {
+            "model": model,
+            "prompt": work.prompts[i],
+            "max_tokens": work.output_lens[i],
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "return_token_ids": True,
+        }
         async with client.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
                 raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}")

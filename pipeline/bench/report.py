@@ -21,11 +21,15 @@ def summarize(times: list[RequestTimes], spans: list) -> dict:
         **gap_metrics(dev),
         "output_tokens_per_s": sum(t.num_tokens for t in times) / wall_s,
         "ttft_ms": {"p50": float(np.percentile(ttft, 50) * 1e3), "p99": float(np.percentile(ttft, 99) * 1e3)},
-        "itl_ms": ({"p50": float(np.percentile(itl, 50) * 1e3), "p99": float(np.percentile(itl, 99) * 1e3)}
-                   if itl else None),
+        "itl_ms": (
+            {"p50": float(np.percentile(itl, 50) * 1e3), "p99": float(np.percentile(itl, 99) * 1e3)} if itl else None
+        ),
         "num_steps": int(len(dev)) if len(dev) else None,
-        "cpu_per_step_us": {role: {"p50": float(np.percentile(v, 50)), "p99": float(np.percentile(v, 99))}
-                            for role, v in cpu_per_step_us(spans).items() if len(v)},
+        "cpu_per_step_us": {
+            role: {"p50": float(np.percentile(v, 50)), "p99": float(np.percentile(v, 99))}
+            for role, v in cpu_per_step_us(spans).items()
+            if len(v)
+        },
         "num_requests": len(times),
         "output_tokens": sum(t.num_tokens for t in times),
         "wall_s": wall_s,
@@ -35,26 +39,35 @@ def summarize(times: list[RequestTimes], spans: list) -> dict:
 
 def print_table(results: dict[str, dict]) -> None:
     """One row per figure, one column per mode (plus async/sync when both ran)."""
-    rows = [("token gap p50 (us)", lambda r: r["token_gap_us"] and r["token_gap_us"]["p50"]),
-            ("token gap p90 (us)", lambda r: r["token_gap_us"] and r["token_gap_us"]["p90"]),
-            ("token gap p99 (us)", lambda r: r["token_gap_us"] and r["token_gap_us"]["p99"]),
-            ("token gap max (us)", lambda r: r["token_gap_us"] and r["token_gap_us"]["max"]),
-            ("token gap mean (us)", lambda r: r["token_gap_us"] and r["token_gap_us"]["mean"]),
-            ("device busy fraction", lambda r: r["device_busy_fraction"]),
-            ("output tokens/s", lambda r: r["output_tokens_per_s"]),
-            ("TTFT p50 (ms)", lambda r: r["ttft_ms"]["p50"]),
-            ("TTFT p99 (ms)", lambda r: r["ttft_ms"]["p99"]),
-            ("ITL p50 (ms)", lambda r: r["itl_ms"] and r["itl_ms"]["p50"]),
-            ("ITL p99 (ms)", lambda r: r["itl_ms"] and r["itl_ms"]["p99"]),
-            *((f"{role} CPU/step {q} (us)",
-               lambda r, role=role, q=q: r["cpu_per_step_us"].get(role, {}).get(q))
-              for role in ROLES for q in ("p50", "p99")
-              if any(role in r.get("cpu_per_step_us", {}) for r in results.values())),
-            *((("bound: replay of the same steps (s)", lambda r: r["bound"]["replay_s"]),
-               ("engine / bound throughput", lambda r: r["bound"]["engine_over_bound"]))
-              if all("bound" in r for r in results.values()) else ()),
-            ("steps", lambda r: r["num_steps"]),
-            ("wall time (s)", lambda r: r["wall_s"])]
+    rows = [
+        ("token gap p50 (us)", lambda r: r["token_gap_us"] and r["token_gap_us"]["p50"]),
+        ("token gap p90 (us)", lambda r: r["token_gap_us"] and r["token_gap_us"]["p90"]),
+        ("token gap p99 (us)", lambda r: r["token_gap_us"] and r["token_gap_us"]["p99"]),
+        ("token gap max (us)", lambda r: r["token_gap_us"] and r["token_gap_us"]["max"]),
+        ("token gap mean (us)", lambda r: r["token_gap_us"] and r["token_gap_us"]["mean"]),
+        ("device busy fraction", lambda r: r["device_busy_fraction"]),
+        ("output tokens/s", lambda r: r["output_tokens_per_s"]),
+        ("TTFT p50 (ms)", lambda r: r["ttft_ms"]["p50"]),
+        ("TTFT p99 (ms)", lambda r: r["ttft_ms"]["p99"]),
+        ("ITL p50 (ms)", lambda r: r["itl_ms"] and r["itl_ms"]["p50"]),
+        ("ITL p99 (ms)", lambda r: r["itl_ms"] and r["itl_ms"]["p99"]),
+        *(
+            (f"{role} CPU/step {q} (us)", lambda r, role=role, q=q: r["cpu_per_step_us"].get(role, {}).get(q))
+            for role in ROLES
+            for q in ("p50", "p99")
+            if any(role in r.get("cpu_per_step_us", {}) for r in results.values())
+        ),
+        *(
+            (
+                ("bound: replay of the same steps (s)", lambda r: r["bound"]["replay_s"]),
+                ("engine / bound throughput", lambda r: r["bound"]["engine_over_bound"]),
+            )
+            if all("bound" in r for r in results.values())
+            else ()
+        ),
+        ("steps", lambda r: r["num_steps"]),
+        ("wall time (s)", lambda r: r["wall_s"]),
+    ]
     modes = list(results)
     both = len(modes) == 2
     head = ["figure", *modes] + (["async/sync"] if both else [])
@@ -75,19 +88,26 @@ def print_table(results: dict[str, dict]) -> None:
 def plot(results: dict[str, dict], spans: dict[str, list], path: str) -> None:
     """Gap histogram of each mode and a strip of each mode's step timeline."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     modes = list(results)
-    fig, axes = plt.subplots(1 + len(modes), 1, figsize=(10, 3 + 1.6 * len(modes)),
-                             gridspec_kw={"height_ratios": [3] + [1] * len(modes)})
+    fig, axes = plt.subplots(
+        1 + len(modes), 1, figsize=(10, 3 + 1.6 * len(modes)), gridspec_kw={"height_ratios": [3] + [1] * len(modes)}
+    )
     ax = axes[0]
     for m, color in zip(modes, ("tab:blue", "tab:orange")):
         gaps = token_gaps_us(device_spans(spans[m]))
         if len(gaps):
             bins = np.logspace(0, max(1.0, np.log10(gaps.max() + 1) + 0.1), 50)
-            ax.hist(gaps + 1, bins=bins, alpha=0.6, color=color,
-                    label=f"{m}: p50 {np.percentile(gaps, 50):.0f} us, p99 {np.percentile(gaps, 99):.0f} us")
+            ax.hist(
+                gaps + 1,
+                bins=bins,
+                alpha=0.6,
+                color=color,
+                label=f"{m}: p50 {np.percentile(gaps, 50):.0f} us, p99 {np.percentile(gaps, 99):.0f} us",
+            )
     ax.set_xscale("log")
     ax.set_xlabel("token gap + 1 (us): device start of step N+1 - device end of step N")
     ax.set_ylabel("steps")
@@ -97,10 +117,15 @@ def plot(results: dict[str, dict], spans: dict[str, list], path: str) -> None:
         if not len(dev):
             continue
         mid = len(dev) // 2
-        win = dev[mid:mid + 12]
+        win = dev[mid : mid + 12]
         t0 = win[0, 0]
-        ax.broken_barh([((a - t0) / 1e6, (b - a) / 1e6) for a, b in win], (0, 1), facecolor="tab:green",
-                       edgecolor="black", linewidth=0.4)
+        ax.broken_barh(
+            [((a - t0) / 1e6, (b - a) / 1e6) for a, b in win],
+            (0, 1),
+            facecolor="tab:green",
+            edgecolor="black",
+            linewidth=0.4,
+        )
         ax.set_yticks([])
         ax.set_ylabel(m, rotation=0, ha="right", va="center")
         ax.set_xlabel("ms (12 steps from mid-run; white = device idle)")

@@ -21,8 +21,9 @@ class Workload:
     def fixed(cls, batch_size: int, input_len: int, output_len: int, seed: int) -> Workload:
         """``batch_size`` requests of ``input_len`` prompt and ``output_len`` output tokens."""
         rng = random.Random(seed)
-        return cls([[rng.randrange(*WORD_IDS) for _ in range(input_len)] for _ in range(batch_size)],
-                   [output_len] * batch_size)
+        return cls(
+            [[rng.randrange(*WORD_IDS) for _ in range(input_len)] for _ in range(batch_size)], [output_len] * batch_size
+        )
 
     @classmethod
     def sharegpt_synth(cls, num_requests: int, max_model_len: int, seed: int) -> Workload:

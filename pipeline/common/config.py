@@ -207,8 +207,9 @@ class EngineConfig(msgspec.Struct, frozen=True):
 
     @property
     def descriptor_layout(self) -> Layout:
-        return StepDescriptor.layout(self.max_num_seqs, self.max_num_batched_tokens, self.block_size,
-                                     cdiv(self.vocab_size, MASK_BITS))
+        return StepDescriptor.layout(
+            self.max_num_seqs, self.max_num_batched_tokens, self.block_size, cdiv(self.vocab_size, MASK_BITS)
+        )
 
     @property
     def output_layout(self) -> Layout:
@@ -228,8 +229,14 @@ class EngineConfig(msgspec.Struct, frozen=True):
         Ranks on other nodes get the descriptors relayed by rank 0 instead
         (docs/design.md, "Parallelism"). ``create`` in the launcher only.
         """
-        return ShmRing(self.descriptor_ring_name, self.descriptor_layout, DESCRIPTOR_RING_SLOTS,
-                       self.ranks_per_node, create, StepDescriptor)
+        return ShmRing(
+            self.descriptor_ring_name,
+            self.descriptor_layout,
+            DESCRIPTOR_RING_SLOTS,
+            self.ranks_per_node,
+            create,
+            StepDescriptor,
+        )
 
     def output_ring(self, create: bool = False) -> ShmRing[StepOutput]:
         """The StepOutput ring (worker rank 0 writes; scheduler and io_proc read)."""

@@ -42,8 +42,7 @@ class TPShape:
     vocab_per_rank: int
 
     @classmethod
-    def build(cls, size: int, num_heads: int, num_kv_heads: int, intermediate_size: int,
-              vocab_size: int) -> TPShape:
+    def build(cls, size: int, num_heads: int, num_kv_heads: int, intermediate_size: int, vocab_size: int) -> TPShape:
         """Split a model's dimensions over ``size`` ranks.
 
         Args:
@@ -66,21 +65,33 @@ class TPShape:
         if num_kv_heads % size and size % num_kv_heads:
             problems.append(f"{num_kv_heads} KV heads (nor is it a multiple of them)")
         if problems:
-            valid = [n for n in range(1, num_heads + 1) if not num_heads % n and not intermediate_size % n
-                     and (not num_kv_heads % n or not n % num_kv_heads)]
-            raise ValueError(f"tensor-parallel size {size} does not divide {' and '.join(problems)}; "
-                             f"this model supports sizes {valid}")
+            valid = [
+                n
+                for n in range(1, num_heads + 1)
+                if not num_heads % n and not intermediate_size % n and (not num_kv_heads % n or not n % num_kv_heads)
+            ]
+            raise ValueError(
+                f"tensor-parallel size {size} does not divide {' and '.join(problems)}; "
+                f"this model supports sizes {valid}"
+            )
         replicas = max(1, size // num_kv_heads)
-        return cls(size=size, num_heads=num_heads // size, num_kv_heads=max(1, num_kv_heads // size),
-                   kv_replicas=replicas, intermediate_size=intermediate_size // size, vocab_size=vocab_size,
-                   vocab_per_rank=cdiv(vocab_size, size))
+        return cls(
+            size=size,
+            num_heads=num_heads // size,
+            num_kv_heads=max(1, num_kv_heads // size),
+            kv_replicas=replicas,
+            intermediate_size=intermediate_size // size,
+            vocab_size=vocab_size,
+            vocab_per_rank=cdiv(vocab_size, size),
+        )
 
     @classmethod
     def from_hf_config(cls, cfg: dict, size: int) -> TPShape:
         """:meth:`build` from a ``config.json`` dict (``num_key_value_heads`` defaults to the heads)."""
         heads = cfg["num_attention_heads"]
-        return cls.build(size, heads, cfg.get("num_key_value_heads") or heads, cfg["intermediate_size"],
-                         cfg["vocab_size"])
+        return cls.build(
+            size, heads, cfg.get("num_key_value_heads") or heads, cfg["intermediate_size"], cfg["vocab_size"]
+        )
 
     def kv_head_start(self, rank: int) -> int:
         """Index of rank ``rank``'s first KV head in the full model."""

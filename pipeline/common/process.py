@@ -65,6 +65,7 @@ class StopFlag:
         a stop then takes effect at once rather than after the load. Raises
         :class:`Stopped` at once if the flag is already set.
         """
+
         def interrupt(*_args) -> None:
             self.set()
             raise Stopped
@@ -105,6 +106,7 @@ def name_process(name: str) -> None:
     """Show the process as ``pipeline-<name>`` in ``ps`` and ``top`` (when setproctitle is installed)."""
     try:
         import setproctitle
+
         setproctitle.setproctitle(f"pipeline-{name}")
     except ImportError:
         pass

@@ -50,8 +50,15 @@ class ShmRing(Generic[SlotT]):
             attaching to one that does not.
     """
 
-    def __init__(self, name: str, layout: Layout, num_slots: int, num_readers: int, create: bool,
-                 wrap: Callable[[dict[str, np.ndarray]], Any] = dict):
+    def __init__(
+        self,
+        name: str,
+        layout: Layout,
+        num_slots: int,
+        num_readers: int,
+        create: bool,
+        wrap: Callable[[dict[str, np.ndarray]], Any] = dict,
+    ):
         if not name.startswith("/"):
             raise ValueError(f"ring name must start with '/': {name!r}")
         self.name, self.layout, self.num_slots, self.num_readers = name, layout, num_slots, num_readers
@@ -61,10 +68,13 @@ class ShmRing(Generic[SlotT]):
         shm = posix_ipc.SharedMemory(name, flags, mode=0o600, size=size if create else 0)
         self._mmap = mmap.mmap(shm.fd, size)
         shm.close_fd()
-        self._full = [posix_ipc.Semaphore(f"{name}-full{r}", flags, mode=0o600, initial_value=0)
-                      for r in range(num_readers)]
-        self._empty = [posix_ipc.Semaphore(f"{name}-empty{r}", flags, mode=0o600, initial_value=num_slots)
-                       for r in range(num_readers)]
+        self._full = [
+            posix_ipc.Semaphore(f"{name}-full{r}", flags, mode=0o600, initial_value=0) for r in range(num_readers)
+        ]
+        self._empty = [
+            posix_ipc.Semaphore(f"{name}-empty{r}", flags, mode=0o600, initial_value=num_slots)
+            for r in range(num_readers)
+        ]
         self._slots: list[SlotT] = [wrap(layout.views(self._mmap, i * layout.nbytes)) for i in range(num_slots)]
         self._write_idx = 0
         self._write_taken = 0  # readers whose `empty` was taken for the next slot

@@ -105,12 +105,40 @@ class StepDescriptor:
     ``b < B``: ``block_table[nb_slot[b], nb_index[b]] = nb_block[b]`` (int32).
     """
 
-    __slots__ = ("header", "req_num", "slot", "num_scheduled_tokens", "start_pos", "do_sample", "is_new",
-                 "temperature", "top_p", "top_k", "seed", "logprobs", "prompt_logprobs", "num_prompt_logprobs",
-                 "next_prompt_token", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
-                 "min_tokens", "prompt_len", "num_logit_bias", "logit_bias_ids", "logit_bias_values",
-                 "num_stop_ids", "stop_ids",
-                 "token_ids", "nb_slot", "nb_index", "nb_block", "mask_row", "bitmask")
+    __slots__ = (
+        "header",
+        "req_num",
+        "slot",
+        "num_scheduled_tokens",
+        "start_pos",
+        "do_sample",
+        "is_new",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "logprobs",
+        "prompt_logprobs",
+        "num_prompt_logprobs",
+        "next_prompt_token",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "min_p",
+        "min_tokens",
+        "prompt_len",
+        "num_logit_bias",
+        "logit_bias_ids",
+        "logit_bias_values",
+        "num_stop_ids",
+        "stop_ids",
+        "token_ids",
+        "nb_slot",
+        "nb_index",
+        "nb_block",
+        "mask_row",
+        "bitmask",
+    )
     header: np.ndarray
     req_num: np.ndarray
     slot: np.ndarray
@@ -152,46 +180,48 @@ class StepDescriptor:
         """The slot layout for these limits; ``mask_words`` per token bitmask (0: no structured output)."""
         s, t = max_num_seqs, max_num_batched_tokens
         b = max_new_blocks_per_step(max_num_seqs, max_num_batched_tokens, block_size)
-        return Layout.of([
-            ("header", np.int64, cls.HEADER_LEN),
-            ("req_num", np.int64, s),
-            ("slot", np.int32, s),
-            ("num_scheduled_tokens", np.int32, s),
-            ("start_pos", np.int32, s),
-            ("do_sample", np.uint8, s),
-            ("is_new", np.uint8, s),
-            ("temperature", np.float32, s),
-            ("top_p", np.float32, s),
-            ("top_k", np.int32, s),
-            ("seed", np.int64, s),
-            ("logprobs", np.int32, s),
-            ("prompt_logprobs", np.int32, s),
-            ("num_prompt_logprobs", np.int32, s),
-            ("next_prompt_token", np.int32, s),
-            ("presence_penalty", np.float32, s),
-            ("frequency_penalty", np.float32, s),
-            ("repetition_penalty", np.float32, s),
-            ("min_p", np.float32, s),
-            ("min_tokens", np.int32, s),
-            ("prompt_len", np.int32, s),
-            ("num_logit_bias", np.int32, s),
-            ("logit_bias_ids", np.int32, s * MAX_LOGIT_BIAS),
-            ("logit_bias_values", np.float32, s * MAX_LOGIT_BIAS),
-            ("num_stop_ids", np.int32, s),
-            ("stop_ids", np.int32, s * MAX_STOP_TOKEN_IDS),
-            ("token_ids", np.int32, t),
-            ("nb_slot", np.int32, b),
-            ("nb_index", np.int32, b),
-            ("nb_block", np.int32, b),
-            ("mask_row", np.int32, MAX_MASKED_ROWS),
-            ("bitmask", np.int32, max(1, MAX_MASKED_ROWS * mask_words)),
-        ])
+        return Layout.of(
+            [
+                ("header", np.int64, cls.HEADER_LEN),
+                ("req_num", np.int64, s),
+                ("slot", np.int32, s),
+                ("num_scheduled_tokens", np.int32, s),
+                ("start_pos", np.int32, s),
+                ("do_sample", np.uint8, s),
+                ("is_new", np.uint8, s),
+                ("temperature", np.float32, s),
+                ("top_p", np.float32, s),
+                ("top_k", np.int32, s),
+                ("seed", np.int64, s),
+                ("logprobs", np.int32, s),
+                ("prompt_logprobs", np.int32, s),
+                ("num_prompt_logprobs", np.int32, s),
+                ("next_prompt_token", np.int32, s),
+                ("presence_penalty", np.float32, s),
+                ("frequency_penalty", np.float32, s),
+                ("repetition_penalty", np.float32, s),
+                ("min_p", np.float32, s),
+                ("min_tokens", np.int32, s),
+                ("prompt_len", np.int32, s),
+                ("num_logit_bias", np.int32, s),
+                ("logit_bias_ids", np.int32, s * MAX_LOGIT_BIAS),
+                ("logit_bias_values", np.float32, s * MAX_LOGIT_BIAS),
+                ("num_stop_ids", np.int32, s),
+                ("stop_ids", np.int32, s * MAX_STOP_TOKEN_IDS),
+                ("token_ids", np.int32, t),
+                ("nb_slot", np.int32, b),
+                ("nb_index", np.int32, b),
+                ("nb_block", np.int32, b),
+                ("mask_row", np.int32, MAX_MASKED_ROWS),
+                ("bitmask", np.int32, max(1, MAX_MASKED_ROWS * mask_words)),
+            ]
+        )
 
     def __init__(self, views: dict[str, np.ndarray]):
         for name in self.__slots__:
             setattr(self, name, views[name])
         words = self.bitmask.size // MAX_MASKED_ROWS
-        self.bitmask = self.bitmask[:MAX_MASKED_ROWS * words].reshape(MAX_MASKED_ROWS, words)
+        self.bitmask = self.bitmask[: MAX_MASKED_ROWS * words].reshape(MAX_MASKED_ROWS, words)
         self.logit_bias_ids = self.logit_bias_ids.reshape(-1, MAX_LOGIT_BIAS)
         self.logit_bias_values = self.logit_bias_values.reshape(-1, MAX_LOGIT_BIAS)
         self.stop_ids = self.stop_ids.reshape(-1, MAX_STOP_TOKEN_IDS)
@@ -257,15 +287,37 @@ class DescriptorBuilder:
         return len(self._masks)
 
     def clear(self) -> None:
-        for lst in (self._req_num, self._slot, self._num_tokens, self._start_pos, self._do_sample, self._is_new,
-                    self._num_prompt_logprobs, self._next_prompt_token, self._sampling, self._token_ids,
-                    self._new_blocks, self._new_block_arrays, self._masks):
+        for lst in (
+            self._req_num,
+            self._slot,
+            self._num_tokens,
+            self._start_pos,
+            self._do_sample,
+            self._is_new,
+            self._num_prompt_logprobs,
+            self._next_prompt_token,
+            self._sampling,
+            self._token_ids,
+            self._new_blocks,
+            self._new_block_arrays,
+            self._masks,
+        ):
             lst.clear()
         self._num_array_blocks = 0
 
-    def add_row(self, req_num: int, slot: int, start_pos: int, token_ids: list[int], do_sample: bool,
-                new_params: SamplingParams | None, num_prompt_logprobs: int = 0, next_prompt_token: int = -1,
-                prompt_len: int = 0, bitmask: np.ndarray | None = None) -> None:
+    def add_row(
+        self,
+        req_num: int,
+        slot: int,
+        start_pos: int,
+        token_ids: list[int],
+        do_sample: bool,
+        new_params: SamplingParams | None,
+        num_prompt_logprobs: int = 0,
+        next_prompt_token: int = -1,
+        prompt_len: int = 0,
+        bitmask: np.ndarray | None = None,
+    ) -> None:
         """Schedule ``token_ids`` (positions ``start_pos...``) of request ``req_num`` in ``slot``.
 
         Args:
@@ -307,8 +359,12 @@ class DescriptorBuilder:
         self._new_block_arrays.append(np.stack([slots, indices, block_ids]))
         self._num_array_blocks += len(block_ids)
 
-    def write(self, desc: StepDescriptor, step_id: int,
-              decode: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
+    def write(
+        self,
+        desc: StepDescriptor,
+        step_id: int,
+        decode: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None,
+    ) -> None:
         """Write the collected rows into ``desc`` as step ``step_id``.
 
         Args:
@@ -354,7 +410,7 @@ class DescriptorBuilder:
             # Only min_tokens needs the stop ids on the worker, and only if they stop the request.
             stop = p.stop_token_ids if p.min_tokens > 0 and not p.ignore_eos else ()
             desc.num_stop_ids[i] = len(stop)
-            desc.stop_ids[i, :len(stop)] = stop
+            desc.stop_ids[i, : len(stop)] = stop
         desc.token_ids[d:t] = self._token_ids
         if b:
             parts = self._new_block_arrays + ([np.asarray(self._new_blocks).T] if self._new_blocks else [])
@@ -427,13 +483,13 @@ def read_descriptor(desc: StepDescriptor) -> StepInputs:
         num_logit_bias=desc.num_logit_bias[new_rows].astype(np.int64),
         logit_bias_ids=desc.logit_bias_ids[new_rows].astype(np.int64),
         logit_bias_values=desc.logit_bias_values[new_rows],
-        stop_ids=[desc.stop_ids[i, :desc.num_stop_ids[i]].astype(np.int64) for i in new_rows],
+        stop_ids=[desc.stop_ids[i, : desc.num_stop_ids[i]].astype(np.int64) for i in new_rows],
         num_prompt_logprobs=desc.num_prompt_logprobs[:r].astype(np.int64),
         next_prompt_token=desc.next_prompt_token[:r].astype(np.int64),
         token_ids=desc.token_ids[:t].astype(np.int64),
         new_blocks=np.stack([desc.nb_slot[:b], desc.nb_index[:b], desc.nb_block[:b]]).astype(np.int64),
-        mask_rows=desc.mask_row[:desc.num_masks].astype(np.int64),
-        bitmask=desc.bitmask[:desc.num_masks].copy(),
+        mask_rows=desc.mask_row[: desc.num_masks].astype(np.int64),
+        bitmask=desc.bitmask[: desc.num_masks].copy(),
     )
 
 
@@ -443,11 +499,19 @@ def _live_counts(header: np.ndarray) -> list[tuple[str, int]]:
     t = int(header[StepDescriptor._NUM_TOKENS])
     b = int(header[StepDescriptor._NUM_NEW_BLOCKS])
     m = int(header[StepDescriptor._NUM_MASKS])
-    counts = {"header": StepDescriptor.HEADER_LEN, "token_ids": t, "nb_slot": b, "nb_index": b, "nb_block": b,
-              "mask_row": m, "bitmask": m * int(header[StepDescriptor._MASK_WORDS]),
-              # Two-dimensional fields count elements: their rows are whole.
-              "logit_bias_ids": r * MAX_LOGIT_BIAS, "logit_bias_values": r * MAX_LOGIT_BIAS,
-              "stop_ids": r * MAX_STOP_TOKEN_IDS}
+    counts = {
+        "header": StepDescriptor.HEADER_LEN,
+        "token_ids": t,
+        "nb_slot": b,
+        "nb_index": b,
+        "nb_block": b,
+        "mask_row": m,
+        "bitmask": m * int(header[StepDescriptor._MASK_WORDS]),
+        # Two-dimensional fields count elements: their rows are whole.
+        "logit_bias_ids": r * MAX_LOGIT_BIAS,
+        "logit_bias_values": r * MAX_LOGIT_BIAS,
+        "stop_ids": r * MAX_STOP_TOKEN_IDS,
+    }
     return [(name, counts.get(name, r)) for name in StepDescriptor.__slots__]
 
 
@@ -476,7 +540,7 @@ def pack_descriptor(desc: StepDescriptor, out: np.ndarray) -> int:
     off = 0
     for name, n in _live_counts(desc.header):
         raw = getattr(desc, name).reshape(-1)[:n].view(np.uint8)
-        out[off:off + raw.size] = raw
+        out[off : off + raw.size] = raw
         off += raw.size
     return off
 
@@ -487,7 +551,7 @@ def unpack_descriptor(buf: np.ndarray, desc: StepDescriptor) -> None:
     for name, n in _live_counts(buf[:PACKED_HEADER_NBYTES].view(np.int64)):
         view = getattr(desc, name).reshape(-1)
         size = view.itemsize * n
-        view[:n] = buf[off:off + size].view(view.dtype)
+        view[:n] = buf[off : off + size].view(view.dtype)
         off += size
 
 
@@ -541,8 +605,20 @@ class StepOutput:
     ``pe_top_logprobs`` likewise.
     """
 
-    __slots__ = ("header", "req_num", "token_id", "lp_row", "lp_logprob", "lp_top_ids", "lp_top_logprobs",
-                 "pe_req_num", "pe_pos", "pe_logprob", "pe_top_ids", "pe_top_logprobs")
+    __slots__ = (
+        "header",
+        "req_num",
+        "token_id",
+        "lp_row",
+        "lp_logprob",
+        "lp_top_ids",
+        "lp_top_logprobs",
+        "pe_req_num",
+        "pe_pos",
+        "pe_logprob",
+        "pe_top_ids",
+        "pe_top_logprobs",
+    )
     header: np.ndarray
     req_num: np.ndarray
     token_id: np.ndarray
@@ -563,28 +639,36 @@ class StepOutput:
     def layout(cls, max_num_seqs: int, max_num_batched_tokens: int) -> Layout:
         """The slot layout for ``max_num_seqs`` rows and a step of ``max_num_batched_tokens``."""
         s, t, k = max_num_seqs, max_num_batched_tokens, MAX_LOGPROBS
-        return Layout.of([
-            ("header", np.int64, cls.HEADER_LEN),
-            ("req_num", np.int64, s),
-            ("token_id", np.int32, s),
-            ("lp_row", np.int32, s),
-            ("lp_logprob", np.float32, s),
-            ("lp_top_ids", np.int32, s * k),
-            ("lp_top_logprobs", np.float32, s * k),
-            ("pe_req_num", np.int64, t),
-            ("pe_pos", np.int32, t),
-            ("pe_logprob", np.float32, t),
-            ("pe_top_ids", np.int32, t * k),
-            ("pe_top_logprobs", np.float32, t * k),
-        ])
+        return Layout.of(
+            [
+                ("header", np.int64, cls.HEADER_LEN),
+                ("req_num", np.int64, s),
+                ("token_id", np.int32, s),
+                ("lp_row", np.int32, s),
+                ("lp_logprob", np.float32, s),
+                ("lp_top_ids", np.int32, s * k),
+                ("lp_top_logprobs", np.float32, s * k),
+                ("pe_req_num", np.int64, t),
+                ("pe_pos", np.int32, t),
+                ("pe_logprob", np.float32, t),
+                ("pe_top_ids", np.int32, t * k),
+                ("pe_top_logprobs", np.float32, t * k),
+            ]
+        )
 
     def __init__(self, views: dict[str, np.ndarray]):
         for name in self.__slots__:
             v = views[name]
             setattr(self, name, v.reshape(-1, MAX_LOGPROBS) if name.endswith(("top_ids", "top_logprobs")) else v)
 
-    def write(self, step_id: int, req_nums: np.ndarray, token_ids: np.ndarray,
-              logprobs: TokenLogprobs | None = None, prompt_logprobs: TokenLogprobs | None = None) -> None:
+    def write(
+        self,
+        step_id: int,
+        req_nums: np.ndarray,
+        token_ids: np.ndarray,
+        logprobs: TokenLogprobs | None = None,
+        prompt_logprobs: TokenLogprobs | None = None,
+    ) -> None:
         """Fill the slot with step ``step_id``'s ``[S]`` request numbers and sampled token ids.
 
         ``logprobs.index`` are output rows; ``prompt_logprobs.index`` request
@@ -618,10 +702,18 @@ class StepOutput:
         out = DecodedOutput(int(h[self._STEP_ID]), self.req_num[:n].tolist(), self.token_id[:n].tolist())
         if logprobs:
             if m := int(h[self._NUM_LOGPROB_ROWS]):
-                out.logprobs = TokenLogprobs(self.lp_row[:m].astype(np.int64), self.lp_logprob[:m].copy(),
-                                             self.lp_top_ids[:m].copy(), self.lp_top_logprobs[:m].copy())
+                out.logprobs = TokenLogprobs(
+                    self.lp_row[:m].astype(np.int64),
+                    self.lp_logprob[:m].copy(),
+                    self.lp_top_ids[:m].copy(),
+                    self.lp_top_logprobs[:m].copy(),
+                )
             if m := int(h[self._NUM_PROMPT_ENTRIES]):
-                out.prompt_logprobs = TokenLogprobs(self.pe_req_num[:m].copy(), self.pe_logprob[:m].copy(),
-                                                    self.pe_top_ids[:m].copy(), self.pe_top_logprobs[:m].copy(),
-                                                    self.pe_pos[:m].astype(np.int64))
+                out.prompt_logprobs = TokenLogprobs(
+                    self.pe_req_num[:m].copy(),
+                    self.pe_logprob[:m].copy(),
+                    self.pe_top_ids[:m].copy(),
+                    self.pe_top_logprobs[:m].copy(),
+                    self.pe_pos[:m].astype(np.int64),
+                )
         return out

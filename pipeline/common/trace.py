@@ -76,14 +76,30 @@ def chrome_trace(spans: list[Span]) -> dict:
     for role, track, name, step, start, end, cpu in sorted(spans, key=lambda s: s[4]):
         pid = roles.index(role) + 1
         if cpu >= 0:
-            events.append({"ph": "C", "name": "CPU per step (us)", "pid": pid, "ts": (end - t0) / 1000,
-                           "args": {"cpu_us": cpu / 1000}})
+            events.append(
+                {
+                    "ph": "C",
+                    "name": "CPU per step (us)",
+                    "pid": pid,
+                    "ts": (end - t0) / 1000,
+                    "args": {"cpu_us": cpu / 1000},
+                }
+            )
             continue
         if (role, track) not in tracks:
             tracks[(role, track)] = tid = len([k for k in tracks if k[0] == role]) + 1
             events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": track}})
-        events.append({"ph": "X", "name": name, "pid": pid, "tid": tracks[(role, track)],
-                       "ts": (start - t0) / 1000, "dur": max(end - start, 0) / 1000, "args": {"step": step}})
+        events.append(
+            {
+                "ph": "X",
+                "name": name,
+                "pid": pid,
+                "tid": tracks[(role, track)],
+                "ts": (start - t0) / 1000,
+                "dur": max(end - start, 0) / 1000,
+                "args": {"step": step},
+            }
+        )
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
@@ -127,8 +143,12 @@ def gap_metrics(dev: np.ndarray) -> dict:
     gaps = token_gaps_us(dev)
     busy = float((dev[:, 1] - dev[:, 0]).sum()) / float(dev[-1, 1] - dev[0, 0])
     return {
-        "token_gap_us": {"p50": float(np.percentile(gaps, 50)), "p90": float(np.percentile(gaps, 90)),
-                         "p99": float(np.percentile(gaps, 99)), "max": float(gaps.max()),
-                         "mean": float(gaps.mean())},
+        "token_gap_us": {
+            "p50": float(np.percentile(gaps, 50)),
+            "p90": float(np.percentile(gaps, 90)),
+            "p99": float(np.percentile(gaps, 99)),
+            "max": float(gaps.max()),
+            "mean": float(gaps.mean()),
+        },
         "device_busy_fraction": min(busy, 1.0),
     }

@@ -125,8 +125,9 @@ class GraphStep(AttentionMetadata):
         return self.graphs.run(self, input_ids)
 
 
-def graph_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
-                           meta: GraphDecodeMetadata, scale: float) -> torch.Tensor:
+def graph_decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: GraphDecodeMetadata, scale: float
+) -> torch.Tensor:
     """Decode attention with shapes fixed by the graph size: write K/V, gather every row's blocks, one SDPA call.
 
     Args:
@@ -146,8 +147,9 @@ def graph_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv
     keys = gather_blocks(k_cache, meta.block_ids, meta.block_size, meta.head_major, k_cache.new_empty(numel))
     values = gather_blocks(v_cache, meta.block_ids, meta.block_size, meta.head_major, v_cache.new_empty(numel))
     # The heads sharing a KV head fold into the query dimension, so K/V are never expanded.
-    return F.scaled_dot_product_attention(q.reshape(rows, kv_heads, num_heads // kv_heads, head_dim), keys, values,
-                                          attn_mask=meta.mask, scale=scale).reshape(rows, num_heads, head_dim)
+    return F.scaled_dot_product_attention(
+        q.reshape(rows, kv_heads, num_heads // kv_heads, head_dim), keys, values, attn_mask=meta.mask, scale=scale
+    ).reshape(rows, num_heads, head_dim)
 
 
 class DecodeGraphs:
@@ -169,8 +171,16 @@ class DecodeGraphs:
         ValueError: no sizes, or a KV cache without the padding block.
     """
 
-    def __init__(self, model, kv_caches: list[KVCache], block_table: torch.Tensor, sizes: Sequence[int],
-                 block_size: int, pad_block: int, head_major: bool) -> None:
+    def __init__(
+        self,
+        model,
+        kv_caches: list[KVCache],
+        block_table: torch.Tensor,
+        sizes: Sequence[int],
+        block_size: int,
+        pad_block: int,
+        head_major: bool,
+    ) -> None:
         if not sizes:
             raise ValueError("CUDA graphs need at least one batch size")
         if kv_caches[0][0].shape[0] < (pad_block + 1) * block_size:
@@ -206,8 +216,14 @@ class DecodeGraphs:
         host[1, :num_rows] = layout.start_positions
         host[2, :num_rows] = layout.start_positions + 1
         self.rows[:, :size].copy_(upload([host])[0])
-        return GraphStep(num_tokens=num_rows, block_size=self.block_size, positions=self.rows[1, :num_rows],
-                         slot_mapping=self.slot_mapping[:num_rows], size=size, graphs=self)
+        return GraphStep(
+            num_tokens=num_rows,
+            block_size=self.block_size,
+            positions=self.rows[1, :num_rows],
+            slot_mapping=self.slot_mapping[:num_rows],
+            size=size,
+            graphs=self,
+        )
 
     def run(self, step: GraphStep, input_ids: torch.Tensor) -> torch.Tensor:
         """Run ``step``: its captured graph, or the body eagerly where none was captured (CPU).
@@ -220,13 +236,13 @@ class DecodeGraphs:
             ``[B, vocab]`` float32 logits, a view of the static buffer that the
             next step overwrites (consume it in stream order before then).
         """
-        self.input_ids[:step.num_tokens].copy_(input_ids)
+        self.input_ids[: step.num_tokens].copy_(input_ids)
         graph = self._graphs.get(step.size)
         if graph is None:
             self.body(step.size)
         else:
             graph.replay()
-        return self.logits[:step.num_tokens]
+        return self.logits[: step.num_tokens]
 
     def body(self, size: int) -> None:
         """The graph's work for ``size`` rows, from the static buffers to ``self.logits[:size]``."""
@@ -242,9 +258,15 @@ class DecodeGraphs:
         torch.add(block_ids.gather(1, column).squeeze(1) * bs, positions % bs, out=self.slot_mapping[:size])
         key_pos = torch.arange(max_blocks * bs, device=device)
         mask = (key_pos[None, :] < context_lens[:, None])[:, None, None, :]
-        meta = GraphDecodeMetadata(num_tokens=size, block_size=bs, positions=positions,
-                                   slot_mapping=self.slot_mapping[:size], block_ids=block_ids, mask=mask,
-                                   head_major=self.head_major)
+        meta = GraphDecodeMetadata(
+            num_tokens=size,
+            block_size=bs,
+            positions=positions,
+            slot_mapping=self.slot_mapping[:size],
+            block_ids=block_ids,
+            mask=mask,
+            head_major=self.head_major,
+        )
         hidden = self.model(self.input_ids[:size], positions, meta, self.kv_caches)
         self.logits[:size].copy_(self.model.compute_logits(hidden))
 
@@ -293,8 +315,15 @@ class CudaGraphBackend(AttentionBackend):
         step = self.graphs.prepare(layout, upload)
         return step if step is not None else self.inner.build_metadata(layout, block_table, upload)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         if isinstance(meta, GraphDecodeMetadata):
             return graph_decode_attention(q, k, v, kv_cache, meta, scale)
         return self.inner.forward(q, k, v, kv_cache, meta, scale)
@@ -315,8 +344,15 @@ def install_decode_graphs(runner: ModelRunner, sizes: Sequence[int]) -> DecodeGr
     """
     executor = runner.executor
     model = executor.model
-    graphs = DecodeGraphs(model, executor.kv_caches, runner.slots.block_table, sizes, runner.config.block_size,
-                          pad_block=runner.config.num_kv_blocks, head_major=cache_is_head_major(model.attn_backend))
+    graphs = DecodeGraphs(
+        model,
+        executor.kv_caches,
+        runner.slots.block_table,
+        sizes,
+        runner.config.block_size,
+        pad_block=runner.config.num_kv_blocks,
+        head_major=cache_is_head_major(model.attn_backend),
+    )
     executor.attn_backend = model.attn_backend = CudaGraphBackend(model.attn_backend, graphs)
     if runner.device.type == "cuda":
         graphs.capture()

@@ -28,8 +28,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
-                 np.dtype(np.float32): torch.float32}
+_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32, np.dtype(np.float32): torch.float32}
 # Each array starts at a multiple of this many bytes of the staging buffer, so
 # its slice of the device copy can be viewed as its dtype.
 _ALIGN = 8
@@ -106,11 +105,13 @@ class AsyncOps(DeviceOps):
         host = self.host_buffer(max(total, _ALIGN), torch.uint8)
         view = host.numpy()
         for a, off in zip(arrays, offsets, strict=True):
-            view[off:off + a.nbytes].view(a.dtype)[:] = a.reshape(-1)
+            view[off : off + a.nbytes].view(a.dtype)[:] = a.reshape(-1)
         dev = torch.empty(host.shape, dtype=torch.uint8, device=self.device)
         dev.copy_(host, non_blocking=True)
-        return [dev[off:off + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape)
-                for a, off in zip(arrays, offsets, strict=True)]
+        return [
+            dev[off : off + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape)
+            for a, off in zip(arrays, offsets, strict=True)
+        ]
 
     def copy_to_host(self, t: torch.Tensor) -> tuple[torch.Tensor, object]:
         ready = self.new_event()

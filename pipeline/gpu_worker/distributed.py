@@ -48,9 +48,21 @@ _HEARTBEAT_STEP_ID = -1
 _STOP_STEP_ID = -2
 # Settings every node must share for the ranks to run the same steps: the
 # descriptor layout, the KV cache geometry and what the model computes.
-_SHARED_FIELDS = ("dtype", "device", "max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len",
-                  "num_kv_blocks", "vocab_size", "debug_token_cache_poison", "sim_step_us", "sim_token_us",
-                  "tensor_parallel_size", "nnodes")
+_SHARED_FIELDS = (
+    "dtype",
+    "device",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "block_size",
+    "max_model_len",
+    "num_kv_blocks",
+    "vocab_size",
+    "debug_token_cache_poison",
+    "sim_step_us",
+    "sim_token_us",
+    "tensor_parallel_size",
+    "nnodes",
+)
 
 
 class DescriptorRelay:
@@ -120,9 +132,9 @@ class DescriptorRelay:
         self._works.clear()
 
     def _broadcast_async(self, n: int) -> None:
-        self._works.append(dist.broadcast(self._buf[:self._first], 0, group=self.group, async_op=True))
+        self._works.append(dist.broadcast(self._buf[: self._first], 0, group=self.group, async_op=True))
         if n > self._first:
-            self._works.append(dist.broadcast(self._buf[self._first:n], 0, group=self.group, async_op=True))
+            self._works.append(dist.broadcast(self._buf[self._first : n], 0, group=self.group, async_op=True))
         self._last_send = time.monotonic()
 
     def receive(self, timeout: float) -> StepDescriptor | None:
@@ -133,7 +145,7 @@ class DescriptorRelay:
         :attr:`head_stopped` set: rank 0 stopped (:meth:`send_stop`).
         """
         if not self._works:
-            self._works.append(dist.broadcast(self._buf[:self._first], 0, group=self.group, async_op=True))
+            self._works.append(dist.broadcast(self._buf[: self._first], 0, group=self.group, async_op=True))
         work = self._works[0]
         try:
             work.wait(timedelta(seconds=timeout))
@@ -148,7 +160,7 @@ class DescriptorRelay:
             return None
         n = packed_descriptor_nbytes(header)
         if n > self._first:
-            dist.broadcast(self._buf[self._first:n], 0, group=self.group)
+            dist.broadcast(self._buf[self._first : n], 0, group=self.group)
         unpack_descriptor(self._np, self._slot)
         return self._slot
 
@@ -170,8 +182,9 @@ def init_tensor_parallel(config: EngineConfig, rank: int) -> tuple[TPGroup, Desc
     if config.device == "cuda":
         torch.cuda.set_device(config.device_index(rank))
         backend = "nccl"
-    dist.init_process_group(backend, init_method=config.tp_init_method, rank=rank,
-                            world_size=config.tensor_parallel_size)
+    dist.init_process_group(
+        backend, init_method=config.tp_init_method, rank=rank, world_size=config.tensor_parallel_size
+    )
     tp = TPGroup(rank, config.tensor_parallel_size, dist.group.WORLD)
     if config.nnodes == 1:
         return tp, None
@@ -196,5 +209,8 @@ def _check_same_settings(config: EngineConfig, group: dist.ProcessGroup, size: i
     complaints: list[str] = [""] * size
     dist.all_gather_object(complaints, f"node {config.node_rank}: {', '.join(diff)}" if diff else "", group=group)
     if bad := [c for c in complaints if c]:
-        raise ValueError("the nodes were started with different settings: " + "; ".join(bad)
-                         + "; start every node with the same flags (model, sizes, dtype)")
+        raise ValueError(
+            "the nodes were started with different settings: "
+            + "; ".join(bad)
+            + "; start every node with the same flags (model, sizes, dtype)"
+        )

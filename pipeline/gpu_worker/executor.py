@@ -111,8 +111,14 @@ class Executor(ABC):
     max_positions: int | None = None
 
     @abstractmethod
-    def execute(self, input_ids: torch.Tensor, meta: AttentionMetadata, last: torch.Tensor,
-                sampling: SamplingInputs, logprobs: LogprobInputs) -> Executed:
+    def execute(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        last: torch.Tensor,
+        sampling: SamplingInputs,
+        logprobs: LogprobInputs,
+    ) -> Executed:
         """Enqueue the step's forward, sampling and log-probabilities; must not wait for the device.
 
         Args:
@@ -146,16 +152,23 @@ class ModelExecutor(Executor):
     def __init__(self, config: EngineConfig, model, device: torch.device, dtype: torch.dtype):
         self.max_positions = int(model.config.max_position_embeddings)
         if config.max_model_len > self.max_positions:
-            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings "
-                             f"{self.max_positions}; lower --max-model-len")
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the model's max_position_embeddings "
+                f"{self.max_positions}; lower --max-model-len"
+            )
         self.vocab_size = int(model.config.vocab_size)
         self.model = model
         self.attn_backend = model.attn_backend
-        self.kv_caches = model.allocate_kv_caches(config.num_kv_blocks + PAD_BLOCKS, config.block_size, dtype,
-                                                  device)
+        self.kv_caches = model.allocate_kv_caches(config.num_kv_blocks + PAD_BLOCKS, config.block_size, dtype, device)
 
-    def execute(self, input_ids: torch.Tensor, meta: AttentionMetadata, last: torch.Tensor,
-                sampling: SamplingInputs, logprobs: LogprobInputs) -> Executed:
+    def execute(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        last: torch.Tensor,
+        sampling: SamplingInputs,
+        logprobs: LogprobInputs,
+    ) -> Executed:
         if isinstance(meta, GraphStep):  # a decode-only step (no prompt positions): its CUDA graph
             logits = meta.run(input_ids).index_select(0, last)
         else:
@@ -170,14 +183,19 @@ class ModelExecutor(Executor):
         tokens = sample_rows(processed, s.plan, s.temperature, s.top_p, s.top_k, s.seed, s.position, s.min_p)
         executed = Executed(tokens=tokens)
         if logprobs.rows is not None:
-            executed.logprobs = token_logprobs(logits.index_select(0, logprobs.rows),
-                                               tokens.index_select(0, logprobs.rows))
+            executed.logprobs = token_logprobs(
+                logits.index_select(0, logprobs.rows), tokens.index_select(0, logprobs.rows)
+            )
         if logprobs.prompt_positions is not None:
             parts = []
             for i in range(0, logprobs.prompt_positions.shape[0], _PROMPT_LOGITS_ROWS):
-                pos = logprobs.prompt_positions[i:i + _PROMPT_LOGITS_ROWS]
-                parts.append(token_logprobs(self.model.compute_logits(hidden.index_select(0, pos)),
-                                            logprobs.prompt_targets[i:i + _PROMPT_LOGITS_ROWS]))
+                pos = logprobs.prompt_positions[i : i + _PROMPT_LOGITS_ROWS]
+                parts.append(
+                    token_logprobs(
+                        self.model.compute_logits(hidden.index_select(0, pos)),
+                        logprobs.prompt_targets[i : i + _PROMPT_LOGITS_ROWS],
+                    )
+                )
             executed.prompt_logprobs = parts[0] if len(parts) == 1 else tuple(torch.cat(p) for p in zip(*parts))
         return executed
 
@@ -202,21 +220,29 @@ class SimExecutor(Executor):
         self.sim = sim
         self.attn_backend = attn_backend or default_backend()
 
-    def execute(self, input_ids: torch.Tensor, meta: AttentionMetadata, last: torch.Tensor,
-                sampling: SamplingInputs, logprobs: LogprobInputs) -> Executed:
+    def execute(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        last: torch.Tensor,
+        sampling: SamplingInputs,
+        logprobs: LogprobInputs,
+    ) -> Executed:
         # The simulated kernel reads the resolved inputs like the model would.
         last_ids, last_pos = input_ids[last].numpy(), meta.positions[last].numpy()
         tokens = sim_next_tokens(last_ids, last_pos)
         start, end = self.sim.enqueue_step(input_ids.numel())
-        executed = Executed(tokens=torch.from_numpy(tokens), done=SimEvent(end), device_start_ns=start,
-                            device_end_ns=end)
+        executed = Executed(
+            tokens=torch.from_numpy(tokens), done=SimEvent(end), device_start_ns=start, device_end_ns=end
+        )
         if logprobs.rows is not None:
             r = logprobs.rows.numpy()
             executed.logprobs = _as_tensors(sim_logprobs(last_ids[r], last_pos[r], tokens[r]))
         if logprobs.prompt_positions is not None:
             p = logprobs.prompt_positions.numpy()
-            executed.prompt_logprobs = _as_tensors(sim_logprobs(input_ids[p].numpy(), meta.positions[p].numpy(),
-                                                                logprobs.prompt_targets.numpy()))
+            executed.prompt_logprobs = _as_tensors(
+                sim_logprobs(input_ids[p].numpy(), meta.positions[p].numpy(), logprobs.prompt_targets.numpy())
+            )
         return executed
 
 

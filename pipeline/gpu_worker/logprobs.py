@@ -65,6 +65,7 @@ class PromptLogprobPlan:
         j = np.arange(int(m.sum())) - np.repeat(np.cumsum(m) - m, m)  # 0..m-1 within each row
         flat = offsets[row_of] + j
         inside = j + 1 < x.query_lens[row_of]
-        next_token = np.where(inside, x.token_ids[np.minimum(flat + 1, len(x.token_ids) - 1)],
-                              x.next_prompt_token[row_of])
+        next_token = np.where(
+            inside, x.token_ids[np.minimum(flat + 1, len(x.token_ids) - 1)], x.next_prompt_token[row_of]
+        )
         return cls(flat, next_token, x.req_num[row_of], x.start_pos[row_of] + j + 1)

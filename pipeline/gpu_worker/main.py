@@ -55,8 +55,15 @@ class WorkerProc:
     "Parallelism").
     """
 
-    def __init__(self, config: EngineConfig, runner: ModelRunner, desc_ring: ShmRing[StepDescriptor] | None,
-                 out_ring: ShmRing[StepOutput] | None, rank: int = 0, relay: DescriptorRelay | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: ModelRunner,
+        desc_ring: ShmRing[StepDescriptor] | None,
+        out_ring: ShmRing[StepOutput] | None,
+        rank: int = 0,
+        relay: DescriptorRelay | None = None,
+    ):
         self.config, self.runner, self.rank = config, runner, rank
         self.role = config.worker_role(rank)
         self.desc_ring, self.out_ring, self.relay = desc_ring, out_ring, relay
@@ -163,6 +170,7 @@ def load_runner(config: EngineConfig, rank: int = 0) -> tuple[ModelRunner, Descr
         relay = None
         if config.nnodes > 1:
             from pipeline.gpu_worker.distributed import init_tensor_parallel
+
             relay = init_tensor_parallel(config, rank)[1]
         return ModelRunner(config, SimExecutor(sim, make_backend(config.attention_backend)), device), relay
     torch.set_num_threads(config.worker_threads or len(os.sched_getaffinity(0)))
@@ -170,10 +178,12 @@ def load_runner(config: EngineConfig, rank: int = 0) -> tuple[ModelRunner, Descr
     if config.tensor_parallel_size > 1:
         from pipeline.gpu_worker.distributed import init_tensor_parallel
         from pipeline.gpu_worker.parallel import load_parallel_model
+
         tp, relay = init_tensor_parallel(config, rank)
         model = load_parallel_model(config.model, dtype, device, tp, config.attention_backend)
     else:
         from pipeline.gpu_worker.weights import load_model
+
         model = load_model(config.model, dtype, device, config.attention_backend)
     runner = ModelRunner(config, ModelExecutor(config, model, device, dtype), device)
     if config.cuda_graph_sizes:  # after the KV cache exists, so the graphs' pool comes from what is left

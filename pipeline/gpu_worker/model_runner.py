@@ -195,8 +195,9 @@ class ModelRunner:
         """Refuse token ids and positions the model has no row for (host arrays only)."""
         vocab, max_pos = self.executor.vocab_size, self.executor.max_positions
         if vocab is not None and len(x.token_ids) and int(x.token_ids.max()) >= vocab:
-            raise ValueError(f"step {x.step_id}: token id {int(x.token_ids.max())} is outside the vocabulary "
-                             f"of {vocab}")
+            raise ValueError(
+                f"step {x.step_id}: token id {int(x.token_ids.max())} is outside the vocabulary of {vocab}"
+            )
         if max_pos is not None and len(x.start_pos) and int((x.start_pos + x.query_lens).max()) > max_pos:
             raise ValueError(f"step {x.step_id}: a position reaches max_position_embeddings {max_pos}")
 
@@ -259,8 +260,13 @@ class ModelRunner:
             out.bitmask = batch.add(x.bitmask)  # int32 words, widened
         if s.penalty is not None and s.any_penalty_work:
             out.penalties = plan_penalties(
-                sample_slots, positions - s.host_prompt_len[sample_slots], s.host_penalized[sample_slots],
-                s.host_num_bias[sample_slots], s.host_min_tokens[sample_slots], s.host_stop_ids)
+                sample_slots,
+                positions - s.host_prompt_len[sample_slots],
+                s.host_penalized[sample_slots],
+                s.host_num_bias[sample_slots],
+                s.host_min_tokens[sample_slots],
+                s.host_stop_ids,
+            )
             if out.penalties is not None:
                 out.penalties.stage(batch)
         return out
@@ -272,13 +278,21 @@ class ModelRunner:
             sampling = SamplingInputs(SamplingPlan(rows=None), *self._no_rows)
         else:
             vocab = self.executor.vocab_size or np.iinfo(np.int64).max
-            plan = SamplingPlan.build(st.hot.dev, st.top_k, st.top_p, vocab, host_reads_ok=not self.ops.is_async,
-                                      min_p=st.min_p)
+            plan = SamplingPlan.build(
+                st.hot.dev, st.top_k, st.top_p, vocab, host_reads_ok=not self.ops.is_async, min_p=st.min_p
+            )
             # One gather per parameter table; the columns are views of it.
             f = s.float_params.index_select(0, st.hot_slots.dev)
             i = s.int_params.index_select(0, st.hot_slots.dev)
-            sampling = SamplingInputs(plan, temperature=f[:, TEMPERATURE], top_p=f[:, TOP_P], top_k=i[:, TOP_K],
-                                      seed=i[:, SEED], position=st.positions.dev, min_p=f[:, MIN_P])
+            sampling = SamplingInputs(
+                plan,
+                temperature=f[:, TEMPERATURE],
+                top_p=f[:, TOP_P],
+                top_k=i[:, TOP_K],
+                seed=i[:, SEED],
+                position=st.positions.dev,
+                min_p=f[:, MIN_P],
+            )
         if st.mask_rows is not None:
             sampling.mask_rows, sampling.bitmask = st.mask_rows.dev, st.bitmask.dev
         if st.penalties is not None:
@@ -303,15 +317,26 @@ class ModelRunner:
             out.prompt_positions, out.prompt_targets = batch.add(plan.flat), batch.add(plan.next_token)
         return out
 
-    def _forward_and_sample(self, x: StepInputs, input_ids: torch.Tensor, staged_sampling: _Sampling,
-                            staged_logprobs: _Logprobs, step: LaunchedStep) -> Executed:
+    def _forward_and_sample(
+        self,
+        x: StepInputs,
+        input_ids: torch.Tensor,
+        staged_sampling: _Sampling,
+        staged_logprobs: _Logprobs,
+        step: LaunchedStep,
+    ) -> Executed:
         """Build the attention metadata, run the executor, write the token-id cache."""
-        layout = StepLayout.build(x.query_lens, x.start_pos, x.slot, self.config.block_size,
-                                  self.config.max_blocks_per_seq)
+        layout = StepLayout.build(
+            x.query_lens, x.start_pos, x.slot, self.config.block_size, self.config.max_blocks_per_seq
+        )
         meta = self.executor.attn_backend.build_metadata(layout, self.slots.block_table, self.ops.upload)
         sampling = self._sampling_inputs(staged_sampling)
-        logprobs = LogprobInputs(*(a.dev if a is not None else None for a in (
-            staged_logprobs.rows, staged_logprobs.prompt_positions, staged_logprobs.prompt_targets)))
+        logprobs = LogprobInputs(
+            *(
+                a.dev if a is not None else None
+                for a in (staged_logprobs.rows, staged_logprobs.prompt_positions, staged_logprobs.prompt_targets)
+            )
+        )
         step.prepare_end_ns = time.monotonic_ns()
 
         step.start_event = self.ops.timing_event()
@@ -364,8 +389,10 @@ class ModelRunner:
         if step.stale is not None:
             bad = step.stale.numpy().astype(bool)
             if bad.any():
-                raise StaleTokenError(f"step {step.step_id}: placeholder for slots {step.stale_slots[bad].tolist()} "
-                                      "read a consumed token-id cache entry")
+                raise StaleTokenError(
+                    f"step {step.step_id}: placeholder for slots {step.stale_slots[bad].tolist()} "
+                    "read a consumed token-id cache entry"
+                )
         packed, offset = step.lp_host.numpy() if step.lp_host is not None else None, 0
         if step.lp_rows is not None:
             step.logprobs, offset = _unpack(packed, offset, step.lp_rows)
@@ -379,14 +406,17 @@ class ModelRunner:
 def _pack(lp: LogprobTensors) -> list[torch.Tensor]:
     """One log-probability set as flat int64 tensors: float32 values as their bit patterns."""
     logprob, top_ids, top_logprobs = lp
-    return [logprob.contiguous().view(torch.int32).long(), top_ids.reshape(-1).long(),
-            top_logprobs.contiguous().view(torch.int32).reshape(-1).long()]
+    return [
+        logprob.contiguous().view(torch.int32).long(),
+        top_ids.reshape(-1).long(),
+        top_logprobs.contiguous().view(torch.int32).reshape(-1).long(),
+    ]
 
 
 def _unpack(packed: np.ndarray, offset: int, index: np.ndarray) -> tuple[TokenLogprobs, int]:
     """Read back one set packed by :func:`_pack` at ``offset``; returns it and the offset after it."""
     n, k = len(index), MAX_LOGPROBS
-    logprob = packed[offset:offset + n].astype(np.int32).view(np.float32)
-    top_ids = packed[offset + n:offset + n + n * k].astype(np.int32).reshape(n, k)
-    top_logprobs = packed[offset + n + n * k:offset + n + 2 * n * k].astype(np.int32).view(np.float32).reshape(n, k)
+    logprob = packed[offset : offset + n].astype(np.int32).view(np.float32)
+    top_ids = packed[offset + n : offset + n + n * k].astype(np.int32).reshape(n, k)
+    top_logprobs = packed[offset + n + n * k : offset + n + 2 * n * k].astype(np.int32).view(np.float32).reshape(n, k)
     return TokenLogprobs(index.astype(np.int64), logprob, top_ids, top_logprobs), offset + n + 2 * n * k

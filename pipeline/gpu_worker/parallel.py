@@ -125,8 +125,9 @@ class ParallelLlamaForCausalLM(LlamaForCausalLM):
     """
 
     def __init__(self, config, tp: TPGroup, attn_backend=None) -> None:
-        shape = TPShape.build(tp.size, config.num_attention_heads, config.num_key_value_heads,
-                              config.intermediate_size, config.vocab_size)
+        shape = TPShape.build(
+            tp.size, config.num_attention_heads, config.num_key_value_heads, config.intermediate_size, config.vocab_size
+        )
         local = copy.deepcopy(config)
         # A config without head_dim derives it from the head count: pin the full model's.
         local.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -190,8 +191,10 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     single = model_dir / "model.safetensors"
     if single.is_file():
         return [single]
-    raise ValueError(f"{model_dir} has no safetensors checkpoint; tensor parallelism reads each rank's shard "
-                     "straight from safetensors files (save the model with save_pretrained to get one)")
+    raise ValueError(
+        f"{model_dir} has no safetensors checkpoint; tensor parallelism reads each rank's shard "
+        "straight from safetensors files (save the model with save_pretrained to get one)"
+    )
 
 
 def read_shard(model_dir: str | Path, shape: TPShape, rank: int, head_dim: int) -> dict[str, torch.Tensor]:
@@ -228,8 +231,9 @@ def read_shard(model_dir: str | Path, shape: TPShape, rank: int, head_dim: int) 
     return out
 
 
-def load_parallel_model(model_dir: str, dtype: torch.dtype, device: torch.device, tp: TPGroup,
-                        attention_backend: str = "auto") -> ParallelLlamaForCausalLM:
+def load_parallel_model(
+    model_dir: str, dtype: torch.dtype, device: torch.device, tp: TPGroup, attention_backend: str = "auto"
+) -> ParallelLlamaForCausalLM:
     """Build rank ``tp.rank``'s shard and load its weights; no rank reads the whole model.
 
     Args:
@@ -249,12 +253,19 @@ def load_parallel_model(model_dir: str, dtype: torch.dtype, device: torch.device
     """
     config = transformers.AutoConfig.from_pretrained(model_dir)
     if config.model_type != "llama":
-        raise ValueError(f"model type {config.model_type!r} in {model_dir} is not supported: "
-                         "only Llama-family models (model_type 'llama') are supported")
+        raise ValueError(
+            f"model type {config.model_type!r} in {model_dir} is not supported: "
+            "only Llama-family models (model_type 'llama') are supported"
+        )
     model = ParallelLlamaForCausalLM(config, tp)
-    model.attn_backend = make_backend(attention_backend, device=device, dtype=dtype,
-                                      num_heads=model.shape.num_heads, num_kv_heads=model.shape.num_kv_heads,
-                                      head_dim=model.head_dim)
+    model.attn_backend = make_backend(
+        attention_backend,
+        device=device,
+        dtype=dtype,
+        num_heads=model.shape.num_heads,
+        num_kv_heads=model.shape.num_kv_heads,
+        head_dim=model.head_dim,
+    )
     model.load_hf_state_dict(read_shard(model_dir, model.shape, tp.rank, model.head_dim))
     gc.collect()
     model.to(dtype=dtype, device=device)

@@ -85,12 +85,24 @@ class PenaltyPlan:
         """The :class:`PenaltyInputs` of the staged arrays (their batch uploaded)."""
         dev = [s.dev for s in self._staged]
         has_min = self.min_tokens_rows is not None
-        return PenaltyInputs(rows=dev[0], slots=dev[1], use_bias=self.use_bias, use_penalties=self.use_penalties,
-                             min_tokens_rows=dev[2] if has_min else None, min_tokens_ids=dev[3] if has_min else None)
+        return PenaltyInputs(
+            rows=dev[0],
+            slots=dev[1],
+            use_bias=self.use_bias,
+            use_penalties=self.use_penalties,
+            min_tokens_rows=dev[2] if has_min else None,
+            min_tokens_ids=dev[3] if has_min else None,
+        )
 
 
-def plan_penalties(slots: np.ndarray, output_index: np.ndarray, penalized: np.ndarray, num_bias: np.ndarray,
-                   min_tokens: np.ndarray, stop_ids: Sequence[np.ndarray]) -> PenaltyPlan | None:
+def plan_penalties(
+    slots: np.ndarray,
+    output_index: np.ndarray,
+    penalized: np.ndarray,
+    num_bias: np.ndarray,
+    min_tokens: np.ndarray,
+    stop_ids: Sequence[np.ndarray],
+) -> PenaltyPlan | None:
     """Decide on the host which sampled rows get what; None when no row gets anything.
 
     Args:
@@ -105,8 +117,12 @@ def plan_penalties(slots: np.ndarray, output_index: np.ndarray, penalized: np.nd
     rows = np.flatnonzero(penalized | (num_bias > 0) | masks_stop)
     if not len(rows):
         return None
-    plan = PenaltyPlan(rows=rows, slots=slots[rows], use_bias=bool((num_bias[rows] > 0).any()),
-                       use_penalties=bool(penalized[rows].any()))
+    plan = PenaltyPlan(
+        rows=rows,
+        slots=slots[rows],
+        use_bias=bool((num_bias[rows] > 0).any()),
+        use_penalties=bool(penalized[rows].any()),
+    )
     stopped = np.flatnonzero(masks_stop[rows])
     if len(stopped):
         ids = [stop_ids[slots[rows[q]]] for q in stopped]

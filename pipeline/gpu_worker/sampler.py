@@ -57,15 +57,26 @@ class SamplingPlan:
     host_reads_ok: bool = False
 
     @classmethod
-    def build(cls, rows: torch.Tensor | None, top_k: np.ndarray, top_p: np.ndarray, vocab: int,
-              host_reads_ok: bool, min_p: np.ndarray | None = None) -> SamplingPlan:
+    def build(
+        cls,
+        rows: torch.Tensor | None,
+        top_k: np.ndarray,
+        top_p: np.ndarray,
+        vocab: int,
+        host_reads_ok: bool,
+        min_p: np.ndarray | None = None,
+    ) -> SamplingPlan:
         """Plan from the host copies of the sampled rows' ``top_k``, ``top_p`` and ``min_p`` (``[R]`` each)."""
         if rows is None or len(top_k) == 0:
             return cls(rows=None)
         active_k = top_k[(top_k > 0) & (top_k < vocab)]
-        return cls(rows=rows, k_max=int(active_k.max()) if active_k.size else 0,
-                   use_top_p=bool((top_p < 1).any()), use_min_p=min_p is not None and bool((min_p > 0).any()),
-                   host_reads_ok=host_reads_ok)
+        return cls(
+            rows=rows,
+            k_max=int(active_k.max()) if active_k.size else 0,
+            use_top_p=bool((top_p < 1).any()),
+            use_min_p=min_p is not None and bool((min_p > 0).any()),
+            host_reads_ok=host_reads_ok,
+        )
 
 
 def sample(
@@ -118,9 +129,14 @@ def sample(
         raise ValueError(f"min_p must be in [0, 1], got {min_p.tolist()}")
     rows = torch.nonzero(temperature > 0).flatten()
     device = logits.device
-    plan = SamplingPlan.build(rows.to(device) if rows.numel() else None, top_k[rows].long().numpy(),
-                              top_p[rows].numpy(), vocab, host_reads_ok=device.type == "cpu",
-                              min_p=min_p[rows].numpy())
+    plan = SamplingPlan.build(
+        rows.to(device) if rows.numel() else None,
+        top_k[rows].long().numpy(),
+        top_p[rows].numpy(),
+        vocab,
+        host_reads_ok=device.type == "cpu",
+        min_p=min_p[rows].numpy(),
+    )
     on_device = [t[rows].to(device) for t in (temperature, top_p, top_k.long(), seeds, output_positions, min_p)]
     return sample_rows(logits, plan, *on_device)
 
@@ -238,7 +254,7 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> t
 def bits_to_uniform(h: torch.Tensor) -> torch.Tensor:
     """32-bit values (int64) -> float32 ``(k + 0.5) / 2**23`` from their top 23 bits; never 0 or 1."""
     h >>= 32 - _U_BITS
-    return h.float().add_(0.5).mul_(2.0 ** -_U_BITS)
+    return h.float().add_(0.5).mul_(2.0**-_U_BITS)
 
 
 def _filter(x: torch.Tensor, k: torch.Tensor, p: torch.Tensor, plan: SamplingPlan) -> None:

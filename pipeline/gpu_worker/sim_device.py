@@ -92,8 +92,9 @@ def _hash2(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return h
 
 
-def sim_logprobs(input_ids: np.ndarray, positions: np.ndarray,
-                 targets: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def sim_logprobs(
+    input_ids: np.ndarray, positions: np.ndarray, targets: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Deterministic stand-in log-probabilities of ``targets``, each following (input token, position).
 
     The simulated model's most likely token after ``(x, p)`` is

@@ -131,16 +131,21 @@ class SlotState:
         self.host_top_k = np.zeros(num_slots, dtype=np.int64)
         self.host_logprobs = np.full(num_slots, -1, dtype=np.int64)
         self.host_min_p = np.zeros(num_slots, dtype=np.float32)
-        self.penalty = None if vocab_size is None else PenaltyState(
-            # int32 counts are exact for any sequence length; a dense row per slot
-            # makes each step's update one scatter (docs/design.md, "Penalties and biases").
-            counts=torch.zeros((num_slots, vocab_size), dtype=torch.int32, device=device),
-            in_prompt=torch.zeros((num_slots, vocab_size), dtype=torch.bool, device=device),
-            presence=self.float_params[:, PRESENCE],
-            frequency=self.float_params[:, FREQUENCY],
-            repetition=self.float_params[:, REPETITION],
-            bias_ids=torch.zeros((num_slots, MAX_LOGIT_BIAS), dtype=torch.int64, device=device),
-            bias_values=torch.zeros((num_slots, MAX_LOGIT_BIAS), dtype=torch.float32, device=device))
+        self.penalty = (
+            None
+            if vocab_size is None
+            else PenaltyState(
+                # int32 counts are exact for any sequence length; a dense row per slot
+                # makes each step's update one scatter (docs/design.md, "Penalties and biases").
+                counts=torch.zeros((num_slots, vocab_size), dtype=torch.int32, device=device),
+                in_prompt=torch.zeros((num_slots, vocab_size), dtype=torch.bool, device=device),
+                presence=self.float_params[:, PRESENCE],
+                frequency=self.float_params[:, FREQUENCY],
+                repetition=self.float_params[:, REPETITION],
+                bias_ids=torch.zeros((num_slots, MAX_LOGIT_BIAS), dtype=torch.int64, device=device),
+                bias_values=torch.zeros((num_slots, MAX_LOGIT_BIAS), dtype=torch.float32, device=device),
+            )
+        )
         self.host_penalized = np.zeros(num_slots, dtype=bool)
         self.host_num_bias = np.zeros(num_slots, dtype=np.int64)
         self.host_min_tokens = np.zeros(num_slots, dtype=np.int64)
@@ -167,9 +172,14 @@ class SlotState:
             return u
         slots = x.slot[x.new_rows]
         floats = np.empty((len(slots), len(_FLOAT_DEFAULTS)), dtype=np.float32)
-        for col, values in ((TEMPERATURE, x.temperature), (TOP_P, x.top_p), (MIN_P, x.min_p),
-                            (PRESENCE, x.presence_penalty), (FREQUENCY, x.frequency_penalty),
-                            (REPETITION, x.repetition_penalty)):
+        for col, values in (
+            (TEMPERATURE, x.temperature),
+            (TOP_P, x.top_p),
+            (MIN_P, x.min_p),
+            (PRESENCE, x.presence_penalty),
+            (FREQUENCY, x.frequency_penalty),
+            (REPETITION, x.repetition_penalty),
+        ):
             floats[:, col] = values
         ints = np.empty((len(slots), 2), dtype=np.int64)
         ints[:, TOP_K], ints[:, SEED] = x.top_k, x.seed
@@ -230,8 +240,14 @@ class SlotState:
         flat = (np.cumsum(x.query_lens) - x.query_lens)[row_of] + j
         slot = x.slot[row_of]
         is_output = x.start_pos[row_of] + j >= self.host_prompt_len[slot]
-        return InputCounts(batch.add(flat[is_output]), batch.add(slot[is_output]), batch.add(flat[~is_output]),
-                           batch.add(slot[~is_output]), bool(is_output.any()), not bool(is_output.all()))
+        return InputCounts(
+            batch.add(flat[is_output]),
+            batch.add(slot[is_output]),
+            batch.add(flat[~is_output]),
+            batch.add(slot[~is_output]),
+            bool(is_output.any()),
+            not bool(is_output.all()),
+        )
 
     def count_inputs(self, counts: InputCounts | None, input_ids: torch.Tensor) -> None:
         """Count a step's input tokens of penalized slots, on the device, before the step samples.
@@ -251,8 +267,12 @@ class SlotState:
             return
         st = self.penalty
         if counts.any_output:
-            st.counts.index_put_((counts.out_slot.dev, input_ids.index_select(0, counts.out_flat.dev)),
-                                 st.counts.new_ones(()), accumulate=True)
+            st.counts.index_put_(
+                (counts.out_slot.dev, input_ids.index_select(0, counts.out_flat.dev)),
+                st.counts.new_ones(()),
+                accumulate=True,
+            )
         if counts.any_prompt:
-            st.in_prompt.index_put_((counts.in_slot.dev, input_ids.index_select(0, counts.in_flat.dev)),
-                                    st.in_prompt.new_ones(()))
+            st.in_prompt.index_put_(
+                (counts.in_slot.dev, input_ids.index_select(0, counts.in_flat.dev)), st.in_prompt.new_ones(())
+            )

@@ -68,6 +68,11 @@ class StepShapeRecorder:
     def save(self, path: str) -> None:
         """Write every recorded step to ``path`` (``.npz``)."""
         q, s, smp = zip(*self._steps) if self._steps else ([np.zeros(0, np.int32)],) * 2 + ([np.zeros(0, bool)],)
-        row_start = np.concatenate([[0], np.cumsum([len(x) for x in q[:len(self._steps)]])]).astype(np.int64)
-        np.savez(path, query_lens=np.concatenate(q), start_pos=np.concatenate(s), sampled=np.concatenate(smp),
-                 row_start=row_start)
+        row_start = np.concatenate([[0], np.cumsum([len(x) for x in q[: len(self._steps)]])]).astype(np.int64)
+        np.savez(
+            path,
+            query_lens=np.concatenate(q),
+            start_pos=np.concatenate(s),
+            sampled=np.concatenate(smp),
+            row_start=row_start,
+        )

@@ -11,8 +11,9 @@ from pipeline.gpu_worker.attention import make_backend
 from pipeline.gpu_worker.model import LlamaForCausalLM
 
 
-def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
-               attention_backend: str = "auto") -> LlamaForCausalLM:
+def load_model(
+    model_dir: str, dtype: torch.dtype, device: torch.device, attention_backend: str = "auto"
+) -> LlamaForCausalLM:
     """Load a Llama-family model from a Hugging Face directory.
 
     transformers reads the checkpoint (any format it supports) in float32;
@@ -43,9 +44,14 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
         )
     # Build ours first so an unsupported config fails before the slow load.
     model = LlamaForCausalLM(config)
-    model.attn_backend = make_backend(attention_backend, device=device, dtype=dtype,
-                                      num_heads=config.num_attention_heads, num_kv_heads=model.num_kv_heads,
-                                      head_dim=model.head_dim)
+    model.attn_backend = make_backend(
+        attention_backend,
+        device=device,
+        dtype=dtype,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+    )
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.load_hf_state_dict(hf_model.state_dict())
     del hf_model

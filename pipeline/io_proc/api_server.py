@@ -48,13 +48,19 @@ from pipeline.io_proc.tokenization import Tokenization
 # How long /metrics waits for the scheduler's Stats reply.
 STATS_TIMEOUT_S = 5.0
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
-                405: "invalid_request_error", 503: "service_unavailable_error"}
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    503: "service_unavailable_error",
+}
 
 
 def _error(status_code: int, message: str, type: str, param: str | None = None, code: str | None = None) -> Response:
-    return json_response(ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code)),
-                         status_code)
+    return json_response(
+        ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code)), status_code
+    )
 
 
 def _is_json(content_type: str | None) -> bool:
@@ -107,15 +113,20 @@ class ApiKeyAuth:
         if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
             given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             if not hmac.compare_digest(given, self._expected):
-                response = _error(401, "missing or invalid API key: send the header 'Authorization: Bearer <key>'",
-                                  "invalid_request_error", code="invalid_api_key")
+                response = _error(
+                    401,
+                    "missing or invalid API key: send the header 'Authorization: Bearer <key>'",
+                    "invalid_request_error",
+                    code="invalid_api_key",
+                )
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
 
-def build_app(config: EngineConfig, client: EngineClient, tokenization: Tokenization,
-              stop_token_ids: tuple[int, ...]) -> FastAPI:
+def build_app(
+    config: EngineConfig, client: EngineClient, tokenization: Tokenization, stop_token_ids: tuple[int, ...]
+) -> FastAPI:
     """The OpenAI-compatible app.
 
     Its lifespan starts the client (reader thread, reply receiver) and stops
@@ -181,8 +192,18 @@ def build_app(config: EngineConfig, client: EngineClient, tokenization: Tokeniza
 
     @app.get("/v1/models")
     async def show_models() -> Response:
-        return json_response(ModelList(data=[ModelCard(id=config.served_model_name, created=created,
-                                                       root=config.model, max_model_len=config.max_model_len)]))
+        return json_response(
+            ModelList(
+                data=[
+                    ModelCard(
+                        id=config.served_model_name,
+                        created=created,
+                        root=config.model,
+                        max_model_len=config.max_model_len,
+                    )
+                ]
+            )
+        )
 
     @app.get("/health")
     async def health() -> Response:
@@ -195,8 +216,11 @@ def build_app(config: EngineConfig, client: EngineClient, tokenization: Tokeniza
         try:
             stats = await client.get_engine_stats(STATS_TIMEOUT_S)
         except (TimeoutError, EngineUnavailable):
-            return _error(503, f"the scheduler did not answer a stats request within {STATS_TIMEOUT_S:g} s",
-                          "service_unavailable_error")
+            return _error(
+                503,
+                f"the scheduler did not answer a stats request within {STATS_TIMEOUT_S:g} s",
+                "service_unavailable_error",
+            )
         return Response(metrics.render(stats), media_type=metrics.content_type)
 
     return app

@@ -226,11 +226,22 @@ class OutputProcessor:
             (it finishes stop token ids and ``max_tokens`` on its own).
     """
 
-    __slots__ = ("_detok", "_stop", "_params", "_stop_ids", "_max_tokens", "_at_finish", "num_output_tokens",
-                 "token_ids", "text_pieces", "needs_abort")
+    __slots__ = (
+        "_detok",
+        "_stop",
+        "_params",
+        "_stop_ids",
+        "_max_tokens",
+        "_at_finish",
+        "num_output_tokens",
+        "token_ids",
+        "text_pieces",
+        "needs_abort",
+    )
 
-    def __init__(self, detokenizer: Detokenizer, params: SamplingParams, stop: Sequence[str] = (),
-                 incremental: bool = True):
+    def __init__(
+        self, detokenizer: Detokenizer, params: SamplingParams, stop: Sequence[str] = (), incremental: bool = True
+    ):
         self._detok = detokenizer
         self._stop = StopStringMatcher(stop) if stop else None
         self._params = params

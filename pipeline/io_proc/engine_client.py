@@ -78,8 +78,13 @@ class EngineClient:
     as "abort").
     """
 
-    def __init__(self, config: EngineConfig, rings: Sequence[ShmRing[StepOutput]], new_detokenizer: NewDetokenizer,
-                 trace: TraceRecorder | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        rings: Sequence[ShmRing[StepOutput]],
+        new_detokenizer: NewDetokenizer,
+        trace: TraceRecorder | None = None,
+    ):
         self._new_detokenizer = new_detokenizer
         self._requests: dict[int, RequestState] = {}
         self._req_nums = itertools.count(1)
@@ -103,8 +108,10 @@ class EngineClient:
         self._pull = self._ctx.socket(zmq.PULL)  # every engine's scheduler replies here
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.bind(config.reply_address)
-        self._readers = [OutputReader(ring, self._requests, functools.partial(self._send_abort, engine=e),
-                                      self._dispatch, trace) for e, ring in enumerate(rings)]
+        self._readers = [
+            OutputReader(ring, self._requests, functools.partial(self._send_abort, engine=e), self._dispatch, trace)
+            for e, ring in enumerate(rings)
+        ]
         self._replies_task: asyncio.Task | None = None
         self.num_prompt_tokens = 0
         self.num_finished: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
@@ -149,13 +156,26 @@ class EngineClient:
 
     # -- requests (event loop) -------------------------------------------------
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, stop: Sequence[str],
-                    streaming: bool, return_token_ids: bool = False) -> RequestState:
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        stop: Sequence[str],
+        streaming: bool,
+        return_token_ids: bool = False,
+    ) -> RequestState:
         """Register a request of one choice and send it to the scheduler (see :meth:`add_choices`)."""
         return self.add_choices(prompt_token_ids, params, stop, streaming, return_token_ids)[0]
 
-    def add_choices(self, prompt_token_ids: list[int], params: SamplingParams, stop: Sequence[str],
-                    streaming: bool, return_token_ids: bool = False, n: int = 1) -> list[RequestState]:
+    def add_choices(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        stop: Sequence[str],
+        streaming: bool,
+        return_token_ids: bool = False,
+        n: int = 1,
+    ) -> list[RequestState]:
         """Register ``n`` choices of one prompt and send them to the scheduler as one request.
 
         With ``n`` > 1 the scheduler prefills the prompt once for all of them
@@ -191,8 +211,9 @@ class EngineClient:
         for i, num in enumerate(nums):
             p = params if n == 1 else replace(params, seed=choice_seed(params.seed, i))
             processor = OutputProcessor(self._new_detokenizer(), p, stop, incremental=streaming)
-            states.append(RequestState(num, len(prompt_token_ids), processor, streaming, return_token_ids, p,
-                                       prompt_token_ids))
+            states.append(
+                RequestState(num, len(prompt_token_ids), processor, streaming, return_token_ids, p, prompt_token_ids)
+            )
         if params.max_tokens == 0 and states[0].prompt_logprobs_missing == 0:
             # Nothing for the device to compute (an echo of a one-token prompt,
             # or without log-probabilities): finished as it starts.

@@ -129,13 +129,22 @@ class _GuardedH11Protocol(H11Protocol):
             # own sends become no-ops, while the client gets a 408.
             cycle.disconnected = True
             cycle.message_event.set()
-            body = error_body(f"the request body did not arrive within {self.body_timeout_s:g} s",
-                              "invalid_request_error", "request_timeout")
-            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                       (b"connection", b"close")]
+            body = error_body(
+                f"the request body did not arrive within {self.body_timeout_s:g} s",
+                "invalid_request_error",
+                "request_timeout",
+            )
+            headers = [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ]
             try:
-                for event in (h11.Response(status_code=408, headers=headers, reason=b"Request Timeout"),
-                              h11.Data(data=body), h11.EndOfMessage()):
+                for event in (
+                    h11.Response(status_code=408, headers=headers, reason=b"Request Timeout"),
+                    h11.Data(data=body),
+                    h11.EndOfMessage(),
+                ):
                     self.transport.write(self.conn.send(event))
             except h11.LocalProtocolError:
                 pass
@@ -145,8 +154,11 @@ class _GuardedH11Protocol(H11Protocol):
 def guarded_h11_protocol(header_timeout_s: float, body_timeout_s: float) -> type[H11Protocol]:
     """uvicorn's h11 protocol with these read deadlines (seconds), for
     ``uvicorn.Config(http=...)``."""
-    return type("GuardedH11Protocol", (_GuardedH11Protocol,),
-                {"header_timeout_s": header_timeout_s, "body_timeout_s": body_timeout_s})
+    return type(
+        "GuardedH11Protocol",
+        (_GuardedH11Protocol,),
+        {"header_timeout_s": header_timeout_s, "body_timeout_s": body_timeout_s},
+    )
 
 
 class RequestBodyLimit:
@@ -205,11 +217,18 @@ class RequestBodyLimit:
         await self.app(scope, replay, send)
 
     async def _too_large(self, send: Send) -> None:
-        body = error_body(f"the request body is larger than this server's limit of {self.max_bytes} bytes",
-                          "invalid_request_error", "request_too_large")
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode())]})
+        body = error_body(
+            f"the request body is larger than this server's limit of {self.max_bytes} bytes",
+            "invalid_request_error",
+            "request_too_large",
+        )
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
 

@@ -91,8 +91,10 @@ class IoProc:
         try:
             tokenizer, stop_token_ids = load_tokenizer(config.tokenizer)
         except Exception as e:
-            raise StartupError(f"cannot load the tokenizer from {config.tokenizer!r} ({type(e).__name__}: {e}); "
-                               "--model must be a Hugging Face model directory with tokenizer files") from e
+            raise StartupError(
+                f"cannot load the tokenizer from {config.tokenizer!r} ({type(e).__name__}: {e}); "
+                "--model must be a Hugging Face model directory with tokenizer files"
+            ) from e
         tokenization = Tokenization(tokenizer)
         cleanup.callback(tokenization.close)
         trace = TraceRecorder() if config.trace else None
@@ -102,18 +104,27 @@ class IoProc:
         try:
             self.client = EngineClient(config, rings, tokenization.make_detokenizer(), trace)
         except Exception as e:
-            raise StartupError(f"cannot open the control sockets ({e}); check that {config.ipc_dir!r} exists "
-                               "and is writable") from e
+            raise StartupError(
+                f"cannot open the control sockets ({e}); check that {config.ipc_dir!r} exists and is writable"
+            ) from e
         cleanup.callback(self.client.close)
         app = build_app(config, self.client, tokenization, stop_token_ids)
         _raise_fd_limit(config.limit_concurrency + _SPARE_FDS)
         # Warnings any client can trigger at will, one line per request otherwise.
         for message in ("Exceeded concurrency limit.", "Invalid HTTP request received."):
             logging.getLogger("uvicorn.error").addFilter(OncePerInterval(message, _REPEATED_WARNING_S))
-        self.server = _Server(uvicorn.Config(
-            app, host=config.host, port=config.port, log_level="warning", access_log=False,
-            timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S, limit_concurrency=config.limit_concurrency,
-            http=guarded_h11_protocol(config.http_header_timeout_s, config.http_body_timeout_s)))
+        self.server = _Server(
+            uvicorn.Config(
+                app,
+                host=config.host,
+                port=config.port,
+                log_level="warning",
+                access_log=False,
+                timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S,
+                limit_concurrency=config.limit_concurrency,
+                http=guarded_h11_protocol(config.http_header_timeout_s, config.http_body_timeout_s),
+            )
+        )
 
     def run(self, stop: StopFlag, status_conn: Connection) -> int:
         """Serve until ``stop`` is set; returns the exit status.
@@ -175,8 +186,13 @@ def run_io_proc(config: EngineConfig, status_conn: Connection, stop: StopFlag) -
         try:
             rings.append(engine.output_ring())
         except Exception as e:
-            report(status_conn, "error", _NAME, f"cannot attach the output ring {engine.output_ring_name!r} ({e}); "
-                                                "it must be created by the launcher before io_proc starts")
+            report(
+                status_conn,
+                "error",
+                _NAME,
+                f"cannot attach the output ring {engine.output_ring_name!r} ({e}); "
+                "it must be created by the launcher before io_proc starts",
+            )
             for ring in rings:
                 ring.close()
             return 1
@@ -209,8 +225,10 @@ def _raise_fd_limit(wanted: int) -> None:
         new = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
         resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
         if new < wanted:
-            logger.warning("open files are limited to %d (hard limit): fewer connections than "
-                           "--limit-concurrency can be accepted", new)
+            logger.warning(
+                "open files are limited to %d (hard limit): fewer connections than --limit-concurrency can be accepted",
+                new,
+            )
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -222,8 +240,10 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise StartupError(f"cannot listen on {host}:{port} ({e.strerror}); another server may be using "
-                           f"the port: stop it or choose another one with --port") from e
+        raise StartupError(
+            f"cannot listen on {host}:{port} ({e.strerror}); another server may be using "
+            f"the port: stop it or choose another one with --port"
+        ) from e
     return sock
 
 

@@ -55,8 +55,10 @@ class PipelineMetrics:
             ("slots_free", "Free request slots.", "num_free_slots"),
             ("slots_total", "Request slots (max_num_seqs).", "num_total_slots"),
         )
-        counters = (("num_steps", "Steps planned by the scheduler.", "num_steps"),
-                    ("num_preemptions", "Requests preempted (recompute).", "num_preemptions"))
+        counters = (
+            ("num_steps", "Steps planned by the scheduler.", "num_steps"),
+            ("num_preemptions", "Requests preempted (recompute).", "num_preemptions"),
+        )
         for kind, rows in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)) if self._stats else ():
             for name, doc, field in rows:
                 values = [getattr(s, field) for s in self._stats]
@@ -66,12 +68,15 @@ class PipelineMetrics:
                     per_engine.add_metric([str(e)], v)
                 yield per_engine
         c = self._client
-        yield CounterMetricFamily("pipeline_prompt_tokens", "Prompt tokens of accepted requests.",
-                                  value=c.num_prompt_tokens)
-        yield CounterMetricFamily("pipeline_generation_tokens", "Output tokens delivered to live requests.",
-                                  value=c.num_generation_tokens)
-        finished = CounterMetricFamily("pipeline_requests_finished", "Finished requests by finish reason.",
-                                       labels=["finished_reason"])
+        yield CounterMetricFamily(
+            "pipeline_prompt_tokens", "Prompt tokens of accepted requests.", value=c.num_prompt_tokens
+        )
+        yield CounterMetricFamily(
+            "pipeline_generation_tokens", "Output tokens delivered to live requests.", value=c.num_generation_tokens
+        )
+        finished = CounterMetricFamily(
+            "pipeline_requests_finished", "Finished requests by finish reason.", labels=["finished_reason"]
+        )
         for reason, count in c.num_finished.items():
             finished.add_metric([reason], count)
         yield finished

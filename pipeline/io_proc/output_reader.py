@@ -68,9 +68,14 @@ class OutputReader:
         num_generation_tokens: tokens accepted for live requests so far.
     """
 
-    def __init__(self, ring: ShmRing[StepOutput], requests: dict[int, RequestState],
-                 send_abort: Callable[[int], None], dispatch: Callable[[StepTime, list[StepResult]], None],
-                 trace: TraceRecorder | None = None):
+    def __init__(
+        self,
+        ring: ShmRing[StepOutput],
+        requests: dict[int, RequestState],
+        send_abort: Callable[[int], None],
+        dispatch: Callable[[StepTime, list[StepResult]], None],
+        trace: TraceRecorder | None = None,
+    ):
         self._ring = ring
         self._requests = requests
         self._send_abort = send_abort
@@ -168,8 +173,11 @@ class OutputReader:
         for i, row in enumerate(lp.index.tolist()):
             state = requests.get(out.req_nums[row])
             if state is not None:
-                state.logprobs.append(TokenLogprob.of(out.token_ids[row], lp.logprob[i], lp.top_ids[i],
-                                                      lp.top_logprobs[i], state.params.logprobs))
+                state.logprobs.append(
+                    TokenLogprob.of(
+                        out.token_ids[row], lp.logprob[i], lp.top_ids[i], lp.top_logprobs[i], state.params.logprobs
+                    )
+                )
 
     def _prompt_logprobs(self, plp: TokenLogprobs, outputs: list[StepResult]) -> None:
         """Store prompt entries by position; finish requests with ``max_tokens`` 0 that are complete."""
@@ -180,8 +188,10 @@ class OutputReader:
             if state is None or state.prompt_logprobs is None:
                 continue
             k = state.params.prompt_logprobs
-            state.set_prompt_logprob(pos, TokenLogprob.of(state.prompt_token_ids[pos], plp.logprob[i],
-                                                          plp.top_ids[i], plp.top_logprobs[i], k))
+            state.set_prompt_logprob(
+                pos,
+                TokenLogprob.of(state.prompt_token_ids[pos], plp.logprob[i], plp.top_ids[i], plp.top_logprobs[i], k),
+            )
             touched[req_num] = state
         for req_num, state in touched.items():
             # The scheduler finishes such a request in the step that computes its last prompt entry.

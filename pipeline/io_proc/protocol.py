@@ -52,8 +52,14 @@ class APIError(Exception):
         code: machine-readable code, if any (e.g. "model_not_found").
     """
 
-    def __init__(self, status_code: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status_code, self.message, self.type, self.param, self.code = status_code, message, type, param, code
 
@@ -198,20 +204,24 @@ class SamplingRequest(_Request):
             elif kind == "json_schema":
                 js = rf.get("json_schema")
                 if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
-                    raise APIError.bad_request("response_format.json_schema.schema must be a JSON schema object",
-                                               param="response_format")
+                    raise APIError.bad_request(
+                        "response_format.json_schema.schema must be a JSON schema object", param="response_format"
+                    )
                 found.append(("json_schema", js["schema"], "response_format"))
             elif kind != "text":
-                raise APIError.bad_request("response_format.type must be one of 'text', 'json_object' and "
-                                           f"'json_schema', got {kind!r}", param="response_format")
-        for kind, spec, param in (("json_schema", self.guided_json, "guided_json"),
-                                  ("regex", self.guided_regex, "guided_regex"),
-                                  ("choice", self.guided_choice, "guided_choice")):
+                raise APIError.bad_request(
+                    f"response_format.type must be one of 'text', 'json_object' and 'json_schema', got {kind!r}",
+                    param="response_format",
+                )
+        for kind, spec, param in (
+            ("json_schema", self.guided_json, "guided_json"),
+            ("regex", self.guided_regex, "guided_regex"),
+            ("choice", self.guided_choice, "guided_choice"),
+        ):
             if spec is not None:
                 found.append((kind, spec, param))
         if len(found) > 1:
-            raise APIError.bad_request(f"give at most one of {', '.join(p for _, _, p in found)}",
-                                       param=found[1][2])
+            raise APIError.bad_request(f"give at most one of {', '.join(p for _, _, p in found)}", param=found[1][2])
         return found[0] if found else None
 
     @field_validator("logit_bias")
@@ -351,8 +361,10 @@ class CompletionRequest(SamplingRequest):
         if isinstance(v, str) or (isinstance(v, list) and v and all(type(t) is int for t in v)):
             v = [v]
         if not isinstance(v, list) or not v or len(v) > MAX_PROMPTS:
-            raise ValueError(f"prompt must be a non-empty string, a list of 1 to {MAX_PROMPTS} strings, "
-                             "a non-empty list of token ids, or a list of such lists")
+            raise ValueError(
+                f"prompt must be a non-empty string, a list of 1 to {MAX_PROMPTS} strings, "
+                "a non-empty list of token ids, or a list of such lists"
+            )
         if len({type(p) for p in v}) > 1:
             raise ValueError("a list of prompts must hold only strings or only token-id lists, not both")
         for p in v:
@@ -363,8 +375,9 @@ class CompletionRequest(SamplingRequest):
                 if min(p) < 0:
                     raise ValueError("prompt token ids must be >= 0")
             else:
-                raise ValueError("each prompt of a list must be a non-empty string or a non-empty list of token "
-                                 "ids >= 0")
+                raise ValueError(
+                    "each prompt of a list must be a non-empty string or a non-empty list of token ids >= 0"
+                )
         return v
 
     def sampled_logprobs(self) -> int:

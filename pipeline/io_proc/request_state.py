@@ -72,14 +72,39 @@ class RequestState:
             :attr:`delivery_times`.
     """
 
-    __slots__ = ("req_num", "prompt_len", "processor", "finish_reason", "num_output_tokens", "every_token",
-                 "released", "engine", "arrival_time", "token_steps", "params", "prompt_token_ids", "logprobs",
-                 "prompt_logprobs", "prompt_logprobs_missing", "streaming", "_pieces", "_ids_taken", "_lps_taken",
-                 "_event")
+    __slots__ = (
+        "req_num",
+        "prompt_len",
+        "processor",
+        "finish_reason",
+        "num_output_tokens",
+        "every_token",
+        "released",
+        "engine",
+        "arrival_time",
+        "token_steps",
+        "params",
+        "prompt_token_ids",
+        "logprobs",
+        "prompt_logprobs",
+        "prompt_logprobs_missing",
+        "streaming",
+        "_pieces",
+        "_ids_taken",
+        "_lps_taken",
+        "_event",
+    )
 
-    def __init__(self, req_num: int, prompt_len: int, processor: OutputProcessor, streaming: bool,
-                 return_token_ids: bool, params: SamplingParams | None = None,
-                 prompt_token_ids: list[int] | None = None):
+    def __init__(
+        self,
+        req_num: int,
+        prompt_len: int,
+        processor: OutputProcessor,
+        streaming: bool,
+        return_token_ids: bool,
+        params: SamplingParams | None = None,
+        prompt_token_ids: list[int] | None = None,
+    ):
         self.req_num = req_num
         self.prompt_len = prompt_len
         self.processor = processor
@@ -140,7 +165,7 @@ class RequestState:
         """Output token ids delivered since the last call."""
         # The reader thread only appends to the list, so slicing up to the
         # delivered count is consistent.
-        ids = self.processor.token_ids[self._ids_taken:self.num_output_tokens]
+        ids = self.processor.token_ids[self._ids_taken : self.num_output_tokens]
         self._ids_taken = self.num_output_tokens
         return ids
 
@@ -148,7 +173,7 @@ class RequestState:
         """Log-probabilities of the output tokens delivered since the last call."""
         # As take_token_ids: the reader appends an entry before its token is delivered.
         end = min(self.num_output_tokens, len(self.logprobs))
-        lps = self.logprobs[self._lps_taken:end]
+        lps = self.logprobs[self._lps_taken : end]
         self._lps_taken = end
         return lps
 

@@ -124,8 +124,9 @@ class OpenAIServing:
             :func:`~pipeline.io_proc.tokenization.load_tokenizer`).
     """
 
-    def __init__(self, config: EngineConfig, client: EngineClient, tokenization: Tokenization,
-                 stop_token_ids: tuple[int, ...]):
+    def __init__(
+        self, config: EngineConfig, client: EngineClient, tokenization: Tokenization, stop_token_ids: tuple[int, ...]
+    ):
         self._model = config.served_model_name
         self._max_model_len = config.max_model_len
         self._max_prompt_chars = tokenization.max_prompt_chars(config.max_model_len)
@@ -156,19 +157,34 @@ class OpenAIServing:
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         prompt_ids = prompt if req.return_token_ids else msgspec.UNSET
         if req.stream:
-            return _EventStream(self._chat_stream(req, states, rid, created, prompt_ids),
-                                lambda: [self._client.release(st) for st in states])
+            return _EventStream(
+                self._chat_stream(req, states, rid, created, prompt_ids),
+                lambda: [self._client.release(st) for st in states],
+            )
         if not await self._wait(states, raw):
             return Response(status_code=_CLIENT_CLOSED)
         choices = []
         for i, st in enumerate(states):
             logprobs = {"content": chat_logprobs(self._texts, st.take_logprobs())} if req.logprobs else None
-            choices.append(ChatCompletionChoice(index=i, message=ChatCompletionMessage(content=st.take_text()),
-                                                logprobs=logprobs, finish_reason=st.finish_reason,
-                                                token_ids=self._output_ids(req, st)))
-        return json_response(ChatCompletionResponse(id=rid, created=created, model=self._model,
-                                                    prompt_token_ids=prompt_ids, choices=choices,
-                                                    usage=self._usage(states, len(states))))
+            choices.append(
+                ChatCompletionChoice(
+                    index=i,
+                    message=ChatCompletionMessage(content=st.take_text()),
+                    logprobs=logprobs,
+                    finish_reason=st.finish_reason,
+                    token_ids=self._output_ids(req, st),
+                )
+            )
+        return json_response(
+            ChatCompletionResponse(
+                id=rid,
+                created=created,
+                model=self._model,
+                prompt_token_ids=prompt_ids,
+                choices=choices,
+                usage=self._usage(states, len(states)),
+            )
+        )
 
     async def completion(self, req: CompletionRequest, raw: Request) -> Response:
         """Serve ``POST /v1/completions``: one choice per prompt.
@@ -187,8 +203,11 @@ class OpenAIServing:
                 prompts.append(await self._tokenization.encode_text(p))
             else:
                 prompts.append(p)
-        echoes = [p if isinstance(p, str) else await self._tokenization.decode(p) for p in req.prompt] \
-            if req.echo else [""] * len(prompts)
+        echoes = (
+            [p if isinstance(p, str) else await self._tokenization.decode(p) for p in req.prompt]
+            if req.echo
+            else [""] * len(prompts)
+        )
         # Choices are prompt-major, as in the OpenAI API: choice p * n + i is prompt p's i-th.
         n = req.num_choices()
         states: list[RequestState] = []
@@ -203,8 +222,10 @@ class OpenAIServing:
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         prompt_ids = [p for p in prompts for _ in range(n)] if req.return_token_ids else [msgspec.UNSET] * len(states)
         if req.stream:
-            return _EventStream(self._completion_stream(req, states, echoes, rid, created, prompt_ids),
-                                lambda: [self._client.release(st) for st in states])
+            return _EventStream(
+                self._completion_stream(req, states, echoes, rid, created, prompt_ids),
+                lambda: [self._client.release(st) for st in states],
+            )
         if not await self._wait(states, raw):
             return Response(status_code=_CLIENT_CLOSED)
         choices = []
@@ -213,11 +234,21 @@ class OpenAIServing:
             if req.logprobs is not None:
                 entries = (st.prompt_logprobs if req.echo else []) + st.take_logprobs()
                 logprobs = completion_logprobs(self._texts, entries)
-            choices.append(CompletionChoice(index=i, text=echoes[i] + st.take_text(), logprobs=logprobs,
-                                            finish_reason=st.finish_reason, prompt_token_ids=prompt_ids[i],
-                                            token_ids=self._output_ids(req, st)))
-        return json_response(CompletionResponse(id=rid, created=created, model=self._model, choices=choices,
-                                                usage=self._usage(states, n)))
+            choices.append(
+                CompletionChoice(
+                    index=i,
+                    text=echoes[i] + st.take_text(),
+                    logprobs=logprobs,
+                    finish_reason=st.finish_reason,
+                    prompt_token_ids=prompt_ids[i],
+                    token_ids=self._output_ids(req, st),
+                )
+            )
+        return json_response(
+            CompletionResponse(
+                id=rid, created=created, model=self._model, choices=choices, usage=self._usage(states, n)
+            )
+        )
 
     async def tokenize(self, req: TokenizeRequest) -> Response:
         """Serve ``POST /tokenize`` (vLLM's shape): the ids a prompt or a conversation encodes to.
@@ -242,16 +273,23 @@ class OpenAIServing:
         """
         self._check_model(req)
         if req.tokens and max(req.tokens) >= self._vocab_limit:
-            raise APIError.bad_request(f"token id {max(req.tokens)} is out of range: the vocabulary has "
-                                       f"{self._vocab_limit} tokens", param="tokens")
+            raise APIError.bad_request(
+                f"token id {max(req.tokens)} is out of range: the vocabulary has {self._vocab_limit} tokens",
+                param="tokens",
+            )
         return json_response(DetokenizeResponse(prompt=await self._tokenization.decode(req.tokens)))
 
     # -- shared steps ------------------------------------------------------------
 
     def _check_model(self, req: SamplingRequest | TokenizeRequest | DetokenizeRequest) -> None:
         if req.model is not None and req.model != self._model:
-            raise APIError(404, f"The model `{req.model}` does not exist. This server serves `{self._model}`.",
-                           type="invalid_request_error", param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model `{req.model}` does not exist. This server serves `{self._model}`.",
+                type="invalid_request_error",
+                param="model",
+                code="model_not_found",
+            )
 
     def _check_chars(self, num_chars: int, param: str) -> None:
         """Refuse, before tokenizing it, a text too long to fit ``max_model_len`` whatever it encodes to.
@@ -264,7 +302,10 @@ class OpenAIServing:
             raise APIError.bad_request(
                 f"This model's maximum context length is {limit} tokens. However, your request has {num_chars} "
                 f"characters in the {param}, more than {limit} tokens can hold (at most {self._max_prompt_chars}). "
-                f"Please reduce the length of the input.", param=param, code="context_length_exceeded")
+                f"Please reduce the length of the input.",
+                param=param,
+                code="context_length_exceeded",
+            )
 
     def _start(self, req: SamplingRequest, prompt: list[int], prompt_param: str) -> list[RequestState]:
         """Check lengths, build sampling parameters and add the request's ``n`` choices to the engine."""
@@ -273,13 +314,18 @@ class OpenAIServing:
             raise APIError.bad_request(f"the {prompt_param} encode to no tokens", param=prompt_param)
         if max(prompt) >= self._vocab_limit:
             vocab = self._vocab_limit
-            raise APIError.bad_request(f"prompt token id {max(prompt)} is out of range: the vocabulary "
-                                       f"has {vocab} tokens (ids 0..{vocab - 1})", param=prompt_param)
+            raise APIError.bad_request(
+                f"prompt token id {max(prompt)} is out of range: the vocabulary "
+                f"has {vocab} tokens (ids 0..{vocab - 1})",
+                param=prompt_param,
+            )
         if n >= limit:
             raise APIError.bad_request(
                 f"This model's maximum context length is {limit} tokens. However, your request has {n} input "
                 f"tokens, which leaves no room for output. Please reduce the length of the input.",
-                param=prompt_param, code="context_length_exceeded")
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
         max_tokens = req.requested_max_tokens()
         if max_tokens is None:
             max_tokens = limit - n
@@ -288,21 +334,29 @@ class OpenAIServing:
                 f"This model's maximum context length is {limit} tokens. However, you requested {n + max_tokens} "
                 f"tokens ({n} in the {prompt_param}, {max_tokens} in the completion). Please reduce the length "
                 f"of the {prompt_param} or completion.",
-                param="max_tokens", code="context_length_exceeded")
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
         if req.min_tokens > max_tokens:
-            raise APIError.bad_request(f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens})",
-                                       param="min_tokens")
+            raise APIError.bad_request(
+                f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens})", param="min_tokens"
+            )
         logit_bias = req.logit_bias_pairs()
         for name, ids in (("logit_bias", [t for t, _ in logit_bias]), ("stop_token_ids", req.stop_token_ids or [])):
             if ids and max(ids) >= self._vocab_limit:
-                raise APIError.bad_request(f"{name}: token id {max(ids)} is out of range: the vocabulary has "
-                                           f"{self._vocab_limit} tokens", param=name)
+                raise APIError.bad_request(
+                    f"{name}: token id {max(ids)} is out of range: the vocabulary has {self._vocab_limit} tokens",
+                    param=name,
+                )
         # As in vLLM, ignore_eos drops only the EOS ids: the request's own stop_token_ids still end it.
         eos_ids = () if req.ignore_eos else self._stop_token_ids
         stop_ids = tuple(dict.fromkeys((*(req.stop_token_ids or ()), *eos_ids)))
         if len(stop_ids) > MAX_STOP_TOKEN_IDS:
-            raise APIError.bad_request(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} stop token ids in all, with "
-                                       f"the model's {len(self._stop_token_ids)}", param="stop_token_ids")
+            raise APIError.bad_request(
+                f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} stop token ids in all, with "
+                f"the model's {len(self._stop_token_ids)}",
+                param="stop_token_ids",
+            )
         grammar = self._grammar(req, stop_ids)
         temperature = 1.0 if req.temperature is None else req.temperature
         top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
@@ -326,8 +380,14 @@ class OpenAIServing:
             grammar=grammar,
         )
         try:
-            return self._client.add_choices(prompt, params, req.stop_strings(), streaming=req.stream,
-                                            return_token_ids=req.return_token_ids, n=req.num_choices())
+            return self._client.add_choices(
+                prompt,
+                params,
+                req.stop_strings(),
+                streaming=req.stream,
+                return_token_ids=req.return_token_ids,
+                n=req.num_choices(),
+            )
         except EngineUnavailable as e:
             raise APIError(503, f"{e}; retry later", type="service_unavailable_error") from None
 
@@ -349,8 +409,9 @@ class OpenAIServing:
         if req.min_tokens:
             raise APIError.bad_request(f"min_tokens cannot be combined with {param}", param="min_tokens")
         if not stop_ids:
-            raise APIError.bad_request(f"{param} needs a stop token to end on: with ignore_eos, give stop_token_ids",
-                                       param="ignore_eos")
+            raise APIError.bad_request(
+                f"{param} needs a stop token to end on: with ignore_eos, give stop_token_ids", param="ignore_eos"
+            )
         try:
             return build_grammar(kind, spec, param)
         except GrammarError as e:
@@ -391,19 +452,40 @@ class OpenAIServing:
 
     # -- streams -------------------------------------------------------------------
 
-    async def _chat_stream(self, req: ChatCompletionRequest, states: list[RequestState], rid: str, created: int,
-                           prompt_ids: list[int] | msgspec.UnsetType) -> AsyncIterator[bytes]:
+    async def _chat_stream(
+        self,
+        req: ChatCompletionRequest,
+        states: list[RequestState],
+        rid: str,
+        created: int,
+        prompt_ids: list[int] | msgspec.UnsetType,
+    ) -> AsyncIterator[bytes]:
         include_usage = req.include_usage()
         usage = None if include_usage else msgspec.UNSET
         with_ids = prompt_ids is not msgspec.UNSET
 
-        def chunk(i: int, delta: DeltaMessage, finish_reason: str | None = None,
-                  token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET, logprobs: dict | None = None,
-                  prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET) -> bytes:
-            return _sse(ChatCompletionChunk(
-                id=rid, created=created, model=self._model, usage=usage, prompt_token_ids=prompt_token_ids,
-                choices=[ChatCompletionChunkChoice(index=i, delta=delta, finish_reason=finish_reason,
-                                                   token_ids=token_ids, logprobs=logprobs)]))
+        def chunk(
+            i: int,
+            delta: DeltaMessage,
+            finish_reason: str | None = None,
+            token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET,
+            logprobs: dict | None = None,
+            prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET,
+        ) -> bytes:
+            return _sse(
+                ChatCompletionChunk(
+                    id=rid,
+                    created=created,
+                    model=self._model,
+                    usage=usage,
+                    prompt_token_ids=prompt_token_ids,
+                    choices=[
+                        ChatCompletionChunkChoice(
+                            index=i, delta=delta, finish_reason=finish_reason, token_ids=token_ids, logprobs=logprobs
+                        )
+                    ],
+                )
+            )
 
         try:
             for i in range(len(states)):
@@ -413,8 +495,9 @@ class OpenAIServing:
                 if update is not None:
                     text, ids, lps = update
                     logprobs = {"content": chat_logprobs(self._texts, lps)} if req.logprobs else None
-                    yield chunk(i, DeltaMessage(content=text), token_ids=ids if with_ids else msgspec.UNSET,
-                                logprobs=logprobs)
+                    yield chunk(
+                        i, DeltaMessage(content=text), token_ids=ids if with_ids else msgspec.UNSET, logprobs=logprobs
+                    )
                 elif st.finish_reason == "abort":
                     yield _stream_aborted()
                     yield _DONE
@@ -422,34 +505,52 @@ class OpenAIServing:
                 else:
                     yield chunk(i, DeltaMessage(), st.finish_reason)
             if include_usage:
-                yield _sse(ChatCompletionChunk(id=rid, created=created, model=self._model, choices=[],
-                                               usage=self._usage(states, len(states))))
+                yield _sse(
+                    ChatCompletionChunk(
+                        id=rid, created=created, model=self._model, choices=[], usage=self._usage(states, len(states))
+                    )
+                )
         except Exception:
             # Headers are sent: the error can only travel in the stream.
             logger.exception("chat stream %s failed", rid)
             yield _stream_error()
         yield _DONE
 
-    async def _completion_stream(self, req: CompletionRequest, states: list[RequestState], echoes: list[str],
-                                 rid: str, created: int,
-                                 prompt_ids: list[list[int] | msgspec.UnsetType]) -> AsyncIterator[bytes]:
+    async def _completion_stream(
+        self,
+        req: CompletionRequest,
+        states: list[RequestState],
+        echoes: list[str],
+        rid: str,
+        created: int,
+        prompt_ids: list[list[int] | msgspec.UnsetType],
+    ) -> AsyncIterator[bytes]:
         include_usage = req.include_usage()
         usage = None if include_usage else msgspec.UNSET
         with_ids = req.return_token_ids
         started = [False] * len(states)
         offsets = [0] * len(states)  # text_offset of each choice's next token
 
-        def chunk(i: int, text: str, finish_reason: str | None = None,
-                  token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET,
-                  entries: list[TokenLogprob] | None = None) -> bytes:
+        def chunk(
+            i: int,
+            text: str,
+            finish_reason: str | None = None,
+            token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET,
+            entries: list[TokenLogprob] | None = None,
+        ) -> bytes:
             logprobs = None
             if req.logprobs is not None and entries is not None:
                 logprobs = completion_logprobs(self._texts, entries, offsets[i])
                 if entries:
                     offsets[i] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
-            c = CompletionChoice(index=i, text=text, finish_reason=finish_reason, logprobs=logprobs,
-                                 prompt_token_ids=prompt_ids[i] if not started[i] else msgspec.UNSET,
-                                 token_ids=token_ids)
+            c = CompletionChoice(
+                index=i,
+                text=text,
+                finish_reason=finish_reason,
+                logprobs=logprobs,
+                prompt_token_ids=prompt_ids[i] if not started[i] else msgspec.UNSET,
+                token_ids=token_ids,
+            )
             started[i] = True  # the prompt ids go with a choice's first chunk only
             return _sse(CompletionResponse(id=rid, created=created, model=self._model, usage=usage, choices=[c]))
 
@@ -469,8 +570,15 @@ class OpenAIServing:
                 else:
                     yield chunk(i, "", st.finish_reason)
             if include_usage:
-                yield _sse(CompletionResponse(id=rid, created=created, model=self._model, choices=[],
-                                              usage=self._usage(states, req.num_choices())))
+                yield _sse(
+                    CompletionResponse(
+                        id=rid,
+                        created=created,
+                        model=self._model,
+                        choices=[],
+                        usage=self._usage(states, req.num_choices()),
+                    )
+                )
         except Exception:
             logger.exception("completion stream %s failed", rid)
             yield _stream_error()
@@ -533,5 +641,6 @@ def _stream_aborted() -> bytes:
 
 
 def _stream_error() -> bytes:
-    return _sse(ErrorResponse(error=ErrorInfo(message="internal server error while streaming",
-                                              type="internal_server_error")))
+    return _sse(
+        ErrorResponse(error=ErrorInfo(message="internal server error while streaming", type="internal_server_error"))
+    )

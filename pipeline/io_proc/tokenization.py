@@ -50,7 +50,7 @@ def load_tokenizer(model_dir: str) -> tuple[Any, tuple[int, ...]]:
     if os.path.isfile(gen_config):
         with open(gen_config, encoding="utf-8") as f:
             eos = json.load(f).get("eos_token_id")
-        for t in (eos if isinstance(eos, list) else [eos] if eos is not None else []):
+        for t in eos if isinstance(eos, list) else [eos] if eos is not None else []:
             if int(t) not in stop_ids:
                 stop_ids.append(int(t))
     return tokenizer, tuple(stop_ids)
@@ -65,8 +65,9 @@ def _utf8(text: str, param: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise APIError.bad_request(f"{param} is not valid Unicode text: {e.reason} at position {e.start}",
-                                   param=param) from None
+        raise APIError.bad_request(
+            f"{param} is not valid Unicode text: {e.reason} at position {e.start}", param=param
+        ) from None
     return text
 
 
@@ -121,17 +122,18 @@ class Tokenization:
                 rejects the conversation (e.g. roles not alternating).
         """
         if not getattr(self._tokenizer, "chat_template", None):
-            raise APIError.bad_request("this model has no chat template; use /v1/completions instead",
-                                       param="messages")
+            raise APIError.bad_request("this model has no chat template; use /v1/completions instead", param="messages")
         conversation = [{"role": m.template_role(), "content": _utf8(m.text(), "messages")} for m in messages]
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._apply_chat_template, conversation,
-                                          add_generation_prompt)
+        return await loop.run_in_executor(
+            self._executor, self._apply_chat_template, conversation, add_generation_prompt
+        )
 
     def _apply_chat_template(self, conversation: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
         try:
-            out = self._tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                      tokenize=True)
+            out = self._tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=True
+            )
         except TemplateError as e:
             raise APIError.bad_request(f"the chat template rejected the messages: {e}", param="messages") from e
         # transformers 5 returns a BatchEncoding; older versions a plain list.

@@ -47,18 +47,31 @@ class SchedulerProc:
     when the oldest step in flight has waited that long for its output.
     """
 
-    def __init__(self, config: EngineConfig, desc_ring: ShmRing[StepDescriptor], out_ring: ShmRing[StepOutput],
-                 control: zmq.Socket, replies: zmq.Socket):
+    def __init__(
+        self,
+        config: EngineConfig,
+        desc_ring: ShmRing[StepDescriptor],
+        out_ring: ShmRing[StepOutput],
+        control: zmq.Socket,
+        replies: zmq.Socket,
+    ):
         self.config = config
         self.desc_ring, self.out_ring = desc_ring, out_ring
         self.control, self.replies = control, replies
         # Structured output needs llguidance's view of the tokenizer; building it takes ~0.2 s, so it is
         # done here, before the first step, not when the first grammar request arrives.
-        grammar_tokenizer = load_tokenizer(config.tokenizer or config.model, config.vocab_size) \
-            if config.vocab_size else None
-        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, config.block_size,
-                                   config.num_kv_blocks, config.max_blocks_per_seq, grammar_tokenizer,
-                                   cdiv(config.vocab_size, MASK_BITS))
+        grammar_tokenizer = (
+            load_tokenizer(config.tokenizer or config.model, config.vocab_size) if config.vocab_size else None
+        )
+        self.scheduler = Scheduler(
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.block_size,
+            config.num_kv_blocks,
+            config.max_blocks_per_seq,
+            grammar_tokenizer,
+            cdiv(config.vocab_size, MASK_BITS),
+        )
         self.max_inflight = MAX_INFLIGHT_STEPS if config.async_scheduling else 1
         self.inflight: deque[int] = deque()
         # time.monotonic() at which the oldest step in flight was published, or since its
@@ -128,8 +141,10 @@ class SchedulerProc:
         except RingTimeout:
             waited = time.monotonic() - self._oldest_since
             if self.config.step_timeout_s and waited > self.config.step_timeout_s:
-                raise StepTimeout(f"step {self.inflight[0]} has produced no output for {waited:.1f} s "
-                                  f"(--step-timeout {self.config.step_timeout_s:g}): the worker is hung") from None
+                raise StepTimeout(
+                    f"step {self.inflight[0]} has produced no output for {waited:.1f} s "
+                    f"(--step-timeout {self.config.step_timeout_s:g}): the worker is hung"
+                ) from None
             return
         t0 = time.monotonic_ns()
         out = slot.read()
@@ -145,10 +160,17 @@ class SchedulerProc:
 
     def _stats(self, nonce: int) -> Stats:
         s = self.scheduler
-        return Stats(nonce=nonce, num_running=len(s.running), num_waiting=len(s.waiting),
-                     num_free_blocks=s.pool.num_free_blocks, num_total_blocks=s.pool.num_blocks,
-                     num_free_slots=s.pool.num_free_slots, num_total_slots=s.pool.num_slots,
-                     num_steps=s.next_step_id, num_preemptions=s.num_preemptions)
+        return Stats(
+            nonce=nonce,
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            num_free_blocks=s.pool.num_free_blocks,
+            num_total_blocks=s.pool.num_blocks,
+            num_free_slots=s.pool.num_free_slots,
+            num_total_slots=s.pool.num_slots,
+            num_steps=s.next_step_id,
+            num_preemptions=s.num_preemptions,
+        )
 
 
 def run_scheduler(config: EngineConfig, status_conn, stop: StopFlag) -> int:

@@ -63,12 +63,25 @@ class Request:
     others); it has consumed every token of ``output_token_ids``.
     """
 
-    __slots__ = ("req_num", "prompt_token_ids", "output_token_ids", "params", "num_computed_tokens",
-                 "num_placeholders", "slot", "block_ids", "last_step_id", "is_new_in_slot", "choices", "parent",
-                 "grammar")
+    __slots__ = (
+        "req_num",
+        "prompt_token_ids",
+        "output_token_ids",
+        "params",
+        "num_computed_tokens",
+        "num_placeholders",
+        "slot",
+        "block_ids",
+        "last_step_id",
+        "is_new_in_slot",
+        "choices",
+        "parent",
+        "grammar",
+    )
 
-    def __init__(self, req_num: int, prompt_token_ids: list[int], params: SamplingParams,
-                 grammar: GrammarState | None = None):
+    def __init__(
+        self, req_num: int, prompt_token_ids: list[int], params: SamplingParams, grammar: GrammarState | None = None
+    ):
         self.req_num = req_num
         self.prompt_token_ids = prompt_token_ids
         # int32 ids: a request that ends frees one buffer, not an object per token (at batch 1024 a few
@@ -125,12 +138,21 @@ class Scheduler:
         ValueError: if one request of ``max_model_len`` tokens could not fit.
     """
 
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, block_size: int,
-                 num_kv_blocks: int, max_blocks_per_seq: int, grammar_tokenizer=None, mask_words: int = 0):
+    def __init__(
+        self,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        block_size: int,
+        num_kv_blocks: int,
+        max_blocks_per_seq: int,
+        grammar_tokenizer=None,
+        mask_words: int = 0,
+    ):
         if num_kv_blocks < max_blocks_per_seq:
             raise ValueError(
                 f"num_kv_blocks={num_kv_blocks} cannot hold one request of max_model_len "
-                f"({max_blocks_per_seq} blocks); raise the KV cache size or lower --max-model-len")
+                f"({max_blocks_per_seq} blocks); raise the KV cache size or lower --max-model-len"
+            )
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.block_size = block_size
@@ -163,8 +185,16 @@ class Scheduler:
         # a thousand lists a step costs more than the rest of the step.
         self._steady_req: list[Request | None] = [None] * max_num_seqs
         self._steady_slots = np.zeros(0, np.int64)
-        (self._pos, self._remaining, self._unapplied, self._last, self._admitted, self._left, self._last_token,
-         self._num_tokens) = (np.zeros(max_num_seqs, np.int64) for _ in range(8))
+        (
+            self._pos,
+            self._remaining,
+            self._unapplied,
+            self._last,
+            self._admitted,
+            self._left,
+            self._last_token,
+            self._num_tokens,
+        ) = (np.zeros(max_num_seqs, np.int64) for _ in range(8))
         self._req_num = np.full(max_num_seqs, -1, np.int64)
         self._stop = np.full((max_num_seqs, 1), -1, np.int64)
         self._tokens = np.zeros((max_num_seqs, _TOKEN_BUFFER), np.int32)
@@ -194,8 +224,15 @@ class Scheduler:
             self.requests[req.req_num] = req
             self.waiting.append(req)
             return
-        choices = [Request(msg.req_num + 1 + i, prompt, replace(msg.params, seed=choice_seed(msg.params.seed, i)),
-                           self._new_grammar(msg.params)) for i in range(msg.n)]
+        choices = [
+            Request(
+                msg.req_num + 1 + i,
+                prompt,
+                replace(msg.params, seed=choice_seed(msg.params.seed, i)),
+                self._new_grammar(msg.params),
+            )
+            for i in range(msg.n)
+        ]
         for c in choices:
             self.requests[c.req_num] = c
         shared = (len(prompt) - 1) // self.block_size * self.block_size
@@ -292,8 +329,7 @@ class Scheduler:
             if masked and num_masks == MAX_MASKED_ROWS:
                 break
             need = cdiv(start + n, self.block_size) - inherited
-            if need > self.pool.num_free_blocks or \
-                    self._builder.num_blocks + inherited + need > self._max_new_blocks:
+            if need > self.pool.num_free_blocks or self._builder.num_blocks + inherited + need > self._max_new_blocks:
                 if not self.running and not rows:
                     self._unshare_waiting()  # waiting choices hold the blocks the head needs
                 break
@@ -348,11 +384,13 @@ class Scheduler:
             n = max(1, req.num_known_tokens - req.num_computed_tokens)
             tokens += n
             blocks += max(0, cdiv(req.num_computed_tokens + n, self.block_size) - len(req.block_ids))
-        others_after = not self._others or not len(active) or \
-            self._admitted[self._others[0].slot] > self._admitted[active].max()
+        others_after = (
+            not self._others or not len(active) or self._admitted[self._others[0].slot] > self._admitted[active].max()
+        )
         # Every active row was planned in the previous step, so they fit the budget by themselves.
-        if len(crossing) + blocks > self.pool.num_free_blocks or \
-                (len(active) + tokens > self.max_num_batched_tokens and not others_after):
+        if len(crossing) + blocks > self.pool.num_free_blocks or (
+            len(active) + tokens > self.max_num_batched_tokens and not others_after
+        ):
             self._leave_steady()
             return self._steady_slots
         if len(crossing):
@@ -379,7 +417,7 @@ class Scheduler:
             if len(stop) > self._stop.shape[1]:
                 self._stop = np.pad(self._stop, ((0, 0), (0, len(stop) - self._stop.shape[1])), constant_values=-1)
             self._stop[r.slot] = -1
-            self._stop[r.slot, :len(stop)] = stop
+            self._stop[r.slot, : len(stop)] = stop
         self._steady_slots = np.concatenate([self._steady_slots, slots])
         self._others = [r for r in self._others if self._steady_req[r.slot] is not r]
 
@@ -421,8 +459,9 @@ class Scheduler:
                 self._builder.add_block(req.slot, start + i, b)
         return True
 
-    def _write(self, desc: StepDescriptor, step_id: int, rows: list[tuple[Request, int, bool]],
-               steady: np.ndarray) -> None:
+    def _write(
+        self, desc: StepDescriptor, step_id: int, rows: list[tuple[Request, int, bool]], steady: np.ndarray
+    ) -> None:
         """Write the step: the ``steady`` rows' decodes (slots, int64 ``[D]``), then ``rows``; update counters."""
         b = self._builder
         for req, k, sample in rows:
@@ -430,9 +469,12 @@ class Scheduler:
             if k == 1:
                 tokens = [req.token_at(pos)]
             else:  # a prefill chunk: every id is known
-                known = req.prompt_token_ids + req.output_token_ids.tolist() if pos + k > len(req.prompt_token_ids) \
+                known = (
+                    req.prompt_token_ids + req.output_token_ids.tolist()
+                    if pos + k > len(req.prompt_token_ids)
                     else req.prompt_token_ids
-                tokens = known[pos:pos + k]
+                )
+                tokens = known[pos : pos + k]
             num_plp, next_token = 0, -1
             if req.params.prompt_logprobs >= 0:  # positions pos..pos+num_plp-1 predict prompt tokens
                 num_plp = max(0, min(k, len(req.prompt_token_ids) - 1 - pos))
@@ -442,8 +484,18 @@ class Scheduler:
             if sample and req.grammar is not None:
                 mask = np.empty(self._mask_words, np.int32)
                 req.grammar.fill_mask(mask)
-            b.add_row(req.req_num, req.slot, pos, tokens, sample, req.params if req.is_new_in_slot else None,
-                      num_plp, next_token, len(req.prompt_token_ids), mask)
+            b.add_row(
+                req.req_num,
+                req.slot,
+                pos,
+                tokens,
+                sample,
+                req.params if req.is_new_in_slot else None,
+                num_plp,
+                next_token,
+                len(req.prompt_token_ids),
+                mask,
+            )
             req.is_new_in_slot = False
             if req.params.max_tokens == 0 and pos + k >= req.num_known_tokens:
                 # Its last prompt log-probabilities come with this step's output: it ends then.
@@ -563,8 +615,9 @@ class Scheduler:
             self._steady_req[slot].output_token_ids.frombytes(self._tokens[slot, :n].tobytes())
             self._num_tokens[slot] = 0
 
-    def _steady_output(self, slots: np.ndarray, nums: np.ndarray, num_list: list[int], tokens: list[int],
-                       finished: list[int]) -> None:
+    def _steady_output(
+        self, slots: np.ndarray, nums: np.ndarray, num_list: list[int], tokens: list[int], finished: list[int]
+    ) -> None:
         """Apply the tokens of a step's steady rows (``slots``, ``nums``: int64 ``[D]``), vectorized.
 
         A row that has left the steady rows since it was planned goes through

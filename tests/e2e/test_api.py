@@ -20,14 +20,21 @@ def sse_chunks(server, path: str, body: dict) -> list[dict]:
     out = []
     for e in events[:-2]:
         assert e.startswith("data: "), e
-        out.append(json.loads(e[len("data: "):]))
+        out.append(json.loads(e[len("data: ") :]))
     return out
 
 
 def test_paris(smol_async):
-    r = httpx.post(f"{smol_async.url}/v1/chat/completions", timeout=180, json={
-        "model": smol_async.model, "max_tokens": 32, "temperature": 0,
-        "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+    r = httpx.post(
+        f"{smol_async.url}/v1/chat/completions",
+        timeout=180,
+        json={
+            "model": smol_async.model,
+            "max_tokens": 32,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        },
+    )
     assert r.status_code == 200
     body = r.json()
     assert body["object"] == "chat.completion"
@@ -37,11 +44,21 @@ def test_paris(smol_async):
     assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
 
 
-@pytest.mark.parametrize("prompt", ["Write a short poem about the sea.", "Say hello in Japanese and add emoji 🎉🌊",
-                                    "List three colors in Chinese characters."])
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        "Write a short poem about the sea.",
+        "Say hello in Japanese and add emoji 🎉🌊",
+        "List three colors in Chinese characters.",
+    ],
+)
 def test_chat_stream_equals_non_stream(smol_async, prompt):
-    body = {"model": smol_async.model, "max_tokens": 40, "temperature": 0,
-            "messages": [{"role": "user", "content": prompt}]}
+    body = {
+        "model": smol_async.model,
+        "max_tokens": 40,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": prompt}],
+    }
     full = httpx.post(f"{smol_async.url}/v1/chat/completions", json=body, timeout=180).json()
     chunks = sse_chunks(smol_async, "/v1/chat/completions", {**body, "stream_options": {"include_usage": True}})
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
@@ -56,8 +73,13 @@ def test_chat_stream_equals_non_stream(smol_async, prompt):
 
 
 def test_completion_stream_equals_non_stream_and_length(smol_async):
-    body = {"model": smol_async.model, "prompt": "The history of Rome", "max_tokens": 20, "temperature": 0,
-            "ignore_eos": True}
+    body = {
+        "model": smol_async.model,
+        "prompt": "The history of Rome",
+        "max_tokens": 20,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     full = httpx.post(f"{smol_async.url}/v1/completions", json=body, timeout=180).json()
     assert full["object"] == "text_completion"
     assert full["choices"][0]["finish_reason"] == "length"
@@ -69,14 +91,19 @@ def test_completion_stream_equals_non_stream_and_length(smol_async):
 
 
 def test_stop_strings_cut_output(smol_async):
-    base = {"model": smol_async.model, "prompt": "1, 2, 3, 4, 5, 6,", "max_tokens": 30, "temperature": 0,
-            "ignore_eos": True}
+    base = {
+        "model": smol_async.model,
+        "prompt": "1, 2, 3, 4, 5, 6,",
+        "max_tokens": 30,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     free = httpx.post(f"{smol_async.url}/v1/completions", json=base, timeout=180).json()["choices"][0]["text"]
     assert " 9" in free, free  # the model counts on
     for stop in [" 9", [" 9", "zzz"], ["8, 9"]]:
         r = httpx.post(f"{smol_async.url}/v1/completions", json={**base, "stop": stop}, timeout=180).json()
         first = stop if isinstance(stop, str) else stop[0]
-        assert r["choices"][0]["text"] == free[:free.index(first)]
+        assert r["choices"][0]["text"] == free[: free.index(first)]
         assert r["choices"][0]["finish_reason"] == "stop"
         assert r["usage"]["completion_tokens"] < 30
         chunks = sse_chunks(smol_async, "/v1/completions", {**base, "stop": stop})
@@ -87,8 +114,16 @@ def test_stop_strings_cut_output(smol_async):
 
 
 def test_seeded_sampling_is_reproducible(smol_async):
-    body = {"model": smol_async.model, "prompt": "Once upon a time", "max_tokens": 24, "temperature": 1.0,
-            "top_p": 0.9, "top_k": 50, "seed": 1234, "ignore_eos": True}
+    body = {
+        "model": smol_async.model,
+        "prompt": "Once upon a time",
+        "max_tokens": 24,
+        "temperature": 1.0,
+        "top_p": 0.9,
+        "top_k": 50,
+        "seed": 1234,
+        "ignore_eos": True,
+    }
     a = httpx.post(f"{smol_async.url}/v1/completions", json=body, timeout=180).json()["choices"][0]["text"]
     b = httpx.post(f"{smol_async.url}/v1/completions", json=body, timeout=180).json()["choices"][0]["text"]
     c = httpx.post(f"{smol_async.url}/v1/completions", json={**body, "seed": 99}, timeout=180).json()
@@ -125,16 +160,22 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 3}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "tools": [{"type": "function", "function": {"name": "f"}}]}),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
+    ),
 ]
 
 
 @pytest.mark.parametrize("path,body", BAD)
 def test_bad_input_is_400_and_server_survives(smol_async, path, body):
     # json.dumps escapes non-ASCII, so lone surrogates travel as JSON allows ("\\ud800").
-    r = httpx.post(f"{smol_async.url}{path}", content=json.dumps({"model": smol_async.model, **body}),
-                   headers={"content-type": "application/json"}, timeout=30)
+    r = httpx.post(
+        f"{smol_async.url}{path}",
+        content=json.dumps({"model": smol_async.model, **body}),
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["message"]
@@ -142,8 +183,12 @@ def test_bad_input_is_400_and_server_survives(smol_async, path, body):
 
 
 def test_bad_json_and_unknown_model(smol_async):
-    r = httpx.post(f"{smol_async.url}/v1/completions", content=b"{not json", timeout=30,
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        f"{smol_async.url}/v1/completions",
+        content=b"{not json",
+        timeout=30,
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     r = httpx.post(f"{smol_async.url}/v1/completions", json={"model": "nope", "prompt": "hi"}, timeout=30)
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
@@ -157,11 +202,22 @@ def test_bad_json_and_unknown_model(smol_async):
 
 def test_extreme_but_valid_sampling_values_are_served(smol_async):
     """Values at the edges of what the descriptor stores must neither crash a process nor garble output."""
-    base = {"model": smol_async.model, "prompt": "The capital of France is", "max_tokens": 6, "ignore_eos": True,
-            "return_token_ids": True}
+    base = {
+        "model": smol_async.model,
+        "prompt": "The capital of France is",
+        "max_tokens": 6,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     greedy = httpx.post(f"{smol_async.url}/v1/completions", json={**base, "temperature": 0}, timeout=180).json()
-    for extra in ({"top_k": 2**31}, {"top_k": 10**30}, {"top_p": 1e-46}, {"temperature": 1e-40},
-                  {"temperature": 1e-40, "top_p": 0.9}, {"temperature": 0.7, "top_p": 1e-300}):
+    for extra in (
+        {"top_k": 2**31},
+        {"top_k": 10**30},
+        {"top_p": 1e-46},
+        {"temperature": 1e-40},
+        {"temperature": 1e-40, "top_p": 0.9},
+        {"temperature": 0.7, "top_p": 1e-300},
+    ):
         r = httpx.post(f"{smol_async.url}/v1/completions", json={**base, **extra}, timeout=180)
         assert r.status_code == 200, (extra, r.text)
         if "temperature" in extra or "top_p" in extra:  # these all reduce to greedy
@@ -171,8 +227,20 @@ def test_extreme_but_valid_sampling_values_are_served(smol_async):
 
 def test_developer_role_is_a_system_message(smol_async):
     body = {"model": smol_async.model, "max_tokens": 8, "temperature": 0}
-    dev = httpx.post(f"{smol_async.url}/v1/chat/completions", timeout=180, json={**body, "messages": [
-        {"role": "developer", "content": "Answer briefly."}, {"role": "user", "content": "Hi"}]}).json()
-    sys_ = httpx.post(f"{smol_async.url}/v1/chat/completions", timeout=180, json={**body, "messages": [
-        {"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Hi"}]}).json()
+    dev = httpx.post(
+        f"{smol_async.url}/v1/chat/completions",
+        timeout=180,
+        json={
+            **body,
+            "messages": [{"role": "developer", "content": "Answer briefly."}, {"role": "user", "content": "Hi"}],
+        },
+    ).json()
+    sys_ = httpx.post(
+        f"{smol_async.url}/v1/chat/completions",
+        timeout=180,
+        json={
+            **body,
+            "messages": [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Hi"}],
+        },
+    ).json()
     assert dev["choices"][0]["message"] == sys_["choices"][0]["message"]

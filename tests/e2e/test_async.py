@@ -32,16 +32,28 @@ def workload(n: int, seed: int) -> list[dict]:
     out = []
     for i in range(n):
         prompt = " ".join(rng.choice(words) for _ in range(rng.choice([1, 5, 20, 60, 120])))
-        out.append({"prompt": f"{i}: {prompt}", "max_tokens": rng.choice([1, 1, 3, 16, 40]),
-                    "abort_after": rng.choice([None, None, None, 2, 5])})
+        out.append(
+            {
+                "prompt": f"{i}: {prompt}",
+                "max_tokens": rng.choice([1, 1, 3, 16, 40]),
+                "abort_after": rng.choice([None, None, None, 2, 5]),
+            }
+        )
     return out
 
 
 async def run_one(client: httpx.AsyncClient, model: str, job: dict) -> list[int] | tuple:
     """The output token ids; with ``job["logprobs"]`` (echo, logprobs k, not aborted), also the
     text and the log-probabilities object."""
-    body = {"model": model, "prompt": job["prompt"], "max_tokens": job["max_tokens"], "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True, **job.get("sampling", {})}
+    body = {
+        "model": model,
+        "prompt": job["prompt"],
+        "max_tokens": job["max_tokens"],
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **job.get("sampling", {}),
+    }
     if job.get("logprobs") is not None:
         body.update(logprobs=job["logprobs"], echo=True)
     if job["abort_after"] is None:
@@ -56,11 +68,12 @@ async def run_one(client: httpx.AsyncClient, model: str, job: dict) -> list[int]
         async for line in r.aiter_lines():
             if line.startswith("data: {"):
                 import json
+
                 chunk = json.loads(line[6:])
                 ids.extend(chunk["choices"][0].get("token_ids") or [])
                 if len(ids) >= job["abort_after"]:
                     break  # closing the stream aborts the request
-    return ids[:job["abort_after"]]
+    return ids[: job["abort_after"]]
 
 
 async def run_all(server, jobs):
@@ -191,16 +204,17 @@ def assert_same_logprobs(x: tuple, y: tuple, tol: float = 1e-4) -> None:
 def test_32_concurrent_openai_requests_equal_alone(tiny_async):
     client = openai.OpenAI(base_url=f"{tiny_async.url}/v1", api_key="none")
     rng = random.Random(32)
-    msgs = [[{"role": "user", "content": " ".join(["hello"] * rng.randrange(1, 80)) + f" #{i}"}]
-            for i in range(32)]
+    msgs = [[{"role": "user", "content": " ".join(["hello"] * rng.randrange(1, 80)) + f" #{i}"}] for i in range(32)]
     lens = [rng.choice([1, 8, 24, 48]) for _ in msgs]
 
     def ask(i):
-        r = client.chat.completions.create(model=tiny_async.model, messages=msgs[i], max_tokens=lens[i],
-                                           temperature=0, extra_body={"ignore_eos": True})
+        r = client.chat.completions.create(
+            model=tiny_async.model, messages=msgs[i], max_tokens=lens[i], temperature=0, extra_body={"ignore_eos": True}
+        )
         return r.choices[0].message.content, r.usage.completion_tokens
 
     from concurrent.futures import ThreadPoolExecutor
+
     with ThreadPoolExecutor(32) as pool:
         together = list(pool.map(ask, range(32)))
     alone = [ask(i) for i in range(32)]
@@ -215,9 +229,16 @@ def test_preemption_under_kv_pressure_changes_nothing(request, tiny_dir, tiny_sy
     small = [a for a in SMALL if a not in ("--kv-cache-memory", "0.25")]
     srv = Server(["--model", str(tiny_dir), "--max-num-batched-tokens", "32", "--num-kv-blocks", "80", *small])
     request.addfinalizer(srv.stop)
-    jobs = [{"prompt": f"{i}: " + "the of and " * (20 + 10 * i), "max_tokens": 40, "abort_after": None,
-             "logprobs": 2 if i % 2 else None, "sampling": PENALTIES[i // 3 % 2] if i % 3 == 0 else {}}
-            for i in range(12)]
+    jobs = [
+        {
+            "prompt": f"{i}: " + "the of and " * (20 + 10 * i),
+            "max_tokens": 40,
+            "abort_after": None,
+            "logprobs": 2 if i % 2 else None,
+            "sampling": PENALTIES[i // 3 % 2] if i % 3 == 0 else {},
+        }
+        for i in range(12)
+    ]
     a = asyncio.run(run_all(srv, jobs))
     s = asyncio.run(run_all(tiny_sync, jobs))
     for job, x, y in zip(jobs, a, s):
@@ -236,12 +257,24 @@ def test_seeded_choices_async_equal_lockstep(tiny_async, tiny_sync):
 
     async def run_n(server):
         async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+
             async def one(i, job):
-                r = await client.post("/v1/completions", json={
-                    "model": server.model, "prompt": job["prompt"], "max_tokens": 12, "n": 3, "seed": 500 + i,
-                    "temperature": 1.0, "ignore_eos": True, "return_token_ids": True})
+                r = await client.post(
+                    "/v1/completions",
+                    json={
+                        "model": server.model,
+                        "prompt": job["prompt"],
+                        "max_tokens": 12,
+                        "n": 3,
+                        "seed": 500 + i,
+                        "temperature": 1.0,
+                        "ignore_eos": True,
+                        "return_token_ids": True,
+                    },
+                )
                 assert r.status_code == 200, r.text
                 return [c["token_ids"] for c in r.json()["choices"]]
+
             return await asyncio.gather(*(one(i, j) for i, j in enumerate(jobs)))
 
     assert asyncio.run(run_n(tiny_async)) == asyncio.run(run_n(tiny_sync))

@@ -25,10 +25,14 @@ def jobs(seed: int) -> list[dict]:
     rng = random.Random(seed)
     out = []
     for i in range(BATCH + JOINS):
-        out.append({"prompt": [rng.randrange(*SIM_WORD_ID_RANGE) for _ in range(rng.randrange(1, 24))],
-                    "max_tokens": rng.randrange(4, 80),
-                    "abort_after": rng.choice([None] * 9 + [rng.randrange(1, 30)]),
-                    "wave": 0 if i < BATCH else 1 + (i - BATCH) // 32})
+        out.append(
+            {
+                "prompt": [rng.randrange(*SIM_WORD_ID_RANGE) for _ in range(rng.randrange(1, 24))],
+                "max_tokens": rng.randrange(4, 80),
+                "abort_after": rng.choice([None] * 9 + [rng.randrange(1, 30)]),
+                "wave": 0 if i < BATCH else 1 + (i - BATCH) // 32,
+            }
+        )
     return out
 
 
@@ -49,7 +53,7 @@ async def run(config, output_rings, work: list[dict]) -> tuple[list[list[int]], 
         try:
             if k is None:
                 await state.wait_finished()
-                return state.processor.token_ids[:state.num_output_tokens]
+                return state.processor.token_ids[: state.num_output_tokens]
             ids: list[int] = []
             async for _, new, _ in state.updates():
                 ids.extend(new)
@@ -77,9 +81,21 @@ def serve_and_run(async_scheduling: bool, work: list[dict]) -> tuple[list[list[i
     from pipeline.launcher import Launcher
     from pipeline.server_args import build_parser, make_config
 
-    args = build_parser().parse_args(["--model", "sim", "--sim-step-us", "300", "--max-num-seqs", str(BATCH),
-                                      "--max-num-batched-tokens", "2048", "--max-model-len", "128",
-                                      "--debug-token-cache-poison"])
+    args = build_parser().parse_args(
+        [
+            "--model",
+            "sim",
+            "--sim-step-us",
+            "300",
+            "--max-num-seqs",
+            str(BATCH),
+            "--max-num-batched-tokens",
+            "2048",
+            "--max-model-len",
+            "128",
+            "--debug-token-cache-poison",
+        ]
+    )
     config = msgspec.structs.replace(make_config(args), async_scheduling=async_scheduling)
     launcher = Launcher(config, roles=("scheduler", "gpu_worker"))
     try:
@@ -95,8 +111,9 @@ def test_batch_1024_async_equals_lockstep_with_joins_and_aborts():
     s, s_stats = serve_and_run(False, work)
     for job, x, y in zip(work, a, s):
         assert x == y, job
-        assert len(x) == (job["max_tokens"] if job["abort_after"] is None else min(job["abort_after"],
-                                                                                    job["max_tokens"]))
+        assert len(x) == (
+            job["max_tokens"] if job["abort_after"] is None else min(job["abort_after"], job["max_tokens"])
+        )
     for st in (a_stats, s_stats):
         assert st["num_running"] == st["num_waiting"] == 0
         assert st["num_free_blocks"] == st["num_total_blocks"] and st["num_free_slots"] == st["num_total_slots"]

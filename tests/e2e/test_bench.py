@@ -12,9 +12,29 @@ import pytest
 @pytest.fixture(scope="module")
 def bench_run(tmp_path_factory):
     d = tmp_path_factory.mktemp("bench")
-    cmd = [sys.executable, "-m", "pipeline.bench", "--model", "sim", "--sim-step-us", "2000",
-           "--batch-size", "1", "--input-len", "8", "--output-len", "16", "--mode", "both",
-           "--json", str(d / "out.json"), "--trace", str(d / "trace.json"), "--plot", str(d / "out.png")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pipeline.bench",
+        "--model",
+        "sim",
+        "--sim-step-us",
+        "2000",
+        "--batch-size",
+        "1",
+        "--input-len",
+        "8",
+        "--output-len",
+        "16",
+        "--mode",
+        "both",
+        "--json",
+        str(d / "out.json"),
+        "--trace",
+        str(d / "trace.json"),
+        "--plot",
+        str(d / "out.png"),
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return d, r.stdout
@@ -67,9 +87,26 @@ def test_trace_schema(bench_run, mode):
 def test_bound_replays_every_step(tmp_path, tiny_dir):
     """--bound replays exactly the steps the worker ran and reports replay time / wall time."""
     out = tmp_path / "out.json"
-    cmd = [sys.executable, "-m", "pipeline.bench", "--model", str(tiny_dir), "--batch-size", "3",
-           "--input-len", "40", "--output-len", "6", "--max-num-batched-tokens", "64", "--mode", "async",
-           "--bound", "--json", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pipeline.bench",
+        "--model",
+        str(tiny_dir),
+        "--batch-size",
+        "3",
+        "--input-len",
+        "40",
+        "--output-len",
+        "6",
+        "--max-num-batched-tokens",
+        "64",
+        "--mode",
+        "async",
+        "--bound",
+        "--json",
+        str(out),
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())["async"]
@@ -77,4 +114,3 @@ def test_bound_replays_every_step(tmp_path, tiny_dir):
     assert bound["replay_s"] > 0
     assert bound["engine_over_bound"] == pytest.approx(bound["replay_s"] / res["wall_s"])
     assert "engine / bound throughput" in r.stdout
-

@@ -16,8 +16,11 @@ PROMPT = "the of and to in is was for on that with as by at from his her an be t
 
 
 def complete(srv, **body) -> dict:
-    r = httpx.post(f"{srv.url}/v1/completions", timeout=180,
-                   json={"model": srv.model, "prompt": PROMPT, "return_token_ids": True, "ignore_eos": True, **body})
+    r = httpx.post(
+        f"{srv.url}/v1/completions",
+        timeout=180,
+        json={"model": srv.model, "prompt": PROMPT, "return_token_ids": True, "ignore_eos": True, **body},
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -49,13 +52,21 @@ def test_seeded_choice_i_equals_a_request_with_seed_plus_i(tiny_async):
 def test_streamed_chat_choices(tiny_async):
     client = openai.OpenAI(base_url=f"{tiny_async.url}/v1", api_key="none")
     msgs = [{"role": "user", "content": PROMPT}]
-    whole = client.chat.completions.create(model=tiny_async.model, messages=msgs, max_tokens=6, temperature=0, n=2,
-                                           extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(
+        model=tiny_async.model, messages=msgs, max_tokens=6, temperature=0, n=2, extra_body={"ignore_eos": True}
+    )
     texts = {0: "", 1: ""}
     finishes = {}
-    stream = client.chat.completions.create(model=tiny_async.model, messages=msgs, max_tokens=6, temperature=0, n=2,
-                                            stream=True, stream_options={"include_usage": True},
-                                            extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        model=tiny_async.model,
+        messages=msgs,
+        max_tokens=6,
+        temperature=0,
+        n=2,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     usage = None
     for chunk in stream:
         for c in chunk.choices:
@@ -69,8 +80,15 @@ def test_streamed_chat_choices(tiny_async):
 
 
 def test_aborted_stream_of_choices_frees_everything(tiny_async):
-    body = {"model": tiny_async.model, "prompt": PROMPT, "max_tokens": 200, "n": 4, "stream": True,
-            "ignore_eos": True, "temperature": 1.0}
+    body = {
+        "model": tiny_async.model,
+        "prompt": PROMPT,
+        "max_tokens": 200,
+        "n": 4,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 1.0,
+    }
     seen = 0
     with httpx.stream("POST", f"{tiny_async.url}/v1/completions", json=body, timeout=180) as r:
         for line in r.iter_lines():
@@ -86,7 +104,10 @@ def test_aborted_stream_of_choices_frees_everything(tiny_async):
 
 def test_bad_n_and_best_of_are_400(tiny_async):
     for field, value in (("n", 0), ("n", 129), ("best_of", 3)):
-        r = httpx.post(f"{tiny_async.url}/v1/completions", timeout=60,
-                       json={"model": tiny_async.model, "prompt": "hi", "max_tokens": 2, field: value})
+        r = httpx.post(
+            f"{tiny_async.url}/v1/completions",
+            timeout=60,
+            json={"model": tiny_async.model, "prompt": "hi", "max_tokens": 2, field: value},
+        )
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == field

@@ -39,8 +39,7 @@ def test_dp2_equals_one_engine_and_spreads_the_load(tiny_dir, tiny_async):
 
 def test_a_dying_engine_stops_the_server():
     srv = Server(["--model", "sim", "--sim-step-us", "1000", "-dp", "2"])
-    scheduler1 = next(p for p in srv.children
-                      if b"pipeline-scheduler-dp1" in open(f"/proc/{p}/cmdline", "rb").read())
+    scheduler1 = next(p for p in srv.children if b"pipeline-scheduler-dp1" in open(f"/proc/{p}/cmdline", "rb").read())
     os.kill(scheduler1, signal.SIGKILL)
     code = srv.proc.wait(30)
     out = srv.proc.stdout.read()

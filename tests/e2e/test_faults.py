@@ -68,8 +68,7 @@ class Load:
     def _stream(self, body: dict) -> None:
         last, outcome = None, None
         try:
-            with httpx.stream("POST", f"{self.srv.url}/v1/completions", json={**body, "stream": True},
-                              timeout=60) as r:
+            with httpx.stream("POST", f"{self.srv.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
                 for line in r.iter_lines():
                     if not line.startswith("data: "):
                         continue
@@ -145,8 +144,9 @@ def test_kill9_under_load_fails_clients_and_leaves_nothing(role, tmp_path):
     load.join(15)
     fail_s = max(t for _, _, t in load.results) - t0
     print(f"\nkill -9 of {role}: every client answered within {fail_s:.2f} s")
-    assert not any(o == 200 or (isinstance(o, str) and o.endswith('"finish_reason":"length"}]}'))
-                   for _, o, _ in load.results), load.results
+    assert not any(
+        o == 200 or (isinstance(o, str) and o.endswith('"finish_reason":"length"}]}')) for _, o, _ in load.results
+    ), load.results
     code = srv.proc.wait(15)
     assert_nothing_left(srv.proc.pid, srv.children)
     log.seek(0)
@@ -159,8 +159,9 @@ def test_kill9_under_load_fails_clients_and_leaves_nothing(role, tmp_path):
 def test_failing_forward_is_reported_and_stops_the_server(tmp_path):
     log = open(tmp_path / "server.log", "w+")
     srv = Server(SLOW_SIM, log=log, config={"debug_fail_step": 3})
-    r = httpx.post(f"{srv.url}/v1/completions", timeout=30,
-                   json={"model": srv.model, "prompt": "hello", "max_tokens": 20})
+    r = httpx.post(
+        f"{srv.url}/v1/completions", timeout=30, json={"model": srv.model, "prompt": "hello", "max_tokens": 20}
+    )
     assert r.status_code == 503, r.text
     assert srv.proc.wait(15) == 1
     assert_nothing_left(srv.proc.pid, srv.children)
@@ -174,8 +175,9 @@ def test_hung_worker_trips_the_step_timeout(tmp_path):
     log = open(tmp_path / "server.log", "w+")
     srv = Server(["--model", "sim", "--sim-step-us", "20000000", "--step-timeout", "1"], log=log)
     t0 = time.monotonic()
-    r = httpx.post(f"{srv.url}/v1/completions", timeout=30,
-                   json={"model": srv.model, "prompt": "hello", "max_tokens": 5})
+    r = httpx.post(
+        f"{srv.url}/v1/completions", timeout=30, json={"model": srv.model, "prompt": "hello", "max_tokens": 5}
+    )
     assert r.status_code == 503, r.text
     assert srv.proc.wait(15) == 1
     assert time.monotonic() - t0 < 15  # a 20 s step, cut short
@@ -194,13 +196,15 @@ def sim_logged(request, tmp_path_factory):
     def stop():
         srv.stop()
         log.close()
+
     request.addfinalizer(stop)
     return srv
 
 
 def complete(srv: Server, prompt: str = "Hello there") -> dict:
-    r = httpx.post(f"{srv.url}/v1/completions", timeout=30,
-                   json={"model": srv.model, "prompt": prompt, "max_tokens": 3})
+    r = httpx.post(
+        f"{srv.url}/v1/completions", timeout=30, json={"model": srv.model, "prompt": prompt, "max_tokens": 3}
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -238,12 +242,17 @@ def test_socket_directory_and_sockets_are_private(sim_logged):
 def test_no_request_text_in_info_logs(sim_logged):
     marker = "zebra-cucumber-7731"
     complete(sim_logged, f"{marker} says hi")
-    r = httpx.post(f"{sim_logged.url}/v1/chat/completions", timeout=30,
-                   json={"model": sim_logged.model, "max_tokens": 2,
-                         "messages": [{"role": "user", "content": marker}]})
+    r = httpx.post(
+        f"{sim_logged.url}/v1/chat/completions",
+        timeout=30,
+        json={"model": sim_logged.model, "max_tokens": 2, "messages": [{"role": "user", "content": marker}]},
+    )
     assert r.status_code == 200, r.text
-    r = httpx.post(f"{sim_logged.url}/v1/completions", timeout=30,  # refused: not logged either
-                   json={"model": sim_logged.model, "prompt": marker, "max_tokens": -1})
+    r = httpx.post(
+        f"{sim_logged.url}/v1/completions",
+        timeout=30,  # refused: not logged either
+        json={"model": sim_logged.model, "prompt": marker, "max_tokens": -1},
+    )
     assert r.status_code == 400
     sim_logged.log.seek(0)
     assert marker not in sim_logged.log.read()
@@ -256,9 +265,14 @@ def test_signal_during_start_up_says_so_and_cleans_up(when, tmp_path):
     import sys
 
     from tests.conftest import REPO, free_port
+
     log = open(tmp_path / "server.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline.launcher", "--port", str(free_port()), "--model", "sim"],
-                            stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.launcher", "--port", str(free_port()), "--model", "sim"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+    )
     deadline = time.monotonic() + 60
     while not (ipc_dirs(proc.pid) if when == "config" else child_pids(proc.pid)):
         assert time.monotonic() < deadline and proc.poll() is None

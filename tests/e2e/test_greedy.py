@@ -31,9 +31,18 @@ NEW_TOKENS = 48
 
 
 def complete_ids(server, prompt_ids: list[int], max_tokens: int) -> list[int]:
-    r = httpx.post(f"{server.url}/v1/completions", timeout=300, json={
-        "model": server.model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0,
-        "ignore_eos": True, "return_token_ids": True})
+    r = httpx.post(
+        f"{server.url}/v1/completions",
+        timeout=300,
+        json={
+            "model": server.model,
+            "prompt": prompt_ids,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["usage"]["completion_tokens"] == max_tokens

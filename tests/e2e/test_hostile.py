@@ -32,22 +32,32 @@ MAX_MODEL_LEN = 1024
 @pytest.fixture(scope="module")
 def guarded(request, tmp_path_factory):
     log = open(tmp_path_factory.mktemp("guarded") / "server.log", "w+")
-    srv = Server(SIM, log=log, config={"http_header_timeout_s": HEADER_TIMEOUT_S,
-                                       "http_body_timeout_s": BODY_TIMEOUT_S,
-                                       "limit_concurrency": LIMIT_CONCURRENCY,
-                                       "max_request_body_bytes": BODY_LIMIT})
+    srv = Server(
+        SIM,
+        log=log,
+        config={
+            "http_header_timeout_s": HEADER_TIMEOUT_S,
+            "http_body_timeout_s": BODY_TIMEOUT_S,
+            "limit_concurrency": LIMIT_CONCURRENCY,
+            "max_request_body_bytes": BODY_LIMIT,
+        },
+    )
     srv.log = log
 
     def stop():
         srv.stop()
         log.close()
+
     request.addfinalizer(stop)
     return srv
 
 
 def small_request(server, timeout: float = 30.0) -> httpx.Response:
-    return httpx.post(f"{server.url}/v1/completions", timeout=timeout,
-                      json={"model": server.model, "prompt": "Hello there", "max_tokens": 3})
+    return httpx.post(
+        f"{server.url}/v1/completions",
+        timeout=timeout,
+        json={"model": server.model, "prompt": "Hello there", "max_tokens": 3},
+    )
 
 
 def assert_serving(server) -> None:
@@ -105,8 +115,10 @@ def parse_response(raw: bytes) -> tuple[int, dict[str, str], bytes]:
 
 def test_oversize_content_length_is_413_before_the_body_is_sent(guarded):
     with connect(guarded) as s:
-        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  f"Content-Length: {BODY_LIMIT + 1}\r\n\r\n".encode())
+        s.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {BODY_LIMIT + 1}\r\n\r\n".encode()
+        )
         got = b""
         while b"}}" not in got:
             got += s.recv(65536)
@@ -120,8 +132,9 @@ def test_oversize_content_length_is_413_before_the_body_is_sent(guarded):
 def test_oversize_body_is_413(guarded):
     """The whole body sent before the response is read: the client still gets the 413."""
     body = json.dumps({"model": guarded.model, "prompt": "x", "max_tokens": 3, "user": "y" * BODY_LIMIT}).encode()
-    r = httpx.post(f"{guarded.url}/v1/completions", content=body, timeout=30,
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        f"{guarded.url}/v1/completions", content=body, timeout=30, headers={"content-type": "application/json"}
+    )
     assert assert_openai_error(r, 413)["code"] == "request_too_large"
     assert_serving(guarded)
 
@@ -133,8 +146,9 @@ def test_oversize_chunked_body_is_413(guarded):
             yield b"y" * 2**20
         yield b'"}'
 
-    r = httpx.post(f"{guarded.url}/v1/completions", content=chunks(), timeout=30,
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        f"{guarded.url}/v1/completions", content=chunks(), timeout=30, headers={"content-type": "application/json"}
+    )
     assert "content-length" not in r.request.headers  # sent chunked
     assert assert_openai_error(r, 413)["code"] == "request_too_large"
     assert_serving(guarded)
@@ -165,16 +179,20 @@ def test_huge_prompt_is_refused_at_once_and_others_keep_going(guarded, route):
 
 
 def test_token_id_prompt_is_not_bounded_by_characters(guarded):
-    r = httpx.post(f"{guarded.url}/v1/completions", timeout=30,
-                   json={"model": guarded.model, "prompt": [1000] * (MAX_MODEL_LEN - 10), "max_tokens": 2})
+    r = httpx.post(
+        f"{guarded.url}/v1/completions",
+        timeout=30,
+        json={"model": guarded.model, "prompt": [1000] * (MAX_MODEL_LEN - 10), "max_tokens": 2},
+    )
     assert r.status_code == 200, r.text
 
 
 # -- finding 2: slow clients ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("sent", [b"", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-"],
-                         ids=["nothing", "partial-headers"])
+@pytest.mark.parametrize(
+    "sent", [b"", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-"], ids=["nothing", "partial-headers"]
+)
 def test_slow_headers_are_cut_off(guarded, sent):
     with connect(guarded) as s:
         s.sendall(sent)
@@ -186,8 +204,10 @@ def test_slow_headers_are_cut_off(guarded, sent):
 
 def test_headers_of_a_second_request_on_a_kept_alive_connection_are_timed(guarded):
     body = json.dumps({"model": guarded.model, "prompt": "Hi", "max_tokens": 2}).encode()
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
     with connect(guarded) as s:
         s.sendall(head + body)
         got = b""
@@ -201,8 +221,10 @@ def test_headers_of_a_second_request_on_a_kept_alive_connection_are_timed(guarde
 
 def test_slow_body_gets_408_and_is_closed(guarded):
     with connect(guarded) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"prompt": '
+        )
         data, took = read_until_closed(s, BODY_TIMEOUT_S + 20)
     status, headers, body = parse_response(data)
     assert status == 408 and headers["connection"] == "close"
@@ -215,8 +237,10 @@ def test_rest_of_a_refused_body_is_timed_too(guarded):
     """A 413 goes out before the body is read; a client that then keeps the
     body coming slowly is still cut off at the body deadline."""
     with connect(guarded) as s:
-        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  f"Content-Length: {BODY_LIMIT + 1}\r\n\r\n".encode())
+        s.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {BODY_LIMIT + 1}\r\n\r\n".encode()
+        )
         got = b""
         while b"\r\n\r\n" not in got:
             got += s.recv(65536)
@@ -259,8 +283,12 @@ def test_connections_over_the_cap_get_503(guarded):
 
 
 def test_malformed_json(guarded):
-    r = httpx.post(f"{guarded.url}/v1/completions", content=b'{"prompt": "hi", "max_tokens": ', timeout=30,
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        f"{guarded.url}/v1/completions",
+        content=b'{"prompt": "hi", "max_tokens": ',
+        timeout=30,
+        headers={"content-type": "application/json"},
+    )
     assert "not valid JSON" in assert_openai_error(r, 400)["message"]
     assert_serving(guarded)
 
@@ -280,8 +308,11 @@ def test_wrong_content_type(guarded, content_type):
 @pytest.mark.parametrize("stream", [False, True])
 def test_http_1_0(guarded, stream):
     body = json.dumps({"model": guarded.model, "prompt": "hi", "max_tokens": 3, "stream": stream}).encode()
-    raw = raw_request(guarded, f"POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\n"
-                               f"Content-Length: {len(body)}\r\n\r\n", body)
+    raw = raw_request(
+        guarded,
+        f"POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n",
+        body,
+    )
     status, headers, resp = parse_response(raw)
     assert status == 200 and "chunked" not in headers.get("transfer-encoding", "")
     if stream:
@@ -304,14 +335,26 @@ def test_disconnect_storm_leaves_quiet_logs_and_no_requests(guarded):
     after a stray CRLF (uvicorn then stops reading, so only a write notices the
     reset). The flood's cause is pinned deterministically in
     tests/unit/test_http_limits.py; this is the end-to-end check."""
+
     def one(i: int) -> None:
         stream = i % 2 == 0
-        body = json.dumps({"model": guarded.model, "prompt": "hi", "max_tokens": 1 + i % 12, "stream": stream,
-                           "stream_options": {"include_usage": True} if stream else None}).encode()
+        body = json.dumps(
+            {
+                "model": guarded.model,
+                "prompt": "hi",
+                "max_tokens": 1 + i % 12,
+                "stream": stream,
+                "stream_options": {"include_usage": True} if stream else None,
+            }
+        ).encode()
         s = connect(guarded)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  f"Content-Length: {len(body)}\r\n\r\n".encode() + body + (b"\r\n" if i % 3 == 0 else b""))
+        s.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+            + (b"\r\n" if i % 3 == 0 else b"")
+        )
         time.sleep((i % 20) * 0.002)
         _reset(s)
 
@@ -332,8 +375,11 @@ def test_non_streaming_disconnect_aborts_the_request(guarded):
     key = 'pipeline_requests_finished_total{finished_reason="abort"}'
     body = json.dumps({"model": guarded.model, "prompt": "hi", "max_tokens": 900, "ignore_eos": True}).encode()
     s = connect(guarded)
-    s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    s.sendall(
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
     time.sleep(0.3)
     s.close()
     deadline = time.monotonic() + 20

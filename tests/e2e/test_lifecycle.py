@@ -46,8 +46,7 @@ def test_three_processes_and_sigterm_cleans_up(tiny_dir):
 
 def test_kill_worker_stops_everything(tiny_dir):
     srv = Server(["--model", str(tiny_dir), *SMALL])
-    worker = next(p for p in srv.children
-                  if b"pipeline-gpu_worker" in open(f"/proc/{p}/cmdline", "rb").read())
+    worker = next(p for p in srv.children if b"pipeline-gpu_worker" in open(f"/proc/{p}/cmdline", "rb").read())
     os.kill(worker, signal.SIGKILL)
     code = srv.proc.wait(15)
     out = srv.proc.stdout.read()
@@ -67,8 +66,11 @@ def test_serve_trace_has_three_process_tracks(tmp_path):
 
     trace = tmp_path / "serve-trace.json"
     srv = Server(["--model", "sim", "--sim-step-us", "1000", "--trace", str(trace)])
-    r = httpx.post(f"{srv.url}/v1/completions", timeout=60,
-                   json={"model": srv.model, "prompt": "hello", "max_tokens": 8, "ignore_eos": True})
+    r = httpx.post(
+        f"{srv.url}/v1/completions",
+        timeout=60,
+        json={"model": srv.model, "prompt": "hello", "max_tokens": 8, "ignore_eos": True},
+    )
     assert r.status_code == 200
     assert srv.stop(signal.SIGTERM) == 0
     events = json.loads(trace.read_text())["traceEvents"]

@@ -60,10 +60,33 @@ metric_list:
 def run_lm_eval(tmp: Path, name: str, model: str, model_args: str, *extra: str) -> tuple[float, dict]:
     """Run the ``lm_eval`` CLI offline; returns (acc, {(doc, choice): loglikelihood})."""
     out = tmp / f"out-{name}"
-    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "HF_DATASETS_CACHE": str(tmp / "datasets-cache"), "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "lm_eval", "--model", model, "--model_args", model_args, "--tasks", TASK,
-           "--include_path", str(tmp), "--output_path", str(out), "--log_samples", "--batch_size", "1", *extra]
+    env = {
+        **os.environ,
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HF_DATASETS_CACHE": str(tmp / "datasets-cache"),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "lm_eval",
+        "--model",
+        model,
+        "--model_args",
+        model_args,
+        "--tasks",
+        TASK,
+        "--include_path",
+        str(tmp),
+        "--output_path",
+        str(out),
+        "--log_samples",
+        "--batch_size",
+        "1",
+        *extra,
+    ]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     (results,) = out.rglob("results_*.json")
@@ -85,17 +108,22 @@ def server_loglikelihoods(server, tok) -> dict:
         for i, choice in enumerate(doc["choices"]):
             context = tok.encode(doc["question"], add_special_tokens=False)
             whole = tok.encode(doc["question"] + " " + choice, add_special_tokens=False)
-            r = httpx.post(f"{server.url}/v1/completions", timeout=300, json={
-                "model": server.model, "prompt": whole, "max_tokens": 0, "echo": True, "logprobs": 1})
+            r = httpx.post(
+                f"{server.url}/v1/completions",
+                timeout=300,
+                json={"model": server.model, "prompt": whole, "max_tokens": 0, "echo": True, "logprobs": 1},
+            )
             assert r.status_code == 200, r.text
-            out[(d, i)] = sum(r.json()["choices"][0]["logprobs"]["token_logprobs"][len(context):])
+            out[(d, i)] = sum(r.json()["choices"][0]["logprobs"]["token_logprobs"][len(context) :])
     return out
 
 
 def test_lm_eval_local_completions_scores_through_the_server(smol_async, smol_dir, tmp_path):
     write_task(tmp_path)
-    args = (f"model={smol_async.model},base_url={smol_async.url}/v1/completions,tokenizer={smol_dir},"
-            "tokenizer_backend=huggingface,tokenized_requests=True,num_concurrent=1,max_retries=1")
+    args = (
+        f"model={smol_async.model},base_url={smol_async.url}/v1/completions,tokenizer={smol_dir},"
+        "tokenizer_backend=huggingface,tokenized_requests=True,num_concurrent=1,max_retries=1"
+    )
     acc, lls = run_lm_eval(tmp_path, "server", "local-completions", args)
     assert len(lls) == sum(len(doc["choices"]) for doc in DOCS)
 

@@ -63,23 +63,48 @@ def test_echo_logprobs_equal_transformers(request, model, tiny_dir, smol_dir):
     rng = random.Random(7)
     # 70 tokens: at least three prefill chunks on the tiny server (budget 32).
     prompt = [rng.randrange(10, 49000) for _ in range(70)]
-    body = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 4, "temperature": 0, "echo": True,
-                                            "logprobs": 5, "ignore_eos": True, "return_token_ids": True})
+    body = post(
+        server,
+        "/v1/completions",
+        {
+            "prompt": prompt,
+            "max_tokens": 4,
+            "temperature": 0,
+            "echo": True,
+            "logprobs": 5,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+    )
     choice = body["choices"][0]
     check_echo_logprobs(model_dir, prompt, choice, 5)
     ref = reference_logprobs(model_dir, prompt + choice["token_ids"])
     for i, t in enumerate(choice["token_ids"]):  # greedy: each output token is the reference's argmax
-        assert t == int(ref[len(prompt) - 1 + i].argmax()) or \
-            ref[len(prompt) - 1 + i].max() - ref[len(prompt) - 1 + i, t] < 1e-3
+        assert (
+            t == int(ref[len(prompt) - 1 + i].argmax())
+            or ref[len(prompt) - 1 + i].max() - ref[len(prompt) - 1 + i, t] < 1e-3
+        )
 
 
 def test_sampled_logprobs_are_the_raw_models_and_finite(tiny_async, tiny_dir):
     """top_k 3 and top_p 0.3 leave most tokens at -inf for the sampler; the values returned are
     the unfiltered log-softmax, finite, and the alternatives are the model's most likely tokens."""
     prompt = list(range(100, 140))
-    body = post(tiny_async, "/v1/completions", {"prompt": prompt, "max_tokens": 6, "temperature": 1.5, "top_k": 3,
-                                                "top_p": 0.3, "seed": 5, "logprobs": 20, "ignore_eos": True,
-                                                "return_token_ids": True})
+    body = post(
+        tiny_async,
+        "/v1/completions",
+        {
+            "prompt": prompt,
+            "max_tokens": 6,
+            "temperature": 1.5,
+            "top_k": 3,
+            "top_p": 0.3,
+            "seed": 5,
+            "logprobs": 20,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+    )
     choice = body["choices"][0]
     ids = prompt + choice["token_ids"]
     ref = reference_logprobs(tiny_dir, ids)
@@ -95,8 +120,11 @@ def test_sampled_logprobs_are_the_raw_models_and_finite(tiny_async, tiny_dir):
 def test_echo_with_max_tokens_0_and_1(sim_async):
     for prompt in ("The quick brown fox jumps", [5, 6, 7, 8], [42]):
         for max_tokens in (0, 1):
-            body = post(sim_async, "/v1/completions", {"prompt": prompt, "max_tokens": max_tokens, "echo": True,
-                                                       "logprobs": 3, "return_token_ids": True})
+            body = post(
+                sim_async,
+                "/v1/completions",
+                {"prompt": prompt, "max_tokens": max_tokens, "echo": True, "logprobs": 3, "return_token_ids": True},
+            )
             choice = body["choices"][0]
             n = body["usage"]["prompt_tokens"]
             assert body["usage"]["completion_tokens"] == max_tokens and choice["finish_reason"] == "length"
@@ -117,12 +145,20 @@ def test_echo_with_max_tokens_0_and_1(sim_async):
 
 
 def test_prompt_lists_give_one_choice_each(sim_async):
-    single = [post(sim_async, "/v1/completions", {"prompt": p, "max_tokens": 5, "logprobs": 1, "echo": True,
-                                                  "return_token_ids": True})["choices"][0]
-              for p in ("alpha beta", "gamma")]
+    single = [
+        post(
+            sim_async,
+            "/v1/completions",
+            {"prompt": p, "max_tokens": 5, "logprobs": 1, "echo": True, "return_token_ids": True},
+        )["choices"][0]
+        for p in ("alpha beta", "gamma")
+    ]
     for prompt in (["alpha beta", "gamma"], [sim_tokens(sim_async, "alpha beta"), sim_tokens(sim_async, "gamma")]):
-        body = post(sim_async, "/v1/completions", {"prompt": prompt, "max_tokens": 5, "logprobs": 1, "echo": True,
-                                                   "return_token_ids": True})
+        body = post(
+            sim_async,
+            "/v1/completions",
+            {"prompt": prompt, "max_tokens": 5, "logprobs": 1, "echo": True, "return_token_ids": True},
+        )
         assert [c["index"] for c in body["choices"]] == [0, 1]
         for got, want in zip(body["choices"], single):
             assert got["token_ids"] == want["token_ids"] and got["logprobs"] == want["logprobs"]
@@ -130,9 +166,19 @@ def test_prompt_lists_give_one_choice_each(sim_async):
         assert body["usage"]["prompt_tokens"] == sum(len(c["prompt_token_ids"]) for c in body["choices"])
         # Streamed: each choice's chunks, in order, give the same text and log-probabilities.
         text, tokens = {0: "", 1: ""}, {0: [], 1: []}
-        with httpx.stream("POST", f"{sim_async.url}/v1/completions", timeout=300, json={
-                "model": sim_async.model, "prompt": prompt, "max_tokens": 5, "logprobs": 1, "echo": True,
-                "stream": True}) as r:
+        with httpx.stream(
+            "POST",
+            f"{sim_async.url}/v1/completions",
+            timeout=300,
+            json={
+                "model": sim_async.model,
+                "prompt": prompt,
+                "max_tokens": 5,
+                "logprobs": 1,
+                "echo": True,
+                "stream": True,
+            },
+        ) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     (c,) = json.loads(line[6:])["choices"]
@@ -150,8 +196,15 @@ def sim_tokens(server, text: str) -> list[int]:
 
 def test_chat_logprobs_openai_shapes_streamed_per_chunk(tiny_async):
     client = openai.OpenAI(base_url=f"{tiny_async.url}/v1", api_key="none")
-    kw = dict(model=tiny_async.model, messages=[{"role": "user", "content": "Tell me a story"}], max_tokens=12,
-              temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    kw = dict(
+        model=tiny_async.model,
+        messages=[{"role": "user", "content": "Tell me a story"}],
+        max_tokens=12,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     full = client.chat.completions.create(**kw)
     content = full.choices[0].logprobs.content
     assert len(content) == full.usage.completion_tokens == 12
@@ -178,8 +231,9 @@ def test_chat_logprobs_openai_shapes_streamed_per_chunk(tiny_async):
 
 def test_completion_logprobs_through_the_openai_sdk(tiny_async):
     client = openai.OpenAI(base_url=f"{tiny_async.url}/v1", api_key="none")
-    r = client.completions.create(model=tiny_async.model, prompt="Once upon a time", max_tokens=0, echo=True,
-                                  logprobs=2)
+    r = client.completions.create(
+        model=tiny_async.model, prompt="Once upon a time", max_tokens=0, echo=True, logprobs=2
+    )
     lp = r.choices[0].logprobs
     assert r.choices[0].text == "Once upon a time" and lp.token_logprobs[0] is None
     assert len(lp.tokens) == r.usage.prompt_tokens and all(len(t) <= 3 for t in lp.top_logprobs[1:])

@@ -81,8 +81,9 @@ def test_prompt_logits_match_transformers(tie):
     prompt = torch.randint(0, 512, (45,))
     with torch.inference_mode():
         expected = hf(prompt[None]).logits[0]
-        meta = ours.attn_backend.build_from_rows(torch.tensor([45]), torch.tensor([0]), torch.tensor([[5, 2, 9]]),
-                                                 BLOCK_SIZE)
+        meta = ours.attn_backend.build_from_rows(
+            torch.tensor([45]), torch.tensor([0]), torch.tensor([[5, 2, 9]]), BLOCK_SIZE
+        )
         kv = ours.allocate_kv_caches(10, BLOCK_SIZE, torch.float32, CPU)
         logits = ours.compute_logits(ours(prompt, meta.positions, meta, kv))
     assert logits.dtype == torch.float32

@@ -27,9 +27,13 @@ from tests.e2e.test_tensor_parallel import BASE, jobs
 def start_two_nodes(model, *flags: str) -> tuple[subprocess.Popen, Server]:
     """Node 1's launcher (ranks only), then the head's server; both with ``flags``."""
     nodes = ["-tp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
-    node1 = subprocess.Popen([sys.executable, "-m", "pipeline.launcher", "--model", str(model), *flags, *nodes,
-                              "--node-rank", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             cwd=REPO)
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.launcher", "--model", str(model), *flags, *nodes, "--node-rank", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+    )
     try:
         head = Server(["--model", str(model), *flags, *nodes])
     except BaseException:
@@ -85,9 +89,25 @@ def test_killing_node_1_stops_the_head(tiny_kv4_dir):
 
 def test_nodes_with_different_settings_refuse_to_start(tiny_kv4_dir):
     nodes = ["-tp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
-    node1 = subprocess.Popen([sys.executable, "-m", "pipeline.launcher", "--model", str(tiny_kv4_dir), *BASE,
-                              *nodes, "--node-rank", "1", "--max-num-seqs", "64"], stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    node1 = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pipeline.launcher",
+            "--model",
+            str(tiny_kv4_dir),
+            *BASE,
+            *nodes,
+            "--node-rank",
+            "1",
+            "--max-num-seqs",
+            "64",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+    )
     with pytest.raises(RuntimeError, match=r"different settings: node 1: max_num_seqs=64 \(head: 256\)"):
         Server(["--model", str(tiny_kv4_dir), *BASE, *nodes])
     assert node1.wait(30) != 0

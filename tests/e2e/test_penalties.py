@@ -13,8 +13,11 @@ PROMPT = "the of and to in is was"
 
 
 def complete(srv, **body) -> dict:
-    r = httpx.post(f"{srv.url}/v1/completions", timeout=180,
-                   json={"model": srv.model, "prompt": PROMPT, "temperature": 0, "return_token_ids": True, **body})
+    r = httpx.post(
+        f"{srv.url}/v1/completions",
+        timeout=180,
+        json={"model": srv.model, "prompt": PROMPT, "temperature": 0, "return_token_ids": True, **body},
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -25,7 +28,7 @@ def test_stop_token_ids_and_min_tokens(tiny_async):
     stop = plain[2]
     first = plain.index(stop)
     r = complete(tiny_async, max_tokens=8, ignore_eos=True, stop_token_ids=[stop])
-    assert r["choices"][0]["token_ids"] == plain[:first + 1]
+    assert r["choices"][0]["token_ids"] == plain[: first + 1]
     assert r["choices"][0]["finish_reason"] == "stop" and r["usage"]["completion_tokens"] == first + 1
     # min_tokens: the stop id (here greedy's first token) cannot come before that many tokens.
     r = complete(tiny_async, max_tokens=8, ignore_eos=True, stop_token_ids=[plain[0]], min_tokens=4)
@@ -43,17 +46,33 @@ def test_logit_bias_steers_greedy(tiny_async):
     assert r["choices"][0]["token_ids"] != plain[:1]
 
 
-@pytest.mark.parametrize("field, value", [
-    ("presence_penalty", 3), ("frequency_penalty", -2.5), ("repetition_penalty", 0), ("min_p", 1.5),
-    ("min_tokens", -1), ("min_tokens", 9), ("logit_bias", {"abc": 1}), ("logit_bias", {"5": 101}),
-    ("logit_bias", {"99999999": 1}), ("logit_bias", {str(i): 1 for i in range(301)}),
-    ("stop_token_ids", [-1]), ("stop_token_ids", [99999999]),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("presence_penalty", 3),
+        ("frequency_penalty", -2.5),
+        ("repetition_penalty", 0),
+        ("min_p", 1.5),
+        ("min_tokens", -1),
+        ("min_tokens", 9),
+        ("logit_bias", {"abc": 1}),
+        ("logit_bias", {"5": 101}),
+        ("logit_bias", {"99999999": 1}),
+        ("logit_bias", {str(i): 1 for i in range(301)}),
+        ("stop_token_ids", [-1]),
+        ("stop_token_ids", [99999999]),
+    ],
+)
 def test_bad_values_are_400_naming_the_field(tiny_async, field, value):
-    for path, base in (("/v1/completions", {"prompt": PROMPT}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
-        r = httpx.post(f"{tiny_async.url}{path}", timeout=60,
-                       json={"model": tiny_async.model, "max_tokens": 8, **base, field: value})
+    for path, base in (
+        ("/v1/completions", {"prompt": PROMPT}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ):
+        r = httpx.post(
+            f"{tiny_async.url}{path}",
+            timeout=60,
+            json={"model": tiny_async.model, "max_tokens": 8, **base, field: value},
+        )
         assert r.status_code == 400, (path, r.text)
         err = r.json()["error"]
         assert err["type"] == "invalid_request_error" and err["param"] == field, err

@@ -33,8 +33,12 @@ def fds(pid: int) -> int:
 
 
 async def one(client: httpx.AsyncClient, model: str, rng: random.Random) -> None:
-    body = {"model": model, "prompt": "hello " * rng.randint(1, 40), "max_tokens": rng.randint(1, 48),
-            "ignore_eos": True}
+    body = {
+        "model": model,
+        "prompt": "hello " * rng.randint(1, 40),
+        "max_tokens": rng.randint(1, 48),
+        "ignore_eos": True,
+    }
     kind = rng.random()
     try:
         if kind < 0.4:  # a stream, often dropped by its client part-way
@@ -59,9 +63,11 @@ async def soak(url: str, model: str, n: int, concurrency: int, seed: int) -> Non
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+
         async def guarded():
             async with sem:
                 await one(client, model, rng)
+
         await asyncio.gather(*(guarded() for _ in range(n)))
 
 
@@ -86,8 +92,10 @@ def test_soak_leaves_no_trace():
         while any(fds(p) > fds0[p] for p in srv.children) and time.monotonic() < deadline:
             time.sleep(0.2)
         rss1 = rss_kb(io)
-        print(f"\nsoak: {n} requests at concurrency {concurrency} in {took:.1f} s; io_proc RSS "
-              f"{rss0 / 1024:.0f} -> {rss1 / 1024:.0f} MiB; fds {fds0} -> { {p: fds(p) for p in srv.children} }")
+        print(
+            f"\nsoak: {n} requests at concurrency {concurrency} in {took:.1f} s; io_proc RSS "
+            f"{rss0 / 1024:.0f} -> {rss1 / 1024:.0f} MiB; fds {fds0} -> { {p: fds(p) for p in srv.children} }"
+        )
         assert all(fds(p) <= fds0[p] for p in srv.children)
         assert abs(rss1 - rss0) <= 0.05 * rss0
     finally:

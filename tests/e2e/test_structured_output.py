@@ -11,23 +11,45 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
-          "required": ["name", "age"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 PERSON = [{"role": "user", "content": "Give me a person as JSON with a name and an age."}]
 
 
 def chat(srv, **body) -> dict:
-    r = httpx.post(f"{srv.url}/v1/chat/completions", timeout=300,
-                   json={"model": srv.model, "messages": PERSON, "temperature": 0, "max_tokens": 60,
-                         "return_token_ids": True, **body})
+    r = httpx.post(
+        f"{srv.url}/v1/chat/completions",
+        timeout=300,
+        json={
+            "model": srv.model,
+            "messages": PERSON,
+            "temperature": 0,
+            "max_tokens": 60,
+            "return_token_ids": True,
+            **body,
+        },
+    )
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]
 
 
 def complete(srv, prompt: str, **body) -> dict:
-    r = httpx.post(f"{srv.url}/v1/completions", timeout=300,
-                   json={"model": srv.model, "prompt": prompt, "temperature": 0, "max_tokens": 12,
-                         "return_token_ids": True, **body})
+    r = httpx.post(
+        f"{srv.url}/v1/completions",
+        timeout=300,
+        json={
+            "model": srv.model,
+            "prompt": prompt,
+            "temperature": 0,
+            "max_tokens": 12,
+            "return_token_ids": True,
+            **body,
+        },
+    )
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]
 
@@ -70,17 +92,23 @@ def test_grammar_request_leaves_others_at_lock_step(smol_async, smol_sync):
         assert constrained.result()["token_ids"] == want_json
 
 
-@pytest.mark.parametrize("field, value", [
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "x"}}),
-    ("response_format", {"type": "yaml"}),
-    ("guided_json", {"properties": {"a": {"$ref": "#/nope"}}}),
-    ("guided_regex", "(("),
-    ("guided_choice", []),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}),
+        ("response_format", {"type": "json_schema", "json_schema": {"name": "x"}}),
+        ("response_format", {"type": "yaml"}),
+        ("guided_json", {"properties": {"a": {"$ref": "#/nope"}}}),
+        ("guided_regex", "(("),
+        ("guided_choice", []),
+    ],
+)
 def test_bad_grammar_is_400_naming_the_field(smol_async, field, value):
-    r = httpx.post(f"{smol_async.url}/v1/chat/completions", timeout=60,
-                   json={"model": smol_async.model, "messages": PERSON, field: value})
+    r = httpx.post(
+        f"{smol_async.url}/v1/chat/completions",
+        timeout=60,
+        json={"model": smol_async.model, "messages": PERSON, field: value},
+    )
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["param"] == field, err

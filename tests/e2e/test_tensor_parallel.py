@@ -27,10 +27,16 @@ BASE = ["--max-num-batched-tokens", "32", "--max-model-len", "256", "--debug-tok
 
 def jobs() -> list[dict]:
     """Prompts that overflow 24 KV blocks together, greedy and seeded-sampled."""
-    out = [{"prompt": f"{i}: " + "the of and " * (10 + 8 * i), "max_tokens": 16, "abort_after": None}
-           for i in range(8)]
-    out += [{"prompt": f"sampled {i}: " + "was for on " * (5 + 8 * i), "max_tokens": 16, "abort_after": None,
-             "sampling": {"temperature": 1.0, "top_p": 0.9, "seed": 7 + i}} for i in range(6)]
+    out = [{"prompt": f"{i}: " + "the of and " * (10 + 8 * i), "max_tokens": 16, "abort_after": None} for i in range(8)]
+    out += [
+        {
+            "prompt": f"sampled {i}: " + "was for on " * (5 + 8 * i),
+            "max_tokens": 16,
+            "abort_after": None,
+            "sampling": {"temperature": 1.0, "top_p": 0.9, "seed": 7 + i},
+        }
+        for i in range(6)
+    ]
     return out
 
 
@@ -79,8 +85,11 @@ def test_kill_rank_1_under_load_stops_everything(tiny_kv4_dir):
 def test_trace_has_a_track_per_rank(tmp_path):
     trace = tmp_path / "tp-trace.json"
     srv = Server(["--model", "sim", "--sim-step-us", "1000", "-tp", "2", "--trace", str(trace)])
-    r = httpx.post(f"{srv.url}/v1/completions", timeout=60,
-                   json={"model": srv.model, "prompt": "hello", "max_tokens": 8, "ignore_eos": True})
+    r = httpx.post(
+        f"{srv.url}/v1/completions",
+        timeout=60,
+        json={"model": srv.model, "prompt": "hello", "max_tokens": 8, "ignore_eos": True},
+    )
     assert r.status_code == 200
     assert srv.stop(signal.SIGTERM) == 0
     events = json.loads(trace.read_text())["traceEvents"]

@@ -19,10 +19,13 @@ def keyed(request):
 
 
 def test_api_key_is_required_except_for_health_and_metrics(keyed):
-    for method, path, body in (("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1}),
-                               ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
-                               ("GET", "/v1/models", None), ("POST", "/tokenize", {"prompt": "hi"}),
-                               ("POST", "/detokenize", {"tokens": [1]})):
+    for method, path, body in (
+        ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1}),
+        ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+        ("GET", "/v1/models", None),
+        ("POST", "/tokenize", {"prompt": "hi"}),
+        ("POST", "/detokenize", {"tokens": [1]}),
+    ):
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
             r = httpx.request(method, f"{keyed.url}{path}", json=body, headers=headers, timeout=30)
             assert r.status_code == 401, (path, headers, r.text)
@@ -39,34 +42,43 @@ def test_api_key_is_required_except_for_health_and_metrics(keyed):
 
 def test_tokenize_and_detokenize(sim_async):
     url = sim_async.url
-    completion = httpx.post(f"{url}/v1/completions", timeout=60, json={
-        "prompt": "The quick brown fox", "max_tokens": 1, "return_token_ids": True}).json()
+    completion = httpx.post(
+        f"{url}/v1/completions",
+        timeout=60,
+        json={"prompt": "The quick brown fox", "max_tokens": 1, "return_token_ids": True},
+    ).json()
     r = httpx.post(f"{url}/tokenize", json={"model": "sim", "prompt": "The quick brown fox"}, timeout=30).json()
     assert r["tokens"] == completion["choices"][0]["prompt_token_ids"]
     assert r["count"] == len(r["tokens"]) and r["max_model_len"] == 1024
     assert httpx.post(f"{url}/detokenize", json={"tokens": r["tokens"]}, timeout=30).json() == {
-        "prompt": "The quick brown fox"}
+        "prompt": "The quick brown fox"
+    }
     plain = httpx.post(f"{url}/tokenize", json={"prompt": "x", "add_special_tokens": False}, timeout=30).json()
     assert plain["count"] >= 1
 
     messages = [{"role": "user", "content": "Hi there"}]
-    chat = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
-        "messages": messages, "max_tokens": 1, "return_token_ids": True}).json()
+    chat = httpx.post(
+        f"{url}/v1/chat/completions", timeout=60, json={"messages": messages, "max_tokens": 1, "return_token_ids": True}
+    ).json()
     r = httpx.post(f"{url}/tokenize", json={"messages": messages}, timeout=30).json()
     assert r["tokens"] == chat["prompt_token_ids"]
-    no_gen = httpx.post(f"{url}/tokenize", json={"messages": messages, "add_generation_prompt": False},
-                        timeout=30).json()
-    assert no_gen["count"] < r["count"] and r["tokens"][:no_gen["count"]] == no_gen["tokens"]
+    no_gen = httpx.post(
+        f"{url}/tokenize", json={"messages": messages, "add_generation_prompt": False}, timeout=30
+    ).json()
+    assert no_gen["count"] < r["count"] and r["tokens"][: no_gen["count"]] == no_gen["tokens"]
 
 
-@pytest.mark.parametrize("path,body,param", [
-    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "messages"),
-    ("/tokenize", {}, "messages"),
-    ("/tokenize", {"prompt": 5}, "prompt"),
-    ("/detokenize", {"tokens": [-1]}, "tokens"),
-    ("/detokenize", {"tokens": [10**9]}, "tokens"),
-    ("/detokenize", {"tokens": "abc"}, "tokens"),
-])
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "messages"),
+        ("/tokenize", {}, "messages"),
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/detokenize", {"tokens": [-1]}, "tokens"),
+        ("/detokenize", {"tokens": [10**9]}, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, "tokens"),
+    ],
+)
 def test_bad_tokenize_input_is_400_naming_the_field(sim_async, path, body, param):
     r = httpx.post(f"{sim_async.url}{path}", json=body, timeout=30)
     assert r.status_code == 400, r.text

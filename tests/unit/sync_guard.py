@@ -44,12 +44,37 @@ from pipeline.gpu_worker.device import AsyncOps
 
 T = torch.Tensor
 _HOST_READS = {
-    T.item, T.tolist, T.numpy, T.cpu, T.__array__, T.__bool__, T.__int__, T.__float__, T.__index__,
-    T.__repr__, T.__format__, T.__str__, T.equal, torch.equal, T.allclose, torch.allclose, T.is_nonzero,
+    T.item,
+    T.tolist,
+    T.numpy,
+    T.cpu,
+    T.__array__,
+    T.__bool__,
+    T.__int__,
+    T.__float__,
+    T.__index__,
+    T.__repr__,
+    T.__format__,
+    T.__str__,
+    T.equal,
+    torch.equal,
+    T.allclose,
+    torch.allclose,
+    T.is_nonzero,
 }
 _DATA_DEPENDENT_SHAPE = {
-    torch.nonzero, T.nonzero, torch.argwhere, T.argwhere, torch.masked_select, T.masked_select,
-    torch.unique, T.unique, torch.unique_consecutive, T.unique_consecutive, torch.bincount, T.bincount,
+    torch.nonzero,
+    T.nonzero,
+    torch.argwhere,
+    T.argwhere,
+    torch.masked_select,
+    T.masked_select,
+    torch.unique,
+    T.unique,
+    torch.unique_consecutive,
+    T.unique_consecutive,
+    torch.bincount,
+    T.bincount,
 }
 _HOST_DATA_FACTORIES = {torch.tensor, torch.as_tensor, torch.asarray}
 
@@ -165,8 +190,10 @@ class SyncGuard(TorchFunctionMode):
                 if dev_in:
                     self.flag(f"{name}(device) of a device tensor (a device->host or redundant copy)")
                 elif not (self.is_pinned(src) and non_blocking):
-                    self.flag(f"{name}(device) from {'pinned' if self.is_pinned(src) else 'pageable'} host memory"
-                              f"{'' if non_blocking else ', blocking'}")
+                    self.flag(
+                        f"{name}(device) from {'pinned' if self.is_pinned(src) else 'pageable'} host memory"
+                        f"{'' if non_blocking else ', blocking'}"
+                    )
         elif func is T.copy_:
             dst, src = args[0], args[1]
             non_blocking = bool(kwargs.get("non_blocking", args[2] if len(args) > 2 else False))
@@ -174,8 +201,10 @@ class SyncGuard(TorchFunctionMode):
                 host = src if self.on_device(dst) else dst
                 if not (self.is_pinned(host) and non_blocking):
                     direction = "host->device" if self.on_device(dst) else "device->host"
-                    self.flag(f"copy_ {direction} through {'pinned' if self.is_pinned(host) else 'pageable'} "
-                              f"memory{'' if non_blocking else ', blocking'}")
+                    self.flag(
+                        f"copy_ {direction} through {'pinned' if self.is_pinned(host) else 'pageable'} "
+                        f"memory{'' if non_blocking else ', blocking'}"
+                    )
         elif func in (T.__getitem__, T.__setitem__, T.index_put_, T.index_put, torch.index_put) and dev_in:
             index = args[1] if len(args) > 1 else kwargs.get("indices")
             for t in tree_flatten(index)[0]:
@@ -184,8 +213,9 @@ class SyncGuard(TorchFunctionMode):
         if dev_in and func not in (T.copy_, T.to, T.cuda):
             host = [t for t in tensors if not self.on_device(t) and t.dim() > 0]
             if host:
-                self.flag(f"{name} mixes a host tensor {tuple(host[0].shape)} into a device op "
-                          "(a synchronous copy on CUDA)")
+                self.flag(
+                    f"{name} mixes a host tensor {tuple(host[0].shape)} into a device op (a synchronous copy on CUDA)"
+                )
 
 
 class FakeEvent:

@@ -51,22 +51,26 @@ def _cpu_paged(dtype, atol):
         if cpu_paged.unavailable_reason() is not None:
             pytest.skip(f"cpu_paged cannot run here: {cpu_paged.unavailable_reason()}")
         return Setup(CpuPagedBackend(), CPU, dtype, atol)
+
     return setup
 
 
 def _flashinfer(heads, kv_heads, head_dim):
     from pipeline.gpu_worker.attention import flashinfer_paged
+
     dev = torch.device("cuda")
     if flashinfer_paged.unsupported_reason(dev, torch.bfloat16, head_dim) is not None:
         pytest.skip(f"flashinfer cannot serve head_dim {head_dim} here")
-    return Setup(flashinfer_paged.FlashInferBackend(heads, kv_heads, head_dim, torch.bfloat16, dev), dev,
-                 torch.bfloat16, 2e-2)
+    return Setup(
+        flashinfer_paged.FlashInferBackend(heads, kv_heads, head_dim, torch.bfloat16, dev), dev, torch.bfloat16, 2e-2
+    )
 
 
 def _flashinfer_here() -> bool:
     if not torch.cuda.is_available():
         return False
     from pipeline.gpu_worker.attention import flashinfer_paged
+
     return flashinfer_paged.unsupported_reason(torch.device("cuda"), torch.bfloat16, 64) is None
 
 
@@ -119,28 +123,38 @@ class Case:
         self.block_table = table.to(setup.device)
         self.rng = rng
         num_slots = (sum(need) + 7) * block_size
-        self.cache = tuple(torch.zeros(num_slots, kv_heads, head_dim, dtype=setup.dtype, device=setup.device)
-                           for _ in range(2))
+        self.cache = tuple(
+            torch.zeros(num_slots, kv_heads, head_dim, dtype=setup.dtype, device=setup.device) for _ in range(2)
+        )
         gen = torch.Generator().manual_seed(seed)
         # Values as the backend's dtype can hold them, so the reference sees the same inputs.
-        self.q, self.k, self.v = ([torch.randn(c, h, head_dim, generator=gen).to(setup.dtype).float() for c in contexts]
-                                  for h in (heads, kv_heads, kv_heads))
+        self.q, self.k, self.v = (
+            [torch.randn(c, h, head_dim, generator=gen).to(setup.dtype).float() for c in contexts]
+            for h in (heads, kv_heads, kv_heads)
+        )
         self.scale = head_dim**-0.5
 
     def step(self, rows, query_lens, starts, check=True):
         """One step of ``rows`` (through the backend's cache writes), checked against the reference."""
         s = self.setup
-        q, k, v = (torch.cat([x[r][st : st + n] for r, st, n in zip(rows, starts, query_lens)])
-                   for x in (self.q, self.k, self.v))
+        q, k, v = (
+            torch.cat([x[r][st : st + n] for r, st, n in zip(rows, starts, query_lens)])
+            for x in (self.q, self.k, self.v)
+        )
         layout = StepLayout.build(query_lens, starts, rows, self.block_size, self.block_table.shape[1])
         meta = s.backend.build_metadata(layout, self.block_table, self.upload)
         out = s.backend.forward(*(x.to(s.device, s.dtype) for x in (q, k, v)), self.cache, meta, self.scale)
         assert out.shape == q.shape and out.dtype == s.dtype
         if not check:
             return
-        ref = reference(q, [self.k[r][: st + n] for r, st, n in zip(rows, starts, query_lens)],
-                        [self.v[r][: st + n] for r, st, n in zip(rows, starts, query_lens)], query_lens, starts,
-                        self.scale)
+        ref = reference(
+            q,
+            [self.k[r][: st + n] for r, st, n in zip(rows, starts, query_lens)],
+            [self.v[r][: st + n] for r, st, n in zip(rows, starts, query_lens)],
+            query_lens,
+            starts,
+            self.scale,
+        )
         err = (out.cpu().double() - ref).abs().max().item()
         assert err <= s.atol, f"max abs error {err:.2e} > {s.atol:.0e}"
 
@@ -258,7 +272,8 @@ def test_cpu_paged_falls_back_with_one_log_line(monkeypatch, caplog):
         backend = make_backend("auto", num_heads=9, num_kv_heads=3, head_dim=64)
     assert type(backend) is TorchBucketedBackend
     assert [r.getMessage() for r in caplog.records] == [
-        "cpu_paged attention unavailable (no C++ compiler found); using torch_bucketed"]
+        "cpu_paged attention unavailable (no C++ compiler found); using torch_bucketed"
+    ]
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
         make_backend("cpu_paged", num_heads=9, num_kv_heads=3, head_dim=64)
 
@@ -290,8 +305,7 @@ def test_cpu_paged_reads_strided_queries_as_the_model_passes_them():
         values = v_cache[:, slot].repeat_interleave(heads // kv_heads, 0)
         t = token_index[r]
         ref = (torch.einsum("hd,hkd->hk", q[t].double(), keys.double()) * 0.125).softmax(-1)
-        torch.testing.assert_close(out[t].double(), torch.einsum("hk,hkd->hd", ref, values.double()),
-                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(out[t].double(), torch.einsum("hk,hkd->hd", ref, values.double()), atol=1e-5, rtol=0)
 
 
 def test_prefix_table_rows_are_the_comparison_they_replace():

@@ -50,20 +50,24 @@ def test_explicit_sizes_are_sorted_and_capped(capsys):
     assert "--cuda-graph-sizes" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("num_rows", "size"), [(1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, 24), (24, 24),
-                                                (25, None), (100, None)])
+@pytest.mark.parametrize(
+    ("num_rows", "size"), [(1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, 24), (24, 24), (25, None), (100, None)]
+)
 def test_a_step_pads_to_the_smallest_size_that_holds_it(num_rows, size):
     assert padded_size([1, 2, 4, 8, 16, 24], num_rows) == size
 
 
-@pytest.mark.parametrize(("flags", "sizes"), [
-    (["--device", "cuda", "--max-num-seqs", "16"], (1, 2, 4, 8, 16)),
-    (["--device", "cuda", "--max-num-seqs", "64", "--max-num-batched-tokens", "20"], (1, 2, 4, 8, 16, 20)),
-    (["--device", "cuda", "--cuda-graph-sizes", "32", "1", "2", "999"], (1, 2, 32)),
-    (["--device", "cuda", "--enforce-eager"], ()),
-    (["--device", "cpu"], ()),  # accepted, and off: graphs are CUDA's
-    (["--device", "cpu", "--cuda-graph-sizes", "1", "2"], ()),
-])
+@pytest.mark.parametrize(
+    ("flags", "sizes"),
+    [
+        (["--device", "cuda", "--max-num-seqs", "16"], (1, 2, 4, 8, 16)),
+        (["--device", "cuda", "--max-num-seqs", "64", "--max-num-batched-tokens", "20"], (1, 2, 4, 8, 16, 20)),
+        (["--device", "cuda", "--cuda-graph-sizes", "32", "1", "2", "999"], (1, 2, 32)),
+        (["--device", "cuda", "--enforce-eager"], ()),
+        (["--device", "cpu"], ()),  # accepted, and off: graphs are CUDA's
+        (["--device", "cpu", "--cuda-graph-sizes", "1", "2"], ()),
+    ],
+)
 def test_flags_make_the_config(tiny_dir, flags, sizes):
     args = build_parser().parse_args(["--model", str(tiny_dir), *flags])
     config = make_config(args)
@@ -79,9 +83,16 @@ def test_help_explains_the_flags():
 
 def engine_config(max_num_seqs: int = 8) -> EngineConfig:
     max_model_len = 64
-    return EngineConfig(model="tiny", served_model_name="tiny", max_num_seqs=max_num_seqs,
-                        max_num_batched_tokens=64, block_size=BLOCK, max_model_len=max_model_len,
-                        num_kv_blocks=max_num_seqs * cdiv(max_model_len, BLOCK), debug_token_cache_poison=True)
+    return EngineConfig(
+        model="tiny",
+        served_model_name="tiny",
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=64,
+        block_size=BLOCK,
+        max_model_len=max_model_len,
+        num_kv_blocks=max_num_seqs * cdiv(max_model_len, BLOCK),
+        debug_token_cache_poison=True,
+    )
 
 
 def make_runner(model_dir, attention_backend: str, sizes=None, device: str = "cpu") -> ModelRunner:
@@ -176,15 +187,18 @@ def test_padding_rows_write_only_the_padding_block(tiny_dir):
     pad = runner.config.num_kv_blocks
     assert pad == runner.executor.kv_caches[0][0].shape[0] // BLOCK - PAD_BLOCKS
     # Real rows: their slot, position and context; padding rows: slot -1, position 0, one token of context.
-    assert graphs.rows[:, :8].tolist() == [[0, 3, 6, -1, -1, -1, -1, -1], [5, 2, 1, 0, 0, 0, 0, 0],
-                                           [6, 3, 2, 1, 1, 1, 1, 1]]
+    assert graphs.rows[:, :8].tolist() == [
+        [0, 3, 6, -1, -1, -1, -1, -1],
+        [5, 2, 1, 0, 0, 0, 0, 0],
+        [6, 3, 2, 1, 1, 1, 1, 1],
+    ]
     table = runner.slots.block_table
     real = [int(table[s, p // BLOCK]) * BLOCK + p % BLOCK for s, p in ((0, 5), (3, 2), (6, 1))]
     assert graphs.slot_mapping[:8].tolist() == real + [pad * BLOCK] * 5
     for (k0, v0), (k1, v1) in zip(before, runner.executor.kv_caches):
         for old, new in ((k0, k1), (v0, v1)):
             # head-major: [KVH, slots, D]; find which flat slots changed
-            changed = (old.view(old.shape[1], -1, old.shape[2]) != new.view(new.shape[1], -1, new.shape[2]))
+            changed = old.view(old.shape[1], -1, old.shape[2]) != new.view(new.shape[1], -1, new.shape[2])
             changed = torch.nonzero(changed.any(dim=2).any(dim=0)).flatten().tolist()
             assert set(changed) <= set(real) | {pad * BLOCK}
             assert pad * BLOCK in changed and set(real) <= set(changed)
@@ -210,8 +224,15 @@ def test_steps_that_do_not_fit_run_eagerly(tiny_dir):
 def test_a_cache_without_the_padding_block_is_refused(tiny_dir):
     runner = make_runner(tiny_dir, "torch_bucketed")
     with pytest.raises(ValueError, match="padding block"):
-        DecodeGraphs(runner.executor.model, runner.executor.kv_caches, runner.slots.block_table, [1], BLOCK,
-                     pad_block=runner.config.num_kv_blocks + 1, head_major=True)
+        DecodeGraphs(
+            runner.executor.model,
+            runner.executor.kv_caches,
+            runner.slots.block_table,
+            [1],
+            BLOCK,
+            pad_block=runner.config.num_kv_blocks + 1,
+            head_major=True,
+        )
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

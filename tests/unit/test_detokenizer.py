@@ -134,8 +134,10 @@ def test_text_at_the_finish_equals_the_incremental_text(tokenizer, new_detok, te
     stream's text and the same finishes, whichever way the request ends."""
     eos = tokenizer.eos_token_id
     ids = tokenizer.encode(text, add_special_tokens=False)
-    for seq, params in ((ids[:-1], SamplingParams(max_tokens=len(ids) - 1)),  # "length", maybe mid-character
-                        (ids + [eos], SamplingParams(max_tokens=999, stop_token_ids=(eos,)))):  # "stop"
+    for seq, params in (
+        (ids[:-1], SamplingParams(max_tokens=len(ids) - 1)),  # "length", maybe mid-character
+        (ids + [eos], SamplingParams(max_tokens=999, stop_token_ids=(eos,))),
+    ):  # "stop"
         out = {}
         for incremental in (True, False):
             proc = OutputProcessor(new_detok(), params, incremental=incremental)

@@ -60,9 +60,22 @@ def spell(raw: bytes) -> str:
 @pytest.fixture(scope="module")
 def tiny() -> Tokenizer:
     """A byte-level tokenizer whose vocabulary is the 256 bytes plus the hard cases, and added tokens."""
-    pieces = [b" hello", "é".encode(), "😀".encode()[:2], "😀".encode()[2:], "日".encode()[:2],
-              "日".encode()[2:], "\ufffd".encode(), "x\ufffd".encode(), b"\xff", b"\xc3", b"a\xe6",
-              "ok 😀".encode(), b"\x80\x80", "naïve".encode()]
+    pieces = [
+        b" hello",
+        "é".encode(),
+        "😀".encode()[:2],
+        "😀".encode()[2:],
+        "日".encode()[:2],
+        "日".encode()[2:],
+        "\ufffd".encode(),
+        "x\ufffd".encode(),
+        b"\xff",
+        b"\xc3",
+        b"a\xe6",
+        "ok 😀".encode(),
+        b"\x80\x80",
+        "naïve".encode(),
+    ]
     words = [spell(bytes([b])) for b in range(256)] + [spell(p) for p in pieces]
     tok = Tokenizer(models.BPE(vocab={w: i for i, w in enumerate(dict.fromkeys(words))}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -119,8 +132,13 @@ def test_random_ids_over_the_whole_vocabulary(tokenizer):
     rng = random.Random(1)
     vocab = ByteLevelVocab(tokenizer)
     pieces = [i for i, t in enumerate(vocab.texts) if t is None]
-    streams = [[rng.choice(pieces) if rng.random() < 0.3 else rng.randrange(len(vocab) + 20)
-                for _ in range(rng.randrange(1, 40))] for _ in range(2000)]
+    streams = [
+        [
+            rng.choice(pieces) if rng.random() < 0.3 else rng.randrange(len(vocab) + 20)
+            for _ in range(rng.randrange(1, 40))
+        ]
+        for _ in range(2000)
+    ]
     streams += [[rng.choice(pieces) for _ in range(rng.randrange(1, 8))] for _ in range(1000)]
     seen = check_streams(tokenizer, streams)
     assert all(seen.values()), seen
@@ -134,7 +152,7 @@ def test_texts_cut_anywhere_with_special_tokens(tokenizer):
     for _ in range(400):
         ids = tokenizer.encode(rng.choice(TEXTS), add_special_tokens=False).ids
         a = rng.randrange(len(ids))
-        ids = ids[a:rng.randrange(a, len(ids)) + 1]
+        ids = ids[a : rng.randrange(a, len(ids)) + 1]
         for _ in range(rng.randrange(3)):
             ids.insert(rng.randrange(len(ids) + 1), rng.choice(specials))
         streams.append(ids)
@@ -146,8 +164,10 @@ def test_added_tokens(with_added):
     rng = random.Random(3)
     added = sorted(with_added.get_added_tokens_decoder())
     text_ids = with_added.encode(" ".join(TEXTS), add_special_tokens=False).ids
-    streams = [[rng.choice(added) if rng.random() < 0.3 else rng.choice(text_ids) for _ in range(rng.randrange(1, 30))]
-               for _ in range(1000)]
+    streams = [
+        [rng.choice(added) if rng.random() < 0.3 else rng.choice(text_ids) for _ in range(rng.randrange(1, 30))]
+        for _ in range(1000)
+    ]
     check_streams(with_added, streams)
     vocab = ByteLevelVocab(with_added)
     # "naïve" as an added token goes through the byte alphabet ("ï" is byte 0xEF): not text on its own.

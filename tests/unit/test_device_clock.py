@@ -51,15 +51,23 @@ def test_gaps_stay_exact_after_an_hour_busy():
 
     # What timing everything against the start-up event gives instead.
     ref = TimedEvent(steps[0][0] - 5_000)
-    naive = [(ref.t_ns + round(ref.elapsed_time(TimedEvent(s)) * 1e6),
-              ref.t_ns + round(ref.elapsed_time(TimedEvent(e)) * 1e6)) for s, e, _ in steps[-100:]]
+    naive = [
+        (
+            ref.t_ns + round(ref.elapsed_time(TimedEvent(s)) * 1e6),
+            ref.t_ns + round(ref.elapsed_time(TimedEvent(e)) * 1e6),
+        )
+        for s, e, _ in steps[-100:]
+    ]
     naive_gaps = np.array([b[0] - a[1] for a, b in zip(naive, naive[1:])])
     assert np.abs(naive_gaps - true_gaps[-99:]).max() > 10_000
 
 
 def test_reanchoring_after_idle_is_exact():
-    steps = [(1_000_000, 11_000_000, True), (11_004_000, 21_000_000, False),
-             (3_600 * 10**9, 3_600 * 10**9 + 10_000_000, True)]  # an hour idle, then a new anchor
+    steps = [
+        (1_000_000, 11_000_000, True),
+        (11_004_000, 21_000_000, False),
+        (3_600 * 10**9, 3_600 * 10**9 + 10_000_000, True),
+    ]  # an hour idle, then a new anchor
     assert run(steps) == [(s, e) for s, e, _ in steps]
 
 

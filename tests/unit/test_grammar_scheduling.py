@@ -28,8 +28,9 @@ def test_grammar_row_waits_for_its_token_and_carries_its_mask(smol_dir):
 
     grammar = build_grammar("choice", ["yes", "no"], "guided_choice")
     sched.add_request(AddRequest(1, [5, 6, 7], SamplingParams(max_tokens=8, temperature=0.0)))
-    sched.add_request(AddRequest(2, [5, 6], SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=(EOS,),
-                                                             grammar=grammar)))
+    sched.add_request(
+        AddRequest(2, [5, 6], SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=(EOS,), grammar=grammar))
+    )
     x0 = plan()
     assert x0.req_num.tolist() == [1, 2] and x0.mask_rows.tolist() == [1]
     allowed = np.flatnonzero(np.unpackbits(x0.bitmask[0].view(np.uint8), bitorder="little"))

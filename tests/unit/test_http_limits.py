@@ -43,16 +43,23 @@ def run_middleware(max_bytes: int, headers: list[tuple[bytes, bytes]], messages:
 
 
 def test_body_within_the_limit_reaches_the_app_once():
-    seen, sent, _ = run_middleware(10, [], [{"type": "http.request", "body": b"12345", "more_body": True},
-                                            {"type": "http.request", "body": b"67890", "more_body": False}])
+    seen, sent, _ = run_middleware(
+        10,
+        [],
+        [
+            {"type": "http.request", "body": b"12345", "more_body": True},
+            {"type": "http.request", "body": b"67890", "more_body": False},
+        ],
+    )
     assert seen["body"] == {"type": "http.request", "body": b"1234567890", "more_body": False}
     assert seen["next"] == {"type": "http.disconnect"}
     assert sent == []
 
 
 def test_content_length_over_the_limit_is_413_without_reading():
-    seen, sent, received = run_middleware(10, [(b"content-length", b"11")],
-                                          [{"type": "http.request", "body": b"x" * 11}])
+    seen, sent, received = run_middleware(
+        10, [(b"content-length", b"11")], [{"type": "http.request", "body": b"x" * 11}]
+    )
     assert seen is None and received == 0
     assert sent[0]["status"] == 413
     error = json.loads(sent[1]["body"])["error"]

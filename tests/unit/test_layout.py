@@ -11,13 +11,17 @@ from pipeline.common.step_protocol import StepDescriptor, StepOutput
 FIELDS = [("header", np.int64, 8), ("flag", np.uint8, 3), ("data", np.int32, 64), ("x", np.float32, 17)]
 
 
-@pytest.mark.parametrize("layout", [
-    Layout.of(FIELDS),
-    Layout.of([("a", np.uint8, 1)]),
-    Layout.of([("a", np.int64, 9), ("b", np.uint8, 65), ("c", "float64", 1)]),
-    StepDescriptor.layout(max_num_seqs=7, max_num_batched_tokens=33, block_size=16),
-    StepOutput.layout(max_num_seqs=5, max_num_batched_tokens=33),
-], ids=["mixed", "one-byte", "odd-sizes", "step-descriptor", "step-output"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        Layout.of(FIELDS),
+        Layout.of([("a", np.uint8, 1)]),
+        Layout.of([("a", np.int64, 9), ("b", np.uint8, 65), ("c", "float64", 1)]),
+        StepDescriptor.layout(max_num_seqs=7, max_num_batched_tokens=33, block_size=16),
+        StepOutput.layout(max_num_seqs=5, max_num_batched_tokens=33),
+    ],
+    ids=["mixed", "one-byte", "odd-sizes", "step-descriptor", "step-output"],
+)
 def test_offsets_aligned_and_fields_do_not_overlap(layout):
     """Every field starts on a 64-byte boundary, fits before the next one, and the slot is a multiple of 64."""
     assert layout.nbytes % 64 == 0 and layout.nbytes >= 64
@@ -38,8 +42,11 @@ def test_offsets_exact():
     assert layout.offsets == (0, 64, 128, 384)
     assert layout.nbytes == 512
     assert [(n, dt, k) for n, dt, k in layout.fields] == [
-        ("header", np.dtype(np.int64), 8), ("flag", np.dtype(np.uint8), 3),
-        ("data", np.dtype(np.int32), 64), ("x", np.dtype(np.float32), 17)]
+        ("header", np.dtype(np.int64), 8),
+        ("flag", np.dtype(np.uint8), 3),
+        ("data", np.dtype(np.int32), 64),
+        ("x", np.dtype(np.float32), 17),
+    ]
 
 
 def test_views_alias_the_buffer():
@@ -49,24 +56,27 @@ def test_views_alias_the_buffer():
     base = layout.nbytes  # the second slot
     v = layout.views(buf, base)
     assert {k: (a.dtype, a.shape) for k, a in v.items()} == {
-        "header": (np.dtype(np.int64), (8,)), "flag": (np.dtype(np.uint8), (3,)),
-        "data": (np.dtype(np.int32), (64,)), "x": (np.dtype(np.float32), (17,))}
+        "header": (np.dtype(np.int64), (8,)),
+        "flag": (np.dtype(np.uint8), (3,)),
+        "data": (np.dtype(np.int32), (64,)),
+        "x": (np.dtype(np.float32), (17,)),
+    }
 
     v["data"][:] = np.arange(64, dtype=np.int32) * 7 - 100
-    v["header"][3] = -(2 ** 40) + 5
+    v["header"][3] = -(2**40) + 5
     v["flag"][2] = 0xAB
     v["x"][16] = 1.5
 
     off = dict(zip([f[0] for f in layout.fields], layout.offsets))
     raw = bytes(buf)
-    assert raw[base + off["data"]:base + off["data"] + 256] == (np.arange(64, dtype=np.int32) * 7 - 100).tobytes()
-    assert raw[base + off["header"] + 24:base + off["header"] + 32] == np.int64(-(2 ** 40) + 5).tobytes()
+    assert raw[base + off["data"] : base + off["data"] + 256] == (np.arange(64, dtype=np.int32) * 7 - 100).tobytes()
+    assert raw[base + off["header"] + 24 : base + off["header"] + 32] == np.int64(-(2**40) + 5).tobytes()
     assert raw[base + off["flag"] + 2] == 0xAB
-    assert raw[base + off["x"] + 64:base + off["x"] + 68] == np.float32(1.5).tobytes()
+    assert raw[base + off["x"] + 64 : base + off["x"] + 68] == np.float32(1.5).tobytes()
     assert not any(raw[:base]), "the first slot was written"
 
     # And the other way: bytes written into the buffer appear in the views.
-    buf[base + off["header"]:base + off["header"] + 8] = np.int64(123456789).tobytes()
+    buf[base + off["header"] : base + off["header"] + 8] = np.int64(123456789).tobytes()
     assert v["header"][0] == 123456789
     # A second set of views over the same slot sees the same memory.
     assert np.array_equal(layout.views(buf, base)["data"], v["data"])

@@ -43,8 +43,16 @@ def test_prompt_plan_follows_the_prompt_across_chunks():
                 continue
             k = min(rng.randrange(1, 9), len(p) - s)
             m = max(0, min(k, len(p) - 1 - s))
-            b.add_row(n, n, s, p[s:s + k], s + k == len(p), SamplingParams(max_tokens=1, prompt_logprobs=2),
-                      m, p[s + k] if m == k else -1)
+            b.add_row(
+                n,
+                n,
+                s,
+                p[s : s + k],
+                s + k == len(p),
+                SamplingParams(max_tokens=1, prompt_logprobs=2),
+                m,
+                p[s + k] if m == k else -1,
+            )
             done[n] = s + k
         b.write(desc, 0)
         plan = PromptLogprobPlan.of(read_descriptor(desc))

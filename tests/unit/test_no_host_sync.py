@@ -44,30 +44,54 @@ SAMPLED = [
     SamplingParams(max_tokens=64, temperature=0.7, seed=2**62 + 5),
 ]
 PENALIZED = [
-    SamplingParams(max_tokens=64, temperature=0.0, presence_penalty=0.5, frequency_penalty=0.3, min_tokens=3,
-                   stop_token_ids=(5, 9), logit_bias=((3, 4.0), (8, -50.0))),
+    SamplingParams(
+        max_tokens=64,
+        temperature=0.0,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+        min_tokens=3,
+        stop_token_ids=(5, 9),
+        logit_bias=((3, 4.0), (8, -50.0)),
+    ),
     SamplingParams(max_tokens=64, temperature=0.9, top_p=0.9, seed=5, repetition_penalty=1.3, min_p=0.1),
     SamplingParams(max_tokens=64, temperature=1.1, top_k=20, seed=6, min_p=0.05, logit_bias=((1, -100.0),)),
     GREEDY,
 ]
 # The scenario's decode-only steps have 3, 4 and 1 rows: padded, exact and exact.
 GRAPH_SIZES = (1, 4)
-PARAMS = {"greedy": [GREEDY] * 4, "sampled": SAMPLED, "mixed": [GREEDY, SAMPLED[0], SAMPLED[1], SAMPLED[2]],
-          "penalized": PENALIZED}
+PARAMS = {
+    "greedy": [GREEDY] * 4,
+    "sampled": SAMPLED,
+    "mixed": [GREEDY, SAMPLED[0], SAMPLED[1], SAMPLED[2]],
+    "penalized": PENALIZED,
+}
 
 
 def tiny_model(max_position_embeddings: int = 256, attention_backend: str = "auto") -> LlamaForCausalLM:
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2,
-                                   max_position_embeddings=max_position_embeddings)
+    cfg = transformers.LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_position_embeddings,
+    )
     return LlamaForCausalLM(cfg, make_backend(attention_backend)).eval().requires_grad_(False)
 
 
 def engine_config(max_model_len: int = 128) -> EngineConfig:
-    return EngineConfig(model="tiny", served_model_name="tiny", max_num_seqs=8, max_num_batched_tokens=64,
-                        block_size=BLOCK, max_model_len=max_model_len, num_kv_blocks=8 * cdiv(max_model_len, BLOCK),
-                        debug_token_cache_poison=True)
+    return EngineConfig(
+        model="tiny",
+        served_model_name="tiny",
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        block_size=BLOCK,
+        max_model_len=max_model_len,
+        num_kv_blocks=8 * cdiv(max_model_len, BLOCK),
+        debug_token_cache_poison=True,
+    )
 
 
 class Steps:
@@ -109,11 +133,19 @@ def run_scenario(runner: ModelRunner, params: list[SamplingParams], launch, fini
         # decode only, every input a placeholder for the token step 0 is still computing
         [(0, 6, [ph], True, None), (1, 9, [ph], True, None), (2, 3, [ph], True, None)],
         # mixed: decodes plus the first chunk of a new prompt (not sampled)
-        [(0, 7, [ph], True, None), (3, 0, [40, 41, 42, 43, 44], False, d), (1, 10, [ph], True, None),
-         (2, 4, [ph], True, None)],
+        [
+            (0, 7, [ph], True, None),
+            (3, 0, [40, 41, 42, 43, 44], False, d),
+            (1, 10, [ph], True, None),
+            (2, 4, [ph], True, None),
+        ],
         # mixed: the prompt's last chunk is sampled
-        [(3, 5, [45, 46, 47], True, None), (0, 8, [ph], True, None), (1, 11, [ph], True, None),
-         (2, 5, [ph], True, None)],
+        [
+            (3, 5, [45, 46, 47], True, None),
+            (0, 8, [ph], True, None),
+            (1, 11, [ph], True, None),
+            (2, 5, [ph], True, None),
+        ],
         [(0, 9, [ph], True, None), (1, 12, [ph], True, None), (2, 6, [ph], True, None), (3, 8, [ph], True, None)],
         # one greedy row alone
         [(0, 10, [ph], True, None)],
@@ -139,8 +171,9 @@ def guard(monkeypatch):
     return g
 
 
-def guarded_runner(guard: SyncGuard, config: EngineConfig, attention_backend: str = "auto",
-                   graph_sizes: tuple[int, ...] = ()) -> ModelRunner:
+def guarded_runner(
+    guard: SyncGuard, config: EngineConfig, attention_backend: str = "auto", graph_sizes: tuple[int, ...] = ()
+) -> ModelRunner:
     """A runner on the CUDA code path, its device state known to ``guard``; ``graph_sizes``: decode graphs."""
     model = tiny_model(attention_backend=attention_backend)
     guard.mark_device(*model.parameters(), *model.buffers())
@@ -188,8 +221,9 @@ def test_stale_placeholder_is_reported_by_finish_not_launch(guard):
         first = runner.launch(steps.make([(0, 0, [1, 2, 3], True, GREEDY), (1, 0, [4, 5], True, GREEDY)]), 0)
         # Slot 1's token is consumed (and not replaced: nothing sampled), then read again.
         second = runner.launch(steps.make([(1, 2, [PLACEHOLDER_TOKEN_ID], False, None)]), 0)
-        third = runner.launch(steps.make([(0, 3, [PLACEHOLDER_TOKEN_ID], True, None),
-                                          (1, 3, [PLACEHOLDER_TOKEN_ID], True, None)]), 0)
+        third = runner.launch(
+            steps.make([(0, 3, [PLACEHOLDER_TOKEN_ID], True, None), (1, 3, [PLACEHOLDER_TOKEN_ID], True, None)]), 0
+        )
     assert guard.violations == [], guard.violations
     with guard.paused():
         runner.finish(first)
@@ -206,12 +240,24 @@ def test_guard_catches_syncs(guard):
         (up,) = ops.upload([np.arange(3)])
         host, done = ops.copy_to_host(d)
         assert guard.violations == []
-        for sync in (lambda: bool((d > 2).any()), lambda: d.sum().item(), lambda: d.tolist(), lambda: d.cpu(),
-                     lambda: d.numpy(), lambda: int(d[0]), lambda: torch.nonzero(d), lambda: d[d > 2],
-                     lambda: torch.arange(6).to("cpu"), lambda: d.new_empty(6).copy_(torch.arange(6)),
-                     lambda: torch.arange(6).copy_(d), lambda: d[torch.arange(2)],
-                     lambda: torch.tensor([1, 2], device="cpu"), lambda: FakeEvent(guard, False).synchronize(),
-                     lambda: ops.copy_stream.synchronize(), lambda: torch.cuda.synchronize()):
+        for sync in (
+            lambda: bool((d > 2).any()),
+            lambda: d.sum().item(),
+            lambda: d.tolist(),
+            lambda: d.cpu(),
+            lambda: d.numpy(),
+            lambda: int(d[0]),
+            lambda: torch.nonzero(d),
+            lambda: d[d > 2],
+            lambda: torch.arange(6).to("cpu"),
+            lambda: d.new_empty(6).copy_(torch.arange(6)),
+            lambda: torch.arange(6).copy_(d),
+            lambda: d[torch.arange(2)],
+            lambda: torch.tensor([1, 2], device="cpu"),
+            lambda: FakeEvent(guard, False).synchronize(),
+            lambda: ops.copy_stream.synchronize(),
+            lambda: torch.cuda.synchronize(),
+        ):
             n = len(guard.violations)
             sync()
             assert len(guard.violations) == n + 1, guard.violations[n:]
@@ -265,7 +311,7 @@ def test_launch_returns_while_the_device_is_busy(kind, graphs):
     prompt = list(np.random.default_rng(0).integers(0, 512, 3000 if long else 7))
     start, chunk = 0, 64
     while start < len(prompt):  # prefill in chunks; also warms everything up
-        ids = prompt[start:start + chunk]
+        ids = prompt[start : start + chunk]
         new = params if start == 0 else None
         runner.finish(runner.launch(steps.make([(0, start, ids, start + len(ids) == len(prompt), new)]), 0))
         start += len(ids)

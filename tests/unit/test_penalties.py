@@ -68,8 +68,18 @@ def reference(logits: torch.Tensor, prompt: list[int], output: list[int], p: Sam
 ROWS = [  # (params, prompt, output so far)
     (SamplingParams(max_tokens=9, presence_penalty=0.8, frequency_penalty=-0.5), [1, 2, 3, 3], [4, 4, 2, 9]),
     (SamplingParams(max_tokens=9, repetition_penalty=1.7, logit_bias=((7, 5.0), (3, -100.0))), [3, 5, 8], [5, 1]),
-    (SamplingParams(max_tokens=9, min_tokens=4, stop_token_ids=(0, 6), presence_penalty=-2.0,
-                    frequency_penalty=2.0, repetition_penalty=0.6), [6, 0, 2], [2, 2, 2]),
+    (
+        SamplingParams(
+            max_tokens=9,
+            min_tokens=4,
+            stop_token_ids=(0, 6),
+            presence_penalty=-2.0,
+            frequency_penalty=2.0,
+            repetition_penalty=0.6,
+        ),
+        [6, 0, 2],
+        [2, 2, 2],
+    ),
     (SamplingParams(max_tokens=9, min_tokens=2, stop_token_ids=(6,)), [6], [1, 2]),  # min_tokens reached
 ]
 
@@ -91,11 +101,23 @@ def test_each_penalty_equals_its_reference():
         if len(out) < p.min_tokens:
             stop_rows += [i] * len(p.stop_token_ids)
             stop_ids += list(p.stop_token_ids)
-    state = PenaltyState(counts, in_prompt, torch.tensor([p.presence_penalty for p, *_ in ROWS]),
-                         torch.tensor([p.frequency_penalty for p, *_ in ROWS]),
-                         torch.tensor([p.repetition_penalty for p, *_ in ROWS]), bias_ids, bias_values)
-    inputs = PenaltyInputs(rows=torch.arange(n), slots=torch.arange(n), use_bias=True, use_penalties=True,
-                           min_tokens_rows=torch.tensor(stop_rows), min_tokens_ids=torch.tensor(stop_ids))
+    state = PenaltyState(
+        counts,
+        in_prompt,
+        torch.tensor([p.presence_penalty for p, *_ in ROWS]),
+        torch.tensor([p.frequency_penalty for p, *_ in ROWS]),
+        torch.tensor([p.repetition_penalty for p, *_ in ROWS]),
+        bias_ids,
+        bias_values,
+    )
+    inputs = PenaltyInputs(
+        rows=torch.arange(n),
+        slots=torch.arange(n),
+        use_bias=True,
+        use_penalties=True,
+        min_tokens_rows=torch.tensor(stop_rows),
+        min_tokens_ids=torch.tensor(stop_ids),
+    )
     raw = logits.clone()
     got = apply_penalties(logits, inputs, state)
     assert torch.equal(logits, raw), "the raw logits (log-probabilities) must not change"
@@ -126,9 +148,16 @@ PLAIN = SamplingParams(max_tokens=16, temperature=0.0, logprobs=1)
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                   initializer_range=0.2)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+    )
     d = tmp_path_factory.mktemp("tiny-llama-pen")
     transformers.LlamaForCausalLM(cfg).save_pretrained(d)
     return d
@@ -148,15 +177,30 @@ def raw_logits(hf_model, tokens: list[int]) -> torch.Tensor:
 def penalized(hf_model) -> SamplingParams:
     """Every penalty at once; the stop id is what greedy would pick first, so min_tokens changes the output."""
     first = int(raw_logits(hf_model, PROMPT_A).argmax())
-    return SamplingParams(max_tokens=16, temperature=0.0, logprobs=1, presence_penalty=0.4, frequency_penalty=0.6,
-                          repetition_penalty=1.5, min_tokens=3, stop_token_ids=(first,),
-                          logit_bias=((17, 2.0), (first + 1, -100.0)))
+    return SamplingParams(
+        max_tokens=16,
+        temperature=0.0,
+        logprobs=1,
+        presence_penalty=0.4,
+        frequency_penalty=0.6,
+        repetition_penalty=1.5,
+        min_tokens=3,
+        stop_token_ids=(first,),
+        logit_bias=((17, 2.0), (first + 1, -100.0)),
+    )
 
 
 def config() -> EngineConfig:
-    return EngineConfig(model="tiny", served_model_name="tiny", max_num_seqs=4, max_num_batched_tokens=32,
-                        block_size=BLOCK, max_model_len=64, num_kv_blocks=4 * cdiv(64, BLOCK),
-                        debug_token_cache_poison=True)
+    return EngineConfig(
+        model="tiny",
+        served_model_name="tiny",
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        block_size=BLOCK,
+        max_model_len=64,
+        num_kv_blocks=4 * cdiv(64, BLOCK),
+        debug_token_cache_poison=True,
+    )
 
 
 def script(params: SamplingParams):
@@ -213,8 +257,9 @@ def check(hf_model, params: SamplingParams, out: dict) -> None:
 
 def test_penalized_request_joining_a_batch_equals_transformers_on_cpu(hf_dir, hf_model, penalized):
     cfg = config()
-    runner = ModelRunner(cfg, ModelExecutor(cfg, load_model(str(hf_dir), torch.float32, CPU), CPU, torch.float32),
-                         CPU, DeviceOps(CPU))
+    runner = ModelRunner(
+        cfg, ModelExecutor(cfg, load_model(str(hf_dir), torch.float32, CPU), CPU, torch.float32), CPU, DeviceOps(CPU)
+    )
     check(hf_model, penalized, run(runner, penalized, lambda x: runner.launch(x, 0), runner.finish))
 
 

@@ -15,8 +15,14 @@ from pipeline.server_args import build_parser, make_config
 
 @pytest.fixture()
 def model_dir(tmp_path):
-    cfg = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
-           "max_position_embeddings": 512, "vocab_size": 300}
+    cfg = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "max_position_embeddings": 512,
+        "vocab_size": 300,
+    }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     return tmp_path
 
@@ -30,8 +36,9 @@ def test_max_model_len_past_max_position_embeddings_is_a_start_up_error(model_di
 
 
 def test_config_carries_the_model_vocabulary(model_dir):
-    config = make_config(build_parser().parse_args(["--model", str(model_dir), "--num-kv-blocks", "100",
-                                                    "--device", "cpu"]))
+    config = make_config(
+        build_parser().parse_args(["--model", str(model_dir), "--num-kv-blocks", "100", "--device", "cpu"])
+    )
     shutil.rmtree(config.ipc_dir)
     assert config.max_model_len == 512 and config.vocab_size == 300
 
@@ -57,8 +64,7 @@ def test_prompt_ids_are_checked_against_the_model_vocabulary():
         serving._start(CompletionRequest(prompt=[5, 300], max_tokens=2), [5, 300], "prompt")
     assert e.value.status_code == 400 and e.value.param == "prompt"
     assert "prompt token id 300 is out of range: the vocabulary has 300 tokens" in e.value.message
-    assert serving._start(CompletionRequest(prompt=[5, 299], max_tokens=2), [5, 299], "prompt") == [("added",
-                                                                                                    [5, 299])]
+    assert serving._start(CompletionRequest(prompt=[5, 299], max_tokens=2), [5, 299], "prompt") == [("added", [5, 299])]
 
 
 def test_max_completion_tokens_wins_on_completions():

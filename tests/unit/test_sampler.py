@@ -155,7 +155,7 @@ def test_noise_for_all_rows_in_one_go_without_generators(logits, monkeypatch):
     seeds, positions = torch.tensor([5, 2**63 - 1, -1]), torch.tensor([0, 7, 2**31 - 1])
     batch = sampler.uniform_noise(seeds, positions, VOCAB)
     for i in range(3):  # a row's noise does not depend on the other rows
-        assert torch.equal(sampler.uniform_noise(seeds[i:i + 1], positions[i:i + 1], VOCAB)[0], batch[i])
+        assert torch.equal(sampler.uniform_noise(seeds[i : i + 1], positions[i : i + 1], VOCAB)[0], batch[i])
 
 
 def test_uniforms_stay_strictly_inside_0_1():

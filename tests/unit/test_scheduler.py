@@ -98,13 +98,13 @@ class ReferenceExecutor:
         return x.step_id, out_req, out_tok, refs
 
 
-def run(requests, depth: int, max_num_seqs=8, budget=16, num_blocks=64, abort_at=None, seed=0,
-        max_blocks_per_seq=16):
+def run(requests, depth: int, max_num_seqs=8, budget=16, num_blocks=64, abort_at=None, seed=0, max_blocks_per_seq=16):
     """Drive a Scheduler with ``depth`` steps in flight; return outputs per request."""
     layout = StepDescriptor.layout(max_num_seqs, budget, BS)
     sched = Scheduler(max_num_seqs, budget, BS, num_blocks, max_blocks_per_seq=max_blocks_per_seq)
-    ex = ReferenceExecutor(max_num_seqs, num_blocks,
-                           {r.req_num + 1 + i: r.req_num for r in requests if r.n > 1 for i in range(r.n)})
+    ex = ReferenceExecutor(
+        max_num_seqs, num_blocks, {r.req_num + 1 + i: r.req_num for r in requests if r.n > 1 for i in range(r.n)}
+    )
     outputs = {c: [] for r in requests for c in choice_nums(r)}
     finished = set()
     pending = deque(requests)
@@ -167,8 +167,13 @@ def make_requests(n: int, seed: int, max_len=40) -> list[AddRequest]:
         # Some ask for prompt log-probabilities, a few of them with no output (max_tokens 0).
         prompt_lp = rng.choice([-1, -1, -1, 0, 5])
         max_tokens = 0 if prompt_lp >= 0 and rng.random() < 0.3 else rng.choice([1, 2, rng.randrange(1, max_len)])
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=rng.random() < 0.3,
-                                stop_token_ids=(EOS,), prompt_logprobs=prompt_lp)
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0.0,
+            ignore_eos=rng.random() < 0.3,
+            stop_token_ids=(EOS,),
+            prompt_logprobs=prompt_lp,
+        )
         reqs.append(AddRequest(i, prompt, params))
     return reqs
 
@@ -199,8 +204,9 @@ def test_steady_decode_path_is_exact(depth, num_blocks, monkeypatch):
     monkeypatch.setattr(scheduler_module, "_TOKEN_BUFFER", 3)
     reqs = make_requests(96, seed=11, max_len=120)
     aborted = {10: 5, 40: 17, 41: 18, 90: 60}
-    outputs, sched = run(reqs, depth, max_num_seqs=32, budget=64, num_blocks=num_blocks, abort_at=aborted,
-                         max_blocks_per_seq=64)
+    outputs, sched = run(
+        reqs, depth, max_num_seqs=32, budget=64, num_blocks=num_blocks, abort_at=aborted, max_blocks_per_seq=64
+    )
     assert sched.num_steady_steps > 20
     if num_blocks == 90:
         assert sched.num_preemptions > 0
@@ -306,8 +312,17 @@ def plan_signature(d: StepDescriptor) -> tuple:
     tokens, rows, off = x.token_ids.tolist(), [], 0
     sampled, new = set(x.sample_rows.tolist()), set(x.new_rows.tolist())
     for r, (req, k, start) in enumerate(zip(x.req_num.tolist(), x.query_lens.tolist(), x.start_pos.tolist())):
-        rows.append((req, start, tuple(tokens[off:off + k]), r in sampled, r in new,
-                     int(x.num_prompt_logprobs[r]), int(x.next_prompt_token[r])))
+        rows.append(
+            (
+                req,
+                start,
+                tuple(tokens[off : off + k]),
+                r in sampled,
+                r in new,
+                int(x.num_prompt_logprobs[r]),
+                int(x.next_prompt_token[r]),
+            )
+        )
         off += k
     owner = dict(zip(x.slot.tolist(), x.req_num.tolist()))
     return x.step_id, sorted(rows), sorted((owner[s], i) for s, i in x.new_blocks[:2].T.tolist())
@@ -323,11 +338,22 @@ def test_steady_rows_plan_what_the_general_path_plans(depth, max_num_seqs, budge
     monkeypatch.setattr(scheduler_module, "_TOKEN_BUFFER", 3)
     reqs = make_requests(96, seed=12, max_len=120)
     # Long outputs keep many rows decoding at once; every seventh request has a grammar.
-    reqs = [replace(r, params=replace(r.params, grammar="any" if r.req_num % 7 == 1 else "",
-                                      max_tokens=r.params.max_tokens and 20 + r.req_num % 90)) for r in reqs]
+    reqs = [
+        replace(
+            r,
+            params=replace(
+                r.params,
+                grammar="any" if r.req_num % 7 == 1 else "",
+                max_tokens=r.params.max_tokens and 20 + r.req_num % 90,
+            ),
+        )
+        for r in reqs
+    ]
     aborts = {12: 5, 40: 17, 41: 30, 90: 60}
-    scheds = [StubGrammarScheduler(max_num_seqs, budget, BS, num_blocks, 64, mask_words=1),
-              GeneralOnlyScheduler(max_num_seqs, budget, BS, num_blocks, 64, mask_words=1)]
+    scheds = [
+        StubGrammarScheduler(max_num_seqs, budget, BS, num_blocks, 64, mask_words=1),
+        GeneralOnlyScheduler(max_num_seqs, budget, BS, num_blocks, 64, mask_words=1),
+    ]
     layout = StepDescriptor.layout(max_num_seqs, budget, BS, mask_words=1)
     descs = [StepDescriptor(layout.views(bytearray(layout.nbytes))) for _ in scheds]
     pending, inflight, rng, step = deque(reqs), deque(), random.Random(3), 0

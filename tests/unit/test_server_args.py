@@ -24,15 +24,21 @@ def test_bad_cpu_lists_exit_with_a_message(text, capsys):
     assert "--worker-cpus" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--nnodes", "2", "--node-rank", "2", "--master-addr", "127.0.0.1", "-tp", "2"], "--node-rank 2 is not a node"),
-    (["--node-rank", "-1"], "--node-rank -1 is not a node"),
-    (["--nnodes", "0"], "--nnodes must be positive"),
-    (["--nnodes", "2", "--master-addr", "127.0.0.1", "-tp", "3"], "--nnodes 2 does not divide"),
-    (["--nnodes", "2", "-tp", "2"], "needs --master-addr"),
-    (["--nnodes", "2", "--master-addr", "h", "--master-port", "70000", "-tp", "2"], "is not a TCP port"),
-    (["--nnodes", "2", "--master-addr", "h", "-tp", "2", "-dp", "2"], "does not combine with --data-parallel"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--nnodes", "2", "--node-rank", "2", "--master-addr", "127.0.0.1", "-tp", "2"],
+            "--node-rank 2 is not a node",
+        ),
+        (["--node-rank", "-1"], "--node-rank -1 is not a node"),
+        (["--nnodes", "0"], "--nnodes must be positive"),
+        (["--nnodes", "2", "--master-addr", "127.0.0.1", "-tp", "3"], "--nnodes 2 does not divide"),
+        (["--nnodes", "2", "-tp", "2"], "needs --master-addr"),
+        (["--nnodes", "2", "--master-addr", "h", "--master-port", "70000", "-tp", "2"], "is not a TCP port"),
+        (["--nnodes", "2", "--master-addr", "h", "-tp", "2", "-dp", "2"], "does not combine with --data-parallel"),
+    ],
+)
 def test_bad_node_combinations_exit_with_a_message(flags, message, capsys):
     with pytest.raises(SystemExit) as e:
         make_config(build_parser().parse_args(["--model", "sim", *flags]))

@@ -34,6 +34,7 @@ def make_request(disconnect_after: float | None) -> Request:
         if loop.time() < at:
             await asyncio.sleep(at - loop.time())
         return {"type": "http.disconnect"}
+
     return Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}, receive)
 
 
@@ -46,6 +47,7 @@ def test_wait_returns_as_soon_as_the_client_leaves():
         # Before: the wait polled is_disconnected() every 0.5 s.
         assert time.monotonic() - t0 < 0.4
         assert released == [state]
+
     asyncio.run(main())
 
 
@@ -61,4 +63,5 @@ def test_wait_returns_on_finish_and_503_on_server_abort():
             await serving._wait([aborted], make_request(None))
         assert e.value.status_code == 503
         assert released == [done, aborted]
+
     asyncio.run(main())

@@ -206,8 +206,9 @@ def test_unlink_is_idempotent_and_leaves_nothing(make_ring):
     """unlink removes the segment and every semaphore; calling it again is harmless; mapped memory keeps working."""
     ring = make_ring(num_slots=2, num_readers=3)
     base = ring.name.lstrip("/")
-    assert shm_files(ring.name) == sorted([base] + [f"sem.{base}-full{r}" for r in range(3)]
-                                          + [f"sem.{base}-empty{r}" for r in range(3)])
+    assert shm_files(ring.name) == sorted(
+        [base] + [f"sem.{base}-full{r}" for r in range(3)] + [f"sem.{base}-empty{r}" for r in range(3)]
+    )
     ring.unlink()
     assert shm_files(ring.name) == []
     ring.unlink()
@@ -304,14 +305,18 @@ def writer_process():
     w.stop()
 
 
-_payloads = st.lists(st.lists(st.integers(-2 ** 31, 2 ** 31 - 1), max_size=DATA_LEN), max_size=40)
+_payloads = st.lists(st.lists(st.integers(-(2**31), 2**31 - 1), max_size=DATA_LEN), max_size=40)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(payloads=_payloads, num_slots=st.integers(1, 4), num_readers=st.integers(1, 2),
-       writer_seed=st.integers(0, 2 ** 32 - 1), reader_seed=st.integers(0, 2 ** 32 - 1))
-def test_two_processes_random_interleavings(writer_process, payloads, num_slots, num_readers, writer_seed,
-                                            reader_seed):
+@given(
+    payloads=_payloads,
+    num_slots=st.integers(1, 4),
+    num_readers=st.integers(1, 2),
+    writer_seed=st.integers(0, 2**32 - 1),
+    reader_seed=st.integers(0, 2**32 - 1),
+)
+def test_two_processes_random_interleavings(writer_process, payloads, num_slots, num_readers, writer_seed, reader_seed):
     """A writer process and this process as reader(s): each reader gets exactly the published sequence, in order.
 
     The readers' choices come from a seeded ``random.Random``, not from

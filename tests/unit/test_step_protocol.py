@@ -37,23 +37,51 @@ def steps(draw):
     for i in range(n):
         k = draw(st.integers(1, max(1, budget - (n - i - 1))))
         budget -= k
-        toks = draw(st.lists(st.one_of(st.just(PLACEHOLDER_TOKEN_ID), st.integers(0, 50_000)), min_size=k,
-                             max_size=k))
-        params = draw(st.one_of(st.none(), st.builds(
-            SamplingParams, max_tokens=st.integers(1, 100), temperature=st.floats(0, 2, width=32),
-            top_p=st.floats(0.0625, 1, width=32), top_k=st.integers(0, 100), seed=st.integers(0, 2**62),
-            logprobs=st.integers(-1, MAX_LOGPROBS), prompt_logprobs=st.integers(-1, MAX_LOGPROBS),
-            presence_penalty=st.floats(-2, 2, width=32), frequency_penalty=st.floats(-2, 2, width=32),
-            repetition_penalty=st.floats(0.125, 4, width=32), min_p=st.floats(0, 1, width=32),
-            min_tokens=st.integers(0, 100), ignore_eos=st.booleans(),
-            stop_token_ids=st.lists(st.integers(0, 50_000), max_size=MAX_STOP_TOKEN_IDS, unique=True).map(tuple),
-            logit_bias=st.dictionaries(st.integers(0, 50_000), st.floats(-100, 100, width=32),
-                                       max_size=MAX_LOGIT_BIAS).map(lambda d: tuple(d.items())))))
-        rows.append((draw(st.integers(1, 2**40)), i, draw(st.integers(0, 4096)), toks, draw(st.booleans()), params,
-                     draw(st.integers(0, k)), draw(st.integers(-1, 50_000)), draw(st.integers(0, 4096))))
+        toks = draw(st.lists(st.one_of(st.just(PLACEHOLDER_TOKEN_ID), st.integers(0, 50_000)), min_size=k, max_size=k))
+        params = draw(
+            st.one_of(
+                st.none(),
+                st.builds(
+                    SamplingParams,
+                    max_tokens=st.integers(1, 100),
+                    temperature=st.floats(0, 2, width=32),
+                    top_p=st.floats(0.0625, 1, width=32),
+                    top_k=st.integers(0, 100),
+                    seed=st.integers(0, 2**62),
+                    logprobs=st.integers(-1, MAX_LOGPROBS),
+                    prompt_logprobs=st.integers(-1, MAX_LOGPROBS),
+                    presence_penalty=st.floats(-2, 2, width=32),
+                    frequency_penalty=st.floats(-2, 2, width=32),
+                    repetition_penalty=st.floats(0.125, 4, width=32),
+                    min_p=st.floats(0, 1, width=32),
+                    min_tokens=st.integers(0, 100),
+                    ignore_eos=st.booleans(),
+                    stop_token_ids=st.lists(st.integers(0, 50_000), max_size=MAX_STOP_TOKEN_IDS, unique=True).map(
+                        tuple
+                    ),
+                    logit_bias=st.dictionaries(
+                        st.integers(0, 50_000), st.floats(-100, 100, width=32), max_size=MAX_LOGIT_BIAS
+                    ).map(lambda d: tuple(d.items())),
+                ),
+            )
+        )
+        rows.append(
+            (
+                draw(st.integers(1, 2**40)),
+                i,
+                draw(st.integers(0, 4096)),
+                toks,
+                draw(st.booleans()),
+                params,
+                draw(st.integers(0, k)),
+                draw(st.integers(-1, 50_000)),
+                draw(st.integers(0, 4096)),
+            )
+        )
     cap = max_new_blocks_per_step(MAX_SEQS, MAX_TOKENS, BLOCK)
-    blocks = draw(st.lists(st.tuples(st.integers(0, MAX_SEQS - 1), st.integers(0, 511), st.integers(0, 10_000)),
-                           max_size=cap))
+    blocks = draw(
+        st.lists(st.tuples(st.integers(0, MAX_SEQS - 1), st.integers(0, 511), st.integers(0, 10_000)), max_size=cap)
+    )
     return draw(st.integers(0, 2**40)), rows, blocks
 
 
@@ -159,8 +187,7 @@ def test_bitmask_rows_round_trip():
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.integers(0, 2**40), st.lists(st.tuples(st.integers(1, 2**50), st.integers(0, 2**31 - 1)),
-                                        max_size=MAX_SEQS))
+@given(st.integers(0, 2**40), st.lists(st.tuples(st.integers(1, 2**50), st.integers(0, 2**31 - 1)), max_size=MAX_SEQS))
 def test_output_round_trip(step_id, rows):
     out = StepOutput(_slot(StepOutput.layout(MAX_SEQS, MAX_TOKENS)))
     out.write(7, np.array([1, 2, 3]), np.array([4, 5, 6]))  # a previous step in the same slot
@@ -171,9 +198,12 @@ def test_output_round_trip(step_id, rows):
 
 
 def _logprobs(rng, n: int, index) -> TokenLogprobs:
-    return TokenLogprobs(np.asarray(index, dtype=np.int64), rng.standard_normal(n).astype(np.float32),
-                         rng.integers(0, 50_000, (n, MAX_LOGPROBS)).astype(np.int32),
-                         rng.standard_normal((n, MAX_LOGPROBS)).astype(np.float32))
+    return TokenLogprobs(
+        np.asarray(index, dtype=np.int64),
+        rng.standard_normal(n).astype(np.float32),
+        rng.integers(0, 50_000, (n, MAX_LOGPROBS)).astype(np.int32),
+        rng.standard_normal((n, MAX_LOGPROBS)).astype(np.float32),
+    )
 
 
 @settings(max_examples=30, deadline=None)
@@ -202,8 +232,16 @@ def test_decode_rows_come_first():
     """Vectorized decode rows lead the descriptor; added rows, their parameters, masks and blocks follow them."""
     desc = StepDescriptor(_slot(StepDescriptor.layout(MAX_SEQS, MAX_TOKENS, BLOCK, mask_words=2)))
     b = DescriptorBuilder()
-    b.add_row(9, 4, 0, [5, 6, 7], True, SamplingParams(max_tokens=3, temperature=0.5), prompt_len=3,
-              bitmask=np.array([1, 2], np.int32))
+    b.add_row(
+        9,
+        4,
+        0,
+        [5, 6, 7],
+        True,
+        SamplingParams(max_tokens=3, temperature=0.5),
+        prompt_len=3,
+        bitmask=np.array([1, 2], np.int32),
+    )
     b.add_block(4, 0, 11)
     b.add_blocks(np.array([1, 2]), np.array([3, 5]), np.array([12, 13]))
     b.write(desc, 3, decode=(np.array([7, 8]), np.array([1, 2]), np.array([48, 80]), np.array([-1, -1])))

@@ -10,9 +10,11 @@ from pipeline.gpu_worker.step_shapes import StepShapeRecorder, StepShapes
 
 
 def test_round_trip(tmp_path):
-    rows = [(np.array([64, 1, 1]), np.array([0, 30, 7]), np.array([0, 1, 2])),
-            (np.array([1]), np.array([64]), np.array([], dtype=np.int64)),
-            (np.array([17, 1]), np.array([64, 65]), np.array([1]))]
+    rows = [
+        (np.array([64, 1, 1]), np.array([0, 30, 7]), np.array([0, 1, 2])),
+        (np.array([1]), np.array([64]), np.array([], dtype=np.int64)),
+        (np.array([17, 1]), np.array([64, 65]), np.array([1])),
+    ]
     rec = StepShapeRecorder()
     for q, s, sample in rows:
         rec.add(SimpleNamespace(query_lens=q, start_pos=s, sample_rows=sample))

@@ -15,9 +15,18 @@ CPU = torch.device("cpu")
 BLOCK_SIZE = 16
 HEAD_DIM = 8
 # 515 tokens: no size divides it, so the last rank's vocabulary rows are padded.
-CONFIG = dict(vocab_size=515, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-              num_key_value_heads=4, max_position_embeddings=256, tie_word_embeddings=False, attention_bias=True,
-              mlp_bias=True)
+CONFIG = dict(
+    vocab_size=515,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    attention_bias=True,
+    mlp_bias=True,
+)
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +66,9 @@ def test_kv_cache_is_sized_per_rank(tiny_kv4_dir):
     from pipeline.server_args import build_parser, make_config
 
     def blocks(tp: int) -> int:
-        args = build_parser().parse_args(["--model", str(tiny_kv4_dir), "-tp", str(tp), "--device", "cpu",
-                                          "--kv-cache-memory", "0.01"])
+        args = build_parser().parse_args(
+            ["--model", str(tiny_kv4_dir), "-tp", str(tp), "--device", "cpu", "--kv-cache-memory", "0.01"]
+        )
         return make_config(args).num_kv_blocks
 
     # Each rank holds half the KV heads of every block: the same memory per device holds twice the blocks.
@@ -73,7 +83,7 @@ def expected_slice(sd: dict[str, torch.Tensor], name: str, rank: int, size: int)
     kv0 = shape.kv_head_start(rank) * HEAD_DIM
 
     def rows(t, a, n):
-        return t[a:a + n]
+        return t[a : a + n]
 
     if name in ("embed_tokens.weight", "lm_head.weight"):
         full = sd["model.embed_tokens.weight" if name.startswith("embed") else "lm_head.weight"]
@@ -85,16 +95,21 @@ def expected_slice(sd: dict[str, torch.Tensor], name: str, rank: int, size: int)
     p = f"model.layers.{layer}."
     kind = rest.rsplit(".", 1)[1]
     if rest.startswith("qkv_proj"):
-        return torch.cat([rows(sd[p + f"self_attn.q_proj.{kind}"], rank * h, h),
-                          rows(sd[p + f"self_attn.k_proj.{kind}"], kv0, kv),
-                          rows(sd[p + f"self_attn.v_proj.{kind}"], kv0, kv)])
+        return torch.cat(
+            [
+                rows(sd[p + f"self_attn.q_proj.{kind}"], rank * h, h),
+                rows(sd[p + f"self_attn.k_proj.{kind}"], kv0, kv),
+                rows(sd[p + f"self_attn.v_proj.{kind}"], kv0, kv),
+            ]
+        )
     if rest.startswith("gate_up_proj"):
-        return torch.cat([rows(sd[p + f"mlp.gate_proj.{kind}"], rank * i, i),
-                          rows(sd[p + f"mlp.up_proj.{kind}"], rank * i, i)])
+        return torch.cat(
+            [rows(sd[p + f"mlp.gate_proj.{kind}"], rank * i, i), rows(sd[p + f"mlp.up_proj.{kind}"], rank * i, i)]
+        )
     if rest == "o_proj.weight":
-        return sd[p + "self_attn.o_proj.weight"][:, rank * h:(rank + 1) * h]
+        return sd[p + "self_attn.o_proj.weight"][:, rank * h : (rank + 1) * h]
     if rest == "down_proj.weight":
-        return sd[p + "mlp.down_proj.weight"][:, rank * i:(rank + 1) * i]
+        return sd[p + "mlp.down_proj.weight"][:, rank * i : (rank + 1) * i]
     if rest in ("o_proj.bias", "down_proj.bias"):  # row-parallel: the whole bias, added once after the sum
         return sd[p + ("self_attn." if rest.startswith("o") else "mlp.") + rest]
     return sd[p + rest]  # the norms
@@ -134,8 +149,9 @@ def _two_steps(model) -> list[torch.Tensor]:
     prompts = torch.randint(0, 515, (2, 20))
     results = []
     for starts, lens in (([0, 0], [20, 12]), ([20, 12], [1, 8])):
-        ids = torch.cat([prompts[r, s:s + n] if s + n <= 20 else torch.tensor([7]) for r, (s, n)
-                         in enumerate(zip(starts, lens))])
+        ids = torch.cat(
+            [prompts[r, s : s + n] if s + n <= 20 else torch.tensor([7]) for r, (s, n) in enumerate(zip(starts, lens))]
+        )
         meta = model.attn_backend.build_from_rows(torch.tensor(lens), torch.tensor(starts), table, BLOCK_SIZE)
         with torch.inference_mode():
             hidden = model(ids, meta.positions, meta, caches)

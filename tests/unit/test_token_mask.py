@@ -45,6 +45,13 @@ def test_masked_tokens_never_sampled():
     hot = torch.arange(s)
     plan = SamplingPlan.build(hot, np.full(s, 20), np.full(s, 0.9, np.float32), V, host_reads_ok=True)
     for seed in range(100):
-        tokens = sample_rows(masked, plan, torch.ones(s), torch.full((s,), 0.9), torch.full((s,), 20),
-                             torch.full((s,), seed), torch.arange(s) + 5)
+        tokens = sample_rows(
+            masked,
+            plan,
+            torch.ones(s),
+            torch.full((s,), 0.9),
+            torch.full((s,), 20),
+            torch.full((s,), seed),
+            torch.arange(s) + 5,
+        )
         assert all(allowed[i, t] for i, t in enumerate(tokens.tolist())), seed

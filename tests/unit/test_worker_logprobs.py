@@ -45,18 +45,32 @@ PROMPT_B = [11, 12, 13, 14, 15]
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                   initializer_range=0.2)
+    cfg = transformers.LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+    )
     d = tmp_path_factory.mktemp("tiny-llama-lp")
     transformers.LlamaForCausalLM(cfg).save_pretrained(d)
     return d
 
 
 def config() -> EngineConfig:
-    return EngineConfig(model="tiny", served_model_name="tiny", max_num_seqs=4, max_num_batched_tokens=32,
-                        block_size=BLOCK, max_model_len=64, num_kv_blocks=4 * cdiv(64, BLOCK),
-                        debug_token_cache_poison=True)
+    return EngineConfig(
+        model="tiny",
+        served_model_name="tiny",
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        block_size=BLOCK,
+        max_model_len=64,
+        num_kv_blocks=4 * cdiv(64, BLOCK),
+        debug_token_cache_poison=True,
+    )
 
 
 def descriptor(step_id: int, rows) -> object:
@@ -146,8 +160,9 @@ def check_against_transformers(hf_dir, steps) -> None:
 
 def test_logprobs_equal_transformers_on_cpu(hf_dir):
     cfg = config()
-    runner = ModelRunner(cfg, ModelExecutor(cfg, load_model(str(hf_dir), torch.float32, CPU), CPU, torch.float32),
-                         CPU, DeviceOps(CPU))
+    runner = ModelRunner(
+        cfg, ModelExecutor(cfg, load_model(str(hf_dir), torch.float32, CPU), CPU, torch.float32), CPU, DeviceOps(CPU)
+    )
     check_against_transformers(hf_dir, run(runner, lambda x: runner.launch(x, 0), runner.finish))
 
 

@@ -76,9 +76,14 @@ def test_feature_flags_follow_the_slots_parameters():
 def test_an_upload_batch_keeps_each_arrays_dtype_and_shape_on_the_cuda_path():
     """Mixed dtypes and sizes share one staging buffer: every slice starts aligned for its dtype."""
     ops = FakeAsyncOps(CPU, SyncGuard())
-    arrays = [np.arange(3, dtype=np.int64), np.linspace(0, 1, 5, dtype=np.float32),
-              np.arange(6, dtype=np.int32).reshape(2, 3), np.zeros(0, dtype=np.int64),
-              np.full((4, 6), -2.5, dtype=np.float32), np.array([2**40 + 1])]
+    arrays = [
+        np.arange(3, dtype=np.int64),
+        np.linspace(0, 1, 5, dtype=np.float32),
+        np.arange(6, dtype=np.int32).reshape(2, 3),
+        np.zeros(0, dtype=np.int64),
+        np.full((4, 6), -2.5, dtype=np.float32),
+        np.array([2**40 + 1]),
+    ]
     batch = UploadBatch()
     staged = [batch.add(a, a.dtype) for a in arrays] + [batch.add([7, 8])]
     batch.upload(ops)

@@ -44,8 +44,15 @@ def default_backend() -> AttentionBackend:
     return TorchBucketedBackend()
 
 
-def make_backend(name: str = "auto", *, device: torch.device | None = None, dtype: torch.dtype = torch.float32,
-                 num_heads: int = 0, num_kv_heads: int = 0, head_dim: int = 0) -> AttentionBackend:
+def make_backend(
+    name: str = "auto",
+    *,
+    device: torch.device | None = None,
+    dtype: torch.dtype = torch.float32,
+    num_heads: int = 0,
+    num_kv_heads: int = 0,
+    head_dim: int = 0,
+) -> AttentionBackend:
     """The attention backend ``name`` for a model of this shape on ``device`` (docs/design.md, "The worker").
 
     Args:
@@ -74,8 +81,12 @@ def make_backend(name: str = "auto", *, device: torch.device | None = None, dtyp
             if reason is None and cpu_paged.supports(num_heads, num_kv_heads, head_dim):
                 name = "cpu_paged"
             elif reason is None:
-                _LOG.warning("cpu_paged attention is not built for %d heads over %d KV heads of size %d; "
-                             "using torch_bucketed", num_heads, num_kv_heads, head_dim)
+                _LOG.warning(
+                    "cpu_paged attention is not built for %d heads over %d KV heads of size %d; using torch_bucketed",
+                    num_heads,
+                    num_kv_heads,
+                    head_dim,
+                )
             else:
                 _LOG.warning("cpu_paged attention unavailable (%s); using torch_bucketed", reason)
     if name == "flashinfer":
@@ -89,6 +100,14 @@ def make_backend(name: str = "auto", *, device: torch.device | None = None, dtyp
     return TorchBucketedBackend() if name == "torch_bucketed" else TorchSDPABackend()
 
 
-__all__ = ["BACKEND_CHOICES", "AttentionBackend", "AttentionMetadata", "CpuPagedBackend", "KVCache",
-           "TorchBucketedBackend",
-           "TorchSDPABackend", "default_backend", "make_backend"]
+__all__ = [
+    "BACKEND_CHOICES",
+    "AttentionBackend",
+    "AttentionMetadata",
+    "CpuPagedBackend",
+    "KVCache",
+    "TorchBucketedBackend",
+    "TorchSDPABackend",
+    "default_backend",
+    "make_backend",
+]

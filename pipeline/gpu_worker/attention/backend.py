@@ -97,15 +97,24 @@ class StepLayout:
             raise ValueError(f"start positions must be >= 0, got {s.tolist()}")
         longest = int((s + q).max())
         if longest > max_blocks_per_seq * block_size:
-            raise ValueError(f"a context of {longest} tokens does not fit a block table of "
-                             f"{max_blocks_per_seq} blocks of {block_size}")
+            raise ValueError(
+                f"a context of {longest} tokens does not fit a block table of "
+                f"{max_blocks_per_seq} blocks of {block_size}"
+            )
         token_starts = np.cumsum(q) - q
         num_tokens = int(q.sum())
         request_of_token = np.repeat(np.arange(q.size), q)
         positions = s[request_of_token] + np.arange(num_tokens) - token_starts[request_of_token]
-        return cls(query_lens=q, start_positions=s, slots=np.asarray(slots, dtype=np.int64), block_size=block_size,
-                   token_starts=token_starts, request_of_token=request_of_token, positions=positions,
-                   num_tokens=num_tokens)
+        return cls(
+            query_lens=q,
+            start_positions=s,
+            slots=np.asarray(slots, dtype=np.int64),
+            block_size=block_size,
+            token_starts=token_starts,
+            request_of_token=request_of_token,
+            positions=positions,
+            num_tokens=num_tokens,
+        )
 
     def slot_mapping_inputs(self) -> list[np.ndarray]:
         """``[slot of each token, block column of each token]`` for :func:`slot_mapping`."""
@@ -143,14 +152,23 @@ class PaddedQueries:
         context_lens = starts + q_lens
         q_max = int(q_lens.max())
         q_offsets = np.minimum(np.arange(q_max)[None, :], (q_lens - 1)[:, None])
-        return cls(q_max=q_max, n_blocks=-(-int(context_lens.max()) // layout.block_size),
-                   context_lens=context_lens, token_index=layout.token_starts[rows][:, None] + q_offsets,
-                   query_pos=starts[:, None] + q_offsets,
-                   real=(np.arange(q_max)[None, :] < q_lens[:, None]).ravel())
+        return cls(
+            q_max=q_max,
+            n_blocks=-(-int(context_lens.max()) // layout.block_size),
+            context_lens=context_lens,
+            token_index=layout.token_starts[rows][:, None] + q_offsets,
+            query_pos=starts[:, None] + q_offsets,
+            real=(np.arange(q_max)[None, :] < q_lens[:, None]).ravel(),
+        )
 
 
-def slot_mapping(block_table: torch.Tensor, token_slots: torch.Tensor, token_cols: torch.Tensor,
-                 positions: torch.Tensor, block_size: int) -> torch.Tensor:
+def slot_mapping(
+    block_table: torch.Tensor,
+    token_slots: torch.Tensor,
+    token_cols: torch.Tensor,
+    positions: torch.Tensor,
+    block_size: int,
+) -> torch.Tensor:
     """``[T]`` int64 flat KV-cache index of each token, on the device.
 
     Args:
@@ -229,8 +247,9 @@ class AttentionBackend(ABC):
             ``[T, H, D]`` attention output, dtype of ``q``.
         """
 
-    def build_from_rows(self, query_lens, start_positions, block_table: torch.Tensor,
-                        block_size: int) -> AttentionMetadata:
+    def build_from_rows(
+        self, query_lens, start_positions, block_table: torch.Tensor, block_size: int
+    ) -> AttentionMetadata:
         """:meth:`build_metadata` with one block-table row per request, for CPU tensors (tests, benchmarks).
 
         Args:
@@ -243,6 +262,7 @@ class AttentionBackend(ABC):
         num_reqs = len(query_lens)
         if block_table.dim() != 2 or block_table.shape[0] != num_reqs:
             raise ValueError(
-                f"block_table must have shape ({num_reqs}, max_blocks_per_seq), got {tuple(block_table.shape)}")
+                f"block_table must have shape ({num_reqs}, max_blocks_per_seq), got {tuple(block_table.shape)}"
+            )
         layout = StepLayout.build(query_lens, start_positions, np.arange(num_reqs), block_size, block_table.shape[1])
         return self.build_metadata(layout, block_table.long(), host_upload)

@@ -63,13 +63,19 @@ def unavailable_reason() -> str | None:
     if compiler is None:
         return "no C++ compiler found"
     # The first start on a machine compiles (10-30 s): say so rather than look hung.
-    logger.info("cpu_paged: loading the attention kernel (compiled for this CPU on its first start, 10-30 s; "
-                "cached after)")
+    logger.info(
+        "cpu_paged: loading the attention kernel (compiled for this CPU on its first start, 10-30 s; cached after)"
+    )
     try:
         from torch.utils import cpp_extension
 
-        cpp_extension.load(f"pipeline_cpu_paged_{_host_tag()}", [str(_SOURCE)], extra_cflags=_CFLAGS,
-                           is_python_module=False, verbose=False)
+        cpp_extension.load(
+            f"pipeline_cpu_paged_{_host_tag()}",
+            [str(_SOURCE)],
+            extra_cflags=_CFLAGS,
+            is_python_module=False,
+            verbose=False,
+        )
     except Exception as e:  # noqa: BLE001 -- any build or load failure means: use torch_bucketed
         return f"building the kernel failed: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[-1]}"
     return None
@@ -125,8 +131,9 @@ class CpuPagedBackend(TorchBucketedBackend):
         for b in meta.decode:
             if supports(q.shape[1], k.shape[1], q.shape[2]):
                 # Reads q and writes out at each row's token index: no gathered copies.
-                self._kernel(out, q, k_cache, v_cache, b.token_index, b.block_ids, b.context_lens, scale,
-                             meta.block_size)
+                self._kernel(
+                    out, q, k_cache, v_cache, b.token_index, b.block_ids, b.context_lens, scale, meta.block_size
+                )
             else:  # a shape the kernel is not built for: correct, padded to the longest row
                 out.index_copy_(0, b.out_tokens, self.attend_bucket(q, k_cache, v_cache, b, meta.block_size, scale))
         for b in meta.prefill:

@@ -109,8 +109,15 @@ class FlashInferBackend(AttentionBackend):
 
     name = "flashinfer"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 scale: float | None = None) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        scale: float | None = None,
+    ) -> None:
         reason = unsupported_reason(device, dtype, head_dim)
         if reason is not None:
             raise ValueError(f"attention backend flashinfer: {reason}")
@@ -135,19 +142,34 @@ class FlashInferBackend(AttentionBackend):
         page_slots = np.repeat(layout.slots, pages)
         page_cols = np.arange(int(kv_indptr[-1])) - np.repeat(kv_indptr[:-1], pages)
         positions, token_slots, token_cols, page_slots_d, page_cols_d = upload(
-            [layout.positions, *layout.slot_mapping_inputs(), page_slots, page_cols])
+            [layout.positions, *layout.slot_mapping_inputs(), page_slots, page_cols]
+        )
         kv_indices = block_table[page_slots_d, page_cols_d].to(torch.int32)
 
         wrapper = self._wrappers[self._turn]
         self._turn ^= 1
         wrapper.plan(
-            _pinned_int32(qo_indptr), _pinned_int32(kv_indptr), kv_indices, _pinned_int32(last_page_len),
-            num_qo_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim_qk=self.head_dim, page_size=bs,
-            causal=True, sm_scale=self.scale, q_data_type=self.dtype, kv_data_type=self.dtype, non_blocking=True,
+            _pinned_int32(qo_indptr),
+            _pinned_int32(kv_indptr),
+            kv_indices,
+            _pinned_int32(last_page_len),
+            num_qo_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim_qk=self.head_dim,
+            page_size=bs,
+            causal=True,
+            sm_scale=self.scale,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+            non_blocking=True,
         )
-        return FlashInferMetadata(num_tokens=layout.num_tokens, block_size=bs, positions=positions,
-                                  slot_mapping=slot_mapping(block_table, token_slots, token_cols, positions, bs),
-                                  wrapper=wrapper)
+        return FlashInferMetadata(
+            num_tokens=layout.num_tokens,
+            block_size=bs,
+            positions=positions,
+            slot_mapping=slot_mapping(block_table, token_slots, token_cols, positions, bs),
+            wrapper=wrapper,
+        )
 
     def forward(
         self,

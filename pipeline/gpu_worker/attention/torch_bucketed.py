@@ -69,8 +69,13 @@ MIN_PAD = 64
 MIN_QUERY_PAD = 16
 
 
-def plan_buckets(context_lens: np.ndarray, query_lens: np.ndarray, slack: float = SLACK, min_pad: int = MIN_PAD,
-                 min_query_pad: int = MIN_QUERY_PAD) -> list[np.ndarray]:
+def plan_buckets(
+    context_lens: np.ndarray,
+    query_lens: np.ndarray,
+    slack: float = SLACK,
+    min_pad: int = MIN_PAD,
+    min_query_pad: int = MIN_QUERY_PAD,
+) -> list[np.ndarray]:
     """Group rows of similar context (and query) length (docs/design.md, "The worker").
 
     Greedy, longest context first: a bucket is opened by its longest row and
@@ -199,8 +204,14 @@ class PrefixTable:
         return t[:, :width].index_select(0, lengths)
 
 
-def _block_ids(block_table: torch.Tensor, slots: torch.Tensor, context_lens: torch.Tensor, n_blocks: int,
-               block_size: int, prefix: PrefixTable) -> torch.Tensor:
+def _block_ids(
+    block_table: torch.Tensor,
+    slots: torch.Tensor,
+    context_lens: torch.Tensor,
+    n_blocks: int,
+    block_size: int,
+    prefix: PrefixTable,
+) -> torch.Tensor:
     """``[rows, n_blocks]`` each row's first blocks, read on the device; unused entries -> block 0.
 
     Unused block-table entries may hold anything (e.g. -1): pointing them at
@@ -228,8 +239,11 @@ def _host_prefill(layout: StepLayout, rows: np.ndarray) -> _HostPrefill:
     g = PaddedQueries.of(layout, rows)
     token_index = g.token_index.ravel()
     padded = not g.real.all()
-    identity = (not padded and token_index.size == layout.num_tokens
-                and bool((token_index == np.arange(layout.num_tokens)).all()))
+    identity = (
+        not padded
+        and token_index.size == layout.num_tokens
+        and bool((token_index == np.arange(layout.num_tokens)).all())
+    )
     arrays = [layout.slots[rows], g.context_lens, g.query_pos, token_index]
     if padded:
         out_rows = np.flatnonzero(g.real)
@@ -237,18 +251,24 @@ def _host_prefill(layout: StepLayout, rows: np.ndarray) -> _HostPrefill:
     return _HostPrefill(g.q_max, g.n_blocks, identity, padded, arrays)
 
 
-def _device_prefill(host: _HostPrefill, dev: list[torch.Tensor], block_table: torch.Tensor,
-                    block_size: int, prefix: PrefixTable) -> Bucket:
+def _device_prefill(
+    host: _HostPrefill, dev: list[torch.Tensor], block_table: torch.Tensor, block_size: int, prefix: PrefixTable
+) -> Bucket:
     """A prefill bucket's block ids and causal mask, built on the device from its uploaded indices."""
     slots, context_lens, query_pos, token_index = dev[:4]
     out_rows, out_tokens = dev[4:] if host.padded else (None, token_index)
     rows, q_max = query_pos.shape
     # Query at position p attends keys 0..p: the first p + 1.
     mask = prefix.rows((query_pos + 1).view(-1), host.n_blocks * block_size).view(rows, 1, q_max, -1)
-    return Bucket(q_max=host.q_max,
-                  block_ids=_block_ids(block_table, slots, context_lens, host.n_blocks, block_size, prefix),
-                  mask=mask, token_index=token_index, out_rows=out_rows, out_tokens=out_tokens,
-                  identity=host.identity)
+    return Bucket(
+        q_max=host.q_max,
+        block_ids=_block_ids(block_table, slots, context_lens, host.n_blocks, block_size, prefix),
+        mask=mask,
+        token_index=token_index,
+        out_rows=out_rows,
+        out_tokens=out_tokens,
+        identity=host.identity,
+    )
 
 
 @dataclasses.dataclass
@@ -267,29 +287,41 @@ def _host_decode(layout: StepLayout, rows: np.ndarray, plan: list[np.ndarray]) -
     row_blocks = -(-context_lens // layout.block_size)
     bounds, first = [], 0
     for b in plan:
-        bounds.append((first, b.size, int(row_blocks[first:first + b.size].max())))
+        bounds.append((first, b.size, int(row_blocks[first : first + b.size].max())))
         first += b.size
     token_index = layout.token_starts[order]
-    identity = (len(plan) == 1 and order.size == layout.num_tokens
-                and bool((token_index == np.arange(layout.num_tokens)).all()))
+    identity = (
+        len(plan) == 1 and order.size == layout.num_tokens and bool((token_index == np.arange(layout.num_tokens)).all())
+    )
     return _HostDecode(bounds, identity, [layout.slots[order], context_lens, token_index])
 
 
-def _device_decode(host: _HostDecode, dev: list[torch.Tensor], block_table: torch.Tensor,
-                   block_size: int, prefix: PrefixTable) -> list[Bucket]:
+def _device_decode(
+    host: _HostDecode, dev: list[torch.Tensor], block_table: torch.Tensor, block_size: int, prefix: PrefixTable
+) -> list[Bucket]:
     """Decode buckets as views of one block-id table and one mask built on the device."""
     slots, context_lens, token_index = dev
     n_blocks = host.bounds[0][2]  # plan_buckets puts the longest bucket first
     block_ids = _block_ids(block_table, slots, context_lens, n_blocks, block_size, prefix)
     mask = prefix.rows(context_lens, n_blocks * block_size)[:, None, None, :]
-    return [Bucket(q_max=1, block_ids=block_ids[a:a + n, :nb], mask=mask[a:a + n, ..., :nb * block_size],
-                   token_index=token_index[a:a + n], out_rows=None, out_tokens=token_index[a:a + n],
-                   identity=host.identity, context_lens=context_lens[a:a + n])
-            for a, n, nb in host.bounds]
+    return [
+        Bucket(
+            q_max=1,
+            block_ids=block_ids[a : a + n, :nb],
+            mask=mask[a : a + n, ..., : nb * block_size],
+            token_index=token_index[a : a + n],
+            out_rows=None,
+            out_tokens=token_index[a : a + n],
+            identity=host.identity,
+            context_lens=context_lens[a : a + n],
+        )
+        for a, n, nb in host.bounds
+    ]
 
 
-def write_kv(kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
-             head_major: bool) -> KVCache:
+def write_kv(
+    kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, head_major: bool
+) -> KVCache:
     """Write a step's keys and values into one layer's cache; returns the cache in its layout.
 
     Args:
@@ -314,8 +346,9 @@ def write_kv(kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: 
     return k_cache, v_cache
 
 
-def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, block_size: int, head_major: bool,
-                  out: torch.Tensor) -> torch.Tensor:
+def gather_blocks(
+    cache: torch.Tensor, block_ids: torch.Tensor, block_size: int, head_major: bool, out: torch.Tensor
+) -> torch.Tensor:
     """Gather each row's blocks of one cache into ``out``, as a ``[rows, KVH, n_blocks * block_size, D]`` view.
 
     Args:
@@ -329,12 +362,20 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, block_size: int,
     flat = block_ids.flatten()
     if head_major:
         kv_heads, _, head_dim = cache.shape
-        g = torch.index_select(cache.view(kv_heads, -1, block_size, head_dim), 1, flat,
-                               out=out.view(kv_heads, rows * n_blocks, block_size, head_dim))
+        g = torch.index_select(
+            cache.view(kv_heads, -1, block_size, head_dim),
+            1,
+            flat,
+            out=out.view(kv_heads, rows * n_blocks, block_size, head_dim),
+        )
         return g.view(kv_heads, rows, n_blocks * block_size, head_dim).transpose(0, 1)
     _, kv_heads, head_dim = cache.shape
-    g = torch.index_select(cache.view(-1, block_size, kv_heads, head_dim), 0, flat,
-                           out=out.view(rows * n_blocks, block_size, kv_heads, head_dim))
+    g = torch.index_select(
+        cache.view(-1, block_size, kv_heads, head_dim),
+        0,
+        flat,
+        out=out.view(rows * n_blocks, block_size, kv_heads, head_dim),
+    )
     return g.view(rows, n_blocks * block_size, kv_heads, head_dim).transpose(1, 2)
 
 
@@ -351,8 +392,9 @@ class TorchBucketedBackend(AttentionBackend):
 
     name = "torch_bucketed"
 
-    def __init__(self, head_major: bool = True, slack: float = SLACK, min_pad: int = MIN_PAD,
-                 min_query_pad: int = MIN_QUERY_PAD) -> None:
+    def __init__(
+        self, head_major: bool = True, slack: float = SLACK, min_pad: int = MIN_PAD, min_query_pad: int = MIN_QUERY_PAD
+    ) -> None:
         self.head_major = head_major
         self.limits = (slack, min_pad, min_query_pad)
         self.workspace = GatherBuffer()
@@ -365,8 +407,10 @@ class TorchBucketedBackend(AttentionBackend):
         rows = np.flatnonzero(is_decode)
         decode = _host_decode(layout, rows, self.plan_decode(ctx[rows])) if rows.size else None
         rows = np.flatnonzero(~is_decode)
-        prefill = [_host_prefill(layout, rows[b])
-                   for b in (plan_buckets(ctx[rows], q_lens[rows], *self.limits) if rows.size else [])]
+        prefill = [
+            _host_prefill(layout, rows[b])
+            for b in (plan_buckets(ctx[rows], q_lens[rows], *self.limits) if rows.size else [])
+        ]
         # One upload for the whole step: positions, slot-mapping inputs, decode buckets, prefill buckets.
         arrays = [layout.positions, *layout.slot_mapping_inputs()]
         arrays += decode.arrays if decode is not None else []
@@ -377,12 +421,13 @@ class TorchBucketedBackend(AttentionBackend):
         i = 3
         decode_buckets = []
         if decode is not None:
-            decode_buckets = _device_decode(decode, dev[i:i + 3], block_table, layout.block_size, self.prefix)
+            decode_buckets = _device_decode(decode, dev[i : i + 3], block_table, layout.block_size, self.prefix)
             i += 3
         prefill_buckets = []
         for h in prefill:
-            prefill_buckets.append(_device_prefill(h, dev[i:i + len(h.arrays)], block_table, layout.block_size,
-                                                   self.prefix))
+            prefill_buckets.append(
+                _device_prefill(h, dev[i : i + len(h.arrays)], block_table, layout.block_size, self.prefix)
+            )
             i += len(h.arrays)
         return BucketedMetadata(
             num_tokens=layout.num_tokens,
@@ -416,8 +461,9 @@ class TorchBucketedBackend(AttentionBackend):
             out.index_copy_(0, b.out_tokens, res)
         return out
 
-    def attend_bucket(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, b: Bucket,
-                      block_size: int, scale: float) -> torch.Tensor:
+    def attend_bucket(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, b: Bucket, block_size: int, scale: float
+    ) -> torch.Tensor:
         """One bucket's SDPA call over its gathered blocks.
 
         Args:
@@ -443,11 +489,22 @@ class TorchBucketedBackend(AttentionBackend):
             # One query per row: fold the heads sharing a KV head into the
             # query dimension, so K/V are never expanded.
             return F.scaled_dot_product_attention(
-                q_b.reshape(rows, kv_heads, num_heads // kv_heads, head_dim), keys, values, attn_mask=b.mask,
+                q_b.reshape(rows, kv_heads, num_heads // kv_heads, head_dim),
+                keys,
+                values,
+                attn_mask=b.mask,
                 scale=scale,
             ).view(rows, num_heads, head_dim)
-        res = F.scaled_dot_product_attention(
-            q_b.reshape(rows, b.q_max, num_heads, head_dim).transpose(1, 2), keys, values, attn_mask=b.mask,
-            scale=scale, enable_gqa=True,
-        ).transpose(1, 2).reshape(rows * b.q_max, num_heads, head_dim)
+        res = (
+            F.scaled_dot_product_attention(
+                q_b.reshape(rows, b.q_max, num_heads, head_dim).transpose(1, 2),
+                keys,
+                values,
+                attn_mask=b.mask,
+                scale=scale,
+                enable_gqa=True,
+            )
+            .transpose(1, 2)
+            .reshape(rows * b.q_max, num_heads, head_dim)
+        )
         return res if b.out_rows is None else res.index_select(0, b.out_rows)

@@ -95,12 +95,17 @@ def _host_group(layout: StepLayout, rows: np.ndarray) -> _HostGroup:
     out_rows = np.flatnonzero(g.real)
     out_tokens = g.token_index.ravel()[out_rows]
     identity = rows.size == layout.query_lens.size and out_rows.size == rows.size * g.q_max == layout.num_tokens
-    return _HostGroup(g.q_max, g.n_blocks, identity,
-                      [layout.slots[rows], g.context_lens, g.token_index, g.query_pos, out_rows, out_tokens])
+    return _HostGroup(
+        g.q_max,
+        g.n_blocks,
+        identity,
+        [layout.slots[rows], g.context_lens, g.token_index, g.query_pos, out_rows, out_tokens],
+    )
 
 
-def _device_group(host: _HostGroup, dev: list[torch.Tensor], block_table: torch.Tensor,
-                  block_size: int) -> AttentionGroup:
+def _device_group(
+    host: _HostGroup, dev: list[torch.Tensor], block_table: torch.Tensor, block_size: int
+) -> AttentionGroup:
     """Block ids and mask of one group, built on the device from its uploaded indices."""
     slots, context_lens, token_index, query_pos, out_rows, out_tokens = dev
     device = block_table.device
@@ -111,8 +116,14 @@ def _device_group(host: _HostGroup, dev: list[torch.Tensor], block_table: torch.
     block_ids = torch.where(needed, block_table[slots, : host.n_blocks], 0)
     key_pos = torch.arange(host.n_blocks * block_size, device=device)
     mask = (key_pos[None, None, :] <= query_pos[:, :, None]).unsqueeze(1)
-    return AttentionGroup(token_index=token_index, block_ids=block_ids, mask=mask, out_rows=out_rows,
-                          out_tokens=out_tokens, identity=host.identity)
+    return AttentionGroup(
+        token_index=token_index,
+        block_ids=block_ids,
+        mask=mask,
+        out_rows=out_rows,
+        out_tokens=out_tokens,
+        identity=host.identity,
+    )
 
 
 class GatherBuffer:
@@ -255,8 +266,10 @@ class TorchSDPABackend(AttentionBackend):
 
     def build_metadata(self, layout: StepLayout, block_table: torch.Tensor, upload: Upload) -> SDPAMetadata:
         is_decode = layout.query_lens == 1
-        hosts = [_host_group(layout, rows) if rows.size else None
-                 for rows in (np.flatnonzero(is_decode), np.flatnonzero(~is_decode))]
+        hosts = [
+            _host_group(layout, rows) if rows.size else None
+            for rows in (np.flatnonzero(is_decode), np.flatnonzero(~is_decode))
+        ]
         # One upload for the whole step: positions, slot-mapping inputs, then each group's arrays.
         arrays = [layout.positions, *layout.slot_mapping_inputs()]
         for h in hosts:
@@ -268,7 +281,7 @@ class TorchSDPABackend(AttentionBackend):
             if h is None:
                 groups.append(None)
                 continue
-            groups.append(_device_group(h, dev[i:i + len(h.arrays)], block_table, layout.block_size))
+            groups.append(_device_group(h, dev[i : i + len(h.arrays)], block_table, layout.block_size))
             i += len(h.arrays)
         return SDPAMetadata(
             num_tokens=layout.num_tokens,
