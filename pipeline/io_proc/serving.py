@@ -94,12 +94,17 @@ def _sse(obj: msgspec.Struct) -> bytes:
     return b"data: " + msgspec.json.encode(obj) + b"\n\n"
 
 
+def json_body(obj: object) -> bytes:
+    """``obj`` (structs, dicts, lists, scalars) as JSON, encoded with msgspec."""
+    return msgspec.json.encode(obj)
+
+
 def json_response(obj: msgspec.Struct, status_code: int = 200) -> Response:
     """A JSON response encoded with msgspec."""
     return Response(msgspec.json.encode(obj), status_code=status_code, media_type="application/json")
 
 
-class _EventStream(StreamingResponse):
+class EventStream(StreamingResponse):
     """An SSE response that runs ``on_close`` however it ends: fully sent,
     client gone (Starlette cancels the send task), or server shutdown."""
 
@@ -162,9 +167,8 @@ class OpenAIServing:
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         prompt_ids = prompt if req.return_token_ids else msgspec.UNSET
         if req.stream:
-            return _EventStream(
-                self._chat_stream(req, plan, states, rid, created, prompt_ids),
-                lambda: [self._client.release(st) for st in states],
+            return EventStream(
+                self._chat_stream(req, plan, states, rid, created, prompt_ids), lambda: self.release(states)
             )
         if not await self.wait(states, raw):
             return Response(status_code=_CLIENT_CLOSED)
@@ -242,7 +246,7 @@ class OpenAIServing:
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         prompt_ids = [p for p in prompts for _ in range(n)] if req.return_token_ids else [msgspec.UNSET] * len(states)
         if req.stream:
-            return _EventStream(
+            return EventStream(
                 self._completion_stream(req, states, echoes, rid, created, prompt_ids),
                 lambda: [self._client.release(st) for st in states],
             )
@@ -443,6 +447,11 @@ class OpenAIServing:
             return build_grammar(kind, spec, param)
         except GrammarError as e:
             raise APIError.bad_request(str(e), param=e.param) from None
+
+    def release(self, states: list[RequestState]) -> None:
+        """The client is done with ``states``: abort those still running."""
+        for st in states:
+            self._client.release(st)
 
     async def wait(self, states: list[RequestState], raw: Request) -> bool:
         """Wait for non-streaming requests to finish; False if the client left

@@ -218,6 +218,7 @@ class ToolCallStream:
         self._scanner: CallScanner | None = None
         self._num_calls = 0
         self._named = False  # the current call's name was emitted
+        self._trim = False  # in _TAIL after the calls: leading whitespace is dropped
 
     def feed(self, text: str) -> list[Event]:
         """Events for ``text``, the output's next delta."""
@@ -230,7 +231,7 @@ class ToolCallStream:
     def finish(self) -> list[Event]:
         """Events for the held-back text, at the end of the output."""
         out: list[Event] = []
-        rest = self._buf.lstrip() if self._state == _AFTER_CALL else self._buf
+        rest = self._buf.lstrip() if self._state == _AFTER_CALL or self._trim else self._buf
         if rest and self._state in (_TEXT, _TAIL, _AFTER_CALL):
             out.append(rest)  # text after the calls, or a trigger's start that never completed
         self._buf = ""
@@ -242,6 +243,9 @@ class ToolCallStream:
         if st == _TEXT:
             return self._scan_text(out)
         if st == _TAIL:
+            if self._trim:  # whitespace right after the calls is not content
+                self._buf = self._buf.lstrip()
+                self._trim = not self._buf
             if self._buf:
                 out.append(self._buf)
                 self._buf = ""
@@ -294,7 +298,7 @@ class ToolCallStream:
                     self._consume(len(self._buf) - len(stripped) + len(literal))
                     self._state = state
                     if state == _TAIL:
-                        self._raw = ""
+                        self._raw, self._trim = "", True
                     return True
         self._buf, self._state, self._raw = stripped, _TAIL, ""
         return True
