@@ -178,6 +178,15 @@ def build_parser() -> argparse.ArgumentParser:
         "(the reference for A/B measurements and correctness).",
     )
     p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Keep the KV blocks of computed prefixes (finished requests' too, evicted least recently "
+        "used first) and prefill only what a new request does not share with them; with -dp, route a "
+        "request to the engine holding its longest prefix. --no-enable-prefix-caching recomputes every "
+        "prompt.",
+    )
+    p.add_argument(
         "--debug-token-cache-poison",
         action="store_true",
         help="Poison token-id cache entries once consumed and check every placeholder read "
@@ -441,6 +450,7 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         num_kv_blocks=num_blocks,
         vocab_size=0 if sim else int(cfg.get("vocab_size", 0)),
         async_scheduling=args.async_scheduling,
+        enable_prefix_caching=args.enable_prefix_caching,
         debug_token_cache_poison=args.debug_token_cache_poison,
         sim_step_us=args.sim_step_us,
         sim_token_us=args.sim_token_us,

@@ -42,6 +42,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
             or above it.
         num_kv_blocks: KV cache blocks the worker allocates.
         async_scheduling: plan step N+1 while step N runs.
+        enable_prefix_caching: reuse the KV blocks of computed prefixes
+            (docs/design.md, "Prefix caching").
         debug_token_cache_poison: poison consumed token-id cache entries and
             check every placeholder read (slower; tests turn it on).
         attention_backend: the worker's attention backend, one of
@@ -112,6 +114,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
     num_kv_blocks: int = 1024
     vocab_size: int = 0
     async_scheduling: bool = True
+    enable_prefix_caching: bool = True
     debug_token_cache_poison: bool = False
     sim_step_us: float = 10_000.0
     sim_token_us: float = 0.0
