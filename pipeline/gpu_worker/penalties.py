@@ -181,4 +181,6 @@ def apply_penalties(logits: torch.Tensor, inputs: PenaltyInputs | None, state: P
         x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
         x -= state.frequency.index_select(0, inputs.req_indices)[:, None] * counts
         x -= state.presence.index_select(0, inputs.req_indices)[:, None] * in_output
+        # l / r overflows float32 for a tiny r: keep the row finite or -inf, so greedy and the sampler stay defined.
+        torch.nan_to_num_(x, nan=float("-inf"), posinf=torch.finfo(x.dtype).max, neginf=float("-inf"))
     return logits.index_copy(0, inputs.rows, x)

@@ -136,9 +136,10 @@ class SamplingRequest(_Request):
 
     Penalties and biases (docs/design.md, "Penalties and biases"):
     ``presence_penalty`` and ``frequency_penalty`` in -2..2 (OpenAI API
-    reference); ``repetition_penalty`` > 0, 1 off (vLLM, after Keskar et al.
-    2019); ``logit_bias`` maps token ids (as decimal strings, the JSON keys
-    OpenAI's clients send) to a bias in -100..100, at most
+    reference); ``repetition_penalty`` in 0.01..100, 1 off (vLLM, after Keskar
+    et al. 2019; the sampler stays defined past that range, where a logit
+    divided by it overflows float32); ``logit_bias`` maps token ids (as
+    decimal strings, the JSON keys OpenAI's clients send) to a bias in -100..100, at most
     ``MAX_LOGIT_BIAS`` of them; ``min_p`` in 0..1 (vLLM, after Nguyen et al.
     2024); ``min_tokens`` (vLLM): the stop token ids cannot end the output
     before this many tokens; ``stop_token_ids`` (vLLM): more ids that end
@@ -169,7 +170,7 @@ class SamplingRequest(_Request):
     return_token_ids: bool = False
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(default=None, ge=0.01, le=100.0)
     logit_bias: dict[str, float] | None = None
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     min_tokens: int = Field(default=0, ge=0)
