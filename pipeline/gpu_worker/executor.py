@@ -1,6 +1,6 @@
 """What the model runner drives: the real model or the simulated device.
 
-:class:`~pipeline.gpu_worker.model_runner.ModelRunner` prepares a step (slot
+:class:`~pipeline.gpu_worker.model_runner.ModelRunner` prepares a step (row
 updates, placeholder resolution, attention metadata) the same way for both;
 an :class:`Executor` then turns the resolved inputs into sampled tokens
 (docs/design.md, "The worker"; "The simulated device"). It owns what only

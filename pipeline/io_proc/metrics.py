@@ -22,8 +22,8 @@ class PipelineMetrics:
 
     Exposed names, summed over the data-parallel engines: gauges ``pipeline_num_requests_running``,
     ``pipeline_num_requests_waiting``, ``pipeline_kv_blocks_free``,
-    ``pipeline_kv_blocks_total``, ``pipeline_slots_free``,
-    ``pipeline_slots_total``; counters (the scheduler's cumulative counts)
+    ``pipeline_kv_blocks_total``, ``pipeline_req_indices_free``,
+    ``pipeline_req_indices_total``; counters (the scheduler's cumulative counts)
     ``pipeline_num_steps_total``, ``pipeline_num_preemptions_total``; io-side
     counters ``pipeline_prompt_tokens_total``,
     ``pipeline_generation_tokens_total`` and
@@ -52,8 +52,12 @@ class PipelineMetrics:
             ("num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
             ("kv_blocks_free", "Free KV cache blocks.", "num_free_blocks"),
             ("kv_blocks_total", "KV cache blocks.", "num_total_blocks"),
-            ("slots_free", "Free request slots.", "num_free_slots"),
-            ("slots_total", "Request slots (max_num_seqs).", "num_total_slots"),
+            (
+                "req_indices_free",
+                "Free request indices (rows of the worker's per-request tables).",
+                "num_free_req_indices",
+            ),
+            ("req_indices_total", "Request indices (max_num_seqs).", "num_total_req_indices"),
         )
         counters = (
             ("num_steps", "Steps planned by the scheduler.", "num_steps"),

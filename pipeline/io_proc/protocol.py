@@ -31,7 +31,7 @@ from pipeline.common.step_protocol import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP
 
 # The OpenAI API accepts at most four stop sequences.
 MAX_STOP_STRINGS = 4
-# Choices per prompt (n); each is a sequence in a slot of its own.
+# Choices per prompt (n); each is a sequence with a req_index of its own.
 MAX_CHOICES = 128
 # Prompts in one completions request (a list of strings or of token-id lists),
 # as the OpenAI API bounds a batched input; each becomes its own request.
@@ -455,7 +455,7 @@ class ChatCompletionMessage(msgspec.Struct, kw_only=True):
 
 class ChatCompletionChoice(msgspec.Struct, kw_only=True):
     """One choice of a ``chat.completion`` (``index`` 0..n-1); ``logprobs`` is
-    ``{"content": [...]}`` (see :func:`~pipeline.io_proc.logprobs.chat_logprobs`) when asked."""
+    ``{"content": [...]}`` (see :func:`~pipeline.io_proc.logprobs_json.chat_logprobs`) when asked."""
 
     index: int = 0
     message: ChatCompletionMessage
@@ -510,7 +510,7 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
 
 class CompletionChoice(msgspec.Struct, kw_only=True):
     """One choice of a ``text_completion`` (whole or chunk), one per prompt; ``logprobs`` is
-    the legacy object (see :func:`~pipeline.io_proc.logprobs.completion_logprobs`) when asked."""
+    the legacy object (see :func:`~pipeline.io_proc.logprobs_json.completion_logprobs`) when asked."""
 
     index: int = 0
     text: str

@@ -1,4 +1,4 @@
-"""KV cache block and slot accounting: reference counts, prefix caching, frees deferred against step ids."""
+"""KV cache block and req_index accounting: reference counts, prefix caching, frees deferred against step ids."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections import OrderedDict, defaultdict
 
 
 class BlockPool:
-    """KV cache blocks and request slots.
+    """KV cache blocks and request indices.
 
     Every block is exactly one of: *free* (no name, no owner), *cached-free*
     (named by its block hash, no owner: its keys and values can be reused
@@ -26,17 +26,17 @@ class BlockPool:
 
     Args:
         num_blocks: KV cache blocks (ids ``0..num_blocks-1``).
-        num_slots: request slots (ids ``0..num_slots-1``), i.e. ``max_num_seqs``.
+        num_req_indices: request indices (ids ``0..num_req_indices-1``), i.e. ``max_num_seqs``.
         enable_caching: name blocks at all; without it :meth:`cache_blocks`
             does nothing and :meth:`lookup` finds nothing.
     """
 
-    def __init__(self, num_blocks: int, num_slots: int, enable_caching: bool = True):
-        self.num_blocks, self.num_slots = num_blocks, num_slots
+    def __init__(self, num_blocks: int, num_req_indices: int, enable_caching: bool = True):
+        self.num_blocks, self.num_req_indices = num_blocks, num_req_indices
         self.enable_caching = enable_caching
         # Stacks popped from the end; reversed so low ids go first.
         self._free_blocks = list(range(num_blocks - 1, -1, -1))
-        self._free_slots = list(range(num_slots - 1, -1, -1))
+        self._free_req_indices = list(range(num_req_indices - 1, -1, -1))
         self._refs = [0] * num_blocks
         self._hash: list[bytes | None] = [None] * num_blocks
         self._cached: dict[bytes, int] = {}  # block hash -> the block it names
@@ -56,8 +56,8 @@ class BlockPool:
         return len(self._cached)
 
     @property
-    def num_free_slots(self) -> int:
-        return len(self._free_slots)
+    def num_free_req_indices(self) -> int:
+        return len(self._free_req_indices)
 
     @property
     def num_deferred_blocks(self) -> int:
@@ -120,30 +120,30 @@ class BlockPool:
                 cached[h] = b
                 names[b] = h
 
-    def allocate_slot(self) -> int | None:
-        """Take a slot, or None if none is free."""
-        return self._free_slots.pop() if self._free_slots else None
+    def allocate_req_index(self) -> int | None:
+        """Take a req_index, or None if none is free."""
+        return self._free_req_indices.pop() if self._free_req_indices else None
 
-    def free_after(self, step_id: int, blocks: list[int], slot: int) -> None:
-        """Drop one owner of each of ``blocks``, and free ``slot`` (-1: none), once step ``step_id`` has completed.
+    def free_after(self, step_id: int, blocks: list[int], req_index: int) -> None:
+        """Drop one owner of each of ``blocks``, and free ``req_index`` (-1: none), once step ``step_id`` has completed.
 
         ``blocks`` in order from the request's first: its last ones are evicted first.
         """
         if step_id <= self._completed_step:
-            self._release(blocks, slot)
+            self._release(blocks, req_index)
         else:
-            self._deferred[step_id].append((blocks, slot))
+            self._deferred[step_id].append((blocks, req_index))
             self._num_deferred_blocks += len(blocks)
 
     def step_completed(self, step_id: int) -> None:
         """Step ``step_id`` (and every earlier one) reported its output."""
         self._completed_step = step_id
         for s in [s for s in self._deferred if s <= step_id]:
-            for blocks, slot in self._deferred.pop(s):
+            for blocks, req_index in self._deferred.pop(s):
                 self._num_deferred_blocks -= len(blocks)
-                self._release(blocks, slot)
+                self._release(blocks, req_index)
 
-    def _release(self, blocks: list[int], slot: int) -> None:
+    def _release(self, blocks: list[int], req_index: int) -> None:
         # Locals: at batch 1024 this runs for hundreds of blocks a step.
         refs, names, free, evictable = self._refs, self._hash, self._free_blocks, self._evictable
         for b in reversed(blocks):  # a prefix outlives its tails: its blocks are the most recently freed
@@ -153,5 +153,5 @@ class BlockPool:
                     free.append(b)
                 else:
                     evictable[b] = None
-        if slot >= 0:
-            self._free_slots.append(slot)
+        if req_index >= 0:
+            self._free_req_indices.append(req_index)

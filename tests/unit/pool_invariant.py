@@ -8,13 +8,13 @@ from collections.abc import Iterable
 from pipeline.scheduler_proc.kv_block_pool import BlockPool
 
 
-def check_pool(pool: BlockPool, held_blocks: Iterable[list[int]], held_slots: Iterable[int] = ()) -> None:
+def check_pool(pool: BlockPool, held_blocks: Iterable[list[int]], held_req_indices: Iterable[int] = ()) -> None:
     """Assert the pool's invariant, given what its callers hold.
 
     Every block is exactly one of free, cached-free or owned; a block's
     reference count equals its owners (each holder of it plus each free still
     deferred behind a step in flight); a name belongs to one block and back;
-    every slot is free, held or deferred, once.
+    every req_index is free, held or deferred, once.
     """
     owners = Counter(b for blocks in held_blocks for b in blocks)
     deferred = [entry for entries in pool._deferred.values() for entry in entries]
@@ -32,5 +32,5 @@ def check_pool(pool: BlockPool, held_blocks: Iterable[list[int]], held_slots: It
     assert all(pool._hash[b] is not None for b in evictable), "a cached-free block has no name"
     assert all(pool._hash[b] == h for h, b in pool._cached.items())
     assert sum(h is not None for h in pool._hash) == len(pool._cached) == pool.num_cached_blocks
-    slots = [*pool._free_slots, *held_slots, *(s for _, s in deferred if s >= 0)]
-    assert sorted(slots) == list(range(pool.num_slots)), f"slots held/free/deferred: {sorted(slots)}"
+    indices = [*pool._free_req_indices, *held_req_indices, *(s for _, s in deferred if s >= 0)]
+    assert sorted(indices) == list(range(pool.num_req_indices)), f"req indices held/free/deferred: {sorted(indices)}"

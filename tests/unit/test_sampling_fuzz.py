@@ -66,7 +66,7 @@ def _inputs(rows: list[dict]) -> tuple[torch.Tensor, SamplingInputs]:
         bias_ids=bias_ids,
         bias_values=bias_values,
     )
-    # Every row is its own slot; rows with nothing to apply are left out, as plan_penalties does.
+    # Every row is its own req_index; rows with nothing to apply are left out, as plan_penalties does.
     pen = [i for i, r in enumerate(rows) if r["penalized"] or r["bias"] or r["min_tokens_ids"]]
     stop_rows = [q for q, i in enumerate(pen) for _ in rows[i]["min_tokens_ids"]]
     stop_ids = [t for i in pen for t in rows[i]["min_tokens_ids"]]
@@ -74,7 +74,7 @@ def _inputs(rows: list[dict]) -> tuple[torch.Tensor, SamplingInputs]:
     if pen:
         penalties = PenaltyInputs(
             rows=torch.tensor(pen),
-            slots=torch.tensor(pen),
+            req_indices=torch.tensor(pen),
             use_bias=any(rows[i]["bias"] for i in pen),
             use_penalties=any(rows[i]["penalized"] for i in pen),
             min_tokens_rows=torch.tensor(stop_rows) if stop_rows else None,
