@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from pipeline.common.block_hash import root_hash
 from pipeline.common.constants import cdiv
 from pipeline.common.layouts import Layout
 from pipeline.common.shm_ring import ShmRing
@@ -147,6 +148,11 @@ class EngineConfig(msgspec.Struct, frozen=True):
     def is_simulated(self) -> bool:
         """True when the simulated device replaces the model."""
         return self.model == "sim"
+
+    @property
+    def block_hash_root(self) -> bytes:
+        """The parent name of every prompt's first KV block, from what else makes its content: model, dtype."""
+        return root_hash(self.model, self.dtype)
 
     def engines(self) -> list[EngineConfig]:
         """One config per data-parallel engine, ``engine_index`` 0 .. ``data_parallel_size - 1``."""

@@ -76,9 +76,8 @@ class AddRequest(msgspec.Struct, tag=True):
     """Add a request. ``req_num`` is unique for the server's life.
 
     With ``n`` > 1 the prompt has ``n`` choices: they are the requests
-    ``req_num + 1 .. req_num + n`` (io_proc reserves all ``n + 1`` numbers),
-    choice ``i`` sampling with :func:`choice_seed` ``(params.seed, i)``, and
-    ``req_num`` itself names the shared prefill, which samples nothing
+    ``req_num .. req_num + n - 1`` (io_proc reserves all ``n`` numbers),
+    choice ``i`` sampling with :func:`choice_seed` ``(params.seed, i)``
     (docs/design.md, "Parallel choices").
     """
 
@@ -113,7 +112,13 @@ class Shutdown(msgspec.Struct, tag=True):
 
 
 class Stats(msgspec.Struct, tag=True):
-    """Scheduler occupancy, answered to :class:`GetStats` with the same nonce."""
+    """Scheduler occupancy, answered to :class:`GetStats` with the same nonce.
+
+    ``prefix_cache_queries`` and ``prefix_cache_hits`` count prompt tokens
+    looked up in the prefix cache and found there, since the start (vLLM's
+    counters); ``num_cached_blocks`` is the KV blocks that hold a cached
+    prefix now, in use or not (docs/design.md, "Prefix caching").
+    """
 
     nonce: int
     num_running: int
@@ -124,10 +129,24 @@ class Stats(msgspec.Struct, tag=True):
     num_total_req_indices: int
     num_steps: int
     num_preemptions: int
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_cached_blocks: int = 0
+
+
+class Admitted(msgspec.Struct, tag=True):
+    """Requests the scheduler admitted for the first time in one step, sent before the step.
+
+    ``num_cached_tokens[i]`` is the prompt tokens ``req_nums[i]`` found in
+    the prefix cache: what its usage reports as ``cached_tokens``.
+    """
+
+    req_nums: list[int]
+    num_cached_tokens: list[int]
 
 
 ToScheduler = Union[AddRequest, AbortRequest, GetStats, Shutdown]
-ToIO = Union[Stats]
+ToIO = Union[Stats, Admitted]
 
 
 def check_finish(token_id: int, num_output_tokens: int, params: SamplingParams) -> FinishReason | None:

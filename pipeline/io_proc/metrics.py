@@ -23,8 +23,10 @@ class PipelineMetrics:
     Exposed names, summed over the data-parallel engines: gauges ``pipeline_num_requests_running``,
     ``pipeline_num_requests_waiting``, ``pipeline_kv_blocks_free``,
     ``pipeline_kv_blocks_total``, ``pipeline_req_indices_free``,
-    ``pipeline_req_indices_total``; counters (the scheduler's cumulative counts)
-    ``pipeline_num_steps_total``, ``pipeline_num_preemptions_total``; io-side
+    ``pipeline_req_indices_total``, ``pipeline_kv_blocks_cached``; counters (the
+    scheduler's cumulative counts) ``pipeline_num_steps_total``,
+    ``pipeline_num_preemptions_total``, ``pipeline_prefix_cache_queries_total``
+    and ``pipeline_prefix_cache_hits_total`` (prompt tokens); io-side
     counters ``pipeline_prompt_tokens_total``,
     ``pipeline_generation_tokens_total`` and
     ``pipeline_requests_finished_total{finished_reason="stop"|"length"|"abort"}``.
@@ -58,10 +60,13 @@ class PipelineMetrics:
                 "num_free_req_indices",
             ),
             ("req_indices_total", "Request indices (max_num_seqs).", "num_total_req_indices"),
+            ("kv_blocks_cached", "KV cache blocks holding a cached prefix, in use or not.", "num_cached_blocks"),
         )
         counters = (
             ("num_steps", "Steps planned by the scheduler.", "num_steps"),
             ("num_preemptions", "Requests preempted (recompute).", "num_preemptions"),
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
         )
         for kind, rows in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)) if self._stats else ():
             for name, doc, field in rows:

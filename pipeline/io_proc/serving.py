@@ -65,6 +65,7 @@ from pipeline.io_proc.protocol import (
     DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
+    PromptTokensDetails,
     SamplingRequest,
     TokenizeRequest,
     TokenizeResponse,
@@ -182,7 +183,7 @@ class OpenAIServing:
                 model=self._model,
                 prompt_token_ids=prompt_ids,
                 choices=choices,
-                usage=self._usage(states, len(states)),
+                usage=await self._usage(states, len(states)),
             )
         )
 
@@ -246,7 +247,7 @@ class OpenAIServing:
             )
         return json_response(
             CompletionResponse(
-                id=rid, created=created, model=self._model, choices=choices, usage=self._usage(states, n)
+                id=rid, created=created, model=self._model, choices=choices, usage=await self._usage(states, n)
             )
         )
 
@@ -443,12 +444,20 @@ class OpenAIServing:
     def _output_ids(req: SamplingRequest, state: RequestState) -> list[int] | msgspec.UnsetType:
         return state.take_token_ids() if req.return_token_ids else msgspec.UNSET
 
-    @staticmethod
-    def _usage(states: list[RequestState], n: int) -> UsageInfo:
-        """Prompt tokens once per prompt (its ``n`` choices are consecutive), completion tokens of every choice."""
+    async def _usage(self, states: list[RequestState], n: int) -> UsageInfo:
+        """Prompt tokens once per prompt (its ``n`` choices are consecutive), completion tokens of every choice.
+
+        A prompt's cached tokens are its first choice's: the others find the blocks it computed.
+        """
+        await self._client.wait_admitted(states[::n])
         prompt = sum(st.prompt_len for st in states[::n])
         completion = sum(st.num_output_tokens for st in states)
-        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        return UsageInfo(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(st.num_cached_tokens for st in states[::n])),
+        )
 
     # -- streams -------------------------------------------------------------------
 
@@ -507,7 +516,11 @@ class OpenAIServing:
             if include_usage:
                 yield _sse(
                     ChatCompletionChunk(
-                        id=rid, created=created, model=self._model, choices=[], usage=self._usage(states, len(states))
+                        id=rid,
+                        created=created,
+                        model=self._model,
+                        choices=[],
+                        usage=await self._usage(states, len(states)),
                     )
                 )
         except Exception:
@@ -576,7 +589,7 @@ class OpenAIServing:
                         created=created,
                         model=self._model,
                         choices=[],
-                        usage=self._usage(states, req.num_choices()),
+                        usage=await self._usage(states, req.num_choices()),
                     )
                 )
         except Exception:

@@ -19,7 +19,7 @@ import zmq
 from pipeline.common.config import EngineConfig
 from pipeline.common.constants import POLL_INTERVAL_S, cdiv
 from pipeline.common.grammar import load_tokenizer
-from pipeline.common.messages import AbortRequest, AddRequest, GetStats, Shutdown, Stats, ToScheduler
+from pipeline.common.messages import AbortRequest, AddRequest, Admitted, GetStats, Shutdown, Stats, ToScheduler
 from pipeline.common.process import StopFlag, freeze_startup_heap, report
 from pipeline.common.shm_ring import RingTimeout, ShmRing
 from pipeline.common.step_protocol import (
@@ -71,6 +71,8 @@ class SchedulerProc:
             config.max_blocks_per_seq,
             grammar_tokenizer,
             cdiv(config.vocab_size, MASK_BITS),
+            config.enable_prefix_caching,
+            config.block_hash_root,
         )
         self.max_inflight = MAX_INFLIGHT_STEPS if config.async_scheduling else 1
         self.inflight: deque[int] = deque()
@@ -127,9 +129,17 @@ class SchedulerProc:
         step_id = self.scheduler.next_step_id
         if not self.scheduler.schedule(desc):
             return False  # entry stays acquired for the next try
+        if self.scheduler.admitted:  # before the step: io_proc has it before the requests' outputs
+            nums, cached = zip(*self.scheduler.admitted)
+            self.replies.send(self._encoder.encode(Admitted(list(nums), list(cached))))
+            self.scheduler.admitted.clear()
         self.desc_ring.publish()
         if self.trace is not None:
-            self.trace.add(self.config.scheduler_role, "plan", "plan", step_id, t0, time.monotonic_ns())
+            t1 = time.monotonic_ns()
+            self.trace.add(self.config.scheduler_role, "plan", "plan", step_id, t0, t1)
+            if self.scheduler.num_cached_tokens_step:
+                hits = f"{self.scheduler.num_cached_tokens_step} cached tokens"
+                self.trace.add(self.config.scheduler_role, "prefix cache", hits, step_id, t0, t1)
         if not self.inflight:
             self._oldest_since = time.monotonic()
         self.inflight.append(step_id)
@@ -170,6 +180,9 @@ class SchedulerProc:
             num_total_req_indices=s.pool.num_req_indices,
             num_steps=s.next_step_id,
             num_preemptions=s.num_preemptions,
+            prefix_cache_queries=s.prefix.num_queries,
+            prefix_cache_hits=s.prefix.num_hits,
+            num_cached_blocks=s.pool.num_cached_blocks,
         )
 
 
