@@ -69,11 +69,12 @@ def test_dp2_sends_a_conversation_back_to_the_engine_that_served_it(tiny_dir):
                 async with client.stream(
                     "POST", "/v1/completions", json={**body, "prompt": a1, "max_tokens": 200, "stream": True}
                 ) as ra:
-                    async for line in ra.aiter_lines():
+                    lines = ra.aiter_lines()
+                    async for line in lines:
                         if line.startswith("data: {"):
                             break  # A runs on engine 0
                     rb = await client.post("/v1/completions", json={**body, "prompt": b1, "max_tokens": 8})
-                    async for _ in ra.aiter_lines():
+                    async for _ in lines:
                         pass
                 return rb.json()["choices"][0]["token_ids"]
 
