@@ -73,11 +73,11 @@ class PrefixCache:
 
     def name_final(self, req: Request, final: int) -> None:
         """Name ``req``'s blocks that its first ``final`` tokens fill and that are not named yet; O(new blocks)."""
-        if not self.enabled:
-            return
         bs = self.block_size
-        full = min(final // bs, len(req.block_ids))
         done = req.num_named_blocks
+        if final < (done + 1) * bs or not self.enabled:  # the common case: no block filled since
+            return
+        full = min(final // bs, len(req.block_ids))
         if full <= done:
             return
         names = req.block_hashes
