@@ -114,8 +114,8 @@ def test_preemption_under_kv_pressure(tiny_dir):
         try:
 
             async def go(srv=srv):
-                async with httpx.AsyncClient(base_url=srv.url, timeout=300) as client:
-                    rs = await asyncio.gather(*(complete(client, srv.model, p, 100) for p in prompts))
+                async with httpx.AsyncClient(base_url=srv.url, timeout=900) as client:
+                    rs = await asyncio.gather(*(complete(client, srv.model, p, 60) for p in prompts))
                     return [r["choices"][0]["token_ids"] for r in rs]
 
             outs.append(asyncio.run(go()))
