@@ -45,7 +45,8 @@ class SamplingParams(msgspec.Struct, frozen=True):
         min_p: drop tokens less likely than ``min_p`` times the most likely
             one, after temperature (Nguyen et al. 2024; 0 is off).
         min_tokens: ``stop_token_ids`` cannot be sampled before this many
-            output tokens (0 is off).
+            output tokens, and a stop string counts only if a later token
+            completes it (vLLM's rule; 0 is off).
         logit_bias: ``(token id, bias)`` pairs added to the logits before
             sampling, at most ``MAX_LOGIT_BIAS`` (step_protocol).
         grammar: an llguidance grammar (``pipeline.common.grammar.build_grammar``)
