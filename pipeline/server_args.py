@@ -245,6 +245,15 @@ def build_parser() -> argparse.ArgumentParser:
         "worker hung and stops with an error (clients get 503); 0 disables the watchdog.",
     )
     p.add_argument(
+        "--metrics-compat",
+        choices=["none", "vllm"],
+        default="none",
+        help="vllm: /metrics also exports every vLLM metric the server has under vLLM's exact name and "
+        "labels (vllm:num_requests_running{model_name,engine}, vllm:time_to_first_token_seconds, ...), "
+        "so vLLM's Grafana dashboards and autoscalers read it unchanged. Off by default: the pipeline_ "
+        "names alone cannot be mistaken for vLLM's.",
+    )
+    p.add_argument(
         "--trace",
         metavar="FILE",
         default=None,
@@ -462,6 +471,7 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         api_key=args.api_key or "",
         cuda_graph_sizes=graph_sizes,
         step_timeout_s=args.step_timeout,
+        metrics_compat=args.metrics_compat,
         instance=f"{os.getpid()}-{secrets.token_hex(4)}",
         ipc_dir=make_ipc_dir(),
     )

@@ -92,6 +92,9 @@ class EngineConfig(msgspec.Struct, frozen=True):
         step_timeout_s: seconds a step in flight may go without its output
             before the scheduler declares the worker hung and stops the
             server with a message; 0 disables the watchdog.
+        metrics_compat: ``"vllm"``: ``/metrics`` also exports vLLM's metric
+            names and labels (docs/design.md, "Metrics"); ``"none"``: only the
+            ``pipeline_`` family.
         debug_fail_step: the worker raises ``RuntimeError`` when it
             launches this step, as a failing forward pass would (the fault
             tests use it); -1: never.
@@ -136,6 +139,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
     engine_index: int = 0
     api_key: str = ""
     step_timeout_s: float = 300.0
+    metrics_compat: str = "none"
     debug_fail_step: int = -1
     instance: str = ""
     ipc_dir: str = ""
