@@ -15,7 +15,7 @@ import sys
 
 from pipeline.common.config import ATTENTION_BACKENDS, EngineConfig
 from pipeline.common.instance_files import make_ipc_dir, sweep_dead_instances
-from pipeline.common.parallel import TPShape
+from pipeline.common.tp_shape import TPShape
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -102,7 +102,7 @@ class Server:
         return out
 
     def wait_idle(self, timeout: float = 30.0) -> dict[str, float]:
-        """Wait until no request runs and every block and slot is back; return the metrics then.
+        """Wait until no request runs and every block and req_index is back; return the metrics then.
 
         Frees wait for the last step in flight (deferred free), so they lag
         the requests' end by up to a step; a leak shows as a timeout here
@@ -115,7 +115,7 @@ class Server:
                 m["pipeline_num_requests_running"] == 0
                 and m["pipeline_num_requests_waiting"] == 0
                 and m["pipeline_kv_blocks_free"] == m["pipeline_kv_blocks_total"]
-                and m["pipeline_slots_free"] == m["pipeline_slots_total"]
+                and m["pipeline_req_indices_free"] == m["pipeline_req_indices_total"]
             ):
                 return m
             if time.monotonic() > deadline:

@@ -8,9 +8,9 @@ from pipeline.common.constants import cdiv
 from pipeline.common.layouts import Layout
 from pipeline.common.shm_ring import ShmRing
 from pipeline.common.step_protocol import (
-    DESCRIPTOR_RING_SLOTS,
+    DESCRIPTOR_RING_ENTRIES,
     MASK_BITS,
-    OUTPUT_RING_SLOTS,
+    OUTPUT_RING_ENTRIES,
     StepDescriptor,
     StepOutput,
 )
@@ -32,7 +32,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
         dtype: ``"float32"`` or ``"bfloat16"``.
         device: ``"cpu"`` or ``"cuda"``.
         host, port: where the HTTP server listens.
-        max_num_seqs: requests in one step at most (also the number of slots).
+        max_num_seqs: requests in one step at most (also the number of req_index rows).
         max_num_batched_tokens: tokens in one step at most (chunked prefill budget).
         block_size: tokens per KV cache block.
         max_model_len: prompt + output tokens of one request at most (at most
@@ -236,7 +236,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
         return ShmRing(
             self.descriptor_ring_name,
             self.descriptor_layout,
-            DESCRIPTOR_RING_SLOTS,
+            DESCRIPTOR_RING_ENTRIES,
             self.ranks_per_node,
             create,
             StepDescriptor,
@@ -244,7 +244,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
 
     def output_ring(self, create: bool = False) -> ShmRing[StepOutput]:
         """The StepOutput ring (worker rank 0 writes; scheduler and io_proc read)."""
-        return ShmRing(self.output_ring_name, self.output_layout, OUTPUT_RING_SLOTS, 2, create, StepOutput)
+        return ShmRing(self.output_ring_name, self.output_layout, OUTPUT_RING_ENTRIES, 2, create, StepOutput)
 
     @property
     def control_address(self) -> str:

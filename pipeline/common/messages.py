@@ -155,8 +155,8 @@ class Stats(msgspec.Struct, tag=True):
     num_waiting: int
     num_free_blocks: int
     num_total_blocks: int
-    num_free_slots: int
-    num_total_slots: int
+    num_free_req_indices: int
+    num_total_req_indices: int
     num_steps: int
     num_preemptions: int
     queue_time: HistogramData = msgspec.field(default_factory=HistogramData)

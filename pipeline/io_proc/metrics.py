@@ -128,8 +128,8 @@ _GAUGES = (
     ("num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
     ("kv_blocks_free", "Free KV cache blocks.", "num_free_blocks"),
     ("kv_blocks_total", "KV cache blocks.", "num_total_blocks"),
-    ("slots_free", "Free request slots.", "num_free_slots"),
-    ("slots_total", "Request slots (max_num_seqs).", "num_total_slots"),
+    ("req_indices_free", "Free request indices (rows of the worker's per-request tables).", "num_free_req_indices"),
+    ("req_indices_total", "Request indices (max_num_seqs).", "num_total_req_indices"),
 )
 _ENGINE_COUNTERS = (("num_steps", "Steps planned by the scheduler.", "num_steps"),)
 

@@ -1,7 +1,7 @@
 """The output reader thread: StepOutputs from the ring -> text per request -> the event loop.
 
 The thread reads every ``StepOutput`` from the output ring as reader
-``OUTPUT_READER_IO``, copies its rows and releases the slot before any text
+``OUTPUT_READER_IO``, copies its rows and releases the entry before any text
 work, runs each row through its request's
 :class:`~pipeline.io_proc.detokenizer.OutputProcessor` (detokenization, stop
 strings, ``check_finish``), and hands the step's results to the event loop
@@ -36,7 +36,7 @@ from pipeline.common.messages import FinishReason
 from pipeline.common.shm_ring import RingTimeout, ShmRing
 from pipeline.common.step_protocol import OUTPUT_READER_IO, DecodedOutput, StepOutput, TokenLogprobs
 from pipeline.common.trace import TraceRecorder
-from pipeline.io_proc.logprobs import TokenLogprob
+from pipeline.io_proc.logprobs_json import TokenLogprob
 from pipeline.io_proc.request_metrics import RequestMetrics
 from pipeline.io_proc.request_state import RequestState, StepTime
 
@@ -113,13 +113,13 @@ class OutputReader:
         try:
             while not self._closing.is_set():
                 try:
-                    slot = ring.acquire_read(reader, timeout=POLL_INTERVAL_S)
+                    entry = ring.acquire_read(reader, timeout=POLL_INTERVAL_S)
                 except RingTimeout:
                     continue
                 t0 = time.monotonic_ns()
-                # read() copies the rows out, so the slot goes back to the
+                # read() copies the rows out, so the entry goes back to the
                 # worker before any text work is done.
-                out = slot.read(logprobs=True)
+                out = entry.read(logprobs=True)
                 ring.release_read(reader)
                 step = self.metrics.step(out)
                 if out.req_nums or out.prompt_logprobs is not None:

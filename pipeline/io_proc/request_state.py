@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 
 from pipeline.common.messages import FinishReason, SamplingParams
 from pipeline.io_proc.detokenizer import OutputProcessor
-from pipeline.io_proc.logprobs import TokenLogprob
+from pipeline.io_proc.logprobs_json import TokenLogprob
 
 
 class StepTime:

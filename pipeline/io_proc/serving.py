@@ -48,7 +48,7 @@ from pipeline.common.grammar import GrammarError, build_grammar
 from pipeline.common.messages import SamplingParams
 from pipeline.common.step_protocol import MAX_STOP_TOKEN_IDS
 from pipeline.io_proc.engine_client import EngineClient, EngineUnavailable
-from pipeline.io_proc.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
+from pipeline.io_proc.logprobs_json import TokenLogprob, chat_logprobs, completion_logprobs
 from pipeline.io_proc.protocol import (
     APIError,
     ChatCompletionChoice,

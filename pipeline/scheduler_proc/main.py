@@ -130,7 +130,7 @@ class SchedulerProc:
         t0 = time.monotonic_ns()
         step_id = self.scheduler.next_step_id
         if not self.scheduler.schedule(desc):
-            return False  # slot stays acquired for the next try
+            return False  # entry stays acquired for the next try
         self.desc_ring.publish()
         if self.trace is not None:
             self.trace.add(self.config.scheduler_role, "plan", "plan", step_id, t0, time.monotonic_ns())
@@ -141,7 +141,7 @@ class SchedulerProc:
 
     def _await_output(self) -> None:
         try:
-            slot = self.out_ring.acquire_read(OUTPUT_READER_SCHEDULER, timeout=POLL_INTERVAL_S)
+            entry = self.out_ring.acquire_read(OUTPUT_READER_SCHEDULER, timeout=POLL_INTERVAL_S)
         except RingTimeout:
             waited = time.monotonic() - self._oldest_since
             if self.config.step_timeout_s and waited > self.config.step_timeout_s:
@@ -151,8 +151,8 @@ class SchedulerProc:
                 ) from None
             return
         t0 = time.monotonic_ns()
-        out = slot.read()
-        np.copyto(self._worker_counts, slot.worker_stats)
+        out = entry.read()
+        np.copyto(self._worker_counts, entry.worker_stats)
         self.out_ring.release_read(OUTPUT_READER_SCHEDULER)
         expected = self.inflight.popleft()
         if out.step_id != expected:
@@ -172,8 +172,8 @@ class SchedulerProc:
             num_waiting=len(s.waiting),
             num_free_blocks=s.pool.num_free_blocks,
             num_total_blocks=s.pool.num_blocks,
-            num_free_slots=s.pool.num_free_slots,
-            num_total_slots=s.pool.num_slots,
+            num_free_req_indices=s.pool.num_free_req_indices,
+            num_total_req_indices=s.pool.num_req_indices,
             num_steps=s.next_step_id,
             num_preemptions=s.num_preemptions,
             queue_time=s.queue_time.data(),

@@ -7,6 +7,7 @@ plain output of the same prompt.
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -54,6 +55,8 @@ def test_logit_bias_steers_greedy(tiny_async):
         ("presence_penalty", 3),
         ("frequency_penalty", -2.5),
         ("repetition_penalty", 0),
+        ("repetition_penalty", 1e-38),
+        ("repetition_penalty", 101),
         ("min_p", 1.5),
         ("min_tokens", -1),
         ("min_tokens", 9),
@@ -126,3 +129,35 @@ def test_min_tokens_holds_off_stop_strings(sim_async, smol_dir, stream):
             got = r["choices"][0]["text"], r["choices"][0]["finish_reason"], r["usage"]["completion_tokens"]
         assert got == (full[:cut], "stop", want_tokens)
         assert want_tokens > min_tokens
+
+
+def test_extreme_sampling_values_beside_a_request_leave_its_output_and_the_server_alone(tiny_async):
+    """The request that once stopped the server (a 400 now) and the extremes the edge accepts, sent at once."""
+    solo = complete(tiny_async, max_tokens=12, ignore_eos=True)["choices"][0]["token_ids"]
+    crash = {"temperature": 1, "top_p": 0.9, "repetition_penalty": 1e-38}
+    extremes = [
+        {"temperature": 1, "top_p": 1e-6, "repetition_penalty": 0.01, "presence_penalty": 2, "seed": 1},
+        {"temperature": 2, "top_k": 1, "min_p": 1, "repetition_penalty": 100, "frequency_penalty": -2, "seed": 2},
+        {"temperature": 1e-7, "logit_bias": {"5": 100, "6": 100, "7": -100}, "min_tokens": 3, "seed": 3},
+        {"temperature": 0.01, "top_p": 0.5, "min_p": 0.999, "top_k": 2**40, "seed": 4},
+    ]
+
+    def post(body):
+        return httpx.post(
+            f"{tiny_async.url}/v1/completions",
+            timeout=180,
+            json={"model": tiny_async.model, "prompt": PROMPT, "max_tokens": 12, "return_token_ids": True, **body},
+        )
+
+    with ThreadPoolExecutor(len(extremes) + 2) as pool:
+        bad = pool.submit(post, crash)
+        odd = [pool.submit(post, body) for body in extremes]
+        plain = pool.submit(post, {"temperature": 0, "ignore_eos": True})
+        assert bad.result().status_code == 400 and bad.result().json()["error"]["param"] == "repetition_penalty"
+        for f in odd:
+            r = f.result()
+            assert r.status_code == 200, r.text
+            assert len(r.json()["choices"][0]["token_ids"]) >= 1
+        assert plain.result().json()["choices"][0]["token_ids"] == solo
+    assert httpx.get(f"{tiny_async.url}/health", timeout=10).status_code == 200
+    assert complete(tiny_async, max_tokens=12, ignore_eos=True)["choices"][0]["token_ids"] == solo

@@ -60,7 +60,7 @@ def test_tp2_equals_tp1(tiny_kv4_dir, reference, mode):
         m = srv.wait_idle()
         assert m["pipeline_num_preemptions_total"] > 0
         assert m["pipeline_kv_blocks_free"] == m["pipeline_kv_blocks_total"] == 24
-        assert m["pipeline_slots_free"] == m["pipeline_slots_total"]
+        assert m["pipeline_req_indices_free"] == m["pipeline_req_indices_total"]
     finally:
         assert srv.stop() == 0
 
