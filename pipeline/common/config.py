@@ -92,6 +92,12 @@ class EngineConfig(msgspec.Struct, frozen=True):
         step_timeout_s: seconds a step in flight may go without its output
             before the scheduler declares the worker hung and stops the
             server with a message; 0 disables the watchdog.
+        log_stats_interval_s: seconds between two stats lines in io_proc's
+            log while there is traffic; 0: none.
+        uvicorn_access_log: io_proc logs an access line per HTTP request (uvicorn's).
+        enable_log_requests: io_proc logs a line per finished request (id, prompt
+            tokens, sampling parameters, finish reason, tokens, TTFT, e2e).
+        log_prompts: those lines include the prompt (otherwise never logged).
         metrics_compat: ``"vllm"``: ``/metrics`` also exports vLLM's metric
             names and labels (docs/design.md, "Metrics"); ``"none"``: only the
             ``pipeline_`` family.
@@ -140,6 +146,10 @@ class EngineConfig(msgspec.Struct, frozen=True):
     api_key: str = ""
     step_timeout_s: float = 300.0
     metrics_compat: str = "none"
+    log_stats_interval_s: float = 10.0
+    uvicorn_access_log: bool = True
+    enable_log_requests: bool = False
+    log_prompts: bool = False
     debug_fail_step: int = -1
     instance: str = ""
     ipc_dir: str = ""
