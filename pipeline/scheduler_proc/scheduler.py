@@ -276,6 +276,10 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.requests)
 
+    def shrink(self) -> None:
+        """After a burst: rebuild the request table, which never gives back the room its peak took."""
+        self.requests = dict(self.requests)
+
     # -- planning ---------------------------------------------------------------
 
     def schedule(self, desc: StepDescriptor) -> int:
@@ -655,7 +659,9 @@ class Scheduler:
             req = self._steady_req[s]
             self._apply_steady(s)
             del self.requests[req.req_num]
-            self.pool.free_after(req.last_step_id, req.block_ids, s)
+            # req.slot, not s: an int made by tolist() would outlive the burst in the free list and keep
+            # the allocator page it sits on from being given back.
+            self.pool.free_after(req.last_step_id, req.block_ids, req.slot)
             req.block_ids, req.slot = [], -1
         self.running = [r for r in self.running if r.slot >= 0]  # a running request has a slot
         self._steady_slots = self._steady_slots[self._req_num[self._steady_slots] >= 0]
