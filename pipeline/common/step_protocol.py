@@ -27,6 +27,7 @@ import numpy as np
 
 from pipeline.common.layouts import Layout
 from pipeline.common.messages import SamplingParams
+from pipeline.common.step_clock import WORKER_STATS_LEN
 
 # Token id meaning "the token this request sampled in the previous step"; the
 # worker resolves it from its on-device token-id cache (docs/design.md,
@@ -81,7 +82,10 @@ class StepDescriptor:
 
     Header (int64): ``step_id``, ``num_reqs`` (R), ``num_tokens`` (T),
     ``num_new_blocks`` (B), ``num_masks`` (M), ``mask_words`` (W, the
-    words of one token bitmask: ``ceil(vocab / 32)``, 0 without a model). Per request ``i < R`` (arrays of length
+    words of one token bitmask: ``ceil(vocab / 32)``, 0 without a model),
+    ``continues`` (1 when a row belongs to a request that was running
+    before this step: the device had work waiting, so the gap before the
+    step is the host's; docs/design.md, "Metrics"). Per request ``i < R`` (arrays of length
     ``max_num_seqs``): ``req_num`` (int64, unique for the server's life),
     ``req_index`` (int32), ``num_scheduled_tokens`` (int32), ``start_pos`` (int32,
     position of its first scheduled token), ``do_sample`` (uint8: the last
@@ -172,8 +176,8 @@ class StepDescriptor:
     mask_row: np.ndarray
     bitmask: np.ndarray
 
-    _STEP_ID, _NUM_REQS, _NUM_TOKENS, _NUM_NEW_BLOCKS, _NUM_MASKS, _MASK_WORDS = range(6)
-    HEADER_LEN = 6
+    _STEP_ID, _NUM_REQS, _NUM_TOKENS, _NUM_NEW_BLOCKS, _NUM_MASKS, _MASK_WORDS, _CONTINUES = range(7)
+    HEADER_LEN = 7
 
     @classmethod
     def layout(cls, max_num_seqs: int, max_num_batched_tokens: int, block_size: int, mask_words: int = 0) -> Layout:
@@ -364,6 +368,7 @@ class DescriptorBuilder:
         desc: StepDescriptor,
         step_id: int,
         decode: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None,
+        continues: bool = False,
     ) -> None:
         """Write the collected rows into ``desc`` as step ``step_id``.
 
@@ -372,6 +377,7 @@ class DescriptorBuilder:
                 ``[D]``: D rows of one token each, which sample and are not
                 new at their req_index (the scheduler's vectorized decode rows),
                 written first; the rows added with :meth:`add_row` follow.
+            continues: the header's ``continues`` flag.
         """
         d = 0 if decode is None else len(decode[0])
         n, t, b = d + len(self._req_num), d + len(self._token_ids), self.num_blocks
@@ -379,6 +385,7 @@ class DescriptorBuilder:
         h[StepDescriptor._STEP_ID], h[StepDescriptor._NUM_REQS] = step_id, n
         h[StepDescriptor._NUM_TOKENS], h[StepDescriptor._NUM_NEW_BLOCKS] = t, b
         h[StepDescriptor._NUM_MASKS], h[StepDescriptor._MASK_WORDS] = len(self._masks), desc.bitmask.shape[1]
+        h[StepDescriptor._CONTINUES] = continues
         for m, (row, mask) in enumerate(self._masks):
             desc.mask_row[m], desc.bitmask[m] = d + row, mask
         if d:
@@ -426,6 +433,7 @@ class StepInputs:
     """
 
     step_id: int
+    continues: bool  # the header's flag: a row's request was running before this step
     req_num: np.ndarray  # [R]
     req_index: np.ndarray  # [R]
     query_lens: np.ndarray  # [R] tokens scheduled per row
@@ -462,6 +470,7 @@ def read_descriptor(desc: StepDescriptor) -> StepInputs:
     new_rows = np.flatnonzero(desc.is_new[:r])
     return StepInputs(
         step_id=desc.step_id,
+        continues=bool(desc.header[StepDescriptor._CONTINUES]),
         req_num=desc.req_num[:r].copy(),
         req_index=desc.req_index[:r].astype(np.int64),
         query_lens=desc.num_scheduled_tokens[:r].astype(np.int64),
@@ -579,12 +588,15 @@ class DecodedOutput:
 
     ``logprobs`` (rows whose request asked, ``index`` = row) and
     ``prompt_logprobs`` (``index`` = request number, with positions) are None
-    when the step has none or the reader did not ask for them.
+    when the step has none or the reader did not ask for them. ``time_ns``
+    and ``continues`` are the header's.
     """
 
     step_id: int
     req_nums: list[int]
     token_ids: list[int]
+    time_ns: int = 0
+    continues: bool = False
     logprobs: TokenLogprobs | None = None
     prompt_logprobs: TokenLogprobs | None = None
 
@@ -593,7 +605,11 @@ class StepOutput:
     """Typed views of one StepOutput ring entry.
 
     Header (int64): ``step_id``, ``num_rows`` (S), ``num_logprob_rows`` (L),
-    ``num_prompt_entries`` (P). Row ``r < S`` (arrays of length
+    ``num_prompt_entries`` (P), ``time_ns`` (``time.monotonic_ns()`` when
+    the worker had the step's tokens: the engine's timestamp of every token
+    in it, vLLM's ``NEW_TOKENS`` event), ``continues`` (the descriptor's
+    flag). ``worker_stats`` (int64 ``[WORKER_STATS_LEN]``): the worker's
+    cumulative :class:`~pipeline.common.step_clock.WorkerClock` counts. Row ``r < S`` (arrays of length
     ``max_num_seqs``): ``req_num`` (int64) and the sampled ``token_id``
     (int32). Only rows whose descriptor row had ``do_sample`` set produce an
     output row, in descriptor order. Rows whose request asked for
@@ -607,6 +623,7 @@ class StepOutput:
 
     __slots__ = (
         "header",
+        "worker_stats",
         "req_num",
         "token_id",
         "lp_row",
@@ -620,6 +637,7 @@ class StepOutput:
         "pe_top_logprobs",
     )
     header: np.ndarray
+    worker_stats: np.ndarray
     req_num: np.ndarray
     token_id: np.ndarray
     lp_row: np.ndarray
@@ -632,8 +650,8 @@ class StepOutput:
     pe_top_ids: np.ndarray
     pe_top_logprobs: np.ndarray
 
-    _STEP_ID, _NUM_ROWS, _NUM_LOGPROB_ROWS, _NUM_PROMPT_ENTRIES = range(4)
-    HEADER_LEN = 4
+    _STEP_ID, _NUM_ROWS, _NUM_LOGPROB_ROWS, _NUM_PROMPT_ENTRIES, _TIME_NS, _CONTINUES = range(6)
+    HEADER_LEN = 6
 
     @classmethod
     def layout(cls, max_num_seqs: int, max_num_batched_tokens: int) -> Layout:
@@ -642,6 +660,7 @@ class StepOutput:
         return Layout.of(
             [
                 ("header", np.int64, cls.HEADER_LEN),
+                ("worker_stats", np.int64, WORKER_STATS_LEN),
                 ("req_num", np.int64, s),
                 ("token_id", np.int32, s),
                 ("lp_row", np.int32, s),
@@ -668,15 +687,22 @@ class StepOutput:
         token_ids: np.ndarray,
         logprobs: TokenLogprobs | None = None,
         prompt_logprobs: TokenLogprobs | None = None,
+        time_ns: int = 0,
+        continues: bool = False,
+        worker_stats: np.ndarray | None = None,
     ) -> None:
         """Fill the entry with step ``step_id``'s ``[S]`` request numbers and sampled token ids.
 
         ``logprobs.index`` are output rows; ``prompt_logprobs.index`` request
-        numbers, with ``pos`` set.
+        numbers, with ``pos`` set; the rest are the header fields and the
+        worker's counts (left as they are if None).
         """
         n = len(req_nums)
         h = self.header
         h[self._STEP_ID], h[self._NUM_ROWS] = step_id, n
+        h[self._TIME_NS], h[self._CONTINUES] = time_ns, continues
+        if worker_stats is not None:
+            self.worker_stats[:] = worker_stats
         self.req_num[:n] = req_nums
         self.token_id[:n] = token_ids
         h[self._NUM_LOGPROB_ROWS] = 0 if logprobs is None else len(logprobs.index)
@@ -699,7 +725,13 @@ class StepOutput:
         """Copy the entry out (the entry may be released right after); log-probabilities only if asked."""
         h = self.header
         n = int(h[self._NUM_ROWS])
-        out = DecodedOutput(int(h[self._STEP_ID]), self.req_num[:n].tolist(), self.token_id[:n].tolist())
+        out = DecodedOutput(
+            int(h[self._STEP_ID]),
+            self.req_num[:n].tolist(),
+            self.token_id[:n].tolist(),
+            int(h[self._TIME_NS]),
+            bool(h[self._CONTINUES]),
+        )
         if logprobs:
             if m := int(h[self._NUM_LOGPROB_ROWS]):
                 out.logprobs = TokenLogprobs(

@@ -27,6 +27,7 @@ counters, so they stay in one module, longer than most.
 from __future__ import annotations
 
 import logging
+import time
 from array import array
 from collections import deque
 
@@ -35,6 +36,7 @@ from msgspec.structs import replace
 
 from pipeline.common.constants import cdiv
 from pipeline.common.grammar import GrammarState
+from pipeline.common.histogram import ITERATION_TOKENS_BUCKETS, REQUEST_LATENCY_BUCKETS, Histogram
 from pipeline.common.messages import AddRequest, SamplingParams, check_finish, choice_seed
 from pipeline.common.step_protocol import (
     MAX_MASKED_ROWS,
@@ -63,7 +65,9 @@ class Request:
     ``num_named_blocks`` blocks carry their names in the pool
     (docs/design.md, "Prefix caching"). ``grammar`` is the matcher of a
     structured-output request (None for others); it has consumed every token
-    of ``output_token_ids``.
+    of ``output_token_ids``. ``queued_ns``, ``scheduled_ns`` (first
+    admission; 0 before) and ``first_token_ns`` (0 before) are vLLM's request
+    events on ``time.monotonic_ns()`` (docs/design.md, "Metrics").
     """
 
     __slots__ = (
@@ -80,6 +84,9 @@ class Request:
         "block_hashes",
         "num_named_blocks",
         "grammar",
+        "queued_ns",
+        "scheduled_ns",
+        "first_token_ns",
     )
 
     def __init__(
@@ -100,6 +107,9 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.num_named_blocks = 0
         self.grammar = grammar
+        self.queued_ns = time.monotonic_ns()
+        self.scheduled_ns = 0
+        self.first_token_ns = 0
 
     @property
     def num_known_tokens(self) -> int:
@@ -172,6 +182,12 @@ class Scheduler:
         self.num_steady_steps = 0  # steps that planned steady rows
         # (req_num, prompt tokens found cached) of first admissions since the caller last emptied it.
         self.admitted: list[tuple[int, int]] = []
+        # vLLM's request phases, seconds, observed as requests finish; tokens per step.
+        self.queue_time, self.prefill_time, self.decode_time, self.inference_time = (
+            Histogram(REQUEST_LATENCY_BUCKETS) for _ in range(4)
+        )
+        self.iteration_tokens = Histogram(ITERATION_TOKENS_BUCKETS)
+        self._output_ns = 0  # time_ns of the output being applied
         self._builder = DescriptorBuilder()
         self._grammar_tokenizer, self._mask_words = grammar_tokenizer, mask_words
         self._max_new_blocks = max_new_blocks_per_step(max_num_seqs, max_num_batched_tokens, block_size)
@@ -244,15 +260,26 @@ class Scheduler:
             raise ValueError("structured output needs a model with a tokenizer")
         return GrammarState(self._grammar_tokenizer, params.grammar, params.stop_token_ids)
 
-    def abort_request(self, req_num: int) -> None:
-        """Drop a request now; its blocks and req_index return after its last step in flight."""
+    def abort_request(self, req_num: int, finished_ns: int = 0) -> None:
+        """Drop a request now; its blocks and req_index return after its last step in flight.
+
+        ``finished_ns`` > 0 means the request finished then (a stop string),
+        and its phases are observed.
+        """
         req = self.requests.get(req_num)
-        if req is not None:
-            self._remove(req)
+        if req is None:
+            return
+        if finished_ns:
+            self._observe_finish(req, finished_ns)
+        self._remove(req)
 
     @property
     def num_unfinished(self) -> int:
         return len(self.requests)
+
+    def shrink(self) -> None:
+        """After a burst: rebuild the request table, which never gives back the room its peak took."""
+        self.requests = dict(self.requests)
 
     # -- planning ---------------------------------------------------------------
 
@@ -297,6 +324,7 @@ class Scheduler:
             rows.append((req, n, sample))
             budget -= n
 
+        continues = len(steady) > 0 or len(rows) > 0
         while self.waiting and budget > 0 and len(rows) < max_rows:
             req = self.waiting[0]
             if req.num_placeholders:
@@ -326,6 +354,8 @@ class Scheduler:
                 self.admitted.append((req.req_num, start))
             self.num_cached_tokens_step += start
             req.block_ids, req.num_named_blocks, req.num_computed_tokens = list(hit), len(hit), start
+            if not req.scheduled_ns:  # the first admission; a preempted request keeps it, as in vLLM
+                req.scheduled_ns = time.monotonic_ns()
             req.req_index = self.pool.allocate_req_index()
             req.is_new = True
             self._admitted[req.req_index] = self._num_admitted
@@ -342,7 +372,8 @@ class Scheduler:
 
         if not rows and not len(steady):
             return 0
-        self._write(desc, step_id, rows, steady)
+        self._write(desc, step_id, rows, steady, continues)
+        self.iteration_tokens.observe(len(steady) + sum(k for _, k, _ in rows))
         self.next_step_id += 1
         return len(rows) + len(steady)
 
@@ -457,9 +488,17 @@ class Scheduler:
         return True
 
     def _write(
-        self, desc: StepDescriptor, step_id: int, rows: list[tuple[Request, int, bool]], steady: np.ndarray
+        self,
+        desc: StepDescriptor,
+        step_id: int,
+        rows: list[tuple[Request, int, bool]],
+        steady: np.ndarray,
+        continues: bool,
     ) -> None:
-        """Write the step: the ``steady`` rows' decodes (req_indices, int64 ``[D]``), then ``rows``; update counters."""
+        """Write the step: the ``steady`` rows' decodes (req_indices, int64 ``[D]``), then ``rows``; update counters.
+
+        ``continues``: some row's request was running before (the descriptor's flag).
+        """
         b = self._builder
         for req, k, sample in rows:
             pos = req.num_computed_tokens
@@ -516,7 +555,7 @@ class Scheduler:
             self._unapplied[steady] += 1
             self._last[steady] = step_id
             self.num_steady_steps += 1
-        b.write(desc, step_id, decode)
+        b.write(desc, step_id, decode, continues)
         # Grammar rows need their own token back before each step, which steady rows cannot wait for.
         joining = [req for req, k, sample in rows if k == 1 and sample and req.grammar is None]
         if joining:
@@ -524,11 +563,12 @@ class Scheduler:
 
     # -- outputs ----------------------------------------------------------------
 
-    def process_output(self, step_id: int, req_nums: list[int], token_ids: list[int]) -> list[int]:
+    def process_output(self, step_id: int, req_nums: list[int], token_ids: list[int], time_ns: int = 0) -> list[int]:
         """Apply StepOutput ``step_id``: append tokens, finish requests, release frees.
 
         A token for a request that finished or was aborted is the one wasted
-        token of a step already in flight: it is dropped.
+        token of a step already in flight: it is dropped. ``time_ns`` is the
+        output's engine timestamp (now if 0), which its tokens get.
 
         Returns:
             ``req_num`` of the requests that finished (stop token, length, or the
@@ -540,6 +580,7 @@ class Scheduler:
                 descriptor order).
         """
         finished: list[int] = []
+        self._output_ns = time_ns or time.monotonic_ns()
         rest = zip(req_nums, token_ids)
         planned = self._steady_planned.pop(step_id, None)
         if planned is not None:
@@ -558,6 +599,7 @@ class Scheduler:
         for req in self._finish_after.pop(step_id, ()):
             if self.requests.get(req.req_num) is req:
                 finished.append(req.req_num)
+                self._observe_finish(req, self._output_ns)
                 self._remove(req)
         self.pool.step_completed(step_id)
         self._last_output_step = step_id
@@ -566,6 +608,8 @@ class Scheduler:
     def _apply_token(self, req: Request, t: int, finished: list[int]) -> None:
         """Append ``t`` to ``req`` through its own counters; remove it and list it in ``finished`` if it ends."""
         req.num_placeholders -= 1
+        if not req.output_token_ids and not req.first_token_ns:
+            req.first_token_ns = self._output_ns
         steady = req.req_index >= 0 and self._steady_req[req.req_index] is req
         if steady:  # a steady row's token from a general row
             self._move_tokens(req.req_index)  # older tokens first
@@ -577,6 +621,7 @@ class Scheduler:
             log.error("request %d: token %d is outside its grammar", req.req_num, t)
         if check_finish(t, len(req.output_token_ids), req.params) is not None:
             finished.append(req.req_num)
+            self._observe_finish(req, self._output_ns)
             self._remove(req)
         elif not steady:  # a steady row's counters are not current: it names its blocks when it leaves
             self.prefix.name_final(req, num_final_tokens(req))
@@ -627,12 +672,26 @@ class Scheduler:
             self._num_tokens[req_indices] = 0  # nobody reads an ended request's tokens
         for s in req_indices.tolist():
             req = self._steady_req[s]
+            self._observe_finish(req, self._output_ns)
             self._apply_steady(s)
             del self.requests[req.req_num]
-            self.pool.free_after(req.last_step_id, req.block_ids, s)
+            # req.req_index, not s: an int made by tolist() would outlive the burst in the free list and keep
+            # the allocator page it sits on from being given back.
+            self.pool.free_after(req.last_step_id, req.block_ids, req.req_index)
             req.block_ids, req.req_index = [], -1
         self.running = [r for r in self.running if r.req_index >= 0]  # a running request has a req_index
         self._steady_indices = self._steady_indices[self._req_num[self._steady_indices] >= 0]
+
+    def _observe_finish(self, req: Request, end_ns: int) -> None:
+        """Observe the phases of ``req``, which finished at ``end_ns`` (vLLM's intervals:
+        queued -> first scheduled -> first token -> last token; docs/design.md, "Metrics")."""
+        if not req.scheduled_ns:
+            return
+        first = req.first_token_ns or end_ns  # a prefill-only request (max_tokens 0) ends at its last chunk
+        self.queue_time.observe((req.scheduled_ns - req.queued_ns) * 1e-9)
+        self.prefill_time.observe((first - req.scheduled_ns) * 1e-9)
+        self.decode_time.observe((end_ns - first) * 1e-9)
+        self.inference_time.observe((end_ns - req.scheduled_ns) * 1e-9)
 
     # -- internals --------------------------------------------------------------
 

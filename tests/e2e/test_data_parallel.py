@@ -44,7 +44,7 @@ def test_a_dying_engine_stops_the_server():
     scheduler1 = next(p for p in srv.children if b"pipeline-scheduler-dp1" in open(f"/proc/{p}/cmdline", "rb").read())
     os.kill(scheduler1, signal.SIGKILL)
     code = srv.proc.wait(30)
-    out = srv.proc.stdout.read()
+    out = srv.output()
     assert code != 0
     assert "scheduler-dp1 was killed by signal SIGKILL" in out, out
     assert wait_gone(srv.children) == []

@@ -96,7 +96,7 @@ def test_greedy_outputs_equal_with_the_cache_on_and_off(tiny_async, tiny_sync, t
         assert m["pipeline_prefix_cache_hits_total"] - m0["pipeline_prefix_cache_hits_total"] > 1000
         assert m["pipeline_kv_blocks_cached"] > 0
     m = tiny_nocache.wait_idle()
-    assert m["pipeline_prefix_cache_hits_total"] == m["pipeline_prefix_cache_queries_total"] == 0
+    assert "pipeline_prefix_cache_hits_total" not in m and "pipeline_prefix_cache_queries_total" not in m
     assert m["pipeline_kv_blocks_cached"] == 0
 
 
