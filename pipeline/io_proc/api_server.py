@@ -146,7 +146,7 @@ def build_app(
         config.responses_store_max_entries, config.responses_store_max_bytes, config.responses_store_max_age_s
     )
     responses = ResponsesServing(serving, store, config.served_model_name)
-    metrics = PipelineMetrics(client)
+    metrics = PipelineMetrics(client, config.served_model_name, config.max_model_len, config.metrics_compat)
     created = int(time.time())
 
     @asynccontextmanager

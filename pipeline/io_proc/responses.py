@@ -196,16 +196,17 @@ class ResponsesServing:
         except APIError as e:
             raise _responses_error(e) from None
         resp = _Response(req, self._model, history + items)
+        close = self._serving.closer(resp.id, chat, states)
         if req.stream:
-            return EventStream(self._stream(resp, plan, states[0]), lambda: self._serving.release(states))
-        if not await self._serving.wait(states, raw):
+            return EventStream(self._stream(resp, plan, states[0]), close)
+        if not await self._serving.wait(states, raw, close):
             return Response(status_code=499)
         content, calls, finish_reason = chat_output(plan, states[0])
         if content or not calls:
             resp.add_message(content or "")
         for c in calls:
             resp.add_call(new_call_id(), c.name, c.arguments)
-        body = self._finish(resp, finish_reason, states)
+        body = await self._finish(resp, finish_reason, states)
         return Response(body, media_type="application/json")
 
     def retrieve(self, response_id: str) -> Response:
@@ -243,9 +244,9 @@ class ResponsesServing:
             where = ".".join(str(p) for p in first.get("loc", ()))
             raise APIError.bad_request(f"input: {where}: {first.get('msg', 'invalid')}", param="input") from None
 
-    def _finish(self, resp: _Response, finish_reason: str | None, states: list[RequestState]) -> bytes:
+    async def _finish(self, resp: _Response, finish_reason: str | None, states: list[RequestState]) -> bytes:
         """The final response object, stored if asked."""
-        usage = self._serving.usage(states, 1)
+        usage = await self._serving.usage(states, 1)
         body = json_body(resp.object(finish_reason, usage))
         if resp.req.store:
             self._store.put(resp.id, body, json_body(resp.conversation + resp.output))
@@ -276,7 +277,7 @@ class ResponsesServing:
             for chunk in resp.close_open(ev):
                 yield chunk
             finish_reason = "tool_calls" if resp.num_calls and state.finish_reason == "stop" else state.finish_reason
-            final = json.loads(self._finish(resp, finish_reason, [state]))
+            final = json.loads(await self._finish(resp, finish_reason, [state]))
             done = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
             yield ev(done, response=final)
         except Exception:
@@ -456,7 +457,7 @@ def _in_progress(item: dict) -> dict:
 def _usage(u) -> dict:
     return {
         "input_tokens": u.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": u.prompt_tokens_details.cached_tokens},
         "output_tokens": u.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": u.total_tokens,

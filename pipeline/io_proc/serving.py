@@ -48,7 +48,7 @@ from pipeline.common.grammar import GrammarError, build_grammar
 from pipeline.common.messages import SamplingParams
 from pipeline.common.step_protocol import MAX_STOP_TOKEN_IDS
 from pipeline.io_proc.engine_client import EngineClient, EngineUnavailable
-from pipeline.io_proc.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
+from pipeline.io_proc.logprobs_json import TokenLogprob, chat_logprobs, completion_logprobs
 from pipeline.io_proc.protocol import (
     APIError,
     ChatCompletionChoice,
@@ -65,11 +65,13 @@ from pipeline.io_proc.protocol import (
     DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
+    PromptTokensDetails,
     SamplingRequest,
     TokenizeRequest,
     TokenizeResponse,
     UsageInfo,
 )
+from pipeline.io_proc.request_log import log_request
 from pipeline.io_proc.request_state import RequestState
 from pipeline.io_proc.tokenization import Tokenization
 from pipeline.io_proc.tool_calling import ChatToolStream, ToolCalling, ToolPlan, message_calls
@@ -150,6 +152,8 @@ class OpenAIServing:
         # asynchronous device assert on CUDA) and decode with the tokenizer.
         self._vocab_limit = min(tokenization.vocab_size, config.vocab_size or tokenization.vocab_size)
         self._structured_output = config.vocab_size > 0
+        self._log_requests, self._log_prompts = config.enable_log_requests, config.log_prompts
+        self._max_seqs = config.max_seqs_per_request
 
     @property
     def _texts(self):
@@ -166,11 +170,10 @@ class OpenAIServing:
         plan, prompt, states = await self.start_chat(req)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         prompt_ids = prompt if req.return_token_ids else msgspec.UNSET
+        close = self.closer(rid, req, states)
         if req.stream:
-            return EventStream(
-                self._chat_stream(req, plan, states, rid, created, prompt_ids), lambda: self.release(states)
-            )
-        if not await self.wait(states, raw):
+            return EventStream(self._chat_stream(req, plan, states, rid, created, prompt_ids), close)
+        if not await self.wait(states, raw, close):
             return Response(status_code=_CLIENT_CLOSED)
         choices = []
         for i, st in enumerate(states):
@@ -192,7 +195,7 @@ class OpenAIServing:
                 model=self._model,
                 prompt_token_ids=prompt_ids,
                 choices=choices,
-                usage=self.usage(states, len(states)),
+                usage=await self.usage(states, len(states)),
             )
         )
 
@@ -205,6 +208,7 @@ class OpenAIServing:
                 503 scheduler not taking requests.
         """
         self._check_model(req)
+        self._check_fan_out(1, req.num_choices())
         self._check_chars(sum(len(m.text()) for m in req.messages), "messages")
         plan = self.tool_calling.plan(req)
         prompt = await self._tokenization.encode_chat(plan.conversation, tools=plan.template_tools)
@@ -218,6 +222,7 @@ class OpenAIServing:
                 and 400 for ``max_tokens`` 0 without ``echo``.
         """
         self._check_model(req)
+        self._check_fan_out(len(req.prompt), req.num_choices())
         if req.requested_max_tokens() == 0 and not req.echo:
             raise APIError.bad_request("max_tokens must be at least 1 unless echo is true", param="max_tokens")
         prompts: list[list[int]] = []
@@ -245,12 +250,10 @@ class OpenAIServing:
         echoes = [e for e in echoes for _ in range(n)]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         prompt_ids = [p for p in prompts for _ in range(n)] if req.return_token_ids else [msgspec.UNSET] * len(states)
+        close = self.closer(rid, req, states)
         if req.stream:
-            return EventStream(
-                self._completion_stream(req, states, echoes, rid, created, prompt_ids),
-                lambda: [self._client.release(st) for st in states],
-            )
-        if not await self.wait(states, raw):
+            return EventStream(self._completion_stream(req, states, echoes, rid, created, prompt_ids), close)
+        if not await self.wait(states, raw, close):
             return Response(status_code=_CLIENT_CLOSED)
         choices = []
         for i, st in enumerate(states):
@@ -269,7 +272,9 @@ class OpenAIServing:
                 )
             )
         return json_response(
-            CompletionResponse(id=rid, created=created, model=self._model, choices=choices, usage=self.usage(states, n))
+            CompletionResponse(
+                id=rid, created=created, model=self._model, choices=choices, usage=await self.usage(states, n)
+            )
         )
 
     async def tokenize(self, req: TokenizeRequest) -> Response:
@@ -312,6 +317,20 @@ class OpenAIServing:
                 type="invalid_request_error",
                 param="model",
                 code="model_not_found",
+            )
+
+    def _check_fan_out(self, num_prompts: int, n: int) -> None:
+        """Refuse a request for more than ``max_seqs_per_request`` sequences (prompts times ``n``).
+
+        Raises:
+            APIError: 400 naming ``n`` (or ``prompt`` when ``n`` is 1).
+        """
+        if num_prompts * n > self._max_seqs:
+            raise APIError.bad_request(
+                f"this request asks for {num_prompts * n} sequences ({num_prompts} prompt(s) x n={n}); this "
+                f"server runs at most {self._max_seqs} per request (--max-seqs-per-request): send fewer "
+                f"prompts or a smaller n, or split the request",
+                param="n" if n > 1 else "prompt",
             )
 
     def _check_chars(self, num_chars: int, param: str) -> None:
@@ -448,13 +467,24 @@ class OpenAIServing:
         except GrammarError as e:
             raise APIError.bad_request(str(e), param=e.param) from None
 
-    def release(self, states: list[RequestState]) -> None:
-        """The client is done with ``states``: abort those still running."""
-        for st in states:
-            self._client.release(st)
+    def closer(self, rid: str, req: SamplingRequest, states: list[RequestState]) -> Callable[[], None]:
+        """What ends a request's response however it ends: release its states, then log it
+        (``--enable-log-requests``; its prompt only with ``--log-prompts``)."""
 
-    async def wait(self, states: list[RequestState], raw: Request) -> bool:
-        """Wait for non-streaming requests to finish; False if the client left
+        def close() -> None:
+            for st in states:
+                self._client.release(st)
+            if self._log_requests:
+                prompt = None
+                if self._log_prompts:
+                    chat = isinstance(req, ChatCompletionRequest)
+                    prompt = [m.model_dump(exclude_none=True) for m in req.messages] if chat else req.prompt
+                log_request(rid, states, req.num_choices(), req.stop_strings(), req.stream, prompt)
+
+        return close
+
+    async def wait(self, states: list[RequestState], raw: Request, close: Callable[[], None]) -> bool:
+        """Wait for non-streaming requests to finish, then ``close``; False if the client left
         first (then the requests are aborted at once, within the step).
 
         Raises:
@@ -472,19 +502,26 @@ class OpenAIServing:
         finally:
             finished.cancel()
             left.cancel()
-            for st in states:
-                self._client.release(st)
+            close()
 
     @staticmethod
     def _output_ids(req: SamplingRequest, state: RequestState) -> list[int] | msgspec.UnsetType:
         return state.take_token_ids() if req.return_token_ids else msgspec.UNSET
 
-    @staticmethod
-    def usage(states: list[RequestState], n: int) -> UsageInfo:
-        """Prompt tokens once per prompt (its ``n`` choices are consecutive), completion tokens of every choice."""
+    async def usage(self, states: list[RequestState], n: int) -> UsageInfo:
+        """Prompt tokens once per prompt (its ``n`` choices are consecutive), completion tokens of every choice.
+
+        A prompt's cached tokens are its first choice's: the others find the blocks it computed.
+        """
+        await self._client.wait_admitted(states[::n])
         prompt = sum(st.prompt_len for st in states[::n])
         completion = sum(st.num_output_tokens for st in states)
-        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        return UsageInfo(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(st.num_cached_tokens for st in states[::n])),
+        )
 
     # -- streams -------------------------------------------------------------------
 
@@ -556,7 +593,11 @@ class OpenAIServing:
             if include_usage:
                 yield _sse(
                     ChatCompletionChunk(
-                        id=rid, created=created, model=self._model, choices=[], usage=self.usage(states, len(states))
+                        id=rid,
+                        created=created,
+                        model=self._model,
+                        choices=[],
+                        usage=await self.usage(states, len(states)),
                     )
                 )
         except Exception:
@@ -625,25 +666,13 @@ class OpenAIServing:
                         created=created,
                         model=self._model,
                         choices=[],
-                        usage=self.usage(states, req.num_choices()),
+                        usage=await self.usage(states, req.num_choices()),
                     )
                 )
         except Exception:
             logger.exception("completion stream %s failed", rid)
             yield _stream_error()
         yield _DONE
-
-
-def chat_output(plan: ToolPlan, state: RequestState) -> tuple[str | None, list[ToolCall], str | None]:
-    """A finished choice's ``(content, tool calls, finish reason)``: calls end it with ``"tool_calls"``
-    (unless cut short by ``max_tokens``), and its content is null when it is calls only."""
-    text = state.take_text()
-    if plan.parser is None:
-        return text, [], state.finish_reason
-    content, calls = plan.parser.extract(text)
-    if not calls:
-        return content, [], state.finish_reason
-    return content or None, calls, "tool_calls" if state.finish_reason == "stop" else state.finish_reason
 
 
 async def _merged_updates(states: list[RequestState]) -> AsyncIterator[tuple[int, tuple | None]]:
@@ -705,3 +734,15 @@ def _stream_error() -> bytes:
     return _sse(
         ErrorResponse(error=ErrorInfo(message="internal server error while streaming", type="internal_server_error"))
     )
+
+
+def chat_output(plan: ToolPlan, state: RequestState) -> tuple[str | None, list[ToolCall], str | None]:
+    """A finished choice's ``(content, tool calls, finish reason)``: calls end it with ``"tool_calls"``
+    (unless cut short by ``max_tokens``), and its content is null when it is calls only."""
+    text = state.take_text()
+    if plan.parser is None:
+        return text, [], state.finish_reason
+    content, calls = plan.parser.extract(text)
+    if not calls:
+        return content, [], state.finish_reason
+    return content or None, calls, "tool_calls" if state.finish_reason == "stop" else state.finish_reason
