@@ -126,7 +126,11 @@ class ToolCalling:
             plan.parser = self._parser if native else JsonListToolParser()
             chosen = specs if choice == "required" else [s for s in specs if s.name == choice]
             parallel, free = parallel and choice == "required", False
-        plan.grammar = _compile(plan.parser.grammar(chosen, free=free, parallel=parallel), chosen, specs)
+        try:
+            grammar = plan.parser.grammar(chosen, free=free, parallel=parallel)
+        except RecursionError:  # json.dumps of a schema nested past Python's limit
+            raise APIError.bad_request("tools: a schema is nested too deeply", param="tools") from None
+        plan.grammar = _compile(grammar, chosen, specs)
         plan.template_tools = _template_tools(req.tools) if self._renders_tools else None
         plan.conversation = self.conversation(req.messages)
         if not self._renders_tools:
@@ -204,7 +208,13 @@ def _tool_specs(tools: list[ChatTool]) -> list[ToolSpec]:
                 f"tools[{i}].function.parameters must be a JSON schema of type object",
                 param=f"tools[{i}].function.parameters",
             )
-        specs.append(ToolSpec(f.name, _closed(params)))
+        try:
+            specs.append(ToolSpec(f.name, _closed(params)))
+        except RecursionError:
+            raise APIError.bad_request(
+                f"tools[{i}].function.parameters is nested too deeply to be a JSON schema",
+                param=f"tools[{i}].function.parameters",
+            ) from None
     return specs
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.io_proc.protocol import APIError, ChatCompletionRequest
+from pipeline.io_proc.protocol import APIError, ChatCompletionRequest, ChatTool, FunctionDefinition
 from pipeline.io_proc.tokenization import Tokenization
 from pipeline.io_proc.tool_calling import ToolCalling
 
@@ -103,6 +103,21 @@ def refused(tc: ToolCalling, req: ChatCompletionRequest) -> APIError:
 def test_bad_input_is_400_naming_the_field(body, param, words):
     e = refused(rendering(), request(**body))
     assert e.param == param and words in e.message
+
+
+def test_a_schema_nested_past_any_limit_is_400():
+    deep: dict = {"type": "object"}
+    for _ in range(5000):
+        deep = {"type": "object", "properties": {"x": deep}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": deep}}
+    req = ChatCompletionRequest.model_construct(
+        messages=request().messages,
+        tools=[
+            ChatTool.model_construct(type="function", function=FunctionDefinition.model_construct(**tool["function"]))
+        ],
+    )
+    e = refused(rendering(), req)
+    assert e.param.startswith("tools") and "nested too deeply" in e.message
 
 
 def test_auto_needs_the_flags_and_a_template_that_renders_tools():
