@@ -2,7 +2,7 @@
 
 The grammar (llguidance's Lark, with a lazy trigger rule or a start anchor)
 lets any text through until the trigger, then constrains the call.
-:class:`TriggeredGrammarState` runs no matcher and masks nothing while the
+``TriggeredGrammarState`` runs no matcher and masks nothing while the
 text cannot reach the trigger in the next token, so such a row decodes every
 step, with placeholders, like an unconstrained one. Only where the next token
 could complete the trigger does it build a matcher (a copy of a pristine one,
@@ -124,7 +124,7 @@ class TriggeredGrammarState:
         return self._s == len(self._trigger)
 
     def needs_mask(self, in_flight: int) -> bool:
-        """As :meth:`GrammarState.needs_mask`; False while the text is free and cannot reach the trigger."""
+        """As ``GrammarState.needs_mask``; False while the text is free and cannot reach the trigger."""
         s = self._s
         if s == len(self._trigger) or in_flight > 1:
             return True
@@ -133,7 +133,7 @@ class TriggeredGrammarState:
         return self._table.maybe[s] if in_flight else self._table.risky[s]
 
     def fill_mask(self, out: np.ndarray) -> None:
-        """As :meth:`GrammarState.fill_mask` (only asked where :meth:`needs_mask`)."""
+        """As ``GrammarState.fill_mask`` (only asked where ``needs_mask``)."""
         if self._live is None:
             self._live = self._matcher_for_tail()
         if self._live is None:
@@ -142,7 +142,7 @@ class TriggeredGrammarState:
             self._live.fill_mask(out)
 
     def accept(self, token_id: int) -> bool:
-        """As :meth:`GrammarState.accept`."""
+        """As ``GrammarState.accept``."""
         if self.triggered:
             return self._live.accept(token_id) if self._live is not None else True
         live, self._live = self._live, None

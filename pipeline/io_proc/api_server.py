@@ -44,7 +44,8 @@ from pipeline.io_proc.protocol import (
     TokenizeRequest,
 )
 from pipeline.io_proc.response_store import ResponseStore
-from pipeline.io_proc.responses import ResponsesRequest, ResponsesServing
+from pipeline.io_proc.responses import ResponsesServing
+from pipeline.io_proc.responses_input import ResponsesRequest
 from pipeline.io_proc.serving import OpenAIServing, json_response
 from pipeline.io_proc.tokenization import Tokenization
 

@@ -35,7 +35,8 @@ from pipeline.io_proc.tool_parsers import (
     ToolParser,
     ToolSpec,
 )
-from pipeline.io_proc.tool_parsers.base import Event, ToolCallStream
+from pipeline.io_proc.tool_parsers.calls import Event
+from pipeline.io_proc.tool_parsers.stream import ToolCallStream
 
 # OpenAI's rule for function names.
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
@@ -70,7 +71,7 @@ class ToolPlan:
 
 
 class ToolCalling:
-    """The server's tool-calling settings and each request's :class:`ToolPlan`.
+    """The server's tool-calling settings and each request's ``ToolPlan``.
 
     Args:
         parser_name: ``--tool-call-parser`` (None: none).
@@ -323,7 +324,7 @@ class ChatToolStream:
         return self._deltas(self._stream.feed(text))
 
     def finish(self) -> tuple[str | None, list[DeltaToolCall] | None]:
-        """As :meth:`feed`, for what was held back, at the end."""
+        """As ``feed``, for what was held back, at the end."""
         return self._deltas(self._stream.finish())
 
     def _deltas(self, events: list[Event]) -> tuple[str | None, list[DeltaToolCall] | None]:

@@ -13,7 +13,7 @@ import llguidance
 import pytest
 
 from pipeline.io_proc.tool_parsers import TOOL_PARSERS, JsonListToolParser, ToolCall, ToolCallDelta, ToolSpec
-from pipeline.io_proc.tool_parsers.base import assemble
+from pipeline.io_proc.tool_parsers.calls import assemble
 
 WEATHER = ToolSpec(
     "get_weather",

@@ -1,6 +1,8 @@
 """Hermes 2 Pro / 3, Qwen 2.5, QwQ and Qwen 3: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``."""
 
-from pipeline.io_proc.tool_parsers.base import JsonCallScanner, ToolParser, ToolSpec, json_call_rules
+from pipeline.io_proc.tool_parsers.base import ToolParser
+from pipeline.io_proc.tool_parsers.calls import ToolSpec
+from pipeline.io_proc.tool_parsers.json_call import JsonCallScanner, json_call_rules
 
 
 class HermesToolParser(ToolParser):

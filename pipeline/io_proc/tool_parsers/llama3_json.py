@@ -1,6 +1,8 @@
 """Llama 3.1 / 3.2 JSON tool calls: the output is ``{"name": ..., "parameters": {...}}``, calls joined by ``; ``."""
 
-from pipeline.io_proc.tool_parsers.base import JsonCallScanner, ToolParser, ToolSpec, json_call_rules
+from pipeline.io_proc.tool_parsers.base import ToolParser
+from pipeline.io_proc.tool_parsers.calls import ToolSpec
+from pipeline.io_proc.tool_parsers.json_call import JsonCallScanner, json_call_rules
 
 
 class Llama3JsonToolParser(ToolParser):

@@ -4,7 +4,9 @@ The marker must reach the text: with a tokenizer that makes ``[TOOL_CALLS]`` a
 special token, the detokenizer drops it (docs/design.md, "Tool calling").
 """
 
-from pipeline.io_proc.tool_parsers.base import JsonCallScanner, ToolParser, ToolSpec, json_call_rules
+from pipeline.io_proc.tool_parsers.base import ToolParser
+from pipeline.io_proc.tool_parsers.calls import ToolSpec
+from pipeline.io_proc.tool_parsers.json_call import JsonCallScanner, json_call_rules
 
 
 class MistralToolParser(ToolParser):

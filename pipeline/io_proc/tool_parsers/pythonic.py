@@ -11,7 +11,8 @@ from __future__ import annotations
 import ast
 import json
 
-from pipeline.io_proc.tool_parsers.base import Broken, CallScanner, ToolParser, ToolSpec
+from pipeline.io_proc.tool_parsers.base import ToolParser
+from pipeline.io_proc.tool_parsers.calls import Broken, CallScanner, ToolSpec
 
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
 
