@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+from typing import ClassVar
 
-from pipeline.io_proc.tool_parsers.base import lark_literal
+from pipeline.io_proc.tool_parsers.base import ToolParser, lark_literal
 from pipeline.io_proc.tool_parsers.calls import Broken, CallScanner, ToolSpec
 
 # JSON as json.dumps writes it (and chat templates' tojson): no other whitespace, so none without end.
@@ -20,6 +21,18 @@ def json_call_rules(tools: list[ToolSpec], args_key: str = "arguments") -> str:
         schema = json.dumps({**t.parameters, "x-guidance": _COMPACT})
         rules.append(f"call_{i}: {lark_literal(head)} %json {schema} {lark_literal('}')}")
     return "\n".join(rules)
+
+
+class JsonToolParser(ToolParser):
+    """A format whose calls are JSON objects; ``args_keys`` may hold the arguments, the first is the one written."""
+
+    args_keys: ClassVar[tuple[str, ...]] = ("arguments",)
+
+    def call_scanner(self) -> JsonCallScanner:
+        return JsonCallScanner(self.args_keys)
+
+    def call_rules(self, tools: list[ToolSpec]) -> str:
+        return json_call_rules(tools, self.args_keys[0])
 
 
 _WS = " \t\n\r"
