@@ -238,6 +238,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="Open HTTP connections plus running requests at which new requests get 503.",
     )
     p.add_argument(
+        "--max-seqs-per-request",
+        type=int,
+        default=2048,
+        help="Sequences one request may ask for at most: the prompts of a completions request times n "
+        "(n for a chat request). A request past it gets a 400 naming n or prompt.",
+    )
+    p.add_argument(
         "--step-timeout",
         type=float,
         default=300.0,
@@ -392,6 +399,7 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         "http_header_timeout",
         "http_body_timeout",
         "limit_concurrency",
+        "max_seqs_per_request",
         "tensor_parallel_size",
         "data_parallel_size",
     ):
@@ -486,6 +494,7 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         http_header_timeout_s=args.http_header_timeout,
         http_body_timeout_s=args.http_body_timeout,
         limit_concurrency=args.limit_concurrency,
+        max_seqs_per_request=args.max_seqs_per_request,
         attention_backend=args.attention_backend,
         worker_threads=args.worker_threads,
         worker_cpus=worker_cpus,

@@ -65,6 +65,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
             once its headers are in; then it gets 408 and is closed.
         limit_concurrency: open HTTP connections plus running requests at
             which io_proc answers new requests with 503.
+        max_seqs_per_request: sequences one request may ask for (prompts
+            times ``n``); io_proc refuses more with a 400.
         worker_threads: torch intra-op threads of the worker; 0: one per CPU
             the worker may run on.
         worker_cpus: CPUs the worker runs on; empty: every CPU.
@@ -132,6 +134,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
     http_header_timeout_s: float = 10.0
     http_body_timeout_s: float = 60.0
     limit_concurrency: int = 4096
+    max_seqs_per_request: int = 2048
     worker_threads: int = 0
     worker_cpus: tuple[int, ...] = ()
     frontend_cpus: tuple[int, ...] = ()

@@ -145,6 +145,11 @@ class EngineClient:
         return [r.metrics for r in self._readers]
 
     @property
+    def num_live(self) -> int:
+        """Requests (choices) that have not finished."""
+        return len(self._requests)
+
+    @property
     def reader_error(self) -> BaseException | None:
         """The exception that ended an output reader thread, if one did."""
         return next((r.error for r in self._readers if r.error is not None), None)

@@ -139,6 +139,7 @@ class OpenAIServing:
         self._vocab_limit = min(tokenization.vocab_size, config.vocab_size or tokenization.vocab_size)
         self._structured_output = config.vocab_size > 0
         self._log_requests, self._log_prompts = config.enable_log_requests, config.log_prompts
+        self._max_seqs = config.max_seqs_per_request
 
     @property
     def _texts(self):
@@ -153,6 +154,7 @@ class OpenAIServing:
                 503 scheduler not taking requests.
         """
         self._check_model(req)
+        self._check_fan_out(1, req.num_choices())
         self._check_chars(sum(len(m.text()) for m in req.messages), "messages")
         prompt = await self._tokenization.encode_chat(req.messages)
         states = self._start(req, prompt, "messages")
@@ -194,6 +196,7 @@ class OpenAIServing:
                 and 400 for ``max_tokens`` 0 without ``echo``.
         """
         self._check_model(req)
+        self._check_fan_out(len(req.prompt), req.num_choices())
         if req.requested_max_tokens() == 0 and not req.echo:
             raise APIError.bad_request("max_tokens must be at least 1 unless echo is true", param="max_tokens")
         prompts: list[list[int]] = []
@@ -287,6 +290,20 @@ class OpenAIServing:
                 type="invalid_request_error",
                 param="model",
                 code="model_not_found",
+            )
+
+    def _check_fan_out(self, num_prompts: int, n: int) -> None:
+        """Refuse a request for more than ``max_seqs_per_request`` sequences (prompts times ``n``).
+
+        Raises:
+            APIError: 400 naming ``n`` (or ``prompt`` when ``n`` is 1).
+        """
+        if num_prompts * n > self._max_seqs:
+            raise APIError.bad_request(
+                f"this request asks for {num_prompts * n} sequences ({num_prompts} prompt(s) x n={n}); this "
+                f"server runs at most {self._max_seqs} per request (--max-seqs-per-request): send fewer "
+                f"prompts or a smaller n, or split the request",
+                param="n" if n > 1 else "prompt",
             )
 
     def _check_chars(self, num_chars: int, param: str) -> None:

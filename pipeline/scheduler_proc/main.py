@@ -9,7 +9,9 @@ step's tokens. Imports neither torch nor model code.
 
 from __future__ import annotations
 
+import gc
 import logging
+import threading
 import time
 from collections import deque
 
@@ -20,6 +22,7 @@ import zmq
 from pipeline.common.config import EngineConfig
 from pipeline.common.constants import POLL_INTERVAL_S, cdiv
 from pipeline.common.grammar import load_tokenizer
+from pipeline.common.memory import BurstWatch, trim_heap
 from pipeline.common.messages import AbortRequest, AddRequest, GetStats, Shutdown, Stats, ToScheduler
 from pipeline.common.process import StopFlag, freeze_startup_heap, report
 from pipeline.common.shm_ring import RingTimeout, ShmRing
@@ -85,6 +88,7 @@ class SchedulerProc:
         self._decoder = msgspec.msgpack.Decoder(ToScheduler)
         self._encoder = msgspec.msgpack.Encoder()
         self._running = True
+        self._burst = BurstWatch()
 
     def run(self, stop) -> None:
         """Serve until a Shutdown message or ``stop.is_set()``."""
@@ -92,12 +96,25 @@ class SchedulerProc:
         while self._running and not stop.is_set():
             self._drain_control(wait_ms)
             wait_ms = 0
+            if self._burst.passed(self.scheduler.num_unfinished):
+                self._release_memory()
             if len(self.inflight) < self.max_inflight and self.scheduler.num_unfinished and self._plan_step():
                 continue
             if self.inflight:
                 self._await_output()
             else:  # nothing runs and nothing can: sleep in zmq until a message comes
                 wait_ms = int(POLL_INTERVAL_S * 1000)
+
+    def _release_memory(self) -> None:
+        """After a burst of requests: free the free lists and what cycles hold, then give the heap back.
+
+        With the start-up heap frozen the collection sees only what serving
+        allocated (milliseconds once the burst is over); the trim, tens of
+        milliseconds after a burst of hundreds of MB, runs on a thread of its own.
+        """
+        self.scheduler.shrink()
+        gc.collect()
+        threading.Thread(target=trim_heap, name="trim-heap", daemon=True).start()
 
     def _drain_control(self, timeout_ms: int) -> None:
         if not self.control.poll(timeout_ms):

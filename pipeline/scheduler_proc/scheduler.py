@@ -296,6 +296,10 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.requests)
 
+    def shrink(self) -> None:
+        """After a burst: rebuild the request table, which never gives back the room its peak took."""
+        self.requests = dict(self.requests)
+
     # -- planning ---------------------------------------------------------------
 
     def schedule(self, desc: StepDescriptor) -> int:
@@ -696,7 +700,9 @@ class Scheduler:
             self._observe_finish(req, self._output_ns)
             self._apply_steady(s)
             del self.requests[req.req_num]
-            self.pool.free_after(req.last_step_id, req.block_ids, s)
+            # req.req_index, not s: an int made by tolist() would outlive the burst in the free list and keep
+            # the allocator page it sits on from being given back.
+            self.pool.free_after(req.last_step_id, req.block_ids, req.req_index)
             req.block_ids, req.req_index = [], -1
         self.running = [r for r in self.running if r.req_index >= 0]  # a running request has a req_index
         self._steady_indices = self._steady_indices[self._req_num[self._steady_indices] >= 0]
