@@ -20,6 +20,7 @@ why and ``auto`` keeps ``torch_bucketed``.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -32,6 +33,7 @@ import torch
 
 from pipeline.gpu_worker.attention.backend import KVCache
 from pipeline.gpu_worker.attention.torch_bucketed import BucketedMetadata, TorchBucketedBackend, write_kv
+from pipeline.model_files import cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -66,16 +68,27 @@ def unavailable_reason() -> str | None:
     logger.info(
         "cpu_paged: loading the attention kernel (compiled for this CPU on its first start, 10-30 s; cached after)"
     )
+    name = f"pipeline_cpu_paged_{_host_tag()}"
+    build_dir = cache_dir() / "kernels" / name
     try:
         from torch.utils import cpp_extension
 
-        cpp_extension.load(
-            f"pipeline_cpu_paged_{_host_tag()}",
-            [str(_SOURCE)],
-            extra_cflags=_CFLAGS,
-            is_python_module=False,
-            verbose=False,
-        )
+        build_dir.mkdir(parents=True, exist_ok=True)
+        # torch's own build lock is a file that outlives a process killed while
+        # compiling, and every later start then waits on it forever. An flock is
+        # released by the kernel with its holder; under it, torch's lock file
+        # can only be such a leftover.
+        with open(build_dir.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            (build_dir / "lock").unlink(missing_ok=True)
+            cpp_extension.load(
+                name,
+                [str(_SOURCE)],
+                extra_cflags=_CFLAGS,
+                build_directory=str(build_dir),
+                is_python_module=False,
+                verbose=False,
+            )
     except Exception as e:  # noqa: BLE001 -- any build or load failure means: use torch_bucketed
         return f"building the kernel failed: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[-1]}"
     return None
