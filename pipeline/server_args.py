@@ -248,8 +248,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--step-timeout",
         type=float,
         default=300.0,
-        help="Seconds a step may run without producing its output before the server declares the "
-        "worker hung and stops with an error (clients get 503); 0 disables the watchdog.",
+        help="Seconds a step may run without producing its output, or a process (scheduler, worker, "
+        "io_proc) go without a heartbeat, before the server declares it hung, names it and stops with "
+        "an error (clients get 503); until then /health and /metrics answer 503 once the scheduler or a "
+        "worker has gone that long. 0 disables the watchdog.",
     )
     p.add_argument(
         "--trace",

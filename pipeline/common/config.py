@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from pipeline.common.constants import cdiv
+from pipeline.common.heartbeat import Heartbeats
 from pipeline.common.layouts import Layout
 from pipeline.common.shm_ring import ShmRing
 from pipeline.common.step_protocol import (
@@ -91,9 +92,9 @@ class EngineConfig(msgspec.Struct, frozen=True):
             engine's rings, control socket, rendezvous and processes.
         api_key: when not empty, io_proc requires ``Authorization: Bearer
             <api_key>`` on every route but ``/health`` and ``/metrics``.
-        step_timeout_s: seconds a step in flight may go without its output
-            before the scheduler declares the worker hung and stops the
-            server with a message; 0 disables the watchdog.
+        step_timeout_s: seconds a step in flight may go without its output,
+            or a process without a heartbeat, before the server declares it
+            hung and stops with a message naming it; 0 disables the watchdog.
         debug_fail_step: the worker raises ``RuntimeError`` when it
             launches this step, as a failing forward pass would (the fault
             tests use it); -1: never.
@@ -244,6 +245,19 @@ class EngineConfig(msgspec.Struct, frozen=True):
     def output_ring(self, create: bool = False) -> ShmRing[StepOutput]:
         """The StepOutput ring (worker rank 0 writes; scheduler and io_proc read)."""
         return ShmRing(self.output_ring_name, self.output_layout, OUTPUT_RING_SLOTS, 2, create, StepOutput)
+
+    @property
+    def heartbeat_roles(self) -> list[str]:
+        """The processes of the head node that beat (docs/design.md, "Liveness"): io_proc, then each
+        engine's scheduler and head-node worker ranks."""
+        roles = ["io_proc"]
+        for e in self.engines():
+            roles += [e.scheduler_role, *(e.worker_role(r) for r in range(self.ranks_per_node))]
+        return roles
+
+    def heartbeats(self, create: bool = False) -> Heartbeats:
+        """The instance's heartbeat table (head node only); ``create`` in the launcher only."""
+        return Heartbeats(f"/pipeline-{self.instance}-beat", self.heartbeat_roles, create)
 
     @property
     def control_address(self) -> str:

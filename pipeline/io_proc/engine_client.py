@@ -128,6 +128,16 @@ class EngineClient:
         return len(self._requests)
 
     @property
+    def reader_turn(self) -> float:
+        """``time.monotonic()`` of the last turn of the output reader thread that turned least recently."""
+        return min(r.last_turn for r in self._readers)
+
+    @property
+    def shutting_down(self) -> bool:
+        """:meth:`abort_all` was called: the server is stopping."""
+        return self._shutting_down
+
+    @property
     def reader_error(self) -> BaseException | None:
         """The exception that ended an output reader thread, if one did."""
         return next((r.error for r in self._readers if r.error is not None), None)
@@ -269,8 +279,12 @@ class EngineClient:
     def abort_all(self) -> None:
         """Finish every live request with "abort" (server shutdown): their
         consumers wake up and end their responses, and the scheduler is told.
+        Stats requests waiting for a reply fail with :class:`EngineUnavailable`.
         From now on :meth:`add_request` refuses new requests (a 503)."""
         self._shutting_down = True
+        for future in self._stats_waiters.values():  # the schedulers are stopping too: no reply will come
+            if not future.done():
+                future.set_exception(EngineUnavailable("the server is shutting down"))
         for req_num in list(self._requests):
             state = self._requests.pop(req_num, None)
             if state is None:

@@ -66,6 +66,8 @@ class OutputReader:
     Attributes:
         error: the exception that ended the thread, if one did.
         num_generation_tokens: tokens accepted for live requests so far.
+        last_turn: ``time.monotonic()`` of the loop's last turn (at least every
+            ``POLL_INTERVAL_S`` while it runs); io_proc's heartbeat.
     """
 
     def __init__(
@@ -86,6 +88,7 @@ class OutputReader:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.error: BaseException | None = None
         self.num_generation_tokens = 0
+        self.last_turn = time.monotonic()
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start the thread; results are dispatched on ``loop``."""
@@ -107,6 +110,7 @@ class OutputReader:
         ring, reader = self._ring, OUTPUT_READER_IO
         try:
             while not self._closing.is_set():
+                self.last_turn = time.monotonic()
                 try:
                     slot = ring.acquire_read(reader, timeout=POLL_INTERVAL_S)
                 except RingTimeout:

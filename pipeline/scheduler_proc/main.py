@@ -21,6 +21,7 @@ import zmq
 from pipeline.common.config import EngineConfig
 from pipeline.common.constants import POLL_INTERVAL_S, cdiv
 from pipeline.common.grammar import load_tokenizer
+from pipeline.common.heartbeat import Heartbeats
 from pipeline.common.memory import BurstWatch, trim_heap
 from pipeline.common.messages import AbortRequest, AddRequest, GetStats, Shutdown, Stats, ToScheduler
 from pipeline.common.process import StopFlag, freeze_startup_heap, report
@@ -47,7 +48,10 @@ class SchedulerProc:
 
     A control message that does not decode is logged and dropped. With
     ``config.step_timeout_s`` > 0, :meth:`run` raises :class:`StepTimeout`
-    when the oldest step in flight has waited that long for its output.
+    when the oldest step in flight has waited that long for its output,
+    unless io_proc's heartbeat is as old (then the worker waits on io_proc,
+    and the launcher names io_proc). Each turn of the loop beats in
+    ``heartbeats`` (docs/design.md, "Liveness").
     """
 
     def __init__(
@@ -57,8 +61,10 @@ class SchedulerProc:
         out_ring: ShmRing[StepOutput],
         control: zmq.Socket,
         replies: zmq.Socket,
+        heartbeats: Heartbeats | None = None,
     ):
         self.config = config
+        self.heartbeats = heartbeats
         self.desc_ring, self.out_ring = desc_ring, out_ring
         self.control, self.replies = control, replies
         # Structured output needs llguidance's view of the tokenizer; building it takes ~0.2 s, so it is
@@ -89,7 +95,10 @@ class SchedulerProc:
     def run(self, stop) -> None:
         """Serve until a Shutdown message or ``stop.is_set()``."""
         wait_ms = 0
+        role = self.config.scheduler_role
         while self._running and not stop.is_set():
+            if self.heartbeats is not None:
+                self.heartbeats.beat(role)
             self._drain_control(wait_ms)
             wait_ms = 0
             if self._burst.passed(self.scheduler.num_unfinished):
@@ -157,7 +166,7 @@ class SchedulerProc:
             slot = self.out_ring.acquire_read(OUTPUT_READER_SCHEDULER, timeout=POLL_INTERVAL_S)
         except RingTimeout:
             waited = time.monotonic() - self._oldest_since
-            if self.config.step_timeout_s and waited > self.config.step_timeout_s:
+            if self.config.step_timeout_s and waited > self.config.step_timeout_s and not self._io_proc_hung():
                 raise StepTimeout(
                     f"step {self.inflight[0]} has produced no output for {waited:.1f} s "
                     f"(--step-timeout {self.config.step_timeout_s:g}): the worker is hung"
@@ -174,6 +183,11 @@ class SchedulerProc:
         if self.trace is not None:
             self.trace.add(self.config.scheduler_role, "plan", "process_output", out.step_id, t0, time.monotonic_ns())
             self.trace.add_step_cpu(self.config.scheduler_role, out.step_id)
+
+    def _io_proc_hung(self) -> bool:
+        """io_proc has stopped reading outputs, so the worker cannot publish: the launcher's watchdog names it."""
+        hb = self.heartbeats
+        return hb is not None and bool(hb.stale(self.config.step_timeout_s, ["io_proc"]))
 
     def _stats(self, nonce: int) -> Stats:
         s = self.scheduler
@@ -195,6 +209,7 @@ def run_scheduler(config: EngineConfig, status_conn, stop: StopFlag) -> int:
     role = config.scheduler_role
     desc_ring = config.descriptor_ring()
     out_ring = config.output_ring()
+    heartbeats = config.heartbeats()
     report(status_conn, "attached", role)
     ctx = zmq.Context()
     control = ctx.socket(zmq.PULL)
@@ -202,7 +217,7 @@ def run_scheduler(config: EngineConfig, status_conn, stop: StopFlag) -> int:
     replies = ctx.socket(zmq.PUSH)
     replies.connect(config.reply_address)
     try:
-        loop = SchedulerProc(config, desc_ring, out_ring, control, replies)
+        loop = SchedulerProc(config, desc_ring, out_ring, control, replies, heartbeats)
     except ValueError as e:
         report(status_conn, "error", role, str(e))
         return 1
@@ -216,4 +231,5 @@ def run_scheduler(config: EngineConfig, status_conn, stop: StopFlag) -> int:
         ctx.destroy(linger=0)
         desc_ring.close()
         out_ring.close()
+        heartbeats.close()
     return 0
