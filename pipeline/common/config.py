@@ -68,6 +68,12 @@ class EngineConfig(msgspec.Struct, frozen=True):
             which io_proc answers new requests with 503.
         max_seqs_per_request: sequences one request may ask for (prompts
             times ``n``); io_proc refuses more with a 400.
+        max_grammar_memory_per_request_mb: MiB of matcher memory one request
+            with a grammar may take (its compiled grammar and a copy per
+            choice); the scheduler refuses more with a 400.
+        max_grammar_memory_mb: MiB of matcher memory every request (and the
+            cache of compiled grammars) may take together; a request that
+            would pass it waits.
         worker_threads: torch intra-op threads of the worker; 0: one per CPU
             the worker may run on.
         worker_cpus: CPUs the worker runs on; empty: every CPU.
@@ -127,6 +133,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
     http_body_timeout_s: float = 60.0
     limit_concurrency: int = 4096
     max_seqs_per_request: int = 2048
+    max_grammar_memory_per_request_mb: int = 256
+    max_grammar_memory_mb: int = 2048
     worker_threads: int = 0
     worker_cpus: tuple[int, ...] = ()
     frontend_cpus: tuple[int, ...] = ()

@@ -12,7 +12,7 @@ from typing import Literal, Union
 
 import msgspec
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "error"]
 
 
 class SamplingParams(msgspec.Struct, frozen=True):
@@ -126,8 +126,31 @@ class Stats(msgspec.Struct, tag=True):
     num_preemptions: int
 
 
+class GrammarCompiled(msgspec.Struct, tag=True):
+    """The scheduler's answer to an :class:`AddRequest` with a grammar, once its matchers exist or not.
+
+    ``error`` empty: the request is queued. Otherwise it was refused before
+    it ran (the grammar does not compile, takes more memory than a request
+    may, or the request was aborted meanwhile), and ``error`` says why.
+    """
+
+    req_num: int
+    error: str = ""
+
+
+class RequestFailed(msgspec.Struct, tag=True):
+    """The scheduler ended request ``req_num`` (a choice) with an error: its finish reason is "error".
+
+    A failure tied to one request, such as its matcher leaving its grammar
+    mid-output; the engine serves on.
+    """
+
+    req_num: int
+    message: str
+
+
 ToScheduler = Union[AddRequest, AbortRequest, GetStats, Shutdown]
-ToIO = Union[Stats]
+ToIO = Union[Stats, GrammarCompiled, RequestFailed]
 
 
 def check_finish(token_id: int, num_output_tokens: int, params: SamplingParams) -> FinishReason | None:

@@ -30,7 +30,17 @@ import zmq.asyncio
 from msgspec.structs import replace
 
 from pipeline.common.config import EngineConfig
-from pipeline.common.messages import AbortRequest, AddRequest, GetStats, SamplingParams, Stats, ToIO, choice_seed
+from pipeline.common.messages import (
+    AbortRequest,
+    AddRequest,
+    GetStats,
+    GrammarCompiled,
+    RequestFailed,
+    SamplingParams,
+    Stats,
+    ToIO,
+    choice_seed,
+)
 from pipeline.common.shm_ring import ShmRing
 from pipeline.common.step_protocol import StepOutput
 from pipeline.common.trace import TraceRecorder
@@ -90,6 +100,8 @@ class EngineClient:
         self._req_nums = itertools.count(1)
         self._nonces = itertools.count(1)
         self._stats_waiters: dict[int, asyncio.Future[Stats]] = {}
+        # AddRequest number of a request with a grammar -> its choices, until the scheduler has compiled it.
+        self._compiling: dict[int, list[RequestState]] = {}
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(ToIO)
         # zmq sockets are not thread-safe; the push sockets are used by the loop
@@ -114,7 +126,7 @@ class EngineClient:
         ]
         self._replies_task: asyncio.Task | None = None
         self.num_prompt_tokens = 0
-        self.num_finished: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
+        self.num_finished: dict[str, int] = {"stop": 0, "length": 0, "abort": 0, "error": 0}
         self._shutting_down = False
 
     @property
@@ -239,6 +251,11 @@ class EngineClient:
         engine = self._pick_engine()
         for state in states:
             state.engine = engine
+        if params.grammar:
+            compiled = asyncio.get_running_loop().create_future()
+            for state in states:
+                state.compiled = compiled
+            self._compiling[req_num] = states
         # Registered before sending: the first token may arrive right after.
         for state in states:
             self._requests[state.req_num] = state
@@ -247,6 +264,7 @@ class EngineClient:
         except EngineUnavailable:
             for state in states:
                 del self._requests[state.req_num]
+            self._compiling.pop(req_num, None)
             raise
         self.num_prompt_tokens += len(prompt_token_ids)
         return states
@@ -285,6 +303,9 @@ class EngineClient:
         for future in self._stats_waiters.values():  # the schedulers are stopping too: no reply will come
             if not future.done():
                 future.set_exception(EngineUnavailable("the server is shutting down"))
+        for states in self._compiling.values():
+            states[0].compiled.set_result("the server is shutting down")
+        self._compiling.clear()
         for req_num in list(self._requests):
             state = self._requests.pop(req_num, None)
             if state is None:
@@ -327,9 +348,33 @@ class EngineClient:
             except msgspec.DecodeError:
                 logger.warning("dropping an undecodable reply from the scheduler (%d bytes)", len(frame))
                 continue
-            future = self._stats_waiters.get(reply.nonce)
-            if future is not None and not future.done():
-                future.set_result(reply)
+            if isinstance(reply, Stats):
+                future = self._stats_waiters.get(reply.nonce)
+                if future is not None and not future.done():
+                    future.set_result(reply)
+            elif isinstance(reply, GrammarCompiled):
+                self._on_compiled(reply)
+            elif isinstance(reply, RequestFailed):
+                self._on_failed(reply.req_num, reply.message)
+
+    def _on_compiled(self, reply: GrammarCompiled) -> None:
+        """The scheduler has compiled a request's grammar (it runs now) or refused it (its choices end)."""
+        states = self._compiling.pop(reply.req_num, None)
+        if states is None:
+            return
+        states[0].compiled.set_result(reply.error)
+        if reply.error:
+            for state in states:
+                if self._requests.pop(state.req_num, None) is not None and not state.released:
+                    state.fail(reply.error, refused=True)
+                    self.num_finished["error"] += 1
+
+    def _on_failed(self, req_num: int, message: str) -> None:
+        """The scheduler ended request ``req_num`` with an error (it has dropped it already)."""
+        state = self._requests.pop(req_num, None)
+        if state is not None and not state.released:
+            state.fail(message)
+            self.num_finished["error"] += 1
 
     def _dispatch(self, step: StepTime, outputs: list[StepResult]) -> None:
         """Stamp one step's arrival and deliver its results (runs on the loop, one call per step)."""

@@ -155,10 +155,11 @@ class OutputReader:
             proc = state.processor
             try:
                 finish = proc.push(token_id)
-            except Exception:
-                # One request's failure must not stop the others' output.
-                logger.exception("output processing failed for request %d; aborting it", req_num)
-                finish, proc.needs_abort = "abort", True
+            except Exception as e:
+                # One request's failure must not stop the others' output: it alone ends, with an error.
+                logger.exception("output processing failed for request %d; ending it with an error", req_num)
+                finish, proc.needs_abort = "error", True
+                state.error = f"internal error while producing the output: {type(e).__name__}"
             if finish is not None:
                 requests.pop(req_num, None)
                 if proc.needs_abort:

@@ -154,16 +154,19 @@ class OpenAIServing:
         self._check_model(req)
         self._check_fan_out(1, req.num_choices())
         self._check_chars(sum(len(m.text()) for m in req.messages), "messages")
+        grammar, param = await self._request_grammar(req)
         prompt = await self._tokenization.encode_chat(req.messages)
-        states = self._start(req, prompt, "messages")
+        states = self._start(req, prompt, "messages", grammar)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         prompt_ids = prompt if req.return_token_ids else msgspec.UNSET
         if req.stream:
+            if not await self._compiled(states, raw, param):
+                return Response(status_code=_CLIENT_CLOSED)
             return _EventStream(
                 self._chat_stream(req, states, rid, created, prompt_ids),
                 lambda: [self._client.release(st) for st in states],
             )
-        if not await self._wait(states, raw):
+        if not await self._wait(states, raw, param):
             return Response(status_code=_CLIENT_CLOSED)
         choices = []
         for i, st in enumerate(states):
@@ -199,6 +202,7 @@ class OpenAIServing:
         self._check_fan_out(len(req.prompt), req.num_choices())
         if req.requested_max_tokens() == 0 and not req.echo:
             raise APIError.bad_request("max_tokens must be at least 1 unless echo is true", param="max_tokens")
+        grammar, param = await self._request_grammar(req)  # once for every prompt and choice
         prompts: list[list[int]] = []
         for p in req.prompt:
             if isinstance(p, str):
@@ -216,7 +220,7 @@ class OpenAIServing:
         states: list[RequestState] = []
         try:
             for ids in prompts:
-                states.extend(self._start(req, ids, "prompt"))
+                states.extend(self._start(req, ids, "prompt", grammar))
         except APIError:
             for st in states:
                 self._client.release(st)
@@ -225,11 +229,13 @@ class OpenAIServing:
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         prompt_ids = [p for p in prompts for _ in range(n)] if req.return_token_ids else [msgspec.UNSET] * len(states)
         if req.stream:
+            if not await self._compiled(states, raw, param):
+                return Response(status_code=_CLIENT_CLOSED)
             return _EventStream(
                 self._completion_stream(req, states, echoes, rid, created, prompt_ids),
                 lambda: [self._client.release(st) for st in states],
             )
-        if not await self._wait(states, raw):
+        if not await self._wait(states, raw, param):
             return Response(status_code=_CLIENT_CLOSED)
         choices = []
         for i, st in enumerate(states):
@@ -324,8 +330,13 @@ class OpenAIServing:
                 code="context_length_exceeded",
             )
 
-    def _start(self, req: SamplingRequest, prompt: list[int], prompt_param: str) -> list[RequestState]:
-        """Check lengths, build sampling parameters and add the request's ``n`` choices to the engine."""
+    def _start(
+        self, req: SamplingRequest, prompt: list[int], prompt_param: str, grammar: str = ""
+    ) -> list[RequestState]:
+        """Check lengths, build sampling parameters and add the request's ``n`` choices to the engine.
+
+        ``grammar``: from :meth:`_request_grammar` ("" for free text).
+        """
         n, limit = len(prompt), self._max_model_len
         if n == 0:
             raise APIError.bad_request(f"the {prompt_param} encode to no tokens", param=prompt_param)
@@ -365,16 +376,13 @@ class OpenAIServing:
                     f"{name}: token id {max(ids)} is out of range: the vocabulary has {self._vocab_limit} tokens",
                     param=name,
                 )
-        # As in vLLM, ignore_eos drops only the EOS ids: the request's own stop_token_ids still end it.
-        eos_ids = () if req.ignore_eos else self._stop_token_ids
-        stop_ids = tuple(dict.fromkeys((*(req.stop_token_ids or ()), *eos_ids)))
+        stop_ids = self._stop_ids(req)
         if len(stop_ids) > MAX_STOP_TOKEN_IDS:
             raise APIError.bad_request(
                 f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} stop token ids in all, with "
                 f"the model's {len(self._stop_token_ids)}",
                 param="stop_token_ids",
             )
-        grammar = self._grammar(req, stop_ids)
         temperature = 1.0 if req.temperature is None else req.temperature
         top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
         params = SamplingParams(
@@ -408,6 +416,26 @@ class OpenAIServing:
         except EngineUnavailable as e:
             raise APIError(503, f"{e}; retry later", type="service_unavailable_error") from None
 
+    def _stop_ids(self, req: SamplingRequest) -> tuple[int, ...]:
+        """The ids that end the request: its own ``stop_token_ids``, then the model's EOS ids unless ``ignore_eos``.
+
+        As in vLLM, ignore_eos drops only the EOS ids: the request's own stop_token_ids still end it.
+        """
+        eos_ids = () if req.ignore_eos else self._stop_token_ids
+        return tuple(dict.fromkeys((*(req.stop_token_ids or ()), *eos_ids)))
+
+    async def _request_grammar(self, req: SamplingRequest) -> tuple[str, str | None]:
+        """The request's grammar ("" for free text) and the field it came from, built on a thread: a schema
+        of megabytes takes tens of milliseconds to serialize, which the event loop must not spend.
+
+        Raises:
+            APIError: 400 naming the field (see :meth:`_grammar`).
+        """
+        so = req.structured_output()
+        if so is None:
+            return "", None
+        return await asyncio.to_thread(self._grammar, req, self._stop_ids(req)), so[2]
+
     def _grammar(self, req: SamplingRequest, stop_ids: tuple[int, ...]) -> str:
         """The request's llguidance grammar (docs/design.md, "Structured output"), or "" for free text.
 
@@ -434,12 +462,12 @@ class OpenAIServing:
         except GrammarError as e:
             raise APIError.bad_request(str(e), param=e.param) from None
 
-    async def _wait(self, states: list[RequestState], raw: Request) -> bool:
+    async def _wait(self, states: list[RequestState], raw: Request, grammar_param: str | None = None) -> bool:
         """Wait for non-streaming requests to finish; False if the client left
         first (then the requests are aborted at once, within the step).
 
         Raises:
-            APIError: 503 if the server ended a request (shutting down).
+            APIError: as :func:`_raise_ended`.
         """
         finished = asyncio.ensure_future(_all_finished(states))
         left = asyncio.ensure_future(_client_left(raw))
@@ -447,14 +475,42 @@ class OpenAIServing:
             await asyncio.wait((finished, left), return_when=asyncio.FIRST_COMPLETED)
             if any(st.finish_reason is None for st in states):
                 return False
-            if any(st.finish_reason == "abort" for st in states):
-                raise APIError(503, _ABORTED, type="service_unavailable_error")
+            _raise_ended(states, grammar_param)
             return True
         finally:
             finished.cancel()
             left.cancel()
             for st in states:
                 self._client.release(st)
+
+    async def _compiled(self, states: list[RequestState], raw: Request, grammar_param: str | None) -> bool:
+        """Before a stream starts: wait until the scheduler has compiled the grammar of ``states`` (if they
+        have one) and queued them, so that a grammar it refuses is still a 400. False if the client left first.
+
+        Raises:
+            APIError: as :func:`_raise_ended` (the states are released then).
+        """
+        pending = {st.compiled for st in states if st.compiled is not None}
+        if not pending:
+            return True
+        left = asyncio.ensure_future(_client_left(raw))
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending | {left}, return_when=asyncio.FIRST_COMPLETED)
+                if left in done:
+                    return False
+                pending -= done
+            _raise_ended(states, grammar_param)
+            return True
+        except BaseException:
+            for st in states:
+                self._client.release(st)
+            raise
+        finally:
+            left.cancel()
+            if pending:  # the client left
+                for st in states:
+                    self._client.release(st)
 
     @staticmethod
     def _output_ids(req: SamplingRequest, state: RequestState) -> list[int] | msgspec.UnsetType:
@@ -521,6 +577,10 @@ class OpenAIServing:
                     return
                 else:
                     yield chunk(i, DeltaMessage(), st.finish_reason)
+                    if st.finish_reason == "error":
+                        yield _stream_failed(st)
+                        yield _DONE
+                        return
             if include_usage:
                 yield _sse(
                     ChatCompletionChunk(
@@ -586,6 +646,10 @@ class OpenAIServing:
                     yield chunk(i, text, token_ids=ids if with_ids else msgspec.UNSET, entries=lps)
                 else:
                     yield chunk(i, "", st.finish_reason)
+                    if st.finish_reason == "error":
+                        yield _stream_failed(st)
+                        yield _DONE
+                        return
             if include_usage:
                 yield _sse(
                     CompletionResponse(
@@ -650,6 +714,33 @@ async def _client_left(raw: Request) -> None:
     """
     while (await raw.receive())["type"] != "http.disconnect":
         pass
+
+
+def _raise_ended(states: list[RequestState], grammar_param: str | None) -> None:
+    """Raise the error of the first of ``states`` that the server ended.
+
+    Raises:
+        APIError: 503 if the server stopped a request (shutting down); 400
+            naming ``grammar_param`` if the scheduler refused its grammar; 500
+            if a request failed while it ran (its finish reason "error", as
+            vLLM reports a request-level internal error).
+    """
+    for st in states:
+        if st.finish_reason == "abort":
+            raise APIError(503, _ABORTED, type="service_unavailable_error")
+        if st.finish_reason == "error":
+            if st.refused:
+                raise APIError.bad_request(f"{grammar_param}: {st.error}", param=grammar_param)
+            raise APIError(500, f"the request failed: {st.error}", type="internal_server_error")
+
+
+def _stream_failed(state: RequestState) -> bytes:
+    """The error event of a stream whose request failed while it ran (after its finish_reason "error" chunk)."""
+    return _sse(
+        ErrorResponse(
+            error=ErrorInfo(message=f"the request failed: {state.error}", type="internal_server_error", code="500")
+        )
+    )
 
 
 def _stream_aborted() -> bytes:

@@ -19,24 +19,36 @@ import msgspec
 import zmq
 
 from pipeline.common.config import EngineConfig
-from pipeline.common.constants import POLL_INTERVAL_S, cdiv
+from pipeline.common.constants import POLL_INTERVAL_S
 from pipeline.common.grammar import load_tokenizer
 from pipeline.common.heartbeat import Heartbeats
 from pipeline.common.memory import BurstWatch, trim_heap
-from pipeline.common.messages import AbortRequest, AddRequest, GetStats, Shutdown, Stats, ToScheduler
+from pipeline.common.messages import (
+    AbortRequest,
+    AddRequest,
+    GetStats,
+    GrammarCompiled,
+    RequestFailed,
+    Shutdown,
+    Stats,
+    ToScheduler,
+)
 from pipeline.common.process import StopFlag, freeze_startup_heap, report
 from pipeline.common.shm_ring import RingTimeout, ShmRing
 from pipeline.common.step_protocol import (
-    MASK_BITS,
     MAX_INFLIGHT_STEPS,
     OUTPUT_READER_SCHEDULER,
     StepDescriptor,
     StepOutput,
 )
 from pipeline.common.trace import TraceRecorder
+from pipeline.scheduler_proc.grammar_manager import GrammarManager
 from pipeline.scheduler_proc.scheduler import Scheduler
 
 logger = logging.getLogger("pipeline.scheduler")
+
+# How often the loop looks for finished compilations while nothing else runs.
+_COMPILING_POLL_MS = 5
 
 
 class StepTimeout(Exception):
@@ -69,17 +81,20 @@ class SchedulerProc:
         self.control, self.replies = control, replies
         # Structured output needs llguidance's view of the tokenizer; building it takes ~0.2 s, so it is
         # done here, before the first step, not when the first grammar request arrives.
-        grammar_tokenizer = (
-            load_tokenizer(config.tokenizer or config.model, config.vocab_size) if config.vocab_size else None
-        )
+        self.grammars = None
+        if config.vocab_size:
+            self.grammars = GrammarManager(
+                load_tokenizer(config.tokenizer or config.model, config.vocab_size),
+                config.vocab_size,
+                config.max_grammar_memory_per_request_mb * 2**20,
+                config.max_grammar_memory_mb * 2**20,
+            )
         self.scheduler = Scheduler(
             config.max_num_seqs,
             config.max_num_batched_tokens,
             config.block_size,
             config.num_kv_blocks,
             config.max_blocks_per_seq,
-            grammar_tokenizer,
-            cdiv(config.vocab_size, MASK_BITS),
         )
         self.max_inflight = MAX_INFLIGHT_STEPS if config.async_scheduling else 1
         self.inflight: deque[int] = deque()
@@ -103,10 +118,14 @@ class SchedulerProc:
             wait_ms = 0
             if self._burst.passed(self.scheduler.num_unfinished):
                 self._release_memory()
+            if self.grammars is not None:
+                self._grammar_turn()
             if len(self.inflight) < self.max_inflight and self.scheduler.num_unfinished and self._plan_step():
                 continue
             if self.inflight:
                 self._await_output()
+            elif self.grammars is not None and self.grammars.num_pending:  # look again soon: compiling
+                wait_ms = _COMPILING_POLL_MS
             else:  # nothing runs and nothing can: sleep in zmq until a message comes
                 wait_ms = int(POLL_INTERVAL_S * 1000)
 
@@ -136,19 +155,66 @@ class SchedulerProc:
                 logger.warning("dropped a malformed control message (%d bytes): %s", len(raw), e)
                 continue
             if isinstance(msg, AddRequest):
-                self.scheduler.add_request(msg)
+                self._add_request(msg)
             elif isinstance(msg, AbortRequest):
-                self.scheduler.abort_request(msg.req_num)
+                if self.grammars is None or not self.grammars.abort(msg.req_num):
+                    self.scheduler.abort_request(msg.req_num)
             elif isinstance(msg, GetStats):
-                self.replies.send(self._encoder.encode(self._stats(msg.nonce)))
+                self._reply(self._stats(msg.nonce))
             elif isinstance(msg, Shutdown):
                 self._running = False
+
+    def _add_request(self, msg: AddRequest) -> None:
+        """A request with a grammar waits for its matchers; others are queued at once.
+
+        A request the scheduler cannot take (a fault of its own, never the
+        engine's) fails alone: io_proc is told and the loop goes on.
+        """
+        if msg.params.grammar:
+            if self.grammars is None:
+                self._reply(
+                    GrammarCompiled(msg.req_num, "structured output needs a model; the simulated device has none")
+                )
+            else:
+                self.grammars.add(msg)
+            return
+        try:
+            self.scheduler.add_request(msg)
+        except Exception as e:
+            logger.exception("request %d could not be queued", msg.req_num)
+            for i in range(msg.n):
+                self._reply(
+                    RequestFailed(msg.req_num if msg.n == 1 else msg.req_num + 1 + i, f"{type(e).__name__}: {e}")
+                )
+
+    def _grammar_turn(self) -> None:
+        """Queue the requests whose matchers are ready, tell io_proc of those refused, and end those whose
+        matcher failed on a token (docs/design.md, "Structured output")."""
+        ready, refused = self.grammars.poll()
+        for msg, states, aborted in ready:
+            self.scheduler.add_request(msg, states)
+            for num in aborted:
+                self.scheduler.abort_request(num)
+            self._reply(GrammarCompiled(msg.req_num))
+        for req_num, why in refused:
+            self._reply(GrammarCompiled(req_num, why))
+        failed = self.grammars.failed
+        while failed:
+            state = failed.popleft()
+            if self.scheduler.abort_request(state.req_num):
+                logger.warning("request %d: %s", state.req_num, state.error)
+                self._reply(RequestFailed(state.req_num, state.error))
+
+    def _reply(self, msg: GrammarCompiled | RequestFailed | Stats) -> None:
+        self.replies.send(self._encoder.encode(msg))
 
     def _plan_step(self) -> bool:
         try:
             desc = self.desc_ring.acquire_write(timeout=POLL_INTERVAL_S)
         except RingTimeout:
             return False
+        if self.grammars is not None:
+            self.grammars.wait_masks()
         t0 = time.monotonic_ns()
         step_id = self.scheduler.next_step_id
         if not self.scheduler.schedule(desc):
@@ -228,6 +294,8 @@ def run_scheduler(config: EngineConfig, status_conn, stop: StopFlag) -> int:
     finally:
         if loop.trace is not None:
             loop.trace.dump(config.trace_path(role))
+        if loop.grammars is not None:
+            loop.grammars.close()
         ctx.destroy(linger=0)
         desc_ring.close()
         out_ring.close()

@@ -26,7 +26,6 @@ counters, so they stay in one module, longer than most.
 
 from __future__ import annotations
 
-import logging
 from array import array
 from collections import deque
 
@@ -34,7 +33,6 @@ import numpy as np
 from msgspec.structs import replace
 
 from pipeline.common.constants import cdiv
-from pipeline.common.grammar import GrammarState
 from pipeline.common.messages import AddRequest, SamplingParams, check_finish, choice_seed
 from pipeline.common.step_protocol import (
     MAX_MASKED_ROWS,
@@ -43,9 +41,8 @@ from pipeline.common.step_protocol import (
     StepDescriptor,
     max_new_blocks_per_step,
 )
+from pipeline.scheduler_proc.grammar_manager import GrammarState
 from pipeline.scheduler_proc.kv_block_pool import BlockPool
-
-log = logging.getLogger(__name__)
 
 # Steps a steady row's tokens wait in the scheduler's per-slot buffer before
 # joining its request's list (int32: 512 KiB at 1024 slots).
@@ -129,10 +126,6 @@ class Scheduler:
         block_size: tokens per KV block.
         num_kv_blocks: KV blocks in the cache.
         max_blocks_per_seq: block-table row width (``ceil(max_model_len / block_size)``).
-        grammar_tokenizer: llguidance's tokenizer
-            (:func:`~pipeline.common.grammar.load_tokenizer`) for requests
-            with a grammar; None when the model has none (the simulated device).
-        mask_words: int32 words of one token bitmask (``ceil(vocab / 32)``).
 
     Raises:
         ValueError: if one request of ``max_model_len`` tokens could not fit.
@@ -145,8 +138,6 @@ class Scheduler:
         block_size: int,
         num_kv_blocks: int,
         max_blocks_per_seq: int,
-        grammar_tokenizer=None,
-        mask_words: int = 0,
     ):
         if num_kv_blocks < max_blocks_per_seq:
             raise ValueError(
@@ -164,7 +155,6 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_steady_steps = 0  # steps that planned steady rows
         self._builder = DescriptorBuilder()
-        self._grammar_tokenizer, self._mask_words = grammar_tokenizer, mask_words
         self._max_new_blocks = max_new_blocks_per_step(max_num_seqs, max_num_batched_tokens, block_size)
         self._last_output_step = -1
         self._finish_after: dict[int, list[Request]] = {}  # step id -> requests that end when it completes
@@ -205,8 +195,10 @@ class Scheduler:
 
     # -- control ----------------------------------------------------------------
 
-    def add_request(self, msg: AddRequest) -> None:
-        """Queue a new request. A repeated ``req_num`` is ignored.
+    def add_request(self, msg: AddRequest, grammars: list[GrammarState] | None = None) -> None:
+        """Queue a new request; ``grammars``: its matchers (one per choice) if it has a grammar.
+
+        A repeated ``req_num`` is ignored.
 
         With ``msg.n`` > 1, the choices share the KV blocks of the prompt's
         longest prefix of whole blocks that leaves at least one prompt token:
@@ -219,18 +211,14 @@ class Scheduler:
         if msg.req_num in self.requests:
             return
         prompt = list(msg.prompt_token_ids)
+        grammars = grammars or [None] * msg.n
         if msg.n == 1:
-            req = Request(msg.req_num, prompt, msg.params, self._new_grammar(msg.params))
+            req = Request(msg.req_num, prompt, msg.params, grammars[0])
             self.requests[req.req_num] = req
             self.waiting.append(req)
             return
         choices = [
-            Request(
-                msg.req_num + 1 + i,
-                prompt,
-                replace(msg.params, seed=choice_seed(msg.params.seed, i)),
-                self._new_grammar(msg.params),
-            )
+            Request(msg.req_num + 1 + i, prompt, replace(msg.params, seed=choice_seed(msg.params.seed, i)), grammars[i])
             for i in range(msg.n)
         ]
         for c in choices:
@@ -246,31 +234,29 @@ class Scheduler:
         self.requests[prefill.req_num] = prefill
         self.waiting.append(prefill)
 
-    def _new_grammar(self, params: SamplingParams) -> GrammarState | None:
-        """A fresh matcher for a request with a grammar (about 1 ms: llguidance compiles lazily), else None."""
-        if not params.grammar:
-            return None
-        if self._grammar_tokenizer is None:
-            raise ValueError("structured output needs a model with a tokenizer")
-        return GrammarState(self._grammar_tokenizer, params.grammar, params.stop_token_ids)
-
-    def abort_request(self, req_num: int) -> None:
+    def abort_request(self, req_num: int) -> bool:
         """Drop a request now; its blocks and slot return after its last step in flight.
 
         A choice still waiting for its shared prefill leaves it; the prefill
         is dropped once no choice waits for it.
+
+        Returns:
+            False if there was no such request (it had finished, or never came).
         """
         req = self.requests.get(req_num)
         if req is None:
-            return
+            return False
         if req.parent is not None:
             prefill = req.parent
             prefill.choices.remove(req)
             del self.requests[req_num]
+            if req.grammar is not None:
+                req.grammar.close()
             if not prefill.choices:
                 self._remove(prefill)
-            return
+            return True
         self._remove(req)
+        return True
 
     @property
     def num_unfinished(self) -> int:
@@ -305,14 +291,14 @@ class Scheduler:
             if req.num_computed_tokens < req.num_known_tokens:  # unfinished prefill
                 n = min(req.num_known_tokens - req.num_computed_tokens, budget)
             elif req.num_outputs_planned < req.params.max_tokens:  # decode
-                if req.grammar is not None and req.num_placeholders:
-                    continue  # its mask needs the token in flight: it sits out this step alone
+                if req.grammar is not None and (req.num_placeholders or not req.grammar.ready):
+                    continue  # its mask needs the token in flight, or is being computed: it sits out alone
                 n = 1
             else:  # its last token is in flight; it finishes when that arrives
                 continue
             sample = self._samples(req, req.num_computed_tokens + n)
             if sample and req.grammar is not None:
-                if num_masks == MAX_MASKED_ROWS:
+                if num_masks == MAX_MASKED_ROWS or not req.grammar.ready:
                     continue
                 num_masks += 1
             if not self._grow_blocks(req, n):
@@ -330,7 +316,7 @@ class Scheduler:
             if self.pool.num_free_slots == 0:
                 break
             masked = req.grammar is not None and self._samples(req, start + n)
-            if masked and num_masks == MAX_MASKED_ROWS:
+            if masked and (num_masks == MAX_MASKED_ROWS or not req.grammar.ready):
                 break
             need = cdiv(start + n, self.block_size) - inherited
             if need > self.pool.num_free_blocks or self._builder.num_blocks + inherited + need > self._max_new_blocks:
@@ -484,10 +470,7 @@ class Scheduler:
                 num_plp = max(0, min(k, len(req.prompt_token_ids) - 1 - pos))
                 if num_plp == k:
                     next_token = req.prompt_token_ids[pos + k]
-            mask = None
-            if sample and req.grammar is not None:
-                mask = np.empty(self._mask_words, np.int32)
-                req.grammar.fill_mask(mask)
+            mask = req.grammar.mask if sample and req.grammar is not None else None
             b.add_row(
                 req.req_num,
                 req.slot,
@@ -605,12 +588,11 @@ class Scheduler:
             self._left[req.slot] -= 1
             self._last_token[req.slot] = t
         req.output_token_ids.append(t)
-        if req.grammar is not None and not req.grammar.accept(t):
-            # The worker's mask forbids this; the matcher keeps its state and the request goes on.
-            log.error("request %d: token %d is outside its grammar", req.req_num, t)
         if check_finish(t, len(req.output_token_ids), req.params) is not None:
             finished.append(req.req_num)
             self._remove(req)
+        elif req.grammar is not None:
+            req.grammar.advance(t)  # on a grammar thread; a failure ends the request (GrammarManager.failed)
 
     def _move_tokens(self, slot: int) -> None:
         """Append the tokens buffered for the steady row in ``slot`` to its request's own list."""
@@ -670,6 +652,8 @@ class Scheduler:
 
     def _remove(self, req: Request) -> None:
         del self.requests[req.req_num]
+        if req.grammar is not None:
+            req.grammar.close()
         if req.slot >= 0:
             self._leave_running(req)
         else:

@@ -5,11 +5,14 @@ docs/design.md, "Structured output".
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from pipeline.common.grammar import build_grammar, load_tokenizer
 from pipeline.common.messages import AddRequest, SamplingParams
 from pipeline.common.step_protocol import MASK_BITS, PLACEHOLDER_TOKEN_ID, StepDescriptor, read_descriptor
+from pipeline.scheduler_proc.grammar_manager import GrammarManager
 from pipeline.scheduler_proc.scheduler import Scheduler
 
 V, EOS = 49152, 2
@@ -18,19 +21,26 @@ V, EOS = 49152, 2
 def test_grammar_row_waits_for_its_token_and_carries_its_mask(smol_dir):
     tok = load_tokenizer(str(smol_dir), V)
     words = V // MASK_BITS
-    sched = Scheduler(4, 64, 16, 64, 16, tok, words)
+    grammars = GrammarManager(tok, V, 2**28, 2**30)
+    sched = Scheduler(4, 64, 16, 64, 16)
     layout = StepDescriptor.layout(4, 64, 16, words)
 
     def plan():
+        grammars.wait_masks()
         desc = StepDescriptor(layout.views(bytearray(layout.nbytes)))
         assert sched.schedule(desc)
         return read_descriptor(desc)
 
     grammar = build_grammar("choice", ["yes", "no"], "guided_choice")
     sched.add_request(AddRequest(1, [5, 6, 7], SamplingParams(max_tokens=8, temperature=0.0)))
-    sched.add_request(
-        AddRequest(2, [5, 6], SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=(EOS,), grammar=grammar))
-    )
+    msg = AddRequest(2, [5, 6], SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=(EOS,), grammar=grammar))
+    grammars.add(msg)
+    deadline = time.monotonic() + 30
+    while not (ready := grammars.poll()[0]):  # compiled on the background thread
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    ((_, states, _),) = ready
+    sched.add_request(msg, states)
     x0 = plan()
     assert x0.req_num.tolist() == [1, 2] and x0.mask_rows.tolist() == [1]
     allowed = np.flatnonzero(np.unpackbits(x0.bitmask[0].view(np.uint8), bitorder="little"))
@@ -39,9 +49,13 @@ def test_grammar_row_waits_for_its_token_and_carries_its_mask(smol_dir):
     assert x1.req_num.tolist() == [1] and x1.token_ids.tolist() == [PLACEHOLDER_TOKEN_ID] and not len(x1.mask_rows)
     yes = tok.tokenize_str("yes")
     sched.process_output(0, [1, 2], [9, yes[0]])
+    while not states[0].ready:  # its next mask, computed on the mask thread
+        assert time.monotonic() < deadline
+        grammars.wait_masks()
     x2 = plan()
     assert x2.req_num.tolist() == [1, 2] and x2.mask_rows.tolist() == [1]
     assert x2.token_ids.tolist() == [PLACEHOLDER_TOKEN_ID, yes[0]]
     if len(yes) == 1:  # the choice is complete: only the stop token may follow
         allowed = np.flatnonzero(np.unpackbits(x2.bitmask[0].view(np.uint8), bitorder="little"))
         assert allowed.tolist() == [EOS]
+    grammars.close()
