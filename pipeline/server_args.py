@@ -15,7 +15,7 @@ import sys
 
 from pipeline.common.config import ATTENTION_BACKENDS, EngineConfig
 from pipeline.common.instance_files import make_ipc_dir, sweep_dead_instances
-from pipeline.common.parallel import TPShape
+from pipeline.common.tp_shape import TPShape
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -178,6 +178,15 @@ def build_parser() -> argparse.ArgumentParser:
         "(the reference for A/B measurements and correctness).",
     )
     p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Keep the KV blocks of computed prefixes (finished requests' too, evicted least recently "
+        "used first) and prefill only what a new request does not share with them; with -dp, route a "
+        "request to the engine holding its longest prefix. --no-enable-prefix-caching recomputes every "
+        "prompt.",
+    )
+    p.add_argument(
         "--debug-token-cache-poison",
         action="store_true",
         help="Poison token-id cache entries once consumed and check every placeholder read "
@@ -270,6 +279,41 @@ def build_parser() -> argparse.ArgumentParser:
         "io_proc) go without a heartbeat, before the server declares it hung, names it and stops with "
         "an error (clients get 503); until then /health and /metrics answer 503 once the scheduler or a "
         "worker has gone that long. 0 disables the watchdog.",
+    )
+    p.add_argument(
+        "--metrics-compat",
+        choices=["none", "vllm"],
+        default="none",
+        help="vllm: /metrics also exports every vLLM metric the server has under vLLM's exact name and "
+        "labels (vllm:num_requests_running{model_name,engine}, vllm:time_to_first_token_seconds, ...), "
+        "so vLLM's Grafana dashboards and autoscalers read it unchanged. Off by default: the pipeline_ "
+        "names alone cannot be mistaken for vLLM's.",
+    )
+    p.add_argument(
+        "--log-stats-interval",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="Log a stats line this often while there is traffic (vLLM's: prompt and generation "
+        "throughput, running and waiting requests, KV cache usage, preemptions, and the token gap p50 "
+        "and device-busy fraction over the interval); 0 turns it off.",
+    )
+    p.add_argument(
+        "--disable-uvicorn-access-log",
+        action="store_true",
+        help="Do not log uvicorn's access line (client, request line, status) for each HTTP request.",
+    )
+    p.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="Log one line per finished request: its id, prompt tokens, sampling parameters, finish "
+        "reason, output tokens, time to first token and end-to-end latency. The prompt text is "
+        "never logged unless --log-prompts is given too.",
+    )
+    p.add_argument(
+        "--log-prompts",
+        action="store_true",
+        help="With --enable-log-requests: include each request's prompt (or chat messages) in its line.",
     )
     p.add_argument(
         "--trace",
@@ -434,6 +478,8 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         )
     if args.step_timeout < 0:
         _die("--step-timeout must be 0 (off) or positive")
+    if args.log_stats_interval < 0:
+        _die("--log-stats-interval must be 0 (off) or positive")
     if num_blocks * args.block_size < max_model_len:
         _die(
             f"the KV cache ({num_blocks} blocks of {args.block_size} tokens) cannot hold one request of "
@@ -476,6 +522,7 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         num_kv_blocks=num_blocks,
         vocab_size=0 if sim else int(cfg.get("vocab_size", 0)),
         async_scheduling=args.async_scheduling,
+        enable_prefix_caching=args.enable_prefix_caching,
         debug_token_cache_poison=args.debug_token_cache_poison,
         sim_step_us=args.sim_step_us,
         sim_token_us=args.sim_token_us,
@@ -500,6 +547,11 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         api_key=args.api_key or "",
         cuda_graph_sizes=graph_sizes,
         step_timeout_s=args.step_timeout,
+        metrics_compat=args.metrics_compat,
+        log_stats_interval_s=args.log_stats_interval,
+        uvicorn_access_log=not args.disable_uvicorn_access_log,
+        enable_log_requests=args.enable_log_requests,
+        log_prompts=args.log_prompts,
         instance=f"{os.getpid()}-{secrets.token_hex(4)}",
         ipc_dir=make_ipc_dir(),
     )

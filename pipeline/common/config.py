@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import msgspec
 
+from pipeline.common.block_hash import root_hash
 from pipeline.common.constants import cdiv
 from pipeline.common.heartbeat import Heartbeats
 from pipeline.common.layouts import Layout
 from pipeline.common.shm_ring import ShmRing
 from pipeline.common.step_protocol import (
-    DESCRIPTOR_RING_SLOTS,
+    DESCRIPTOR_RING_ENTRIES,
     MASK_BITS,
-    OUTPUT_RING_SLOTS,
+    OUTPUT_RING_ENTRIES,
     StepDescriptor,
     StepOutput,
 )
@@ -33,7 +34,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
         dtype: ``"float32"`` or ``"bfloat16"``.
         device: ``"cpu"`` or ``"cuda"``.
         host, port: where the HTTP server listens.
-        max_num_seqs: requests in one step at most (also the number of slots).
+        max_num_seqs: requests in one step at most (also the number of req_index rows).
         max_num_batched_tokens: tokens in one step at most (chunked prefill budget).
         block_size: tokens per KV cache block.
         max_model_len: prompt + output tokens of one request at most (at most
@@ -43,6 +44,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
             or above it.
         num_kv_blocks: KV cache blocks the worker allocates.
         async_scheduling: plan step N+1 while step N runs.
+        enable_prefix_caching: reuse the KV blocks of computed prefixes
+            (docs/design.md, "Prefix caching").
         debug_token_cache_poison: poison consumed token-id cache entries and
             check every placeholder read (slower; tests turn it on).
         attention_backend: the worker's attention backend, one of
@@ -101,6 +104,15 @@ class EngineConfig(msgspec.Struct, frozen=True):
         step_timeout_s: seconds a step in flight may go without its output,
             or a process without a heartbeat, before the server declares it
             hung and stops with a message naming it; 0 disables the watchdog.
+        log_stats_interval_s: seconds between two stats lines in io_proc's
+            log while there is traffic; 0: none.
+        uvicorn_access_log: io_proc logs an access line per HTTP request (uvicorn's).
+        enable_log_requests: io_proc logs a line per finished request (id, prompt
+            tokens, sampling parameters, finish reason, tokens, TTFT, e2e).
+        log_prompts: those lines include the prompt (otherwise never logged).
+        metrics_compat: ``"vllm"``: ``/metrics`` also exports vLLM's metric
+            names and labels (docs/design.md, "Metrics"); ``"none"``: only the
+            ``pipeline_`` family.
         debug_fail_step: the worker raises ``RuntimeError`` when it
             launches this step, as a failing forward pass would (the fault
             tests use it); -1: never.
@@ -121,6 +133,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
     num_kv_blocks: int = 1024
     vocab_size: int = 0
     async_scheduling: bool = True
+    enable_prefix_caching: bool = True
     debug_token_cache_poison: bool = False
     sim_step_us: float = 10_000.0
     sim_token_us: float = 0.0
@@ -148,6 +161,11 @@ class EngineConfig(msgspec.Struct, frozen=True):
     engine_index: int = 0
     api_key: str = ""
     step_timeout_s: float = 300.0
+    metrics_compat: str = "none"
+    log_stats_interval_s: float = 10.0
+    uvicorn_access_log: bool = True
+    enable_log_requests: bool = False
+    log_prompts: bool = False
     debug_fail_step: int = -1
     instance: str = ""
     ipc_dir: str = ""
@@ -156,6 +174,11 @@ class EngineConfig(msgspec.Struct, frozen=True):
     def is_simulated(self) -> bool:
         """True when the simulated device replaces the model."""
         return self.model == "sim"
+
+    @property
+    def block_hash_root(self) -> bytes:
+        """The parent name of every prompt's first KV block, from what else makes its content: model, dtype."""
+        return root_hash(self.model, self.dtype)
 
     def engines(self) -> list[EngineConfig]:
         """One config per data-parallel engine, ``engine_index`` 0 .. ``data_parallel_size - 1``."""
@@ -244,7 +267,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
         return ShmRing(
             self.descriptor_ring_name,
             self.descriptor_layout,
-            DESCRIPTOR_RING_SLOTS,
+            DESCRIPTOR_RING_ENTRIES,
             self.ranks_per_node,
             create,
             StepDescriptor,
@@ -252,7 +275,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
 
     def output_ring(self, create: bool = False) -> ShmRing[StepOutput]:
         """The StepOutput ring (worker rank 0 writes; scheduler and io_proc read)."""
-        return ShmRing(self.output_ring_name, self.output_layout, OUTPUT_RING_SLOTS, 2, create, StepOutput)
+        return ShmRing(self.output_ring_name, self.output_layout, OUTPUT_RING_ENTRIES, 2, create, StepOutput)
 
     @property
     def heartbeat_roles(self) -> list[str]:

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 import transformers
 from torch import nn
 
-from pipeline.common.parallel import TPShape
+from pipeline.common.tp_shape import TPShape
 from pipeline.gpu_worker.attention import make_backend
 from pipeline.gpu_worker.model import Linear, LlamaForCausalLM, linear
 
@@ -111,7 +111,7 @@ class ParallelLlamaForCausalLM(LlamaForCausalLM):
 
     ``config`` stays the full model's (the executor reads the vocabulary and
     positions from it); the layers are built at the rank's sizes from
-    :class:`~pipeline.common.parallel.TPShape`. Forward takes and returns the
+    :class:`~pipeline.common.tp_shape.TPShape`. Forward takes and returns the
     same shapes as the unsharded model; :meth:`compute_logits` returns the
     full ``[S, vocab_size]`` float32 logits on every rank.
 

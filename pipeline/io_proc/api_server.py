@@ -158,7 +158,7 @@ def build_app(
         role, age = max(stale, key=lambda s: s[1])
         return f"{role} has shown no progress for {age:.1f} s (--step-timeout {config.step_timeout_s:g}): it is hung"
 
-    metrics = PipelineMetrics(client)
+    metrics = PipelineMetrics(client, config.served_model_name, config.max_model_len, config.metrics_compat)
     created = int(time.time())
 
     @asynccontextmanager

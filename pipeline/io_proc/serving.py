@@ -48,7 +48,7 @@ from pipeline.common.grammar import GrammarError, build_grammar
 from pipeline.common.messages import SamplingParams
 from pipeline.common.step_protocol import MAX_STOP_TOKEN_IDS
 from pipeline.io_proc.engine_client import EngineClient, EngineUnavailable
-from pipeline.io_proc.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
+from pipeline.io_proc.logprobs_json import TokenLogprob, chat_logprobs, completion_logprobs
 from pipeline.io_proc.protocol import (
     APIError,
     ChatCompletionChoice,
@@ -65,11 +65,13 @@ from pipeline.io_proc.protocol import (
     DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
+    PromptTokensDetails,
     SamplingRequest,
     TokenizeRequest,
     TokenizeResponse,
     UsageInfo,
 )
+from pipeline.io_proc.request_log import log_request
 from pipeline.io_proc.request_state import RequestState
 from pipeline.io_proc.tokenization import Tokenization
 
@@ -137,6 +139,7 @@ class OpenAIServing:
         # asynchronous device assert on CUDA) and decode with the tokenizer.
         self._vocab_limit = min(tokenization.vocab_size, config.vocab_size or tokenization.vocab_size)
         self._structured_output = config.vocab_size > 0
+        self._log_requests, self._log_prompts = config.enable_log_requests, config.log_prompts
         self._max_seqs = config.max_seqs_per_request
 
     @property
@@ -159,14 +162,12 @@ class OpenAIServing:
         states = self._start(req, prompt, "messages", grammar)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         prompt_ids = prompt if req.return_token_ids else msgspec.UNSET
+        close = self._closer(rid, req, states)
         if req.stream:
-            if not await self._compiled(states, raw, param):
+            if not await self._compiled(states, raw, close, param):
                 return Response(status_code=_CLIENT_CLOSED)
-            return _EventStream(
-                self._chat_stream(req, states, rid, created, prompt_ids),
-                lambda: [self._client.release(st) for st in states],
-            )
-        if not await self._wait(states, raw, param):
+            return _EventStream(self._chat_stream(req, states, rid, created, prompt_ids), close)
+        if not await self._wait(states, raw, close, param):
             return Response(status_code=_CLIENT_CLOSED)
         choices = []
         for i, st in enumerate(states):
@@ -187,7 +188,7 @@ class OpenAIServing:
                 model=self._model,
                 prompt_token_ids=prompt_ids,
                 choices=choices,
-                usage=self._usage(states, len(states)),
+                usage=await self._usage(states, len(states)),
             )
         )
 
@@ -228,14 +229,12 @@ class OpenAIServing:
         echoes = [e for e in echoes for _ in range(n)]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         prompt_ids = [p for p in prompts for _ in range(n)] if req.return_token_ids else [msgspec.UNSET] * len(states)
+        close = self._closer(rid, req, states)
         if req.stream:
-            if not await self._compiled(states, raw, param):
+            if not await self._compiled(states, raw, close, param):
                 return Response(status_code=_CLIENT_CLOSED)
-            return _EventStream(
-                self._completion_stream(req, states, echoes, rid, created, prompt_ids),
-                lambda: [self._client.release(st) for st in states],
-            )
-        if not await self._wait(states, raw, param):
+            return _EventStream(self._completion_stream(req, states, echoes, rid, created, prompt_ids), close)
+        if not await self._wait(states, raw, close, param):
             return Response(status_code=_CLIENT_CLOSED)
         choices = []
         for i, st in enumerate(states):
@@ -255,7 +254,7 @@ class OpenAIServing:
             )
         return json_response(
             CompletionResponse(
-                id=rid, created=created, model=self._model, choices=choices, usage=self._usage(states, n)
+                id=rid, created=created, model=self._model, choices=choices, usage=await self._usage(states, n)
             )
         )
 
@@ -462,8 +461,26 @@ class OpenAIServing:
         except GrammarError as e:
             raise APIError.bad_request(str(e), param=e.param) from None
 
-    async def _wait(self, states: list[RequestState], raw: Request, grammar_param: str | None = None) -> bool:
-        """Wait for non-streaming requests to finish; False if the client left
+    def _closer(self, rid: str, req: SamplingRequest, states: list[RequestState]) -> Callable[[], None]:
+        """What ends a request's response however it ends: release its states, then log it
+        (``--enable-log-requests``; its prompt only with ``--log-prompts``)."""
+
+        def close() -> None:
+            for st in states:
+                self._client.release(st)
+            if self._log_requests:
+                prompt = None
+                if self._log_prompts:
+                    chat = isinstance(req, ChatCompletionRequest)
+                    prompt = [m.model_dump(exclude_none=True) for m in req.messages] if chat else req.prompt
+                log_request(rid, states, req.num_choices(), req.stop_strings(), req.stream, prompt)
+
+        return close
+
+    async def _wait(
+        self, states: list[RequestState], raw: Request, close: Callable[[], None], grammar_param: str | None = None
+    ) -> bool:
+        """Wait for non-streaming requests to finish, then ``close``; False if the client left
         first (then the requests are aborted at once, within the step).
 
         Raises:
@@ -480,15 +497,17 @@ class OpenAIServing:
         finally:
             finished.cancel()
             left.cancel()
-            for st in states:
-                self._client.release(st)
+            close()
 
-    async def _compiled(self, states: list[RequestState], raw: Request, grammar_param: str | None) -> bool:
+    async def _compiled(
+        self, states: list[RequestState], raw: Request, close: Callable[[], None], grammar_param: str | None
+    ) -> bool:
         """Before a stream starts: wait until the scheduler has compiled the grammar of ``states`` (if they
-        have one) and queued them, so that a grammar it refuses is still a 400. False if the client left first.
+        have one) and queued them, so that a grammar it refuses is still a 400. False if the client left
+        first; then, and on an error, ``close`` has run.
 
         Raises:
-            APIError: as :func:`_raise_ended` (the states are released then).
+            APIError: as :func:`_raise_ended`.
         """
         pending = {st.compiled for st in states if st.compiled is not None}
         if not pending:
@@ -498,30 +517,35 @@ class OpenAIServing:
             while pending:
                 done, _ = await asyncio.wait(pending | {left}, return_when=asyncio.FIRST_COMPLETED)
                 if left in done:
+                    close()
                     return False
                 pending -= done
             _raise_ended(states, grammar_param)
             return True
         except BaseException:
-            for st in states:
-                self._client.release(st)
+            close()
             raise
         finally:
             left.cancel()
-            if pending:  # the client left
-                for st in states:
-                    self._client.release(st)
 
     @staticmethod
     def _output_ids(req: SamplingRequest, state: RequestState) -> list[int] | msgspec.UnsetType:
         return state.take_token_ids() if req.return_token_ids else msgspec.UNSET
 
-    @staticmethod
-    def _usage(states: list[RequestState], n: int) -> UsageInfo:
-        """Prompt tokens once per prompt (its ``n`` choices are consecutive), completion tokens of every choice."""
+    async def _usage(self, states: list[RequestState], n: int) -> UsageInfo:
+        """Prompt tokens once per prompt (its ``n`` choices are consecutive), completion tokens of every choice.
+
+        A prompt's cached tokens are its first choice's: the others find the blocks it computed.
+        """
+        await self._client.wait_admitted(states[::n])
         prompt = sum(st.prompt_len for st in states[::n])
         completion = sum(st.num_output_tokens for st in states)
-        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        return UsageInfo(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(st.num_cached_tokens for st in states[::n])),
+        )
 
     # -- streams -------------------------------------------------------------------
 
@@ -584,7 +608,11 @@ class OpenAIServing:
             if include_usage:
                 yield _sse(
                     ChatCompletionChunk(
-                        id=rid, created=created, model=self._model, choices=[], usage=self._usage(states, len(states))
+                        id=rid,
+                        created=created,
+                        model=self._model,
+                        choices=[],
+                        usage=await self._usage(states, len(states)),
                     )
                 )
         except Exception:
@@ -657,7 +685,7 @@ class OpenAIServing:
                         created=created,
                         model=self._model,
                         choices=[],
-                        usage=self._usage(states, req.num_choices()),
+                        usage=await self._usage(states, req.num_choices()),
                     )
                 )
         except Exception:

@@ -81,7 +81,7 @@ class _Pending:
     """A request waiting for its matchers."""
 
     msg: AddRequest
-    aborted: set[int] = field(default_factory=set)  # choices (or the request) aborted meanwhile
+    aborted: set[int] = field(default_factory=set)  # choices aborted meanwhile
     copies: Future | None = None  # the job making its matchers
     reserved: int = 0  # bytes counted for it before its copies exist
 
@@ -203,8 +203,7 @@ class GrammarManager:
     def abort(self, req_num: int) -> bool:
         """Drop a request (or one of its choices) still waiting here; True if it was."""
         for p in self._pending:
-            first = p.msg.req_num
-            if req_num == first or (p.msg.n > 1 and first < req_num <= first + p.msg.n):
+            if p.msg.req_num <= req_num < p.msg.req_num + p.msg.n:  # its choices
                 p.aborted.add(req_num)
                 return True
         return False
@@ -216,8 +215,8 @@ class GrammarManager:
             The requests whose matchers are ready, as ``(msg, one state per
             choice, choices aborted meanwhile)``, and the refused ones as
             ``(req_num, why)``: the grammar does not compile, or it takes more
-            memory than one request may. A request aborted as a whole is
-            refused with "aborted".
+            memory than one request may. A request whose every choice was
+            aborted is refused with "aborted".
         """
         ready, refused = [], []
         now = time.monotonic()
@@ -243,7 +242,7 @@ class GrammarManager:
     def _move(self, p: _Pending) -> list[GrammarState] | str | None:
         """One request's next step: its states when ready, why it is refused, or None while it waits."""
         msg, text = p.msg, p.msg.params.grammar
-        if msg.req_num in p.aborted or len(p.aborted) == msg.n:
+        if len(p.aborted) == msg.n:
             self._unreserve(p)
             return "aborted"
         entry = self._cache.get(text)
@@ -283,7 +282,7 @@ class GrammarManager:
         p.reserved = 0  # the states carry it now
         entry.users += msg.n - 1
         stop = msg.params.stop_token_ids
-        return [GrammarState(self, entry, m, _choice_num(msg, i), stop) for i, m in enumerate(matchers)]
+        return [GrammarState(self, entry, m, msg.req_num + i, stop) for i, m in enumerate(matchers)]
 
     def _compiled(self, text: str, job: Future) -> None:
         """A compilation has finished: into the cache, with what it measured (a failure too, for a while)."""
@@ -402,10 +401,6 @@ def _guarded(state: GrammarState, token_id: int) -> None:
 def _error_of(m: llguidance.LLMatcher) -> str:
     """The matcher's error message, without the marker of the parser state it leaves out."""
     return m.get_error().replace("<non-verbose/>", "").strip()
-
-
-def _choice_num(msg: AddRequest, i: int) -> int:
-    return msg.req_num if msg.n == 1 else msg.req_num + 1 + i
 
 
 def _lower_priority(nice: int) -> None:

@@ -16,6 +16,7 @@ import time
 from collections import deque
 
 import msgspec
+import numpy as np
 import zmq
 
 from pipeline.common.config import EngineConfig
@@ -26,6 +27,7 @@ from pipeline.common.memory import BurstWatch, trim_heap
 from pipeline.common.messages import (
     AbortRequest,
     AddRequest,
+    Admitted,
     GetStats,
     GrammarCompiled,
     RequestFailed,
@@ -35,6 +37,7 @@ from pipeline.common.messages import (
 )
 from pipeline.common.process import StopFlag, freeze_startup_heap, report
 from pipeline.common.shm_ring import RingTimeout, ShmRing
+from pipeline.common.step_clock import WORKER_STATS_LEN, CpuPerStep, worker_stats
 from pipeline.common.step_protocol import (
     MAX_INFLIGHT_STEPS,
     OUTPUT_READER_SCHEDULER,
@@ -95,6 +98,8 @@ class SchedulerProc:
             config.block_size,
             config.num_kv_blocks,
             config.max_blocks_per_seq,
+            config.enable_prefix_caching,
+            config.block_hash_root,
         )
         self.max_inflight = MAX_INFLIGHT_STEPS if config.async_scheduling else 1
         self.inflight: deque[int] = deque()
@@ -102,6 +107,8 @@ class SchedulerProc:
         # predecessor's output arrived (it cannot run before): what the watchdog measures.
         self._oldest_since = 0.0
         self.trace = TraceRecorder() if config.trace else None
+        self._cpu = CpuPerStep()
+        self._worker_counts = np.zeros(WORKER_STATS_LEN, np.int64)  # as of the last output read
         self._decoder = msgspec.msgpack.Decoder(ToScheduler)
         self._encoder = msgspec.msgpack.Encoder()
         self._running = True
@@ -158,7 +165,7 @@ class SchedulerProc:
                 self._add_request(msg)
             elif isinstance(msg, AbortRequest):
                 if self.grammars is None or not self.grammars.abort(msg.req_num):
-                    self.scheduler.abort_request(msg.req_num)
+                    self.scheduler.abort_request(msg.req_num, msg.finished_ns)
             elif isinstance(msg, GetStats):
                 self._reply(self._stats(msg.nonce))
             elif isinstance(msg, Shutdown):
@@ -182,10 +189,8 @@ class SchedulerProc:
             self.scheduler.add_request(msg)
         except Exception as e:
             logger.exception("request %d could not be queued", msg.req_num)
-            for i in range(msg.n):
-                self._reply(
-                    RequestFailed(msg.req_num if msg.n == 1 else msg.req_num + 1 + i, f"{type(e).__name__}: {e}")
-                )
+            for i in range(msg.n):  # its choices
+                self._reply(RequestFailed(msg.req_num + i, f"{type(e).__name__}: {e}"))
 
     def _grammar_turn(self) -> None:
         """Queue the requests whose matchers are ready, tell io_proc of those refused, and end those whose
@@ -205,7 +210,7 @@ class SchedulerProc:
                 logger.warning("request %d: %s", state.req_num, state.error)
                 self._reply(RequestFailed(state.req_num, state.error))
 
-    def _reply(self, msg: GrammarCompiled | RequestFailed | Stats) -> None:
+    def _reply(self, msg: Admitted | GrammarCompiled | RequestFailed | Stats) -> None:
         self.replies.send(self._encoder.encode(msg))
 
     def _plan_step(self) -> bool:
@@ -218,10 +223,18 @@ class SchedulerProc:
         t0 = time.monotonic_ns()
         step_id = self.scheduler.next_step_id
         if not self.scheduler.schedule(desc):
-            return False  # slot stays acquired for the next try
+            return False  # entry stays acquired for the next try
+        if self.scheduler.admitted:  # before the step: io_proc has it before the requests' outputs
+            nums, cached = zip(*self.scheduler.admitted)
+            self._reply(Admitted(list(nums), list(cached)))
+            self.scheduler.admitted.clear()
         self.desc_ring.publish()
         if self.trace is not None:
-            self.trace.add(self.config.scheduler_role, "plan", "plan", step_id, t0, time.monotonic_ns())
+            t1 = time.monotonic_ns()
+            self.trace.add(self.config.scheduler_role, "plan", "plan", step_id, t0, t1)
+            if self.scheduler.num_cached_tokens_step:
+                hits = f"{self.scheduler.num_cached_tokens_step} cached tokens"
+                self.trace.add(self.config.scheduler_role, "prefix cache", hits, step_id, t0, t1)
         if not self.inflight:
             self._oldest_since = time.monotonic()
         self.inflight.append(step_id)
@@ -229,7 +242,7 @@ class SchedulerProc:
 
     def _await_output(self) -> None:
         try:
-            slot = self.out_ring.acquire_read(OUTPUT_READER_SCHEDULER, timeout=POLL_INTERVAL_S)
+            entry = self.out_ring.acquire_read(OUTPUT_READER_SCHEDULER, timeout=POLL_INTERVAL_S)
         except RingTimeout:
             waited = time.monotonic() - self._oldest_since
             if self.config.step_timeout_s and waited > self.config.step_timeout_s and not self._io_proc_hung():
@@ -239,13 +252,15 @@ class SchedulerProc:
                 ) from None
             return
         t0 = time.monotonic_ns()
-        out = slot.read()
+        out = entry.read()
+        np.copyto(self._worker_counts, entry.worker_stats)
         self.out_ring.release_read(OUTPUT_READER_SCHEDULER)
         expected = self.inflight.popleft()
         if out.step_id != expected:
             raise RuntimeError(f"worker reported step {out.step_id}, expected {expected}")
         self._oldest_since = time.monotonic()
-        self.scheduler.process_output(out.step_id, out.req_nums, out.token_ids)
+        self.scheduler.process_output(out.step_id, out.req_nums, out.token_ids, out.time_ns)
+        self._cpu.step(out.continues)
         if self.trace is not None:
             self.trace.add(self.config.scheduler_role, "plan", "process_output", out.step_id, t0, time.monotonic_ns())
             self.trace.add_step_cpu(self.config.scheduler_role, out.step_id)
@@ -263,10 +278,21 @@ class SchedulerProc:
             num_waiting=len(s.waiting),
             num_free_blocks=s.pool.num_free_blocks,
             num_total_blocks=s.pool.num_blocks,
-            num_free_slots=s.pool.num_free_slots,
-            num_total_slots=s.pool.num_slots,
+            num_free_req_indices=s.pool.num_free_req_indices,
+            num_total_req_indices=s.pool.num_req_indices,
             num_steps=s.next_step_id,
             num_preemptions=s.num_preemptions,
+            queue_time=s.queue_time.data(),
+            prefill_time=s.prefill_time.data(),
+            decode_time=s.decode_time.data(),
+            inference_time=s.inference_time.data(),
+            iteration_tokens=s.iteration_tokens.data(),
+            step_cpu=self._cpu.histogram.data(1e-9),
+            worker=worker_stats(self._worker_counts),
+            # None with caching off, as vLLM reports no prefix-cache figures then.
+            prefix_cache_queries=s.prefix.num_queries if s.prefix.enabled else None,
+            prefix_cache_hits=s.prefix.num_hits if s.prefix.enabled else None,
+            num_cached_blocks=s.pool.num_cached_blocks,
         )
 
 

@@ -7,7 +7,7 @@ import torch
 import torch.multiprocessing as mp
 import transformers
 
-from pipeline.common.parallel import TPShape
+from pipeline.common.tp_shape import TPShape
 from pipeline.gpu_worker.parallel import TPGroup, load_parallel_model
 from pipeline.gpu_worker.weights import load_model
 
