@@ -46,8 +46,10 @@ def build_grammar(kind: str, spec: object, param: str) -> str:
     Args:
         kind: ``"json_object"`` (any JSON object), ``"json_schema"`` (``spec``
             a JSON schema as a dict or JSON text), ``"regex"`` (``spec`` a
-            regular expression in Rust's ``regex`` syntax) or ``"choice"``
-            (``spec`` a non-empty list of strings: exactly one of them).
+            regular expression in Rust's ``regex`` syntax), ``"choice"``
+            (``spec`` a non-empty list of strings: exactly one of them) or
+            ``"lark"`` (``spec`` a grammar in llguidance's Lark dialect, as
+            tool calling builds them).
         spec: as ``kind`` says; ignored for ``json_object``.
         param: the request field ``spec`` came from, for the error.
 
@@ -77,6 +79,8 @@ def build_grammar(kind: str, spec: object, param: str) -> str:
                     param,
                 )
             grammar = llguidance.grammar_from("choice", json.dumps(spec))
+        elif kind == "lark":
+            grammar = llguidance.LLMatcher.grammar_from_lark(spec)
         else:
             raise GrammarError(f"unknown grammar kind {kind!r}", param)
     except (ValueError, TypeError) as e:  # llguidance raises ValueError; json.loads its subclass
@@ -86,6 +90,17 @@ def build_grammar(kind: str, spec: object, param: str) -> str:
     except RecursionError:  # json's parser and encoder recurse once per level of nesting
         raise GrammarError(f"{param} is nested too deeply to be a JSON schema", param) from None
     return grammar
+
+
+def check_grammar(grammar: str, param: str) -> None:
+    """Raise :class:`GrammarError` naming ``param`` if llguidance cannot compile ``grammar``.
+
+    Checked without the tokenizer (milliseconds for a few tool schemas, on
+    the caller's thread: llguidance lets go of the GIL); only tool calling
+    checks here, to name the tool at fault. The scheduler compiles for real.
+    """
+    if err := llguidance.LLMatcher.validate_grammar(grammar, None):
+        raise GrammarError(f"{param} is invalid: {err}", param)
 
 
 def load_tokenizer(tokenizer_dir: str, vocab_size: int) -> llguidance.LLTokenizer:

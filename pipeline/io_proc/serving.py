@@ -74,6 +74,8 @@ from pipeline.io_proc.protocol import (
 from pipeline.io_proc.request_log import log_request
 from pipeline.io_proc.request_state import RequestState
 from pipeline.io_proc.tokenization import Tokenization
+from pipeline.io_proc.tool_calling import ChatToolStream, ToolCalling, ToolPlan, message_calls
+from pipeline.io_proc.tool_parsers import ToolCall
 
 logger = logging.getLogger(__name__)
 
@@ -94,12 +96,17 @@ def _sse(obj: msgspec.Struct) -> bytes:
     return b"data: " + msgspec.json.encode(obj) + b"\n\n"
 
 
+def json_body(obj: object) -> bytes:
+    """``obj`` (structs, dicts, lists, scalars) as JSON, encoded with msgspec."""
+    return msgspec.json.encode(obj)
+
+
 def json_response(obj: msgspec.Struct, status_code: int = 200) -> Response:
     """A JSON response encoded with msgspec."""
     return Response(msgspec.json.encode(obj), status_code=status_code, media_type="application/json")
 
 
-class _EventStream(StreamingResponse):
+class EventStream(StreamingResponse):
     """An SSE response that runs ``on_close`` however it ends: fully sent,
     client gone (Starlette cancels the send task), or server shutdown."""
 
@@ -129,6 +136,12 @@ class OpenAIServing:
     def __init__(
         self, config: EngineConfig, client: EngineClient, tokenization: Tokenization, stop_token_ids: tuple[int, ...]
     ):
+        self.tool_calling = ToolCalling(
+            config.tool_call_parser or None,
+            config.enable_auto_tool_choice,
+            tokenization.renders_tools,
+            tokenization.renders_tool_calls,
+        )
         self._model = config.served_model_name
         self._max_model_len = config.max_model_len
         self._max_prompt_chars = tokenization.max_prompt_chars(config.max_model_len)
@@ -154,30 +167,27 @@ class OpenAIServing:
             APIError: 404 unknown model, 400 invalid or too long request,
                 503 scheduler not taking requests.
         """
-        self._check_model(req)
-        self._check_fan_out(1, req.num_choices())
-        self._check_chars(sum(len(m.text()) for m in req.messages), "messages")
-        grammar, param = await self._request_grammar(req)
-        prompt = await self._tokenization.encode_chat(req.messages)
-        states = self._start(req, prompt, "messages", grammar)
+        plan, prompt, states = await self.start_chat(req)
+        param = grammar_field(req, plan)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         prompt_ids = prompt if req.return_token_ids else msgspec.UNSET
-        close = self._closer(rid, req, states)
+        close = self.closer(rid, req, states)
         if req.stream:
-            if not await self._compiled(states, raw, close, param):
+            if not await self.compiled(states, raw, close, param):
                 return Response(status_code=_CLIENT_CLOSED)
-            return _EventStream(self._chat_stream(req, states, rid, created, prompt_ids), close)
-        if not await self._wait(states, raw, close, param):
+            return EventStream(self._chat_stream(req, plan, states, rid, created, prompt_ids), close)
+        if not await self.wait(states, raw, close, param):
             return Response(status_code=_CLIENT_CLOSED)
         choices = []
         for i, st in enumerate(states):
             logprobs = {"content": chat_logprobs(self._texts, st.take_logprobs())} if req.logprobs else None
+            content, calls, finish_reason = chat_output(plan, st)
             choices.append(
                 ChatCompletionChoice(
                     index=i,
-                    message=ChatCompletionMessage(content=st.take_text()),
+                    message=ChatCompletionMessage(content=content, tool_calls=message_calls(calls) or msgspec.UNSET),
                     logprobs=logprobs,
-                    finish_reason=st.finish_reason,
+                    finish_reason=finish_reason,
                     token_ids=self._output_ids(req, st),
                 )
             )
@@ -188,9 +198,26 @@ class OpenAIServing:
                 model=self._model,
                 prompt_token_ids=prompt_ids,
                 choices=choices,
-                usage=await self._usage(states, len(states)),
+                usage=await self.usage(states, len(states)),
             )
         )
+
+    async def start_chat(self, req: ChatCompletionRequest) -> tuple[ToolPlan, list[int], list[RequestState]]:
+        """Check a chat request, render and encode its prompt and add its choices to the engine:
+        ``(tool plan, prompt token ids, one state per choice)``.
+
+        Raises:
+            APIError: 404 unknown model, 400 invalid or too long request,
+                503 scheduler not taking requests.
+        """
+        self._check_model(req)
+        self._check_fan_out(1, req.num_choices())
+        self._check_chars(sum(len(m.text()) for m in req.messages), "messages")
+        # Tools' schemas are checked as grammars, which the event loop must not spend its time on.
+        plan = await asyncio.to_thread(self.tool_calling.plan, req) if req.tools else self.tool_calling.plan(req)
+        grammar = await self._request_grammar(req, plan)
+        prompt = await self._tokenization.encode_chat(plan.conversation, tools=plan.template_tools)
+        return plan, prompt, self._start(req, prompt, "messages", grammar, plan)
 
     async def completion(self, req: CompletionRequest, raw: Request) -> Response:
         """Serve ``POST /v1/completions``: one choice per prompt.
@@ -203,7 +230,7 @@ class OpenAIServing:
         self._check_fan_out(len(req.prompt), req.num_choices())
         if req.requested_max_tokens() == 0 and not req.echo:
             raise APIError.bad_request("max_tokens must be at least 1 unless echo is true", param="max_tokens")
-        grammar, param = await self._request_grammar(req)  # once for every prompt and choice
+        grammar, param = await self._request_grammar(req), grammar_field(req)  # once for every prompt and choice
         prompts: list[list[int]] = []
         for p in req.prompt:
             if isinstance(p, str):
@@ -229,12 +256,12 @@ class OpenAIServing:
         echoes = [e for e in echoes for _ in range(n)]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         prompt_ids = [p for p in prompts for _ in range(n)] if req.return_token_ids else [msgspec.UNSET] * len(states)
-        close = self._closer(rid, req, states)
+        close = self.closer(rid, req, states)
         if req.stream:
-            if not await self._compiled(states, raw, close, param):
+            if not await self.compiled(states, raw, close, param):
                 return Response(status_code=_CLIENT_CLOSED)
-            return _EventStream(self._completion_stream(req, states, echoes, rid, created, prompt_ids), close)
-        if not await self._wait(states, raw, close, param):
+            return EventStream(self._completion_stream(req, states, echoes, rid, created, prompt_ids), close)
+        if not await self.wait(states, raw, close, param):
             return Response(status_code=_CLIENT_CLOSED)
         choices = []
         for i, st in enumerate(states):
@@ -254,7 +281,7 @@ class OpenAIServing:
             )
         return json_response(
             CompletionResponse(
-                id=rid, created=created, model=self._model, choices=choices, usage=await self._usage(states, n)
+                id=rid, created=created, model=self._model, choices=choices, usage=await self.usage(states, n)
             )
         )
 
@@ -270,7 +297,8 @@ class OpenAIServing:
             ids = await self._tokenization.encode_text(req.prompt, req.add_special_tokens)
         else:
             self._check_chars(sum(len(m.text()) for m in req.messages), "messages")
-            ids = await self._tokenization.encode_chat(req.messages, req.add_generation_prompt)
+            conversation = self.tool_calling.conversation(req.messages)
+            ids = await self._tokenization.encode_chat(conversation, req.add_generation_prompt)
         return json_response(TokenizeResponse(count=len(ids), max_model_len=self._max_model_len, tokens=ids))
 
     async def detokenize(self, req: DetokenizeRequest) -> Response:
@@ -330,11 +358,16 @@ class OpenAIServing:
             )
 
     def _start(
-        self, req: SamplingRequest, prompt: list[int], prompt_param: str, grammar: str = ""
+        self,
+        req: SamplingRequest,
+        prompt: list[int],
+        prompt_param: str,
+        grammar: str = "",
+        plan: ToolPlan | None = None,
     ) -> list[RequestState]:
         """Check lengths, build sampling parameters and add the request's ``n`` choices to the engine.
 
-        ``grammar``: from :meth:`_request_grammar` ("" for free text).
+        ``grammar``: from :meth:`_request_grammar` ("" for free text); ``plan``: a chat request's tools.
         """
         n, limit = len(prompt), self._max_model_len
         if n == 0:
@@ -402,6 +435,8 @@ class OpenAIServing:
             min_tokens=req.min_tokens,
             logit_bias=logit_bias,
             grammar=grammar,
+            grammar_trigger=plan.trigger if plan is not None and grammar else "",
+            grammar_trigger_at_start=plan is not None and plan.trigger_at_start,
         )
         try:
             return self._client.add_choices(
@@ -423,20 +458,22 @@ class OpenAIServing:
         eos_ids = () if req.ignore_eos else self._stop_token_ids
         return tuple(dict.fromkeys((*(req.stop_token_ids or ()), *eos_ids)))
 
-    async def _request_grammar(self, req: SamplingRequest) -> tuple[str, str | None]:
-        """The request's grammar ("" for free text) and the field it came from, built on a thread: a schema
-        of megabytes takes tens of milliseconds to serialize, which the event loop must not spend.
+    async def _request_grammar(self, req: SamplingRequest, plan: ToolPlan | None = None) -> str:
+        """The request's grammar ("" for free text), built on a thread: a schema of megabytes takes tens of
+        milliseconds to serialize, which the event loop must not spend (a tool plan's is built already).
 
         Raises:
             APIError: 400 naming the field (see :meth:`_grammar`).
         """
-        so = req.structured_output()
-        if so is None:
-            return "", None
-        return await asyncio.to_thread(self._grammar, req, self._stop_ids(req)), so[2]
+        if plan is not None and plan.grammar:
+            return self._grammar(req, self._stop_ids(req), plan)
+        if req.structured_output() is None:
+            return ""
+        return await asyncio.to_thread(self._grammar, req, self._stop_ids(req), plan)
 
-    def _grammar(self, req: SamplingRequest, stop_ids: tuple[int, ...]) -> str:
-        """The request's llguidance grammar (docs/design.md, "Structured output"), or "" for free text.
+    def _grammar(self, req: SamplingRequest, stop_ids: tuple[int, ...], plan: ToolPlan | None) -> str:
+        """The request's llguidance grammar (docs/design.md, "Structured output"; the tool plan's,
+        "Tool calling"), or "" for free text.
 
         Raises:
             APIError: 400 naming the field for a malformed schema, regex or
@@ -444,7 +481,8 @@ class OpenAIServing:
                 no logits), with ``min_tokens`` (it could forbid the only
                 token the grammar allows), or with no stop token to end on.
         """
-        so = req.structured_output()
+        tools = plan is not None and bool(plan.grammar)
+        so = ("lark", plan.grammar, "tools") if tools else req.structured_output()
         if so is None:
             return ""
         kind, spec, param = so
@@ -456,12 +494,14 @@ class OpenAIServing:
             raise APIError.bad_request(
                 f"{param} needs a stop token to end on: with ignore_eos, give stop_token_ids", param="ignore_eos"
             )
+        if tools:
+            return plan.grammar  # compiled and checked by the plan
         try:
             return build_grammar(kind, spec, param)
         except GrammarError as e:
             raise APIError.bad_request(str(e), param=e.param) from None
 
-    def _closer(self, rid: str, req: SamplingRequest, states: list[RequestState]) -> Callable[[], None]:
+    def closer(self, rid: str, req: SamplingRequest, states: list[RequestState]) -> Callable[[], None]:
         """What ends a request's response however it ends: release its states, then log it
         (``--enable-log-requests``; its prompt only with ``--log-prompts``)."""
 
@@ -477,7 +517,7 @@ class OpenAIServing:
 
         return close
 
-    async def _wait(
+    async def wait(
         self, states: list[RequestState], raw: Request, close: Callable[[], None], grammar_param: str | None = None
     ) -> bool:
         """Wait for non-streaming requests to finish, then ``close``; False if the client left
@@ -499,7 +539,7 @@ class OpenAIServing:
             left.cancel()
             close()
 
-    async def _compiled(
+    async def compiled(
         self, states: list[RequestState], raw: Request, close: Callable[[], None], grammar_param: str | None
     ) -> bool:
         """Before a stream starts: wait until the scheduler has compiled the grammar of ``states`` (if they
@@ -532,7 +572,7 @@ class OpenAIServing:
     def _output_ids(req: SamplingRequest, state: RequestState) -> list[int] | msgspec.UnsetType:
         return state.take_token_ids() if req.return_token_ids else msgspec.UNSET
 
-    async def _usage(self, states: list[RequestState], n: int) -> UsageInfo:
+    async def usage(self, states: list[RequestState], n: int) -> UsageInfo:
         """Prompt tokens once per prompt (its ``n`` choices are consecutive), completion tokens of every choice.
 
         A prompt's cached tokens are its first choice's: the others find the blocks it computed.
@@ -552,6 +592,7 @@ class OpenAIServing:
     async def _chat_stream(
         self,
         req: ChatCompletionRequest,
+        plan: ToolPlan,
         states: list[RequestState],
         rid: str,
         created: int,
@@ -584,6 +625,8 @@ class OpenAIServing:
                 )
             )
 
+        # Each choice's text goes through its tool-call parser, if the request has one.
+        tools = [ChatToolStream(plan.parser) if plan.parser is not None else None for _ in states]
         try:
             for i in range(len(states)):
                 yield chunk(i, DeltaMessage(role="assistant", content=""), prompt_token_ids=prompt_ids)
@@ -591,17 +634,27 @@ class OpenAIServing:
                 st = states[i]
                 if update is not None:
                     text, ids, lps = update
+                    delta = DeltaMessage(content=text)
+                    if tools[i] is not None:
+                        delta.content, delta.tool_calls = tools[i].feed(text)
+                        if delta.content is None and delta.tool_calls is None and not (with_ids or req.logprobs):
+                            continue  # text held back, nothing else to send
                     logprobs = {"content": chat_logprobs(self._texts, lps)} if req.logprobs else None
-                    yield chunk(
-                        i, DeltaMessage(content=text), token_ids=ids if with_ids else msgspec.UNSET, logprobs=logprobs
-                    )
+                    yield chunk(i, delta, token_ids=ids if with_ids else msgspec.UNSET, logprobs=logprobs)
                 elif st.finish_reason == "abort":
                     yield _stream_aborted()
                     yield _DONE
                     return
                 else:
-                    yield chunk(i, DeltaMessage(), st.finish_reason)
-                    if st.finish_reason == "error":
+                    finish_reason = st.finish_reason
+                    if tools[i] is not None and finish_reason != "error":
+                        content, calls = tools[i].finish()
+                        if content is not None or calls is not None:
+                            yield chunk(i, DeltaMessage(content=content, tool_calls=calls))
+                        if tools[i].num_calls and finish_reason == "stop":
+                            finish_reason = "tool_calls"
+                    yield chunk(i, DeltaMessage(), finish_reason)
+                    if finish_reason == "error":
                         yield _stream_failed(st)
                         yield _DONE
                         return
@@ -612,7 +665,7 @@ class OpenAIServing:
                         created=created,
                         model=self._model,
                         choices=[],
-                        usage=await self._usage(states, len(states)),
+                        usage=await self.usage(states, len(states)),
                     )
                 )
         except Exception:
@@ -685,7 +738,7 @@ class OpenAIServing:
                         created=created,
                         model=self._model,
                         choices=[],
-                        usage=await self._usage(states, req.num_choices()),
+                        usage=await self.usage(states, req.num_choices()),
                     )
                 )
         except Exception:
@@ -744,6 +797,14 @@ async def _client_left(raw: Request) -> None:
         pass
 
 
+def grammar_field(req: SamplingRequest, plan: ToolPlan | None = None) -> str | None:
+    """The request field a grammar the scheduler refuses is named by in the 400 (None: no grammar)."""
+    if plan is not None and plan.grammar:
+        return "tools"
+    so = req.structured_output()
+    return None if so is None else so[2]
+
+
 def _raise_ended(states: list[RequestState], grammar_param: str | None) -> None:
     """Raise the error of the first of ``states`` that the server ended.
 
@@ -780,3 +841,15 @@ def _stream_error() -> bytes:
     return _sse(
         ErrorResponse(error=ErrorInfo(message="internal server error while streaming", type="internal_server_error"))
     )
+
+
+def chat_output(plan: ToolPlan, state: RequestState) -> tuple[str | None, list[ToolCall], str | None]:
+    """A finished choice's ``(content, tool calls, finish reason)``: calls end it with ``"tool_calls"``
+    (unless cut short by ``max_tokens``), and its content is null when it is calls only."""
+    text = state.take_text()
+    if plan.parser is None:
+        return text, [], state.finish_reason
+    content, calls = plan.parser.extract(text)
+    if not calls:
+        return content, [], state.finish_reason
+    return content or None, calls, "tool_calls" if state.finish_reason == "stop" else state.finish_reason

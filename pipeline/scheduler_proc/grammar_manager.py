@@ -10,6 +10,12 @@ run on a background thread at a low CPU priority (nice 10: about a tenth of
 a core that another process keeps busy), so that on a machine whose cores
 are all busy a large grammar is slow rather than everyone else.
 
+A request with a ``grammar_trigger`` (tool calling's ``auto``) needs a mask
+only where its text could reach the trigger in the next token, and from the
+trigger on (``pipeline.common.lazy_grammar``): its choices each keep a
+pristine copy, from which a matcher fed the text's tail is made at such a
+point, on a thread; until then the row decodes every step, unmasked.
+
 After each output token a row's matcher consumes it and computes the next
 mask on a thread: cheap ones (under 0.5 ms last time) on a thread of normal
 priority, which the scheduler waits for at most 1 ms before it plans, the
@@ -18,7 +24,7 @@ step, and nobody else waits.
 
 Memory: the heap a compilation takes (``mallinfo2``, measured on the one
 thread that compiles) plus what each copy takes is counted per request and
-in total. A request over ``max_grammar_memory_per_request`` is refused (400);
+in total (two copies a choice with a trigger). A request over ``max_grammar_memory_per_request`` is refused (400);
 one that would take the total over ``max_grammar_memory`` waits until others
 end. Compiled grammars nobody uses are dropped when room is needed and 10 s
 after their last use, and the heap is trimmed once enough was freed.
@@ -39,6 +45,7 @@ import llguidance
 import llguidance.numpy
 import numpy as np
 
+from pipeline.common.lazy_grammar import Trigger
 from pipeline.common.memory import heap_in_use, trim_heap
 from pipeline.common.messages import AddRequest
 from pipeline.common.step_protocol import MASK_BITS
@@ -91,6 +98,9 @@ class GrammarState:
 
     The matcher has consumed the request's output tokens so far, or is
     consuming the last one on a grammar thread (then :attr:`ready` is False).
+    With a trigger, the mask is needed only where :meth:`needs_mask` says,
+    and the matcher exists only there (a copy of the pristine one, fed the
+    text's tail).
     Ending is the model's choice among the request's stop token ids, allowed
     exactly when the grammar accepts, and the only tokens allowed once it
     cannot continue; so the request finishes with "stop" in the scheduler
@@ -101,23 +111,73 @@ class GrammarState:
         mask: int32 ``[ceil(V / 32)]``, bit set = allowed; valid while :attr:`ready`.
         ready: the mask is that of the next output position.
         error: why the matcher failed (it left its grammar, or hit a limit); "" if it did not.
+        trigger: where the text stands against the request's ``grammar_trigger``; None without one.
     """
 
-    __slots__ = ("req_num", "mask", "ready", "error", "_matcher", "_stop_ids", "_cost_s", "_manager", "_entry")
+    __slots__ = (
+        "req_num",
+        "mask",
+        "ready",
+        "error",
+        "_matcher",
+        "_pristine",
+        "trigger",
+        "_stop_ids",
+        "_cost_s",
+        "_manager",
+        "_entry",
+        "_nbytes",
+    )
 
-    def __init__(self, manager: GrammarManager, entry: _Compiled, matcher: llguidance.LLMatcher, req_num: int, stop):
-        self.req_num, self._manager, self._entry, self._matcher = req_num, manager, entry, matcher
+    def __init__(
+        self,
+        manager: GrammarManager,
+        entry: _Compiled,
+        matcher: llguidance.LLMatcher,
+        req_num: int,
+        stop,
+        trigger: Trigger | None = None,
+    ):
+        self.req_num, self._manager, self._entry, self.trigger = req_num, manager, entry, trigger
+        # With a trigger, ``matcher`` stays pristine; _matcher is None until a mask needs one (the first
+        # mask, the compiled grammar's, is that of a pristine matcher).
+        self._matcher, self._pristine = (matcher, None) if trigger is None else (None, matcher)
+        self._nbytes = entry.copy_nbytes * (1 if trigger is None else 2)
         self._stop_ids = np.asarray(stop, np.int64)
         self.mask = manager.end_mask(entry.first_mask.copy(), entry.ends, self._stop_ids)
         self._cost_s = entry.mask_s
         self.ready, self.error = True, ""
 
+    def needs_mask(self, in_flight: int) -> bool:
+        """Whether the next sampled token needs :attr:`mask`, with ``in_flight`` of the row's tokens not
+        advanced past yet (a row that needs one waits for them). Always, without a trigger."""
+        return self.trigger is None or self.trigger.needs_mask(in_flight)
+
     def advance(self, token_id: int) -> None:
-        """Consume output ``token_id`` and compute the next mask, on a grammar thread; a stop id ends the output."""
+        """Consume output ``token_id`` and compute the next mask, on a grammar thread; a stop id ends the output.
+
+        With a trigger, the text is followed here, and a thread runs only where a mask is needed next.
+        """
         if token_id in self._stop_ids or self.error:
             return
+        trigger = self.trigger
+        if trigger is None:
+            self._submit(token_id, None)
+            return
+        masked = trigger.needs_mask(0)  # this token was sampled under a mask, from the matcher's state
+        trigger.feed(token_id)
+        if not trigger.needs_mask(0):
+            if self._matcher is not None:  # the text turned away from the trigger
+                self._manager.drop(self._matcher)
+                self._matcher = None
+        elif masked and trigger.triggered:
+            self._submit(token_id, None)  # the matcher goes on past the trigger
+        else:
+            self._submit(token_id, trigger.tail())  # a fresh matcher, fed the text's tail
+
+    def _submit(self, token_id: int, tail: bytes | None) -> None:
         self.ready = False
-        self._manager.submit_mask(self, token_id, self._cost_s < FAST_MASK_S)
+        self._manager.submit_mask(self, token_id, tail, self._cost_s < FAST_MASK_S)
 
     def close(self) -> None:
         """The request has ended: its matcher's memory returns."""
@@ -125,20 +185,30 @@ class GrammarState:
             self._manager.release(self)
             self._manager = None
 
-    def _advance(self, token_id: int) -> None:  # on a grammar thread
+    def _advance(self, token_id: int, tail: bytes | None) -> None:  # on a grammar thread
+        """Consume ``token_id``, or with ``tail`` make a matcher from the pristine one fed it; then mask."""
         t0 = time.perf_counter()
-        m = self._matcher
-        if m is None:  # its request has ended meanwhile
+        manager, m, pristine = self._manager, self._matcher, self._pristine
+        if manager is None or (m is None and pristine is None):  # its request has ended meanwhile
             return
-        if not m.consume_token(token_id):
-            self._fail(f"the output left its grammar at token {token_id}: {_error_of(m) or 'rejected'}")
-            return
+        if tail is not None:
+            m = pristine.deep_copy()
+            if not all(m.consume_token(t) for t in manager.tokenize_bytes(tail)):
+                self._fail(f"the text before the trigger does not parse: {_error_of(m) or 'rejected'}")
+                return
+            self._matcher = m
+        else:
+            if m is None:  # a trigger at the output's start: the first mask was the pristine matcher's
+                m = self._matcher = pristine.deep_copy()
+            if not m.consume_token(token_id):
+                self._fail(f"the output left its grammar at token {token_id}: {_error_of(m) or 'rejected'}")
+                return
         mask = np.zeros_like(self.mask)
         llguidance.numpy.fill_next_token_bitmask(m, mask.reshape(1, -1), 0)
         if m.is_error():
             self._fail(f"the output left its grammar: {_error_of(m)}")
             return
-        self.mask = self._manager.end_mask(mask, m.is_accepting() or m.is_stopped(), self._stop_ids)
+        self.mask = manager.end_mask(mask, m.is_accepting() or m.is_stopped(), self._stop_ids)
         self._cost_s = time.perf_counter() - t0
         self.ready = True
 
@@ -195,6 +265,10 @@ class GrammarManager:
     def used_bytes(self) -> int:
         """Matcher memory counted now: compiled grammars (the cache), copies, reservations."""
         return self._used
+
+    def tokenize_bytes(self, data: bytes) -> list[int]:
+        """``data`` as token ids of the grammars' tokenizer."""
+        return self._tokenizer.tokenize_bytes(data)
 
     def add(self, msg: AddRequest) -> None:
         """Take a request with a grammar; it comes back from :meth:`poll` once its matchers exist."""
@@ -257,19 +331,22 @@ class GrammarManager:
             return entry.error
         self._cache.move_to_end(text)
         entry.last_used = time.monotonic()
+        per_choice = entry.copy_nbytes * (2 if msg.params.grammar_trigger else 1)  # pristine and matcher
         if p.copies is None:
-            cost = entry.nbytes + msg.n * entry.copy_nbytes
+            cost = entry.nbytes + msg.n * per_choice
             if cost > self._max_request:
                 return (
                     f"the grammar takes {cost / 2**20:.1f} MiB of matcher memory for {msg.n} choice(s), more than "
                     f"--max-grammar-memory-per-request ({self._max_request / 2**20:g} MiB): simplify it"
                 )
             entry.users += 1  # it stays cached while its copies are made
-            if not self._make_room(msg.n * entry.copy_nbytes):
+            if not self._make_room(msg.n * per_choice):
                 entry.users -= 1
                 return None
-            p.reserved = msg.n * entry.copy_nbytes
+            p.reserved = msg.n * per_choice
             self._used += p.reserved
+            if msg.params.grammar_trigger:  # its tables are built once per trigger: off this loop too
+                self._background.submit(self._new_trigger, msg)
             p.copies = self._background.submit(_copies, entry.template, msg.n)
             return None
         if not p.copies.done():
@@ -282,7 +359,15 @@ class GrammarManager:
         p.reserved = 0  # the states carry it now
         entry.users += msg.n - 1
         stop = msg.params.stop_token_ids
-        return [GrammarState(self, entry, m, msg.req_num + i, stop) for i, m in enumerate(matchers)]
+        return [
+            GrammarState(
+                self, entry, m, msg.req_num + i, stop, self._new_trigger(msg) if msg.params.grammar_trigger else None
+            )
+            for i, m in enumerate(matchers)
+        ]
+
+    def _new_trigger(self, msg: AddRequest) -> Trigger:
+        return Trigger(self._tokenizer, msg.params.grammar_trigger, msg.params.grammar_trigger_at_start)
 
     def _compiled(self, text: str, job: Future) -> None:
         """A compilation has finished: into the cache, with what it measured (a failure too, for a while)."""
@@ -335,17 +420,22 @@ class GrammarManager:
         entry = state._entry
         entry.users -= 1
         entry.last_used = time.monotonic()
-        self._used -= entry.copy_nbytes
-        self._freed += entry.copy_nbytes
-        self._dropped.append(state._matcher)
-        state._matcher = None
+        self._used -= state._nbytes
+        self._freed += state._nbytes
+        self._dropped += (state._matcher, state._pristine)
+        state._matcher = state._pristine = None
 
-    def submit_mask(self, state: GrammarState, token_id: int, cheap: bool) -> None:
-        """Run ``state``'s advance past ``token_id`` on the mask thread (``cheap``) or the background one."""
+    def drop(self, matcher: llguidance.LLMatcher) -> None:
+        """A matcher no longer used: freed on the background thread."""
+        self._dropped.append(matcher)
+
+    def submit_mask(self, state: GrammarState, token_id: int, tail: bytes | None, cheap: bool) -> None:
+        """Run ``state``'s advance past ``token_id`` (or from ``tail``) on the mask thread (``cheap``) or the
+        background one."""
         if cheap:
-            self._last_cheap = self._masks.submit(_guarded, state, token_id)
+            self._last_cheap = self._masks.submit(_guarded, state, token_id, tail)
         else:
-            self._background.submit(_guarded, state, token_id)
+            self._background.submit(_guarded, state, token_id, tail)
 
     def wait_masks(self) -> None:
         """Give the cheap masks in flight up to :data:`MASK_WAIT_S` to finish (the scheduler is about to plan)."""
@@ -390,9 +480,9 @@ def _copies(template: llguidance.LLMatcher, n: int) -> list[llguidance.LLMatcher
     return [template.deep_copy() for _ in range(n)]
 
 
-def _guarded(state: GrammarState, token_id: int) -> None:
+def _guarded(state: GrammarState, token_id: int, tail: bytes | None) -> None:
     try:
-        state._advance(token_id)
+        state._advance(token_id, tail)
     except Exception as e:  # one request's matcher must not take the thread (and everyone's masks) down
         log.exception("request %d: grammar advance failed", state.req_num)
         state._fail(f"the grammar failed: {type(e).__name__}: {e}")

@@ -296,13 +296,14 @@ class Scheduler:
             if req.num_computed_tokens < req.num_known_tokens:  # unfinished prefill
                 n = min(req.num_known_tokens - req.num_computed_tokens, budget)
             elif req.num_outputs_planned < req.params.max_tokens:  # decode
-                if req.grammar is not None and (req.num_placeholders or not req.grammar.ready):
+                g = req.grammar
+                if g is not None and g.needs_mask(req.num_placeholders) and (req.num_placeholders or not g.ready):
                     continue  # its mask needs the token in flight, or is being computed: it sits out alone
                 n = 1
             else:  # its last token is in flight; it finishes when that arrives
                 continue
             sample = self._samples(req, req.num_computed_tokens + n)
-            if sample and req.grammar is not None:
+            if sample and req.grammar is not None and req.grammar.needs_mask(req.num_placeholders):
                 if num_masks == MAX_MASKED_ROWS or not req.grammar.ready:
                     continue
                 num_masks += 1
@@ -327,7 +328,7 @@ class Scheduler:
                 hit = hit[: max(0, room - cdiv(budget, self.block_size))]
             start = len(hit) * self.block_size
             n = min(req.num_known_tokens - start, budget)
-            masked = req.grammar is not None and self._samples(req, start + n)
+            masked = req.grammar is not None and self._samples(req, start + n) and req.grammar.needs_mask(0)
             if masked and (num_masks == MAX_MASKED_ROWS or not req.grammar.ready):
                 break
             need = cdiv(start + n, self.block_size) - len(hit)
@@ -505,7 +506,8 @@ class Scheduler:
                 num_plp = max(0, min(k, len(req.prompt_token_ids) - 1 - pos))
                 if num_plp == k:
                     next_token = req.prompt_token_ids[pos + k]
-            mask = req.grammar.mask if sample and req.grammar is not None else None
+            masked = sample and req.grammar is not None and req.grammar.needs_mask(req.num_placeholders)
+            mask = req.grammar.mask if masked else None
             b.add_row(
                 req.req_num,
                 req.req_index,

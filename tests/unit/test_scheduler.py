@@ -369,6 +369,9 @@ class StubGrammar:
     ready = True
     mask = np.full(1, -1, np.int32)
 
+    def needs_mask(self, in_flight):
+        return True
+
     def advance(self, token_id):
         pass
 
