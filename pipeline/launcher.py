@@ -61,6 +61,13 @@ class _Child(subprocess.Popen):
         env = dict(os.environ)
         root = os.path.dirname(os.path.dirname(os.path.abspath(pipeline.__file__)))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        if kind == "gpu_worker":
+            # The worker's OpenMP threads sleep at a barrier instead of spinning (libgomp spins 300,000
+            # times first; KMP_BLOCKTIME is Intel OpenMP's): on a machine whose cores other processes
+            # also use, a spinning thread kept a core from them (docs/design.md, "The worker"). Read when
+            # torch loads OpenMP; a value the user set is kept.
+            env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+            env.setdefault("KMP_BLOCKTIME", "0")
         try:
             child = cls(
                 [sys.executable, "-m", "pipeline.child", kind, str(status_w), str(os.getpid()), str(rank)],
@@ -118,6 +125,8 @@ class Launcher:
             if config.is_head
             for ring in (e.descriptor_ring(create=True), e.output_ring(create=True))
         ]
+        self.heartbeats = config.heartbeats(create=True) if config.is_head else None
+        self._hung: str | None = None  # a child the watchdog found hung: killed at once on stop
         self.procs: dict[str, _Child] = {}
         self.conns: dict[str, Connection] = {}
         self.profiler = Profiler(profile_dir) if profile_dir else None
@@ -171,6 +180,8 @@ class Launcher:
                     if len(attached) == len(self.procs):
                         for ring in self.rings:
                             ring.unlink()  # every process has mapped them: nothing can leak now
+                        if self.heartbeats is not None:
+                            self.heartbeats.unlink()
                 elif kind == "ready":
                     ready.add(name)
                 elif kind == "error":
@@ -204,6 +215,20 @@ class Launcher:
                 if kind == "done" and p.returncode == 0:
                     raise HeadStopped(f"{name}: {why}")
                 raise ChildFailed(f"{name} {_exit_description(p.returncode)}" + (f": {why}" if why else ""))
+
+    def _check_heartbeats(self) -> None:
+        """The watchdog: a child whose heartbeat is older than ``--step-timeout`` is hung.
+
+        docs/design.md, "Liveness".
+        """
+        timeout = self.config.step_timeout_s
+        if self.heartbeats is None or not timeout:
+            return
+        stale = self.heartbeats.stale(timeout, [name for name in self.procs if name in self.heartbeats.roles])
+        if stale:
+            name, age = max(stale, key=lambda s: s[1])
+            self._hung = name
+            raise ChildFailed(f"{name} is hung: it has shown no progress for {age:.1f} s (--step-timeout {timeout:g})")
 
     def _last_report(self, name: str) -> tuple[str, str]:
         """What a dead child said last: ``("error", why)``, ``("done", why)`` (a rank on another node
@@ -255,6 +280,7 @@ class Launcher:
                     if kind == "done":
                         raise HeadStopped(f"{name}: {rest[0]}")
                 self._check_alive()
+                self._check_heartbeats()
             return 0
         except HeadStopped as e:
             print(f"pipeline-serve: {e}; stopping this node", file=sys.stderr)
@@ -278,6 +304,12 @@ class Launcher:
         Writes the trace and the flame graphs if asked for, unlinks the rings
         (a no-op once they were unlinked at start-up) and removes the socket directory.
         """
+        hung = {self._hung} if self._hung else set()
+        if self.heartbeats is not None and self.config.step_timeout_s:
+            hung.update(name for name, _ in self.heartbeats.stale(self.config.step_timeout_s, list(self.procs)))
+        for name in hung:  # a stopped or stuck process would only use up the grace period
+            if self.procs[name].poll() is None:
+                self.procs[name].kill()
         for p in self.procs.values():
             if p.poll() is None:
                 p.terminate()
@@ -294,6 +326,9 @@ class Launcher:
         for ring in self.rings:
             ring.unlink()
             ring.close()
+        if self.heartbeats is not None:
+            self.heartbeats.unlink()
+            self.heartbeats.close()
         if self.profiler:
             self.profiler.finish()
         if self.config.trace:

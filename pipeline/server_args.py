@@ -298,11 +298,31 @@ def build_parser() -> argparse.ArgumentParser:
         "(n for a chat request). A request past it gets a 400 naming n or prompt.",
     )
     p.add_argument(
+        "--max-grammar-memory-per-request",
+        type=int,
+        default=256,
+        metavar="MiB",
+        help="Matcher memory one structured-output request may take: its compiled grammar plus a "
+        "copy per choice, as measured when the scheduler compiles it. A request over it gets a 400 "
+        "naming its grammar field.",
+    )
+    p.add_argument(
+        "--max-grammar-memory",
+        type=int,
+        default=2048,
+        metavar="MiB",
+        help="Matcher memory all structured-output requests, and the cache of compiled grammars, may "
+        "take together. A request that would pass it waits (compiled grammars nobody uses are dropped "
+        "first) until others end; it is never refused for it. At least --max-grammar-memory-per-request.",
+    )
+    p.add_argument(
         "--step-timeout",
         type=float,
         default=300.0,
-        help="Seconds a step may run without producing its output before the server declares the "
-        "worker hung and stops with an error (clients get 503); 0 disables the watchdog.",
+        help="Seconds a step may run without producing its output, or a process (scheduler, worker, "
+        "io_proc) go without a heartbeat, before the server declares it hung, names it and stops with "
+        "an error (clients get 503); until then /health and /metrics answer 503 once the scheduler or a "
+        "worker has gone that long. 0 disables the watchdog.",
     )
     p.add_argument(
         "--metrics-compat",
@@ -453,6 +473,8 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         "http_body_timeout",
         "limit_concurrency",
         "max_seqs_per_request",
+        "max_grammar_memory_per_request",
+        "max_grammar_memory",
         "tensor_parallel_size",
         "data_parallel_size",
     ):
@@ -493,6 +515,11 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         num_blocks = args.max_num_seqs * -(-max_model_len // args.block_size)
     else:
         num_blocks = int(args.kv_cache_memory * 2**30 // kv_bytes_per_block(cfg, args.block_size, args.dtype, kv_heads))
+    if args.max_grammar_memory < args.max_grammar_memory_per_request:
+        _die(
+            f"--max-grammar-memory ({args.max_grammar_memory} MiB) must be at least "
+            f"--max-grammar-memory-per-request ({args.max_grammar_memory_per_request} MiB)"
+        )
     if args.step_timeout < 0:
         _die("--step-timeout must be 0 (off) or positive")
     if args.log_stats_interval < 0:
@@ -560,6 +587,8 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         http_body_timeout_s=args.http_body_timeout,
         limit_concurrency=args.limit_concurrency,
         max_seqs_per_request=args.max_seqs_per_request,
+        max_grammar_memory_per_request_mb=args.max_grammar_memory_per_request,
+        max_grammar_memory_mb=args.max_grammar_memory,
         attention_backend=args.attention_backend,
         worker_threads=args.worker_threads,
         worker_cpus=worker_cpus,

@@ -20,6 +20,7 @@ import torch
 
 from pipeline.common.config import EngineConfig
 from pipeline.common.constants import POLL_INTERVAL_S
+from pipeline.common.heartbeat import Heartbeats
 from pipeline.common.process import StopFlag, Stopped, freeze_startup_heap, report
 from pipeline.common.shm_ring import RingTimeout, ShmRing
 from pipeline.common.step_clock import WorkerClock
@@ -64,9 +65,11 @@ class WorkerProc:
         out_ring: ShmRing[StepOutput] | None,
         rank: int = 0,
         relay: DescriptorRelay | None = None,
+        heartbeats: Heartbeats | None = None,
     ):
         self.config, self.runner, self.rank = config, runner, rank
         self.role = config.worker_role(rank)
+        self.heartbeats = heartbeats
         self.desc_ring, self.out_ring, self.relay = desc_ring, out_ring, relay
         self.pending: deque[LaunchedStep] = deque()
         self.clock = WorkerClock() if out_ring is not None else None
@@ -82,6 +85,8 @@ class WorkerProc:
                 ``StaleTokenError``); the process reports it and exits with 1.
         """
         while not stop.is_set():
+            if self.heartbeats is not None:
+                self.heartbeats.beat(self.role)
             while self.pending and self.pending[0].is_done():
                 self._publish(self.runner.finish(self.pending.popleft()), stop)
             timeout = _BUSY_POLL_S if self.pending else POLL_INTERVAL_S
@@ -123,9 +128,11 @@ class WorkerProc:
         while self.out_ring is not None:
             try:
                 out = self.out_ring.acquire_write(timeout=POLL_INTERVAL_S)
-            except RingTimeout:
+            except RingTimeout:  # io_proc or the scheduler has not read the oldest output yet
                 if stop.is_set():
                     return
+                if self.heartbeats is not None:
+                    self.heartbeats.beat(self.role)
                 continue
             out.write(
                 step.step_id,
@@ -158,6 +165,8 @@ class WorkerProc:
             self.desc_ring.close()
         if self.out_ring is not None:
             self.out_ring.close()
+        if self.heartbeats is not None:
+            self.heartbeats.close()
 
 
 def load_runner(config: EngineConfig, rank: int = 0) -> tuple[ModelRunner, DescriptorRelay | None]:
@@ -213,6 +222,7 @@ def run_gpu_worker(config: EngineConfig, status_conn, stop: StopFlag, rank: int 
     # The rings live on the head node; ranks elsewhere get the descriptors from the relay.
     desc_ring = config.descriptor_ring() if config.is_head else None
     out_ring = config.output_ring() if rank == 0 else None
+    heartbeats = config.heartbeats() if config.is_head else None
     report(status_conn, "attached", role)
     try:
         with stop.interrupting():
@@ -225,7 +235,7 @@ def run_gpu_worker(config: EngineConfig, status_conn, stop: StopFlag, rank: int 
         return 1
     freeze_startup_heap()
     report(status_conn, "ready", role)
-    proc = WorkerProc(config, runner, desc_ring, out_ring, rank, relay)
+    proc = WorkerProc(config, runner, desc_ring, out_ring, rank, relay, heartbeats)
     try:
         proc.run(stop)
         if relay is not None and relay.head_stopped:

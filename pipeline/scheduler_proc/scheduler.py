@@ -26,7 +26,6 @@ counters, so they stay in one module, longer than most.
 
 from __future__ import annotations
 
-import logging
 import time
 from array import array
 from collections import deque
@@ -35,9 +34,7 @@ import numpy as np
 from msgspec.structs import replace
 
 from pipeline.common.constants import cdiv
-from pipeline.common.grammar import GrammarState
 from pipeline.common.histogram import ITERATION_TOKENS_BUCKETS, REQUEST_LATENCY_BUCKETS, Histogram
-from pipeline.common.lazy_grammar import TriggeredGrammarState
 from pipeline.common.messages import AddRequest, SamplingParams, check_finish, choice_seed
 from pipeline.common.step_protocol import (
     MAX_MASKED_ROWS,
@@ -46,10 +43,9 @@ from pipeline.common.step_protocol import (
     StepDescriptor,
     max_new_blocks_per_step,
 )
+from pipeline.scheduler_proc.grammar_manager import GrammarState
 from pipeline.scheduler_proc.kv_block_pool import BlockPool
 from pipeline.scheduler_proc.prefix_cache import PrefixCache, num_final_tokens
-
-log = logging.getLogger(__name__)
 
 # Steps a steady row's tokens wait in the scheduler's per-req_index buffer before
 # joining its request's list (int32: 512 KiB at 1024 rows).
@@ -141,10 +137,6 @@ class Scheduler:
         block_size: tokens per KV block.
         num_kv_blocks: KV blocks in the cache.
         max_blocks_per_seq: block-table row width (``ceil(max_model_len / block_size)``).
-        grammar_tokenizer: llguidance's tokenizer
-            (:func:`~pipeline.common.grammar.load_tokenizer`) for requests
-            with a grammar; None when the model has none (the simulated device).
-        mask_words: int32 words of one token bitmask (``ceil(vocab / 32)``).
         enable_prefix_caching: reuse the blocks of cached prefixes.
         block_hash_root: the parent name of a first block (``EngineConfig.block_hash_root``).
 
@@ -159,8 +151,6 @@ class Scheduler:
         block_size: int,
         num_kv_blocks: int,
         max_blocks_per_seq: int,
-        grammar_tokenizer=None,
-        mask_words: int = 0,
         enable_prefix_caching: bool = True,
         block_hash_root: bytes = b"",
     ):
@@ -190,7 +180,6 @@ class Scheduler:
         self.iteration_tokens = Histogram(ITERATION_TOKENS_BUCKETS)
         self._output_ns = 0  # time_ns of the output being applied
         self._builder = DescriptorBuilder()
-        self._grammar_tokenizer, self._mask_words = grammar_tokenizer, mask_words
         self._max_new_blocks = max_new_blocks_per_step(max_num_seqs, max_num_batched_tokens, block_size)
         self._last_output_step = -1
         self._finish_after: dict[int, list[Request]] = {}  # step id -> requests that end when it completes
@@ -231,8 +220,10 @@ class Scheduler:
 
     # -- control ----------------------------------------------------------------
 
-    def add_request(self, msg: AddRequest) -> None:
-        """Queue a new request. A repeated ``req_num`` is ignored.
+    def add_request(self, msg: AddRequest, grammars: list[GrammarState] | None = None) -> None:
+        """Queue a new request; ``grammars``: its matchers (one per choice) if it has a grammar.
+
+        A repeated ``req_num`` is ignored.
 
         With ``msg.n`` > 1 its choices are the requests ``req_num + i``, each
         seeded :func:`~pipeline.common.messages.choice_seed` ``(seed, i)``;
@@ -243,9 +234,10 @@ class Scheduler:
         if msg.req_num in self.requests:
             return
         prompt = list(msg.prompt_token_ids)
+        grammars = grammars or [None] * msg.n
         for i in range(msg.n):
             params = msg.params if msg.n == 1 else replace(msg.params, seed=choice_seed(msg.params.seed, i))
-            req = Request(msg.req_num + i, prompt, params, self._new_grammar(params))
+            req = Request(msg.req_num + i, prompt, params, grammars[i])
             if i == 0:
                 self.prefix.name_prompt(req)
             else:
@@ -253,31 +245,22 @@ class Scheduler:
             self.requests[req.req_num] = req
             self.waiting.append(req)
 
-    def _new_grammar(self, params: SamplingParams) -> GrammarState | TriggeredGrammarState | None:
-        """A fresh matcher for a request with a grammar (about 1 ms: llguidance compiles lazily), else None."""
-        if not params.grammar:
-            return None
-        if self._grammar_tokenizer is None:
-            raise ValueError("structured output needs a model with a tokenizer")
-        state = GrammarState(self._grammar_tokenizer, params.grammar, params.stop_token_ids)
-        if params.grammar_trigger:
-            return TriggeredGrammarState(
-                state, self._grammar_tokenizer, params.grammar_trigger, params.grammar_trigger_at_start
-            )
-        return state
-
-    def abort_request(self, req_num: int, finished_ns: int = 0) -> None:
+    def abort_request(self, req_num: int, finished_ns: int = 0) -> bool:
         """Drop a request now; its blocks and req_index return after its last step in flight.
 
         ``finished_ns`` > 0 means the request finished then (a stop string),
         and its phases are observed.
+
+        Returns:
+            False if there was no such request (it had finished, or never came).
         """
         req = self.requests.get(req_num)
         if req is None:
-            return
+            return False
         if finished_ns:
             self._observe_finish(req, finished_ns)
         self._remove(req)
+        return True
 
     @property
     def num_unfinished(self) -> int:
@@ -313,14 +296,15 @@ class Scheduler:
             if req.num_computed_tokens < req.num_known_tokens:  # unfinished prefill
                 n = min(req.num_known_tokens - req.num_computed_tokens, budget)
             elif req.num_outputs_planned < req.params.max_tokens:  # decode
-                if req.grammar is not None and req.num_placeholders and req.grammar.needs_mask(req.num_placeholders):
-                    continue  # its mask needs the token in flight: it sits out this step alone
+                g = req.grammar
+                if g is not None and g.needs_mask(req.num_placeholders) and (req.num_placeholders or not g.ready):
+                    continue  # its mask needs the token in flight, or is being computed: it sits out alone
                 n = 1
             else:  # its last token is in flight; it finishes when that arrives
                 continue
             sample = self._samples(req, req.num_computed_tokens + n)
             if sample and req.grammar is not None and req.grammar.needs_mask(req.num_placeholders):
-                if num_masks == MAX_MASKED_ROWS:
+                if num_masks == MAX_MASKED_ROWS or not req.grammar.ready:
                     continue
                 num_masks += 1
             if not self._grow_blocks(req, n):
@@ -345,7 +329,7 @@ class Scheduler:
             start = len(hit) * self.block_size
             n = min(req.num_known_tokens - start, budget)
             masked = req.grammar is not None and self._samples(req, start + n) and req.grammar.needs_mask(0)
-            if masked and num_masks == MAX_MASKED_ROWS:
+            if masked and (num_masks == MAX_MASKED_ROWS or not req.grammar.ready):
                 break
             need = cdiv(start + n, self.block_size) - len(hit)
             if (
@@ -522,10 +506,8 @@ class Scheduler:
                 num_plp = max(0, min(k, len(req.prompt_token_ids) - 1 - pos))
                 if num_plp == k:
                     next_token = req.prompt_token_ids[pos + k]
-            mask = None
-            if sample and req.grammar is not None and req.grammar.needs_mask(req.num_placeholders):
-                mask = np.empty(self._mask_words, np.int32)
-                req.grammar.fill_mask(mask)
+            masked = sample and req.grammar is not None and req.grammar.needs_mask(req.num_placeholders)
+            mask = req.grammar.mask if masked else None
             b.add_row(
                 req.req_num,
                 req.req_index,
@@ -622,15 +604,14 @@ class Scheduler:
             self._left[req.req_index] -= 1
             self._last_token[req.req_index] = t
         req.output_token_ids.append(t)
-        if req.grammar is not None and not req.grammar.accept(t):
-            # The worker's mask forbids this; the matcher keeps its state and the request goes on.
-            log.error("request %d: token %d is outside its grammar", req.req_num, t)
         if check_finish(t, len(req.output_token_ids), req.params) is not None:
             finished.append(req.req_num)
             self._observe_finish(req, self._output_ns)
             self._remove(req)
         elif not steady:  # a steady row's counters are not current: it names its blocks when it leaves
             self.prefix.name_final(req, num_final_tokens(req))
+            if req.grammar is not None:  # never steady
+                req.grammar.advance(t)  # on a grammar thread; a failure ends the request (GrammarManager.failed)
 
     def _move_tokens(self, req_index: int) -> None:
         """Append the tokens buffered for the steady row in ``req_index`` to its request's own list."""
@@ -704,6 +685,8 @@ class Scheduler:
     def _remove(self, req: Request) -> None:
         """Drop ``req`` (finished or aborted); its named blocks stay cached."""
         del self.requests[req.req_num]
+        if req.grammar is not None:
+            req.grammar.close()
         if req.req_index >= 0:
             self._leave_running(req)
             self.prefix.name_final(req, num_final_tokens(req))
