@@ -15,7 +15,6 @@ import sys
 
 from pipeline.common.config import ATTENTION_BACKENDS, EngineConfig
 from pipeline.common.instance_files import make_ipc_dir, sweep_dead_instances
-from pipeline.common.parallel import TPShape
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -262,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 MAX_CUDA_GRAPH_SIZE = 512
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def cuda_graph_sizes(requested: list[int] | None, max_rows: int) -> tuple[int, ...]:
@@ -343,7 +343,7 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         **flags: values to use instead of parsed ones, by flag name (``max_num_seqs=...``),
             before any size is derived from them; ``args`` is left as parsed.
     """
-    from pipeline.model_files import kv_bytes_per_block, read_model_config, resolve_model
+    from pipeline.model_files import read_model_config, resolve_model
 
     if unknown := flags.keys() - vars(args).keys():
         raise TypeError(f"make_config: no such flags: {sorted(unknown)}")
@@ -372,7 +372,7 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         cfg = read_model_config(model_dir)
     except (FileNotFoundError, ValueError, OSError) as e:
         _die(str(e))
-    max_positions = cfg.get("max_position_embeddings")
+    max_positions = cfg.max_position_embeddings
     max_model_len = args.max_model_len or min(max_positions or 8192, 8192)
     if max_model_len < 2:
         _die("--max-model-len must be at least 2")
@@ -388,15 +388,16 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
     kv_heads = None
     if not sim and tp > 1:
         try:
-            kv_heads = TPShape.from_hf_config(cfg, tp).num_kv_heads
-        except (KeyError, ValueError) as e:
+            kv_heads = cfg.tp_shape(tp).num_kv_heads
+        except ValueError as e:
             _die(f"--tensor-parallel-size: {e}")
     if args.num_kv_blocks:
         num_blocks = args.num_kv_blocks
     elif sim:  # nothing is allocated: enough blocks that the simulation never preempts
         num_blocks = args.max_num_seqs * -(-max_model_len // args.block_size)
     else:
-        num_blocks = int(args.kv_cache_memory * 2**30 // kv_bytes_per_block(cfg, args.block_size, args.dtype, kv_heads))
+        per_block = cfg.kv_bytes_per_block(args.block_size, _DTYPE_BYTES[args.dtype], kv_heads)
+        num_blocks = int(args.kv_cache_memory * 2**30 // per_block)
     if args.step_timeout < 0:
         _die("--step-timeout must be 0 (off) or positive")
     if num_blocks * args.block_size < max_model_len:
@@ -439,7 +440,7 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         block_size=args.block_size,
         max_model_len=max_model_len,
         num_kv_blocks=num_blocks,
-        vocab_size=0 if sim else int(cfg.get("vocab_size", 0)),
+        vocab_size=0 if sim else cfg.vocab_size,
         async_scheduling=args.async_scheduling,
         debug_token_cache_poison=args.debug_token_cache_poison,
         sim_step_us=args.sim_step_us,

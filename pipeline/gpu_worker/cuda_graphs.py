@@ -156,7 +156,7 @@ class DecodeGraphs:
     """Static buffers, graph body, capture and replay of decode-only steps (see the module docstring).
 
     Args:
-        model: the :class:`~pipeline.gpu_worker.model.LlamaForCausalLM`; its
+        model: a model of ``pipeline.gpu_worker.models``; its
             ``attn_backend`` must dispatch :class:`GraphDecodeMetadata` to
             :func:`graph_decode_attention` (:class:`CudaGraphBackend` does).
         kv_caches: the model's caches, with :data:`PAD_BLOCKS` blocks past ``pad_block - 1``.

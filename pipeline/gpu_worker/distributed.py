@@ -32,7 +32,7 @@ from pipeline.common.step_protocol import (
     packed_descriptor_nbytes,
     unpack_descriptor,
 )
-from pipeline.gpu_worker.parallel import TPGroup
+from pipeline.gpu_worker.layers.tp import TPGroup
 
 # The first broadcast of every relayed step has this fixed size: the header
 # and, for most steps, the whole packed descriptor (a decode step of about 60

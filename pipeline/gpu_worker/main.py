@@ -174,17 +174,15 @@ def load_runner(config: EngineConfig, rank: int = 0) -> tuple[ModelRunner, Descr
             relay = init_tensor_parallel(config, rank)[1]
         return ModelRunner(config, SimExecutor(sim, make_backend(config.attention_backend)), device), relay
     torch.set_num_threads(config.worker_threads or len(os.sched_getaffinity(0)))
-    relay = None
+    from pipeline.gpu_worker.layers.tp import SINGLE_RANK
+    from pipeline.gpu_worker.models.loader import load_model
+
+    tp, relay = SINGLE_RANK, None
     if config.tensor_parallel_size > 1:
         from pipeline.gpu_worker.distributed import init_tensor_parallel
-        from pipeline.gpu_worker.parallel import load_parallel_model
 
         tp, relay = init_tensor_parallel(config, rank)
-        model = load_parallel_model(config.model, dtype, device, tp, config.attention_backend)
-    else:
-        from pipeline.gpu_worker.weights import load_model
-
-        model = load_model(config.model, dtype, device, config.attention_backend)
+    model = load_model(config.model, dtype, device, config.attention_backend, tp, config.max_model_len)
     runner = ModelRunner(config, ModelExecutor(config, model, device, dtype), device)
     if config.cuda_graph_sizes:  # after the KV cache exists, so the graphs' pool comes from what is left
         install_decode_graphs(runner, config.cuda_graph_sizes)

@@ -23,7 +23,7 @@ from pipeline.common.step_protocol import PLACEHOLDER_TOKEN_ID
 from pipeline.gpu_worker.cuda_graphs import PAD_BLOCKS, DecodeGraphs, GraphStep, install_decode_graphs, padded_size
 from pipeline.gpu_worker.executor import ModelExecutor
 from pipeline.gpu_worker.model_runner import ModelRunner
-from pipeline.gpu_worker.weights import load_model
+from pipeline.gpu_worker.models.loader import load_model
 from pipeline.server_args import build_parser, cuda_graph_sizes, make_config
 from tests.unit.test_no_host_sync import Steps
 

@@ -16,8 +16,10 @@ from pipeline.server_args import build_parser, make_config
 @pytest.fixture()
 def model_dir(tmp_path):
     cfg = {
+        "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": 64,
+        "intermediate_size": 128,
         "num_attention_heads": 4,
         "num_hidden_layers": 2,
         "max_position_embeddings": 512,
