@@ -244,6 +244,41 @@ def build_parser() -> argparse.ArgumentParser:
         "worker hung and stops with an error (clients get 503); 0 disables the watchdog.",
     )
     p.add_argument(
+        "--metrics-compat",
+        choices=["none", "vllm"],
+        default="none",
+        help="vllm: /metrics also exports every vLLM metric the server has under vLLM's exact name and "
+        "labels (vllm:num_requests_running{model_name,engine}, vllm:time_to_first_token_seconds, ...), "
+        "so vLLM's Grafana dashboards and autoscalers read it unchanged. Off by default: the pipeline_ "
+        "names alone cannot be mistaken for vLLM's.",
+    )
+    p.add_argument(
+        "--log-stats-interval",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="Log a stats line this often while there is traffic (vLLM's: prompt and generation "
+        "throughput, running and waiting requests, KV cache usage, preemptions, and the token gap p50 "
+        "and device-busy fraction over the interval); 0 turns it off.",
+    )
+    p.add_argument(
+        "--disable-uvicorn-access-log",
+        action="store_true",
+        help="Do not log uvicorn's access line (client, request line, status) for each HTTP request.",
+    )
+    p.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="Log one line per finished request: its id, prompt tokens, sampling parameters, finish "
+        "reason, output tokens, time to first token and end-to-end latency. The prompt text is "
+        "never logged unless --log-prompts is given too.",
+    )
+    p.add_argument(
+        "--log-prompts",
+        action="store_true",
+        help="With --enable-log-requests: include each request's prompt (or chat messages) in its line.",
+    )
+    p.add_argument(
         "--trace",
         metavar="FILE",
         default=None,
@@ -400,6 +435,8 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         num_blocks = int(args.kv_cache_memory * 2**30 // per_block)
     if args.step_timeout < 0:
         _die("--step-timeout must be 0 (off) or positive")
+    if args.log_stats_interval < 0:
+        _die("--log-stats-interval must be 0 (off) or positive")
     if num_blocks * args.block_size < max_model_len:
         _die(
             f"the KV cache ({num_blocks} blocks of {args.block_size} tokens) cannot hold one request of "
@@ -463,6 +500,11 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         api_key=args.api_key or "",
         cuda_graph_sizes=graph_sizes,
         step_timeout_s=args.step_timeout,
+        metrics_compat=args.metrics_compat,
+        log_stats_interval_s=args.log_stats_interval,
+        uvicorn_access_log=not args.disable_uvicorn_access_log,
+        enable_log_requests=args.enable_log_requests,
+        log_prompts=args.log_prompts,
         instance=f"{os.getpid()}-{secrets.token_hex(4)}",
         ipc_dir=make_ipc_dir(),
     )

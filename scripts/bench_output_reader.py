@@ -68,8 +68,8 @@ def feed(ring: ShmRing[StepOutput], streams: np.ndarray, req_nums: np.ndarray, s
     """Write step ``k``'s row ``i`` = ``(req_nums[i], streams[i, k])`` every ``step_s`` seconds."""
     t = time.monotonic()
     for k in range(streams.shape[1]):
-        slot = ring.acquire_write()
-        slot.write(k, req_nums, streams[:, k])
+        entry = ring.acquire_write()
+        entry.write(k, req_nums, streams[:, k])
         ring.publish()
         ring.acquire_read(OUTPUT_READER_SCHEDULER)
         ring.release_read(OUTPUT_READER_SCHEDULER)

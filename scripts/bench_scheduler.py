@@ -6,7 +6,7 @@ N+1, then apply N's output), on ``pipeline-bench``'s fixed workload:
 ``--batch`` requests of ``--input-len`` prompt tokens that each produce
 ``--output-len`` tokens, ignoring EOS, all arriving at once. The worker's
 part is only what the scheduler sees of it: each step's output is copied
-out of a real StepOutput slot, one token per sampled row.
+out of a real StepOutput req_index, one token per sampled row.
 
 Prints the CPU time (this thread's, so other processes on a shared machine
 only add noise, not time) of ``schedule`` and ``process_output`` per step

@@ -90,9 +90,9 @@ def _params(kind: str, i: int) -> SamplingParams:
 
 
 def _descriptors(config: EngineConfig, batch: int, steps: int, prompt: int, kind: str) -> list[bytes]:
-    """The prefill step, then ``steps`` decode steps, each packed as its ring slot's bytes."""
+    """The prefill step, then ``steps`` decode steps, each packed as its ring entry's bytes."""
     layout = config.descriptor_layout
-    per_slot = cdiv(config.max_model_len, config.block_size)
+    per_row = cdiv(config.max_model_len, config.block_size)
     out, blocks = [], np.zeros(batch, dtype=np.int64)
     # Staggered prompt lengths: each decode step then crosses a block boundary in about 1/block_size of the rows.
     prompt_lens = prompt + np.arange(batch) % config.block_size
@@ -103,7 +103,7 @@ def _descriptors(config: EngineConfig, batch: int, steps: int, prompt: int, kind
             ids = [PLACEHOLDER_TOKEN_ID] if step else list(range(1, int(prompt_lens[r]) + 1))
             need = cdiv(start + len(ids), config.block_size)
             for i in range(int(blocks[r]), need):
-                b.add_block(r, i, r * per_slot + i)
+                b.add_block(r, i, r * per_row + i)
             blocks[r] = max(blocks[r], need)
             b.add_row(r, r, start, ids, True, None if step else _params(kind, r), prompt_len=int(prompt_lens[r]))
         buf = bytearray(layout.nbytes)
@@ -131,18 +131,18 @@ def run(batch: int, descs: list[bytes], ops_kind: str, profile: str | None = Non
     cpu = torch.device("cpu")
     ops = DeviceOps(cpu) if ops_kind == "cpu" else _HostAsyncOps(cpu)
     runner = ModelRunner(config, SimExecutor(SimulatedDevice(0, 0)), cpu, ops)
-    slot_buf = bytearray(config.descriptor_layout.nbytes)
-    slot = StepDescriptor(config.descriptor_layout.views(slot_buf))
+    entry_buf = bytearray(config.descriptor_layout.nbytes)
+    entry = StepDescriptor(config.descriptor_layout.views(entry_buf))
     times = []
     prof = cProfile.Profile() if profile else None
     gc.collect()
     gc.freeze()  # as the worker does after start-up
     for i, d in enumerate(descs):
-        slot_buf[:] = d  # the scheduler writes the ring slot
+        entry_buf[:] = d  # the scheduler writes the ring entry
         if prof is not None and i == 1:
             prof.enable()
         t0 = time.thread_time_ns()
-        x = read_descriptor(slot)
+        x = read_descriptor(entry)
         runner.finish(runner.launch(x, time.monotonic_ns()))
         times.append(time.thread_time_ns() - t0)
     if prof is not None:

@@ -79,6 +79,8 @@ def build_bench_parser() -> argparse.ArgumentParser:
     """``pipeline-serve``'s parser with the benchmark's flags added."""
     p = build_parser()
     p.prog = "pipeline-bench"
+    # Its output is its table: no access or stats lines from a server it starts, unless asked for.
+    p.set_defaults(disable_uvicorn_access_log=True, log_stats_interval=0.0)
     p.description = __doc__.split("\n\n")[0] + " " + " ".join(__doc__.split("\n\n")[1].split())
     g = p.add_argument_group("benchmark")
     g.add_argument(

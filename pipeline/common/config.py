@@ -8,9 +8,9 @@ from pipeline.common.constants import cdiv
 from pipeline.common.layouts import Layout
 from pipeline.common.shm_ring import ShmRing
 from pipeline.common.step_protocol import (
-    DESCRIPTOR_RING_SLOTS,
+    DESCRIPTOR_RING_ENTRIES,
     MASK_BITS,
-    OUTPUT_RING_SLOTS,
+    OUTPUT_RING_ENTRIES,
     StepDescriptor,
     StepOutput,
 )
@@ -32,7 +32,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
         dtype: ``"float32"`` or ``"bfloat16"``.
         device: ``"cpu"`` or ``"cuda"``.
         host, port: where the HTTP server listens.
-        max_num_seqs: requests in one step at most (also the number of slots).
+        max_num_seqs: requests in one step at most (also the number of req_index rows).
         max_num_batched_tokens: tokens in one step at most (chunked prefill budget).
         block_size: tokens per KV cache block.
         max_model_len: prompt + output tokens of one request at most (at most
@@ -92,6 +92,15 @@ class EngineConfig(msgspec.Struct, frozen=True):
         step_timeout_s: seconds a step in flight may go without its output
             before the scheduler declares the worker hung and stops the
             server with a message; 0 disables the watchdog.
+        log_stats_interval_s: seconds between two stats lines in io_proc's
+            log while there is traffic; 0: none.
+        uvicorn_access_log: io_proc logs an access line per HTTP request (uvicorn's).
+        enable_log_requests: io_proc logs a line per finished request (id, prompt
+            tokens, sampling parameters, finish reason, tokens, TTFT, e2e).
+        log_prompts: those lines include the prompt (otherwise never logged).
+        metrics_compat: ``"vllm"``: ``/metrics`` also exports vLLM's metric
+            names and labels (docs/design.md, "Metrics"); ``"none"``: only the
+            ``pipeline_`` family.
         debug_fail_step: the worker raises ``RuntimeError`` when it
             launches this step, as a failing forward pass would (the fault
             tests use it); -1: never.
@@ -136,6 +145,11 @@ class EngineConfig(msgspec.Struct, frozen=True):
     engine_index: int = 0
     api_key: str = ""
     step_timeout_s: float = 300.0
+    metrics_compat: str = "none"
+    log_stats_interval_s: float = 10.0
+    uvicorn_access_log: bool = True
+    enable_log_requests: bool = False
+    log_prompts: bool = False
     debug_fail_step: int = -1
     instance: str = ""
     ipc_dir: str = ""
@@ -232,7 +246,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
         return ShmRing(
             self.descriptor_ring_name,
             self.descriptor_layout,
-            DESCRIPTOR_RING_SLOTS,
+            DESCRIPTOR_RING_ENTRIES,
             self.ranks_per_node,
             create,
             StepDescriptor,
@@ -240,7 +254,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
 
     def output_ring(self, create: bool = False) -> ShmRing[StepOutput]:
         """The StepOutput ring (worker rank 0 writes; scheduler and io_proc read)."""
-        return ShmRing(self.output_ring_name, self.output_layout, OUTPUT_RING_SLOTS, 2, create, StepOutput)
+        return ShmRing(self.output_ring_name, self.output_layout, OUTPUT_RING_ENTRIES, 2, create, StepOutput)
 
     @property
     def control_address(self) -> str:

@@ -1,7 +1,7 @@
-"""Fixed byte layouts of ring slots and numpy views over them.
+"""Fixed byte layouts of ring entries and numpy views over them.
 
 A layout is a list of fields ``(name, dtype, length)``; every field is a 1-D
-array at a fixed, 64-byte aligned offset, so a slot never changes size. The
+array at a fixed, 64-byte aligned offset, so an entry never changes size. The
 two step messages built on it are in :mod:`pipeline.common.step_protocol`.
 """
 
@@ -22,8 +22,8 @@ class Layout:
 
     Attributes:
         fields: ``(name, numpy dtype, length)`` triples, in memory order.
-        offsets: byte offset of each field from the start of a slot.
-        nbytes: size of one slot in bytes (multiple of 64).
+        offsets: byte offset of each field from the start of an entry.
+        nbytes: size of one entry in bytes (multiple of 64).
     """
 
     fields: tuple[tuple[str, np.dtype, int], ...]
@@ -51,7 +51,7 @@ class Layout:
         return cls(tuple(out), tuple(offsets), max(off, _ALIGN))
 
     def views(self, buf, base: int = 0) -> dict[str, np.ndarray]:
-        """Numpy views of every field of the slot starting at byte ``base`` of ``buf``.
+        """Numpy views of every field of the entry starting at byte ``base`` of ``buf``.
 
         The views alias ``buf`` (an mmap or bytearray): writes go straight to it.
         """

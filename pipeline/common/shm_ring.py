@@ -1,16 +1,16 @@
-"""A single-writer, multi-reader ring of fixed-layout slots in POSIX shared memory.
+"""A single-writer, multi-reader ring of fixed-layout entries in POSIX shared memory.
 
 Ordering and back-pressure use POSIX named semaphores (``posix_ipc``), which
-are full memory barriers: the writer fills a slot, then posts each reader's
+are full memory barriers: the writer fills an entry, then posts each reader's
 ``full`` semaphore; a reader waits on its ``full`` semaphore, reads, then
 posts its ``empty`` semaphore. The writer waits on every reader's ``empty``
-semaphore before reusing a slot, so a slot is rewritten only after every
+semaphore before reusing an entry, so an entry is rewritten only after every
 reader released it, and a full ring makes the writer wait instead of
 overwriting. Waits sleep in the kernel (futex), so an idle process burns no
 CPU. This is the classic bounded-buffer protocol (Dijkstra), with one
-``full``/``empty`` pair per reader so each reader consumes every slot.
+``full``/``empty`` pair per reader so each reader consumes every entry.
 
-Both sides keep their slot index locally: the protocol is FIFO, so the
+Both sides keep their entry index locally: the protocol is FIFO, so the
 writer's n-th publish is every reader's n-th acquire.
 """
 
@@ -25,24 +25,24 @@ import posix_ipc
 
 from pipeline.common.layouts import Layout
 
-SlotT = TypeVar("SlotT")
+EntryT = TypeVar("EntryT")
 
 
 class RingTimeout(Exception):
     """Raised when a ring wait times out."""
 
 
-class ShmRing(Generic[SlotT]):
-    """One ring: ``num_slots`` slots of ``layout`` plus its semaphores.
+class ShmRing(Generic[EntryT]):
+    """One ring: ``num_entries`` entries of ``layout`` plus its semaphores.
 
     Args:
         name: POSIX name prefix, starting with ``/`` (unique per server instance).
-        layout: the slot layout.
-        num_slots: slots in the ring; size it from the worst case in flight.
-        num_readers: readers that must each consume every slot.
+        layout: the entry layout.
+        num_entries: entries in the ring; size it from the worst case in flight.
+        num_readers: readers that must each consume every entry.
         create: True in the process that creates the segment (the launcher),
             False in processes that attach to it.
-        wrap: turns a slot's ``{field: view}`` dict into what the acquire
+        wrap: turns an entry's ``{field: view}`` dict into what the acquire
             calls return (e.g. a typed view class); by default the dict itself.
 
     Raises:
@@ -54,16 +54,16 @@ class ShmRing(Generic[SlotT]):
         self,
         name: str,
         layout: Layout,
-        num_slots: int,
+        num_entries: int,
         num_readers: int,
         create: bool,
         wrap: Callable[[dict[str, np.ndarray]], Any] = dict,
     ):
         if not name.startswith("/"):
             raise ValueError(f"ring name must start with '/': {name!r}")
-        self.name, self.layout, self.num_slots, self.num_readers = name, layout, num_slots, num_readers
+        self.name, self.layout, self.num_entries, self.num_readers = name, layout, num_entries, num_readers
         flags = posix_ipc.O_CREX if create else 0
-        size = layout.nbytes * num_slots
+        size = layout.nbytes * num_entries
         # Mode 0600: only this user's processes may map the ring or touch its semaphores.
         shm = posix_ipc.SharedMemory(name, flags, mode=0o600, size=size if create else 0)
         self._mmap = mmap.mmap(shm.fd, size)
@@ -72,26 +72,26 @@ class ShmRing(Generic[SlotT]):
             posix_ipc.Semaphore(f"{name}-full{r}", flags, mode=0o600, initial_value=0) for r in range(num_readers)
         ]
         self._empty = [
-            posix_ipc.Semaphore(f"{name}-empty{r}", flags, mode=0o600, initial_value=num_slots)
+            posix_ipc.Semaphore(f"{name}-empty{r}", flags, mode=0o600, initial_value=num_entries)
             for r in range(num_readers)
         ]
-        self._slots: list[SlotT] = [wrap(layout.views(self._mmap, i * layout.nbytes)) for i in range(num_slots)]
+        self._entries: list[EntryT] = [wrap(layout.views(self._mmap, i * layout.nbytes)) for i in range(num_entries)]
         self._write_idx = 0
-        self._write_taken = 0  # readers whose `empty` was taken for the next slot
+        self._write_taken = 0  # readers whose `empty` was taken for the next entry
         self._read_idx = [0] * num_readers
 
     # -- writer side ---------------------------------------------------------
 
-    def acquire_write(self, timeout: float | None = None) -> SlotT:
-        """Wait until the next slot is free in every reader; return its views.
+    def acquire_write(self, timeout: float | None = None) -> EntryT:
+        """Wait until the next entry is free in every reader; return its views.
 
         Args:
             timeout: seconds to wait; None waits forever, 0 does not wait.
 
         Raises:
-            RingTimeout: the slot did not become free in time. Semaphores
-                already taken for this slot are kept, so calling again
-                resumes the wait without losing a slot.
+            RingTimeout: the entry did not become free in time. Semaphores
+                already taken for this entry are kept, so calling again
+                resumes the wait without losing an entry.
         """
         while self._write_taken < self.num_readers:
             try:
@@ -99,10 +99,10 @@ class ShmRing(Generic[SlotT]):
             except (posix_ipc.BusyError, posix_ipc.SignalError):  # a signal ends the wait like a timeout
                 raise RingTimeout(self.name) from None
             self._write_taken += 1
-        return self._slots[self._write_idx % self.num_slots]
+        return self._entries[self._write_idx % self.num_entries]
 
     def publish(self) -> None:
-        """Publish the slot returned by :meth:`acquire_write` to every reader."""
+        """Publish the entry returned by :meth:`acquire_write` to every reader."""
         assert self._write_taken == self.num_readers, "publish() without acquire_write()"
         self._write_taken = 0
         self._write_idx += 1
@@ -111,8 +111,8 @@ class ShmRing(Generic[SlotT]):
 
     # -- reader side ---------------------------------------------------------
 
-    def acquire_read(self, reader: int, timeout: float | None = None) -> SlotT:
-        """Wait for the next published slot for ``reader``; return its views.
+    def acquire_read(self, reader: int, timeout: float | None = None) -> EntryT:
+        """Wait for the next published entry for ``reader``; return its views.
 
         The views stay valid until :meth:`release_read`; copy what must outlive it.
 
@@ -123,10 +123,10 @@ class ShmRing(Generic[SlotT]):
             self._full[reader].acquire(timeout)
         except (posix_ipc.BusyError, posix_ipc.SignalError):  # a signal ends the wait like a timeout
             raise RingTimeout(self.name) from None
-        return self._slots[self._read_idx[reader] % self.num_slots]
+        return self._entries[self._read_idx[reader] % self.num_entries]
 
     def release_read(self, reader: int) -> None:
-        """Give the slot last returned by :meth:`acquire_read` back to the writer."""
+        """Give the entry last returned by :meth:`acquire_read` back to the writer."""
         self._read_idx[reader] += 1
         self._empty[reader].release()
 
@@ -147,7 +147,7 @@ class ShmRing(Generic[SlotT]):
 
     def close(self) -> None:
         """Drop this process's views and handles."""
-        self._slots = []
+        self._entries = []
         for sem in self._full + self._empty:
             sem.close()
         try:

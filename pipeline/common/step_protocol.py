@@ -5,12 +5,12 @@ step protocol"):
 
 * :class:`StepDescriptor` (scheduler -> worker): what to compute in step N.
   The scheduler fills it with a :class:`DescriptorBuilder`; the worker copies
-  it out with :func:`read_descriptor` before releasing the ring slot.
+  it out with :func:`read_descriptor` before releasing the ring entry.
 * :class:`StepOutput` (worker -> scheduler and io_proc): the tokens sampled
   in step N. The worker fills it with :meth:`StepOutput.write`; both readers
   decode it with :meth:`StepOutput.read`.
 
-Each class is a set of typed numpy views over one ring slot, laid out by
+Each class is a set of typed numpy views over one ring entry, laid out by
 :class:`~pipeline.common.layouts.Layout`; arrays are sized by the configured
 maxima and the header says how many entries are live. This module is the
 only place that knows the field names, so a misspelt field fails at import
@@ -27,8 +27,9 @@ import numpy as np
 
 from pipeline.common.layouts import Layout
 from pipeline.common.messages import SamplingParams
+from pipeline.common.step_clock import WORKER_STATS_LEN
 
-# Token id meaning "the token this slot sampled in the previous step"; the
+# Token id meaning "the token this request sampled in the previous step"; the
 # worker resolves it from its on-device token-id cache (docs/design.md,
 # "The step protocol").
 PLACEHOLDER_TOKEN_ID = -1
@@ -37,19 +38,19 @@ PLACEHOLDER_TOKEN_ID = -1
 # N+1 is queued behind it (docs/design.md, "The in-flight limit"). Lock step
 # keeps one.
 MAX_INFLIGHT_STEPS = 2
-# Two spare descriptor slots beyond the in-flight limit let the scheduler
-# publish N+2's slot while the worker still holds the slot it is reading.
-DESCRIPTOR_RING_SLOTS = MAX_INFLIGHT_STEPS + 2
-# The output ring is read by two processes at different paces; extra slots
+# Two spare descriptor entries beyond the in-flight limit let the scheduler
+# publish N+2's entry while the worker still holds the entry it is reading.
+DESCRIPTOR_RING_ENTRIES = MAX_INFLIGHT_STEPS + 2
+# The output ring is read by two processes at different paces; extra entries
 # absorb io_proc falling behind for a few steps without stalling the worker.
-OUTPUT_RING_SLOTS = 16
+OUTPUT_RING_ENTRIES = 16
 # Alternatives returned per token with log-probabilities (OpenAI's top_logprobs
-# limit); the output slot has room for this many per token.
+# limit); the output entry has room for this many per token.
 MAX_LOGPROBS = 20
 # Room per request in the descriptor for logit_bias entries and for the stop
 # token ids that min_tokens masks: parameters travel once, in fixed-size
 # fields, so the variable-size ones are bounded (io_proc refuses more with a
-# 400). Per descriptor slot at 256 rows they cost 0.6 MiB and 32 KiB.
+# 400). Per descriptor entry at 256 rows they cost 0.6 MiB and 32 KiB.
 MAX_LOGIT_BIAS = 300
 MAX_STOP_TOKEN_IDS = 32
 # Rows per step that carry a token bitmask (structured output): each takes
@@ -77,16 +78,19 @@ def max_new_blocks_per_step(max_num_seqs: int, max_num_batched_tokens: int, bloc
 
 
 class StepDescriptor:
-    """Typed views of one StepDescriptor ring slot.
+    """Typed views of one StepDescriptor ring entry.
 
     Header (int64): ``step_id``, ``num_reqs`` (R), ``num_tokens`` (T),
     ``num_new_blocks`` (B), ``num_masks`` (M), ``mask_words`` (W, the
-    words of one token bitmask: ``ceil(vocab / 32)``, 0 without a model). Per request ``i < R`` (arrays of length
+    words of one token bitmask: ``ceil(vocab / 32)``, 0 without a model),
+    ``continues`` (1 when a row belongs to a request that was running
+    before this step: the device had work waiting, so the gap before the
+    step is the host's; docs/design.md, "Metrics"). Per request ``i < R`` (arrays of length
     ``max_num_seqs``): ``req_num`` (int64, unique for the server's life),
-    ``slot`` (int32), ``num_scheduled_tokens`` (int32), ``start_pos`` (int32,
+    ``req_index`` (int32), ``num_scheduled_tokens`` (int32), ``start_pos`` (int32,
     position of its first scheduled token), ``do_sample`` (uint8: the last
     scheduled token's logits are sampled), ``is_new`` (uint8: the request's
-    first step in this slot; only then are its sampling parameters
+    first step at this req_index; only then are its sampling parameters
     ``temperature`` f32, ``top_p`` f32, ``top_k`` i32, ``seed`` i64 and its
     log-probability counts ``logprobs`` i32 and ``prompt_logprobs`` i32
     valid, -1 meaning none, and so are its penalties and biases:
@@ -102,13 +106,13 @@ class StepDescriptor:
     scheduled one when that one is among them, else -1).
     Per token ``t < T``: ``token_ids`` (int32, a real id or
     :data:`PLACEHOLDER_TOKEN_ID`), request-major. Per new block-table entry
-    ``b < B``: ``block_table[nb_slot[b], nb_index[b]] = nb_block[b]`` (int32).
+    ``b < B``: ``block_table[nb_req_index[b], nb_index[b]] = nb_block[b]`` (int32).
     """
 
     __slots__ = (
         "header",
         "req_num",
-        "slot",
+        "req_index",
         "num_scheduled_tokens",
         "start_pos",
         "do_sample",
@@ -133,7 +137,7 @@ class StepDescriptor:
         "num_stop_ids",
         "stop_ids",
         "token_ids",
-        "nb_slot",
+        "nb_req_index",
         "nb_index",
         "nb_block",
         "mask_row",
@@ -141,7 +145,7 @@ class StepDescriptor:
     )
     header: np.ndarray
     req_num: np.ndarray
-    slot: np.ndarray
+    req_index: np.ndarray
     num_scheduled_tokens: np.ndarray
     start_pos: np.ndarray
     do_sample: np.ndarray
@@ -166,25 +170,25 @@ class StepDescriptor:
     num_stop_ids: np.ndarray
     stop_ids: np.ndarray
     token_ids: np.ndarray
-    nb_slot: np.ndarray
+    nb_req_index: np.ndarray
     nb_index: np.ndarray
     nb_block: np.ndarray
     mask_row: np.ndarray
     bitmask: np.ndarray
 
-    _STEP_ID, _NUM_REQS, _NUM_TOKENS, _NUM_NEW_BLOCKS, _NUM_MASKS, _MASK_WORDS = range(6)
-    HEADER_LEN = 6
+    _STEP_ID, _NUM_REQS, _NUM_TOKENS, _NUM_NEW_BLOCKS, _NUM_MASKS, _MASK_WORDS, _CONTINUES = range(7)
+    HEADER_LEN = 7
 
     @classmethod
     def layout(cls, max_num_seqs: int, max_num_batched_tokens: int, block_size: int, mask_words: int = 0) -> Layout:
-        """The slot layout for these limits; ``mask_words`` per token bitmask (0: no structured output)."""
+        """The entry layout for these limits; ``mask_words`` per token bitmask (0: no structured output)."""
         s, t = max_num_seqs, max_num_batched_tokens
         b = max_new_blocks_per_step(max_num_seqs, max_num_batched_tokens, block_size)
         return Layout.of(
             [
                 ("header", np.int64, cls.HEADER_LEN),
                 ("req_num", np.int64, s),
-                ("slot", np.int32, s),
+                ("req_index", np.int32, s),
                 ("num_scheduled_tokens", np.int32, s),
                 ("start_pos", np.int32, s),
                 ("do_sample", np.uint8, s),
@@ -209,7 +213,7 @@ class StepDescriptor:
                 ("num_stop_ids", np.int32, s),
                 ("stop_ids", np.int32, s * MAX_STOP_TOKEN_IDS),
                 ("token_ids", np.int32, t),
-                ("nb_slot", np.int32, b),
+                ("nb_req_index", np.int32, b),
                 ("nb_index", np.int32, b),
                 ("nb_block", np.int32, b),
                 ("mask_row", np.int32, MAX_MASKED_ROWS),
@@ -248,7 +252,7 @@ class StepDescriptor:
 
 
 class DescriptorBuilder:
-    """Collects one step's rows on the scheduler side, then writes them into a slot.
+    """Collects one step's rows on the scheduler side, then writes them into an entry.
 
     Rows are added in descriptor order; :meth:`write` fills a
     :class:`StepDescriptor` and :meth:`clear` readies the builder for the next
@@ -258,7 +262,7 @@ class DescriptorBuilder:
 
     def __init__(self) -> None:
         self._req_num: list[int] = []
-        self._slot: list[int] = []
+        self._req_index: list[int] = []
         self._num_tokens: list[int] = []
         self._start_pos: list[int] = []
         self._do_sample: list[bool] = []
@@ -268,7 +272,7 @@ class DescriptorBuilder:
         self._sampling: list[tuple[int, SamplingParams, int]] = []
         self._token_ids: list[int] = []
         self._new_blocks: list[tuple[int, int, int]] = []
-        self._new_block_arrays: list[np.ndarray] = []  # [3, k] int: slot, index, block (from add_blocks)
+        self._new_block_arrays: list[np.ndarray] = []  # [3, k] int: req_index, index, block (from add_blocks)
         self._num_array_blocks = 0
         self._masks: list[tuple[int, np.ndarray]] = []
 
@@ -289,7 +293,7 @@ class DescriptorBuilder:
     def clear(self) -> None:
         for lst in (
             self._req_num,
-            self._slot,
+            self._req_index,
             self._num_tokens,
             self._start_pos,
             self._do_sample,
@@ -308,7 +312,7 @@ class DescriptorBuilder:
     def add_row(
         self,
         req_num: int,
-        slot: int,
+        req_index: int,
         start_pos: int,
         token_ids: list[int],
         do_sample: bool,
@@ -318,13 +322,13 @@ class DescriptorBuilder:
         prompt_len: int = 0,
         bitmask: np.ndarray | None = None,
     ) -> None:
-        """Schedule ``token_ids`` (positions ``start_pos...``) of request ``req_num`` in ``slot``.
+        """Schedule ``token_ids`` (positions ``start_pos...``) of request ``req_num`` at row ``req_index``.
 
         Args:
             token_ids: real ids or :data:`PLACEHOLDER_TOKEN_ID`; at least one.
             do_sample: sample a token from the last scheduled position.
             new_params: the request's sampling parameters on its first step
-                in ``slot`` (the worker stores them per slot), else None.
+                at ``req_index`` (the worker keeps them per req_index), else None.
             num_prompt_logprobs: how many of the row's positions, from the
                 first, predict a prompt token whose log-probability is wanted.
             next_prompt_token: the prompt token after the row's last position
@@ -341,7 +345,7 @@ class DescriptorBuilder:
         if new_params is not None:
             self._sampling.append((len(self._req_num), new_params, prompt_len))
         self._req_num.append(req_num)
-        self._slot.append(slot)
+        self._req_index.append(req_index)
         self._num_tokens.append(len(token_ids))
         self._start_pos.append(start_pos)
         self._do_sample.append(do_sample)
@@ -350,13 +354,13 @@ class DescriptorBuilder:
         self._next_prompt_token.append(next_prompt_token)
         self._token_ids.extend(token_ids)
 
-    def add_block(self, slot: int, index: int, block_id: int) -> None:
-        """Set ``block_table[slot, index] = block_id`` before the step runs."""
-        self._new_blocks.append((slot, index, block_id))
+    def add_block(self, req_index: int, index: int, block_id: int) -> None:
+        """Set ``block_table[req_index, index] = block_id`` before the step runs."""
+        self._new_blocks.append((req_index, index, block_id))
 
-    def add_blocks(self, slots: np.ndarray, indices: np.ndarray, block_ids: np.ndarray) -> None:
-        """Set ``block_table[slots[j], indices[j]] = block_ids[j]`` for every ``j`` (int arrays ``[k]``)."""
-        self._new_block_arrays.append(np.stack([slots, indices, block_ids]))
+    def add_blocks(self, req_indices: np.ndarray, indices: np.ndarray, block_ids: np.ndarray) -> None:
+        """Set ``block_table[req_indices[j], indices[j]] = block_ids[j]`` for every ``j`` (int arrays ``[k]``)."""
+        self._new_block_arrays.append(np.stack([req_indices, indices, block_ids]))
         self._num_array_blocks += len(block_ids)
 
     def write(
@@ -364,14 +368,16 @@ class DescriptorBuilder:
         desc: StepDescriptor,
         step_id: int,
         decode: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None,
+        continues: bool = False,
     ) -> None:
         """Write the collected rows into ``desc`` as step ``step_id``.
 
         Args:
-            decode: ``(req_num, slot, start_pos, token_ids)``, int arrays
+            decode: ``(req_num, req_index, start_pos, token_ids)``, int arrays
                 ``[D]``: D rows of one token each, which sample and are not
-                new in their slot (the scheduler's vectorized decode rows),
+                new at their req_index (the scheduler's vectorized decode rows),
                 written first; the rows added with :meth:`add_row` follow.
+            continues: the header's ``continues`` flag.
         """
         d = 0 if decode is None else len(decode[0])
         n, t, b = d + len(self._req_num), d + len(self._token_ids), self.num_blocks
@@ -379,17 +385,18 @@ class DescriptorBuilder:
         h[StepDescriptor._STEP_ID], h[StepDescriptor._NUM_REQS] = step_id, n
         h[StepDescriptor._NUM_TOKENS], h[StepDescriptor._NUM_NEW_BLOCKS] = t, b
         h[StepDescriptor._NUM_MASKS], h[StepDescriptor._MASK_WORDS] = len(self._masks), desc.bitmask.shape[1]
+        h[StepDescriptor._CONTINUES] = continues
         for m, (row, mask) in enumerate(self._masks):
             desc.mask_row[m], desc.bitmask[m] = d + row, mask
         if d:
-            desc.req_num[:d], desc.slot[:d], desc.start_pos[:d], desc.token_ids[:d] = decode
+            desc.req_num[:d], desc.req_index[:d], desc.start_pos[:d], desc.token_ids[:d] = decode
             desc.num_scheduled_tokens[:d] = 1
             desc.do_sample[:d] = 1
             desc.is_new[:d] = 0
             desc.num_prompt_logprobs[:d] = 0
             desc.next_prompt_token[:d] = -1
         desc.req_num[d:n] = self._req_num
-        desc.slot[d:n] = self._slot
+        desc.req_index[d:n] = self._req_index
         desc.num_scheduled_tokens[d:n] = self._num_tokens
         desc.start_pos[d:n] = self._start_pos
         desc.do_sample[d:n] = self._do_sample
@@ -414,24 +421,25 @@ class DescriptorBuilder:
         desc.token_ids[d:t] = self._token_ids
         if b:
             parts = self._new_block_arrays + ([np.asarray(self._new_blocks).T] if self._new_blocks else [])
-            desc.nb_slot[:b], desc.nb_index[:b], desc.nb_block[:b] = np.concatenate(parts, axis=1)
+            desc.nb_req_index[:b], desc.nb_index[:b], desc.nb_block[:b] = np.concatenate(parts, axis=1)
 
 
 @dataclass
 class StepInputs:
-    """The worker's host copy of one StepDescriptor, taken before its ring slot is released.
+    """The worker's host copy of one StepDescriptor, taken before its ring entry is released.
 
     Arrays are numpy int64 unless noted; ``R`` rows (requests), ``T`` tokens,
-    ``S`` sampled rows, ``K`` rows new in their slot, ``B`` new block-table entries.
+    ``S`` sampled rows, ``K`` rows new at their req_index, ``B`` new block-table entries.
     """
 
     step_id: int
+    continues: bool  # the header's flag: a row's request was running before this step
     req_num: np.ndarray  # [R]
-    slot: np.ndarray  # [R]
+    req_index: np.ndarray  # [R]
     query_lens: np.ndarray  # [R] tokens scheduled per row
     start_pos: np.ndarray  # [R] position of each row's first scheduled token
     sample_rows: np.ndarray  # [S] rows whose last token is sampled
-    new_rows: np.ndarray  # [K] rows whose slot starts a request
+    new_rows: np.ndarray  # [K] rows new at their req_index (a request starts or resumes there)
     temperature: np.ndarray  # [K] float32 (for new_rows)
     top_p: np.ndarray  # [K] float32
     top_k: np.ndarray  # [K] int32
@@ -451,19 +459,20 @@ class StepInputs:
     num_prompt_logprobs: np.ndarray  # [R] positions from the row's first that predict a wanted prompt token
     next_prompt_token: np.ndarray  # [R] prompt token after each row's chunk when wanted, else -1
     token_ids: np.ndarray  # [T], PLACEHOLDER_TOKEN_ID where unresolved
-    new_blocks: np.ndarray  # [3, B]: slot, index in the slot's row, block id
+    new_blocks: np.ndarray  # [3, B]: req_index, column in its block-table row, block id
     mask_rows: np.ndarray  # [M] rows (all sampled) whose sampled token is constrained by a bitmask
     bitmask: np.ndarray  # [M, W] int32: bit t % 32 of word t // 32 set = token t allowed
 
 
 def read_descriptor(desc: StepDescriptor) -> StepInputs:
-    """Copy what the worker needs out of a descriptor slot (the slot may be reused after)."""
+    """Copy what the worker needs out of a descriptor entry (the entry may be reused after)."""
     r, t, b = desc.num_reqs, desc.num_tokens, desc.num_new_blocks
     new_rows = np.flatnonzero(desc.is_new[:r])
     return StepInputs(
         step_id=desc.step_id,
+        continues=bool(desc.header[StepDescriptor._CONTINUES]),
         req_num=desc.req_num[:r].copy(),
-        slot=desc.slot[:r].astype(np.int64),
+        req_index=desc.req_index[:r].astype(np.int64),
         query_lens=desc.num_scheduled_tokens[:r].astype(np.int64),
         start_pos=desc.start_pos[:r].astype(np.int64),
         sample_rows=np.flatnonzero(desc.do_sample[:r]),
@@ -487,7 +496,7 @@ def read_descriptor(desc: StepDescriptor) -> StepInputs:
         num_prompt_logprobs=desc.num_prompt_logprobs[:r].astype(np.int64),
         next_prompt_token=desc.next_prompt_token[:r].astype(np.int64),
         token_ids=desc.token_ids[:t].astype(np.int64),
-        new_blocks=np.stack([desc.nb_slot[:b], desc.nb_index[:b], desc.nb_block[:b]]).astype(np.int64),
+        new_blocks=np.stack([desc.nb_req_index[:b], desc.nb_index[:b], desc.nb_block[:b]]).astype(np.int64),
         mask_rows=desc.mask_row[: desc.num_masks].astype(np.int64),
         bitmask=desc.bitmask[: desc.num_masks].copy(),
     )
@@ -502,7 +511,7 @@ def _live_counts(header: np.ndarray) -> list[tuple[str, int]]:
     counts = {
         "header": StepDescriptor.HEADER_LEN,
         "token_ids": t,
-        "nb_slot": b,
+        "nb_req_index": b,
         "nb_index": b,
         "nb_block": b,
         "mask_row": m,
@@ -533,9 +542,9 @@ def pack_descriptor(desc: StepDescriptor, out: np.ndarray) -> int:
     block-table entries and M bitmasks of W words takes ``48 + 2618 R + 4 T
     + 12 B + 4 M (W + 1)`` bytes (2,528 of a row's bytes are its bias and
     stop-id room), where the
-    slot has the fixed size of the configured maxima: this is what rank 0
+    entry has the fixed size of the configured maxima: this is what rank 0
     relays to ranks on other nodes (docs/design.md, "Parallelism"). ``out``
-    must hold at least the slot layout's ``nbytes``.
+    must hold at least the entry layout's ``nbytes``.
     """
     off = 0
     for name, n in _live_counts(desc.header):
@@ -575,25 +584,32 @@ class TokenLogprobs:
 
 @dataclass
 class DecodedOutput:
-    """One StepOutput copied out of its ring slot: row ``r`` gave ``token_ids[r]`` to ``req_nums[r]``.
+    """One StepOutput copied out of its ring entry: row ``r`` gave ``token_ids[r]`` to ``req_nums[r]``.
 
     ``logprobs`` (rows whose request asked, ``index`` = row) and
     ``prompt_logprobs`` (``index`` = request number, with positions) are None
-    when the step has none or the reader did not ask for them.
+    when the step has none or the reader did not ask for them. ``time_ns``
+    and ``continues`` are the header's.
     """
 
     step_id: int
     req_nums: list[int]
     token_ids: list[int]
+    time_ns: int = 0
+    continues: bool = False
     logprobs: TokenLogprobs | None = None
     prompt_logprobs: TokenLogprobs | None = None
 
 
 class StepOutput:
-    """Typed views of one StepOutput ring slot.
+    """Typed views of one StepOutput ring entry.
 
     Header (int64): ``step_id``, ``num_rows`` (S), ``num_logprob_rows`` (L),
-    ``num_prompt_entries`` (P). Row ``r < S`` (arrays of length
+    ``num_prompt_entries`` (P), ``time_ns`` (``time.monotonic_ns()`` when
+    the worker had the step's tokens: the engine's timestamp of every token
+    in it, vLLM's ``NEW_TOKENS`` event), ``continues`` (the descriptor's
+    flag). ``worker_stats`` (int64 ``[WORKER_STATS_LEN]``): the worker's
+    cumulative :class:`~pipeline.common.step_clock.WorkerClock` counts. Row ``r < S`` (arrays of length
     ``max_num_seqs``): ``req_num`` (int64) and the sampled ``token_id``
     (int32). Only rows whose descriptor row had ``do_sample`` set produce an
     output row, in descriptor order. Rows whose request asked for
@@ -607,6 +623,7 @@ class StepOutput:
 
     __slots__ = (
         "header",
+        "worker_stats",
         "req_num",
         "token_id",
         "lp_row",
@@ -620,6 +637,7 @@ class StepOutput:
         "pe_top_logprobs",
     )
     header: np.ndarray
+    worker_stats: np.ndarray
     req_num: np.ndarray
     token_id: np.ndarray
     lp_row: np.ndarray
@@ -632,16 +650,17 @@ class StepOutput:
     pe_top_ids: np.ndarray
     pe_top_logprobs: np.ndarray
 
-    _STEP_ID, _NUM_ROWS, _NUM_LOGPROB_ROWS, _NUM_PROMPT_ENTRIES = range(4)
-    HEADER_LEN = 4
+    _STEP_ID, _NUM_ROWS, _NUM_LOGPROB_ROWS, _NUM_PROMPT_ENTRIES, _TIME_NS, _CONTINUES = range(6)
+    HEADER_LEN = 6
 
     @classmethod
     def layout(cls, max_num_seqs: int, max_num_batched_tokens: int) -> Layout:
-        """The slot layout for ``max_num_seqs`` rows and a step of ``max_num_batched_tokens``."""
+        """The entry layout for ``max_num_seqs`` rows and a step of ``max_num_batched_tokens``."""
         s, t, k = max_num_seqs, max_num_batched_tokens, MAX_LOGPROBS
         return Layout.of(
             [
                 ("header", np.int64, cls.HEADER_LEN),
+                ("worker_stats", np.int64, WORKER_STATS_LEN),
                 ("req_num", np.int64, s),
                 ("token_id", np.int32, s),
                 ("lp_row", np.int32, s),
@@ -668,15 +687,22 @@ class StepOutput:
         token_ids: np.ndarray,
         logprobs: TokenLogprobs | None = None,
         prompt_logprobs: TokenLogprobs | None = None,
+        time_ns: int = 0,
+        continues: bool = False,
+        worker_stats: np.ndarray | None = None,
     ) -> None:
-        """Fill the slot with step ``step_id``'s ``[S]`` request numbers and sampled token ids.
+        """Fill the entry with step ``step_id``'s ``[S]`` request numbers and sampled token ids.
 
         ``logprobs.index`` are output rows; ``prompt_logprobs.index`` request
-        numbers, with ``pos`` set.
+        numbers, with ``pos`` set; the rest are the header fields and the
+        worker's counts (left as they are if None).
         """
         n = len(req_nums)
         h = self.header
         h[self._STEP_ID], h[self._NUM_ROWS] = step_id, n
+        h[self._TIME_NS], h[self._CONTINUES] = time_ns, continues
+        if worker_stats is not None:
+            self.worker_stats[:] = worker_stats
         self.req_num[:n] = req_nums
         self.token_id[:n] = token_ids
         h[self._NUM_LOGPROB_ROWS] = 0 if logprobs is None else len(logprobs.index)
@@ -696,10 +722,16 @@ class StepOutput:
             self.pe_top_logprobs[:m] = prompt_logprobs.top_logprobs
 
     def read(self, logprobs: bool = False) -> DecodedOutput:
-        """Copy the slot out (the slot may be released right after); log-probabilities only if asked."""
+        """Copy the entry out (the entry may be released right after); log-probabilities only if asked."""
         h = self.header
         n = int(h[self._NUM_ROWS])
-        out = DecodedOutput(int(h[self._STEP_ID]), self.req_num[:n].tolist(), self.token_id[:n].tolist())
+        out = DecodedOutput(
+            int(h[self._STEP_ID]),
+            self.req_num[:n].tolist(),
+            self.token_id[:n].tolist(),
+            int(h[self._TIME_NS]),
+            bool(h[self._CONTINUES]),
+        )
         if logprobs:
             if m := int(h[self._NUM_LOGPROB_ROWS]):
                 out.logprobs = TokenLogprobs(

@@ -12,18 +12,18 @@ step of ``B`` rows runs as the graph of the smallest captured size ``n >= B``:
 
 * **Static inputs.** :class:`DecodeGraphs` owns persistent device buffers:
   token ids (placeholders already resolved from the token-id cache, in stream
-  order before the replay), and per row the slot, the position and the context
+  order before the replay), and per row the req_index, the position and the context
   length. :meth:`DecodeGraphs.prepare` fills them from the step's host layout
   with one upload and one device copy; the graph itself reads the device block
   table (whose address never changes) and derives the block ids, the slot
   mapping and the attention mask on the device.
-* **Padding rows** ``B .. n - 1`` have slot -1, position 0 and a context of
+* **Padding rows** ``B .. n - 1`` have req_index -1, position 0 and a context of
   one token. Every block id of such a row is the **padding block**: the KV
   cache holds one block more than the scheduler hands out
   (:data:`PAD_BLOCKS`), so their keys and values land where nothing reads them
   but the padding rows themselves, and a one-token context keeps their
   softmax finite. Their logits are computed and dropped; stale token ids from
-  earlier steps stay in their input slots (always valid ids).
+  earlier steps stay in their input positions (always valid ids).
 * **Attention inside the graph** is the torch path: every row's blocks of its
   whole block-table row (``max_model_len`` rounded up to blocks) are gathered
   and attended with one masked SDPA call per layer, written and read in the
@@ -160,7 +160,7 @@ class DecodeGraphs:
             ``attn_backend`` must dispatch :class:`GraphDecodeMetadata` to
             :func:`graph_decode_attention` (:class:`CudaGraphBackend` does).
         kv_caches: the model's caches, with :data:`PAD_BLOCKS` blocks past ``pad_block - 1``.
-        block_table: ``[slots, max_blocks_per_seq]`` int64, the runner's device
+        block_table: ``[max_num_reqs, max_blocks_per_seq]`` int64, the runner's device
             block table (read by the graph at this address).
         sizes: batch sizes to serve, ascending, >= 1.
         block_size: tokens per KV block.
@@ -189,7 +189,7 @@ class DecodeGraphs:
         self.sizes = sorted(sizes)
         self.block_size, self.pad_block, self.head_major = block_size, pad_block, head_major
         device, largest = block_table.device, self.sizes[-1]
-        # Rows: slot, position, context length. Every row starts as a padding row.
+        # Rows: req_index, position, context length. Every row starts as a padding row.
         self.rows = torch.empty((3, largest), dtype=torch.int64, device=device)
         self.rows[0].fill_(-1)
         self.rows[1].fill_(0)
@@ -212,7 +212,7 @@ class DecodeGraphs:
             return None
         host = np.empty((3, size), dtype=np.int64)
         host[:, num_rows:] = [[-1], [0], [1]]
-        host[0, :num_rows] = layout.slots
+        host[0, :num_rows] = layout.req_indices
         host[1, :num_rows] = layout.start_positions
         host[2, :num_rows] = layout.start_positions + 1
         self.rows[:, :size].copy_(upload([host])[0])
@@ -246,14 +246,14 @@ class DecodeGraphs:
 
     def body(self, size: int) -> None:
         """The graph's work for ``size`` rows, from the static buffers to ``self.logits[:size]``."""
-        slots, positions, context_lens = self.rows[:, :size]
+        req_indices, positions, context_lens = self.rows[:, :size]
         bs = self.block_size
         max_blocks = self.block_table.shape[1]
         device = self.block_table.device
         cols = torch.arange(max_blocks, device=device)
         # Block-table entries past a row's context may hold anything: the padding block replaces them.
-        used = (slots >= 0)[:, None] & (cols[None, :] * bs < context_lens[:, None])
-        block_ids = torch.where(used, self.block_table[slots.clamp(min=0)], self.pad_block)
+        used = (req_indices >= 0)[:, None] & (cols[None, :] * bs < context_lens[:, None])
+        block_ids = torch.where(used, self.block_table[req_indices.clamp(min=0)], self.pad_block)
         column = (positions // bs)[:, None]
         torch.add(block_ids.gather(1, column).squeeze(1) * bs, positions % bs, out=self.slot_mapping[:size])
         key_pos = torch.arange(max_blocks * bs, device=device)
@@ -347,7 +347,7 @@ def install_decode_graphs(runner: ModelRunner, sizes: Sequence[int]) -> DecodeGr
     graphs = DecodeGraphs(
         model,
         executor.kv_caches,
-        runner.slots.block_table,
+        runner.input_batch.block_table,
         sizes,
         runner.config.block_size,
         pad_block=runner.config.num_kv_blocks,

@@ -73,7 +73,7 @@ class DescriptorRelay:
     interleave with the model's collectives. Each message is the packed
     descriptor (:func:`~pipeline.common.step_protocol.pack_descriptor`, its
     live bytes only) as a uint8 CPU tensor: a fixed first broadcast of
-    ``min(4096, slot size)`` bytes holding the header, then one of the rest
+    ``min(4096, entry size)`` bytes holding the header, then one of the rest
     when the step is larger. Rank 0's sends are asynchronous, so relaying
     adds the packing and an enqueue to its step, not the network.
 
@@ -93,13 +93,13 @@ class DescriptorRelay:
         self._first = min(_FIRST_NBYTES, layout.nbytes)
         self._buf = torch.zeros(max(layout.nbytes, self._first), dtype=torch.uint8)
         self._np = self._buf.numpy()
-        self._slot = StepDescriptor(layout.views(bytearray(layout.nbytes)))  # receivers unpack here
+        self._entry = StepDescriptor(layout.views(bytearray(layout.nbytes)))  # receivers unpack here
         self._works: list[dist.Work] = []
         self._last_send = time.monotonic()
         self.head_stopped = False  # receivers: rank 0 said it stops
 
     def send(self, desc: StepDescriptor) -> None:
-        """Rank 0: broadcast ``desc``'s live bytes (copied out of the ring slot before this returns)."""
+        """Rank 0: broadcast ``desc``'s live bytes (copied out of the ring entry before this returns)."""
         self._wait_sent()
         n = pack_descriptor(desc, self._np)
         self._broadcast_async(n)
@@ -161,8 +161,8 @@ class DescriptorRelay:
         n = packed_descriptor_nbytes(header)
         if n > self._first:
             dist.broadcast(self._buf[self._first : n], 0, group=self.group)
-        unpack_descriptor(self._np, self._slot)
-        return self._slot
+        unpack_descriptor(self._np, self._entry)
+        return self._entry
 
 
 def init_tensor_parallel(config: EngineConfig, rank: int) -> tuple[TPGroup, DescriptorRelay | None]:

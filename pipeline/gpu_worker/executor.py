@@ -1,6 +1,6 @@
 """What the model runner drives: the real model or the simulated device.
 
-:class:`~pipeline.gpu_worker.model_runner.ModelRunner` prepares a step (slot
+:class:`~pipeline.gpu_worker.model_runner.ModelRunner` prepares a step (row
 updates, placeholder resolution, attention metadata) the same way for both;
 an :class:`Executor` then turns the resolved inputs into sampled tokens
 (docs/design.md, "The worker"; "The simulated device"). It owns what only
@@ -96,6 +96,17 @@ class Executed:
     device_end_ns: int = 0
 
 
+def sample_tokens(logits: torch.Tensor, s: SamplingInputs) -> torch.Tensor:
+    """``[S]`` int64 token ids, below ``V``, from the sampled rows' raw ``[S, V]`` float32 logits (left unchanged).
+
+    Penalties and biases, then the grammar's mask (last, so that no bias or penalty can bring back a
+    rejected token), then sampling. Seeded noise is keyed by the sampled token's position, so a request
+    draws the same noise whatever batch it is in. Defined for any logits, NaN and infinities included.
+    """
+    processed = apply_token_bitmask(apply_penalties(logits, s.penalties, s.penalty_state), s.mask_rows, s.bitmask)
+    return sample_rows(processed, s.plan, s.temperature, s.top_p, s.top_k, s.seed, s.position, s.min_p)
+
+
 class Executor(ABC):
     """Forward and sample, given a step's resolved inputs and its metadata.
 
@@ -174,13 +185,8 @@ class ModelExecutor(Executor):
         else:
             hidden = self.model(input_ids, meta.positions, meta, self.kv_caches)
             logits = self.model.compute_logits(hidden.index_select(0, last))
-        # Seeded noise is keyed by the sampled token's position, so a request
-        # draws the same noise whatever batch it is in. Penalties and the
-        # sampler work on copies: `logits` stay raw for the log-probabilities below.
-        s = sampling
-        # The grammar's mask comes last, so that no bias or penalty can bring back a rejected token.
-        processed = apply_token_bitmask(apply_penalties(logits, s.penalties, s.penalty_state), s.mask_rows, s.bitmask)
-        tokens = sample_rows(processed, s.plan, s.temperature, s.top_p, s.top_k, s.seed, s.position, s.min_p)
+        # Penalties and the sampler work on copies: `logits` stay raw for the log-probabilities below.
+        tokens = sample_tokens(logits, sampling)
         executed = Executed(tokens=tokens)
         if logprobs.rows is not None:
             executed.logprobs = token_logprobs(

@@ -5,12 +5,12 @@ needs from the device and stages those arrays in one
 :class:`~pipeline.gpu_worker.device.UploadBatch`, copied up at once; it then
 runs four named steps (docs/design.md, "The step protocol"; "The worker"):
 
-1. ``SlotState.write``: new block-table entries and the sampling parameters
-   of rows new in their slot, written on the device;
+1. ``InputBatch.write``: new block-table entries and the sampling parameters
+   of rows new at their req_index, written on the device;
 2. :meth:`~ModelRunner._resolve_placeholders`: placeholder inputs read the
    token-id cache on the device; poison mode poisons what they read and
-   computes a "stale" flag on the device; the inputs of slots with penalties
-   are counted on the device (``SlotState.count_inputs``);
+   computes a "stale" flag on the device; the inputs of rows with penalties
+   are counted on the device (``InputBatch.count_inputs``);
 3. :meth:`~ModelRunner._forward_and_sample`: attention metadata, then the
    :class:`~pipeline.gpu_worker.executor.Executor` (real model or simulated
    device), which also computes the log-probabilities asked for from the
@@ -21,7 +21,7 @@ runs four named steps (docs/design.md, "The step protocol"; "The worker"):
 
 On a GPU none of these waits for the device: inputs go up through pinned
 staging buffers, decisions are taken from host copies of the descriptor and
-of the per-slot parameters, and nothing device-side is read on the host until
+of the per-request parameters, and nothing device-side is read on the host until
 :meth:`ModelRunner.finish`, which the worker calls once the step's event has
 fired. ``tests/unit/test_no_host_sync.py`` guards this.
 """
@@ -39,10 +39,10 @@ from pipeline.common.step_protocol import MAX_LOGPROBS, PLACEHOLDER_TOKEN_ID, St
 from pipeline.gpu_worker.attention.backend import StepLayout
 from pipeline.gpu_worker.device import DeviceClock, DeviceOps, Staged, UploadBatch, device_ops
 from pipeline.gpu_worker.executor import Executed, Executor, LogprobInputs, LogprobTensors, SamplingInputs
+from pipeline.gpu_worker.input_batch import FLOAT_COLUMN, INT_COLUMN, POISON_TOKEN_ID, InputBatch
 from pipeline.gpu_worker.logprobs import PromptLogprobPlan
 from pipeline.gpu_worker.penalties import PenaltyPlan, plan_penalties
 from pipeline.gpu_worker.sampler import SamplingPlan
-from pipeline.gpu_worker.slot_state import MIN_P, POISON_TOKEN_ID, SEED, TEMPERATURE, TOP_K, TOP_P, SlotState
 
 __all__ = ["POISON_TOKEN_ID", "LaunchedStep", "ModelRunner", "StaleTokenError"]
 
@@ -68,7 +68,7 @@ class LaunchedStep:
     start_event: torch.cuda.Event | None = None  # CUDA: recorded before the forward
     anchor: tuple[object, int] | None = None  # CUDA: (event, host ns) if launched on an idle device
     stale: torch.Tensor | None = None  # poison mode: [P] int64, 1 where a placeholder read a poisoned entry
-    stale_slots: np.ndarray | None = None  # [P] the slot each placeholder read
+    stale_req_indices: np.ndarray | None = None  # [P] the req_index each placeholder read
     lp_rows: np.ndarray | None = None  # [L] output rows whose request asked for log-probabilities
     prompt_plan: PromptLogprobPlan | None = None  # the prompt positions whose log-probabilities are computed
     lp_host: torch.Tensor | None = None  # packed log-probabilities (see ModelRunner._start_host_copy)
@@ -78,6 +78,7 @@ class LaunchedStep:
     launch_ns: int = 0
     device_start_ns: int = 0  # on CUDA derived from the events in finish()
     device_end_ns: int = 0
+    continues: bool = False  # the descriptor's flag: some row's request ran before this step
 
     def is_done(self) -> bool:
         return self.done is None or self.done.query()
@@ -85,28 +86,28 @@ class LaunchedStep:
 
 @dataclass
 class _Placeholders:
-    """A step's input ids, and where placeholders are and which slot each reads (staged; None: none)."""
+    """A step's input ids, and where placeholders are and which req_index each reads (staged; None: none)."""
 
     token_ids: Staged  # [T] int64
     index: Staged | None = None  # [P] int64 step-token index of each placeholder
-    slots: Staged | None = None  # [P] int64 the slot each reads
-    host_slots: np.ndarray | None = None  # the same, on the host (poison mode names them)
+    req_indices: Staged | None = None  # [P] int64 the req_index each reads
+    host_req_indices: np.ndarray | None = None  # the same, on the host (poison mode names them)
 
 
 @dataclass
 class _Sampling:
     """A step's sampling decided on the host (staged arrays; None: not needed).
 
-    ``last``/``sample_slots [S]``: step-token index and slot of each sampled
+    ``last``/``sample_req_indices [S]``: step-token index and req_index of each sampled
     row. ``hot [R]``: the sampled rows with temperature > 0, with their
-    ``hot_slots`` and ``positions``, and host copies of their ``top_k``,
+    ``hot_req_indices`` and ``positions``, and host copies of their ``top_k``,
     ``top_p`` and ``min_p`` for the :class:`SamplingPlan`.
     """
 
     last: Staged
-    sample_slots: Staged
+    sample_req_indices: Staged
     hot: Staged | None = None
-    hot_slots: Staged | None = None
+    hot_req_indices: Staged | None = None
     positions: Staged | None = None
     top_k: np.ndarray | None = None
     top_p: np.ndarray | None = None
@@ -129,29 +130,29 @@ class ModelRunner:
     """Runs steps of a model on one device.
 
     Args:
-        config: the engine configuration (slots, blocks, block size).
+        config: the engine configuration (rows, blocks, block size).
         executor: the real model (:class:`~pipeline.gpu_worker.executor.ModelExecutor`)
             or the simulated device (:class:`~pipeline.gpu_worker.executor.SimExecutor`,
             which replaces only the forward pass and the sampling kernel).
-        device: where the model and all per-slot state live.
+        device: where the model and all per-request state live.
         ops: how data moves to and from ``device``; default :func:`~pipeline.gpu_worker.device.device_ops`.
     """
 
     def __init__(self, config: EngineConfig, executor: Executor, device: torch.device, ops: DeviceOps | None = None):
         self.config, self.device, self.executor = config, device, executor
         self.ops = ops or device_ops(device)
-        self.slots = SlotState(config.max_num_seqs, config.max_blocks_per_seq, self.ops, executor.vocab_size)
+        self.input_batch = InputBatch(config.max_num_seqs, config.max_blocks_per_seq, self.ops, executor.vocab_size)
         self.poison = config.debug_token_cache_poison
         self.clock = DeviceClock()
         self._in_flight = 0  # launched, not yet finished
         # The sampling parameters of a batch with no row to sample with temperature: empty, never read.
         f, i = (torch.zeros(0, dtype=d, device=device) for d in (torch.float32, torch.int64))
-        self._no_rows = (f, f, i, i, i, f)  # temperature, top_p, top_k, seed, position, min_p
+        self._no_rows = dict(temperature=f, top_p=f, min_p=f, top_k=i, seed=i, position=i)
 
     @property
     def token_cache(self) -> torch.Tensor:
-        """``[max_num_seqs]`` int64 on the device: the last token sampled in each slot."""
-        return self.slots.token_cache
+        """``[max_num_seqs]`` int64 on the device: the last token sampled at each req_index."""
+        return self.input_batch.token_cache
 
     @torch.inference_mode()
     def launch(self, x: StepInputs, prepare_start_ns: int) -> LaunchedStep:
@@ -160,7 +161,7 @@ class ModelRunner:
         ``prepare_start_ns`` (``time.monotonic_ns()``) is when the worker
         started reading the step; it goes into the step's trace spans. Every
         tensor the step reads is written in stream order before it, so
-        per-slot state of steps still queued is never changed under them.
+        per-request state of steps still queued is never changed under them.
 
         Every part of the step first decides on the host what it needs and
         stages its arrays; one upload then copies them all (the attention
@@ -177,15 +178,15 @@ class ModelRunner:
             step.anchor = DeviceClock.anchor(self.ops.new_event(timing=True))
         self._check_inputs(x)
         batch = UploadBatch()
-        update = self.slots.stage(x, batch)
+        update = self.input_batch.stage(x, batch)
         placeholders = self._stage_placeholders(x, batch)
-        counts = self.slots.stage_counts(x, batch)
+        counts = self.input_batch.stage_counts(x, batch)
         sampling = self._stage_sampling(x, batch)
         logprobs = self._stage_logprobs(x, step, batch)
         batch.upload(self.ops)
-        self.slots.write(update)
+        self.input_batch.write(update)
         input_ids = self._resolve_placeholders(placeholders, step)
-        self.slots.count_inputs(counts, input_ids)
+        self.input_batch.count_inputs(counts, input_ids)
         executed = self._forward_and_sample(x, input_ids, sampling, logprobs, step)
         self._start_host_copy(step, executed)
         self._in_flight += 1
@@ -202,16 +203,16 @@ class ModelRunner:
             raise ValueError(f"step {x.step_id}: a position reaches max_position_embeddings {max_pos}")
 
     def _stage_placeholders(self, x: StepInputs, batch: UploadBatch) -> _Placeholders:
-        """Stage the input ids and, if any, which of them are placeholders and whose slot each reads."""
+        """Stage the input ids and, if any, which of them are placeholders and whose req_index each reads."""
         ph = _Placeholders(batch.add(x.token_ids))
         is_placeholder = x.token_ids == PLACEHOLDER_TOKEN_ID
         if is_placeholder.any():
             idx = np.flatnonzero(is_placeholder)
-            if len(x.token_ids) == len(x.slot):  # one token per row (decode): token i is row i's
-                ph_slots = x.slot[idx]
+            if len(x.token_ids) == len(x.req_index):  # one token per row (decode): token i is row i's
+                ph_req_indices = x.req_index[idx]
             else:
-                ph_slots = x.slot[np.repeat(np.arange(len(x.slot)), x.query_lens)[idx]]
-            ph.index, ph.slots, ph.host_slots = batch.add(idx), batch.add(ph_slots), ph_slots
+                ph_req_indices = x.req_index[np.repeat(np.arange(len(x.req_index)), x.query_lens)[idx]]
+            ph.index, ph.req_indices, ph.host_req_indices = batch.add(idx), batch.add(ph_req_indices), ph_req_indices
         return ph
 
     def _resolve_placeholders(self, ph: _Placeholders, step: LaunchedStep) -> torch.Tensor:
@@ -224,11 +225,11 @@ class ModelRunner:
         input_ids = ph.token_ids.dev
         if ph.index is None:
             return input_ids
-        cache = self.slots.token_cache
-        resolved = cache.index_select(0, ph.slots.dev)
+        cache = self.input_batch.token_cache
+        resolved = cache.index_select(0, ph.req_indices.dev)
         if self.poison:
-            step.stale, step.stale_slots = (resolved < 0).long(), ph.host_slots
-            cache.index_fill_(0, ph.slots.dev, POISON_TOKEN_ID)
+            step.stale, step.stale_req_indices = (resolved < 0).long(), ph.host_req_indices
+            cache.index_fill_(0, ph.req_indices.dev, POISON_TOKEN_ID)
         # A stale read must not reach the embedding as a negative id (an
         # asynchronous device assert on CUDA); poison mode reports it in finish().
         input_ids.index_copy_(0, ph.index.dev, resolved.clamp(min=0))
@@ -238,33 +239,41 @@ class ModelRunner:
         """Stage what sampling the step's sampled rows needs, decided on the host.
 
         Which rows are greedy, what filtering runs and which rows get
-        penalties is decided from the host mirror of the slots' parameters
+        penalties is decided from the host mirror of the rows' parameters
         and the descriptor's positions; the values are gathered from the
-        device copy in :meth:`_sampling_inputs`. A batch where no slot
+        device copy in :meth:`_sampling_inputs`. A batch where no row
         samples with temperature, or none has penalties, skips that planning.
         """
         rows = x.sample_rows
         # One token per row (decode): each row's last token is its own index.
-        last = rows if len(x.token_ids) == len(x.slot) else (np.cumsum(x.query_lens) - 1)[rows]
-        sample_slots = x.slot[rows]
+        last = rows if len(x.token_ids) == len(x.req_index) else (np.cumsum(x.query_lens) - 1)[rows]
+        sample_req_indices = x.req_index[rows]
         positions = x.start_pos[rows] + x.query_lens[rows]
-        s = self.slots
-        out = _Sampling(batch.add(last), batch.add(sample_slots))
-        hot = np.flatnonzero(s.host_temperature[sample_slots] > 0) if s.any_hot else ()
+        s = self.input_batch
+        out = _Sampling(batch.add(last), batch.add(sample_req_indices))
+        hot = np.flatnonzero(s.host_temperature[sample_req_indices] > 0) if s.any_hot else ()
         if len(hot):
-            hot_slots = sample_slots[hot]
-            out.hot, out.hot_slots, out.positions = batch.add(hot), batch.add(hot_slots), batch.add(positions[hot])
-            out.top_k, out.top_p, out.min_p = s.host_top_k[hot_slots], s.host_top_p[hot_slots], s.host_min_p[hot_slots]
+            hot_req_indices = sample_req_indices[hot]
+            out.hot, out.hot_req_indices, out.positions = (
+                batch.add(hot),
+                batch.add(hot_req_indices),
+                batch.add(positions[hot]),
+            )
+            out.top_k, out.top_p, out.min_p = (
+                s.host_top_k[hot_req_indices],
+                s.host_top_p[hot_req_indices],
+                s.host_min_p[hot_req_indices],
+            )
         if len(x.mask_rows):  # structured output: the descriptor rows become sampled-row indices
             out.mask_rows = batch.add(np.searchsorted(rows, x.mask_rows))
             out.bitmask = batch.add(x.bitmask)  # int32 words, widened
         if s.penalty is not None and s.any_penalty_work:
             out.penalties = plan_penalties(
-                sample_slots,
-                positions - s.host_prompt_len[sample_slots],
-                s.host_penalized[sample_slots],
-                s.host_num_bias[sample_slots],
-                s.host_min_tokens[sample_slots],
+                sample_req_indices,
+                positions - s.host_prompt_len[sample_req_indices],
+                s.host_penalized[sample_req_indices],
+                s.host_num_bias[sample_req_indices],
+                s.host_min_tokens[sample_req_indices],
                 s.host_stop_ids,
             )
             if out.penalties is not None:
@@ -273,25 +282,25 @@ class ModelRunner:
 
     def _sampling_inputs(self, st: _Sampling) -> SamplingInputs:
         """The :class:`SamplingInputs` of a staged plan (its batch uploaded): parameters gathered on the device."""
-        s = self.slots
+        s = self.input_batch
         if st.hot is None:
-            sampling = SamplingInputs(SamplingPlan(rows=None), *self._no_rows)
+            sampling = SamplingInputs(SamplingPlan(rows=None), **self._no_rows)
         else:
             vocab = self.executor.vocab_size or np.iinfo(np.int64).max
             plan = SamplingPlan.build(
                 st.hot.dev, st.top_k, st.top_p, vocab, host_reads_ok=not self.ops.is_async, min_p=st.min_p
             )
             # One gather per parameter table; the columns are views of it.
-            f = s.float_params.index_select(0, st.hot_slots.dev)
-            i = s.int_params.index_select(0, st.hot_slots.dev)
+            f = s.float_params.index_select(0, st.hot_req_indices.dev)
+            i = s.int_params.index_select(0, st.hot_req_indices.dev)
             sampling = SamplingInputs(
                 plan,
-                temperature=f[:, TEMPERATURE],
-                top_p=f[:, TOP_P],
-                top_k=i[:, TOP_K],
-                seed=i[:, SEED],
+                temperature=f[:, FLOAT_COLUMN["temperature"]],
+                top_p=f[:, FLOAT_COLUMN["top_p"]],
+                top_k=i[:, INT_COLUMN["top_k"]],
+                seed=i[:, INT_COLUMN["seed"]],
                 position=st.positions.dev,
-                min_p=f[:, MIN_P],
+                min_p=f[:, FLOAT_COLUMN["min_p"]],
             )
         if st.mask_rows is not None:
             sampling.mask_rows, sampling.bitmask = st.mask_rows.dev, st.bitmask.dev
@@ -303,12 +312,16 @@ class ModelRunner:
     def _stage_logprobs(self, x: StepInputs, step: LaunchedStep, batch: UploadBatch) -> _Logprobs:
         """Stage which sampled rows and prompt positions get log-probabilities, decided on the host.
 
-        Sampled rows come from the host mirror of the slots' ``logprobs``
-        (skipped when no slot wants any); prompt positions from the
+        Sampled rows come from the host mirror of the rows' ``logprobs``
+        (skipped when no row wants any); prompt positions from the
         descriptor (:class:`PromptLogprobPlan`).
         """
         out = _Logprobs()
-        rows = np.flatnonzero(self.slots.host_logprobs[x.slot[x.sample_rows]] >= 0) if self.slots.any_logprobs else ()
+        rows = (
+            np.flatnonzero(self.input_batch.host_logprobs[x.req_index[x.sample_rows]] >= 0)
+            if self.input_batch.any_logprobs
+            else ()
+        )
         if len(rows):
             step.lp_rows, out.rows = rows, batch.add(rows)
         plan = PromptLogprobPlan.of(x)
@@ -327,9 +340,9 @@ class ModelRunner:
     ) -> Executed:
         """Build the attention metadata, run the executor, write the token-id cache."""
         layout = StepLayout.build(
-            x.query_lens, x.start_pos, x.slot, self.config.block_size, self.config.max_blocks_per_seq
+            x.query_lens, x.start_pos, x.req_index, self.config.block_size, self.config.max_blocks_per_seq
         )
-        meta = self.executor.attn_backend.build_metadata(layout, self.slots.block_table, self.ops.upload)
+        meta = self.executor.attn_backend.build_metadata(layout, self.input_batch.block_table, self.ops.upload)
         sampling = self._sampling_inputs(staged_sampling)
         logprobs = LogprobInputs(
             *(
@@ -342,7 +355,7 @@ class ModelRunner:
         step.start_event = self.ops.timing_event()
         device_start = time.monotonic_ns()
         executed = self.executor.execute(input_ids, meta, staged_sampling.last.dev, sampling, logprobs)
-        self.slots.token_cache.index_copy_(0, staged_sampling.sample_slots.dev, executed.tokens)
+        self.input_batch.token_cache.index_copy_(0, staged_sampling.sample_req_indices.dev, executed.tokens)
         step.launch_ns = time.monotonic_ns()
         if executed.done is not None:  # the simulated device's own timeline
             step.device_start_ns, step.device_end_ns = executed.device_start_ns, executed.device_end_ns
@@ -390,7 +403,7 @@ class ModelRunner:
             bad = step.stale.numpy().astype(bool)
             if bad.any():
                 raise StaleTokenError(
-                    f"step {step.step_id}: placeholder for slots {step.stale_slots[bad].tolist()} "
+                    f"step {step.step_id}: placeholder for req_indices {step.stale_req_indices[bad].tolist()} "
                     "read a consumed token-id cache entry"
                 )
         packed, offset = step.lp_host.numpy() if step.lp_host is not None else None, 0

@@ -17,11 +17,11 @@ in vLLM's order:
 Temperature, ``min_p`` and top-k/top-p follow in the sampler. The
 log-probabilities stay the raw model's: this works on a copy of the logits.
 
-The counts live on the device, per slot (:class:`~pipeline.gpu_worker.slot_state.SlotState`):
+The counts live on the device, per req_index (:class:`~pipeline.gpu_worker.input_batch.InputBatch`):
 they are updated from each step's resolved input ids, so the token a
 placeholder stands for is counted on the device when the next step reads it,
 and no step waits for the host. Which rows and which of the four run is
-decided on the host (:func:`plan_penalties`), from the slots' host mirrors and
+decided on the host (:func:`plan_penalties`), from the rows' host mirrors and
 the descriptor's positions.
 """
 
@@ -42,7 +42,7 @@ class PenaltyInputs:
 
     Attributes:
         rows: ``[Q]`` int64, the sampled rows (of ``S``) that any of them applies to.
-        slots: ``[Q]`` int64, those rows' slots.
+        req_indices: ``[Q]`` int64, those rows' req_index.
         use_bias: some row has ``logit_bias`` entries.
         use_penalties: some row has a presence, frequency or repetition penalty.
         min_tokens_rows, min_tokens_ids: ``[M]`` int64 each: set the logit of
@@ -51,7 +51,7 @@ class PenaltyInputs:
     """
 
     rows: torch.Tensor
-    slots: torch.Tensor
+    req_indices: torch.Tensor
     use_bias: bool
     use_penalties: bool
     min_tokens_rows: torch.Tensor | None = None
@@ -67,7 +67,7 @@ class PenaltyPlan:
     """
 
     rows: np.ndarray
-    slots: np.ndarray
+    req_indices: np.ndarray
     use_bias: bool
     use_penalties: bool
     min_tokens_rows: np.ndarray | None = None
@@ -76,7 +76,7 @@ class PenaltyPlan:
 
     def stage(self, batch: UploadBatch) -> None:
         """Add the plan's arrays to ``batch``."""
-        arrays = [self.rows, self.slots]
+        arrays = [self.rows, self.req_indices]
         if self.min_tokens_rows is not None:
             arrays += [self.min_tokens_rows, self.min_tokens_ids]
         self._staged = [batch.add(a) for a in arrays]
@@ -87,7 +87,7 @@ class PenaltyPlan:
         has_min = self.min_tokens_rows is not None
         return PenaltyInputs(
             rows=dev[0],
-            slots=dev[1],
+            req_indices=dev[1],
             use_bias=self.use_bias,
             use_penalties=self.use_penalties,
             min_tokens_rows=dev[2] if has_min else None,
@@ -96,7 +96,7 @@ class PenaltyPlan:
 
 
 def plan_penalties(
-    slots: np.ndarray,
+    req_indices: np.ndarray,
     output_index: np.ndarray,
     penalized: np.ndarray,
     num_bias: np.ndarray,
@@ -106,12 +106,12 @@ def plan_penalties(
     """Decide on the host which sampled rows get what; None when no row gets anything.
 
     Args:
-        slots: ``[S]`` the sampled rows' slots.
+        req_indices: ``[S]`` the sampled rows' req_index.
         output_index: ``[S]`` how many output tokens each request has before
             the one being sampled (its position minus its prompt length).
-        penalized, num_bias, min_tokens: ``[S]`` the slots' host mirrors
+        penalized, num_bias, min_tokens: ``[S]`` the rows' host mirrors
             (``min_tokens`` 0 where there are no stop ids to mask).
-        stop_ids: per slot (all slots), the ids ``min_tokens`` masks.
+        stop_ids: per req_index (all rows), the ids ``min_tokens`` masks.
     """
     masks_stop = output_index < min_tokens
     rows = np.flatnonzero(penalized | (num_bias > 0) | masks_stop)
@@ -119,27 +119,27 @@ def plan_penalties(
         return None
     plan = PenaltyPlan(
         rows=rows,
-        slots=slots[rows],
+        req_indices=req_indices[rows],
         use_bias=bool((num_bias[rows] > 0).any()),
         use_penalties=bool(penalized[rows].any()),
     )
     stopped = np.flatnonzero(masks_stop[rows])
     if len(stopped):
-        ids = [stop_ids[slots[rows[q]]] for q in stopped]
+        ids = [stop_ids[req_indices[rows[q]]] for q in stopped]
         plan.min_tokens_rows, plan.min_tokens_ids = np.repeat(stopped, [len(i) for i in ids]), np.concatenate(ids)
     return plan
 
 
 @dataclass
 class PenaltyState:
-    """The per-slot device tensors the penalties read (owned by ``SlotState``).
+    """The per-request device tensors the penalties read (owned by ``InputBatch``).
 
     Attributes:
-        counts: ``[slots, V]`` int32, occurrences of each token in the output so far.
-        in_prompt: ``[slots, V]`` bool, the token occurs in the prompt.
-        presence, frequency, repetition: ``[slots]`` float32.
-        bias_ids: ``[slots, MAX_LOGIT_BIAS]`` int64; unused entries point at token 0 with value 0.
-        bias_values: ``[slots, MAX_LOGIT_BIAS]`` float32.
+        counts: ``[max_num_reqs, V]`` int32, occurrences of each token in the output so far.
+        in_prompt: ``[max_num_reqs, V]`` bool, the token occurs in the prompt.
+        presence, frequency, repetition: ``[max_num_reqs]`` float32.
+        bias_ids: ``[max_num_reqs, MAX_LOGIT_BIAS]`` int64; unused entries point at token 0 with value 0.
+        bias_values: ``[max_num_reqs, MAX_LOGIT_BIAS]`` float32.
     """
 
     counts: torch.Tensor
@@ -157,7 +157,7 @@ def apply_penalties(logits: torch.Tensor, inputs: PenaltyInputs | None, state: P
     Args:
         logits: ``[S, V]`` float32 raw logits of the sampled rows (left unchanged).
         inputs: which rows and what to apply; None for nothing.
-        state: the slots' counts and parameters.
+        state: the rows' counts and parameters.
 
     Returns:
         ``[S, V]`` float32 on the logits' device. Never waits for the device.
@@ -167,16 +167,20 @@ def apply_penalties(logits: torch.Tensor, inputs: PenaltyInputs | None, state: P
     x = logits.index_select(0, inputs.rows)
     if inputs.use_bias:
         # Unused entries add 0 to token 0; OpenAI's keys are distinct, so no entry adds twice.
-        x.scatter_add_(1, state.bias_ids.index_select(0, inputs.slots), state.bias_values.index_select(0, inputs.slots))
+        x.scatter_add_(
+            1, state.bias_ids.index_select(0, inputs.req_indices), state.bias_values.index_select(0, inputs.req_indices)
+        )
     if inputs.min_tokens_rows is not None:
         x.index_put_((inputs.min_tokens_rows, inputs.min_tokens_ids), x.new_full((), float("-inf")))
     if inputs.use_penalties:
-        counts = state.counts.index_select(0, inputs.slots)
+        counts = state.counts.index_select(0, inputs.req_indices)
         in_output = counts > 0
-        seen = in_output | state.in_prompt.index_select(0, inputs.slots)
-        r = state.repetition.index_select(0, inputs.slots)[:, None]
+        seen = in_output | state.in_prompt.index_select(0, inputs.req_indices)
+        r = state.repetition.index_select(0, inputs.req_indices)[:, None]
         # -inf (a masked stop token) stays -inf through all three: r > 0.
         x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
-        x -= state.frequency.index_select(0, inputs.slots)[:, None] * counts
-        x -= state.presence.index_select(0, inputs.slots)[:, None] * in_output
+        x -= state.frequency.index_select(0, inputs.req_indices)[:, None] * counts
+        x -= state.presence.index_select(0, inputs.req_indices)[:, None] * in_output
+        # l / r overflows float32 for a tiny r: keep the row finite or -inf, so greedy and the sampler stay defined.
+        torch.nan_to_num_(x, nan=float("-inf"), posinf=torch.finfo(x.dtype).max, neginf=float("-inf"))
     return logits.index_copy(0, inputs.rows, x)

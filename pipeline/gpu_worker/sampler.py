@@ -30,6 +30,8 @@ import torch
 # always hold the nucleus, and only rows whose nucleus is larger are sorted.
 _TOP_P_CANDIDATES = 1024
 
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
 _M32 = 0xFFFFFFFF
 # Uniforms are (k + 0.5) / 2**23 for a 23-bit k: strictly inside (0, 1), so
 # -log(u) is never 0 or inf and a draw cannot single out (or lose) a token.
@@ -175,6 +177,9 @@ def sample_rows(
     vocab = logits.shape[1]
     x = logits.index_select(0, plan.rows)
     x.div_(temperature[:, None])
+    # Logits that overflowed (a tiny temperature, an extreme penalty) or became NaN must not turn the
+    # nucleus's sums into NaN: NaN cannot be drawn, and +inf becomes the largest float.
+    torch.nan_to_num_(x, nan=float("-inf"), posinf=_FLOAT32_MAX, neginf=float("-inf"))
     if plan.use_min_p:
         apply_min_p(x, min_p)
     k = torch.where((top_k > 0) & (top_k < vocab), top_k, 0)
@@ -321,5 +326,6 @@ def _top_p_threshold(
     mass_before = probs.cumsum(dim=-1) - probs
     index = torch.arange(cand.shape[1], device=cand.device)
     keep = (mass_before < p[:, None]) & (index[None, :] < k_limit[:, None])
-    kept = keep.sum(dim=-1)
+    # At least one token: a row whose logits are all -inf has NaN probabilities and would keep none.
+    kept = keep.sum(dim=-1).clamp_(min=1)
     return kept, cand.gather(1, (kept - 1)[:, None]).squeeze(1)

@@ -30,12 +30,22 @@ import zmq.asyncio
 from msgspec.structs import replace
 
 from pipeline.common.config import EngineConfig
-from pipeline.common.messages import AbortRequest, AddRequest, GetStats, SamplingParams, Stats, ToIO, choice_seed
+from pipeline.common.messages import (
+    AbortRequest,
+    AddRequest,
+    GetStats,
+    SamplingParams,
+    Stats,
+    ToIO,
+    choice_seed,
+    merge_stats,
+)
 from pipeline.common.shm_ring import ShmRing
 from pipeline.common.step_protocol import StepOutput
 from pipeline.common.trace import TraceRecorder
 from pipeline.io_proc.detokenizer import NewDetokenizer, OutputProcessor
 from pipeline.io_proc.output_reader import OutputReader, StepResult
+from pipeline.io_proc.request_metrics import RequestMetrics
 from pipeline.io_proc.request_state import RequestState, StepTime
 
 __all__ = ["EngineClient", "EngineUnavailable", "OutputReader", "RequestState"]
@@ -72,8 +82,8 @@ class EngineClient:
     Raises:
         zmq.ZMQError: the reply address cannot be bound.
 
-    Counters (read by the metrics endpoint): ``num_prompt_tokens``,
-    ``num_generation_tokens`` (tokens delivered to live requests),
+    Counters (read by the metrics endpoint), per engine: ``prompt_tokens``,
+    ``generation_tokens`` (tokens delivered to live requests); and
     ``num_finished`` (requests by finish reason; a client that left counts
     as "abort").
     """
@@ -109,18 +119,30 @@ class EngineClient:
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.bind(config.reply_address)
         self._readers = [
-            OutputReader(ring, self._requests, functools.partial(self._send_abort, engine=e), self._dispatch, trace)
+            OutputReader(
+                ring,
+                self._requests,
+                functools.partial(self._send_abort, engine=e),
+                self._dispatch,
+                RequestMetrics(config.max_model_len),
+                trace,
+            )
             for e, ring in enumerate(rings)
         ]
         self._replies_task: asyncio.Task | None = None
-        self.num_prompt_tokens = 0
+        self.prompt_tokens = [0] * len(rings)
         self.num_finished: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
         self._shutting_down = False
 
     @property
-    def num_generation_tokens(self) -> int:
-        """Output tokens accepted for live requests so far."""
-        return sum(r.num_generation_tokens for r in self._readers)
+    def generation_tokens(self) -> list[int]:
+        """Output tokens accepted for live requests so far, per engine."""
+        return [r.num_generation_tokens for r in self._readers]
+
+    @property
+    def request_metrics(self) -> list[RequestMetrics]:
+        """Each engine's request histograms, in engine order."""
+        return [r.metrics for r in self._readers]
 
     @property
     def reader_error(self) -> BaseException | None:
@@ -208,12 +230,14 @@ class EngineClient:
         req_num = next(self._req_nums)
         nums = [req_num] if n == 1 else [next(self._req_nums) for _ in range(n)]
         states = []
+        choices = [n, 0, n] if n > 1 else None  # shared: see RequestState.choices
         for i, num in enumerate(nums):
             p = params if n == 1 else replace(params, seed=choice_seed(params.seed, i))
             processor = OutputProcessor(self._new_detokenizer(), p, stop, incremental=streaming)
             states.append(
                 RequestState(num, len(prompt_token_ids), processor, streaming, return_token_ids, p, prompt_token_ids)
             )
+            states[-1].choices = choices
         if params.max_tokens == 0 and states[0].prompt_logprobs_missing == 0:
             # Nothing for the device to compute (an echo of a one-token prompt,
             # or without log-probabilities): finished as it starts.
@@ -233,7 +257,7 @@ class EngineClient:
             for state in states:
                 del self._requests[state.req_num]
             raise
-        self.num_prompt_tokens += len(prompt_token_ids)
+        self.prompt_tokens[engine] += len(prompt_token_ids)
         return states
 
     def _pick_engine(self) -> int:
@@ -259,7 +283,7 @@ class EngineClient:
             return
         self.num_finished["abort"] += 1
         if self._requests.pop(state.req_num, None) is not None:
-            self._send_abort(state.req_num, state.engine)
+            self._send_abort(state.req_num, engine=state.engine)
 
     def abort_all(self) -> None:
         """Finish every live request with "abort" (server shutdown): their
@@ -270,15 +294,14 @@ class EngineClient:
             state = self._requests.pop(req_num, None)
             if state is None:
                 continue
-            self._send_abort(req_num, state.engine)
+            self._send_abort(req_num, engine=state.engine)
             if not state.released:
                 state.deliver("", "abort", state.processor.num_output_tokens)
                 self.num_finished["abort"] += 1
 
     async def get_stats(self, timeout: float) -> Stats:
         """The engines' occupancy, summed (``nonce`` 0); as :meth:`get_engine_stats`."""
-        per_engine = await self.get_engine_stats(timeout)
-        return Stats(0, *(sum(getattr(s, f) for s in per_engine) for f in Stats.__struct_fields__[1:]))
+        return merge_stats(await self.get_engine_stats(timeout))
 
     async def get_engine_stats(self, timeout: float) -> list[Stats]:
         """Ask every engine's scheduler for its occupancy; one reply per engine, in engine order.
@@ -331,9 +354,9 @@ class EngineClient:
             except zmq.Again:
                 raise EngineUnavailable("the scheduler is not reading control messages") from None
 
-    def _send_abort(self, req_num: int, engine: int) -> None:
+    def _send_abort(self, req_num: int, finished_ns: int = 0, *, engine: int) -> None:
         try:
-            self._send(AbortRequest(req_num), engine)
+            self._send(AbortRequest(req_num, finished_ns), engine)
         except EngineUnavailable:
             # The request stays in the scheduler until it finishes by length
             # or EOS; its tokens are dropped here since it left the table.

@@ -31,7 +31,7 @@ from pipeline.common.step_protocol import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP
 
 # The OpenAI API accepts at most four stop sequences.
 MAX_STOP_STRINGS = 4
-# Choices per prompt (n); each is a sequence in a slot of its own.
+# Choices per prompt (n); each is a sequence with a req_index of its own.
 MAX_CHOICES = 128
 # Prompts in one completions request (a list of strings or of token-id lists),
 # as the OpenAI API bounds a batched input; each becomes its own request.
@@ -136,9 +136,10 @@ class SamplingRequest(_Request):
 
     Penalties and biases (docs/design.md, "Penalties and biases"):
     ``presence_penalty`` and ``frequency_penalty`` in -2..2 (OpenAI API
-    reference); ``repetition_penalty`` > 0, 1 off (vLLM, after Keskar et al.
-    2019); ``logit_bias`` maps token ids (as decimal strings, the JSON keys
-    OpenAI's clients send) to a bias in -100..100, at most
+    reference); ``repetition_penalty`` in 0.01..100, 1 off (vLLM, after Keskar
+    et al. 2019; the sampler stays defined past that range, where a logit
+    divided by it overflows float32); ``logit_bias`` maps token ids (as
+    decimal strings, the JSON keys OpenAI's clients send) to a bias in -100..100, at most
     ``MAX_LOGIT_BIAS`` of them; ``min_p`` in 0..1 (vLLM, after Nguyen et al.
     2024); ``min_tokens`` (vLLM): the stop token ids cannot end the output
     before this many tokens; ``stop_token_ids`` (vLLM): more ids that end
@@ -169,7 +170,7 @@ class SamplingRequest(_Request):
     return_token_ids: bool = False
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(default=None, ge=0.01, le=100.0)
     logit_bias: dict[str, float] | None = None
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     min_tokens: int = Field(default=0, ge=0)
@@ -454,7 +455,7 @@ class ChatCompletionMessage(msgspec.Struct, kw_only=True):
 
 class ChatCompletionChoice(msgspec.Struct, kw_only=True):
     """One choice of a ``chat.completion`` (``index`` 0..n-1); ``logprobs`` is
-    ``{"content": [...]}`` (see :func:`~pipeline.io_proc.logprobs.chat_logprobs`) when asked."""
+    ``{"content": [...]}`` (see :func:`~pipeline.io_proc.logprobs_json.chat_logprobs`) when asked."""
 
     index: int = 0
     message: ChatCompletionMessage
@@ -509,7 +510,7 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
 
 class CompletionChoice(msgspec.Struct, kw_only=True):
     """One choice of a ``text_completion`` (whole or chunk), one per prompt; ``logprobs`` is
-    the legacy object (see :func:`~pipeline.io_proc.logprobs.completion_logprobs`) when asked."""
+    the legacy object (see :func:`~pipeline.io_proc.logprobs_json.completion_logprobs`) when asked."""
 
     index: int = 0
     text: str

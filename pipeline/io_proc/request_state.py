@@ -19,23 +19,27 @@ from collections.abc import AsyncIterator
 
 from pipeline.common.messages import FinishReason, SamplingParams
 from pipeline.io_proc.detokenizer import OutputProcessor
-from pipeline.io_proc.logprobs import TokenLogprob
+from pipeline.io_proc.logprobs_json import TokenLogprob
 
 
 class StepTime:
-    """When the event loop took one step's results from the reader thread.
+    """One step as io_proc saw it: when the reader read it, its engine time, and when the loop took it.
 
     The reader makes one per step and appends it to :attr:`RequestState.token_steps`
     of every request that got a token in the step; the loop sets :attr:`time`
     when it handles the step, once for all of them.
 
     Attributes:
+        seq: the step's number among those this reader has read (consecutive).
+        read_time: ``time.perf_counter()`` seconds when the reader read it.
+        engine_ns: the StepOutput's ``time_ns``.
         time: ``time.perf_counter()`` seconds, None until the loop has taken the step.
     """
 
-    __slots__ = ("time",)
+    __slots__ = ("seq", "read_time", "engine_ns", "time")
 
-    def __init__(self) -> None:
+    def __init__(self, seq: int = 0, read_time: float = 0.0, engine_ns: int = 0) -> None:
+        self.seq, self.read_time, self.engine_ns = seq, read_time, engine_ns
         self.time: float | None = None
 
 
@@ -70,6 +74,11 @@ class RequestState:
         token_steps: one :class:`StepTime` per output token, that of the
             step which brought it (appended by the reader thread); see
             :attr:`delivery_times`.
+        choices: shared by the ``n`` > 1 choices of one request: ``[choices
+            not finished, most tokens of a finished one, n]``; None for one choice.
+        ttft, e2e: time to first token and end-to-end latency in seconds, set
+            by the reader thread when the request finishes (None before, and
+            for one the client left).
     """
 
     __slots__ = (
@@ -89,6 +98,9 @@ class RequestState:
         "prompt_logprobs",
         "prompt_logprobs_missing",
         "streaming",
+        "choices",
+        "ttft",
+        "e2e",
         "_pieces",
         "_ids_taken",
         "_lps_taken",
@@ -125,6 +137,9 @@ class RequestState:
         self.arrival_time = time.perf_counter()
         self.token_steps: list[StepTime] = []
         self.streaming = streaming
+        self.choices: list[int] | None = None
+        self.ttft: float | None = None
+        self.e2e: float | None = None
         self._pieces: list[str] = []
         self._ids_taken = 0
         self._lps_taken = 0

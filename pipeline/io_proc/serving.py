@@ -48,7 +48,7 @@ from pipeline.common.grammar import GrammarError, build_grammar
 from pipeline.common.messages import SamplingParams
 from pipeline.common.step_protocol import MAX_STOP_TOKEN_IDS
 from pipeline.io_proc.engine_client import EngineClient, EngineUnavailable
-from pipeline.io_proc.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
+from pipeline.io_proc.logprobs_json import TokenLogprob, chat_logprobs, completion_logprobs
 from pipeline.io_proc.protocol import (
     APIError,
     ChatCompletionChoice,
@@ -70,6 +70,7 @@ from pipeline.io_proc.protocol import (
     TokenizeResponse,
     UsageInfo,
 )
+from pipeline.io_proc.request_log import log_request
 from pipeline.io_proc.request_state import RequestState
 from pipeline.io_proc.tokenization import Tokenization
 
@@ -137,6 +138,7 @@ class OpenAIServing:
         # asynchronous device assert on CUDA) and decode with the tokenizer.
         self._vocab_limit = min(tokenization.vocab_size, config.vocab_size or tokenization.vocab_size)
         self._structured_output = config.vocab_size > 0
+        self._log_requests, self._log_prompts = config.enable_log_requests, config.log_prompts
 
     @property
     def _texts(self):
@@ -156,12 +158,10 @@ class OpenAIServing:
         states = self._start(req, prompt, "messages")
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         prompt_ids = prompt if req.return_token_ids else msgspec.UNSET
+        close = self._closer(rid, req, states)
         if req.stream:
-            return _EventStream(
-                self._chat_stream(req, states, rid, created, prompt_ids),
-                lambda: [self._client.release(st) for st in states],
-            )
-        if not await self._wait(states, raw):
+            return _EventStream(self._chat_stream(req, states, rid, created, prompt_ids), close)
+        if not await self._wait(states, raw, close):
             return Response(status_code=_CLIENT_CLOSED)
         choices = []
         for i, st in enumerate(states):
@@ -221,12 +221,10 @@ class OpenAIServing:
         echoes = [e for e in echoes for _ in range(n)]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         prompt_ids = [p for p in prompts for _ in range(n)] if req.return_token_ids else [msgspec.UNSET] * len(states)
+        close = self._closer(rid, req, states)
         if req.stream:
-            return _EventStream(
-                self._completion_stream(req, states, echoes, rid, created, prompt_ids),
-                lambda: [self._client.release(st) for st in states],
-            )
-        if not await self._wait(states, raw):
+            return _EventStream(self._completion_stream(req, states, echoes, rid, created, prompt_ids), close)
+        if not await self._wait(states, raw, close):
             return Response(status_code=_CLIENT_CLOSED)
         choices = []
         for i, st in enumerate(states):
@@ -417,8 +415,24 @@ class OpenAIServing:
         except GrammarError as e:
             raise APIError.bad_request(str(e), param=e.param) from None
 
-    async def _wait(self, states: list[RequestState], raw: Request) -> bool:
-        """Wait for non-streaming requests to finish; False if the client left
+    def _closer(self, rid: str, req: SamplingRequest, states: list[RequestState]) -> Callable[[], None]:
+        """What ends a request's response however it ends: release its states, then log it
+        (``--enable-log-requests``; its prompt only with ``--log-prompts``)."""
+
+        def close() -> None:
+            for st in states:
+                self._client.release(st)
+            if self._log_requests:
+                prompt = None
+                if self._log_prompts:
+                    chat = isinstance(req, ChatCompletionRequest)
+                    prompt = [m.model_dump(exclude_none=True) for m in req.messages] if chat else req.prompt
+                log_request(rid, states, req.num_choices(), req.stop_strings(), req.stream, prompt)
+
+        return close
+
+    async def _wait(self, states: list[RequestState], raw: Request, close: Callable[[], None]) -> bool:
+        """Wait for non-streaming requests to finish, then ``close``; False if the client left
         first (then the requests are aborted at once, within the step).
 
         Raises:
@@ -436,8 +450,7 @@ class OpenAIServing:
         finally:
             finished.cancel()
             left.cancel()
-            for st in states:
-                self._client.release(st)
+            close()
 
     @staticmethod
     def _output_ids(req: SamplingRequest, state: RequestState) -> list[int] | msgspec.UnsetType:

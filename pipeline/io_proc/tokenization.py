@@ -18,7 +18,7 @@ from typing import Any
 from jinja2 import TemplateError
 
 from pipeline.io_proc.detokenizer import NewDetokenizer, new_detokenizer
-from pipeline.io_proc.logprobs import TokenTexts
+from pipeline.io_proc.logprobs_json import TokenTexts
 from pipeline.io_proc.protocol import APIError, ChatMessage
 
 

@@ -1,4 +1,4 @@
-"""KV cache block and slot accounting with frees deferred against step ids."""
+"""KV cache block and req_index accounting with frees deferred against step ids."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from collections import defaultdict
 
 
 class BlockPool:
-    """Free lists of KV cache blocks and request slots.
+    """Free lists of KV cache blocks and request indices.
 
-    A block or slot that an in-flight step still reads is not reusable until
+    A block or req_index that an in-flight step still reads is not reusable until
     that step has reported completion (docs/design.md, "Deferred free"): callers
     free with :meth:`free_after` naming the last step that references them,
     and :meth:`step_completed` returns them to the free lists.
@@ -20,14 +20,14 @@ class BlockPool:
 
     Args:
         num_blocks: KV cache blocks (ids ``0..num_blocks-1``).
-        num_slots: request slots (ids ``0..num_slots-1``), i.e. ``max_num_seqs``.
+        num_req_indices: request indices (ids ``0..num_req_indices-1``), i.e. ``max_num_seqs``.
     """
 
-    def __init__(self, num_blocks: int, num_slots: int):
-        self.num_blocks, self.num_slots = num_blocks, num_slots
+    def __init__(self, num_blocks: int, num_req_indices: int):
+        self.num_blocks, self.num_req_indices = num_blocks, num_req_indices
         # Stacks popped from the end; reversed so low ids go first.
         self._free_blocks = list(range(num_blocks - 1, -1, -1))
-        self._free_slots = list(range(num_slots - 1, -1, -1))
+        self._free_req_indices = list(range(num_req_indices - 1, -1, -1))
         self._refs = [0] * num_blocks
         self._deferred: dict[int, list[tuple[list[int], int]]] = defaultdict(list)
         self._num_deferred_blocks = 0
@@ -38,8 +38,8 @@ class BlockPool:
         return len(self._free_blocks)
 
     @property
-    def num_free_slots(self) -> int:
-        return len(self._free_slots)
+    def num_free_req_indices(self) -> int:
+        return len(self._free_req_indices)
 
     @property
     def num_deferred_blocks(self) -> int:
@@ -63,31 +63,31 @@ class BlockPool:
         for b in blocks:
             self._refs[b] += 1
 
-    def allocate_slot(self) -> int | None:
-        """Take a slot, or None if none is free."""
-        return self._free_slots.pop() if self._free_slots else None
+    def allocate_req_index(self) -> int | None:
+        """Take a req_index, or None if none is free."""
+        return self._free_req_indices.pop() if self._free_req_indices else None
 
-    def free_after(self, step_id: int, blocks: list[int], slot: int) -> None:
-        """Free ``blocks`` and ``slot`` (-1: none) once step ``step_id`` has completed."""
+    def free_after(self, step_id: int, blocks: list[int], req_index: int) -> None:
+        """Free ``blocks`` and ``req_index`` (-1: none) once step ``step_id`` has completed."""
         if step_id <= self._completed_step:
-            self._release(blocks, slot)
+            self._release(blocks, req_index)
         else:
-            self._deferred[step_id].append((blocks, slot))
+            self._deferred[step_id].append((blocks, req_index))
             self._num_deferred_blocks += len(blocks)
 
     def step_completed(self, step_id: int) -> None:
         """Step ``step_id`` (and every earlier one) reported its output."""
         self._completed_step = step_id
         for s in [s for s in self._deferred if s <= step_id]:
-            for blocks, slot in self._deferred.pop(s):
+            for blocks, req_index in self._deferred.pop(s):
                 self._num_deferred_blocks -= len(blocks)
-                self._release(blocks, slot)
+                self._release(blocks, req_index)
 
-    def _release(self, blocks: list[int], slot: int) -> None:
+    def _release(self, blocks: list[int], req_index: int) -> None:
         refs, free = self._refs, self._free_blocks  # locals: at batch 1024 this runs for hundreds of blocks a step
         for b in blocks:
             refs[b] -= 1
             if not refs[b]:
                 free.append(b)
-        if slot >= 0:
-            self._free_slots.append(slot)
+        if req_index >= 0:
+            self._free_req_indices.append(req_index)

@@ -14,6 +14,7 @@ import time
 from collections import deque
 
 import msgspec
+import numpy as np
 import zmq
 
 from pipeline.common.config import EngineConfig
@@ -22,6 +23,7 @@ from pipeline.common.grammar import load_tokenizer
 from pipeline.common.messages import AbortRequest, AddRequest, GetStats, Shutdown, Stats, ToScheduler
 from pipeline.common.process import StopFlag, freeze_startup_heap, report
 from pipeline.common.shm_ring import RingTimeout, ShmRing
+from pipeline.common.step_clock import WORKER_STATS_LEN, CpuPerStep, worker_stats
 from pipeline.common.step_protocol import (
     MASK_BITS,
     MAX_INFLIGHT_STEPS,
@@ -78,6 +80,8 @@ class SchedulerProc:
         # predecessor's output arrived (it cannot run before): what the watchdog measures.
         self._oldest_since = 0.0
         self.trace = TraceRecorder() if config.trace else None
+        self._cpu = CpuPerStep()
+        self._worker_counts = np.zeros(WORKER_STATS_LEN, np.int64)  # as of the last output read
         self._decoder = msgspec.msgpack.Decoder(ToScheduler)
         self._encoder = msgspec.msgpack.Encoder()
         self._running = True
@@ -112,7 +116,7 @@ class SchedulerProc:
             if isinstance(msg, AddRequest):
                 self.scheduler.add_request(msg)
             elif isinstance(msg, AbortRequest):
-                self.scheduler.abort_request(msg.req_num)
+                self.scheduler.abort_request(msg.req_num, msg.finished_ns)
             elif isinstance(msg, GetStats):
                 self.replies.send(self._encoder.encode(self._stats(msg.nonce)))
             elif isinstance(msg, Shutdown):
@@ -126,7 +130,7 @@ class SchedulerProc:
         t0 = time.monotonic_ns()
         step_id = self.scheduler.next_step_id
         if not self.scheduler.schedule(desc):
-            return False  # slot stays acquired for the next try
+            return False  # entry stays acquired for the next try
         self.desc_ring.publish()
         if self.trace is not None:
             self.trace.add(self.config.scheduler_role, "plan", "plan", step_id, t0, time.monotonic_ns())
@@ -137,7 +141,7 @@ class SchedulerProc:
 
     def _await_output(self) -> None:
         try:
-            slot = self.out_ring.acquire_read(OUTPUT_READER_SCHEDULER, timeout=POLL_INTERVAL_S)
+            entry = self.out_ring.acquire_read(OUTPUT_READER_SCHEDULER, timeout=POLL_INTERVAL_S)
         except RingTimeout:
             waited = time.monotonic() - self._oldest_since
             if self.config.step_timeout_s and waited > self.config.step_timeout_s:
@@ -147,13 +151,15 @@ class SchedulerProc:
                 ) from None
             return
         t0 = time.monotonic_ns()
-        out = slot.read()
+        out = entry.read()
+        np.copyto(self._worker_counts, entry.worker_stats)
         self.out_ring.release_read(OUTPUT_READER_SCHEDULER)
         expected = self.inflight.popleft()
         if out.step_id != expected:
             raise RuntimeError(f"worker reported step {out.step_id}, expected {expected}")
         self._oldest_since = time.monotonic()
-        self.scheduler.process_output(out.step_id, out.req_nums, out.token_ids)
+        self.scheduler.process_output(out.step_id, out.req_nums, out.token_ids, out.time_ns)
+        self._cpu.step(out.continues)
         if self.trace is not None:
             self.trace.add(self.config.scheduler_role, "plan", "process_output", out.step_id, t0, time.monotonic_ns())
             self.trace.add_step_cpu(self.config.scheduler_role, out.step_id)
@@ -166,10 +172,17 @@ class SchedulerProc:
             num_waiting=len(s.waiting),
             num_free_blocks=s.pool.num_free_blocks,
             num_total_blocks=s.pool.num_blocks,
-            num_free_slots=s.pool.num_free_slots,
-            num_total_slots=s.pool.num_slots,
+            num_free_req_indices=s.pool.num_free_req_indices,
+            num_total_req_indices=s.pool.num_req_indices,
             num_steps=s.next_step_id,
             num_preemptions=s.num_preemptions,
+            queue_time=s.queue_time.data(),
+            prefill_time=s.prefill_time.data(),
+            decode_time=s.decode_time.data(),
+            inference_time=s.inference_time.data(),
+            iteration_tokens=s.iteration_tokens.data(),
+            step_cpu=self._cpu.histogram.data(1e-9),
+            worker=worker_stats(self._worker_counts),
         )
 
 

@@ -7,7 +7,7 @@ on the device from its token-id cache (docs/design.md, "The step protocol").
 Planning uses plain Python and numpy: no torch, no model code.
 
 Running requests that plainly decode (one token a step, no grammar) are
-*steady rows*: their counters live in per-slot numpy arrays and each step
+*steady rows*: their counters live in per-req_index numpy arrays and each step
 plans them all at once, so per-request Python work is left for the rows that
 change (a join, a prefill chunk, a finish, a new block); the rows' own
 counters are brought up to date only when they leave (docs/design.md, "The
@@ -27,6 +27,7 @@ counters, so they stay in one module, longer than most.
 from __future__ import annotations
 
 import logging
+import time
 from array import array
 from collections import deque
 
@@ -35,6 +36,7 @@ from msgspec.structs import replace
 
 from pipeline.common.constants import cdiv
 from pipeline.common.grammar import GrammarState
+from pipeline.common.histogram import ITERATION_TOKENS_BUCKETS, REQUEST_LATENCY_BUCKETS, Histogram
 from pipeline.common.messages import AddRequest, SamplingParams, check_finish, choice_seed
 from pipeline.common.step_protocol import (
     MAX_MASKED_ROWS,
@@ -47,8 +49,8 @@ from pipeline.scheduler_proc.kv_block_pool import BlockPool
 
 log = logging.getLogger(__name__)
 
-# Steps a steady row's tokens wait in the scheduler's per-slot buffer before
-# joining its request's list (int32: 512 KiB at 1024 slots).
+# Steps a steady row's tokens wait in the scheduler's per-req_index buffer before
+# joining its request's list (int32: 512 KiB at 1024 rows).
 _TOKEN_BUFFER = 128
 
 
@@ -61,6 +63,9 @@ class Request:
     as its prompt only the prefix its choices share, and samples nothing.
     ``grammar`` is the matcher of a structured-output request (None for
     others); it has consumed every token of ``output_token_ids``.
+    ``queued_ns``, ``scheduled_ns`` (first admission; 0 before) and
+    ``first_token_ns`` (0 before) are vLLM's request events on
+    ``time.monotonic_ns()`` (docs/design.md, "Metrics").
     """
 
     __slots__ = (
@@ -70,13 +75,16 @@ class Request:
         "params",
         "num_computed_tokens",
         "num_placeholders",
-        "slot",
+        "req_index",
         "block_ids",
         "last_step_id",
-        "is_new_in_slot",
+        "is_new",
         "choices",
         "parent",
         "grammar",
+        "queued_ns",
+        "scheduled_ns",
+        "first_token_ns",
     )
 
     def __init__(
@@ -90,15 +98,18 @@ class Request:
         self.params = params
         self.num_computed_tokens = 0
         self.num_placeholders = 0
-        self.slot = -1
+        self.req_index = -1
         self.block_ids: list[int] = []
         self.last_step_id = -1
-        self.is_new_in_slot = True
+        self.is_new = True
         # A shared prefill (n > 1) lists the choices it forks into once planned;
         # each of those names it until then (docs/design.md, "Parallel choices").
         self.choices: list[Request] | None = None
         self.parent: Request | None = None
         self.grammar = grammar
+        self.queued_ns = time.monotonic_ns()
+        self.scheduled_ns = 0
+        self.first_token_ns = 0
 
     @property
     def num_known_tokens(self) -> int:
@@ -124,7 +135,7 @@ class Scheduler:
     """Plans steps into StepDescriptor views and applies StepOutputs.
 
     Args:
-        max_num_seqs: requests per step at most; also the number of slots.
+        max_num_seqs: requests per step at most; also the number of req_indices.
         max_num_batched_tokens: tokens per step at most.
         block_size: tokens per KV block.
         num_kv_blocks: KV blocks in the cache.
@@ -163,12 +174,18 @@ class Scheduler:
         self.next_step_id = 0
         self.num_preemptions = 0
         self.num_steady_steps = 0  # steps that planned steady rows
+        # vLLM's request phases, seconds, observed as requests finish; tokens per step.
+        self.queue_time, self.prefill_time, self.decode_time, self.inference_time = (
+            Histogram(REQUEST_LATENCY_BUCKETS) for _ in range(4)
+        )
+        self.iteration_tokens = Histogram(ITERATION_TOKENS_BUCKETS)
+        self._output_ns = 0  # time_ns of the output being applied
         self._builder = DescriptorBuilder()
         self._grammar_tokenizer, self._mask_words = grammar_tokenizer, mask_words
         self._max_new_blocks = max_new_blocks_per_step(max_num_seqs, max_num_batched_tokens, block_size)
         self._last_output_step = -1
         self._finish_after: dict[int, list[Request]] = {}  # step id -> requests that end when it completes
-        # Steady rows, by slot: `_steady_slots` lists them in the order they
+        # Steady rows, by req_index: `_steady_indices` lists them in the order they
         # joined. For a steady row, `_pos` (its true num_computed_tokens),
         # `_remaining` (tokens it may still plan), `_unapplied` (tokens planned
         # since it joined, not yet added to its num_placeholders) and `_last`
@@ -179,12 +196,12 @@ class Scheduler:
         # the tokens it may still receive before `max_tokens` ends it,
         # `_stop` its stop token ids (-1 padded; none with ignore_eos),
         # `_last_token` its latest token, and `_req_num` its request number
-        # (-1 once the slot holds no steady row). Its newest tokens wait in
-        # `_tokens[slot, :_num_tokens[slot]]`, which is moved to the request's
+        # (-1 once the req_index holds no steady row). Its newest tokens wait in
+        # `_tokens[req_index, :_num_tokens[req_index]]`, which is moved to the request's
         # own list every _TOKEN_BUFFER steps and when it leaves: appending to
         # a thousand lists a step costs more than the rest of the step.
         self._steady_req: list[Request | None] = [None] * max_num_seqs
-        self._steady_slots = np.zeros(0, np.int64)
+        self._steady_indices = np.zeros(0, np.int64)
         (
             self._pos,
             self._remaining,
@@ -198,10 +215,10 @@ class Scheduler:
         self._req_num = np.full(max_num_seqs, -1, np.int64)
         self._stop = np.full((max_num_seqs, 1), -1, np.int64)
         self._tokens = np.zeros((max_num_seqs, _TOKEN_BUFFER), np.int32)
-        # Step id -> its steady rows, which lead its output: (slots, request numbers as an array and a list).
+        # Step id -> its steady rows, which lead its output: (req_indices, request numbers as an array and a list).
         self._steady_planned: dict[int, tuple[np.ndarray, np.ndarray, list[int]]] = {}
         self._others: list[Request] = []
-        self._num_admitted = 0  # admissions so far: `_admitted[slot]` orders running requests
+        self._num_admitted = 0  # admissions so far: `_admitted[req_index]` orders running requests
 
     # -- control ----------------------------------------------------------------
 
@@ -254,15 +271,18 @@ class Scheduler:
             raise ValueError("structured output needs a model with a tokenizer")
         return GrammarState(self._grammar_tokenizer, params.grammar, params.stop_token_ids)
 
-    def abort_request(self, req_num: int) -> None:
-        """Drop a request now; its blocks and slot return after its last step in flight.
+    def abort_request(self, req_num: int, finished_ns: int = 0) -> None:
+        """Drop a request now; its blocks and req_index return after its last step in flight.
 
         A choice still waiting for its shared prefill leaves it; the prefill
-        is dropped once no choice waits for it.
+        is dropped once no choice waits for it. ``finished_ns`` > 0 means the
+        request finished then (a stop string), and its phases are observed.
         """
         req = self.requests.get(req_num)
         if req is None:
             return
+        if finished_ns:
+            self._observe_finish(req, finished_ns)
         if req.parent is not None:
             prefill = req.parent
             prefill.choices.remove(req)
@@ -279,7 +299,7 @@ class Scheduler:
     # -- planning ---------------------------------------------------------------
 
     def schedule(self, desc: StepDescriptor) -> int:
-        """Plan the next step into the descriptor slot ``desc``.
+        """Plan the next step into the descriptor ring entry ``desc``.
 
         Returns:
             The number of requests planned; 0 means nothing could run now
@@ -296,7 +316,7 @@ class Scheduler:
         for req in list(self._others):
             if budget == 0 or len(rows) == max_rows:
                 break
-            if req.slot < 0:  # preempted earlier in this loop
+            if req.req_index < 0:  # preempted earlier in this loop
                 continue
             if req.num_computed_tokens < req.num_known_tokens:  # unfinished prefill
                 n = min(req.num_known_tokens - req.num_computed_tokens, budget)
@@ -316,6 +336,7 @@ class Scheduler:
             rows.append((req, n, sample))
             budget -= n
 
+        continues = len(steady) > 0 or len(rows) > 0
         while self.waiting and budget > 0 and len(rows) < max_rows:
             req = self.waiting[0]
             if req.num_placeholders:
@@ -323,7 +344,7 @@ class Scheduler:
             # A choice starts after its shared prefix, in blocks it inherited.
             start, inherited = req.num_computed_tokens, len(req.block_ids)
             n = min(req.num_known_tokens - start, budget)
-            if self.pool.num_free_slots == 0:
+            if self.pool.num_free_req_indices == 0:
                 break
             masked = req.grammar is not None and self._samples(req, start + n)
             if masked and num_masks == MAX_MASKED_ROWS:
@@ -334,12 +355,14 @@ class Scheduler:
                     self._unshare_waiting()  # waiting choices hold the blocks the head needs
                 break
             self.waiting.popleft()
-            req.slot = self.pool.allocate_slot()
-            req.is_new_in_slot = True
-            self._admitted[req.slot] = self._num_admitted
+            if not req.scheduled_ns:  # the first admission; a preempted request keeps it, as in vLLM
+                req.scheduled_ns = time.monotonic_ns()
+            req.req_index = self.pool.allocate_req_index()
+            req.is_new = True
+            self._admitted[req.req_index] = self._num_admitted
             self._num_admitted += 1
-            for i, b in enumerate(req.block_ids):  # the new slot's block-table row
-                self._builder.add_block(req.slot, i, b)
+            for i, b in enumerate(req.block_ids):  # the new req_index's block-table row
+                self._builder.add_block(req.req_index, i, b)
             self._grow_blocks(req, n)
             self.running.append(req)
             self._others.append(req)
@@ -349,7 +372,8 @@ class Scheduler:
 
         if not rows and not len(steady):
             return 0
-        self._write(desc, step_id, rows, steady)
+        self._write(desc, step_id, rows, steady, continues)
+        self.iteration_tokens.observe(len(steady) + sum(k for _, k, _ in rows))
         self.next_step_id += 1
         return len(rows) + len(steady)
 
@@ -364,7 +388,7 @@ class Scheduler:
         return end >= req.num_known_tokens and req.params.max_tokens > 0 and req.choices is None
 
     def _plan_steady(self) -> np.ndarray:
-        """Slots (int64 ``[D]``) of the steady rows that decode in the step being planned.
+        """Req indices (int64 ``[D]``) of the steady rows that decode in the step being planned.
 
         Allocates the blocks of those that cross into a new one. A steady row
         that has planned its last token sits out. Planning the steady rows
@@ -374,10 +398,10 @@ class Scheduler:
         general path would make rows wait or preempt), every steady row goes
         back to the general path first and none is returned.
         """
-        slots = self._steady_slots
-        if not len(slots):
-            return slots
-        active = slots[self._remaining[slots] > 0]
+        req_indices = self._steady_indices
+        if not len(req_indices):
+            return req_indices
+        active = req_indices[self._remaining[req_indices] > 0]
         crossing = active[self._pos[active] % self.block_size == 0]
         tokens = blocks = 0  # at most what the other running requests take
         for req in self._others:
@@ -385,14 +409,16 @@ class Scheduler:
             tokens += n
             blocks += max(0, cdiv(req.num_computed_tokens + n, self.block_size) - len(req.block_ids))
         others_after = (
-            not self._others or not len(active) or self._admitted[self._others[0].slot] > self._admitted[active].max()
+            not self._others
+            or not len(active)
+            or self._admitted[self._others[0].req_index] > self._admitted[active].max()
         )
         # Every active row was planned in the previous step, so they fit the budget by themselves.
         if len(crossing) + blocks > self.pool.num_free_blocks or (
             len(active) + tokens > self.max_num_batched_tokens and not others_after
         ):
             self._leave_steady()
-            return self._steady_slots
+            return self._steady_indices
         if len(crossing):
             new = self.pool.allocate_blocks(len(crossing))
             self._builder.add_blocks(crossing, self._pos[crossing] // self.block_size, np.asarray(new))
@@ -402,40 +428,40 @@ class Scheduler:
 
     def _join_steady(self, reqs: list[Request]) -> None:
         """``reqs`` (running, each just planned one sampled decode token, no grammar) become steady rows."""
-        slots = np.fromiter((r.slot for r in reqs), np.int64, len(reqs))
+        req_indices = np.fromiter((r.req_index for r in reqs), np.int64, len(reqs))
         for r in reqs:
-            self._steady_req[r.slot] = r
-        self._req_num[slots] = [r.req_num for r in reqs]
-        self._pos[slots] = [r.num_computed_tokens for r in reqs]
-        self._remaining[slots] = [r.params.max_tokens - r.num_outputs_planned for r in reqs]
-        self._unapplied[slots] = 0
-        self._num_tokens[slots] = 0
-        self._last[slots] = [r.last_step_id for r in reqs]
-        self._left[slots] = [r.params.max_tokens - len(r.output_token_ids) for r in reqs]
+            self._steady_req[r.req_index] = r
+        self._req_num[req_indices] = [r.req_num for r in reqs]
+        self._pos[req_indices] = [r.num_computed_tokens for r in reqs]
+        self._remaining[req_indices] = [r.params.max_tokens - r.num_outputs_planned for r in reqs]
+        self._unapplied[req_indices] = 0
+        self._num_tokens[req_indices] = 0
+        self._last[req_indices] = [r.last_step_id for r in reqs]
+        self._left[req_indices] = [r.params.max_tokens - len(r.output_token_ids) for r in reqs]
         for r in reqs:
             stop = () if r.params.ignore_eos else r.params.stop_token_ids
             if len(stop) > self._stop.shape[1]:
                 self._stop = np.pad(self._stop, ((0, 0), (0, len(stop) - self._stop.shape[1])), constant_values=-1)
-            self._stop[r.slot] = -1
-            self._stop[r.slot, : len(stop)] = stop
-        self._steady_slots = np.concatenate([self._steady_slots, slots])
-        self._others = [r for r in self._others if self._steady_req[r.slot] is not r]
+            self._stop[r.req_index] = -1
+            self._stop[r.req_index, : len(stop)] = stop
+        self._steady_indices = np.concatenate([self._steady_indices, req_indices])
+        self._others = [r for r in self._others if self._steady_req[r.req_index] is not r]
 
-    def _apply_steady(self, slot: int) -> None:
-        """Bring the steady row in ``slot`` up to date and make it an ordinary running request."""
-        req = self._steady_req[slot]
-        self._move_tokens(slot)
-        req.num_computed_tokens = int(self._pos[slot])
-        req.num_placeholders += int(self._unapplied[slot])
-        req.last_step_id = int(self._last[slot])
-        self._steady_req[slot] = None
-        self._req_num[slot] = -1
+    def _apply_steady(self, req_index: int) -> None:
+        """Bring the steady row in ``req_index`` up to date and make it an ordinary running request."""
+        req = self._steady_req[req_index]
+        self._move_tokens(req_index)
+        req.num_computed_tokens = int(self._pos[req_index])
+        req.num_placeholders += int(self._unapplied[req_index])
+        req.last_step_id = int(self._last[req_index])
+        self._steady_req[req_index] = None
+        self._req_num[req_index] = -1
 
     def _leave_steady(self) -> None:
         """Every steady row goes back to the general path (``_others``, in running order)."""
-        for s in self._steady_slots.tolist():
+        for s in self._steady_indices.tolist():
             self._apply_steady(s)
-        self._steady_slots = self._steady_slots[:0]
+        self._steady_indices = self._steady_indices[:0]
         self._others = list(self.running)
 
     def _grow_blocks(self, req: Request, n: int) -> bool:
@@ -456,13 +482,21 @@ class Scheduler:
             blocks = self.pool.allocate_blocks(need)
             req.block_ids.extend(blocks)
             for i, b in enumerate(blocks):
-                self._builder.add_block(req.slot, start + i, b)
+                self._builder.add_block(req.req_index, start + i, b)
         return True
 
     def _write(
-        self, desc: StepDescriptor, step_id: int, rows: list[tuple[Request, int, bool]], steady: np.ndarray
+        self,
+        desc: StepDescriptor,
+        step_id: int,
+        rows: list[tuple[Request, int, bool]],
+        steady: np.ndarray,
+        continues: bool,
     ) -> None:
-        """Write the step: the ``steady`` rows' decodes (slots, int64 ``[D]``), then ``rows``; update counters."""
+        """Write the step: the ``steady`` rows' decodes (req_indices, int64 ``[D]``), then ``rows``; update counters.
+
+        ``continues``: some row's request was running before (the descriptor's flag).
+        """
         b = self._builder
         for req, k, sample in rows:
             pos = req.num_computed_tokens
@@ -486,17 +520,17 @@ class Scheduler:
                 req.grammar.fill_mask(mask)
             b.add_row(
                 req.req_num,
-                req.slot,
+                req.req_index,
                 pos,
                 tokens,
                 sample,
-                req.params if req.is_new_in_slot else None,
+                req.params if req.is_new else None,
                 num_plp,
                 next_token,
                 len(req.prompt_token_ids),
                 mask,
             )
-            req.is_new_in_slot = False
+            req.is_new = False
             if req.params.max_tokens == 0 and pos + k >= req.num_known_tokens:
                 # Its last prompt log-probabilities come with this step's output: it ends then.
                 self._finish_after.setdefault(step_id, []).append(req)
@@ -521,7 +555,7 @@ class Scheduler:
             self._unapplied[steady] += 1
             self._last[steady] = step_id
             self.num_steady_steps += 1
-        b.write(desc, step_id, decode)
+        b.write(desc, step_id, decode, continues)
         # Grammar rows need their own token back before each step, which steady rows cannot wait for.
         joining = [req for req, k, sample in rows if k == 1 and sample and req.grammar is None]
         if joining:
@@ -554,11 +588,12 @@ class Scheduler:
 
     # -- outputs ----------------------------------------------------------------
 
-    def process_output(self, step_id: int, req_nums: list[int], token_ids: list[int]) -> list[int]:
+    def process_output(self, step_id: int, req_nums: list[int], token_ids: list[int], time_ns: int = 0) -> list[int]:
         """Apply StepOutput ``step_id``: append tokens, finish requests, release frees.
 
         A token for a request that finished or was aborted is the one wasted
-        token of a step already in flight: it is dropped.
+        token of a step already in flight: it is dropped. ``time_ns`` is the
+        output's engine timestamp (now if 0), which its tokens get.
 
         Returns:
             ``req_num`` of the requests that finished (stop token, length, or the
@@ -570,6 +605,7 @@ class Scheduler:
                 descriptor order).
         """
         finished: list[int] = []
+        self._output_ns = time_ns or time.monotonic_ns()
         rest = zip(req_nums, token_ids)
         planned = self._steady_planned.pop(step_id, None)
         if planned is not None:
@@ -579,7 +615,7 @@ class Scheduler:
             rest = zip(req_nums[d:], token_ids[d:])
             self._steady_output(*planned, token_ids[:d], finished)
         # Each steady row's buffer is emptied once every _TOKEN_BUFFER steps, never all at once.
-        for s in self._steady_slots[(self._steady_slots + step_id) % _TOKEN_BUFFER == 0].tolist():
+        for s in self._steady_indices[(self._steady_indices + step_id) % _TOKEN_BUFFER == 0].tolist():
             self._move_tokens(s)
         for r, t in rest:
             req = self.requests.get(r)
@@ -588,6 +624,7 @@ class Scheduler:
         for req in self._finish_after.pop(step_id, ()):
             if self.requests.get(req.req_num) is req:
                 finished.append(req.req_num)
+                self._observe_finish(req, self._output_ns)
                 self._remove(req)
         self.pool.step_completed(step_id)
         self._last_output_step = step_id
@@ -596,95 +633,110 @@ class Scheduler:
     def _apply_token(self, req: Request, t: int, finished: list[int]) -> None:
         """Append ``t`` to ``req`` through its own counters; remove it and list it in ``finished`` if it ends."""
         req.num_placeholders -= 1
-        if req.slot >= 0 and self._steady_req[req.slot] is req:  # a steady row's token from a general row
-            self._move_tokens(req.slot)  # older tokens first
-            self._left[req.slot] -= 1
-            self._last_token[req.slot] = t
+        if not req.output_token_ids and not req.first_token_ns:
+            req.first_token_ns = self._output_ns
+        if req.req_index >= 0 and self._steady_req[req.req_index] is req:  # a steady row's token from a general row
+            self._move_tokens(req.req_index)  # older tokens first
+            self._left[req.req_index] -= 1
+            self._last_token[req.req_index] = t
         req.output_token_ids.append(t)
         if req.grammar is not None and not req.grammar.accept(t):
             # The worker's mask forbids this; the matcher keeps its state and the request goes on.
             log.error("request %d: token %d is outside its grammar", req.req_num, t)
         if check_finish(t, len(req.output_token_ids), req.params) is not None:
             finished.append(req.req_num)
+            self._observe_finish(req, self._output_ns)
             self._remove(req)
 
-    def _move_tokens(self, slot: int) -> None:
-        """Append the tokens buffered for the steady row in ``slot`` to its request's own list."""
-        n = self._num_tokens[slot]
+    def _move_tokens(self, req_index: int) -> None:
+        """Append the tokens buffered for the steady row in ``req_index`` to its request's own list."""
+        n = self._num_tokens[req_index]
         if n:
-            self._steady_req[slot].output_token_ids.frombytes(self._tokens[slot, :n].tobytes())
-            self._num_tokens[slot] = 0
+            self._steady_req[req_index].output_token_ids.frombytes(self._tokens[req_index, :n].tobytes())
+            self._num_tokens[req_index] = 0
 
     def _steady_output(
-        self, slots: np.ndarray, nums: np.ndarray, num_list: list[int], tokens: list[int], finished: list[int]
+        self, req_indices: np.ndarray, nums: np.ndarray, num_list: list[int], tokens: list[int], finished: list[int]
     ) -> None:
-        """Apply the tokens of a step's steady rows (``slots``, ``nums``: int64 ``[D]``), vectorized.
+        """Apply the tokens of a step's steady rows (``req_indices``, ``nums``: int64 ``[D]``), vectorized.
 
         A row that has left the steady rows since it was planned goes through
         :meth:`_apply_token`, or is dropped if its request is gone. Requests
         that end are removed and listed in ``finished``.
         """
-        kept = self._req_num[slots] == nums
+        kept = self._req_num[req_indices] == nums
         if not kept.all():
             for i in np.flatnonzero(~kept).tolist():
                 req = self.requests.get(num_list[i])
                 if req is not None:
                     self._apply_token(req, tokens[i], finished)
             idx = np.flatnonzero(kept)
-            slots, tok, num_list = slots[idx], np.asarray(tokens)[idx], [num_list[i] for i in idx.tolist()]
+            req_indices, tok, num_list = req_indices[idx], np.asarray(tokens)[idx], [num_list[i] for i in idx.tolist()]
         else:
             tok = np.asarray(tokens)
-        self._tokens[slots, self._num_tokens[slots]] = tok
-        self._num_tokens[slots] += 1
-        self._last_token[slots] = tok
-        self._unapplied[slots] -= 1
-        self._left[slots] -= 1
-        ended = np.flatnonzero((self._left[slots] <= 0) | (self._stop[slots] == tok[:, None]).any(1))
+        self._tokens[req_indices, self._num_tokens[req_indices]] = tok
+        self._num_tokens[req_indices] += 1
+        self._last_token[req_indices] = tok
+        self._unapplied[req_indices] -= 1
+        self._left[req_indices] -= 1
+        ended = np.flatnonzero((self._left[req_indices] <= 0) | (self._stop[req_indices] == tok[:, None]).any(1))
         if len(ended):
             finished.extend(num_list[i] for i in ended.tolist())
-            self._remove_steady(slots[ended])
+            self._remove_steady(req_indices[ended])
 
-    def _remove_steady(self, slots: np.ndarray) -> None:
-        """:meth:`_remove` for the steady rows in ``slots`` (int64 ``[k]``), with one pass over the running list.
+    def _remove_steady(self, req_indices: np.ndarray) -> None:
+        """:meth:`_remove` for the steady rows in ``req_indices`` (int64 ``[k]``), with one pass over the running list.
 
         At batch 1024 a few dozen rows can end in one step; removing them one
         by one would scan the running list once for each.
         """
-        self._num_tokens[slots] = 0  # nobody reads an ended request's tokens
-        for s in slots.tolist():
+        self._num_tokens[req_indices] = 0  # nobody reads an ended request's tokens
+        for s in req_indices.tolist():
             req = self._steady_req[s]
+            self._observe_finish(req, self._output_ns)
             self._apply_steady(s)
             del self.requests[req.req_num]
             self.pool.free_after(req.last_step_id, req.block_ids, s)
-            req.block_ids, req.slot = [], -1
-        self.running = [r for r in self.running if r.slot >= 0]  # a running request has a slot
-        self._steady_slots = self._steady_slots[self._req_num[self._steady_slots] >= 0]
+            req.block_ids, req.req_index = [], -1
+        self.running = [r for r in self.running if r.req_index >= 0]  # a running request has a req_index
+        self._steady_indices = self._steady_indices[self._req_num[self._steady_indices] >= 0]
+
+    def _observe_finish(self, req: Request, end_ns: int) -> None:
+        """Observe the phases of ``req``, which finished at ``end_ns`` (vLLM's intervals:
+        queued -> first scheduled -> first token -> last token; docs/design.md, "Metrics")."""
+        if not req.scheduled_ns:
+            return
+        first = req.first_token_ns or end_ns  # a prefill-only request (max_tokens 0) ends at its last chunk
+        self.queue_time.observe((req.scheduled_ns - req.queued_ns) * 1e-9)
+        self.prefill_time.observe((first - req.scheduled_ns) * 1e-9)
+        self.decode_time.observe((end_ns - first) * 1e-9)
+        self.inference_time.observe((end_ns - req.scheduled_ns) * 1e-9)
 
     # -- internals --------------------------------------------------------------
 
     def _remove(self, req: Request) -> None:
         del self.requests[req.req_num]
-        if req.slot >= 0:
+        if req.req_index >= 0:
             self._leave_running(req)
         else:
             self.waiting.remove(req)
-        self.pool.free_after(req.last_step_id, req.block_ids, req.slot)
-        req.block_ids, req.slot = [], -1
+        self.pool.free_after(req.last_step_id, req.block_ids, req.req_index)
+        req.block_ids, req.req_index = [], -1
 
     def _leave_running(self, req: Request) -> None:
         """Take ``req`` (running) out of the running lists, steady or not, its counters up to date."""
         self.running.remove(req)
-        if self._steady_req[req.slot] is req:
-            self._apply_steady(req.slot)
-            self._steady_slots = self._steady_slots[self._steady_slots != req.slot]
+        if self._steady_req[req.req_index] is req:
+            self._apply_steady(req.req_index)
+            self._steady_indices = self._steady_indices[self._steady_indices != req.req_index]
         else:
             self._others.remove(req)
 
     def _preempt(self, req: Request) -> None:
         self._leave_running(req)
-        self.pool.free_after(req.last_step_id, req.block_ids, req.slot)
-        req.block_ids, req.slot = [], -1
+        self.pool.free_after(req.last_step_id, req.block_ids, req.req_index)
+        req.block_ids, req.req_index = [], -1
         req.num_computed_tokens = 0
-        req.is_new_in_slot = True
+        req.is_new = True
         self.waiting.appendleft(req)
         self.num_preemptions += 1

@@ -197,7 +197,7 @@ def test_bad_json_and_unknown_model(smol_async):
         client.completions.create(model=smol_async.model, prompt="hi", temperature=5)
     m = smol_async.wait_idle()
     assert m["pipeline_kv_blocks_free"] == m["pipeline_kv_blocks_total"]
-    assert m["pipeline_slots_free"] == m["pipeline_slots_total"]
+    assert m["pipeline_req_indices_free"] == m["pipeline_req_indices_total"]
 
 
 def test_extreme_but_valid_sampling_values_are_served(smol_async):

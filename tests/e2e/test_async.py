@@ -5,7 +5,7 @@ token depends on the whole chain before it) runs with a 32-token step
 budget (chunked prefill forced) and the token-cache poison mode on; the
 async one must give the lock-step one's tokens exactly, including with
 max_tokens=1 requests and requests aborted mid-generation, and both must
-end with every KV block and slot free. A sampled variant (temperature 1,
+end with every KV block and req_index free. A sampled variant (temperature 1,
 top-p 0.9, seeded) checks the same on the tiny Llama. Requests with
 ``logprobs`` and ``echo`` (prompt log-probabilities across prefill chunks,
 ``max_tokens`` 0 among them) must give the lock-step server's values too,
@@ -99,7 +99,7 @@ def test_async_equals_lockstep(request, model, concurrency):
     for srv in (tiny_async, tiny_sync):
         m = srv.wait_idle()
         assert m["pipeline_kv_blocks_free"] == m["pipeline_kv_blocks_total"], m
-        assert m["pipeline_slots_free"] == m["pipeline_slots_total"], m
+        assert m["pipeline_req_indices_free"] == m["pipeline_req_indices_total"], m
 
 
 @pytest.mark.parametrize("concurrency", [1, 16])
@@ -125,7 +125,7 @@ def test_sampled_async_equals_lockstep(tiny_async, tiny_sync, concurrency):
     for srv in (tiny_async, tiny_sync):
         m = srv.wait_idle()
         assert m["pipeline_kv_blocks_free"] == m["pipeline_kv_blocks_total"], m
-        assert m["pipeline_slots_free"] == m["pipeline_slots_total"], m
+        assert m["pipeline_req_indices_free"] == m["pipeline_req_indices_total"], m
 
 
 PENALTIES = [
@@ -153,7 +153,7 @@ def test_penalized_async_equals_lockstep(tiny_async, tiny_sync):
     assert any(x != p for job, x, p in zip(jobs, s, plain) if "sampling" in job)
     for srv in (tiny_async, tiny_sync):
         m = srv.wait_idle()
-        assert m["pipeline_slots_free"] == m["pipeline_slots_total"], m
+        assert m["pipeline_req_indices_free"] == m["pipeline_req_indices_total"], m
 
 
 @pytest.mark.parametrize("model", ["tiny", "sim"])
@@ -182,7 +182,7 @@ def test_logprobs_async_equal_lockstep(request, model):
     for srv in (srv_async, srv_sync):
         m = srv.wait_idle()
         assert m["pipeline_kv_blocks_free"] == m["pipeline_kv_blocks_total"], m
-        assert m["pipeline_slots_free"] == m["pipeline_slots_total"], m
+        assert m["pipeline_req_indices_free"] == m["pipeline_req_indices_total"], m
 
 
 def assert_same_logprobs(x: tuple, y: tuple, tol: float = 1e-4) -> None:
@@ -281,4 +281,4 @@ def test_seeded_choices_async_equal_lockstep(tiny_async, tiny_sync):
     for srv in (tiny_async, tiny_sync):
         m = srv.wait_idle()
         assert m["pipeline_kv_blocks_free"] == m["pipeline_kv_blocks_total"], m
-        assert m["pipeline_slots_free"] == m["pipeline_slots_total"], m
+        assert m["pipeline_req_indices_free"] == m["pipeline_req_indices_total"], m

@@ -116,4 +116,7 @@ def test_batch_1024_async_equals_lockstep_with_joins_and_aborts():
         )
     for st in (a_stats, s_stats):
         assert st["num_running"] == st["num_waiting"] == 0
-        assert st["num_free_blocks"] == st["num_total_blocks"] and st["num_free_slots"] == st["num_total_slots"]
+        assert (
+            st["num_free_blocks"] == st["num_total_blocks"]
+            and st["num_free_req_indices"] == st["num_total_req_indices"]
+        )

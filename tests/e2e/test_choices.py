@@ -34,7 +34,7 @@ def test_greedy_choices_are_identical_and_equal_n1(tiny_async):
     assert three["usage"]["completion_tokens"] == 3 * 8
     m = tiny_async.wait_idle()
     assert m["pipeline_kv_blocks_free"] == m["pipeline_kv_blocks_total"], m
-    assert m["pipeline_slots_free"] == m["pipeline_slots_total"], m
+    assert m["pipeline_req_indices_free"] == m["pipeline_req_indices_total"], m
 
 
 def test_seeded_choice_i_equals_a_request_with_seed_plus_i(tiny_async):
@@ -99,7 +99,7 @@ def test_aborted_stream_of_choices_frees_everything(tiny_async):
     m = tiny_async.wait_idle()
     assert m["pipeline_num_requests_running"] == 0 and m["pipeline_num_requests_waiting"] == 0, m
     assert m["pipeline_kv_blocks_free"] == m["pipeline_kv_blocks_total"], m
-    assert m["pipeline_slots_free"] == m["pipeline_slots_total"], m
+    assert m["pipeline_req_indices_free"] == m["pipeline_req_indices_total"], m
 
 
 def test_bad_n_and_best_of_are_400(tiny_async):

@@ -3,7 +3,7 @@
 64 concurrent greedy requests on the tiny Llama (chunked prefill, poison
 mode, some aborted mid-stream) must give the single-engine server's tokens,
 both engines must have run steps, and each must end with every KV block and
-slot free. The death of one engine's scheduler stops the server, naming it.
+req_index free. The death of one engine's scheduler stops the server, naming it.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def test_dp2_equals_one_engine_and_spreads_the_load(tiny_dir, tiny_async):
             label = f'{{engine="{e}"}}'
             assert m[f"pipeline_engine_num_steps_total{label}"] > 0, m  # both engines served some
             assert m[f"pipeline_engine_kv_blocks_free{label}"] == m[f"pipeline_engine_kv_blocks_total{label}"], m
-            assert m[f"pipeline_engine_slots_free{label}"] == m[f"pipeline_engine_slots_total{label}"], m
+            assert m[f"pipeline_engine_req_indices_free{label}"] == m[f"pipeline_engine_req_indices_total{label}"], m
         per_engine_blocks = m['pipeline_engine_kv_blocks_total{engine="0"}']
         assert m["pipeline_kv_blocks_total"] == 2 * per_engine_blocks
     finally:
@@ -42,7 +42,7 @@ def test_a_dying_engine_stops_the_server():
     scheduler1 = next(p for p in srv.children if b"pipeline-scheduler-dp1" in open(f"/proc/{p}/cmdline", "rb").read())
     os.kill(scheduler1, signal.SIGKILL)
     code = srv.proc.wait(30)
-    out = srv.proc.stdout.read()
+    out = srv.output()
     assert code != 0
     assert "scheduler-dp1 was killed by signal SIGKILL" in out, out
     assert wait_gone(srv.children) == []

@@ -59,7 +59,7 @@ def check_against_hf(server, model_dir):
         assert_same_greedy(str(model_dir), p, o, hf_greedy(str(model_dir), p, NEW_TOKENS))
     m = server.wait_idle()
     assert m["pipeline_kv_blocks_free"] == m["pipeline_kv_blocks_total"]
-    assert m["pipeline_slots_free"] == m["pipeline_slots_total"]
+    assert m["pipeline_req_indices_free"] == m["pipeline_req_indices_total"]
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])

@@ -362,7 +362,7 @@ def test_disconnect_storm_leaves_quiet_logs_and_no_requests(guarded):
     with ThreadPoolExecutor(64) as pool:
         list(pool.map(one, range(600)))
     m = guarded.wait_idle()
-    assert m["pipeline_num_requests_running"] == 0 and m["pipeline_slots_free"] == m["pipeline_slots_total"]
+    assert m["pipeline_num_requests_running"] == 0 and m["pipeline_req_indices_free"] == m["pipeline_req_indices_total"]
     guarded.log.seek(start)
     log = guarded.log.read()
     assert "socket.send() raised exception" not in log, log[-2000:]

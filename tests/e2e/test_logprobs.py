@@ -141,7 +141,7 @@ def test_echo_with_max_tokens_0_and_1(sim_async):
     body = post(sim_async, "/v1/completions", {"prompt": "Hello there", "max_tokens": 0, "echo": True})
     assert body["choices"][0]["text"] == "Hello there" and body["choices"][0]["logprobs"] is None
     m = sim_async.wait_idle()
-    assert m["pipeline_slots_free"] == m["pipeline_slots_total"]
+    assert m["pipeline_req_indices_free"] == m["pipeline_req_indices_total"]
 
 
 def test_prompt_lists_give_one_choice_each(sim_async):

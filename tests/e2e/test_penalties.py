@@ -6,6 +6,9 @@ plain output of the same prompt.
 
 from __future__ import annotations
 
+import json
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import pytest
 
@@ -52,6 +55,8 @@ def test_logit_bias_steers_greedy(tiny_async):
         ("presence_penalty", 3),
         ("frequency_penalty", -2.5),
         ("repetition_penalty", 0),
+        ("repetition_penalty", 1e-38),
+        ("repetition_penalty", 101),
         ("min_p", 1.5),
         ("min_tokens", -1),
         ("min_tokens", 9),
@@ -76,3 +81,83 @@ def test_bad_values_are_400_naming_the_field(tiny_async, field, value):
         assert r.status_code == 400, (path, r.text)
         err = r.json()["error"]
         assert err["type"] == "invalid_request_error" and err["param"] == field, err
+
+
+def _stream_text(srv, body: dict) -> tuple[str, str, int]:
+    """A streamed completion's text, finish reason and completion tokens."""
+    text, finish, usage = [], None, None
+    with httpx.stream(
+        "POST",
+        f"{srv.url}/v1/completions",
+        timeout=60,
+        json={**body, "stream": True, "stream_options": {"include_usage": True}},
+    ) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for c in chunk["choices"]:
+                text.append(c["text"])
+                finish = c["finish_reason"] or finish
+            usage = chunk.get("usage") or usage
+    return "".join(text), finish, usage["completion_tokens"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_min_tokens_holds_off_stop_strings(sim_async, smol_dir, stream):
+    """A one-character stop string completed before min_tokens output tokens is ignored (vLLM's rule)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smol_dir)
+    body = {"model": sim_async.model, "prompt": PROMPT, "max_tokens": 40, "ignore_eos": True}
+    plain = httpx.post(f"{sim_async.url}/v1/completions", json={**body, "return_token_ids": True}, timeout=60).json()
+    ids, full = plain["choices"][0]["token_ids"], plain["choices"][0]["text"]
+    stop = " "  # the simulated device's words mostly start with one
+    early = full.find(stop)
+    assert 0 <= early < len(tok.decode(ids[:3])), "the stop string must occur in the first tokens"
+    for min_tokens in (0, 16):
+        start = len(tok.decode(ids[:min_tokens]))
+        cut = full.find(stop, start)
+        assert cut >= 0
+        want_tokens = next(k for k in range(1, len(ids) + 1) if len(tok.decode(ids[:k])) > cut)
+        req = {**body, "stop": [stop], "min_tokens": min_tokens}
+        if stream:
+            got = _stream_text(sim_async, req)
+        else:
+            r = httpx.post(f"{sim_async.url}/v1/completions", json=req, timeout=60).json()
+            got = r["choices"][0]["text"], r["choices"][0]["finish_reason"], r["usage"]["completion_tokens"]
+        assert got == (full[:cut], "stop", want_tokens)
+        assert want_tokens > min_tokens
+
+
+def test_extreme_sampling_values_beside_a_request_leave_its_output_and_the_server_alone(tiny_async):
+    """The request that once stopped the server (a 400 now) and the extremes the edge accepts, sent at once."""
+    solo = complete(tiny_async, max_tokens=12, ignore_eos=True)["choices"][0]["token_ids"]
+    crash = {"temperature": 1, "top_p": 0.9, "repetition_penalty": 1e-38}
+    extremes = [
+        {"temperature": 1, "top_p": 1e-6, "repetition_penalty": 0.01, "presence_penalty": 2, "seed": 1},
+        {"temperature": 2, "top_k": 1, "min_p": 1, "repetition_penalty": 100, "frequency_penalty": -2, "seed": 2},
+        {"temperature": 1e-7, "logit_bias": {"5": 100, "6": 100, "7": -100}, "min_tokens": 3, "seed": 3},
+        {"temperature": 0.01, "top_p": 0.5, "min_p": 0.999, "top_k": 2**40, "seed": 4},
+    ]
+
+    def post(body):
+        return httpx.post(
+            f"{tiny_async.url}/v1/completions",
+            timeout=180,
+            json={"model": tiny_async.model, "prompt": PROMPT, "max_tokens": 12, "return_token_ids": True, **body},
+        )
+
+    with ThreadPoolExecutor(len(extremes) + 2) as pool:
+        bad = pool.submit(post, crash)
+        odd = [pool.submit(post, body) for body in extremes]
+        plain = pool.submit(post, {"temperature": 0, "ignore_eos": True})
+        assert bad.result().status_code == 400 and bad.result().json()["error"]["param"] == "repetition_penalty"
+        for f in odd:
+            r = f.result()
+            assert r.status_code == 200, r.text
+            assert len(r.json()["choices"][0]["token_ids"]) >= 1
+        assert plain.result().json()["choices"][0]["token_ids"] == solo
+    assert httpx.get(f"{tiny_async.url}/health", timeout=10).status_code == 200
+    assert complete(tiny_async, max_tokens=12, ignore_eos=True)["choices"][0]["token_ids"] == solo

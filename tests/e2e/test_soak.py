@@ -1,6 +1,6 @@
 """Soak on the simulated device (issue 10): many requests with random aborts and disconnects.
 
-After the soak nothing runs, every block and slot is free, io_proc's RSS is
+After the soak nothing runs, every block and req_index is free, io_proc's RSS is
 within 5 % of its value after warm-up, and no process holds more file
 descriptors than then. ``PIPELINE_SOAK_REQUESTS`` (default 1,500) and
 ``PIPELINE_SOAK_CONCURRENCY`` (default 128) size it; the issue's full soak is
@@ -87,7 +87,7 @@ def test_soak_leaves_no_trace():
         m = srv.wait_idle()
         assert m["pipeline_num_requests_running"] == 0 and m["pipeline_num_requests_waiting"] == 0, m
         assert m["pipeline_kv_blocks_free"] == m["pipeline_kv_blocks_total"], m
-        assert m["pipeline_slots_free"] == m["pipeline_slots_total"], m
+        assert m["pipeline_req_indices_free"] == m["pipeline_req_indices_total"], m
         deadline = time.monotonic() + 10  # connections the clients dropped are closed within a poll or two
         while any(fds(p) > fds0[p] for p in srv.children) and time.monotonic() < deadline:
             time.sleep(0.2)

@@ -1,6 +1,9 @@
-"""``/tokenize`` and ``/detokenize`` as vLLM shapes them, and ``--api-key``, on the simulated device."""
+"""`/tokenize`, `/detokenize`, `--api-key` and kept-alive round trips, on the simulated device."""
 
 from __future__ import annotations
+
+import statistics
+import time
 
 import httpx
 import openai
@@ -83,3 +86,23 @@ def test_bad_tokenize_input_is_400_naming_the_field(sim_async, path, body, param
     r = httpx.post(f"{sim_async.url}{path}", json=body, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_kept_alive_round_trips_do_not_wait_for_delayed_acks(sim_async):
+    """Accepted connections set TCP_NODELAY: without it a response's headers and body leave in two
+    segments, and the second waits for the client's delayed ACK (~40 ms on Linux) on a kept-alive
+    connection, as the openai client keeps them."""
+    body = {"model": sim_async.model, "prompt": "hello", "max_tokens": 1}
+    with httpx.Client(base_url=sim_async.url, timeout=30) as client:
+        times = {"health": [], "completion": []}
+        for _ in range(12):
+            for name, call in (
+                ("health", lambda: client.get("/health")),
+                ("completion", lambda: client.post("/v1/completions", json=body)),
+            ):
+                t0 = time.perf_counter()
+                r = call()
+                times[name].append(time.perf_counter() - t0)
+                assert r.status_code == 200, r.text
+    for name, ts in times.items():
+        assert statistics.median(ts[2:]) < 0.010, (name, [round(t * 1000, 1) for t in ts])

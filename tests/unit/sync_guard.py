@@ -18,7 +18,7 @@ host wait for a stream:
 * ``synchronize`` on an event or stream of :class:`FakeAsyncOps`.
 
 Which tensors are on the device: the roots given to :meth:`SyncGuard.mark_device`
-(model weights, KV cache, the runner's slot state), anything a factory call
+(model weights, KV cache, the runner's input batch), anything a factory call
 makes with an explicit ``device=``, anything uploaded through
 :class:`FakeAsyncOps`, and every output of an op that reads a device tensor.
 "Pinned" host tensors are the staging buffers :class:`FakeAsyncOps` hands out

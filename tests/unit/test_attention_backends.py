@@ -3,7 +3,7 @@
 Random steps mix decode rows and prefill chunks of varied contexts, with
 varied block sizes, GQA ratios and head sizes, over shuffled (non-contiguous)
 block tables whose unused entries hold garbage, read on the device through
-each request's slot as the worker does (docs/design.md, "The worker"). Each case runs through the
+each request's req_index as the worker does (docs/design.md, "The worker"). Each case runs through the
 backend's own cache writes: earlier steps prefill every request's history, a
 few requests at a time, then comes the mixed step under test; every step's
 output is compared with a float64 reference, to 1e-5 in float32. Since the
@@ -119,7 +119,7 @@ class Case:
         table = torch.full((n, max(need) + 3), -1, dtype=torch.int64)
         for i, nb in enumerate(need):
             table[i, :nb] = torch.tensor([pool.pop() for _ in range(nb)])
-        # Request i's row is slot i; a step's rows are any subset, in any order.
+        # Request i's row is req_index i; a step's rows are any subset, in any order.
         self.block_table = table.to(setup.device)
         self.rng = rng
         num_slots = (sum(need) + 7) * block_size

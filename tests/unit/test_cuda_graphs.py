@@ -108,7 +108,7 @@ def make_runner(model_dir, attention_backend: str, sizes=None, device: str = "cp
 def decode_script(params: SamplingParams):
     """Prompts of varied lengths, then decode steps whose batch shrinks and grows, and one mixed step.
 
-    Yields lists of rows ``(slot, start, token ids, sampled, params or None)``;
+    Yields lists of rows ``(req_index, start, token ids, sampled, params or None)``;
     every decode input is a placeholder for the previous step's token.
     """
     rng = np.random.default_rng(1)
@@ -186,13 +186,13 @@ def test_padding_rows_write_only_the_padding_block(tiny_dir):
 
     pad = runner.config.num_kv_blocks
     assert pad == runner.executor.kv_caches[0][0].shape[0] // BLOCK - PAD_BLOCKS
-    # Real rows: their slot, position and context; padding rows: slot -1, position 0, one token of context.
+    # Real rows: their req_index, position and context; padding rows: req_index -1, position 0, one token of context.
     assert graphs.rows[:, :8].tolist() == [
         [0, 3, 6, -1, -1, -1, -1, -1],
         [5, 2, 1, 0, 0, 0, 0, 0],
         [6, 3, 2, 1, 1, 1, 1, 1],
     ]
-    table = runner.slots.block_table
+    table = runner.input_batch.block_table
     real = [int(table[s, p // BLOCK]) * BLOCK + p % BLOCK for s, p in ((0, 5), (3, 2), (6, 1))]
     assert graphs.slot_mapping[:8].tolist() == real + [pad * BLOCK] * 5
     for (k0, v0), (k1, v1) in zip(before, runner.executor.kv_caches):
@@ -213,8 +213,8 @@ def test_steps_that_do_not_fit_run_eagerly(tiny_dir):
 
     def meta(rows):
         x = steps.make(rows)
-        layout = StepLayout.build(x.query_lens, x.start_pos, x.slot, BLOCK, runner.config.max_blocks_per_seq)
-        return backend.build_metadata(layout, runner.slots.block_table, runner.ops.upload)
+        layout = StepLayout.build(x.query_lens, x.start_pos, x.req_index, BLOCK, runner.config.max_blocks_per_seq)
+        return backend.build_metadata(layout, runner.input_batch.block_table, runner.ops.upload)
 
     assert isinstance(meta([(0, 2, [PH], True, None), (1, 2, [PH], True, None)]), GraphStep)
     assert not isinstance(meta([(s, 2, [PH], True, None) for s in range(3)]), GraphStep)  # 3 rows > 2
@@ -227,7 +227,7 @@ def test_a_cache_without_the_padding_block_is_refused(tiny_dir):
         DecodeGraphs(
             runner.executor.model,
             runner.executor.kv_caches,
-            runner.slots.block_table,
+            runner.input_batch.block_table,
             [1],
             BLOCK,
             pad_block=runner.config.num_kv_blocks + 1,

@@ -23,7 +23,7 @@ FIELDS = [("header", np.int64, 8), ("flag", np.uint8, 3), ("data", np.int32, 64)
     ids=["mixed", "one-byte", "odd-sizes", "step-descriptor", "step-output"],
 )
 def test_offsets_aligned_and_fields_do_not_overlap(layout):
-    """Every field starts on a 64-byte boundary, fits before the next one, and the slot is a multiple of 64."""
+    """Every field starts on a 64-byte boundary, fits before the next one, and the entry is a multiple of 64."""
     assert layout.nbytes % 64 == 0 and layout.nbytes >= 64
     assert len(layout.offsets) == len(layout.fields)
     ends = [off + dt.itemsize * n for (_, dt, n), off in zip(layout.fields, layout.offsets)]
@@ -53,7 +53,7 @@ def test_views_alias_the_buffer():
     """A write through a view lands at the field's offset in the buffer, and a write to the buffer shows in the view."""
     layout = Layout.of(FIELDS)
     buf = bytearray(layout.nbytes * 2)
-    base = layout.nbytes  # the second slot
+    base = layout.nbytes  # the second entry
     v = layout.views(buf, base)
     assert {k: (a.dtype, a.shape) for k, a in v.items()} == {
         "header": (np.dtype(np.int64), (8,)),
@@ -73,24 +73,24 @@ def test_views_alias_the_buffer():
     assert raw[base + off["header"] + 24 : base + off["header"] + 32] == np.int64(-(2**40) + 5).tobytes()
     assert raw[base + off["flag"] + 2] == 0xAB
     assert raw[base + off["x"] + 64 : base + off["x"] + 68] == np.float32(1.5).tobytes()
-    assert not any(raw[:base]), "the first slot was written"
+    assert not any(raw[:base]), "the first entry was written"
 
     # And the other way: bytes written into the buffer appear in the views.
     buf[base + off["header"] : base + off["header"] + 8] = np.int64(123456789).tobytes()
     assert v["header"][0] == 123456789
-    # A second set of views over the same slot sees the same memory.
+    # A second set of views over the same entry sees the same memory.
     assert np.array_equal(layout.views(buf, base)["data"], v["data"])
 
 
-def test_views_of_different_slots_are_disjoint():
-    """Views of different slots of one buffer are disjoint."""
+def test_views_of_different_entries_are_disjoint():
+    """Views of different entries of one buffer are disjoint."""
     layout = Layout.of([("a", np.int64, 3), ("b", np.int16, 40)])
     buf = bytearray(layout.nbytes * 3)
-    slots = [layout.views(buf, i * layout.nbytes) for i in range(3)]
-    for i, s in enumerate(slots):
+    entries = [layout.views(buf, i * layout.nbytes) for i in range(3)]
+    for i, s in enumerate(entries):
         s["a"][:] = i + 1
         s["b"][:] = -(i + 1)
-    for i, s in enumerate(slots):
+    for i, s in enumerate(entries):
         assert (s["a"] == i + 1).all() and (s["b"] == -(i + 1)).all()
 
 
@@ -105,7 +105,7 @@ def test_negative_length_raises():
 
 
 def test_zero_length_fields():
-    """A zero-length field takes no space, gives an empty view, and an all-empty layout still has a 64-byte slot."""
+    """A zero-length field takes no space, gives an empty view, and an all-empty layout still has a 64-byte entry."""
     layout = Layout.of([("a", np.int32, 0), ("b", np.int64, 2), ("c", np.uint8, 0), ("d", np.int16, 1)])
     assert layout.offsets == (0, 0, 64, 64)
     assert layout.nbytes == 128
@@ -119,7 +119,7 @@ def test_zero_length_fields():
     assert empty.nbytes == 64 and empty.offsets == (0,)
     assert Layout.of([]).nbytes == 64
 
-    # A trailing zero-length field starts at the very end of the slot; its view is still valid (and empty).
+    # A trailing zero-length field starts at the very end of the entry; its view is still valid (and empty).
     trailing = Layout.of([("a", np.int64, 8), ("z", np.int32, 0)])
     assert trailing.offsets == (0, 64) and trailing.nbytes == 64
     buf = bytearray(trailing.nbytes * 2)

@@ -100,19 +100,19 @@ class Steps:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.layout = config.descriptor_layout
-        self.blocks = {}  # slot -> blocks allocated
+        self.blocks = {}  # req_index -> blocks allocated
         self.step_id = 0
 
     def make(self, rows):
-        """``rows``: ``(slot, start_pos, token_ids, do_sample, new_params or None)``; req_num = slot."""
+        """``rows``: ``(req_index, start_pos, token_ids, do_sample, new_params or None)``; req_num = req_index."""
         b = DescriptorBuilder()
-        per_slot = cdiv(self.config.max_model_len, BLOCK)
-        for slot, start, ids, do_sample, params in rows:
-            b.add_row(slot, slot, start, ids, do_sample, params)
-            have = self.blocks.get(slot, 0)
+        per_row = cdiv(self.config.max_model_len, BLOCK)
+        for req_index, start, ids, do_sample, params in rows:
+            b.add_row(req_index, req_index, start, ids, do_sample, params)
+            have = self.blocks.get(req_index, 0)
             for i in range(have, cdiv(start + len(ids), BLOCK)):
-                b.add_block(slot, i, slot * per_slot + i)
-            self.blocks[slot] = max(have, cdiv(start + len(ids), BLOCK))
+                b.add_block(req_index, i, req_index * per_row + i)
+            self.blocks[req_index] = max(have, cdiv(start + len(ids), BLOCK))
         desc = StepDescriptor(self.layout.views(bytearray(self.layout.nbytes)))
         b.write(desc, self.step_id)
         self.step_id += 1
@@ -219,7 +219,7 @@ def test_stale_placeholder_is_reported_by_finish_not_launch(guard):
     steps = Steps(runner.config)
     with guard:
         first = runner.launch(steps.make([(0, 0, [1, 2, 3], True, GREEDY), (1, 0, [4, 5], True, GREEDY)]), 0)
-        # Slot 1's token is consumed (and not replaced: nothing sampled), then read again.
+        # Req_index 1's token is consumed (and not replaced: nothing sampled), then read again.
         second = runner.launch(steps.make([(1, 2, [PLACEHOLDER_TOKEN_ID], False, None)]), 0)
         third = runner.launch(
             steps.make([(0, 3, [PLACEHOLDER_TOKEN_ID], True, None), (1, 3, [PLACEHOLDER_TOKEN_ID], True, None)]), 0
@@ -228,7 +228,7 @@ def test_stale_placeholder_is_reported_by_finish_not_launch(guard):
     with guard.paused():
         runner.finish(first)
         runner.finish(second)
-        with pytest.raises(StaleTokenError, match=r"step 2: placeholder for slots \[1\]"):
+        with pytest.raises(StaleTokenError, match=r"step 2: placeholder for req_indices \[1\]"):
             runner.finish(third)
 
 

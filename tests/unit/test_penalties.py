@@ -112,7 +112,7 @@ def test_each_penalty_equals_its_reference():
     )
     inputs = PenaltyInputs(
         rows=torch.arange(n),
-        slots=torch.arange(n),
+        req_indices=torch.arange(n),
         use_bias=True,
         use_penalties=True,
         min_tokens_rows=torch.tensor(stop_rows),
@@ -205,7 +205,7 @@ def config() -> EngineConfig:
 
 def script(params: SamplingParams):
     """B (unpenalized) runs; A (penalized) joins it, prefilled in chunks of 4; both decode with placeholders.
-    Rows: ``(slot, start, ids, do_sample, new_params, prompt_len)``."""
+    Rows: ``(req_index, start, ids, do_sample, new_params, prompt_len)``."""
     a, ph = PROMPT_A, PLACEHOLDER_TOKEN_ID
     yield [(1, 0, PROMPT_B, True, PLAIN, len(PROMPT_B))]
     yield [(1, 5, [ph], True, None, 0), (0, 0, a[0:4], False, params, len(a))]
@@ -216,9 +216,9 @@ def script(params: SamplingParams):
 
 
 def run(runner: ModelRunner, params: SamplingParams, launch, finish) -> dict[int, list[tuple[int, float]]]:
-    """Each step launched before the previous one is finished; ``{slot: [(token, logprob)]}``."""
+    """Each step launched before the previous one is finished; ``{req_index: [(token, logprob)]}``."""
     cfg, out, pending = runner.config, {0: [], 1: []}, None
-    per_slot = cdiv(cfg.max_model_len, BLOCK)
+    per_row = cdiv(cfg.max_model_len, BLOCK)
 
     def collect(step):
         step = finish(step)
@@ -227,10 +227,10 @@ def run(runner: ModelRunner, params: SamplingParams, launch, finish) -> dict[int
 
     for i, rows in enumerate(script(params)):
         b = DescriptorBuilder()
-        for slot, start, ids, do_sample, new, prompt_len in rows:
-            b.add_row(slot, slot, start, ids, do_sample, new, prompt_len=prompt_len)
+        for req_index, start, ids, do_sample, new, prompt_len in rows:
+            b.add_row(req_index, req_index, start, ids, do_sample, new, prompt_len=prompt_len)
             for k in range(cdiv(start, BLOCK), cdiv(start + len(ids), BLOCK)):
-                b.add_block(slot, k, slot * per_slot + k)
+                b.add_block(req_index, k, req_index * per_row + k)
         desc = StepDescriptor(cfg.descriptor_layout.views(bytearray(cfg.descriptor_layout.nbytes)))
         b.write(desc, i)
         step = launch(read_descriptor(desc))

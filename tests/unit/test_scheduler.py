@@ -1,7 +1,7 @@
 """The scheduler against a reference executor that checks the step protocol.
 
 The executor below plays the worker's part in one process: it keeps a
-token-id cache and block table per slot, resolves placeholders, and
+token-id cache and block table per req_index, resolves placeholders, and
 "samples" token ``f(request, position)``, so every request has one correct
 output sequence. It asserts what a real device would silently get wrong: a
 placeholder resolving to another request's or a consumed token, a block
@@ -34,18 +34,18 @@ def sampled_token(req_num: int, pos: int) -> int:
 class ReferenceExecutor:
     """Executes descriptors like the worker does, with checks instead of a model."""
 
-    def __init__(self, num_slots: int, num_blocks: int, prefill_of: dict[int, int] | None = None):
+    def __init__(self, num_req_indices: int, num_blocks: int, prefill_of: dict[int, int] | None = None):
         # Choices of an n > 1 request read their shared prefill's KV: choice req_num -> prefill req_num.
         self.prefill_of = prefill_of or {}
-        self.token_cache = [None] * num_slots
-        self.block_table = [dict() for _ in range(num_slots)]
+        self.token_cache = [None] * num_req_indices
+        self.block_table = [dict() for _ in range(num_req_indices)]
         self.kv = {}  # (block, offset) -> (req_num, pos, token)
-        self.slot_owner = [None] * num_slots
+        self.owner = [None] * num_req_indices
         self.sampled = {}  # (req_num, pos) -> the token sampled for that position
         self.prompt_lp_positions = {}  # req_num -> positions whose prompt log-probability was computed
 
     def execute(self, x: StepInputs, inflight_refs: set) -> tuple[int, list[int], list[int], set]:
-        """Run step ``x`` (as the worker reads it); ``inflight_refs`` holds the slots and blocks of steps in flight.
+        """Run step ``x`` (as the worker reads it); ``inflight_refs`` holds the rows and blocks of steps in flight.
 
         Returns (step id, sampled request numbers, sampled tokens, what this step references).
         """
@@ -59,28 +59,30 @@ class ReferenceExecutor:
         new_rows, sample_rows = set(x.new_rows.tolist()), set(x.sample_rows.tolist())
         off, out_req, out_tok = 0, [], []
         for r in range(len(x.req_num)):
-            req, slot = int(x.req_num[r]), int(x.slot[r])
+            req, req_index = int(x.req_num[r]), int(x.req_index[r])
             k, start = int(x.query_lens[r]), int(x.start_pos[r])
             if r in new_rows:
-                assert ("slot", slot) not in inflight_refs, f"slot {slot} reused while a step in flight reads it"
-                self.slot_owner[slot] = req
-                self.token_cache[slot] = None
-            assert self.slot_owner[slot] == req, "slot shared by two live requests"
+                assert ("req_index", req_index) not in inflight_refs, (
+                    f"req_index {req_index} reused while a step in flight reads it"
+                )
+                self.owner[req_index] = req
+                self.token_cache[req_index] = None
+            assert self.owner[req_index] == req, "req_index shared by two live requests"
             for j in range(k):
                 pos, t = start + j, tok[off + j]
                 if t == PLACEHOLDER_TOKEN_ID:
-                    cached = self.token_cache[slot]
+                    cached = self.token_cache[req_index]
                     assert cached is not None, f"placeholder of req {req} read a consumed/empty cache entry"
                     t = cached
-                    self.token_cache[slot] = None  # poison
+                    self.token_cache[req_index] = None  # poison
                 assert self.sampled.get((req, pos), t) == t, f"req {req} pos {pos}: input {t} is not the sampled token"
-                b = self.block_table[slot][pos // BS]
+                b = self.block_table[req_index][pos // BS]
                 self.kv[(b, pos % BS)] = (req, pos, t)
-            refs.add(("slot", slot))
-            refs.update(("block", self.block_table[slot][i]) for i in range((start + k - 1) // BS + 1))
+            refs.add(("req_index", req_index))
+            refs.update(("block", self.block_table[req_index][i]) for i in range((start + k - 1) // BS + 1))
             # Every earlier position of this request must be in its own blocks.
             for p in range(start + k):
-                owner = self.kv.get((self.block_table[slot][p // BS], p % BS))
+                owner = self.kv.get((self.block_table[req_index][p // BS], p % BS))
                 mine = owner is not None and owner[1] == p and owner[0] in (req, self.prefill_of.get(req))
                 assert mine, f"req {req} pos {p}: KV holds {owner}"
             m = int(x.num_prompt_logprobs[r])
@@ -91,7 +93,7 @@ class ReferenceExecutor:
             if r in sample_rows:
                 y = sampled_token(req, start + k - 1)
                 self.sampled[(req, start + k)] = y
-                self.token_cache[slot] = y
+                self.token_cache[req_index] = y
                 out_req.append(req)
                 out_tok.append(y)
             off += k
@@ -134,7 +136,7 @@ def run(requests, depth: int, max_num_seqs=8, budget=16, num_blocks=64, abort_at
         elif pending:
             sched.add_request(pending.popleft())
     assert sched.pool.num_free_blocks == num_blocks, "KV blocks leaked"
-    assert sched.pool.num_free_slots == max_num_seqs, "slots leaked"
+    assert sched.pool.num_free_req_indices == max_num_seqs, "req_indices leaked"
     for r in (r for r in requests if r.n == 1):  # every prompt token after the first, once, nothing else
         want = set(range(1, len(r.prompt_token_ids))) if r.params.prompt_logprobs >= 0 else set()
         got = ex.prompt_lp_positions.get(r.req_num, set())
@@ -265,7 +267,7 @@ def test_choices_share_the_prompt_blocks(depth, num_blocks):
 
 def test_four_choices_allocate_the_prompt_once():
     """A 300-token prompt with n = 4: its 18 whole blocks before the last token are allocated once. A
-    choice's new slot needs a block-table entry per inherited block, so with 8 slots (48 entries per
+    choice's new req_index needs a block-table entry per inherited block, so with 8 req_indices (48 entries per
     step) two choices join per step."""
     bs, prompt = 16, list(range(10, 310))
     sched = Scheduler(8, 512, bs, 200, max_blocks_per_seq=32)
@@ -280,7 +282,7 @@ def test_four_choices_allocate_the_prompt_once():
     sched.process_output(2, [2, 3, 4, 5], [7, 7, 7, 7])
     for c in (2, 3, 4, 5):
         sched.abort_request(c)
-    assert sched.pool.num_free_blocks == 200 and sched.pool.num_free_slots == 8
+    assert sched.pool.num_free_blocks == 200 and sched.pool.num_free_req_indices == 8
 
 
 class StubGrammar:
@@ -306,7 +308,7 @@ class GeneralOnlyScheduler(StubGrammarScheduler):
 
 
 def plan_signature(d: StepDescriptor) -> tuple:
-    """What a step computes, independent of row order, slot and block ids: its rows, and the block-table
+    """What a step computes, independent of row order, req_index and block ids: its rows, and the block-table
     entries it sets as (request, index)."""
     x = read_descriptor(d)
     tokens, rows, off = x.token_ids.tolist(), [], 0
@@ -324,7 +326,7 @@ def plan_signature(d: StepDescriptor) -> tuple:
             )
         )
         off += k
-    owner = dict(zip(x.slot.tolist(), x.req_num.tolist()))
+    owner = dict(zip(x.req_index.tolist(), x.req_num.tolist()))
     return x.step_id, sorted(rows), sorted((owner[s], i) for s, i in x.new_blocks[:2].T.tolist())
 
 

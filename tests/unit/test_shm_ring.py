@@ -41,8 +41,8 @@ def make_ring():
     """Create rings (and attach to them) with unique names; unlink and close them all afterwards."""
     rings: list[ShmRing] = []
 
-    def make(num_slots: int, num_readers: int = 1, name: str | None = None, create: bool = True) -> ShmRing:
-        ring = ShmRing(name or ring_name(), LAYOUT, num_slots, num_readers, create)
+    def make(num_entries: int, num_readers: int = 1, name: str | None = None, create: bool = True) -> ShmRing:
+        ring = ShmRing(name or ring_name(), LAYOUT, num_entries, num_readers, create)
         rings.append(ring)
         return ring
 
@@ -76,9 +76,9 @@ def test_name_must_start_with_slash():
 
 
 def test_wraparound_keeps_values_and_order(make_ring):
-    """Many more publishes than slots, in bursts of varying size: every reader sees 0, 1, 2, ... intact."""
-    writer = make_ring(num_slots=3, num_readers=2)
-    reader = make_ring(num_slots=3, num_readers=2, name=writer.name, create=False)
+    """Many more publishes than entries, in bursts of varying size: every reader sees 0, 1, 2, ... intact."""
+    writer = make_ring(num_entries=3, num_readers=2)
+    reader = make_ring(num_entries=3, num_readers=2, name=writer.name, create=False)
     seen: list[list[int]] = [[], []]
     seq = 0
     for burst in [1, 3, 2, 3, 1, 1, 3, 2] * 8:
@@ -88,13 +88,13 @@ def test_wraparound_keeps_values_and_order(make_ring):
         for r in (1, 0):
             for _ in range(burst):
                 seen[r].append(read(reader, r))
-    assert seq > 10 * writer.num_slots
+    assert seq > 10 * writer.num_entries
     assert seen[0] == seen[1] == list(range(seq))
 
 
 def test_full_ring_blocks_writer(make_ring):
-    """With every slot published and unreleased, acquire_write times out; one release frees exactly one slot."""
-    ring = make_ring(num_slots=4)
+    """With every entry published and unreleased, acquire_write times out; one release frees exactly one entry."""
+    ring = make_ring(num_entries=4)
     for i in range(4):
         write(ring, i)
     with pytest.raises(RingTimeout):
@@ -109,9 +109,9 @@ def test_full_ring_blocks_writer(make_ring):
     assert [read(ring) for _ in range(4)] == [1, 2, 3, 4]
 
 
-def test_slot_held_by_a_reader_is_not_overwritten(make_ring):
-    """A reader that acquired but did not release keeps its slot: the writer waits and the data stays intact."""
-    ring = make_ring(num_slots=2)
+def test_entry_held_by_a_reader_is_not_overwritten(make_ring):
+    """A reader that acquired but did not release keeps its entry: the writer waits and the data stays intact."""
+    ring = make_ring(num_entries=2)
     write(ring, 0)
     write(ring, 1)
     held = ring.acquire_read(0, 0)
@@ -119,27 +119,27 @@ def test_slot_held_by_a_reader_is_not_overwritten(make_ring):
         ring.acquire_write(0)
     assert held["header"][0] == 0 and held["data"][5] == 5
     ring.release_read(0)
-    write(ring, 2)  # reuses slot 0 now
+    write(ring, 2)  # reuses entry 0 now
     assert [read(ring), read(ring)] == [1, 2]
 
 
-def test_slot_reusable_only_after_every_reader_released(make_ring):
-    """With two readers, a slot comes back to the writer only once both released it."""
-    ring = make_ring(num_slots=2, num_readers=2)
+def test_entry_reusable_only_after_every_reader_released(make_ring):
+    """With two readers, an entry comes back to the writer only once both released it."""
+    ring = make_ring(num_entries=2, num_readers=2)
     write(ring, 0)
     write(ring, 1)
     assert [read(ring, 0), read(ring, 0)] == [0, 1]
     with pytest.raises(RingTimeout):
         ring.acquire_write(0)  # reader 1 has released nothing yet
 
-    v = ring.acquire_read(1, 0)  # reader 1 holds slot 0 ...
+    v = ring.acquire_read(1, 0)  # reader 1 holds entry 0 ...
     with pytest.raises(RingTimeout):
         ring.acquire_write(0)
     assert v["header"][0] == 0
     ring.release_read(1)  # ... and gives it back
     write(ring, 2)
     with pytest.raises(RingTimeout):
-        ring.acquire_write(0)  # slot 1 is still reader 1's
+        ring.acquire_write(0)  # entry 1 is still reader 1's
 
     assert read(ring, 1) == 1
     assert read(ring, 0) == 2
@@ -149,46 +149,46 @@ def test_slot_reusable_only_after_every_reader_released(make_ring):
 
 
 @pytest.mark.parametrize("retries", [1, 5])
-def test_timed_out_acquire_write_resumes_without_losing_a_slot(make_ring, retries):
+def test_timed_out_acquire_write_resumes_without_losing_an_entry(make_ring, retries):
     """acquire_write that took reader 0's semaphore and timed out on reader 1's resumes later; none leaks.
 
-    Afterwards exactly ``num_slots`` publishes fit before the ring is full
-    again: one fewer would mean a semaphore was lost, one more that a slot
+    Afterwards exactly ``num_entries`` publishes fit before the ring is full
+    again: one fewer would mean a semaphore was lost, one more that an entry
     was handed out twice.
     """
-    num_slots = 3
-    ring = make_ring(num_slots=num_slots, num_readers=2)
-    for i in range(num_slots):
+    num_entries = 3
+    ring = make_ring(num_entries=num_entries, num_readers=2)
+    for i in range(num_entries):
         write(ring, i)
-    assert [read(ring, 0) for _ in range(num_slots)] == [0, 1, 2]
+    assert [read(ring, 0) for _ in range(num_entries)] == [0, 1, 2]
     for _ in range(retries):  # each call takes reader 0's empty (only the first time) and waits on reader 1's
         with pytest.raises(RingTimeout):
             ring.acquire_write(0.005)
-    assert [read(ring, 1) for _ in range(num_slots)] == [0, 1, 2]
+    assert [read(ring, 1) for _ in range(num_entries)] == [0, 1, 2]
 
     published = 0
     while True:
         try:
-            write(ring, num_slots + published)
+            write(ring, num_entries + published)
         except RingTimeout:
             break
         published += 1
-        assert published <= num_slots, "more publishes than slots fit"
-    assert published == num_slots
+        assert published <= num_entries, "more publishes than entries fit"
+    assert published == num_entries
 
     # A second timed-out wait after a full ring (nothing taken this time) also leaves the count intact.
     with pytest.raises(RingTimeout):
         ring.acquire_write(0)
     for r in (0, 1):
-        assert [read(ring, r) for _ in range(num_slots)] == [3, 4, 5]
-    for i in range(num_slots):
+        assert [read(ring, r) for _ in range(num_entries)] == [3, 4, 5]
+    for i in range(num_entries):
         write(ring, 6 + i)
     with pytest.raises(RingTimeout):
         ring.acquire_write(0)
 
 
 def test_acquire_read_timeout(make_ring):
-    ring = make_ring(num_slots=2, num_readers=2)
+    ring = make_ring(num_entries=2, num_readers=2)
     with pytest.raises(RingTimeout):
         ring.acquire_read(0, 0)
     with pytest.raises(RingTimeout):
@@ -204,7 +204,7 @@ def test_acquire_read_timeout(make_ring):
 
 def test_unlink_is_idempotent_and_leaves_nothing(make_ring):
     """unlink removes the segment and every semaphore; calling it again is harmless; mapped memory keeps working."""
-    ring = make_ring(num_slots=2, num_readers=3)
+    ring = make_ring(num_entries=2, num_readers=3)
     base = ring.name.lstrip("/")
     assert shm_files(ring.name) == sorted(
         [base] + [f"sem.{base}-full{r}" for r in range(3)] + [f"sem.{base}-empty{r}" for r in range(3)]
@@ -223,7 +223,7 @@ def test_unlink_is_idempotent_and_leaves_nothing(make_ring):
 
 
 def test_create_existing_name_raises_and_close_with_a_held_view(make_ring):
-    ring = make_ring(num_slots=1)
+    ring = make_ring(num_entries=1)
     with pytest.raises(posix_ipc.ExistentialError):
         ShmRing(ring.name, LAYOUT, 1, 1, True)
     other = ShmRing(ring.name, LAYOUT, 1, 1, False)
@@ -236,10 +236,10 @@ def test_create_existing_name_raises_and_close_with_a_held_view(make_ring):
 # -- two processes, random interleavings ---------------------------------------
 
 
-def _publish(name: str, num_slots: int, num_readers: int, payloads: list[list[int]], seed: int) -> None:
+def _publish(name: str, num_entries: int, num_readers: int, payloads: list[list[int]], seed: int) -> None:
     """Publish ``payloads`` in order on ring ``name`` with random sleeps and random (retried) acquire timeouts."""
     rng = random.Random(seed)
-    ring = ShmRing(name, LAYOUT, num_slots, num_readers, False)
+    ring = ShmRing(name, LAYOUT, num_entries, num_readers, False)
     try:
         for seq, payload in enumerate(payloads):
             if rng.random() < 0.3:
@@ -254,7 +254,7 @@ def _publish(name: str, num_slots: int, num_readers: int, payloads: list[list[in
                         raise
             n = len(payload)
             v["header"][0], v["header"][1], v["header"][2] = seq, n, sum(payload)
-            v["data"][:] = -1 - seq  # junk past the payload, so a stale or torn slot shows
+            v["data"][:] = -1 - seq  # junk past the payload, so a stale or torn entry shows
             v["data"][:n] = payload
             ring.publish()
     finally:
@@ -311,12 +311,14 @@ _payloads = st.lists(st.lists(st.integers(-(2**31), 2**31 - 1), max_size=DATA_LE
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     payloads=_payloads,
-    num_slots=st.integers(1, 4),
+    num_entries=st.integers(1, 4),
     num_readers=st.integers(1, 2),
     writer_seed=st.integers(0, 2**32 - 1),
     reader_seed=st.integers(0, 2**32 - 1),
 )
-def test_two_processes_random_interleavings(writer_process, payloads, num_slots, num_readers, writer_seed, reader_seed):
+def test_two_processes_random_interleavings(
+    writer_process, payloads, num_entries, num_readers, writer_seed, reader_seed
+):
     """A writer process and this process as reader(s): each reader gets exactly the published sequence, in order.
 
     The readers' choices come from a seeded ``random.Random``, not from
@@ -325,11 +327,11 @@ def test_two_processes_random_interleavings(writer_process, payloads, num_slots,
     """
     reader_rng = random.Random(reader_seed)
     name = ring_name()
-    ring = ShmRing(name, LAYOUT, num_slots, num_readers, True)
+    ring = ShmRing(name, LAYOUT, num_entries, num_readers, True)
     writer = writer_process
     reply = None
     try:
-        writer.submit(name, num_slots, num_readers, payloads, writer_seed)
+        writer.submit(name, num_entries, num_readers, payloads, writer_seed)
         got: list[list[tuple[int, list[int]]]] = [[] for _ in range(num_readers)]
         deadline = time.monotonic() + 10.0  # a hang guard, not a timing check
         while any(len(g) < len(payloads) for g in got):
@@ -346,8 +348,8 @@ def test_two_processes_random_interleavings(writer_process, payloads, num_slots,
             seq, n, checksum = (int(x) for x in v["header"][:3])
             data = v["data"].tolist()
             if reader_rng.random() < 0.2:
-                time.sleep(reader_rng.choice([0.0002, 0.001]))  # a slow reader holds its slot
-                assert v["data"].tolist() == data and int(v["header"][0]) == seq, "slot rewritten while held"
+                time.sleep(reader_rng.choice([0.0002, 0.001]))  # a slow reader holds its entry
+                assert v["data"].tolist() == data and int(v["header"][0]) == seq, "entry rewritten while held"
             ring.release_read(r)
             assert 0 <= n <= DATA_LEN
             assert data[n:] == [-1 - seq] * (DATA_LEN - n)

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.common.messages import SamplingParams
+from pipeline.common.step_clock import WORKER_STATS_LEN
 from pipeline.common.step_protocol import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -85,7 +86,7 @@ def steps(draw):
     return draw(st.integers(0, 2**40)), rows, blocks
 
 
-def _slot(layout):
+def _entry(layout):
     return layout.views(bytearray(layout.nbytes))
 
 
@@ -93,7 +94,7 @@ def _slot(layout):
 @given(steps())
 def test_descriptor_round_trip(step):
     step_id, rows, blocks = step
-    desc = StepDescriptor(_slot(StepDescriptor.layout(MAX_SEQS, MAX_TOKENS, BLOCK)))
+    desc = StepDescriptor(_entry(StepDescriptor.layout(MAX_SEQS, MAX_TOKENS, BLOCK)))
     # A builder reused across steps must not leak the previous step's rows.
     b = DescriptorBuilder()
     b.add_row(999, 7, 0, [1, 2, 3], True, SamplingParams(max_tokens=1))
@@ -109,7 +110,7 @@ def test_descriptor_round_trip(step):
     x = read_descriptor(desc)
     assert x.step_id == step_id
     assert x.req_num.tolist() == [r[0] for r in rows]
-    assert x.slot.tolist() == [r[1] for r in rows]
+    assert x.req_index.tolist() == [r[1] for r in rows]
     assert x.start_pos.tolist() == [r[2] for r in rows]
     assert x.query_lens.tolist() == [len(r[3]) for r in rows]
     assert x.token_ids.tolist() == [t for r in rows for t in r[3]]
@@ -143,20 +144,20 @@ def test_descriptor_round_trip(step):
 @settings(max_examples=40, deadline=None)
 @given(steps(), steps())
 def test_packed_descriptor_round_trip(step, previous):
-    """What rank 0 relays to other nodes unpacks, over a slot holding an older step, into the same inputs."""
+    """What rank 0 relays to other nodes unpacks, over a req_index holding an older step, into the same inputs."""
     layout = StepDescriptor.layout(MAX_SEQS, MAX_TOKENS, BLOCK)
-    src, dst = StepDescriptor(_slot(layout)), StepDescriptor(_slot(layout))
+    src, dst = StepDescriptor(_entry(layout)), StepDescriptor(_entry(layout))
     for desc, (step_id, rows, blocks) in ((dst, previous), (src, step)):
         b = DescriptorBuilder()
         for row in rows:
             b.add_row(*row)
         for blk in blocks:
             b.add_block(*blk)
-        b.write(desc, step_id)
+        b.write(desc, step_id, continues=bool(step_id % 2))
     buf = np.full(layout.nbytes, 0xAB, dtype=np.uint8)
     n = pack_descriptor(src, buf)
     _, rows, blocks = step
-    assert n == packed_descriptor_nbytes(src.header) == 48 + 2618 * len(rows) + 4 * src.num_tokens + 12 * len(blocks)
+    assert n == packed_descriptor_nbytes(src.header) == 56 + 2618 * len(rows) + 4 * src.num_tokens + 12 * len(blocks)
     unpack_descriptor(buf, dst)
     want, got = read_descriptor(src), read_descriptor(dst)
     for f in dataclasses.fields(want):
@@ -170,13 +171,13 @@ def test_packed_descriptor_round_trip(step, previous):
 def test_bitmask_rows_round_trip():
     """Token bitmasks reach the worker's copy, and the relay to other nodes, with their rows."""
     layout = StepDescriptor.layout(MAX_SEQS, MAX_TOKENS, BLOCK, mask_words=3)
-    src, dst = StepDescriptor(_slot(layout)), StepDescriptor(_slot(layout))
+    src, dst = StepDescriptor(_entry(layout)), StepDescriptor(_entry(layout))
     b = DescriptorBuilder()
     b.add_row(7, 0, 0, [1, 2], True, None)
     b.add_row(8, 1, 5, [3], True, None, bitmask=np.array([5, -1, 0], np.int32))
     b.write(src, 4)
     buf = np.zeros(layout.nbytes, dtype=np.uint8)
-    assert pack_descriptor(src, buf) == packed_descriptor_nbytes(src.header) == 48 + 2 * 2618 + 12 + 4 + 12
+    assert pack_descriptor(src, buf) == packed_descriptor_nbytes(src.header) == 56 + 2 * 2618 + 12 + 4 + 12
     unpack_descriptor(buf, dst)
     for desc in (src, dst):
         x = read_descriptor(desc)
@@ -189,11 +190,15 @@ def test_bitmask_rows_round_trip():
 @settings(max_examples=40, deadline=None)
 @given(st.integers(0, 2**40), st.lists(st.tuples(st.integers(1, 2**50), st.integers(0, 2**31 - 1)), max_size=MAX_SEQS))
 def test_output_round_trip(step_id, rows):
-    out = StepOutput(_slot(StepOutput.layout(MAX_SEQS, MAX_TOKENS)))
-    out.write(7, np.array([1, 2, 3]), np.array([4, 5, 6]))  # a previous step in the same slot
-    out.write(step_id, np.array([r for r, _ in rows], dtype=np.int64), np.array([t for _, t in rows], dtype=np.int64))
+    out = StepOutput(_entry(StepOutput.layout(MAX_SEQS, MAX_TOKENS)))
+    out.write(7, np.array([1, 2, 3]), np.array([4, 5, 6]), time_ns=5, continues=True)  # a previous step
+    counts = np.arange(WORKER_STATS_LEN, dtype=np.int64) * step_id
+    ids = np.array([r for r, _ in rows], dtype=np.int64)
+    out.write(step_id, ids, np.array([t for _, t in rows], dtype=np.int64), time_ns=step_id + 1, worker_stats=counts)
     got = out.read()
     assert (got.step_id, got.req_nums, got.token_ids) == (step_id, [r for r, _ in rows], [t for _, t in rows])
+    assert (got.time_ns, got.continues) == (step_id + 1, False)
+    np.testing.assert_array_equal(out.worker_stats, counts)
     assert got.logprobs is None and got.prompt_logprobs is None
 
 
@@ -210,7 +215,7 @@ def _logprobs(rng, n: int, index) -> TokenLogprobs:
 @given(st.integers(0, MAX_SEQS), st.integers(0, MAX_TOKENS), st.integers(0, 2**32))
 def test_output_logprobs_round_trip(num_rows, num_prompt, seed):
     rng = np.random.default_rng(seed)
-    out = StepOutput(_slot(StepOutput.layout(MAX_SEQS, MAX_TOKENS)))
+    out = StepOutput(_entry(StepOutput.layout(MAX_SEQS, MAX_TOKENS)))
     rows = sorted(rng.choice(max(num_rows, 1), size=rng.integers(0, num_rows + 1), replace=False).tolist())
     lp = _logprobs(rng, len(rows), rows)
     plp = _logprobs(rng, num_prompt, rng.integers(1, 99, num_prompt))
@@ -230,7 +235,7 @@ def test_output_logprobs_round_trip(num_rows, num_prompt, seed):
 
 def test_decode_rows_come_first():
     """Vectorized decode rows lead the descriptor; added rows, their parameters, masks and blocks follow them."""
-    desc = StepDescriptor(_slot(StepDescriptor.layout(MAX_SEQS, MAX_TOKENS, BLOCK, mask_words=2)))
+    desc = StepDescriptor(_entry(StepDescriptor.layout(MAX_SEQS, MAX_TOKENS, BLOCK, mask_words=2)))
     b = DescriptorBuilder()
     b.add_row(
         9,
@@ -246,7 +251,7 @@ def test_decode_rows_come_first():
     b.add_blocks(np.array([1, 2]), np.array([3, 5]), np.array([12, 13]))
     b.write(desc, 3, decode=(np.array([7, 8]), np.array([1, 2]), np.array([48, 80]), np.array([-1, -1])))
     x = read_descriptor(desc)
-    assert x.req_num.tolist() == [7, 8, 9] and x.slot.tolist() == [1, 2, 4]
+    assert x.req_num.tolist() == [7, 8, 9] and x.req_index.tolist() == [1, 2, 4]
     assert x.query_lens.tolist() == [1, 1, 3] and x.start_pos.tolist() == [48, 80, 0]
     assert x.token_ids.tolist() == [-1, -1, 5, 6, 7] and x.sample_rows.tolist() == [0, 1, 2]
     assert x.new_rows.tolist() == [2] and x.temperature.tolist() == [0.5] and x.prompt_len.tolist() == [3]
@@ -254,9 +259,9 @@ def test_decode_rows_come_first():
     assert sorted(x.new_blocks.T.tolist()) == [[1, 3, 12], [2, 5, 13], [4, 0, 11]]
 
 
-def test_descriptor_copy_outlives_the_slot():
-    """The worker releases the slot right after reading: its copy must not alias the ring."""
-    desc = StepDescriptor(_slot(StepDescriptor.layout(MAX_SEQS, MAX_TOKENS, BLOCK)))
+def test_descriptor_copy_outlives_the_ring_entry():
+    """The worker releases the req_index right after reading: its copy must not alias the ring."""
+    desc = StepDescriptor(_entry(StepDescriptor.layout(MAX_SEQS, MAX_TOKENS, BLOCK)))
     b = DescriptorBuilder()
     b.add_row(5, 1, 10, [PLACEHOLDER_TOKEN_ID], True, None)
     b.add_block(1, 2, 3)
@@ -266,5 +271,5 @@ def test_descriptor_copy_outlives_the_slot():
     b.add_row(6, 2, 0, [9, 9], False, SamplingParams(max_tokens=1))
     b.add_block(2, 0, 4)
     b.write(desc, 2)
-    assert (x.step_id, x.req_num.tolist(), x.slot.tolist(), x.token_ids.tolist()) == (1, [5], [1], [-1])
+    assert (x.step_id, x.req_num.tolist(), x.req_index.tolist(), x.token_ids.tolist()) == (1, [5], [1], [-1])
     assert x.new_blocks.T.tolist() == [[1, 2, 3]]

@@ -7,7 +7,7 @@ import torch
 import torch.multiprocessing as mp
 import transformers
 
-from pipeline.common.parallel import TPShape
+from pipeline.common.tp_shape import TPShape
 from pipeline.gpu_worker.layers.tp import TPGroup
 from pipeline.gpu_worker.models.loader import load_model
 

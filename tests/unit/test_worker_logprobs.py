@@ -74,14 +74,14 @@ def config() -> EngineConfig:
 
 
 def descriptor(step_id: int, rows) -> object:
-    """``rows``: ``(slot, start, ids, do_sample, new_params, num_prompt_logprobs, next_prompt_token)``."""
+    """``rows``: ``(req_index, start, ids, do_sample, new_params, num_prompt_logprobs, next_prompt_token)``."""
     cfg = config()
     b = DescriptorBuilder()
-    per_slot = cdiv(cfg.max_model_len, BLOCK)
-    for slot, start, ids, do_sample, params, num_plp, next_tok in rows:
-        b.add_row(slot, slot, start, ids, do_sample, params, num_plp, next_tok)
+    per_row = cdiv(cfg.max_model_len, BLOCK)
+    for req_index, start, ids, do_sample, params, num_plp, next_tok in rows:
+        b.add_row(req_index, req_index, start, ids, do_sample, params, num_plp, next_tok)
         for i in range(cdiv(start, BLOCK), cdiv(start + len(ids), BLOCK)):
-            b.add_block(slot, i, slot * per_slot + i)
+            b.add_block(req_index, i, req_index * per_row + i)
     desc = StepDescriptor(cfg.descriptor_layout.views(bytearray(cfg.descriptor_layout.nbytes)))
     b.write(desc, step_id)
     return read_descriptor(desc)

@@ -1,4 +1,4 @@
-"""Per-slot device state and the worker's start-up and per-step input checks."""
+"""Per-req_index device state and the worker's start-up and per-step input checks."""
 
 from __future__ import annotations
 
@@ -9,32 +9,36 @@ import torch
 from pipeline.common.messages import SamplingParams
 from pipeline.gpu_worker.device import DeviceOps, UploadBatch
 from pipeline.gpu_worker.executor import ModelExecutor
+from pipeline.gpu_worker.input_batch import POISON_TOKEN_ID, InputBatch
 from pipeline.gpu_worker.model_runner import ModelRunner
-from pipeline.gpu_worker.slot_state import POISON_TOKEN_ID, SlotState
 from tests.unit.sync_guard import FakeAsyncOps, SyncGuard
 from tests.unit.test_no_host_sync import GREEDY, SAMPLED, Steps, engine_config, tiny_model
 
 CPU = torch.device("cpu")
 
 
-def test_slot_parameters_live_on_the_device_and_change_only_for_new_rows():
+def test_row_parameters_live_on_the_device_and_change_only_for_new_rows():
     config = engine_config()
-    state = SlotState(config.max_num_seqs, config.max_blocks_per_seq, DeviceOps(CPU))
+    state = InputBatch(config.max_num_seqs, config.max_blocks_per_seq, DeviceOps(CPU))
     assert state.token_cache.tolist() == [POISON_TOKEN_ID] * config.max_num_seqs
     steps = Steps(config)
     hot = SamplingParams(max_tokens=8, temperature=0.5, top_p=0.25, top_k=7, seed=-3)
     state.apply(steps.make([(2, 0, [1, 2, 3, 4, 5], True, hot), (5, 0, [1], True, GREEDY)]))
-    assert state.temperature[[2, 5]].tolist() == [0.5, 0.0] and state.top_p[2].item() == 0.25
-    assert state.top_k[2].item() == 7 and state.seed[2].item() == -3
+    assert state.params["temperature"][[2, 5]].tolist() == [0.5, 0.0] and state.params["top_p"][2].item() == 0.25
+    assert state.params["top_k"][2].item() == 7 and state.params["seed"][2].item() == -3
     assert state.host_temperature[2] == 0.5 and state.host_top_k[2] == 7 and state.host_top_p[2] == 0.25
-    per_slot = config.max_blocks_per_seq
-    assert state.block_table[2, :2].tolist() == [2 * per_slot, 2 * per_slot + 1]
-    # A later step of the same requests carries no parameters: the slots keep theirs.
+    per_row = config.max_blocks_per_seq
+    assert state.block_table[2, :2].tolist() == [2 * per_row, 2 * per_row + 1]
+    # A later step of the same requests carries no parameters: the rows keep theirs.
     state.apply(steps.make([(2, 5, [9], True, None), (5, 1, [9], True, None)]))
-    assert state.temperature[[2, 5]].tolist() == [0.5, 0.0] and state.seed[2].item() == -3
-    # A new request in slot 5 replaces them.
+    assert state.params["temperature"][[2, 5]].tolist() == [0.5, 0.0] and state.params["seed"][2].item() == -3
+    # A new request in req_index 5 replaces them.
     state.apply(steps.make([(5, 0, [1, 2], True, SAMPLED[1])]))
-    assert state.temperature[5].item() == 1.0 and state.seed[5].item() == 3 and state.host_temperature[5] == 1.0
+    assert (
+        state.params["temperature"][5].item() == 1.0
+        and state.params["seed"][5].item() == 3
+        and state.host_temperature[5] == 1.0
+    )
 
 
 def test_max_model_len_beyond_the_rope_table_is_refused_at_start_up():
@@ -49,13 +53,13 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_the_device_sees_the
     steps = Steps(config)
     with pytest.raises(ValueError, match="token id 512 is outside the vocabulary of 512"):
         runner.launch(steps.make([(0, 0, [1, 512], True, GREEDY)]), 0)
-    assert np.all(runner.slots.host_temperature == 0)  # nothing was applied
+    assert np.all(runner.input_batch.host_temperature == 0)  # nothing was applied
 
 
-def test_feature_flags_follow_the_slots_parameters():
-    """A step skips sampling, log-probability and penalty planning only while no slot asks for them."""
+def test_feature_flags_follow_the_rows_parameters():
+    """A step skips sampling, log-probability and penalty planning only while no req_index asks for them."""
     config = engine_config()
-    state = SlotState(config.max_num_seqs, config.max_blocks_per_seq, DeviceOps(CPU), vocab_size=512)
+    state = InputBatch(config.max_num_seqs, config.max_blocks_per_seq, DeviceOps(CPU), vocab_size=512)
     steps = Steps(config)
     flags = lambda: (state.any_hot, state.any_logprobs, state.any_penalized, state.any_penalty_work)  # noqa: E731
     state.apply(steps.make([(0, 0, [1, 2], True, GREEDY), (1, 0, [3], True, GREEDY)]))
@@ -64,11 +68,11 @@ def test_feature_flags_follow_the_slots_parameters():
     state.apply(steps.make([(1, 0, [3], True, special)]))
     assert flags() == (True, True, True, True)
     assert state.penalty.repetition[1].item() == pytest.approx(1.2)
-    assert state.temperature[1].item() == pytest.approx(0.7)
+    assert state.params["temperature"][1].item() == pytest.approx(0.7)
     biased = SamplingParams(max_tokens=8, temperature=0.0, logit_bias=((5, 1.0),))
-    state.apply(steps.make([(1, 0, [3], True, biased)]))  # the slot's next request replaces every parameter
+    state.apply(steps.make([(1, 0, [3], True, biased)]))  # the req_index's next request replaces every parameter
     assert flags() == (False, False, False, True)
-    assert state.penalty.repetition[1].item() == 1.0 and state.temperature[1].item() == 0.0
+    assert state.penalty.repetition[1].item() == 1.0 and state.params["temperature"][1].item() == 0.0
     state.apply(steps.make([(1, 0, [3], True, GREEDY)]))
     assert flags() == (False, False, False, False)
 

@@ -52,7 +52,7 @@ class StepLayout:
         query_lens: ``[B]`` tokens scheduled per request, each >= 1.
         start_positions: ``[B]`` position of each request's first scheduled
             token (= tokens already in its KV cache).
-        slots: ``[B]`` each request's row in the block table.
+        req_indices: ``[B]`` each request's row in the block table.
         block_size: tokens per KV cache block.
         token_starts: ``[B]`` exclusive cumulative sum of ``query_lens``.
         request_of_token: ``[T]`` the request each token belongs to.
@@ -62,7 +62,7 @@ class StepLayout:
 
     query_lens: np.ndarray
     start_positions: np.ndarray
-    slots: np.ndarray
+    req_indices: np.ndarray
     block_size: int
     token_starts: np.ndarray
     request_of_token: np.ndarray
@@ -70,11 +70,11 @@ class StepLayout:
     num_tokens: int
 
     @classmethod
-    def build(cls, query_lens, start_positions, slots, block_size: int, max_blocks_per_seq: int) -> StepLayout:
+    def build(cls, query_lens, start_positions, req_indices, block_size: int, max_blocks_per_seq: int) -> StepLayout:
         """Check and lay out a step.
 
         Args:
-            query_lens, start_positions, slots: ``[B]`` integer arrays (or host tensors).
+            query_lens, start_positions, req_indices: ``[B]`` integer arrays (or host tensors).
             block_size: tokens per KV cache block.
             max_blocks_per_seq: width of a block-table row.
 
@@ -108,7 +108,7 @@ class StepLayout:
         return cls(
             query_lens=q,
             start_positions=s,
-            slots=np.asarray(slots, dtype=np.int64),
+            req_indices=np.asarray(req_indices, dtype=np.int64),
             block_size=block_size,
             token_starts=token_starts,
             request_of_token=request_of_token,
@@ -117,15 +117,15 @@ class StepLayout:
         )
 
     def slot_mapping_inputs(self) -> list[np.ndarray]:
-        """``[slot of each token, block column of each token]`` for :func:`slot_mapping`."""
-        return [self.slots[self.request_of_token], self.positions // self.block_size]
+        """``[req_index of each token, block column of each token]`` for :func:`slot_mapping`."""
+        return [self.req_indices[self.request_of_token], self.positions // self.block_size]
 
 
 @dataclasses.dataclass(frozen=True)
 class PaddedQueries:
     """Requests ``rows`` of a step as a ``[R, q_max]`` grid of queries, for backends that pad rows.
 
-    Padded query slots repeat the row's last real query: a valid token index
+    Padded query positions repeat the row's last real query: a valid token index
     and a non-empty mask row, whose output is then dropped.
 
     Attributes:
@@ -164,7 +164,7 @@ class PaddedQueries:
 
 def slot_mapping(
     block_table: torch.Tensor,
-    token_slots: torch.Tensor,
+    token_req_indices: torch.Tensor,
     token_cols: torch.Tensor,
     positions: torch.Tensor,
     block_size: int,
@@ -173,11 +173,11 @@ def slot_mapping(
 
     Args:
         block_table: ``[rows, max_blocks_per_seq]`` int64.
-        token_slots, token_cols: ``[T]`` the block-table row and column of
+        token_req_indices, token_cols: ``[T]`` the block-table row and column of
             each token (from :meth:`StepLayout.slot_mapping_inputs`).
         positions: ``[T]`` each token's position.
     """
-    return block_table[token_slots, token_cols] * block_size + positions % block_size
+    return block_table[token_req_indices, token_cols] * block_size + positions % block_size
 
 
 @dataclasses.dataclass
@@ -215,7 +215,7 @@ class AttentionBackend(ABC):
         Args:
             layout: the step's host-side layout.
             block_table: ``[rows, max_blocks_per_seq]`` int64 on the device;
-                request ``i`` uses row ``layout.slots[i]``. Entries past a
+                request ``i`` uses row ``layout.req_indices[i]``. Entries past a
                 request's context are ignored and may hold anything.
             upload: moves the host arrays the build derives to the device.
         """

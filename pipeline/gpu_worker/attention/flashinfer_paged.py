@@ -139,12 +139,12 @@ class FlashInferBackend(AttentionBackend):
         last_page_len = (context_lens - 1) % bs + 1
         # Each request's pages, in order: its first ``pages`` block-table
         # entries, read on the device (the table lives there).
-        page_slots = np.repeat(layout.slots, pages)
+        page_rows = np.repeat(layout.req_indices, pages)
         page_cols = np.arange(int(kv_indptr[-1])) - np.repeat(kv_indptr[:-1], pages)
-        positions, token_slots, token_cols, page_slots_d, page_cols_d = upload(
-            [layout.positions, *layout.slot_mapping_inputs(), page_slots, page_cols]
+        positions, token_req_indices, token_cols, page_rows_d, page_cols_d = upload(
+            [layout.positions, *layout.slot_mapping_inputs(), page_rows, page_cols]
         )
-        kv_indices = block_table[page_slots_d, page_cols_d].to(torch.int32)
+        kv_indices = block_table[page_rows_d, page_cols_d].to(torch.int32)
 
         wrapper = self._wrappers[self._turn]
         self._turn ^= 1
@@ -167,7 +167,7 @@ class FlashInferBackend(AttentionBackend):
             num_tokens=layout.num_tokens,
             block_size=bs,
             positions=positions,
-            slot_mapping=slot_mapping(block_table, token_slots, token_cols, positions, bs),
+            slot_mapping=slot_mapping(block_table, token_req_indices, token_cols, positions, bs),
             wrapper=wrapper,
         )
 

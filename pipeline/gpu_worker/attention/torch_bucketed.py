@@ -206,7 +206,7 @@ class PrefixTable:
 
 def _block_ids(
     block_table: torch.Tensor,
-    slots: torch.Tensor,
+    req_indices: torch.Tensor,
     context_lens: torch.Tensor,
     n_blocks: int,
     block_size: int,
@@ -217,8 +217,8 @@ def _block_ids(
     Unused block-table entries may hold anything (e.g. -1): pointing them at
     block 0 keeps the gather in bounds, and the mask hides them.
     """
-    # index_select of the sliced table, not block_table[slots, :n]: advanced indexing is 3x slower on CPU.
-    ids = block_table[:, :n_blocks].index_select(0, slots)
+    # index_select of the sliced table, not block_table[req_indices, :n]: advanced indexing is 3x slower on CPU.
+    ids = block_table[:, :n_blocks].index_select(0, req_indices)
     needed = prefix.rows(torch.div(context_lens + (block_size - 1), block_size, rounding_mode="floor"), n_blocks)
     return ids.mul_(needed)
 
@@ -231,7 +231,7 @@ class _HostPrefill:
     n_blocks: int
     identity: bool
     padded: bool  # some queries are padding (out_rows needed)
-    arrays: list[np.ndarray]  # slots, context_lens, query_pos, token_index[, out_rows, out_tokens]
+    arrays: list[np.ndarray]  # req_indices, context_lens, query_pos, token_index[, out_rows, out_tokens]
 
 
 def _host_prefill(layout: StepLayout, rows: np.ndarray) -> _HostPrefill:
@@ -244,7 +244,7 @@ def _host_prefill(layout: StepLayout, rows: np.ndarray) -> _HostPrefill:
         and token_index.size == layout.num_tokens
         and bool((token_index == np.arange(layout.num_tokens)).all())
     )
-    arrays = [layout.slots[rows], g.context_lens, g.query_pos, token_index]
+    arrays = [layout.req_indices[rows], g.context_lens, g.query_pos, token_index]
     if padded:
         out_rows = np.flatnonzero(g.real)
         arrays += [out_rows, token_index[out_rows]]
@@ -255,14 +255,14 @@ def _device_prefill(
     host: _HostPrefill, dev: list[torch.Tensor], block_table: torch.Tensor, block_size: int, prefix: PrefixTable
 ) -> Bucket:
     """A prefill bucket's block ids and causal mask, built on the device from its uploaded indices."""
-    slots, context_lens, query_pos, token_index = dev[:4]
+    req_indices, context_lens, query_pos, token_index = dev[:4]
     out_rows, out_tokens = dev[4:] if host.padded else (None, token_index)
     rows, q_max = query_pos.shape
     # Query at position p attends keys 0..p: the first p + 1.
     mask = prefix.rows((query_pos + 1).view(-1), host.n_blocks * block_size).view(rows, 1, q_max, -1)
     return Bucket(
         q_max=host.q_max,
-        block_ids=_block_ids(block_table, slots, context_lens, host.n_blocks, block_size, prefix),
+        block_ids=_block_ids(block_table, req_indices, context_lens, host.n_blocks, block_size, prefix),
         mask=mask,
         token_index=token_index,
         out_rows=out_rows,
@@ -277,7 +277,7 @@ class _HostDecode:
 
     bounds: list[tuple[int, int, int]]  # per bucket: first row, row count, n_blocks
     identity: bool
-    arrays: list[np.ndarray]  # slots [R], context_lens [R], token_index [R]
+    arrays: list[np.ndarray]  # req_indices [R], context_lens [R], token_index [R]
 
 
 def _host_decode(layout: StepLayout, rows: np.ndarray, plan: list[np.ndarray]) -> _HostDecode:
@@ -293,16 +293,16 @@ def _host_decode(layout: StepLayout, rows: np.ndarray, plan: list[np.ndarray]) -
     identity = (
         len(plan) == 1 and order.size == layout.num_tokens and bool((token_index == np.arange(layout.num_tokens)).all())
     )
-    return _HostDecode(bounds, identity, [layout.slots[order], context_lens, token_index])
+    return _HostDecode(bounds, identity, [layout.req_indices[order], context_lens, token_index])
 
 
 def _device_decode(
     host: _HostDecode, dev: list[torch.Tensor], block_table: torch.Tensor, block_size: int, prefix: PrefixTable
 ) -> list[Bucket]:
     """Decode buckets as views of one block-id table and one mask built on the device."""
-    slots, context_lens, token_index = dev
+    req_indices, context_lens, token_index = dev
     n_blocks = host.bounds[0][2]  # plan_buckets puts the longest bucket first
-    block_ids = _block_ids(block_table, slots, context_lens, n_blocks, block_size, prefix)
+    block_ids = _block_ids(block_table, req_indices, context_lens, n_blocks, block_size, prefix)
     mask = prefix.rows(context_lens, n_blocks * block_size)[:, None, None, :]
     return [
         Bucket(
@@ -417,7 +417,7 @@ class TorchBucketedBackend(AttentionBackend):
         for h in prefill:
             arrays += h.arrays
         dev = upload(arrays)
-        positions, token_slots, token_cols = dev[:3]
+        positions, token_req_indices, token_cols = dev[:3]
         i = 3
         decode_buckets = []
         if decode is not None:
@@ -433,7 +433,7 @@ class TorchBucketedBackend(AttentionBackend):
             num_tokens=layout.num_tokens,
             block_size=layout.block_size,
             positions=positions,
-            slot_mapping=slot_mapping(block_table, token_slots, token_cols, positions, layout.block_size),
+            slot_mapping=slot_mapping(block_table, token_req_indices, token_cols, positions, layout.block_size),
             decode=decode_buckets,
             prefill=prefill_buckets,
         )

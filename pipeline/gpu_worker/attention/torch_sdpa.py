@@ -44,7 +44,7 @@ class AttentionGroup:
 
     Attributes:
         token_index: ``[rows, q_max]`` int64, index into the step's tokens of
-            each query; padded query slots repeat the row's last token so that
+            each query; padded query positions repeat the row's last token so that
             their mask row is non-empty (no NaN from an all-masked softmax).
         block_ids: ``[rows, n_blocks]`` int64 KV block ids to gather; entries
             beyond a row's context point at block 0 and are masked out.
@@ -86,7 +86,7 @@ class _HostGroup:
     q_max: int
     n_blocks: int
     identity: bool
-    arrays: list[np.ndarray]  # slots [rows], context_lens [rows], token_index, query_pos, out_rows, out_tokens
+    arrays: list[np.ndarray]  # req_indices [rows], context_lens [rows], token_index, query_pos, out_rows, out_tokens
 
 
 def _host_group(layout: StepLayout, rows: np.ndarray) -> _HostGroup:
@@ -99,7 +99,7 @@ def _host_group(layout: StepLayout, rows: np.ndarray) -> _HostGroup:
         g.q_max,
         g.n_blocks,
         identity,
-        [layout.slots[rows], g.context_lens, g.token_index, g.query_pos, out_rows, out_tokens],
+        [layout.req_indices[rows], g.context_lens, g.token_index, g.query_pos, out_rows, out_tokens],
     )
 
 
@@ -107,13 +107,13 @@ def _device_group(
     host: _HostGroup, dev: list[torch.Tensor], block_table: torch.Tensor, block_size: int
 ) -> AttentionGroup:
     """Block ids and mask of one group, built on the device from its uploaded indices."""
-    slots, context_lens, token_index, query_pos, out_rows, out_tokens = dev
+    req_indices, context_lens, token_index, query_pos, out_rows, out_tokens = dev
     device = block_table.device
     # Unused block-table entries may be garbage (e.g. -1); point them at
     # block 0 so the gather stays in bounds, the mask hides them.
     block_cols = torch.arange(host.n_blocks, device=device)
     needed = block_cols[None, :] * block_size < context_lens[:, None]
-    block_ids = torch.where(needed, block_table[slots, : host.n_blocks], 0)
+    block_ids = torch.where(needed, block_table[req_indices, : host.n_blocks], 0)
     key_pos = torch.arange(host.n_blocks * block_size, device=device)
     mask = (key_pos[None, None, :] <= query_pos[:, :, None]).unsqueeze(1)
     return AttentionGroup(
@@ -275,7 +275,7 @@ class TorchSDPABackend(AttentionBackend):
         for h in hosts:
             arrays += h.arrays if h is not None else []
         dev = upload(arrays)
-        positions, token_slots, token_cols = dev[:3]
+        positions, token_req_indices, token_cols = dev[:3]
         groups, i = [], 3
         for h in hosts:
             if h is None:
@@ -287,7 +287,7 @@ class TorchSDPABackend(AttentionBackend):
             num_tokens=layout.num_tokens,
             block_size=layout.block_size,
             positions=positions,
-            slot_mapping=slot_mapping(block_table, token_slots, token_cols, positions, layout.block_size),
+            slot_mapping=slot_mapping(block_table, token_req_indices, token_cols, positions, layout.block_size),
             decode=groups[0],
             prefill=groups[1],
         )

@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from pipeline.common.parallel import TPShape
+from pipeline.common.tp_shape import TPShape
 from pipeline.gpu_worker.models import check_architecture
 
 FULL = "full_attention"

@@ -1,0 +1,261 @@
+"""Per-request state the worker keeps on the device, by req_index, updated in stream order.
+
+A request keeps one req_index while it runs. Its row holds the last sampled
+token (the token-id cache), the block-table row, the sampling parameters and,
+with penalties, its token counts. Updates come from the descriptor and are
+enqueued on the compute stream before the step that reads them, so a step
+already queued never sees a later step's update (docs/design.md, "The step
+protocol"). The sampling parameters are mirrored on the host, which decides
+how to sample; nothing is read back from the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pipeline.common.step_protocol import MAX_LOGIT_BIAS, StepInputs
+from pipeline.gpu_worker.device import DeviceOps, Staged, UploadBatch
+from pipeline.gpu_worker.penalties import PenaltyState
+
+# Written into a token-id cache entry once a placeholder consumed it; reading
+# it again means a placeholder resolved to a stale token.
+POISON_TOKEN_ID = -7
+
+# The sampling parameters a row keeps on the device, by name (StepInputs'
+# field names), with their value in a row no request used yet: greedy, every
+# filter and penalty off. They are the columns of one float32 and one int64
+# table, so a step's new rows cost two row writes whatever they ask for.
+FLOAT_PARAMS = {
+    "temperature": 0.0,
+    "top_p": 1.0,
+    "min_p": 0.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+}
+INT_PARAMS = {"top_k": 0, "seed": 0}
+FLOAT_COLUMN = {name: i for i, name in enumerate(FLOAT_PARAMS)}
+INT_COLUMN = {name: i for i, name in enumerate(INT_PARAMS)}
+
+
+@dataclass
+class RowUpdate:
+    """One step's writes to the rows, staged for the step's upload (None: nothing of that kind).
+
+    ``block_index``/``block_ids`` ``[B]`` int64: flat block-table index and
+    block id of each new block-table entry. ``req_indices [K]`` int64,
+    ``floats [K, len(FLOAT_PARAMS)]`` float32, ``ints [K, len(INT_PARAMS)]``
+    int64: the new rows' parameters. ``bias_ids``/``bias_values [K,
+    MAX_LOGIT_BIAS]``: their logit_bias entries (some new row has one).
+    ``fresh [F]`` int64: penalized new rows, whose counts restart at zero.
+    """
+
+    block_index: Staged | None = None
+    block_ids: Staged | None = None
+    req_indices: Staged | None = None
+    floats: Staged | None = None
+    ints: Staged | None = None
+    bias_ids: Staged | None = None
+    bias_values: Staged | None = None
+    fresh: Staged | None = None
+
+
+@dataclass
+class InputCounts:
+    """Which of a step's input tokens the penalties count, staged (see ``InputBatch.count_inputs``).
+
+    ``out_flat``/``out_req_index``: step-token index and req_index of each
+    output token of a penalized row; ``in_flat``/``in_req_index``: the same for
+    prompt tokens.
+    """
+
+    out_flat: Staged
+    out_req_index: Staged
+    in_flat: Staged
+    in_req_index: Staged
+    any_output: bool
+    any_prompt: bool
+
+
+class InputBatch:
+    """Token-id cache, block table and sampling parameters of ``max_num_reqs`` rows (vLLM's persistent batch).
+
+    Device tensors (on ``ops.device``): ``token_cache [max_num_reqs]`` int64
+    (starts at ``POISON_TOKEN_ID``), ``block_table [max_num_reqs,
+    max_blocks_per_seq]`` int64, ``float_params`` and ``int_params`` (columns
+    ``FLOAT_COLUMN`` and ``INT_COLUMN``; ``params`` has a ``[max_num_reqs]``
+    view of each column by name). Host mirrors (numpy): ``host_temperature``,
+    ``host_top_p``, ``host_top_k``, ``host_min_p``; host only:
+    ``host_logprobs`` int64, alternatives wanted per sampled token, -1 for
+    none (the worker computes all ``MAX_LOGPROBS``; io_proc keeps what was
+    asked).
+
+    Penalties and biases: ``penalty`` (a ``PenaltyState``) on the device when
+    ``vocab_size`` is given (the simulated device ignores them); host only:
+    ``host_penalized`` (a presence, frequency or repetition penalty is on),
+    ``host_num_bias``, ``host_min_tokens``, ``host_prompt_len`` and
+    ``host_stop_ids`` (what ``min_tokens`` masks).
+
+    ``any_hot``, ``any_logprobs``, ``any_penalized`` and ``any_penalty_work``
+    say whether some row samples with temperature, wants log-probabilities,
+    has a penalty, or has a penalty, bias or ``min_tokens``: when none does,
+    a step skips that planning. A row keeps its last request's parameters
+    until a new one arrives, so they may stay True a while after the last
+    such request finished (the per-row planning then finds no row).
+    """
+
+    def __init__(self, max_num_reqs: int, max_blocks_per_seq: int, ops: DeviceOps, vocab_size: int | None = None):
+        self.ops = ops
+        device = ops.device
+        n = max_num_reqs
+        self.token_cache = torch.full((n,), POISON_TOKEN_ID, dtype=torch.int64, device=device)
+        self.block_table = torch.zeros((n, max_blocks_per_seq), dtype=torch.int64, device=device)
+        self.float_params = torch.empty((n, len(FLOAT_PARAMS)), dtype=torch.float32, device=device)
+        self.int_params = torch.empty((n, len(INT_PARAMS)), dtype=torch.int64, device=device)
+        self.params = {name: self.float_params[:, i] for name, i in FLOAT_COLUMN.items()}
+        self.params |= {name: self.int_params[:, i] for name, i in INT_COLUMN.items()}
+        for name, value in (FLOAT_PARAMS | INT_PARAMS).items():
+            self.params[name].fill_(value)
+        self.host_temperature = np.zeros(n, dtype=np.float32)
+        self.host_top_p = np.ones(n, dtype=np.float32)
+        self.host_top_k = np.zeros(n, dtype=np.int64)
+        self.host_logprobs = np.full(n, -1, dtype=np.int64)
+        self.host_min_p = np.zeros(n, dtype=np.float32)
+        self.penalty = (
+            None
+            if vocab_size is None
+            else PenaltyState(
+                # int32 counts are exact for any sequence length; a dense row per request
+                # makes each step's update one scatter (docs/design.md, "Penalties and biases").
+                counts=torch.zeros((n, vocab_size), dtype=torch.int32, device=device),
+                in_prompt=torch.zeros((n, vocab_size), dtype=torch.bool, device=device),
+                presence=self.params["presence_penalty"],
+                frequency=self.params["frequency_penalty"],
+                repetition=self.params["repetition_penalty"],
+                bias_ids=torch.zeros((n, MAX_LOGIT_BIAS), dtype=torch.int64, device=device),
+                bias_values=torch.zeros((n, MAX_LOGIT_BIAS), dtype=torch.float32, device=device),
+            )
+        )
+        self.host_penalized = np.zeros(n, dtype=bool)
+        self.host_num_bias = np.zeros(n, dtype=np.int64)
+        self.host_min_tokens = np.zeros(n, dtype=np.int64)
+        self.host_prompt_len = np.zeros(n, dtype=np.int64)
+        self.host_stop_ids: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * n
+        self.any_hot = self.any_logprobs = self.any_penalized = self.any_penalty_work = False
+
+    def apply(self, x: StepInputs) -> None:
+        """Enqueue step ``x``'s block-table entries and its new rows' parameters (:meth:`stage`, one upload,
+        :meth:`write`)."""
+        batch = UploadBatch()
+        update = self.stage(x, batch)
+        batch.upload(self.ops)
+        self.write(update)
+
+    def stage(self, x: StepInputs, batch: UploadBatch) -> RowUpdate:
+        """Decide step ``x``'s updates on the host: the host mirrors change now, the arrays go into ``batch``."""
+        u = RowUpdate()
+        if x.new_blocks.shape[1]:
+            req_index, index, block = x.new_blocks
+            u.block_index = batch.add(req_index * self.block_table.shape[1] + index)
+            u.block_ids = batch.add(block)
+        if not len(x.new_rows):
+            return u
+        req_indices = x.req_index[x.new_rows]
+        floats = np.stack([getattr(x, name) for name in FLOAT_PARAMS], axis=1).astype(np.float32, copy=False)
+        ints = np.stack([getattr(x, name) for name in INT_PARAMS], axis=1).astype(np.int64, copy=False)
+        u.req_indices, u.floats, u.ints = batch.add(req_indices), batch.add(floats, np.float32), batch.add(ints)
+        self.host_temperature[req_indices], self.host_top_p[req_indices] = x.temperature, x.top_p
+        self.host_top_k[req_indices], self.host_min_p[req_indices] = x.top_k, x.min_p
+        self.host_logprobs[req_indices] = x.logprobs
+        # With no stop ids to mask (ignore_eos), min_tokens changes nothing: 0 keeps planning off for it.
+        self.host_min_tokens[req_indices] = np.where([len(i) > 0 for i in x.stop_ids], x.min_tokens, 0)
+        self.host_prompt_len[req_indices] = x.prompt_len
+        for s, ids in zip(req_indices, x.stop_ids, strict=True):
+            self.host_stop_ids[s] = ids
+        if self.penalty is not None:
+            penalized = (x.presence_penalty != 0) | (x.frequency_penalty != 0) | (x.repetition_penalty != 1)
+            self.host_penalized[req_indices], self.host_num_bias[req_indices] = penalized, x.num_logit_bias
+            if x.num_logit_bias.any():
+                # Entries past a row's count become (token 0, +0): adding them changes nothing.
+                unused = np.arange(MAX_LOGIT_BIAS)[None, :] >= x.num_logit_bias[:, None]
+                u.bias_ids = batch.add(np.where(unused, 0, x.logit_bias_ids))
+                u.bias_values = batch.add(np.where(unused, 0, x.logit_bias_values), np.float32)
+            if penalized.any():
+                u.fresh = batch.add(req_indices[penalized])
+        self.any_hot = bool((self.host_temperature > 0).any())
+        self.any_logprobs = bool((self.host_logprobs >= 0).any())
+        self.any_penalized = bool(self.host_penalized.any())
+        self.any_penalty_work = self.any_penalized or bool(self.host_num_bias.any() or self.host_min_tokens.any())
+        return u
+
+    def write(self, u: RowUpdate) -> None:
+        """Enqueue the device writes of ``u`` (staged by :meth:`stage`; its batch uploaded)."""
+        if u.block_index is not None:
+            self.block_table.view(-1).index_copy_(0, u.block_index.dev, u.block_ids.dev)
+        if u.req_indices is None:
+            return
+        self.float_params.index_copy_(0, u.req_indices.dev, u.floats.dev)
+        self.int_params.index_copy_(0, u.req_indices.dev, u.ints.dev)
+        st = self.penalty
+        if u.bias_ids is not None:
+            st.bias_ids.index_copy_(0, u.req_indices.dev, u.bias_ids.dev)
+            st.bias_values.index_copy_(0, u.req_indices.dev, u.bias_values.dev)
+        if u.fresh is not None:
+            st.counts.index_fill_(0, u.fresh.dev, 0)
+            st.in_prompt.index_fill_(0, u.fresh.dev, False)
+
+    def stage_counts(self, x: StepInputs, batch: UploadBatch) -> InputCounts | None:
+        """Stage which of step ``x``'s input tokens :meth:`count_inputs` counts; None when no row is penalized.
+
+        Call after :meth:`stage` of the same step (it reads the updated mirrors).
+        """
+        if self.penalty is None or not self.any_penalized:
+            return None
+        rows = np.flatnonzero(self.host_penalized[x.req_index])
+        if not len(rows):
+            return None
+        q = x.query_lens[rows]
+        row_of = np.repeat(rows, q)
+        j = np.arange(int(q.sum())) - np.repeat(np.cumsum(q) - q, q)  # 0..q-1 within each row
+        flat = (np.cumsum(x.query_lens) - x.query_lens)[row_of] + j
+        req_index = x.req_index[row_of]
+        is_output = x.start_pos[row_of] + j >= self.host_prompt_len[req_index]
+        return InputCounts(
+            batch.add(flat[is_output]),
+            batch.add(req_index[is_output]),
+            batch.add(flat[~is_output]),
+            batch.add(req_index[~is_output]),
+            bool(is_output.any()),
+            not bool(is_output.all()),
+        )
+
+    def count_inputs(self, counts: InputCounts | None, input_ids: torch.Tensor) -> None:
+        """Count a step's input tokens of penalized rows, on the device, before the step samples.
+
+        A token at a position below its row's ``prompt_len`` marks the
+        prompt mask; any other is an output token (a decode input, or an
+        output re-prefilled after a preemption) and adds one to its count.
+        Every output token but the last is some step's input, and the last
+        is never penalized against, so the counts are exact without
+        reading the sampled tokens back.
+
+        Args:
+            counts: from :meth:`stage_counts` (its batch uploaded); None counts nothing.
+            input_ids: ``[T]`` int64 on the device, placeholders resolved.
+        """
+        if counts is None:
+            return
+        st = self.penalty
+        if counts.any_output:
+            st.counts.index_put_(
+                (counts.out_req_index.dev, input_ids.index_select(0, counts.out_flat.dev)),
+                st.counts.new_ones(()),
+                accumulate=True,
+            )
+        if counts.any_prompt:
+            st.in_prompt.index_put_(
+                (counts.in_req_index.dev, input_ids.index_select(0, counts.in_flat.dev)), st.in_prompt.new_ones(())
+            )
