@@ -117,6 +117,29 @@ def resolve_model(model: str | None) -> tuple[Path, str]:
     raise ValueError(f"--model {model!r} is neither a .gguf file nor a directory with config.json")
 
 
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: those ``model.safetensors.index.json`` lists, or ``model.safetensors``.
+
+    Raises:
+        FileNotFoundError: no safetensors checkpoint, or a file the index lists is missing.
+    """
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted({model_dir / f for f in json.loads(index.read_text())["weight_map"].values()})
+        if absent := [f.name for f in files if not f.is_file()]:
+            raise FileNotFoundError(f"{index} lists files that are missing: {', '.join(absent)}")
+        return files
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    others = sorted(p.name for p in model_dir.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
+    found = f" (found {', '.join(others)})" if others else ""
+    raise FileNotFoundError(
+        f"{model_dir} has no safetensors weights (model.safetensors or model.safetensors.index.json){found}; "
+        "transformers' save_pretrained writes them"
+    )
+
+
 def read_model_config(model_dir: Path) -> ModelConfig:
     """The model's ``config.json``, normalised and checked to name a supported architecture.
 

@@ -378,7 +378,7 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         **flags: values to use instead of parsed ones, by flag name (``max_num_seqs=...``),
             before any size is derived from them; ``args`` is left as parsed.
     """
-    from pipeline.model_files import read_model_config, resolve_model
+    from pipeline.model_files import checkpoint_files, read_model_config, resolve_model
 
     if unknown := flags.keys() - vars(args).keys():
         raise TypeError(f"make_config: no such flags: {sorted(unknown)}")
@@ -405,6 +405,8 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
     try:
         model_dir, name = resolve_model(None if sim else args.model)
         cfg = read_model_config(model_dir)
+        if not sim:
+            checkpoint_files(model_dir)
     except (FileNotFoundError, ValueError, OSError) as e:
         _die(str(e))
     max_positions = cfg.max_position_embeddings

@@ -217,6 +217,9 @@ def run_gpu_worker(config: EngineConfig, status_conn, stop: StopFlag, rank: int 
             runner, relay = load_runner(config, rank)
     except Stopped:
         return 0  # stopped while loading: the model is not needed any more
+    except (ValueError, FileNotFoundError) as e:  # the model cannot run as configured: the message says why
+        report(status_conn, "error", role, f"could not load model {config.model!r}: {e}")
+        return 1
     except Exception as e:  # start-up failure: tell the launcher why, then exit
         traceback.print_exc()
         report(status_conn, "error", role, f"could not load model {config.model!r}: {e}")

@@ -21,7 +21,8 @@ import transformers
 
 from pipeline.gpu_worker.attention import cpu_paged, make_backend
 from pipeline.gpu_worker.layers.tp import TPGroup
-from pipeline.gpu_worker.models.loader import checkpoint_files, load_model
+from pipeline.gpu_worker.models.loader import load_model
+from pipeline.model_files import checkpoint_files
 from tests.reference import NEAR_TIE
 
 CPU = torch.device("cpu")

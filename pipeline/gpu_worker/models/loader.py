@@ -27,6 +27,7 @@ from pipeline.gpu_worker.layers.tp import SINGLE_RANK, TPGroup
 from pipeline.gpu_worker.models import model_class
 from pipeline.gpu_worker.models.base import CausalLM, CheckpointError
 from pipeline.gpu_worker.models.config import ModelConfig
+from pipeline.model_files import checkpoint_files
 
 _DTYPES = {
     "F64": torch.float64,
@@ -40,29 +41,6 @@ _DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
-
-
-def checkpoint_files(model_dir: Path) -> list[Path]:
-    """The safetensors files of a checkpoint: those ``model.safetensors.index.json`` lists, or ``model.safetensors``.
-
-    Raises:
-        CheckpointError: no safetensors checkpoint, or a file the index lists is missing.
-    """
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted({model_dir / f for f in json.loads(index.read_text())["weight_map"].values()})
-        if absent := [f.name for f in files if not f.is_file()]:
-            raise CheckpointError(f"{index} lists files that are missing: {', '.join(absent)}")
-        return files
-    single = model_dir / "model.safetensors"
-    if single.is_file():
-        return [single]
-    others = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(p.name for p in model_dir.glob("*.pt"))
-    found = f" (found {', '.join(others)})" if others else ""
-    raise CheckpointError(
-        f"{model_dir} has no safetensors weights (model.safetensors or model.safetensors.index.json){found}; "
-        "convert the checkpoint with transformers' save_pretrained, which writes safetensors"
-    )
 
 
 def read_header(path: Path) -> tuple[dict, int]:
@@ -112,7 +90,11 @@ def _close(mm: mmap.mmap) -> None:
 
 
 def read_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the checkpoint in ``model_dir``, file by file (see :func:`iter_tensors`)."""
+    """Every tensor of the checkpoint in ``model_dir``, file by file (see :func:`iter_tensors`).
+
+    Raises:
+        FileNotFoundError: as ``checkpoint_files``.
+    """
     for path in checkpoint_files(model_dir):
         yield from iter_tensors(path)
 
@@ -164,7 +146,8 @@ def load_model(
     Raises:
         ValueError: an unsupported architecture or config, a ``tp.size``
             that does not fit, or an attention backend that cannot run here.
-        CheckpointError: missing, unexpected or misshapen tensors, or no safetensors weights.
+        CheckpointError: missing, unexpected or misshapen tensors.
+        FileNotFoundError: no safetensors weights (see ``checkpoint_files``).
     """
     model = build_model(load_config(model_dir), dtype, device, attention_backend, tp, max_model_len)
     model.load_weights(read_checkpoint(Path(model_dir)))
