@@ -140,6 +140,22 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     )
 
 
+_FLOAT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def checkpoint_dtype(model_dir: Path, config: ModelConfig) -> str:
+    """The checkpoint's floating-point dtype: config.json's ``dtype`` / ``torch_dtype``, else that of most
+    of its first file's tensors (read from the safetensors header); float32 if neither says."""
+    if config.dtype in _FLOAT_DTYPES.values():
+        return config.dtype
+    with open(checkpoint_files(model_dir)[0], "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    found = [
+        _FLOAT_DTYPES[t["dtype"]] for k, t in header.items() if k != "__metadata__" and t["dtype"] in _FLOAT_DTYPES
+    ]
+    return max(set(found), key=found.count) if found else "float32"
+
+
 def read_model_config(model_dir: Path) -> ModelConfig:
     """The model's ``config.json``, normalised and checked to name a supported architecture.
 

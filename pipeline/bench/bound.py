@@ -30,7 +30,7 @@ class BoundReplay:
         from pipeline.gpu_worker.models.loader import load_model
 
         self.device = torch.device(config.device)
-        self.dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
+        self.dtype = getattr(torch, config.dtype)
         self.block_size = config.block_size
         self.model = load_model(
             config.model, self.dtype, self.device, config.attention_backend, max_model_len=config.max_model_len

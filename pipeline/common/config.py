@@ -29,7 +29,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
         tokenizer: directory of the tokenizer io_proc loads (the model's own,
             or the default model's for the simulated device).
         served_model_name: the name clients put in ``model``.
-        dtype: ``"float32"`` or ``"bfloat16"``.
+        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` (``--dtype auto`` resolved).
         device: ``"cpu"`` or ``"cuda"``.
         host, port: where the HTTP server listens.
         max_num_seqs: requests in one step at most (also the number of req_index rows).
@@ -40,7 +40,16 @@ class EngineConfig(msgspec.Struct, frozen=True):
         vocab_size: token ids the model has embedding rows for; 0 when there
             is no model (the simulated device). io_proc refuses prompt ids at
             or above it.
-        num_kv_blocks: KV cache blocks the worker allocates.
+        num_kv_blocks: KV cache blocks the worker allocates; 0 until each
+            engine's rank 0 has sized the cache on its device (CUDA without
+            ``--kv-cache-memory``: docs/design.md, "The worker"), then the
+            launcher starts the scheduler with the figure.
+        kv_cache_memory_bytes: with ``num_kv_blocks`` 0, the KV cache's bytes
+            per device; 0: what ``gpu_memory_utilization`` leaves.
+        gpu_memory_utilization: the fraction of each CUDA device's memory the
+            server may use when the worker sizes the KV cache.
+        chat_template: a Jinja chat template used instead of the tokenizer's;
+            empty: the tokenizer's own.
         async_scheduling: plan step N+1 while step N runs.
         debug_token_cache_poison: poison consumed token-id cache entries and
             check every placeholder read (slower; tests turn it on).
@@ -119,6 +128,9 @@ class EngineConfig(msgspec.Struct, frozen=True):
     block_size: int = 16
     max_model_len: int = 2048
     num_kv_blocks: int = 1024
+    kv_cache_memory_bytes: int = 0
+    gpu_memory_utilization: float = 0.9
+    chat_template: str = ""
     vocab_size: int = 0
     async_scheduling: bool = True
     debug_token_cache_poison: bool = False

@@ -16,6 +16,7 @@ import traceback
 from collections import deque
 from typing import TYPE_CHECKING
 
+import msgspec
 import torch
 
 from pipeline.common.config import EngineConfig
@@ -174,7 +175,7 @@ def load_runner(config: EngineConfig, rank: int = 0) -> tuple[ModelRunner, Descr
         RuntimeError: the rendezvous failed.
     """
     device = torch.device("cuda", config.device_index(rank)) if config.device == "cuda" else torch.device("cpu")
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
+    dtype = getattr(torch, config.dtype)
     if config.is_simulated:
         # The host side of a step is small tensor work: extra intra-op
         # threads would only spin and take a core from the other processes.
@@ -198,6 +199,10 @@ def load_runner(config: EngineConfig, rank: int = 0) -> tuple[ModelRunner, Descr
 
         tp, relay = init_tensor_parallel(config, rank)
     model = load_model(config.model, dtype, device, config.attention_backend, tp, config.max_model_len)
+    if not config.num_kv_blocks:
+        from pipeline.gpu_worker.kv_cache_size import kv_cache_blocks
+
+        config = msgspec.structs.replace(config, num_kv_blocks=kv_cache_blocks(config, model, device, dtype, tp))
     runner = ModelRunner(config, ModelExecutor(config, model, device, dtype), device)
     if config.cuda_graph_sizes:  # after the KV cache exists, so the graphs' pool comes from what is left
         install_decode_graphs(runner, config.cuda_graph_sizes)
@@ -225,8 +230,10 @@ def run_gpu_worker(config: EngineConfig, status_conn, stop: StopFlag, rank: int 
         report(status_conn, "error", role, f"could not load model {config.model!r}: {e}")
         return 1
     freeze_startup_heap()
+    if not config.num_kv_blocks and rank == 0:  # the launcher starts the scheduler with this figure
+        report(status_conn, "kv_blocks", role, runner.config.num_kv_blocks)
     report(status_conn, "ready", role)
-    proc = WorkerProc(config, runner, desc_ring, out_ring, rank, relay)
+    proc = WorkerProc(runner.config, runner, desc_ring, out_ring, rank, relay)
     try:
         proc.run(stop)
         if relay is not None and relay.head_stopped:

@@ -96,6 +96,8 @@ class IoProc:
                 f"cannot load the tokenizer from {config.tokenizer!r} ({type(e).__name__}: {e}); "
                 "--model must be a Hugging Face model directory with tokenizer files"
             ) from e
+        if config.chat_template:
+            tokenizer.chat_template = config.chat_template  # --chat-template: a plain override of the tokenizer's
         tokenization = Tokenization(tokenizer)
         cleanup.callback(tokenization.close)
         trace = TraceRecorder() if config.trace else None
