@@ -206,6 +206,15 @@ def build_parser() -> argparse.ArgumentParser:
         "(the reference for A/B measurements and correctness).",
     )
     p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Keep the KV blocks of computed prefixes (finished requests' too, evicted least recently "
+        "used first) and prefill only what a new request does not share with them; with -dp, route a "
+        "request to the engine holding its longest prefix. --no-enable-prefix-caching recomputes every "
+        "prompt.",
+    )
+    p.add_argument(
         "--debug-token-cache-poison",
         action="store_true",
         help="Poison token-id cache entries once consumed and check every placeholder read "
@@ -264,6 +273,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=4096,
         help="Open HTTP connections plus running requests at which new requests get 503.",
+    )
+    p.add_argument(
+        "--max-seqs-per-request",
+        type=int,
+        default=2048,
+        help="Sequences one request may ask for at most: the prompts of a completions request times n "
+        "(n for a chat request). A request past it gets a 400 naming n or prompt.",
     )
     p.add_argument(
         "--step-timeout",
@@ -422,6 +438,7 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         "http_header_timeout",
         "http_body_timeout",
         "limit_concurrency",
+        "max_seqs_per_request",
         "tensor_parallel_size",
         "data_parallel_size",
     ):
@@ -532,6 +549,7 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         chat_template=chat_template,
         vocab_size=0 if sim else cfg.vocab_size,
         async_scheduling=args.async_scheduling,
+        enable_prefix_caching=args.enable_prefix_caching,
         debug_token_cache_poison=args.debug_token_cache_poison,
         sim_step_us=args.sim_step_us,
         sim_token_us=args.sim_token_us,
@@ -540,6 +558,7 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         http_header_timeout_s=args.http_header_timeout,
         http_body_timeout_s=args.http_body_timeout,
         limit_concurrency=args.limit_concurrency,
+        max_seqs_per_request=args.max_seqs_per_request,
         attention_backend=args.attention_backend,
         worker_threads=args.worker_threads,
         worker_cpus=worker_cpus,

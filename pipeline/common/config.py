@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from pipeline.common.block_hash import root_hash
 from pipeline.common.constants import cdiv
 from pipeline.common.layouts import Layout
 from pipeline.common.shm_ring import ShmRing
@@ -51,6 +52,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
         chat_template: a Jinja chat template used instead of the tokenizer's;
             empty: the tokenizer's own.
         async_scheduling: plan step N+1 while step N runs.
+        enable_prefix_caching: reuse the KV blocks of computed prefixes
+            (docs/design.md, "Prefix caching").
         debug_token_cache_poison: poison consumed token-id cache entries and
             check every placeholder read (slower; tests turn it on).
         attention_backend: the worker's attention backend, one of
@@ -74,6 +77,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
             once its headers are in; then it gets 408 and is closed.
         limit_concurrency: open HTTP connections plus running requests at
             which io_proc answers new requests with 503.
+        max_seqs_per_request: sequences one request may ask for (prompts
+            times ``n``); io_proc refuses more with a 400.
         worker_threads: torch intra-op threads of the worker; 0: one per CPU
             the worker may run on.
         worker_cpus: CPUs the worker runs on; empty: every CPU.
@@ -133,6 +138,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
     chat_template: str = ""
     vocab_size: int = 0
     async_scheduling: bool = True
+    enable_prefix_caching: bool = True
     debug_token_cache_poison: bool = False
     sim_step_us: float = 10_000.0
     sim_token_us: float = 0.0
@@ -144,6 +150,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
     http_header_timeout_s: float = 10.0
     http_body_timeout_s: float = 60.0
     limit_concurrency: int = 4096
+    max_seqs_per_request: int = 2048
     worker_threads: int = 0
     worker_cpus: tuple[int, ...] = ()
     frontend_cpus: tuple[int, ...] = ()
@@ -170,6 +177,11 @@ class EngineConfig(msgspec.Struct, frozen=True):
     def is_simulated(self) -> bool:
         """True when the simulated device replaces the model."""
         return self.model == "sim"
+
+    @property
+    def block_hash_root(self) -> bytes:
+        """The parent name of every prompt's first KV block, from what else makes its content: model, dtype."""
+        return root_hash(self.model, self.dtype)
 
     def engines(self) -> list[EngineConfig]:
         """One config per data-parallel engine, ``engine_index`` 0 .. ``data_parallel_size - 1``."""

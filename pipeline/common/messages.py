@@ -79,9 +79,8 @@ class AddRequest(msgspec.Struct, tag=True):
     """Add a request. ``req_num`` is unique for the server's life.
 
     With ``n`` > 1 the prompt has ``n`` choices: they are the requests
-    ``req_num + 1 .. req_num + n`` (io_proc reserves all ``n + 1`` numbers),
-    choice ``i`` sampling with :func:`choice_seed` ``(params.seed, i)``, and
-    ``req_num`` itself names the shared prefill, which samples nothing
+    ``req_num .. req_num + n - 1`` (io_proc reserves all ``n`` numbers),
+    choice ``i`` sampling with :func:`choice_seed` ``(params.seed, i)``
     (docs/design.md, "Parallel choices").
     """
 
@@ -144,10 +143,14 @@ class Stats(msgspec.Struct, tag=True):
 
     The histograms are the scheduler's (vLLM's request phases from its own
     events, in seconds; tokens per step; its CPU time per step in
-    nanoseconds) and the worker's (:class:`WorkerStats`). The fields that
-    are None are counted by features still to come (prefix caching,
-    speculative decoding); metrics and the stats line show them once they
-    are set.
+    nanoseconds) and the worker's (:class:`WorkerStats`).
+    ``prefix_cache_queries`` and ``prefix_cache_hits`` count prompt tokens
+    looked up in the prefix cache and found there, since the start (vLLM's
+    counters; None with caching off); ``num_cached_blocks`` is the KV blocks
+    that hold a cached prefix now, in use or not (docs/design.md, "Prefix
+    caching"). The fields that are None are counted by features still to
+    come (speculative decoding); metrics and the stats line show them once
+    they are set.
     """
 
     nonce: int
@@ -171,6 +174,7 @@ class Stats(msgspec.Struct, tag=True):
     spec_decode_num_drafts: int | None = None
     spec_decode_num_draft_tokens: int | None = None
     spec_decode_num_accepted_tokens: int | None = None
+    num_cached_blocks: int = 0
 
 
 def merge_stats(per_engine: list[Stats]) -> Stats:
@@ -196,8 +200,19 @@ def merge_stats(per_engine: list[Stats]) -> Stats:
     return Stats(0, **merged)
 
 
+class Admitted(msgspec.Struct, tag=True):
+    """Requests the scheduler admitted for the first time in one step, sent before the step.
+
+    ``num_cached_tokens[i]`` is the prompt tokens ``req_nums[i]`` found in
+    the prefix cache: what its usage reports as ``cached_tokens``.
+    """
+
+    req_nums: list[int]
+    num_cached_tokens: list[int]
+
+
 ToScheduler = Union[AddRequest, AbortRequest, GetStats, Shutdown]
-ToIO = Union[Stats]
+ToIO = Union[Stats, Admitted]
 
 
 def check_finish(token_id: int, num_output_tokens: int, params: SamplingParams) -> FinishReason | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import resource
 import socket
@@ -18,6 +19,7 @@ from multiprocessing.connection import Connection
 import uvicorn
 
 from pipeline.common.config import EngineConfig
+from pipeline.common.memory import BurstWatch, trim_heap
 from pipeline.common.process import StopFlag, freeze_startup_heap, report
 from pipeline.common.shm_ring import ShmRing
 from pipeline.common.step_protocol import StepOutput
@@ -163,11 +165,14 @@ class IoProc:
         interval = self.config.log_stats_interval_s
         stats_lines = asyncio.create_task(StatsLogger(client, interval, STATS_TIMEOUT_S).run()) if interval else None
         code = 0
+        burst = BurstWatch()
         while not serving.done() and not stop.is_set():
             if not client.is_healthy():
                 logger.error("the output reader thread died (%r); exiting", client.reader_error)
                 code = 1
                 break
+            if burst.passed(client.num_live):
+                await asyncio.to_thread(_release_memory)
             await asyncio.sleep(_WATCH_INTERVAL_S)
         if serving.done() and not stop.is_set():
             logger.error("the HTTP server stopped on its own; exiting")
@@ -223,6 +228,12 @@ def run_io_proc(config: EngineConfig, status_conn: Connection, stop: StopFlag) -
         for ring in rings:
             ring.close()
     return code
+
+
+def _release_memory() -> None:
+    """After a burst of requests: collect what is left in reference cycles, then give the free heap back."""
+    gc.collect()
+    trim_heap()
 
 
 def _raise_fd_limit(wanted: int) -> None:

@@ -130,8 +130,11 @@ _GAUGES = (
     ("kv_blocks_total", "KV cache blocks.", "num_total_blocks"),
     ("req_indices_free", "Free request indices (rows of the worker's per-request tables).", "num_free_req_indices"),
     ("req_indices_total", "Request indices (max_num_seqs).", "num_total_req_indices"),
+    ("kv_blocks_cached", "KV cache blocks holding a cached prefix, in use or not.", "num_cached_blocks"),
 )
 _ENGINE_COUNTERS = (("num_steps", "Steps planned by the scheduler.", "num_steps"),)
+# Counters of COUNTERS also reported per engine (pipeline_engine_<name>{engine}): where a request went matters.
+_PER_ENGINE = {"prefix_cache_queries", "prefix_cache_hits"}
 
 
 def kv_cache_usage(s: Stats) -> float:
@@ -187,6 +190,11 @@ class PipelineMetrics:
             if any(v is None for v in values):
                 continue
             yield CounterMetricFamily(f"pipeline_{c.name}", c.doc, value=sum(values))
+            if c.name in _PER_ENGINE:
+                family = CounterMetricFamily(f"pipeline_engine_{c.name}", f"{c.doc} Per engine.", labels=["engine"])
+                for e, v in enumerate(values):
+                    family.add_metric([str(e)], v)
+                yield family
             if self._vllm and c.vllm:
                 family = CounterMetricFamily(c.vllm, c.doc, labels=["model_name", "engine"])
                 for e, v in enumerate(values):

@@ -70,6 +70,8 @@ class RequestState:
         prompt_logprobs_missing: prompt positions whose entry has not arrived.
         released: the client side is done with it (set by ``EngineClient.release``).
         engine: the data-parallel engine that serves it (0 with one engine).
+        num_cached_tokens: prompt tokens its engine found in the prefix cache
+            when it admitted the request; None until that is known.
         arrival_time: ``time.perf_counter()`` when it was added (seconds).
         token_steps: one :class:`StepTime` per output token, that of the
             step which brought it (appended by the reader thread); see
@@ -90,6 +92,7 @@ class RequestState:
         "every_token",
         "released",
         "engine",
+        "num_cached_tokens",
         "arrival_time",
         "token_steps",
         "params",
@@ -134,6 +137,7 @@ class RequestState:
             self.prompt_logprobs_missing = prompt_len - 1
         self.released = False
         self.engine = 0
+        self.num_cached_tokens: int | None = None
         self.arrival_time = time.perf_counter()
         self.token_steps: list[StepTime] = []
         self.streaming = streaming

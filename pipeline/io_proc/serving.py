@@ -65,6 +65,7 @@ from pipeline.io_proc.protocol import (
     DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
+    PromptTokensDetails,
     SamplingRequest,
     TokenizeRequest,
     TokenizeResponse,
@@ -139,6 +140,7 @@ class OpenAIServing:
         self._vocab_limit = min(tokenization.vocab_size, config.vocab_size or tokenization.vocab_size)
         self._structured_output = config.vocab_size > 0
         self._log_requests, self._log_prompts = config.enable_log_requests, config.log_prompts
+        self._max_seqs = config.max_seqs_per_request
 
     @property
     def _texts(self):
@@ -153,6 +155,7 @@ class OpenAIServing:
                 503 scheduler not taking requests.
         """
         self._check_model(req)
+        self._check_fan_out(1, req.num_choices())
         self._check_chars(sum(len(m.text()) for m in req.messages), "messages")
         prompt = await self._tokenization.encode_chat(req.messages)
         states = self._start(req, prompt, "messages")
@@ -182,7 +185,7 @@ class OpenAIServing:
                 model=self._model,
                 prompt_token_ids=prompt_ids,
                 choices=choices,
-                usage=self._usage(states, len(states)),
+                usage=await self._usage(states, len(states)),
             )
         )
 
@@ -194,6 +197,7 @@ class OpenAIServing:
                 and 400 for ``max_tokens`` 0 without ``echo``.
         """
         self._check_model(req)
+        self._check_fan_out(len(req.prompt), req.num_choices())
         if req.requested_max_tokens() == 0 and not req.echo:
             raise APIError.bad_request("max_tokens must be at least 1 unless echo is true", param="max_tokens")
         prompts: list[list[int]] = []
@@ -244,7 +248,7 @@ class OpenAIServing:
             )
         return json_response(
             CompletionResponse(
-                id=rid, created=created, model=self._model, choices=choices, usage=self._usage(states, n)
+                id=rid, created=created, model=self._model, choices=choices, usage=await self._usage(states, n)
             )
         )
 
@@ -287,6 +291,20 @@ class OpenAIServing:
                 type="invalid_request_error",
                 param="model",
                 code="model_not_found",
+            )
+
+    def _check_fan_out(self, num_prompts: int, n: int) -> None:
+        """Refuse a request for more than ``max_seqs_per_request`` sequences (prompts times ``n``).
+
+        Raises:
+            APIError: 400 naming ``n`` (or ``prompt`` when ``n`` is 1).
+        """
+        if num_prompts * n > self._max_seqs:
+            raise APIError.bad_request(
+                f"this request asks for {num_prompts * n} sequences ({num_prompts} prompt(s) x n={n}); this "
+                f"server runs at most {self._max_seqs} per request (--max-seqs-per-request): send fewer "
+                f"prompts or a smaller n, or split the request",
+                param="n" if n > 1 else "prompt",
             )
 
     def _check_chars(self, num_chars: int, param: str) -> None:
@@ -456,12 +474,20 @@ class OpenAIServing:
     def _output_ids(req: SamplingRequest, state: RequestState) -> list[int] | msgspec.UnsetType:
         return state.take_token_ids() if req.return_token_ids else msgspec.UNSET
 
-    @staticmethod
-    def _usage(states: list[RequestState], n: int) -> UsageInfo:
-        """Prompt tokens once per prompt (its ``n`` choices are consecutive), completion tokens of every choice."""
+    async def _usage(self, states: list[RequestState], n: int) -> UsageInfo:
+        """Prompt tokens once per prompt (its ``n`` choices are consecutive), completion tokens of every choice.
+
+        A prompt's cached tokens are its first choice's: the others find the blocks it computed.
+        """
+        await self._client.wait_admitted(states[::n])
         prompt = sum(st.prompt_len for st in states[::n])
         completion = sum(st.num_output_tokens for st in states)
-        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        return UsageInfo(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(st.num_cached_tokens for st in states[::n])),
+        )
 
     # -- streams -------------------------------------------------------------------
 
@@ -520,7 +546,11 @@ class OpenAIServing:
             if include_usage:
                 yield _sse(
                     ChatCompletionChunk(
-                        id=rid, created=created, model=self._model, choices=[], usage=self._usage(states, len(states))
+                        id=rid,
+                        created=created,
+                        model=self._model,
+                        choices=[],
+                        usage=await self._usage(states, len(states)),
                     )
                 )
         except Exception:
@@ -589,7 +619,7 @@ class OpenAIServing:
                         created=created,
                         model=self._model,
                         choices=[],
-                        usage=self._usage(states, req.num_choices()),
+                        usage=await self._usage(states, req.num_choices()),
                     )
                 )
         except Exception:

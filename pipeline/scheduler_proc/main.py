@@ -9,7 +9,9 @@ step's tokens. Imports neither torch nor model code.
 
 from __future__ import annotations
 
+import gc
 import logging
+import threading
 import time
 from collections import deque
 
@@ -20,7 +22,8 @@ import zmq
 from pipeline.common.config import EngineConfig
 from pipeline.common.constants import POLL_INTERVAL_S, cdiv
 from pipeline.common.grammar import load_tokenizer
-from pipeline.common.messages import AbortRequest, AddRequest, GetStats, Shutdown, Stats, ToScheduler
+from pipeline.common.memory import BurstWatch, trim_heap
+from pipeline.common.messages import AbortRequest, AddRequest, Admitted, GetStats, Shutdown, Stats, ToScheduler
 from pipeline.common.process import StopFlag, freeze_startup_heap, report
 from pipeline.common.shm_ring import RingTimeout, ShmRing
 from pipeline.common.step_clock import WORKER_STATS_LEN, CpuPerStep, worker_stats
@@ -73,6 +76,8 @@ class SchedulerProc:
             config.max_blocks_per_seq,
             grammar_tokenizer,
             cdiv(config.vocab_size, MASK_BITS),
+            config.enable_prefix_caching,
+            config.block_hash_root,
         )
         self.max_inflight = MAX_INFLIGHT_STEPS if config.async_scheduling else 1
         self.inflight: deque[int] = deque()
@@ -85,6 +90,7 @@ class SchedulerProc:
         self._decoder = msgspec.msgpack.Decoder(ToScheduler)
         self._encoder = msgspec.msgpack.Encoder()
         self._running = True
+        self._burst = BurstWatch()
 
     def run(self, stop) -> None:
         """Serve until a Shutdown message or ``stop.is_set()``."""
@@ -92,12 +98,25 @@ class SchedulerProc:
         while self._running and not stop.is_set():
             self._drain_control(wait_ms)
             wait_ms = 0
+            if self._burst.passed(self.scheduler.num_unfinished):
+                self._release_memory()
             if len(self.inflight) < self.max_inflight and self.scheduler.num_unfinished and self._plan_step():
                 continue
             if self.inflight:
                 self._await_output()
             else:  # nothing runs and nothing can: sleep in zmq until a message comes
                 wait_ms = int(POLL_INTERVAL_S * 1000)
+
+    def _release_memory(self) -> None:
+        """After a burst of requests: free the free lists and what cycles hold, then give the heap back.
+
+        With the start-up heap frozen the collection sees only what serving
+        allocated (milliseconds once the burst is over); the trim, tens of
+        milliseconds after a burst of hundreds of MB, runs on a thread of its own.
+        """
+        self.scheduler.shrink()
+        gc.collect()
+        threading.Thread(target=trim_heap, name="trim-heap", daemon=True).start()
 
     def _drain_control(self, timeout_ms: int) -> None:
         if not self.control.poll(timeout_ms):
@@ -131,9 +150,17 @@ class SchedulerProc:
         step_id = self.scheduler.next_step_id
         if not self.scheduler.schedule(desc):
             return False  # entry stays acquired for the next try
+        if self.scheduler.admitted:  # before the step: io_proc has it before the requests' outputs
+            nums, cached = zip(*self.scheduler.admitted)
+            self.replies.send(self._encoder.encode(Admitted(list(nums), list(cached))))
+            self.scheduler.admitted.clear()
         self.desc_ring.publish()
         if self.trace is not None:
-            self.trace.add(self.config.scheduler_role, "plan", "plan", step_id, t0, time.monotonic_ns())
+            t1 = time.monotonic_ns()
+            self.trace.add(self.config.scheduler_role, "plan", "plan", step_id, t0, t1)
+            if self.scheduler.num_cached_tokens_step:
+                hits = f"{self.scheduler.num_cached_tokens_step} cached tokens"
+                self.trace.add(self.config.scheduler_role, "prefix cache", hits, step_id, t0, t1)
         if not self.inflight:
             self._oldest_since = time.monotonic()
         self.inflight.append(step_id)
@@ -183,6 +210,10 @@ class SchedulerProc:
             iteration_tokens=s.iteration_tokens.data(),
             step_cpu=self._cpu.histogram.data(1e-9),
             worker=worker_stats(self._worker_counts),
+            # None with caching off, as vLLM reports no prefix-cache figures then.
+            prefix_cache_queries=s.prefix.num_queries if s.prefix.enabled else None,
+            prefix_cache_hits=s.prefix.num_hits if s.prefix.enabled else None,
+            num_cached_blocks=s.pool.num_cached_blocks,
         )
 
 

@@ -46,6 +46,7 @@ from pipeline.common.step_protocol import (
     max_new_blocks_per_step,
 )
 from pipeline.scheduler_proc.kv_block_pool import BlockPool
+from pipeline.scheduler_proc.prefix_cache import PrefixCache, num_final_tokens
 
 log = logging.getLogger(__name__)
 
@@ -59,13 +60,14 @@ class Request:
 
     ``num_computed_tokens`` counts tokens already placed in a step (in flight
     included); ``num_placeholders`` counts tokens sampled in steps whose
-    output has not arrived (0 or 1). A shared prefill (``choices`` set) has
-    as its prompt only the prefix its choices share, and samples nothing.
-    ``grammar`` is the matcher of a structured-output request (None for
-    others); it has consumed every token of ``output_token_ids``.
-    ``queued_ns``, ``scheduled_ns`` (first admission; 0 before) and
-    ``first_token_ns`` (0 before) are vLLM's request events on
-    ``time.monotonic_ns()`` (docs/design.md, "Metrics").
+    output has not arrived (0 or 1). ``block_hashes`` names its prompt's
+    full blocks and those of its final tokens so far; its first
+    ``num_named_blocks`` blocks carry their names in the pool
+    (docs/design.md, "Prefix caching"). ``grammar`` is the matcher of a
+    structured-output request (None for others); it has consumed every token
+    of ``output_token_ids``. ``queued_ns``, ``scheduled_ns`` (first
+    admission; 0 before) and ``first_token_ns`` (0 before) are vLLM's request
+    events on ``time.monotonic_ns()`` (docs/design.md, "Metrics").
     """
 
     __slots__ = (
@@ -79,8 +81,8 @@ class Request:
         "block_ids",
         "last_step_id",
         "is_new",
-        "choices",
-        "parent",
+        "block_hashes",
+        "num_named_blocks",
         "grammar",
         "queued_ns",
         "scheduled_ns",
@@ -102,10 +104,8 @@ class Request:
         self.block_ids: list[int] = []
         self.last_step_id = -1
         self.is_new = True
-        # A shared prefill (n > 1) lists the choices it forks into once planned;
-        # each of those names it until then (docs/design.md, "Parallel choices").
-        self.choices: list[Request] | None = None
-        self.parent: Request | None = None
+        self.block_hashes: list[bytes] = []
+        self.num_named_blocks = 0
         self.grammar = grammar
         self.queued_ns = time.monotonic_ns()
         self.scheduled_ns = 0
@@ -144,6 +144,8 @@ class Scheduler:
             (:func:`~pipeline.common.grammar.load_tokenizer`) for requests
             with a grammar; None when the model has none (the simulated device).
         mask_words: int32 words of one token bitmask (``ceil(vocab / 32)``).
+        enable_prefix_caching: reuse the blocks of cached prefixes.
+        block_hash_root: the parent name of a first block (``EngineConfig.block_hash_root``).
 
     Raises:
         ValueError: if one request of ``max_model_len`` tokens could not fit.
@@ -158,6 +160,8 @@ class Scheduler:
         max_blocks_per_seq: int,
         grammar_tokenizer=None,
         mask_words: int = 0,
+        enable_prefix_caching: bool = True,
+        block_hash_root: bytes = b"",
     ):
         if num_kv_blocks < max_blocks_per_seq:
             raise ValueError(
@@ -167,13 +171,17 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.block_size = block_size
-        self.pool = BlockPool(num_kv_blocks, max_num_seqs)
+        self.pool = BlockPool(num_kv_blocks, max_num_seqs, enable_prefix_caching)
+        self.prefix = PrefixCache(self.pool, block_size, block_hash_root)
+        self.num_cached_tokens_step = 0  # prompt tokens found cached by the requests admitted in the last step
         self.requests: dict[int, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.next_step_id = 0
         self.num_preemptions = 0
         self.num_steady_steps = 0  # steps that planned steady rows
+        # (req_num, prompt tokens found cached) of first admissions since the caller last emptied it.
+        self.admitted: list[tuple[int, int]] = []
         # vLLM's request phases, seconds, observed as requests finish; tokens per step.
         self.queue_time, self.prefill_time, self.decode_time, self.inference_time = (
             Histogram(REQUEST_LATENCY_BUCKETS) for _ in range(4)
@@ -225,43 +233,24 @@ class Scheduler:
     def add_request(self, msg: AddRequest) -> None:
         """Queue a new request. A repeated ``req_num`` is ignored.
 
-        With ``msg.n`` > 1, the choices share the KV blocks of the prompt's
-        longest prefix of whole blocks that leaves at least one prompt token:
-        a shared prefill computes it once, and each choice then computes the
-        rest of the prompt itself, in its own blocks (docs/design.md,
-        "Parallel choices"). Without such a prefix, or with prompt
-        log-probabilities (each choice reports its own), the choices run as
-        independent requests.
+        With ``msg.n`` > 1 its choices are the requests ``req_num + i``, each
+        seeded :func:`~pipeline.common.messages.choice_seed` ``(seed, i)``;
+        they share the prompt through the prefix cache: the first computes
+        it, and the others, admitted behind it, find its blocks
+        (docs/design.md, "Parallel choices").
         """
         if msg.req_num in self.requests:
             return
         prompt = list(msg.prompt_token_ids)
-        if msg.n == 1:
-            req = Request(msg.req_num, prompt, msg.params, self._new_grammar(msg.params))
+        for i in range(msg.n):
+            params = msg.params if msg.n == 1 else replace(msg.params, seed=choice_seed(msg.params.seed, i))
+            req = Request(msg.req_num + i, prompt, params, self._new_grammar(params))
+            if i == 0:
+                self.prefix.name_prompt(req)
+            else:
+                req.block_hashes = list(self.waiting[-1].block_hashes)
             self.requests[req.req_num] = req
             self.waiting.append(req)
-            return
-        choices = [
-            Request(
-                msg.req_num + 1 + i,
-                prompt,
-                replace(msg.params, seed=choice_seed(msg.params.seed, i)),
-                self._new_grammar(msg.params),
-            )
-            for i in range(msg.n)
-        ]
-        for c in choices:
-            self.requests[c.req_num] = c
-        shared = (len(prompt) - 1) // self.block_size * self.block_size
-        if shared == 0 or msg.params.prompt_logprobs >= 0:
-            self.waiting.extend(choices)
-            return
-        prefill = Request(msg.req_num, prompt[:shared], msg.params)
-        prefill.choices = choices
-        for c in choices:
-            c.parent = prefill
-        self.requests[prefill.req_num] = prefill
-        self.waiting.append(prefill)
 
     def _new_grammar(self, params: SamplingParams) -> GrammarState | None:
         """A fresh matcher for a request with a grammar (about 1 ms: llguidance compiles lazily), else None."""
@@ -274,27 +263,23 @@ class Scheduler:
     def abort_request(self, req_num: int, finished_ns: int = 0) -> None:
         """Drop a request now; its blocks and req_index return after its last step in flight.
 
-        A choice still waiting for its shared prefill leaves it; the prefill
-        is dropped once no choice waits for it. ``finished_ns`` > 0 means the
-        request finished then (a stop string), and its phases are observed.
+        ``finished_ns`` > 0 means the request finished then (a stop string),
+        and its phases are observed.
         """
         req = self.requests.get(req_num)
         if req is None:
             return
         if finished_ns:
             self._observe_finish(req, finished_ns)
-        if req.parent is not None:
-            prefill = req.parent
-            prefill.choices.remove(req)
-            del self.requests[req_num]
-            if not prefill.choices:
-                self._remove(prefill)
-            return
         self._remove(req)
 
     @property
     def num_unfinished(self) -> int:
         return len(self.requests)
+
+    def shrink(self) -> None:
+        """After a burst: rebuild the request table, which never gives back the room its peak took."""
+        self.requests = dict(self.requests)
 
     # -- planning ---------------------------------------------------------------
 
@@ -312,6 +297,7 @@ class Scheduler:
         max_rows = self.max_num_seqs - len(steady)
         rows: list[tuple[Request, int, bool]] = []  # (request, num tokens, samples)
         num_masks = 0  # rows planned that sample under a grammar
+        self.num_cached_tokens_step = 0
 
         for req in list(self._others):
             if budget == 0 or len(rows) == max_rows:
@@ -333,6 +319,8 @@ class Scheduler:
                 num_masks += 1
             if not self._grow_blocks(req, n):
                 continue
+            # Named now, as planned: a request admitted later in this step may start from them.
+            self.prefix.name_final(req, min(req.num_known_tokens, req.num_computed_tokens + n))
             rows.append((req, n, sample))
             budget -= n
 
@@ -341,29 +329,41 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_placeholders:
                 break  # preempted with a token still in flight: wait for it, keep FIFO order
-            # A choice starts after its shared prefix, in blocks it inherited.
-            start, inherited = req.num_computed_tokens, len(req.block_ids)
-            n = min(req.num_known_tokens - start, budget)
             if self.pool.num_free_req_indices == 0:
                 break
+            # It starts after its longest cached prefix, in those blocks (found in this step too).
+            hit = self.prefix.lookup(req)
+            room = self._max_new_blocks - self._builder.num_blocks  # block-table entries the step can still set
+            if cdiv(req.num_known_tokens, self.block_size) > room:  # its row must fit them, whatever the chunk
+                hit = hit[: max(0, room - cdiv(budget, self.block_size))]
+            start = len(hit) * self.block_size
+            n = min(req.num_known_tokens - start, budget)
             masked = req.grammar is not None and self._samples(req, start + n)
             if masked and num_masks == MAX_MASKED_ROWS:
                 break
-            need = cdiv(start + n, self.block_size) - inherited
-            if need > self.pool.num_free_blocks or self._builder.num_blocks + inherited + need > self._max_new_blocks:
-                if not self.running and not rows:
-                    self._unshare_waiting()  # waiting choices hold the blocks the head needs
+            need = cdiv(start + n, self.block_size) - len(hit)
+            if (
+                need + self.pool.count_unowned(hit) > self.pool.num_free_blocks
+                or self._builder.num_blocks + len(hit) + need > self._max_new_blocks
+            ):
                 break
             self.waiting.popleft()
+            self.pool.share(hit)  # before _grow_blocks allocates: an unowned hit could be evicted
+            self.prefix.count(req, hit)
+            if req.last_step_id < 0:  # its first admission (a preempted request has run)
+                self.admitted.append((req.req_num, start))
+            self.num_cached_tokens_step += start
+            req.block_ids, req.num_named_blocks, req.num_computed_tokens = list(hit), len(hit), start
             if not req.scheduled_ns:  # the first admission; a preempted request keeps it, as in vLLM
                 req.scheduled_ns = time.monotonic_ns()
             req.req_index = self.pool.allocate_req_index()
             req.is_new = True
             self._admitted[req.req_index] = self._num_admitted
             self._num_admitted += 1
-            for i, b in enumerate(req.block_ids):  # the new req_index's block-table row
+            for i, b in enumerate(hit):  # the new req_index's block-table row
                 self._builder.add_block(req.req_index, i, b)
             self._grow_blocks(req, n)
+            self.prefix.name_final(req, min(req.num_known_tokens, start + n))
             self.running.append(req)
             self._others.append(req)
             rows.append((req, n, self._samples(req, start + n)))
@@ -382,10 +382,9 @@ class Scheduler:
         """Whether a row of ``req`` that computes up to position ``end`` samples a token.
 
         Only the chunk that reaches the last known token samples, and a request
-        with ``max_tokens`` 0 (prompt log-probabilities only) or a shared
-        prefill never does.
+        with ``max_tokens`` 0 (prompt log-probabilities only) never does.
         """
-        return end >= req.num_known_tokens and req.params.max_tokens > 0 and req.choices is None
+        return end >= req.num_known_tokens and req.params.max_tokens > 0
 
     def _plan_steady(self) -> np.ndarray:
         """Req indices (int64 ``[D]``) of the steady rows that decode in the step being planned.
@@ -456,6 +455,9 @@ class Scheduler:
         req.last_step_id = int(self._last[req_index])
         self._steady_req[req_index] = None
         self._req_num[req_index] = -1
+        # Its blocks filled while steady are named only now: naming as its tokens arrive would cost
+        # a hash a block in the steps of every row, and nothing can reuse them while it runs.
+        self.prefix.name_final(req, num_final_tokens(req))
 
     def _leave_steady(self) -> None:
         """Every steady row goes back to the general path (``_others``, in running order)."""
@@ -538,8 +540,6 @@ class Scheduler:
             req.last_step_id = step_id
             if sample:
                 req.num_placeholders += 1
-            if req.choices is not None and req.num_computed_tokens == req.num_known_tokens:
-                self._fork(req)
         decode = None
         if len(steady):
             pos = self._pos[steady]
@@ -560,31 +560,6 @@ class Scheduler:
         joining = [req for req, k, sample in rows if k == 1 and sample and req.grammar is None]
         if joining:
             self._join_steady(joining)
-
-    def _unshare_waiting(self) -> None:
-        """Waiting choices give back the prefix blocks they inherited, and will compute their prompts whole.
-
-        Only when nothing runs: then nothing else would ever free blocks for the waiting head.
-        """
-        for req in self.waiting:
-            if req.block_ids and req.num_placeholders == 0:
-                self.pool.free_after(req.last_step_id, req.block_ids, -1)
-                req.block_ids, req.num_computed_tokens = [], 0
-
-    def _fork(self, prefill: Request) -> None:
-        """The shared prefill is planned: its choices take its blocks and wait, first in line.
-
-        Steps run in order on the device, so a choice planned in a later step
-        reads the prefix's KV already written.
-        """
-        for c in reversed(prefill.choices):
-            self.pool.share(prefill.block_ids)
-            c.block_ids = list(prefill.block_ids)
-            c.num_computed_tokens = prefill.num_known_tokens
-            c.parent = None
-            self.waiting.appendleft(c)
-        prefill.choices = []
-        self._remove(prefill)
 
     # -- outputs ----------------------------------------------------------------
 
@@ -635,7 +610,8 @@ class Scheduler:
         req.num_placeholders -= 1
         if not req.output_token_ids and not req.first_token_ns:
             req.first_token_ns = self._output_ns
-        if req.req_index >= 0 and self._steady_req[req.req_index] is req:  # a steady row's token from a general row
+        steady = req.req_index >= 0 and self._steady_req[req.req_index] is req
+        if steady:  # a steady row's token from a general row
             self._move_tokens(req.req_index)  # older tokens first
             self._left[req.req_index] -= 1
             self._last_token[req.req_index] = t
@@ -647,6 +623,8 @@ class Scheduler:
             finished.append(req.req_num)
             self._observe_finish(req, self._output_ns)
             self._remove(req)
+        elif not steady:  # a steady row's counters are not current: it names its blocks when it leaves
+            self.prefix.name_final(req, num_final_tokens(req))
 
     def _move_tokens(self, req_index: int) -> None:
         """Append the tokens buffered for the steady row in ``req_index`` to its request's own list."""
@@ -690,13 +668,16 @@ class Scheduler:
         At batch 1024 a few dozen rows can end in one step; removing them one
         by one would scan the running list once for each.
         """
-        self._num_tokens[req_indices] = 0  # nobody reads an ended request's tokens
+        if not self.prefix.enabled:  # with caching, its blocks' names do
+            self._num_tokens[req_indices] = 0  # nobody reads an ended request's tokens
         for s in req_indices.tolist():
             req = self._steady_req[s]
             self._observe_finish(req, self._output_ns)
             self._apply_steady(s)
             del self.requests[req.req_num]
-            self.pool.free_after(req.last_step_id, req.block_ids, s)
+            # req.req_index, not s: an int made by tolist() would outlive the burst in the free list and keep
+            # the allocator page it sits on from being given back.
+            self.pool.free_after(req.last_step_id, req.block_ids, req.req_index)
             req.block_ids, req.req_index = [], -1
         self.running = [r for r in self.running if r.req_index >= 0]  # a running request has a req_index
         self._steady_indices = self._steady_indices[self._req_num[self._steady_indices] >= 0]
@@ -715,9 +696,11 @@ class Scheduler:
     # -- internals --------------------------------------------------------------
 
     def _remove(self, req: Request) -> None:
+        """Drop ``req`` (finished or aborted); its named blocks stay cached."""
         del self.requests[req.req_num]
         if req.req_index >= 0:
             self._leave_running(req)
+            self.prefix.name_final(req, num_final_tokens(req))
         else:
             self.waiting.remove(req)
         self.pool.free_after(req.last_step_id, req.block_ids, req.req_index)
@@ -733,9 +716,11 @@ class Scheduler:
             self._others.remove(req)
 
     def _preempt(self, req: Request) -> None:
+        """Free ``req``'s blocks (its named ones stay cached, for its readmission) and requeue it first."""
         self._leave_running(req)
+        self.prefix.name_final(req, num_final_tokens(req))
         self.pool.free_after(req.last_step_id, req.block_ids, req.req_index)
-        req.block_ids, req.req_index = [], -1
+        req.block_ids, req.req_index, req.num_named_blocks = [], -1, 0
         req.num_computed_tokens = 0
         req.is_new = True
         self.waiting.appendleft(req)
