@@ -87,6 +87,37 @@ FAMILIES = {
         ),
     ),
     "gemma": (transformers.GemmaConfig, dict(tie_word_embeddings=True)),
+    # Sliding windows of 8-16 keys, so that the prompts (40 and 23 tokens, prefilled 16 at a time) and the
+    # decode steps cross them: on every layer (Mistral), past max_window_layers (Qwen2), alternating (Gemma).
+    "mistral-window": (transformers.MistralConfig, dict(sliding_window=8)),
+    "qwen2-window": (
+        transformers.Qwen2Config,
+        dict(use_sliding_window=True, sliding_window=12, max_window_layers=1, num_hidden_layers=3),
+    ),
+    "gemma2": (
+        transformers.Gemma2Config,
+        dict(sliding_window=8, query_pre_attn_scalar=48, attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
+    ),
+    "gemma3": (
+        transformers.Gemma3TextConfig,
+        dict(
+            sliding_window=16,
+            num_hidden_layers=3,
+            sliding_window_pattern=3,
+            rope_parameters={
+                "full_attention": dict(rope_type="linear", factor=4.0, rope_theta=1e6),
+                "sliding_attention": dict(rope_type="default", rope_theta=1e4),
+            },
+        ),
+    ),
+    "gemma3-multimodal": (
+        lambda **text: transformers.Gemma3Config(
+            text_config={**text, "sliding_window": 8},
+            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2),
+            mm_tokens_per_image=4,
+        ),
+        {},
+    ),
 }
 BACKENDS = ["torch_sdpa", "torch_bucketed", "cpu_paged"]
 

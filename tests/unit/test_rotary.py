@@ -9,7 +9,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
 from pipeline.gpu_worker.layers.rotary import RotaryEmbedding
-from pipeline.gpu_worker.models.config import ModelConfig
+from pipeline.gpu_worker.models.config import FULL, SLIDING, ModelConfig
 
 MAX_POS = 256
 FIELDS = dict(
@@ -105,3 +105,36 @@ def test_older_configs_rope_theta_and_rope_scaling_read_the_same(case):
     new = transformers.LlamaConfig(**FIELDS, rope_parameters=dict(CASES[case]))
     assert ModelConfig.from_hf(v4).rope == ModelConfig.from_hf(new).rope
     assert ModelConfig.from_hf(v4).rope == ModelConfig.from_hf(new.to_dict()).rope
+
+
+def test_gemma3_local_and_global_bases_in_both_formats():
+    text = dict(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        sliding_window=16,
+    )
+    v5 = transformers.Gemma3TextConfig(
+        **text,
+        rope_parameters={
+            FULL: dict(rope_type="linear", factor=8.0, rope_theta=1e6),
+            SLIDING: dict(rope_type="default", rope_theta=1e4),
+        },
+    )
+    v5.architectures = ["Gemma3ForCausalLM"]
+    old = {
+        **text,
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "rope_theta": 1e6,
+        "rope_local_base_freq": 1e4,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+    }
+    for cfg in (ModelConfig.from_hf(v5), ModelConfig.from_hf(old), ModelConfig.from_hf(v5.to_dict())):
+        assert (cfg.rope.rope_type, cfg.rope.theta, cfg.rope.scaling["factor"]) == ("linear", 1e6, 8.0)
+        assert (cfg.rope_sliding.rope_type, cfg.rope_sliding.theta) == ("default", 1e4)
+        assert cfg.layer_types == (SLIDING,) * 5 + (FULL,)

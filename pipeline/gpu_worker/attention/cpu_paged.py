@@ -69,8 +69,10 @@ def unavailable_reason() -> str | None:
     try:
         from torch.utils import cpp_extension
 
+        source_tag = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:8]
         cpp_extension.load(
-            f"pipeline_cpu_paged_{_host_tag()}",
+            # Per CPU and source: checkouts of other versions keep their own builds instead of rebuilding in turn.
+            f"pipeline_cpu_paged_{_host_tag()}_{source_tag}",
             [str(_SOURCE)],
             extra_cflags=_CFLAGS,
             is_python_module=False,
@@ -125,17 +127,23 @@ class CpuPagedBackend(TorchBucketedBackend):
         kv_cache: KVCache,
         meta: BucketedMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         k_cache, v_cache = write_kv(kv_cache, k, v, meta.slot_mapping, head_major=True)
         out = q.new_empty(q.shape)
+        bs = meta.block_size
         for b in meta.decode:
             if supports(q.shape[1], k.shape[1], q.shape[2]):
-                # Reads q and writes out at each row's token index: no gathered copies.
+                # Reads q and writes out at each row's token index: no gathered copies; a window's
+                # older keys are not read at all.
                 self._kernel(
-                    out, q, k_cache, v_cache, b.token_index, b.block_ids, b.context_lens, scale, meta.block_size
-                )
+                    out, q, k_cache, v_cache, b.token_index, b.block_ids, b.context_lens, scale, bs, window or 0,
+                    softcap or 0.0,
+                )  # fmt: skip
             else:  # a shape the kernel is not built for: correct, padded to the longest row
-                out.index_copy_(0, b.out_tokens, self.attend_bucket(q, k_cache, v_cache, b, meta.block_size, scale))
+                res = self.attend_bucket(q, k_cache, v_cache, b, bs, scale, window, softcap)
+                out.index_copy_(0, b.out_tokens, res)
         for b in meta.prefill:
-            out.index_copy_(0, b.out_tokens, self.attend_bucket(q, k_cache, v_cache, b, meta.block_size, scale))
+            out.index_copy_(0, b.out_tokens, self.attend_bucket(q, k_cache, v_cache, b, bs, scale, window, softcap))
         return out

@@ -38,8 +38,6 @@ class Attention(nn.Module):
         self.head_dim, self.scale = d, config.attn_scale
         self.window = config.window(layer, max_model_len)
         self.softcap = config.attn_logit_softcapping
-        if self.window is not None or self.softcap is not None:
-            raise ValueError("sliding-window attention and attention soft-capping are not supported yet")
 
     def forward(
         self,
@@ -61,5 +59,5 @@ class Attention(nn.Module):
         else:
             q = apply_rotary(self.q_norm(qkv[:, :h]), cos, sin)
             k = apply_rotary(self.k_norm(qkv[:, h : h + kv]), cos, sin)
-        out = attn.forward(q, k, qkv[:, h + kv :], kv_cache, meta, self.scale)
+        out = attn.forward(q, k, qkv[:, h + kv :], kv_cache, meta, self.scale, self.window, self.softcap)
         return self.o_proj(out.reshape(num_tokens, -1))

@@ -16,6 +16,9 @@ _MODELS = {
     "Qwen3ForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen3MoeForCausalLM": ("llama", "LlamaForCausalLM"),
     "GemmaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Gemma2ForCausalLM": ("gemma", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma", "Gemma2ForCausalLM"),
+    "Gemma3ForConditionalGeneration": ("gemma", "Gemma3ForConditionalGeneration"),
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
 }

@@ -87,6 +87,10 @@ class CausalLM(nn.Module):
             self.decoder_layer(config, i, max_model_len, tp) for i in range(config.num_hidden_layers)
         )
         self.model.norm = make_norm(config.norm, config.hidden_size, config.rms_norm_eps)
+        # The (window, softcap) pairs the layers attend with (a backend may plan each once per step).
+        self.attention_kinds = tuple(
+            dict.fromkeys((layer.self_attn.window, layer.self_attn.softcap) for layer in self.model.layers)
+        )
         self.lm_head = None
         if not config.tie_word_embeddings:
             self.lm_head = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)

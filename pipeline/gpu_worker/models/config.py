@@ -181,6 +181,9 @@ class ModelConfig:
         sparse_step = int(f.get("decoder_sparse_step") or 1)
         dense_layers = set(f.get("mlp_only_layers") or ())
         scalar = f.get("query_pre_attn_scalar")
+        # A multimodal wrapper's own flag ties its language model's head.
+        tie = top.get("tie_word_embeddings") if text is not None else None
+        tie = f.get("tie_word_embeddings", False) if tie is None else tie
         # transformers 5 writes dtype, older versions torch_dtype (a deprecated attribute on config objects).
         dtype = f.get("dtype") or top.get("dtype") or (hf.get("torch_dtype") if isinstance(hf, Mapping) else None)
         return cls(
@@ -196,7 +199,7 @@ class ModelConfig:
             max_position_embeddings=max_pos,
             rms_norm_eps=float(f.get("rms_norm_eps") or 1e-6),
             hidden_act=act,
-            tie_word_embeddings=bool(f.get("tie_word_embeddings", top.get("tie_word_embeddings", False))),
+            tie_word_embeddings=bool(tie),
             qkv_bias=implied.get("qkv_bias", attention_bias),
             o_bias=implied.get("o_bias", attention_bias),
             mlp_bias=bool(f.get("mlp_bias", False)),

@@ -177,5 +177,7 @@ def build_model(
         num_heads=model.num_heads,
         num_kv_heads=model.num_kv_heads,
         head_dim=model.head_dim,
+        scale=config.attn_scale,
+        kinds=model.attention_kinds,
     )
     return model.eval()
