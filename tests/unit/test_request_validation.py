@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+from safetensors.torch import save_file
 
 from pipeline.common.config import EngineConfig
 from pipeline.io_proc.protocol import APIError, CompletionRequest
@@ -26,6 +27,7 @@ def model_dir(tmp_path):
         "vocab_size": 300,
     }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
+    save_file({}, tmp_path / "model.safetensors")  # start-up checks the weights file is there, not its tensors
     return tmp_path
 
 
