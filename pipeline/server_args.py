@@ -16,6 +16,7 @@ from pathlib import Path
 
 from pipeline.common.config import ATTENTION_BACKENDS, EngineConfig
 from pipeline.common.instance_files import make_ipc_dir, sweep_dead_instances
+from pipeline.io_proc.tool_parsers import TOOL_PARSERS
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -78,8 +79,45 @@ def build_parser() -> argparse.ArgumentParser:
         "--chat-template",
         metavar="FILE",
         default=None,
-        help="Jinja chat template file to render chat messages with, instead of the tokenizer's own "
-        "(the model directory's chat_template.jinja or tokenizer_config.json).",
+        help="A Jinja chat template file to use instead of the model's own (the model directory's "
+        "chat_template.jinja or tokenizer_config.json), for example one that renders tools in the format "
+        "of --tool-call-parser.",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        default=None,
+        help="The format the model writes tool calls in (vLLM's names): hermes (Hermes, Qwen 2.5 / 3: "
+        "<tool_call>{...}</tool_call>), llama3_json (Llama 3.1 / 3.2 JSON), mistral ([TOOL_CALLS][...]), "
+        "pythonic ([f(x=1)]). Calls are parsed out of the output, and a grammar built from the tools' "
+        "schemas keeps their arguments valid. With a template that renders tools, tool_choice "
+        "required or a named function uses this format too; otherwise a JSON list of calls.",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='Serve tool_choice "auto" (the default when a request has tools): the model may call '
+        "tools or answer; needs --tool-call-parser and a chat template that renders tools.",
+    )
+    p.add_argument(
+        "--responses-store-max-entries",
+        type=int,
+        default=1024,
+        help="/v1/responses: responses kept in memory for previous_response_id (requests with "
+        "store: true); beyond it the oldest are dropped. 0: nothing is stored.",
+    )
+    p.add_argument(
+        "--responses-store-max-bytes",
+        type=int,
+        default=64 * 2**20,
+        help="/v1/responses: bytes the stored responses may take in all (their JSON size, "
+        "conversation included); beyond it the oldest are dropped.",
+    )
+    p.add_argument(
+        "--responses-store-max-age",
+        type=float,
+        default=3600.0,
+        help="/v1/responses: seconds a stored response is kept.",
     )
     p.add_argument(
         "--device",
@@ -488,6 +526,10 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         _die("--step-timeout must be 0 (off) or positive")
     if args.log_stats_interval < 0:
         _die("--log-stats-interval must be 0 (off) or positive")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        _die("--enable-auto-tool-choice needs --tool-call-parser: the format the model writes calls in")
+    if min(args.responses_store_max_entries, args.responses_store_max_bytes) < 0 or args.responses_store_max_age < 0:
+        _die("--responses-store-max-entries, --responses-store-max-bytes and --responses-store-max-age must be >= 0")
     device = args.device
     if sim:
         device = "cpu"  # the simulated device is host code
@@ -515,7 +557,7 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
     chat_template = ""
     if args.chat_template:
         try:
-            chat_template = Path(args.chat_template).read_text()
+            chat_template = Path(args.chat_template).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             _die(f"--chat-template {args.chat_template!r} cannot be read: {e}")
     # Graphs are captured on CUDA with one rank only (docs/design.md, "The worker").
@@ -548,7 +590,6 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         num_kv_blocks=num_blocks,
         kv_cache_memory_bytes=int((args.kv_cache_memory or 0) * 2**30),
         gpu_memory_utilization=args.gpu_memory_utilization,
-        chat_template=chat_template,
         vocab_size=0 if sim else cfg.vocab_size,
         async_scheduling=args.async_scheduling,
         enable_prefix_caching=args.enable_prefix_caching,
@@ -579,6 +620,12 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         uvicorn_access_log=not args.disable_uvicorn_access_log,
         enable_log_requests=args.enable_log_requests,
         log_prompts=args.log_prompts,
+        chat_template=chat_template,
+        tool_call_parser=args.tool_call_parser or "",
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        responses_store_max_entries=args.responses_store_max_entries,
+        responses_store_max_bytes=args.responses_store_max_bytes,
+        responses_store_max_age_s=args.responses_store_max_age,
         instance=f"{os.getpid()}-{secrets.token_hex(4)}",
         ipc_dir=make_ipc_dir(),
     )

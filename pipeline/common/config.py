@@ -49,8 +49,6 @@ class EngineConfig(msgspec.Struct, frozen=True):
             per device; 0: what ``gpu_memory_utilization`` leaves.
         gpu_memory_utilization: the fraction of each CUDA device's memory the
             server may use when the worker sizes the KV cache.
-        chat_template: a Jinja chat template used instead of the tokenizer's;
-            empty: the tokenizer's own.
         async_scheduling: plan step N+1 while step N runs.
         enable_prefix_caching: reuse the KV blocks of computed prefixes
             (docs/design.md, "Prefix caching").
@@ -118,6 +116,16 @@ class EngineConfig(msgspec.Struct, frozen=True):
         debug_fail_step: the worker raises ``RuntimeError`` when it
             launches this step, as a failing forward pass would (the fault
             tests use it); -1: never.
+        chat_template: a Jinja chat template that replaces the tokenizer's
+            (``--chat-template``, read at start-up); empty: the tokenizer's own.
+        tool_call_parser: the tool-call format of ``tool_choice: auto`` and,
+            with a template that renders tools, of ``required``
+            (docs/design.md, "Tool calling"); empty: none.
+        enable_auto_tool_choice: serve ``tool_choice: auto`` (needs a parser).
+        responses_store_max_entries, responses_store_max_bytes,
+        responses_store_max_age_s: the bounds of ``/v1/responses``' store of
+            responses kept for ``previous_response_id`` (``store: true``); the
+            oldest go first. 0 entries: nothing is stored.
         instance: unique id of this server instance (names of rings and sockets).
         ipc_dir: private directory holding this instance's zmq sockets.
     """
@@ -135,7 +143,6 @@ class EngineConfig(msgspec.Struct, frozen=True):
     num_kv_blocks: int = 1024
     kv_cache_memory_bytes: int = 0
     gpu_memory_utilization: float = 0.9
-    chat_template: str = ""
     vocab_size: int = 0
     async_scheduling: bool = True
     enable_prefix_caching: bool = True
@@ -170,6 +177,12 @@ class EngineConfig(msgspec.Struct, frozen=True):
     enable_log_requests: bool = False
     log_prompts: bool = False
     debug_fail_step: int = -1
+    chat_template: str = ""
+    tool_call_parser: str = ""
+    enable_auto_tool_choice: bool = False
+    responses_store_max_entries: int = 1024
+    responses_store_max_bytes: int = 64 * 2**20
+    responses_store_max_age_s: float = 3600.0
     instance: str = ""
     ipc_dir: str = ""
 

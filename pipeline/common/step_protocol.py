@@ -605,8 +605,8 @@ class StepOutput:
     """Typed views of one StepOutput ring entry.
 
     Header (int64): ``step_id``, ``num_rows`` (S), ``num_logprob_rows`` (L),
-    ``num_prompt_entries`` (P), ``time_ns`` (``time.monotonic_ns()`` when
-    the worker had the step's tokens: the engine's timestamp of every token
+    ``num_prompt_entries`` (P), ``time_ns`` (the step's device end on
+    ``time.monotonic_ns()``'s clock: the engine's timestamp of every token
     in it, vLLM's ``NEW_TOKENS`` event), ``continues`` (the descriptor's
     flag). ``worker_stats`` (int64 ``[WORKER_STATS_LEN]``): the worker's
     cumulative :class:`~pipeline.common.step_clock.WorkerClock` counts. Row ``r < S`` (arrays of length
