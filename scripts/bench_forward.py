@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from pipeline.gpu_worker.attention import TorchBucketedBackend, make_backend
-from pipeline.gpu_worker.weights import load_model
+from pipeline.gpu_worker.models.loader import load_model
 
 
 def _step(model, kv_caches, query_lens, starts, block_table, block_size) -> None:

@@ -207,11 +207,18 @@ def smol_dir() -> Path:
 
 def make_tiny_llama(d: Path, smol_dir: Path, **fields) -> Path:
     """Save a tiny random Llama with SmolLM2's tokenizer in ``d``; ``fields`` override the config."""
+    from transformers import LlamaConfig
+
+    return make_tiny_model(d, smol_dir, LlamaConfig, **fields)
+
+
+def make_tiny_model(d: Path, smol_dir: Path, config_cls, **fields) -> Path:
+    """Save a tiny random model of ``config_cls``'s family with SmolLM2's tokenizer (and vocabulary) in ``d``."""
     import torch
-    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     tok = AutoTokenizer.from_pretrained(smol_dir)
-    cfg = LlamaConfig(
+    cfg = config_cls(
         **{
             **dict(
                 vocab_size=len(tok),
@@ -230,7 +237,7 @@ def make_tiny_llama(d: Path, smol_dir: Path, **fields) -> Path:
         }
     )
     torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(d)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
     tok.save_pretrained(d)
     GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id).save_pretrained(d)
     return d

@@ -31,7 +31,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
         tokenizer: directory of the tokenizer io_proc loads (the model's own,
             or the default model's for the simulated device).
         served_model_name: the name clients put in ``model``.
-        dtype: ``"float32"`` or ``"bfloat16"``.
+        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` (``--dtype auto`` resolved).
         device: ``"cpu"`` or ``"cuda"``.
         host, port: where the HTTP server listens.
         max_num_seqs: requests in one step at most (also the number of req_index rows).
@@ -42,7 +42,14 @@ class EngineConfig(msgspec.Struct, frozen=True):
         vocab_size: token ids the model has embedding rows for; 0 when there
             is no model (the simulated device). io_proc refuses prompt ids at
             or above it.
-        num_kv_blocks: KV cache blocks the worker allocates.
+        num_kv_blocks: KV cache blocks the worker allocates; 0 until each
+            engine's rank 0 has sized the cache on its device (CUDA without
+            ``--kv-cache-memory``: docs/design.md, "The worker"), then the
+            launcher starts the scheduler with the figure.
+        kv_cache_memory_bytes: with ``num_kv_blocks`` 0, the KV cache's bytes
+            per device; 0: what ``gpu_memory_utilization`` leaves.
+        gpu_memory_utilization: the fraction of each CUDA device's memory the
+            server may use when the worker sizes the KV cache.
         async_scheduling: plan step N+1 while step N runs.
         enable_prefix_caching: reuse the KV blocks of computed prefixes
             (docs/design.md, "Prefix caching").
@@ -141,6 +148,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
     block_size: int = 16
     max_model_len: int = 2048
     num_kv_blocks: int = 1024
+    kv_cache_memory_bytes: int = 0
+    gpu_memory_utilization: float = 0.9
     vocab_size: int = 0
     async_scheduling: bool = True
     enable_prefix_caching: bool = True

@@ -54,9 +54,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from pipeline.gpu_worker.attention.backend import AttentionBackend, AttentionMetadata, KVCache, StepLayout, Upload
+from pipeline.gpu_worker.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    KVCache,
+    StepLayout,
+    Upload,
+    sdpa,
+)
 from pipeline.gpu_worker.attention.flashinfer_paged import FlashInferBackend
 from pipeline.gpu_worker.attention.torch_bucketed import TorchBucketedBackend, gather_blocks, write_kv
 from pipeline.gpu_worker.attention.torch_sdpa import TorchSDPABackend
@@ -102,11 +108,26 @@ class GraphDecodeMetadata(AttentionMetadata):
         mask: ``[n, 1, 1, max_blocks_per_seq * block_size]`` bool, True for
             the keys a row attends (its context).
         head_major: the cache layout (see :func:`cache_is_head_major`).
+        context_lens: ``[n]`` int64, each row's context in tokens.
+        window_masks: ``mask`` narrowed to each sliding window the layers
+            use (keys ``>= context - window``), made by the first layer that asks.
     """
 
     block_ids: torch.Tensor
     mask: torch.Tensor
     head_major: bool
+    context_lens: torch.Tensor
+    window_masks: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    def mask_for(self, window: int | None) -> torch.Tensor:
+        """The rows' mask for a layer with this sliding window (None: their whole context)."""
+        if window is None:
+            return self.mask
+        if window not in self.window_masks:
+            key_pos = torch.arange(self.mask.shape[-1], device=self.mask.device)
+            recent = key_pos[None, :] >= (self.context_lens - window)[:, None]
+            self.window_masks[window] = self.mask & recent[:, None, None, :]
+        return self.window_masks[window]
 
 
 @dataclasses.dataclass
@@ -126,7 +147,14 @@ class GraphStep(AttentionMetadata):
 
 
 def graph_decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: GraphDecodeMetadata, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: KVCache,
+    meta: GraphDecodeMetadata,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Decode attention with shapes fixed by the graph size: write K/V, gather every row's blocks, one SDPA call.
 
@@ -136,6 +164,7 @@ def graph_decode_attention(
         kv_cache: the layer's ``(k_cache, v_cache)``, ``[slots, KVH, D]`` as allocated.
         meta: the body's metadata.
         scale: softmax scale.
+        window, softcap: as ``AttentionBackend.forward``.
 
     Returns:
         ``[n, H, D]``, dtype of ``q``.
@@ -147,8 +176,8 @@ def graph_decode_attention(
     keys = gather_blocks(k_cache, meta.block_ids, meta.block_size, meta.head_major, k_cache.new_empty(numel))
     values = gather_blocks(v_cache, meta.block_ids, meta.block_size, meta.head_major, v_cache.new_empty(numel))
     # The heads sharing a KV head fold into the query dimension, so K/V are never expanded.
-    return F.scaled_dot_product_attention(
-        q.reshape(rows, kv_heads, num_heads // kv_heads, head_dim), keys, values, attn_mask=meta.mask, scale=scale
+    return sdpa(
+        q.reshape(rows, kv_heads, num_heads // kv_heads, head_dim), keys, values, meta.mask_for(window), scale, softcap
     ).reshape(rows, num_heads, head_dim)
 
 
@@ -156,7 +185,7 @@ class DecodeGraphs:
     """Static buffers, graph body, capture and replay of decode-only steps (see the module docstring).
 
     Args:
-        model: the :class:`~pipeline.gpu_worker.model.LlamaForCausalLM`; its
+        model: a model of ``pipeline.gpu_worker.models``; its
             ``attn_backend`` must dispatch :class:`GraphDecodeMetadata` to
             :func:`graph_decode_attention` (:class:`CudaGraphBackend` does).
         kv_caches: the model's caches, with :data:`PAD_BLOCKS` blocks past ``pad_block - 1``.
@@ -266,6 +295,7 @@ class DecodeGraphs:
             block_ids=block_ids,
             mask=mask,
             head_major=self.head_major,
+            context_lens=context_lens,
         )
         hidden = self.model(self.input_ids[:size], positions, meta, self.kv_caches)
         self.logits[:size].copy_(self.model.compute_logits(hidden))
@@ -323,10 +353,12 @@ class CudaGraphBackend(AttentionBackend):
         kv_cache: KVCache,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         if isinstance(meta, GraphDecodeMetadata):
-            return graph_decode_attention(q, k, v, kv_cache, meta, scale)
-        return self.inner.forward(q, k, v, kv_cache, meta, scale)
+            return graph_decode_attention(q, k, v, kv_cache, meta, scale, window, softcap)
+        return self.inner.forward(q, k, v, kv_cache, meta, scale, window, softcap)
 
 
 def install_decode_graphs(runner: ModelRunner, sizes: Sequence[int]) -> DecodeGraphs:

@@ -39,7 +39,7 @@ from pipeline.common.step_protocol import (
     packed_descriptor_nbytes,
     unpack_descriptor,
 )
-from pipeline.gpu_worker.parallel import TPGroup
+from pipeline.gpu_worker.layers.tp import TPGroup
 
 log = logging.getLogger(__name__)
 

@@ -16,6 +16,7 @@ import traceback
 from collections import deque
 from typing import TYPE_CHECKING
 
+import msgspec
 import torch
 
 from pipeline.common.config import EngineConfig
@@ -183,7 +184,7 @@ def load_runner(config: EngineConfig, rank: int = 0) -> tuple[ModelRunner, Descr
         RuntimeError: the rendezvous failed.
     """
     device = torch.device("cuda", config.device_index(rank)) if config.device == "cuda" else torch.device("cpu")
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
+    dtype = getattr(torch, config.dtype)
     if config.is_simulated:
         # The host side of a step is small tensor work: extra intra-op
         # threads would only spin and take a core from the other processes.
@@ -198,17 +199,19 @@ def load_runner(config: EngineConfig, rank: int = 0) -> tuple[ModelRunner, Descr
             relay = init_tensor_parallel(config, rank)[1]
         return ModelRunner(config, SimExecutor(sim, make_backend(config.attention_backend)), device), relay
     torch.set_num_threads(config.worker_threads or len(os.sched_getaffinity(0)))
-    relay = None
+    from pipeline.gpu_worker.layers.tp import SINGLE_RANK
+    from pipeline.gpu_worker.models.loader import load_model
+
+    tp, relay = SINGLE_RANK, None
     if config.tensor_parallel_size > 1:
         from pipeline.gpu_worker.distributed import init_tensor_parallel
-        from pipeline.gpu_worker.parallel import load_parallel_model
 
         tp, relay = init_tensor_parallel(config, rank)
-        model = load_parallel_model(config.model, dtype, device, tp, config.attention_backend)
-    else:
-        from pipeline.gpu_worker.weights import load_model
+    model = load_model(config.model, dtype, device, config.attention_backend, tp, config.max_model_len)
+    if not config.num_kv_blocks:
+        from pipeline.gpu_worker.kv_cache_size import kv_cache_blocks
 
-        model = load_model(config.model, dtype, device, config.attention_backend)
+        config = msgspec.structs.replace(config, num_kv_blocks=kv_cache_blocks(config, model, device, dtype, tp))
     runner = ModelRunner(config, ModelExecutor(config, model, device, dtype), device)
     if config.cuda_graph_sizes:  # after the KV cache exists, so the graphs' pool comes from what is left
         install_decode_graphs(runner, config.cuda_graph_sizes)
@@ -229,13 +232,18 @@ def run_gpu_worker(config: EngineConfig, status_conn, stop: StopFlag, rank: int 
             runner, relay = load_runner(config, rank)
     except Stopped:
         return 0  # stopped while loading: the model is not needed any more
+    except (ValueError, FileNotFoundError) as e:  # the model cannot run as configured: the message says why
+        report(status_conn, "error", role, f"could not load model {config.model!r}: {e}")
+        return 1
     except Exception as e:  # start-up failure: tell the launcher why, then exit
         traceback.print_exc()
         report(status_conn, "error", role, f"could not load model {config.model!r}: {e}")
         return 1
     freeze_startup_heap()
+    if not config.num_kv_blocks and rank == 0:  # the launcher starts the scheduler with this figure
+        report(status_conn, "kv_blocks", role, runner.config.num_kv_blocks)
     report(status_conn, "ready", role)
-    proc = WorkerProc(config, runner, desc_ring, out_ring, rank, relay, heartbeats)
+    proc = WorkerProc(runner.config, runner, desc_ring, out_ring, rank, relay, heartbeats)
     try:
         proc.run(stop)
         if relay is not None and relay.head_stopped:

@@ -22,6 +22,7 @@ per-layer forward); each backend is one module behind it (docs/design.md,
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 
@@ -52,6 +53,8 @@ def make_backend(
     num_heads: int = 0,
     num_kv_heads: int = 0,
     head_dim: int = 0,
+    scale: float | None = None,
+    kinds: Sequence[tuple[int | None, float | None]] = ((None, None),),
 ) -> AttentionBackend:
     """The attention backend ``name`` for a model of this shape on ``device`` (docs/design.md, "The worker").
 
@@ -65,6 +68,9 @@ def make_backend(
         dtype: the model's and KV cache's dtype.
         num_heads, num_kv_heads, head_dim: the model's attention shape (only
             flashinfer needs it; 0 for the simulated device).
+        scale, kinds: the model's softmax scale (default ``head_dim ** -0.5``)
+            and its layers' ``(window, softcap)`` pairs, which flashinfer plans
+            per step (the other backends take them per layer).
 
     Raises:
         ValueError: for an unknown name, or flashinfer or cpu_paged asked for where it cannot run.
@@ -92,7 +98,7 @@ def make_backend(
     if name == "flashinfer":
         if head_dim <= 0:
             raise ValueError("attention backend flashinfer needs a model (not the simulated device)")
-        return flashinfer_paged.FlashInferBackend(num_heads, num_kv_heads, head_dim, dtype, device)
+        return flashinfer_paged.FlashInferBackend(num_heads, num_kv_heads, head_dim, dtype, device, scale, kinds)
     if name == "cpu_paged":
         if device.type != "cpu" or dtype not in CPU_PAGED_DTYPES:
             raise ValueError(f"attention backend cpu_paged runs on CPU in float32 or bfloat16, not {device} {dtype}")

@@ -55,6 +55,12 @@ def _host_tag() -> str:
     return hashlib.sha256("\n".join([platform.machine(), *lines]).encode()).hexdigest()[:12]
 
 
+def build_directory() -> Path:
+    """Where the kernel is built: per CPU and source, so that checkouts of other versions keep their own builds."""
+    source_tag = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:8]
+    return cache_dir() / "kernels" / f"pipeline_cpu_paged_{_host_tag()}_{source_tag}"
+
+
 @functools.cache
 def unavailable_reason() -> str | None:
     """None once the kernel is built and loaded (first call builds it), else why it cannot be.
@@ -68,8 +74,7 @@ def unavailable_reason() -> str | None:
     logger.info(
         "cpu_paged: loading the attention kernel (compiled for this CPU on its first start, 10-30 s; cached after)"
     )
-    name = f"pipeline_cpu_paged_{_host_tag()}"
-    build_dir = cache_dir() / "kernels" / name
+    build_dir = build_directory()
     try:
         from torch.utils import cpp_extension
 
@@ -82,7 +87,7 @@ def unavailable_reason() -> str | None:
             fcntl.flock(lock, fcntl.LOCK_EX)
             (build_dir / "lock").unlink(missing_ok=True)
             cpp_extension.load(
-                name,
+                build_dir.name,
                 [str(_SOURCE)],
                 extra_cflags=_CFLAGS,
                 build_directory=str(build_dir),
@@ -138,17 +143,23 @@ class CpuPagedBackend(TorchBucketedBackend):
         kv_cache: KVCache,
         meta: BucketedMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         k_cache, v_cache = write_kv(kv_cache, k, v, meta.slot_mapping, head_major=True)
         out = q.new_empty(q.shape)
+        bs = meta.block_size
         for b in meta.decode:
             if supports(q.shape[1], k.shape[1], q.shape[2]):
-                # Reads q and writes out at each row's token index: no gathered copies.
+                # Reads q and writes out at each row's token index: no gathered copies; a window's
+                # older keys are not read at all.
                 self._kernel(
-                    out, q, k_cache, v_cache, b.token_index, b.block_ids, b.context_lens, scale, meta.block_size
-                )
+                    out, q, k_cache, v_cache, b.token_index, b.block_ids, b.context_lens, scale, bs, window or 0,
+                    softcap or 0.0,
+                )  # fmt: skip
             else:  # a shape the kernel is not built for: correct, padded to the longest row
-                out.index_copy_(0, b.out_tokens, self.attend_bucket(q, k_cache, v_cache, b, meta.block_size, scale))
+                res = self.attend_bucket(q, k_cache, v_cache, b, bs, scale, window, softcap)
+                out.index_copy_(0, b.out_tokens, res)
         for b in meta.prefill:
-            out.index_copy_(0, b.out_tokens, self.attend_bucket(q, k_cache, v_cache, b, meta.block_size, scale))
+            out.index_copy_(0, b.out_tokens, self.attend_bucket(q, k_cache, v_cache, b, bs, scale, window, softcap))
         return out
