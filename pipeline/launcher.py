@@ -34,6 +34,7 @@ from pipeline.profiler import Profiler
 from pipeline.server_args import build_parser, make_config
 
 _STOP_GRACE_S = 5.0
+_WATCHDOG_GRACE_S = 0.5  # docs/design.md, "Liveness"
 
 
 def _exit_description(code: int | None) -> str:
@@ -249,7 +250,11 @@ class Launcher:
         timeout = self.config.step_timeout_s
         if self.heartbeats is None or not timeout:
             return
-        stale = self.heartbeats.stale(timeout, [name for name in self.procs if name in self.heartbeats.roles])
+        # A grace past the timeout at which /health turns 503: a load balancer's probe sees the 503
+        # before the server goes away.
+        stale = self.heartbeats.stale(
+            timeout + _WATCHDOG_GRACE_S, [name for name in self.procs if name in self.heartbeats.roles]
+        )
         if stale:
             name, age = max(stale, key=lambda s: s[1])
             self._hung = name
