@@ -1,4 +1,4 @@
-"""KV cache block and req_index accounting with frees deferred against step ids."""
+"""KV cache blocks and req_indices, with frees deferred against step ids."""
 
 from __future__ import annotations
 
@@ -6,21 +6,22 @@ from collections import defaultdict
 
 
 class BlockPool:
-    """Free lists of KV cache blocks and request indices.
+    """Free lists of reference-counted KV blocks and of req_indices.
 
-    A block or req_index that an in-flight step still reads is not reusable until
-    that step has reported completion (docs/design.md, "Deferred free"): callers
-    free with :meth:`free_after` naming the last step that references them,
-    and :meth:`step_completed` returns them to the free lists.
+    Allocation is immediate; freeing is not. A block or req_index that an
+    in-flight step still reads is not reusable until that step has reported
+    completion (docs/design.md, "Deferred free"): callers free with
+    ``free_after`` naming the last step that references them, and
+    ``step_completed`` gives back what every completed step held.
 
-    Blocks are reference-counted: the choices of a request with ``n`` > 1
-    share its prompt's full blocks (:meth:`share`; docs/design.md, "Parallel
-    choices"), and a block returns to the free list when its last holder
-    frees it.
+    A block has one reference per holder: the choices of a request with
+    ``n`` > 1 share its prompt's full blocks (``share``; docs/design.md,
+    "Parallel choices"), and a block returns to the free list when its last
+    holder frees it.
 
     Args:
         num_blocks: KV cache blocks (ids ``0..num_blocks-1``).
-        num_req_indices: request indices (ids ``0..num_req_indices-1``), i.e. ``max_num_seqs``.
+        num_req_indices: request rows (ids ``0..num_req_indices-1``), i.e. ``max_num_seqs``.
     """
 
     def __init__(self, num_blocks: int, num_req_indices: int):
@@ -47,7 +48,7 @@ class BlockPool:
         return self._num_deferred_blocks
 
     def allocate_blocks(self, n: int) -> list[int] | None:
-        """Take ``n`` blocks, or None (taking nothing) if fewer are free."""
+        """Take ``n`` blocks, one reference each, or None (taking nothing) if fewer are free."""
         if n > len(self._free_blocks):
             return None
         if n == 0:
@@ -67,8 +68,9 @@ class BlockPool:
         """Take a req_index, or None if none is free."""
         return self._free_req_indices.pop() if self._free_req_indices else None
 
-    def free_after(self, step_id: int, blocks: list[int], req_index: int) -> None:
-        """Free ``blocks`` and ``req_index`` (-1: none) once step ``step_id`` has completed."""
+    def free_after(self, step_id: int, blocks: list[int], req_index: int = -1) -> None:
+        """Drop one reference to each of ``blocks`` and free ``req_index`` (-1: none) once step ``step_id``
+        has completed (now, if it has)."""
         if step_id <= self._completed_step:
             self._release(blocks, req_index)
         else:

@@ -1,123 +1,55 @@
-"""Continuous-batching step planner with asynchronous scheduling.
+"""Continuous-batching step planner with asynchronous scheduling (docs/design.md, "The scheduler").
 
 The scheduler plans step N+1 while step N runs, assuming every decoding
-request produces exactly one token in N. That token is not known yet, so
-N+1's input for it is :data:`PLACEHOLDER_TOKEN_ID`, which the worker resolves
-on the device from its token-id cache (docs/design.md, "The step protocol").
-Planning uses plain Python and numpy: no torch, no model code.
-
-Running requests that plainly decode (one token a step, no grammar) are
-*steady rows*: their counters live in per-req_index numpy arrays and each step
-plans them all at once, so per-request Python work is left for the rows that
-change (a join, a prefill chunk, a finish, a new block); the rows' own
-counters are brought up to date only when they leave (docs/design.md, "The
-scheduler").
-
-Policy (as vLLM v1's scheduler): running requests first, in arrival order,
-one token per decode and a chunk per unfinished prefill, then waiting
-requests in FIFO order, all under ``max_num_batched_tokens`` and
-``max_num_seqs``. KV blocks are allocated on demand; when none are left the
-newest running request is preempted (recompute: its blocks are freed and it
-restarts from its prompt plus the tokens it has produced).
-
-Planning, the steady rows and applying outputs share every request's
-counters, so they stay in one module, longer than most.
+request produces exactly one token in N; N+1's input for that token is the
+placeholder the worker resolves on the device. Policy (as vLLM v1's):
+running requests first, in arrival order, one token per decode and a chunk
+per unfinished prefill, then waiting requests in FIFO order, all under
+``max_num_batched_tokens`` and ``max_num_seqs``. KV blocks are allocated on
+demand; when none are left the newest running request is preempted
+(recompute). Running requests that plainly decode are planned as steady rows
+(``steady_rows.py``), with the same result.
 """
 
 from __future__ import annotations
 
 import logging
-from array import array
 from collections import deque
+from dataclasses import dataclass, field
 
 import numpy as np
-from msgspec.structs import replace
 
 from pipeline.common.constants import cdiv
 from pipeline.common.grammar import GrammarState
-from pipeline.common.messages import AddRequest, SamplingParams, check_finish, choice_seed
-from pipeline.common.step_protocol import (
-    MAX_MASKED_ROWS,
-    PLACEHOLDER_TOKEN_ID,
-    DescriptorBuilder,
-    StepDescriptor,
-    max_new_blocks_per_step,
-)
+from pipeline.common.messages import AddRequest, SamplingParams, check_finish
+from pipeline.common.step_protocol import MAX_MASKED_ROWS, DescriptorBuilder, StepDescriptor, max_new_blocks_per_step
+from pipeline.scheduler_proc import choices
 from pipeline.scheduler_proc.kv_block_pool import BlockPool
+from pipeline.scheduler_proc.request import Request
+from pipeline.scheduler_proc.steady_rows import SteadyRows
 
 log = logging.getLogger(__name__)
 
-# Steps a steady row's tokens wait in the scheduler's per-req_index buffer before
-# joining its request's list (int32: 512 KiB at 1024 rows).
-_TOKEN_BUFFER = 128
+_NO_ROWS = np.zeros(0, np.int64)
 
 
-class Request:
-    """Scheduler-side state of one request.
+@dataclass
+class _StepPlan:
+    """The general rows of the step being planned: ``(request, tokens, samples)``, within what is left."""
 
-    ``num_computed_tokens`` counts tokens already placed in a step (in flight
-    included); ``num_placeholders`` counts tokens sampled in steps whose
-    output has not arrived (0 or 1). A shared prefill (``choices`` set) has
-    as its prompt only the prefix its choices share, and samples nothing.
-    ``grammar`` is the matcher of a structured-output request (None for
-    others); it has consumed every token of ``output_token_ids``.
-    """
-
-    __slots__ = (
-        "req_num",
-        "prompt_token_ids",
-        "output_token_ids",
-        "params",
-        "num_computed_tokens",
-        "num_placeholders",
-        "req_index",
-        "block_ids",
-        "last_step_id",
-        "is_new",
-        "choices",
-        "parent",
-        "grammar",
-    )
-
-    def __init__(
-        self, req_num: int, prompt_token_ids: list[int], params: SamplingParams, grammar: GrammarState | None = None
-    ):
-        self.req_num = req_num
-        self.prompt_token_ids = prompt_token_ids
-        # int32 ids: a request that ends frees one buffer, not an object per token (at batch 1024 a few
-        # dozen requests of hundreds of tokens can end in one step).
-        self.output_token_ids = array("i")
-        self.params = params
-        self.num_computed_tokens = 0
-        self.num_placeholders = 0
-        self.req_index = -1
-        self.block_ids: list[int] = []
-        self.last_step_id = -1
-        self.is_new = True
-        # A shared prefill (n > 1) lists the choices it forks into once planned;
-        # each of those names it until then (docs/design.md, "Parallel choices").
-        self.choices: list[Request] | None = None
-        self.parent: Request | None = None
-        self.grammar = grammar
+    budget: int  # tokens
+    max_rows: int
+    rows: list[tuple[Request, int, bool]] = field(default_factory=list)
+    num_masks: int = 0  # rows that sample under a grammar
 
     @property
-    def num_known_tokens(self) -> int:
-        """Prompt plus output tokens whose ids the scheduler has."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+    def full(self) -> bool:
+        return self.budget == 0 or len(self.rows) == self.max_rows
 
-    @property
-    def num_outputs_planned(self) -> int:
-        """Output tokens received plus those sampled in steps in flight."""
-        return len(self.output_token_ids) + self.num_placeholders
-
-    def token_at(self, pos: int) -> int:
-        """Token id at position ``pos``, or the placeholder if not yet known."""
-        p = len(self.prompt_token_ids)
-        if pos < p:
-            return self.prompt_token_ids[pos]
-        if pos - p < len(self.output_token_ids):
-            return self.output_token_ids[pos - p]
-        return PLACEHOLDER_TOKEN_ID
+    def add(self, req: Request, n: int, sample: bool, masked: bool) -> None:
+        self.rows.append((req, n, sample))
+        self.budget -= n
+        self.num_masks += masked
 
 
 class Scheduler:
@@ -129,8 +61,7 @@ class Scheduler:
         block_size: tokens per KV block.
         num_kv_blocks: KV blocks in the cache.
         max_blocks_per_seq: block-table row width (``ceil(max_model_len / block_size)``).
-        grammar_tokenizer: llguidance's tokenizer
-            (:func:`~pipeline.common.grammar.load_tokenizer`) for requests
+        grammar_tokenizer: llguidance's tokenizer (``grammar.load_tokenizer``) for requests
             with a grammar; None when the model has none (the simulated device).
         mask_words: int32 words of one token bitmask (``ceil(vocab / 32)``).
 
@@ -157,94 +88,48 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.block_size = block_size
         self.pool = BlockPool(num_kv_blocks, max_num_seqs)
+        self.steady = SteadyRows(max_num_seqs, block_size)
         self.requests: dict[int, Request] = {}
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.running: list[Request] = []  # in admission order
+        self._general: list[Request] = []  # the running requests that are not steady rows, in running order
         self.next_step_id = 0
         self.num_preemptions = 0
-        self.num_steady_steps = 0  # steps that planned steady rows
         self._builder = DescriptorBuilder()
         self._grammar_tokenizer, self._mask_words = grammar_tokenizer, mask_words
         self._max_new_blocks = max_new_blocks_per_step(max_num_seqs, max_num_batched_tokens, block_size)
         self._last_output_step = -1
         self._finish_after: dict[int, list[Request]] = {}  # step id -> requests that end when it completes
-        # Steady rows, by req_index: `_steady_indices` lists them in the order they
-        # joined. For a steady row, `_pos` (its true num_computed_tokens),
-        # `_remaining` (tokens it may still plan), `_unapplied` (tokens planned
-        # since it joined, not yet added to its num_placeholders) and `_last`
-        # (its true last_step_id) are current and the Request's own fields
-        # are not; `_apply_steady` applies them. `_others` is
-        # every other running request, in running order.
-        # `_unapplied` also counts down as the row's tokens arrive; `_left` is
-        # the tokens it may still receive before `max_tokens` ends it,
-        # `_stop` its stop token ids (-1 padded; none with ignore_eos),
-        # `_last_token` its latest token, and `_req_num` its request number
-        # (-1 once the req_index holds no steady row). Its newest tokens wait in
-        # `_tokens[req_index, :_num_tokens[req_index]]`, which is moved to the request's
-        # own list every _TOKEN_BUFFER steps and when it leaves: appending to
-        # a thousand lists a step costs more than the rest of the step.
-        self._steady_req: list[Request | None] = [None] * max_num_seqs
-        self._steady_indices = np.zeros(0, np.int64)
-        (
-            self._pos,
-            self._remaining,
-            self._unapplied,
-            self._last,
-            self._admitted,
-            self._left,
-            self._last_token,
-            self._num_tokens,
-        ) = (np.zeros(max_num_seqs, np.int64) for _ in range(8))
-        self._req_num = np.full(max_num_seqs, -1, np.int64)
-        self._stop = np.full((max_num_seqs, 1), -1, np.int64)
-        self._tokens = np.zeros((max_num_seqs, _TOKEN_BUFFER), np.int32)
-        # Step id -> its steady rows, which lead its output: (req_indices, request numbers as an array and a list).
-        self._steady_planned: dict[int, tuple[np.ndarray, np.ndarray, list[int]]] = {}
-        self._others: list[Request] = []
-        self._num_admitted = 0  # admissions so far: `_admitted[req_index]` orders running requests
+        self._num_admitted = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    @property
+    def num_steady_steps(self) -> int:
+        """Steps that planned steady rows."""
+        return self.steady.num_steps
 
     # -- control ----------------------------------------------------------------
 
     def add_request(self, msg: AddRequest) -> None:
-        """Queue a new request. A repeated ``req_num`` is ignored.
-
-        With ``msg.n`` > 1, the choices share the KV blocks of the prompt's
-        longest prefix of whole blocks that leaves at least one prompt token:
-        a shared prefill computes it once, and each choice then computes the
-        rest of the prompt itself, in its own blocks (docs/design.md,
-        "Parallel choices"). Without such a prefix, or with prompt
-        log-probabilities (each choice reports its own), the choices run as
-        independent requests.
-        """
+        """Queue a new request; with ``msg.n`` > 1 its choices (``choices.py``). A repeated ``req_num`` is ignored."""
         if msg.req_num in self.requests:
             return
-        prompt = list(msg.prompt_token_ids)
         if msg.n == 1:
-            req = Request(msg.req_num, prompt, msg.params, self._new_grammar(msg.params))
+            req = Request(msg.req_num, list(msg.prompt_token_ids), msg.params, self._new_grammar(msg.params))
             self.requests[req.req_num] = req
             self.waiting.append(req)
             return
-        choices = [
-            Request(
-                msg.req_num + 1 + i,
-                prompt,
-                replace(msg.params, seed=choice_seed(msg.params.seed, i)),
-                self._new_grammar(msg.params),
-            )
-            for i in range(msg.n)
-        ]
-        for c in choices:
+        reqs, prefill = choices.make_choices(msg, self.block_size, self._new_grammar)
+        for c in reqs:
             self.requests[c.req_num] = c
-        shared = (len(prompt) - 1) // self.block_size * self.block_size
-        if shared == 0 or msg.params.prompt_logprobs >= 0:
-            self.waiting.extend(choices)
-            return
-        prefill = Request(msg.req_num, prompt[:shared], msg.params)
-        prefill.choices = choices
-        for c in choices:
-            c.parent = prefill
-        self.requests[prefill.req_num] = prefill
-        self.waiting.append(prefill)
+        if prefill is None:
+            self.waiting.extend(reqs)
+        else:
+            self.requests[prefill.req_num] = prefill
+            self.waiting.append(prefill)
 
     def _new_grammar(self, params: SamplingParams) -> GrammarState | None:
         """A fresh matcher for a request with a grammar (about 1 ms: llguidance compiles lazily), else None."""
@@ -272,10 +157,6 @@ class Scheduler:
             return
         self._remove(req)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.requests)
-
     # -- planning ---------------------------------------------------------------
 
     def schedule(self, desc: StepDescriptor) -> int:
@@ -285,163 +166,89 @@ class Scheduler:
             The number of requests planned; 0 means nothing could run now
             and ``desc`` holds no step (the step id is not consumed).
         """
-        step_id = self.next_step_id
         self._builder.clear()
         steady = self._plan_steady()
-        budget = self.max_num_batched_tokens - len(steady)
-        max_rows = self.max_num_seqs - len(steady)
-        rows: list[tuple[Request, int, bool]] = []  # (request, num tokens, samples)
-        num_masks = 0  # rows planned that sample under a grammar
+        step = _StepPlan(self.max_num_batched_tokens - len(steady), self.max_num_seqs - len(steady))
+        self._plan_running(step)
+        self._admit_waiting(step)
+        if not step.rows and not len(steady):
+            return 0
+        self._write(desc, self.next_step_id, step.rows, steady)
+        self.next_step_id += 1
+        return len(step.rows) + len(steady)
 
-        for req in list(self._others):
-            if budget == 0 or len(rows) == max_rows:
+    def _plan_steady(self) -> np.ndarray:
+        """The steady rows (req_index ``[D]``) that decode this step; none if they must go the general way."""
+        if not len(self.steady):
+            return _NO_ROWS
+        tokens = blocks = 0  # at most what the other running requests take
+        for req in self._general:
+            n = max(1, req.num_known_tokens - req.num_computed_tokens)
+            tokens += n
+            blocks += max(0, cdiv(req.num_computed_tokens + n, self.block_size) - len(req.block_ids))
+        first = self._general[0].admit_seq if self._general else None
+        rows = self.steady.plan(self._builder, self.pool, self.max_num_batched_tokens, tokens, blocks, first)
+        if rows is None:
+            self._leave_steady()
+            return _NO_ROWS
+        return rows
+
+    def _plan_running(self, step: _StepPlan) -> None:
+        """Running requests, in order: a prefill chunk, or one decode token."""
+        for req in list(self._general):
+            if step.full:
                 break
             if req.req_index < 0:  # preempted earlier in this loop
                 continue
             if req.num_computed_tokens < req.num_known_tokens:  # unfinished prefill
-                n = min(req.num_known_tokens - req.num_computed_tokens, budget)
+                n = min(req.num_known_tokens - req.num_computed_tokens, step.budget)
             elif req.num_outputs_planned < req.params.max_tokens:  # decode
                 if req.grammar is not None and req.num_placeholders:
                     continue  # its mask needs the token in flight: it sits out this step alone
                 n = 1
             else:  # its last token is in flight; it finishes when that arrives
                 continue
-            sample = self._samples(req, req.num_computed_tokens + n)
-            if sample and req.grammar is not None:
-                if num_masks == MAX_MASKED_ROWS:
-                    continue
-                num_masks += 1
-            if not self._grow_blocks(req, n):
+            sample = req.samples(req.num_computed_tokens + n)
+            masked = sample and req.grammar is not None
+            if masked and step.num_masks == MAX_MASKED_ROWS:
                 continue
-            rows.append((req, n, sample))
-            budget -= n
+            if self._grow_blocks(req, n):
+                step.add(req, n, sample, masked)
 
-        while self.waiting and budget > 0 and len(rows) < max_rows:
+    def _admit_waiting(self, step: _StepPlan) -> None:
+        """Waiting requests in FIFO order, while a req_index and the blocks of their first chunk are free."""
+        while self.waiting and not step.full:
             req = self.waiting[0]
             if req.num_placeholders:
                 break  # preempted with a token still in flight: wait for it, keep FIFO order
             # A choice starts after its shared prefix, in blocks it inherited.
             start, inherited = req.num_computed_tokens, len(req.block_ids)
-            n = min(req.num_known_tokens - start, budget)
+            n = min(req.num_known_tokens - start, step.budget)
             if self.pool.num_free_req_indices == 0:
                 break
-            masked = req.grammar is not None and self._samples(req, start + n)
-            if masked and num_masks == MAX_MASKED_ROWS:
+            sample = req.samples(start + n)
+            masked = sample and req.grammar is not None
+            if masked and step.num_masks == MAX_MASKED_ROWS:
                 break
             need = cdiv(start + n, self.block_size) - inherited
             if need > self.pool.num_free_blocks or self._builder.num_blocks + inherited + need > self._max_new_blocks:
-                if not self.running and not rows:
-                    self._unshare_waiting()  # waiting choices hold the blocks the head needs
+                if not self.running and not step.rows:
+                    choices.unshare(self.waiting, self.pool)  # waiting choices hold the blocks the head needs
                 break
             self.waiting.popleft()
             req.req_index = self.pool.allocate_req_index()
             req.is_new = True
-            self._admitted[req.req_index] = self._num_admitted
+            req.admit_seq = self._num_admitted
             self._num_admitted += 1
             for i, b in enumerate(req.block_ids):  # the new req_index's block-table row
                 self._builder.add_block(req.req_index, i, b)
             self._grow_blocks(req, n)
             self.running.append(req)
-            self._others.append(req)
-            rows.append((req, n, self._samples(req, start + n)))
-            num_masks += masked
-            budget -= n
-
-        if not rows and not len(steady):
-            return 0
-        self._write(desc, step_id, rows, steady)
-        self.next_step_id += 1
-        return len(rows) + len(steady)
-
-    @staticmethod
-    def _samples(req: Request, end: int) -> bool:
-        """Whether a row of ``req`` that computes up to position ``end`` samples a token.
-
-        Only the chunk that reaches the last known token samples, and a request
-        with ``max_tokens`` 0 (prompt log-probabilities only) or a shared
-        prefill never does.
-        """
-        return end >= req.num_known_tokens and req.params.max_tokens > 0 and req.choices is None
-
-    def _plan_steady(self) -> np.ndarray:
-        """Req indices (int64 ``[D]``) of the steady rows that decode in the step being planned.
-
-        Allocates the blocks of those that cross into a new one. A steady row
-        that has planned its last token sits out. Planning the steady rows
-        before the others must give the step the general path would: so when
-        the token budget might not reach every row and some other running
-        request precedes a steady row, or when blocks might run short (the
-        general path would make rows wait or preempt), every steady row goes
-        back to the general path first and none is returned.
-        """
-        req_indices = self._steady_indices
-        if not len(req_indices):
-            return req_indices
-        active = req_indices[self._remaining[req_indices] > 0]
-        crossing = active[self._pos[active] % self.block_size == 0]
-        tokens = blocks = 0  # at most what the other running requests take
-        for req in self._others:
-            n = max(1, req.num_known_tokens - req.num_computed_tokens)
-            tokens += n
-            blocks += max(0, cdiv(req.num_computed_tokens + n, self.block_size) - len(req.block_ids))
-        others_after = (
-            not self._others
-            or not len(active)
-            or self._admitted[self._others[0].req_index] > self._admitted[active].max()
-        )
-        # Every active row was planned in the previous step, so they fit the budget by themselves.
-        if len(crossing) + blocks > self.pool.num_free_blocks or (
-            len(active) + tokens > self.max_num_batched_tokens and not others_after
-        ):
-            self._leave_steady()
-            return self._steady_indices
-        if len(crossing):
-            new = self.pool.allocate_blocks(len(crossing))
-            self._builder.add_blocks(crossing, self._pos[crossing] // self.block_size, np.asarray(new))
-            for s, b in zip(crossing.tolist(), new):
-                self._steady_req[s].block_ids.append(b)
-        return active
-
-    def _join_steady(self, reqs: list[Request]) -> None:
-        """``reqs`` (running, each just planned one sampled decode token, no grammar) become steady rows."""
-        req_indices = np.fromiter((r.req_index for r in reqs), np.int64, len(reqs))
-        for r in reqs:
-            self._steady_req[r.req_index] = r
-        self._req_num[req_indices] = [r.req_num for r in reqs]
-        self._pos[req_indices] = [r.num_computed_tokens for r in reqs]
-        self._remaining[req_indices] = [r.params.max_tokens - r.num_outputs_planned for r in reqs]
-        self._unapplied[req_indices] = 0
-        self._num_tokens[req_indices] = 0
-        self._last[req_indices] = [r.last_step_id for r in reqs]
-        self._left[req_indices] = [r.params.max_tokens - len(r.output_token_ids) for r in reqs]
-        for r in reqs:
-            stop = () if r.params.ignore_eos else r.params.stop_token_ids
-            if len(stop) > self._stop.shape[1]:
-                self._stop = np.pad(self._stop, ((0, 0), (0, len(stop) - self._stop.shape[1])), constant_values=-1)
-            self._stop[r.req_index] = -1
-            self._stop[r.req_index, : len(stop)] = stop
-        self._steady_indices = np.concatenate([self._steady_indices, req_indices])
-        self._others = [r for r in self._others if self._steady_req[r.req_index] is not r]
-
-    def _apply_steady(self, req_index: int) -> None:
-        """Bring the steady row in ``req_index`` up to date and make it an ordinary running request."""
-        req = self._steady_req[req_index]
-        self._move_tokens(req_index)
-        req.num_computed_tokens = int(self._pos[req_index])
-        req.num_placeholders += int(self._unapplied[req_index])
-        req.last_step_id = int(self._last[req_index])
-        self._steady_req[req_index] = None
-        self._req_num[req_index] = -1
-
-    def _leave_steady(self) -> None:
-        """Every steady row goes back to the general path (``_others``, in running order)."""
-        for s in self._steady_indices.tolist():
-            self._apply_steady(s)
-        self._steady_indices = self._steady_indices[:0]
-        self._others = list(self.running)
+            self._general.append(req)
+            step.add(req, n, sample, masked)
 
     def _grow_blocks(self, req: Request, n: int) -> bool:
-        """Give ``req`` blocks for its next ``n`` tokens, preempting if needed.
+        """Give ``req`` blocks for its next ``n`` tokens, preempting the newest running request if needed.
 
         Returns False if ``req`` cannot run this step (it may have been preempted).
         """
@@ -461,40 +268,35 @@ class Scheduler:
                 self._builder.add_block(req.req_index, start + i, b)
         return True
 
+    def _preempt(self, req: Request) -> None:
+        """Recompute: ``req`` gives back its blocks and req_index and waits first in line, from its first token."""
+        self._leave_running(req)
+        self._free(req)
+        req.num_computed_tokens = 0
+        req.is_new = True
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
     def _write(
         self, desc: StepDescriptor, step_id: int, rows: list[tuple[Request, int, bool]], steady: np.ndarray
     ) -> None:
-        """Write the step: the ``steady`` rows' decodes (req_indices, int64 ``[D]``), then ``rows``; update counters."""
+        """Write the step: the ``steady`` rows' decodes (req_index ``[D]``), then ``rows``; update counters."""
         b = self._builder
         for req, k, sample in rows:
             pos = req.num_computed_tokens
-            if k == 1:
-                tokens = [req.token_at(pos)]
-            else:  # a prefill chunk: every id is known
-                known = (
-                    req.prompt_token_ids + req.output_token_ids.tolist()
-                    if pos + k > len(req.prompt_token_ids)
-                    else req.prompt_token_ids
-                )
-                tokens = known[pos : pos + k]
-            num_plp, next_token = 0, -1
-            if req.params.prompt_logprobs >= 0:  # positions pos..pos+num_plp-1 predict prompt tokens
-                num_plp = max(0, min(k, len(req.prompt_token_ids) - 1 - pos))
-                if num_plp == k:
-                    next_token = req.prompt_token_ids[pos + k]
             mask = None
             if sample and req.grammar is not None:
                 mask = np.empty(self._mask_words, np.int32)
                 req.grammar.fill_mask(mask)
+            params = req.params if req.is_new else None
             b.add_row(
                 req.req_num,
                 req.req_index,
                 pos,
-                tokens,
+                req.chunk(pos, k),
                 sample,
-                req.params if req.is_new else None,
-                num_plp,
-                next_token,
+                params,
+                *req.prompt_logprob_span(pos, k),
                 len(req.prompt_token_ids),
                 mask,
             )
@@ -507,52 +309,25 @@ class Scheduler:
             if sample:
                 req.num_placeholders += 1
             if req.choices is not None and req.num_computed_tokens == req.num_known_tokens:
-                self._fork(req)
+                self.waiting.extendleft(reversed(choices.fork(req, self.pool)))
+                self._remove(req)
         decode = None
-        if len(steady):
-            pos = self._pos[steady]
-            if self._last_output_step == step_id - 1:  # lock step: every row's input token is known
-                tokens = self._last_token[steady]
-            else:  # the previous step's tokens are on the device only
-                tokens = np.full(len(steady), PLACEHOLDER_TOKEN_ID, np.int64)
-            nums = self._req_num[steady]
-            decode = (nums, steady, pos, tokens)
-            self._steady_planned[step_id] = (steady, nums, nums.tolist())
-            self._pos[steady] = pos + 1
-            self._remaining[steady] -= 1
-            self._unapplied[steady] += 1
-            self._last[steady] = step_id
-            self.num_steady_steps += 1
+        if len(steady):  # in lock step every row's input token is known
+            decode = self.steady.write(step_id, steady, inputs_known=self._last_output_step == step_id - 1)
         b.write(desc, step_id, decode)
         # Grammar rows need their own token back before each step, which steady rows cannot wait for.
         joining = [req for req, k, sample in rows if k == 1 and sample and req.grammar is None]
         if joining:
             self._join_steady(joining)
 
-    def _unshare_waiting(self) -> None:
-        """Waiting choices give back the prefix blocks they inherited, and will compute their prompts whole.
+    def _join_steady(self, reqs: list[Request]) -> None:
+        self.steady.join(reqs)
+        self._general = [r for r in self._general if not self.steady.holds(r)]
 
-        Only when nothing runs: then nothing else would ever free blocks for the waiting head.
-        """
-        for req in self.waiting:
-            if req.block_ids and req.num_placeholders == 0:
-                self.pool.free_after(req.last_step_id, req.block_ids, -1)
-                req.block_ids, req.num_computed_tokens = [], 0
-
-    def _fork(self, prefill: Request) -> None:
-        """The shared prefill is planned: its choices take its blocks and wait, first in line.
-
-        Steps run in order on the device, so a choice planned in a later step
-        reads the prefix's KV already written.
-        """
-        for c in reversed(prefill.choices):
-            self.pool.share(prefill.block_ids)
-            c.block_ids = list(prefill.block_ids)
-            c.num_computed_tokens = prefill.num_known_tokens
-            c.parent = None
-            self.waiting.appendleft(c)
-        prefill.choices = []
-        self._remove(prefill)
+    def _leave_steady(self) -> None:
+        """Every steady row goes back to the general path (in running order)."""
+        self.steady.release_all()
+        self._general = list(self.running)
 
     # -- outputs ----------------------------------------------------------------
 
@@ -567,25 +342,19 @@ class Scheduler:
             end of the prefill of a request with ``max_tokens`` 0).
 
         Raises:
-            RuntimeError: if the output's first rows are not the step's steady
-                rows in the order planned (the worker writes sampled rows in
-                descriptor order).
+            RuntimeError: as ``SteadyRows.apply_output``.
         """
         finished: list[int] = []
-        rest = zip(req_nums, token_ids)
-        planned = self._steady_planned.pop(step_id, None)
-        if planned is not None:
-            d = len(planned[2])
-            if req_nums[:d] != planned[2]:
-                raise RuntimeError(f"step {step_id}: output rows are not the steady rows planned")
-            rest = zip(req_nums[d:], token_ids[d:])
-            self._steady_output(*planned, token_ids[:d], finished)
-        # Each steady row's buffer is emptied once every _TOKEN_BUFFER steps, never all at once.
-        for s in self._steady_indices[(self._steady_indices + step_id) % _TOKEN_BUFFER == 0].tolist():
-            self._move_tokens(s)
-        for r, t in rest:
-            req = self.requests.get(r)
-            if req is not None:
+        d, left, ended = self.steady.apply_output(step_id, req_nums, token_ids)
+        for r, t in left:
+            if (req := self.requests.get(r)) is not None:
+                self._apply_token(req, t, finished)
+        if ended:
+            finished.extend(req.req_num for req in ended)
+            self._remove_ended(ended)
+        self.steady.flush(step_id)
+        for r, t in zip(req_nums[d:], token_ids[d:]):
+            if (req := self.requests.get(r)) is not None:
                 self._apply_token(req, t, finished)
         for req in self._finish_after.pop(step_id, ()):
             if self.requests.get(req.req_num) is req:
@@ -596,73 +365,21 @@ class Scheduler:
         return finished
 
     def _apply_token(self, req: Request, t: int, finished: list[int]) -> None:
-        """Append ``t`` to ``req`` through its own counters; remove it and list it in ``finished`` if it ends."""
-        req.num_placeholders -= 1
-        if req.req_index >= 0 and self._steady_req[req.req_index] is req:  # a steady row's token from a general row
-            self._move_tokens(req.req_index)  # older tokens first
-            self._left[req.req_index] -= 1
-            self._last_token[req.req_index] = t
-        req.output_token_ids.append(t)
-        if req.grammar is not None and not req.grammar.accept(t):
-            # The worker's mask forbids this; the matcher keeps its state and the request goes on.
-            log.error("request %d: token %d is outside its grammar", req.req_num, t)
-        if check_finish(t, len(req.output_token_ids), req.params) is not None:
+        """Append ``t`` to ``req``; remove it and list it in ``finished`` if it ends."""
+        if self.steady.holds(req):  # from a row it had before joining
+            ends = self.steady.receive(req, t)
+        else:
+            req.num_placeholders -= 1
+            req.output_token_ids.append(t)
+            if req.grammar is not None and not req.grammar.accept(t):
+                # The worker's mask forbids this; the matcher keeps its state and the request goes on.
+                log.error("request %d: token %d is outside its grammar", req.req_num, t)
+            ends = check_finish(t, len(req.output_token_ids), req.params) is not None
+        if ends:
             finished.append(req.req_num)
             self._remove(req)
 
-    def _move_tokens(self, req_index: int) -> None:
-        """Append the tokens buffered for the steady row in ``req_index`` to its request's own list."""
-        n = self._num_tokens[req_index]
-        if n:
-            self._steady_req[req_index].output_token_ids.frombytes(self._tokens[req_index, :n].tobytes())
-            self._num_tokens[req_index] = 0
-
-    def _steady_output(
-        self, req_indices: np.ndarray, nums: np.ndarray, num_list: list[int], tokens: list[int], finished: list[int]
-    ) -> None:
-        """Apply the tokens of a step's steady rows (``req_indices``, ``nums``: int64 ``[D]``), vectorized.
-
-        A row that has left the steady rows since it was planned goes through
-        :meth:`_apply_token`, or is dropped if its request is gone. Requests
-        that end are removed and listed in ``finished``.
-        """
-        kept = self._req_num[req_indices] == nums
-        if not kept.all():
-            for i in np.flatnonzero(~kept).tolist():
-                req = self.requests.get(num_list[i])
-                if req is not None:
-                    self._apply_token(req, tokens[i], finished)
-            idx = np.flatnonzero(kept)
-            req_indices, tok, num_list = req_indices[idx], np.asarray(tokens)[idx], [num_list[i] for i in idx.tolist()]
-        else:
-            tok = np.asarray(tokens)
-        self._tokens[req_indices, self._num_tokens[req_indices]] = tok
-        self._num_tokens[req_indices] += 1
-        self._last_token[req_indices] = tok
-        self._unapplied[req_indices] -= 1
-        self._left[req_indices] -= 1
-        ended = np.flatnonzero((self._left[req_indices] <= 0) | (self._stop[req_indices] == tok[:, None]).any(1))
-        if len(ended):
-            finished.extend(num_list[i] for i in ended.tolist())
-            self._remove_steady(req_indices[ended])
-
-    def _remove_steady(self, req_indices: np.ndarray) -> None:
-        """:meth:`_remove` for the steady rows in ``req_indices`` (int64 ``[k]``), with one pass over the running list.
-
-        At batch 1024 a few dozen rows can end in one step; removing them one
-        by one would scan the running list once for each.
-        """
-        self._num_tokens[req_indices] = 0  # nobody reads an ended request's tokens
-        for s in req_indices.tolist():
-            req = self._steady_req[s]
-            self._apply_steady(s)
-            del self.requests[req.req_num]
-            self.pool.free_after(req.last_step_id, req.block_ids, s)
-            req.block_ids, req.req_index = [], -1
-        self.running = [r for r in self.running if r.req_index >= 0]  # a running request has a req_index
-        self._steady_indices = self._steady_indices[self._req_num[self._steady_indices] >= 0]
-
-    # -- internals --------------------------------------------------------------
+    # -- removal ----------------------------------------------------------------
 
     def _remove(self, req: Request) -> None:
         del self.requests[req.req_num]
@@ -670,23 +387,28 @@ class Scheduler:
             self._leave_running(req)
         else:
             self.waiting.remove(req)
-        self.pool.free_after(req.last_step_id, req.block_ids, req.req_index)
-        req.block_ids, req.req_index = [], -1
+        self._free(req)
+
+    def _remove_ended(self, reqs: list[Request]) -> None:
+        """``_remove`` for ended steady rows (already released), with one pass over the running list.
+
+        At batch 1024 a few dozen rows can end in one step; removing them one
+        by one would scan the running list once for each.
+        """
+        for req in reqs:
+            del self.requests[req.req_num]
+            self._free(req)
+        self.running = [r for r in self.running if r.req_index >= 0]  # a running request has a req_index
 
     def _leave_running(self, req: Request) -> None:
         """Take ``req`` (running) out of the running lists, steady or not, its counters up to date."""
         self.running.remove(req)
-        if self._steady_req[req.req_index] is req:
-            self._apply_steady(req.req_index)
-            self._steady_indices = self._steady_indices[self._steady_indices != req.req_index]
+        if self.steady.holds(req):
+            self.steady.release(req)
         else:
-            self._others.remove(req)
+            self._general.remove(req)
 
-    def _preempt(self, req: Request) -> None:
-        self._leave_running(req)
+    def _free(self, req: Request) -> None:
+        """Give back ``req``'s blocks and req_index after the last step that reads them."""
         self.pool.free_after(req.last_step_id, req.block_ids, req.req_index)
         req.block_ids, req.req_index = [], -1
-        req.num_computed_tokens = 0
-        req.is_new = True
-        self.waiting.appendleft(req)
-        self.num_preemptions += 1

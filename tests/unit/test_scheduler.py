@@ -18,7 +18,7 @@ from msgspec.structs import replace
 
 from pipeline.common.messages import AddRequest, SamplingParams
 from pipeline.common.step_protocol import PLACEHOLDER_TOKEN_ID, StepDescriptor, StepInputs, read_descriptor
-from pipeline.scheduler_proc import scheduler as scheduler_module
+from pipeline.scheduler_proc import steady_rows
 from pipeline.scheduler_proc.scheduler import Scheduler
 
 EOS = 3
@@ -203,7 +203,7 @@ def test_steady_decode_path_is_exact(depth, num_blocks, monkeypatch):
     """Long decodes become steady rows; joins, aborts, EOS, block crossings and (with 90
     blocks) preemptions in the middle of it leave every output exact and free everything. Steady rows'
     tokens wait at most 3 steps in the scheduler's buffer here, so they move to the requests' lists often."""
-    monkeypatch.setattr(scheduler_module, "_TOKEN_BUFFER", 3)
+    monkeypatch.setattr(steady_rows, "_TOKEN_BUFFER", 3)
     reqs = make_requests(96, seed=11, max_len=120)
     aborted = {10: 5, 40: 17, 41: 18, 90: 60}
     outputs, sched = run(
@@ -337,7 +337,7 @@ def test_steady_rows_plan_what_the_general_path_plans(depth, max_num_seqs, budge
     as the same scheduler with steady rows turned off, and finishes the same requests, through joins,
     prefills that share the budget (12 tokens for 32 rows: the budget cuts), grammar rows ahead of steady
     ones, block crossings, aborts, EOS and (90 blocks) preemptions, whose recompute needs every token in order."""
-    monkeypatch.setattr(scheduler_module, "_TOKEN_BUFFER", 3)
+    monkeypatch.setattr(steady_rows, "_TOKEN_BUFFER", 3)
     reqs = make_requests(96, seed=12, max_len=120)
     # Long outputs keep many rows decoding at once; every seventh request has a grammar.
     reqs = [
