@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pipeline.common.constants import cdiv
+from pipeline.common.descriptor_builder import DescriptorBuilder
 from pipeline.common.grammar import GrammarState
 from pipeline.common.messages import AddRequest, SamplingParams, check_finish
-from pipeline.common.step_protocol import MAX_MASKED_ROWS, DescriptorBuilder, StepDescriptor, max_new_blocks_per_step
+from pipeline.common.step_protocol import MAX_MASKED_ROWS, StepDescriptor, max_new_blocks_per_step
 from pipeline.scheduler_proc import choices
 from pipeline.scheduler_proc.kv_block_pool import BlockPool
 from pipeline.scheduler_proc.request import Request

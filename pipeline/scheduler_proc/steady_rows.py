@@ -12,8 +12,9 @@ from array import array
 
 import numpy as np
 
+from pipeline.common.descriptor_builder import DescriptorBuilder
 from pipeline.common.messages import check_finish
-from pipeline.common.step_protocol import PLACEHOLDER_TOKEN_ID, DescriptorBuilder
+from pipeline.common.step_protocol import PLACEHOLDER_TOKEN_ID
 from pipeline.scheduler_proc.kv_block_pool import BlockPool
 from pipeline.scheduler_proc.request import Request
 

@@ -213,7 +213,9 @@ def test_steps_that_do_not_fit_run_eagerly(tiny_dir):
 
     def meta(rows):
         x = steps.make(rows)
-        layout = StepLayout.build(x.query_lens, x.start_pos, x.req_index, BLOCK, runner.config.max_blocks_per_seq)
+        layout = StepLayout.build(
+            x.num_scheduled_tokens, x.start_pos, x.req_index, BLOCK, runner.config.max_blocks_per_seq
+        )
         return backend.build_metadata(layout, runner.input_batch.block_table, runner.ops.upload)
 
     assert isinstance(meta([(0, 2, [PH], True, None), (1, 2, [PH], True, None)]), GraphStep)

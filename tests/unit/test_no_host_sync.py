@@ -24,8 +24,9 @@ import transformers
 
 from pipeline.common.config import EngineConfig
 from pipeline.common.constants import cdiv
+from pipeline.common.descriptor_builder import DescriptorBuilder
 from pipeline.common.messages import SamplingParams
-from pipeline.common.step_protocol import PLACEHOLDER_TOKEN_ID, DescriptorBuilder, StepDescriptor, read_descriptor
+from pipeline.common.step_protocol import PLACEHOLDER_TOKEN_ID, StepDescriptor, read_descriptor
 from pipeline.gpu_worker import sampler
 from pipeline.gpu_worker.attention import make_backend
 from pipeline.gpu_worker.cuda_graphs import install_decode_graphs

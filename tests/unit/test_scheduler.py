@@ -50,7 +50,7 @@ class ReferenceExecutor:
         Returns (step id, sampled request numbers, sampled tokens, what this step references).
         """
         prefills = set(self.prefill_of.values())
-        for s, i, b in x.new_blocks.T.tolist():
+        for s, i, b in zip(x.nb_req_index.tolist(), x.nb_index.tolist(), x.nb_block.tolist()):
             shared = self.kv.get((b, 0), (None,))[0] in prefills  # a choice's row gets its prefill's blocks
             assert shared or ("block", b) not in inflight_refs, f"block {b} reused while a step in flight reads it"
             self.block_table[s][i] = b
@@ -60,7 +60,7 @@ class ReferenceExecutor:
         off, out_req, out_tok = 0, [], []
         for r in range(len(x.req_num)):
             req, req_index = int(x.req_num[r]), int(x.req_index[r])
-            k, start = int(x.query_lens[r]), int(x.start_pos[r])
+            k, start = int(x.num_scheduled_tokens[r]), int(x.start_pos[r])
             if r in new_rows:
                 assert ("req_index", req_index) not in inflight_refs, (
                     f"req_index {req_index} reused while a step in flight reads it"
@@ -313,7 +313,7 @@ def plan_signature(d: StepDescriptor) -> tuple:
     x = read_descriptor(d)
     tokens, rows, off = x.token_ids.tolist(), [], 0
     sampled, new = set(x.sample_rows.tolist()), set(x.new_rows.tolist())
-    for r, (req, k, start) in enumerate(zip(x.req_num.tolist(), x.query_lens.tolist(), x.start_pos.tolist())):
+    for r, (req, k, start) in enumerate(zip(x.req_num.tolist(), x.num_scheduled_tokens.tolist(), x.start_pos.tolist())):
         rows.append(
             (
                 req,
@@ -327,7 +327,7 @@ def plan_signature(d: StepDescriptor) -> tuple:
         )
         off += k
     owner = dict(zip(x.req_index.tolist(), x.req_num.tolist()))
-    return x.step_id, sorted(rows), sorted((owner[s], i) for s, i in x.new_blocks[:2].T.tolist())
+    return x.step_id, sorted(rows), sorted((owner[s], i) for s, i in zip(x.nb_req_index.tolist(), x.nb_index.tolist()))
 
 
 @pytest.mark.parametrize("depth", [1, 2])
@@ -374,7 +374,7 @@ def test_steady_rows_plan_what_the_general_path_plans(depth, max_num_seqs, budge
                 for d in descs:
                     x = read_descriptor(d)
                     rows = x.sample_rows.tolist()
-                    last = (x.start_pos + x.query_lens - 1)[rows].tolist()
+                    last = (x.start_pos + x.num_scheduled_tokens - 1)[rows].tolist()
                     reqs = x.req_num[rows].tolist()
                     outs.append((reqs, [sampled_token(r, p) for r, p in zip(reqs, last)]))
                 inflight.append(outs)
