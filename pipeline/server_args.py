@@ -178,6 +178,15 @@ def build_parser() -> argparse.ArgumentParser:
         "(the reference for A/B measurements and correctness).",
     )
     p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Keep the KV blocks of computed prefixes (finished requests' too, evicted least recently "
+        "used first) and prefill only what a new request does not share with them; with -dp, route a "
+        "request to the engine holding its longest prefix. --no-enable-prefix-caching recomputes every "
+        "prompt.",
+    )
+    p.add_argument(
         "--debug-token-cache-poison",
         action="store_true",
         help="Poison token-id cache entries once consumed and check every placeholder read "
@@ -238,11 +247,53 @@ def build_parser() -> argparse.ArgumentParser:
         help="Open HTTP connections plus running requests at which new requests get 503.",
     )
     p.add_argument(
+        "--max-seqs-per-request",
+        type=int,
+        default=2048,
+        help="Sequences one request may ask for at most: the prompts of a completions request times n "
+        "(n for a chat request). A request past it gets a 400 naming n or prompt.",
+    )
+    p.add_argument(
         "--step-timeout",
         type=float,
         default=300.0,
         help="Seconds a step may run without producing its output before the server declares the "
         "worker hung and stops with an error (clients get 503); 0 disables the watchdog.",
+    )
+    p.add_argument(
+        "--metrics-compat",
+        choices=["none", "vllm"],
+        default="none",
+        help="vllm: /metrics also exports every vLLM metric the server has under vLLM's exact name and "
+        "labels (vllm:num_requests_running{model_name,engine}, vllm:time_to_first_token_seconds, ...), "
+        "so vLLM's Grafana dashboards and autoscalers read it unchanged. Off by default: the pipeline_ "
+        "names alone cannot be mistaken for vLLM's.",
+    )
+    p.add_argument(
+        "--log-stats-interval",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="Log a stats line this often while there is traffic (vLLM's: prompt and generation "
+        "throughput, running and waiting requests, KV cache usage, preemptions, and the token gap p50 "
+        "and device-busy fraction over the interval); 0 turns it off.",
+    )
+    p.add_argument(
+        "--disable-uvicorn-access-log",
+        action="store_true",
+        help="Do not log uvicorn's access line (client, request line, status) for each HTTP request.",
+    )
+    p.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="Log one line per finished request: its id, prompt tokens, sampling parameters, finish "
+        "reason, output tokens, time to first token and end-to-end latency. The prompt text is "
+        "never logged unless --log-prompts is given too.",
+    )
+    p.add_argument(
+        "--log-prompts",
+        action="store_true",
+        help="With --enable-log-requests: include each request's prompt (or chat messages) in its line.",
     )
     p.add_argument(
         "--trace",
@@ -357,6 +408,7 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         "http_header_timeout",
         "http_body_timeout",
         "limit_concurrency",
+        "max_seqs_per_request",
         "tensor_parallel_size",
         "data_parallel_size",
     ):
@@ -399,6 +451,8 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         num_blocks = int(args.kv_cache_memory * 2**30 // kv_bytes_per_block(cfg, args.block_size, args.dtype, kv_heads))
     if args.step_timeout < 0:
         _die("--step-timeout must be 0 (off) or positive")
+    if args.log_stats_interval < 0:
+        _die("--log-stats-interval must be 0 (off) or positive")
     if num_blocks * args.block_size < max_model_len:
         _die(
             f"the KV cache ({num_blocks} blocks of {args.block_size} tokens) cannot hold one request of "
@@ -441,6 +495,7 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         num_kv_blocks=num_blocks,
         vocab_size=0 if sim else int(cfg.get("vocab_size", 0)),
         async_scheduling=args.async_scheduling,
+        enable_prefix_caching=args.enable_prefix_caching,
         debug_token_cache_poison=args.debug_token_cache_poison,
         sim_step_us=args.sim_step_us,
         sim_token_us=args.sim_token_us,
@@ -449,6 +504,7 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         http_header_timeout_s=args.http_header_timeout,
         http_body_timeout_s=args.http_body_timeout,
         limit_concurrency=args.limit_concurrency,
+        max_seqs_per_request=args.max_seqs_per_request,
         attention_backend=args.attention_backend,
         worker_threads=args.worker_threads,
         worker_cpus=worker_cpus,
@@ -462,6 +518,11 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         api_key=args.api_key or "",
         cuda_graph_sizes=graph_sizes,
         step_timeout_s=args.step_timeout,
+        metrics_compat=args.metrics_compat,
+        log_stats_interval_s=args.log_stats_interval,
+        uvicorn_access_log=not args.disable_uvicorn_access_log,
+        enable_log_requests=args.enable_log_requests,
+        log_prompts=args.log_prompts,
         instance=f"{os.getpid()}-{secrets.token_hex(4)}",
         ipc_dir=make_ipc_dir(),
     )

@@ -33,12 +33,13 @@ from pipeline.scheduler_proc.scheduler import Scheduler
 
 
 def run(
-    batch: int, input_len: int, output_len: int, block_size: int, budget: int, depth: int, seed: int
+    batch: int, input_len: int, output_len: int, block_size: int, budget: int, depth: int, seed: int, caching: bool
 ) -> tuple[np.ndarray, np.ndarray, int, Scheduler]:
     """One run; returns per-step CPU ns of planning and of output processing ``[steps]``, the prefill steps
     to skip and the scheduler."""
     max_len = input_len + output_len
-    sched = Scheduler(batch, budget, block_size, batch * cdiv(max_len, block_size), cdiv(max_len, block_size))
+    num_blocks, row = batch * cdiv(max_len, block_size), cdiv(max_len, block_size)
+    sched = Scheduler(batch, budget, block_size, num_blocks, row, enable_prefix_caching=caching, block_hash_root=b"r")
     dlayout = StepDescriptor.layout(batch, budget, block_size)
     descs = [StepDescriptor(dlayout.views(bytearray(dlayout.nbytes))) for _ in range(depth + 2)]
     olayout = StepOutput.layout(batch, budget)
@@ -80,12 +81,13 @@ def main() -> None:
     p.add_argument("--depth", type=int, default=2, help="steps in flight: 2 async, 1 lock step")
     p.add_argument("--repeat", type=int, default=3, help="runs; per-step figures pool them")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--profile", metavar="FILE", default=None, help="write a cProfile of one run here")
     a = p.parse_args()
     budget = a.budget or max(512, a.batch)
     if a.profile:
         cProfile.runctx(
-            "run(a.batch, a.input_len, a.output_len, a.block_size, budget, a.depth, a.seed)",
+            "run(a.batch, a.input_len, a.output_len, a.block_size, budget, a.depth, a.seed, a.enable_prefix_caching)",
             globals(),
             {"run": run, "a": a, "budget": budget},
             a.profile,
@@ -93,7 +95,9 @@ def main() -> None:
         return
     plans, procs, steady = [], [], 0
     for i in range(a.repeat):
-        plan, proc, skip, sched = run(a.batch, a.input_len, a.output_len, a.block_size, budget, a.depth, a.seed + i)
+        plan, proc, skip, sched = run(
+            a.batch, a.input_len, a.output_len, a.block_size, budget, a.depth, a.seed + i, a.enable_prefix_caching
+        )
         n = min(len(plan), len(proc))
         plans.append(plan[skip:n])
         procs.append(proc[skip:n])

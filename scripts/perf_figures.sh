@@ -42,6 +42,14 @@ if [[ $ONLY == all || $ONLY == model ]]; then
   peers=(--workload sharegpt-synth --num-requests 64 --json "$OUT/peers-sharegpt.json")
   [[ -n ${VLLM_PYTHON:-} ]] && peers+=(--vllm-python "$VLLM_PYTHON")
   run peers-sharegpt "$PY" scripts/compare_peers.py "${peers[@]}"
+  # Multi-turn chat (16 users x 4 turns, 600-token shared system prompt): prefix caching on and off, and peers.
+  peers=(--workload multi-turn --num-users 16 --num-turns 4 --system-len 600 --message-len 40 --output-len 48
+    --peers pipeline-async,pipeline-no-cache,pipeline-sync,transformers,vllm --json "$OUT/peers-multi-turn.json")
+  [[ -n ${VLLM_PYTHON:-} ]] && peers+=(--vllm-python "$VLLM_PYTHON")
+  run peers-multi-turn "$PY" scripts/compare_peers.py "${peers[@]}"
+  # Single-turn traffic: caching on against off, paired (each round runs both).
+  run prefix-cache-single-turn "$PY" scripts/compare_peers.py --workload sharegpt-synth --num-requests 64 \
+    --peers pipeline-async,pipeline-no-cache --repeat 3 --json "$OUT/prefix-cache-single-turn.json"
   run cpu-placement "$PY" scripts/compare_cpu_placement.py --workload fixed --batch-size 64 --input-len 150 \
     --output-len 150
 fi

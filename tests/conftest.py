@@ -74,11 +74,16 @@ class Server:
         self.proc = subprocess.Popen(
             self.args, stdout=log or subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO
         )
+        # The pipe is drained as the server writes (access lines, stats lines), so it never fills and blocks it.
+        self._output: list[str] = []
+        self._drain = threading.Thread(target=self._output.extend, args=(self.proc.stdout,), daemon=True)
+        if log is None:
+            self._drain.start()
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
-                out = self.proc.stdout.read() if self.proc.stdout else "(see its log file)"
+                out = self.output() if self.proc.stdout else "(see its log file)"
                 raise RuntimeError(f"server exited {self.proc.returncode}:\n{out}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
@@ -92,6 +97,12 @@ class Server:
         self.children = child_pids(self.proc.pid)
         auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.model = httpx.get(f"{self.url}/v1/models", headers=auth).json()["data"][0]["id"]
+
+    def output(self) -> str:
+        """What the server printed (without a log file); all of it once it has exited."""
+        if self.proc.poll() is not None and self._drain.is_alive():
+            self._drain.join(30)
+        return "".join(self._output)
 
     def metrics(self) -> dict[str, float]:
         out = {}

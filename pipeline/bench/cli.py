@@ -28,7 +28,7 @@ from tqdm import tqdm
 from pipeline.bench.bound import BoundReplay
 from pipeline.bench.drivers import drive_engine, drive_http
 from pipeline.bench.report import plot, print_table, summarize
-from pipeline.bench.workloads import Workload
+from pipeline.bench.workloads import MultiTurn, Workload
 from pipeline.common.config import EngineConfig
 from pipeline.common.trace import ROLES
 from pipeline.launcher import ChildFailed, Launcher
@@ -39,7 +39,7 @@ def run_mode(
     args: argparse.Namespace,
     config: EngineConfig | None,
     http: bool,
-    work: Workload,
+    work: Workload | MultiTurn,
     label: str,
     trace_file: str | None,
 ) -> tuple[dict, list]:
@@ -48,7 +48,7 @@ def run_mode(
     Returns:
         (figures, spans); no spans with ``--url``.
     """
-    bar = tqdm(total=sum(work.output_lens), desc=f"{label:5s}", unit="tok", file=sys.stderr)
+    bar = tqdm(total=total_output(work), desc=f"{label:5s}", unit="tok", file=sys.stderr)
     if config is None:
         import httpx
 
@@ -75,23 +75,53 @@ def run_mode(
     return summarize(times, launcher.spans), launcher.spans
 
 
+def total_output(work: Workload | MultiTurn) -> int:
+    """Output tokens the whole workload asks for."""
+    if isinstance(work, MultiTurn):
+        return work.num_users * work.num_turns * work.output_len
+    return sum(work.output_lens)
+
+
+def add_workload_flags(g: argparse._ArgumentGroup) -> None:
+    """The flags of the multi-turn workload (pipeline-bench and scripts/compare_peers.py share them)."""
+    g.add_argument("--num-users", type=int, default=16, help="multi-turn: users chatting at once")
+    g.add_argument("--num-turns", type=int, default=4, help="multi-turn: turns per user")
+    g.add_argument(
+        "--system-len", type=int, default=600, help="multi-turn: tokens of the system prompt every user shares"
+    )
+    g.add_argument("--message-len", type=int, default=40, help="multi-turn: tokens of each new user message")
+
+
+def multi_turn(args: argparse.Namespace) -> MultiTurn:
+    """The multi-turn workload the flags describe (replies of ``--output-len`` tokens)."""
+    return MultiTurn.synth(
+        args.num_users, args.num_turns, args.system_len, args.message_len, args.output_len, args.seed
+    )
+
+
 def build_bench_parser() -> argparse.ArgumentParser:
     """``pipeline-serve``'s parser with the benchmark's flags added."""
     p = build_parser()
     p.prog = "pipeline-bench"
+    # Its output is its table: no access or stats lines from a server it starts, unless asked for.
+    p.set_defaults(disable_uvicorn_access_log=True, log_stats_interval=0.0)
     p.description = __doc__.split("\n\n")[0] + " " + " ".join(__doc__.split("\n\n")[1].split())
     g = p.add_argument_group("benchmark")
     g.add_argument(
         "--workload",
-        choices=["fixed", "sharegpt-synth"],
+        choices=["fixed", "sharegpt-synth", "multi-turn"],
         default="fixed",
         help="fixed: --batch-size requests of --input-len prompt and --output-len output tokens; "
-        "sharegpt-synth: --num-requests with long-tailed lengths. All arrive at once, ignore EOS.",
+        "sharegpt-synth: --num-requests with long-tailed lengths; both arrive at once. multi-turn: "
+        "--num-users chat for --num-turns turns each in a closed loop, every turn resending a shared "
+        "--system-len system prompt and the conversation so far (the server's own replies included) "
+        "plus a new --message-len message, replies of --output-len tokens. All ignore EOS.",
     )
     g.add_argument("--batch-size", type=int, default=64, help="fixed workload: number of requests")
     g.add_argument("--input-len", type=int, default=32, help="fixed workload: prompt tokens")
-    g.add_argument("--output-len", type=int, default=128, help="fixed workload: output tokens")
+    g.add_argument("--output-len", type=int, default=128, help="fixed and multi-turn workloads: output tokens")
     g.add_argument("--num-requests", type=int, default=200, help="sharegpt-synth: number of requests")
+    add_workload_flags(g)
     g.add_argument("--seed", type=int, default=0, help="workload seed")
     g.add_argument(
         "--mode",
@@ -125,6 +155,16 @@ def main(argv: list[str] | None = None) -> None:
             "max_num_batched_tokens": max(args.max_num_batched_tokens, args.batch_size),
         }
         work = Workload.fixed(args.batch_size, args.input_len, args.output_len, args.seed)
+    elif args.workload == "multi-turn":
+        work = multi_turn(args)
+        sizes = {"max_num_seqs": max(args.max_num_seqs, work.num_users), "max_model_len": args.max_model_len or 2048}
+        if work.max_len > sizes["max_model_len"]:
+            print(
+                f"pipeline-bench: the longest conversation takes {work.max_len} tokens, more than "
+                f"--max-model-len {sizes['max_model_len']}: raise it or shorten the workload",
+                file=sys.stderr,
+            )
+            raise SystemExit(2)
     else:
         sizes = {"max_model_len": args.max_model_len or 2048}
         work = Workload.sharegpt_synth(args.num_requests, sizes["max_model_len"], args.seed)
@@ -148,7 +188,19 @@ def main(argv: list[str] | None = None) -> None:
         "trace",
         "async_scheduling",
         "bound",
-        *(("num_requests",) if args.workload == "fixed" else ("batch_size", "input_len", "output_len")),
+        *{
+            "fixed": ("num_requests", "num_users", "num_turns", "system_len", "message_len"),
+            "sharegpt-synth": (
+                "batch_size",
+                "input_len",
+                "output_len",
+                "num_users",
+                "num_turns",
+                "system_len",
+                "message_len",
+            ),
+            "multi-turn": ("num_requests", "batch_size", "input_len"),
+        }[args.workload],
     }
     flags = {**{k: v for k, v in vars(args).items() if k not in unused}, **sizes, "http": http}
     modes = {"async": [True], "sync": [False], "both": [True, False]}[args.mode]

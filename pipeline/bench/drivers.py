@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from pipeline.bench.workloads import Workload
+from pipeline.bench.workloads import MultiTurn, Workload
 from pipeline.common.config import EngineConfig
 from pipeline.common.messages import SamplingParams
 from pipeline.common.process import freeze_startup_heap
@@ -22,11 +24,39 @@ class RequestTimes:
     submit: float = 0.0
     token_times: list[float] = field(default_factory=list)  # one entry per output token
     num_tokens: int = 0
+    turn: int = 0  # a multi-turn conversation's turn, from 0
 
 
-async def drive_engine(config: EngineConfig, output_rings: list[ShmRing], work: Workload, bar) -> list[RequestTimes]:
-    """Play io_proc's part in-process: an EngineClient on ``output_rings`` (one per engine), every
-    request submitted at once.
+# (prompt, max_tokens, seed) -> (whatever the driver keeps of the request, its output token ids)
+Send = Callable[[list[int], int, int], Awaitable[tuple[Any, list[int]]]]
+
+
+async def play(work: Workload | MultiTurn, send: Send) -> list[tuple[Any, int]]:
+    """Send every request of ``work`` through ``send``: a fixed workload's all at once, a
+    multi-turn one's turn after turn per user (every user at once).
+
+    Returns:
+        ``(what send kept, turn)`` per request; a user's turns in order.
+    """
+    if isinstance(work, Workload):
+        done = await asyncio.gather(*(send(p, n, i) for i, (p, n) in enumerate(zip(work.prompts, work.output_lens))))
+        return [(kept, 0) for kept, _ in done]
+
+    async def user(u: int) -> list[tuple[Any, int]]:
+        replies, out = [], []
+        for turn in range(work.num_turns):
+            kept, ids = await send(work.prompt(u, replies), work.output_len, u * work.num_turns + turn)
+            replies.append(ids)
+            out.append((kept, turn))
+        return out
+
+    return [r for rs in await asyncio.gather(*(user(u) for u in range(work.num_users))) for r in rs]
+
+
+async def drive_engine(
+    config: EngineConfig, output_rings: list[ShmRing], work: Workload | MultiTurn, bar
+) -> list[RequestTimes]:
+    """Play io_proc's part in-process: an EngineClient on ``output_rings`` (one per engine).
 
     The client's spans go to ``config.trace_path("io_proc")``, the file io_proc
     itself would write, so the launcher's stop() finds them with the others'.
@@ -49,8 +79,8 @@ async def drive_engine(config: EngineConfig, output_rings: list[ShmRing], work: 
         recorder.dump(config.trace_path("io_proc"))
 
 
-async def _drive_client(client, work: Workload, bar) -> list[RequestTimes]:
-    """Submit every request at once through a started EngineClient.
+async def _drive_client(client, work: Workload | MultiTurn, bar) -> list[RequestTimes]:
+    """Play ``work`` through a started EngineClient.
 
     Consumers wait for the finish only; each request's token timeline comes
     from the delivery times the client records per step, so the benchmark
@@ -60,20 +90,19 @@ async def _drive_client(client, work: Workload, bar) -> list[RequestTimes]:
     whose io_proc CPU the benchmark reports.
     """
 
-    async def one(i: int):
-        params = SamplingParams(max_tokens=work.output_lens[i], temperature=0.0, seed=i, ignore_eos=True)
-        state = client.add_request(work.prompts[i], params, stop=(), streaming=False)
+    async def send(prompt: list[int], max_tokens: int, seed: int):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, seed=seed, ignore_eos=True)
+        state = client.add_request(prompt, params, stop=(), streaming=False)
         try:
             await state.wait_finished()
         finally:
             client.release(state)
         bar.update(state.num_output_tokens)
-        return state
+        return state, list(state.processor.token_ids)
 
-    states = await asyncio.gather(*(one(i) for i in range(len(work.prompts))))
     out = []
-    for state in states:
-        t = RequestTimes(submit=state.arrival_time, num_tokens=state.num_output_tokens)
+    for state, turn in await play(work, send):
+        t = RequestTimes(submit=state.arrival_time, num_tokens=state.num_output_tokens, turn=turn)
         done = 0
         for when, n in state.delivery_times:
             t.token_times.extend([when] * (n - done))
@@ -82,21 +111,22 @@ async def _drive_client(client, work: Workload, bar) -> list[RequestTimes]:
     return out
 
 
-async def drive_http(url: str, model: str, work: Workload, bar) -> list[RequestTimes]:
-    """Stream every request at once through the OpenAI completions API at ``url``."""
+async def drive_http(url: str, model: str, work: Workload | MultiTurn, bar) -> list[RequestTimes]:
+    """Stream ``work`` through the OpenAI completions API at ``url`` (token-id prompts)."""
     import httpx
 
-    async def one(client, i: int) -> RequestTimes:
+    async def send(prompt: list[int], max_tokens: int, seed: int) -> tuple[RequestTimes, list[int]]:
         t = RequestTimes(submit=time.perf_counter())
         body = {
             "model": model,
-            "prompt": work.prompts[i],
-            "max_tokens": work.output_lens[i],
+            "prompt": prompt,
+            "max_tokens": max_tokens,
             "temperature": 0,
             "ignore_eos": True,
             "stream": True,
             "return_token_ids": True,
         }
+        out: list[int] = []
         async with client.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
                 raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}")
@@ -105,10 +135,14 @@ async def drive_http(url: str, model: str, work: Workload, bar) -> list[RequestT
                     ids = json.loads(line[6:])["choices"][0].get("token_ids") or []
                     now = time.perf_counter()
                     t.token_times.extend([now] * len(ids))
+                    out += ids
                     bar.update(len(ids))
         t.num_tokens = len(t.token_times)
-        return t
+        return t, out
 
-    limits = httpx.Limits(max_connections=len(work.prompts) + 8)
-    async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
-        return await asyncio.gather(*(one(client, i) for i in range(len(work.prompts))))
+    n = len(work.prompts) if isinstance(work, Workload) else work.num_users
+    async with httpx.AsyncClient(base_url=url, timeout=None, limits=httpx.Limits(max_connections=n + 8)) as client:
+        played = await play(work, send)
+    for t, turn in played:
+        t.turn = turn
+    return [t for t, _ in played]

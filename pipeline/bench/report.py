@@ -12,6 +12,7 @@ def summarize(times: list[RequestTimes], spans: list) -> dict:
     """Per-mode figures from client-side token times and the worker's device spans.
 
     Wall time runs from the first request's submission to the last token.
+    A multi-turn workload also gets ``ttft_p50_ms_by_turn``.
     """
     wall_s = max(t.token_times[-1] for t in times if t.token_times) - min(t.submit for t in times)
     ttft = [t.token_times[0] - t.submit for t in times if t.token_times]
@@ -34,6 +35,14 @@ def summarize(times: list[RequestTimes], spans: list) -> dict:
         "output_tokens": sum(t.num_tokens for t in times),
         "wall_s": wall_s,
     }
+    turns = sorted({t.turn for t in times})
+    if turns != [0]:
+        out["ttft_p50_ms_by_turn"] = [
+            float(
+                np.percentile([t.token_times[0] - t.submit for t in times if t.turn == k and t.token_times], 50) * 1e3
+            )
+            for k in turns
+        ]
     return out
 
 
@@ -49,6 +58,10 @@ def print_table(results: dict[str, dict]) -> None:
         ("output tokens/s", lambda r: r["output_tokens_per_s"]),
         ("TTFT p50 (ms)", lambda r: r["ttft_ms"]["p50"]),
         ("TTFT p99 (ms)", lambda r: r["ttft_ms"]["p99"]),
+        *(
+            (f"TTFT p50 turn {k + 1} (ms)", lambda r, k=k: r["ttft_p50_ms_by_turn"][k])
+            for k in range(len(next(iter(results.values())).get("ttft_p50_ms_by_turn", ())))
+        ),
         ("ITL p50 (ms)", lambda r: r["itl_ms"] and r["itl_ms"]["p50"]),
         ("ITL p99 (ms)", lambda r: r["itl_ms"] and r["itl_ms"]["p99"]),
         *(

@@ -34,3 +34,51 @@ class Workload:
         out = np.clip(rng.lognormal(np.log(130), 0.9, num_requests), 2, max_model_len // 2 - 1).astype(int)
         r = random.Random(seed)
         return cls([[r.randrange(*WORD_IDS) for _ in range(n)] for n in inp.tolist()], out.tolist())
+
+
+@dataclass
+class MultiTurn:
+    """Chat traffic: users that each hold a conversation of several turns, in a closed loop.
+
+    Every turn's prompt is the shared system prompt, then the user's earlier
+    messages each followed by the reply it got (the server's own tokens),
+    then a new message; a user sends its next turn when the previous reply
+    has ended. Replies are ``output_len`` tokens, ignoring EOS.
+    """
+
+    system: list[int]
+    messages: list[list[list[int]]]  # [user][turn] -> that turn's new message
+    output_len: int
+
+    @classmethod
+    def synth(
+        cls, num_users: int, num_turns: int, system_len: int, message_len: int, output_len: int, seed: int
+    ) -> MultiTurn:
+        rng = random.Random(seed)
+
+        def words(n: int) -> list[int]:
+            return [rng.randrange(*WORD_IDS) for _ in range(n)]
+
+        return cls(
+            words(system_len), [[words(message_len) for _ in range(num_turns)] for _ in range(num_users)], output_len
+        )
+
+    @property
+    def num_users(self) -> int:
+        return len(self.messages)
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.messages[0])
+
+    @property
+    def max_len(self) -> int:
+        """Tokens of the longest conversation: prompt and reply of its last turn."""
+        return len(self.system) + max(sum(map(len, m)) for m in self.messages) + self.num_turns * self.output_len
+
+    def prompt(self, user: int, replies: list[list[int]]) -> list[int]:
+        """The prompt of ``user``'s turn ``len(replies)``, given the replies to its earlier turns."""
+        out = list(self.system)
+        for message, reply in zip(self.messages[user], replies):
+            out += message + reply
+        return out + self.messages[user][len(replies)]

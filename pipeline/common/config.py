@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from pipeline.common.block_hash import root_hash
 from pipeline.common.constants import cdiv
 from pipeline.common.layouts import Layout
 from pipeline.common.shm_ring import ShmRing
@@ -42,6 +43,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
             or above it.
         num_kv_blocks: KV cache blocks the worker allocates.
         async_scheduling: plan step N+1 while step N runs.
+        enable_prefix_caching: reuse the KV blocks of computed prefixes
+            (docs/design.md, "Prefix caching").
         debug_token_cache_poison: poison consumed token-id cache entries and
             check every placeholder read (slower; tests turn it on).
         attention_backend: the worker's attention backend, one of
@@ -65,6 +68,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
             once its headers are in; then it gets 408 and is closed.
         limit_concurrency: open HTTP connections plus running requests at
             which io_proc answers new requests with 503.
+        max_seqs_per_request: sequences one request may ask for (prompts
+            times ``n``); io_proc refuses more with a 400.
         worker_threads: torch intra-op threads of the worker; 0: one per CPU
             the worker may run on.
         worker_cpus: CPUs the worker runs on; empty: every CPU.
@@ -92,6 +97,15 @@ class EngineConfig(msgspec.Struct, frozen=True):
         step_timeout_s: seconds a step in flight may go without its output
             before the scheduler declares the worker hung and stops the
             server with a message; 0 disables the watchdog.
+        log_stats_interval_s: seconds between two stats lines in io_proc's
+            log while there is traffic; 0: none.
+        uvicorn_access_log: io_proc logs an access line per HTTP request (uvicorn's).
+        enable_log_requests: io_proc logs a line per finished request (id, prompt
+            tokens, sampling parameters, finish reason, tokens, TTFT, e2e).
+        log_prompts: those lines include the prompt (otherwise never logged).
+        metrics_compat: ``"vllm"``: ``/metrics`` also exports vLLM's metric
+            names and labels (docs/design.md, "Metrics"); ``"none"``: only the
+            ``pipeline_`` family.
         debug_fail_step: the worker raises ``RuntimeError`` when it
             launches this step, as a failing forward pass would (the fault
             tests use it); -1: never.
@@ -112,6 +126,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
     num_kv_blocks: int = 1024
     vocab_size: int = 0
     async_scheduling: bool = True
+    enable_prefix_caching: bool = True
     debug_token_cache_poison: bool = False
     sim_step_us: float = 10_000.0
     sim_token_us: float = 0.0
@@ -123,6 +138,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
     http_header_timeout_s: float = 10.0
     http_body_timeout_s: float = 60.0
     limit_concurrency: int = 4096
+    max_seqs_per_request: int = 2048
     worker_threads: int = 0
     worker_cpus: tuple[int, ...] = ()
     frontend_cpus: tuple[int, ...] = ()
@@ -136,6 +152,11 @@ class EngineConfig(msgspec.Struct, frozen=True):
     engine_index: int = 0
     api_key: str = ""
     step_timeout_s: float = 300.0
+    metrics_compat: str = "none"
+    log_stats_interval_s: float = 10.0
+    uvicorn_access_log: bool = True
+    enable_log_requests: bool = False
+    log_prompts: bool = False
     debug_fail_step: int = -1
     instance: str = ""
     ipc_dir: str = ""
@@ -144,6 +165,11 @@ class EngineConfig(msgspec.Struct, frozen=True):
     def is_simulated(self) -> bool:
         """True when the simulated device replaces the model."""
         return self.model == "sim"
+
+    @property
+    def block_hash_root(self) -> bytes:
+        """The parent name of every prompt's first KV block, from what else makes its content: model, dtype."""
+        return root_hash(self.model, self.dtype)
 
     def engines(self) -> list[EngineConfig]:
         """One config per data-parallel engine, ``engine_index`` 0 .. ``data_parallel_size - 1``."""

@@ -129,6 +129,7 @@ class DescriptorBuilder:
         desc: StepDescriptor,
         step_id: int,
         decode: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None,
+        continues: bool = False,
     ) -> None:
         """Write the collected rows into ``desc`` as step ``step_id``.
 
@@ -137,12 +138,13 @@ class DescriptorBuilder:
                 ``[D]``: D rows of one token each, which sample and are not
                 new at their req_index (the scheduler's steady rows),
                 written first; the rows added with ``add_row`` follow.
+            continues: the header's ``continues`` flag.
         """
         d = 0 if decode is None else len(decode[0])
         n, t, b = d + len(self._req_num), d + len(self._token_ids), self.num_blocks
         h, H = desc.header, self._h
         h[H["step_id"]], h[H["num_reqs"]], h[H["num_tokens"]], h[H["num_new_blocks"]] = step_id, n, t, b
-        h[H["num_masks"]], h[H["mask_words"]] = len(self._masks), desc.bitmask.shape[1]
+        h[H["num_masks"]], h[H["mask_words"]], h[H["continues"]] = len(self._masks), desc.bitmask.shape[1], continues
         for m, (row, mask) in enumerate(self._masks):
             desc.mask_row[m], desc.bitmask[m] = d + row, mask
         if d:

@@ -72,6 +72,8 @@ def build_grammar(kind: str, spec: object, param: str) -> str:
         if isinstance(e, GrammarError):
             raise
         raise GrammarError(f"{param} is invalid: {e}", param) from None
+    except RecursionError:  # json's parser and encoder recurse once per level of nesting
+        raise GrammarError(f"{param} is nested too deeply to be a JSON schema", param) from None
     if err := llguidance.LLMatcher.validate_grammar(grammar, None):
         raise GrammarError(f"{param} is invalid: {err}", param)
     return grammar

@@ -12,6 +12,8 @@ from typing import Literal, Union
 
 import msgspec
 
+from pipeline.common.histogram import HistogramData
+
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -45,7 +47,8 @@ class SamplingParams(msgspec.Struct, frozen=True):
         min_p: drop tokens less likely than ``min_p`` times the most likely
             one, after temperature (Nguyen et al. 2024; 0 is off).
         min_tokens: ``stop_token_ids`` cannot be sampled before this many
-            output tokens (0 is off).
+            output tokens, and a stop string counts only if a later token
+            completes it (vLLM's rule; 0 is off).
         logit_bias: ``(token id, bias)`` pairs added to the logits before
             sampling, at most ``MAX_LOGIT_BIAS`` (step_protocol).
         grammar: an llguidance grammar (``pipeline.common.grammar.build_grammar``)
@@ -76,9 +79,8 @@ class AddRequest(msgspec.Struct, tag=True):
     """Add a request. ``req_num`` is unique for the server's life.
 
     With ``n`` > 1 the prompt has ``n`` choices: they are the requests
-    ``req_num + 1 .. req_num + n`` (io_proc reserves all ``n + 1`` numbers),
-    choice ``i`` sampling with :func:`choice_seed` ``(params.seed, i)``, and
-    ``req_num`` itself names the shared prefill, which samples nothing
+    ``req_num .. req_num + n - 1`` (io_proc reserves all ``n`` numbers),
+    choice ``i`` sampling with :func:`choice_seed` ``(params.seed, i)``
     (docs/design.md, "Parallel choices").
     """
 
@@ -97,9 +99,15 @@ def choice_seed(seed: int, index: int) -> int:
 
 
 class AbortRequest(msgspec.Struct, tag=True):
-    """Stop a request now (client gone, stop string seen). Unknown numbers are ignored."""
+    """Stop a request now (client gone, stop string seen). Unknown numbers are ignored.
+
+    ``finished_ns`` is 0 for a client that left; for a stop string it is the
+    ``time_ns`` of the StepOutput whose token completed it: the request
+    finished then, and its phase times end there (docs/design.md, "Metrics").
+    """
 
     req_num: int
+    finished_ns: int = 0
 
 
 class GetStats(msgspec.Struct, tag=True):
@@ -112,8 +120,38 @@ class Shutdown(msgspec.Struct, tag=True):
     """Ask the receiver to exit its loop."""
 
 
+class WorkerStats(msgspec.Struct, array_like=True):
+    """The worker's own clocks (rank 0), cumulative since it started (docs/design.md, "Metrics").
+
+    Attributes:
+        token_gap: device idle between a step and the next one that continues
+            running requests, nanoseconds (``TOKEN_GAP_BUCKETS_NS``).
+        device_busy_ns: device time of every step.
+        busy_fraction: device time / (device time + token gaps) over the last
+            second of steps; -1 before there is one.
+        step_cpu: the process's CPU time per such step, nanoseconds (``STEP_CPU_BUCKETS_NS``).
+    """
+
+    token_gap: HistogramData = msgspec.field(default_factory=HistogramData)
+    device_busy_ns: int = 0
+    busy_fraction: float = -1.0
+    step_cpu: HistogramData = msgspec.field(default_factory=HistogramData)
+
+
 class Stats(msgspec.Struct, tag=True):
-    """Scheduler occupancy, answered to :class:`GetStats` with the same nonce."""
+    """One engine's occupancy and cumulative figures, answered to :class:`GetStats` with the same nonce.
+
+    The histograms are the scheduler's (vLLM's request phases from its own
+    events, in seconds; tokens per step; its CPU time per step in
+    nanoseconds) and the worker's (:class:`WorkerStats`).
+    ``prefix_cache_queries`` and ``prefix_cache_hits`` count prompt tokens
+    looked up in the prefix cache and found there, since the start (vLLM's
+    counters; None with caching off); ``num_cached_blocks`` is the KV blocks
+    that hold a cached prefix now, in use or not (docs/design.md, "Prefix
+    caching"). The fields that are None are counted by features still to
+    come (speculative decoding); metrics and the stats line show them once
+    they are set.
+    """
 
     nonce: int
     num_running: int
@@ -124,10 +162,57 @@ class Stats(msgspec.Struct, tag=True):
     num_total_req_indices: int
     num_steps: int
     num_preemptions: int
+    queue_time: HistogramData = msgspec.field(default_factory=HistogramData)
+    prefill_time: HistogramData = msgspec.field(default_factory=HistogramData)
+    decode_time: HistogramData = msgspec.field(default_factory=HistogramData)
+    inference_time: HistogramData = msgspec.field(default_factory=HistogramData)
+    iteration_tokens: HistogramData = msgspec.field(default_factory=HistogramData)
+    step_cpu: HistogramData = msgspec.field(default_factory=HistogramData)
+    worker: WorkerStats = msgspec.field(default_factory=WorkerStats)
+    prefix_cache_queries: int | None = None
+    prefix_cache_hits: int | None = None
+    spec_decode_num_drafts: int | None = None
+    spec_decode_num_draft_tokens: int | None = None
+    spec_decode_num_accepted_tokens: int | None = None
+    num_cached_blocks: int = 0
+
+
+def merge_stats(per_engine: list[Stats]) -> Stats:
+    """The engines' stats summed field by field (``nonce`` 0; busy fractions averaged where known)."""
+
+    def add(values: list):
+        present = [v for v in values if v is not None]
+        if not present:
+            return None
+        if isinstance(present[0], HistogramData):
+            return sum(present[1:], present[0])
+        return sum(present)
+
+    fields = Stats.__struct_fields__[1:]
+    merged = {f: add([getattr(s, f) for s in per_engine]) for f in fields if f != "worker"}
+    workers = [s.worker for s in per_engine]
+    fractions = [w.busy_fraction for w in workers if w.busy_fraction >= 0]
+    merged["worker"] = WorkerStats(
+        *(add([getattr(w, f) for w in workers]) for f in ("token_gap", "device_busy_ns")),
+        sum(fractions) / len(fractions) if fractions else -1.0,
+        add([w.step_cpu for w in workers]),
+    )
+    return Stats(0, **merged)
+
+
+class Admitted(msgspec.Struct, tag=True):
+    """Requests the scheduler admitted for the first time in one step, sent before the step.
+
+    ``num_cached_tokens[i]`` is the prompt tokens ``req_nums[i]`` found in
+    the prefix cache: what its usage reports as ``cached_tokens``.
+    """
+
+    req_nums: list[int]
+    num_cached_tokens: list[int]
 
 
 ToScheduler = Union[AddRequest, AbortRequest, GetStats, Shutdown]
-ToIO = Union[Stats]
+ToIO = Union[Stats, Admitted]
 
 
 def check_finish(token_id: int, num_output_tokens: int, params: SamplingParams) -> FinishReason | None:

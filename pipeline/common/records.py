@@ -50,7 +50,7 @@ class Group:
         name: how code finds the group (``Record.group``).
         per: what one entry is, for the reference table ("request row").
         capacity: the dimension (layout argument or constant) giving the entries laid out.
-        count: the header field giving the live entries.
+        count: the header field giving the live entries, or a constant (all live).
         fields: the group's fields.
         select: a flag's ``rows`` name: the host copy then holds only those entries.
         meaning: one line for the reference table.
@@ -119,7 +119,7 @@ class Record:
             raise ValueError(f"{self.name}: repeated field names in {names}")
         index = {f.name: i for i, f in enumerate(self.header)}
         for g in self.groups:
-            if g.count not in index:
+            if g.count not in index and g.count not in self.constants:
                 raise ValueError(f"{self.name}: group {g.name!r} counts its entries in {g.count!r}, not a header field")
         props = {
             f.name: property(lambda self, i=i: int(self.header[i]), doc=f.meaning) for i, f in enumerate(self.header)
@@ -166,7 +166,7 @@ class Record:
         dims = {**self.constants, **values}
         out = [("header", len(self.header))]
         for g in self.groups:
-            n = values[g.count]
+            n = dims[g.count]
             out.extend((f.name, n * _width(f, dims)) for f in g.fields)
         return out
 
@@ -177,7 +177,7 @@ class Record:
         for name, i in self.header_index.items():
             setattr(x, name, int(h[i]))
         for count, select, fields in self._read_plan:
-            n = getattr(x, count)
+            n = getattr(x, count) if count in self.header_index else self.constants[count]
             sel = getattr(x, select) if select else None
             for name, rows, widen in fields:
                 a = getattr(view, name)

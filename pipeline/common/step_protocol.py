@@ -15,6 +15,7 @@ import numpy as np
 
 from pipeline.common.layouts import Layout
 from pipeline.common.records import Field, Group, HostCopy, Record
+from pipeline.common.step_clock import WORKER_STATS_LEN
 
 # Token id meaning "the token this request sampled in the previous step"; the
 # worker resolves it from its on-device token-id cache.
@@ -60,6 +61,7 @@ DESCRIPTOR = Record(
         Field("num_new_blocks", i64, "live new block-table entries (B)"),
         Field("num_masks", i64, "live token bitmasks (M)"),
         Field("mask_words", i64, "int32 words of one bitmask, `ceil(vocab / 32)`; 0 without a model"),
+        Field("continues", i64, "1 when a row's request ran before: the gap before the step is the host's"),
     ),
     groups=(
         Group(
@@ -164,8 +166,17 @@ OUTPUT = Record(
         Field("num_rows", i64, "live output rows (S): the descriptor's sampled rows, in descriptor order"),
         Field("num_logprob_rows", i64, "live log-probability rows (L)"),
         Field("num_prompt_entries", i64, "live prompt log-probabilities (P)"),
+        Field("time_ns", i64, "`time.monotonic_ns()` when the worker had the tokens: every token's engine timestamp"),
+        Field("continues", i64, "the descriptor's flag"),
     ),
     groups=(
+        Group(
+            "worker_stats",
+            "worker count",
+            "WORKER_STATS_LEN",
+            "WORKER_STATS_LEN",
+            (Field("worker_stats", i64, "the worker's cumulative `WorkerClock` counts (`step_clock.py`)"),),
+        ),
         Group(
             "rows",
             "output row",
@@ -202,7 +213,7 @@ OUTPUT = Record(
             ),
         ),
     ),
-    constants={"MAX_LOGPROBS": MAX_LOGPROBS},
+    constants={"MAX_LOGPROBS": MAX_LOGPROBS, "WORKER_STATS_LEN": WORKER_STATS_LEN},
 )
 
 
@@ -265,7 +276,7 @@ def pack_descriptor(desc: StepDescriptor, out: np.ndarray) -> int:
 
     The header comes first, so a reader holding the first
     ``PACKED_HEADER_NBYTES`` bytes knows the total. A step of R rows, T
-    tokens, B new block-table entries and M bitmasks of W words takes ``48 +
+    tokens, B new block-table entries and M bitmasks of W words takes ``56 +
     2618 R + 4 T + 12 B + 4 M (W + 1)`` bytes (2,528 of a row's bytes are its
     bias and stop-id room), where the entry has the fixed size of the
     configured maxima: this is what rank 0 relays to ranks on other nodes
@@ -303,12 +314,15 @@ class DecodedOutput:
 
     ``logprobs`` (rows whose request asked, ``index`` = row) and
     ``prompt_logprobs`` (``index`` = request number, with positions) are None
-    when the step has none or the reader did not ask for them.
+    when the step has none or the reader did not ask for them. ``time_ns``
+    and ``continues`` are the header's.
     """
 
     step_id: int
     req_nums: list[int]
     token_ids: list[int]
+    time_ns: int = 0
+    continues: bool = False
     logprobs: TokenLogprobs | None = None
     prompt_logprobs: TokenLogprobs | None = None
 
@@ -333,15 +347,22 @@ class StepOutput(OUTPUT.view_base):
         token_ids: np.ndarray,
         logprobs: TokenLogprobs | None = None,
         prompt_logprobs: TokenLogprobs | None = None,
+        time_ns: int = 0,
+        continues: bool = False,
+        worker_stats: np.ndarray | None = None,
     ) -> None:
         """Fill the entry with step ``step_id``'s ``[S]`` request numbers and sampled token ids.
 
         ``logprobs.index`` are output rows; ``prompt_logprobs.index`` request
-        numbers, with ``pos`` set.
+        numbers, with ``pos`` set; the rest are the header fields and the
+        worker's counts (left as they are if None).
         """
         n = len(req_nums)
         h = self.header
         h[_OUT["step_id"]], h[_OUT["num_rows"]] = step_id, n
+        h[_OUT["time_ns"]], h[_OUT["continues"]] = time_ns, continues
+        if worker_stats is not None:
+            self.worker_stats[:] = worker_stats
         self.req_num[:n] = req_nums
         self.token_id[:n] = token_ids
         h[_OUT["num_logprob_rows"]] = 0 if logprobs is None else len(logprobs.index)
@@ -364,7 +385,13 @@ class StepOutput(OUTPUT.view_base):
         """Copy the entry out (it may be released right after); log-probabilities only if asked."""
         h = self.header
         n = int(h[_OUT["num_rows"]])
-        out = DecodedOutput(int(h[_OUT["step_id"]]), self.req_num[:n].tolist(), self.token_id[:n].tolist())
+        out = DecodedOutput(
+            int(h[_OUT["step_id"]]),
+            self.req_num[:n].tolist(),
+            self.token_id[:n].tolist(),
+            int(h[_OUT["time_ns"]]),
+            bool(h[_OUT["continues"]]),
+        )
         if logprobs:
             if m := int(h[_OUT["num_logprob_rows"]]):
                 out.logprobs = TokenLogprobs(

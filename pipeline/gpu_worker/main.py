@@ -22,6 +22,7 @@ from pipeline.common.config import EngineConfig
 from pipeline.common.constants import POLL_INTERVAL_S
 from pipeline.common.process import StopFlag, Stopped, freeze_startup_heap, report
 from pipeline.common.shm_ring import RingTimeout, ShmRing
+from pipeline.common.step_clock import WorkerClock
 from pipeline.common.step_protocol import StepDescriptor, StepOutput, read_descriptor
 from pipeline.common.trace import TraceRecorder
 from pipeline.gpu_worker.attention import make_backend
@@ -68,6 +69,7 @@ class WorkerProc:
         self.role = config.worker_role(rank)
         self.desc_ring, self.out_ring, self.relay = desc_ring, out_ring, relay
         self.pending: deque[LaunchedStep] = deque()
+        self.clock = WorkerClock() if out_ring is not None else None
         self.trace = TraceRecorder() if config.trace else None
         # Every rank runs the same steps: rank 0's record is the step list.
         self.step_shapes = StepShapeRecorder() if config.step_shapes_file and rank == 0 else None
@@ -109,11 +111,15 @@ class WorkerProc:
                 raise RuntimeError(f"injected fault: the forward pass of step {inputs.step_id} failed")
             if self.step_shapes is not None:
                 self.step_shapes.add(inputs)
-            self.pending.append(self.runner.launch(inputs, t0))
+            launched = self.runner.launch(inputs, t0)
+            launched.continues = inputs.continues
+            self.pending.append(launched)
 
     def _publish(self, step: LaunchedStep, stop: StopFlag) -> None:
         """Write ``step``'s sampled tokens and log-probabilities into the output ring (rank 0; other ranks
         only trace)."""
+        if self.clock is not None:
+            self.clock.step(step.device_start_ns, step.device_end_ns, step.continues)
         while self.out_ring is not None:
             try:
                 out = self.out_ring.acquire_write(timeout=POLL_INTERVAL_S)
@@ -121,7 +127,16 @@ class WorkerProc:
                 if stop.is_set():
                     return
                 continue
-            out.write(step.step_id, step.req_num, step.tokens.numpy(), step.logprobs, step.prompt_logprobs)
+            out.write(
+                step.step_id,
+                step.req_num,
+                step.tokens.numpy(),
+                step.logprobs,
+                step.prompt_logprobs,
+                time.monotonic_ns(),
+                step.continues,
+                self.clock.values,
+            )
             self.out_ring.publish()
             break
         if self.trace is not None:

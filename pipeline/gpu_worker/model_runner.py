@@ -78,6 +78,7 @@ class LaunchedStep:
     launch_ns: int = 0
     device_start_ns: int = 0  # on CUDA derived from the events in finish()
     device_end_ns: int = 0
+    continues: bool = False  # the descriptor's flag: some row's request ran before this step
 
     def is_done(self) -> bool:
         return self.done is None or self.done.query()

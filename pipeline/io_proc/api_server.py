@@ -139,7 +139,7 @@ def build_app(
         stop_token_ids: token ids that end generation.
     """
     serving = OpenAIServing(config, client, tokenization, stop_token_ids)
-    metrics = PipelineMetrics(client)
+    metrics = PipelineMetrics(client, config.served_model_name, config.max_model_len, config.metrics_compat)
     created = int(time.time())
 
     @asynccontextmanager

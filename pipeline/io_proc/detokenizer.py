@@ -164,23 +164,28 @@ class StopStringMatcher:
         self._hold = max(map(len, self._stops)) - 1
         self._held = ""
 
-    def push(self, text: str) -> tuple[str, bool]:
+    def push(self, text: str, check: bool = True) -> tuple[str, bool]:
         """Add a delta.
+
+        With ``check`` false the delta is only held back, not searched: a stop
+        string must end in a delta that is checked, though it may start in
+        earlier text (vLLM's rule for ``min_tokens``).
 
         Returns:
             ``(released, matched)``: the text that can be sent now, and
             whether a stop string was found (then ``released`` ends right
             before it, and nothing more must be sent for this request).
         """
+        held = len(self._held)
         buf = self._held + text
-        # Only the held-back tail plus the new delta can contain a stop string
-        # that was not complete before: everything released earlier was
-        # checked with its tail attached.
         first = -1
-        for s in self._stops:
-            i = buf.find(s)
-            if i != -1 and (first == -1 or i < first):
-                first = i
+        if check and text:
+            # A match must end in the new delta: one inside the held tail was
+            # either searched before or came from unchecked text.
+            for s in self._stops:
+                i = buf.find(s, max(0, held - len(s) + 1))
+                if i != -1 and (first == -1 or i < first):
+                    first = i
         if first != -1:
             self._held = ""
             return buf[:first], True
@@ -232,6 +237,7 @@ class OutputProcessor:
         "_params",
         "_stop_ids",
         "_max_tokens",
+        "_min_tokens",
         "_at_finish",
         "num_output_tokens",
         "token_ids",
@@ -249,6 +255,7 @@ class OutputProcessor:
         # them first keeps its call off the path of nearly every token.
         self._stop_ids = () if params.ignore_eos else frozenset(params.stop_token_ids)
         self._max_tokens = params.max_tokens
+        self._min_tokens = params.min_tokens
         self._at_finish = not incremental and self._stop is None
         self.num_output_tokens = 0
         self.token_ids: list[int] = []
@@ -274,7 +281,9 @@ class OutputProcessor:
             return finish
         text = self._detok.push(token_id)
         if self._stop is not None:
-            text, matched = self._stop.push(text)
+            # As in vLLM, min_tokens holds off stop strings too: one counts only if
+            # a token after the min_tokens-th completes it.
+            text, matched = self._stop.push(text, n > self._min_tokens)
             if matched:
                 self.needs_abort = finish is None
                 finish = "stop"

@@ -30,12 +30,24 @@ import zmq.asyncio
 from msgspec.structs import replace
 
 from pipeline.common.config import EngineConfig
-from pipeline.common.messages import AbortRequest, AddRequest, GetStats, SamplingParams, Stats, ToIO, choice_seed
+from pipeline.common.messages import (
+    AbortRequest,
+    AddRequest,
+    Admitted,
+    GetStats,
+    SamplingParams,
+    Stats,
+    ToIO,
+    choice_seed,
+    merge_stats,
+)
 from pipeline.common.shm_ring import ShmRing
 from pipeline.common.step_protocol import StepOutput
 from pipeline.common.trace import TraceRecorder
 from pipeline.io_proc.detokenizer import NewDetokenizer, OutputProcessor
 from pipeline.io_proc.output_reader import OutputReader, StepResult
+from pipeline.io_proc.prefix_router import PrefixRouter, pick_engine
+from pipeline.io_proc.request_metrics import RequestMetrics
 from pipeline.io_proc.request_state import RequestState, StepTime
 
 __all__ = ["EngineClient", "EngineUnavailable", "OutputReader", "RequestState"]
@@ -45,6 +57,9 @@ logger = logging.getLogger(__name__)
 # Control messages queued towards a scheduler that does not read them before
 # sends fail (EngineUnavailable) instead of blocking the event loop.
 _CONTROL_SNDHWM = 100_000
+# How long a finished request's usage waits for its engine's Admitted message
+# (sent before the request's first step, so it is normally there long before).
+_ADMITTED_TIMEOUT_S = 5.0
 
 
 class EngineUnavailable(Exception):
@@ -55,10 +70,13 @@ class EngineClient:
     """Sends requests to the engines' schedulers and routes sampled tokens back to them.
 
     With data parallelism (``config.data_parallel_size`` engines) each new
-    request goes to the engine with the fewest waiting requests, then the
-    fewest running ones, as io_proc sees them: a live request is waiting
-    until its first token arrives. Aborts go to the request's engine, and
-    :meth:`get_engine_stats` asks every engine (docs/design.md, "Parallelism").
+    request goes to the engine that holds the longest prefix of it, by the
+    :class:`PrefixRouter`'s account (with prefix caching), unless that
+    engine is overloaded; otherwise to the engine with the fewest waiting
+    requests, then the fewest running ones, as io_proc sees them: a live
+    request is waiting until its first token arrives. Aborts go to the
+    request's engine, and :meth:`get_engine_stats` asks every engine
+    (docs/design.md, "Parallelism").
 
     Args:
         config: the server configuration (its zmq addresses).
@@ -72,8 +90,8 @@ class EngineClient:
     Raises:
         zmq.ZMQError: the reply address cannot be bound.
 
-    Counters (read by the metrics endpoint): ``num_prompt_tokens``,
-    ``num_generation_tokens`` (tokens delivered to live requests),
+    Counters (read by the metrics endpoint), per engine: ``prompt_tokens``,
+    ``generation_tokens`` (tokens delivered to live requests); and
     ``num_finished`` (requests by finish reason; a client that left counts
     as "abort").
     """
@@ -109,18 +127,45 @@ class EngineClient:
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.bind(config.reply_address)
         self._readers = [
-            OutputReader(ring, self._requests, functools.partial(self._send_abort, engine=e), self._dispatch, trace)
+            OutputReader(
+                ring,
+                self._requests,
+                functools.partial(self._send_abort, engine=e),
+                self._dispatch,
+                RequestMetrics(config.max_model_len),
+                trace,
+            )
             for e, ring in enumerate(rings)
         ]
+        self._router = None
+        if config.data_parallel_size > 1 and config.enable_prefix_caching:
+            self._router = PrefixRouter(
+                config.data_parallel_size, config.num_kv_blocks, config.block_size, config.block_hash_root
+            )
+        # An engine is overloaded for prefix routing with this many more live requests than the least loaded.
+        self._balance_threshold = max(1, config.max_num_seqs // 4)
+        # Requests sent whose Admitted message has not come; a usage waits on the future, if any.
+        self._unadmitted: dict[int, RequestState] = {}
+        self._admitted_waiters: dict[int, asyncio.Future[None]] = {}
         self._replies_task: asyncio.Task | None = None
-        self.num_prompt_tokens = 0
+        self.prompt_tokens = [0] * len(rings)
         self.num_finished: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
         self._shutting_down = False
 
     @property
-    def num_generation_tokens(self) -> int:
-        """Output tokens accepted for live requests so far."""
-        return sum(r.num_generation_tokens for r in self._readers)
+    def generation_tokens(self) -> list[int]:
+        """Output tokens accepted for live requests so far, per engine."""
+        return [r.num_generation_tokens for r in self._readers]
+
+    @property
+    def request_metrics(self) -> list[RequestMetrics]:
+        """Each engine's request histograms, in engine order."""
+        return [r.metrics for r in self._readers]
+
+    @property
+    def num_live(self) -> int:
+        """Requests (choices) that have not finished."""
+        return len(self._requests)
 
     @property
     def reader_error(self) -> BaseException | None:
@@ -178,8 +223,8 @@ class EngineClient:
     ) -> list[RequestState]:
         """Register ``n`` choices of one prompt and send them to the scheduler as one request.
 
-        With ``n`` > 1 the scheduler prefills the prompt once for all of them
-        (docs/design.md, "Parallel choices"); choice ``i`` samples with seed
+        With ``n`` > 1 the scheduler prefills the prompt once for all of them,
+        through its prefix cache (docs/design.md, "Parallel choices"); choice ``i`` samples with seed
         :func:`~pipeline.common.messages.choice_seed` ``(params.seed, i)``.
 
         Args:
@@ -204,40 +249,50 @@ class EngineClient:
             # A request still being tokenized when the stop came would
             # otherwise start after abort_all and hold the shutdown.
             raise EngineUnavailable("the server is shutting down")
-        # n > 1: the first number names the shared prefill, the next n the choices.
+        # Choice i is request req_num + i.
         req_num = next(self._req_nums)
-        nums = [req_num] if n == 1 else [next(self._req_nums) for _ in range(n)]
+        nums = [req_num] + [next(self._req_nums) for _ in range(n - 1)]
         states = []
+        choices = [n, 0, n] if n > 1 else None  # shared: see RequestState.choices
         for i, num in enumerate(nums):
             p = params if n == 1 else replace(params, seed=choice_seed(params.seed, i))
             processor = OutputProcessor(self._new_detokenizer(), p, stop, incremental=streaming)
             states.append(
                 RequestState(num, len(prompt_token_ids), processor, streaming, return_token_ids, p, prompt_token_ids)
             )
+            states[-1].choices = choices
         if params.max_tokens == 0 and states[0].prompt_logprobs_missing == 0:
             # Nothing for the device to compute (an echo of a one-token prompt,
             # or without log-probabilities): finished as it starts.
             for state in states:
+                state.num_cached_tokens = 0
                 state.deliver("", "length", 0)
             self.num_finished["length"] += n
             return states
-        engine = self._pick_engine()
+        engine = self._pick_engine(prompt_token_ids)
         for state in states:
             state.engine = engine
         # Registered before sending: the first token may arrive right after.
         for state in states:
             self._requests[state.req_num] = state
+            self._unadmitted[state.req_num] = state
         try:
             self._send(AddRequest(req_num, prompt_token_ids, params, n=n), engine)
         except EngineUnavailable:
             for state in states:
                 del self._requests[state.req_num]
+                del self._unadmitted[state.req_num]
             raise
-        self.num_prompt_tokens += len(prompt_token_ids)
+        self.prompt_tokens[engine] += len(prompt_token_ids)
         return states
 
-    def _pick_engine(self) -> int:
-        """The engine with the fewest waiting, then running, live requests (lowest index on a tie)."""
+    def _pick_engine(self, prompt: list[int]) -> int:
+        """The engine for a new request of ``prompt`` (:func:`pick_engine`).
+
+        Overloaded means more live requests than the least loaded engine by
+        over a quarter of ``max_num_seqs`` (SGLang's router balances alike,
+        its default 32 being a quarter of 128 sequences).
+        """
         if len(self._pushes) == 1:
             return 0
         load = [[0, 0] for _ in self._pushes]
@@ -245,7 +300,12 @@ class EngineClient:
             # The processor's count, not the delivered one: a non-streaming
             # request is delivered nothing before its finish.
             load[state.engine][state.processor.num_output_tokens > 0] += 1
-        return min(range(len(load)), key=lambda e: (*load[e], e))
+        if self._router is None:
+            return pick_engine(load, None, 0)
+        names = self._router.names(prompt)
+        engine = pick_engine(load, self._router.matches(names), self._balance_threshold)
+        self._router.record(engine, names)
+        return engine
 
     def release(self, state: RequestState) -> None:
         """The client is done with ``state``; abort the request if it still runs.
@@ -255,11 +315,12 @@ class EngineClient:
         if state.released:
             return
         state.released = True
+        self._unadmitted.pop(state.req_num, None)
         if state.finish_reason is not None:
             return
         self.num_finished["abort"] += 1
         if self._requests.pop(state.req_num, None) is not None:
-            self._send_abort(state.req_num, state.engine)
+            self._send_abort(state.req_num, engine=state.engine)
 
     def abort_all(self) -> None:
         """Finish every live request with "abort" (server shutdown): their
@@ -270,15 +331,14 @@ class EngineClient:
             state = self._requests.pop(req_num, None)
             if state is None:
                 continue
-            self._send_abort(req_num, state.engine)
+            self._send_abort(req_num, engine=state.engine)
             if not state.released:
                 state.deliver("", "abort", state.processor.num_output_tokens)
                 self.num_finished["abort"] += 1
 
     async def get_stats(self, timeout: float) -> Stats:
         """The engines' occupancy, summed (``nonce`` 0); as :meth:`get_engine_stats`."""
-        per_engine = await self.get_engine_stats(timeout)
-        return Stats(0, *(sum(getattr(s, f) for s in per_engine) for f in Stats.__struct_fields__[1:]))
+        return merge_stats(await self.get_engine_stats(timeout))
 
     async def get_engine_stats(self, timeout: float) -> list[Stats]:
         """Ask every engine's scheduler for its occupancy; one reply per engine, in engine order.
@@ -308,9 +368,44 @@ class EngineClient:
             except msgspec.DecodeError:
                 logger.warning("dropping an undecodable reply from the scheduler (%d bytes)", len(frame))
                 continue
+            if isinstance(reply, Admitted):
+                self._on_admitted(reply)
+                continue
             future = self._stats_waiters.get(reply.nonce)
             if future is not None and not future.done():
                 future.set_result(reply)
+
+    def _on_admitted(self, msg: Admitted) -> None:
+        for req_num, n in zip(msg.req_nums, msg.num_cached_tokens):
+            state = self._unadmitted.pop(req_num, None)
+            if state is not None:
+                state.num_cached_tokens = n
+            future = self._admitted_waiters.pop(req_num, None)
+            if future is not None and not future.done():
+                future.set_result(None)
+
+    async def wait_admitted(self, states: list[RequestState]) -> None:
+        """Return once each of ``states`` knows its ``num_cached_tokens`` (0 if it does not within a few seconds).
+
+        A request's Admitted message leaves its scheduler before its first
+        step, so a finished request almost always has it; the wait covers
+        the reply socket being read later than the output ring.
+        """
+        loop = asyncio.get_running_loop()
+        missing = [st for st in states if st.num_cached_tokens is None]
+        for st in missing:
+            self._admitted_waiters[st.req_num] = loop.create_future()
+        try:
+            async with asyncio.timeout(_ADMITTED_TIMEOUT_S):
+                for st in missing:
+                    await self._admitted_waiters[st.req_num]
+        except TimeoutError:
+            logger.warning("no admission report for %d requests: reporting 0 cached tokens", len(missing))
+        finally:
+            for st in missing:
+                self._admitted_waiters.pop(st.req_num, None)
+                if st.num_cached_tokens is None:
+                    st.num_cached_tokens = 0
 
     def _dispatch(self, step: StepTime, outputs: list[StepResult]) -> None:
         """Stamp one step's arrival and deliver its results (runs on the loop, one call per step)."""
@@ -321,6 +416,9 @@ class EngineClient:
             state.deliver(text, finish, num_output_tokens)
             if finish is not None:
                 self.num_finished[finish] += 1
+                if self._router is not None:  # the engine now caches the output's blocks too
+                    tokens = state.prompt_token_ids + state.processor.token_ids[:num_output_tokens]
+                    self._router.record(state.engine, self._router.names(tokens))
 
     # -- control sends (any thread) --------------------------------------------
 
@@ -331,9 +429,9 @@ class EngineClient:
             except zmq.Again:
                 raise EngineUnavailable("the scheduler is not reading control messages") from None
 
-    def _send_abort(self, req_num: int, engine: int) -> None:
+    def _send_abort(self, req_num: int, finished_ns: int = 0, *, engine: int) -> None:
         try:
-            self._send(AbortRequest(req_num), engine)
+            self._send(AbortRequest(req_num, finished_ns), engine)
         except EngineUnavailable:
             # The request stays in the scheduler until it finishes by length
             # or EOS; its tokens are dropped here since it left the table.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import resource
 import socket
@@ -18,13 +19,15 @@ from multiprocessing.connection import Connection
 import uvicorn
 
 from pipeline.common.config import EngineConfig
+from pipeline.common.memory import BurstWatch, trim_heap
 from pipeline.common.process import StopFlag, freeze_startup_heap, report
 from pipeline.common.shm_ring import ShmRing
 from pipeline.common.step_protocol import StepOutput
 from pipeline.common.trace import TraceRecorder
-from pipeline.io_proc.api_server import build_app
+from pipeline.io_proc.api_server import STATS_TIMEOUT_S, build_app
 from pipeline.io_proc.engine_client import EngineClient
 from pipeline.io_proc.http_limits import OncePerInterval, guarded_h11_protocol
+from pipeline.io_proc.stats_logger import StatsLogger
 from pipeline.io_proc.tokenization import Tokenization, load_tokenizer
 
 logger = logging.getLogger("pipeline.io_proc")
@@ -113,18 +116,19 @@ class IoProc:
         # Warnings any client can trigger at will, one line per request otherwise.
         for message in ("Exceeded concurrency limit.", "Invalid HTTP request received."):
             logging.getLogger("uvicorn.error").addFilter(OncePerInterval(message, _REPEATED_WARNING_S))
-        self.server = _Server(
-            uvicorn.Config(
-                app,
-                host=config.host,
-                port=config.port,
-                log_level="warning",
-                access_log=False,
-                timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S,
-                limit_concurrency=config.limit_concurrency,
-                http=guarded_h11_protocol(config.http_header_timeout_s, config.http_body_timeout_s),
-            )
+        server_config = uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level="warning",
+            access_log=config.uvicorn_access_log,
+            timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S,
+            limit_concurrency=config.limit_concurrency,
+            http=guarded_h11_protocol(config.http_header_timeout_s, config.http_body_timeout_s),
         )
+        if config.uvicorn_access_log:  # uvicorn's own start-up chatter stays at "warning"; its access lines show
+            logging.getLogger("uvicorn.access").setLevel(logging.INFO)
+        self.server = _Server(server_config)
 
     def run(self, stop: StopFlag, status_conn: Connection) -> int:
         """Serve until ``stop`` is set; returns the exit status.
@@ -156,16 +160,23 @@ class IoProc:
         logger.info("serving the OpenAI API on http://%s:%d", self.config.host, self.config.port)
         freeze_startup_heap()
         report(status_conn, "ready", _NAME)
+        interval = self.config.log_stats_interval_s
+        stats_lines = asyncio.create_task(StatsLogger(client, interval, STATS_TIMEOUT_S).run()) if interval else None
         code = 0
+        burst = BurstWatch()
         while not serving.done() and not stop.is_set():
             if not client.is_healthy():
                 logger.error("the output reader thread died (%r); exiting", client.reader_error)
                 code = 1
                 break
+            if burst.passed(client.num_live):
+                await asyncio.to_thread(_release_memory)
             await asyncio.sleep(_WATCH_INTERVAL_S)
         if serving.done() and not stop.is_set():
             logger.error("the HTTP server stopped on its own; exiting")
             code = 1
+        if stats_lines is not None:
+            stats_lines.cancel()
         client.abort_all()
         server.should_exit = True
         await serving
@@ -215,6 +226,12 @@ def run_io_proc(config: EngineConfig, status_conn: Connection, stop: StopFlag) -
         for ring in rings:
             ring.close()
     return code
+
+
+def _release_memory() -> None:
+    """After a burst of requests: collect what is left in reference cycles, then give the free heap back."""
+    gc.collect()
+    trim_heap()
 
 
 def _raise_fd_limit(wanted: int) -> None:

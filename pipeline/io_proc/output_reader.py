@@ -37,6 +37,7 @@ from pipeline.common.shm_ring import RingTimeout, ShmRing
 from pipeline.common.step_protocol import OUTPUT_READER_IO, DecodedOutput, StepOutput, TokenLogprobs
 from pipeline.common.trace import TraceRecorder
 from pipeline.io_proc.logprobs_json import TokenLogprob
+from pipeline.io_proc.request_metrics import RequestMetrics
 from pipeline.io_proc.request_state import RequestState, StepTime
 
 logger = logging.getLogger(__name__)
@@ -54,12 +55,14 @@ class OutputReader:
             ``OUTPUT_READER_IO``.
         requests: the live-request table, ``req_num -> RequestState``
             (shared with the engine client; see the module docstring).
-        send_abort: tells the scheduler to abort a request (called from this
-            thread when a stop string ends one; must be thread-safe).
+        send_abort: tells the scheduler to abort a request, ``send_abort(req_num,
+            finished_ns)`` (called from this thread when a stop string ends
+            one; must be thread-safe).
         dispatch: called on the event loop as ``dispatch(step, results)``
             once per step that gave live requests tokens or has results;
             it must set ``step.time`` (the :class:`StepTime` every such
             request's ``token_steps`` got in this step).
+        metrics: this engine's request histograms, which this thread observes.
         trace: if given, each step's handling is recorded as a ``detokenize``
             span, and the process's CPU time per step as a ``cpu`` span.
 
@@ -72,11 +75,13 @@ class OutputReader:
         self,
         ring: ShmRing[StepOutput],
         requests: dict[int, RequestState],
-        send_abort: Callable[[int], None],
+        send_abort: Callable[[int, int], None],
         dispatch: Callable[[StepTime, list[StepResult]], None],
+        metrics: RequestMetrics,
         trace: TraceRecorder | None = None,
     ):
         self._ring = ring
+        self.metrics = metrics
         self._requests = requests
         self._send_abort = send_abort
         self._dispatch = dispatch
@@ -116,8 +121,9 @@ class OutputReader:
                 # worker before any text work is done.
                 out = entry.read(logprobs=True)
                 ring.release_read(reader)
+                step = self.metrics.step(out)
                 if out.req_nums or out.prompt_logprobs is not None:
-                    self.process_step(out)
+                    self.process_step(out, step)
                 if self._trace is not None:
                     self._trace.add("io_proc", "output", "detokenize", out.step_id, t0, time.monotonic_ns())
                     self._trace.add_step_cpu("io_proc", out.step_id)
@@ -125,10 +131,10 @@ class OutputReader:
             self.error = e
             logger.exception("output reader thread failed")
 
-    def process_step(self, out: DecodedOutput) -> None:
+    def process_step(self, out: DecodedOutput, step: StepTime) -> None:
         """Run one step's rows (``out.req_nums[i]`` sampled ``out.token_ids[i]``) and
         log-probabilities through their requests and dispatch the results to the
-        loop (reader thread).
+        loop (reader thread); ``step`` is the step's :class:`StepTime`.
 
         Log-probabilities come first: a request's last prompt entries arrive
         in the step that samples its first token, and a token's own entry
@@ -137,10 +143,9 @@ class OutputReader:
         requests = self._requests
         outputs: list[StepResult] = []
         if out.prompt_logprobs is not None:
-            self._prompt_logprobs(out.prompt_logprobs, outputs)
+            self._prompt_logprobs(out.prompt_logprobs, outputs, step)
         if out.logprobs is not None:
             self._token_logprobs(out)
-        step = StepTime()
         dropped = 0
         for req_num, token_id in zip(out.req_nums, out.token_ids):
             state = requests.get(req_num)
@@ -158,7 +163,9 @@ class OutputReader:
             if finish is not None:
                 requests.pop(req_num, None)
                 if proc.needs_abort:
-                    self._send_abort(req_num)
+                    # A stop string: the request finished with this step (0: it did not, it failed).
+                    self._send_abort(req_num, out.time_ns if finish == "stop" else 0)
+                self.metrics.finished(state, step, finish)
                 outputs.append((state, proc.take_text(), finish, proc.num_output_tokens))
             elif state.streaming and (proc.text_pieces or state.every_token):
                 outputs.append((state, proc.take_text(), None, proc.num_output_tokens))
@@ -179,7 +186,7 @@ class OutputReader:
                     )
                 )
 
-    def _prompt_logprobs(self, plp: TokenLogprobs, outputs: list[StepResult]) -> None:
+    def _prompt_logprobs(self, plp: TokenLogprobs, outputs: list[StepResult], step: StepTime) -> None:
         """Store prompt entries by position; finish requests with ``max_tokens`` 0 that are complete."""
         requests = self._requests
         touched = {}
@@ -197,4 +204,5 @@ class OutputReader:
             # The scheduler finishes such a request in the step that computes its last prompt entry.
             if state.params.max_tokens == 0 and state.prompt_logprobs_missing == 0:
                 requests.pop(req_num, None)
+                self.metrics.finished(state, step, "length")
                 outputs.append((state, "", "length", 0))

@@ -438,12 +438,19 @@ class DetokenizeResponse(msgspec.Struct, kw_only=True):
     prompt: str
 
 
+class PromptTokensDetails(msgspec.Struct, kw_only=True):
+    """What OpenAI reports of the prompt: ``cached_tokens``, its tokens found in the prefix cache."""
+
+    cached_tokens: int
+
+
 class UsageInfo(msgspec.Struct, kw_only=True):
     """Token counts; ``completion_tokens`` includes the finishing token (EOS too)."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class ChatCompletionMessage(msgspec.Struct, kw_only=True):

@@ -23,19 +23,23 @@ from pipeline.io_proc.logprobs_json import TokenLogprob
 
 
 class StepTime:
-    """When the event loop took one step's results from the reader thread.
+    """One step as io_proc saw it: when the reader read it, its engine time, and when the loop took it.
 
     The reader makes one per step and appends it to :attr:`RequestState.token_steps`
     of every request that got a token in the step; the loop sets :attr:`time`
     when it handles the step, once for all of them.
 
     Attributes:
+        seq: the step's number among those this reader has read (consecutive).
+        read_time: ``time.perf_counter()`` seconds when the reader read it.
+        engine_ns: the StepOutput's ``time_ns``.
         time: ``time.perf_counter()`` seconds, None until the loop has taken the step.
     """
 
-    __slots__ = ("time",)
+    __slots__ = ("seq", "read_time", "engine_ns", "time")
 
-    def __init__(self) -> None:
+    def __init__(self, seq: int = 0, read_time: float = 0.0, engine_ns: int = 0) -> None:
+        self.seq, self.read_time, self.engine_ns = seq, read_time, engine_ns
         self.time: float | None = None
 
 
@@ -66,10 +70,17 @@ class RequestState:
         prompt_logprobs_missing: prompt positions whose entry has not arrived.
         released: the client side is done with it (set by ``EngineClient.release``).
         engine: the data-parallel engine that serves it (0 with one engine).
+        num_cached_tokens: prompt tokens its engine found in the prefix cache
+            when it admitted the request; None until that is known.
         arrival_time: ``time.perf_counter()`` when it was added (seconds).
         token_steps: one :class:`StepTime` per output token, that of the
             step which brought it (appended by the reader thread); see
             :attr:`delivery_times`.
+        choices: shared by the ``n`` > 1 choices of one request: ``[choices
+            not finished, most tokens of a finished one, n]``; None for one choice.
+        ttft, e2e: time to first token and end-to-end latency in seconds, set
+            by the reader thread when the request finishes (None before, and
+            for one the client left).
     """
 
     __slots__ = (
@@ -81,6 +92,7 @@ class RequestState:
         "every_token",
         "released",
         "engine",
+        "num_cached_tokens",
         "arrival_time",
         "token_steps",
         "params",
@@ -89,6 +101,9 @@ class RequestState:
         "prompt_logprobs",
         "prompt_logprobs_missing",
         "streaming",
+        "choices",
+        "ttft",
+        "e2e",
         "_pieces",
         "_ids_taken",
         "_lps_taken",
@@ -122,9 +137,13 @@ class RequestState:
             self.prompt_logprobs_missing = prompt_len - 1
         self.released = False
         self.engine = 0
+        self.num_cached_tokens: int | None = None
         self.arrival_time = time.perf_counter()
         self.token_steps: list[StepTime] = []
         self.streaming = streaming
+        self.choices: list[int] | None = None
+        self.ttft: float | None = None
+        self.e2e: float | None = None
         self._pieces: list[str] = []
         self._ids_taken = 0
         self._lps_taken = 0

@@ -65,11 +65,13 @@ from pipeline.io_proc.protocol import (
     DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
+    PromptTokensDetails,
     SamplingRequest,
     TokenizeRequest,
     TokenizeResponse,
     UsageInfo,
 )
+from pipeline.io_proc.request_log import log_request
 from pipeline.io_proc.request_state import RequestState
 from pipeline.io_proc.tokenization import Tokenization
 
@@ -137,6 +139,8 @@ class OpenAIServing:
         # asynchronous device assert on CUDA) and decode with the tokenizer.
         self._vocab_limit = min(tokenization.vocab_size, config.vocab_size or tokenization.vocab_size)
         self._structured_output = config.vocab_size > 0
+        self._log_requests, self._log_prompts = config.enable_log_requests, config.log_prompts
+        self._max_seqs = config.max_seqs_per_request
 
     @property
     def _texts(self):
@@ -151,17 +155,16 @@ class OpenAIServing:
                 503 scheduler not taking requests.
         """
         self._check_model(req)
+        self._check_fan_out(1, req.num_choices())
         self._check_chars(sum(len(m.text()) for m in req.messages), "messages")
         prompt = await self._tokenization.encode_chat(req.messages)
         states = self._start(req, prompt, "messages")
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         prompt_ids = prompt if req.return_token_ids else msgspec.UNSET
+        close = self._closer(rid, req, states)
         if req.stream:
-            return _EventStream(
-                self._chat_stream(req, states, rid, created, prompt_ids),
-                lambda: [self._client.release(st) for st in states],
-            )
-        if not await self._wait(states, raw):
+            return _EventStream(self._chat_stream(req, states, rid, created, prompt_ids), close)
+        if not await self._wait(states, raw, close):
             return Response(status_code=_CLIENT_CLOSED)
         choices = []
         for i, st in enumerate(states):
@@ -182,7 +185,7 @@ class OpenAIServing:
                 model=self._model,
                 prompt_token_ids=prompt_ids,
                 choices=choices,
-                usage=self._usage(states, len(states)),
+                usage=await self._usage(states, len(states)),
             )
         )
 
@@ -194,6 +197,7 @@ class OpenAIServing:
                 and 400 for ``max_tokens`` 0 without ``echo``.
         """
         self._check_model(req)
+        self._check_fan_out(len(req.prompt), req.num_choices())
         if req.requested_max_tokens() == 0 and not req.echo:
             raise APIError.bad_request("max_tokens must be at least 1 unless echo is true", param="max_tokens")
         prompts: list[list[int]] = []
@@ -221,12 +225,10 @@ class OpenAIServing:
         echoes = [e for e in echoes for _ in range(n)]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         prompt_ids = [p for p in prompts for _ in range(n)] if req.return_token_ids else [msgspec.UNSET] * len(states)
+        close = self._closer(rid, req, states)
         if req.stream:
-            return _EventStream(
-                self._completion_stream(req, states, echoes, rid, created, prompt_ids),
-                lambda: [self._client.release(st) for st in states],
-            )
-        if not await self._wait(states, raw):
+            return _EventStream(self._completion_stream(req, states, echoes, rid, created, prompt_ids), close)
+        if not await self._wait(states, raw, close):
             return Response(status_code=_CLIENT_CLOSED)
         choices = []
         for i, st in enumerate(states):
@@ -246,7 +248,7 @@ class OpenAIServing:
             )
         return json_response(
             CompletionResponse(
-                id=rid, created=created, model=self._model, choices=choices, usage=self._usage(states, n)
+                id=rid, created=created, model=self._model, choices=choices, usage=await self._usage(states, n)
             )
         )
 
@@ -289,6 +291,20 @@ class OpenAIServing:
                 type="invalid_request_error",
                 param="model",
                 code="model_not_found",
+            )
+
+    def _check_fan_out(self, num_prompts: int, n: int) -> None:
+        """Refuse a request for more than ``max_seqs_per_request`` sequences (prompts times ``n``).
+
+        Raises:
+            APIError: 400 naming ``n`` (or ``prompt`` when ``n`` is 1).
+        """
+        if num_prompts * n > self._max_seqs:
+            raise APIError.bad_request(
+                f"this request asks for {num_prompts * n} sequences ({num_prompts} prompt(s) x n={n}); this "
+                f"server runs at most {self._max_seqs} per request (--max-seqs-per-request): send fewer "
+                f"prompts or a smaller n, or split the request",
+                param="n" if n > 1 else "prompt",
             )
 
     def _check_chars(self, num_chars: int, param: str) -> None:
@@ -417,8 +433,24 @@ class OpenAIServing:
         except GrammarError as e:
             raise APIError.bad_request(str(e), param=e.param) from None
 
-    async def _wait(self, states: list[RequestState], raw: Request) -> bool:
-        """Wait for non-streaming requests to finish; False if the client left
+    def _closer(self, rid: str, req: SamplingRequest, states: list[RequestState]) -> Callable[[], None]:
+        """What ends a request's response however it ends: release its states, then log it
+        (``--enable-log-requests``; its prompt only with ``--log-prompts``)."""
+
+        def close() -> None:
+            for st in states:
+                self._client.release(st)
+            if self._log_requests:
+                prompt = None
+                if self._log_prompts:
+                    chat = isinstance(req, ChatCompletionRequest)
+                    prompt = [m.model_dump(exclude_none=True) for m in req.messages] if chat else req.prompt
+                log_request(rid, states, req.num_choices(), req.stop_strings(), req.stream, prompt)
+
+        return close
+
+    async def _wait(self, states: list[RequestState], raw: Request, close: Callable[[], None]) -> bool:
+        """Wait for non-streaming requests to finish, then ``close``; False if the client left
         first (then the requests are aborted at once, within the step).
 
         Raises:
@@ -436,19 +468,26 @@ class OpenAIServing:
         finally:
             finished.cancel()
             left.cancel()
-            for st in states:
-                self._client.release(st)
+            close()
 
     @staticmethod
     def _output_ids(req: SamplingRequest, state: RequestState) -> list[int] | msgspec.UnsetType:
         return state.take_token_ids() if req.return_token_ids else msgspec.UNSET
 
-    @staticmethod
-    def _usage(states: list[RequestState], n: int) -> UsageInfo:
-        """Prompt tokens once per prompt (its ``n`` choices are consecutive), completion tokens of every choice."""
+    async def _usage(self, states: list[RequestState], n: int) -> UsageInfo:
+        """Prompt tokens once per prompt (its ``n`` choices are consecutive), completion tokens of every choice.
+
+        A prompt's cached tokens are its first choice's: the others find the blocks it computed.
+        """
+        await self._client.wait_admitted(states[::n])
         prompt = sum(st.prompt_len for st in states[::n])
         completion = sum(st.num_output_tokens for st in states)
-        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        return UsageInfo(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(st.num_cached_tokens for st in states[::n])),
+        )
 
     # -- streams -------------------------------------------------------------------
 
@@ -507,7 +546,11 @@ class OpenAIServing:
             if include_usage:
                 yield _sse(
                     ChatCompletionChunk(
-                        id=rid, created=created, model=self._model, choices=[], usage=self._usage(states, len(states))
+                        id=rid,
+                        created=created,
+                        model=self._model,
+                        choices=[],
+                        usage=await self._usage(states, len(states)),
                     )
                 )
         except Exception:
@@ -576,7 +619,7 @@ class OpenAIServing:
                         created=created,
                         model=self._model,
                         choices=[],
-                        usage=self._usage(states, req.num_choices()),
+                        usage=await self._usage(states, req.num_choices()),
                     )
                 )
         except Exception:

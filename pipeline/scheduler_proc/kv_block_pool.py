@@ -1,42 +1,59 @@
-"""KV cache blocks and req_indices, with frees deferred against step ids."""
+"""KV cache block and req_index accounting: reference counts, prefix caching, frees deferred against step ids."""
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 
 
 class BlockPool:
-    """Free lists of reference-counted KV blocks and of req_indices.
+    """KV cache blocks and request indices.
 
-    Allocation is immediate; freeing is not. A block or req_index that an
-    in-flight step still reads is not reusable until that step has reported
-    completion (docs/design.md, "Deferred free"): callers free with
-    ``free_after`` naming the last step that references them, and
-    ``step_completed`` gives back what every completed step held.
+    Every block is exactly one of: *free* (no name, no owner), *cached-free*
+    (named by its block hash, no owner: its keys and values can be reused
+    until it is evicted) or *owned* (a reference count of owners). The owners
+    of a block are the requests that hold it and the steps in flight that
+    still read it: callers free with :meth:`free_after` naming the last step
+    that references the block, and the reference goes when that step reports
+    completion (:meth:`step_completed`; docs/design.md, "Deferred free"), so
+    no block a step in flight reads or writes is handed out again.
 
-    A block has one reference per holder: the choices of a request with
-    ``n`` > 1 share its prompt's full blocks (``share``; docs/design.md,
-    "Parallel choices"), and a block returns to the free list when its last
-    holder frees it.
+    With prefix caching, a full block whose tokens are final is named
+    (:meth:`cache_blocks`) and stays named when its last owner frees it; a
+    new request takes the longest run of named blocks of its prompt
+    (:meth:`lookup`, then :meth:`share`). :meth:`allocate_blocks` takes free
+    blocks first, then evicts cached-free ones, least recently freed first
+    (docs/design.md, "Prefix caching").
 
     Args:
         num_blocks: KV cache blocks (ids ``0..num_blocks-1``).
-        num_req_indices: request rows (ids ``0..num_req_indices-1``), i.e. ``max_num_seqs``.
+        num_req_indices: request indices (ids ``0..num_req_indices-1``), i.e. ``max_num_seqs``.
+        enable_caching: name blocks at all; without it :meth:`cache_blocks`
+            does nothing and :meth:`lookup` finds nothing.
     """
 
-    def __init__(self, num_blocks: int, num_req_indices: int):
+    def __init__(self, num_blocks: int, num_req_indices: int, enable_caching: bool = True):
         self.num_blocks, self.num_req_indices = num_blocks, num_req_indices
+        self.enable_caching = enable_caching
         # Stacks popped from the end; reversed so low ids go first.
         self._free_blocks = list(range(num_blocks - 1, -1, -1))
         self._free_req_indices = list(range(num_req_indices - 1, -1, -1))
         self._refs = [0] * num_blocks
+        self._hash: list[bytes | None] = [None] * num_blocks
+        self._cached: dict[bytes, int] = {}  # block hash -> the block it names
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached-free blocks, least recently freed first
         self._deferred: dict[int, list[tuple[list[int], int]]] = defaultdict(list)
         self._num_deferred_blocks = 0
         self._completed_step = -1
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free_blocks)
+        """Blocks :meth:`allocate_blocks` can hand out now: free and cached-free."""
+        return len(self._free_blocks) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Named blocks, owned or cached-free."""
+        return len(self._cached)
 
     @property
     def num_free_req_indices(self) -> int:
@@ -48,29 +65,70 @@ class BlockPool:
         return self._num_deferred_blocks
 
     def allocate_blocks(self, n: int) -> list[int] | None:
-        """Take ``n`` blocks, one reference each, or None (taking nothing) if fewer are free."""
-        if n > len(self._free_blocks):
+        """Take ``n`` unnamed blocks, one owner each, or None (taking nothing) if fewer are free."""
+        if n > self.num_free_blocks:
             return None
         if n == 0:
             return []
-        out = self._free_blocks[-n:]
-        del self._free_blocks[-n:]
+        k = min(n, len(self._free_blocks))
+        out = self._free_blocks[len(self._free_blocks) - k :]
+        del self._free_blocks[len(self._free_blocks) - k :]
+        for _ in range(n - k):  # evict the least recently freed named blocks
+            b, _ = self._evictable.popitem(last=False)
+            del self._cached[self._hash[b]]
+            self._hash[b] = None
+            out.append(b)
         for b in out:
             self._refs[b] = 1
         return out
 
+    def lookup(self, hashes: list[bytes]) -> list[int]:
+        """The blocks named ``hashes[0]``, ``hashes[1]``, ... up to the first name not cached; takes nothing."""
+        out = []
+        cached = self._cached
+        for h in hashes:
+            b = cached.get(h)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def count_unowned(self, blocks: list[int]) -> int:
+        """How many of ``blocks`` are cached-free: what :meth:`share` takes from :attr:`num_free_blocks`."""
+        refs = self._refs
+        return sum(1 for b in blocks if not refs[b])
+
     def share(self, blocks: list[int]) -> None:
-        """One more holder for each of ``blocks``; each holder frees them once."""
+        """One more owner for each of ``blocks`` (owned or cached-free); each owner frees them once."""
+        refs, evictable = self._refs, self._evictable
         for b in blocks:
-            self._refs[b] += 1
+            if not refs[b]:
+                del evictable[b]
+            refs[b] += 1
+
+    def cache_blocks(self, blocks: list[int], hashes: list[bytes]) -> None:
+        """Name owned full blocks whose tokens are final: ``blocks[i]`` gets ``hashes[i]``.
+
+        A name that already names another block (the same prefix computed
+        twice at once) leaves this block unnamed: it is freed unnamed.
+        """
+        if not self.enable_caching:
+            return
+        cached, names = self._cached, self._hash
+        for b, h in zip(blocks, hashes):
+            if h not in cached and names[b] is None:
+                cached[h] = b
+                names[b] = h
 
     def allocate_req_index(self) -> int | None:
         """Take a req_index, or None if none is free."""
         return self._free_req_indices.pop() if self._free_req_indices else None
 
-    def free_after(self, step_id: int, blocks: list[int], req_index: int = -1) -> None:
-        """Drop one reference to each of ``blocks`` and free ``req_index`` (-1: none) once step ``step_id``
-        has completed (now, if it has)."""
+    def free_after(self, step_id: int, blocks: list[int], req_index: int) -> None:
+        """Drop one owner of each of ``blocks``, and free ``req_index`` (-1: none), once step ``step_id`` has completed.
+
+        ``blocks`` in order from the request's first: its last ones are evicted first.
+        """
         if step_id <= self._completed_step:
             self._release(blocks, req_index)
         else:
@@ -86,10 +144,14 @@ class BlockPool:
                 self._release(blocks, req_index)
 
     def _release(self, blocks: list[int], req_index: int) -> None:
-        refs, free = self._refs, self._free_blocks  # locals: at batch 1024 this runs for hundreds of blocks a step
-        for b in blocks:
+        # Locals: at batch 1024 this runs for hundreds of blocks a step.
+        refs, names, free, evictable = self._refs, self._hash, self._free_blocks, self._evictable
+        for b in reversed(blocks):  # a prefix outlives its tails: its blocks are the most recently freed
             refs[b] -= 1
             if not refs[b]:
-                free.append(b)
+                if names[b] is None:
+                    free.append(b)
+                else:
+                    evictable[b] = None
         if req_index >= 0:
             self._free_req_indices.append(req_index)

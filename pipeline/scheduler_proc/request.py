@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from array import array
 
 from pipeline.common.grammar import GrammarState
@@ -17,10 +18,14 @@ class Request:
     output has not arrived (0 or 1). ``req_index`` is its row while it runs
     (-1 otherwise), ``is_new`` says its next row is its first at that index
     (the descriptor then carries its parameters), ``admit_seq`` orders the
-    running requests by admission. A shared prefill (``choices`` set) has as
-    its prompt only the prefix its choices share, and samples nothing.
-    ``grammar`` is the matcher of a structured-output request (None for
-    others); it has consumed every token of ``output_token_ids``.
+    running requests by admission. ``block_hashes`` names its prompt's full
+    blocks and those of its final tokens so far; its first
+    ``num_named_blocks`` blocks carry their names in the pool (docs/design.md,
+    "Prefix caching"). ``grammar`` is the matcher of a structured-output
+    request (None for others); it has consumed every token of
+    ``output_token_ids``. ``queued_ns``, ``scheduled_ns`` (first admission; 0
+    before) and ``first_token_ns`` (0 before) are vLLM's request events on
+    ``time.monotonic_ns()`` (docs/design.md, "Metrics").
 
     While the request is a steady row, ``SteadyRows`` owns its progress:
     ``num_computed_tokens``, ``num_placeholders``, ``last_step_id`` and
@@ -40,9 +45,12 @@ class Request:
         "last_step_id",
         "is_new",
         "admit_seq",
-        "choices",
-        "parent",
+        "block_hashes",
+        "num_named_blocks",
         "grammar",
+        "queued_ns",
+        "scheduled_ns",
+        "first_token_ns",
     )
 
     def __init__(
@@ -61,11 +69,12 @@ class Request:
         self.last_step_id = -1
         self.is_new = True
         self.admit_seq = -1
-        # A shared prefill (n > 1) lists the choices it forks into once planned;
-        # each of those names it until then (docs/design.md, "Parallel choices").
-        self.choices: list[Request] | None = None
-        self.parent: Request | None = None
+        self.block_hashes: list[bytes] = []
+        self.num_named_blocks = 0
         self.grammar = grammar
+        self.queued_ns = time.monotonic_ns()
+        self.scheduled_ns = 0
+        self.first_token_ns = 0
 
     @property
     def num_known_tokens(self) -> int:
@@ -81,10 +90,9 @@ class Request:
         """Whether a row that computes up to position ``end`` samples a token.
 
         Only the chunk that reaches the last known token samples, and a request
-        with ``max_tokens`` 0 (prompt log-probabilities only) or a shared
-        prefill never does.
+        with ``max_tokens`` 0 (prompt log-probabilities only) never does.
         """
-        return end >= self.num_known_tokens and self.params.max_tokens > 0 and self.choices is None
+        return end >= self.num_known_tokens and self.params.max_tokens > 0
 
     def chunk(self, pos: int, k: int) -> list[int]:
         """Token ids at positions ``pos .. pos + k - 1``; a single token may be the placeholder."""

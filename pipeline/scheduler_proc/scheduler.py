@@ -4,28 +4,32 @@ The scheduler plans step N+1 while step N runs, assuming every decoding
 request produces exactly one token in N; N+1's input for that token is the
 placeholder the worker resolves on the device. Policy (as vLLM v1's):
 running requests first, in arrival order, one token per decode and a chunk
-per unfinished prefill, then waiting requests in FIFO order, all under
-``max_num_batched_tokens`` and ``max_num_seqs``. KV blocks are allocated on
-demand; when none are left the newest running request is preempted
-(recompute). Running requests that plainly decode are planned as steady rows
-(``steady_rows.py``), with the same result.
+per unfinished prefill, then waiting requests in FIFO order, each from its
+longest cached prefix, all under ``max_num_batched_tokens`` and
+``max_num_seqs``. KV blocks are allocated on demand; when none are left the
+newest running request is preempted (recompute). Running requests that
+plainly decode are planned as steady rows (``steady_rows.py``), with the same
+result.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
+from msgspec.structs import replace
 
 from pipeline.common.constants import cdiv
 from pipeline.common.descriptor_builder import DescriptorBuilder
 from pipeline.common.grammar import GrammarState
-from pipeline.common.messages import AddRequest, SamplingParams, check_finish
+from pipeline.common.histogram import ITERATION_TOKENS_BUCKETS, REQUEST_LATENCY_BUCKETS, Histogram
+from pipeline.common.messages import AddRequest, SamplingParams, check_finish, choice_seed
 from pipeline.common.step_protocol import MAX_MASKED_ROWS, StepDescriptor, max_new_blocks_per_step
-from pipeline.scheduler_proc import choices
 from pipeline.scheduler_proc.kv_block_pool import BlockPool
+from pipeline.scheduler_proc.prefix_cache import PrefixCache, num_final_tokens
 from pipeline.scheduler_proc.request import Request
 from pipeline.scheduler_proc.steady_rows import SteadyRows
 
@@ -65,6 +69,8 @@ class Scheduler:
         grammar_tokenizer: llguidance's tokenizer (``grammar.load_tokenizer``) for requests
             with a grammar; None when the model has none (the simulated device).
         mask_words: int32 words of one token bitmask (``ceil(vocab / 32)``).
+        enable_prefix_caching: reuse the blocks of cached prefixes.
+        block_hash_root: the parent name of a first block (``EngineConfig.block_hash_root``).
 
     Raises:
         ValueError: if one request of ``max_model_len`` tokens could not fit.
@@ -79,6 +85,8 @@ class Scheduler:
         max_blocks_per_seq: int,
         grammar_tokenizer=None,
         mask_words: int = 0,
+        enable_prefix_caching: bool = True,
+        block_hash_root: bytes = b"",
     ):
         if num_kv_blocks < max_blocks_per_seq:
             raise ValueError(
@@ -88,14 +96,25 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.block_size = block_size
-        self.pool = BlockPool(num_kv_blocks, max_num_seqs)
-        self.steady = SteadyRows(max_num_seqs, block_size)
+        self.pool = BlockPool(num_kv_blocks, max_num_seqs, enable_prefix_caching)
+        self.prefix = PrefixCache(self.pool, block_size, block_hash_root)
+        # Prefix caching names an ended steady row's blocks from its tokens.
+        self.steady = SteadyRows(max_num_seqs, block_size, keep_ended_tokens=enable_prefix_caching)
         self.requests: dict[int, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self._general: list[Request] = []  # the running requests that are not steady rows, in running order
         self.next_step_id = 0
         self.num_preemptions = 0
+        self.num_cached_tokens_step = 0  # prompt tokens found cached by the requests admitted in the last step
+        # (req_num, prompt tokens found cached) of first admissions since the caller last emptied it.
+        self.admitted: list[tuple[int, int]] = []
+        # vLLM's request phases, seconds, observed as requests finish; tokens per step.
+        self.queue_time, self.prefill_time, self.decode_time, self.inference_time = (
+            Histogram(REQUEST_LATENCY_BUCKETS) for _ in range(4)
+        )
+        self.iteration_tokens = Histogram(ITERATION_TOKENS_BUCKETS)
+        self._output_ns = 0  # time_ns of the output being applied
         self._builder = DescriptorBuilder()
         self._grammar_tokenizer, self._mask_words = grammar_tokenizer, mask_words
         self._max_new_blocks = max_new_blocks_per_step(max_num_seqs, max_num_batched_tokens, block_size)
@@ -115,22 +134,25 @@ class Scheduler:
     # -- control ----------------------------------------------------------------
 
     def add_request(self, msg: AddRequest) -> None:
-        """Queue a new request; with ``msg.n`` > 1 its choices (``choices.py``). A repeated ``req_num`` is ignored."""
+        """Queue a new request. A repeated ``req_num`` is ignored.
+
+        With ``msg.n`` > 1 its choices are the requests ``req_num + i``, each
+        seeded ``choice_seed(seed, i)``; they share the prompt through the
+        prefix cache: the first computes it, and the others, admitted behind
+        it, find its blocks (docs/design.md, "Parallel choices").
+        """
         if msg.req_num in self.requests:
             return
-        if msg.n == 1:
-            req = Request(msg.req_num, list(msg.prompt_token_ids), msg.params, self._new_grammar(msg.params))
+        prompt = list(msg.prompt_token_ids)
+        for i in range(msg.n):
+            params = msg.params if msg.n == 1 else replace(msg.params, seed=choice_seed(msg.params.seed, i))
+            req = Request(msg.req_num + i, prompt, params, self._new_grammar(params))
+            if i == 0:
+                self.prefix.name_prompt(req)
+            else:
+                req.block_hashes = list(self.waiting[-1].block_hashes)
             self.requests[req.req_num] = req
             self.waiting.append(req)
-            return
-        reqs, prefill = choices.make_choices(msg, self.block_size, self._new_grammar)
-        for c in reqs:
-            self.requests[c.req_num] = c
-        if prefill is None:
-            self.waiting.extend(reqs)
-        else:
-            self.requests[prefill.req_num] = prefill
-            self.waiting.append(prefill)
 
     def _new_grammar(self, params: SamplingParams) -> GrammarState | None:
         """A fresh matcher for a request with a grammar (about 1 ms: llguidance compiles lazily), else None."""
@@ -140,23 +162,22 @@ class Scheduler:
             raise ValueError("structured output needs a model with a tokenizer")
         return GrammarState(self._grammar_tokenizer, params.grammar, params.stop_token_ids)
 
-    def abort_request(self, req_num: int) -> None:
+    def abort_request(self, req_num: int, finished_ns: int = 0) -> None:
         """Drop a request now; its blocks and req_index return after its last step in flight.
 
-        A choice still waiting for its shared prefill leaves it; the prefill
-        is dropped once no choice waits for it.
+        ``finished_ns`` > 0 means the request finished then (a stop string),
+        and its phases are observed.
         """
         req = self.requests.get(req_num)
         if req is None:
             return
-        if req.parent is not None:
-            prefill = req.parent
-            prefill.choices.remove(req)
-            del self.requests[req_num]
-            if not prefill.choices:
-                self._remove(prefill)
-            return
+        if finished_ns:
+            self._observe_finish(req, finished_ns)
         self._remove(req)
+
+    def shrink(self) -> None:
+        """After a burst: rebuild the request table, which never gives back the room its peak took."""
+        self.requests = dict(self.requests)
 
     # -- planning ---------------------------------------------------------------
 
@@ -168,13 +189,16 @@ class Scheduler:
             and ``desc`` holds no step (the step id is not consumed).
         """
         self._builder.clear()
+        self.num_cached_tokens_step = 0
         steady = self._plan_steady()
         step = _StepPlan(self.max_num_batched_tokens - len(steady), self.max_num_seqs - len(steady))
         self._plan_running(step)
+        continues = len(steady) > 0 or len(step.rows) > 0  # the device had work of these requests waiting
         self._admit_waiting(step)
         if not step.rows and not len(steady):
             return 0
-        self._write(desc, self.next_step_id, step.rows, steady)
+        self._write(desc, self.next_step_id, step.rows, steady, continues)
+        self.iteration_tokens.observe(len(steady) + sum(k for _, k, _ in step.rows))
         self.next_step_id += 1
         return len(step.rows) + len(steady)
 
@@ -213,40 +237,63 @@ class Scheduler:
             masked = sample and req.grammar is not None
             if masked and step.num_masks == MAX_MASKED_ROWS:
                 continue
-            if self._grow_blocks(req, n):
-                step.add(req, n, sample, masked)
+            if not self._grow_blocks(req, n):
+                continue
+            # Named now, as planned: a request admitted later in this step may start from them.
+            self.prefix.name_final(req, min(req.num_known_tokens, req.num_computed_tokens + n))
+            step.add(req, n, sample, masked)
 
     def _admit_waiting(self, step: _StepPlan) -> None:
-        """Waiting requests in FIFO order, while a req_index and the blocks of their first chunk are free."""
+        """Waiting requests in FIFO order, each from its longest cached prefix, while a req_index and the
+        blocks of its first chunk are free."""
         while self.waiting and not step.full:
             req = self.waiting[0]
             if req.num_placeholders:
                 break  # preempted with a token still in flight: wait for it, keep FIFO order
-            # A choice starts after its shared prefix, in blocks it inherited.
-            start, inherited = req.num_computed_tokens, len(req.block_ids)
-            n = min(req.num_known_tokens - start, step.budget)
             if self.pool.num_free_req_indices == 0:
                 break
+            # It starts after its longest cached prefix, in those blocks (found in this step too).
+            hit = self.prefix.lookup(req)
+            room = self._max_new_blocks - self._builder.num_blocks  # block-table entries the step can still set
+            if cdiv(req.num_known_tokens, self.block_size) > room:  # its row must fit them, whatever the chunk
+                hit = hit[: max(0, room - cdiv(step.budget, self.block_size))]
+            start = len(hit) * self.block_size
+            n = min(req.num_known_tokens - start, step.budget)
             sample = req.samples(start + n)
             masked = sample and req.grammar is not None
             if masked and step.num_masks == MAX_MASKED_ROWS:
                 break
-            need = cdiv(start + n, self.block_size) - inherited
-            if need > self.pool.num_free_blocks or self._builder.num_blocks + inherited + need > self._max_new_blocks:
-                if not self.running and not step.rows:
-                    choices.unshare(self.waiting, self.pool)  # waiting choices hold the blocks the head needs
+            need = cdiv(start + n, self.block_size) - len(hit)
+            if (
+                need + self.pool.count_unowned(hit) > self.pool.num_free_blocks
+                or self._builder.num_blocks + len(hit) + need > self._max_new_blocks
+            ):
                 break
             self.waiting.popleft()
-            req.req_index = self.pool.allocate_req_index()
-            req.is_new = True
-            req.admit_seq = self._num_admitted
-            self._num_admitted += 1
-            for i, b in enumerate(req.block_ids):  # the new req_index's block-table row
-                self._builder.add_block(req.req_index, i, b)
+            self._admit(req, hit)
             self._grow_blocks(req, n)
-            self.running.append(req)
-            self._general.append(req)
+            self.prefix.name_final(req, min(req.num_known_tokens, start + n))
             step.add(req, n, sample, masked)
+
+    def _admit(self, req: Request, hit: list[int]) -> None:
+        """``req`` starts running from the cached blocks ``hit``: a req_index, their block-table entries."""
+        start = len(hit) * self.block_size
+        self.pool.share(hit)  # before _grow_blocks allocates: an unowned hit could be evicted
+        self.prefix.count(req, hit)
+        if req.last_step_id < 0:  # its first admission (a preempted request has run)
+            self.admitted.append((req.req_num, start))
+        self.num_cached_tokens_step += start
+        req.block_ids, req.num_named_blocks, req.num_computed_tokens = list(hit), len(hit), start
+        if not req.scheduled_ns:  # the first admission; a preempted request keeps it, as in vLLM
+            req.scheduled_ns = time.monotonic_ns()
+        req.req_index = self.pool.allocate_req_index()
+        req.is_new = True
+        req.admit_seq = self._num_admitted
+        self._num_admitted += 1
+        for i, b in enumerate(hit):  # the new req_index's block-table row
+            self._builder.add_block(req.req_index, i, b)
+        self.running.append(req)
+        self._general.append(req)
 
     def _grow_blocks(self, req: Request, n: int) -> bool:
         """Give ``req`` blocks for its next ``n`` tokens, preempting the newest running request if needed.
@@ -270,18 +317,29 @@ class Scheduler:
         return True
 
     def _preempt(self, req: Request) -> None:
-        """Recompute: ``req`` gives back its blocks and req_index and waits first in line, from its first token."""
+        """Recompute: ``req`` gives back its blocks (its named ones stay cached, for its readmission) and
+        req_index, and waits first in line."""
         self._leave_running(req)
+        self.prefix.name_final(req, num_final_tokens(req))
         self._free(req)
+        req.num_named_blocks = 0
         req.num_computed_tokens = 0
         req.is_new = True
         self.waiting.appendleft(req)
         self.num_preemptions += 1
 
     def _write(
-        self, desc: StepDescriptor, step_id: int, rows: list[tuple[Request, int, bool]], steady: np.ndarray
+        self,
+        desc: StepDescriptor,
+        step_id: int,
+        rows: list[tuple[Request, int, bool]],
+        steady: np.ndarray,
+        continues: bool,
     ) -> None:
-        """Write the step: the ``steady`` rows' decodes (req_index ``[D]``), then ``rows``; update counters."""
+        """Write the step: the ``steady`` rows' decodes (req_index ``[D]``), then ``rows``; update counters.
+
+        ``continues``: some row's request was running before (the descriptor's flag).
+        """
         b = self._builder
         for req, k, sample in rows:
             pos = req.num_computed_tokens
@@ -309,13 +367,10 @@ class Scheduler:
             req.last_step_id = step_id
             if sample:
                 req.num_placeholders += 1
-            if req.choices is not None and req.num_computed_tokens == req.num_known_tokens:
-                self.waiting.extendleft(reversed(choices.fork(req, self.pool)))
-                self._remove(req)
         decode = None
         if len(steady):  # in lock step every row's input token is known
             decode = self.steady.write(step_id, steady, inputs_known=self._last_output_step == step_id - 1)
-        b.write(desc, step_id, decode)
+        b.write(desc, step_id, decode, continues)
         # Grammar rows need their own token back before each step, which steady rows cannot wait for.
         joining = [req for req, k, sample in rows if k == 1 and sample and req.grammar is None]
         if joining:
@@ -327,16 +382,23 @@ class Scheduler:
 
     def _leave_steady(self) -> None:
         """Every steady row goes back to the general path (in running order)."""
-        self.steady.release_all()
+        for req in self.steady.release_all():
+            self._name_released(req)
         self._general = list(self.running)
+
+    def _name_released(self, req: Request) -> None:
+        # Blocks filled while steady are named only now: naming as its tokens arrive would cost a hash a
+        # block in the steps of every row, and nothing can reuse them while it runs.
+        self.prefix.name_final(req, num_final_tokens(req))
 
     # -- outputs ----------------------------------------------------------------
 
-    def process_output(self, step_id: int, req_nums: list[int], token_ids: list[int]) -> list[int]:
+    def process_output(self, step_id: int, req_nums: list[int], token_ids: list[int], time_ns: int = 0) -> list[int]:
         """Apply StepOutput ``step_id``: append tokens, finish requests, release frees.
 
         A token for a request that finished or was aborted is the one wasted
-        token of a step already in flight: it is dropped.
+        token of a step already in flight: it is dropped. ``time_ns`` is the
+        output's engine timestamp (now if 0), which its tokens get.
 
         Returns:
             ``req_num`` of the requests that finished (stop token, length, or the
@@ -346,6 +408,7 @@ class Scheduler:
             RuntimeError: as ``SteadyRows.apply_output``.
         """
         finished: list[int] = []
+        self._output_ns = time_ns or time.monotonic_ns()
         d, left, ended = self.steady.apply_output(step_id, req_nums, token_ids)
         for r, t in left:
             if (req := self.requests.get(r)) is not None:
@@ -360,6 +423,7 @@ class Scheduler:
         for req in self._finish_after.pop(step_id, ()):
             if self.requests.get(req.req_num) is req:
                 finished.append(req.req_num)
+                self._observe_finish(req, self._output_ns)
                 self._remove(req)
         self.pool.step_completed(step_id)
         self._last_output_step = step_id
@@ -367,7 +431,10 @@ class Scheduler:
 
     def _apply_token(self, req: Request, t: int, finished: list[int]) -> None:
         """Append ``t`` to ``req``; remove it and list it in ``finished`` if it ends."""
-        if self.steady.holds(req):  # from a row it had before joining
+        if not req.first_token_ns:
+            req.first_token_ns = self._output_ns
+        steady = self.steady.holds(req)
+        if steady:  # from a row it had before joining
             ends = self.steady.receive(req, t)
         else:
             req.num_placeholders -= 1
@@ -378,14 +445,30 @@ class Scheduler:
             ends = check_finish(t, len(req.output_token_ids), req.params) is not None
         if ends:
             finished.append(req.req_num)
+            self._observe_finish(req, self._output_ns)
             self._remove(req)
+        elif not steady:  # a steady row names its blocks when it leaves
+            self.prefix.name_final(req, num_final_tokens(req))
+
+    def _observe_finish(self, req: Request, end_ns: int) -> None:
+        """Observe the phases of ``req``, which finished at ``end_ns`` (vLLM's intervals:
+        queued -> first scheduled -> first token -> last token; docs/design.md, "Metrics")."""
+        if not req.scheduled_ns:
+            return
+        first = req.first_token_ns or end_ns  # a prefill-only request (max_tokens 0) ends at its last chunk
+        self.queue_time.observe((req.scheduled_ns - req.queued_ns) * 1e-9)
+        self.prefill_time.observe((first - req.scheduled_ns) * 1e-9)
+        self.decode_time.observe((end_ns - first) * 1e-9)
+        self.inference_time.observe((end_ns - req.scheduled_ns) * 1e-9)
 
     # -- removal ----------------------------------------------------------------
 
     def _remove(self, req: Request) -> None:
+        """Drop ``req`` (finished or aborted); its named blocks stay cached."""
         del self.requests[req.req_num]
         if req.req_index >= 0:
             self._leave_running(req)
+            self.prefix.name_final(req, num_final_tokens(req))
         else:
             self.waiting.remove(req)
         self._free(req)
@@ -397,6 +480,8 @@ class Scheduler:
         by one would scan the running list once for each.
         """
         for req in reqs:
+            self._observe_finish(req, self._output_ns)
+            self._name_released(req)
             del self.requests[req.req_num]
             self._free(req)
         self.running = [r for r in self.running if r.req_index >= 0]  # a running request has a req_index
@@ -406,6 +491,7 @@ class Scheduler:
         self.running.remove(req)
         if self.steady.holds(req):
             self.steady.release(req)
+            self._name_released(req)
         else:
             self._general.remove(req)
 

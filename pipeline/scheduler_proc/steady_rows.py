@@ -41,11 +41,15 @@ class SteadyRows:
     ``ignore_eos``), ``_last_token``, ``_admitted`` (its ``admit_seq``),
     ``_req_num`` (-1 once the row holds no steady request) and its newest
     tokens, ``_buffer[i, :_num_buffered[i]]``.
+
+    Args:
+        keep_ended_tokens: an ended request gets its buffered tokens back
+            (prefix caching names its blocks from them); else they are dropped.
     """
 
-    def __init__(self, max_num_seqs: int, block_size: int):
+    def __init__(self, max_num_seqs: int, block_size: int, keep_ended_tokens: bool):
         n = max_num_seqs
-        self.block_size = block_size
+        self.block_size, self.keep_ended_tokens = block_size, keep_ended_tokens
         self.order = np.zeros(0, np.int64)  # req_index of each steady row, in the order they joined
         self.num_steps = 0  # steps that planned steady rows
         self._req: list[Request | None] = [None] * n
@@ -162,7 +166,7 @@ class SteadyRows:
             How many leading output rows were the step's steady rows; the
             ``(req_num, token)`` of those whose request left the steady rows
             since (the caller applies or drops them); and the requests that
-            ended, released (their buffered tokens dropped).
+            ended, released.
 
         Raises:
             RuntimeError: the output's first rows are not the step's steady
@@ -194,7 +198,8 @@ class SteadyRows:
         if not len(ended):
             return d, left, []
         ended_rows = rows[ended]
-        self._num_buffered[ended_rows] = 0  # nobody reads an ended request's tokens
+        if not self.keep_ended_tokens:
+            self._num_buffered[ended_rows] = 0  # nobody reads an ended request's tokens
         reqs = [self._write_back(i) for i in ended_rows.tolist()]
         self.order = self.order[self._req_num[self.order] >= 0]
         return d, left, reqs
@@ -221,10 +226,10 @@ class SteadyRows:
         self._write_back(req.req_index)
         self.order = self.order[self.order != req.req_index]
 
-    def release_all(self) -> None:
-        for i in self.order.tolist():
-            self._write_back(i)
+    def release_all(self) -> list[Request]:
+        reqs = [self._write_back(i) for i in self.order.tolist()]
         self.order = self.order[:0]
+        return reqs
 
     def _write_back(self, i: int) -> Request:
         req = self._req[i]

@@ -114,3 +114,41 @@ def test_bound_replays_every_step(tmp_path, tiny_dir):
     assert bound["replay_s"] > 0
     assert bound["engine_over_bound"] == pytest.approx(bound["replay_s"] / res["wall_s"])
     assert "engine / bound throughput" in r.stdout
+
+
+@pytest.mark.parametrize("http", [False, True], ids=["in-process", "http"])
+def test_multi_turn_workload(tmp_path, http):
+    """Every turn of every user comes back in full; the figures come by turn."""
+    out = tmp_path / "out.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "pipeline.bench",
+        "--model",
+        "sim",
+        "--sim-step-us",
+        "2000",
+        "--workload",
+        "multi-turn",
+        "--num-users",
+        "3",
+        "--num-turns",
+        "3",
+        "--system-len",
+        "40",
+        "--message-len",
+        "5",
+        "--output-len",
+        "6",
+        "--mode",
+        "async",
+        "--json",
+        str(out),
+        *(["--http"] if http else []),
+    ]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())["async"]
+    assert res["num_requests"] == 9 and res["output_tokens"] == 54
+    assert len(res["ttft_p50_ms_by_turn"]) == 3
+    assert "TTFT p50 turn 3 (ms)" in r.stdout

@@ -49,7 +49,7 @@ def test_kill_worker_stops_everything(tiny_dir):
     worker = next(p for p in srv.children if b"pipeline-gpu_worker" in open(f"/proc/{p}/cmdline", "rb").read())
     os.kill(worker, signal.SIGKILL)
     code = srv.proc.wait(15)
-    out = srv.proc.stdout.read()
+    out = srv.output()
     assert code != 0
     assert "gpu_worker" in out and "SIGKILL" in out, out
     # No multiprocessing resource tracker runs, so none warns of "leaked" semaphores.

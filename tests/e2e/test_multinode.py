@@ -79,7 +79,7 @@ def test_killing_node_1_stops_the_head(tiny_kv4_dir):
     code = head.proc.wait(30)
     for t in clients:
         t.join(60)
-    out = head.proc.stdout.read()
+    out = head.output()
     assert code != 0
     assert "gpu_worker: lost the tensor-parallel ranks on another node" in out, out
     assert sum(r != 200 for r in results) >= 3, results  # at least the requests under way failed

@@ -6,6 +6,7 @@ plain output of the same prompt.
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -80,6 +81,54 @@ def test_bad_values_are_400_naming_the_field(tiny_async, field, value):
         assert r.status_code == 400, (path, r.text)
         err = r.json()["error"]
         assert err["type"] == "invalid_request_error" and err["param"] == field, err
+
+
+def _stream_text(srv, body: dict) -> tuple[str, str, int]:
+    """A streamed completion's text, finish reason and completion tokens."""
+    text, finish, usage = [], None, None
+    with httpx.stream(
+        "POST",
+        f"{srv.url}/v1/completions",
+        timeout=60,
+        json={**body, "stream": True, "stream_options": {"include_usage": True}},
+    ) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for c in chunk["choices"]:
+                text.append(c["text"])
+                finish = c["finish_reason"] or finish
+            usage = chunk.get("usage") or usage
+    return "".join(text), finish, usage["completion_tokens"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_min_tokens_holds_off_stop_strings(sim_async, smol_dir, stream):
+    """A one-character stop string completed before min_tokens output tokens is ignored (vLLM's rule)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smol_dir)
+    body = {"model": sim_async.model, "prompt": PROMPT, "max_tokens": 40, "ignore_eos": True}
+    plain = httpx.post(f"{sim_async.url}/v1/completions", json={**body, "return_token_ids": True}, timeout=60).json()
+    ids, full = plain["choices"][0]["token_ids"], plain["choices"][0]["text"]
+    stop = " "  # the simulated device's words mostly start with one
+    early = full.find(stop)
+    assert 0 <= early < len(tok.decode(ids[:3])), "the stop string must occur in the first tokens"
+    for min_tokens in (0, 16):
+        start = len(tok.decode(ids[:min_tokens]))
+        cut = full.find(stop, start)
+        assert cut >= 0
+        want_tokens = next(k for k in range(1, len(ids) + 1) if len(tok.decode(ids[:k])) > cut)
+        req = {**body, "stop": [stop], "min_tokens": min_tokens}
+        if stream:
+            got = _stream_text(sim_async, req)
+        else:
+            r = httpx.post(f"{sim_async.url}/v1/completions", json=req, timeout=60).json()
+            got = r["choices"][0]["text"], r["choices"][0]["finish_reason"], r["usage"]["completion_tokens"]
+        assert got == (full[:cut], "stop", want_tokens)
+        assert want_tokens > min_tokens
 
 
 def test_extreme_sampling_values_beside_a_request_leave_its_output_and_the_server_alone(tiny_async):

@@ -101,6 +101,7 @@ def test_grammar_request_leaves_others_at_lock_step(smol_async, smol_sync):
         ("guided_json", {"properties": {"a": {"$ref": "#/nope"}}}),
         ("guided_regex", "(("),
         ("guided_choice", []),
+        ("guided_json", '{"a": ' + "[" * 3000 + "]" * 3000 + "}"),  # deeper than json's recursion limit
     ],
 )
 def test_bad_grammar_is_400_naming_the_field(smol_async, field, value):

@@ -73,7 +73,7 @@ def test_kill_rank_1_under_load_stops_everything(tiny_kv4_dir):
     code = srv.proc.wait(30)
     for t in clients:
         t.join(60)
-    out = srv.proc.stdout.read()
+    out = srv.output()
     assert code != 0
     assert "gpu_worker-tp1 was killed by signal SIGKILL" in out, out
     assert sum(r != 200 for r in results) >= 4, results  # at least the requests under way failed

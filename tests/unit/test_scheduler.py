@@ -5,7 +5,10 @@ token-id cache and block table per req_index, resolves placeholders, and
 "samples" token ``f(request, position)``, so every request has one correct
 output sequence. It asserts what a real device would silently get wrong: a
 placeholder resolving to another request's or a consumed token, a block
-shared by two live requests, a KV position read before it was written.
+written while a step in flight of another request reads it, a KV position
+read before it was written or holding keys of another prefix (blocks found
+in the prefix cache included). Every run is checked with prefix caching on
+and off, and the block pool's invariant after every step.
 """
 
 from __future__ import annotations
@@ -16,13 +19,16 @@ from collections import deque
 import pytest
 from msgspec.structs import replace
 
+from pipeline.common.block_hash import root_hash
 from pipeline.common.messages import AddRequest, SamplingParams
 from pipeline.common.step_protocol import PLACEHOLDER_TOKEN_ID, StepDescriptor, StepInputs, read_descriptor
 from pipeline.scheduler_proc import steady_rows
 from pipeline.scheduler_proc.scheduler import Scheduler
+from tests.unit.pool_invariant import check_pool
 
 EOS = 3
 BS = 4
+ROOT = root_hash("test-model", "float32")
 
 
 def sampled_token(req_num: int, pos: int) -> int:
@@ -32,89 +38,149 @@ def sampled_token(req_num: int, pos: int) -> int:
 
 
 class ReferenceExecutor:
-    """Executes descriptors like the worker does, with checks instead of a model."""
+    """Executes descriptors like the worker does, with checks instead of a model.
 
-    def __init__(self, num_req_indices: int, num_blocks: int, prefill_of: dict[int, int] | None = None):
-        # Choices of an n > 1 request read their shared prefill's KV: choice req_num -> prefill req_num.
-        self.prefill_of = prefill_of or {}
-        self.token_cache = [None] * num_req_indices
-        self.block_table = [dict() for _ in range(num_req_indices)]
-        self.kv = {}  # (block, offset) -> (req_num, pos, token)
-        self.owner = [None] * num_req_indices
+    As the worker, a step writes every row's keys and values before any row
+    reads: a row may read blocks another row of the same step writes.
+    """
+
+    def __init__(self, num_indices: int, prompts: dict[int, list[int]]):
+        self.prompts = prompts  # req_num -> its prompt
+        self.token_cache = [None] * num_indices
+        self.block_table = [dict() for _ in range(num_indices)]
+        self.kv = {}  # (block, offset) -> (pos, signature of the tokens up to pos)
+        self.index_owner = [None] * num_indices
         self.sampled = {}  # (req_num, pos) -> the token sampled for that position
         self.prompt_lp_positions = {}  # req_num -> positions whose prompt log-probability was computed
+        self._sig = {}  # (req_num, pos) -> signature
+
+    def signature(self, req: int, pos: int) -> int:
+        """Stands for the keys and values at ``pos``: they depend on every token up to it."""
+        key = (req, pos)
+        if key not in self._sig:
+            prompt = self.prompts[req]
+            tok = prompt[pos] if pos < len(prompt) else self.sampled[key]
+            self._sig[key] = hash((self.signature(req, pos - 1) if pos else 0, tok))
+        return self._sig[key]
 
     def execute(self, x: StepInputs, inflight_refs: set) -> tuple[int, list[int], list[int], set]:
-        """Run step ``x`` (as the worker reads it); ``inflight_refs`` holds the rows and blocks of steps in flight.
+        """Run step ``x`` (as the worker reads it); ``inflight_refs``: the req_indices and blocks of steps in flight.
 
         Returns (step id, sampled request numbers, sampled tokens, what this step references).
         """
-        prefills = set(self.prefill_of.values())
+        readers: dict[int, set] = {}  # block -> requests whose steps in flight read it
+        for ref in inflight_refs:
+            if ref[0] == "block":
+                readers.setdefault(ref[1], set()).add(ref[2])
         for s, i, b in zip(x.nb_req_index.tolist(), x.nb_index.tolist(), x.nb_block.tolist()):
-            shared = self.kv.get((b, 0), (None,))[0] in prefills  # a choice's row gets its prefill's blocks
-            assert shared or ("block", b) not in inflight_refs, f"block {b} reused while a step in flight reads it"
             self.block_table[s][i] = b
         refs = set()
         tok = x.token_ids.tolist()
         new_rows, sample_rows = set(x.new_rows.tolist()), set(x.sample_rows.tolist())
-        off, out_req, out_tok = 0, [], []
-        for r in range(len(x.req_num)):
-            req, req_index = int(x.req_num[r]), int(x.req_index[r])
+        rows, off = [], 0
+        for r in range(len(x.req_num)):  # every row's writes first
+            req, idx = int(x.req_num[r]), int(x.req_index[r])
             k, start = int(x.num_scheduled_tokens[r]), int(x.start_pos[r])
             if r in new_rows:
-                assert ("req_index", req_index) not in inflight_refs, (
-                    f"req_index {req_index} reused while a step in flight reads it"
-                )
-                self.owner[req_index] = req
-                self.token_cache[req_index] = None
-            assert self.owner[req_index] == req, "req_index shared by two live requests"
+                assert ("index", idx) not in inflight_refs, f"req_index {idx} reused while a step in flight reads it"
+                self.index_owner[idx] = req
+                self.token_cache[idx] = None
+            assert self.index_owner[idx] == req, "req_index shared by two live requests"
             for j in range(k):
                 pos, t = start + j, tok[off + j]
                 if t == PLACEHOLDER_TOKEN_ID:
-                    cached = self.token_cache[req_index]
+                    cached = self.token_cache[idx]
                     assert cached is not None, f"placeholder of req {req} read a consumed/empty cache entry"
                     t = cached
-                    self.token_cache[req_index] = None  # poison
+                    self.token_cache[idx] = None  # poison
                 assert self.sampled.get((req, pos), t) == t, f"req {req} pos {pos}: input {t} is not the sampled token"
-                b = self.block_table[req_index][pos // BS]
-                self.kv[(b, pos % BS)] = (req, pos, t)
-            refs.add(("req_index", req_index))
-            refs.update(("block", self.block_table[req_index][i]) for i in range((start + k - 1) // BS + 1))
-            # Every earlier position of this request must be in its own blocks.
+                if pos >= len(self.prompts[req]):
+                    self.sampled[(req, pos)] = t
+                else:
+                    assert t == self.prompts[req][pos], f"req {req} pos {pos}: input {t} is not its prompt's"
+                b = self.block_table[idx][pos // BS]
+                assert readers.get(b, set()) <= {req}, f"req {req} writes block {b}, which {readers[b]} read in flight"
+                self.kv[(b, pos % BS)] = (pos, self.signature(req, pos))
+            refs.add(("index", idx))
+            refs.update(("block", self.block_table[idx][i], req) for i in range((start + k - 1) // BS + 1))
+            rows.append((r, req, idx, k, start))
+            off += k
+        out_req, out_tok = [], []
+        for r, req, idx, k, start in rows:
+            # Every earlier position of this request holds its own prefix's keys, whoever wrote them.
             for p in range(start + k):
-                owner = self.kv.get((self.block_table[req_index][p // BS], p % BS))
-                mine = owner is not None and owner[1] == p and owner[0] in (req, self.prefill_of.get(req))
-                assert mine, f"req {req} pos {p}: KV holds {owner}"
+                got = self.kv.get((self.block_table[idx][p // BS], p % BS))
+                assert got == (p, self.signature(req, p)), f"req {req} pos {p}: KV holds {got}"
             m = int(x.num_prompt_logprobs[r])
             assert 0 <= m <= k and (x.next_prompt_token[r] >= 0) == (m == k > 0)
             if m == k > 0:  # the next chunk must start with it
-                self.sampled[(req, start + k)] = int(x.next_prompt_token[r])
+                assert int(x.next_prompt_token[r]) == self.prompts[req][start + k]
             self.prompt_lp_positions.setdefault(req, set()).update(range(start + 1, start + m + 1))
             if r in sample_rows:
                 y = sampled_token(req, start + k - 1)
                 self.sampled[(req, start + k)] = y
-                self.token_cache[req_index] = y
+                self.token_cache[idx] = y
                 out_req.append(req)
                 out_tok.append(y)
-            off += k
         return x.step_id, out_req, out_tok, refs
 
 
-def run(requests, depth: int, max_num_seqs=8, budget=16, num_blocks=64, abort_at=None, seed=0, max_blocks_per_seq=16):
-    """Drive a Scheduler with ``depth`` steps in flight; return outputs per request."""
+def check_invariant(sched: Scheduler) -> None:
+    running = [r for r in sched.requests.values() if r.req_index >= 0]
+    assert all(not r.block_ids for r in sched.requests.values() if r.req_index < 0), "a waiting request holds blocks"
+    check_pool(sched.pool, [r.block_ids for r in running], [r.req_index for r in running])
+
+
+def run(
+    requests,
+    depth: int,
+    max_num_seqs=8,
+    budget=16,
+    num_blocks=64,
+    abort_at=None,
+    seed=0,
+    max_blocks_per_seq=16,
+    caching=(True, False),
+    after=None,
+):
+    """Drive a Scheduler with ``depth`` steps in flight, with prefix caching on and off; return outputs per
+    request (equal both ways) and the scheduler of the first way.
+
+    ``after`` maps a request number to one whose finish it waits for before it arrives.
+    """
+    results = [
+        _run(requests, depth, max_num_seqs, budget, num_blocks, abort_at, seed, max_blocks_per_seq, c, after or {})
+        for c in caching
+    ]
+    for outputs, _ in results[1:]:
+        assert outputs == results[0][0], "outputs differ with prefix caching on and off"
+    return results[0]
+
+
+def _run(requests, depth, max_num_seqs, budget, num_blocks, abort_at, seed, max_blocks_per_seq, caching, after):
     layout = StepDescriptor.layout(max_num_seqs, budget, BS)
-    sched = Scheduler(max_num_seqs, budget, BS, num_blocks, max_blocks_per_seq=max_blocks_per_seq)
-    ex = ReferenceExecutor(
-        max_num_seqs, num_blocks, {r.req_num + 1 + i: r.req_num for r in requests if r.n > 1 for i in range(r.n)}
+    sched = Scheduler(
+        max_num_seqs,
+        budget,
+        BS,
+        num_blocks,
+        max_blocks_per_seq=max_blocks_per_seq,
+        enable_prefix_caching=caching,
+        block_hash_root=ROOT,
     )
+    ex = ReferenceExecutor(max_num_seqs, {c: list(r.prompt_token_ids) for r in requests for c in choice_nums(r)})
     outputs = {c: [] for r in requests for c in choice_nums(r)}
     finished = set()
     pending = deque(requests)
     inflight = deque()
     rng = random.Random(seed)
     step = 0
+
+    def may_arrive() -> bool:
+        return bool(pending) and after.get(pending[0].req_num, 0) in finished | {0}
+
     while pending or sched.num_unfinished or inflight:
-        while pending and rng.random() < 0.5:
+        while may_arrive() and rng.random() < 0.5:
             sched.add_request(pending.popleft())
         if len(inflight) < depth and sched.num_unfinished:
             buf = bytearray(layout.nbytes)
@@ -126,6 +192,7 @@ def run(requests, depth: int, max_num_seqs=8, budget=16, num_blocks=64, abort_at
                 if abort_at and step in abort_at:
                     sched.abort_request(abort_at[step])
                     finished.add(abort_at[step])
+                check_invariant(sched)
                 continue
         if inflight:
             sid, reqs, toks, _ = inflight.popleft()
@@ -133,7 +200,8 @@ def run(requests, depth: int, max_num_seqs=8, budget=16, num_blocks=64, abort_at
                 if r not in finished and r in sched.requests:
                     outputs[r].append(t)
             finished.update(sched.process_output(sid, reqs, toks))
-        elif pending:
+            check_invariant(sched)
+        elif may_arrive():
             sched.add_request(pending.popleft())
     assert sched.pool.num_free_blocks == num_blocks, "KV blocks leaked"
     assert sched.pool.num_free_req_indices == max_num_seqs, "req_indices leaked"
@@ -146,7 +214,7 @@ def run(requests, depth: int, max_num_seqs=8, budget=16, num_blocks=64, abort_at
 
 def choice_nums(req: AddRequest) -> list[int]:
     """The request numbers that produce ``req``'s outputs (its choices when ``n`` > 1)."""
-    return [req.req_num] if req.n == 1 else [req.req_num + 1 + i for i in range(req.n)]
+    return [req.req_num + i for i in range(req.n)]
 
 
 def expected(req: AddRequest, req_num: int | None = None) -> list[int]:
@@ -246,7 +314,7 @@ def test_kv_cache_too_small_for_one_request_is_rejected():
 @pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("num_blocks", [400, 40])
 def test_choices_share_the_prompt_blocks(depth, num_blocks):
-    """n > 1: each choice gets its own exact outputs, reads the prefix its shared prefill wrote (the
+    """n > 1: each choice gets its own exact outputs, reads the prefix the first choice wrote (the
     executor checks every KV position), and every block comes back, also with aborts and, with 40
     blocks, preemption; plain requests run beside them."""
     rng = random.Random(depth)
@@ -256,9 +324,10 @@ def test_choices_share_the_prompt_blocks(depth, num_blocks):
         prompt = [rng.randrange(10, 900) for _ in range(rng.randrange(1, 30))]
         params = SamplingParams(max_tokens=rng.randrange(1, 20), temperature=0.0, stop_token_ids=(EOS,))
         reqs.append(AddRequest(num, prompt, params, n=n))
-        num += n + 1
-    aborted = {4: reqs[3].req_num + 1, 9: reqs[7].req_num + reqs[7].n}
+        num += n
+    aborted = {4: reqs[3].req_num + reqs[3].n - 1, 9: reqs[7].req_num + reqs[7].n - 1}
     outputs, sched = run(reqs, depth, budget=16, num_blocks=num_blocks, abort_at=aborted)
+    assert sched.prefix.num_hits > 0
     for r in reqs:
         for c in choice_nums(r):
             if c not in aborted.values():
@@ -266,23 +335,31 @@ def test_choices_share_the_prompt_blocks(depth, num_blocks):
 
 
 def test_four_choices_allocate_the_prompt_once():
-    """A 300-token prompt with n = 4: its 18 whole blocks before the last token are allocated once. A
-    choice's new req_index needs a block-table entry per inherited block, so with 8 req_indices (48 entries per
-    step) two choices join per step."""
+    """A 300-token prompt with n = 4: its 18 whole blocks before the last token are computed and allocated once.
+
+    Choice 0 computes the prompt; the others find its blocks in the prefix cache, in the very step that
+    computes them, and compute only their last 12 tokens. A choice's new req_index needs a block-table
+    entry per block, so with 8 req_indices (48 entries per step) two choices join per step.
+    """
     bs, prompt = 16, list(range(10, 310))
-    sched = Scheduler(8, 512, bs, 200, max_blocks_per_seq=32)
+    sched = Scheduler(8, 512, bs, 200, max_blocks_per_seq=32, block_hash_root=ROOT)
     layout = StepDescriptor.layout(8, 512, bs)
     sched.add_request(AddRequest(1, prompt, SamplingParams(max_tokens=4, temperature=0.0), n=4))
-    # The shared prefill (288 tokens); two choices (their last 12 prompt tokens); two more, two decodes.
-    for rows in (1, 2, 4):
-        assert sched.schedule(StepDescriptor(layout.views(bytearray(layout.nbytes)))) == rows
+    tokens = []
+    for rows in (2, 4):
+        d = StepDescriptor(layout.views(bytearray(layout.nbytes)))
+        assert sched.schedule(d) == rows
+        tokens.append(read_descriptor(d).num_scheduled_tokens.tolist())
+    assert tokens == [[300, 12], [1, 1, 12, 12]]
     assert sched.pool.num_free_blocks == 200 - 18 - 4  # 18 shared + one block per choice
-    sched.process_output(0, [], [])
-    sched.process_output(1, [2, 3], [7, 7])
-    sched.process_output(2, [2, 3, 4, 5], [7, 7, 7, 7])
-    for c in (2, 3, 4, 5):
+    assert (sched.prefix.num_queries, sched.prefix.num_hits) == (4 * 300, 3 * 288)
+    assert sched.admitted == [(1, 0), (2, 288), (3, 288), (4, 288)]
+    sched.process_output(0, [1, 2], [7, 7])
+    sched.process_output(1, [1, 2, 3, 4], [7, 7, 7, 7])
+    for c in (1, 2, 3, 4):
         sched.abort_request(c)
     assert sched.pool.num_free_blocks == 200 and sched.pool.num_free_req_indices == 8
+    check_invariant(sched)
 
 
 class StubGrammar:
@@ -394,3 +471,94 @@ def test_steady_rows_plan_what_the_general_path_plans(depth, max_num_seqs, budge
             pending.popleft()
     assert scheds[0].num_steady_steps > 20 and scheds[1].num_steady_steps == 0
     assert scheds[0].num_preemptions == scheds[1].num_preemptions and (num_blocks > 90 or scheds[0].num_preemptions)
+
+
+# -- prefix caching --------------------------------------------------------------
+
+
+def chat(num: int, prompt: list[int], max_tokens: int, **params) -> AddRequest:
+    return AddRequest(num, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **params))
+
+
+@pytest.mark.parametrize("depth", [1, 2], ids=["lock-step", "async"])
+@pytest.mark.parametrize("system_len", [3 * BS - 1, 3 * BS, 3 * BS + 1], ids=["boundary-1", "boundary", "boundary+1"])
+@pytest.mark.parametrize("together", [True, False], ids=["together", "one-after-another"])
+def test_a_shared_system_prompt(depth, system_len, together):
+    """Users sharing a system prompt that ends one token before a block boundary, on it, one after: the
+    outputs are exact with the cache on and off, and the cache is hit, arriving together or one by one."""
+    rng = random.Random(system_len)
+    system = [rng.randrange(10, 900) for _ in range(system_len)]
+    reqs = [chat(i, system + [rng.randrange(10, 900) for _ in range(rng.randrange(0, 9))], 6) for i in range(1, 9)]
+    after = {} if together else {i: i - 1 for i in range(2, 9)}
+    outputs, sched = run(reqs, depth, budget=64, after=after)
+    for r in reqs:
+        assert outputs[r.req_num] == expected(r)
+    # Each later user finds every whole block of the system prompt, less one holding its own last token,
+    # also in the very step that computes it.
+    want = sum(min(system_len // BS, (len(r.prompt_token_ids) - 1) // BS) * BS for r in reqs[1:])
+    assert sched.prefix.num_hits == want > 0
+
+
+@pytest.mark.parametrize("depth", [1, 2], ids=["lock-step", "async"])
+def test_a_conversation_resent_turn_by_turn(depth):
+    """Each turn resends the previous turn's prompt, its reply and a new message: it finds its whole
+    history cached, the reply's blocks (named as the reply's tokens became final) included."""
+    rng = random.Random(depth)
+    prompt, reqs = [rng.randrange(10, 900) for _ in range(10)], []
+    for turn in range(1, 6):
+        req = chat(turn, prompt, 7)
+        reqs.append(req)
+        prompt = prompt + expected(req) + [rng.randrange(10, 900) for _ in range(3)]
+    outputs, sched = run(reqs, depth, after={t: t - 1 for t in range(2, 6)}, max_blocks_per_seq=32)
+    for r in reqs:
+        assert outputs[r.req_num] == expected(r)
+    history = sum((len(r.prompt_token_ids) + 7) // BS * BS for r in reqs[:-1])  # each turn's final whole blocks
+    assert sched.prefix.num_hits == history
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_prompt_entirely_cached(depth):
+    """The same prompt again, whole blocks only: its last block is computed again (its last token's
+    logits are needed), in a block of its own, and everything else is found."""
+    prompt = list(range(10, 10 + 4 * BS))
+    reqs = [chat(1, prompt, 5), chat(2, prompt, 5), chat(3, prompt + [77], 5)]
+    outputs, sched = run(reqs, depth, after={2: 1, 3: 2})
+    for r in reqs:
+        assert outputs[r.req_num] == expected(r)
+    assert sched.prefix.num_hits == 3 * BS + 4 * BS  # request 2: all but the last block; request 3: all four
+    assert sched.admitted[1:] == [(2, 3 * BS), (3, 4 * BS)]
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_preemption_and_aborts_mid_prefill_with_shared_prefixes(depth):
+    """Under KV pressure, users of a few shared prefixes are preempted (their blocks stay cached for their
+    return) and some are aborted while their prompt is being prefilled in chunks; a sharer's abort or
+    preemption never frees a block another still uses (the executor checks every KV position)."""
+    rng = random.Random(7 + depth)
+    prefixes = [[rng.randrange(10, 900) for _ in range(n)] for n in (9, 16, 23)]
+    reqs = []
+    for i in range(1, 41):
+        prompt = rng.choice(prefixes) + [rng.randrange(10, 900) for _ in range(rng.randrange(0, 12))]
+        reqs.append(chat(i, prompt, rng.randrange(1, 30)))
+    aborted = {6: 3, 11: 9, 12: 10, 30: 25}
+    outputs, sched = run(reqs, depth, budget=8, num_blocks=24, abort_at=aborted, max_blocks_per_seq=16)
+    assert sched.num_preemptions > 0 and sched.prefix.num_hits > 0
+    for r in reqs:
+        if r.req_num not in aborted.values():
+            assert outputs[r.req_num] == expected(r)
+
+
+def test_what_needs_every_prompt_position_skips_the_lookup():
+    """Prompt log-probabilities need every position's logits, and the worker counts the repetition
+    penalty's prompt tokens from the tokens it computes: such requests compute their whole prompt (and
+    still leave it cached for others)."""
+    prompt = list(range(10, 10 + 5 * BS))
+    reqs = [
+        chat(1, prompt, 3),
+        chat(2, prompt, 3, prompt_logprobs=0),
+        chat(3, prompt, 3, repetition_penalty=1.2),
+        chat(4, prompt, 3, presence_penalty=0.5),  # counts output tokens only: a first admission may reuse
+    ]
+    outputs, sched = run(reqs, depth=2, after={2: 1, 3: 2, 4: 3})
+    assert sched.admitted == [(1, 0), (2, 0), (3, 0), (4, 4 * BS)]
+    assert sched.prefix.num_queries == 2 * 5 * BS

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from pipeline.common.descriptor_builder import DescriptorBuilder
 from pipeline.common.messages import SamplingParams
+from pipeline.common.step_clock import WORKER_STATS_LEN
 from pipeline.common.step_protocol import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -155,11 +156,11 @@ def test_packed_descriptor_round_trip(step, previous):
             b.add_row(*row)
         for blk in blocks:
             b.add_block(*blk)
-        b.write(desc, step_id)
+        b.write(desc, step_id, continues=bool(step_id % 2))
     buf = np.full(layout.nbytes, 0xAB, dtype=np.uint8)
     n = pack_descriptor(src, buf)
     _, rows, blocks = step
-    assert n == packed_descriptor_nbytes(src.header) == 48 + 2618 * len(rows) + 4 * src.num_tokens + 12 * len(blocks)
+    assert n == packed_descriptor_nbytes(src.header) == 56 + 2618 * len(rows) + 4 * src.num_tokens + 12 * len(blocks)
     unpack_descriptor(buf, dst)
     want, got = read_descriptor(src), read_descriptor(dst)
     for name in type(want).__slots__:
@@ -175,7 +176,7 @@ def test_bitmask_rows_round_trip():
     b.add_row(8, 1, 5, [3], True, None, bitmask=np.array([5, -1, 0], np.int32))
     b.write(src, 4)
     buf = np.zeros(layout.nbytes, dtype=np.uint8)
-    assert pack_descriptor(src, buf) == packed_descriptor_nbytes(src.header) == 48 + 2 * 2618 + 12 + 4 + 12
+    assert pack_descriptor(src, buf) == packed_descriptor_nbytes(src.header) == 56 + 2 * 2618 + 12 + 4 + 12
     unpack_descriptor(buf, dst)
     for desc in (src, dst):
         x = read_descriptor(desc)
@@ -189,10 +190,16 @@ def test_bitmask_rows_round_trip():
 @given(st.integers(0, 2**40), st.lists(st.tuples(st.integers(1, 2**50), st.integers(0, 2**31 - 1)), max_size=MAX_SEQS))
 def test_output_round_trip(step_id, rows):
     out = StepOutput(_entry(StepOutput.layout(MAX_SEQS, MAX_TOKENS)))
-    out.write(7, np.array([1, 2, 3]), np.array([4, 5, 6]))  # a previous step in the same ring entry
-    out.write(step_id, np.array([r for r, _ in rows], dtype=np.int64), np.array([t for _, t in rows], dtype=np.int64))
+    out.write(
+        7, np.array([1, 2, 3]), np.array([4, 5, 6]), time_ns=5, continues=True
+    )  # a previous step in the same ring entry
+    counts = np.arange(WORKER_STATS_LEN, dtype=np.int64) * step_id
+    ids = np.array([r for r, _ in rows], dtype=np.int64)
+    out.write(step_id, ids, np.array([t for _, t in rows], dtype=np.int64), time_ns=step_id + 1, worker_stats=counts)
     got = out.read()
     assert (got.step_id, got.req_nums, got.token_ids) == (step_id, [r for r, _ in rows], [t for _, t in rows])
+    assert (got.time_ns, got.continues) == (step_id + 1, False)
+    np.testing.assert_array_equal(out.worker_stats, counts)
     assert got.logprobs is None and got.prompt_logprobs is None
 
 

@@ -183,3 +183,39 @@ def test_processor_stop_at_very_start():
     deltas, finish, needs_abort, n = run(byte_encode("<|x|> rest"), ["<|x|>"])
     assert (finish, needs_abort, n) == ("stop", True, 5)
     assert "".join(deltas) == ""
+
+
+def run_min_tokens(text: str, stops: list[str], min_tokens: int) -> tuple[str, str | None, int]:
+    """Feed ``text`` byte by byte with ``min_tokens``; return (output text, finish, tokens consumed)."""
+    params = SamplingParams(max_tokens=len(text.encode()) + 1, stop_token_ids=(EOS,), min_tokens=min_tokens)
+    proc = OutputProcessor(ByteDetokenizer(), params, stops)
+    out, finish = [], None
+    for t in byte_encode(text) + [EOS]:
+        finish = proc.push(t)
+        out.append(proc.take_text())
+        if finish is not None:
+            break
+    return "".join(out), finish, proc.num_output_tokens
+
+
+def test_min_tokens_holds_off_a_one_character_stop():
+    # "\n" is the 2nd token: ignored while fewer than 4 tokens are out; the next one after the 4th stops.
+    assert run_min_tokens("a\nbc\nde\n", ["\n"], 4) == ("a\nbc", "stop", 5)
+    assert run_min_tokens("a\nbc\nde\n", ["\n"], 0) == ("a", "stop", 2)
+    # Completed exactly by the first token past min_tokens: it counts.
+    assert run_min_tokens("abc\nd", ["\n"], 3) == ("abc", "stop", 4)
+
+
+def test_min_tokens_stop_may_start_before_and_end_after():
+    # vLLM's rule: the stop string must be completed by a token after the min_tokens-th,
+    # but may start in the text of earlier ones.
+    assert run_min_tokens("xxSTOPyy", ["STOP"], 4) == ("xx", "stop", 6)
+    # Wholly inside the first min_tokens tokens: ignored, and its text is sent.
+    assert run_min_tokens("STOPxxSTOPz", ["STOP"], 4) == ("STOPxx", "stop", 10)
+    # A shorter stop held back inside a longer one's window is not matched late.
+    assert run_min_tokens("ab" + "c" * 6, ["abcdefgh", "b"], 2) == ("ab" + "c" * 6, "stop", 9)
+
+
+def test_min_tokens_with_multibyte_characters():
+    # "é" is two tokens; the stop "é" completed by tokens 3-4 (past min_tokens 2) counts, the one at 1-2 not.
+    assert run_min_tokens("ééa", ["é"], 2) == ("é", "stop", 4)

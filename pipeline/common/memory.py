@@ -1,0 +1,57 @@
+"""Giving the heap back to the system after a burst (docs/design.md, "Memory after a burst").
+
+glibc's malloc keeps what a process frees: a page in the middle of a heap,
+or in the arena of another thread, stays mapped as long as one live object
+shares it. After a burst of requests (262,144 sequences in one request once
+left io_proc 500 MB larger for good) nothing is garbage, but the memory is
+not returned until ``malloc_trim`` releases every free page of every arena.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import time
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
+_malloc_trim = getattr(_libc, "malloc_trim", None)
+
+
+def trim_heap() -> None:
+    """Return the free pages of every malloc arena to the system (glibc's ``malloc_trim(0)``).
+
+    Tens of milliseconds after a burst of hundreds of MB; ctypes releases the
+    GIL meanwhile, so callers run it on a thread of their own. A no-op
+    without glibc.
+    """
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
+
+class BurstWatch:
+    """Tells when a burst of live items (requests, sequences) has passed.
+
+    Args:
+        threshold: the smallest peak that counts as a burst.
+        settle_s: how long the count must stay down, so that what the last
+            items left (a response being written) is freed first.
+    """
+
+    def __init__(self, threshold: int = 1024, settle_s: float = 1.0):
+        self._threshold, self._settle_s = threshold, settle_s
+        self._peak = 0
+        self._low_since: float | None = None
+
+    def passed(self, live: int) -> bool:
+        """Note ``live`` items now; True once per burst, when ``live`` has stayed at a quarter of its peak or less."""
+        self._peak = max(self._peak, live)
+        if self._peak < self._threshold or live > self._peak // 4:
+            self._low_since = None
+            return False
+        now = time.monotonic()
+        if self._low_since is None:
+            self._low_since = now
+        if now - self._low_since < self._settle_s:
+            return False
+        self._peak, self._low_since = live, None
+        return True

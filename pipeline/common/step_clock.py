@@ -1,0 +1,96 @@
+"""Per-step figures from a process's own clocks, kept as cumulative counts (docs/design.md, "Metrics").
+
+:class:`CpuPerStep` is each process's CPU time per step. :class:`WorkerClock`
+is worker rank 0's view of the device: the token gap (device start of a step
+minus device end of the one before, clamped at 0, as ``trace.token_gaps_us``)
+and device time. Both count only steps that continue running requests (the
+scheduler marks them): the gap before a step that only starts new requests
+is the wait for their arrival, not the host's cost. The worker packs its
+counts into every StepOutput (:func:`worker_stats` unpacks them), so they
+reach io_proc with the scheduler's stats reply and no message of their own.
+"""
+
+from __future__ import annotations
+
+import time
+from bisect import bisect_left
+
+import numpy as np
+
+from pipeline.common.histogram import STEP_CPU_BUCKETS_NS, TOKEN_GAP_BUCKETS_NS, Histogram, HistogramData
+from pipeline.common.messages import WorkerStats
+
+# The busy fraction gauge covers about this much device timeline.
+BUSY_WINDOW_NS = 1_000_000_000
+
+_NUM_GAP, _NUM_CPU = len(TOKEN_GAP_BUCKETS_NS) + 1, len(STEP_CPU_BUCKETS_NS) + 1
+# Packed layout (int64): device busy ns, busy fraction in millionths (-1: none yet), token gap
+# sum and counts, CPU per step sum and counts.
+_BUSY, _FRACTION, _GAP_SUM = 0, 1, 2
+_GAP = 3
+_CPU_SUM = _GAP + _NUM_GAP
+_CPU = _CPU_SUM + 1
+WORKER_STATS_LEN = _CPU + _NUM_CPU
+
+
+class CpuPerStep:
+    """The process's CPU time (all threads) between consecutive steps, as a histogram in nanoseconds."""
+
+    __slots__ = ("histogram", "_last")
+
+    def __init__(self) -> None:
+        self.histogram = Histogram(STEP_CPU_BUCKETS_NS)
+        self._last = 0
+
+    def step(self, counted: bool) -> int:
+        """Close a step; its CPU time is observed if ``counted`` and a step came before. Returns it (ns)."""
+        now = time.process_time_ns()
+        cpu, self._last = now - self._last, now
+        if counted and cpu != now:
+            self.histogram.observe(cpu)
+        return cpu
+
+
+class WorkerClock:
+    """Worker rank 0's counts of device time, token gaps and CPU per step, packed in :attr:`values`."""
+
+    def __init__(self) -> None:
+        self.values = np.zeros(WORKER_STATS_LEN, np.int64)
+        self.values[_FRACTION] = -1
+        self._cpu = CpuPerStep()
+        self._last_end = 0
+        self._window = [0, 0, 0]  # start ns, busy ns, gap ns
+
+    def step(self, start_ns: int, end_ns: int, continues: bool) -> None:
+        """Count a step that ran on the device from ``start_ns`` to ``end_ns`` (monotonic ns)."""
+        v, w = self.values, self._window
+        busy = end_ns - start_ns
+        v[_BUSY] += busy
+        w[1] += busy
+        if continues and self._last_end:
+            gap = max(start_ns - self._last_end, 0)
+            v[_GAP + bisect_left(TOKEN_GAP_BUCKETS_NS, gap)] += 1
+            v[_GAP_SUM] += gap
+            w[2] += gap
+            cpu = self._cpu.step(True)
+            v[_CPU + bisect_left(STEP_CPU_BUCKETS_NS, cpu)] += 1
+            v[_CPU_SUM] += cpu
+        else:
+            self._cpu.step(False)
+            w[0] = w[0] or start_ns
+        self._last_end = end_ns
+        if end_ns - w[0] >= BUSY_WINDOW_NS:
+            v[_FRACTION] = w[1] * 1_000_000 // max(w[1] + w[2], 1)
+            w[:] = end_ns, 0, 0
+
+
+def worker_stats(values: np.ndarray) -> WorkerStats:
+    """The :class:`WorkerStats` packed in ``values`` (``WorkerClock.values``, copied from a StepOutput)."""
+    v = values.tolist()
+    fraction = v[_FRACTION]
+    return WorkerStats(
+        token_gap=HistogramData(v[_GAP:_CPU_SUM], v[_GAP_SUM] * 1e-9),
+        device_busy_ns=v[_BUSY],
+        busy_fraction=fraction / 1e6 if fraction >= 0 else -1.0,
+        step_cpu=HistogramData(v[_CPU:], v[_CPU_SUM] * 1e-9),
+    )
