@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.gpu_worker.attention import AttentionBackend, AttentionMetadata, KVCache, default_backend
+from pipeline.gpu_worker.attention import default_backend
+from pipeline.gpu_worker.attention.backend import AttentionBackend, AttentionMetadata, KVCache
 
 # A private op (used by inductor's CPU backend); absent in builds without oneDNN.
 _onednn_linear = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)

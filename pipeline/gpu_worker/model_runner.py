@@ -342,7 +342,7 @@ class ModelRunner:
         layout = StepLayout.build(
             x.num_scheduled_tokens, x.start_pos, x.req_index, self.config.block_size, self.config.max_blocks_per_seq
         )
-        meta = self.executor.attn_backend.build_metadata(layout, self.input_batch.block_table, self.ops.upload)
+        meta = self.executor.build_metadata(layout, self.input_batch.block_table, self.ops.upload)
         sampling = self._sampling_inputs(staged_sampling)
         logprobs = LogprobInputs(
             *(

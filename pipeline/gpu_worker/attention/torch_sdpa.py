@@ -36,6 +36,7 @@ from pipeline.gpu_worker.attention.backend import (
     Upload,
     slot_mapping,
 )
+from pipeline.gpu_worker.attention.graph_decode import GraphDecodeMetadata, PaddedGraphDecode, graph_decode_attention
 
 
 @dataclasses.dataclass
@@ -253,7 +254,7 @@ def _single_identity_group(meta: SDPAMetadata) -> bool:
     return group is not None and group.identity
 
 
-class TorchSDPABackend(AttentionBackend):
+class TorchSDPABackend(PaddedGraphDecode, AttentionBackend):
     """Padded decode and prefill groups over SDPA (see the module docstring).
 
     Owns the :class:`GatherBuffer` its layers share.
@@ -301,4 +302,6 @@ class TorchSDPABackend(AttentionBackend):
         meta: SDPAMetadata,
         scale: float,
     ) -> torch.Tensor:
+        if isinstance(meta, GraphDecodeMetadata):
+            return graph_decode_attention(q, k, v, kv_cache, meta, scale)
         return paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, scale, self.workspace)
