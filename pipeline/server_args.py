@@ -17,6 +17,7 @@ from pipeline.common.config import EngineConfig
 from pipeline.common.instance_files import make_ipc_dir, sweep_dead_instances
 from pipeline.common.tp_shape import TPShape
 from pipeline.gpu_worker.attention import ATTENTION_BACKENDS
+from pipeline.io_proc.tool_parsers import TOOL_PARSERS
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -58,6 +59,49 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="Require `Authorization: Bearer <key>` on the API routes (401 without it); "
         "/health and /metrics stay open.",
+    )
+    p.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        default=None,
+        help="A Jinja chat template file to use instead of the model's own (for example one that "
+        "renders tools in the format of --tool-call-parser). Default: the tokenizer's template.",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        default=None,
+        help="The format the model writes tool calls in (vLLM's names): hermes (Hermes, Qwen 2.5 / 3: "
+        "<tool_call>{...}</tool_call>), llama3_json (Llama 3.1 / 3.2 JSON), mistral ([TOOL_CALLS][...]), "
+        "pythonic ([f(x=1)]). Calls are parsed out of the output, and a grammar built from the tools' "
+        "schemas keeps their arguments valid. With a template that renders tools, tool_choice "
+        "required or a named function uses this format too; otherwise a JSON list of calls.",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='Serve tool_choice "auto" (the default when a request has tools): the model may call '
+        "tools or answer; needs --tool-call-parser and a chat template that renders tools.",
+    )
+    p.add_argument(
+        "--responses-store-max-entries",
+        type=int,
+        default=1024,
+        help="/v1/responses: responses kept in memory for previous_response_id (requests with "
+        "store: true); beyond it the oldest are dropped. 0: nothing is stored.",
+    )
+    p.add_argument(
+        "--responses-store-max-bytes",
+        type=int,
+        default=64 * 2**20,
+        help="/v1/responses: bytes the stored responses may take in all (their JSON size, "
+        "conversation included); beyond it the oldest are dropped.",
+    )
+    p.add_argument(
+        "--responses-store-max-age",
+        type=float,
+        default=3600.0,
+        help="/v1/responses: seconds a stored response is kept.",
     )
     p.add_argument(
         "--dtype", choices=["float32", "bfloat16"], default="float32", help="Weights, activations and KV cache dtype."
@@ -452,6 +496,17 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         _die("--step-timeout must be 0 (off) or positive")
     if args.log_stats_interval < 0:
         _die("--log-stats-interval must be 0 (off) or positive")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        _die("--enable-auto-tool-choice needs --tool-call-parser: the format the model writes calls in")
+    if min(args.responses_store_max_entries, args.responses_store_max_bytes) < 0 or args.responses_store_max_age < 0:
+        _die("--responses-store-max-entries, --responses-store-max-bytes and --responses-store-max-age must be >= 0")
+    chat_template = ""
+    if args.chat_template:
+        try:
+            with open(args.chat_template, encoding="utf-8") as f:
+                chat_template = f.read()
+        except OSError as e:
+            _die(f"cannot read --chat-template {args.chat_template!r}: {e.strerror}")
     if num_blocks * args.block_size < max_model_len:
         _die(
             f"the KV cache ({num_blocks} blocks of {args.block_size} tokens) cannot hold one request of "
@@ -522,6 +577,12 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         uvicorn_access_log=not args.disable_uvicorn_access_log,
         enable_log_requests=args.enable_log_requests,
         log_prompts=args.log_prompts,
+        chat_template=chat_template,
+        tool_call_parser=args.tool_call_parser or "",
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        responses_store_max_entries=args.responses_store_max_entries,
+        responses_store_max_bytes=args.responses_store_max_bytes,
+        responses_store_max_age_s=args.responses_store_max_age,
         instance=f"{os.getpid()}-{secrets.token_hex(4)}",
         ipc_dir=make_ipc_dir(),
     )

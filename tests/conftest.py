@@ -256,6 +256,25 @@ def smol_sync(request, smol_dir):
     return _server(request, ["--model", str(smol_dir), "--served-model-name", "smol", "--no-async-scheduling", *SMALL])
 
 
+HERMES_TEMPLATE = REPO / "tests" / "fixtures" / "hermes_tool_chat_template.jinja"
+# Tool calling with a template that renders tools (tests/fixtures), and a small Responses store.
+TOOLS = [
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
+    "hermes",
+    "--chat-template",
+    str(HERMES_TEMPLATE),
+    "--responses-store-max-entries",
+    "4",
+]
+
+
+@pytest.fixture(scope="session")
+def smol_tools(request, smol_dir):
+    """SmolLM2 served with the Hermes tool template and parser, ``auto`` on, a Responses store of 4."""
+    return _server(request, ["--model", str(smol_dir), "--served-model-name", "smol", *TOOLS, *SMALL])
+
+
 SIM = [
     "--model",
     "sim",

@@ -105,6 +105,16 @@ class EngineConfig(msgspec.Struct, frozen=True):
         debug_fail_step: the worker raises ``RuntimeError`` when it
             launches this step, as a failing forward pass would (the fault
             tests use it); -1: never.
+        chat_template: a Jinja chat template that replaces the tokenizer's
+            (``--chat-template``, read at start-up); empty: the tokenizer's own.
+        tool_call_parser: the tool-call format of ``tool_choice: auto`` and,
+            with a template that renders tools, of ``required``
+            (docs/design.md, "Tool calling"); empty: none.
+        enable_auto_tool_choice: serve ``tool_choice: auto`` (needs a parser).
+        responses_store_max_entries, responses_store_max_bytes,
+        responses_store_max_age_s: the bounds of ``/v1/responses``' store of
+            responses kept for ``previous_response_id`` (``store: true``); the
+            oldest go first. 0 entries: nothing is stored.
         instance: unique id of this server instance (names of rings and sockets).
         ipc_dir: private directory holding this instance's zmq sockets.
     """
@@ -154,6 +164,12 @@ class EngineConfig(msgspec.Struct, frozen=True):
     enable_log_requests: bool = False
     log_prompts: bool = False
     debug_fail_step: int = -1
+    chat_template: str = ""
+    tool_call_parser: str = ""
+    enable_auto_tool_choice: bool = False
+    responses_store_max_entries: int = 1024
+    responses_store_max_bytes: int = 64 * 2**20
+    responses_store_max_age_s: float = 3600.0
     instance: str = ""
     ipc_dir: str = ""
 

@@ -41,8 +41,10 @@ def build_grammar(kind: str, spec: object, param: str) -> str:
     Args:
         kind: ``"json_object"`` (any JSON object), ``"json_schema"`` (``spec``
             a JSON schema as a dict or JSON text), ``"regex"`` (``spec`` a
-            regular expression in Rust's ``regex`` syntax) or ``"choice"``
-            (``spec`` a non-empty list of strings: exactly one of them).
+            regular expression in Rust's ``regex`` syntax), ``"choice"``
+            (``spec`` a non-empty list of strings: exactly one of them) or
+            ``"lark"`` (``spec`` a grammar in llguidance's Lark dialect, as
+            tool calling builds them).
         spec: as ``kind`` says; ignored for ``json_object``.
         param: the request field ``spec`` came from, for the error.
 
@@ -66,6 +68,8 @@ def build_grammar(kind: str, spec: object, param: str) -> str:
             if not spec or not all(isinstance(c, str) and c for c in spec):
                 raise GrammarError("guided_choice must be a non-empty list of non-empty strings", param)
             grammar = llguidance.grammar_from("choice", json.dumps(spec))
+        elif kind == "lark":
+            grammar = llguidance.LLMatcher.grammar_from_lark(spec)
         else:
             raise GrammarError(f"unknown grammar kind {kind!r}", param)
     except (ValueError, TypeError) as e:  # llguidance raises ValueError; json.loads its subclass
@@ -117,6 +121,24 @@ class GrammarState:
         self._matcher = llguidance.LLMatcher(tokenizer, grammar)
         self._stop_ids = np.asarray(stop_token_ids, np.int64)
         self._eos_id = tokenizer.eos_token
+
+    def needs_mask(self, in_flight: int) -> bool:
+        """Whether the next sampled token needs a mask, with ``in_flight`` of its tokens not consumed yet.
+
+        Always for a grammar that constrains every token; a row that needs one
+        waits for its tokens in flight first.
+        """
+        return True
+
+    def fork(self) -> GrammarState:
+        """A copy of this matcher in its current state (llguidance's deep copy: no recompilation)."""
+        copy = GrammarState.__new__(GrammarState)
+        copy._matcher, copy._stop_ids, copy._eos_id = self._matcher.deep_copy(), self._stop_ids, self._eos_id
+        return copy
+
+    def consume_tokens(self, token_ids: list[int]) -> bool:
+        """Advance past ``token_ids`` (text, not stop ids); False if the grammar rejects one."""
+        return all(self._matcher.consume_token(t) for t in token_ids)
 
     def fill_mask(self, out: np.ndarray) -> None:
         """Write the allowed next tokens into ``out`` (int32 ``[ceil(V / 32)]``, bit set = allowed)."""

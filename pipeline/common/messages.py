@@ -55,6 +55,11 @@ class SamplingParams(msgspec.Struct, frozen=True):
             every output token must follow; empty for none. The scheduler
             sends its token bitmask with each step that samples the request
             (docs/design.md, "Structured output").
+        grammar_trigger: with ``grammar``, text the grammar lets anything
+            through until (tool calling's ``auto``); masks are sent only where
+            the next token could complete it, and after it (docs/design.md,
+            "Tool calling"). Empty: the grammar constrains every token.
+        grammar_trigger_at_start: the trigger counts only at the output's start.
     """
 
     max_tokens: int
@@ -73,6 +78,8 @@ class SamplingParams(msgspec.Struct, frozen=True):
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
     grammar: str = ""
+    grammar_trigger: str = ""
+    grammar_trigger_at_start: bool = False
 
 
 class AddRequest(msgspec.Struct, tag=True):

@@ -1,6 +1,6 @@
 """Per-step figures from a process's own clocks, kept as cumulative counts (docs/design.md, "Metrics").
 
-:class:`CpuPerStep` is each process's CPU time per step. :class:`WorkerClock`
+:class:`CpuPerStep` is each process's CPU time per step (sampled). :class:`WorkerClock`
 is worker rank 0's view of the device: the token gap (device start of a step
 minus device end of the one before, clamped at 0, as ``trace.token_gaps_us``)
 and device time. Both count only steps that continue running requests (the
@@ -22,6 +22,8 @@ from pipeline.common.messages import WorkerStats
 
 # The busy fraction gauge covers about this much device timeline.
 BUSY_WINDOW_NS = 1_000_000_000
+# CPU time per step is measured for one step in this many.
+CPU_SAMPLE_EVERY = 8
 
 _NUM_GAP, _NUM_CPU = len(TOKEN_GAP_BUCKETS_NS) + 1, len(STEP_CPU_BUCKETS_NS) + 1
 # Packed layout (int64): device busy ns, busy fraction in millionths (-1: none yet), token gap
@@ -34,21 +36,31 @@ WORKER_STATS_LEN = _CPU + _NUM_CPU
 
 
 class CpuPerStep:
-    """The process's CPU time (all threads) between consecutive steps, as a histogram in nanoseconds."""
+    """The process's CPU time (all threads) per step, one step in :data:`CPU_SAMPLE_EVERY`, as a histogram in ns.
 
-    __slots__ = ("histogram", "_last")
+    The clock (``CLOCK_PROCESS_CPUTIME_ID``) is a system call of microseconds
+    in a virtual machine, too dear for every step.
+    """
+
+    __slots__ = ("histogram", "_steps", "_start")
 
     def __init__(self) -> None:
         self.histogram = Histogram(STEP_CPU_BUCKETS_NS)
-        self._last = 0
+        self._steps = 0
+        self._start = -1  # CPU time at the start of the step being sampled
 
-    def step(self, counted: bool) -> int:
-        """Close a step; its CPU time is observed if ``counted`` and a step came before. Returns it (ns)."""
-        now = time.process_time_ns()
-        cpu, self._last = now - self._last, now
-        if counted and cpu != now:
-            self.histogram.observe(cpu)
-        return cpu
+    def step(self, counted: bool) -> int | None:
+        """Close a step; returns its CPU time (ns) if it was sampled, and observes it if ``counted``."""
+        self._steps += 1
+        if self._start >= 0:
+            cpu = time.process_time_ns() - self._start
+            self._start = -1
+            if counted:
+                self.histogram.observe(cpu)
+                return cpu
+        elif self._steps % CPU_SAMPLE_EVERY == 0:
+            self._start = time.process_time_ns()
+        return None
 
 
 class WorkerClock:
@@ -73,8 +85,9 @@ class WorkerClock:
             v[_GAP_SUM] += gap
             w[2] += gap
             cpu = self._cpu.step(True)
-            v[_CPU + bisect_left(STEP_CPU_BUCKETS_NS, cpu)] += 1
-            v[_CPU_SUM] += cpu
+            if cpu is not None:
+                v[_CPU + bisect_left(STEP_CPU_BUCKETS_NS, cpu)] += 1
+                v[_CPU_SUM] += cpu
         else:
             self._cpu.step(False)
             w[0] = w[0] or start_ns

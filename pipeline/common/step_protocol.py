@@ -166,7 +166,7 @@ OUTPUT = Record(
         Field("num_rows", i64, "live output rows (S): the descriptor's sampled rows, in descriptor order"),
         Field("num_logprob_rows", i64, "live log-probability rows (L)"),
         Field("num_prompt_entries", i64, "live prompt log-probabilities (P)"),
-        Field("time_ns", i64, "`time.monotonic_ns()` when the worker had the tokens: every token's engine timestamp"),
+        Field("time_ns", i64, "the step's device end on `time.monotonic_ns()`'s clock: every token's engine timestamp"),
         Field("continues", i64, "the descriptor's flag"),
     ),
     groups=(

@@ -132,7 +132,7 @@ class WorkerProc:
                 step.tokens.numpy(),
                 step.logprobs,
                 step.prompt_logprobs,
-                time.monotonic_ns(),
+                step.device_end_ns or time.monotonic_ns(),
                 step.continues,
                 self.clock.values,
             )

@@ -1,6 +1,7 @@
 """The FastAPI application: routes and the mapping of every error to an OpenAI error body.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``,
+``POST /v1/responses`` (with ``GET`` and ``DELETE /v1/responses/{id}``),
 ``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize`` (vLLM's
 shapes), ``GET /health``, ``GET /metrics``. With an API key configured,
 every route but ``/health`` and ``/metrics`` needs ``Authorization: Bearer
@@ -42,6 +43,9 @@ from pipeline.io_proc.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from pipeline.io_proc.response_store import ResponseStore
+from pipeline.io_proc.responses import ResponsesServing
+from pipeline.io_proc.responses_input import ResponsesRequest
 from pipeline.io_proc.serving import OpenAIServing, json_response
 from pipeline.io_proc.tokenization import Tokenization
 
@@ -139,6 +143,10 @@ def build_app(
         stop_token_ids: token ids that end generation.
     """
     serving = OpenAIServing(config, client, tokenization, stop_token_ids)
+    store = ResponseStore(
+        config.responses_store_max_entries, config.responses_store_max_bytes, config.responses_store_max_age_s
+    )
+    responses = ResponsesServing(serving, store, config.served_model_name)
     metrics = PipelineMetrics(client, config.served_model_name, config.max_model_len, config.metrics_compat)
     created = int(time.time())
 
@@ -181,6 +189,18 @@ def build_app(
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
         return await serving.completion(request, raw_request)
+
+    @app.post("/v1/responses")
+    async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
+        return await responses.create(request, raw_request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> Response:
+        return responses.retrieve(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> Response:
+        return responses.delete(response_id)
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> Response:

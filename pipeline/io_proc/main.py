@@ -98,7 +98,12 @@ class IoProc:
                 f"cannot load the tokenizer from {config.tokenizer!r} ({type(e).__name__}: {e}); "
                 "--model must be a Hugging Face model directory with tokenizer files"
             ) from e
-        tokenization = Tokenization(tokenizer)
+        try:
+            tokenization = Tokenization(tokenizer, chat_template=config.chat_template or None)
+        except Exception as e:
+            raise StartupError(
+                f"the chat template does not load ({type(e).__name__}: {e}); check --chat-template"
+            ) from e
         cleanup.callback(tokenization.close)
         trace = TraceRecorder() if config.trace else None
         if trace is not None:

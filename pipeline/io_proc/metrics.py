@@ -219,7 +219,9 @@ class PipelineMetrics:
                     family.add_metric([self._model, str(e)], *_cumulative(data, bounds, h.scale))
                 yield family
         cpu = HistogramMetricFamily(
-            "pipeline_step_cpu_seconds", "CPU time of a process (all its threads) per step.", labels=["process"]
+            "pipeline_step_cpu_seconds",
+            "CPU time of a process (all its threads) per step, one step in 8.",
+            labels=["process"],
         )
         for process, data in (
             ("scheduler", sum((s.step_cpu for s in stats[1:]), stats[0].step_cpu)),

@@ -101,11 +101,43 @@ class TextPart(_Request):
     text: str
 
 
-class ChatMessage(_Request):
-    """One input message; the content is a string or a list of text parts."""
+class FunctionCall(_Request):
+    """A past call's function: ``arguments`` is JSON text, as the model wrote it."""
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    name: str
+    arguments: str
+
+
+class ToolCallItem(_Request):
+    """A call in an assistant message of the history."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Request):
+    """One input message; the content is a string or a list of text parts.
+
+    An assistant message may carry ``tool_calls`` (then its content may be
+    null); a ``tool`` message answers the call ``tool_call_id`` of an earlier one.
+    """
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallItem] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _check_fields(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content may be null only in an assistant message with tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
 
     def template_role(self) -> str:
         """The role the chat template sees: OpenAI's ``developer`` is the ``system`` role."""
@@ -113,9 +145,27 @@ class ChatMessage(_Request):
 
     def text(self) -> str:
         """The content as one string; text parts are joined with newlines, like vLLM."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "\n".join(p.text for p in self.content)
+
+
+class FunctionDefinition(_Request):
+    """A function the model may call: ``parameters`` is the JSON schema of its arguments (an object)."""
+
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Request):
+    """One entry of ``tools``: only functions."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
 
 
 class StreamOptions(_Request):
@@ -179,14 +229,6 @@ class SamplingRequest(_Request):
     guided_json: dict | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
-    # Accepted only at its "off" value: refusing is more honest than ignoring it.
-    tools: list | None = None
-
-    @model_validator(mode="after")
-    def _check_unsupported(self) -> SamplingRequest:
-        if self.tools:
-            raise ValueError("tools is not supported by this server")
-        return self
 
     def structured_output(self) -> tuple[str, object, str] | None:
         """``(kind, spec, param)`` for :func:`~pipeline.common.grammar.build_grammar`, or None for free text.
@@ -322,6 +364,10 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # Tool calling (docs/design.md, "Tool calling"): tool_choice is checked where it is served.
+    tools: list[ChatTool] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -355,6 +401,14 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int | None = Field(default=None, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    # Accepted only at its "off" value: refusing is more honest than ignoring it.
+    tools: list | None = None
+
+    @model_validator(mode="after")
+    def _check_unsupported(self) -> CompletionRequest:
+        if self.tools:
+            raise ValueError("tools is not supported by /v1/completions; use /v1/chat/completions")
+        return self
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -453,11 +507,27 @@ class UsageInfo(msgspec.Struct, kw_only=True):
     prompt_tokens_details: PromptTokensDetails
 
 
+class FunctionCallOut(msgspec.Struct, kw_only=True):
+    """A call's function: ``arguments`` is JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCallOut(msgspec.Struct, kw_only=True):
+    """One call in ``message.tool_calls``."""
+
+    id: str
+    type: str = "function"
+    function: FunctionCallOut
+
+
 class ChatCompletionMessage(msgspec.Struct, kw_only=True):
-    """The generated message of a non-streamed chat completion."""
+    """The generated message of a non-streamed chat completion; ``content`` is null when it is calls only."""
 
     role: str = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatCompletionChoice(msgspec.Struct, kw_only=True):
@@ -483,11 +553,28 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
 
 
+class DeltaFunctionCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A streamed call's function: ``name`` in its first delta, then fragments of ``arguments``."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A piece of call ``index``: the first has ``id``, ``type`` and the name."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
     """A streamed message delta; absent fields are omitted (the final delta is ``{}``)."""
 
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionChunkChoice(msgspec.Struct, kw_only=True):

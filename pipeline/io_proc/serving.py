@@ -74,6 +74,8 @@ from pipeline.io_proc.protocol import (
 from pipeline.io_proc.request_log import log_request
 from pipeline.io_proc.request_state import RequestState
 from pipeline.io_proc.tokenization import Tokenization
+from pipeline.io_proc.tool_calling import ChatToolStream, ToolCalling, ToolPlan, message_calls
+from pipeline.io_proc.tool_parsers import ToolCall
 
 logger = logging.getLogger(__name__)
 
@@ -94,12 +96,17 @@ def _sse(obj: msgspec.Struct) -> bytes:
     return b"data: " + msgspec.json.encode(obj) + b"\n\n"
 
 
+def json_body(obj: object) -> bytes:
+    """``obj`` (structs, dicts, lists, scalars) as JSON, encoded with msgspec."""
+    return msgspec.json.encode(obj)
+
+
 def json_response(obj: msgspec.Struct, status_code: int = 200) -> Response:
     """A JSON response encoded with msgspec."""
     return Response(msgspec.json.encode(obj), status_code=status_code, media_type="application/json")
 
 
-class _EventStream(StreamingResponse):
+class EventStream(StreamingResponse):
     """An SSE response that runs ``on_close`` however it ends: fully sent,
     client gone (Starlette cancels the send task), or server shutdown."""
 
@@ -129,6 +136,12 @@ class OpenAIServing:
     def __init__(
         self, config: EngineConfig, client: EngineClient, tokenization: Tokenization, stop_token_ids: tuple[int, ...]
     ):
+        self.tool_calling = ToolCalling(
+            config.tool_call_parser or None,
+            config.enable_auto_tool_choice,
+            tokenization.renders_tools,
+            tokenization.renders_tool_calls,
+        )
         self._model = config.served_model_name
         self._max_model_len = config.max_model_len
         self._max_prompt_chars = tokenization.max_prompt_chars(config.max_model_len)
@@ -154,27 +167,24 @@ class OpenAIServing:
             APIError: 404 unknown model, 400 invalid or too long request,
                 503 scheduler not taking requests.
         """
-        self._check_model(req)
-        self._check_fan_out(1, req.num_choices())
-        self._check_chars(sum(len(m.text()) for m in req.messages), "messages")
-        prompt = await self._tokenization.encode_chat(req.messages)
-        states = self._start(req, prompt, "messages")
+        plan, prompt, states = await self.start_chat(req)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         prompt_ids = prompt if req.return_token_ids else msgspec.UNSET
-        close = self._closer(rid, req, states)
+        close = self.closer(rid, req, states)
         if req.stream:
-            return _EventStream(self._chat_stream(req, states, rid, created, prompt_ids), close)
-        if not await self._wait(states, raw, close):
+            return EventStream(self._chat_stream(req, plan, states, rid, created, prompt_ids), close)
+        if not await self.wait(states, raw, close):
             return Response(status_code=_CLIENT_CLOSED)
         choices = []
         for i, st in enumerate(states):
             logprobs = {"content": chat_logprobs(self._texts, st.take_logprobs())} if req.logprobs else None
+            content, calls, finish_reason = chat_output(plan, st)
             choices.append(
                 ChatCompletionChoice(
                     index=i,
-                    message=ChatCompletionMessage(content=st.take_text()),
+                    message=ChatCompletionMessage(content=content, tool_calls=message_calls(calls) or msgspec.UNSET),
                     logprobs=logprobs,
-                    finish_reason=st.finish_reason,
+                    finish_reason=finish_reason,
                     token_ids=self._output_ids(req, st),
                 )
             )
@@ -185,9 +195,24 @@ class OpenAIServing:
                 model=self._model,
                 prompt_token_ids=prompt_ids,
                 choices=choices,
-                usage=await self._usage(states, len(states)),
+                usage=await self.usage(states, len(states)),
             )
         )
+
+    async def start_chat(self, req: ChatCompletionRequest) -> tuple[ToolPlan, list[int], list[RequestState]]:
+        """Check a chat request, render and encode its prompt and add its choices to the engine:
+        ``(tool plan, prompt token ids, one state per choice)``.
+
+        Raises:
+            APIError: 404 unknown model, 400 invalid or too long request,
+                503 scheduler not taking requests.
+        """
+        self._check_model(req)
+        self._check_fan_out(1, req.num_choices())
+        self._check_chars(sum(len(m.text()) for m in req.messages), "messages")
+        plan = self.tool_calling.plan(req)
+        prompt = await self._tokenization.encode_chat(plan.conversation, tools=plan.template_tools)
+        return plan, prompt, self._start(req, prompt, "messages", plan)
 
     async def completion(self, req: CompletionRequest, raw: Request) -> Response:
         """Serve ``POST /v1/completions``: one choice per prompt.
@@ -225,10 +250,10 @@ class OpenAIServing:
         echoes = [e for e in echoes for _ in range(n)]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         prompt_ids = [p for p in prompts for _ in range(n)] if req.return_token_ids else [msgspec.UNSET] * len(states)
-        close = self._closer(rid, req, states)
+        close = self.closer(rid, req, states)
         if req.stream:
-            return _EventStream(self._completion_stream(req, states, echoes, rid, created, prompt_ids), close)
-        if not await self._wait(states, raw, close):
+            return EventStream(self._completion_stream(req, states, echoes, rid, created, prompt_ids), close)
+        if not await self.wait(states, raw, close):
             return Response(status_code=_CLIENT_CLOSED)
         choices = []
         for i, st in enumerate(states):
@@ -248,7 +273,7 @@ class OpenAIServing:
             )
         return json_response(
             CompletionResponse(
-                id=rid, created=created, model=self._model, choices=choices, usage=await self._usage(states, n)
+                id=rid, created=created, model=self._model, choices=choices, usage=await self.usage(states, n)
             )
         )
 
@@ -264,7 +289,8 @@ class OpenAIServing:
             ids = await self._tokenization.encode_text(req.prompt, req.add_special_tokens)
         else:
             self._check_chars(sum(len(m.text()) for m in req.messages), "messages")
-            ids = await self._tokenization.encode_chat(req.messages, req.add_generation_prompt)
+            conversation = self.tool_calling.conversation(req.messages)
+            ids = await self._tokenization.encode_chat(conversation, req.add_generation_prompt)
         return json_response(TokenizeResponse(count=len(ids), max_model_len=self._max_model_len, tokens=ids))
 
     async def detokenize(self, req: DetokenizeRequest) -> Response:
@@ -323,7 +349,9 @@ class OpenAIServing:
                 code="context_length_exceeded",
             )
 
-    def _start(self, req: SamplingRequest, prompt: list[int], prompt_param: str) -> list[RequestState]:
+    def _start(
+        self, req: SamplingRequest, prompt: list[int], prompt_param: str, plan: ToolPlan | None = None
+    ) -> list[RequestState]:
         """Check lengths, build sampling parameters and add the request's ``n`` choices to the engine."""
         n, limit = len(prompt), self._max_model_len
         if n == 0:
@@ -373,7 +401,7 @@ class OpenAIServing:
                 f"the model's {len(self._stop_token_ids)}",
                 param="stop_token_ids",
             )
-        grammar = self._grammar(req, stop_ids)
+        grammar = self._grammar(req, stop_ids, plan)
         temperature = 1.0 if req.temperature is None else req.temperature
         top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
         params = SamplingParams(
@@ -394,6 +422,8 @@ class OpenAIServing:
             min_tokens=req.min_tokens,
             logit_bias=logit_bias,
             grammar=grammar,
+            grammar_trigger=plan.trigger if plan is not None and grammar else "",
+            grammar_trigger_at_start=plan is not None and plan.trigger_at_start,
         )
         try:
             return self._client.add_choices(
@@ -407,8 +437,9 @@ class OpenAIServing:
         except EngineUnavailable as e:
             raise APIError(503, f"{e}; retry later", type="service_unavailable_error") from None
 
-    def _grammar(self, req: SamplingRequest, stop_ids: tuple[int, ...]) -> str:
-        """The request's llguidance grammar (docs/design.md, "Structured output"), or "" for free text.
+    def _grammar(self, req: SamplingRequest, stop_ids: tuple[int, ...], plan: ToolPlan | None) -> str:
+        """The request's llguidance grammar (docs/design.md, "Structured output"; the tool plan's,
+        "Tool calling"), or "" for free text.
 
         Raises:
             APIError: 400 naming the field for a malformed schema, regex or
@@ -416,7 +447,8 @@ class OpenAIServing:
                 no logits), with ``min_tokens`` (it could forbid the only
                 token the grammar allows), or with no stop token to end on.
         """
-        so = req.structured_output()
+        tools = plan is not None and bool(plan.grammar)
+        so = ("lark", plan.grammar, "tools") if tools else req.structured_output()
         if so is None:
             return ""
         kind, spec, param = so
@@ -428,12 +460,14 @@ class OpenAIServing:
             raise APIError.bad_request(
                 f"{param} needs a stop token to end on: with ignore_eos, give stop_token_ids", param="ignore_eos"
             )
+        if tools:
+            return plan.grammar  # compiled and checked by the plan
         try:
             return build_grammar(kind, spec, param)
         except GrammarError as e:
             raise APIError.bad_request(str(e), param=e.param) from None
 
-    def _closer(self, rid: str, req: SamplingRequest, states: list[RequestState]) -> Callable[[], None]:
+    def closer(self, rid: str, req: SamplingRequest, states: list[RequestState]) -> Callable[[], None]:
         """What ends a request's response however it ends: release its states, then log it
         (``--enable-log-requests``; its prompt only with ``--log-prompts``)."""
 
@@ -449,7 +483,7 @@ class OpenAIServing:
 
         return close
 
-    async def _wait(self, states: list[RequestState], raw: Request, close: Callable[[], None]) -> bool:
+    async def wait(self, states: list[RequestState], raw: Request, close: Callable[[], None]) -> bool:
         """Wait for non-streaming requests to finish, then ``close``; False if the client left
         first (then the requests are aborted at once, within the step).
 
@@ -474,7 +508,7 @@ class OpenAIServing:
     def _output_ids(req: SamplingRequest, state: RequestState) -> list[int] | msgspec.UnsetType:
         return state.take_token_ids() if req.return_token_ids else msgspec.UNSET
 
-    async def _usage(self, states: list[RequestState], n: int) -> UsageInfo:
+    async def usage(self, states: list[RequestState], n: int) -> UsageInfo:
         """Prompt tokens once per prompt (its ``n`` choices are consecutive), completion tokens of every choice.
 
         A prompt's cached tokens are its first choice's: the others find the blocks it computed.
@@ -494,6 +528,7 @@ class OpenAIServing:
     async def _chat_stream(
         self,
         req: ChatCompletionRequest,
+        plan: ToolPlan,
         states: list[RequestState],
         rid: str,
         created: int,
@@ -526,6 +561,8 @@ class OpenAIServing:
                 )
             )
 
+        # Each choice's text goes through its tool-call parser, if the request has one.
+        tools = [ChatToolStream(plan.parser) if plan.parser is not None else None for _ in states]
         try:
             for i in range(len(states)):
                 yield chunk(i, DeltaMessage(role="assistant", content=""), prompt_token_ids=prompt_ids)
@@ -533,16 +570,26 @@ class OpenAIServing:
                 st = states[i]
                 if update is not None:
                     text, ids, lps = update
+                    delta = DeltaMessage(content=text)
+                    if tools[i] is not None:
+                        delta.content, delta.tool_calls = tools[i].feed(text)
+                        if delta.content is None and delta.tool_calls is None and not (with_ids or req.logprobs):
+                            continue  # text held back, nothing else to send
                     logprobs = {"content": chat_logprobs(self._texts, lps)} if req.logprobs else None
-                    yield chunk(
-                        i, DeltaMessage(content=text), token_ids=ids if with_ids else msgspec.UNSET, logprobs=logprobs
-                    )
+                    yield chunk(i, delta, token_ids=ids if with_ids else msgspec.UNSET, logprobs=logprobs)
                 elif st.finish_reason == "abort":
                     yield _stream_aborted()
                     yield _DONE
                     return
                 else:
-                    yield chunk(i, DeltaMessage(), st.finish_reason)
+                    finish_reason = st.finish_reason
+                    if tools[i] is not None:
+                        content, calls = tools[i].finish()
+                        if content is not None or calls is not None:
+                            yield chunk(i, DeltaMessage(content=content, tool_calls=calls))
+                        if tools[i].num_calls and finish_reason == "stop":
+                            finish_reason = "tool_calls"
+                    yield chunk(i, DeltaMessage(), finish_reason)
             if include_usage:
                 yield _sse(
                     ChatCompletionChunk(
@@ -550,7 +597,7 @@ class OpenAIServing:
                         created=created,
                         model=self._model,
                         choices=[],
-                        usage=await self._usage(states, len(states)),
+                        usage=await self.usage(states, len(states)),
                     )
                 )
         except Exception:
@@ -619,7 +666,7 @@ class OpenAIServing:
                         created=created,
                         model=self._model,
                         choices=[],
-                        usage=await self._usage(states, req.num_choices()),
+                        usage=await self.usage(states, req.num_choices()),
                     )
                 )
         except Exception:
@@ -687,3 +734,15 @@ def _stream_error() -> bytes:
     return _sse(
         ErrorResponse(error=ErrorInfo(message="internal server error while streaming", type="internal_server_error"))
     )
+
+
+def chat_output(plan: ToolPlan, state: RequestState) -> tuple[str | None, list[ToolCall], str | None]:
+    """A finished choice's ``(content, tool calls, finish reason)``: calls end it with ``"tool_calls"``
+    (unless cut short by ``max_tokens``), and its content is null when it is calls only."""
+    text = state.take_text()
+    if plan.parser is None:
+        return text, [], state.finish_reason
+    content, calls = plan.parser.extract(text)
+    if not calls:
+        return content, [], state.finish_reason
+    return content or None, calls, "tool_calls" if state.finish_reason == "stop" else state.finish_reason

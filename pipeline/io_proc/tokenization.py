@@ -11,15 +11,15 @@ import copy
 import functools
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, TemplateSyntaxError
 
 from pipeline.io_proc.detokenizer import NewDetokenizer, new_detokenizer
 from pipeline.io_proc.logprobs_json import TokenTexts
-from pipeline.io_proc.protocol import APIError, ChatMessage
+from pipeline.io_proc.protocol import APIError
 
 
 def load_tokenizer(model_dir: str) -> tuple[Any, tuple[int, ...]]:
@@ -56,7 +56,7 @@ def load_tokenizer(model_dir: str) -> tuple[Any, tuple[int, ...]]:
     return tokenizer, tuple(stop_ids)
 
 
-def _utf8(text: str, param: str) -> str:
+def utf8_text(text: str, param: str) -> str:
     """``text`` if it is valid Unicode text (JSON can carry lone surrogates, which no tokenizer takes).
 
     Raises:
@@ -71,6 +71,8 @@ def _utf8(text: str, param: str) -> str:
     return text
 
 
+# Function names no template would write unless it renders what it was given.
+_PROBE_TOOL, _PROBE_CALL = "pipeline_probe_tool_3f9a", "pipeline_probe_call_7c2e"
 # Threads that encode prompts, so one long prompt never queues the others
 # behind it (encoding releases the GIL).
 ENCODE_THREADS = 4
@@ -93,16 +95,22 @@ class Tokenization:
     Args:
         tokenizer: a ``transformers`` tokenizer (see :func:`load_tokenizer`).
         num_threads: encoding threads.
+        chat_template: a Jinja chat template to use instead of the tokenizer's (``--chat-template``).
 
     Attributes:
         vocab_size: token ids are ``0..vocab_size-1``.
+        renders_tools: the chat template shows ``tools`` to the model (its
+            prompt differs with them; SmolLM2's does not).
+        renders_tool_calls: it shows an assistant message's ``tool_calls``.
         max_token_chars: the most characters one token stands for (the
             longest vocabulary entry; a byte-level entry's length is its byte
             count), times a margin if the tokenizer normalizes text first.
     """
 
-    def __init__(self, tokenizer: Any, num_threads: int = ENCODE_THREADS):
+    def __init__(self, tokenizer: Any, num_threads: int = ENCODE_THREADS, chat_template: str | None = None):
         self._tokenizer = tokenizer
+        self._chat_template = chat_template or getattr(tokenizer, "chat_template", None) or None
+        self.renders_tools, self.renders_tool_calls = self._probe_template()
         self.vocab_size = len(tokenizer)
         backend = getattr(tokenizer, "backend_tokenizer", None)
         margin = 1 if backend is not None and backend.normalizer is None else _NORMALIZER_MARGIN
@@ -113,37 +121,69 @@ class Tokenization:
         """Characters beyond which a text surely encodes to more than ``max_tokens`` tokens."""
         return max_tokens * self.max_token_chars
 
-    async def encode_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
-        """Prompt token ids of a conversation, rendered with the model's chat
-        template and (unless ``add_generation_prompt`` is false) the generation prompt appended.
+    async def encode_chat(
+        self, conversation: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> list[int]:
+        """Prompt token ids of a conversation (messages in transformers' shape), rendered with the
+        chat template with ``tools`` and (unless ``add_generation_prompt`` is false) the generation prompt.
 
         Raises:
             APIError: 400 if the model has no chat template or the template
                 rejects the conversation (e.g. roles not alternating).
         """
-        if not getattr(self._tokenizer, "chat_template", None):
-            raise APIError.bad_request("this model has no chat template; use /v1/completions instead", param="messages")
-        conversation = [{"role": m.template_role(), "content": _utf8(m.text(), "messages")} for m in messages]
+        if not self._chat_template:
+            raise APIError.bad_request(
+                "this model has no chat template: give one with --chat-template, or use /v1/completions",
+                param="messages",
+            )
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
-            self._executor, self._apply_chat_template, conversation, add_generation_prompt
+            self._executor, self._apply_chat_template, conversation, add_generation_prompt, tools
         )
 
-    def _apply_chat_template(self, conversation: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+    def _apply_chat_template(
+        self, conversation: list[dict], add_generation_prompt: bool, tools: list[dict] | None
+    ) -> list[int]:
         try:
             out = self._tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, tokenize=True
+                conversation,
+                tools=tools,
+                chat_template=self._chat_template,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
             )
-        except TemplateError as e:
+        except (TemplateError, TypeError) as e:  # a template's own TypeError: it cannot render these messages
             raise APIError.bad_request(f"the chat template rejected the messages: {e}", param="messages") from e
         # transformers 5 returns a BatchEncoding; older versions a plain list.
         ids = out["input_ids"] if isinstance(out, Mapping) else out
         return list(ids)
 
+    def _probe_template(self) -> tuple[bool, bool]:
+        """Whether the template renders tools, and past tool calls: a probe name shows in its text."""
+        if not self._chat_template:
+            return False, False
+
+        def render(messages: list[dict], tools: list[dict] | None = None) -> str:
+            try:
+                return self._tokenizer.apply_chat_template(
+                    messages, tools=tools, chat_template=self._chat_template, tokenize=False
+                )
+            except TemplateSyntaxError:
+                raise
+            except Exception:  # a template that cannot render the probe cannot render these
+                return ""
+
+        tool = {"type": "function", "function": {"name": _PROBE_TOOL, "description": "", "parameters": {}}}
+        call = {"id": "call_0", "type": "function", "function": {"name": _PROBE_CALL, "arguments": {}}}
+        user = {"role": "user", "content": "hi"}
+        history = [user, {"role": "assistant", "content": None, "tool_calls": [call]}]
+        history.append({"role": "tool", "tool_call_id": "call_0", "content": "ok"})
+        return _PROBE_TOOL in render([user], [tool]), _PROBE_CALL in render(history, [tool])
+
     async def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Prompt token ids of a completion prompt (with the tokenizer's usual
         special tokens, e.g. BOS, unless ``add_special_tokens`` is false, as vLLM does)."""
-        _utf8(text, "prompt")
+        utf8_text(text, "prompt")
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self._encode_text, text, add_special_tokens)
 

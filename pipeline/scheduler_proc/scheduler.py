@@ -26,6 +26,7 @@ from pipeline.common.constants import cdiv
 from pipeline.common.descriptor_builder import DescriptorBuilder
 from pipeline.common.grammar import GrammarState
 from pipeline.common.histogram import ITERATION_TOKENS_BUCKETS, REQUEST_LATENCY_BUCKETS, Histogram
+from pipeline.common.lazy_grammar import TriggeredGrammarState
 from pipeline.common.messages import AddRequest, SamplingParams, check_finish, choice_seed
 from pipeline.common.step_protocol import MAX_MASKED_ROWS, StepDescriptor, max_new_blocks_per_step
 from pipeline.scheduler_proc.kv_block_pool import BlockPool
@@ -154,13 +155,18 @@ class Scheduler:
             self.requests[req.req_num] = req
             self.waiting.append(req)
 
-    def _new_grammar(self, params: SamplingParams) -> GrammarState | None:
+    def _new_grammar(self, params: SamplingParams) -> GrammarState | TriggeredGrammarState | None:
         """A fresh matcher for a request with a grammar (about 1 ms: llguidance compiles lazily), else None."""
         if not params.grammar:
             return None
         if self._grammar_tokenizer is None:
             raise ValueError("structured output needs a model with a tokenizer")
-        return GrammarState(self._grammar_tokenizer, params.grammar, params.stop_token_ids)
+        state = GrammarState(self._grammar_tokenizer, params.grammar, params.stop_token_ids)
+        if params.grammar_trigger:
+            return TriggeredGrammarState(
+                state, self._grammar_tokenizer, params.grammar_trigger, params.grammar_trigger_at_start
+            )
+        return state
 
     def abort_request(self, req_num: int, finished_ns: int = 0) -> None:
         """Drop a request now; its blocks and req_index return after its last step in flight.
@@ -228,13 +234,13 @@ class Scheduler:
             if req.num_computed_tokens < req.num_known_tokens:  # unfinished prefill
                 n = min(req.num_known_tokens - req.num_computed_tokens, step.budget)
             elif req.num_outputs_planned < req.params.max_tokens:  # decode
-                if req.grammar is not None and req.num_placeholders:
+                if req.grammar is not None and req.num_placeholders and req.grammar.needs_mask(req.num_placeholders):
                     continue  # its mask needs the token in flight: it sits out this step alone
                 n = 1
             else:  # its last token is in flight; it finishes when that arrives
                 continue
             sample = req.samples(req.num_computed_tokens + n)
-            masked = sample and req.grammar is not None
+            masked = sample and req.grammar is not None and req.grammar.needs_mask(req.num_placeholders)
             if masked and step.num_masks == MAX_MASKED_ROWS:
                 continue
             if not self._grow_blocks(req, n):
@@ -260,7 +266,7 @@ class Scheduler:
             start = len(hit) * self.block_size
             n = min(req.num_known_tokens - start, step.budget)
             sample = req.samples(start + n)
-            masked = sample and req.grammar is not None
+            masked = sample and req.grammar is not None and req.grammar.needs_mask(0)
             if masked and step.num_masks == MAX_MASKED_ROWS:
                 break
             need = cdiv(start + n, self.block_size) - len(hit)
@@ -344,7 +350,7 @@ class Scheduler:
         for req, k, sample in rows:
             pos = req.num_computed_tokens
             mask = None
-            if sample and req.grammar is not None:
+            if sample and req.grammar is not None and req.grammar.needs_mask(req.num_placeholders):
                 mask = np.empty(self._mask_words, np.int32)
                 req.grammar.fill_mask(mask)
             params = req.params if req.is_new else None

@@ -14,13 +14,22 @@ import os
 import random
 import signal
 
+import httpx
+
 from tests.conftest import SMALL, Server, child_pids, shm_entries
 from tests.e2e.test_async import run_all, workload
 from tests.e2e.test_lifecycle import wait_gone
 
 
+def vllm_value(text: str, name: str, engine: str) -> float:
+    line = next(x for x in text.splitlines() if x.startswith(name + "{") and f'engine="{engine}"' in x)
+    return float(line.rsplit(" ", 1)[1])
+
+
 def test_dp2_equals_one_engine_and_spreads_the_load(tiny_dir, tiny_async):
-    srv = Server(["--model", str(tiny_dir), "--max-num-batched-tokens", "32", *SMALL, "-dp", "2"])
+    srv = Server(
+        ["--model", str(tiny_dir), "--max-num-batched-tokens", "32", *SMALL, "-dp", "2", "--metrics-compat", "vllm"]
+    )
     try:
         jobs = workload(64, seed=64)
         out = asyncio.run(run_all(srv, jobs))
@@ -35,6 +44,11 @@ def test_dp2_equals_one_engine_and_spreads_the_load(tiny_dir, tiny_async):
             assert m[f"pipeline_engine_req_indices_free{label}"] == m[f"pipeline_engine_req_indices_total{label}"], m
         per_engine_blocks = m['pipeline_engine_kv_blocks_total{engine="0"}']
         assert m["pipeline_kv_blocks_total"] == 2 * per_engine_blocks
+        # vLLM's names label each engine; the pipeline_ totals are their sums.
+        text = httpx.get(f"{srv.url}/metrics", timeout=10).text
+        for name in ("vllm:generation_tokens_total", "vllm:e2e_request_latency_seconds_count"):
+            per_engine = [vllm_value(text, name, e) for e in ("0", "1")]
+            assert min(per_engine) > 0 and sum(per_engine) == m[name.replace("vllm:", "pipeline_")], (name, per_engine)
     finally:
         assert srv.stop() == 0
 

@@ -175,8 +175,14 @@ def test_repetition_penalty_counts_the_cached_prompt(tiny_async, tiny_nocache):
     """The worker counts the repetition penalty's prompt tokens from the tokens it computes, so a penalized
     request computes its whole prompt even when it is cached: the same tokens as without the cache."""
     rng = random.Random(11)
-    prompt = ids(rng, 8) * 12  # repeats: the penalty changes what greedy picks
+    start = ids(rng, 40)
 
+    async def greedy() -> list[int]:
+        async with httpx.AsyncClient(base_url=tiny_nocache.url, timeout=300) as client:
+            return (await complete(client, tiny_nocache.model, start, 24))["choices"][0]["token_ids"]
+
+    reply = asyncio.run(greedy())
+    prompt = start + reply + reply  # the model's own tokens, twice: greedy goes on repeating them, the penalty not
     penalty = {"repetition_penalty": 1.8, "presence_penalty": 0.5}
 
     async def go(srv, **extra):

@@ -45,3 +45,40 @@ def test_grammar_row_waits_for_its_token_and_carries_its_mask(smol_dir):
     if len(yes) == 1:  # the choice is complete: only the stop token may follow
         allowed = np.flatnonzero(np.unpackbits(x2.bitmask[0].view(np.uint8), bitorder="little"))
         assert allowed.tolist() == [EOS]
+
+
+def test_auto_tool_row_keeps_pace_until_its_trigger(smol_dir):
+    """A tool_choice auto row writing free text is planned every step on a placeholder, unmasked;
+    where its next token could complete the trigger it waits for its tokens and is masked."""
+    from transformers import AutoTokenizer
+
+    from pipeline.io_proc.tool_parsers import TOOL_PARSERS, ToolSpec
+
+    tok, hf = load_tokenizer(str(smol_dir), V), AutoTokenizer.from_pretrained(smol_dir)
+    words = V // MASK_BITS
+    sched = Scheduler(4, 64, 16, 64, 16, tok, words)
+    layout = StepDescriptor.layout(4, 64, 16, words)
+    parser = TOOL_PARSERS["hermes"]()
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    grammar = build_grammar("lark", parser.grammar([ToolSpec("f", schema)], free=True, parallel=False), "tools")
+    params = SamplingParams(
+        max_tokens=40, temperature=0.0, stop_token_ids=(EOS,), grammar=grammar, grammar_trigger=parser.trigger
+    )
+    sched.add_request(AddRequest(1, [5, 6], params))
+    text = hf.encode('A free answer first. <tool_call>\n{"name": "f"', add_special_tokens=False)
+    in_flight: list[int] = []  # steps planned whose output has not come back
+    pipelined, masked = [], []  # per output token: planned with a step in flight; sampled under a mask
+    while len(masked) < len(text):
+        while len(in_flight) < 2:  # as the scheduler's loop: at most two steps in flight
+            step = sched.next_step_id
+            desc = StepDescriptor(layout.views(bytearray(layout.nbytes)))
+            if not sched.schedule(desc):
+                break
+            pipelined.append(bool(in_flight))
+            masked.append(bool(len(read_descriptor(desc).mask_row)))
+            in_flight.append(step)
+        sched.process_output(in_flight.pop(0), [1], [text[len(sched.requests[1].output_token_ids)]])
+    k = next(i for i in range(len(text)) if hf.decode(text[:i]).endswith("<tool_"))
+    t = next(i for i in range(len(text)) if hf.decode(text[:i]).endswith("<tool_call"))
+    assert all(pipelined[1 : k + 1]) and not any(masked[:t]), (pipelined, masked)
+    assert all(masked[t:]) and not any(pipelined[t + 1 :])

@@ -365,6 +365,9 @@ def test_four_choices_allocate_the_prompt_once():
 class StubGrammar:
     """A grammar that allows every token: its rows are masked, never steady, and sit out while a token is in flight."""
 
+    def needs_mask(self, in_flight):
+        return True
+
     def fill_mask(self, out):
         out[:] = -1
 

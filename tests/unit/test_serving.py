@@ -18,13 +18,18 @@ from pipeline.io_proc.serving import OpenAIServing
 def make_serving() -> tuple[OpenAIServing, list[RequestState]]:
     released: list[RequestState] = []
     client = SimpleNamespace(release=released.append)
-    tokenization = SimpleNamespace(max_prompt_chars=lambda max_tokens: 100 * max_tokens, vocab_size=1000)
+    tokenization = SimpleNamespace(
+        max_prompt_chars=lambda max_tokens: 100 * max_tokens,
+        vocab_size=1000,
+        renders_tools=False,
+        renders_tool_calls=False,
+    )
     return OpenAIServing(EngineConfig(model="sim", served_model_name="sim"), client, tokenization, ()), released
 
 
 def closer(serving: OpenAIServing, states: list[RequestState]):
     """The serving's own close: releases the states (logging is off)."""
-    return serving._closer("cmpl-test", SimpleNamespace(), states)
+    return serving.closer("cmpl-test", SimpleNamespace(), states)
 
 
 def make_request(disconnect_after: float | None) -> Request:
@@ -48,7 +53,7 @@ def test_wait_returns_as_soon_as_the_client_leaves():
         serving, released = make_serving()
         state = RequestState(1, 3, None, streaming=False, return_token_ids=False)
         t0 = time.monotonic()
-        assert await serving._wait([state], make_request(0.05), closer(serving, [state])) is False
+        assert await serving.wait([state], make_request(0.05), closer(serving, [state])) is False
         # Before: the wait polled is_disconnected() every 0.5 s.
         assert time.monotonic() - t0 < 0.4
         assert released == [state]
@@ -61,11 +66,11 @@ def test_wait_returns_on_finish_and_503_on_server_abort():
         serving, released = make_serving()
         done = RequestState(1, 3, None, streaming=False, return_token_ids=False)
         asyncio.get_running_loop().call_later(0.05, done.deliver, "text", "length", 2)
-        assert await serving._wait([done], make_request(None), closer(serving, [done])) is True
+        assert await serving.wait([done], make_request(None), closer(serving, [done])) is True
         aborted = RequestState(2, 3, None, streaming=False, return_token_ids=False)
         asyncio.get_running_loop().call_later(0.05, aborted.deliver, "", "abort", 0)
         with pytest.raises(APIError) as e:
-            await serving._wait([aborted], make_request(None), closer(serving, [aborted]))
+            await serving.wait([aborted], make_request(None), closer(serving, [aborted]))
         assert e.value.status_code == 503
         assert released == [done, aborted]
 

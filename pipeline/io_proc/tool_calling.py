@@ -1,0 +1,350 @@
+"""Tool calling on chat requests: checks, the prompt's conversation, the grammar and the output's parser.
+
+docs/design.md, "Tool calling". ``tool_choice`` ``auto`` runs the configured
+parser's format under a grammar inactive until its trigger; ``required`` and
+a named function force that format from the first token, or, where no parser
+is configured or the template ignores tools, the ``json_list`` format (with
+the tools described in a system message when the template would not show them).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pipeline.common.grammar import GrammarError, build_grammar
+from pipeline.io_proc.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    ChatMessage,
+    ChatTool,
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCallOut,
+    ToolCallOut,
+)
+from pipeline.io_proc.tokenization import utf8_text
+from pipeline.io_proc.tool_parsers import (
+    TOOL_PARSERS,
+    JsonListToolParser,
+    ToolCall,
+    ToolCallDelta,
+    ToolParser,
+    ToolSpec,
+)
+from pipeline.io_proc.tool_parsers.calls import Event
+from pipeline.io_proc.tool_parsers.stream import ToolCallStream
+
+# OpenAI's rule for function names.
+_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+# What a function without parameters takes: nothing.
+_NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+# JSON schema keywords holding schemas: by name, in a list, or one.
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+_AUTO_NEEDS_FLAGS = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+
+
+@dataclass
+class ToolPlan:
+    """How one chat request uses its tools.
+
+    Attributes:
+        parser: reads calls out of the output; None for ``tool_choice: none`` (or no tools).
+        grammar: llguidance Lark grammar of the output, "" for none.
+        trigger: with ``auto``, the text before which the grammar is inactive.
+        trigger_at_start: the trigger counts only at the output's start.
+        template_tools: ``tools`` for the chat template (None: not passed).
+        conversation: the messages as the chat template takes them.
+    """
+
+    parser: ToolParser | None = None
+    grammar: str = ""
+    trigger: str = ""
+    trigger_at_start: bool = False
+    template_tools: list[dict] | None = None
+    conversation: list[dict] = field(default_factory=list)
+
+
+class ToolCalling:
+    """The server's tool-calling settings and each request's ``ToolPlan``.
+
+    Args:
+        parser_name: ``--tool-call-parser`` (None: none).
+        enable_auto: ``--enable-auto-tool-choice``.
+        renders_tools: the chat template shows ``tools`` to the model.
+        renders_tool_calls: it shows an assistant message's ``tool_calls``.
+    """
+
+    def __init__(self, parser_name: str | None, enable_auto: bool, renders_tools: bool, renders_tool_calls: bool):
+        self._parser = TOOL_PARSERS[parser_name]() if parser_name else None
+        self._enable_auto = enable_auto
+        self._renders_tools = renders_tools
+        self._renders_tool_calls = renders_tool_calls
+
+    def plan(self, req: ChatCompletionRequest) -> ToolPlan:
+        """Check the request's tools, choice and history, and say how to serve them.
+
+        Raises:
+            APIError: 400 naming the field: a malformed tool or schema, an
+                unknown ``tool_choice`` or function, ``auto`` without the flags
+                or with a template that ignores tools, a ``tool_call_id``
+                without its call, arguments that are not a JSON object.
+        """
+        specs = _tool_specs(req.tools or [])
+        choice = _tool_choice(req.tool_choice, specs)
+        plan = ToolPlan()
+        if choice == "none":
+            # As vLLM: the template still sees the tools.
+            plan.template_tools = _template_tools(req.tools) if specs and self._renders_tools else None
+            plan.conversation = self.conversation(req.messages)
+            return plan
+        if req.structured_output() is not None:
+            raise APIError.bad_request(
+                "response_format and guided_* cannot be combined with tools unless tool_choice is none",
+                param="response_format",
+            )
+        parallel = req.parallel_tool_calls is not False
+        if choice == "auto":
+            if not self._enable_auto or self._parser is None:
+                raise APIError.bad_request(_AUTO_NEEDS_FLAGS, param="tool_choice")
+            if not self._renders_tools:
+                raise APIError.bad_request(
+                    "the chat template ignores tools (it renders the same prompt with and without them), so "
+                    "the model cannot know it may call one: serve with --chat-template FILE, a template that "
+                    f"renders tools in the format of --tool-call-parser {self._parser.name}; tool_choice "
+                    '"required" or a named function works with any template',
+                    param="tool_choice",
+                )
+            plan.parser, chosen, free = self._parser, specs, True
+            plan.trigger, plan.trigger_at_start = self._parser.trigger, self._parser.anchored
+        else:
+            native = self._parser is not None and self._renders_tools
+            plan.parser = self._parser if native else JsonListToolParser()
+            chosen = specs if choice == "required" else [s for s in specs if s.name == choice]
+            parallel, free = parallel and choice == "required", False
+        try:
+            grammar = plan.parser.grammar(chosen, free=free, parallel=parallel)
+        except RecursionError:  # json.dumps of a schema nested past Python's limit
+            raise APIError.bad_request("tools: a schema is nested too deeply", param="tools") from None
+        plan.grammar = _compile(grammar, chosen, specs)
+        plan.template_tools = _template_tools(req.tools) if self._renders_tools else None
+        plan.conversation = self.conversation(req.messages)
+        if not self._renders_tools:
+            _describe_tools(plan.conversation, req.tools, chosen)
+        return plan
+
+    def conversation(self, messages: Sequence[ChatMessage]) -> list[dict]:
+        """The messages as the chat template takes them (transformers' shape).
+
+        Past calls' arguments become objects, as templates iterate them; for a
+        template that ignores ``tool_calls`` they are written into the content
+        in the ``json_list`` format.
+
+        Raises:
+            APIError: 400 for a ``tool_call_id`` no earlier call has, or arguments that are not a JSON object.
+        """
+        out: list[dict] = []
+        call_ids: set[str] = set()
+        for i, m in enumerate(messages):
+            msg: dict = {"role": m.template_role(), "content": utf8_text(m.text(), "messages")}
+            if m.tool_calls:
+                calls = []
+                for j, c in enumerate(m.tool_calls):
+                    call_ids.add(c.id)
+                    param = f"messages[{i}].tool_calls[{j}].function.arguments"
+                    try:
+                        args = json.loads(c.function.arguments)
+                    except ValueError:
+                        args = None
+                    if not isinstance(args, dict):
+                        raise APIError.bad_request(f"{param} must be a JSON object as text", param=param)
+                    calls.append(
+                        {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": args}}
+                    )
+                if self._renders_tool_calls:
+                    msg["tool_calls"] = calls
+                    if m.content is None:
+                        msg["content"] = None
+                else:
+                    listed = json.dumps(
+                        [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in calls]
+                    )
+                    msg["content"] = f"{msg['content']}\n{listed}" if msg["content"] else listed
+            if m.role == "tool":
+                if m.tool_call_id not in call_ids:
+                    raise APIError.bad_request(
+                        f"messages[{i}].tool_call_id {m.tool_call_id!r} answers no tool call of an earlier "
+                        "assistant message",
+                        param=f"messages[{i}].tool_call_id",
+                    )
+                msg["tool_call_id"] = m.tool_call_id
+                if m.name:
+                    msg["name"] = m.name
+            out.append(msg)
+        return out
+
+
+def _tool_specs(tools: list[ChatTool]) -> list[ToolSpec]:
+    specs, seen = [], set()
+    for i, t in enumerate(tools):
+        f = t.function
+        if not _NAME.fullmatch(f.name):
+            raise APIError.bad_request(
+                f"tools[{i}].function.name {f.name!r} must be 1 to 64 letters, digits, underscores or dashes",
+                param=f"tools[{i}].function.name",
+            )
+        if f.name in seen:
+            raise APIError.bad_request(
+                f"tools[{i}].function.name {f.name!r} names two tools", param=f"tools[{i}].function.name"
+            )
+        seen.add(f.name)
+        params = _NO_PARAMETERS if f.parameters is None else f.parameters
+        if params.get("type", "object") != "object":
+            raise APIError.bad_request(
+                f"tools[{i}].function.parameters must be a JSON schema of type object",
+                param=f"tools[{i}].function.parameters",
+            )
+        try:
+            specs.append(ToolSpec(f.name, _closed(params)))
+        except RecursionError:
+            raise APIError.bad_request(
+                f"tools[{i}].function.parameters is nested too deeply to be a JSON schema",
+                param=f"tools[{i}].function.parameters",
+            ) from None
+    return specs
+
+
+def _closed(schema: object) -> object:
+    """``schema`` with ``additionalProperties: false`` on each object that lists its properties and does
+    not say otherwise: the model writes only declared properties, which the schema allows too."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: _closed(s) for name, s in value.items()}
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            out[key] = [_closed(s) for s in value]
+        elif key in _SCHEMA_ONE:
+            out[key] = _closed(value)
+    if isinstance(schema.get("properties"), dict) and not {"additionalProperties", "patternProperties"} & schema.keys():
+        out["additionalProperties"] = False
+    return out
+
+
+def _tool_choice(choice: object, specs: list[ToolSpec]) -> str:
+    """``"none"``, ``"auto"``, ``"required"`` or the named function's name.
+
+    Raises:
+        APIError: 400 for anything else, a function not in ``tools``, or a choice that needs tools without them.
+    """
+    if choice is None:
+        return "auto" if specs else "none"
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise APIError.bad_request(
+                'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+                param="tool_choice",
+            )
+        if name not in {s.name for s in specs}:
+            raise APIError.bad_request(
+                f"tool_choice names the function {name!r}, which is not in tools", param="tool_choice"
+            )
+        return name
+    if choice not in ("none", "auto", "required"):
+        raise APIError.bad_request(
+            f'tool_choice must be "none", "auto", "required" or a named function, got {choice!r}', param="tool_choice"
+        )
+    if choice == "required" and not specs:
+        raise APIError.bad_request('tool_choice "required" needs tools', param="tool_choice")
+    return "none" if not specs else choice
+
+
+def _template_tools(tools: list[ChatTool]) -> list[dict]:
+    return [t.model_dump(exclude_none=True) for t in tools]
+
+
+def _compile(grammar: str, chosen: list[ToolSpec], specs: list[ToolSpec]) -> str:
+    """``grammar`` compiled and checked; on an error, the tool whose schema caused it is named."""
+    try:
+        return build_grammar("lark", grammar, "tools")
+    except GrammarError as e:
+        for i, s in enumerate(specs):
+            if s in chosen:
+                try:
+                    build_grammar("json_schema", s.parameters, f"tools[{i}].function.parameters")
+                except GrammarError as culprit:
+                    raise APIError.bad_request(str(culprit), param=culprit.param) from None
+        raise APIError.bad_request(str(e), param="tools") from None
+
+
+def _describe_tools(conversation: list[dict], tools: list[ChatTool], chosen: list[ToolSpec]) -> None:
+    """Tell the model, in the system message, which functions it may call and how (for a template
+    that would not show it the tools)."""
+    names = {s.name for s in chosen}
+    described = "\n".join(
+        json.dumps(t.function.model_dump(exclude_none=True)) for t in tools if t.function.name in names
+    )
+    text = (
+        "You can call functions. Reply with a JSON list of the calls to make, as "
+        '[{"name": <function name>, "arguments": <arguments object>}], and nothing else. The functions:\n' + described
+    )
+    if conversation and conversation[0]["role"] == "system":
+        conversation[0]["content"] = f"{conversation[0]['content']}\n\n{text}"
+    else:
+        conversation.insert(0, {"role": "system", "content": text})
+
+
+def new_call_id() -> str:
+    """A fresh ``tool_calls[].id``."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def message_calls(calls: list[ToolCall]) -> list[ToolCallOut]:
+    """Parsed calls as ``message.tool_calls``, each with a fresh id."""
+    return [ToolCallOut(id=new_call_id(), function=FunctionCallOut(name=c.name, arguments=c.arguments)) for c in calls]
+
+
+class ChatToolStream:
+    """One streamed choice's parser, turning its text deltas into content and ``tool_calls`` deltas."""
+
+    def __init__(self, parser: ToolParser):
+        self._stream: ToolCallStream = parser.stream()
+        self.num_calls = 0
+
+    def feed(self, text: str) -> tuple[str | None, list[DeltaToolCall] | None]:
+        """``(content, tool_calls)`` of the next delta (each None when empty)."""
+        return self._deltas(self._stream.feed(text))
+
+    def finish(self) -> tuple[str | None, list[DeltaToolCall] | None]:
+        """As ``feed``, for what was held back, at the end."""
+        return self._deltas(self._stream.finish())
+
+    def _deltas(self, events: list[Event]) -> tuple[str | None, list[DeltaToolCall] | None]:
+        content = "".join(e for e in events if isinstance(e, str))
+        calls: list[DeltaToolCall] = []
+        for e in events:
+            if not isinstance(e, ToolCallDelta):
+                continue
+            if e.name is not None:
+                self.num_calls += 1
+                calls.append(
+                    DeltaToolCall(
+                        index=e.index,
+                        id=new_call_id(),
+                        type="function",
+                        function=DeltaFunctionCall(name=e.name, arguments=e.arguments),
+                    )
+                )
+            elif calls and calls[-1].index == e.index:  # one delta per call per chunk
+                calls[-1].function.arguments += e.arguments
+            else:
+                calls.append(DeltaToolCall(index=e.index, function=DeltaFunctionCall(arguments=e.arguments)))
+        return content or None, calls or None

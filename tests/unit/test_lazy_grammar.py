@@ -1,0 +1,115 @@
+"""The auto tool-choice grammar on the scheduler side: no mask while the text cannot reach the trigger,
+the same masked positions planned asynchronously and in lock step, and only valid calls after it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipeline.common.grammar import GrammarState, build_grammar, load_tokenizer
+from pipeline.common.lazy_grammar import TriggeredGrammarState, advance
+from pipeline.io_proc.tool_parsers import TOOL_PARSERS, ToolSpec
+
+WEATHER = ToolSpec("get_weather", {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
+STOP = 2  # SmolLM2's <|im_end|>
+
+
+@pytest.fixture(scope="module")
+def tokenizers(smol_dir):
+    from transformers import AutoTokenizer
+
+    return load_tokenizer(str(smol_dir), 49152), AutoTokenizer.from_pretrained(smol_dir)
+
+
+def _state(tok, parser_name: str) -> TriggeredGrammarState:
+    p = TOOL_PARSERS[parser_name]()
+    g = build_grammar("lark", p.grammar([WEATHER], free=True, parallel=False), "tools")
+    return TriggeredGrammarState(GrammarState(tok, g, (STOP,)), tok, p.trigger, p.anchored)
+
+
+def _allowed(state, token: int) -> bool:
+    mask = np.empty(49152 // 32, np.int32)
+    state.fill_mask(mask)
+    return bool((mask.view(np.uint32)[token // 32] >> (token % 32)) & 1)
+
+
+def _decode(state, ids: list[int]) -> tuple[list[bool], list[bool]]:
+    """Lock step's mask decisions per token, and whether asynchronous planning, with the token
+    before in flight, would wait for it; each token is checked against the mask where there is one."""
+    masked, waits = [], []
+    for t in ids:
+        waits.append(state.needs_mask(1))
+        m = state.needs_mask(0)
+        masked.append(m)
+        if m:
+            assert _allowed(state, t)
+        assert state.accept(t)
+    return masked, waits
+
+
+def test_free_text_is_never_masked_and_never_waits(tokenizers):
+    tok, hf = tokenizers
+    st = _state(tok, "hermes")
+    ids = hf.encode("The weather in Paris is mild; use a <b>tag</b> or <tool> if you like.", add_special_tokens=False)
+    masked, waits = _decode(st, ids)
+    assert not any(masked) and not st.triggered
+    # It waits only where the text ends with the trigger's start ("<tool_..." after "<tool_").
+    assert sum(waits) <= 2
+
+
+def test_the_call_after_the_trigger_is_masked_and_valid(tokenizers):
+    tok, hf = tokenizers
+    st = _state(tok, "hermes")
+    text = 'Let me look. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    ids = hf.encode(text, add_special_tokens=False)
+    masked, waits = _decode(st, ids)
+    first = next(i for i, m in enumerate(masked) if m)
+    assert hf.decode(ids[:first]).endswith("<tool_call") and all(masked[first:]) and st.triggered
+    # Async planning waited for each token whose successor was masked.
+    assert all(w for w, m in zip(waits[1:], masked[1:]) if m)
+    # Once the call is closed, only the stop token may come.
+    assert _allowed(st, STOP) and not _allowed(st, hf.encode(" ok", add_special_tokens=False)[0])
+
+
+def test_a_call_with_wrong_arguments_is_masked_out(tokenizers):
+    tok, hf = tokenizers
+    st = _state(tok, "hermes")
+    for t in hf.encode('<tool_call>\n{"name": "get_weather", "arguments": {"', add_special_tokens=False):
+        st.accept(t)
+    assert st.triggered
+    assert _allowed(st, hf.encode("city", add_special_tokens=False)[0])
+    assert not _allowed(st, hf.encode("town", add_special_tokens=False)[0])
+
+
+def test_anchored_trigger_decides_on_the_first_token(tokenizers):
+    tok, hf = tokenizers
+    st = _state(tok, "llama3_json")
+    assert st.needs_mask(0)  # the first token may open a call
+    masked, _ = _decode(st, hf.encode("Sunny, with {braces} later.", add_special_tokens=False))
+    assert masked[0] and not any(masked[1:]) and not st.needs_mask(1)
+    st = _state(tok, "llama3_json")
+    masked, _ = _decode(
+        st, hf.encode('{"name": "get_weather", "parameters": {"city": "Oslo"}}', add_special_tokens=False)
+    )
+    assert all(masked) and st.triggered and _allowed(st, STOP)
+
+
+def test_special_tokens_and_split_characters_leave_the_state_alone(tokenizers):
+    tok, hf = tokenizers
+    st = _state(tok, "hermes")
+    im_start = hf.convert_tokens_to_ids("<|im_start|>")
+    snowman = hf.encode("☃ <tool_call", add_special_tokens=False)  # a character over several tokens
+    for t in [im_start, *snowman]:
+        assert st.accept(t)
+    assert st.needs_mask(0) and not st.triggered
+    assert _allowed(st, hf.encode(">", add_special_tokens=False)[0])
+
+
+def test_advance_follows_the_trigger_across_pieces():
+    t = b"<tool_call>"
+    assert advance(t, 0, b"text <") == 1
+    assert advance(t, 1, b"tool_") == 6
+    assert advance(t, 6, b"call") == 10
+    assert advance(t, 10, b">\n") == len(t)
+    assert advance(t, 10, b"x") == 0
+    assert advance(t, 0, b"a<tool_call>b") == len(t)
