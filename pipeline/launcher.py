@@ -61,6 +61,13 @@ class _Child(subprocess.Popen):
         env = dict(os.environ)
         root = os.path.dirname(os.path.dirname(os.path.abspath(pipeline.__file__)))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        if kind == "gpu_worker":
+            # The worker's OpenMP threads sleep at a barrier instead of spinning (libgomp spins 300,000
+            # times first; KMP_BLOCKTIME is Intel OpenMP's): on a machine whose cores other processes
+            # also use, a spinning thread kept a core from them (docs/design.md, "The worker"). Read when
+            # torch loads OpenMP; a value the user set is kept.
+            env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+            env.setdefault("KMP_BLOCKTIME", "0")
         try:
             child = cls(
                 [sys.executable, "-m", "pipeline.child", kind, str(status_w), str(os.getpid()), str(rank)],
@@ -118,6 +125,8 @@ class Launcher:
             if config.is_head
             for ring in (e.descriptor_ring(create=True), e.output_ring(create=True))
         ]
+        self.heartbeats = config.heartbeats(create=True) if config.is_head else None
+        self._hung: str | None = None  # a child the watchdog found hung: killed at once on stop
         self.procs: dict[str, _Child] = {}
         self.conns: dict[str, Connection] = {}
         self.profiler = Profiler(profile_dir) if profile_dir else None
@@ -135,50 +144,77 @@ class Launcher:
         """The launcher's handles on the engines' StepOutput rings, for a benchmark that plays io_proc's part."""
         return self.rings[1::2]
 
-    def _start_children(self) -> None:
-        """One scheduler and one process per local worker rank for each engine, then one io_proc for all."""
+    def _start_children(self, roles: tuple[str, ...]) -> None:
+        """One scheduler and one process per local worker rank for each engine, then one io_proc for all
+        (those of ``roles``)."""
 
         def add(name: str, kind: str, engine: EngineConfig, rank: int = 0) -> None:
             self.procs[name], self.conns[name] = _Child.start(kind, engine, rank)
 
         for e in self.config.engines():
-            if "scheduler" in self.roles:
+            if "scheduler" in roles:
                 add(e.scheduler_role, "scheduler", e)
-            if "gpu_worker" in self.roles:  # tensor parallelism: one process per rank, each told its rank
+            if "gpu_worker" in roles:  # tensor parallelism: one process per rank, each told its rank
                 for rank in self.config.local_ranks:
                     add(e.worker_role(rank), "gpu_worker", e, rank)
-        if "io_proc" in self.roles:
+        if "io_proc" in roles:
             add("io_proc", "io_proc", self.config)
 
     def start(self, timeout: float = 600.0) -> None:
         """Start every process and wait until all are ready.
 
+        When the workers size the KV cache (``config.num_kv_blocks`` 0), they
+        start first; the others start once every engine's rank 0 has reported
+        its blocks, with the smallest figure in their config.
+
         Raises:
             ChildFailed: a process died or reported an error first.
             TimeoutError: not ready within ``timeout`` seconds.
         """
-        self._start_children()
-        attached, ready = set(), set()
         deadline = time.monotonic() + timeout
-        while len(ready) < len(self.procs):
+        engines = self.config.engines()
+        per_engine = ("scheduler" in self.roles) + ("gpu_worker" in self.roles) * len(self.config.local_ranks)
+        expected = per_engine * len(engines) + ("io_proc" in self.roles)  # one io_proc for every engine
+        self._attached: set[str] = set()
+        self._ready: set[str] = set()
+        self._kv_blocks: dict[str, int] = {}
+        if not self.config.num_kv_blocks and "gpu_worker" in self.roles and len(self.roles) > 1:
+            self._start_children(("gpu_worker",))
+            reporters = {e.worker_role(0) for e in engines}
+            self._await(deadline, expected, lambda: reporters <= self._kv_blocks.keys(), timeout)
+            self.config = msgspec.structs.replace(self.config, num_kv_blocks=min(self._kv_blocks.values()))
+            self._start_children(tuple(r for r in self.roles if r != "gpu_worker"))
+        else:
+            self._start_children(self.roles)
+        self._await(deadline, expected, lambda: len(self._ready) == expected, timeout)
+        if self.profiler:
+            self.profiler.start({name: p.pid for name, p in self.procs.items()})
+
+    def _await(self, deadline: float, expected: int, done, timeout: float) -> None:
+        """Handle the children's start-up messages until ``done()``; unlink the rings once ``expected`` attached."""
+        while not done():
             if self._signalled:
                 raise ChildFailed(f"{self._signalled} during start-up")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"processes not ready after {timeout:.0f} s: {sorted(set(self.procs) - ready)}")
+                raise TimeoutError(
+                    f"processes not ready after {timeout:.0f} s: {sorted(set(self.procs) - self._ready)}"
+                )
             for kind, name, *rest in self._messages(0.5):
                 if kind == "attached":
-                    attached.add(name)
-                    if len(attached) == len(self.procs):
+                    self._attached.add(name)
+                    if len(self._attached) == expected:
                         for ring in self.rings:
                             ring.unlink()  # every process has mapped them: nothing can leak now
+                        if self.heartbeats is not None:
+                            self.heartbeats.unlink()
                 elif kind == "ready":
-                    ready.add(name)
+                    self._ready.add(name)
+                elif kind == "kv_blocks":
+                    self._kv_blocks[name] = rest[0]
                 elif kind == "error":
                     raise ChildFailed(f"{name}: {rest[0]}")
             # After the messages: a child that reported an error and exited is named by its message.
             self._check_alive()
-        if self.profiler:
-            self.profiler.start({name: p.pid for name, p in self.procs.items()})
 
     def _messages(self, timeout: float) -> list[tuple]:
         """Status messages that arrive within ``timeout`` seconds (none once a child has died)."""
@@ -204,6 +240,20 @@ class Launcher:
                 if kind == "done" and p.returncode == 0:
                     raise HeadStopped(f"{name}: {why}")
                 raise ChildFailed(f"{name} {_exit_description(p.returncode)}" + (f": {why}" if why else ""))
+
+    def _check_heartbeats(self) -> None:
+        """The watchdog: a child whose heartbeat is older than ``--step-timeout`` is hung.
+
+        docs/design.md, "Liveness".
+        """
+        timeout = self.config.step_timeout_s
+        if self.heartbeats is None or not timeout:
+            return
+        stale = self.heartbeats.stale(timeout, [name for name in self.procs if name in self.heartbeats.roles])
+        if stale:
+            name, age = max(stale, key=lambda s: s[1])
+            self._hung = name
+            raise ChildFailed(f"{name} is hung: it has shown no progress for {age:.1f} s (--step-timeout {timeout:g})")
 
     def _last_report(self, name: str) -> tuple[str, str]:
         """What a dead child said last: ``("error", why)``, ``("done", why)`` (a rank on another node
@@ -255,6 +305,7 @@ class Launcher:
                     if kind == "done":
                         raise HeadStopped(f"{name}: {rest[0]}")
                 self._check_alive()
+                self._check_heartbeats()
             return 0
         except HeadStopped as e:
             print(f"pipeline-serve: {e}; stopping this node", file=sys.stderr)
@@ -278,6 +329,12 @@ class Launcher:
         Writes the trace and the flame graphs if asked for, unlinks the rings
         (a no-op once they were unlinked at start-up) and removes the socket directory.
         """
+        hung = {self._hung} if self._hung else set()
+        if self.heartbeats is not None and self.config.step_timeout_s:
+            hung.update(name for name, _ in self.heartbeats.stale(self.config.step_timeout_s, list(self.procs)))
+        for name in hung:  # a stopped or stuck process would only use up the grace period
+            if self.procs[name].poll() is None:
+                self.procs[name].kill()
         for p in self.procs.values():
             if p.poll() is None:
                 p.terminate()
@@ -294,6 +351,9 @@ class Launcher:
         for ring in self.rings:
             ring.unlink()
             ring.close()
+        if self.heartbeats is not None:
+            self.heartbeats.unlink()
+            self.heartbeats.close()
         if self.profiler:
             self.profiler.finish()
         if self.config.trace:

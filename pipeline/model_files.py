@@ -1,4 +1,4 @@
-"""Finding model files: the default model, GGUF conversion, KV cache sizing.
+"""Finding model files: the default model, GGUF conversion, reading and checking the config.
 
 Runs in the launcher, before the processes start, so every process reads a
 plain Hugging Face directory.
@@ -14,9 +14,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from pipeline.gpu_worker.models.config import ModelConfig
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
 def default_model_path() -> Path:
@@ -116,35 +117,61 @@ def resolve_model(model: str | None) -> tuple[Path, str]:
     raise ValueError(f"--model {model!r} is neither a .gguf file nor a directory with config.json")
 
 
-def read_model_config(model_dir: Path) -> dict:
-    """The model's ``config.json`` as a dict, checked to be a Llama-architecture model.
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: those ``model.safetensors.index.json`` lists, or ``model.safetensors``.
 
     Raises:
-        ValueError: the file is not JSON, or the model is not ``model_type: llama``.
+        FileNotFoundError: no safetensors checkpoint, or a file the index lists is missing.
+    """
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted({model_dir / f for f in json.loads(index.read_text())["weight_map"].values()})
+        if absent := [f.name for f in files if not f.is_file()]:
+            raise FileNotFoundError(f"{index} lists files that are missing: {', '.join(absent)}")
+        return files
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    others = sorted(p.name for p in model_dir.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
+    found = f" (found {', '.join(others)})" if others else ""
+    raise FileNotFoundError(
+        f"{model_dir} has no safetensors weights (model.safetensors or model.safetensors.index.json){found}; "
+        "transformers' save_pretrained writes them"
+    )
+
+
+_FLOAT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def checkpoint_dtype(model_dir: Path, config: ModelConfig) -> str:
+    """The checkpoint's floating-point dtype: config.json's ``dtype`` / ``torch_dtype``, else that of most
+    of its first file's tensors (read from the safetensors header); float32 if neither says."""
+    if config.dtype in _FLOAT_DTYPES.values():
+        return config.dtype
+    with open(checkpoint_files(model_dir)[0], "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    found = [
+        _FLOAT_DTYPES[t["dtype"]] for k, t in header.items() if k != "__metadata__" and t["dtype"] in _FLOAT_DTYPES
+    ]
+    return max(set(found), key=found.count) if found else "float32"
+
+
+def read_model_config(model_dir: Path) -> ModelConfig:
+    """The model's ``config.json``, normalised and checked to name a supported architecture.
+
+    Raises:
+        ValueError: the file is not JSON, names an architecture no family
+            serves (the message lists those that are), or ``ModelConfig.from_hf`` refuses it.
     """
     path = model_dir / "config.json"
     try:
         cfg = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not valid JSON ({e})") from None
-    if not isinstance(cfg, dict) or cfg.get("model_type") != "llama":
-        kind = cfg.get("model_type") if isinstance(cfg, dict) else None
-        raise ValueError(
-            f"{path} describes a model of type {kind!r}; only Llama-architecture models "
-            "(model_type 'llama': Llama 2/3, SmolLM, TinyLlama, ...) are supported"
-        )
-    missing = [k for k in ("hidden_size", "num_attention_heads", "num_hidden_layers") if k not in cfg]
-    if missing:
-        raise ValueError(f"{path} lacks {', '.join(missing)}")
-    return cfg
-
-
-def kv_bytes_per_block(cfg: dict, block_size: int, dtype: str, kv_heads: int | None = None) -> int:
-    """Bytes of keys plus values for one block across all layers.
-
-    ``kv_heads``: the KV heads one device holds (a tensor-parallel rank's
-    share); default all of the model's.
-    """
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    kv_heads = kv_heads or cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-    return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * block_size * _DTYPE_BYTES[dtype]
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path} does not hold a JSON object")
+    try:
+        return ModelConfig.from_hf(cfg)
+    except ValueError as e:
+        custom = " (it ships its own modelling code, which this server does not run)" if cfg.get("auto_map") else ""
+        raise ValueError(f"{path}: {e}{custom}") from None

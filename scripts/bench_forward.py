@@ -46,7 +46,7 @@ import torch
 
 from pipeline.gpu_worker.attention import make_backend
 from pipeline.gpu_worker.attention.torch_bucketed import TorchBucketedBackend
-from pipeline.gpu_worker.weights import load_model
+from pipeline.gpu_worker.models.loader import load_model
 
 
 def _step(model, kv_caches, query_lens, starts, block_table, block_size) -> None:

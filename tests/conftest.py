@@ -38,6 +38,31 @@ def child_pids(pid: int) -> list[int]:
     return out
 
 
+def tcp_sockets(pid: int) -> list[tuple[str, int, bool]]:
+    """``(local address, local port, listening)`` of every TCP socket process ``pid`` holds (from /proc)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    out = []
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            next(f)
+            for line in f:
+                fields = line.split()
+                if fields[9] in inodes:
+                    addr, port = fields[1].split(":")
+                    raw = bytes.fromhex(addr)  # 32-bit words in host (little-endian) order
+                    ip = socket.inet_ntop(family, b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4)))
+                    ip = ip.removeprefix("::ffff:")  # an IPv4 address on an IPv6 socket
+                    out.append((ip, int(port, 16), fields[3] == "0A"))
+    return out
+
+
 def shm_entries(launcher_pid: int) -> list[str]:
     """Shared-memory segments and semaphores of the server whose launcher is ``launcher_pid``."""
     return [f for f in os.listdir("/dev/shm") if f"pipeline-{launcher_pid}-" in f]
@@ -182,11 +207,18 @@ def smol_dir() -> Path:
 
 def make_tiny_llama(d: Path, smol_dir: Path, **fields) -> Path:
     """Save a tiny random Llama with SmolLM2's tokenizer in ``d``; ``fields`` override the config."""
+    from transformers import LlamaConfig
+
+    return make_tiny_model(d, smol_dir, LlamaConfig, **fields)
+
+
+def make_tiny_model(d: Path, smol_dir: Path, config_cls, **fields) -> Path:
+    """Save a tiny random model of ``config_cls``'s family with SmolLM2's tokenizer (and vocabulary) in ``d``."""
     import torch
-    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     tok = AutoTokenizer.from_pretrained(smol_dir)
-    cfg = LlamaConfig(
+    cfg = config_cls(
         **{
             **dict(
                 vocab_size=len(tok),
@@ -205,7 +237,7 @@ def make_tiny_llama(d: Path, smol_dir: Path, **fields) -> Path:
         }
     )
     torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(d)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
     tok.save_pretrained(d)
     GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id).save_pretrained(d)
     return d

@@ -52,3 +52,14 @@ def assert_same_greedy(model_dir: str, prompt_ids: list[int], ours: list[int], r
             print(f"near-tie check at output position {i}: ours {a}, reference {b}, logit gap {gap:.2e}")
             assert gap < NEAR_TIE, f"diverged at position {i}: ours {a} vs reference {b} (logit gap {gap:.3g})"
             return
+
+
+def ours_from_hf(hf_model, dtype: torch.dtype = torch.float32, attention_backend: str = "auto", **kwargs):
+    """Our model built from the in-memory transformers model ``hf_model``'s config and filled with its weights."""
+    from pipeline.gpu_worker.models.config import ModelConfig
+    from pipeline.gpu_worker.models.loader import build_model
+
+    hf_model.config.architectures = [type(hf_model).__name__]
+    model = build_model(ModelConfig.from_hf(hf_model.config), dtype, torch.device("cpu"), attention_backend, **kwargs)
+    model.load_weights(hf_model.state_dict().items())
+    return model

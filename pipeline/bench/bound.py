@@ -27,12 +27,14 @@ class BoundReplay:
     """The bare model and a KV cache sized like the engine's, loaded once, replayed per run."""
 
     def __init__(self, config: EngineConfig):
-        from pipeline.gpu_worker.weights import load_model
+        from pipeline.gpu_worker.models.loader import load_model
 
         self.device = torch.device(config.device)
-        self.dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
+        self.dtype = getattr(torch, config.dtype)
         self.block_size = config.block_size
-        self.model = load_model(config.model, self.dtype, self.device, config.attention_backend)
+        self.model = load_model(
+            config.model, self.dtype, self.device, config.attention_backend, max_model_len=config.max_model_len
+        )
         self.kv_caches = self.model.allocate_kv_caches(config.num_kv_blocks, config.block_size, self.dtype, self.device)
         # Row i of a step gets its own run of blocks, spread over the whole cache as the engine's would be.
         width = config.max_blocks_per_seq

@@ -42,11 +42,11 @@ def run_mode(
     work: Workload | MultiTurn,
     label: str,
     trace_file: str | None,
-) -> tuple[dict, list]:
+) -> tuple[dict, list, EngineConfig | None]:
     """Run ``work`` once on ``config``'s processes, or on the server at ``--url`` when config is None.
 
     Returns:
-        (figures, spans); no spans with ``--url``.
+        (figures, spans, the config the processes ran with: its KV blocks sized); no spans or config with ``--url``.
     """
     bar = tqdm(total=total_output(work), desc=f"{label:5s}", unit="tok", file=sys.stderr)
     if config is None:
@@ -55,7 +55,7 @@ def run_mode(
         model = httpx.get(f"{args.url}/v1/models").json()["data"][0]["id"]
         times = asyncio.run(drive_http(args.url, model, work, bar))
         bar.close()
-        return summarize(times, []), []
+        return summarize(times, []), [], None
 
     launcher = Launcher(
         config,
@@ -65,6 +65,7 @@ def run_mode(
     )
     try:
         launcher.start()
+        config = launcher.config  # the workers may have sized the KV cache
         if http:
             times = asyncio.run(drive_http(f"http://{config.host}:{config.port}", config.served_model_name, work, bar))
         else:
@@ -72,7 +73,7 @@ def run_mode(
     finally:
         bar.close()
         launcher.stop()
-    return summarize(times, launcher.spans), launcher.spans
+    return summarize(times, launcher.spans), launcher.spans, launcher.config
 
 
 def total_output(work: Workload | MultiTurn) -> int:
@@ -222,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
                     config = msgspec.structs.replace(
                         config, step_shapes_file=os.path.join(shapes_dir.name, f"{label}.npz")
                     )
-            results[label], spans[label] = run_mode(args, config, http, work, label, tf)
+            results[label], spans[label], config = run_mode(args, config, http, work, label, tf)
             if shapes_dir:
                 replay = replay or BoundReplay(config)  # loaded after the first run: nothing else runs now
                 bound_s = replay.replay(config.step_shapes_file, label)

@@ -6,6 +6,7 @@ import msgspec
 
 from pipeline.common.block_hash import root_hash
 from pipeline.common.constants import cdiv
+from pipeline.common.heartbeat import Heartbeats
 from pipeline.common.layouts import Layout
 from pipeline.common.shm_ring import ShmRing
 from pipeline.common.step_protocol import (
@@ -26,7 +27,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
         tokenizer: directory of the tokenizer io_proc loads (the model's own,
             or the default model's for the simulated device).
         served_model_name: the name clients put in ``model``.
-        dtype: ``"float32"`` or ``"bfloat16"``.
+        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` (``--dtype auto`` resolved).
         device: ``"cpu"`` or ``"cuda"``.
         host, port: where the HTTP server listens.
         max_num_seqs: requests in one step at most (also the number of req_index rows).
@@ -37,7 +38,14 @@ class EngineConfig(msgspec.Struct, frozen=True):
         vocab_size: token ids the model has embedding rows for; 0 when there
             is no model (the simulated device). io_proc refuses prompt ids at
             or above it.
-        num_kv_blocks: KV cache blocks the worker allocates.
+        num_kv_blocks: KV cache blocks the worker allocates; 0 until each
+            engine's rank 0 has sized the cache on its device (CUDA without
+            ``--kv-cache-memory``: docs/design.md, "The worker"), then the
+            launcher starts the scheduler with the figure.
+        kv_cache_memory_bytes: with ``num_kv_blocks`` 0, the KV cache's bytes
+            per device; 0: what ``gpu_memory_utilization`` leaves.
+        gpu_memory_utilization: the fraction of each CUDA device's memory the
+            server may use when the worker sizes the KV cache.
         async_scheduling: plan step N+1 while step N runs.
         enable_prefix_caching: reuse the KV blocks of computed prefixes
             (docs/design.md, "Prefix caching").
@@ -66,6 +74,12 @@ class EngineConfig(msgspec.Struct, frozen=True):
             which io_proc answers new requests with 503.
         max_seqs_per_request: sequences one request may ask for (prompts
             times ``n``); io_proc refuses more with a 400.
+        max_grammar_memory_per_request_mb: MiB of matcher memory one request
+            with a grammar may take (its compiled grammar and a copy per
+            choice); the scheduler refuses more with a 400.
+        max_grammar_memory_mb: MiB of matcher memory every request (and the
+            cache of compiled grammars) may take together; a request that
+            would pass it waits.
         worker_threads: torch intra-op threads of the worker; 0: one per CPU
             the worker may run on.
         worker_cpus: CPUs the worker runs on; empty: every CPU.
@@ -90,9 +104,9 @@ class EngineConfig(msgspec.Struct, frozen=True):
             engine's rings, control socket, rendezvous and processes.
         api_key: when not empty, io_proc requires ``Authorization: Bearer
             <api_key>`` on every route but ``/health`` and ``/metrics``.
-        step_timeout_s: seconds a step in flight may go without its output
-            before the scheduler declares the worker hung and stops the
-            server with a message; 0 disables the watchdog.
+        step_timeout_s: seconds a step in flight may go without its output,
+            or a process without a heartbeat, before the server declares it
+            hung and stops with a message naming it; 0 disables the watchdog.
         log_stats_interval_s: seconds between two stats lines in io_proc's
             log while there is traffic; 0: none.
         uvicorn_access_log: io_proc logs an access line per HTTP request (uvicorn's).
@@ -130,6 +144,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
     block_size: int = 16
     max_model_len: int = 2048
     num_kv_blocks: int = 1024
+    kv_cache_memory_bytes: int = 0
+    gpu_memory_utilization: float = 0.9
     vocab_size: int = 0
     async_scheduling: bool = True
     enable_prefix_caching: bool = True
@@ -145,6 +161,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
     http_body_timeout_s: float = 60.0
     limit_concurrency: int = 4096
     max_seqs_per_request: int = 2048
+    max_grammar_memory_per_request_mb: int = 256
+    max_grammar_memory_mb: int = 2048
     worker_threads: int = 0
     worker_cpus: tuple[int, ...] = ()
     frontend_cpus: tuple[int, ...] = ()
@@ -279,6 +297,19 @@ class EngineConfig(msgspec.Struct, frozen=True):
     def output_ring(self, create: bool = False) -> ShmRing[StepOutput]:
         """The StepOutput ring (worker rank 0 writes; scheduler and io_proc read)."""
         return ShmRing(self.output_ring_name, self.output_layout, OUTPUT_RING_ENTRIES, 2, create, StepOutput)
+
+    @property
+    def heartbeat_roles(self) -> list[str]:
+        """The processes of the head node that beat (docs/design.md, "Liveness"): io_proc, then each
+        engine's scheduler and head-node worker ranks."""
+        roles = ["io_proc"]
+        for e in self.engines():
+            roles += [e.scheduler_role, *(e.worker_role(r) for r in range(self.ranks_per_node))]
+        return roles
+
+    def heartbeats(self, create: bool = False) -> Heartbeats:
+        """The instance's heartbeat table (head node only); ``create`` in the launcher only."""
+        return Heartbeats(f"/pipeline-{self.instance}-beat", self.heartbeat_roles, create)
 
     @property
     def control_address(self) -> str:

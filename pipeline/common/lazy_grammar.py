@@ -2,13 +2,16 @@
 
 The grammar (llguidance's Lark, with a lazy trigger rule or a start anchor)
 lets any text through until the trigger, then constrains the call.
-``TriggeredGrammarState`` runs no matcher and masks nothing while the
-text cannot reach the trigger in the next token, so such a row decodes every
-step, with placeholders, like an unconstrained one. Only where the next token
-could complete the trigger does it build a matcher (a copy of a pristine one,
-fed the last bytes of the text) and mask; once the trigger is in, it is a
-constrained row like any other. A row waits for its token in flight only
-when that token could bring it to such a point (``needs_mask(1)``).
+:class:`Trigger` follows the output's text against the trigger, in the
+scheduler's loop and without a matcher: while the text cannot reach the
+trigger in the next token, the row needs no mask and decodes every step,
+with placeholders, like an unconstrained one. Only where the next token could
+complete the trigger does the row need a mask, from a matcher (a copy of a
+pristine one, fed the text's last bytes, :meth:`Trigger.tail`); once the
+trigger is in, it is a constrained row like any other. A row waits for its
+token in flight only when that token could bring it to such a point
+(``needs_mask(1)``). The grammar manager runs the matchers
+(``pipeline.scheduler_proc.grammar_manager``).
 
 The decisions depend on the tokens consumed only, so asynchronous scheduling
 and lock step mask the same positions and sample the same tokens.
@@ -20,9 +23,6 @@ from bisect import bisect_left
 from functools import lru_cache
 
 import llguidance
-import numpy as np
-
-from pipeline.common.grammar import GrammarState
 
 # Bytes before the trigger's start fed to a new matcher, so that it starts at a character boundary.
 _UTF8_SLACK = 3
@@ -96,35 +96,32 @@ def advance(trigger: bytes, s: int, data: bytes) -> int:
     return 0
 
 
-class TriggeredGrammarState:
-    """The grammar of one ``auto`` tool-calling request, on the scheduler side.
+class Trigger:
+    """Where the output's text stands against the trigger of one ``auto`` tool-calling request (a choice).
 
     Args:
-        pristine: the grammar's matcher before any token (copied when needed).
-        tokenizer: the llguidance tokenizer the matcher was built with.
+        tokenizer: the llguidance tokenizer of the request's grammar.
         trigger: the text that starts the constrained part (ASCII).
         at_start: the trigger counts only at the start of the output.
     """
 
-    __slots__ = ("_pristine", "_tokenizer", "_vocab", "_trigger", "_at_start", "_table", "_s", "_tail", "_live")
+    __slots__ = ("_vocab", "_trigger", "_at_start", "_table", "_s", "_tail")
 
-    def __init__(self, pristine: GrammarState, tokenizer: llguidance.LLTokenizer, trigger: str, at_start: bool):
-        self._pristine = pristine
-        self._tokenizer = tokenizer
+    def __init__(self, tokenizer: llguidance.LLTokenizer, trigger: str, at_start: bool):
         self._vocab = _vocab(tokenizer)
         self._trigger = trigger.encode()
         self._at_start = at_start
         self._table = None if at_start else _table(tokenizer, self._trigger)
         self._s = 0  # unanchored: the state; anchored: bytes of the text, or -1 once it cannot start with it
         self._tail = b""  # the text's last bytes
-        self._live: GrammarState | None = None  # the matcher, at risk or once triggered
 
     @property
     def triggered(self) -> bool:
         return self._s == len(self._trigger)
 
     def needs_mask(self, in_flight: int) -> bool:
-        """As ``GrammarState.needs_mask``; False while the text is free and cannot reach the trigger."""
+        """Whether the next sampled token needs a mask, with ``in_flight`` of the row's tokens not fed yet
+        (a row that needs one waits for them); False while the text is free and cannot reach the trigger."""
         s = self._s
         if s == len(self._trigger) or in_flight > 1:
             return True
@@ -132,24 +129,11 @@ class TriggeredGrammarState:
             return s >= 0
         return self._table.maybe[s] if in_flight else self._table.risky[s]
 
-    def fill_mask(self, out: np.ndarray) -> None:
-        """As ``GrammarState.fill_mask`` (only asked where ``needs_mask``)."""
-        if self._live is None:
-            self._live = self._matcher_for_tail()
-        if self._live is None:
-            out.fill(-1)  # the tail does not parse (it always should): nothing is constrained
-        else:
-            self._live.fill_mask(out)
-
-    def accept(self, token_id: int) -> bool:
-        """As ``GrammarState.accept``."""
-        if self.triggered:
-            return self._live.accept(token_id) if self._live is not None else True
-        live, self._live = self._live, None
-        ok = live.accept(token_id) if live is not None else True
+    def feed(self, token_id: int) -> None:
+        """Follow output token ``token_id`` (not a stop id); a special token leaves the state alone."""
         data = self._vocab.bytes[token_id] if token_id < len(self._vocab.bytes) else b""
-        if not data:
-            return ok
+        if not data or self.triggered:
+            return
         t, n = self._trigger, len(self._trigger)
         self._tail = (self._tail + data)[-(n + _UTF8_SLACK) :]
         if not self._at_start:
@@ -157,19 +141,14 @@ class TriggeredGrammarState:
         elif self._s >= 0:  # the text so far is t[:s]
             text = t[: self._s] + data
             self._s = n if text.startswith(t) else len(text) if t.startswith(text) else -1
-        if self.triggered:
-            self._live = live if live is not None else self._matcher_for_tail()
-        return ok
 
-    def _matcher_for_tail(self) -> GrammarState | None:
-        """A matcher fed the text's end from a character boundary, or None if it rejects it."""
+    def tail(self) -> bytes:
+        """The text's end from a character boundary, for a fresh matcher to consume: from it on, the
+        matcher's state is that of one fed the whole text."""
         if self._at_start:
-            tail = self._trigger[: self._s] if not self.triggered else self._tail
-        else:
-            tail = self._tail[-(self._s + _UTF8_SLACK) :]
-            start = 0
-            while start < len(tail) and 0x80 <= tail[start] < 0xC0:  # a character's continuation bytes
-                start += 1
-            tail = tail[start:]
-        m = self._pristine.fork()
-        return m if m.consume_tokens(self._tokenizer.tokenize_bytes(tail)) else None
+            return self._trigger[: self._s] if not self.triggered else self._tail
+        tail = self._tail[-(self._s + _UTF8_SLACK) :]
+        start = 0
+        while start < len(tail) and 0x80 <= tail[start] < 0xC0:  # a character's continuation bytes
+            start += 1
+        return tail[start:]

@@ -15,6 +15,31 @@ import time
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
 _malloc_trim = getattr(_libc, "malloc_trim", None)
+_mallinfo2 = getattr(_libc, "mallinfo2", None)
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks")
+    ] + [("keepcost", ctypes.c_size_t)]
+
+
+if _mallinfo2 is not None:
+    _mallinfo2.restype = _MallInfo2
+
+
+def heap_in_use() -> int | None:
+    """Bytes the process's malloc heap has handed out and not yet had back (glibc's ``mallinfo2``).
+
+    Every thread's allocations count, so a difference measures one piece of
+    work only while the process's other threads allocate little. None
+    without glibc 2.33 or later. About 1 us.
+    """
+    if _mallinfo2 is None:
+        return None
+    info = _mallinfo2()
+    return info.uordblks + info.hblkhd
 
 
 def trim_heap() -> None:

@@ -14,7 +14,7 @@ import msgspec
 
 from pipeline.common.histogram import HistogramData
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "error"]
 
 
 class SamplingParams(msgspec.Struct, frozen=True):
@@ -218,8 +218,31 @@ class Admitted(msgspec.Struct, tag=True):
     num_cached_tokens: list[int]
 
 
+class GrammarCompiled(msgspec.Struct, tag=True):
+    """The scheduler's answer to an :class:`AddRequest` with a grammar, once its matchers exist or not.
+
+    ``error`` empty: the request is queued. Otherwise it was refused before
+    it ran (the grammar does not compile, takes more memory than a request
+    may, or the request was aborted meanwhile), and ``error`` says why.
+    """
+
+    req_num: int
+    error: str = ""
+
+
+class RequestFailed(msgspec.Struct, tag=True):
+    """The scheduler ended request ``req_num`` (a choice) with an error: its finish reason is "error".
+
+    A failure tied to one request, such as its matcher leaving its grammar
+    mid-output; the engine serves on.
+    """
+
+    req_num: int
+    message: str
+
+
 ToScheduler = Union[AddRequest, AbortRequest, GetStats, Shutdown]
-ToIO = Union[Stats, Admitted]
+ToIO = Union[Stats, Admitted, GrammarCompiled, RequestFailed]
 
 
 def check_finish(token_id: int, num_output_tokens: int, params: SamplingParams) -> FinishReason | None:

@@ -1,4 +1,4 @@
-"""Tensor-parallel shard sizes: how a Llama's dimensions split over ranks (no torch).
+"""Tensor-parallel shard sizes: how a model's dimensions split over ranks (no torch).
 
 The launcher checks a tensor-parallel size against the model before any
 process starts, and sizes the KV cache per rank, with the same arithmetic the
@@ -19,7 +19,7 @@ from pipeline.common.constants import cdiv
 
 @dataclass(frozen=True)
 class TPShape:
-    """One rank's share of a Llama under tensor parallelism of ``size`` ranks.
+    """One rank's share of a model under tensor parallelism of ``size`` ranks.
 
     Attributes:
         size: ranks (N).
@@ -27,10 +27,11 @@ class TPShape:
         num_kv_heads: KV heads per rank: ``KV / N`` when N divides KV, else 1
             (each KV head replicated on ``N / KV`` ranks).
         kv_replicas: ranks holding each KV head (1 unless replicated).
-        intermediate_size: MLP intermediate width per rank, ``I / N``.
+        intermediate_size: dense MLP intermediate width per rank, ``I / N`` (0: no dense MLP).
         vocab_size: the model's vocabulary (V).
         vocab_per_rank: embedding / LM-head rows per rank, ``ceil(V / N)``;
             the last rank's rows past V are zero padding.
+        moe_intermediate_size: each expert's intermediate width per rank (0: no experts).
     """
 
     size: int
@@ -40,57 +41,61 @@ class TPShape:
     intermediate_size: int
     vocab_size: int
     vocab_per_rank: int
+    moe_intermediate_size: int = 0
 
     @classmethod
-    def build(cls, size: int, num_heads: int, num_kv_heads: int, intermediate_size: int, vocab_size: int) -> TPShape:
+    def build(
+        cls,
+        size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        intermediate_size: int,
+        vocab_size: int,
+        moe_intermediate_size: int = 0,
+    ) -> TPShape:
         """Split a model's dimensions over ``size`` ranks.
 
         Args:
             size: tensor-parallel size N >= 1.
-            num_heads, num_kv_heads, intermediate_size, vocab_size: the full model's.
+            num_heads, num_kv_heads, intermediate_size, vocab_size: the full
+                model's (``intermediate_size`` 0 when no layer has a dense MLP).
+            moe_intermediate_size: each expert's intermediate width; 0 for a dense model.
 
         Raises:
-            ValueError: N does not divide the attention heads or the
+            ValueError: N does not divide the attention heads or an
                 intermediate size, or N and the KV heads divide neither one
                 the other (a KV head would straddle two ranks); the message
                 lists the sizes that would work.
         """
         if size < 1:
             raise ValueError(f"tensor-parallel size must be at least 1, got {size}")
-        problems = []
-        if num_heads % size:
-            problems.append(f"{num_heads} attention heads")
-        if intermediate_size % size:
-            problems.append(f"an intermediate size of {intermediate_size}")
-        if num_kv_heads % size and size % num_kv_heads:
-            problems.append(f"{num_kv_heads} KV heads (nor is it a multiple of them)")
-        if problems:
-            valid = [
-                n
-                for n in range(1, num_heads + 1)
-                if not num_heads % n and not intermediate_size % n and (not num_kv_heads % n or not n % num_kv_heads)
-            ]
+
+        def problems(n: int) -> list[str]:
+            out = []
+            if num_heads % n:
+                out.append(f"{num_heads} attention heads")
+            if intermediate_size % n:
+                out.append(f"an intermediate size of {intermediate_size}")
+            if moe_intermediate_size % n:
+                out.append(f"an expert intermediate size of {moe_intermediate_size}")
+            if num_kv_heads % n and n % num_kv_heads:
+                out.append(f"{num_kv_heads} KV heads (nor is it a multiple of them)")
+            return out
+
+        if wrong := problems(size):
+            valid = [n for n in range(1, num_heads + 1) if not problems(n)]
             raise ValueError(
-                f"tensor-parallel size {size} does not divide {' and '.join(problems)}; "
-                f"this model supports sizes {valid}"
+                f"tensor-parallel size {size} does not divide {' and '.join(wrong)}; this model supports sizes {valid}"
             )
-        replicas = max(1, size // num_kv_heads)
         return cls(
             size=size,
             num_heads=num_heads // size,
             num_kv_heads=max(1, num_kv_heads // size),
-            kv_replicas=replicas,
+            kv_replicas=max(1, size // num_kv_heads),
             intermediate_size=intermediate_size // size,
             vocab_size=vocab_size,
             vocab_per_rank=cdiv(vocab_size, size),
-        )
-
-    @classmethod
-    def from_hf_config(cls, cfg: dict, size: int) -> TPShape:
-        """:meth:`build` from a ``config.json`` dict (``num_key_value_heads`` defaults to the heads)."""
-        heads = cfg["num_attention_heads"]
-        return cls.build(
-            size, heads, cfg.get("num_key_value_heads") or heads, cfg["intermediate_size"], cfg["vocab_size"]
+            moe_intermediate_size=moe_intermediate_size // size,
         )
 
     def kv_head_start(self, rank: int) -> int:

@@ -52,7 +52,7 @@ class DecodeGraphs:
     """Token ids, logits, capture and replay of decode-only steps.
 
     Args:
-        model: the ``LlamaForCausalLM``, which calls ``attn_backend`` in its layers.
+        model: a model of ``pipeline.gpu_worker.models``, which calls ``attn_backend`` in its layers.
         attn_backend: the model's backend; its capture hooks are set up here.
         kv_caches: the model's caches, the padding block included.
         block_table: ``[max_num_reqs, max_blocks_per_seq]`` int64, the runner's device

@@ -2,9 +2,11 @@
 
 Each rank is one gpu_worker process with one device. On one node the ranks
 meet over a private rendezvous: a ``file://`` store in the instance's socket
-directory, which only this user can reach and which needs no free port.
-Over several nodes (``--nnodes``) they meet at the head's TCP store
-(``tcp://master_addr:master_port``), in the style of ``torchrun``. The
+directory, which only this user can reach and which needs no free port, and
+their gloo (and NCCL bootstrap) sockets bind 127.0.0.1. Over several nodes
+(``--nnodes``) they meet at the head's TCP store, which listens on
+``master_addr:master_port`` only, in the style of ``torchrun``, and each
+node's sockets bind its address on the route to ``master_addr``. The
 collectives run on gloo for CPU tensors and NCCL for CUDA ones
 (docs/design.md, "Parallelism").
 
@@ -16,6 +18,11 @@ readers (:class:`DescriptorRelay`).
 
 from __future__ import annotations
 
+import fcntl
+import logging
+import os
+import socket
+import struct
 import time
 from datetime import timedelta
 
@@ -32,7 +39,9 @@ from pipeline.common.step_protocol import (
     packed_descriptor_nbytes,
     unpack_descriptor,
 )
-from pipeline.gpu_worker.parallel import TPGroup
+from pipeline.gpu_worker.layers.tp import TPGroup
+
+log = logging.getLogger(__name__)
 
 # The first broadcast of every relayed step has this fixed size: the header
 # and, for most steps, the whole packed descriptor (a decode step of about 60
@@ -182,9 +191,15 @@ def init_tensor_parallel(config: EngineConfig, rank: int) -> tuple[TPGroup, Desc
     if config.device == "cuda":
         torch.cuda.set_device(config.device_index(rank))
         backend = "nccl"
-    dist.init_process_group(
-        backend, init_method=config.tp_init_method, rank=rank, world_size=config.tensor_parallel_size
-    )
+    try:
+        bind_sockets_to("127.0.0.1" if config.nnodes == 1 else _route_source(config.master_addr, config.master_port))
+    except OSError as e:  # an IPv6 or unresolvable --master-addr: gloo and NCCL keep their own choice
+        log.warning("cannot tell this node's address towards %s (%s)", config.master_addr, e)
+    world = config.tensor_parallel_size
+    if config.nnodes == 1:
+        dist.init_process_group(backend, init_method=config.tp_init_method, rank=rank, world_size=world)
+    else:
+        dist.init_process_group(backend, store=_tcp_store(config, rank), rank=rank, world_size=world)
     tp = TPGroup(rank, config.tensor_parallel_size, dist.group.WORLD)
     if config.nnodes == 1:
         return tp, None
@@ -214,3 +229,55 @@ def _check_same_settings(config: EngineConfig, group: dist.ProcessGroup, size: i
             + "; ".join(bad)
             + "; start every node with the same flags (model, sizes, dtype)"
         )
+
+
+def bind_sockets_to(address: str) -> None:
+    """Make gloo's and NCCL's sockets of this process bind ``address`` (an IPv4 address of this host).
+
+    Both pick an interface by name (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``),
+    else by resolving the host name, which lands on loopback only where the
+    host name maps there. A name the user set is kept.
+    """
+    name = interface_of(address)
+    if name is None:
+        log.warning("no network interface has the address %s; gloo and NCCL choose their own", address)
+        return
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        os.environ.setdefault(var, name)
+
+
+_SIOCGIFADDR = 0x8915
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the network interface that holds the IPv4 ``address`` (``lo`` for 127.0.0.1), or None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                info = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address on it
+                continue
+            if socket.inet_ntoa(info[20:24]) == address:
+                return name
+    return None
+
+
+def _route_source(host: str, port: int) -> str:
+    """This host's IPv4 address on the route to ``host`` (``host`` itself on the head); no packet is sent."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, port))
+        return s.getsockname()[0]
+
+
+def _tcp_store(config: EngineConfig, rank: int) -> dist.TCPStore:
+    """The ranks' rendezvous over several nodes: rank 0 serves it on ``master_addr:master_port`` alone.
+
+    torch's own server would listen on every address of the head; this one
+    is handed a socket bound to the address given.
+    """
+    host, port, world = config.master_addr, config.master_port, config.tensor_parallel_size
+    timeout = dist.constants.default_pg_timeout
+    if rank != 0:
+        return dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
+    listener = socket.create_server((host, port))
+    return dist.TCPStore(host, port, world, is_master=True, timeout=timeout, master_listen_fd=listener.detach())

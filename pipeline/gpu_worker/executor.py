@@ -152,11 +152,11 @@ class Executor(ABC):
 
 
 class ModelExecutor(Executor):
-    """The real Llama over a paged KV cache on ``device``.
+    """The real model over a paged KV cache on ``device``.
 
     Args:
         config: gives the KV cache size (blocks, block size) and ``max_model_len``.
-        model: a :class:`~pipeline.gpu_worker.model.LlamaForCausalLM` on ``device``.
+        model: a model of ``pipeline.gpu_worker.models`` on ``device``.
         device: where the model lives.
         dtype: the KV cache dtype (the model's).
 

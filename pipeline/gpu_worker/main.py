@@ -16,10 +16,12 @@ import traceback
 from collections import deque
 from typing import TYPE_CHECKING
 
+import msgspec
 import torch
 
 from pipeline.common.config import EngineConfig
 from pipeline.common.constants import POLL_INTERVAL_S
+from pipeline.common.heartbeat import Heartbeats
 from pipeline.common.process import StopFlag, Stopped, freeze_startup_heap, report
 from pipeline.common.shm_ring import RingTimeout, ShmRing
 from pipeline.common.step_clock import WorkerClock
@@ -63,9 +65,11 @@ class WorkerProc:
         out_ring: ShmRing[StepOutput] | None,
         rank: int = 0,
         relay: DescriptorRelay | None = None,
+        heartbeats: Heartbeats | None = None,
     ):
         self.config, self.runner, self.rank = config, runner, rank
         self.role = config.worker_role(rank)
+        self.heartbeats = heartbeats
         self.desc_ring, self.out_ring, self.relay = desc_ring, out_ring, relay
         self.pending: deque[LaunchedStep] = deque()
         self.clock = WorkerClock() if out_ring is not None else None
@@ -81,6 +85,8 @@ class WorkerProc:
                 ``StaleTokenError``); the process reports it and exits with 1.
         """
         while not stop.is_set():
+            if self.heartbeats is not None:
+                self.heartbeats.beat(self.role)
             while self.pending and self.pending[0].is_done():
                 self._publish(self.runner.finish(self.pending.popleft()), stop)
             timeout = _BUSY_POLL_S if self.pending else POLL_INTERVAL_S
@@ -122,9 +128,11 @@ class WorkerProc:
         while self.out_ring is not None:
             try:
                 out = self.out_ring.acquire_write(timeout=POLL_INTERVAL_S)
-            except RingTimeout:
+            except RingTimeout:  # io_proc or the scheduler has not read the oldest output yet
                 if stop.is_set():
                     return
+                if self.heartbeats is not None:
+                    self.heartbeats.beat(self.role)
                 continue
             out.write(
                 step.step_id,
@@ -157,6 +165,8 @@ class WorkerProc:
             self.desc_ring.close()
         if self.out_ring is not None:
             self.out_ring.close()
+        if self.heartbeats is not None:
+            self.heartbeats.close()
 
 
 def load_runner(config: EngineConfig, rank: int = 0) -> tuple[ModelRunner, DescriptorRelay | None]:
@@ -173,7 +183,7 @@ def load_runner(config: EngineConfig, rank: int = 0) -> tuple[ModelRunner, Descr
         RuntimeError: the rendezvous failed.
     """
     device = torch.device("cuda", config.device_index(rank)) if config.device == "cuda" else torch.device("cpu")
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.dtype]
+    dtype = getattr(torch, config.dtype)
     if config.is_simulated:
         # The host side of a step is small tensor work: extra intra-op
         # threads would only spin and take a core from the other processes.
@@ -188,17 +198,19 @@ def load_runner(config: EngineConfig, rank: int = 0) -> tuple[ModelRunner, Descr
             relay = init_tensor_parallel(config, rank)[1]
         return ModelRunner(config, SimExecutor(sim, make_backend(config.attention_backend)), device), relay
     torch.set_num_threads(config.worker_threads or len(os.sched_getaffinity(0)))
-    relay = None
+    from pipeline.gpu_worker.layers.tp import SINGLE_RANK
+    from pipeline.gpu_worker.models.loader import load_model
+
+    tp, relay = SINGLE_RANK, None
     if config.tensor_parallel_size > 1:
         from pipeline.gpu_worker.distributed import init_tensor_parallel
-        from pipeline.gpu_worker.parallel import load_parallel_model
 
         tp, relay = init_tensor_parallel(config, rank)
-        model = load_parallel_model(config.model, dtype, device, tp, config.attention_backend)
-    else:
-        from pipeline.gpu_worker.weights import load_model
+    model = load_model(config.model, dtype, device, config.attention_backend, tp, config.max_model_len)
+    if not config.num_kv_blocks:
+        from pipeline.gpu_worker.kv_cache_size import kv_cache_blocks
 
-        model = load_model(config.model, dtype, device, config.attention_backend)
+        config = msgspec.structs.replace(config, num_kv_blocks=kv_cache_blocks(config, model, device, dtype, tp))
     runner = ModelRunner(config, ModelExecutor(config, model, device, dtype), device)
     if config.cuda_graph_sizes:  # after the KV cache exists, so the graphs' pool comes from what is left
         runner.executor.capture_decode_graphs(runner.input_batch.block_table, config.cuda_graph_sizes)
@@ -212,19 +224,25 @@ def run_gpu_worker(config: EngineConfig, status_conn, stop: StopFlag, rank: int 
     # The rings live on the head node; ranks elsewhere get the descriptors from the relay.
     desc_ring = config.descriptor_ring() if config.is_head else None
     out_ring = config.output_ring() if rank == 0 else None
+    heartbeats = config.heartbeats() if config.is_head else None
     report(status_conn, "attached", role)
     try:
         with stop.interrupting():
             runner, relay = load_runner(config, rank)
     except Stopped:
         return 0  # stopped while loading: the model is not needed any more
+    except (ValueError, FileNotFoundError) as e:  # the model cannot run as configured: the message says why
+        report(status_conn, "error", role, f"could not load model {config.model!r}: {e}")
+        return 1
     except Exception as e:  # start-up failure: tell the launcher why, then exit
         traceback.print_exc()
         report(status_conn, "error", role, f"could not load model {config.model!r}: {e}")
         return 1
     freeze_startup_heap()
+    if not config.num_kv_blocks and rank == 0:  # the launcher starts the scheduler with this figure
+        report(status_conn, "kv_blocks", role, runner.config.num_kv_blocks)
     report(status_conn, "ready", role)
-    proc = WorkerProc(config, runner, desc_ring, out_ring, rank, relay)
+    proc = WorkerProc(runner.config, runner, desc_ring, out_ring, rank, relay, heartbeats)
     try:
         proc.run(stop)
         if relay is not None and relay.head_stopped:

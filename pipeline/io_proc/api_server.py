@@ -29,7 +29,8 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pipeline.common.config import EngineConfig
-from pipeline.io_proc.engine_client import EngineClient, EngineUnavailable
+from pipeline.common.heartbeat import Heartbeats
+from pipeline.io_proc.engine_client import EngineClient
 from pipeline.io_proc.http_limits import RequestBodyLimit
 from pipeline.io_proc.metrics import PipelineMetrics
 from pipeline.io_proc.protocol import (
@@ -129,7 +130,11 @@ class ApiKeyAuth:
 
 
 def build_app(
-    config: EngineConfig, client: EngineClient, tokenization: Tokenization, stop_token_ids: tuple[int, ...]
+    config: EngineConfig,
+    client: EngineClient,
+    tokenization: Tokenization,
+    stop_token_ids: tuple[int, ...],
+    heartbeats: Heartbeats | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app.
 
@@ -141,12 +146,26 @@ def build_app(
         client: engine client, not started yet.
         tokenization: prompt encoding.
         stop_token_ids: token ids that end generation.
+        heartbeats: the engines' heartbeats; ``/health`` and ``/metrics``
+            answer 503 while one is older than ``config.step_timeout_s``.
     """
     serving = OpenAIServing(config, client, tokenization, stop_token_ids)
     store = ResponseStore(
         config.responses_store_max_entries, config.responses_store_max_bytes, config.responses_store_max_age_s
     )
     responses = ResponsesServing(serving, store, config.served_model_name)
+    engine_roles = [r for r in heartbeats.roles if r != "io_proc"] if heartbeats is not None else []
+
+    def hung() -> str | None:
+        """What is wrong when an engine process has shown no progress within the step timeout."""
+        if heartbeats is None or not config.step_timeout_s:
+            return None
+        stale = heartbeats.stale(config.step_timeout_s, engine_roles)
+        if not stale:
+            return None
+        role, age = max(stale, key=lambda s: s[1])
+        return f"{role} has shown no progress for {age:.1f} s (--step-timeout {config.step_timeout_s:g}): it is hung"
+
     metrics = PipelineMetrics(client, config.served_model_name, config.max_model_len, config.metrics_compat)
     created = int(time.time())
 
@@ -229,18 +248,24 @@ def build_app(
     async def health() -> Response:
         if not client.is_healthy():
             return _error(503, "the output reader thread is not running", "service_unavailable_error")
+        if why := hung():
+            return _error(503, why, "service_unavailable_error")
         return Response(b"{}", media_type="application/json")
 
     @app.get("/metrics")
     async def show_metrics() -> Response:
+        if why := "the server is shutting down" if client.shutting_down else hung():
+            return _error(503, f"no metrics: {why}", "service_unavailable_error")
         try:
             stats = await client.get_engine_stats(STATS_TIMEOUT_S)
-        except (TimeoutError, EngineUnavailable):
+        except TimeoutError:
             return _error(
                 503,
                 f"the scheduler did not answer a stats request within {STATS_TIMEOUT_S:g} s",
                 "service_unavailable_error",
             )
+        except Exception as e:  # EngineUnavailable: its queue is full, or the server is stopping
+            return _error(503, f"no metrics: {e}", "service_unavailable_error")
         return Response(metrics.render(stats), media_type=metrics.content_type)
 
     return app

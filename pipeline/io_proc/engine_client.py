@@ -35,6 +35,8 @@ from pipeline.common.messages import (
     AddRequest,
     Admitted,
     GetStats,
+    GrammarCompiled,
+    RequestFailed,
     SamplingParams,
     Stats,
     ToIO,
@@ -108,6 +110,8 @@ class EngineClient:
         self._req_nums = itertools.count(1)
         self._nonces = itertools.count(1)
         self._stats_waiters: dict[int, asyncio.Future[Stats]] = {}
+        # AddRequest number of a request with a grammar -> its choices, until the scheduler has compiled it.
+        self._compiling: dict[int, list[RequestState]] = {}
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(ToIO)
         # zmq sockets are not thread-safe; the push sockets are used by the loop
@@ -149,7 +153,7 @@ class EngineClient:
         self._admitted_waiters: dict[int, asyncio.Future[None]] = {}
         self._replies_task: asyncio.Task | None = None
         self.prompt_tokens = [0] * len(rings)
-        self.num_finished: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
+        self.num_finished: dict[str, int] = {"stop": 0, "length": 0, "abort": 0, "error": 0}
         self._shutting_down = False
 
     @property
@@ -166,6 +170,16 @@ class EngineClient:
     def num_live(self) -> int:
         """Requests (choices) that have not finished."""
         return len(self._requests)
+
+    @property
+    def reader_turn(self) -> float:
+        """``time.monotonic()`` of the last turn of the output reader thread that turned least recently."""
+        return min(r.last_turn for r in self._readers)
+
+    @property
+    def shutting_down(self) -> bool:
+        """:meth:`abort_all` was called: the server is stopping."""
+        return self._shutting_down
 
     @property
     def reader_error(self) -> BaseException | None:
@@ -272,6 +286,11 @@ class EngineClient:
         engine = self._pick_engine(prompt_token_ids)
         for state in states:
             state.engine = engine
+        if params.grammar:
+            compiled = asyncio.get_running_loop().create_future()
+            for state in states:
+                state.compiled = compiled
+            self._compiling[req_num] = states
         # Registered before sending: the first token may arrive right after.
         for state in states:
             self._requests[state.req_num] = state
@@ -282,6 +301,7 @@ class EngineClient:
             for state in states:
                 del self._requests[state.req_num]
                 del self._unadmitted[state.req_num]
+            self._compiling.pop(req_num, None)
             raise
         self.prompt_tokens[engine] += len(prompt_token_ids)
         return states
@@ -325,8 +345,15 @@ class EngineClient:
     def abort_all(self) -> None:
         """Finish every live request with "abort" (server shutdown): their
         consumers wake up and end their responses, and the scheduler is told.
+        Stats requests waiting for a reply fail with :class:`EngineUnavailable`.
         From now on :meth:`add_request` refuses new requests (a 503)."""
         self._shutting_down = True
+        for future in self._stats_waiters.values():  # the schedulers are stopping too: no reply will come
+            if not future.done():
+                future.set_exception(EngineUnavailable("the server is shutting down"))
+        for states in self._compiling.values():
+            states[0].compiled.set_result("the server is shutting down")
+        self._compiling.clear()
         for req_num in list(self._requests):
             state = self._requests.pop(req_num, None)
             if state is None:
@@ -370,10 +397,33 @@ class EngineClient:
                 continue
             if isinstance(reply, Admitted):
                 self._on_admitted(reply)
-                continue
-            future = self._stats_waiters.get(reply.nonce)
-            if future is not None and not future.done():
-                future.set_result(reply)
+            elif isinstance(reply, Stats):
+                future = self._stats_waiters.get(reply.nonce)
+                if future is not None and not future.done():
+                    future.set_result(reply)
+            elif isinstance(reply, GrammarCompiled):
+                self._on_compiled(reply)
+            elif isinstance(reply, RequestFailed):
+                self._on_failed(reply.req_num, reply.message)
+
+    def _on_compiled(self, reply: GrammarCompiled) -> None:
+        """The scheduler has compiled a request's grammar (it runs now) or refused it (its choices end)."""
+        states = self._compiling.pop(reply.req_num, None)
+        if states is None:
+            return
+        states[0].compiled.set_result(reply.error)
+        if reply.error:
+            for state in states:
+                if self._requests.pop(state.req_num, None) is not None and not state.released:
+                    state.fail(reply.error, refused=True)
+                    self.num_finished["error"] += 1
+
+    def _on_failed(self, req_num: int, message: str) -> None:
+        """The scheduler ended request ``req_num`` with an error (it has dropped it already)."""
+        state = self._requests.pop(req_num, None)
+        if state is not None and not state.released:
+            state.fail(message)
+            self.num_finished["error"] += 1
 
     def _on_admitted(self, msg: Admitted) -> None:
         for req_num, n in zip(msg.req_nums, msg.num_cached_tokens):

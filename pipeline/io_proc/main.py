@@ -19,6 +19,7 @@ from multiprocessing.connection import Connection
 import uvicorn
 
 from pipeline.common.config import EngineConfig
+from pipeline.common.heartbeat import Heartbeats
 from pipeline.common.memory import BurstWatch, trim_heap
 from pipeline.common.process import StopFlag, freeze_startup_heap, report
 from pipeline.common.shm_ring import ShmRing
@@ -78,8 +79,9 @@ class IoProc:
         StartupError: a start-up step failed (what was opened is closed again).
     """
 
-    def __init__(self, config: EngineConfig, rings: list[ShmRing[StepOutput]]):
+    def __init__(self, config: EngineConfig, rings: list[ShmRing[StepOutput]], heartbeats: Heartbeats | None = None):
         self.config = config
+        self.heartbeats = heartbeats
         self._cleanup = contextlib.ExitStack()
         try:
             self._open(rings)
@@ -116,7 +118,7 @@ class IoProc:
                 f"cannot open the control sockets ({e}); check that {config.ipc_dir!r} exists and is writable"
             ) from e
         cleanup.callback(self.client.close)
-        app = build_app(config, self.client, tokenization, stop_token_ids)
+        app = build_app(config, self.client, tokenization, stop_token_ids, self.heartbeats)
         _raise_fd_limit(config.limit_concurrency + _SPARE_FDS)
         # Warnings any client can trigger at will, one line per request otherwise.
         for message in ("Exceeded concurrency limit.", "Invalid HTTP request received."):
@@ -174,6 +176,9 @@ class IoProc:
                 logger.error("the output reader thread died (%r); exiting", client.reader_error)
                 code = 1
                 break
+            if self.heartbeats is not None:
+                # As old as the reader thread's last turn: a stuck thread or a stuck loop both stop the beat.
+                self.heartbeats.beat(_NAME, client.reader_turn)
             if burst.passed(client.num_live):
                 await asyncio.to_thread(_release_memory)
             await asyncio.sleep(_WATCH_INTERVAL_S)
@@ -212,9 +217,10 @@ def run_io_proc(config: EngineConfig, status_conn: Connection, stop: StopFlag) -
             for ring in rings:
                 ring.close()
             return 1
+    heartbeats = config.heartbeats()
     report(status_conn, "attached", _NAME)
     try:
-        proc = IoProc(config, rings)
+        proc = IoProc(config, rings, heartbeats)
         try:
             code = proc.run(stop, status_conn)
         finally:
@@ -230,6 +236,7 @@ def run_io_proc(config: EngineConfig, status_conn: Connection, stop: StopFlag) -
     finally:
         for ring in rings:
             ring.close()
+        heartbeats.close()
     return code
 
 

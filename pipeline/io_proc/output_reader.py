@@ -69,6 +69,8 @@ class OutputReader:
     Attributes:
         error: the exception that ended the thread, if one did.
         num_generation_tokens: tokens accepted for live requests so far.
+        last_turn: ``time.monotonic()`` of the loop's last turn (at least every
+            ``POLL_INTERVAL_S`` while it runs); io_proc's heartbeat.
     """
 
     def __init__(
@@ -91,6 +93,7 @@ class OutputReader:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.error: BaseException | None = None
         self.num_generation_tokens = 0
+        self.last_turn = time.monotonic()
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start the thread; results are dispatched on ``loop``."""
@@ -112,6 +115,7 @@ class OutputReader:
         ring, reader = self._ring, OUTPUT_READER_IO
         try:
             while not self._closing.is_set():
+                self.last_turn = time.monotonic()
                 try:
                     entry = ring.acquire_read(reader, timeout=POLL_INTERVAL_S)
                 except RingTimeout:
@@ -156,10 +160,11 @@ class OutputReader:
             proc = state.processor
             try:
                 finish = proc.push(token_id)
-            except Exception:
-                # One request's failure must not stop the others' output.
-                logger.exception("output processing failed for request %d; aborting it", req_num)
-                finish, proc.needs_abort = "abort", True
+            except Exception as e:
+                # One request's failure must not stop the others' output: it alone ends, with an error.
+                logger.exception("output processing failed for request %d; ending it with an error", req_num)
+                finish, proc.needs_abort = "error", True
+                state.error = f"internal error while producing the output: {type(e).__name__}"
             if finish is not None:
                 requests.pop(req_num, None)
                 if proc.needs_abort:

@@ -126,7 +126,7 @@ class RequestMetrics:
             Histogram(tokens) for _ in range(4)
         )
         self.n = Histogram(N_BUCKETS)
-        self.success = {"stop": 0, "length": 0, "abort": 0}
+        self.success = {"stop": 0, "length": 0, "abort": 0, "error": 0}
         self.cpu = CpuPerStep()
         self._itl = _InterTokenLatency()
 

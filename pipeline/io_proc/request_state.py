@@ -53,7 +53,15 @@ class RequestState:
         req_num: the request's number (unique for the server's life).
         prompt_len: prompt tokens.
         processor: token -> text (reader thread only).
-        finish_reason: None while running, then "stop", "length" or "abort".
+        finish_reason: None while running, then "stop", "length", "abort" or
+            "error" (see :attr:`error`).
+        error: with finish reason "error", what went wrong.
+        refused: with finish reason "error", the request was refused before
+            it ran (its grammar: a client error, 400) rather than failed
+            while running (500).
+        compiled: for a request with a grammar, resolved with "" once the
+            scheduler has compiled it and queued the request, or with why it
+            was refused; None for others. Choices of one request share it.
         num_output_tokens: output tokens delivered to this side so far (all
             of them once finished; a non-streaming request's only at its finish).
         streaming: the consumer reads :meth:`updates` and is woken per step;
@@ -88,6 +96,9 @@ class RequestState:
         "prompt_len",
         "processor",
         "finish_reason",
+        "error",
+        "refused",
+        "compiled",
         "num_output_tokens",
         "every_token",
         "released",
@@ -124,6 +135,9 @@ class RequestState:
         self.prompt_len = prompt_len
         self.processor = processor
         self.finish_reason: FinishReason | None = None
+        self.error: str | None = None
+        self.refused = False
+        self.compiled: asyncio.Future[str] | None = None
         self.num_output_tokens = 0
         self.params = params
         self.prompt_token_ids = prompt_token_ids
@@ -166,6 +180,11 @@ class RequestState:
         # does not even deliver to it before), so only a finish wakes it.
         if self.streaming or finish is not None:
             self._event.set()
+
+    def fail(self, message: str, refused: bool = False) -> None:
+        """End the request with finish reason "error" (event loop only); ``refused``: before it ran."""
+        self.error, self.refused = message, refused
+        self.deliver("", "error", self.num_output_tokens)
 
     @property
     def delivery_times(self) -> list[tuple[float, int]]:

@@ -32,7 +32,7 @@ from pipeline.io_proc.responses_input import (
     responses_error,
 )
 from pipeline.io_proc.responses_output import Events, ResponseBuilder
-from pipeline.io_proc.serving import EventStream, OpenAIServing, chat_output, json_body
+from pipeline.io_proc.serving import EventStream, OpenAIServing, chat_output, grammar_field, json_body
 from pipeline.io_proc.tool_calling import ChatToolStream, ToolPlan, new_call_id
 
 logger = logging.getLogger(__name__)
@@ -76,10 +76,16 @@ class ResponsesServing:
             raise responses_error(e) from None
         resp = ResponseBuilder(req, self._model, history + items)
         close = self._serving.closer(resp.id, chat, states)
-        if req.stream:
-            return EventStream(self._stream(resp, plan, states[0]), close)
-        if not await self._serving.wait(states, raw, close):
-            return Response(status_code=499)
+        param = grammar_field(chat, plan)
+        try:
+            if req.stream:
+                if not await self._serving.compiled(states, raw, close, param):
+                    return Response(status_code=499)
+                return EventStream(self._stream(resp, plan, states[0]), close)
+            if not await self._serving.wait(states, raw, close, param):
+                return Response(status_code=499)
+        except APIError as e:  # the grammar refused (400) or the request failed (500)
+            raise responses_error(e) from None
         content, calls, finish_reason = chat_output(plan, states[0])
         if content or not calls:
             resp.add_message(content or "")
@@ -145,6 +151,9 @@ class ResponsesServing:
                 yield ev(
                     "error", code="503", message="the server is shutting down and stopped this response", param=None
                 )
+                return
+            if state.finish_reason == "error":
+                yield ev("error", code="500", message=f"the response failed: {state.error}", param=None)
                 return
             if tools is not None:
                 content, calls = tools.finish()

@@ -168,12 +168,15 @@ class OpenAIServing:
                 503 scheduler not taking requests.
         """
         plan, prompt, states = await self.start_chat(req)
+        param = grammar_field(req, plan)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         prompt_ids = prompt if req.return_token_ids else msgspec.UNSET
         close = self.closer(rid, req, states)
         if req.stream:
+            if not await self.compiled(states, raw, close, param):
+                return Response(status_code=_CLIENT_CLOSED)
             return EventStream(self._chat_stream(req, plan, states, rid, created, prompt_ids), close)
-        if not await self.wait(states, raw, close):
+        if not await self.wait(states, raw, close, param):
             return Response(status_code=_CLIENT_CLOSED)
         choices = []
         for i, st in enumerate(states):
@@ -210,9 +213,11 @@ class OpenAIServing:
         self._check_model(req)
         self._check_fan_out(1, req.num_choices())
         self._check_chars(sum(len(m.text()) for m in req.messages), "messages")
-        plan = self.tool_calling.plan(req)
+        # Tools' schemas are checked as grammars, which the event loop must not spend its time on.
+        plan = await asyncio.to_thread(self.tool_calling.plan, req) if req.tools else self.tool_calling.plan(req)
+        grammar = await self._request_grammar(req, plan)
         prompt = await self._tokenization.encode_chat(plan.conversation, tools=plan.template_tools)
-        return plan, prompt, self._start(req, prompt, "messages", plan)
+        return plan, prompt, self._start(req, prompt, "messages", grammar, plan)
 
     async def completion(self, req: CompletionRequest, raw: Request) -> Response:
         """Serve ``POST /v1/completions``: one choice per prompt.
@@ -225,6 +230,7 @@ class OpenAIServing:
         self._check_fan_out(len(req.prompt), req.num_choices())
         if req.requested_max_tokens() == 0 and not req.echo:
             raise APIError.bad_request("max_tokens must be at least 1 unless echo is true", param="max_tokens")
+        grammar, param = await self._request_grammar(req), grammar_field(req)  # once for every prompt and choice
         prompts: list[list[int]] = []
         for p in req.prompt:
             if isinstance(p, str):
@@ -242,7 +248,7 @@ class OpenAIServing:
         states: list[RequestState] = []
         try:
             for ids in prompts:
-                states.extend(self._start(req, ids, "prompt"))
+                states.extend(self._start(req, ids, "prompt", grammar))
         except APIError:
             for st in states:
                 self._client.release(st)
@@ -252,8 +258,10 @@ class OpenAIServing:
         prompt_ids = [p for p in prompts for _ in range(n)] if req.return_token_ids else [msgspec.UNSET] * len(states)
         close = self.closer(rid, req, states)
         if req.stream:
+            if not await self.compiled(states, raw, close, param):
+                return Response(status_code=_CLIENT_CLOSED)
             return EventStream(self._completion_stream(req, states, echoes, rid, created, prompt_ids), close)
-        if not await self.wait(states, raw, close):
+        if not await self.wait(states, raw, close, param):
             return Response(status_code=_CLIENT_CLOSED)
         choices = []
         for i, st in enumerate(states):
@@ -350,9 +358,17 @@ class OpenAIServing:
             )
 
     def _start(
-        self, req: SamplingRequest, prompt: list[int], prompt_param: str, plan: ToolPlan | None = None
+        self,
+        req: SamplingRequest,
+        prompt: list[int],
+        prompt_param: str,
+        grammar: str = "",
+        plan: ToolPlan | None = None,
     ) -> list[RequestState]:
-        """Check lengths, build sampling parameters and add the request's ``n`` choices to the engine."""
+        """Check lengths, build sampling parameters and add the request's ``n`` choices to the engine.
+
+        ``grammar``: from :meth:`_request_grammar` ("" for free text); ``plan``: a chat request's tools.
+        """
         n, limit = len(prompt), self._max_model_len
         if n == 0:
             raise APIError.bad_request(f"the {prompt_param} encode to no tokens", param=prompt_param)
@@ -392,16 +408,13 @@ class OpenAIServing:
                     f"{name}: token id {max(ids)} is out of range: the vocabulary has {self._vocab_limit} tokens",
                     param=name,
                 )
-        # As in vLLM, ignore_eos drops only the EOS ids: the request's own stop_token_ids still end it.
-        eos_ids = () if req.ignore_eos else self._stop_token_ids
-        stop_ids = tuple(dict.fromkeys((*(req.stop_token_ids or ()), *eos_ids)))
+        stop_ids = self._stop_ids(req)
         if len(stop_ids) > MAX_STOP_TOKEN_IDS:
             raise APIError.bad_request(
                 f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} stop token ids in all, with "
                 f"the model's {len(self._stop_token_ids)}",
                 param="stop_token_ids",
             )
-        grammar = self._grammar(req, stop_ids, plan)
         temperature = 1.0 if req.temperature is None else req.temperature
         top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
         params = SamplingParams(
@@ -436,6 +449,27 @@ class OpenAIServing:
             )
         except EngineUnavailable as e:
             raise APIError(503, f"{e}; retry later", type="service_unavailable_error") from None
+
+    def _stop_ids(self, req: SamplingRequest) -> tuple[int, ...]:
+        """The ids that end the request: its own ``stop_token_ids``, then the model's EOS ids unless ``ignore_eos``.
+
+        As in vLLM, ignore_eos drops only the EOS ids: the request's own stop_token_ids still end it.
+        """
+        eos_ids = () if req.ignore_eos else self._stop_token_ids
+        return tuple(dict.fromkeys((*(req.stop_token_ids or ()), *eos_ids)))
+
+    async def _request_grammar(self, req: SamplingRequest, plan: ToolPlan | None = None) -> str:
+        """The request's grammar ("" for free text), built on a thread: a schema of megabytes takes tens of
+        milliseconds to serialize, which the event loop must not spend (a tool plan's is built already).
+
+        Raises:
+            APIError: 400 naming the field (see :meth:`_grammar`).
+        """
+        if plan is not None and plan.grammar:
+            return self._grammar(req, self._stop_ids(req), plan)
+        if req.structured_output() is None:
+            return ""
+        return await asyncio.to_thread(self._grammar, req, self._stop_ids(req), plan)
 
     def _grammar(self, req: SamplingRequest, stop_ids: tuple[int, ...], plan: ToolPlan | None) -> str:
         """The request's llguidance grammar (docs/design.md, "Structured output"; the tool plan's,
@@ -483,12 +517,14 @@ class OpenAIServing:
 
         return close
 
-    async def wait(self, states: list[RequestState], raw: Request, close: Callable[[], None]) -> bool:
+    async def wait(
+        self, states: list[RequestState], raw: Request, close: Callable[[], None], grammar_param: str | None = None
+    ) -> bool:
         """Wait for non-streaming requests to finish, then ``close``; False if the client left
         first (then the requests are aborted at once, within the step).
 
         Raises:
-            APIError: 503 if the server ended a request (shutting down).
+            APIError: as :func:`_raise_ended`.
         """
         finished = asyncio.ensure_future(_all_finished(states))
         left = asyncio.ensure_future(_client_left(raw))
@@ -496,13 +532,41 @@ class OpenAIServing:
             await asyncio.wait((finished, left), return_when=asyncio.FIRST_COMPLETED)
             if any(st.finish_reason is None for st in states):
                 return False
-            if any(st.finish_reason == "abort" for st in states):
-                raise APIError(503, _ABORTED, type="service_unavailable_error")
+            _raise_ended(states, grammar_param)
             return True
         finally:
             finished.cancel()
             left.cancel()
             close()
+
+    async def compiled(
+        self, states: list[RequestState], raw: Request, close: Callable[[], None], grammar_param: str | None
+    ) -> bool:
+        """Before a stream starts: wait until the scheduler has compiled the grammar of ``states`` (if they
+        have one) and queued them, so that a grammar it refuses is still a 400. False if the client left
+        first; then, and on an error, ``close`` has run.
+
+        Raises:
+            APIError: as :func:`_raise_ended`.
+        """
+        pending = {st.compiled for st in states if st.compiled is not None}
+        if not pending:
+            return True
+        left = asyncio.ensure_future(_client_left(raw))
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending | {left}, return_when=asyncio.FIRST_COMPLETED)
+                if left in done:
+                    close()
+                    return False
+                pending -= done
+            _raise_ended(states, grammar_param)
+            return True
+        except BaseException:
+            close()
+            raise
+        finally:
+            left.cancel()
 
     @staticmethod
     def _output_ids(req: SamplingRequest, state: RequestState) -> list[int] | msgspec.UnsetType:
@@ -583,13 +647,17 @@ class OpenAIServing:
                     return
                 else:
                     finish_reason = st.finish_reason
-                    if tools[i] is not None:
+                    if tools[i] is not None and finish_reason != "error":
                         content, calls = tools[i].finish()
                         if content is not None or calls is not None:
                             yield chunk(i, DeltaMessage(content=content, tool_calls=calls))
                         if tools[i].num_calls and finish_reason == "stop":
                             finish_reason = "tool_calls"
                     yield chunk(i, DeltaMessage(), finish_reason)
+                    if finish_reason == "error":
+                        yield _stream_failed(st)
+                        yield _DONE
+                        return
             if include_usage:
                 yield _sse(
                     ChatCompletionChunk(
@@ -659,6 +727,10 @@ class OpenAIServing:
                     yield chunk(i, text, token_ids=ids if with_ids else msgspec.UNSET, entries=lps)
                 else:
                     yield chunk(i, "", st.finish_reason)
+                    if st.finish_reason == "error":
+                        yield _stream_failed(st)
+                        yield _DONE
+                        return
             if include_usage:
                 yield _sse(
                     CompletionResponse(
@@ -723,6 +795,41 @@ async def _client_left(raw: Request) -> None:
     """
     while (await raw.receive())["type"] != "http.disconnect":
         pass
+
+
+def grammar_field(req: SamplingRequest, plan: ToolPlan | None = None) -> str | None:
+    """The request field a grammar the scheduler refuses is named by in the 400 (None: no grammar)."""
+    if plan is not None and plan.grammar:
+        return "tools"
+    so = req.structured_output()
+    return None if so is None else so[2]
+
+
+def _raise_ended(states: list[RequestState], grammar_param: str | None) -> None:
+    """Raise the error of the first of ``states`` that the server ended.
+
+    Raises:
+        APIError: 503 if the server stopped a request (shutting down); 400
+            naming ``grammar_param`` if the scheduler refused its grammar; 500
+            if a request failed while it ran (its finish reason "error", as
+            vLLM reports a request-level internal error).
+    """
+    for st in states:
+        if st.finish_reason == "abort":
+            raise APIError(503, _ABORTED, type="service_unavailable_error")
+        if st.finish_reason == "error":
+            if st.refused:
+                raise APIError.bad_request(f"{grammar_param}: {st.error}", param=grammar_param)
+            raise APIError(500, f"the request failed: {st.error}", type="internal_server_error")
+
+
+def _stream_failed(state: RequestState) -> bytes:
+    """The error event of a stream whose request failed while it ran (after its finish_reason "error" chunk)."""
+    return _sse(
+        ErrorResponse(
+            error=ErrorInfo(message=f"the request failed: {state.error}", type="internal_server_error", code="500")
+        )
+    )
 
 
 def _stream_aborted() -> bytes:

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pipeline.common.grammar import GrammarError, build_grammar
+from pipeline.common.grammar import GrammarError, build_grammar, check_grammar
 from pipeline.io_proc.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -274,12 +274,15 @@ def _template_tools(tools: list[ChatTool]) -> list[dict]:
 def _compile(grammar: str, chosen: list[ToolSpec], specs: list[ToolSpec]) -> str:
     """``grammar`` compiled and checked; on an error, the tool whose schema caused it is named."""
     try:
-        return build_grammar("lark", grammar, "tools")
+        grammar = build_grammar("lark", grammar, "tools")
+        check_grammar(grammar, "tools")
+        return grammar
     except GrammarError as e:
         for i, s in enumerate(specs):
             if s in chosen:
+                param = f"tools[{i}].function.parameters"
                 try:
-                    build_grammar("json_schema", s.parameters, f"tools[{i}].function.parameters")
+                    check_grammar(build_grammar("json_schema", s.parameters, param), param)
                 except GrammarError as culprit:
                     raise APIError.bad_request(str(culprit), param=culprit.param) from None
         raise APIError.bad_request(str(e), param="tools") from None

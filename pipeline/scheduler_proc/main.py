@@ -20,24 +20,38 @@ import numpy as np
 import zmq
 
 from pipeline.common.config import EngineConfig
-from pipeline.common.constants import POLL_INTERVAL_S, cdiv
+from pipeline.common.constants import POLL_INTERVAL_S
 from pipeline.common.grammar import load_tokenizer
+from pipeline.common.heartbeat import Heartbeats
 from pipeline.common.memory import BurstWatch, trim_heap
-from pipeline.common.messages import AbortRequest, AddRequest, Admitted, GetStats, Shutdown, Stats, ToScheduler
+from pipeline.common.messages import (
+    AbortRequest,
+    AddRequest,
+    Admitted,
+    GetStats,
+    GrammarCompiled,
+    RequestFailed,
+    Shutdown,
+    Stats,
+    ToScheduler,
+)
 from pipeline.common.process import StopFlag, freeze_startup_heap, report
 from pipeline.common.shm_ring import RingTimeout, ShmRing
 from pipeline.common.step_clock import WORKER_STATS_LEN, CpuPerStep, worker_stats
 from pipeline.common.step_protocol import (
-    MASK_BITS,
     MAX_INFLIGHT_STEPS,
     OUTPUT_READER_SCHEDULER,
     StepDescriptor,
     StepOutput,
 )
 from pipeline.common.trace import TraceRecorder
+from pipeline.scheduler_proc.grammar_manager import GrammarManager
 from pipeline.scheduler_proc.scheduler import Scheduler
 
 logger = logging.getLogger("pipeline.scheduler")
+
+# How often the loop looks for finished compilations while nothing else runs.
+_COMPILING_POLL_MS = 5
 
 
 class StepTimeout(Exception):
@@ -49,7 +63,10 @@ class SchedulerProc:
 
     A control message that does not decode is logged and dropped. With
     ``config.step_timeout_s`` > 0, :meth:`run` raises :class:`StepTimeout`
-    when the oldest step in flight has waited that long for its output.
+    when the oldest step in flight has waited that long for its output,
+    unless io_proc's heartbeat is as old (then the worker waits on io_proc,
+    and the launcher names io_proc). Each turn of the loop beats in
+    ``heartbeats`` (docs/design.md, "Liveness").
     """
 
     def __init__(
@@ -59,23 +76,28 @@ class SchedulerProc:
         out_ring: ShmRing[StepOutput],
         control: zmq.Socket,
         replies: zmq.Socket,
+        heartbeats: Heartbeats | None = None,
     ):
         self.config = config
+        self.heartbeats = heartbeats
         self.desc_ring, self.out_ring = desc_ring, out_ring
         self.control, self.replies = control, replies
         # Structured output needs llguidance's view of the tokenizer; building it takes ~0.2 s, so it is
         # done here, before the first step, not when the first grammar request arrives.
-        grammar_tokenizer = (
-            load_tokenizer(config.tokenizer or config.model, config.vocab_size) if config.vocab_size else None
-        )
+        self.grammars = None
+        if config.vocab_size:
+            self.grammars = GrammarManager(
+                load_tokenizer(config.tokenizer or config.model, config.vocab_size),
+                config.vocab_size,
+                config.max_grammar_memory_per_request_mb * 2**20,
+                config.max_grammar_memory_mb * 2**20,
+            )
         self.scheduler = Scheduler(
             config.max_num_seqs,
             config.max_num_batched_tokens,
             config.block_size,
             config.num_kv_blocks,
             config.max_blocks_per_seq,
-            grammar_tokenizer,
-            cdiv(config.vocab_size, MASK_BITS),
             config.enable_prefix_caching,
             config.block_hash_root,
         )
@@ -95,15 +117,22 @@ class SchedulerProc:
     def run(self, stop) -> None:
         """Serve until a Shutdown message or ``stop.is_set()``."""
         wait_ms = 0
+        role = self.config.scheduler_role
         while self._running and not stop.is_set():
+            if self.heartbeats is not None:
+                self.heartbeats.beat(role)
             self._drain_control(wait_ms)
             wait_ms = 0
             if self._burst.passed(self.scheduler.num_unfinished):
                 self._release_memory()
+            if self.grammars is not None:
+                self._grammar_turn()
             if len(self.inflight) < self.max_inflight and self.scheduler.num_unfinished and self._plan_step():
                 continue
             if self.inflight:
                 self._await_output()
+            elif self.grammars is not None and self.grammars.num_pending:  # look again soon: compiling
+                wait_ms = _COMPILING_POLL_MS
             else:  # nothing runs and nothing can: sleep in zmq until a message comes
                 wait_ms = int(POLL_INTERVAL_S * 1000)
 
@@ -133,26 +162,71 @@ class SchedulerProc:
                 logger.warning("dropped a malformed control message (%d bytes): %s", len(raw), e)
                 continue
             if isinstance(msg, AddRequest):
-                self.scheduler.add_request(msg)
+                self._add_request(msg)
             elif isinstance(msg, AbortRequest):
-                self.scheduler.abort_request(msg.req_num, msg.finished_ns)
+                if self.grammars is None or not self.grammars.abort(msg.req_num):
+                    self.scheduler.abort_request(msg.req_num, msg.finished_ns)
             elif isinstance(msg, GetStats):
-                self.replies.send(self._encoder.encode(self._stats(msg.nonce)))
+                self._reply(self._stats(msg.nonce))
             elif isinstance(msg, Shutdown):
                 self._running = False
+
+    def _add_request(self, msg: AddRequest) -> None:
+        """A request with a grammar waits for its matchers; others are queued at once.
+
+        A request the scheduler cannot take (a fault of its own, never the
+        engine's) fails alone: io_proc is told and the loop goes on.
+        """
+        if msg.params.grammar:
+            if self.grammars is None:
+                self._reply(
+                    GrammarCompiled(msg.req_num, "structured output needs a model; the simulated device has none")
+                )
+            else:
+                self.grammars.add(msg)
+            return
+        try:
+            self.scheduler.add_request(msg)
+        except Exception as e:
+            logger.exception("request %d could not be queued", msg.req_num)
+            for i in range(msg.n):  # its choices
+                self._reply(RequestFailed(msg.req_num + i, f"{type(e).__name__}: {e}"))
+
+    def _grammar_turn(self) -> None:
+        """Queue the requests whose matchers are ready, tell io_proc of those refused, and end those whose
+        matcher failed on a token (docs/design.md, "Structured output")."""
+        ready, refused = self.grammars.poll()
+        for msg, states, aborted in ready:
+            self.scheduler.add_request(msg, states)
+            for num in aborted:
+                self.scheduler.abort_request(num)
+            self._reply(GrammarCompiled(msg.req_num))
+        for req_num, why in refused:
+            self._reply(GrammarCompiled(req_num, why))
+        failed = self.grammars.failed
+        while failed:
+            state = failed.popleft()
+            if self.scheduler.abort_request(state.req_num):
+                logger.warning("request %d: %s", state.req_num, state.error)
+                self._reply(RequestFailed(state.req_num, state.error))
+
+    def _reply(self, msg: Admitted | GrammarCompiled | RequestFailed | Stats) -> None:
+        self.replies.send(self._encoder.encode(msg))
 
     def _plan_step(self) -> bool:
         try:
             desc = self.desc_ring.acquire_write(timeout=POLL_INTERVAL_S)
         except RingTimeout:
             return False
+        if self.grammars is not None:
+            self.grammars.wait_masks()
         t0 = time.monotonic_ns()
         step_id = self.scheduler.next_step_id
         if not self.scheduler.schedule(desc):
             return False  # entry stays acquired for the next try
         if self.scheduler.admitted:  # before the step: io_proc has it before the requests' outputs
             nums, cached = zip(*self.scheduler.admitted)
-            self.replies.send(self._encoder.encode(Admitted(list(nums), list(cached))))
+            self._reply(Admitted(list(nums), list(cached)))
             self.scheduler.admitted.clear()
         self.desc_ring.publish()
         if self.trace is not None:
@@ -171,7 +245,7 @@ class SchedulerProc:
             entry = self.out_ring.acquire_read(OUTPUT_READER_SCHEDULER, timeout=POLL_INTERVAL_S)
         except RingTimeout:
             waited = time.monotonic() - self._oldest_since
-            if self.config.step_timeout_s and waited > self.config.step_timeout_s:
+            if self.config.step_timeout_s and waited > self.config.step_timeout_s and not self._io_proc_hung():
                 raise StepTimeout(
                     f"step {self.inflight[0]} has produced no output for {waited:.1f} s "
                     f"(--step-timeout {self.config.step_timeout_s:g}): the worker is hung"
@@ -190,6 +264,11 @@ class SchedulerProc:
         if self.trace is not None:
             self.trace.add(self.config.scheduler_role, "plan", "process_output", out.step_id, t0, time.monotonic_ns())
             self.trace.add_step_cpu(self.config.scheduler_role, out.step_id)
+
+    def _io_proc_hung(self) -> bool:
+        """io_proc has stopped reading outputs, so the worker cannot publish: the launcher's watchdog names it."""
+        hb = self.heartbeats
+        return hb is not None and bool(hb.stale(self.config.step_timeout_s, ["io_proc"]))
 
     def _stats(self, nonce: int) -> Stats:
         s = self.scheduler
@@ -222,6 +301,7 @@ def run_scheduler(config: EngineConfig, status_conn, stop: StopFlag) -> int:
     role = config.scheduler_role
     desc_ring = config.descriptor_ring()
     out_ring = config.output_ring()
+    heartbeats = config.heartbeats()
     report(status_conn, "attached", role)
     ctx = zmq.Context()
     control = ctx.socket(zmq.PULL)
@@ -229,7 +309,7 @@ def run_scheduler(config: EngineConfig, status_conn, stop: StopFlag) -> int:
     replies = ctx.socket(zmq.PUSH)
     replies.connect(config.reply_address)
     try:
-        loop = SchedulerProc(config, desc_ring, out_ring, control, replies)
+        loop = SchedulerProc(config, desc_ring, out_ring, control, replies, heartbeats)
     except ValueError as e:
         report(status_conn, "error", role, str(e))
         return 1
@@ -240,7 +320,10 @@ def run_scheduler(config: EngineConfig, status_conn, stop: StopFlag) -> int:
     finally:
         if loop.trace is not None:
             loop.trace.dump(config.trace_path(role))
+        if loop.grammars is not None:
+            loop.grammars.close()
         ctx.destroy(linger=0)
         desc_ring.close()
         out_ring.close()
+        heartbeats.close()
     return 0

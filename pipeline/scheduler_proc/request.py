@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 from array import array
 
-from pipeline.common.grammar import GrammarState
 from pipeline.common.messages import SamplingParams
 from pipeline.common.step_protocol import PLACEHOLDER_TOKEN_ID
+from pipeline.scheduler_proc.grammar_manager import GrammarState
 
 
 class Request:

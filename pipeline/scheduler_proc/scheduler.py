@@ -14,7 +14,6 @@ result.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -24,17 +23,14 @@ from msgspec.structs import replace
 
 from pipeline.common.constants import cdiv
 from pipeline.common.descriptor_builder import DescriptorBuilder
-from pipeline.common.grammar import GrammarState
 from pipeline.common.histogram import ITERATION_TOKENS_BUCKETS, REQUEST_LATENCY_BUCKETS, Histogram
-from pipeline.common.lazy_grammar import TriggeredGrammarState
-from pipeline.common.messages import AddRequest, SamplingParams, check_finish, choice_seed
+from pipeline.common.messages import AddRequest, check_finish, choice_seed
 from pipeline.common.step_protocol import MAX_MASKED_ROWS, StepDescriptor, max_new_blocks_per_step
+from pipeline.scheduler_proc.grammar_manager import GrammarState
 from pipeline.scheduler_proc.kv_block_pool import BlockPool
 from pipeline.scheduler_proc.prefix_cache import PrefixCache, num_final_tokens
 from pipeline.scheduler_proc.request import Request
 from pipeline.scheduler_proc.steady_rows import SteadyRows
-
-log = logging.getLogger(__name__)
 
 _NO_ROWS = np.zeros(0, np.int64)
 
@@ -67,9 +63,6 @@ class Scheduler:
         block_size: tokens per KV block.
         num_kv_blocks: KV blocks in the cache.
         max_blocks_per_seq: block-table row width (``ceil(max_model_len / block_size)``).
-        grammar_tokenizer: llguidance's tokenizer (``grammar.load_tokenizer``) for requests
-            with a grammar; None when the model has none (the simulated device).
-        mask_words: int32 words of one token bitmask (``ceil(vocab / 32)``).
         enable_prefix_caching: reuse the blocks of cached prefixes.
         block_hash_root: the parent name of a first block (``EngineConfig.block_hash_root``).
 
@@ -84,8 +77,6 @@ class Scheduler:
         block_size: int,
         num_kv_blocks: int,
         max_blocks_per_seq: int,
-        grammar_tokenizer=None,
-        mask_words: int = 0,
         enable_prefix_caching: bool = True,
         block_hash_root: bytes = b"",
     ):
@@ -117,7 +108,6 @@ class Scheduler:
         self.iteration_tokens = Histogram(ITERATION_TOKENS_BUCKETS)
         self._output_ns = 0  # time_ns of the output being applied
         self._builder = DescriptorBuilder()
-        self._grammar_tokenizer, self._mask_words = grammar_tokenizer, mask_words
         self._max_new_blocks = max_new_blocks_per_step(max_num_seqs, max_num_batched_tokens, block_size)
         self._last_output_step = -1
         self._finish_after: dict[int, list[Request]] = {}  # step id -> requests that end when it completes
@@ -134,8 +124,10 @@ class Scheduler:
 
     # -- control ----------------------------------------------------------------
 
-    def add_request(self, msg: AddRequest) -> None:
-        """Queue a new request. A repeated ``req_num`` is ignored.
+    def add_request(self, msg: AddRequest, grammars: list[GrammarState] | None = None) -> None:
+        """Queue a new request; ``grammars``: its matchers (one per choice) if it has a grammar.
+
+        A repeated ``req_num`` is ignored.
 
         With ``msg.n`` > 1 its choices are the requests ``req_num + i``, each
         seeded ``choice_seed(seed, i)``; they share the prompt through the
@@ -145,9 +137,10 @@ class Scheduler:
         if msg.req_num in self.requests:
             return
         prompt = list(msg.prompt_token_ids)
+        grammars = grammars or [None] * msg.n
         for i in range(msg.n):
             params = msg.params if msg.n == 1 else replace(msg.params, seed=choice_seed(msg.params.seed, i))
-            req = Request(msg.req_num + i, prompt, params, self._new_grammar(params))
+            req = Request(msg.req_num + i, prompt, params, grammars[i])
             if i == 0:
                 self.prefix.name_prompt(req)
             else:
@@ -155,31 +148,22 @@ class Scheduler:
             self.requests[req.req_num] = req
             self.waiting.append(req)
 
-    def _new_grammar(self, params: SamplingParams) -> GrammarState | TriggeredGrammarState | None:
-        """A fresh matcher for a request with a grammar (about 1 ms: llguidance compiles lazily), else None."""
-        if not params.grammar:
-            return None
-        if self._grammar_tokenizer is None:
-            raise ValueError("structured output needs a model with a tokenizer")
-        state = GrammarState(self._grammar_tokenizer, params.grammar, params.stop_token_ids)
-        if params.grammar_trigger:
-            return TriggeredGrammarState(
-                state, self._grammar_tokenizer, params.grammar_trigger, params.grammar_trigger_at_start
-            )
-        return state
-
-    def abort_request(self, req_num: int, finished_ns: int = 0) -> None:
+    def abort_request(self, req_num: int, finished_ns: int = 0) -> bool:
         """Drop a request now; its blocks and req_index return after its last step in flight.
 
         ``finished_ns`` > 0 means the request finished then (a stop string),
         and its phases are observed.
+
+        Returns:
+            False if there was no such request (it had finished, or never came).
         """
         req = self.requests.get(req_num)
         if req is None:
-            return
+            return False
         if finished_ns:
             self._observe_finish(req, finished_ns)
         self._remove(req)
+        return True
 
     def shrink(self) -> None:
         """After a burst: rebuild the request table, which never gives back the room its peak took."""
@@ -234,14 +218,15 @@ class Scheduler:
             if req.num_computed_tokens < req.num_known_tokens:  # unfinished prefill
                 n = min(req.num_known_tokens - req.num_computed_tokens, step.budget)
             elif req.num_outputs_planned < req.params.max_tokens:  # decode
-                if req.grammar is not None and req.num_placeholders and req.grammar.needs_mask(req.num_placeholders):
-                    continue  # its mask needs the token in flight: it sits out this step alone
+                g = req.grammar
+                if g is not None and g.needs_mask(req.num_placeholders) and (req.num_placeholders or not g.ready):
+                    continue  # its mask needs the token in flight, or is being computed: it sits out alone
                 n = 1
             else:  # its last token is in flight; it finishes when that arrives
                 continue
             sample = req.samples(req.num_computed_tokens + n)
             masked = sample and req.grammar is not None and req.grammar.needs_mask(req.num_placeholders)
-            if masked and step.num_masks == MAX_MASKED_ROWS:
+            if masked and (step.num_masks == MAX_MASKED_ROWS or not req.grammar.ready):
                 continue
             if not self._grow_blocks(req, n):
                 continue
@@ -267,7 +252,7 @@ class Scheduler:
             n = min(req.num_known_tokens - start, step.budget)
             sample = req.samples(start + n)
             masked = sample and req.grammar is not None and req.grammar.needs_mask(0)
-            if masked and step.num_masks == MAX_MASKED_ROWS:
+            if masked and (step.num_masks == MAX_MASKED_ROWS or not req.grammar.ready):
                 break
             need = cdiv(start + n, self.block_size) - len(hit)
             if (
@@ -349,10 +334,8 @@ class Scheduler:
         b = self._builder
         for req, k, sample in rows:
             pos = req.num_computed_tokens
-            mask = None
-            if sample and req.grammar is not None and req.grammar.needs_mask(req.num_placeholders):
-                mask = np.empty(self._mask_words, np.int32)
-                req.grammar.fill_mask(mask)
+            masked = sample and req.grammar is not None and req.grammar.needs_mask(req.num_placeholders)
+            mask = req.grammar.mask if masked else None
             params = req.params if req.is_new else None
             b.add_row(
                 req.req_num,
@@ -445,9 +428,6 @@ class Scheduler:
         else:
             req.num_placeholders -= 1
             req.output_token_ids.append(t)
-            if req.grammar is not None and not req.grammar.accept(t):
-                # The worker's mask forbids this; the matcher keeps its state and the request goes on.
-                log.error("request %d: token %d is outside its grammar", req.req_num, t)
             ends = check_finish(t, len(req.output_token_ids), req.params) is not None
         if ends:
             finished.append(req.req_num)
@@ -455,6 +435,8 @@ class Scheduler:
             self._remove(req)
         elif not steady:  # a steady row names its blocks when it leaves
             self.prefix.name_final(req, num_final_tokens(req))
+            if req.grammar is not None:  # never steady
+                req.grammar.advance(t)  # on a grammar thread; a failure ends the request (GrammarManager.failed)
 
     def _observe_finish(self, req: Request, end_ns: int) -> None:
         """Observe the phases of ``req``, which finished at ``end_ns`` (vLLM's intervals:
@@ -472,6 +454,8 @@ class Scheduler:
     def _remove(self, req: Request) -> None:
         """Drop ``req`` (finished or aborted); its named blocks stay cached."""
         del self.requests[req.req_num]
+        if req.grammar is not None:
+            req.grammar.close()
         if req.req_index >= 0:
             self._leave_running(req)
             self.prefix.name_final(req, num_final_tokens(req))

@@ -66,7 +66,7 @@ def _check_memory_returns(wide: Server) -> None:
     assert fan_out(wide, 2048, LARGE // 2048).status_code == 200
     # Within 10 %, or a few allocator arenas (1 MiB each) that objects made during the burst still pin.
     limit = {r: max(before[r] * 1.1, before[r] + 8) for r in pids}
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + 30  # on a quiet machine: about a second; CI runs beside other load
     while True:  # given back about a second after the request ends
         after = {role: rss_mb(pid) for role, pid in pids.items()}
         if all(after[r] <= limit[r] for r in pids) or time.monotonic() > deadline:

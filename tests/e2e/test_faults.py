@@ -187,6 +187,73 @@ def test_hung_worker_trips_the_step_timeout(tmp_path):
     assert "StepTimeout: step 0 has produced no output for" in text and "the worker is hung" in text, text
 
 
+@pytest.mark.parametrize("role", ["scheduler", "io_proc", "gpu_worker"])
+def test_stopped_process_is_named_by_the_watchdog(role, tmp_path):
+    """SIGSTOP of one process under load: the server stops within --step-timeout plus 2 s, naming that
+    process; for the scheduler /health turns 503 first. (A stopped worker trips the step timeout about
+    when its heartbeat turns stale, and a stopped io_proc answers nothing.)"""
+    timeout = 2.0
+    log = open(tmp_path / "server.log", "w+")
+    srv = Server([*SLOW_SIM, "--step-timeout", str(timeout)], log=log)
+    load = Load(srv)
+    pid = role_pid(srv, role)
+    os.kill(pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        if role == "scheduler":
+            while (r := httpx.get(f"{srv.url}/health", timeout=5)).status_code == 200:
+                assert time.monotonic() - t0 < timeout + 2, "/health stayed 200"
+                time.sleep(0.05)
+            assert r.status_code == 503 and f"{role} has shown no progress for" in r.json()["error"]["message"]
+            r = httpx.get(f"{srv.url}/metrics", timeout=5)  # at once, without waiting for a stats reply
+            assert r.status_code == 503 and f"{role} has shown no progress for" in r.json()["error"]["message"]
+        code = srv.proc.wait(timeout + 5)
+    finally:
+        if alive(pid):
+            os.kill(pid, signal.SIGCONT)
+    stopped_s = time.monotonic() - t0
+    print(f"\nSIGSTOP of {role}: server stopped in {stopped_s:.2f} s")
+    load.join(15)
+    assert not any(o == 200 for _, o, _ in load.results), load.results
+    assert code == 1 and stopped_s < timeout + 2
+    assert_nothing_left(srv.proc.pid, srv.children)
+    log.seek(0)
+    text = log.read()
+    if role == "gpu_worker":  # the scheduler's step timeout may name it first
+        assert "gpu_worker is hung" in text or "the worker is hung" in text, text
+    else:
+        assert f"pipeline-serve: {role} is hung: it has shown no progress for" in text, text
+        assert "the worker is hung" not in text, text
+
+
+def test_metrics_during_a_stop_is_503_with_a_json_body():
+    srv = Server(SLOW_SIM)
+    answers, stopping = [], threading.Event()
+
+    def scrape() -> None:
+        with httpx.Client(timeout=10) as c:
+            while not stopping.is_set():
+                try:
+                    r = c.get(f"{srv.url}/metrics")
+                except httpx.HTTPError:
+                    continue  # the port is closed: nothing answered
+                answers.append((r.status_code, r.headers["content-type"], r.content))
+
+    scrapers = [threading.Thread(target=scrape) for _ in range(4)]
+    for t in scrapers:
+        t.start()
+    time.sleep(0.5)
+    srv.proc.send_signal(signal.SIGTERM)
+    assert srv.proc.wait(15) == 0
+    stopping.set()
+    for t in scrapers:
+        t.join()
+    assert answers and all(status in (200, 503) for status, _, _ in answers), answers
+    for status, content_type, body in answers:
+        if status == 503:
+            assert content_type == "application/json" and msgspec.json.decode(body)["error"]["message"], body
+
+
 @pytest.fixture(scope="module")
 def sim_logged(request, tmp_path_factory):
     log = open(tmp_path_factory.mktemp("faults") / "server.log", "w+")

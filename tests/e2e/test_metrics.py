@@ -198,8 +198,6 @@ def read_list() -> dict[str, tuple[str, frozenset]]:
 # vLLM metrics of features this server does not have (yet); the rest must all be exported.
 NOT_EXPORTED = {
     "vllm:engine_sleep_state",  # no sleep mode
-    "vllm:prefix_cache_queries_total",  # no prefix caching yet
-    "vllm:prefix_cache_hits_total",
     "vllm:external_prefix_cache_queries_total",  # no KV connector
     "vllm:external_prefix_cache_hits_total",
     "vllm:mm_cache_queries_total",  # no multi-modal input

@@ -1,4 +1,4 @@
-"""The paged Llama model against transformers, on a tiny random Llama."""
+"""The paged Llama model against transformers, on a tiny random Llama (other families: test_families.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import torch
 import transformers
 
 from pipeline.gpu_worker.attention.torch_sdpa import TorchSDPABackend, paged_attention
-from pipeline.gpu_worker.model import LlamaForCausalLM
-from pipeline.gpu_worker.weights import load_model
+from pipeline.gpu_worker.models.base import CausalLM, CheckpointError
+from pipeline.gpu_worker.models.loader import load_model
+from tests.reference import ours_from_hf
 
 BLOCK_SIZE = 16
 CPU = torch.device("cpu")
@@ -44,7 +45,7 @@ def hf_model(hf_dir):
 
 
 @pytest.fixture(scope="module")
-def model(hf_dir) -> LlamaForCausalLM:
+def model(hf_dir) -> CausalLM:
     return load_model(hf_dir, torch.float32, CPU)
 
 
@@ -76,8 +77,7 @@ def shuffled_block_tables(num_seqs: int, blocks_per_seq: int, seed: int) -> tupl
 def test_prompt_logits_match_transformers(tie):
     torch.manual_seed(1)
     hf = transformers.LlamaForCausalLM(tiny_config(tie_word_embeddings=tie)).eval()
-    ours = LlamaForCausalLM(hf.config)
-    ours.load_hf_state_dict(hf.state_dict())
+    ours = ours_from_hf(hf)
     prompt = torch.randint(0, 512, (45,))
     with torch.inference_mode():
         expected = hf(prompt[None]).logits[0]
@@ -101,8 +101,7 @@ def test_llama3_rope_matches_transformers():
         original_max_position_embeddings=64,
     )
     hf = transformers.LlamaForCausalLM(tiny_config(rope_parameters=rope)).eval()
-    ours = LlamaForCausalLM(hf.config)
-    ours.load_hf_state_dict(hf.state_dict())
+    ours = ours_from_hf(hf)
     prompt = torch.randint(0, 512, (200,))
     with torch.inference_mode():
         expected = hf(prompt[None]).logits[0]
@@ -114,9 +113,10 @@ def test_llama3_rope_matches_transformers():
 
 
 def test_unsupported_rope_type_is_rejected():
-    config = tiny_config(rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0))
-    with pytest.raises(ValueError, match="unsupported RoPE type 'yarn'"):
-        LlamaForCausalLM(config)
+    hf = transformers.LlamaForCausalLM(tiny_config())
+    hf.config.rope_parameters = dict(rope_type="ntk-by-parts", rope_theta=10000.0, factor=4.0)
+    with pytest.raises(ValueError, match="RoPE type 'ntk-by-parts' is not supported; supported: default, linear"):
+        ours_from_hf(hf)
 
 
 def test_greedy_paged_generation_matches_hf_generate(model, hf_model):
@@ -184,18 +184,22 @@ def test_bfloat16_runs(hf_dir):
     assert torch.isfinite(logits).all()
 
 
-def test_load_hf_state_dict_reports_missing_and_unexpected(hf_model):
-    ours = LlamaForCausalLM(hf_model.config)
+def test_load_weights_reports_missing_unexpected_and_misshapen(hf_model):
+    ours = ours_from_hf(hf_model)
     state = dict(hf_model.state_dict())
     del state["model.layers.1.mlp.up_proj.weight"]
     state["model.layers.9.extra.weight"] = torch.zeros(1)
-    with pytest.raises(ValueError, match=r"missing \['model.layers.1.mlp.up_proj.weight'\].*extra"):
-        ours.load_hf_state_dict(state)
+    with pytest.raises(CheckpointError, match=r"missing \['model.layers.1.mlp.up_proj.weight'\].*extra"):
+        ours.load_weights(state.items())
+    state = dict(hf_model.state_dict())
+    state["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(16, 64)
+    with pytest.raises(CheckpointError, match=r"k_proj.weight: shape \(16, 64\) in the checkpoint.*\(32, 64\)"):
+        ours.load_weights(state.items())
 
 
 def test_load_model_rejects_other_architectures(tmp_path):
-    transformers.MistralConfig(hidden_size=64, num_hidden_layers=1).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="'mistral'.*only Llama-family"):
+    transformers.GPT2Config(n_embd=64, n_layer=1, architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="'GPT2LMHeadModel' is not supported; supported architectures: Gemma"):
         load_model(str(tmp_path), torch.float32, CPU)
 
 

@@ -18,8 +18,9 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, Server, child_pids, free_port, load_until_generating, shm_entries
+from tests.conftest import REPO, Server, child_pids, free_port, load_until_generating, shm_entries, tcp_sockets
 from tests.e2e.test_async import run_all
+from tests.e2e.test_faults import cmdline
 from tests.e2e.test_lifecycle import wait_gone
 from tests.e2e.test_tensor_parallel import BASE, jobs
 
@@ -61,6 +62,12 @@ def test_two_nodes_equal_tp1(tiny_kv4_dir, reference):
         m = head.wait_idle()
         assert m["pipeline_num_preemptions_total"] > 0
         assert m["pipeline_kv_blocks_free"] == m["pipeline_kv_blocks_total"] == 24
+        # Every rank's sockets, the rendezvous store's listener included, are on --master-addr's
+        # route (loopback here), not on every address of the machine.
+        ranks = [p for p in [*head.children, *child_pids(node1.pid)] if "gpu_worker" in cmdline(p)]
+        sockets = [s for p in ranks for s in tcp_sockets(p)]
+        assert len(ranks) == 2 and any(listening for _, _, listening in sockets)
+        assert {ip for ip, _, _ in sockets} == {"127.0.0.1"}, sockets
     finally:
         assert head.stop() == 0
         # The head's rank 0 tells node 1 it stops: node 1 follows, cleanly.

@@ -26,7 +26,8 @@ def run(tmp_path, *flags: str) -> tuple[str, list[dict]]:
         with httpx.stream(
             "POST", f"{srv.url}/v1/chat/completions", json={**chat, "stream": True}, timeout=60
         ) as r:  # fmt: skip
-            streamed_id = next(line for line in r.iter_lines() if line.startswith("data: {"))
+            # Read to the end: closing the stream early would abort the request.
+            streamed_id = next(line for line in list(r.iter_lines()) if line.startswith("data: {"))
         time.sleep(0.5)
     finally:
         srv.stop()

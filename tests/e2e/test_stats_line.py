@@ -15,7 +15,7 @@ INTERVAL = 1.0
 LINE = re.compile(
     r"Avg prompt throughput: ([\d.]+) tokens/s, Avg generation throughput: ([\d.]+) tokens/s, "
     r"Running: (\d+) reqs, Waiting: (\d+) reqs, Preemptions: (\d+), KV cache usage: ([\d.]+)%, "
-    r"Token gap p50: (\d+ us|-), Device busy: ([\d.]+%|-)$"
+    r"Token gap p50: (\d+ us|-), Device busy: ([\d.]+%|-), Prefix cache hit rate: ([\d.]+)%$"
 )
 
 

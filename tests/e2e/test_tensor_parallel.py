@@ -18,7 +18,7 @@ import signal
 import httpx
 import pytest
 
-from tests.conftest import Server, child_pids, load_until_generating, shm_entries
+from tests.conftest import Server, child_pids, load_until_generating, shm_entries, tcp_sockets
 from tests.e2e.test_async import run_all
 from tests.e2e.test_lifecycle import wait_gone
 
@@ -61,6 +61,9 @@ def test_tp2_equals_tp1(tiny_kv4_dir, reference, mode):
         assert m["pipeline_num_preemptions_total"] > 0
         assert m["pipeline_kv_blocks_free"] == m["pipeline_kv_blocks_total"] == 24
         assert m["pipeline_req_indices_free"] == m["pipeline_req_indices_total"]
+        # The ranks' gloo sockets are on loopback, whatever the host name resolves to.
+        ranks = [p for p in srv.children if "gpu_worker" in open(f"/proc/{p}/cmdline").read()]
+        assert len(ranks) == 2 and all(ip == "127.0.0.1" for p in ranks for ip, _, _ in tcp_sockets(p))
     finally:
         assert srv.stop() == 0
 

@@ -13,13 +13,18 @@ as it likes.
 The CPU backends always run (cpu_paged where its kernel builds, also in
 bfloat16 to 2e-2); flashinfer runs where it can (CUDA, the package
 installed), in bfloat16 (it has no float32 kernels) to 2e-2, on the cases
-whose head size it supports.
+whose head size it supports. Further cases give the layer a sliding window
+(including windows shorter than a block, and longer than the context) and a
+soft-cap on the scores.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,11 +50,11 @@ class Setup:
 
 
 def _cpu(factory):
-    return lambda heads, kv_heads, head_dim: Setup(factory(), CPU, torch.float32, 1e-5)
+    return lambda heads, kv_heads, head_dim, kinds=None: Setup(factory(), CPU, torch.float32, 1e-5)
 
 
 def _cpu_paged(dtype, atol):
-    def setup(heads, kv_heads, head_dim):
+    def setup(heads, kv_heads, head_dim, kinds=None):
         if cpu_paged.unavailable_reason() is not None:
             pytest.skip(f"cpu_paged cannot run here: {cpu_paged.unavailable_reason()}")
         return Setup(CpuPagedBackend(), CPU, dtype, atol)
@@ -57,15 +62,16 @@ def _cpu_paged(dtype, atol):
     return setup
 
 
-def _flashinfer(heads, kv_heads, head_dim):
+def _flashinfer(heads, kv_heads, head_dim, kinds=None):
     from pipeline.gpu_worker.attention import flashinfer_paged
 
     dev = torch.device("cuda")
     if flashinfer_paged.unsupported_reason(dev, torch.bfloat16, head_dim) is not None:
         pytest.skip(f"flashinfer cannot serve head_dim {head_dim} here")
-    return Setup(
-        flashinfer_paged.FlashInferBackend(heads, kv_heads, head_dim, torch.bfloat16, dev), dev, torch.bfloat16, 2e-2
+    backend = flashinfer_paged.FlashInferBackend(
+        heads, kv_heads, head_dim, torch.bfloat16, dev, kinds=kinds or ((None, None),)
     )
+    return Setup(backend, dev, torch.bfloat16, 2e-2)
 
 
 def _flashinfer_here() -> bool:
@@ -88,8 +94,8 @@ SETUPS = {
 }
 
 
-def reference(q, keys, values, query_lens, starts, scale):
-    """Dense causal attention per request in float64.
+def reference(q, keys, values, query_lens, starts, scale, window=None, softcap=None):
+    """Dense causal attention per request in float64, as transformers' eager path with a window and a cap.
 
     ``keys[i]``/``values[i]`` are request ``i``'s whole ``[context, KVH, D]``.
     """
@@ -100,8 +106,11 @@ def reference(q, keys, values, query_lens, starts, scale):
         v = values[i].double().repeat_interleave(heads // keys[i].shape[1], 1)
         qq = q[t : t + ql].double()
         s = torch.einsum("qhd,khd->hqk", qq, k) * scale
-        qpos = torch.arange(st, st + ql)
-        s = s.masked_fill(torch.arange(st + ql)[None, None, :] > qpos[None, :, None], float("-inf"))
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
+        qpos, kpos = torch.arange(st, st + ql)[None, :, None], torch.arange(st + ql)[None, None, :]
+        hidden = (kpos > qpos) | (kpos <= qpos - window if window is not None else False)
+        s = s.masked_fill(hidden, float("-inf"))
         out.append(torch.einsum("hqk,khd->qhd", s.softmax(-1), v))
         t += ql
     return torch.cat(out)
@@ -110,8 +119,11 @@ def reference(q, keys, values, query_lens, starts, scale):
 class Case:
     """Requests with their whole Q/K/V, a shuffled block table and a cache, for one backend."""
 
-    def __init__(self, setup: Setup, query_lens, starts, block_size, heads, kv_heads, head_dim, rng, seed):
+    def __init__(
+        self, setup: Setup, query_lens, starts, block_size, heads, kv_heads, head_dim, rng, seed, window=None, cap=None
+    ):
         self.setup, self.query_lens, self.starts, self.block_size = setup, query_lens, starts, block_size
+        self.window, self.softcap = window, cap
         n = len(query_lens)
         contexts = [s + q for s, q in zip(starts, query_lens)]
         need = [-(-c // block_size) for c in contexts]
@@ -145,7 +157,8 @@ class Case:
         )
         layout = StepLayout.build(query_lens, starts, rows, self.block_size, self.block_table.shape[1])
         meta = s.backend.build_metadata(layout, self.block_table, self.upload)
-        out = s.backend.forward(*(x.to(s.device, s.dtype) for x in (q, k, v)), self.cache, meta, self.scale)
+        qkv = (x.to(s.device, s.dtype) for x in (q, k, v))
+        out = s.backend.forward(*qkv, self.cache, meta, self.scale, self.window, self.softcap)
         assert out.shape == q.shape and out.dtype == s.dtype
         if not check:
             return
@@ -156,6 +169,8 @@ class Case:
             query_lens,
             starts,
             self.scale,
+            self.window,
+            self.softcap,
         )
         err = (out.cpu().double() - ref).abs().max().item()
         assert err <= s.atol, f"max abs error {err:.2e} > {s.atol:.0e}"
@@ -195,6 +210,24 @@ def test_backend_equals_dense_reference(name, seed):
         starts.append(start)
     setup = SETUPS[name](heads, kv_heads, head_dim)
     Case(setup, query_lens, starts, block_size, heads, kv_heads, head_dim, rng, seed).run()
+
+
+@pytest.mark.parametrize("name", SETUPS)
+@pytest.mark.parametrize("seed", range(4))
+@torch.inference_mode()
+def test_sliding_window_and_softcap_equal_the_reference(name, seed):
+    """Windows shorter than a block, across blocks, longer than any context; with and without a cap."""
+    rng = random.Random(100 + seed)
+    block_size = rng.choice([4, 16])
+    window = [3, 8, 13, 5000][seed]
+    cap = [None, 2.0, 0.5, 1.0][seed]
+    query_lens, starts = [], []
+    for _ in range(rng.randint(3, 8)):
+        start = rng.choice([0, rng.randint(1, 30), rng.randint(30, 200)])
+        query_lens.append(1 if start > 0 and rng.random() < 0.6 else rng.randint(2, 40))
+        starts.append(start)
+    setup = SETUPS[name](8, 2, 64, ((window, cap),))
+    Case(setup, query_lens, starts, block_size, 8, 2, 64, rng, seed, window, cap).run()
 
 
 @pytest.mark.parametrize("name", SETUPS)
@@ -300,7 +333,9 @@ def test_cpu_paged_reads_strided_queries_as_the_model_passes_them():
     context_lens = torch.tensor([33, 1, 48, 17, 20])
     token_index = torch.tensor([3, 0, 4, 1, 2])
     out = torch.full((5, heads, dim), float("nan"))
-    torch.ops.pipeline_cpu.paged_decode(out, q, k_cache, v_cache, token_index, block_ids, context_lens, 0.125, bs)
+    torch.ops.pipeline_cpu.paged_decode(
+        out, q, k_cache, v_cache, token_index, block_ids, context_lens, 0.125, bs, 0, 0.0
+    )
     for r in range(5):
         slot = (block_ids[r][:, None] * bs + torch.arange(bs)).flatten()[: context_lens[r]]
         keys = k_cache[:, slot].repeat_interleave(heads // kv_heads, 0)
@@ -318,3 +353,16 @@ def test_prefix_table_rows_are_the_comparison_they_replace():
     for width in (5, 300, 40, 5000):
         lengths = torch.randint(0, width + 1, (64,), generator=gen)
         assert torch.equal(table.rows(lengths, width), torch.arange(width)[None, :] < lengths[:, None])
+
+
+def test_cpu_paged_build_survives_a_builder_killed_mid_compile(tmp_path):
+    """torch's lock file left by a killed build (it outlives its process) must not make the next start wait forever."""
+    if cpu_paged.unavailable_reason() is not None:
+        pytest.skip(f"cpu_paged cannot run here: {cpu_paged.unavailable_reason()}")
+    built = cpu_paged.build_directory()
+    shutil.copytree(built, tmp_path / "kernels" / built.name)  # the build is up to date: only the lock is in the way
+    (tmp_path / "kernels" / built.name / "lock").touch()
+    code = "from pipeline.gpu_worker.attention import cpu_paged; print(cpu_paged.unavailable_reason())"
+    env = {**os.environ, "PIPELINE_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip().splitlines()[-1] == "None", out.stderr

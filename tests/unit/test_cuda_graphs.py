@@ -23,8 +23,9 @@ from pipeline.common.step_protocol import PLACEHOLDER_TOKEN_ID
 from pipeline.gpu_worker.cuda_graphs import DecodeGraphs, GraphStep, padded_size
 from pipeline.gpu_worker.executor import PAD_BLOCKS, ModelExecutor
 from pipeline.gpu_worker.model_runner import ModelRunner
-from pipeline.gpu_worker.weights import load_model
+from pipeline.gpu_worker.models.loader import load_model
 from pipeline.server_args import build_parser, cuda_graph_sizes, make_config
+from tests.conftest import make_tiny_model
 from tests.unit.test_no_host_sync import Steps
 
 BLOCK = 4
@@ -171,6 +172,31 @@ def test_graph_body_equals_the_eager_step(tiny_dir, graph_sizes_run, attention_b
     assert tokens == expected
     # 5 rows and the mixed step run eagerly; 4 rows exactly, 3 padded to 4, 2 exactly.
     assert graph_sizes_run == [(4,) * 2] * 2 + [(2, 2)] * 2 + [(3, 4)] * 3, graph_sizes_run
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma2_dir(tmp_path_factory, smol_dir):
+    """Alternating sliding (8 keys) and full layers, soft-capped scores and logits."""
+    from transformers import Gemma2Config
+
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tiny-gemma2"),
+        smol_dir,
+        Gemma2Config,
+        head_dim=16,
+        initializer_range=1.0,
+        sliding_window=8,
+        query_pre_attn_scalar=16,
+        attn_logit_softcapping=5.0,
+        final_logit_softcapping=3.0,
+    )
+
+
+def test_graph_body_applies_the_layers_window_and_softcap(tiny_gemma2_dir, graph_sizes_run):
+    """Contexts grow past the window during the script: the graph body's masks must narrow as the eager step's."""
+    expected = run(make_runner(tiny_gemma2_dir, "torch_bucketed"), SAMPLED)
+    assert run(make_runner(tiny_gemma2_dir, "torch_bucketed", sizes=[1, 2, 4]), SAMPLED) == expected
+    assert graph_sizes_run
 
 
 def test_padding_rows_write_only_the_padding_block(tiny_dir):

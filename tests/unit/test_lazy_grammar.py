@@ -3,12 +3,16 @@ the same masked positions planned asynchronously and in lock step, and only vali
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
-from pipeline.common.grammar import GrammarState, build_grammar, load_tokenizer
-from pipeline.common.lazy_grammar import TriggeredGrammarState, advance
+from pipeline.common.grammar import build_grammar, load_tokenizer
+from pipeline.common.lazy_grammar import advance
+from pipeline.common.messages import AddRequest, SamplingParams
 from pipeline.io_proc.tool_parsers import TOOL_PARSERS, ToolSpec
+from pipeline.scheduler_proc.grammar_manager import GrammarManager, GrammarState
 
 WEATHER = ToolSpec("get_weather", {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
 STOP = 2  # SmolLM2's <|im_end|>
@@ -18,19 +22,42 @@ STOP = 2  # SmolLM2's <|im_end|>
 def tokenizers(smol_dir):
     from transformers import AutoTokenizer
 
-    return load_tokenizer(str(smol_dir), 49152), AutoTokenizer.from_pretrained(smol_dir)
+    tok = load_tokenizer(str(smol_dir), 49152)
+    grammars = GrammarManager(tok, 49152, 2**28, 2**30)
+    yield grammars, AutoTokenizer.from_pretrained(smol_dir)
+    grammars.close()
 
 
-def _state(tok, parser_name: str) -> TriggeredGrammarState:
+def _state(grammars: GrammarManager, parser_name: str) -> GrammarState:
     p = TOOL_PARSERS[parser_name]()
     g = build_grammar("lark", p.grammar([WEATHER], free=True, parallel=False), "tools")
-    return TriggeredGrammarState(GrammarState(tok, g, (STOP,)), tok, p.trigger, p.anchored)
+    params = SamplingParams(
+        max_tokens=64, stop_token_ids=(STOP,), grammar=g, grammar_trigger=p.trigger, grammar_trigger_at_start=p.anchored
+    )
+    grammars.add(AddRequest(1, [1], params))
+    deadline = time.monotonic() + 30
+    while not (ready := grammars.poll()[0]):  # compiled on the background thread
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    return ready[0][1][0]
 
 
-def _allowed(state, token: int) -> bool:
-    mask = np.empty(49152 // 32, np.int32)
-    state.fill_mask(mask)
-    return bool((mask.view(np.uint32)[token // 32] >> (token % 32)) & 1)
+def _wait(state: GrammarState) -> None:
+    deadline = time.monotonic() + 30
+    while not state.ready:  # the mask is computed on a grammar thread
+        assert time.monotonic() < deadline
+        time.sleep(0.0005)
+
+
+def _accept(state: GrammarState, token: int) -> bool:
+    state.advance(token)
+    _wait(state)
+    return not state.error
+
+
+def _allowed(state: GrammarState, token: int) -> bool:
+    _wait(state)
+    return bool((state.mask.view(np.uint32)[token // 32] >> (token % 32)) & 1)
 
 
 def _decode(state, ids: list[int]) -> tuple[list[bool], list[bool]]:
@@ -43,28 +70,28 @@ def _decode(state, ids: list[int]) -> tuple[list[bool], list[bool]]:
         masked.append(m)
         if m:
             assert _allowed(state, t)
-        assert state.accept(t)
+        assert _accept(state, t)
     return masked, waits
 
 
 def test_free_text_is_never_masked_and_never_waits(tokenizers):
-    tok, hf = tokenizers
-    st = _state(tok, "hermes")
+    grammars, hf = tokenizers
+    st = _state(grammars, "hermes")
     ids = hf.encode("The weather in Paris is mild; use a <b>tag</b> or <tool> if you like.", add_special_tokens=False)
     masked, waits = _decode(st, ids)
-    assert not any(masked) and not st.triggered
+    assert not any(masked) and not st.trigger.triggered
     # It waits only where the text ends with the trigger's start ("<tool_..." after "<tool_").
     assert sum(waits) <= 2
 
 
 def test_the_call_after_the_trigger_is_masked_and_valid(tokenizers):
-    tok, hf = tokenizers
-    st = _state(tok, "hermes")
+    grammars, hf = tokenizers
+    st = _state(grammars, "hermes")
     text = 'Let me look. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     ids = hf.encode(text, add_special_tokens=False)
     masked, waits = _decode(st, ids)
     first = next(i for i, m in enumerate(masked) if m)
-    assert hf.decode(ids[:first]).endswith("<tool_call") and all(masked[first:]) and st.triggered
+    assert hf.decode(ids[:first]).endswith("<tool_call") and all(masked[first:]) and st.trigger.triggered
     # Async planning waited for each token whose successor was masked.
     assert all(w for w, m in zip(waits[1:], masked[1:]) if m)
     # Once the call is closed, only the stop token may come.
@@ -72,36 +99,36 @@ def test_the_call_after_the_trigger_is_masked_and_valid(tokenizers):
 
 
 def test_a_call_with_wrong_arguments_is_masked_out(tokenizers):
-    tok, hf = tokenizers
-    st = _state(tok, "hermes")
+    grammars, hf = tokenizers
+    st = _state(grammars, "hermes")
     for t in hf.encode('<tool_call>\n{"name": "get_weather", "arguments": {"', add_special_tokens=False):
-        st.accept(t)
-    assert st.triggered
+        _accept(st, t)
+    assert st.trigger.triggered
     assert _allowed(st, hf.encode("city", add_special_tokens=False)[0])
     assert not _allowed(st, hf.encode("town", add_special_tokens=False)[0])
 
 
 def test_anchored_trigger_decides_on_the_first_token(tokenizers):
-    tok, hf = tokenizers
-    st = _state(tok, "llama3_json")
+    grammars, hf = tokenizers
+    st = _state(grammars, "llama3_json")
     assert st.needs_mask(0)  # the first token may open a call
     masked, _ = _decode(st, hf.encode("Sunny, with {braces} later.", add_special_tokens=False))
     assert masked[0] and not any(masked[1:]) and not st.needs_mask(1)
-    st = _state(tok, "llama3_json")
+    st = _state(grammars, "llama3_json")
     masked, _ = _decode(
         st, hf.encode('{"name": "get_weather", "parameters": {"city": "Oslo"}}', add_special_tokens=False)
     )
-    assert all(masked) and st.triggered and _allowed(st, STOP)
+    assert all(masked) and st.trigger.triggered and _allowed(st, STOP)
 
 
 def test_special_tokens_and_split_characters_leave_the_state_alone(tokenizers):
-    tok, hf = tokenizers
-    st = _state(tok, "hermes")
+    grammars, hf = tokenizers
+    st = _state(grammars, "hermes")
     im_start = hf.convert_tokens_to_ids("<|im_start|>")
     snowman = hf.encode("☃ <tool_call", add_special_tokens=False)  # a character over several tokens
     for t in [im_start, *snowman]:
-        assert st.accept(t)
-    assert st.needs_mask(0) and not st.triggered
+        assert _accept(st, t)
+    assert st.needs_mask(0) and not st.trigger.triggered
     assert _allowed(st, hf.encode(">", add_special_tokens=False)[0])
 
 

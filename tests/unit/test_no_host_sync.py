@@ -28,11 +28,11 @@ from pipeline.common.descriptor_builder import DescriptorBuilder
 from pipeline.common.messages import SamplingParams
 from pipeline.common.step_protocol import PLACEHOLDER_TOKEN_ID, StepDescriptor, read_descriptor
 from pipeline.gpu_worker import sampler
-from pipeline.gpu_worker.attention import make_backend
 from pipeline.gpu_worker.device import DeviceOps
 from pipeline.gpu_worker.executor import ModelExecutor
-from pipeline.gpu_worker.model import LlamaForCausalLM
 from pipeline.gpu_worker.model_runner import ModelRunner, StaleTokenError
+from pipeline.gpu_worker.models.base import CausalLM
+from tests.reference import ours_from_hf
 from tests.unit.sync_guard import FakeAsyncOps, FakeEvent, SyncGuard
 
 BLOCK = 4
@@ -67,7 +67,7 @@ PARAMS = {
 }
 
 
-def tiny_model(max_position_embeddings: int = 256, attention_backend: str = "auto") -> LlamaForCausalLM:
+def tiny_model(max_position_embeddings: int = 256, attention_backend: str = "auto") -> CausalLM:
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
         vocab_size=512,
@@ -78,7 +78,7 @@ def tiny_model(max_position_embeddings: int = 256, attention_backend: str = "aut
         num_key_value_heads=2,
         max_position_embeddings=max_position_embeddings,
     )
-    return LlamaForCausalLM(cfg, make_backend(attention_backend)).eval().requires_grad_(False)
+    return ours_from_hf(transformers.LlamaForCausalLM(cfg), attention_backend=attention_backend)
 
 
 def engine_config(max_model_len: int = 128) -> EngineConfig:

@@ -34,9 +34,9 @@ from pipeline.gpu_worker import sampler
 from pipeline.gpu_worker.device import DeviceOps
 from pipeline.gpu_worker.executor import ModelExecutor
 from pipeline.gpu_worker.model_runner import ModelRunner
+from pipeline.gpu_worker.models.loader import load_model
 from pipeline.gpu_worker.penalties import PenaltyInputs, PenaltyState, apply_penalties
 from pipeline.gpu_worker.sampler import apply_min_p
-from pipeline.gpu_worker.weights import load_model
 from tests.unit.sync_guard import FakeAsyncOps, SyncGuard
 
 CPU = torch.device("cpu")

@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+from safetensors.torch import save_file
 
 from pipeline.common.config import EngineConfig
 from pipeline.io_proc.protocol import APIError, CompletionRequest
@@ -16,14 +17,17 @@ from pipeline.server_args import build_parser, make_config
 @pytest.fixture()
 def model_dir(tmp_path):
     cfg = {
+        "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": 64,
+        "intermediate_size": 128,
         "num_attention_heads": 4,
         "num_hidden_layers": 2,
         "max_position_embeddings": 512,
         "vocab_size": 300,
     }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
+    save_file({}, tmp_path / "model.safetensors")  # start-up checks the weights file is there, not its tensors
     return tmp_path
 
 

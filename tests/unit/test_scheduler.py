@@ -16,6 +16,7 @@ from __future__ import annotations
 import random
 from collections import deque
 
+import numpy as np
 import pytest
 from msgspec.structs import replace
 
@@ -365,22 +366,24 @@ def test_four_choices_allocate_the_prompt_once():
 class StubGrammar:
     """A grammar that allows every token: its rows are masked, never steady, and sit out while a token is in flight."""
 
+    ready = True
+    mask = np.full(1, -1, np.int32)
+
     def needs_mask(self, in_flight):
         return True
 
-    def fill_mask(self, out):
-        out[:] = -1
+    def advance(self, token_id):
+        pass
 
-    def accept(self, token_id):
-        return True
-
-
-class StubGrammarScheduler(Scheduler):
-    def _new_grammar(self, params):
-        return StubGrammar() if params.grammar else None
+    def close(self):
+        pass
 
 
-class GeneralOnlyScheduler(StubGrammarScheduler):
+def add(sched: Scheduler, msg: AddRequest) -> None:
+    sched.add_request(msg, [StubGrammar() for _ in range(msg.n)] if msg.params.grammar else None)
+
+
+class GeneralOnlyScheduler(Scheduler):
     """The scheduler with its steady rows turned off: every row goes through the general path."""
 
     def _join_steady(self, reqs):
@@ -433,8 +436,8 @@ def test_steady_rows_plan_what_the_general_path_plans(depth, max_num_seqs, budge
     ]
     aborts = {12: 5, 40: 17, 41: 30, 90: 60}
     scheds = [
-        StubGrammarScheduler(max_num_seqs, budget, BS, num_blocks, 64, mask_words=1),
-        GeneralOnlyScheduler(max_num_seqs, budget, BS, num_blocks, 64, mask_words=1),
+        Scheduler(max_num_seqs, budget, BS, num_blocks, 64),
+        GeneralOnlyScheduler(max_num_seqs, budget, BS, num_blocks, 64),
     ]
     layout = StepDescriptor.layout(max_num_seqs, budget, BS, mask_words=1)
     descs = [StepDescriptor(layout.views(bytearray(layout.nbytes))) for _ in scheds]
@@ -442,7 +445,7 @@ def test_steady_rows_plan_what_the_general_path_plans(depth, max_num_seqs, budge
     while pending or scheds[0].num_unfinished or inflight:
         if pending and rng.random() < 0.3:
             for s in scheds:
-                s.add_request(pending[0])
+                add(s, pending[0])
             pending.popleft()
         if len(inflight) < depth and scheds[0].num_unfinished:
             planned = [s.schedule(d) for s, d in zip(scheds, descs)]
@@ -470,7 +473,7 @@ def test_steady_rows_plan_what_the_general_path_plans(depth, max_num_seqs, budge
             assert done[0] == done[1]
         elif pending:
             for s in scheds:
-                s.add_request(pending[0])
+                add(s, pending[0])
             pending.popleft()
     assert scheds[0].num_steady_steps > 20 and scheds[1].num_steady_steps == 0
     assert scheds[0].num_preemptions == scheds[1].num_preemptions and (num_blocks > 90 or scheds[0].num_preemptions)

@@ -59,3 +59,64 @@ def test_node_layout():
     assert one.tp_init_method.startswith("file://") and list(one.local_ranks) == [0, 1, 2, 3]
     for c in (head, node1, one):
         os.rmdir(c.ipc_dir)
+
+
+def test_dtype_auto_is_float32_on_cpu_and_the_checkpoint_dtype_on_cuda(tiny_dir, tmp_path):
+    import json
+    import shutil
+
+    from pipeline.model_files import checkpoint_dtype, read_model_config
+
+    config = make_config(build_parser().parse_args(["--model", str(tiny_dir), "--device", "cpu"]))
+    assert config.dtype == "float32"
+    assert make_config(build_parser().parse_args(["--model", str(tiny_dir), "--dtype", "float16"])).dtype == "float16"
+    # What CUDA would run: config.json's dtype, else most of the first file's tensors'.
+    d = shutil.copytree(tiny_dir, tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "dtype": "bfloat16"}))
+    assert checkpoint_dtype(d, read_model_config(d)) == "bfloat16"
+    del cfg["dtype"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert checkpoint_dtype(d, read_model_config(d)) == "float32"  # the tiny model's tensors
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--trust-remote-code"], "--trust-remote-code is not supported: this server never runs modelling code"),
+        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1], got 1.5"),
+        (["--chat-template", "/nonexistent/template.jinja"], "--chat-template '/nonexistent/template.jinja' cannot"),
+    ],
+)
+def test_model_flags_that_cannot_work_exit_with_a_message(tiny_dir, flags, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        make_config(build_parser().parse_args(["--model", str(tiny_dir), "--device", "cpu", *flags]))
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_kv_cache_sizing_on_cpu_keeps_2_gib_and_cuda_leaves_it_to_the_workers(tiny_dir, tmp_path):
+    default = make_config(build_parser().parse_args(["--model", str(tiny_dir), "--device", "cpu"]))
+    explicit = make_config(
+        build_parser().parse_args(["--model", str(tiny_dir), "--device", "cpu", "--kv-cache-memory", "2"])
+    )
+    assert default.num_kv_blocks == explicit.num_kv_blocks > 0
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages[0]['content'] }}")
+    config = make_config(
+        build_parser().parse_args(["--model", str(tiny_dir), "--device", "cpu", "--chat-template", str(template)])
+    )
+    assert config.chat_template == "{{ messages[0]['content'] }}"
+
+
+def test_help_explains_the_model_flags():
+    text = " ".join(build_parser().format_help().split())
+    for phrase in (
+        "--dtype {auto,float32,bfloat16,float16}",
+        "on CUDA the checkpoint's",
+        "--gpu-memory-utilization",
+        "profiling step of --max-num-batched-tokens",
+        "--chat-template FILE",
+        "--trust-remote-code Refused",
+    ):
+        assert phrase in text, phrase

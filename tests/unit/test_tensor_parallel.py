@@ -8,8 +8,8 @@ import torch.multiprocessing as mp
 import transformers
 
 from pipeline.common.tp_shape import TPShape
-from pipeline.gpu_worker.parallel import TPGroup, load_parallel_model
-from pipeline.gpu_worker.weights import load_model
+from pipeline.gpu_worker.layers.tp import TPGroup
+from pipeline.gpu_worker.models.loader import load_model
 
 CPU = torch.device("cpu")
 BLOCK_SIZE = 16
@@ -85,34 +85,29 @@ def expected_slice(sd: dict[str, torch.Tensor], name: str, rank: int, size: int)
     def rows(t, a, n):
         return t[a : a + n]
 
-    if name in ("embed_tokens.weight", "lm_head.weight"):
-        full = sd["model.embed_tokens.weight" if name.startswith("embed") else "lm_head.weight"]
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        full = sd[name]
         padded = torch.cat([full, full.new_zeros(size * v - full.shape[0], full.shape[1])])
         return rows(padded, rank * v, v)
-    if name == "norm.weight":
-        return sd["model.norm.weight"]
-    layer, rest = name.split(".", 2)[1:]
-    p = f"model.layers.{layer}."
-    kind = rest.rsplit(".", 1)[1]
-    if rest.startswith("qkv_proj"):
+    if name == "model.norm.weight":
+        return sd[name]
+    head, proj, kind = name.rsplit(".", 2)
+    p = head + "."
+    if proj == "qkv_proj":
         return torch.cat(
             [
-                rows(sd[p + f"self_attn.q_proj.{kind}"], rank * h, h),
-                rows(sd[p + f"self_attn.k_proj.{kind}"], kv0, kv),
-                rows(sd[p + f"self_attn.v_proj.{kind}"], kv0, kv),
+                rows(sd[p + f"q_proj.{kind}"], rank * h, h),
+                rows(sd[p + f"k_proj.{kind}"], kv0, kv),
+                rows(sd[p + f"v_proj.{kind}"], kv0, kv),
             ]
         )
-    if rest.startswith("gate_up_proj"):
-        return torch.cat(
-            [rows(sd[p + f"mlp.gate_proj.{kind}"], rank * i, i), rows(sd[p + f"mlp.up_proj.{kind}"], rank * i, i)]
-        )
-    if rest == "o_proj.weight":
-        return sd[p + "self_attn.o_proj.weight"][:, rank * h : (rank + 1) * h]
-    if rest == "down_proj.weight":
-        return sd[p + "mlp.down_proj.weight"][:, rank * i : (rank + 1) * i]
-    if rest in ("o_proj.bias", "down_proj.bias"):  # row-parallel: the whole bias, added once after the sum
-        return sd[p + ("self_attn." if rest.startswith("o") else "mlp.") + rest]
-    return sd[p + rest]  # the norms
+    if proj == "gate_up_proj":
+        return torch.cat([rows(sd[p + f"gate_proj.{kind}"], rank * i, i), rows(sd[p + f"up_proj.{kind}"], rank * i, i)])
+    if (proj, kind) == ("o_proj", "weight"):
+        return sd[name][:, rank * h : (rank + 1) * h]
+    if (proj, kind) == ("down_proj", "weight"):
+        return sd[name][:, rank * i : (rank + 1) * i]
+    return sd[name]  # the norms, and the row-parallel layers' biases: whole, added once after the sum
 
 
 @pytest.mark.parametrize("size", [2, 4, 8])
@@ -122,7 +117,7 @@ def test_each_rank_loads_exactly_its_slice(model_dir, size):
     sd = load_file(f"{model_dir}/model.safetensors")
     full_numel = sum(p.numel() for p in load_model(model_dir, torch.float32, CPU).parameters())
     for rank in range(size):
-        shard = load_parallel_model(model_dir, torch.float32, CPU, TPGroup(rank, size))
+        shard = load_model(model_dir, torch.float32, CPU, tp=TPGroup(rank, size))
         params = dict(shard.named_parameters())
         # Embedding, LM head, final norm; per layer two norms and four fused projections with biases.
         assert len(params) == 3 + 10 * CONFIG["num_hidden_layers"]
@@ -136,7 +131,7 @@ def _sharded_logits(rank: int, size: int, model_dir: str, out_dir: str) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=size)
-    model = load_parallel_model(model_dir, torch.float32, CPU, TPGroup(rank, size, dist.group.WORLD))
+    model = load_model(model_dir, torch.float32, CPU, tp=TPGroup(rank, size, dist.group.WORLD))
     torch.save(_two_steps(model), f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()
 

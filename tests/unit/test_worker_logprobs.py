@@ -25,7 +25,7 @@ from pipeline.gpu_worker import sampler
 from pipeline.gpu_worker.device import DeviceOps
 from pipeline.gpu_worker.executor import ModelExecutor
 from pipeline.gpu_worker.model_runner import ModelRunner
-from pipeline.gpu_worker.weights import load_model
+from pipeline.gpu_worker.models.loader import load_model
 from tests.unit.sync_guard import FakeAsyncOps, SyncGuard
 
 BLOCK = 4

@@ -9,7 +9,7 @@ one is made.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, TypeVar
 
@@ -53,13 +53,20 @@ class Registry(Generic[T]):
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What a backend is made for: where the model runs and its attention shape (0: the simulated device)."""
+    """What a backend is made for: where the model runs and its attention shape (0: the simulated device).
+
+    ``scale`` (None: ``head_dim ** -0.5``) and ``kinds``, the layers'
+    ``(window, softcap)`` pairs, are for a backend that plans them per step
+    (flashinfer); the others take them per layer.
+    """
 
     device: torch.device
     dtype: torch.dtype
     num_heads: int = 0
     num_kv_heads: int = 0
     head_dim: int = 0
+    scale: float | None = None
+    kinds: Sequence[tuple[int | None, float | None]] = ((None, None),)
 
 
 class NotForThisModel(ValueError):
@@ -111,7 +118,9 @@ def _flashinfer(m: ModelShape) -> AttentionBackend:
         raise NotForThisModel("attention backend flashinfer needs a model (not the simulated device)")
     if (reason := flashinfer_paged.unsupported_reason(m.device, m.dtype, m.head_dim)) is not None:
         raise NotForThisModel(f"attention backend flashinfer: {reason}")
-    return flashinfer_paged.FlashInferBackend(m.num_heads, m.num_kv_heads, m.head_dim, m.dtype, m.device)
+    return flashinfer_paged.FlashInferBackend(
+        m.num_heads, m.num_kv_heads, m.head_dim, m.dtype, m.device, m.scale, m.kinds
+    )
 
 
 @ATTENTION_BACKENDS.register("torch_sdpa")
@@ -134,12 +143,15 @@ def make_backend(
     num_heads: int = 0,
     num_kv_heads: int = 0,
     head_dim: int = 0,
+    scale: float | None = None,
+    kinds: Sequence[tuple[int | None, float | None]] = ((None, None),),
 ) -> AttentionBackend:
     """The attention backend ``name`` (or ``auto``) for a model of this shape on ``device`` (default CPU, float32).
 
     ``auto`` takes the first of flashinfer and cpu_paged that can run for the
     model (one log line when cpu_paged would suit but cannot), else
     torch_bucketed; the simulated device (``head_dim`` 0) gets torch_bucketed.
+    ``scale`` and ``kinds`` as in ``ModelShape``.
 
     Raises:
         ValueError: an unknown name, or a backend not made for this model (``NotForThisModel``).
@@ -147,7 +159,8 @@ def make_backend(
     """
     import torch
 
-    m = ModelShape(device or torch.device("cpu"), dtype or torch.float32, num_heads, num_kv_heads, head_dim)
+    shape = (num_heads, num_kv_heads, head_dim, scale, tuple(kinds))
+    m = ModelShape(device or torch.device("cpu"), dtype or torch.float32, *shape)
     if name != "auto":
         return ATTENTION_BACKENDS.make(name, m)
     if head_dim > 0:

@@ -18,11 +18,37 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from pipeline.gpu_worker.attention.kv_layout import TOKEN_MAJOR, KVCache
 
 # Copies int64 host arrays to the device in one non-blocking transfer; returns them in order.
 Upload = Callable[[Sequence[np.ndarray]], list[torch.Tensor]]
+
+
+def sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """``scaled_dot_product_attention`` over ``[B, H, Q, D]`` queries and ``[B, KVH, K, D]`` keys, with the
+    scores soft-capped when ``softcap`` is set.
+
+    SDPA cannot cap scores, so a capped call runs the attention as
+    transformers' eager path does: matmul, cap, mask, softmax in float32, matmul.
+    """
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+    if enable_gqa and k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scale / softcap) * softcap
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32)
+    return torch.matmul(probs.to(q.dtype), v)
 
 
 def host_upload(arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
@@ -224,11 +250,14 @@ class AttentionBackend(ABC):
         kv_cache: KVCache,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Write this step's keys and values into ``kv_cache``, then attend.
 
         Each token attends to itself and to every earlier position of its
-        own sequence (earlier steps' keys come from the cache).
+        own sequence (earlier steps' keys come from the cache), or only to
+        the last ``window`` of them.
 
         Args:
             q: ``[T, H, D]`` queries (RoPE applied).
@@ -237,6 +266,11 @@ class AttentionBackend(ABC):
             kv_cache: the layer's ``(k_cache, v_cache)``, written in place.
             meta: this step's metadata from :meth:`build_metadata`.
             scale: softmax scale, usually ``D ** -0.5``.
+            window: a sliding window of this many keys, the query's own
+                included (position p attends p - window + 1 .. p, as
+                transformers masks); None: the whole context.
+            softcap: scores ``s`` become ``softcap * tanh(s / softcap)``
+                before the mask and softmax (Gemma 2); None: none.
 
         Returns:
             ``[T, H, D]`` attention output, dtype of ``q``.

@@ -1,6 +1,6 @@
 // Paged decode attention on the CPU, reading the KV cache in place (docs/design.md, "The worker").
 //
-// One query per row; each (row, KV head) task reads that row's keys block by
+// One query per row; each (row, KV head) task reads that row's keys (all, or a sliding window's last) block by
 // block straight from the head-major cache, so no per-layer copy of the
 // row's K/V is made. Two passes over the row's context: scores (each key row
 // loaded once for the KV head's whole query group), then softmax and the
@@ -58,71 +58,80 @@ inline void dot4(const float* qg, const T* k0, int64_t stride, float* out) {
 }
 #endif
 
-// One (row, KV head) task: the G queries sharing the head against the row's ctx keys.
-// G and D are compile-time so the queries and accumulators stay in registers.
+// One (row, KV head) task: the G queries sharing the head against the row's keys first .. ctx - 1 (the whole
+// context, or a sliding window's last keys). G and D are compile-time so the queries and accumulators stay in
+// registers. softcap > 0 caps each score s to softcap * tanh(s / softcap) (Gemma 2).
 template <typename T, int G, int D>
 void decode_task(const T* q_rows[G], T* out_rows[G], const T* k_head, const T* v_head, const int64_t* row_blocks,
-                 int64_t ctx, int64_t block_size, float scale, std::vector<float>& scores) {
+                 int64_t ctx, int64_t first, int64_t block_size, float scale, float softcap,
+                 std::vector<float>& scores) {
   float qf[G][D], acc[G][D];
   for (int g = 0; g < G; ++g)
     for (int d = 0; d < D; ++d) qf[g][d] = static_cast<float>(q_rows[g][d]) * scale, acc[g][d] = 0.f;
-  scores.resize(G * ctx);
+  const int64_t n_keys = ctx - first, b0 = first / block_size, b_end = (ctx - 1) / block_size + 1;
+  scores.resize(G * n_keys);
   const int64_t block_bytes = block_size * D * sizeof(T);
-  // Pass 1: scaled scores, [G, ctx]; each key row is loaded once for the whole query group.
-  for (int64_t start = 0, b = 0; start < ctx; start += block_size, ++b) {
-    const int64_t n = std::min(block_size, ctx - start);
+  // Pass 1: scaled scores, [G, n_keys]; each key row is loaded once for the whole query group.
+  for (int64_t b = b0; b < b_end; ++b) {
+    const int64_t base = b * block_size;
+    const int64_t lo = std::max<int64_t>(first - base, 0), hi = std::min(block_size, ctx - base);
     const T* kb = k_head + row_blocks[b] * block_size * D;
+    float* sb = scores.data() + base - first;  // scores of this block's keys, for query 0
     // Prefetch two blocks ahead (one block's compute did not cover a fetch), and V's first two
     // blocks during the last K block, so they arrive while the softmax runs.
-    if (start == 0) {
+    if (b == b0) {
       prefetch_block(kb, block_bytes);
-      if (block_size < ctx) prefetch_block(k_head + row_blocks[1] * block_size * D, block_bytes);
+      if (b + 1 < b_end) prefetch_block(k_head + row_blocks[b + 1] * block_size * D, block_bytes);
     }
-    if (start + 2 * block_size < ctx) prefetch_block(k_head + row_blocks[b + 2] * block_size * D, block_bytes);
-    if (start + block_size >= ctx) {
-      prefetch_block(v_head + row_blocks[0] * block_size * D, block_bytes);
-      if (block_size < ctx) prefetch_block(v_head + row_blocks[1] * block_size * D, block_bytes);
+    if (b + 2 < b_end) prefetch_block(k_head + row_blocks[b + 2] * block_size * D, block_bytes);
+    if (b + 1 == b_end) {
+      prefetch_block(v_head + row_blocks[b0] * block_size * D, block_bytes);
+      if (b0 + 1 < b_end) prefetch_block(v_head + row_blocks[b0 + 1] * block_size * D, block_bytes);
     }
-    int64_t t = 0;
+    int64_t t = lo;
 #if defined(__AVX512F__)
     if constexpr (D % 16 == 0) {
-      for (; t + 4 <= n; t += 4)
-        for (int g = 0; g < G; ++g) dot4<T, D>(qf[g], kb + t * D, D, scores.data() + g * ctx + start + t);
+      for (; t + 4 <= hi; t += 4)
+        for (int g = 0; g < G; ++g) dot4<T, D>(qf[g], kb + t * D, D, sb + g * n_keys + t);
     }
 #endif
-    for (; t < n; ++t) {
+    for (; t < hi; ++t) {
       const T* kr = kb + t * D;
       for (int g = 0; g < G; ++g) {
         float s = 0.f;
 #pragma omp simd reduction(+ : s)
         for (int d = 0; d < D; ++d) s += qf[g][d] * static_cast<float>(kr[d]);
-        scores[g * ctx + start + t] = s;
+        sb[g * n_keys + t] = s;
       }
     }
   }
+  if (softcap > 0.f)
+    for (int64_t i = 0; i < G * n_keys; ++i) scores[i] = softcap * std::tanh(scores[i] / softcap);
   // Softmax per query, unnormalised; the sum divides at the end.
   float inv_sum[G];
   for (int g = 0; g < G; ++g) {
-    float* sg = scores.data() + g * ctx;
+    float* sg = scores.data() + g * n_keys;
     float mx = sg[0];
-    for (int64_t i = 1; i < ctx; ++i) mx = std::max(mx, sg[i]);
+    for (int64_t i = 1; i < n_keys; ++i) mx = std::max(mx, sg[i]);
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < ctx; ++i) {
+    for (int64_t i = 0; i < n_keys; ++i) {
       sg[i] = std::exp(sg[i] - mx);
       sum += sg[i];
     }
     inv_sum[g] = 1.f / sum;
   }
   // Pass 2: weighted sum of values, accumulated in registers.
-  for (int64_t start = 0, b = 0; start < ctx; start += block_size, ++b) {
-    const int64_t n = std::min(block_size, ctx - start);
+  for (int64_t b = b0; b < b_end; ++b) {
+    const int64_t base = b * block_size;
+    const int64_t lo = std::max<int64_t>(first - base, 0), hi = std::min(block_size, ctx - base);
     const T* vb = v_head + row_blocks[b] * block_size * D;
-    if (start + 2 * block_size < ctx) prefetch_block(v_head + row_blocks[b + 2] * block_size * D, block_bytes);
-    for (int64_t t = 0; t < n; ++t) {
+    const float* sb = scores.data() + base - first;
+    if (b + 2 < b_end) prefetch_block(v_head + row_blocks[b + 2] * block_size * D, block_bytes);
+    for (int64_t t = lo; t < hi; ++t) {
       const T* vr = vb + t * D;
       for (int g = 0; g < G; ++g) {
-        const float p = scores[g * ctx + start + t];
+        const float p = sb[g * n_keys + t];
 #pragma omp simd
         for (int d = 0; d < D; ++d) acc[g][d] += p * static_cast<float>(vr[d]);
       }
@@ -135,7 +144,7 @@ void decode_task(const T* q_rows[G], T* out_rows[G], const T* k_head, const T* v
 template <typename T, int G, int D>
 void decode_rows(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const at::Tensor& token_index, const at::Tensor& block_ids, const at::Tensor& context_lens,
-                 double scale, int64_t block_size) {
+                 double scale, int64_t block_size, int64_t window, double softcap) {
   const int64_t rows = block_ids.size(0), max_blocks = block_ids.size(1);
   const int64_t kv_heads = k_cache.size(0), slots = k_cache.size(1);
   const int64_t q_row = q.stride(0), q_head = q.stride(1), o_row = out.stride(0), o_head = out.stride(1);
@@ -156,8 +165,9 @@ void decode_rows(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache
         q_rows[g] = qp + tok[r] * q_row + (h * G + g) * q_head;
         out_rows[g] = op + tok[r] * o_row + (h * G + g) * o_head;
       }
+      const int64_t first = window > 0 ? std::max<int64_t>(ctxs[r] - window, 0) : 0;
       decode_task<T, G, D>(q_rows, out_rows, kp + h * slots * D, vp + h * slots * D, bids + r * max_blocks, ctxs[r],
-                           block_size, static_cast<float>(scale), scores);
+                           first, block_size, static_cast<float>(scale), static_cast<float>(softcap), scores);
     }
   });
 }
@@ -169,11 +179,12 @@ void decode_rows(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache
 template <typename T>
 bool dispatch(int64_t group, int64_t dim, at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
               const at::Tensor& v_cache, const at::Tensor& token_index, const at::Tensor& block_ids,
-              const at::Tensor& context_lens, double scale, int64_t block_size) {
-#define PIPELINE_RUN(G, D)                                                                                      \
-  if (group == G && dim == D) {                                                                               \
-    decode_rows<T, G, D>(out, q, k_cache, v_cache, token_index, block_ids, context_lens, scale, block_size); \
-    return true;                                                                                              \
+              const at::Tensor& context_lens, double scale, int64_t block_size, int64_t window, double softcap) {
+#define PIPELINE_RUN(G, D)                                                                                        \
+  if (group == G && dim == D) {                                                                                 \
+    decode_rows<T, G, D>(out, q, k_cache, v_cache, token_index, block_ids, context_lens, scale, block_size,    \
+                         window, softcap);                                                                      \
+    return true;                                                                                                \
   }
   PIPELINE_SHAPES(PIPELINE_RUN)
 #undef PIPELINE_RUN
@@ -189,7 +200,7 @@ bool supports(int64_t group, int64_t dim) {
 
 void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& token_index, const at::Tensor& block_ids, const at::Tensor& context_lens,
-                  double scale, int64_t block_size) {
+                  double scale, int64_t block_size, int64_t window, double softcap) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous [KVH, slots, D]");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "q and out need contiguous head_dim");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type(), "dtype mismatch");
@@ -200,10 +211,10 @@ void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache
   bool done = false;
   if (q.scalar_type() == at::kFloat) {
     done = dispatch<float>(group, dim, out, q, k_cache, v_cache, token_index, block_ids, context_lens, scale,
-                           block_size);
+                           block_size, window, softcap);
   } else if (q.scalar_type() == at::kBFloat16) {
     done = dispatch<at::BFloat16>(group, dim, out, q, k_cache, v_cache, token_index, block_ids, context_lens, scale,
-                                  block_size);
+                                  block_size, window, softcap);
   } else {
     TORCH_CHECK(false, "paged_decode supports float32 and bfloat16, got ", q.scalar_type());
   }
@@ -215,7 +226,7 @@ void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache
 TORCH_LIBRARY(pipeline_cpu, m) {
   m.def(
       "paged_decode(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor token_index, "
-      "Tensor block_ids, Tensor context_lens, float scale, int block_size) -> ()");
+      "Tensor block_ids, Tensor context_lens, float scale, int block_size, int window, float softcap) -> ()");
   m.def("supports(int group, int head_dim) -> bool", &supports);
 }
 

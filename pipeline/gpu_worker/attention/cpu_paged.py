@@ -20,6 +20,7 @@ why and ``auto`` keeps ``torch_bucketed``.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -33,6 +34,7 @@ import torch
 from pipeline.gpu_worker.attention.graph_decode import GraphDecodeMetadata, graph_decode_attention
 from pipeline.gpu_worker.attention.kv_layout import HEAD_MAJOR, KVCache, write_kv
 from pipeline.gpu_worker.attention.torch_bucketed import BucketedMetadata, TorchBucketedBackend
+from pipeline.model_files import cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +56,12 @@ def _host_tag() -> str:
     return hashlib.sha256("\n".join([platform.machine(), *lines]).encode()).hexdigest()[:12]
 
 
+def build_directory() -> Path:
+    """Where the kernel is built: per CPU and source, so that checkouts of other versions keep their own builds."""
+    source_tag = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:8]
+    return cache_dir() / "kernels" / f"pipeline_cpu_paged_{_host_tag()}_{source_tag}"
+
+
 @functools.cache
 def unavailable_reason() -> str | None:
     """None once the kernel is built and loaded (first call builds it), else why it cannot be.
@@ -67,16 +75,26 @@ def unavailable_reason() -> str | None:
     logger.info(
         "cpu_paged: loading the attention kernel (compiled for this CPU on its first start, 10-30 s; cached after)"
     )
+    build_dir = build_directory()
     try:
         from torch.utils import cpp_extension
 
-        cpp_extension.load(
-            f"pipeline_cpu_paged_{_host_tag()}",
-            [str(_SOURCE)],
-            extra_cflags=_CFLAGS,
-            is_python_module=False,
-            verbose=False,
-        )
+        build_dir.mkdir(parents=True, exist_ok=True)
+        # torch's own build lock is a file that outlives a process killed while
+        # compiling, and every later start then waits on it forever. An flock is
+        # released by the kernel with its holder; under it, torch's lock file
+        # can only be such a leftover.
+        with open(build_dir.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            (build_dir / "lock").unlink(missing_ok=True)
+            cpp_extension.load(
+                build_dir.name,
+                [str(_SOURCE)],
+                extra_cflags=_CFLAGS,
+                build_directory=str(build_dir),
+                is_python_module=False,
+                verbose=False,
+            )
     except Exception as e:  # noqa: BLE001 -- any build or load failure means: use torch_bucketed
         return f"building the kernel failed: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[-1]}"
     return None
@@ -126,19 +144,25 @@ class CpuPagedBackend(TorchBucketedBackend):
         kv_cache: KVCache,
         meta: BucketedMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         if isinstance(meta, GraphDecodeMetadata):
-            return graph_decode_attention(q, k, v, kv_cache, meta, scale)
+            return graph_decode_attention(q, k, v, kv_cache, meta, scale, window, softcap)
         k_cache, v_cache = write_kv(kv_cache, k, v, meta.slot_mapping, HEAD_MAJOR)
         out = q.new_empty(q.shape)
+        bs = meta.block_size
         for b in meta.decode:
             if supports(q.shape[1], k.shape[1], q.shape[2]):
-                # Reads q and writes out at each row's token index: no gathered copies.
+                # Reads q and writes out at each row's token index: no gathered copies; a window's
+                # older keys are not read at all.
                 self._kernel(
-                    out, q, k_cache, v_cache, b.token_index, b.block_ids, b.context_lens, scale, meta.block_size
-                )
+                    out, q, k_cache, v_cache, b.token_index, b.block_ids, b.context_lens, scale, bs, window or 0,
+                    softcap or 0.0,
+                )  # fmt: skip
             else:  # a shape the kernel is not built for: correct, padded to the longest row
-                out.index_copy_(0, b.out_tokens, self.attend_bucket(q, k_cache, v_cache, b, meta.block_size, scale))
+                res = self.attend_bucket(q, k_cache, v_cache, b, bs, scale, window, softcap)
+                out.index_copy_(0, b.out_tokens, res)
         for b in meta.prefill:
-            out.index_copy_(0, b.out_tokens, self.attend_bucket(q, k_cache, v_cache, b, meta.block_size, scale))
+            out.index_copy_(0, b.out_tokens, self.attend_bucket(q, k_cache, v_cache, b, bs, scale, window, softcap))
         return out

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -83,10 +84,11 @@ class FlashInferMetadata(AttentionMetadata):
     """Per-step metadata for :class:`FlashInferBackend` (beyond the common fields).
 
     Attributes:
-        wrapper: the ``BatchPrefillWithPagedKVCacheWrapper`` planned for this step.
+        wrappers: per ``(window, softcap)`` of the model's layers, the
+            ``BatchPrefillWithPagedKVCacheWrapper`` planned for this step.
     """
 
-    wrapper: Any
+    wrappers: dict[tuple[int | None, float | None], Any]
 
 
 def _pinned_int32(a: np.ndarray) -> torch.Tensor:
@@ -103,6 +105,9 @@ class FlashInferBackend(PaddedGraphDecode, AttentionBackend):
         device: a CUDA device.
         scale: softmax scale, default ``head_dim ** -0.5``; planned once per
             step, so :meth:`forward` must be given the same.
+        kinds: the ``(window, softcap)`` pairs of the model's layers (see
+            ``AttentionBackend.forward``); each is planned once per step, as
+            FlashInfer's ``window_left = window - 1`` and ``logits_soft_cap``.
 
     Raises:
         ValueError: if :func:`unsupported_reason` finds a reason.
@@ -118,6 +123,7 @@ class FlashInferBackend(PaddedGraphDecode, AttentionBackend):
         dtype: torch.dtype,
         device: torch.device,
         scale: float | None = None,
+        kinds: Sequence[tuple[int | None, float | None]] = ((None, None),),
     ) -> None:
         reason = unsupported_reason(device, dtype, head_dim)
         if reason is not None:
@@ -128,7 +134,10 @@ class FlashInferBackend(PaddedGraphDecode, AttentionBackend):
         self.dtype = dtype
         self.scale = head_dim**-0.5 if scale is None else scale
         workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self._wrappers = [flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD") for _ in range(2)]
+        self._wrappers = {
+            kind: [flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD") for _ in range(2)]
+            for kind in dict.fromkeys(kinds)
+        }
         self._turn = 0
 
     def build_metadata(self, layout: StepLayout, block_table: torch.Tensor, upload: Upload) -> FlashInferMetadata:
@@ -147,29 +156,31 @@ class FlashInferBackend(PaddedGraphDecode, AttentionBackend):
         )
         kv_indices = block_table[page_rows_d, page_cols_d].to(torch.int32)
 
-        wrapper = self._wrappers[self._turn]
+        host = [_pinned_int32(qo_indptr), _pinned_int32(kv_indptr), kv_indices, _pinned_int32(last_page_len)]
+        planned = {}
+        for (window, softcap), turns in self._wrappers.items():
+            planned[window, softcap] = wrapper = turns[self._turn]
+            wrapper.plan(
+                *host,
+                num_qo_heads=self.num_heads,
+                num_kv_heads=self.num_kv_heads,
+                head_dim_qk=self.head_dim,
+                page_size=bs,
+                causal=True,
+                sm_scale=self.scale,
+                window_left=-1 if window is None else window - 1,
+                logits_soft_cap=softcap,
+                q_data_type=self.dtype,
+                kv_data_type=self.dtype,
+                non_blocking=True,
+            )
         self._turn ^= 1
-        wrapper.plan(
-            _pinned_int32(qo_indptr),
-            _pinned_int32(kv_indptr),
-            kv_indices,
-            _pinned_int32(last_page_len),
-            num_qo_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim_qk=self.head_dim,
-            page_size=bs,
-            causal=True,
-            sm_scale=self.scale,
-            q_data_type=self.dtype,
-            kv_data_type=self.dtype,
-            non_blocking=True,
-        )
         return FlashInferMetadata(
             num_tokens=layout.num_tokens,
             block_size=bs,
             positions=positions,
             slot_mapping=slot_mapping(block_table, token_req_indices, token_cols, positions, bs),
-            wrapper=wrapper,
+            wrappers=planned,
         )
 
     def forward(
@@ -180,9 +191,11 @@ class FlashInferBackend(PaddedGraphDecode, AttentionBackend):
         kv_cache: KVCache,
         meta: FlashInferMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         if isinstance(meta, GraphDecodeMetadata):  # its graphs use the torch decode (graph_decode.py)
-            return graph_decode_attention(q, k, v, kv_cache, meta, scale)
+            return graph_decode_attention(q, k, v, kv_cache, meta, scale, window, softcap)
         if scale != self.scale:
             raise ValueError(f"flashinfer planned softmax scale {self.scale}, forward got {scale}")
         k_cache, v_cache = kv_cache
@@ -190,4 +203,4 @@ class FlashInferBackend(PaddedGraphDecode, AttentionBackend):
         v_cache.index_copy_(0, meta.slot_mapping, v)
         pages = k_cache.shape[0] // meta.block_size
         shape = (pages, meta.block_size, k_cache.shape[1], k_cache.shape[2])
-        return meta.wrapper.run(q.contiguous(), (k_cache.view(shape), v_cache.view(shape)))
+        return meta.wrappers[window, softcap].run(q.contiguous(), (k_cache.view(shape), v_cache.view(shape)))

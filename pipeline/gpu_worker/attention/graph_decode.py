@@ -16,9 +16,8 @@ import dataclasses
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from pipeline.gpu_worker.attention.backend import AttentionMetadata, StepLayout, Upload
+from pipeline.gpu_worker.attention.backend import AttentionMetadata, StepLayout, Upload, sdpa
 from pipeline.gpu_worker.attention.kv_layout import KVCache, gather_blocks, write_kv
 
 
@@ -31,11 +30,26 @@ class GraphDecodeMetadata(AttentionMetadata):
             padding block past a row's context and for padding rows.
         mask: ``[n, 1, 1, max_blocks_per_seq * block_size]`` bool, True for the keys a row attends.
         cache_layout: the backend's (``kv_layout``).
+        context_lens: ``[n]`` int64, each row's context in tokens.
+        window_masks: ``mask`` narrowed to each sliding window the layers
+            use (keys ``>= context - window``), made by the first layer that asks.
     """
 
     block_ids: torch.Tensor
     mask: torch.Tensor
     cache_layout: str
+    context_lens: torch.Tensor
+    window_masks: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    def mask_for(self, window: int | None) -> torch.Tensor:
+        """The rows' mask for a layer with this sliding window (None: their whole context)."""
+        if window is None:
+            return self.mask
+        if window not in self.window_masks:
+            key_pos = torch.arange(self.mask.shape[-1], device=self.mask.device)
+            recent = key_pos[None, :] >= (self.context_lens - window)[:, None]
+            self.window_masks[window] = self.mask & recent[:, None, None, :]
+        return self.window_masks[window]
 
 
 class GraphDecodeInputs:
@@ -89,6 +103,7 @@ class GraphDecodeInputs:
             block_ids=block_ids,
             mask=(key_pos[None, :] < context_lens[:, None])[:, None, None, :],
             cache_layout=cache_layout,
+            context_lens=context_lens,
         )
 
 
@@ -111,7 +126,14 @@ class PaddedGraphDecode:
 
 
 def graph_decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: GraphDecodeMetadata, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: KVCache,
+    meta: GraphDecodeMetadata,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Decode attention with the graph's fixed shapes: write K/V, gather every row's blocks, one SDPA call.
 
@@ -119,6 +141,7 @@ def graph_decode_attention(
         q: ``[n, H, D]`` queries (RoPE applied), one per row.
         k, v: ``[n, KVH, D]``, written at ``meta.slot_mapping``.
         kv_cache: the layer's ``(k_cache, v_cache)`` as allocated.
+        window, softcap: as ``AttentionBackend.forward``.
 
     Returns:
         ``[n, H, D]``, dtype of ``q``.
@@ -131,6 +154,6 @@ def graph_decode_attention(
     keys = gather_blocks(k_cache, meta.block_ids, meta.block_size, layout, k_cache.new_empty(numel))
     values = gather_blocks(v_cache, meta.block_ids, meta.block_size, layout, v_cache.new_empty(numel))
     # The heads sharing a KV head fold into the query dimension, so K/V are never expanded.
-    return F.scaled_dot_product_attention(
-        q.reshape(rows, kv_heads, num_heads // kv_heads, head_dim), keys, values, attn_mask=meta.mask, scale=scale
+    return sdpa(
+        q.reshape(rows, kv_heads, num_heads // kv_heads, head_dim), keys, values, meta.mask_for(window), scale, softcap
     ).reshape(rows, num_heads, head_dim)

@@ -44,7 +44,6 @@ import dataclasses
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from pipeline.gpu_worker.attention.backend import (
     AttentionBackend,
@@ -53,6 +52,7 @@ from pipeline.gpu_worker.attention.backend import (
     PaddedQueries,
     StepLayout,
     Upload,
+    sdpa,
     slot_mapping,
 )
 from pipeline.gpu_worker.attention.graph_decode import GraphDecodeMetadata, PaddedGraphDecode, graph_decode_attention
@@ -137,8 +137,12 @@ class Bucket:
         out_tokens: ``[n]`` int64, step-token index of each real query.
         identity: the bucket is the whole step, in order, without padding:
             queries and output are plain reshapes.
+        visible: ``[rows * q_max]`` int64, the keys each query attends
+            without a window (its position + 1): the count ``mask`` holds per query.
         context_lens: ``[rows]`` int64, each row's context in tokens (decode
             buckets; None for prefill).
+        window_masks: ``mask`` narrowed to each sliding window used this
+            step, made by the first layer that asks (:meth:`mask_for`).
     """
 
     q_max: int
@@ -148,7 +152,22 @@ class Bucket:
     out_rows: torch.Tensor | None
     out_tokens: torch.Tensor
     identity: bool
+    visible: torch.Tensor
     context_lens: torch.Tensor | None = None
+    window_masks: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    def mask_for(self, window: int | None, prefix: PrefixTable) -> torch.Tensor:
+        """The bucket's mask for a layer with this sliding window (None: the causal mask).
+
+        A query that sees ``n`` keys keeps the last ``window`` of them: the
+        causal mask minus the first ``n - window`` keys.
+        """
+        if window is None:
+            return self.mask
+        if window not in self.window_masks:
+            older = prefix.rows((self.visible - window).clamp_(min=0), self.mask.shape[-1])
+            self.window_masks[window] = self.mask & ~older.view(self.mask.shape)
+        return self.window_masks[window]
 
 
 @dataclasses.dataclass
@@ -257,7 +276,8 @@ def _device_prefill(
     out_rows, out_tokens = dev[4:] if host.padded else (None, token_index)
     rows, q_max = query_pos.shape
     # Query at position p attends keys 0..p: the first p + 1.
-    mask = prefix.rows((query_pos + 1).view(-1), host.n_blocks * block_size).view(rows, 1, q_max, -1)
+    visible = (query_pos + 1).view(-1)
+    mask = prefix.rows(visible, host.n_blocks * block_size).view(rows, 1, q_max, -1)
     return Bucket(
         q_max=host.q_max,
         block_ids=_block_ids(block_table, req_indices, context_lens, host.n_blocks, block_size, prefix),
@@ -266,6 +286,7 @@ def _device_prefill(
         out_rows=out_rows,
         out_tokens=out_tokens,
         identity=host.identity,
+        visible=visible,
     )
 
 
@@ -311,6 +332,7 @@ def _device_decode(
             out_rows=None,
             out_tokens=token_index[a : a + n],
             identity=host.identity,
+            visible=context_lens[a : a + n],
             context_lens=context_lens[a : a + n],
         )
         for a, n, nb in host.bounds
@@ -388,21 +410,31 @@ class TorchBucketedBackend(PaddedGraphDecode, AttentionBackend):
         kv_cache: KVCache,
         meta: BucketedMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         if isinstance(meta, GraphDecodeMetadata):
-            return graph_decode_attention(q, k, v, kv_cache, meta, scale)
+            return graph_decode_attention(q, k, v, kv_cache, meta, scale, window, softcap)
         k_cache, v_cache = write_kv(kv_cache, k, v, meta.slot_mapping, self.cache_layout)
         buckets = meta.decode + meta.prefill
         out = None if len(buckets) == 1 and buckets[0].identity else q.new_empty(q.shape)
         for b in buckets:
-            res = self.attend_bucket(q, k_cache, v_cache, b, meta.block_size, scale)
+            res = self.attend_bucket(q, k_cache, v_cache, b, meta.block_size, scale, window, softcap)
             if out is None:
                 return res
             out.index_copy_(0, b.out_tokens, res)
         return out
 
     def attend_bucket(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, b: Bucket, block_size: int, scale: float
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        b: Bucket,
+        block_size: int,
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """One bucket's SDPA call over its gathered blocks.
 
@@ -412,6 +444,8 @@ class TorchBucketedBackend(PaddedGraphDecode, AttentionBackend):
             b: the bucket.
             block_size: tokens per block.
             scale: softmax scale.
+            window, softcap: as ``AttentionBackend.forward`` (a window masks the
+                older keys; they are still gathered).
 
         Returns:
             ``[len(b.out_tokens), H, D]``: the output of each of the bucket's
@@ -425,23 +459,21 @@ class TorchBucketedBackend(PaddedGraphDecode, AttentionBackend):
         keys = gather_blocks(k_cache, b.block_ids, block_size, self.cache_layout, scratch[:numel])
         values = gather_blocks(v_cache, b.block_ids, block_size, self.cache_layout, scratch[numel:])
         q_b = q if b.identity else q.index_select(0, b.token_index)
+        mask = b.mask_for(window, self.prefix)
         if b.q_max == 1:
             # One query per row: fold the heads sharing a KV head into the
             # query dimension, so K/V are never expanded.
-            return F.scaled_dot_product_attention(
-                q_b.reshape(rows, kv_heads, num_heads // kv_heads, head_dim),
-                keys,
-                values,
-                attn_mask=b.mask,
-                scale=scale,
+            return sdpa(
+                q_b.reshape(rows, kv_heads, num_heads // kv_heads, head_dim), keys, values, mask, scale, softcap
             ).view(rows, num_heads, head_dim)
         res = (
-            F.scaled_dot_product_attention(
+            sdpa(
                 q_b.reshape(rows, b.q_max, num_heads, head_dim).transpose(1, 2),
                 keys,
                 values,
-                attn_mask=b.mask,
-                scale=scale,
+                mask,
+                scale,
+                softcap,
                 enable_gqa=True,
             )
             .transpose(1, 2)

@@ -25,7 +25,6 @@ import math
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from pipeline.gpu_worker.attention.backend import (
     AttentionBackend,
@@ -34,6 +33,7 @@ from pipeline.gpu_worker.attention.backend import (
     PaddedQueries,
     StepLayout,
     Upload,
+    sdpa,
     slot_mapping,
 )
 from pipeline.gpu_worker.attention.graph_decode import GraphDecodeMetadata, PaddedGraphDecode, graph_decode_attention
@@ -57,6 +57,9 @@ class AttentionGroup:
         out_tokens: ``[n_tokens]`` int64, step-token index of each of them.
         identity: True when the group holds every token of the step in order
             with no padding, so queries and outputs are plain reshapes.
+        query_pos: ``[rows, q_max]`` int64, each query's position.
+        window_masks: ``mask`` narrowed to each sliding window used this
+            step (``key_pos > query_pos - window``), made by the first layer that asks.
     """
 
     token_index: torch.Tensor
@@ -65,6 +68,18 @@ class AttentionGroup:
     out_rows: torch.Tensor
     out_tokens: torch.Tensor
     identity: bool
+    query_pos: torch.Tensor
+    window_masks: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    def mask_for(self, window: int | None) -> torch.Tensor:
+        """The group's mask for a layer with this sliding window (None: the causal mask)."""
+        if window is None:
+            return self.mask
+        if window not in self.window_masks:
+            key_pos = torch.arange(self.mask.shape[-1], device=self.mask.device)
+            recent = key_pos[None, None, :] > self.query_pos[:, :, None] - window
+            self.window_masks[window] = self.mask & recent.unsqueeze(1)
+        return self.window_masks[window]
 
 
 @dataclasses.dataclass
@@ -124,6 +139,7 @@ def _device_group(
         out_rows=out_rows,
         out_tokens=out_tokens,
         identity=host.identity,
+        query_pos=query_pos,
     )
 
 
@@ -187,6 +203,8 @@ def paged_attention(
     meta: SDPAMetadata,
     scale: float,
     workspace: GatherBuffer | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Write this step's keys and values into the cache, then attend.
 
@@ -203,6 +221,7 @@ def paged_attention(
         scale: softmax scale, usually ``D ** -0.5``.
         workspace: scratch for the gathered keys/values, shared by all
             layers; None allocates per call (fine on CUDA, slow on CPU).
+        window, softcap: as ``AttentionBackend.forward``.
 
     Returns:
         ``[T, H, D]`` attention output, dtype of ``q``.
@@ -223,8 +242,8 @@ def paged_attention(
         # One query per row: fold the heads sharing a KV head into the query
         # dimension. Unlike enable_gqa, this never expands K/V (enable_gqa was
         # up to 7x slower for bfloat16 decode on CPU).
-        res = F.scaled_dot_product_attention(
-            q_dec.reshape(rows, kv_heads, group_size, head_dim), keys, values, attn_mask=dec.mask, scale=scale
+        res = sdpa(
+            q_dec.reshape(rows, kv_heads, group_size, head_dim), keys, values, dec.mask_for(window), scale, softcap
         ).reshape(rows, num_heads, head_dim)
         if out is None:
             return res
@@ -238,8 +257,8 @@ def paged_attention(
             q_pre = q.reshape(rows, q_max, num_heads, head_dim)
         else:
             q_pre = q.index_select(0, pre.token_index.flatten()).view(rows, q_max, num_heads, head_dim)
-        res = F.scaled_dot_product_attention(
-            q_pre.transpose(1, 2), keys, values, attn_mask=pre.mask, scale=scale, enable_gqa=True
+        res = sdpa(
+            q_pre.transpose(1, 2), keys, values, pre.mask_for(window), scale, softcap, enable_gqa=True
         ).transpose(1, 2)
         if out is None:
             return res.reshape(num_tokens, num_heads, head_dim)
@@ -301,7 +320,9 @@ class TorchSDPABackend(PaddedGraphDecode, AttentionBackend):
         kv_cache: KVCache,
         meta: SDPAMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         if isinstance(meta, GraphDecodeMetadata):
-            return graph_decode_attention(q, k, v, kv_cache, meta, scale)
-        return paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, scale, self.workspace)
+            return graph_decode_attention(q, k, v, kv_cache, meta, scale, window, softcap)
+        return paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, scale, self.workspace, window, softcap)

@@ -1,0 +1,1 @@
+"""Building blocks of the model families (``pipeline.gpu_worker.models``); each layer takes its switches."""

@@ -1,0 +1,54 @@
+"""The token embedding and the LM head, vocabulary-parallel: rank ``r`` holds rows ``[r V_r, (r + 1) V_r)``."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.common.constants import cdiv
+from pipeline.gpu_worker.layers.linear import check_shape, empty_parameter, linear
+from pipeline.gpu_worker.layers.tp import SINGLE_RANK, TPGroup
+
+
+class VocabParallelEmbedding(nn.Module):
+    """``V_r = ceil(V / N)`` rows of a ``[V, hidden]`` table; the last rank's rows past ``V`` are zeros.
+
+    Serves as the embedding (:meth:`forward`) and as the LM head
+    (:meth:`logits`), so a tied model uses one table for both.
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup = SINGLE_RANK) -> None:
+        super().__init__()
+        self.vocab_size, self.tp = vocab_size, tp
+        self.rows = cdiv(vocab_size, tp.size)
+        self.start = tp.rank * self.rows
+        self.weight = empty_parameter(self.rows, hidden_size)
+        self.weight.weight_loader = self.weight_loader
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids [T]`` int64 of the full vocabulary -> ``[T, hidden]``, the same on every rank.
+
+        Under tensor parallelism each rank looks up the ids it holds, zeroes
+        the others, and an all-reduce sums the ranks' rows.
+        """
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.rows)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(out.masked_fill_(outside[:, None], 0))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [S, hidden]`` -> ``[S, V]`` float32 logits over the full vocabulary, the same on every rank."""
+        out = linear(hidden, self.weight)
+        if self.tp.size > 1:
+            out = self.tp.all_gather_last_dim(out)[:, : self.vocab_size]
+        return out.float()
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> tuple:
+        check_shape(loaded, (self.vocab_size, param.shape[1]))
+        n = max(0, min(self.rows, self.vocab_size - self.start))
+        param[:n].copy_(loaded[self.start : self.start + n])
+        param[n:].zero_()
+        return (None,)

@@ -1,0 +1,200 @@
+"""Linear layers that know their tensor-parallel shard at construction, and load it from full checkpoint tensors.
+
+Megatron-LM's split (Shoeybi et al. 2019, section 3; docs/design.md,
+"Parallelism"): column-parallel layers hold a slice of the output rows, and
+the row-parallel layer after them a slice of the input columns, then sums
+the ranks' partial outputs. With one rank every layer is a plain linear.
+
+Each parameter carries ``weight_loader(param, loaded, shard_id)``, which
+copies the rank's part of a full checkpoint tensor ``loaded`` into the
+parameter (casting to its dtype and device), checks the full tensor's shape,
+and returns the shard keys it filled; a parameter filled from several
+tensors lists them all in ``param.shards`` (docs/design.md, "Model families").
+``loaded`` may be a view of a memory-mapped file: only the rows or columns
+the rank keeps are read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.gpu_worker.layers.tp import SINGLE_RANK, TPGroup
+
+# A private op (used by inductor's CPU backend); absent in builds without oneDNN.
+_onednn_linear = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [N, in] @ weight.T + bias`` -> ``[N, out]``, same dtype as ``x``.
+
+    float32 on CPU uses oneDNN: aten's float32 matmul is MKL sgemm, which on
+    this project's AMD EPYC measured 2-3x slower than oneDNN for every shape
+    these models run (bf16 already goes through oneDNN).
+    """
+    if _onednn_linear is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+        return _onednn_linear(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def check_shape(loaded: torch.Tensor, expected: Sequence[int]) -> None:
+    """Raises ValueError naming both shapes when a checkpoint tensor's shape is not ``expected``."""
+    if tuple(loaded.shape) != tuple(expected):
+        raise ValueError(f"shape {tuple(loaded.shape)} in the checkpoint, the model config implies {tuple(expected)}")
+
+
+def empty_parameter(*shape: int) -> nn.Parameter:
+    """An uninitialised parameter of the default dtype and device; the loader fills it."""
+    return nn.Parameter(torch.empty(shape), requires_grad=False)
+
+
+def load_whole(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> tuple:
+    """The weight loader of a replicated parameter: the whole tensor."""
+    check_shape(loaded, param.shape)
+    param.copy_(loaded)
+    return (None,)
+
+
+class ReplicatedLinear(nn.Module):
+    """The same ``[out, in]`` weight on every rank (a MoE router)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = empty_parameter(out_features, in_features)
+        self.weight.weight_loader = load_whole
+        self.bias = None
+        if bias:
+            self.bias = empty_parameter(out_features)
+            self.bias.weight_loader = load_whole
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(nn.Module):
+    """Several column-parallel outputs in one matmul, e.g. an MLP's gate and up projections.
+
+    Each rank holds ``size / N`` rows of every part, the parts one after
+    another: output ``[T, sum(output_sizes) / N]``.
+
+    Args:
+        in_features: the input width.
+        output_sizes: each part's full output rows, each divisible by ``tp.size``.
+        bias: whether the parts have a bias.
+        tp: this rank's group.
+    """
+
+    def __init__(self, in_features: int, output_sizes: Sequence[int], bias: bool, tp: TPGroup = SINGLE_RANK):
+        super().__init__()
+        self.tp, self.output_sizes = tp, list(output_sizes)
+        self.local_sizes = [n // tp.size for n in output_sizes]
+        self.weight = empty_parameter(sum(self.local_sizes), in_features)
+        self.bias = empty_parameter(sum(self.local_sizes)) if bias else None
+        for p in (self.weight, self.bias):
+            if p is not None:
+                p.weight_loader, p.shards = self.weight_loader, set(range(len(output_sizes)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> tuple:
+        """Part ``shard_id`` (full rows), or every part of a checkpoint that fuses them (``shard_id`` None)."""
+        if shard_id is None:
+            check_shape(loaded, (sum(self.output_sizes), *param.shape[1:]))
+            for i, part in enumerate(loaded.split(self.output_sizes, dim=0)):
+                self.weight_loader(param, part, i)
+            return tuple(range(len(self.output_sizes)))
+        check_shape(loaded, (self.output_sizes[shard_id], *param.shape[1:]))
+        n = self.local_sizes[shard_id]
+        param.narrow(0, sum(self.local_sizes[:shard_id]), n).copy_(loaded.narrow(0, self.tp.rank * n, n))
+        return (shard_id,)
+
+
+class QKVParallelLinear(nn.Module):
+    """The fused query, key and value projection, column-parallel by heads.
+
+    Each rank holds its ``H / N`` query heads and its KV heads: ``KV / N``,
+    or one head replicated on ``N / KV`` ranks when there are more ranks than
+    KV heads (as vLLM's ``QKVParallelLinear``). Output ``[T, (Hr + 2 KVr) D]``,
+    queries then keys then values.
+
+    Args:
+        hidden_size: the input width.
+        head_dim: D.
+        num_heads, num_kv_heads: the full model's H and KV.
+        bias: whether q, k and v have a bias.
+        tp: this rank's group (its size fits the heads: ``TPShape.build`` checked).
+    """
+
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, tp: TPGroup = SINGLE_RANK
+    ) -> None:
+        super().__init__()
+        self.tp, self.head_dim = tp, head_dim
+        self.num_heads = num_heads // tp.size
+        self.num_kv_heads = max(1, num_kv_heads // tp.size)
+        replicas = max(1, tp.size // num_kv_heads)
+        self.kv_head_start = (tp.rank // replicas) * self.num_kv_heads
+        self.full_rows = {"q": num_heads * head_dim, "k": num_kv_heads * head_dim, "v": num_kv_heads * head_dim}
+        q, kv = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        # Per shard: (rows in this rank's output, first of them, first row in the full tensor).
+        self.layout = {
+            "q": (q, 0, tp.rank * q),
+            "k": (kv, q, self.kv_head_start * head_dim),
+            "v": (kv, q + kv, self.kv_head_start * head_dim),
+        }
+        self.weight = empty_parameter(q + 2 * kv, hidden_size)
+        self.bias = empty_parameter(q + 2 * kv) if bias else None
+        for p in (self.weight, self.bias):
+            if p is not None:
+                p.weight_loader, p.shards = self.weight_loader, set(self.full_rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> tuple:
+        """Shard ``"q"``, ``"k"`` or ``"v"`` (full rows), or all three of a fused ``qkv_proj`` (``shard_id`` None)."""
+        if shard_id is None:
+            sizes = list(self.full_rows.values())
+            check_shape(loaded, (sum(sizes), *param.shape[1:]))
+            for sid, part in zip(self.full_rows, loaded.split(sizes, dim=0), strict=True):
+                self.weight_loader(param, part, sid)
+            return tuple(self.full_rows)
+        check_shape(loaded, (self.full_rows[shard_id], *param.shape[1:]))
+        n, dst, src = self.layout[shard_id]
+        param.narrow(0, dst, n).copy_(loaded.narrow(0, src, n))
+        return (shard_id,)
+
+
+class RowParallelLinear(nn.Module):
+    """``x [T, in / N] @ W_r.T`` summed over the ranks, plus the bias once: output ``[T, out]`` on every rank.
+
+    ``weight`` is ``[out, in / N]``, this rank's input columns; ``bias``
+    ``[out]`` is the full bias, added after the all-reduce so it counts once.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup = SINGLE_RANK) -> None:
+        super().__init__()
+        self.tp = tp
+        self.in_features = in_features
+        self.weight = empty_parameter(out_features, in_features // tp.size)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = empty_parameter(out_features)
+            self.bias.weight_loader = load_whole
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> tuple:
+        check_shape(loaded, (param.shape[0], self.in_features))
+        n = param.shape[1]
+        param.copy_(loaded.narrow(1, self.tp.rank * n, n))
+        return (None,)

@@ -1,0 +1,234 @@
+"""What every family shares: embedding, decoder layers, final norm, LM head, and loading checkpoint tensors.
+
+The modules are named as transformers names them (``model.layers.0.self_attn.o_proj``),
+so a checkpoint tensor maps to a parameter by name, after the family's
+renames and ``packed_modules_mapping`` (the parts of a fused projection).
+Each parameter's ``weight_loader`` takes the full checkpoint tensor and
+keeps this rank's part (``pipeline.gpu_worker.layers.linear``;
+docs/design.md, "Model families").
+
+The forward pass makes no host synchronisation on CUDA (no ``.item()``, no
+data-dependent Python branching), so it can be enqueued on a stream as is.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from pipeline.gpu_worker.attention import default_backend
+from pipeline.gpu_worker.attention.backend import AttentionBackend, AttentionMetadata, KVCache
+from pipeline.gpu_worker.layers.embedding import VocabParallelEmbedding
+from pipeline.gpu_worker.layers.linear import load_whole
+from pipeline.gpu_worker.layers.norm import make_norm
+from pipeline.gpu_worker.layers.rotary import RotaryEmbedding
+from pipeline.gpu_worker.layers.tp import SINGLE_RANK, TPGroup
+from pipeline.gpu_worker.models.config import SLIDING, ModelConfig
+
+# A stacked expert parameter's part, by the per-expert checkpoint projection that fills it.
+_EXPERT_PARTS = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", None)}
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+class CheckpointError(ValueError):
+    """The checkpoint does not fit the model its config describes; the message names the tensors."""
+
+
+class CausalLM(nn.Module):
+    """A decoder-only LM over a paged KV cache; a family sets ``decoder_layer`` and its checkpoint names.
+
+    Args:
+        config: the model.
+        tp: this rank's group; every layer is built at the rank's size.
+        max_model_len: the longest sequence served (sliding windows at least
+            this long are dropped; longrope picks its factors); default
+            ``config.max_position_embeddings``.
+        attn_backend: how attention is computed; default ``default_backend()``.
+
+    Parameters are created uninitialised, in the default dtype on the
+    default device; :meth:`load_weights` fills every one or raises.
+
+    Raises:
+        ValueError: ``tp.size`` does not fit the model (the message lists sizes that do).
+    """
+
+    decoder_layer: ClassVar[type[nn.Module]]
+    # Checkpoint module name -> (our fused module, its part).
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, str | int]]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+    # (regex, replacement) applied to every checkpoint name first.
+    checkpoint_renames: ClassVar[tuple[tuple[str, str], ...]] = ()
+    # Checkpoint names (regex) with no parameter: buffers some exporters write, parts not served.
+    ignored_checkpoint_names: ClassVar[tuple[str, ...]] = (r"rotary_emb\.inv_freq$",)
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        tp: TPGroup = SINGLE_RANK,
+        max_model_len: int | None = None,
+        attn_backend: AttentionBackend | None = None,
+    ) -> None:
+        super().__init__()
+        shape = config.tp_shape(tp.size)
+        max_model_len = max_model_len or config.max_position_embeddings
+        self.config, self.tp = config, tp
+        self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, config.head_dim
+        self.model = nn.Module()
+        self.model.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.model.layers = nn.ModuleList(
+            self.decoder_layer(config, i, max_model_len, tp) for i in range(config.num_hidden_layers)
+        )
+        self.model.norm = make_norm(config.norm, config.hidden_size, config.rms_norm_eps)
+        # The (window, softcap) pairs the layers attend with (a backend may plan each once per step).
+        self.attention_kinds = tuple(
+            dict.fromkeys((layer.self_attn.window, layer.self_attn.softcap) for layer in self.model.layers)
+        )
+        self.lm_head = None
+        if not config.tie_word_embeddings:
+            self.lm_head = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        ropes = [config.rope] + ([config.rope_sliding] if config.rope_sliding else [])
+        self.rotary = nn.ModuleList(RotaryEmbedding(r, config.max_position_embeddings, max_model_len) for r in ropes)
+        self.layer_rope = [int(config.rope_sliding is not None and t == SLIDING) for t in config.layer_types]
+        # The scale is rounded to the model dtype before it multiplies, as in transformers.
+        self.embed_scale = None
+        if config.embed_scale is not None:
+            self.embed_scale = float(torch.tensor(config.embed_scale, dtype=torch.get_default_dtype()))
+        self.attn_backend = attn_backend or default_backend()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[KVCache],
+    ) -> torch.Tensor:
+        """Run one step over the flat token batch.
+
+        Args:
+            input_ids: ``[T]`` int64 token ids, laid out as ``meta`` describes.
+            positions: ``[T]`` int64, each below ``max_position_embeddings``
+                (out-of-range positions are an indexing error).
+            meta: the step's metadata from ``self.attn_backend.build_metadata``,
+                on the model's device.
+            kv_caches: one ``(k_cache, v_cache)`` per layer, as made by
+                :meth:`allocate_kv_caches`; written in place.
+
+        Returns:
+            ``[T, hidden_size]`` final-normed hidden states, model dtype.
+        """
+        ropes = [r.lookup(positions) for r in self.rotary]
+        hidden = self.model.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            hidden = hidden * self.embed_scale
+        for layer, kv_cache, rope in zip(self.model.layers, kv_caches, self.layer_rope, strict=True):
+            hidden = layer(hidden, ropes[rope], meta, kv_cache, self.attn_backend)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [S, hidden_size]`` (rows to sample) -> ``[S, vocab_size]`` float32 logits, equal on every rank."""
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        logits = head.logits(hidden)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def allocate_kv_caches(
+        self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    ) -> list[KVCache]:
+        """Preallocate the paged KV cache of this rank's KV heads.
+
+        Returns:
+            One ``(k_cache, v_cache)`` per layer, each
+            ``[num_blocks * block_size, num_kv_heads, head_dim]`` of ``dtype``
+            on ``device``, zero-filled (so padded gathers never read NaN).
+        """
+        shape = (num_blocks * block_size, self.num_kv_heads, self.head_dim)
+        return [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(self.config.num_hidden_layers)
+        ]
+
+    def parameter_of(self, name: str) -> tuple[str, object] | None:
+        """The parameter a checkpoint tensor fills and its shard id, or None for a tensor with no parameter."""
+        for pattern, replacement in self.checkpoint_renames:
+            name = re.sub(pattern, replacement, name)
+        if any(re.search(p, name) for p in self.ignored_checkpoint_names):
+            return None
+        if self.lm_head is None and name == "lm_head.weight":
+            return None  # tied: the embedding is the head
+        if m := _EXPERT.match(name):
+            param, part = _EXPERT_PARTS[m[3]]
+            expert = int(m[2])
+            return f"{m[1]}.{param}", (expert,) if part is None else (expert, part)
+        parts = name.split(".")
+        for i, part in enumerate(parts):
+            if part in self.packed_modules_mapping:
+                module, shard = self.packed_modules_mapping[part]
+                return ".".join([*parts[:i], module, *parts[i + 1 :]]), shard
+        return name, None
+
+    def checkpoint_name(self, param: str, shard: object) -> str:
+        """The checkpoint tensor that fills ``shard`` of parameter ``param`` (for error messages)."""
+        if isinstance(shard, tuple):
+            head, stacked = param.rsplit(".", 1)
+            proj = next(k for k, v in _EXPERT_PARTS.items() if v == (stacked, shard[1] if len(shard) > 1 else None))
+            return f"{head}.{shard[0]}.{proj}.weight"
+        if shard is None:
+            return param
+        parts = param.split(".")
+        for i, part in enumerate(parts):
+            for source, (module, s) in self.packed_modules_mapping.items():
+                if (module, s) == (part, shard):
+                    return ".".join([*parts[:i], source, *parts[i + 1 :]])
+        return f"{param} ({shard})"
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Fill every parameter from ``(checkpoint name, full tensor)`` pairs, one tensor at a time.
+
+        Tensors may be in any dtype and on any device (views of a memory-mapped
+        file included): each is cast and copied into this rank's part.
+
+        Raises:
+            CheckpointError: a tensor has the wrong shape, is loaded twice,
+                has no parameter here, or a parameter is left unfilled; the
+                message lists the checkpoint names.
+        """
+        params = dict(self.named_parameters())
+        filled: dict[str, set] = {name: set() for name in params}
+        unexpected: list[str] = []
+        for name, tensor in weights:
+            target = self.parameter_of(name)
+            if target is None:
+                continue
+            pname, shard = target
+            param = params.get(pname)
+            if param is None:
+                unexpected.append(name)
+                continue
+            loader = getattr(param, "weight_loader", load_whole)
+            try:
+                keys = set(loader(param, tensor, shard))
+            except ValueError as e:
+                raise CheckpointError(f"{name}: {e}") from None
+            if keys & filled[pname]:
+                raise CheckpointError(f"{name} is in the checkpoint twice")
+            filled[pname] |= keys
+        missing = [
+            self.checkpoint_name(pname, shard)
+            for pname, param in params.items()
+            for shard in sorted(getattr(param, "shards", {None}) - filled[pname], key=str)
+        ]
+        if missing or unexpected:
+            raise CheckpointError(
+                f"the checkpoint does not match the {self.config.architecture} layout its config.json describes: "
+                f"missing {missing or 'none'}, unexpected {sorted(unexpected) or 'none'}"
+            )

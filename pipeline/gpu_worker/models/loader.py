@@ -1,0 +1,183 @@
+"""Building a model and streaming its safetensors checkpoint into it, tensor by tensor.
+
+Each file is memory-mapped; a tensor is a view of the mapping, so a rank's
+weight loaders read only the rows or columns they keep. Once a tensor is
+copied into its parameter, its pages are dropped from the process
+(``madvise(MADV_DONTNEED)``; the page cache keeps them), so the host memory
+a load takes is the parameters (on a CPU device) plus about one checkpoint
+tensor, not a second copy of the model (docs/design.md, "Model families").
+The format is safetensors' documented one: an 8-byte little-endian header
+length, a JSON header naming each tensor's dtype, shape and byte range, then
+the data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import mmap
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from pipeline.gpu_worker.attention import make_backend
+from pipeline.gpu_worker.layers.tp import SINGLE_RANK, TPGroup
+from pipeline.gpu_worker.models import model_class
+from pipeline.gpu_worker.models.base import CausalLM, CheckpointError
+from pipeline.gpu_worker.models.config import ModelConfig
+from pipeline.model_files import checkpoint_files
+
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def read_header(path: Path) -> tuple[dict, int]:
+    """A safetensors file's header (name -> {dtype, shape, data_offsets}) and where its data starts."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+def iter_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` for each tensor of a safetensors file, in file order, as views of its mapping.
+
+    A tensor must not be kept past the next step of the iteration: its pages
+    are dropped then (it would read them back from the file).
+    """
+    header, data_start = read_header(path)
+    page = mmap.PAGESIZE
+    with open(path, "rb") as f, contextlib.ExitStack() as stack:
+        # A private (copy-on-write) mapping: writable for torch.frombuffer, never written.
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        stack.callback(_close, mm)
+        for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            dtype = _DTYPES.get(info["dtype"])
+            if dtype is None:
+                raise CheckpointError(f"{path.name}: tensor {name} has dtype {info['dtype']}, which is not supported")
+            begin, end = (data_start + o for o in info["data_offsets"])
+            shape = info["shape"]
+            if end == begin:
+                yield name, torch.empty(shape, dtype=dtype)
+                continue
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            if begin % itemsize:  # a misaligned tensor: copy it out of the mapping
+                tensor = torch.frombuffer(bytearray(mm[begin:end]), dtype=dtype).view(shape)
+            else:
+                tensor = torch.frombuffer(mm, dtype=dtype, count=(end - begin) // itemsize, offset=begin).view(shape)
+            yield name, tensor
+            del tensor
+            start = begin // page * page
+            mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+
+def _close(mm: mmap.mmap) -> None:
+    with contextlib.suppress(BufferError):  # a caller kept a tensor: the mapping closes with it
+        mm.close()
+
+
+def read_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint in ``model_dir``, file by file (see :func:`iter_tensors`).
+
+    Raises:
+        FileNotFoundError: as ``checkpoint_files``.
+    """
+    for path in checkpoint_files(model_dir):
+        yield from iter_tensors(path)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_config(model_dir: str | Path) -> ModelConfig:
+    """The checkpoint's normalised config, through transformers (its class defaults fill what config.json omits).
+
+    Raises:
+        ValueError: as ``ModelConfig.from_hf``.
+    """
+    import transformers
+
+    return ModelConfig.from_hf(transformers.AutoConfig.from_pretrained(model_dir))
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    attention_backend: str = "auto",
+    tp: TPGroup = SINGLE_RANK,
+    max_model_len: int | None = None,
+) -> CausalLM:
+    """Build rank ``tp.rank``'s part of the model in ``model_dir`` on ``device`` in ``dtype``, and fill it.
+
+    Args:
+        model_dir: a Hugging Face directory: ``config.json`` and safetensors
+            weights (a GGUF file is converted to one beforehand).
+        dtype: parameter dtype.
+        device: where the model runs; parameters are made there and filled
+            tensor by tensor from the mapped checkpoint.
+        attention_backend: a name for ``make_backend``, built for the rank's heads.
+        tp: this rank's group.
+        max_model_len: the longest sequence served (see ``CausalLM``).
+
+    Returns:
+        The model, parameters without gradients.
+
+    Raises:
+        ValueError: an unsupported architecture or config, a ``tp.size``
+            that does not fit, or an attention backend that cannot run here.
+        CheckpointError: missing, unexpected or misshapen tensors.
+        FileNotFoundError: no safetensors weights (see ``checkpoint_files``).
+    """
+    model = build_model(load_config(model_dir), dtype, device, attention_backend, tp, max_model_len)
+    model.load_weights(read_checkpoint(Path(model_dir)))
+    return model
+
+
+def build_model(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    attention_backend: str = "auto",
+    tp: TPGroup = SINGLE_RANK,
+    max_model_len: int | None = None,
+) -> CausalLM:
+    """Rank ``tp.rank``'s part of the model ``config`` describes, parameters uninitialised (see ``load_model``).
+
+    Raises:
+        ValueError: as ``load_model``.
+    """
+    cls = model_class(config.architecture)
+    with torch.device(device), _default_dtype(dtype):
+        model = cls(config, tp, max_model_len)
+    model.attn_backend = make_backend(
+        attention_backend,
+        device=device,
+        dtype=dtype,
+        num_heads=model.num_heads,
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        scale=config.attn_scale,
+        kinds=model.attention_kinds,
+    )
+    return model.eval()

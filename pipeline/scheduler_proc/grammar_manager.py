@@ -1,0 +1,511 @@
+"""Structured output in the scheduler: grammars compiled, matchers advanced and masks computed off its loop.
+
+A request with a grammar waits here, "compiling", until its matchers exist;
+then the scheduler queues it like any other (docs/design.md, "Structured
+output"). Each distinct grammar is compiled once, with its first mask, into
+an LRU cache; every choice of every request with that grammar gets a deep
+copy of the compiled matcher, which shares the compiled grammar (a 2,000-way
+``anyOf`` schema: 27 MB to compile, 0.25 MB a copy). Compiling and copying
+run on a background thread at a low CPU priority (nice 10: about a tenth of
+a core that another process keeps busy), so that on a machine whose cores
+are all busy a large grammar is slow rather than everyone else.
+
+A request with a ``grammar_trigger`` (tool calling's ``auto``) needs a mask
+only where its text could reach the trigger in the next token, and from the
+trigger on (``pipeline.common.lazy_grammar``): its choices each keep a
+pristine copy, from which a matcher fed the text's tail is made at such a
+point, on a thread; until then the row decodes every step, unmasked.
+
+After each output token a row's matcher consumes it and computes the next
+mask on a thread: cheap ones (under 0.5 ms last time) on a thread of normal
+priority, which the scheduler waits for at most 1 ms before it plans, the
+others on the background thread; a row whose mask is not ready sits out the
+step, and nobody else waits.
+
+Memory: the heap a compilation takes (``mallinfo2``, measured on the one
+thread that compiles) plus what each copy takes is counted per request and
+in total (two copies a choice with a trigger). A request over ``max_grammar_memory_per_request`` is refused (400);
+one that would take the total over ``max_grammar_memory`` waits until others
+end. Compiled grammars nobody uses are dropped when room is needed and 10 s
+after their last use, and the heap is trimmed once enough was freed.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict, deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import llguidance
+import llguidance.numpy
+import numpy as np
+
+from pipeline.common.lazy_grammar import Trigger
+from pipeline.common.memory import heap_in_use, trim_heap
+from pipeline.common.messages import AddRequest
+from pipeline.common.step_protocol import MASK_BITS
+
+log = logging.getLogger(__name__)
+
+# A mask that took longer than this last time is computed on the background thread.
+FAST_MASK_S = 0.0005
+# The most the scheduler waits for the cheap masks of a step before it plans without them.
+MASK_WAIT_S = 0.001
+# Niceness of the background thread: CFS weighs it 110 against 1024 for a normal thread.
+_BACKGROUND_NICE = 10
+# A compiled grammar nobody uses is dropped this long after its last use.
+CACHE_IDLE_S = 10.0
+# Compiled grammars kept at most, used or not.
+CACHE_ENTRIES = 256
+# The heap is trimmed once this much matcher memory was freed since the last trim.
+_TRIM_AFTER_BYTES = 16 * 2**20
+# How often unused compiled grammars are looked at, freed matchers handed over and the heap trimmed.
+_HOUSEKEEP_S = 0.5
+
+
+@dataclass
+class _Compiled:
+    """One grammar, compiled: a matcher that has computed its first mask, to be deep-copied per choice."""
+
+    template: llguidance.LLMatcher | None
+    first_mask: np.ndarray | None  # int32 [W], llguidance's own (EOS stands for "may end")
+    ends: bool  # the grammar accepts the empty output or has stopped
+    nbytes: int  # heap taken by compiling and the first mask
+    copy_nbytes: int  # heap one deep copy takes
+    mask_s: float  # the first mask's time
+    error: str = ""
+    users: int = 0
+    last_used: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Pending:
+    """A request waiting for its matchers."""
+
+    msg: AddRequest
+    aborted: set[int] = field(default_factory=set)  # choices aborted meanwhile
+    copies: Future | None = None  # the job making its matchers
+    reserved: int = 0  # bytes counted for it before its copies exist
+
+
+class GrammarState:
+    """The matcher of one constrained request (a choice), and the mask for its next output position.
+
+    The matcher has consumed the request's output tokens so far, or is
+    consuming the last one on a grammar thread (then :attr:`ready` is False).
+    With a trigger, the mask is needed only where :meth:`needs_mask` says,
+    and the matcher exists only there (a copy of the pristine one, fed the
+    text's tail).
+    Ending is the model's choice among the request's stop token ids, allowed
+    exactly when the grammar accepts, and the only tokens allowed once it
+    cannot continue; so the request finishes with "stop" in the scheduler
+    and io_proc alike (``check_finish``).
+
+    Attributes:
+        req_num: the request (choice) it constrains.
+        mask: int32 ``[ceil(V / 32)]``, bit set = allowed; valid while :attr:`ready`.
+        ready: the mask is that of the next output position.
+        error: why the matcher failed (it left its grammar, or hit a limit); "" if it did not.
+        trigger: where the text stands against the request's ``grammar_trigger``; None without one.
+    """
+
+    __slots__ = (
+        "req_num",
+        "mask",
+        "ready",
+        "error",
+        "_matcher",
+        "_pristine",
+        "trigger",
+        "_stop_ids",
+        "_cost_s",
+        "_manager",
+        "_entry",
+        "_nbytes",
+    )
+
+    def __init__(
+        self,
+        manager: GrammarManager,
+        entry: _Compiled,
+        matcher: llguidance.LLMatcher,
+        req_num: int,
+        stop,
+        trigger: Trigger | None = None,
+    ):
+        self.req_num, self._manager, self._entry, self.trigger = req_num, manager, entry, trigger
+        # With a trigger, ``matcher`` stays pristine; _matcher is None until a mask needs one (the first
+        # mask, the compiled grammar's, is that of a pristine matcher).
+        self._matcher, self._pristine = (matcher, None) if trigger is None else (None, matcher)
+        self._nbytes = entry.copy_nbytes * (1 if trigger is None else 2)
+        self._stop_ids = np.asarray(stop, np.int64)
+        self.mask = manager.end_mask(entry.first_mask.copy(), entry.ends, self._stop_ids)
+        self._cost_s = entry.mask_s
+        self.ready, self.error = True, ""
+
+    def needs_mask(self, in_flight: int) -> bool:
+        """Whether the next sampled token needs :attr:`mask`, with ``in_flight`` of the row's tokens not
+        advanced past yet (a row that needs one waits for them). Always, without a trigger."""
+        return self.trigger is None or self.trigger.needs_mask(in_flight)
+
+    def advance(self, token_id: int) -> None:
+        """Consume output ``token_id`` and compute the next mask, on a grammar thread; a stop id ends the output.
+
+        With a trigger, the text is followed here, and a thread runs only where a mask is needed next.
+        """
+        if token_id in self._stop_ids or self.error:
+            return
+        trigger = self.trigger
+        if trigger is None:
+            self._submit(token_id, None)
+            return
+        masked = trigger.needs_mask(0)  # this token was sampled under a mask, from the matcher's state
+        trigger.feed(token_id)
+        if not trigger.needs_mask(0):
+            if self._matcher is not None:  # the text turned away from the trigger
+                self._manager.drop(self._matcher)
+                self._matcher = None
+        elif masked and trigger.triggered:
+            self._submit(token_id, None)  # the matcher goes on past the trigger
+        else:
+            self._submit(token_id, trigger.tail())  # a fresh matcher, fed the text's tail
+
+    def _submit(self, token_id: int, tail: bytes | None) -> None:
+        self.ready = False
+        self._manager.submit_mask(self, token_id, tail, self._cost_s < FAST_MASK_S)
+
+    def close(self) -> None:
+        """The request has ended: its matcher's memory returns."""
+        if self._manager is not None:
+            self._manager.release(self)
+            self._manager = None
+
+    def _advance(self, token_id: int, tail: bytes | None) -> None:  # on a grammar thread
+        """Consume ``token_id``, or with ``tail`` make a matcher from the pristine one fed it; then mask."""
+        t0 = time.perf_counter()
+        manager, m, pristine = self._manager, self._matcher, self._pristine
+        if manager is None or (m is None and pristine is None):  # its request has ended meanwhile
+            return
+        if tail is not None:
+            m = pristine.deep_copy()
+            if not all(m.consume_token(t) for t in manager.tokenize_bytes(tail)):
+                self._fail(f"the text before the trigger does not parse: {_error_of(m) or 'rejected'}")
+                return
+            self._matcher = m
+        else:
+            if m is None:  # a trigger at the output's start: the first mask was the pristine matcher's
+                m = self._matcher = pristine.deep_copy()
+            if not m.consume_token(token_id):
+                self._fail(f"the output left its grammar at token {token_id}: {_error_of(m) or 'rejected'}")
+                return
+        mask = np.zeros_like(self.mask)
+        llguidance.numpy.fill_next_token_bitmask(m, mask.reshape(1, -1), 0)
+        if m.is_error():
+            self._fail(f"the output left its grammar: {_error_of(m)}")
+            return
+        self.mask = manager.end_mask(mask, m.is_accepting() or m.is_stopped(), self._stop_ids)
+        self._cost_s = time.perf_counter() - t0
+        self.ready = True
+
+    def _fail(self, why: str) -> None:
+        self.error = why
+        manager = self._manager
+        if manager is not None:
+            manager.failed.append(self)
+
+
+class GrammarManager:
+    """Compiles, caches and copies the matchers of the requests with a grammar, and runs their masks.
+
+    Everything but the jobs runs on the scheduler's thread. Jobs run on two
+    threads of their own: the background one (compile, copy, costly masks,
+    freeing, trimming; low priority) and the mask one (cheap masks).
+
+    Args:
+        tokenizer: llguidance's tokenizer (:func:`~pipeline.common.grammar.load_tokenizer`).
+        vocab_size: token ids with a mask bit.
+        max_request_bytes: matcher memory one request may take.
+        max_total_bytes: matcher memory all requests (and the cache) may take.
+
+    Attributes:
+        failed: states whose matcher failed on a token (appended by the threads);
+            the scheduler ends their requests with an error.
+    """
+
+    def __init__(
+        self, tokenizer: llguidance.LLTokenizer, vocab_size: int, max_request_bytes: int, max_total_bytes: int
+    ):
+        self._tokenizer, self._eos = tokenizer, tokenizer.eos_token
+        self.mask_words = -(-vocab_size // MASK_BITS)
+        self._limits = llguidance.LLParserLimits(verbose_errors=False)  # no request text in messages and logs
+        self._max_request, self._max_total = max_request_bytes, max_total_bytes
+        self._background = ThreadPoolExecutor(1, "grammar-background", _lower_priority, (_BACKGROUND_NICE,))
+        self._masks = ThreadPoolExecutor(1, "grammar-masks")
+        self._cache: OrderedDict[str, _Compiled] = OrderedDict()  # failed compilations too, for a while
+        self._compiling: dict[str, Future] = {}
+        self._pending: list[_Pending] = []
+        self._last_cheap: Future | None = None  # the mask thread runs its jobs in order
+        self._dropped: list[object] = []  # matchers to free on the background thread
+        self._used = 0  # bytes counted: compiled grammars, copies, reservations
+        self._freed = 0  # bytes freed since the last trim
+        self._next_housekeep = 0.0
+        self.failed: deque[GrammarState] = deque()
+
+    @property
+    def num_pending(self) -> int:
+        """Requests still waiting for their matchers."""
+        return len(self._pending)
+
+    @property
+    def used_bytes(self) -> int:
+        """Matcher memory counted now: compiled grammars (the cache), copies, reservations."""
+        return self._used
+
+    def tokenize_bytes(self, data: bytes) -> list[int]:
+        """``data`` as token ids of the grammars' tokenizer."""
+        return self._tokenizer.tokenize_bytes(data)
+
+    def add(self, msg: AddRequest) -> None:
+        """Take a request with a grammar; it comes back from :meth:`poll` once its matchers exist."""
+        self._pending.append(_Pending(msg))
+
+    def abort(self, req_num: int) -> bool:
+        """Drop a request (or one of its choices) still waiting here; True if it was."""
+        for p in self._pending:
+            if p.msg.req_num <= req_num < p.msg.req_num + p.msg.n:  # its choices
+                p.aborted.add(req_num)
+                return True
+        return False
+
+    def poll(self) -> tuple[list[tuple[AddRequest, list[GrammarState], set[int]]], list[tuple[int, str]]]:
+        """Move the waiting requests on; cheap, called once per turn of the scheduler's loop.
+
+        Returns:
+            The requests whose matchers are ready, as ``(msg, one state per
+            choice, choices aborted meanwhile)``, and the refused ones as
+            ``(req_num, why)``: the grammar does not compile, or it takes more
+            memory than one request may. A request whose every choice was
+            aborted is refused with "aborted".
+        """
+        ready, refused = [], []
+        now = time.monotonic()
+        if now >= self._next_housekeep:
+            self._next_housekeep = now + _HOUSEKEEP_S
+            self._housekeep(now)
+        if not (self._pending or self._compiling):
+            return ready, refused
+        for text, job in list(self._compiling.items()):
+            if job.done():
+                self._compiled(text, job)
+        for p in list(self._pending):
+            outcome = self._move(p)
+            if outcome is None:
+                continue
+            self._pending.remove(p)
+            if isinstance(outcome, str):
+                refused.append((p.msg.req_num, outcome))
+            else:
+                ready.append((p.msg, outcome, p.aborted))
+        return ready, refused
+
+    def _move(self, p: _Pending) -> list[GrammarState] | str | None:
+        """One request's next step: its states when ready, why it is refused, or None while it waits."""
+        msg, text = p.msg, p.msg.params.grammar
+        if len(p.aborted) == msg.n:
+            self._unreserve(p)
+            return "aborted"
+        entry = self._cache.get(text)
+        if entry is None:
+            if text not in self._compiling:
+                if not self._make_room(self._max_request):
+                    return None  # waits for memory
+                self._used += self._max_request  # the most it may take, until measured
+                self._compiling[text] = self._background.submit(self._compile, text)
+            return None
+        if entry.error:
+            return entry.error
+        self._cache.move_to_end(text)
+        entry.last_used = time.monotonic()
+        per_choice = entry.copy_nbytes * (2 if msg.params.grammar_trigger else 1)  # pristine and matcher
+        if p.copies is None:
+            cost = entry.nbytes + msg.n * per_choice
+            if cost > self._max_request:
+                return (
+                    f"the grammar takes {cost / 2**20:.1f} MiB of matcher memory for {msg.n} choice(s), more than "
+                    f"--max-grammar-memory-per-request ({self._max_request / 2**20:g} MiB): simplify it"
+                )
+            entry.users += 1  # it stays cached while its copies are made
+            if not self._make_room(msg.n * per_choice):
+                entry.users -= 1
+                return None
+            p.reserved = msg.n * per_choice
+            self._used += p.reserved
+            if msg.params.grammar_trigger:  # its tables are built once per trigger: off this loop too
+                self._background.submit(self._new_trigger, msg)
+            p.copies = self._background.submit(_copies, entry.template, msg.n)
+            return None
+        if not p.copies.done():
+            return None
+        try:
+            matchers = p.copies.result()
+        except Exception as e:
+            self._unreserve(p)
+            return f"the grammar's matchers could not be made: {type(e).__name__}: {e}"
+        p.reserved = 0  # the states carry it now
+        entry.users += msg.n - 1
+        stop = msg.params.stop_token_ids
+        return [
+            GrammarState(
+                self, entry, m, msg.req_num + i, stop, self._new_trigger(msg) if msg.params.grammar_trigger else None
+            )
+            for i, m in enumerate(matchers)
+        ]
+
+    def _new_trigger(self, msg: AddRequest) -> Trigger:
+        return Trigger(self._tokenizer, msg.params.grammar_trigger, msg.params.grammar_trigger_at_start)
+
+    def _compiled(self, text: str, job: Future) -> None:
+        """A compilation has finished: into the cache, with what it measured (a failure too, for a while)."""
+        del self._compiling[text]
+        self._used -= self._max_request
+        try:
+            entry = job.result()
+        except Exception as e:  # not the grammar's fault: llguidance itself failed
+            entry = _Compiled(None, None, False, 0, 0, 0.0, error=f"the grammar could not be compiled: {e}")
+        self._used += entry.nbytes
+        self._cache[text] = entry
+
+    def _unreserve(self, p: _Pending) -> None:
+        if p.reserved:
+            self._used -= p.reserved
+            p.reserved = 0
+            self._cache[p.msg.params.grammar].users -= 1
+
+    def _make_room(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more fit the total, after dropping unused compiled grammars, oldest first."""
+        for text, entry in list(self._cache.items()):
+            if self._used + nbytes <= self._max_total:
+                break
+            if not entry.users:
+                self._evict(text)
+        return self._used + nbytes <= self._max_total
+
+    def _evict(self, text: str) -> None:
+        entry = self._cache.pop(text)
+        self._used -= entry.nbytes
+        self._freed += entry.nbytes
+        if entry.template is not None:  # live states still name their entry, not its matcher
+            self._dropped.append(entry.template)
+            entry.template = None
+
+    def _housekeep(self, now: float) -> None:
+        """Drop compiled grammars unused for :data:`CACHE_IDLE_S` or past :data:`CACHE_ENTRIES`; free and trim."""
+        for text, entry in list(self._cache.items()):
+            if not entry.users and (now - entry.last_used > CACHE_IDLE_S or len(self._cache) > CACHE_ENTRIES):
+                self._evict(text)
+        if self._dropped:
+            dropped, self._dropped = self._dropped, []
+            self._background.submit(dropped.clear)  # the last references go on that thread, and their frees
+        if self._freed >= _TRIM_AFTER_BYTES:
+            self._freed = 0
+            self._background.submit(trim_heap)
+
+    def release(self, state: GrammarState) -> None:
+        """``state``'s request has ended: its copy is freed and its compiled grammar may expire."""
+        entry = state._entry
+        entry.users -= 1
+        entry.last_used = time.monotonic()
+        self._used -= state._nbytes
+        self._freed += state._nbytes
+        self._dropped += (state._matcher, state._pristine)
+        state._matcher = state._pristine = None
+
+    def drop(self, matcher: llguidance.LLMatcher) -> None:
+        """A matcher no longer used: freed on the background thread."""
+        self._dropped.append(matcher)
+
+    def submit_mask(self, state: GrammarState, token_id: int, tail: bytes | None, cheap: bool) -> None:
+        """Run ``state``'s advance past ``token_id`` (or from ``tail``) on the mask thread (``cheap``) or the
+        background one."""
+        if cheap:
+            self._last_cheap = self._masks.submit(_guarded, state, token_id, tail)
+        else:
+            self._background.submit(_guarded, state, token_id, tail)
+
+    def wait_masks(self) -> None:
+        """Give the cheap masks in flight up to :data:`MASK_WAIT_S` to finish (the scheduler is about to plan)."""
+        job = self._last_cheap
+        if job is not None and not job.done():
+            concurrent.futures.wait([job], MASK_WAIT_S)
+
+    def end_mask(self, mask: np.ndarray, ends: bool, stop_ids: np.ndarray) -> np.ndarray:
+        """``mask`` with the tokenizer's EOS replaced by the request's stop ids, allowed iff the grammar ``ends``."""
+        _set_bits(mask, np.asarray([self._eos]), False)
+        if ends:
+            _set_bits(mask, stop_ids, True)
+        return mask
+
+    def _compile(self, text: str) -> _Compiled:  # on the background thread, one at a time
+        """Compile ``text`` and compute its first mask, measuring the heap both take."""
+        before = heap_in_use()
+        m = llguidance.LLMatcher(self._tokenizer, text, log_level=0, limits=self._limits)
+        mask = np.zeros(self.mask_words, np.int32)
+        t0 = time.perf_counter()
+        if m.is_error():
+            return _Compiled(None, None, False, 0, 0, 0.0, error=f"the grammar cannot be used: {_error_of(m)}")
+        llguidance.numpy.fill_next_token_bitmask(m, mask.reshape(1, -1), 0)
+        if m.is_error():  # a schema that only refers to itself ({"$ref": "#"}) has nothing to produce
+            why = f"it allows no output at all ({_error_of(m)}); does it only refer to itself?"
+            return _Compiled(None, None, False, 0, 0, 0.0, error=f"the grammar cannot be used: {why}")
+        mask_s = time.perf_counter() - t0
+        after = heap_in_use()
+        copy = m.deep_copy()
+        copy_nbytes = max(0, (heap_in_use() or 0) - (after or 0))
+        del copy
+        nbytes = max(0, after - before) if before is not None else len(text) * 100
+        return _Compiled(m, mask, m.is_accepting() or m.is_stopped(), nbytes, copy_nbytes, mask_s)
+
+    def close(self) -> None:
+        """Stop the threads (jobs in flight are dropped)."""
+        self._background.shutdown(wait=False, cancel_futures=True)
+        self._masks.shutdown(wait=False, cancel_futures=True)
+
+
+def _copies(template: llguidance.LLMatcher, n: int) -> list[llguidance.LLMatcher]:
+    return [template.deep_copy() for _ in range(n)]
+
+
+def _guarded(state: GrammarState, token_id: int, tail: bytes | None) -> None:
+    try:
+        state._advance(token_id, tail)
+    except Exception as e:  # one request's matcher must not take the thread (and everyone's masks) down
+        log.exception("request %d: grammar advance failed", state.req_num)
+        state._fail(f"the grammar failed: {type(e).__name__}: {e}")
+
+
+def _error_of(m: llguidance.LLMatcher) -> str:
+    """The matcher's error message, without the marker of the parser state it leaves out."""
+    return m.get_error().replace("<non-verbose/>", "").strip()
+
+
+def _lower_priority(nice: int) -> None:
+    """Run the calling thread at niceness ``nice`` (Linux: a thread id is a process id to setpriority)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except OSError:
+        pass
+
+
+def _set_bits(mask: np.ndarray, ids: np.ndarray, value: bool) -> None:
+    words, bits = ids // MASK_BITS, (ids % MASK_BITS).astype(np.uint32)
+    view, bit = mask.view(np.uint32), np.left_shift(np.uint32(1), bits)
+    # ufunc.at: several ids may share a word.
+    if value:
+        np.bitwise_or.at(view, words, bit)
+    else:
+        np.bitwise_and.at(view, words, ~bit)

@@ -1,0 +1,121 @@
+"""An 8-token chat's latency with a CPU hog on one core, against an idle machine, per worker-thread setting.
+
+Variants, each its own ``pipeline-serve`` (SmolLM2 by default):
+
+- ``default``: the defaults (the worker's OpenMP threads wait passively);
+- ``spin``: the worker's threads spin at every barrier as libgomp does by
+  default (``OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=300000``): the behaviour
+  before the passive wait policy;
+- ``1 thread``: ``--worker-threads 1``.
+
+For each variant the requests alternate in pairs, one on the idle machine,
+one while a busy-looping process pinned to ``--hog-cpu`` runs, so both sides
+see the same drift. It prints the median latency of each side, each
+variant's hog latency over the best one's (the default should be within 2x)
+and each idle latency over the default's. Run it on an otherwise idle machine.
+
+    python scripts/bench_cpu_contention.py
+    python scripts/bench_cpu_contention.py --pairs 10 --variants default "1 thread"
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VARIANTS = {
+    "default": ([], {}),
+    "spin": ([], {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "300000"}),
+    "1 thread": (["--worker-threads", "1"], {}),
+}
+HOG = "import os, sys; os.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True: pass"
+
+
+def serve(flags: list[str], env: dict[str, str]) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.launcher", "--port", str(port), *flags], cwd=REPO, env={**os.environ, **env}
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"the server did not start: {flags} {env}")
+        time.sleep(0.5)
+
+
+def chat_s(url: str) -> float:
+    """Seconds for one non-streaming chat of exactly 8 output tokens."""
+    body = {
+        "messages": [{"role": "user", "content": "Tell me about the sea."}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    t0 = time.perf_counter()
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=600)
+    r.raise_for_status()
+    return time.perf_counter() - t0
+
+
+def measure(url: str, pairs: int, hog_cpu: int) -> tuple[list[float], list[float]]:
+    idle, hogged = [], []
+    for _ in range(pairs):
+        idle.append(chat_s(url))
+        hog = subprocess.Popen([sys.executable, "-c", HOG, str(hog_cpu)])
+        try:
+            time.sleep(0.2)
+            hogged.append(chat_s(url))
+        finally:
+            hog.kill()
+            hog.wait()
+    return idle, hogged
+
+
+def main() -> None:
+    """Console entry."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    p.add_argument("--pairs", type=int, default=6, help="idle / hog pairs per variant")
+    p.add_argument("--hog-cpu", type=int, default=0, help="the CPU the hog is pinned to")
+    p.add_argument("flags", nargs=argparse.REMAINDER, help="pipeline-serve flags for every variant, after --")
+    args = p.parse_args()
+    common = [f for f in args.flags if f != "--"]
+    results = {}
+    for name in args.variants:
+        flags, env = VARIANTS[name]
+        proc, url = serve([*common, *flags], env)
+        try:
+            for _ in range(2):
+                chat_s(url)  # warm-up
+            results[name] = measure(url, args.pairs, args.hog_cpu)
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    med = {name: (statistics.median(i), statistics.median(h)) for name, (i, h) in results.items()}
+    best_hog = min(h for _, h in med.values())
+    base_idle = med.get("default", next(iter(med.values())))[0]
+    print(f"\n8-token chat, {args.pairs} idle / hog pairs, hog on CPU {args.hog_cpu}, {os.cpu_count()} CPUs\n")
+    print("| variant | idle median s | hog median s | hog ÷ best hog | idle ÷ default idle |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, (i, h) in med.items():
+        print(f"| {name} | {i:.3f} | {h:.3f} | {h / best_hog:.2f} | {i / base_idle:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Models the server cannot serve: a clear start-up error naming the cause and what would work, no traceback."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from tests.conftest import REPO, free_port, make_tiny_llama
+
+
+def serve(*args: str) -> tuple[int, str]:
+    """Run pipeline-serve until it exits; its status and output."""
+    cmd = [sys.executable, "-m", "pipeline.launcher", "--port", str(free_port()), "--device", "cpu"]
+    cmd += ["--attention-backend", "torch_bucketed", *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600)
+    out = p.stdout + p.stderr
+    assert "Traceback" not in out, out
+    return p.returncode, out
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, smol_dir):
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny"), smol_dir)
+
+
+def edited(tiny, tmp_path, config=None, drop=()):
+    """A copy of ``tiny`` with config fields changed and checkpoint tensors removed."""
+    d = tmp_path / "model"
+    shutil.copytree(tiny, d)
+    if config:
+        cfg = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**cfg, **config}))
+    if drop:
+        tensors = load_file(d / "model.safetensors")
+        save_file({k: v for k, v in tensors.items() if k not in drop}, d / "model.safetensors")
+    return d
+
+
+def test_unknown_architecture(tiny, tmp_path):
+    code, out = serve("--model", str(edited(tiny, tmp_path, config={"architectures": ["GPT2LMHeadModel"]})))
+    assert code == 2
+    assert "architecture 'GPT2LMHeadModel' is not supported; supported architectures: " in out
+    assert "LlamaForCausalLM" in out and "Qwen3ForCausalLM" in out
+
+
+def test_no_weights(tiny, tmp_path):
+    d = edited(tiny, tmp_path)
+    (d / "model.safetensors").rename(d / "pytorch_model.bin")
+    code, out = serve("--model", str(d))
+    assert code == 2
+    assert (
+        "has no safetensors weights (model.safetensors or model.safetensors.index.json) (found pytorch_model.bin)"
+        in out
+    )
+
+
+def test_missing_tensor(tiny, tmp_path):
+    code, out = serve("--model", str(edited(tiny, tmp_path, drop=["model.layers.1.mlp.up_proj.weight"])))
+    assert code == 1
+    assert "missing ['model.layers.1.mlp.up_proj.weight'], unexpected none" in out
+
+
+def test_wrong_shape(tiny, tmp_path):
+    code, out = serve("--model", str(edited(tiny, tmp_path, config={"intermediate_size": 96})))
+    assert code == 1
+    # The first tensor of the file that does not fit (tensors are read in file order).
+    down = "model.layers.0.mlp.down_proj.weight: shape (64, 128) in the checkpoint, the model config implies (64, 96)"
+    assert down in out
+
+
+def test_tensor_parallel_size_that_does_not_divide(tiny):
+    code, out = serve("--model", str(tiny), "-tp", "3")
+    assert code == 2
+    assert "tensor-parallel size 3 does not divide 4 attention heads" in out
+    assert "this model supports sizes [1, 2, 4]" in out
