@@ -26,6 +26,13 @@ from pipeline.gpu_worker.attention.kv_layout import TOKEN_MAJOR, KVCache
 Upload = Callable[[Sequence[np.ndarray]], list[torch.Tensor]]
 
 
+def window_mask(mask: torch.Tensor, query_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """``mask`` (``[rows, 1, Q, K]`` bool) narrowed to a sliding window: key position ``k`` stays for the query at
+    ``query_pos`` (``[rows, Q]``) when ``k > query_pos - window``, as transformers masks."""
+    key_pos = torch.arange(mask.shape[-1], device=mask.device)
+    return mask & (key_pos > query_pos[..., None] - window).unsqueeze(1)
+
+
 def sdpa(
     q: torch.Tensor,
     k: torch.Tensor,

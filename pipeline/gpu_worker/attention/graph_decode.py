@@ -17,7 +17,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from pipeline.gpu_worker.attention.backend import AttentionMetadata, StepLayout, Upload, sdpa
+from pipeline.gpu_worker.attention.backend import AttentionMetadata, StepLayout, Upload, sdpa, window_mask
 from pipeline.gpu_worker.attention.kv_layout import KVCache, gather_blocks, write_kv
 
 
@@ -30,15 +30,13 @@ class GraphDecodeMetadata(AttentionMetadata):
             padding block past a row's context and for padding rows.
         mask: ``[n, 1, 1, max_blocks_per_seq * block_size]`` bool, True for the keys a row attends.
         cache_layout: the backend's (``kv_layout``).
-        context_lens: ``[n]`` int64, each row's context in tokens.
         window_masks: ``mask`` narrowed to each sliding window the layers
-            use (keys ``>= context - window``), made by the first layer that asks.
+            use (``window_mask``), made by the first layer that asks.
     """
 
     block_ids: torch.Tensor
     mask: torch.Tensor
     cache_layout: str
-    context_lens: torch.Tensor
     window_masks: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     def mask_for(self, window: int | None) -> torch.Tensor:
@@ -46,9 +44,7 @@ class GraphDecodeMetadata(AttentionMetadata):
         if window is None:
             return self.mask
         if window not in self.window_masks:
-            key_pos = torch.arange(self.mask.shape[-1], device=self.mask.device)
-            recent = key_pos[None, :] >= (self.context_lens - window)[:, None]
-            self.window_masks[window] = self.mask & recent[:, None, None, :]
+            self.window_masks[window] = window_mask(self.mask, self.positions[:, None], window)
         return self.window_masks[window]
 
 
@@ -103,7 +99,6 @@ class GraphDecodeInputs:
             block_ids=block_ids,
             mask=(key_pos[None, :] < context_lens[:, None])[:, None, None, :],
             cache_layout=cache_layout,
-            context_lens=context_lens,
         )
 
 

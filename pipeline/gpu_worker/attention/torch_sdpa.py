@@ -35,6 +35,7 @@ from pipeline.gpu_worker.attention.backend import (
     Upload,
     sdpa,
     slot_mapping,
+    window_mask,
 )
 from pipeline.gpu_worker.attention.graph_decode import GraphDecodeMetadata, PaddedGraphDecode, graph_decode_attention
 
@@ -76,9 +77,7 @@ class AttentionGroup:
         if window is None:
             return self.mask
         if window not in self.window_masks:
-            key_pos = torch.arange(self.mask.shape[-1], device=self.mask.device)
-            recent = key_pos[None, None, :] > self.query_pos[:, :, None] - window
-            self.window_masks[window] = self.mask & recent.unsqueeze(1)
+            self.window_masks[window] = window_mask(self.mask, self.query_pos, window)
         return self.window_masks[window]
 
 
