@@ -14,8 +14,9 @@ import secrets
 import sys
 from pathlib import Path
 
-from pipeline.common.config import ATTENTION_BACKENDS, EngineConfig
+from pipeline.common.config import EngineConfig
 from pipeline.common.instance_files import make_ipc_dir, sweep_dead_instances
+from pipeline.gpu_worker.attention import ATTENTION_BACKENDS
 from pipeline.io_proc.tool_parsers import TOOL_PARSERS
 
 
@@ -127,14 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--attention-backend",
-        choices=ATTENTION_BACKENDS,
+        choices=("auto", *ATTENTION_BACKENDS.names()),
         default="auto",
-        help="How the worker computes attention. auto: flashinfer on CUDA with float16/bfloat16 when "
-        "the flashinfer package is installed; on CPU cpu_paged (a C++ kernel, built at start-up, "
-        "that reads the paged cache in place for decode rows) where a compiler is available; "
-        "else torch_bucketed (SDPA per bucket of "
-        "similar-length requests, so each request's cost follows its own context). "
-        "torch_sdpa: every decode row padded to the step's longest context (the reference).",
+        help="How the worker computes attention. auto: flashinfer where it can run, else cpu_paged where "
+        "its kernel builds, else torch_bucketed. "
+        + "; ".join(f"{name}: {ATTENTION_BACKENDS.describe(name)}" for name in ATTENTION_BACKENDS.names())
+        + ".",
     )
     p.add_argument("--max-num-seqs", type=int, default=256, help="Requests in one step at most.")
     p.add_argument(

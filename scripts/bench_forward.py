@@ -44,7 +44,8 @@ import time
 import numpy as np
 import torch
 
-from pipeline.gpu_worker.attention import TorchBucketedBackend, make_backend
+from pipeline.gpu_worker.attention import make_backend
+from pipeline.gpu_worker.attention.torch_bucketed import TorchBucketedBackend
 from pipeline.gpu_worker.models.loader import load_model
 
 

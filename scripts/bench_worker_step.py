@@ -40,8 +40,9 @@ import torch
 
 from pipeline.common.config import EngineConfig
 from pipeline.common.constants import cdiv
+from pipeline.common.descriptor_builder import DescriptorBuilder
 from pipeline.common.messages import SamplingParams
-from pipeline.common.step_protocol import PLACEHOLDER_TOKEN_ID, DescriptorBuilder, StepDescriptor, read_descriptor
+from pipeline.common.step_protocol import PLACEHOLDER_TOKEN_ID, StepDescriptor, read_descriptor
 from pipeline.gpu_worker.device import AsyncOps, DeviceOps
 from pipeline.gpu_worker.executor import SimExecutor
 from pipeline.gpu_worker.model_runner import ModelRunner

@@ -17,10 +17,6 @@ from pipeline.common.step_protocol import (
     StepOutput,
 )
 
-# Attention backends the worker can run (pipeline.gpu_worker.attention); here so
-# that the launcher can offer them without importing torch.
-ATTENTION_BACKENDS = ("auto", "cpu_paged", "torch_bucketed", "flashinfer", "torch_sdpa")
-
 
 class EngineConfig(msgspec.Struct, frozen=True):
     """Everything the processes need to agree on.
@@ -56,7 +52,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
         debug_token_cache_poison: poison consumed token-id cache entries and
             check every placeholder read (slower; tests turn it on).
         attention_backend: the worker's attention backend, one of
-            :data:`ATTENTION_BACKENDS` (docs/design.md, "The worker"); ``auto``
+            ``gpu_worker.attention.ATTENTION_BACKENDS`` or ``auto``, which
             is flashinfer where it can run, else cpu_paged on CPU where its kernel
             builds, else torch_bucketed.
         sim_step_us, sim_token_us: with ``model == "sim"``, the simulated

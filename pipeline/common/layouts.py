@@ -1,12 +1,12 @@
 """Fixed byte layouts of ring entries and numpy views over them.
 
-A layout is a list of fields ``(name, dtype, length)``; every field is a 1-D
-array at a fixed, 64-byte aligned offset, so an entry never changes size. The
-two step messages built on it are in :mod:`pipeline.common.step_protocol`.
+Every field is an array at a fixed, 64-byte aligned offset, so an entry
+never changes size.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,21 +18,23 @@ _ALIGN = 64
 
 @dataclass(frozen=True)
 class Layout:
-    """A fixed layout of named 1-D arrays.
+    """A fixed layout of named arrays.
 
     Attributes:
-        fields: ``(name, numpy dtype, length)`` triples, in memory order.
+        fields: ``(name, numpy dtype, number of elements)`` triples, in memory order.
+        shapes: each field's view shape (1-D unless laid out with a shape).
         offsets: byte offset of each field from the start of an entry.
         nbytes: size of one entry in bytes (multiple of 64).
     """
 
     fields: tuple[tuple[str, np.dtype, int], ...]
+    shapes: tuple[tuple[int, ...], ...]
     offsets: tuple[int, ...]
     nbytes: int
 
     @classmethod
-    def of(cls, fields: list[tuple[str, type | str, int]]) -> Layout:
-        """Lay out ``fields`` one after another, each 64-byte aligned.
+    def of(cls, fields: list[tuple[str, type | str, int | tuple[int, ...]]]) -> Layout:
+        """Lay out ``fields`` (``(name, dtype, length or shape)``) one after another, each 64-byte aligned.
 
         Raises:
             ValueError: if a length is negative or a name repeats.
@@ -40,15 +42,17 @@ class Layout:
         names = [f[0] for f in fields]
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate field names in layout: {names}")
-        offsets, out, off = [], [], 0
-        for name, dtype, length in fields:
-            if length < 0:
-                raise ValueError(f"field {name!r} has negative length {length}")
-            dt = np.dtype(dtype)
+        offsets, out, shapes, off = [], [], [], 0
+        for name, dtype, size in fields:
+            shape = (size,) if isinstance(size, int | np.integer) else tuple(size)
+            if any(n < 0 for n in shape):
+                raise ValueError(f"field {name!r} has negative length {size}")
+            dt, length = np.dtype(dtype), math.prod(int(n) for n in shape)
             offsets.append(off)
-            out.append((name, dt, int(length)))
+            out.append((name, dt, length))
+            shapes.append(tuple(int(n) for n in shape))
             off += cdiv(dt.itemsize * length, _ALIGN) * _ALIGN
-        return cls(tuple(out), tuple(offsets), max(off, _ALIGN))
+        return cls(tuple(out), tuple(shapes), tuple(offsets), max(off, _ALIGN))
 
     def views(self, buf, base: int = 0) -> dict[str, np.ndarray]:
         """Numpy views of every field of the entry starting at byte ``base`` of ``buf``.
@@ -56,6 +60,6 @@ class Layout:
         The views alias ``buf`` (an mmap or bytearray): writes go straight to it.
         """
         return {
-            name: np.frombuffer(buf, dtype=dt, count=length, offset=base + off)
-            for (name, dt, length), off in zip(self.fields, self.offsets)
+            name: np.frombuffer(buf, dtype=dt, count=length, offset=base + off).reshape(shape)
+            for (name, dt, length), shape, off in zip(self.fields, self.shapes, self.offsets)
         }

@@ -10,13 +10,15 @@ the forward pass needs (the KV cache).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from pipeline.common.config import EngineConfig
-from pipeline.gpu_worker.attention import AttentionBackend, AttentionMetadata, default_backend
-from pipeline.gpu_worker.cuda_graphs import PAD_BLOCKS, GraphStep
+from pipeline.gpu_worker.attention import default_backend
+from pipeline.gpu_worker.attention.backend import AttentionBackend, AttentionMetadata, StepLayout, Upload
+from pipeline.gpu_worker.cuda_graphs import DecodeGraphs, GraphStep
 from pipeline.gpu_worker.logprobs import token_logprobs
 from pipeline.gpu_worker.penalties import PenaltyInputs, PenaltyState, apply_penalties
 from pipeline.gpu_worker.sampler import SamplingPlan, sample_rows
@@ -26,6 +28,10 @@ from pipeline.gpu_worker.token_mask import apply_token_bitmask
 # Prompt log-probabilities go through the LM head this many positions at a
 # time, so a long prefill chunk never holds a [chunk, vocab] float32 block.
 _PROMPT_LOGITS_ROWS = 1024
+
+# KV blocks allocated beyond config.num_kv_blocks: block num_kv_blocks is the padding block, which the
+# scheduler never hands out and the padding rows of CUDA graph steps write.
+PAD_BLOCKS = 1
 
 # (logprob [N] float32, top_ids [N, MAX_LOGPROBS] int32, top_logprobs [N, MAX_LOGPROBS] float32) on the device.
 LogprobTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -121,11 +127,15 @@ class Executor(ABC):
     vocab_size: int | None = None
     max_positions: int | None = None
 
+    def build_metadata(self, layout: StepLayout, block_table: torch.Tensor, upload: Upload) -> AttentionMetadata:
+        """The step's metadata for ``execute`` (``AttentionBackend.build_metadata``)."""
+        return self.attn_backend.build_metadata(layout, block_table, upload)
+
     @abstractmethod
     def execute(
         self,
         input_ids: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | GraphStep,
         last: torch.Tensor,
         sampling: SamplingInputs,
         logprobs: LogprobInputs,
@@ -134,7 +144,7 @@ class Executor(ABC):
 
         Args:
             input_ids: ``[T]`` int64 on the device, placeholders resolved.
-            meta: the step's attention metadata, on the device.
+            meta: from ``build_metadata``.
             last: ``[S]`` int64 on the device, step-token index of each sampled row's last token.
             sampling: how to sample those rows.
             logprobs: which log-probabilities to compute, from the same forward.
@@ -150,9 +160,8 @@ class ModelExecutor(Executor):
         device: where the model lives.
         dtype: the KV cache dtype (the model's).
 
-    The KV cache holds :data:`~pipeline.gpu_worker.cuda_graphs.PAD_BLOCKS`
-    blocks beyond ``config.num_kv_blocks``, which the scheduler never hands
-    out: the padding rows of CUDA graph steps write there.
+    The KV cache holds ``PAD_BLOCKS`` blocks beyond ``config.num_kv_blocks``.
+    ``graphs`` serves decode-only steps once ``capture_decode_graphs`` made them.
 
     Raises:
         ValueError: ``config.max_model_len`` exceeds the model's
@@ -171,11 +180,36 @@ class ModelExecutor(Executor):
         self.model = model
         self.attn_backend = model.attn_backend
         self.kv_caches = model.allocate_kv_caches(config.num_kv_blocks + PAD_BLOCKS, config.block_size, dtype, device)
+        self.block_size, self.pad_block = config.block_size, config.num_kv_blocks
+        self.graphs: DecodeGraphs | None = None
+
+    def capture_decode_graphs(self, block_table: torch.Tensor, sizes: Sequence[int]) -> DecodeGraphs:
+        """Serve decode-only steps of up to ``max(sizes)`` rows through CUDA graphs, captured now on CUDA.
+
+        Call once, after the runner's block table exists (``[max_num_reqs, max_blocks_per_seq]`` int64 on
+        the device). On CPU nothing is captured and graph steps run the graph body eagerly.
+
+        Raises:
+            ValueError, NotImplementedError: as ``DecodeGraphs``.
+        """
+        self.graphs = DecodeGraphs(
+            self.model, self.attn_backend, self.kv_caches, block_table, sizes, self.block_size, self.pad_block
+        )
+        if block_table.device.type == "cuda":
+            self.graphs.capture()
+        return self.graphs
+
+    def build_metadata(
+        self, layout: StepLayout, block_table: torch.Tensor, upload: Upload
+    ) -> AttentionMetadata | GraphStep:
+        """A ``GraphStep`` for a decode-only step that fits a graph, else the backend's metadata."""
+        step = self.graphs.prepare(layout, upload) if self.graphs is not None else None
+        return step if step is not None else self.attn_backend.build_metadata(layout, block_table, upload)
 
     def execute(
         self,
         input_ids: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | GraphStep,
         last: torch.Tensor,
         sampling: SamplingInputs,
         logprobs: LogprobInputs,

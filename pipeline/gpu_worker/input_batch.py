@@ -157,10 +157,9 @@ class InputBatch:
     def stage(self, x: StepInputs, batch: UploadBatch) -> RowUpdate:
         """Decide step ``x``'s updates on the host: the host mirrors change now, the arrays go into ``batch``."""
         u = RowUpdate()
-        if x.new_blocks.shape[1]:
-            req_index, index, block = x.new_blocks
-            u.block_index = batch.add(req_index * self.block_table.shape[1] + index)
-            u.block_ids = batch.add(block)
+        if len(x.nb_block):
+            u.block_index = batch.add(x.nb_req_index * self.block_table.shape[1] + x.nb_index)
+            u.block_ids = batch.add(x.nb_block)
         if not len(x.new_rows):
             return u
         req_indices = x.req_index[x.new_rows]
@@ -171,10 +170,10 @@ class InputBatch:
         self.host_top_k[req_indices], self.host_min_p[req_indices] = x.top_k, x.min_p
         self.host_logprobs[req_indices] = x.logprobs
         # With no stop ids to mask (ignore_eos), min_tokens changes nothing: 0 keeps planning off for it.
-        self.host_min_tokens[req_indices] = np.where([len(i) > 0 for i in x.stop_ids], x.min_tokens, 0)
+        self.host_min_tokens[req_indices] = np.where(x.num_stop_ids > 0, x.min_tokens, 0)
         self.host_prompt_len[req_indices] = x.prompt_len
-        for s, ids in zip(req_indices, x.stop_ids, strict=True):
-            self.host_stop_ids[s] = ids
+        for i, (s, n) in enumerate(zip(req_indices.tolist(), x.num_stop_ids.tolist())):
+            self.host_stop_ids[s] = x.stop_ids[i, :n]
         if self.penalty is not None:
             penalized = (x.presence_penalty != 0) | (x.frequency_penalty != 0) | (x.repetition_penalty != 1)
             self.host_penalized[req_indices], self.host_num_bias[req_indices] = penalized, x.num_logit_bias
@@ -217,10 +216,10 @@ class InputBatch:
         rows = np.flatnonzero(self.host_penalized[x.req_index])
         if not len(rows):
             return None
-        q = x.query_lens[rows]
+        q = x.num_scheduled_tokens[rows]
         row_of = np.repeat(rows, q)
         j = np.arange(int(q.sum())) - np.repeat(np.cumsum(q) - q, q)  # 0..q-1 within each row
-        flat = (np.cumsum(x.query_lens) - x.query_lens)[row_of] + j
+        flat = (np.cumsum(x.num_scheduled_tokens) - x.num_scheduled_tokens)[row_of] + j
         req_index = x.req_index[row_of]
         is_output = x.start_pos[row_of] + j >= self.host_prompt_len[req_index]
         return InputCounts(

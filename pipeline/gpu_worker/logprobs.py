@@ -59,12 +59,12 @@ class PromptLogprobPlan:
         rows = np.flatnonzero(x.num_prompt_logprobs)
         if not len(rows):
             return None
-        offsets = np.cumsum(x.query_lens) - x.query_lens
+        offsets = np.cumsum(x.num_scheduled_tokens) - x.num_scheduled_tokens
         m = x.num_prompt_logprobs[rows]
         row_of = np.repeat(rows, m)
         j = np.arange(int(m.sum())) - np.repeat(np.cumsum(m) - m, m)  # 0..m-1 within each row
         flat = offsets[row_of] + j
-        inside = j + 1 < x.query_lens[row_of]
+        inside = j + 1 < x.num_scheduled_tokens[row_of]
         next_token = np.where(
             inside, x.token_ids[np.minimum(flat + 1, len(x.token_ids) - 1)], x.next_prompt_token[row_of]
         )

@@ -28,7 +28,6 @@ from pipeline.common.step_clock import WorkerClock
 from pipeline.common.step_protocol import StepDescriptor, StepOutput, read_descriptor
 from pipeline.common.trace import TraceRecorder
 from pipeline.gpu_worker.attention import make_backend
-from pipeline.gpu_worker.cuda_graphs import install_decode_graphs
 from pipeline.gpu_worker.executor import ModelExecutor, SimExecutor
 from pipeline.gpu_worker.model_runner import LaunchedStep, ModelRunner
 from pipeline.gpu_worker.sim_device import SimulatedDevice
@@ -214,7 +213,7 @@ def load_runner(config: EngineConfig, rank: int = 0) -> tuple[ModelRunner, Descr
         config = msgspec.structs.replace(config, num_kv_blocks=kv_cache_blocks(config, model, device, dtype, tp))
     runner = ModelRunner(config, ModelExecutor(config, model, device, dtype), device)
     if config.cuda_graph_sizes:  # after the KV cache exists, so the graphs' pool comes from what is left
-        install_decode_graphs(runner, config.cuda_graph_sizes)
+        runner.executor.capture_decode_graphs(runner.input_batch.block_table, config.cuda_graph_sizes)
     return runner, relay
 
 

@@ -199,7 +199,7 @@ class ModelRunner:
             raise ValueError(
                 f"step {x.step_id}: token id {int(x.token_ids.max())} is outside the vocabulary of {vocab}"
             )
-        if max_pos is not None and len(x.start_pos) and int((x.start_pos + x.query_lens).max()) > max_pos:
+        if max_pos is not None and len(x.start_pos) and int((x.start_pos + x.num_scheduled_tokens).max()) > max_pos:
             raise ValueError(f"step {x.step_id}: a position reaches max_position_embeddings {max_pos}")
 
     def _stage_placeholders(self, x: StepInputs, batch: UploadBatch) -> _Placeholders:
@@ -211,7 +211,7 @@ class ModelRunner:
             if len(x.token_ids) == len(x.req_index):  # one token per row (decode): token i is row i's
                 ph_req_indices = x.req_index[idx]
             else:
-                ph_req_indices = x.req_index[np.repeat(np.arange(len(x.req_index)), x.query_lens)[idx]]
+                ph_req_indices = x.req_index[np.repeat(np.arange(len(x.req_index)), x.num_scheduled_tokens)[idx]]
             ph.index, ph.req_indices, ph.host_req_indices = batch.add(idx), batch.add(ph_req_indices), ph_req_indices
         return ph
 
@@ -246,9 +246,9 @@ class ModelRunner:
         """
         rows = x.sample_rows
         # One token per row (decode): each row's last token is its own index.
-        last = rows if len(x.token_ids) == len(x.req_index) else (np.cumsum(x.query_lens) - 1)[rows]
+        last = rows if len(x.token_ids) == len(x.req_index) else (np.cumsum(x.num_scheduled_tokens) - 1)[rows]
         sample_req_indices = x.req_index[rows]
-        positions = x.start_pos[rows] + x.query_lens[rows]
+        positions = x.start_pos[rows] + x.num_scheduled_tokens[rows]
         s = self.input_batch
         out = _Sampling(batch.add(last), batch.add(sample_req_indices))
         hot = np.flatnonzero(s.host_temperature[sample_req_indices] > 0) if s.any_hot else ()
@@ -264,8 +264,8 @@ class ModelRunner:
                 s.host_top_p[hot_req_indices],
                 s.host_min_p[hot_req_indices],
             )
-        if len(x.mask_rows):  # structured output: the descriptor rows become sampled-row indices
-            out.mask_rows = batch.add(np.searchsorted(rows, x.mask_rows))
+        if len(x.mask_row):  # structured output: the descriptor rows become sampled-row indices
+            out.mask_rows = batch.add(np.searchsorted(rows, x.mask_row))
             out.bitmask = batch.add(x.bitmask)  # int32 words, widened
         if s.penalty is not None and s.any_penalty_work:
             out.penalties = plan_penalties(
@@ -340,9 +340,9 @@ class ModelRunner:
     ) -> Executed:
         """Build the attention metadata, run the executor, write the token-id cache."""
         layout = StepLayout.build(
-            x.query_lens, x.start_pos, x.req_index, self.config.block_size, self.config.max_blocks_per_seq
+            x.num_scheduled_tokens, x.start_pos, x.req_index, self.config.block_size, self.config.max_blocks_per_seq
         )
-        meta = self.executor.attn_backend.build_metadata(layout, self.input_batch.block_table, self.ops.upload)
+        meta = self.executor.build_metadata(layout, self.input_batch.block_table, self.ops.upload)
         sampling = self._sampling_inputs(staged_sampling)
         logprobs = LogprobInputs(
             *(

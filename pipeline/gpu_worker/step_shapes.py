@@ -61,9 +61,9 @@ class StepShapeRecorder:
 
     def add(self, inputs: StepInputs) -> None:
         """Record one step (called once per descriptor, in launch order)."""
-        sampled = np.zeros(len(inputs.query_lens), dtype=bool)
+        sampled = np.zeros(len(inputs.num_scheduled_tokens), dtype=bool)
         sampled[inputs.sample_rows] = True
-        self._steps.append((inputs.query_lens.astype(np.int32), inputs.start_pos.astype(np.int32), sampled))
+        self._steps.append((inputs.num_scheduled_tokens.astype(np.int32), inputs.start_pos.astype(np.int32), sampled))
 
     def save(self, path: str) -> None:
         """Write every recorded step to ``path`` (``.npz``)."""

@@ -14,13 +14,10 @@ order; everything past them is provisional.
 from __future__ import annotations
 
 from array import array
-from typing import TYPE_CHECKING
 
 from pipeline.common.block_hash import hash_blocks
 from pipeline.scheduler_proc.kv_block_pool import BlockPool
-
-if TYPE_CHECKING:
-    from pipeline.scheduler_proc.scheduler import Request
+from pipeline.scheduler_proc.request import Request
 
 
 def num_final_tokens(req: Request) -> int:

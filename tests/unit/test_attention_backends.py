@@ -31,9 +31,11 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.gpu_worker.attention import CpuPagedBackend, TorchSDPABackend, cpu_paged, make_backend
+from pipeline.gpu_worker.attention import cpu_paged, make_backend
 from pipeline.gpu_worker.attention.backend import StepLayout
+from pipeline.gpu_worker.attention.cpu_paged import CpuPagedBackend
 from pipeline.gpu_worker.attention.torch_bucketed import PrefixTable, TorchBucketedBackend, plan_buckets
+from pipeline.gpu_worker.attention.torch_sdpa import TorchSDPABackend
 from pipeline.server_args import build_parser, make_config
 
 CPU = torch.device("cpu")

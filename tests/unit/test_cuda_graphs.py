@@ -20,8 +20,8 @@ from pipeline.common.config import EngineConfig
 from pipeline.common.constants import cdiv
 from pipeline.common.messages import SamplingParams
 from pipeline.common.step_protocol import PLACEHOLDER_TOKEN_ID
-from pipeline.gpu_worker.cuda_graphs import PAD_BLOCKS, DecodeGraphs, GraphStep, install_decode_graphs, padded_size
-from pipeline.gpu_worker.executor import ModelExecutor
+from pipeline.gpu_worker.cuda_graphs import DecodeGraphs, GraphStep, padded_size
+from pipeline.gpu_worker.executor import PAD_BLOCKS, ModelExecutor
 from pipeline.gpu_worker.model_runner import ModelRunner
 from pipeline.gpu_worker.models.loader import load_model
 from pipeline.server_args import build_parser, cuda_graph_sizes, make_config
@@ -102,7 +102,7 @@ def make_runner(model_dir, attention_backend: str, sizes=None, device: str = "cp
     model = load_model(str(model_dir), torch.float32, dev, attention_backend)
     runner = ModelRunner(config, ModelExecutor(config, model, dev, torch.float32), dev)
     if sizes:
-        install_decode_graphs(runner, sizes)
+        runner.executor.capture_decode_graphs(runner.input_batch.block_table, sizes)
     return runner
 
 
@@ -201,7 +201,7 @@ def test_graph_body_applies_the_layers_window_and_softcap(tiny_gemma2_dir, graph
 
 def test_padding_rows_write_only_the_padding_block(tiny_dir):
     runner = make_runner(tiny_dir, "torch_bucketed", sizes=[8])
-    graphs = runner.executor.attn_backend.graphs
+    graphs = runner.executor.attn_backend.graph_inputs  # the backend's static rows, read by the graph
     steps = Steps(runner.config)
     rows = [(0, 0, [1, 2, 3, 4, 5], True, GREEDY), (3, 0, [6, 7], True, GREEDY), (6, 0, [9], True, GREEDY)]
     runner.finish(runner.launch(steps.make(rows), 0))
@@ -232,15 +232,17 @@ def test_padding_rows_write_only_the_padding_block(tiny_dir):
 
 def test_steps_that_do_not_fit_run_eagerly(tiny_dir):
     runner = make_runner(tiny_dir, "torch_bucketed", sizes=[1, 2])
-    backend = runner.executor.attn_backend
+    executor = runner.executor
     steps = Steps(runner.config)
     runner.finish(runner.launch(steps.make([(s, 0, [1, 2], True, GREEDY) for s in range(3)]), 0))
     from pipeline.gpu_worker.attention.backend import StepLayout
 
     def meta(rows):
         x = steps.make(rows)
-        layout = StepLayout.build(x.query_lens, x.start_pos, x.req_index, BLOCK, runner.config.max_blocks_per_seq)
-        return backend.build_metadata(layout, runner.input_batch.block_table, runner.ops.upload)
+        layout = StepLayout.build(
+            x.num_scheduled_tokens, x.start_pos, x.req_index, BLOCK, runner.config.max_blocks_per_seq
+        )
+        return executor.build_metadata(layout, runner.input_batch.block_table, runner.ops.upload)
 
     assert isinstance(meta([(0, 2, [PH], True, None), (1, 2, [PH], True, None)]), GraphStep)
     assert not isinstance(meta([(s, 2, [PH], True, None) for s in range(3)]), GraphStep)  # 3 rows > 2
@@ -252,12 +254,12 @@ def test_a_cache_without_the_padding_block_is_refused(tiny_dir):
     with pytest.raises(ValueError, match="padding block"):
         DecodeGraphs(
             runner.executor.model,
+            runner.executor.attn_backend,
             runner.executor.kv_caches,
             runner.input_batch.block_table,
             [1],
             BLOCK,
             pad_block=runner.config.num_kv_blocks + 1,
-            head_major=True,
         )
 
 
@@ -273,6 +275,6 @@ def test_captured_graphs_equal_eager_on_cuda(tiny_dir, graph_sizes_run, attentio
     params = GREEDY if kind == "greedy" else SAMPLED
     expected = run(make_runner(tiny_dir, attention_backend, device="cuda"), params)
     runner = make_runner(tiny_dir, attention_backend, sizes=[1, 2, 4], device="cuda")
-    assert sorted(runner.executor.attn_backend.graphs._graphs) == [1, 2, 4]
+    assert sorted(runner.executor.graphs._graphs) == [1, 2, 4]
     assert run(runner, params) == expected
     assert len(graph_sizes_run) == 7

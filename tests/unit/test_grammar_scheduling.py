@@ -56,16 +56,16 @@ def test_grammar_row_waits_for_its_token_and_carries_its_mask(smol_dir):
     msg = AddRequest(2, [5, 6], SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=(EOS,), grammar=grammar))
     state = add_compiled(sched, grammars, msg)
     x0 = plan()
-    assert x0.req_num.tolist() == [1, 2] and x0.mask_rows.tolist() == [1]
+    assert x0.req_num.tolist() == [1, 2] and x0.mask_row.tolist() == [1]
     allowed = np.flatnonzero(np.unpackbits(x0.bitmask[0].view(np.uint8), bitorder="little"))
     assert {tok.decode_str([int(t)]) for t in allowed} <= {"y", "ye", "yes", "n", "no"} and EOS not in allowed
     x1 = plan()  # step 0's tokens are not back: only the free request runs, on a placeholder
-    assert x1.req_num.tolist() == [1] and x1.token_ids.tolist() == [PLACEHOLDER_TOKEN_ID] and not len(x1.mask_rows)
+    assert x1.req_num.tolist() == [1] and x1.token_ids.tolist() == [PLACEHOLDER_TOKEN_ID] and not len(x1.mask_row)
     yes = tok.tokenize_str("yes")
     sched.process_output(0, [1, 2], [9, yes[0]])
     wait_ready(grammars, state)
     x2 = plan()
-    assert x2.req_num.tolist() == [1, 2] and x2.mask_rows.tolist() == [1]
+    assert x2.req_num.tolist() == [1, 2] and x2.mask_row.tolist() == [1]
     assert x2.token_ids.tolist() == [PLACEHOLDER_TOKEN_ID, yes[0]]
     if len(yes) == 1:  # the choice is complete: only the stop token may follow
         allowed = np.flatnonzero(np.unpackbits(x2.bitmask[0].view(np.uint8), bitorder="little"))
@@ -103,7 +103,7 @@ def test_auto_tool_row_keeps_pace_until_its_trigger(smol_dir):
             if not sched.schedule(desc):
                 break
             pipelined.append(bool(in_flight))
-            masked.append(bool(len(read_descriptor(desc).mask_rows)))
+            masked.append(bool(len(read_descriptor(desc).mask_row)))
             in_flight.append(step)
         sched.process_output(in_flight.pop(0), [1], [text[len(sched.requests[1].output_token_ids)]])
     k = next(i for i in range(len(text)) if hf.decode(text[:i]).endswith("<tool_"))

@@ -6,8 +6,9 @@ import random
 
 import torch
 
+from pipeline.common.descriptor_builder import DescriptorBuilder
 from pipeline.common.messages import SamplingParams
-from pipeline.common.step_protocol import MAX_LOGPROBS, DescriptorBuilder, StepDescriptor, read_descriptor
+from pipeline.common.step_protocol import MAX_LOGPROBS, StepDescriptor, read_descriptor
 from pipeline.gpu_worker.logprobs import PromptLogprobPlan, token_logprobs
 
 

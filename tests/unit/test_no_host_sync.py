@@ -24,10 +24,10 @@ import transformers
 
 from pipeline.common.config import EngineConfig
 from pipeline.common.constants import cdiv
+from pipeline.common.descriptor_builder import DescriptorBuilder
 from pipeline.common.messages import SamplingParams
-from pipeline.common.step_protocol import PLACEHOLDER_TOKEN_ID, DescriptorBuilder, StepDescriptor, read_descriptor
+from pipeline.common.step_protocol import PLACEHOLDER_TOKEN_ID, StepDescriptor, read_descriptor
 from pipeline.gpu_worker import sampler
-from pipeline.gpu_worker.cuda_graphs import install_decode_graphs
 from pipeline.gpu_worker.device import DeviceOps
 from pipeline.gpu_worker.executor import ModelExecutor
 from pipeline.gpu_worker.model_runner import ModelRunner, StaleTokenError
@@ -181,7 +181,7 @@ def guarded_runner(
     with guard, guard.paused():  # device allocations are made under the mode so it tags them
         runner = ModelRunner(config, ModelExecutor(config, model, cpu, torch.float32), cpu, FakeAsyncOps(cpu, guard))
         if graph_sizes:
-            install_decode_graphs(runner, graph_sizes)
+            runner.executor.capture_decode_graphs(runner.input_batch.block_table, graph_sizes)
         return runner
 
 
@@ -274,7 +274,7 @@ def cuda_runner(max_model_len: int = 128, graphs: str = "eager") -> ModelRunner:
     model = tiny_model(max(256, max_model_len)).to(dev)
     runner = ModelRunner(config, ModelExecutor(config, model, dev, torch.float32), dev)
     if graphs == "graphs":
-        install_decode_graphs(runner, GRAPH_SIZES)
+        runner.executor.capture_decode_graphs(runner.input_batch.block_table, GRAPH_SIZES)
     return runner
 
 

@@ -23,7 +23,7 @@ from msgspec.structs import replace
 from pipeline.common.block_hash import root_hash
 from pipeline.common.messages import AddRequest, SamplingParams
 from pipeline.common.step_protocol import PLACEHOLDER_TOKEN_ID, StepDescriptor, StepInputs, read_descriptor
-from pipeline.scheduler_proc import scheduler as scheduler_module
+from pipeline.scheduler_proc import steady_rows
 from pipeline.scheduler_proc.scheduler import Scheduler
 from tests.unit.pool_invariant import check_pool
 
@@ -73,7 +73,7 @@ class ReferenceExecutor:
         for ref in inflight_refs:
             if ref[0] == "block":
                 readers.setdefault(ref[1], set()).add(ref[2])
-        for s, i, b in x.new_blocks.T.tolist():
+        for s, i, b in zip(x.nb_req_index.tolist(), x.nb_index.tolist(), x.nb_block.tolist()):
             self.block_table[s][i] = b
         refs = set()
         tok = x.token_ids.tolist()
@@ -81,7 +81,7 @@ class ReferenceExecutor:
         rows, off = [], 0
         for r in range(len(x.req_num)):  # every row's writes first
             req, idx = int(x.req_num[r]), int(x.req_index[r])
-            k, start = int(x.query_lens[r]), int(x.start_pos[r])
+            k, start = int(x.num_scheduled_tokens[r]), int(x.start_pos[r])
             if r in new_rows:
                 assert ("index", idx) not in inflight_refs, f"req_index {idx} reused while a step in flight reads it"
                 self.index_owner[idx] = req
@@ -272,7 +272,7 @@ def test_steady_decode_path_is_exact(depth, num_blocks, monkeypatch):
     """Long decodes become steady rows; joins, aborts, EOS, block crossings and (with 90
     blocks) preemptions in the middle of it leave every output exact and free everything. Steady rows'
     tokens wait at most 3 steps in the scheduler's buffer here, so they move to the requests' lists often."""
-    monkeypatch.setattr(scheduler_module, "_TOKEN_BUFFER", 3)
+    monkeypatch.setattr(steady_rows, "_TOKEN_BUFFER", 3)
     reqs = make_requests(96, seed=11, max_len=120)
     aborted = {10: 5, 40: 17, 41: 18, 90: 60}
     outputs, sched = run(
@@ -350,7 +350,7 @@ def test_four_choices_allocate_the_prompt_once():
     for rows in (2, 4):
         d = StepDescriptor(layout.views(bytearray(layout.nbytes)))
         assert sched.schedule(d) == rows
-        tokens.append(read_descriptor(d).query_lens.tolist())
+        tokens.append(read_descriptor(d).num_scheduled_tokens.tolist())
     assert tokens == [[300, 12], [1, 1, 12, 12]]
     assert sched.pool.num_free_blocks == 200 - 18 - 4  # 18 shared + one block per choice
     assert (sched.prefix.num_queries, sched.prefix.num_hits) == (4 * 300, 3 * 288)
@@ -396,7 +396,7 @@ def plan_signature(d: StepDescriptor) -> tuple:
     x = read_descriptor(d)
     tokens, rows, off = x.token_ids.tolist(), [], 0
     sampled, new = set(x.sample_rows.tolist()), set(x.new_rows.tolist())
-    for r, (req, k, start) in enumerate(zip(x.req_num.tolist(), x.query_lens.tolist(), x.start_pos.tolist())):
+    for r, (req, k, start) in enumerate(zip(x.req_num.tolist(), x.num_scheduled_tokens.tolist(), x.start_pos.tolist())):
         rows.append(
             (
                 req,
@@ -410,7 +410,7 @@ def plan_signature(d: StepDescriptor) -> tuple:
         )
         off += k
     owner = dict(zip(x.req_index.tolist(), x.req_num.tolist()))
-    return x.step_id, sorted(rows), sorted((owner[s], i) for s, i in x.new_blocks[:2].T.tolist())
+    return x.step_id, sorted(rows), sorted((owner[s], i) for s, i in zip(x.nb_req_index.tolist(), x.nb_index.tolist()))
 
 
 @pytest.mark.parametrize("depth", [1, 2])
@@ -420,7 +420,7 @@ def test_steady_rows_plan_what_the_general_path_plans(depth, max_num_seqs, budge
     as the same scheduler with steady rows turned off, and finishes the same requests, through joins,
     prefills that share the budget (12 tokens for 32 rows: the budget cuts), grammar rows ahead of steady
     ones, block crossings, aborts, EOS and (90 blocks) preemptions, whose recompute needs every token in order."""
-    monkeypatch.setattr(scheduler_module, "_TOKEN_BUFFER", 3)
+    monkeypatch.setattr(steady_rows, "_TOKEN_BUFFER", 3)
     reqs = make_requests(96, seed=12, max_len=120)
     # Long outputs keep many rows decoding at once; every seventh request has a grammar.
     reqs = [
@@ -457,7 +457,7 @@ def test_steady_rows_plan_what_the_general_path_plans(depth, max_num_seqs, budge
                 for d in descs:
                     x = read_descriptor(d)
                     rows = x.sample_rows.tolist()
-                    last = (x.start_pos + x.query_lens - 1)[rows].tolist()
+                    last = (x.start_pos + x.num_scheduled_tokens - 1)[rows].tolist()
                     reqs = x.req_num[rows].tolist()
                     outs.append((reqs, [sampled_token(r, p) for r, p in zip(reqs, last)]))
                 inflight.append(outs)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pipeline.common.descriptor_builder import DescriptorBuilder
 from pipeline.common.messages import SamplingParams
 from pipeline.common.step_clock import WORKER_STATS_LEN
 from pipeline.common.step_protocol import (
@@ -15,7 +14,6 @@ from pipeline.common.step_protocol import (
     MAX_LOGPROBS,
     MAX_STOP_TOKEN_IDS,
     PLACEHOLDER_TOKEN_ID,
-    DescriptorBuilder,
     StepDescriptor,
     StepOutput,
     TokenLogprobs,
@@ -86,6 +84,11 @@ def steps(draw):
     return draw(st.integers(0, 2**40)), rows, blocks
 
 
+def new_blocks(x) -> list[list[int]]:
+    """The step's new block-table entries as ``[req_index, column, block]``."""
+    return [list(b) for b in zip(x.nb_req_index.tolist(), x.nb_index.tolist(), x.nb_block.tolist())]
+
+
 def _entry(layout):
     return layout.views(bytearray(layout.nbytes))
 
@@ -112,7 +115,7 @@ def test_descriptor_round_trip(step):
     assert x.req_num.tolist() == [r[0] for r in rows]
     assert x.req_index.tolist() == [r[1] for r in rows]
     assert x.start_pos.tolist() == [r[2] for r in rows]
-    assert x.query_lens.tolist() == [len(r[3]) for r in rows]
+    assert x.num_scheduled_tokens.tolist() == [len(r[3]) for r in rows]
     assert x.token_ids.tolist() == [t for r in rows for t in r[3]]
     assert x.sample_rows.tolist() == [i for i, r in enumerate(rows) if r[4]]
     new = [i for i, r in enumerate(rows) if r[5] is not None]
@@ -135,16 +138,16 @@ def test_descriptor_round_trip(step):
         np.testing.assert_array_equal(x.logit_bias_values[j, :nb], np.array([b for _, b in p.logit_bias], np.float32))
         # The worker gets the stop ids only when min_tokens has something to mask.
         masked = p.stop_token_ids if p.min_tokens > 0 and not p.ignore_eos else ()
-        assert x.stop_ids[j].tolist() == list(masked)
+        assert x.stop_ids[j, : x.num_stop_ids[j]].tolist() == list(masked)
     assert x.num_prompt_logprobs.tolist() == [r[6] for r in rows]
     assert x.next_prompt_token.tolist() == [r[7] for r in rows]
-    assert x.new_blocks.T.tolist() == [list(blk) for blk in blocks]
+    assert new_blocks(x) == [list(blk) for blk in blocks]
 
 
 @settings(max_examples=40, deadline=None)
 @given(steps(), steps())
 def test_packed_descriptor_round_trip(step, previous):
-    """What rank 0 relays to other nodes unpacks, over a req_index holding an older step, into the same inputs."""
+    """What rank 0 relays to other nodes unpacks, over an entry holding an older step, into the same inputs."""
     layout = StepDescriptor.layout(MAX_SEQS, MAX_TOKENS, BLOCK)
     src, dst = StepDescriptor(_entry(layout)), StepDescriptor(_entry(layout))
     for desc, (step_id, rows, blocks) in ((dst, previous), (src, step)):
@@ -160,12 +163,8 @@ def test_packed_descriptor_round_trip(step, previous):
     assert n == packed_descriptor_nbytes(src.header) == 56 + 2618 * len(rows) + 4 * src.num_tokens + 12 * len(blocks)
     unpack_descriptor(buf, dst)
     want, got = read_descriptor(src), read_descriptor(dst)
-    for f in dataclasses.fields(want):
-        w, g = getattr(want, f.name), getattr(got, f.name)
-        if isinstance(w, list):  # stop_ids: one array per new row, of its own length
-            assert [a.tolist() for a in g] == [a.tolist() for a in w], f.name
-        else:
-            np.testing.assert_array_equal(g, w, err_msg=f.name)
+    for name in type(want).__slots__:
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
 
 
 def test_bitmask_rows_round_trip():
@@ -181,7 +180,7 @@ def test_bitmask_rows_round_trip():
     unpack_descriptor(buf, dst)
     for desc in (src, dst):
         x = read_descriptor(desc)
-        assert x.mask_rows.tolist() == [1] and x.bitmask.tolist() == [[5, -1, 0]]
+        assert x.mask_row.tolist() == [1] and x.bitmask.tolist() == [[5, -1, 0]]
     b.clear()
     b.write(src, 5, decode=(np.array([7]), np.array([0]), np.array([2]), np.array([-1])))
     assert read_descriptor(src).bitmask.shape == (0, 3)
@@ -191,7 +190,9 @@ def test_bitmask_rows_round_trip():
 @given(st.integers(0, 2**40), st.lists(st.tuples(st.integers(1, 2**50), st.integers(0, 2**31 - 1)), max_size=MAX_SEQS))
 def test_output_round_trip(step_id, rows):
     out = StepOutput(_entry(StepOutput.layout(MAX_SEQS, MAX_TOKENS)))
-    out.write(7, np.array([1, 2, 3]), np.array([4, 5, 6]), time_ns=5, continues=True)  # a previous step
+    out.write(
+        7, np.array([1, 2, 3]), np.array([4, 5, 6]), time_ns=5, continues=True
+    )  # a previous step in the same ring entry
     counts = np.arange(WORKER_STATS_LEN, dtype=np.int64) * step_id
     ids = np.array([r for r, _ in rows], dtype=np.int64)
     out.write(step_id, ids, np.array([t for _, t in rows], dtype=np.int64), time_ns=step_id + 1, worker_stats=counts)
@@ -252,15 +253,15 @@ def test_decode_rows_come_first():
     b.write(desc, 3, decode=(np.array([7, 8]), np.array([1, 2]), np.array([48, 80]), np.array([-1, -1])))
     x = read_descriptor(desc)
     assert x.req_num.tolist() == [7, 8, 9] and x.req_index.tolist() == [1, 2, 4]
-    assert x.query_lens.tolist() == [1, 1, 3] and x.start_pos.tolist() == [48, 80, 0]
+    assert x.num_scheduled_tokens.tolist() == [1, 1, 3] and x.start_pos.tolist() == [48, 80, 0]
     assert x.token_ids.tolist() == [-1, -1, 5, 6, 7] and x.sample_rows.tolist() == [0, 1, 2]
     assert x.new_rows.tolist() == [2] and x.temperature.tolist() == [0.5] and x.prompt_len.tolist() == [3]
-    assert x.mask_rows.tolist() == [2] and x.bitmask.tolist() == [[1, 2]]
-    assert sorted(x.new_blocks.T.tolist()) == [[1, 3, 12], [2, 5, 13], [4, 0, 11]]
+    assert x.mask_row.tolist() == [2] and x.bitmask.tolist() == [[1, 2]]
+    assert sorted(new_blocks(x)) == [[1, 3, 12], [2, 5, 13], [4, 0, 11]]
 
 
 def test_descriptor_copy_outlives_the_ring_entry():
-    """The worker releases the req_index right after reading: its copy must not alias the ring."""
+    """The worker releases the ring entry right after reading: its copy must not alias the ring."""
     desc = StepDescriptor(_entry(StepDescriptor.layout(MAX_SEQS, MAX_TOKENS, BLOCK)))
     b = DescriptorBuilder()
     b.add_row(5, 1, 10, [PLACEHOLDER_TOKEN_ID], True, None)
@@ -272,4 +273,4 @@ def test_descriptor_copy_outlives_the_ring_entry():
     b.add_block(2, 0, 4)
     b.write(desc, 2)
     assert (x.step_id, x.req_num.tolist(), x.req_index.tolist(), x.token_ids.tolist()) == (1, [5], [1], [-1])
-    assert x.new_blocks.T.tolist() == [[1, 2, 3]]
+    assert new_blocks(x) == [[1, 2, 3]]

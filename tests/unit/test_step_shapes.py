@@ -17,7 +17,7 @@ def test_round_trip(tmp_path):
     ]
     rec = StepShapeRecorder()
     for q, s, sample in rows:
-        rec.add(SimpleNamespace(query_lens=q, start_pos=s, sample_rows=sample))
+        rec.add(SimpleNamespace(num_scheduled_tokens=q, start_pos=s, sample_rows=sample))
     rec.save(str(tmp_path / "s.npz"))
     shapes = StepShapes.load(str(tmp_path / "s.npz"))
     assert shapes.num_steps == 3

@@ -1,119 +1,179 @@
-"""Attention backends over the paged KV cache.
+"""The attention backends and how one is chosen (docs/design.md, "Attention backends").
 
-:mod:`.backend` defines what the model and the runner see (per-step metadata,
-per-layer forward); each backend is one module behind it (docs/design.md,
-"The worker"):
-
-- ``cpu_paged`` (:mod:`.cpu_paged`): a C++ kernel that reads the paged
-  cache in place for decode rows, ``torch_bucketed``'s path for prefill; the
-  default on CPU where the kernel builds;
-- ``torch_bucketed`` (:mod:`.torch_bucketed`): SDPA per bucket of
-  similar-length requests, cost following each request's own context; the
-  default on CPU without a compiler, and on CUDA when FlashInfer cannot serve;
-- ``flashinfer`` (:mod:`.flashinfer_paged`): FlashInfer's paged-KV kernel, on
-  CUDA with float16/bfloat16 when the package is installed;
-- ``torch_sdpa`` (:mod:`.torch_sdpa`): padded decode and prefill groups; kept
-  as the plain reference.
-
-``--attention-backend`` picks one at start-up (:func:`make_backend`);
-``auto`` takes the first of flashinfer, cpu_paged and torch_bucketed that can run.
+``ATTENTION_BACKENDS`` is the one list of them: ``--attention-backend``
+offers its names and ``make_backend`` builds from it. Registering imports no
+torch (the launcher reads the names); a backend's module is imported when
+one is made.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Generic, TypeVar
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from pipeline.common.config import ATTENTION_BACKENDS as BACKEND_CHOICES
-from pipeline.gpu_worker.attention import cpu_paged, flashinfer_paged
-from pipeline.gpu_worker.attention.backend import AttentionBackend, AttentionMetadata, KVCache
-from pipeline.gpu_worker.attention.cpu_paged import CpuPagedBackend
-from pipeline.gpu_worker.attention.torch_bucketed import TorchBucketedBackend
-from pipeline.gpu_worker.attention.torch_sdpa import TorchSDPABackend
+    from pipeline.gpu_worker.attention.backend import AttentionBackend
 
 _LOG = logging.getLogger(__name__)
 
-
-# What the cpu_paged kernel is built for.
-CPU_PAGED_DTYPES = (torch.float32, torch.bfloat16)
+T = TypeVar("T")
 
 
-def default_backend() -> AttentionBackend:
-    """The backend a model uses unless told otherwise (the CPU default, ``torch_bucketed``)."""
+class Registry(Generic[T]):
+    """Named factories of one kind of part, added by decorator; a factory's docstring describes its part."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._factories: dict[str, Callable[..., T]] = {}
+
+    def register(self, name: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
+        def add(factory: Callable[..., T]) -> Callable[..., T]:
+            self._factories[name] = factory
+            return factory
+
+        return add
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._factories)
+
+    def describe(self, name: str) -> str:
+        return " ".join((self._factories[name].__doc__ or "").split())
+
+    def make(self, name: str, *args, **kwargs) -> T:
+        """Raises ValueError for a name not registered, or whatever the factory raises."""
+        factory = self._factories.get(name)
+        if factory is None:
+            raise ValueError(f"unknown {self.kind} {name!r}; choose one of {', '.join(self._factories)}")
+        return factory(*args, **kwargs)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a backend is made for: where the model runs and its attention shape (0: the simulated device).
+
+    ``scale`` (None: ``head_dim ** -0.5``) and ``kinds``, the layers'
+    ``(window, softcap)`` pairs, are for a backend that plans them per step
+    (flashinfer); the others take them per layer.
+    """
+
+    device: torch.device
+    dtype: torch.dtype
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    scale: float | None = None
+    kinds: Sequence[tuple[int | None, float | None]] = ((None, None),)
+
+
+class NotForThisModel(ValueError):
+    """The backend is not made for this device, dtype or shape."""
+
+
+class BackendUnavailable(RuntimeError):
+    """The backend would suit the model but cannot run here (its kernel does not build, say)."""
+
+
+ATTENTION_BACKENDS: Registry[AttentionBackend] = Registry("attention backend")
+
+
+@ATTENTION_BACKENDS.register("cpu_paged")
+def _cpu_paged(m: ModelShape) -> AttentionBackend:
+    """a C++ kernel (built at start-up) reads the paged cache in place for decode rows; CPU, float32/bfloat16"""
+    import torch
+
+    from pipeline.gpu_worker.attention import cpu_paged
+
+    if m.device.type != "cpu" or m.dtype not in (torch.float32, torch.bfloat16):
+        raise NotForThisModel(
+            f"attention backend cpu_paged runs on CPU in float32 or bfloat16, not {m.device} {m.dtype}"
+        )
+    if (reason := cpu_paged.unavailable_reason()) is not None:
+        raise BackendUnavailable(f"cpu_paged attention unavailable ({reason})")
+    if m.head_dim and not cpu_paged.supports(m.num_heads, m.num_kv_heads, m.head_dim):
+        raise BackendUnavailable(
+            f"cpu_paged attention is not built for {m.num_heads} heads over {m.num_kv_heads} KV heads "
+            f"of size {m.head_dim}"
+        )
+    return cpu_paged.CpuPagedBackend()
+
+
+@ATTENTION_BACKENDS.register("torch_bucketed")
+def _torch_bucketed(m: ModelShape) -> AttentionBackend:
+    """SDPA per bucket of similar-length requests, so each request's cost follows its own context"""
+    from pipeline.gpu_worker.attention.torch_bucketed import TorchBucketedBackend
+
     return TorchBucketedBackend()
+
+
+@ATTENTION_BACKENDS.register("flashinfer")
+def _flashinfer(m: ModelShape) -> AttentionBackend:
+    """FlashInfer's paged-KV kernel; CUDA, float16/bfloat16, the flashinfer package installed"""
+    from pipeline.gpu_worker.attention import flashinfer_paged
+
+    if m.head_dim <= 0:
+        raise NotForThisModel("attention backend flashinfer needs a model (not the simulated device)")
+    if (reason := flashinfer_paged.unsupported_reason(m.device, m.dtype, m.head_dim)) is not None:
+        raise NotForThisModel(f"attention backend flashinfer: {reason}")
+    return flashinfer_paged.FlashInferBackend(
+        m.num_heads, m.num_kv_heads, m.head_dim, m.dtype, m.device, m.scale, m.kinds
+    )
+
+
+@ATTENTION_BACKENDS.register("torch_sdpa")
+def _torch_sdpa(m: ModelShape) -> AttentionBackend:
+    """every decode row padded to the step's longest context (the reference)"""
+    from pipeline.gpu_worker.attention.torch_sdpa import TorchSDPABackend
+
+    return TorchSDPABackend()
+
+
+# What auto tries, in order, for a model; torch_bucketed when none can run.
+_AUTO = ("flashinfer", "cpu_paged")
 
 
 def make_backend(
     name: str = "auto",
     *,
     device: torch.device | None = None,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     num_heads: int = 0,
     num_kv_heads: int = 0,
     head_dim: int = 0,
     scale: float | None = None,
     kinds: Sequence[tuple[int | None, float | None]] = ((None, None),),
 ) -> AttentionBackend:
-    """The attention backend ``name`` for a model of this shape on ``device`` (docs/design.md, "The worker").
+    """The attention backend ``name`` (or ``auto``) for a model of this shape on ``device`` (default CPU, float32).
 
-    Args:
-        name: one of :data:`BACKEND_CHOICES`; ``auto`` is flashinfer where it
-            can run (CUDA, float16/bfloat16, a supported head size, the
-            package installed), cpu_paged on CPU in float32/bfloat16 where its
-            kernel builds for this shape (else one log line), torch_bucketed
-            otherwise.
-        device: where the model runs (default CPU).
-        dtype: the model's and KV cache's dtype.
-        num_heads, num_kv_heads, head_dim: the model's attention shape (only
-            flashinfer needs it; 0 for the simulated device).
-        scale, kinds: the model's softmax scale (default ``head_dim ** -0.5``)
-            and its layers' ``(window, softcap)`` pairs, which flashinfer plans
-            per step (the other backends take them per layer).
+    ``auto`` takes the first of flashinfer and cpu_paged that can run for the
+    model (one log line when cpu_paged would suit but cannot), else
+    torch_bucketed; the simulated device (``head_dim`` 0) gets torch_bucketed.
+    ``scale`` and ``kinds`` as in ``ModelShape``.
 
     Raises:
-        ValueError: for an unknown name, or flashinfer or cpu_paged asked for where it cannot run.
-        RuntimeError: cpu_paged asked for where its kernel cannot be built.
+        ValueError: an unknown name, or a backend not made for this model (``NotForThisModel``).
+        RuntimeError: a backend that cannot run here (``BackendUnavailable``).
     """
-    device = device or torch.device("cpu")
-    if name not in BACKEND_CHOICES:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_CHOICES)}")
-    if name == "auto":
-        usable = head_dim > 0 and flashinfer_paged.unsupported_reason(device, dtype, head_dim) is None
-        name = "flashinfer" if usable else "torch_bucketed"
-        if name == "torch_bucketed" and head_dim > 0 and device.type == "cpu" and dtype in CPU_PAGED_DTYPES:
-            reason = cpu_paged.unavailable_reason()
-            if reason is None and cpu_paged.supports(num_heads, num_kv_heads, head_dim):
-                name = "cpu_paged"
-            elif reason is None:
-                _LOG.warning(
-                    "cpu_paged attention is not built for %d heads over %d KV heads of size %d; using torch_bucketed",
-                    num_heads,
-                    num_kv_heads,
-                    head_dim,
-                )
-            else:
-                _LOG.warning("cpu_paged attention unavailable (%s); using torch_bucketed", reason)
-    if name == "flashinfer":
-        if head_dim <= 0:
-            raise ValueError("attention backend flashinfer needs a model (not the simulated device)")
-        return flashinfer_paged.FlashInferBackend(num_heads, num_kv_heads, head_dim, dtype, device, scale, kinds)
-    if name == "cpu_paged":
-        if device.type != "cpu" or dtype not in CPU_PAGED_DTYPES:
-            raise ValueError(f"attention backend cpu_paged runs on CPU in float32 or bfloat16, not {device} {dtype}")
-        return CpuPagedBackend()
-    return TorchBucketedBackend() if name == "torch_bucketed" else TorchSDPABackend()
+    import torch
+
+    shape = (num_heads, num_kv_heads, head_dim, scale, tuple(kinds))
+    m = ModelShape(device or torch.device("cpu"), dtype or torch.float32, *shape)
+    if name != "auto":
+        return ATTENTION_BACKENDS.make(name, m)
+    if head_dim > 0:
+        for candidate in _AUTO:
+            try:
+                return ATTENTION_BACKENDS.make(candidate, m)
+            except NotForThisModel:
+                pass
+            except BackendUnavailable as e:
+                _LOG.warning("%s; using torch_bucketed", e)
+    return ATTENTION_BACKENDS.make("torch_bucketed", m)
 
 
-__all__ = [
-    "BACKEND_CHOICES",
-    "AttentionBackend",
-    "AttentionMetadata",
-    "CpuPagedBackend",
-    "KVCache",
-    "TorchBucketedBackend",
-    "TorchSDPABackend",
-    "default_backend",
-    "make_backend",
-]
+def default_backend() -> AttentionBackend:
+    """The backend a model uses unless told otherwise (``torch_bucketed``)."""
+    return make_backend("torch_bucketed")

@@ -1,23 +1,13 @@
-"""The attention-backend interface: per-step metadata, per-layer forward.
+"""The attention-backend interface: per-step metadata, per-layer forward, decode-graph capture hooks.
 
-A step's tokens are one flat batch, request after request (docs/design.md,
-"The worker"). The runner asks the backend once per step for its metadata
-(:meth:`AttentionBackend.build_metadata`); every layer of the model then
-calls :meth:`AttentionBackend.forward` with its own queries, keys, values and
-KV cache and that same metadata. Whatever the backend precomputes (gather
-indices, masks, kernel plans) lives in its metadata subclass, so a new
-backend is a new module here, not an edit of the model or the runner.
-
-Metadata is built without waiting for the device: everything whose *shape*
-depends on the batch is derived on the host from the descriptor's small
-arrays (:class:`StepLayout`, numpy), copied up in one non-blocking upload,
-and everything large (masks, gathered block ids, the slot mapping) is
-computed from those on the device, reading the device-resident block table.
-
-Cache layout, shared by every backend: per layer ``k_cache`` and ``v_cache``
-are ``[num_blocks * block_size, num_kv_heads, head_dim]``; token position
-``p`` of a request whose block table is ``bt`` lives at flat index
-``bt[p // block_size] * block_size + p % block_size``.
+The runner asks the backend once per step for its metadata; every layer
+then calls ``forward`` with its own queries, keys, values and KV cache and
+that metadata, so a new backend is a new module, not an edit of the model or
+the runner (docs/design.md, "Attention backends"). Metadata is built without
+waiting for the device: what the batch shapes is decided on the host
+(``StepLayout``) and uploaded at once; what is large is computed on the
+device from it. Each backend declares how it uses the cache's memory
+(``cache_layout``, ``kv_layout.py``).
 """
 
 from __future__ import annotations
@@ -30,10 +20,17 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-# One layer's (k_cache, v_cache).
-KVCache = tuple[torch.Tensor, torch.Tensor]
+from pipeline.gpu_worker.attention.kv_layout import TOKEN_MAJOR, KVCache
+
 # Copies int64 host arrays to the device in one non-blocking transfer; returns them in order.
 Upload = Callable[[Sequence[np.ndarray]], list[torch.Tensor]]
+
+
+def window_mask(mask: torch.Tensor, query_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """``mask`` (``[rows, 1, Q, K]`` bool) narrowed to a sliding window: key position ``k`` stays for the query at
+    ``query_pos`` (``[rows, Q]``) when ``k > query_pos - window``, as transformers masks."""
+    key_pos = torch.arange(mask.shape[-1], device=mask.device)
+    return mask & (key_pos > query_pos[..., None] - window).unsqueeze(1)
 
 
 def sdpa(
@@ -230,9 +227,14 @@ class AttentionBackend(ABC):
 
     A backend instance belongs to one model and may keep scratch memory
     shared by its layers (layers run one after another, in stream order).
+
+    Attributes:
+        name: its registry name (``attention.ATTENTION_BACKENDS``).
+        cache_layout: ``kv_layout.TOKEN_MAJOR`` or ``HEAD_MAJOR``.
     """
 
     name: str = "abstract"
+    cache_layout: str = TOKEN_MAJOR
 
     @abstractmethod
     def build_metadata(self, layout: StepLayout, block_table: torch.Tensor, upload: Upload) -> AttentionMetadata:
@@ -280,6 +282,29 @@ class AttentionBackend(ABC):
         Returns:
             ``[T, H, D]`` attention output, dtype of ``q``.
         """
+
+    # -- decode-only steps as CUDA graphs (docs/design.md, "CUDA graphs"); ``graph_decode.py`` implements these.
+
+    def init_capture(self, max_rows: int, block_table: torch.Tensor, pad_block: int, block_size: int) -> None:
+        """Allocate the static buffers the decode graphs of up to ``max_rows`` rows read.
+
+        Args:
+            block_table: ``[max_num_reqs, max_blocks_per_seq]`` int64 on the device, read at this address.
+            pad_block: a KV block the scheduler never hands out, where padding rows write.
+
+        Raises:
+            NotImplementedError: the backend captures no decode graphs.
+        """
+        raise NotImplementedError(f"attention backend {self.name} captures no CUDA graphs; use --enforce-eager")
+
+    def prepare_capture(self, size: int) -> AttentionMetadata:
+        """The metadata of the decode graph of ``size`` rows, computed on the device from the static buffers
+        (runs inside the graph)."""
+        raise NotImplementedError
+
+    def prepare_replay(self, layout: StepLayout, size: int, upload: Upload) -> None:
+        """Fill the static buffers with a decode-only step's rows, padded to ``size``, before its replay."""
+        raise NotImplementedError
 
     def build_from_rows(
         self, query_lens, start_positions, block_table: torch.Tensor, block_size: int

@@ -23,14 +23,10 @@ scatter-based softmax, a per-request loop, split-K partitions merged by
 log-sum-exp, and ``flex_attention`` on this project's CPU
 (``scripts/bench_attention.py``).
 
-**Cache layout.** The cache tensors are allocated as every backend's
-(``[num_blocks * block_size, KVH, D]``), but this backend uses their memory
-head-major, as ``[KVH, num_blocks * block_size, D]``: position ``p`` of head
-``h`` lives at ``[h, bt[p // block_size] * block_size + p % block_size]``.
-Gathered this way each row's keys of one head come out contiguous, which the
-CPU SDPA kernel reads faster. The memory belongs to one backend for the
-server's life, so nothing else sees the difference; ``head_major=False``
-keeps the shared layout.
+**Cache layout.** This backend uses the cache's memory head-major
+(``kv_layout.HEAD_MAJOR``, its ``cache_layout``): gathered so, each row's
+keys of one head come out contiguous, which the CPU SDPA kernel reads faster;
+``head_major=False`` uses it as allocated.
 
 **No host synchronisation.** Everything shaped by the batch (the buckets,
 their rows, query indices and context lengths) is decided on the host from
@@ -59,6 +55,8 @@ from pipeline.gpu_worker.attention.backend import (
     sdpa,
     slot_mapping,
 )
+from pipeline.gpu_worker.attention.graph_decode import GraphDecodeMetadata, PaddedGraphDecode, graph_decode_attention
+from pipeline.gpu_worker.attention.kv_layout import HEAD_MAJOR, TOKEN_MAJOR, gather_blocks, write_kv
 from pipeline.gpu_worker.attention.torch_sdpa import GatherBuffer
 
 # A row joins a bucket whose (padded) context is at most SLACK x its own ...
@@ -341,67 +339,7 @@ def _device_decode(
     ]
 
 
-def write_kv(
-    kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, head_major: bool
-) -> KVCache:
-    """Write a step's keys and values into one layer's cache; returns the cache in its layout.
-
-    Args:
-        kv_cache: ``(k_cache, v_cache)``, each ``[slots, KVH, D]`` as allocated.
-        k, v: ``[T, KVH, D]``.
-        slot_mapping: ``[T]`` int64, flat cache index of each token.
-        head_major: use the memory as ``[KVH, slots, D]`` (see the module docstring).
-
-    Returns:
-        ``(k_cache, v_cache)`` as ``[KVH, slots, D]`` views if ``head_major``, else as given.
-    """
-    k_cache, v_cache = kv_cache
-    if head_major:
-        kv_heads, head_dim = k.shape[1], k.shape[2]
-        k_cache = k_cache.view(kv_heads, -1, head_dim)
-        v_cache = v_cache.view(kv_heads, -1, head_dim)
-        k_cache.index_copy_(1, slot_mapping, k.transpose(0, 1))
-        v_cache.index_copy_(1, slot_mapping, v.transpose(0, 1))
-    else:
-        k_cache.index_copy_(0, slot_mapping, k)
-        v_cache.index_copy_(0, slot_mapping, v)
-    return k_cache, v_cache
-
-
-def gather_blocks(
-    cache: torch.Tensor, block_ids: torch.Tensor, block_size: int, head_major: bool, out: torch.Tensor
-) -> torch.Tensor:
-    """Gather each row's blocks of one cache into ``out``, as a ``[rows, KVH, n_blocks * block_size, D]`` view.
-
-    Args:
-        cache: ``[KVH, slots, D]`` if ``head_major`` else ``[slots, KVH, D]`` (as :func:`write_kv` returns it).
-        block_ids: ``[rows, n_blocks]`` int64 block ids.
-        block_size: tokens per block.
-        head_major: the cache's layout.
-        out: ``rows * n_blocks * block_size * KVH * D`` contiguous elements of the cache's dtype.
-    """
-    rows, n_blocks = block_ids.shape
-    flat = block_ids.flatten()
-    if head_major:
-        kv_heads, _, head_dim = cache.shape
-        g = torch.index_select(
-            cache.view(kv_heads, -1, block_size, head_dim),
-            1,
-            flat,
-            out=out.view(kv_heads, rows * n_blocks, block_size, head_dim),
-        )
-        return g.view(kv_heads, rows, n_blocks * block_size, head_dim).transpose(0, 1)
-    _, kv_heads, head_dim = cache.shape
-    g = torch.index_select(
-        cache.view(-1, block_size, kv_heads, head_dim),
-        0,
-        flat,
-        out=out.view(rows * n_blocks, block_size, kv_heads, head_dim),
-    )
-    return g.view(rows, n_blocks * block_size, kv_heads, head_dim).transpose(1, 2)
-
-
-class TorchBucketedBackend(AttentionBackend):
+class TorchBucketedBackend(PaddedGraphDecode, AttentionBackend):
     """SDPA per bucket of similar-length requests (see the module docstring).
 
     Owns the :class:`~pipeline.gpu_worker.attention.torch_sdpa.GatherBuffer`
@@ -417,7 +355,7 @@ class TorchBucketedBackend(AttentionBackend):
     def __init__(
         self, head_major: bool = True, slack: float = SLACK, min_pad: int = MIN_PAD, min_query_pad: int = MIN_QUERY_PAD
     ) -> None:
-        self.head_major = head_major
+        self.cache_layout = HEAD_MAJOR if head_major else TOKEN_MAJOR
         self.limits = (slack, min_pad, min_query_pad)
         self.workspace = GatherBuffer()
         self.prefix = PrefixTable()
@@ -475,7 +413,9 @@ class TorchBucketedBackend(AttentionBackend):
         window: int | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        k_cache, v_cache = write_kv(kv_cache, k, v, meta.slot_mapping, self.head_major)
+        if isinstance(meta, GraphDecodeMetadata):
+            return graph_decode_attention(q, k, v, kv_cache, meta, scale, window, softcap)
+        k_cache, v_cache = write_kv(kv_cache, k, v, meta.slot_mapping, self.cache_layout)
         buckets = meta.decode + meta.prefill
         out = None if len(buckets) == 1 and buckets[0].identity else q.new_empty(q.shape)
         for b in buckets:
@@ -512,12 +452,12 @@ class TorchBucketedBackend(AttentionBackend):
             real queries, in the order of ``b.out_tokens``.
         """
         num_heads, head_dim = q.shape[1:]
-        kv_heads = k_cache.shape[0] if self.head_major else k_cache.shape[1]
+        kv_heads = k_cache.shape[0] if self.cache_layout == HEAD_MAJOR else k_cache.shape[1]
         rows, n_blocks = b.block_ids.shape
         numel = rows * n_blocks * block_size * kv_heads * head_dim
         scratch = self.workspace.get(2 * numel, k_cache.dtype, k_cache.device)
-        keys = gather_blocks(k_cache, b.block_ids, block_size, self.head_major, scratch[:numel])
-        values = gather_blocks(v_cache, b.block_ids, block_size, self.head_major, scratch[numel:])
+        keys = gather_blocks(k_cache, b.block_ids, block_size, self.cache_layout, scratch[:numel])
+        values = gather_blocks(v_cache, b.block_ids, block_size, self.cache_layout, scratch[numel:])
         q_b = q if b.identity else q.index_select(0, b.token_index)
         mask = b.mask_for(window, self.prefix)
         if b.q_max == 1:

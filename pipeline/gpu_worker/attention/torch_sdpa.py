@@ -35,7 +35,9 @@ from pipeline.gpu_worker.attention.backend import (
     Upload,
     sdpa,
     slot_mapping,
+    window_mask,
 )
+from pipeline.gpu_worker.attention.graph_decode import GraphDecodeMetadata, PaddedGraphDecode, graph_decode_attention
 
 
 @dataclasses.dataclass
@@ -75,9 +77,7 @@ class AttentionGroup:
         if window is None:
             return self.mask
         if window not in self.window_masks:
-            key_pos = torch.arange(self.mask.shape[-1], device=self.mask.device)
-            recent = key_pos[None, None, :] > self.query_pos[:, :, None] - window
-            self.window_masks[window] = self.mask & recent.unsqueeze(1)
+            self.window_masks[window] = window_mask(self.mask, self.query_pos, window)
         return self.window_masks[window]
 
 
@@ -272,7 +272,7 @@ def _single_identity_group(meta: SDPAMetadata) -> bool:
     return group is not None and group.identity
 
 
-class TorchSDPABackend(AttentionBackend):
+class TorchSDPABackend(PaddedGraphDecode, AttentionBackend):
     """Padded decode and prefill groups over SDPA (see the module docstring).
 
     Owns the :class:`GatherBuffer` its layers share.
@@ -322,4 +322,6 @@ class TorchSDPABackend(AttentionBackend):
         window: int | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
+        if isinstance(meta, GraphDecodeMetadata):
+            return graph_decode_attention(q, k, v, kv_cache, meta, scale, window, softcap)
         return paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, scale, self.workspace, window, softcap)

@@ -20,7 +20,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from pipeline.gpu_worker.attention import AttentionBackend, AttentionMetadata, KVCache, default_backend
+from pipeline.gpu_worker.attention import default_backend
+from pipeline.gpu_worker.attention.backend import AttentionBackend, AttentionMetadata, KVCache
 from pipeline.gpu_worker.layers.embedding import VocabParallelEmbedding
 from pipeline.gpu_worker.layers.linear import load_whole
 from pipeline.gpu_worker.layers.norm import make_norm

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pipeline.gpu_worker.attention import AttentionBackend, AttentionMetadata, KVCache
+from pipeline.gpu_worker.attention.backend import AttentionBackend, AttentionMetadata, KVCache
 from pipeline.gpu_worker.layers.attention import Attention
 from pipeline.gpu_worker.layers.mlp import GatedMLP
 from pipeline.gpu_worker.layers.moe import SparseMoE

@@ -1,0 +1,188 @@
+"""The scheduler's writer of StepDescriptors (fields: ``step_protocol.DESCRIPTOR``)."""
+
+from __future__ import annotations
+
+from operator import attrgetter
+
+import numpy as np
+
+from pipeline.common.messages import SamplingParams
+from pipeline.common.records import Record
+from pipeline.common.step_protocol import DESCRIPTOR, StepDescriptor
+
+
+class DescriptorBuilder:
+    """Collects one step's rows, then writes them into a descriptor ring entry.
+
+    Rows are added in descriptor order; ``write`` fills a ``StepDescriptor``
+    and ``clear`` readies the builder for the next step (one builder is
+    reused, so planning allocates no per-step objects beyond the row lists).
+
+    Args:
+        record: the descriptor's field table; its ``sampling`` group is
+            copied from the ``SamplingParams`` attributes of the same names.
+    """
+
+    def __init__(self, record: Record = DESCRIPTOR) -> None:
+        self._h = record.header_index
+        self._sampling_names = tuple(f.name for f in record.group("sampling").fields)
+        self._sampling_values = attrgetter(*self._sampling_names)
+        self._req_num: list[int] = []
+        self._req_index: list[int] = []
+        self._num_tokens: list[int] = []
+        self._start_pos: list[int] = []
+        self._do_sample: list[bool] = []
+        self._is_new: list[bool] = []
+        self._num_prompt_logprobs: list[int] = []
+        self._next_prompt_token: list[int] = []
+        self._new: list[tuple[int, SamplingParams, int]] = []
+        self._token_ids: list[int] = []
+        self._new_blocks: list[tuple[int, int, int]] = []
+        self._new_block_arrays: list[np.ndarray] = []  # [3, k] int: req_index, column, block (from add_blocks)
+        self._num_array_blocks = 0
+        self._masks: list[tuple[int, np.ndarray]] = []
+
+    def __len__(self) -> int:
+        """Rows added since the last ``clear``."""
+        return len(self._req_num)
+
+    @property
+    def num_blocks(self) -> int:
+        """Block-table entries added since the last ``clear``."""
+        return len(self._new_blocks) + self._num_array_blocks
+
+    @property
+    def num_masks(self) -> int:
+        """Rows with a token bitmask added since the last ``clear`` (at most ``MAX_MASKED_ROWS``)."""
+        return len(self._masks)
+
+    def clear(self) -> None:
+        for lst in (
+            self._req_num,
+            self._req_index,
+            self._num_tokens,
+            self._start_pos,
+            self._do_sample,
+            self._is_new,
+            self._num_prompt_logprobs,
+            self._next_prompt_token,
+            self._new,
+            self._token_ids,
+            self._new_blocks,
+            self._new_block_arrays,
+            self._masks,
+        ):
+            lst.clear()
+        self._num_array_blocks = 0
+
+    def add_row(
+        self,
+        req_num: int,
+        req_index: int,
+        start_pos: int,
+        token_ids: list[int],
+        do_sample: bool,
+        new_params: SamplingParams | None,
+        num_prompt_logprobs: int = 0,
+        next_prompt_token: int = -1,
+        prompt_len: int = 0,
+        bitmask: np.ndarray | None = None,
+    ) -> None:
+        """Schedule ``token_ids`` (positions ``start_pos...``) of request ``req_num`` at row ``req_index``.
+
+        Args:
+            token_ids: real ids or ``PLACEHOLDER_TOKEN_ID``; at least one.
+            do_sample: sample a token from the last scheduled position.
+            new_params: the request's sampling parameters on its first row at
+                ``req_index`` (the worker keeps them per req_index), else None.
+            num_prompt_logprobs, next_prompt_token: as the descriptor's fields.
+            prompt_len: with ``new_params``, the request's prompt length.
+            bitmask: with ``do_sample``, int32 ``[W]``: the tokens the
+                sampled one may be (structured output); the caller keeps
+                ``num_masks`` below ``MAX_MASKED_ROWS``.
+        """
+        if bitmask is not None:
+            self._masks.append((len(self._req_num), bitmask))
+        if new_params is not None:
+            self._new.append((len(self._req_num), new_params, prompt_len))
+        self._req_num.append(req_num)
+        self._req_index.append(req_index)
+        self._num_tokens.append(len(token_ids))
+        self._start_pos.append(start_pos)
+        self._do_sample.append(do_sample)
+        self._is_new.append(new_params is not None)
+        self._num_prompt_logprobs.append(num_prompt_logprobs)
+        self._next_prompt_token.append(next_prompt_token)
+        self._token_ids.extend(token_ids)
+
+    def add_block(self, req_index: int, column: int, block_id: int) -> None:
+        """Set ``block_table[req_index, column] = block_id`` before the step runs."""
+        self._new_blocks.append((req_index, column, block_id))
+
+    def add_blocks(self, req_indices: np.ndarray, columns: np.ndarray, block_ids: np.ndarray) -> None:
+        """Set ``block_table[req_indices[j], columns[j]] = block_ids[j]`` for every ``j`` (int arrays ``[k]``)."""
+        self._new_block_arrays.append(np.stack([req_indices, columns, block_ids]))
+        self._num_array_blocks += len(block_ids)
+
+    def write(
+        self,
+        desc: StepDescriptor,
+        step_id: int,
+        decode: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None,
+        continues: bool = False,
+    ) -> None:
+        """Write the collected rows into ``desc`` as step ``step_id``.
+
+        Args:
+            decode: ``(req_num, req_index, start_pos, token_ids)``, int arrays
+                ``[D]``: D rows of one token each, which sample and are not
+                new at their req_index (the scheduler's steady rows),
+                written first; the rows added with ``add_row`` follow.
+            continues: the header's ``continues`` flag.
+        """
+        d = 0 if decode is None else len(decode[0])
+        n, t, b = d + len(self._req_num), d + len(self._token_ids), self.num_blocks
+        h, H = desc.header, self._h
+        h[H["step_id"]], h[H["num_reqs"]], h[H["num_tokens"]], h[H["num_new_blocks"]] = step_id, n, t, b
+        h[H["num_masks"]], h[H["mask_words"]], h[H["continues"]] = len(self._masks), desc.bitmask.shape[1], continues
+        for m, (row, mask) in enumerate(self._masks):
+            desc.mask_row[m], desc.bitmask[m] = d + row, mask
+        if d:
+            desc.req_num[:d], desc.req_index[:d], desc.start_pos[:d], desc.token_ids[:d] = decode
+            desc.num_scheduled_tokens[:d] = 1
+            desc.do_sample[:d] = 1
+            desc.is_new[:d] = 0
+            desc.num_prompt_logprobs[:d] = 0
+            desc.next_prompt_token[:d] = -1
+        desc.req_num[d:n] = self._req_num
+        desc.req_index[d:n] = self._req_index
+        desc.num_scheduled_tokens[d:n] = self._num_tokens
+        desc.start_pos[d:n] = self._start_pos
+        desc.do_sample[d:n] = self._do_sample
+        desc.is_new[d:n] = self._is_new
+        desc.num_prompt_logprobs[d:n] = self._num_prompt_logprobs
+        desc.next_prompt_token[d:n] = self._next_prompt_token
+        if self._new:
+            self._write_new_rows(desc, d)
+        desc.token_ids[d:t] = self._token_ids
+        if b:
+            parts = self._new_block_arrays + ([np.asarray(self._new_blocks).T] if self._new_blocks else [])
+            desc.nb_req_index[:b], desc.nb_index[:b], desc.nb_block[:b] = np.concatenate(parts, axis=1)
+
+    def _write_new_rows(self, desc: StepDescriptor, d: int) -> None:
+        """The parameters of the rows new at their req_index: the ``sampling`` group by name, then the rest."""
+        columns = [getattr(desc, name) for name in self._sampling_names]
+        get = self._sampling_values
+        for i, p, prompt_len in self._new:
+            i += d
+            for column, v in zip(columns, get(p)):
+                column[i] = v
+            desc.prompt_len[i] = prompt_len
+            nb = desc.num_logit_bias[i] = len(p.logit_bias)
+            if nb:
+                ids, values = zip(*p.logit_bias)
+                desc.logit_bias_ids[i, :nb], desc.logit_bias_values[i, :nb] = ids, values
+            # Only min_tokens needs the stop ids on the worker, and only if they stop the request.
+            stop = p.stop_token_ids if p.min_tokens > 0 and not p.ignore_eos else ()
+            desc.num_stop_ids[i] = len(stop)
+            desc.stop_ids[i, : len(stop)] = stop

@@ -1,0 +1,76 @@
+"""How a backend uses the KV cache's memory (docs/design.md, "Attention backends").
+
+Each layer's K and V caches are allocated ``[num_blocks * block_size, KVH,
+D]``. A backend declares (``AttentionBackend.cache_layout``) whether it uses
+that memory as allocated, ``TOKEN_MAJOR``, or viewed ``[KVH, slots, D]``,
+``HEAD_MAJOR`` (a gathered row's keys of one head come out contiguous, which
+the CPU SDPA kernel reads faster). Either way position ``p`` of a request
+whose block table is ``bt`` is slot ``bt[p // block_size] * block_size + p %
+block_size``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# One layer's (k_cache, v_cache).
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+TOKEN_MAJOR = "token_major"
+HEAD_MAJOR = "head_major"
+
+
+def write_kv(kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, layout: str) -> KVCache:
+    """Write a step's keys and values into one layer's cache; returns the cache in ``layout``.
+
+    Args:
+        kv_cache: ``(k_cache, v_cache)``, each ``[slots, KVH, D]`` as allocated.
+        k, v: ``[T, KVH, D]``.
+        slot_mapping: ``[T]`` int64, flat cache index of each token.
+
+    Returns:
+        ``(k_cache, v_cache)`` as ``[KVH, slots, D]`` views if ``HEAD_MAJOR``, else as given.
+    """
+    k_cache, v_cache = kv_cache
+    if layout == HEAD_MAJOR:
+        kv_heads, head_dim = k.shape[1], k.shape[2]
+        k_cache = k_cache.view(kv_heads, -1, head_dim)
+        v_cache = v_cache.view(kv_heads, -1, head_dim)
+        k_cache.index_copy_(1, slot_mapping, k.transpose(0, 1))
+        v_cache.index_copy_(1, slot_mapping, v.transpose(0, 1))
+    else:
+        k_cache.index_copy_(0, slot_mapping, k)
+        v_cache.index_copy_(0, slot_mapping, v)
+    return k_cache, v_cache
+
+
+def gather_blocks(
+    cache: torch.Tensor, block_ids: torch.Tensor, block_size: int, layout: str, out: torch.Tensor
+) -> torch.Tensor:
+    """Gather each row's blocks of one cache into ``out``, as a ``[rows, KVH, n_blocks * block_size, D]`` view.
+
+    Args:
+        cache: as ``write_kv`` returns it in ``layout``.
+        block_ids: ``[rows, n_blocks]`` int64 block ids.
+        block_size: tokens per block.
+        out: ``rows * n_blocks * block_size * KVH * D`` contiguous elements of the cache's dtype.
+    """
+    rows, n_blocks = block_ids.shape
+    flat = block_ids.flatten()
+    if layout == HEAD_MAJOR:
+        kv_heads, _, head_dim = cache.shape
+        g = torch.index_select(
+            cache.view(kv_heads, -1, block_size, head_dim),
+            1,
+            flat,
+            out=out.view(kv_heads, rows * n_blocks, block_size, head_dim),
+        )
+        return g.view(kv_heads, rows, n_blocks * block_size, head_dim).transpose(0, 1)
+    _, kv_heads, head_dim = cache.shape
+    g = torch.index_select(
+        cache.view(-1, block_size, kv_heads, head_dim),
+        0,
+        flat,
+        out=out.view(rows * n_blocks, block_size, kv_heads, head_dim),
+    )
+    return g.view(rows, n_blocks * block_size, kv_heads, head_dim).transpose(1, 2)
