@@ -6,8 +6,8 @@ gpu_worker, unlinks the rings as soon as all three have attached (so the kernel 
 processes end), and stops everyone on a signal or on the death of any child.
 With ``--nnodes > 1`` a launcher on a node other than the head starts only
 that node's worker ranks (docs/design.md, "Parallelism").
-The flags and the config they make are in :mod:`pipeline.server_args`,
-``--profile``'s py-spy recording in :mod:`pipeline.profiler`.
+The flags and the config they make are in ``pipeline.server_args``,
+``--profile``'s py-spy recording in ``pipeline.profiler``.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ class Launcher:
         trace_file: write the merged Chrome trace here on stop.
         profile_dir: record each process with py-spy; flame graphs land here on stop.
 
-    With ``config.trace``, :meth:`stop` loads the spans every role wrote to
+    With ``config.trace``, ``stop`` loads the spans every role wrote to
     ``config.trace_path(role)`` into ``spans`` (a benchmark playing io_proc's
     part writes io_proc's file itself, before calling stop).
     """
@@ -376,7 +376,7 @@ class Launcher:
 
 
 class _StartUpInterrupted(Exception):
-    """SIGINT or SIGTERM arrived before :meth:`Launcher.serve` took over the signals."""
+    """SIGINT or SIGTERM arrived before ``Launcher.serve`` took over the signals."""
 
 
 def _interrupt_start_up(signum: int, _frame) -> None:
@@ -384,7 +384,7 @@ def _interrupt_start_up(signum: int, _frame) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console entry of ``pipeline-serve``; exits with :meth:`Launcher.serve`'s status.
+    """Console entry of ``pipeline-serve``; exits with ``Launcher.serve``'s status.
 
     A SIGINT or SIGTERM while the flags are read, the model is resolved or
     the rings are created (before the children start) ends start-up with a

@@ -13,10 +13,10 @@ class Profiler:
     """Runs ``py-spy record`` on processes; each one's flame graph is ``<out_dir>/<name>.svg``.
 
     py-spy writes a flame graph when the process it samples exits, so
-    :meth:`finish` is called once those processes have stopped.
+    ``finish`` is called once those processes have stopped.
 
     Args:
-        out_dir: where the flame graphs land (created by :meth:`start`).
+        out_dir: where the flame graphs land (created by ``start``).
     """
 
     def __init__(self, out_dir: str):

@@ -1,7 +1,7 @@
-"""``pipeline-serve``'s flags and the :class:`EngineConfig` they make.
+"""``pipeline-serve``'s flags and the ``EngineConfig`` they make.
 
-:func:`build_parser` declares every flag (``pipeline-bench`` adds its own
-group to the same parser); :func:`make_config` resolves the model, derives
+``build_parser`` declares every flag (``pipeline-bench`` adds its own
+group to the same parser); ``make_config`` resolves the model, derives
 the sizes (max model length, KV cache blocks, device) and checks them.
 """
 
@@ -478,7 +478,7 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
     """Resolve the model and derive sizes; exits with a message on bad flags.
 
     Args:
-        args: flags parsed by :func:`build_parser`'s parser (or one extending it).
+        args: flags parsed by ``build_parser``'s parser (or one extending it).
         **flags: values to use instead of parsed ones, by flag name (``max_num_seqs=...``),
             before any size is derived from them; ``args`` is left as parsed.
     """

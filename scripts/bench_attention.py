@@ -153,7 +153,7 @@ def _gather(cache, block_ids, bs):
     """``[rows, n_blocks]`` block ids -> ``[rows, KVH, n_blocks * bs, D]`` view (into scratch).
 
     ``cache`` is ``[slots, KVH, D]`` (token-major, the worker's layout) or a
-    :class:`Hnd` ``[KVH, slots, D]`` (head-major: each row's keys of one head
+    ``Hnd`` ``[KVH, slots, D]`` (head-major: each row's keys of one head
     come out contiguous).
     """
     rows, nb = block_ids.shape

@@ -215,7 +215,7 @@ def _forced_argmax(model, ids: list[int], block_size: int) -> list[int]:
 
 
 def greedy_agreement(args, models: dict[str, torch.nn.Module]) -> None:
-    """Greedy tokens of each dtype against the first one's, on :data:`GREEDY_PROMPTS`; print the agreement.
+    """Greedy tokens of each dtype against the first one's, on ``GREEDY_PROMPTS``; print the agreement.
 
     Two figures per dtype: the fraction of the first dtype's greedy tokens
     this dtype also picks given the same (first dtype's) context, and the

@@ -2,10 +2,10 @@
 
 A feeder thread plays the worker: it writes one StepOutput per ``--step-us``
 into a real output ring (and consumes the scheduler's reader side), every
-row a live request of an :class:`~pipeline.io_proc.engine_client.EngineClient`
+row a live request of an ``EngineClient``
 over the SmolLM2 tokenizer, exactly as ``pipeline-bench --model sim`` drives
 io_proc: ``--batch`` non-streaming requests (``--streaming`` for streams
-that read :meth:`RequestState.updates`), all admitted in the first step,
+that read ``RequestState.updates``), all admitted in the first step,
 then one token each per step until all finish at ``--output-len``. Tokens
 are random ids from the simulated device's range, or with ``--text`` the
 tokens of a mixed text (accents, CJK, emoji split over tokens) in a loop.

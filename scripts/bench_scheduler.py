@@ -1,6 +1,6 @@
 """Measure the scheduler's host work per step on its own: no processes, rings or device.
 
-Drives :class:`~pipeline.scheduler_proc.scheduler.Scheduler` the way
+Drives ``Scheduler`` the way
 scheduler_proc does with asynchronous scheduling (two steps in flight: plan
 N+1, then apply N's output), on ``pipeline-bench``'s fixed workload:
 ``--batch`` requests of ``--input-len`` prompt tokens that each produce

@@ -1,6 +1,6 @@
 """Host CPU time of the worker's step preparation, without the other processes.
 
-Drives :class:`~pipeline.gpu_worker.model_runner.ModelRunner` on the
+Drives ``ModelRunner`` on the
 simulated device (a zero-length step, so nothing ever sleeps) exactly as the
 worker loop does per step: ``read_descriptor``, ``launch``, ``finish``. A
 prefill step starts ``--batch`` requests, then decode steps follow in which

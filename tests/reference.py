@@ -40,7 +40,7 @@ def assert_same_greedy(model_dir: str, prompt_ids: list[int], ours: list[int], r
     """Token for token, except at a genuine near-tie of the reference's logits.
 
     Where the two first diverge, the reference logits of the two chosen
-    tokens must differ by less than :data:`NEAR_TIE`; the position is printed
+    tokens must differ by less than ``NEAR_TIE``; the position is printed
     and the rest is not compared (the contexts differ from there on).
     """
     assert len(ours) == len(ref), (len(ours), len(ref))

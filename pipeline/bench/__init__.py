@@ -1,1 +1,1 @@
-"""``pipeline-bench``: workloads, drivers that time every token, the report; the command is in :mod:`.cli`."""
+"""``pipeline-bench``: workloads, drivers that time every token, the report; the command is in ``.cli``."""

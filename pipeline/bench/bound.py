@@ -1,6 +1,6 @@
 """``pipeline-bench --bound``: what the same steps cost the bare model, with no runtime around it.
 
-The worker records every step's rows (:mod:`pipeline.gpu_worker.step_shapes`).
+The worker records every step's rows (``pipeline.gpu_worker.step_shapes``).
 After a run, with the server stopped, this module replays them in one
 process: for each step, attention metadata from the rows, the model forward
 over the step's tokens, the LM head over the sampled rows and a greedy pick.

@@ -1,7 +1,7 @@
 """Names of full KV blocks for prefix caching (docs/design.md, "Prefix caching").
 
 Block ``i`` of a token sequence is named ``sha256(name of block i-1 ‖ its
-token ids as native int32)`` cut to :data:`HASH_BYTES`; block 0's parent is
+token ids as native int32)`` cut to ``HASH_BYTES``; block 0's parent is
 a root name made of everything else that changes a block's keys and values
 (the model, its dtype). A name thus stands for the block's tokens and every
 token before them. The scheduler and io_proc compute the same names, io_proc

@@ -100,7 +100,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
         master_addr, master_port: the head's address and a free TCP port on
             it, where the ranks meet (``tcp://`` rendezvous) when ``nnodes > 1``.
         engine_index: which engine this config addresses, 0 ..
-            ``data_parallel_size - 1`` (see :meth:`engines`); it names the
+            ``data_parallel_size - 1`` (see ``engines``); it names the
             engine's rings, control socket, rendezvous and processes.
         api_key: when not empty, io_proc requires ``Authorization: Bearer
             <api_key>`` on every route but ``/health`` and ``/metrics``.

@@ -1,11 +1,11 @@
 """Structured output: grammars through llguidance (no torch).
 
 io_proc turns ``response_format`` (and vLLM's ``guided_*`` fields) into an
-llguidance grammar (:func:`build_grammar`); the grammar travels as text in
+llguidance grammar (``build_grammar``); the grammar travels as text in
 ``SamplingParams.grammar``. The scheduler compiles it, off its loop, and
 holds a matcher per constrained request, which advances with each output
 token and gives the token bitmask of the next sampled position
-(:mod:`pipeline.scheduler_proc.grammar_manager`; docs/design.md,
+(``pipeline.scheduler_proc.grammar_manager``; docs/design.md,
 "Structured output").
 
 Sources: OpenAI's structured outputs guide (``response_format``
@@ -93,7 +93,7 @@ def build_grammar(kind: str, spec: object, param: str) -> str:
 
 
 def check_grammar(grammar: str, param: str) -> None:
-    """Raise :class:`GrammarError` naming ``param`` if llguidance cannot compile ``grammar``.
+    """Raise ``GrammarError`` naming ``param`` if llguidance cannot compile ``grammar``.
 
     Checked without the tokenizer (milliseconds for a few tool schemas, on
     the caller's thread: llguidance lets go of the GIL); only tool calling

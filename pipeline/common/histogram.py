@@ -1,7 +1,7 @@
 """Cumulative histograms that a process keeps and ships as plain counts, and the bucket bounds.
 
-A process observes into a :class:`Histogram` (a bisect and two additions per
-value) and sends :meth:`Histogram.data` in its stats reply; io_proc renders
+A process observes into a ``Histogram`` (a bisect and two additions per
+value) and sends ``Histogram.data`` in its stats reply; io_proc renders
 the counts as Prometheus histograms (docs/design.md, "Metrics"). Bounds are
 upper bounds (Prometheus ``le``); the last count is the +Inf bucket. The
 request histograms use vLLM's bounds (``vllm/v1/metrics/loggers.py``), so

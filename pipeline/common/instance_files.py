@@ -27,7 +27,7 @@ _SHM_DIR = "/dev/shm"
 def make_ipc_dir() -> str:
     """Create this process's private socket directory (mode 0700) under the system temp directory.
 
-    Its name starts with ``pipeline-<pid>-``, so :func:`sweep_dead_instances`
+    Its name starts with ``pipeline-<pid>-``, so ``sweep_dead_instances``
     can tell when its owner is gone. Raises ``OSError`` if it cannot be created.
     """
     return tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-")

@@ -2,12 +2,12 @@
 
 The grammar (llguidance's Lark, with a lazy trigger rule or a start anchor)
 lets any text through until the trigger, then constrains the call.
-:class:`Trigger` follows the output's text against the trigger, in the
+``Trigger`` follows the output's text against the trigger, in the
 scheduler's loop and without a matcher: while the text cannot reach the
 trigger in the next token, the row needs no mask and decodes every step,
 with placeholders, like an unconstrained one. Only where the next token could
 complete the trigger does the row need a mask, from a matcher (a copy of a
-pristine one, fed the text's last bytes, :meth:`Trigger.tail`); once the
+pristine one, fed the text's last bytes, ``Trigger.tail``); once the
 trigger is in, it is a constrained row like any other. A row waits for its
 token in flight only when that token could bring it to such a point
 (``needs_mask(1)``). The grammar manager runs the matchers

@@ -2,8 +2,8 @@
 
 Control is everything that happens per request, not per step: add, abort,
 stats, shutdown. Messages are msgspec structs in a tagged union, encoded as
-msgpack. ``io_proc -> scheduler`` uses :data:`ToScheduler`;
-``scheduler -> io_proc`` uses :data:`ToIO`.
+msgpack. ``io_proc -> scheduler`` uses ``ToScheduler``;
+``scheduler -> io_proc`` uses ``ToIO``.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class AddRequest(msgspec.Struct, tag=True):
 
     With ``n`` > 1 the prompt has ``n`` choices: they are the requests
     ``req_num .. req_num + n - 1`` (io_proc reserves all ``n`` numbers),
-    choice ``i`` sampling with :func:`choice_seed` ``(params.seed, i)``
+    choice ``i`` sampling with ``choice_seed`` ``(params.seed, i)``
     (docs/design.md, "Parallel choices").
     """
 
@@ -118,7 +118,7 @@ class AbortRequest(msgspec.Struct, tag=True):
 
 
 class GetStats(msgspec.Struct, tag=True):
-    """Ask the scheduler for a :class:`Stats` reply."""
+    """Ask the scheduler for a ``Stats`` reply."""
 
     nonce: int
 
@@ -146,11 +146,11 @@ class WorkerStats(msgspec.Struct, array_like=True):
 
 
 class Stats(msgspec.Struct, tag=True):
-    """One engine's occupancy and cumulative figures, answered to :class:`GetStats` with the same nonce.
+    """One engine's occupancy and cumulative figures, answered to ``GetStats`` with the same nonce.
 
     The histograms are the scheduler's (vLLM's request phases from its own
     events, in seconds; tokens per step; its CPU time per step in
-    nanoseconds) and the worker's (:class:`WorkerStats`).
+    nanoseconds) and the worker's (``WorkerStats``).
     ``prefix_cache_queries`` and ``prefix_cache_hits`` count prompt tokens
     looked up in the prefix cache and found there, since the start (vLLM's
     counters; None with caching off); ``num_cached_blocks`` is the KV blocks
@@ -219,7 +219,7 @@ class Admitted(msgspec.Struct, tag=True):
 
 
 class GrammarCompiled(msgspec.Struct, tag=True):
-    """The scheduler's answer to an :class:`AddRequest` with a grammar, once its matchers exist or not.
+    """The scheduler's answer to an ``AddRequest`` with a grammar, once its matchers exist or not.
 
     ``error`` empty: the request is queued. Otherwise it was refused before
     it ran (the grammar does not compile, takes more memory than a request

@@ -1,7 +1,7 @@
 """Start-up, status reporting and exit shared by the three child processes.
 
 The launcher starts each child as ``python -m pipeline.child`` (see
-:mod:`pipeline.child`) with a pipe end; the child reports ``("attached",
+``pipeline.child``) with a pipe end; the child reports ``("attached",
 name)`` once it has opened every shared-memory ring (the launcher then
 unlinks their names), ``("ready", name)`` once it can serve, and ``("error",
 name, message)`` before exiting on an error, at start-up or later
@@ -27,7 +27,7 @@ _PR_SET_PDEATHSIG = 1
 
 
 class Stopped(BaseException):
-    """Raised by :meth:`StopFlag.interrupting` when a stop cuts a long start-up step short.
+    """Raised by ``StopFlag.interrupting`` when a stop cuts a long start-up step short.
 
     A BaseException, like KeyboardInterrupt, so that no ``except Exception``
     in the interrupted library code takes it for an error of its own.
@@ -35,7 +35,7 @@ class Stopped(BaseException):
 
 
 class StopFlag:
-    """Set by SIGTERM (from the launcher); loops poll :meth:`is_set`.
+    """Set by SIGTERM (from the launcher); loops poll ``is_set``.
 
     Args:
         launcher_pid: the launcher's pid; once this process's parent is
@@ -59,11 +59,11 @@ class StopFlag:
 
     @contextlib.contextmanager
     def interrupting(self) -> Iterator[None]:
-        """Within the block, SIGTERM raises :class:`Stopped` (and sets the flag) instead of waiting to be polled.
+        """Within the block, SIGTERM raises ``Stopped`` (and sets the flag) instead of waiting to be polled.
 
         For a long step with no loop to poll from, such as loading a model:
         a stop then takes effect at once rather than after the load. Raises
-        :class:`Stopped` at once if the flag is already set.
+        ``Stopped`` at once if the flag is already set.
         """
 
         def interrupt(*_args) -> None:

@@ -102,7 +102,7 @@ class ShmRing(Generic[EntryT]):
         return self._entries[self._write_idx % self.num_entries]
 
     def publish(self) -> None:
-        """Publish the entry returned by :meth:`acquire_write` to every reader."""
+        """Publish the entry returned by ``acquire_write`` to every reader."""
         assert self._write_taken == self.num_readers, "publish() without acquire_write()"
         self._write_taken = 0
         self._write_idx += 1
@@ -114,7 +114,7 @@ class ShmRing(Generic[EntryT]):
     def acquire_read(self, reader: int, timeout: float | None = None) -> EntryT:
         """Wait for the next published entry for ``reader``; return its views.
 
-        The views stay valid until :meth:`release_read`; copy what must outlive it.
+        The views stay valid until ``release_read``; copy what must outlive it.
 
         Raises:
             RingTimeout: nothing was published in time.
@@ -126,7 +126,7 @@ class ShmRing(Generic[EntryT]):
         return self._entries[self._read_idx[reader] % self.num_entries]
 
     def release_read(self, reader: int) -> None:
-        """Give the entry last returned by :meth:`acquire_read` back to the writer."""
+        """Give the entry last returned by ``acquire_read`` back to the writer."""
         self._read_idx[reader] += 1
         self._empty[reader].release()
 

@@ -1,12 +1,12 @@
 """Per-step figures from a process's own clocks, kept as cumulative counts (docs/design.md, "Metrics").
 
-:class:`CpuPerStep` is each process's CPU time per step (sampled). :class:`WorkerClock`
+``CpuPerStep`` is each process's CPU time per step (sampled). ``WorkerClock``
 is worker rank 0's view of the device: the token gap (device start of a step
 minus device end of the one before, clamped at 0, as ``trace.token_gaps_us``)
 and device time. Both count only steps that continue running requests (the
 scheduler marks them): the gap before a step that only starts new requests
 is the wait for their arrival, not the host's cost. The worker packs its
-counts into every StepOutput (:func:`worker_stats` unpacks them), so they
+counts into every StepOutput (``worker_stats`` unpacks them), so they
 reach io_proc with the scheduler's stats reply and no message of their own.
 """
 
@@ -36,7 +36,7 @@ WORKER_STATS_LEN = _CPU + _NUM_CPU
 
 
 class CpuPerStep:
-    """The process's CPU time (all threads) per step, one step in :data:`CPU_SAMPLE_EVERY`, as a histogram in ns.
+    """The process's CPU time (all threads) per step, one step in ``CPU_SAMPLE_EVERY``, as a histogram in ns.
 
     The clock (``CLOCK_PROCESS_CPUTIME_ID``) is a system call of microseconds
     in a virtual machine, too dear for every step.
@@ -64,7 +64,7 @@ class CpuPerStep:
 
 
 class WorkerClock:
-    """Worker rank 0's counts of device time, token gaps and CPU per step, packed in :attr:`values`."""
+    """Worker rank 0's counts of device time, token gaps and CPU per step, packed in ``values``."""
 
     def __init__(self) -> None:
         self.values = np.zeros(WORKER_STATS_LEN, np.int64)
@@ -98,7 +98,7 @@ class WorkerClock:
 
 
 def worker_stats(values: np.ndarray) -> WorkerStats:
-    """The :class:`WorkerStats` packed in ``values`` (``WorkerClock.values``, copied from a StepOutput)."""
+    """The ``WorkerStats`` packed in ``values`` (``WorkerClock.values``, copied from a StepOutput)."""
     v = values.tolist()
     fraction = v[_FRACTION]
     return WorkerStats(

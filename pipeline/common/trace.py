@@ -30,7 +30,7 @@ ROLES = ("scheduler", "gpu_worker", "io_proc")
 
 
 class TraceRecorder:
-    """Collects spans in memory; :meth:`dump` writes them as a JSON list."""
+    """Collects spans in memory; ``dump`` writes them as a JSON list."""
 
     def __init__(self) -> None:
         self.spans: list[Span] = []
@@ -131,7 +131,7 @@ def token_gaps_us(dev: np.ndarray) -> np.ndarray:
 def gap_metrics(dev: np.ndarray) -> dict:
     """Token gap and device-busy fraction over consecutive device spans.
 
-    Token gap as :func:`token_gaps_us` (docs/design.md, "Measuring the
+    Token gap as ``token_gaps_us`` (docs/design.md, "Measuring the
     token gap"); busy fraction = Σ device time / (last end − first start).
 
     Returns:

@@ -1,22 +1,22 @@
 """How the runner moves data to and from its device and marks time there.
 
-On a GPU nothing in :meth:`~pipeline.gpu_worker.model_runner.ModelRunner.launch`
+On a GPU nothing in ``launch``
 may make the host wait for the device (docs/design.md, "The worker"), so
 every transfer follows one of two patterns, both here:
 
-* **host -> device** (:meth:`DeviceOps.upload`): host arrays are packed into
+* **host -> device** (``DeviceOps.upload``): host arrays are packed into
   one staging buffer (pinned on CUDA) and copied with ``non_blocking=True``.
-  An :class:`UploadBatch` collects the arrays of several parts of a step
+  An ``UploadBatch`` collects the arrays of several parts of a step
   (each keeping its dtype) so that they travel in one such copy.
   A copy from pageable memory would be synchronous. The caching host
   allocator keeps a pinned buffer from being reused until its copy has run.
-* **device -> host** (:meth:`DeviceOps.copy_to_host`): a copy into a fresh
+* **device -> host** (``DeviceOps.copy_to_host``): a copy into a fresh
   pinned buffer on a separate copy stream, gated by an event recorded after
   the producer; a second event says when the bytes have arrived.
 
-:class:`DeviceOps` itself is CPU torch: the "device" is host memory, work runs
-when it is called, and nothing is copied. :class:`CudaOps` is the GPU.
-:class:`DeviceClock` maps device events onto ``time.monotonic_ns()``.
+``DeviceOps`` itself is CPU torch: the "device" is host memory, work runs
+when it is called, and nothing is copied. ``CudaOps`` is the GPU.
+``DeviceClock`` maps device events onto ``time.monotonic_ns()``.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class AsyncOps(DeviceOps):
     """A stream-ordered device: staging buffers, non-blocking copies, events.
 
     Subclasses provide the buffers, events and the copy stream
-    (:meth:`host_buffer`, :meth:`new_event`, :meth:`copy_stream_ctx`); the
+    (``host_buffer``, ``new_event``, ``copy_stream_ctx``); the
     transfer patterns are written once, here.
     """
 
@@ -154,7 +154,7 @@ class CudaOps(AsyncOps):
 
 
 class Staged:
-    """One host array of an :class:`UploadBatch`; ``dev`` is its device copy once the batch is uploaded."""
+    """One host array of an ``UploadBatch``; ``dev`` is its device copy once the batch is uploaded."""
 
     __slots__ = ("host", "dev")
 
@@ -167,7 +167,7 @@ class UploadBatch:
     """Host arrays from the parts of one step, copied to the device together (docs/design.md, "The worker").
 
     Each part of a step first decides on the host what it will need
-    (:meth:`add` returns a :class:`Staged` handle), then :meth:`upload` makes
+    (``add`` returns a ``Staged`` handle), then ``upload`` makes
     one staging buffer and one non-blocking copy for all of them, and the
     parts enqueue their device work reading ``handle.dev``. A copy costs the
     host a pinned buffer, a device buffer and a copy call whatever its size,
@@ -179,7 +179,7 @@ class UploadBatch:
 
     def add(self, a: np.ndarray, dtype: type = np.int64) -> Staged:
         """Stage ``a`` cast to ``dtype`` (int64, int32 or float32; no copy if it has it); its ``dev`` is set by
-        :meth:`upload`."""
+        ``upload``."""
         s = Staged(np.asarray(a, dtype=dtype))
         self._staged.append(s)
         return s
@@ -193,7 +193,7 @@ class UploadBatch:
 
 
 def device_ops(device: torch.device) -> DeviceOps:
-    """The ops for ``device``: :class:`CudaOps` on CUDA, else synchronous :class:`DeviceOps`."""
+    """The ops for ``device``: ``CudaOps`` on CUDA, else synchronous ``DeviceOps``."""
     return CudaOps(device) if device.type == "cuda" else DeviceOps(device)
 
 

@@ -13,7 +13,7 @@ collectives run on gloo for CPU tensors and NCCL for CUDA ones
 A rank on another node cannot map the head's shared-memory descriptor ring,
 so rank 0 relays every descriptor it reads to those ranks with a
 ``torch.distributed`` broadcast, as vLLM's message queue does for its remote
-readers (:class:`DescriptorRelay`).
+readers (``DescriptorRelay``).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ class DescriptorRelay:
     The relay group is a gloo group of rank 0 and every rank not on the
     head node, apart from the model's group so that relay messages never
     interleave with the model's collectives. Each message is the packed
-    descriptor (:func:`~pipeline.common.step_protocol.pack_descriptor`, its
+    descriptor (``pack_descriptor``, its
     live bytes only) as a uint8 CPU tensor: a fixed first broadcast of
     ``min(4096, entry size)`` bytes holding the header, then one of the rest
     when the step is larger. Rank 0's sends are asynchronous, so relaying
@@ -91,7 +91,7 @@ class DescriptorRelay:
         rank: this process's tensor-parallel rank; 0 sends, the others receive.
         group: the relay process group.
 
-    Raises (from :meth:`send`, :meth:`heartbeat` and :meth:`receive`):
+    Raises (from ``send``, ``heartbeat`` and ``receive``):
         RuntimeError: a peer's connection failed (gloo's error: its process
             died or the network is down).
     """
@@ -114,7 +114,7 @@ class DescriptorRelay:
         self._broadcast_async(n)
 
     def heartbeat(self) -> None:
-        """Rank 0, idle: send an empty message if nothing went out for :data:`HEARTBEAT_S` seconds."""
+        """Rank 0, idle: send an empty message if nothing went out for ``HEARTBEAT_S`` seconds."""
         if time.monotonic() - self._last_send < HEARTBEAT_S:
             return
         self._send_empty(_HEARTBEAT_STEP_ID)
@@ -151,7 +151,7 @@ class DescriptorRelay:
 
         The returned view stays valid until the next call. A broadcast that
         has not arrived stays posted, so the next call resumes it. None with
-        :attr:`head_stopped` set: rank 0 stopped (:meth:`send_stop`).
+        ``head_stopped`` set: rank 0 stopped (``send_stop``).
         """
         if not self._works:
             self._works.append(dist.broadcast(self._buf[: self._first], 0, group=self.group, async_op=True))
@@ -179,7 +179,7 @@ def init_tensor_parallel(config: EngineConfig, rank: int) -> tuple[TPGroup, Desc
 
     On CUDA, the rank takes device ``config.device_index(rank)``. With
     ``config.nnodes > 1`` every rank also joins the relay group; rank 0 and
-    the ranks on other nodes get a :class:`DescriptorRelay` (the head's other
+    the ranks on other nodes get a ``DescriptorRelay`` (the head's other
     ranks read the ring and get None), after checking that every node was
     started with the head's settings.
 
@@ -216,7 +216,7 @@ def init_tensor_parallel(config: EngineConfig, rank: int) -> tuple[TPGroup, Desc
 
 
 def _check_same_settings(config: EngineConfig, group: dist.ProcessGroup, size: int) -> None:
-    """Compare every relay member's :data:`_SHARED_FIELDS` with the head's; raise on all members if any differs."""
+    """Compare every relay member's ``_SHARED_FIELDS`` with the head's; raise on all members if any differs."""
     mine = {k: v for k, v in msgspec.structs.asdict(config).items() if k in _SHARED_FIELDS}
     head = [mine]
     dist.broadcast_object_list(head, 0, group=group)

@@ -1,8 +1,8 @@
 """What the model runner drives: the real model or the simulated device.
 
-:class:`~pipeline.gpu_worker.model_runner.ModelRunner` prepares a step (row
+``ModelRunner`` prepares a step (row
 updates, placeholder resolution, attention metadata) the same way for both;
-an :class:`Executor` then turns the resolved inputs into sampled tokens
+an ``Executor`` then turns the resolved inputs into sampled tokens
 (docs/design.md, "The worker"; "The simulated device"). It owns what only
 the forward pass needs (the KV cache).
 """
@@ -48,7 +48,7 @@ class SamplingInputs:
     of the ``S`` rows get penalties and biases first (None: none), read from
     ``penalty_state``. ``mask_rows`` (``[M]`` int64, None for none) are the
     rows constrained by a grammar, and ``bitmask`` (``[M, W]``) the tokens
-    each may sample (:func:`~pipeline.gpu_worker.token_mask.apply_token_bitmask`).
+    each may sample (``apply_token_bitmask``).
     """
 
     plan: SamplingPlan
@@ -88,7 +88,7 @@ class Executed:
     Attributes:
         tokens: ``[S]`` int64 on the device (may still be being computed).
         logprobs: the ``L`` requested sampled rows' log-probabilities (see
-            :func:`~pipeline.gpu_worker.logprobs.token_logprobs`), or None.
+            ``token_logprobs``), or None.
         prompt_logprobs: the ``P`` prompt positions' log-probabilities, or None.
         done: fires when the tokens exist (the simulated device); None otherwise.
         device_start_ns, device_end_ns: the simulated timeline (``time.monotonic_ns()``); 0 otherwise.
@@ -241,19 +241,19 @@ class ModelExecutor(Executor):
 
 
 class SimExecutor(Executor):
-    """The simulated device: deterministic tokens, computed timeline (see :mod:`.sim_device`).
+    """The simulated device: deterministic tokens, computed timeline (see ``.sim_device``).
 
     Its "device" is host memory, so it reads the resolved inputs directly
     (a real device would compute the tokens on the device). Sampling
     parameters, penalties and biases are ignored. Log-probabilities are deterministic stand-ins
-    (:func:`~pipeline.gpu_worker.sim_device.sim_logprobs`) of the same
+    (``sim_logprobs``) of the same
     shapes, so the async-equals-lock-step tests cover their path.
 
     Args:
         sim: the simulated device's timeline.
         attn_backend: builds the step's metadata, as it would for a model
             (docs/design.md, "The simulated device"); default
-            :func:`~pipeline.gpu_worker.attention.default_backend`.
+            ``default_backend``.
     """
 
     def __init__(self, sim: SimulatedDevice, attn_backend: AttentionBackend | None = None):

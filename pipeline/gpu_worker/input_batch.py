@@ -147,8 +147,8 @@ class InputBatch:
         self.any_hot = self.any_logprobs = self.any_penalized = self.any_penalty_work = False
 
     def apply(self, x: StepInputs) -> None:
-        """Enqueue step ``x``'s block-table entries and its new rows' parameters (:meth:`stage`, one upload,
-        :meth:`write`)."""
+        """Enqueue step ``x``'s block-table entries and its new rows' parameters (``stage``, one upload,
+        ``write``)."""
         batch = UploadBatch()
         update = self.stage(x, batch)
         batch.upload(self.ops)
@@ -191,7 +191,7 @@ class InputBatch:
         return u
 
     def write(self, u: RowUpdate) -> None:
-        """Enqueue the device writes of ``u`` (staged by :meth:`stage`; its batch uploaded)."""
+        """Enqueue the device writes of ``u`` (staged by ``stage``; its batch uploaded)."""
         if u.block_index is not None:
             self.block_table.view(-1).index_copy_(0, u.block_index.dev, u.block_ids.dev)
         if u.req_indices is None:
@@ -207,9 +207,9 @@ class InputBatch:
             st.in_prompt.index_fill_(0, u.fresh.dev, False)
 
     def stage_counts(self, x: StepInputs, batch: UploadBatch) -> InputCounts | None:
-        """Stage which of step ``x``'s input tokens :meth:`count_inputs` counts; None when no row is penalized.
+        """Stage which of step ``x``'s input tokens ``count_inputs`` counts; None when no row is penalized.
 
-        Call after :meth:`stage` of the same step (it reads the updated mirrors).
+        Call after ``stage`` of the same step (it reads the updated mirrors).
         """
         if self.penalty is None or not self.any_penalized:
             return None
@@ -242,7 +242,7 @@ class InputBatch:
         reading the sampled tokens back.
 
         Args:
-            counts: from :meth:`stage_counts` (its batch uploaded); None counts nothing.
+            counts: from ``stage_counts`` (its batch uploaded); None counts nothing.
             input_ids: ``[T]`` int64 on the device, placeholders resolved.
         """
         if counts is None:

@@ -41,12 +41,12 @@ _BUSY_POLL_S = 0.0002
 
 
 class WorkerProc:
-    """Owns the model runner and its rings; :meth:`run` is the process body.
+    """Owns the model runner and its rings; ``run`` is the process body.
 
     With ``config.trace`` it records, per step, the host spans ``prepare``
     (descriptor read to inputs ready) and ``launch`` (inputs ready to the
     step enqueued) and the ``device`` span, and writes them to
-    ``config.trace_path(role)`` in :meth:`close`.
+    ``config.trace_path(role)`` in ``close``.
 
     Under tensor parallelism every rank runs this loop on the same
     descriptors (rank ``r`` on the head node reads as descriptor-ring reader
@@ -218,7 +218,7 @@ def load_runner(config: EngineConfig, rank: int = 0) -> tuple[ModelRunner, Descr
 
 
 def run_gpu_worker(config: EngineConfig, status_conn, stop: StopFlag, rank: int = 0) -> int:
-    """Process body of gpu_worker rank ``rank`` (see :mod:`pipeline.child`): run steps until ``stop``;
+    """Process body of gpu_worker rank ``rank`` (see ``pipeline.child``): run steps until ``stop``;
     returns the exit status."""
     role = config.worker_role(rank)
     # The rings live on the head node; ranks elsewhere get the descriptors from the relay.

@@ -1,28 +1,28 @@
 """Turns a StepDescriptor into enqueued device work and, later, host tokens.
 
-:meth:`ModelRunner.launch` first decides on the host everything the step
+``ModelRunner.launch`` first decides on the host everything the step
 needs from the device and stages those arrays in one
-:class:`~pipeline.gpu_worker.device.UploadBatch`, copied up at once; it then
+``UploadBatch``, copied up at once; it then
 runs four named steps (docs/design.md, "The step protocol"; "The worker"):
 
 1. ``InputBatch.write``: new block-table entries and the sampling parameters
    of rows new at their req_index, written on the device;
-2. :meth:`~ModelRunner._resolve_placeholders`: placeholder inputs read the
+2. ``_resolve_placeholders``: placeholder inputs read the
    token-id cache on the device; poison mode poisons what they read and
    computes a "stale" flag on the device; the inputs of rows with penalties
    are counted on the device (``InputBatch.count_inputs``);
-3. :meth:`~ModelRunner._forward_and_sample`: attention metadata, then the
-   :class:`~pipeline.gpu_worker.executor.Executor` (real model or simulated
+3. ``_forward_and_sample``: attention metadata, then the
+   ``Executor`` (real model or simulated
    device), which also computes the log-probabilities asked for from the
    same forward; the sampled tokens go into the token-id cache;
-4. :meth:`~ModelRunner._start_host_copy`: the tokens, the stale flags and the
+4. ``_start_host_copy``: the tokens, the stale flags and the
    log-probabilities travel together to pinned host memory on a copy stream
    (one copy); an event says when.
 
 On a GPU none of these waits for the device: inputs go up through pinned
 staging buffers, decisions are taken from host copies of the descriptor and
 of the per-request parameters, and nothing device-side is read on the host until
-:meth:`ModelRunner.finish`, which the worker calls once the step's event has
+``ModelRunner.finish``, which the worker calls once the step's event has
 fired. ``tests/unit/test_no_host_sync.py`` guards this.
 """
 
@@ -53,11 +53,11 @@ class StaleTokenError(RuntimeError):
 
 @dataclass
 class LaunchedStep:
-    """A step whose device work is enqueued; :meth:`ModelRunner.finish` collects it.
+    """A step whose device work is enqueued; ``ModelRunner.finish`` collects it.
 
     Times are ``time.monotonic_ns()``. ``tokens`` and ``stale`` are host
     tensors whose contents are valid once ``done`` has fired; ``logprobs``
-    and ``prompt_logprobs`` are filled by :meth:`ModelRunner.finish`.
+    and ``prompt_logprobs`` are filled by ``ModelRunner.finish``.
     """
 
     step_id: int
@@ -101,7 +101,7 @@ class _Sampling:
     ``last``/``sample_req_indices [S]``: step-token index and req_index of each sampled
     row. ``hot [R]``: the sampled rows with temperature > 0, with their
     ``hot_req_indices`` and ``positions``, and host copies of their ``top_k``,
-    ``top_p`` and ``min_p`` for the :class:`SamplingPlan`.
+    ``top_p`` and ``min_p`` for the ``SamplingPlan``.
     """
 
     last: Staged
@@ -119,7 +119,7 @@ class _Sampling:
 
 @dataclass
 class _Logprobs:
-    """The staged arrays of :class:`~pipeline.gpu_worker.executor.LogprobInputs` (None: none)."""
+    """The staged arrays of ``LogprobInputs`` (None: none)."""
 
     rows: Staged | None = None
     prompt_positions: Staged | None = None
@@ -131,11 +131,11 @@ class ModelRunner:
 
     Args:
         config: the engine configuration (rows, blocks, block size).
-        executor: the real model (:class:`~pipeline.gpu_worker.executor.ModelExecutor`)
-            or the simulated device (:class:`~pipeline.gpu_worker.executor.SimExecutor`,
+        executor: the real model (``ModelExecutor``)
+            or the simulated device (``SimExecutor``,
             which replaces only the forward pass and the sampling kernel).
         device: where the model and all per-request state live.
-        ops: how data moves to and from ``device``; default :func:`~pipeline.gpu_worker.device.device_ops`.
+        ops: how data moves to and from ``device``; default ``device_ops``.
     """
 
     def __init__(self, config: EngineConfig, executor: Executor, device: torch.device, ops: DeviceOps | None = None):
@@ -219,8 +219,8 @@ class ModelRunner:
         """``[T]`` int64 device input ids, placeholders read from the token-id cache.
 
         In poison mode each consumed cache entry is overwritten with
-        :data:`POISON_TOKEN_ID`, and ``step.stale`` gets, per placeholder, a
-        device flag "read a poisoned entry" that :meth:`finish` checks.
+        ``POISON_TOKEN_ID``, and ``step.stale`` gets, per placeholder, a
+        device flag "read a poisoned entry" that ``finish`` checks.
         """
         input_ids = ph.token_ids.dev
         if ph.index is None:
@@ -241,7 +241,7 @@ class ModelRunner:
         Which rows are greedy, what filtering runs and which rows get
         penalties is decided from the host mirror of the rows' parameters
         and the descriptor's positions; the values are gathered from the
-        device copy in :meth:`_sampling_inputs`. A batch where no row
+        device copy in ``_sampling_inputs``. A batch where no row
         samples with temperature, or none has penalties, skips that planning.
         """
         rows = x.sample_rows
@@ -281,7 +281,7 @@ class ModelRunner:
         return out
 
     def _sampling_inputs(self, st: _Sampling) -> SamplingInputs:
-        """The :class:`SamplingInputs` of a staged plan (its batch uploaded): parameters gathered on the device."""
+        """The ``SamplingInputs`` of a staged plan (its batch uploaded): parameters gathered on the device."""
         s = self.input_batch
         if st.hot is None:
             sampling = SamplingInputs(SamplingPlan(rows=None), **self._no_rows)
@@ -314,7 +314,7 @@ class ModelRunner:
 
         Sampled rows come from the host mirror of the rows' ``logprobs``
         (skipped when no row wants any); prompt positions from the
-        descriptor (:class:`PromptLogprobPlan`).
+        descriptor (``PromptLogprobPlan``).
         """
         out = _Logprobs()
         rows = (
@@ -427,7 +427,7 @@ def _pack(lp: LogprobTensors) -> list[torch.Tensor]:
 
 
 def _unpack(packed: np.ndarray, offset: int, index: np.ndarray) -> tuple[TokenLogprobs, int]:
-    """Read back one set packed by :func:`_pack` at ``offset``; returns it and the offset after it."""
+    """Read back one set packed by ``_pack`` at ``offset``; returns it and the offset after it."""
     n, k = len(index), MAX_LOGPROBS
     logprob = packed[offset : offset + n].astype(np.int32).view(np.float32)
     top_ids = packed[offset + n : offset + n + n * k].astype(np.int32).reshape(n, k)

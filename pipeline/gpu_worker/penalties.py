@@ -17,11 +17,11 @@ in vLLM's order:
 Temperature, ``min_p`` and top-k/top-p follow in the sampler. The
 log-probabilities stay the raw model's: this works on a copy of the logits.
 
-The counts live on the device, per req_index (:class:`~pipeline.gpu_worker.input_batch.InputBatch`):
+The counts live on the device, per req_index (``InputBatch``):
 they are updated from each step's resolved input ids, so the token a
 placeholder stands for is counted on the device when the next step reads it,
 and no step waits for the host. Which rows and which of the four run is
-decided on the host (:func:`plan_penalties`), from the rows' host mirrors and
+decided on the host (``plan_penalties``), from the rows' host mirrors and
 the descriptor's positions.
 """
 
@@ -60,10 +60,10 @@ class PenaltyInputs:
 
 @dataclass
 class PenaltyPlan:
-    """The host half of :class:`PenaltyInputs` (numpy int64), decided by :func:`plan_penalties`.
+    """The host half of ``PenaltyInputs`` (numpy int64), decided by ``plan_penalties``.
 
-    :meth:`stage` puts its arrays into the step's upload batch;
-    :meth:`on_device`, after the batch is uploaded, gives the inputs.
+    ``stage`` puts its arrays into the step's upload batch;
+    ``on_device``, after the batch is uploaded, gives the inputs.
     """
 
     rows: np.ndarray
@@ -82,7 +82,7 @@ class PenaltyPlan:
         self._staged = [batch.add(a) for a in arrays]
 
     def on_device(self) -> PenaltyInputs:
-        """The :class:`PenaltyInputs` of the staged arrays (their batch uploaded)."""
+        """The ``PenaltyInputs`` of the staged arrays (their batch uploaded)."""
         dev = [s.dev for s in self._staged]
         has_min = self.min_tokens_rows is not None
         return PenaltyInputs(

@@ -15,7 +15,7 @@ cannot underflow.
 Nothing here reads a device value on the host (docs/design.md, "The
 worker"): the decisions that shape the work (which rows sample, how many
 top-k candidates, whether top-p runs) come from a host-side
-:class:`SamplingPlan`; the per-row values live on the device.
+``SamplingPlan``; the per-row values live on the device.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def sample(
     Rows with ``temperature == 0`` are greedy: exactly ``logits.argmax(-1)``.
     Other rows: logits / temperature, then min-p, then top-k, then top-p over what top-k
     kept, then one seeded draw. Tokens tied with the last one kept by top-k or
-    top-p are kept as well. The worker calls :func:`sample_rows` with a plan
+    top-p are kept as well. The worker calls ``sample_rows`` with a plan
     and device parameters instead; this wrapper validates and plans.
 
     Args:
@@ -163,7 +163,7 @@ def sample_rows(
 
     Args:
         logits: ``[S, V]`` float32.
-        plan: which rows sample and what filtering runs (see :class:`SamplingPlan`).
+        plan: which rows sample and what filtering runs (see ``SamplingPlan``).
         temperature, top_p: ``[R]`` float32 on the logits' device, for ``plan.rows``.
         top_k, seeds, positions: ``[R]`` int64 on the logits' device.
         min_p: ``[R]`` float32 in [0, 1] on the logits' device; read only if ``plan.use_min_p``.
@@ -239,7 +239,7 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> t
 
     Counter-based noise (the idea of Philox) in plain torch ops, for every
     row at once: each row's 32-bit key comes from its seed and position
-    (three rounds of :func:`_mix32`), the counter is the vocabulary index,
+    (three rounds of ``_mix32``), the counter is the vocabulary index,
     and ``mix32(mix32(index) ^ key)`` gives 32 random bits per (row, index):
     two rounds with the key between them. A row therefore draws the same
     noise in any batch, and no per-row generator or kernel is needed. On a

@@ -13,7 +13,7 @@ input token is ``x`` is a hash of ``(x, p)``, mapped onto ordinary words of
 the real vocabulary. Every token therefore depends on the whole chain
 before it, so a placeholder resolved to a wrong token changes all later
 output, which is what the async-equals-sync tests need to see. Its
-log-probabilities are stand-ins derived the same way (:func:`sim_logprobs`).
+log-probabilities are stand-ins derived the same way (``sim_logprobs``).
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def sim_logprobs(
     """Deterministic stand-in log-probabilities of ``targets``, each following (input token, position).
 
     The simulated model's most likely token after ``(x, p)`` is
-    :func:`sim_next_tokens`'s, with a log-probability in (-1.05, -0.05]
+    ``sim_next_tokens``'s, with a log-probability in (-1.05, -0.05]
     hashed from ``(x, p)``; its other ``MAX_LOGPROBS - 1`` alternatives are
     distinct word ids, each 0.5 below the previous. A target among them gets
     its listed value, any other a value below all of them. Like the real

@@ -44,7 +44,7 @@ class StepShapes:
 
     @classmethod
     def load(cls, path: str) -> StepShapes:
-        """Read a file written by :meth:`StepShapeRecorder.save`.
+        """Read a file written by ``StepShapeRecorder.save``.
 
         Raises:
             OSError / KeyError: no such file, or not a step-shapes file.

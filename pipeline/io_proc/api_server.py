@@ -11,7 +11,7 @@ Errors: invalid input of any kind (bad JSON, a body that is not JSON, wrong
 types, out-of-range values) is HTTP 400 ``invalid_request_error`` (FastAPI's
 422 is replaced, as the OpenAI API and vLLM answer 400); an unknown model is
 404 ``model_not_found``; a body over ``max_request_body_bytes`` is 413 (see
-:mod:`pipeline.io_proc.http_limits`); unknown routes and methods keep their
+``pipeline.io_proc.http_limits``); unknown routes and methods keep their
 status; anything unexpected is 500 and affects only its own request.
 """
 
@@ -99,7 +99,7 @@ _OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 
 class ApiKeyAuth:
-    """ASGI middleware: HTTP requests outside :data:`_OPEN_PATHS` must carry ``Authorization: Bearer <api_key>``.
+    """ASGI middleware: HTTP requests outside ``_OPEN_PATHS`` must carry ``Authorization: Bearer <api_key>``.
 
     Otherwise they get 401 with an OpenAI error object
     (``invalid_request_error``, code ``invalid_api_key``) before the body is

@@ -5,7 +5,7 @@ Such a vocabulary spells every byte as one printable character (GPT-2's
 maps a token's characters back to bytes and decodes the bytes of a whole
 sequence as UTF-8, lossily. A token's bytes therefore do not depend on its
 neighbours, so they can be tabulated per id; that is what lets
-:class:`~pipeline.io_proc.detokenizer.ByteLevelDetokenizer` turn most tokens
+``ByteLevelDetokenizer`` turn most tokens
 into text with one list lookup.
 """
 
@@ -53,7 +53,7 @@ def token_bytes(token: str) -> bytes:
 def is_byte_level(tokenizer: Any) -> bool:
     """True if ``tokenizer`` (a ``tokenizers.Tokenizer``) decodes with exactly a ``ByteLevel`` decoder.
 
-    Only then does :class:`ByteLevelVocab` describe its decoding; a sequence
+    Only then does ``ByteLevelVocab`` describe its decoding; a sequence
     of decoders or any other decoder (SentencePiece's ``Metaspace``,
     ``WordPiece``, ...) does not qualify.
     """
@@ -67,7 +67,7 @@ class ByteLevelVocab:
     read, so one instance serves every request on any thread.
 
     Args:
-        tokenizer: a ``tokenizers.Tokenizer`` for which :func:`is_byte_level` holds.
+        tokenizer: a ``tokenizers.Tokenizer`` for which ``is_byte_level`` holds.
 
     Raises:
         ValueError: the tokenizer's decoder is not ``ByteLevel``.

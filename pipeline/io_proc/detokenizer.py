@@ -2,10 +2,10 @@
 
 Everything here runs on io_proc's output-reader thread, one object set per
 request. Two detokenizers give the same text, chosen per tokenizer at
-start-up (:func:`new_detokenizer`): for a byte-level BPE tokenizer (decoder
-``ByteLevel``: GPT-2, Llama 3, SmolLM) :class:`ByteLevelDetokenizer` looks
+start-up (``new_detokenizer``): for a byte-level BPE tokenizer (decoder
+``ByteLevel``: GPT-2, Llama 3, SmolLM) ``ByteLevelDetokenizer`` looks
 each token's text up in a table built once (about 0.2 us per token); for
-every other decoder :class:`IncrementalDetokenizer` runs the ``tokenizers``
+every other decoder ``IncrementalDetokenizer`` runs the ``tokenizers``
 library's streaming decoder (``DecodeStream``, in Rust, as vLLM uses it;
 about 1 us per token, which at a batch of 1024 is a millisecond per step).
 """
@@ -23,7 +23,7 @@ from pipeline.io_proc.byte_level import ByteLevelVocab, is_byte_level
 
 
 class Detokenizer(Protocol):
-    """One request's token -> text state: :meth:`push` returns the text a token completes."""
+    """One request's token -> text state: ``push`` returns the text a token completes."""
 
     def push(self, token_id: int) -> str: ...
 
@@ -33,7 +33,7 @@ class Detokenizer(Protocol):
 
 
 NewDetokenizer = Callable[[], Detokenizer]
-"""Makes a fresh :class:`Detokenizer` for a new request."""
+"""Makes a fresh ``Detokenizer`` for a new request."""
 
 
 class IncrementalDetokenizer:
@@ -66,7 +66,7 @@ class IncrementalDetokenizer:
         return self._stream.step(self._tokenizer, token_id) or ""
 
     def push_many(self, token_ids: Sequence[int]) -> str:
-        """The texts :meth:`push` would return for each of ``token_ids`` in turn, joined."""
+        """The texts ``push`` would return for each of ``token_ids`` in turn, joined."""
         return "".join([self.push(t) for t in token_ids])
 
 
@@ -79,7 +79,7 @@ class ByteLevelDetokenizer:
     in U+FFFD (an incomplete character, or a literal U+FFFD, waits for the
     next token; what is still pending at the end never comes out). This
     reproduces that from the bytes alone: while nothing is pending, a token
-    whose own bytes are complete text (:attr:`ByteLevelVocab.texts`) is
+    whose own bytes are complete text (``ByteLevelVocab.texts``) is
     emitted straight from the table, and only a token that leaves bytes
     pending, or follows pending bytes, decodes bytes. Python's
     ``errors="replace"`` substitutes U+FFFD for invalid bytes as Rust's
@@ -87,7 +87,7 @@ class ByteLevelDetokenizer:
     "maximal subpart" practice), so even invalid byte sequences come out the same.
 
     Args:
-        vocab: the tokenizer's :class:`ByteLevelVocab` (shared by all requests).
+        vocab: the tokenizer's ``ByteLevelVocab`` (shared by all requests).
     """
 
     __slots__ = ("_vocab", "_texts", "_pending")
@@ -114,7 +114,7 @@ class ByteLevelDetokenizer:
         return text
 
     def push_many(self, token_ids: Sequence[int]) -> str:
-        """The texts :meth:`push` would return for each of ``token_ids`` in turn, joined."""
+        """The texts ``push`` would return for each of ``token_ids`` in turn, joined."""
         if not self._pending:
             try:
                 # join() refuses a None (a piece of a character) and the lookup
@@ -128,9 +128,9 @@ class ByteLevelDetokenizer:
 def new_detokenizer(tokenizer: Any) -> NewDetokenizer:
     """The per-request detokenizer factory for ``tokenizer`` (a ``tokenizers.Tokenizer``).
 
-    :class:`ByteLevelDetokenizer` (over a :class:`ByteLevelVocab` built here,
+    ``ByteLevelDetokenizer`` (over a ``ByteLevelVocab`` built here,
     once) when the tokenizer's decoder is ``ByteLevel``, otherwise
-    :class:`IncrementalDetokenizer`; the choice follows the decoder, not the
+    ``IncrementalDetokenizer``; the choice follows the decoder, not the
     model's name. Both give the same deltas for a byte-level tokenizer.
     """
     if is_byte_level(tokenizer):
@@ -146,7 +146,7 @@ class StopStringMatcher:
     delta completes. When a stop string appears, the text before its earliest
     occurrence is released and the rest is dropped (the stop string is not
     part of the output, like the OpenAI API). When the request ends for
-    another reason, :meth:`flush` releases what is held.
+    another reason, ``flush`` releases what is held.
 
     Args:
         stop: the stop strings, each non-empty.
@@ -206,17 +206,17 @@ class OutputProcessor:
     """One request's output path: tokens in, client text and finish reason out.
 
     Applies, per token: incremental detokenization, stop strings, and
-    :func:`pipeline.common.messages.check_finish` (stop token ids and
+    ``pipeline.common.messages.check_finish`` (stop token ids and
     ``max_tokens``, the same rule the scheduler applies on its side). The
-    text accumulates here until the reader hands it on (:meth:`take_text`).
+    text accumulates here until the reader hands it on (``take_text``).
     When nothing needs the text before the finish (``incremental`` false and
     no stop strings: a client that waits for the whole answer), a token costs
     only its finish check, and the text is detokenized all at once
-    (:meth:`Detokenizer.push_many`) with the finishing token: the same text,
+    (``Detokenizer.push_many``) with the finishing token: the same text,
     for a fraction of the work.
 
     Args:
-        detokenizer: this request's :class:`Detokenizer`.
+        detokenizer: this request's ``Detokenizer``.
         params: the request's sampling parameters.
         stop: stop strings (may be empty).
         incremental: the text is wanted as it comes (a stream).
@@ -263,7 +263,7 @@ class OutputProcessor:
         self.needs_abort = False
 
     def push(self, token_id: int) -> FinishReason | None:
-        """Process the next sampled token; its text (if any) joins :attr:`text_pieces`.
+        """Process the next sampled token; its text (if any) joins ``text_pieces``.
 
         Must not be called again once a finish reason was returned.
 
@@ -294,7 +294,7 @@ class OutputProcessor:
         return finish
 
     def take_text(self) -> str:
-        """The text of :attr:`text_pieces`, joined; empties them."""
+        """The text of ``text_pieces``, joined; empties them."""
         text = "".join(self.text_pieces)
         self.text_pieces.clear()
         return text

@@ -4,14 +4,14 @@
   ``GetStats`` are pushed to the scheduler; ``Stats`` replies are pulled back
   (docs/design.md, "The control channel").
 * Tokens come back through the output ring, read by the
-  :class:`~pipeline.io_proc.output_reader.OutputReader` thread this client
+  ``OutputReader`` thread this client
   starts; each request's state is a
-  :class:`~pipeline.io_proc.request_state.RequestState`. Both names are
+  ``RequestState``. Both names are
   re-exported here for callers that import them from this module.
 
 The table of live requests (``req_num -> RequestState``) belongs to this
 client and is shared with the reader thread: see
-:mod:`pipeline.io_proc.output_reader` for who inserts and who removes.
+``pipeline.io_proc.output_reader`` for who inserts and who removes.
 """
 
 from __future__ import annotations
@@ -73,11 +73,11 @@ class EngineClient:
 
     With data parallelism (``config.data_parallel_size`` engines) each new
     request goes to the engine that holds the longest prefix of it, by the
-    :class:`PrefixRouter`'s account (with prefix caching), unless that
+    ``PrefixRouter``'s account (with prefix caching), unless that
     engine is overloaded; otherwise to the engine with the fewest waiting
     requests, then the fewest running ones, as io_proc sees them: a live
     request is waiting until its first token arrives. Aborts go to the
-    request's engine, and :meth:`get_engine_stats` asks every engine
+    request's engine, and ``get_engine_stats`` asks every engine
     (docs/design.md, "Parallelism").
 
     Args:
@@ -85,7 +85,7 @@ class EngineClient:
         rings: each engine's output ring, attached (``create=False``) with two
             readers, in engine order; one reader thread per ring.
         new_detokenizer: makes each request's detokenizer (see
-            :class:`~pipeline.io_proc.detokenizer.Detokenizer`), which only
+            ``Detokenizer``), which only
             the reader thread uses.
         trace: if given, the reader thread records its per-step handling span.
 
@@ -178,7 +178,7 @@ class EngineClient:
 
     @property
     def shutting_down(self) -> bool:
-        """:meth:`abort_all` was called: the server is stopping."""
+        """``abort_all`` was called: the server is stopping."""
         return self._shutting_down
 
     @property
@@ -223,7 +223,7 @@ class EngineClient:
         streaming: bool,
         return_token_ids: bool = False,
     ) -> RequestState:
-        """Register a request of one choice and send it to the scheduler (see :meth:`add_choices`)."""
+        """Register a request of one choice and send it to the scheduler (see ``add_choices``)."""
         return self.add_choices(prompt_token_ids, params, stop, streaming, return_token_ids)[0]
 
     def add_choices(
@@ -239,7 +239,7 @@ class EngineClient:
 
         With ``n`` > 1 the scheduler prefills the prompt once for all of them,
         through its prefix cache (docs/design.md, "Parallel choices"); choice ``i`` samples with seed
-        :func:`~pipeline.common.messages.choice_seed` ``(params.seed, i)``.
+        ``choice_seed`` ``(params.seed, i)``.
 
         Args:
             prompt_token_ids: the prompt, already checked against ``max_model_len``.
@@ -247,8 +247,8 @@ class EngineClient:
                 returns only what the prompt gives: its log-probabilities if
                 asked, and the request finishes with "length").
             stop: stop strings (possibly empty).
-            streaming: the consumer reads :meth:`RequestState.updates` (woken
-                per step) rather than :meth:`RequestState.wait_finished`.
+            streaming: the consumer reads ``RequestState.updates`` (woken
+                per step) rather than ``RequestState.wait_finished``.
             return_token_ids: a stream needs every token, text or not.
             n: choices, >= 1.
 
@@ -257,7 +257,7 @@ class EngineClient:
 
         Raises:
             EngineUnavailable: the scheduler's queue is full, or the server is
-                shutting down (:meth:`abort_all` was called).
+                shutting down (``abort_all`` was called).
         """
         if self._shutting_down:
             # A request still being tokenized when the stop came would
@@ -307,7 +307,7 @@ class EngineClient:
         return states
 
     def _pick_engine(self, prompt: list[int]) -> int:
-        """The engine for a new request of ``prompt`` (:func:`pick_engine`).
+        """The engine for a new request of ``prompt`` (``pick_engine``).
 
         Overloaded means more live requests than the least loaded engine by
         over a quarter of ``max_num_seqs`` (SGLang's router balances alike,
@@ -345,8 +345,8 @@ class EngineClient:
     def abort_all(self) -> None:
         """Finish every live request with "abort" (server shutdown): their
         consumers wake up and end their responses, and the scheduler is told.
-        Stats requests waiting for a reply fail with :class:`EngineUnavailable`.
-        From now on :meth:`add_request` refuses new requests (a 503)."""
+        Stats requests waiting for a reply fail with ``EngineUnavailable``.
+        From now on ``add_request`` refuses new requests (a 503)."""
         self._shutting_down = True
         for future in self._stats_waiters.values():  # the schedulers are stopping too: no reply will come
             if not future.done():
@@ -364,7 +364,7 @@ class EngineClient:
                 self.num_finished["abort"] += 1
 
     async def get_stats(self, timeout: float) -> Stats:
-        """The engines' occupancy, summed (``nonce`` 0); as :meth:`get_engine_stats`."""
+        """The engines' occupancy, summed (``nonce`` 0); as ``get_engine_stats``."""
         return merge_stats(await self.get_engine_stats(timeout))
 
     async def get_engine_stats(self, timeout: float) -> list[Stats]:

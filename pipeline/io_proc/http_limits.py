@@ -1,6 +1,6 @@
 """Bounds on what one HTTP client can cost io_proc: time, bytes and sockets.
 
-* :func:`guarded_h11_protocol` (the connection layer) subclasses uvicorn's h11
+* ``guarded_h11_protocol`` (the connection layer) subclasses uvicorn's h11
   protocol. It enforces two read deadlines. A request's headers must arrive
   within ``header_timeout_s`` of the connection's opening, or of the first
   byte of the next request on a kept-alive connection. Its body must arrive
@@ -10,7 +10,7 @@
   ``socket.send() raised exception`` for every write to a lost connection
   after the fifth. Those writes came from a response whose client had just
   gone (a stream's final chunks are several writes in a row).
-* :class:`RequestBodyLimit` (the ASGI layer) reads each request body before
+* ``RequestBodyLimit`` (the ASGI layer) reads each request body before
   the app sees it and caps its size: 413 at once when ``Content-Length`` is
   over the limit, and 413 as soon as a chunked body passes it. No JSON is
   parsed before that.
@@ -19,7 +19,7 @@ uvicorn's own bounds are used as they are: ``limit_concurrency`` answers 503
 once that many connections or requests are open, ``timeout_keep_alive``
 closes idle kept-alive connections, and h11 answers 400 to headers larger
 than 16 KiB (``h11_max_incomplete_event_size``) or malformed. uvicorn logs a
-warning for each such 503 and 400; :class:`OncePerInterval` thins them out. uvicorn has no timeout for
+warning for each such 503 and 400; ``OncePerInterval`` thins them out. uvicorn has no timeout for
 a request that is still arriving, so this module adds one. See
 docs/design.md, "io_proc".
 """
@@ -64,7 +64,7 @@ class _QuietTransport:
 class _GuardedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with read deadlines and quiet writes (see the module docstring).
 
-    Subclasses made by :func:`guarded_h11_protocol` set the two timeouts
+    Subclasses made by ``guarded_h11_protocol`` set the two timeouts
     (seconds). A missed header deadline closes the connection; a missed body
     deadline answers 408 (if no response has started) and closes it.
     """

@@ -1,7 +1,7 @@
 """io_proc's process body: uvicorn serving the OpenAI API over the engine client.
 
-:func:`run_io_proc` is the entry the launcher's child runs (:mod:`pipeline.child`);
-it builds an :class:`IoProc` and runs it (docs/design.md, "Processes and
+``run_io_proc`` is the entry the launcher's child runs (``pipeline.child``);
+it builds an ``IoProc`` and runs it (docs/design.md, "Processes and
 lifecycle").
 """
 
@@ -52,7 +52,7 @@ _SPARE_FDS = 256
 
 class _Server(uvicorn.Server):
     """uvicorn without its own SIGINT/SIGTERM handlers: the launcher stops this
-    process with SIGTERM, which :func:`child_setup`'s flag receives, and
+    process with SIGTERM, which ``child_setup``'s flag receives, and
     uvicorn's handlers would replace it and re-raise the signal on exit."""
 
     @contextlib.contextmanager
@@ -66,13 +66,13 @@ class StartupError(Exception):
 
 class IoProc:
     """Owns the HTTP socket, the tokenizer, the engine client and the uvicorn
-    server; :meth:`run` is the process body.
+    server; ``run`` is the process body.
 
     Construction does the start-up steps: bind the HTTP port
     (``config.host:config.port``), load the tokenizer from
     ``config.tokenizer``, open the control sockets (push to each engine's
     ``control_address``, pull on ``config.reply_address``) and build
-    the app. :meth:`close` releases all of it (and writes the trace when
+    the app. ``close`` releases all of it (and writes the trace when
     ``config.trace``); the output rings (one per engine) stay the caller's.
 
     Raises:
@@ -197,7 +197,7 @@ def run_io_proc(config: EngineConfig, status_conn: Connection, stop: StopFlag) -
     """Process body of io_proc: run until ``stop`` is set (SIGTERM or the launcher's death).
 
     Attaches every engine's output ring (reader ``OUTPUT_READER_IO``) and reports
-    ``("attached", "io_proc")``, then builds and runs an :class:`IoProc`.
+    ``("attached", "io_proc")``, then builds and runs an ``IoProc``.
     Returns the exit status: 1 after a start-up failure (reported as
     ``("error", "io_proc", message)``) or if the output reader thread dies,
     else 0. A stop returns within about 0.3 s.

@@ -1,12 +1,12 @@
 """Prometheus metrics of ``GET /metrics`` (docs/design.md, "Metrics").
 
-Each scrape renders one :class:`~pipeline.common.messages.Stats` reply per
+Each scrape renders one ``Stats`` reply per
 engine (the scheduler's figures and histograms, and the worker's, which ride
 along) and io_proc's own counters and request histograms. The ``pipeline_``
 family is always there; ``--metrics-compat vllm`` adds every vLLM metric the
 server has, under vLLM's name and labels (``model_name``, ``engine``), so
 dashboards and autoscalers made for vLLM read it unchanged. Adding a metric
-is one row in :data:`HISTOGRAMS` or :data:`COUNTERS`. Each app has its own
+is one row in ``HISTOGRAMS`` or ``COUNTERS``. Each app has its own
 registry, so several servers in one process (tests) do not collide.
 """
 
@@ -152,7 +152,7 @@ def _cumulative(data: HistogramData, bounds: tuple, scale: float) -> tuple[list[
 
 
 class PipelineMetrics:
-    """A registry exposing the engines' last :class:`Stats`, io_proc's counters and its request histograms.
+    """A registry exposing the engines' last ``Stats``, io_proc's counters and its request histograms.
 
     Args:
         client: the engine client (counters, request histograms).
@@ -173,12 +173,12 @@ class PipelineMetrics:
     content_type = CONTENT_TYPE_LATEST
 
     def render(self, stats: list[Stats]) -> bytes:
-        """The exposition text (of type :attr:`content_type`) with ``stats``, one per engine in engine order."""
+        """The exposition text (of type ``content_type``) with ``stats``, one per engine in engine order."""
         self._stats = stats
         return generate_latest(self._registry)
 
     def collect(self) -> Iterator[Metric]:
-        """Called by the registry during :meth:`render`."""
+        """Called by the registry during ``render``."""
         if not self._stats:
             return
         stats, client = self._stats, self._client

@@ -3,7 +3,7 @@
 The thread reads every ``StepOutput`` from the output ring as reader
 ``OUTPUT_READER_IO``, copies its rows and releases the entry before any text
 work, runs each row through its request's
-:class:`~pipeline.io_proc.detokenizer.OutputProcessor` (detokenization, stop
+``OutputProcessor`` (detokenization, stop
 strings, ``check_finish``), and hands the step's results to the event loop
 with one ``call_soon_threadsafe`` (docs/design.md, "io_proc"). A row costs
 one processor push and a timeline entry; only a finish, or new output for a
@@ -15,7 +15,7 @@ position; a request with ``max_tokens`` 0 finishes when its last prompt
 entry arrives, in the step where the scheduler finishes it too.
 
 The table of live requests is shared with the
-:class:`~pipeline.io_proc.engine_client.EngineClient` (single dict
+``EngineClient`` (single dict
 operations, atomic under the GIL): the loop inserts before sending
 ``AddRequest`` and removes on abort; this thread removes on finish. A row
 whose request is not in the table is dropped: after a finish (or abort) a
@@ -60,7 +60,7 @@ class OutputReader:
             one; must be thread-safe).
         dispatch: called on the event loop as ``dispatch(step, results)``
             once per step that gave live requests tokens or has results;
-            it must set ``step.time`` (the :class:`StepTime` every such
+            it must set ``step.time`` (the ``StepTime`` every such
             request's ``token_steps`` got in this step).
         metrics: this engine's request histograms, which this thread observes.
         trace: if given, each step's handling is recorded as a ``detokenize``
@@ -138,7 +138,7 @@ class OutputReader:
     def process_step(self, out: DecodedOutput, step: StepTime) -> None:
         """Run one step's rows (``out.req_nums[i]`` sampled ``out.token_ids[i]``) and
         log-probabilities through their requests and dispatch the results to the
-        loop (reader thread); ``step`` is the step's :class:`StepTime`.
+        loop (reader thread); ``step`` is the step's ``StepTime``.
 
         Log-probabilities come first: a request's last prompt entries arrive
         in the step that samples its first token, and a token's own entry

@@ -2,7 +2,7 @@
 
 io_proc names the full blocks of every prompt it sends, and of the prompt
 plus its output when the request finishes, as the schedulers do
-(:mod:`pipeline.common.block_hash`), and remembers for each engine the
+(``pipeline.common.block_hash``), and remembers for each engine the
 names it sent there, least recently used first out, as many as one engine's
 KV cache has blocks: an engine cannot hold more, so older names are likely
 evicted there too. The schedulers are never asked: this is a guess, and a

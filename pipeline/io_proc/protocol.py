@@ -4,7 +4,7 @@ One module on purpose (longer than most): every request and response shape of
 the API, so a field's validation and its wire name are read in one place.
 
 Requests are pydantic models, validated by FastAPI (any failure becomes an
-HTTP 400 :class:`ErrorResponse`). Responses are msgspec structs: io_proc
+HTTP 400 ``ErrorResponse``). Responses are msgspec structs: io_proc
 encodes a streaming chunk per request per step, and msgspec encodes them
 several times faster than pydantic.
 
@@ -70,7 +70,7 @@ class APIError(Exception):
 
 
 class ErrorInfo(msgspec.Struct, kw_only=True):
-    """The body of an error; see :class:`APIError` for the fields."""
+    """The body of an error; see ``APIError`` for the fields."""
 
     message: str
     type: str
@@ -201,7 +201,7 @@ class SamplingRequest(_Request):
     ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...},
     "strict": ...}}`` (OpenAI's structured outputs guide), or one of vLLM's
     ``guided_json`` (a schema, as an object or JSON text), ``guided_regex``
-    and ``guided_choice`` (a list of strings); see :meth:`structured_output`.
+    and ``guided_choice`` (a list of strings); see ``structured_output``.
     """
 
     model: str | None = None
@@ -231,7 +231,7 @@ class SamplingRequest(_Request):
     guided_choice: list[str] | None = None
 
     def structured_output(self) -> tuple[str, object, str] | None:
-        """``(kind, spec, param)`` for :func:`~pipeline.common.grammar.build_grammar`, or None for free text.
+        """``(kind, spec, param)`` for ``build_grammar``, or None for free text.
 
         Raises:
             APIError: 400 naming the field: an unknown ``response_format``
@@ -532,7 +532,7 @@ class ChatCompletionMessage(msgspec.Struct, kw_only=True):
 
 class ChatCompletionChoice(msgspec.Struct, kw_only=True):
     """One choice of a ``chat.completion`` (``index`` 0..n-1); ``logprobs`` is
-    ``{"content": [...]}`` (see :func:`~pipeline.io_proc.logprobs_json.chat_logprobs`) when asked."""
+    ``{"content": [...]}`` (see ``chat_logprobs``) when asked."""
 
     index: int = 0
     message: ChatCompletionMessage
@@ -604,7 +604,7 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
 
 class CompletionChoice(msgspec.Struct, kw_only=True):
     """One choice of a ``text_completion`` (whole or chunk), one per prompt; ``logprobs`` is
-    the legacy object (see :func:`~pipeline.io_proc.logprobs_json.completion_logprobs`) when asked."""
+    the legacy object (see ``completion_logprobs``) when asked."""
 
     index: int = 0
     text: str
@@ -616,7 +616,7 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
 
 class CompletionResponse(msgspec.Struct, kw_only=True):
     """A ``text_completion`` object: the whole response, or one streamed chunk
-    (then ``usage`` follows the same rule as :class:`ChatCompletionChunk`)."""
+    (then ``usage`` follows the same rule as ``ChatCompletionChunk``)."""
 
     id: str
     object: str = "text_completion"

@@ -1,7 +1,7 @@
 """vLLM's per-request histograms that io_proc measures, as vLLM's frontend measures them.
 
-The output reader thread of each engine keeps one :class:`RequestMetrics`:
-once per step it records the step (:meth:`RequestMetrics.step`), and once per
+The output reader thread of each engine keeps one ``RequestMetrics``:
+once per step it records the step (``RequestMetrics.step``), and once per
 finished request it observes time to first token and end-to-end latency (on
 this process's ``perf_counter``, from the request's arrival), inter-token
 latencies and time per output token (on the engine's step timestamps,
@@ -41,7 +41,7 @@ _FLUSH_SPANS = 1024
 
 
 class _InterTokenLatency:
-    """Inter-token latencies, counted per request span of consecutive steps in one pass at :meth:`data`.
+    """Inter-token latencies, counted per request span of consecutive steps in one pass at ``data``.
 
     For a request whose tokens came in steps ``a-1 .. b-1`` of this reader,
     its latencies are the step-to-step intervals of steps ``a .. b-1``: the
@@ -109,7 +109,7 @@ class _InterTokenLatency:
 class RequestMetrics:
     """One engine's request histograms as io_proc sees them (vLLM's buckets), and io_proc's CPU per step.
 
-    Attributes (each a :class:`Histogram`): ``ttft``, ``e2e`` (seconds, from
+    Attributes (each a ``Histogram``): ``ttft``, ``e2e`` (seconds, from
     arrival), ``time_per_output_token`` (a request's decode time over its
     tokens after the first; 0 with one token), ``prompt_tokens``, ``generation_tokens``,
     ``max_tokens`` (the parameter), and per request of ``n`` choices, once
@@ -131,7 +131,7 @@ class RequestMetrics:
         self._itl = _InterTokenLatency()
 
     def step(self, out: DecodedOutput) -> StepTime:
-        """Record a step read from the ring (reader thread); returns the :class:`StepTime` its rows get."""
+        """Record a step read from the ring (reader thread); returns the ``StepTime`` its rows get."""
         self.cpu.step(out.continues)
         return StepTime(self._itl.step(out.time_ns), time.perf_counter(), out.time_ns)
 

@@ -1,14 +1,14 @@
 """One live request on io_proc's side: what waits to be sent to its client.
 
-A :class:`RequestState` is created by
-:meth:`~pipeline.io_proc.engine_client.EngineClient.add_request`, fed by the
-output reader (:mod:`pipeline.io_proc.output_reader`) and consumed by a
-handler in :mod:`pipeline.io_proc.serving` (docs/design.md, "io_proc").
+A ``RequestState`` is created by
+``add_request``, fed by the
+output reader (``pipeline.io_proc.output_reader``) and consumed by a
+handler in ``pipeline.io_proc.serving`` (docs/design.md, "io_proc").
 
 Thread ownership: ``processor`` is used only by the output-reader thread,
 which also appends to ``token_steps``, ``logprobs`` and ``prompt_logprobs``;
 everything else is the event loop's (the reader hands each step's results to
-the loop, which calls :meth:`RequestState.deliver`).
+the loop, which calls ``RequestState.deliver``).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from pipeline.io_proc.logprobs_json import TokenLogprob
 class StepTime:
     """One step as io_proc saw it: when the reader read it, its engine time, and when the loop took it.
 
-    The reader makes one per step and appends it to :attr:`RequestState.token_steps`
-    of every request that got a token in the step; the loop sets :attr:`time`
+    The reader makes one per step and appends it to ``RequestState.token_steps``
+    of every request that got a token in the step; the loop sets ``time``
     when it handles the step, once for all of them.
 
     Attributes:
@@ -46,7 +46,7 @@ class StepTime:
 class RequestState:
     """One live request: its output processor and what waits to be sent to the client.
 
-    :meth:`~pipeline.io_proc.engine_client.EngineClient.release` must be
+    ``release`` must be
     called when the client side is done with it.
 
     Attributes:
@@ -54,7 +54,7 @@ class RequestState:
         prompt_len: prompt tokens.
         processor: token -> text (reader thread only).
         finish_reason: None while running, then "stop", "length", "abort" or
-            "error" (see :attr:`error`).
+            "error" (see ``error``).
         error: with finish reason "error", what went wrong.
         refused: with finish reason "error", the request was refused before
             it ran (its grammar: a client error, 400) rather than failed
@@ -64,15 +64,15 @@ class RequestState:
             was refused; None for others. Choices of one request share it.
         num_output_tokens: output tokens delivered to this side so far (all
             of them once finished; a non-streaming request's only at its finish).
-        streaming: the consumer reads :meth:`updates` and is woken per step;
-            otherwise it waits for the finish (:meth:`wait_finished`) and
+        streaming: the consumer reads ``updates`` and is woken per step;
+            otherwise it waits for the finish (``wait_finished``) and
             nothing is delivered before it.
         every_token: deliver every token, even one that adds no text (a
             stream that returns token ids or log-probabilities).
-        logprobs: each output token's :class:`TokenLogprob`, appended by the
+        logprobs: each output token's ``TokenLogprob``, appended by the
             reader thread before the token is delivered (requests that asked
             for log-probabilities; otherwise stays empty).
-        prompt_logprobs: per prompt position, its :class:`TokenLogprob`
+        prompt_logprobs: per prompt position, its ``TokenLogprob``
             (position 0's logprob is None: nothing predicts it), filled by the
             reader thread; None unless the request asked for them.
         prompt_logprobs_missing: prompt positions whose entry has not arrived.
@@ -81,9 +81,9 @@ class RequestState:
         num_cached_tokens: prompt tokens its engine found in the prefix cache
             when it admitted the request; None until that is known.
         arrival_time: ``time.perf_counter()`` when it was added (seconds).
-        token_steps: one :class:`StepTime` per output token, that of the
+        token_steps: one ``StepTime`` per output token, that of the
             step which brought it (appended by the reader thread); see
-            :attr:`delivery_times`.
+            ``delivery_times``.
         choices: shared by the ``n`` > 1 choices of one request: ``[choices
             not finished, most tokens of a finished one, n]``; None for one choice.
         ttft, e2e: time to first token and end-to-end latency in seconds, set
@@ -232,7 +232,7 @@ class RequestState:
 
         ``token_ids`` are the output tokens since the previous update, and
         ``logprobs`` their entries (empty unless the request asked). An
-        update is yielded when there is text, or, with :attr:`every_token`,
+        update is yielded when there is text, or, with ``every_token``,
         when there are tokens. What arrived while the consumer was busy is
         joined into one update, so a slow client costs fewer chunks, not
         more memory.

@@ -130,7 +130,7 @@ class OpenAIServing:
         client: the engine client.
         tokenization: prompt encoding.
         stop_token_ids: token ids that end generation (see
-            :func:`~pipeline.io_proc.tokenization.load_tokenizer`).
+            ``load_tokenizer``).
     """
 
     def __init__(
@@ -223,7 +223,7 @@ class OpenAIServing:
         """Serve ``POST /v1/completions``: one choice per prompt.
 
         Raises:
-            APIError: as :meth:`chat`, 400 for token ids outside the vocabulary,
+            APIError: as ``chat``, 400 for token ids outside the vocabulary,
                 and 400 for ``max_tokens`` 0 without ``echo``.
         """
         self._check_model(req)
@@ -367,7 +367,7 @@ class OpenAIServing:
     ) -> list[RequestState]:
         """Check lengths, build sampling parameters and add the request's ``n`` choices to the engine.
 
-        ``grammar``: from :meth:`_request_grammar` ("" for free text); ``plan``: a chat request's tools.
+        ``grammar``: from ``_request_grammar`` ("" for free text); ``plan``: a chat request's tools.
         """
         n, limit = len(prompt), self._max_model_len
         if n == 0:
@@ -463,7 +463,7 @@ class OpenAIServing:
         milliseconds to serialize, which the event loop must not spend (a tool plan's is built already).
 
         Raises:
-            APIError: 400 naming the field (see :meth:`_grammar`).
+            APIError: 400 naming the field (see ``_grammar``).
         """
         if plan is not None and plan.grammar:
             return self._grammar(req, self._stop_ids(req), plan)
@@ -524,7 +524,7 @@ class OpenAIServing:
         first (then the requests are aborted at once, within the step).
 
         Raises:
-            APIError: as :func:`_raise_ended`.
+            APIError: as ``_raise_ended``.
         """
         finished = asyncio.ensure_future(_all_finished(states))
         left = asyncio.ensure_future(_client_left(raw))
@@ -547,7 +547,7 @@ class OpenAIServing:
         first; then, and on an error, ``close`` has run.
 
         Raises:
-            APIError: as :func:`_raise_ended`.
+            APIError: as ``_raise_ended``.
         """
         pending = {st.compiled for st in states if st.compiled is not None}
         if not pending:
@@ -748,7 +748,7 @@ class OpenAIServing:
 
 
 async def _merged_updates(states: list[RequestState]) -> AsyncIterator[tuple[int, tuple | None]]:
-    """Each request's :meth:`RequestState.updates` as ``(i, update)``, as they arrive, then
+    """Each request's ``RequestState.updates`` as ``(i, update)``, as they arrive, then
     ``(i, None)`` when request ``i`` has finished; ends when all have."""
     if len(states) == 1:
         async for update in states[0].updates():

@@ -1,7 +1,7 @@
 """The periodic stats line (vLLM's "Avg prompt throughput: ..."), logged while there is traffic.
 
 Every ``--log-stats-interval`` seconds io_proc takes the same figures
-``/metrics`` renders (the engines' :class:`~pipeline.common.messages.Stats`
+``/metrics`` renders (the engines' ``Stats``
 and its own token counters) and logs what changed since the last line:
 throughput, running and waiting requests, KV cache usage, preemptions, the
 token gap p50 and the device-busy fraction over the interval, and, once the
@@ -71,7 +71,7 @@ def stats_line(prev: Snapshot, cur: Snapshot) -> str | None:
 
 
 class StatsLogger:
-    """Logs :func:`stats_line` every ``interval_s`` seconds (on a fixed beat, so intervals do not drift).
+    """Logs ``stats_line`` every ``interval_s`` seconds (on a fixed beat, so intervals do not drift).
 
     A scrape that fails (scheduler busy, shutting down) skips its line; the
     next one covers the longer interval.

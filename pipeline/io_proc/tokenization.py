@@ -1,6 +1,6 @@
 """Loading the tokenizer and turning requests into prompt token ids.
 
-``transformers`` is imported inside :func:`load_tokenizer`, not at module
+``transformers`` is imported inside ``load_tokenizer``, not at module
 level, so importing io_proc stays light (``AutoTokenizer`` pulls in torch).
 """
 
@@ -90,10 +90,10 @@ class Tokenization:
     fast tokenizer raises "Already borrowed" only when a call changes its
     truncation or padding while another runs, and every call here uses the
     same settings (none). The output-reader thread decodes with its own copy
-    (:meth:`make_decoder`).
+    (``make_decoder``).
 
     Args:
-        tokenizer: a ``transformers`` tokenizer (see :func:`load_tokenizer`).
+        tokenizer: a ``transformers`` tokenizer (see ``load_tokenizer``).
         num_threads: encoding threads.
         chat_template: a Jinja chat template to use instead of the tokenizer's (``--chat-template``).
 
@@ -202,7 +202,7 @@ class Tokenization:
 
     def make_detokenizer(self) -> NewDetokenizer:
         """A factory of per-request detokenizers for the output-reader thread
-        (:func:`~pipeline.io_proc.detokenizer.new_detokenizer`: a table lookup
+        (``new_detokenizer``: a table lookup
         for a byte-level tokenizer, ``DecodeStream`` otherwise), over a private
         copy of the tokenizer: that thread then never shares the Rust tokenizer
         with the encoding threads.

@@ -97,8 +97,8 @@ class GrammarState:
     """The matcher of one constrained request (a choice), and the mask for its next output position.
 
     The matcher has consumed the request's output tokens so far, or is
-    consuming the last one on a grammar thread (then :attr:`ready` is False).
-    With a trigger, the mask is needed only where :meth:`needs_mask` says,
+    consuming the last one on a grammar thread (then ``ready`` is False).
+    With a trigger, the mask is needed only where ``needs_mask`` says,
     and the matcher exists only there (a copy of the pristine one, fed the
     text's tail).
     Ending is the model's choice among the request's stop token ids, allowed
@@ -108,7 +108,7 @@ class GrammarState:
 
     Attributes:
         req_num: the request (choice) it constrains.
-        mask: int32 ``[ceil(V / 32)]``, bit set = allowed; valid while :attr:`ready`.
+        mask: int32 ``[ceil(V / 32)]``, bit set = allowed; valid while ``ready``.
         ready: the mask is that of the next output position.
         error: why the matcher failed (it left its grammar, or hit a limit); "" if it did not.
         trigger: where the text stands against the request's ``grammar_trigger``; None without one.
@@ -149,7 +149,7 @@ class GrammarState:
         self.ready, self.error = True, ""
 
     def needs_mask(self, in_flight: int) -> bool:
-        """Whether the next sampled token needs :attr:`mask`, with ``in_flight`` of the row's tokens not
+        """Whether the next sampled token needs ``mask``, with ``in_flight`` of the row's tokens not
         advanced past yet (a row that needs one waits for them). Always, without a trigger."""
         return self.trigger is None or self.trigger.needs_mask(in_flight)
 
@@ -227,7 +227,7 @@ class GrammarManager:
     freeing, trimming; low priority) and the mask one (cheap masks).
 
     Args:
-        tokenizer: llguidance's tokenizer (:func:`~pipeline.common.grammar.load_tokenizer`).
+        tokenizer: llguidance's tokenizer (``load_tokenizer``).
         vocab_size: token ids with a mask bit.
         max_request_bytes: matcher memory one request may take.
         max_total_bytes: matcher memory all requests (and the cache) may take.
@@ -271,7 +271,7 @@ class GrammarManager:
         return self._tokenizer.tokenize_bytes(data)
 
     def add(self, msg: AddRequest) -> None:
-        """Take a request with a grammar; it comes back from :meth:`poll` once its matchers exist."""
+        """Take a request with a grammar; it comes back from ``poll`` once its matchers exist."""
         self._pending.append(_Pending(msg))
 
     def abort(self, req_num: int) -> bool:
@@ -404,7 +404,7 @@ class GrammarManager:
             entry.template = None
 
     def _housekeep(self, now: float) -> None:
-        """Drop compiled grammars unused for :data:`CACHE_IDLE_S` or past :data:`CACHE_ENTRIES`; free and trim."""
+        """Drop compiled grammars unused for ``CACHE_IDLE_S`` or past ``CACHE_ENTRIES``; free and trim."""
         for text, entry in list(self._cache.items()):
             if not entry.users and (now - entry.last_used > CACHE_IDLE_S or len(self._cache) > CACHE_ENTRIES):
                 self._evict(text)
@@ -438,7 +438,7 @@ class GrammarManager:
             self._background.submit(_guarded, state, token_id, tail)
 
     def wait_masks(self) -> None:
-        """Give the cheap masks in flight up to :data:`MASK_WAIT_S` to finish (the scheduler is about to plan)."""
+        """Give the cheap masks in flight up to ``MASK_WAIT_S`` to finish (the scheduler is about to plan)."""
         job = self._last_cheap
         if job is not None and not job.done():
             concurrent.futures.wait([job], MASK_WAIT_S)

@@ -12,23 +12,23 @@ class BlockPool:
     (named by its block hash, no owner: its keys and values can be reused
     until it is evicted) or *owned* (a reference count of owners). The owners
     of a block are the requests that hold it and the steps in flight that
-    still read it: callers free with :meth:`free_after` naming the last step
+    still read it: callers free with ``free_after`` naming the last step
     that references the block, and the reference goes when that step reports
-    completion (:meth:`step_completed`; docs/design.md, "Deferred free"), so
+    completion (``step_completed``; docs/design.md, "Deferred free"), so
     no block a step in flight reads or writes is handed out again.
 
     With prefix caching, a full block whose tokens are final is named
-    (:meth:`cache_blocks`) and stays named when its last owner frees it; a
+    (``cache_blocks``) and stays named when its last owner frees it; a
     new request takes the longest run of named blocks of its prompt
-    (:meth:`lookup`, then :meth:`share`). :meth:`allocate_blocks` takes free
+    (``lookup``, then ``share``). ``allocate_blocks`` takes free
     blocks first, then evicts cached-free ones, least recently freed first
     (docs/design.md, "Prefix caching").
 
     Args:
         num_blocks: KV cache blocks (ids ``0..num_blocks-1``).
         num_req_indices: request indices (ids ``0..num_req_indices-1``), i.e. ``max_num_seqs``.
-        enable_caching: name blocks at all; without it :meth:`cache_blocks`
-            does nothing and :meth:`lookup` finds nothing.
+        enable_caching: name blocks at all; without it ``cache_blocks``
+            does nothing and ``lookup`` finds nothing.
     """
 
     def __init__(self, num_blocks: int, num_req_indices: int, enable_caching: bool = True):
@@ -47,7 +47,7 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks :meth:`allocate_blocks` can hand out now: free and cached-free."""
+        """Blocks ``allocate_blocks`` can hand out now: free and cached-free."""
         return len(self._free_blocks) + len(self._evictable)
 
     @property
@@ -94,7 +94,7 @@ class BlockPool:
         return out
 
     def count_unowned(self, blocks: list[int]) -> int:
-        """How many of ``blocks`` are cached-free: what :meth:`share` takes from :attr:`num_free_blocks`."""
+        """How many of ``blocks`` are cached-free: what ``share`` takes from ``num_free_blocks``."""
         refs = self._refs
         return sum(1 for b in blocks if not refs[b])
 

@@ -2,7 +2,7 @@
 
 Loop: take control messages (zmq), plan a step into the descriptor ring
 whenever fewer than ``max_inflight`` steps are in flight
-(:data:`~pipeline.common.step_protocol.MAX_INFLIGHT_STEPS` with asynchronous
+(``MAX_INFLIGHT_STEPS`` with asynchronous
 scheduling, 1 in lock step), otherwise wait on the output ring for the oldest
 step's tokens. Imports neither torch nor model code.
 """
@@ -59,10 +59,10 @@ class StepTimeout(Exception):
 
 
 class SchedulerProc:
-    """Owns the scheduler, its rings and sockets; :meth:`run` is the process body.
+    """Owns the scheduler, its rings and sockets; ``run`` is the process body.
 
     A control message that does not decode is logged and dropped. With
-    ``config.step_timeout_s`` > 0, :meth:`run` raises :class:`StepTimeout`
+    ``config.step_timeout_s`` > 0, ``run`` raises ``StepTimeout``
     when the oldest step in flight has waited that long for its output,
     unless io_proc's heartbeat is as old (then the worker waits on io_proc,
     and the launcher names io_proc). Each turn of the loop beats in
@@ -297,7 +297,7 @@ class SchedulerProc:
 
 
 def run_scheduler(config: EngineConfig, status_conn, stop: StopFlag) -> int:
-    """Process body of scheduler_proc (see :mod:`pipeline.child`): serve until ``stop``; returns the exit status."""
+    """Process body of scheduler_proc (see ``pipeline.child``): serve until ``stop``; returns the exit status."""
     role = config.scheduler_role
     desc_ring = config.descriptor_ring()
     out_ring = config.output_ring()

@@ -1,7 +1,7 @@
 """Prefix caching on the scheduler's side: naming final blocks, finding a new request's cached prefix.
 
 docs/design.md, "Prefix caching". The pool keeps the named blocks
-(:class:`~pipeline.scheduler_proc.kv_block_pool.BlockPool`); this module
+(``BlockPool``); this module
 decides which of a request's blocks may be named and which it may reuse.
 
 A request's first ``num_final_tokens`` tokens are final: their ids are
@@ -88,7 +88,7 @@ class PrefixCache:
 
 
 def may_reuse(req: Request) -> bool:
-    """Whether ``req`` may start from cached blocks (see :meth:`PrefixCache.lookup`)."""
+    """Whether ``req`` may start from cached blocks (see ``PrefixCache.lookup``)."""
     p = req.params
     if p.prompt_logprobs >= 0 or p.repetition_penalty != 1.0:
         return False

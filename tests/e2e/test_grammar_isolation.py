@@ -154,7 +154,7 @@ def itl_p99(srv: Server, tokens: int) -> float:
 
 
 class Bombs:
-    """Requests streamed over and over until :meth:`stop` (which aborts them)."""
+    """Requests streamed over and over until ``stop`` (which aborts them)."""
 
     def __init__(self, srv: Server, bodies: list[dict]):
         self._stop = threading.Event()

@@ -81,7 +81,7 @@ SHORT_NEW_TOKENS = NEW_TOKENS  # the continuations check_against_hf already aske
 
 
 def long_prompt_ids(tok) -> list[int]:
-    """A prompt of exactly :data:`LONG_PROMPT_TOKENS` ids of ordinary text."""
+    """A prompt of exactly ``LONG_PROMPT_TOKENS`` ids of ordinary text."""
     text = " ".join(f"Note {i}: {PROMPTS[i % len(PROMPTS)]} {i * 7 % 13} apples." for i in range(200))
     ids = tok(text)["input_ids"]
     assert len(ids) >= LONG_PROMPT_TOKENS

@@ -1,6 +1,6 @@
 """A CPU stand-in for ``torch.cuda.set_sync_debug_mode("error")``.
 
-:class:`SyncGuard` is a ``TorchFunctionMode`` that tracks which tensors live
+``SyncGuard`` is a ``TorchFunctionMode`` that tracks which tensors live
 on the "device" and flags every call that, on a CUDA device, would make the
 host wait for a stream:
 
@@ -15,18 +15,18 @@ host wait for a stream:
   are not ``non_blocking`` into pinned memory;
 * a host tensor (not a 0-dim scalar) fed to a device op: CUDA copies it
   synchronously (an index) or fails;
-* ``synchronize`` on an event or stream of :class:`FakeAsyncOps`.
+* ``synchronize`` on an event or stream of ``FakeAsyncOps``.
 
-Which tensors are on the device: the roots given to :meth:`SyncGuard.mark_device`
+Which tensors are on the device: the roots given to ``SyncGuard.mark_device``
 (model weights, KV cache, the runner's input batch), anything a factory call
 makes with an explicit ``device=``, anything uploaded through
-:class:`FakeAsyncOps`, and every output of an op that reads a device tensor.
-"Pinned" host tensors are the staging buffers :class:`FakeAsyncOps` hands out
+``FakeAsyncOps``, and every output of an op that reads a device tensor.
+"Pinned" host tensors are the staging buffers ``FakeAsyncOps`` hands out
 (and views of their storage).
 
-:class:`FakeAsyncOps` is the CUDA code path of :class:`~pipeline.gpu_worker.device.AsyncOps`
+``FakeAsyncOps`` is the CUDA code path of ``AsyncOps``
 (staging, uploads, copy stream, events) run on the CPU: it differs from
-:class:`~pipeline.gpu_worker.device.CudaOps` only in where buffers and events
+``CudaOps`` only in where buffers and events
 come from.
 """
 
@@ -84,7 +84,7 @@ def _name(func) -> str:
 
 
 class SyncGuard(TorchFunctionMode):
-    """Records (and, with ``raise_on_sync``, raises on) every would-be device sync while :attr:`active`."""
+    """Records (and, with ``raise_on_sync``, raises on) every would-be device sync while ``active``."""
 
     def __init__(self, raise_on_sync: bool = False):
         super().__init__()
@@ -250,7 +250,7 @@ class FakeStream:
 
 
 class FakeAsyncOps(AsyncOps):
-    """:class:`~pipeline.gpu_worker.device.AsyncOps` on the CPU, watched by ``guard``."""
+    """``AsyncOps`` on the CPU, watched by ``guard``."""
 
     def __init__(self, device: torch.device, guard: SyncGuard):
         super().__init__(device)

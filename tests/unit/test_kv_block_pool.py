@@ -1,4 +1,4 @@
-"""Unit tests of :class:`pipeline.scheduler_proc.kv_block_pool.BlockPool`: counts, deferred free, exhaustion.
+"""Unit tests of ``pipeline.scheduler_proc.kv_block_pool.BlockPool``: counts, deferred free, exhaustion.
 
 A block or req_index freed with ``free_after(step_id, ...)`` must stay out of the
 free lists until ``step_completed(s)`` with ``s >= step_id``; with no step in

@@ -1,4 +1,4 @@
-"""Unit tests of :class:`pipeline.common.layouts.Layout`: offsets, sizes, aliasing views, validation."""
+"""Unit tests of ``pipeline.common.layouts.Layout``: offsets, sizes, aliasing views, validation."""
 
 from __future__ import annotations
 

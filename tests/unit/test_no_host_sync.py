@@ -1,7 +1,7 @@
 """No step may wait for the device: ``ModelRunner.launch`` under a sync guard.
 
-On CPU, :class:`~tests.unit.sync_guard.SyncGuard` watches the CUDA code path
-of the runner (:class:`~tests.unit.sync_guard.FakeAsyncOps`: pinned staging,
+On CPU, ``SyncGuard`` watches the CUDA code path
+of the runner (``FakeAsyncOps``: pinned staging,
 non-blocking uploads, copy stream, events) on a tiny random Llama, and fails
 on any call that would synchronise a CUDA stream. The steps cover prefill,
 decode and mixed prefill+decode, greedy and sampled rows (temperature,
@@ -268,7 +268,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 
 def cuda_runner(max_model_len: int = 128, graphs: str = "eager") -> ModelRunner:
-    """A CUDA runner; ``graphs == "graphs"`` captures decode graphs of :data:`GRAPH_SIZES`."""
+    """A CUDA runner; ``graphs == "graphs"`` captures decode graphs of ``GRAPH_SIZES``."""
     config = engine_config(max_model_len)
     dev = torch.device("cuda")
     model = tiny_model(max(256, max_model_len)).to(dev)

@@ -4,7 +4,7 @@ References: transformers' logits processors (``RepetitionPenaltyLogitsProcessor`
 ``MinNewTokensLengthLogitsProcessor``, ``SequenceBiasLogitsProcessor``,
 ``MinPLogitsWarper``) and, for the presence and frequency penalties, which
 transformers does not have, the OpenAI API reference's formula in numpy.
-Then a tiny random Llama runs through :class:`ModelRunner` on the CUDA code
+Then a tiny random Llama runs through ``ModelRunner`` on the CUDA code
 path under the sync guard: a penalized greedy request (all of them, with
 ``logit_bias`` and ``min_tokens``) is prefilled in chunks while an
 unpenalized one decodes, both with placeholders, and its tokens must equal

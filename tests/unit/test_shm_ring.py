@@ -1,4 +1,4 @@
-"""Unit tests of :class:`pipeline.common.shm_ring.ShmRing`: FIFO over wrap-around, back-pressure, timeouts, cleanup.
+"""Unit tests of ``pipeline.common.shm_ring.ShmRing``: FIFO over wrap-around, back-pressure, timeouts, cleanup.
 
 The last test drives a writer in a second process (spawn) with random payloads,
 sleeps and timeouts, and checks that every reader sees exactly the published

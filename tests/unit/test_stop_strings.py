@@ -1,7 +1,7 @@
 """Stop strings: nothing of a stop string ever reaches the client, output is cut
 before it, and held-back text is flushed when the request ends otherwise.
 
-The end-to-end cases run through :class:`OutputProcessor` with a byte-level
+The end-to-end cases run through ``OutputProcessor`` with a byte-level
 detokenizer (one token per UTF-8 byte), which splits every multi-byte
 character over tokens like a real byte-level BPE does, and needs no model files.
 """

@@ -1,7 +1,7 @@
 """Log-probabilities computed by the worker: equal to transformers, from the same step, with no host sync.
 
-A tiny random Llama runs through :class:`ModelRunner` on the CUDA code path
-(under :class:`~tests.unit.sync_guard.SyncGuard`) and on plain CPU torch. A
+A tiny random Llama runs through ``ModelRunner`` on the CUDA code path
+(under ``SyncGuard``) and on plain CPU torch. A
 greedy request with ``logprobs`` and ``prompt_logprobs`` is prefilled in
 chunks of 4 tokens beside a sampled request (temperature, top-k, top-p) and
 then decodes with placeholders; every value must equal transformers'

@@ -59,7 +59,7 @@ def sdpa(
 
 
 def host_upload(arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
-    """:data:`Upload` for a CPU "device": int64 tensors over the arrays."""
+    """``Upload`` for a CPU "device": int64 tensors over the arrays."""
     return [torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)) for a in arrays]
 
 
@@ -140,7 +140,7 @@ class StepLayout:
         )
 
     def slot_mapping_inputs(self) -> list[np.ndarray]:
-        """``[req_index of each token, block column of each token]`` for :func:`slot_mapping`."""
+        """``[req_index of each token, block column of each token]`` for ``slot_mapping``."""
         return [self.req_indices[self.request_of_token], self.positions // self.block_size]
 
 
@@ -197,7 +197,7 @@ def slot_mapping(
     Args:
         block_table: ``[rows, max_blocks_per_seq]`` int64.
         token_req_indices, token_cols: ``[T]`` the block-table row and column of
-            each token (from :meth:`StepLayout.slot_mapping_inputs`).
+            each token (from ``StepLayout.slot_mapping_inputs``).
         positions: ``[T]`` each token's position.
     """
     return block_table[token_req_indices, token_cols] * block_size + positions % block_size
@@ -271,7 +271,7 @@ class AttentionBackend(ABC):
             k: ``[T, KVH, D]`` keys (RoPE applied), H a multiple of KVH.
             v: ``[T, KVH, D]`` values.
             kv_cache: the layer's ``(k_cache, v_cache)``, written in place.
-            meta: this step's metadata from :meth:`build_metadata`.
+            meta: this step's metadata from ``build_metadata``.
             scale: softmax scale, usually ``D ** -0.5``.
             window: a sliding window of this many keys, the query's own
                 included (position p attends p - window + 1 .. p, as
@@ -309,14 +309,14 @@ class AttentionBackend(ABC):
     def build_from_rows(
         self, query_lens, start_positions, block_table: torch.Tensor, block_size: int
     ) -> AttentionMetadata:
-        """:meth:`build_metadata` with one block-table row per request, for CPU tensors (tests, benchmarks).
+        """``build_metadata`` with one block-table row per request, for CPU tensors (tests, benchmarks).
 
         Args:
             query_lens, start_positions: ``[B]`` host integers.
             block_table: ``[B, max_blocks_per_seq]`` integer CPU tensor, row ``i`` for request ``i``.
 
         Raises:
-            ValueError: as :meth:`StepLayout.build`, or a block table whose rows do not match.
+            ValueError: as ``StepLayout.build``, or a block table whose rows do not match.
         """
         num_reqs = len(query_lens)
         if block_table.dim() != 2 or block_table.shape[0] != num_reqs:

@@ -14,7 +14,7 @@ suits SDPA), and the cache memory is used head-major as there.
 
 The kernel is compiled for the host CPU at start-up by
 ``torch.utils.cpp_extension`` (ninja and a C++ compiler; about 10 s, then
-cached). Where it cannot be built or loaded, :func:`unavailable_reason` says
+cached). Where it cannot be built or loaded, ``unavailable_reason`` says
 why and ``auto`` keeps ``torch_bucketed``.
 """
 
@@ -105,7 +105,7 @@ def supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     """Whether the kernel is compiled for this attention shape (it is specialised per query group and head size).
 
     Raises:
-        RuntimeError: the kernel is not available (see :func:`unavailable_reason`).
+        RuntimeError: the kernel is not available (see ``unavailable_reason``).
     """
     if unavailable_reason() is not None:
         raise RuntimeError(f"cpu_paged kernel unavailable: {unavailable_reason()}")
@@ -117,7 +117,7 @@ class CpuPagedBackend(TorchBucketedBackend):
 
     Args:
         slack, min_pad, min_query_pad: prefill bucket limits (see
-            :func:`~pipeline.gpu_worker.attention.torch_bucketed.plan_buckets`).
+            ``plan_buckets``).
 
     Raises:
         RuntimeError: the kernel cannot be built or loaded here (the reason is given).

@@ -14,7 +14,7 @@ needs pages of a multiple of 256 tokens, and this runtime's blocks are 16
 per request (``qo_indptr``), with the causal mask aligned to the end of each
 request's keys, exactly "each token attends to its own prefix".
 
-**No host synchronisation.** :meth:`FlashInferBackend.build_metadata` plans
+**No host synchronisation.** ``FlashInferBackend.build_metadata`` plans
 the step with ``qo_indptr``, ``paged_kv_indptr`` and
 ``paged_kv_last_page_len`` as pinned *host* tensors computed from the step's
 host layout (FlashInfer reads them on the host to schedule the kernel; given
@@ -28,7 +28,7 @@ limit (docs/design.md, "The in-flight limit") guarantees that when a wrapper
 is planned again, the step that used it has finished.
 
 Supported: CUDA, float16 / bfloat16 (FlashInfer has no float32 kernels),
-head sizes 64, 128 and 256. :func:`unsupported_reason` says why not
+head sizes 64, 128 and 256. ``unsupported_reason`` says why not
 otherwise, and start-up then falls back to a torch backend. The first step
 may JIT-compile FlashInfer's kernels (minutes) unless its prebuilt kernels
 are installed.
@@ -81,7 +81,7 @@ def unsupported_reason(device: torch.device, dtype: torch.dtype, head_dim: int) 
 
 @dataclasses.dataclass
 class FlashInferMetadata(AttentionMetadata):
-    """Per-step metadata for :class:`FlashInferBackend` (beyond the common fields).
+    """Per-step metadata for ``FlashInferBackend`` (beyond the common fields).
 
     Attributes:
         wrappers: per ``(window, softcap)`` of the model's layers, the
@@ -104,13 +104,13 @@ class FlashInferBackend(PaddedGraphDecode, AttentionBackend):
         dtype: the model's (and KV cache's) dtype.
         device: a CUDA device.
         scale: softmax scale, default ``head_dim ** -0.5``; planned once per
-            step, so :meth:`forward` must be given the same.
+            step, so ``forward`` must be given the same.
         kinds: the ``(window, softcap)`` pairs of the model's layers (see
             ``AttentionBackend.forward``); each is planned once per step, as
             FlashInfer's ``window_left = window - 1`` and ``logits_soft_cap``.
 
     Raises:
-        ValueError: if :func:`unsupported_reason` finds a reason.
+        ValueError: if ``unsupported_reason`` finds a reason.
     """
 
     name = "flashinfer"

@@ -4,13 +4,13 @@ The padded backend (``torch_sdpa``) pads every decode row to the longest
 context of the step and gathers all of that padded K/V in every layer, so one
 long request makes the whole batch pay for its length. Here the step's
 requests are grouped into a few **buckets of similar length**, once per step
-on the host (:func:`plan_buckets`), and each bucket is one SDPA call over its
+on the host (``plan_buckets``), and each bucket is one SDPA call over its
 rows' own blocks, padded only to the bucket's longest context
 (docs/design.md, "The worker"):
 
 - decode rows (query_len == 1) are grouped by context; a row joins the
   bucket of a longer one while that bucket's context is at most
-  :data:`SLACK` times its own, or at most :data:`MIN_PAD` tokens longer.
+  ``SLACK`` times its own, or at most ``MIN_PAD`` tokens longer.
   Queries run as ``[rows, KVH, H / KVH, D]`` (the heads sharing a KV head
   folded into the query dimension, so K/V are never expanded);
 - prefill rows (query_len > 1) are grouped likewise, and also by chunk length
@@ -30,11 +30,11 @@ keys of one head come out contiguous, which the CPU SDPA kernel reads faster;
 
 **No host synchronisation.** Everything shaped by the batch (the buckets,
 their rows, query indices and context lengths) is decided on the host from
-the :class:`~pipeline.gpu_worker.attention.backend.StepLayout` and uploaded
+the ``StepLayout`` and uploaded
 in one transfer; block ids are then read from the device block table and the
 masks built on the device.
 
-The module is one unit: the build lays out exactly what :meth:`forward`
+The module is one unit: the build lays out exactly what ``forward``
 indexes, and splitting them would only scatter that contract.
 """
 
@@ -142,7 +142,7 @@ class Bucket:
         context_lens: ``[rows]`` int64, each row's context in tokens (decode
             buckets; None for prefill).
         window_masks: ``mask`` narrowed to each sliding window used this
-            step, made by the first layer that asks (:meth:`mask_for`).
+            step, made by the first layer that asks (``mask_for``).
     """
 
     q_max: int
@@ -172,9 +172,9 @@ class Bucket:
 
 @dataclasses.dataclass
 class BucketedMetadata(AttentionMetadata):
-    """Per-step layout for :class:`TorchBucketedBackend`, shared by every layer.
+    """Per-step layout for ``TorchBucketedBackend``, shared by every layer.
 
-    Attributes (beyond :class:`~pipeline.gpu_worker.attention.backend.AttentionMetadata`):
+    Attributes (beyond ``AttentionMetadata``):
         decode: buckets of rows with query_len == 1, longest first.
         prefill: buckets of rows with query_len > 1, longest first.
     """
@@ -196,7 +196,7 @@ class PrefixTable:
     the step's metadata); gathering ``R`` rows of this table costs 12 us. On
     a GPU both are one kernel. The table grows by doubling as contexts grow
     (a rebuild costs one comparison of its size), up to
-    :data:`_PREFIX_TABLE_MAX` keys; wider masks fall back to the comparison.
+    ``_PREFIX_TABLE_MAX`` keys; wider masks fall back to the comparison.
     """
 
     def __init__(self) -> None:
@@ -252,7 +252,7 @@ class _HostPrefill:
 
 
 def _host_prefill(layout: StepLayout, rows: np.ndarray) -> _HostPrefill:
-    """Shapes and indices of the prefill bucket of requests ``rows`` (see :class:`Bucket`)."""
+    """Shapes and indices of the prefill bucket of requests ``rows`` (see ``Bucket``)."""
     g = PaddedQueries.of(layout, rows)
     token_index = g.token_index.ravel()
     padded = not g.real.all()
@@ -342,12 +342,12 @@ def _device_decode(
 class TorchBucketedBackend(PaddedGraphDecode, AttentionBackend):
     """SDPA per bucket of similar-length requests (see the module docstring).
 
-    Owns the :class:`~pipeline.gpu_worker.attention.torch_sdpa.GatherBuffer`
-    its layers share and the :class:`PrefixTable` its masks are read from.
+    Owns the ``GatherBuffer``
+    its layers share and the ``PrefixTable`` its masks are read from.
 
     Args:
         head_major: use the cache memory head-major (faster gathers on CPU).
-        slack, min_pad, min_query_pad: bucket limits (see :func:`plan_buckets`).
+        slack, min_pad, min_query_pad: bucket limits (see ``plan_buckets``).
     """
 
     name = "torch_bucketed"
@@ -399,7 +399,7 @@ class TorchBucketedBackend(PaddedGraphDecode, AttentionBackend):
         )
 
     def plan_decode(self, context_lens: np.ndarray) -> list[np.ndarray]:
-        """Buckets of the step's decode rows, given their ``[R]`` contexts (see :func:`plan_buckets`)."""
+        """Buckets of the step's decode rows, given their ``[R]`` contexts (see ``plan_buckets``)."""
         return plan_buckets(context_lens, np.ones_like(context_lens), *self.limits)
 
     def forward(
@@ -440,7 +440,7 @@ class TorchBucketedBackend(PaddedGraphDecode, AttentionBackend):
 
         Args:
             q: ``[T, H, D]`` the step's queries.
-            k_cache, v_cache: the layer's caches as :func:`write_kv` returns them.
+            k_cache, v_cache: the layer's caches as ``write_kv`` returns them.
             b: the bucket.
             block_size: tokens per block.
             scale: softmax scale.

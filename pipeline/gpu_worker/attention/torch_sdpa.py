@@ -11,8 +11,8 @@ requests are split into two groups, each attended with one batched call:
   prefill rows only, ``[Bp, H, Qmax, D]``, with a causal mask.
 
 Keys and values are gathered block by block through each row's block table
-(cache layout in :mod:`pipeline.gpu_worker.attention.backend`). Everything
-shaped by the batch is computed once per step in :meth:`TorchSDPABackend.build_metadata`:
+(cache layout in ``pipeline.gpu_worker.attention.backend``). Everything
+shaped by the batch is computed once per step in ``TorchSDPABackend.build_metadata``:
 small index arrays on the host, masks and block ids on the device; the
 per-layer path only indexes precomputed tensors, so it has no Python loop
 over requests and no host synchronisation.
@@ -83,9 +83,9 @@ class AttentionGroup:
 
 @dataclasses.dataclass
 class SDPAMetadata(AttentionMetadata):
-    """Per-step layout for :class:`TorchSDPABackend`, shared by every layer.
+    """Per-step layout for ``TorchSDPABackend``, shared by every layer.
 
-    Attributes (beyond :class:`~pipeline.gpu_worker.attention.backend.AttentionMetadata`):
+    Attributes (beyond ``AttentionMetadata``):
         decode: group of requests with query_len == 1, or None if there are none.
         prefill: group of requests with query_len > 1, or None if there are none.
     """
@@ -105,7 +105,7 @@ class _HostGroup:
 
 
 def _host_group(layout: StepLayout, rows: np.ndarray) -> _HostGroup:
-    """Shapes and indices of the padded group of requests ``rows`` (see :class:`AttentionGroup`)."""
+    """Shapes and indices of the padded group of requests ``rows`` (see ``AttentionGroup``)."""
     g = PaddedQueries.of(layout, rows)
     out_rows = np.flatnonzero(g.real)
     out_tokens = g.token_index.ravel()[out_rows]
@@ -275,7 +275,7 @@ def _single_identity_group(meta: SDPAMetadata) -> bool:
 class TorchSDPABackend(PaddedGraphDecode, AttentionBackend):
     """Padded decode and prefill groups over SDPA (see the module docstring).
 
-    Owns the :class:`GatherBuffer` its layers share.
+    Owns the ``GatherBuffer`` its layers share.
     """
 
     name = "torch_sdpa"

@@ -14,8 +14,8 @@ from pipeline.gpu_worker.layers.tp import SINGLE_RANK, TPGroup
 class VocabParallelEmbedding(nn.Module):
     """``V_r = ceil(V / N)`` rows of a ``[V, hidden]`` table; the last rank's rows past ``V`` are zeros.
 
-    Serves as the embedding (:meth:`forward`) and as the LM head
-    (:meth:`logits`), so a tied model uses one table for both.
+    Serves as the embedding (``forward``) and as the LM head
+    (``logits``), so a tied model uses one table for both.
     """
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup = SINGLE_RANK) -> None:

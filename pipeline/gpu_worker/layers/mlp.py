@@ -25,7 +25,7 @@ class GatedMLP(nn.Module):
 
     Args:
         hidden_size, intermediate_size: the full model's widths.
-        act: a key of :data:`ACTIVATION_FNS`.
+        act: a key of ``ACTIVATION_FNS``.
         bias: whether the projections have biases.
         tp: this rank's group; each rank holds ``intermediate_size / N`` of it.
     """

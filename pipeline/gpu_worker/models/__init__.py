@@ -42,7 +42,7 @@ def model_class(architecture: str) -> type:
     """The family class serving ``architecture`` (its module imported now).
 
     Raises:
-        ValueError: as :func:`check_architecture`.
+        ValueError: as ``check_architecture``.
     """
     check_architecture(architecture)
     module, name = _MODELS[architecture]

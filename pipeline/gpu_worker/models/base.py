@@ -50,7 +50,7 @@ class CausalLM(nn.Module):
         attn_backend: how attention is computed; default ``default_backend()``.
 
     Parameters are created uninitialised, in the default dtype on the
-    default device; :meth:`load_weights` fills every one or raises.
+    default device; ``load_weights`` fills every one or raises.
 
     Raises:
         ValueError: ``tp.size`` does not fit the model (the message lists sizes that do).
@@ -120,7 +120,7 @@ class CausalLM(nn.Module):
             meta: the step's metadata from ``self.attn_backend.build_metadata``,
                 on the model's device.
             kv_caches: one ``(k_cache, v_cache)`` per layer, as made by
-                :meth:`allocate_kv_caches`; written in place.
+                ``allocate_kv_caches``; written in place.
 
         Returns:
             ``[T, hidden_size]`` final-normed hidden states, model dtype.

@@ -90,7 +90,7 @@ def _close(mm: mmap.mmap) -> None:
 
 
 def read_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the checkpoint in ``model_dir``, file by file (see :func:`iter_tensors`).
+    """Every tensor of the checkpoint in ``model_dir``, file by file (see ``iter_tensors``).
 
     Raises:
         FileNotFoundError: as ``checkpoint_files``.
