@@ -98,3 +98,37 @@ def test_design_links_into_perf_resolve():
     targets = re.findall(r"\]\(perf/README\.md#([^)]*)\)", DESIGN.read_text())
     assert targets, "design.md points its measurements to docs/perf/README.md"
     assert [t for t in targets if t not in known] == []
+
+
+def module_map_paths() -> set[str]:
+    """The paths design.md's "Module map" names, from its tree's indentation (two spaces a level)."""
+    lines = DESIGN.read_text().splitlines()
+    start = lines.index("## Module map")
+    fence = next(i for i in range(start, len(lines)) if lines[i].startswith("```"))
+    stack: list[str] = []
+    paths = set()
+    for line in lines[fence + 1 :]:
+        if line.startswith("```"):
+            break
+        m = re.match(r"^( *)([\w.-]+/?)((?:, [\w.-]+)*)(?:\s|$)", line)
+        if not m or len(m.group(1)) > 16:
+            continue
+        depth = len(m.group(1)) // 2
+        del stack[depth:]
+        for name in [m.group(2)] + m.group(3).split(", ")[1:]:
+            paths.add("/".join(stack + [name.rstrip("/")]))
+        if m.group(2).endswith("/"):
+            stack.append(m.group(2).rstrip("/"))
+    return paths
+
+
+def test_module_map_names_every_module_and_only_those():
+    listed = module_map_paths()
+    modules = {
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "pipeline").rglob("*")
+        if p.suffix in (".py", ".cpp") and p.name not in ("__init__.py", "__main__.py")
+    }
+    assert sorted(modules - listed) == [], "modules missing from docs/design.md's module map"
+    stale = sorted(p for p in listed if p.startswith("pipeline/") and not (ROOT / p).exists())
+    assert stale == [], "module map entries that no longer exist"
