@@ -65,7 +65,7 @@ class _Child(subprocess.Popen):
         if kind == "gpu_worker":
             # The worker's OpenMP threads sleep at a barrier instead of spinning (libgomp spins 300,000
             # times first; KMP_BLOCKTIME is Intel OpenMP's): on a machine whose cores other processes
-            # also use, a spinning thread kept a core from them (docs/design.md, "The worker"). Read when
+            # also use, a spinning thread kept a core from them (docs/design.md, "OpenMP waits passively"). Read when
             # torch loads OpenMP; a value the user set is kept.
             env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
             env.setdefault("KMP_BLOCKTIME", "0")

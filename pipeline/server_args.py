@@ -404,7 +404,7 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def cuda_graph_sizes(requested: list[int] | None, max_rows: int) -> tuple[int, ...]:
-    """The decode batch sizes to capture as CUDA graphs, ascending (docs/design.md, "The worker").
+    """The decode batch sizes to capture as CUDA graphs, ascending (docs/design.md, "CUDA graphs for decode").
 
     Args:
         requested: ``--cuda-graph-sizes``; None for the default, which follows
@@ -586,7 +586,7 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
             chat_template = Path(args.chat_template).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             _die(f"--chat-template {args.chat_template!r} cannot be read: {e}")
-    # Graphs are captured on CUDA with one rank only (docs/design.md, "The worker").
+    # Graphs are captured on CUDA with one rank only (docs/design.md, "CUDA graphs for decode").
     graph_sizes = cuda_graph_sizes(args.cuda_graph_sizes, min(args.max_num_seqs, args.max_num_batched_tokens))
     if args.enforce_eager or device != "cuda" or tp > 1:
         graph_sizes = ()

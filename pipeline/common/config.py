@@ -40,7 +40,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
             or above it.
         num_kv_blocks: KV cache blocks the worker allocates; 0 until each
             engine's rank 0 has sized the cache on its device (CUDA without
-            ``--kv-cache-memory``: docs/design.md, "The worker"), then the
+            ``--kv-cache-memory``: docs/design.md, "KV cache size"), then the
             launcher starts the scheduler with the figure.
         kv_cache_memory_bytes: with ``num_kv_blocks`` 0, the KV cache's bytes
             per device; 0: what ``gpu_memory_utilization`` leaves.
@@ -90,7 +90,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
             one io_proc.
         cuda_graph_sizes: batch sizes of decode-only steps the worker
             captures as CUDA graphs, ascending; empty: every step runs eagerly
-            (``--enforce-eager``, CPU, tensor parallelism). docs/design.md, "The worker".
+            (``--enforce-eager``, CPU, tensor parallelism). docs/design.md, "CUDA graphs for decode".
         nnodes: machines the tensor-parallel ranks are spread over; each runs
             ``tensor_parallel_size / nnodes`` of them (docs/design.md,
             "Parallelism").

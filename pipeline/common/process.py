@@ -117,7 +117,7 @@ def pin_to_cpus(cpus: tuple[int, ...]) -> None:
 
     On a machine with few cores the worker's intra-op threads and the other
     two processes otherwise take turns on the same cores, and a decode step
-    waits for whichever thread was descheduled (docs/design.md, "The worker").
+    waits for whichever thread was descheduled (docs/design.md, "CPU placement").
 
     Raises:
         OSError: a CPU that does not exist or is not allowed to this process.

@@ -1,4 +1,4 @@
-"""CUDA graphs for decode-only steps (docs/design.md, "CUDA graphs").
+"""CUDA graphs for decode-only steps (docs/design.md, "CUDA graphs for decode").
 
 A decode step of a small model is bound by kernel launches; a CUDA graph
 replays a step's kernels with one launch (PyTorch, "CUDA Graphs"). A graph

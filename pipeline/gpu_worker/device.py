@@ -1,7 +1,7 @@
 """How the runner moves data to and from its device and marks time there.
 
-On a GPU nothing in ``launch``
-may make the host wait for the device (docs/design.md, "The worker"), so
+On a GPU nothing in ``ModelRunner.launch``
+may make the host wait for the device (docs/design.md, "Nothing in `launch` waits for the device"), so
 every transfer follows one of two patterns, both here:
 
 * **host -> device** (``DeviceOps.upload``): host arrays are packed into
@@ -164,7 +164,7 @@ class Staged:
 
 
 class UploadBatch:
-    """Host arrays from the parts of one step, copied to the device together (docs/design.md, "The worker").
+    """Host arrays from the parts of one step, copied to the device together (docs/design.md, "Host work per step").
 
     Each part of a step first decides on the host what it will need
     (``add`` returns a ``Staged`` handle), then ``upload`` makes

@@ -1,7 +1,7 @@
 """How many KV cache blocks a worker allocates when the launcher leaves the sizing to it.
 
 On CUDA without ``--kv-cache-memory`` the cache gets what the device's memory
-leaves, as in vLLM (docs/design.md, "The worker"): after the weights are
+leaves, as in vLLM (docs/design.md, "KV cache size"): after the weights are
 loaded, one profiling step of ``--max-num-batched-tokens`` tokens (and the
 LM head over ``--max-num-seqs`` rows) measures the activations' peak, and
 

@@ -7,15 +7,15 @@ runs four named steps (docs/design.md, "The step protocol"; "The worker"):
 
 1. ``InputBatch.write``: new block-table entries and the sampling parameters
    of rows new at their req_index, written on the device;
-2. ``_resolve_placeholders``: placeholder inputs read the
+2. ``ModelRunner._resolve_placeholders``: placeholder inputs read the
    token-id cache on the device; poison mode poisons what they read and
    computes a "stale" flag on the device; the inputs of rows with penalties
    are counted on the device (``InputBatch.count_inputs``);
-3. ``_forward_and_sample``: attention metadata, then the
+3. ``ModelRunner._forward_and_sample``: attention metadata, then the
    ``Executor`` (real model or simulated
    device), which also computes the log-probabilities asked for from the
    same forward; the sampled tokens go into the token-id cache;
-4. ``_start_host_copy``: the tokens, the stale flags and the
+4. ``ModelRunner._start_host_copy``: the tokens, the stale flags and the
    log-probabilities travel together to pinned host memory on a copy stream
    (one copy); an event says when.
 

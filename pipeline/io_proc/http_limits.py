@@ -1,27 +1,14 @@
 """Bounds on what one HTTP client can cost io_proc: time, bytes and sockets.
 
-* ``guarded_h11_protocol`` (the connection layer) subclasses uvicorn's h11
-  protocol. It enforces two read deadlines. A request's headers must arrive
-  within ``header_timeout_s`` of the connection's opening, or of the first
-  byte of the next request on a kept-alive connection. Its body must arrive
-  within ``body_timeout_s`` of the end of its headers. This covers the rest of
-  a body that is discarded after an early 413 too. The protocol also drops
-  writes to a transport that is already closing: asyncio logs
-  ``socket.send() raised exception`` for every write to a lost connection
-  after the fifth. Those writes came from a response whose client had just
-  gone (a stream's final chunks are several writes in a row).
-* ``RequestBodyLimit`` (the ASGI layer) reads each request body before
-  the app sees it and caps its size: 413 at once when ``Content-Length`` is
-  over the limit, and 413 as soon as a chunked body passes it. No JSON is
-  parsed before that.
+* ``guarded_h11_protocol`` (the connection layer) subclasses uvicorn's h11 protocol: read
+  deadlines for a request's headers (``header_timeout_s``) and body (``body_timeout_s``), which
+  uvicorn lacks, and no writes to a transport already closing (asyncio would log
+  ``socket.send() raised exception`` for each after the fifth).
+* ``RequestBodyLimit`` (the ASGI layer) caps a request body's size (413) before any JSON is parsed.
 
-uvicorn's own bounds are used as they are: ``limit_concurrency`` answers 503
-once that many connections or requests are open, ``timeout_keep_alive``
-closes idle kept-alive connections, and h11 answers 400 to headers larger
-than 16 KiB (``h11_max_incomplete_event_size``) or malformed. uvicorn logs a
-warning for each such 503 and 400; ``OncePerInterval`` thins them out. uvicorn has no timeout for
-a request that is still arriving, so this module adds one. See
-docs/design.md, "io_proc".
+uvicorn's own bounds are used as they are (``limit_concurrency``, ``timeout_keep_alive``, h11's
+16 KiB header limit); ``OncePerInterval`` thins out their warnings. docs/design.md, "Bounds per
+client".
 """
 
 from __future__ import annotations

@@ -1,26 +1,14 @@
 """The output reader thread: StepOutputs from the ring -> text per request -> the event loop.
 
-The thread reads every ``StepOutput`` from the output ring as reader
-``OUTPUT_READER_IO``, copies its rows and releases the entry before any text
-work, runs each row through its request's
-``OutputProcessor`` (detokenization, stop
-strings, ``check_finish``), and hands the step's results to the event loop
-with one ``call_soon_threadsafe`` (docs/design.md, "io_proc"). A row costs
-one processor push and a timeline entry; only a finish, or new output for a
-stream, becomes a result for the loop: a non-streaming request's text stays
-in its processor until it finishes. Log-probabilities
-travel in the same StepOutput: each output token's entry is stored on its
-request before the token is delivered, and prompt entries are stored by
-position; a request with ``max_tokens`` 0 finishes when its last prompt
-entry arrives, in the step where the scheduler finishes it too.
+It reads every ``StepOutput`` as reader ``OUTPUT_READER_IO``, copies the rows and releases the
+entry before any text work, so the worker never waits on io_proc's text; each live row goes
+through its request's ``OutputProcessor``, and a step's results reach the loop in one
+``call_soon_threadsafe`` (docs/design.md, "Output reader thread").
 
-The table of live requests is shared with the
-``EngineClient`` (single dict
-operations, atomic under the GIL): the loop inserts before sending
-``AddRequest`` and removes on abort; this thread removes on finish. A row
-whose request is not in the table is dropped: after a finish (or abort) a
-request may still get one token from the step already in flight, and no token
-after a finish may reach a client.
+The table of live requests is shared with the ``EngineClient`` (single dict operations, atomic
+under the GIL): the loop inserts before sending ``AddRequest`` and removes on abort; this thread
+removes on finish. A row whose request is not in the table is dropped, so no token after a finish
+reaches a client.
 """
 
 from __future__ import annotations

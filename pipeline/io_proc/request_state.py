@@ -1,7 +1,7 @@
 """One live request on io_proc's side: what waits to be sent to its client.
 
 A ``RequestState`` is created by
-``add_request``, fed by the
+``EngineClient.add_request``, fed by the
 output reader (``pipeline.io_proc.output_reader``) and consumed by a
 handler in ``pipeline.io_proc.serving`` (docs/design.md, "io_proc").
 
@@ -46,7 +46,7 @@ class StepTime:
 class RequestState:
     """One live request: its output processor and what waits to be sent to the client.
 
-    ``release`` must be
+    ``EngineClient.release`` must be
     called when the client side is done with it.
 
     Attributes:

@@ -90,7 +90,7 @@ class Tokenization:
     fast tokenizer raises "Already borrowed" only when a call changes its
     truncation or padding while another runs, and every call here uses the
     same settings (none). The output-reader thread decodes with its own copy
-    (``make_decoder``).
+    (``make_detokenizer``).
 
     Args:
         tokenizer: a ``transformers`` tokenizer (see ``load_tokenizer``).

@@ -1,33 +1,13 @@
 """Structured output in the scheduler: grammars compiled, matchers advanced and masks computed off its loop.
 
-A request with a grammar waits here, "compiling", until its matchers exist;
-then the scheduler queues it like any other (docs/design.md, "Structured
-output"). Each distinct grammar is compiled once, with its first mask, into
-an LRU cache; every choice of every request with that grammar gets a deep
-copy of the compiled matcher, which shares the compiled grammar (a 2,000-way
-``anyOf`` schema: 27 MB to compile, 0.25 MB a copy). Compiling and copying
-run on a background thread at a low CPU priority (nice 10: about a tenth of
-a core that another process keeps busy), so that on a machine whose cores
-are all busy a large grammar is slow rather than everyone else.
-
-A request with a ``grammar_trigger`` (tool calling's ``auto``) needs a mask
-only where its text could reach the trigger in the next token, and from the
-trigger on (``pipeline.common.lazy_grammar``): its choices each keep a
-pristine copy, from which a matcher fed the text's tail is made at such a
-point, on a thread; until then the row decodes every step, unmasked.
-
-After each output token a row's matcher consumes it and computes the next
-mask on a thread: cheap ones (under 0.5 ms last time) on a thread of normal
-priority, which the scheduler waits for at most 1 ms before it plans, the
-others on the background thread; a row whose mask is not ready sits out the
-step, and nobody else waits.
-
-Memory: the heap a compilation takes (``mallinfo2``, measured on the one
-thread that compiles) plus what each copy takes is counted per request and
-in total (two copies a choice with a trigger). A request over ``max_grammar_memory_per_request`` is refused (400);
-one that would take the total over ``max_grammar_memory`` waits until others
-end. Compiled grammars nobody uses are dropped when room is needed and 10 s
-after their last use, and the heap is trimmed once enough was freed.
+A grammar can take seconds to compile and megabytes per copy, so nothing of it runs in the
+scheduler's loop: a request with a grammar waits here until its matchers exist, compiled once per
+grammar text (an LRU cache) and deep-copied per choice on a low-priority background thread; masks
+are computed on threads, and a row whose mask is not ready sits out the step. A request with a
+``grammar_trigger`` (``pipeline.common.lazy_grammar``) is masked only near and after its trigger.
+Memory (the compilation's heap, ``mallinfo2``, plus each copy; two copies a choice with a trigger)
+is counted per request and in total (``max_grammar_memory_per_request``: refused with a 400;
+``max_grammar_memory``: waits). docs/design.md, "Structured output" ("Off the loop", "Memory").
 """
 
 from __future__ import annotations

@@ -132,3 +132,16 @@ def test_module_map_names_every_module_and_only_those():
     assert sorted(modules - listed) == [], "modules missing from docs/design.md's module map"
     stale = sorted(p for p in listed if p.startswith("pipeline/") and not (ROOT / p).exists())
     assert stale == [], "module map entries that no longer exist"
+
+
+def test_design_sections_cited_in_code_exist():
+    known = {text for _, text in headings(DESIGN.read_text().splitlines())}
+    cite = re.compile(r'design\.md,\s*((?:"[^"]+"[;,]?\s*(?:and\s+)?)+)')
+    missing = []
+    for p in pipeline_files() + sorted((ROOT / "pipeline").rglob("*.cpp")):
+        text = re.sub(r"\n\s*(?:#|//)?\s*", " ", p.read_text())
+        for m in cite.finditer(text):
+            missing += [
+                f"{p.relative_to(ROOT)}: {name}" for name in re.findall(r'"([^"]+)"', m.group(1)) if name not in known
+            ]
+    assert missing == [], "docs/design.md sections cited in code that it does not have"

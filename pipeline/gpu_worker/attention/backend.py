@@ -283,7 +283,7 @@ class AttentionBackend(ABC):
             ``[T, H, D]`` attention output, dtype of ``q``.
         """
 
-    # -- decode-only steps as CUDA graphs (docs/design.md, "CUDA graphs"); ``graph_decode.py`` implements these.
+    # -- decode-only steps as CUDA graphs (docs/design.md, "CUDA graphs for decode"); graph_decode.py implements these.
 
     def init_capture(self, max_rows: int, block_table: torch.Tensor, pad_block: int, block_size: int) -> None:
         """Allocate the static buffers the decode graphs of up to ``max_rows`` rows read.

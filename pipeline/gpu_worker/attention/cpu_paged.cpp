@@ -1,4 +1,4 @@
-// Paged decode attention on the CPU, reading the KV cache in place (docs/design.md, "The worker").
+// Paged decode attention on the CPU, reading the KV cache in place (docs/design.md, "Attention backends").
 //
 // One query per row; each (row, KV head) task reads that row's keys (all, or a sliding window's last) block by
 // block straight from the head-major cache, so no per-layer copy of the

@@ -4,7 +4,7 @@
 layer before its SDPA call: for a 64-request decode step at contexts of 300
 that is every row's whole K/V written once and read twice per layer, and on
 this project's CPU the gather and the small-query SDPA calls took about half
-of the step (docs/design.md, "The worker"). Here decode rows go through a
+of the step (docs/design.md, "Attention backends"). Here decode rows go through a
 C++ kernel (``cpu_paged.cpp``) that reads each row's keys and values block
 by block straight from the cache, as vLLM's CPU paged-attention kernel does:
 one task per (row, KV head), on torch's intra-op threads, its cost following

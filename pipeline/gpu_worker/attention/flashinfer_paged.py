@@ -1,37 +1,21 @@
 """The ``flashinfer`` attention backend (CUDA): FlashInfer's paged-KV batch prefill kernel.
 
-One kernel call per layer serves the whole step, decode rows and prefill
-chunks alike (a decode row is a one-token append), reading each request's
-own pages through its block table: cost follows each request's context, with
-no gather and no padding. The cache is used as allocated: per layer
-``[num_blocks * block_size, KVH, D]``, viewed as FlashInfer's "NHD" pages
-``[num_blocks, block_size, KVH, D]`` (docs/design.md, "The worker").
+One kernel call per layer serves the whole step, decode rows and prefill chunks alike, reading
+each request's own pages through its block table: no gather, no padding. The cache is used as
+allocated, ``[num_blocks * block_size, KVH, D]`` viewed as FlashInfer's "NHD" pages
+``[num_blocks, block_size, KVH, D]``. Not flash-attn: its paged KV needs pages of a multiple of
+256 tokens, and blocks here are 16; FlashInfer takes any page size, GQA, and a query length per
+request with the causal mask aligned to the end of its keys.
 
-Why FlashInfer rather than flash-attn: flash-attn 2's paged KV
-(``block_table`` in ``flash_attn_varlen_func`` / ``flash_attn_with_kvcache``)
-needs pages of a multiple of 256 tokens, and this runtime's blocks are 16
-(``--block-size``); FlashInfer takes any page size, GQA, and a query length
-per request (``qo_indptr``), with the causal mask aligned to the end of each
-request's keys, exactly "each token attends to its own prefix".
+``plan`` reads its index arrays on the host, so they are pinned host tensors from the step's
+``StepLayout`` (device ones would be copied back, a sync); the page ids are read on the device from
+the block table. Two planned wrappers alternate, which the in-flight limit makes safe
+(docs/design.md, "Attention backends", "The in-flight limit").
 
-**No host synchronisation.** ``FlashInferBackend.build_metadata`` plans
-the step with ``qo_indptr``, ``paged_kv_indptr`` and
-``paged_kv_last_page_len`` as pinned *host* tensors computed from the step's
-host layout (FlashInfer reads them on the host to schedule the kernel; given
-device tensors it would copy them back, a sync), and ``paged_kv_indices``
-read on the device from the device block table, through page indices
-uploaded with the positions in the step's one non-blocking copy.
-``plan`` then enqueues a copy of its schedule from a page-locked buffer. With asynchronous
-scheduling step N+1 is planned while step N may not have started, so the
-backend alternates between two wrappers (two such buffers): the in-flight
-limit (docs/design.md, "The in-flight limit") guarantees that when a wrapper
-is planned again, the step that used it has finished.
-
-Supported: CUDA, float16 / bfloat16 (FlashInfer has no float32 kernels),
-head sizes 64, 128 and 256. ``unsupported_reason`` says why not
-otherwise, and start-up then falls back to a torch backend. The first step
-may JIT-compile FlashInfer's kernels (minutes) unless its prebuilt kernels
-are installed.
+Supported: CUDA, float16 / bfloat16 (FlashInfer has no float32 kernels), head sizes 64, 128 and
+256; ``unsupported_reason`` says why not otherwise, and start-up falls back to a torch backend.
+The first step may JIT-compile FlashInfer's kernels (minutes) unless its prebuilt kernels are
+installed.
 """
 
 from __future__ import annotations

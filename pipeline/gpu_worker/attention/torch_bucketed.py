@@ -1,41 +1,16 @@
 """The ``torch_bucketed`` attention backend: cost follows each request's own context.
 
-The padded backend (``torch_sdpa``) pads every decode row to the longest
-context of the step and gathers all of that padded K/V in every layer, so one
-long request makes the whole batch pay for its length. Here the step's
-requests are grouped into a few **buckets of similar length**, once per step
-on the host (``plan_buckets``), and each bucket is one SDPA call over its
-rows' own blocks, padded only to the bucket's longest context
-(docs/design.md, "The worker"):
+Padding every row to the step's longest context (``torch_sdpa``) makes one long request cost the
+whole batch its length. Here the step's rows are grouped on the host (``plan_buckets``) into a few
+buckets of similar context (and, for prefill rows, chunk) length, within ``SLACK`` or ``MIN_PAD``,
+and each bucket is one SDPA call over its rows' own blocks. Decode queries run as
+``[rows, KVH, H / KVH, D]``, so K/V are never expanded. The cache memory is used head-major
+(``kv_layout.HEAD_MAJOR``), which CPU SDPA reads faster; ``head_major=False`` uses it as allocated.
+Design and figures: docs/design.md, "Attention backends"; the alternatives measured are in
+``scripts/bench_attention.py``.
 
-- decode rows (query_len == 1) are grouped by context; a row joins the
-  bucket of a longer one while that bucket's context is at most
-  ``SLACK`` times its own, or at most ``MIN_PAD`` tokens longer.
-  Queries run as ``[rows, KVH, H / KVH, D]`` (the heads sharing a KV head
-  folded into the query dimension, so K/V are never expanded);
-- prefill rows (query_len > 1) are grouped likewise, and also by chunk length
-  (padded queries cost compute), with a causal mask at each row's offset.
-
-So the keys touched are each request's own context plus at most
-``SLACK - 1`` of it (or ``MIN_PAD`` tokens), and a step makes a few SDPA calls
-per layer, not one per request. This won over exact varlen gathers with a
-scatter-based softmax, a per-request loop, split-K partitions merged by
-log-sum-exp, and ``flex_attention`` on this project's CPU
-(``scripts/bench_attention.py``).
-
-**Cache layout.** This backend uses the cache's memory head-major
-(``kv_layout.HEAD_MAJOR``, its ``cache_layout``): gathered so, each row's
-keys of one head come out contiguous, which the CPU SDPA kernel reads faster;
-``head_major=False`` uses it as allocated.
-
-**No host synchronisation.** Everything shaped by the batch (the buckets,
-their rows, query indices and context lengths) is decided on the host from
-the ``StepLayout`` and uploaded
-in one transfer; block ids are then read from the device block table and the
-masks built on the device.
-
-The module is one unit: the build lays out exactly what ``forward``
-indexes, and splitting them would only scatter that contract.
+The module is one unit: the build lays out exactly what ``forward`` indexes, and splitting them
+would only scatter that contract.
 """
 
 from __future__ import annotations
@@ -74,7 +49,7 @@ def plan_buckets(
     min_pad: int = MIN_PAD,
     min_query_pad: int = MIN_QUERY_PAD,
 ) -> list[np.ndarray]:
-    """Group rows of similar context (and query) length (docs/design.md, "The worker").
+    """Group rows of similar context (and query) length (docs/design.md, "Attention backends").
 
     Greedy, longest context first: a bucket is opened by its longest row and
     takes each next row (in descending context order) while the bucket's

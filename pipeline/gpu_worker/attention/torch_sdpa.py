@@ -1,6 +1,6 @@
 """The ``torch_sdpa`` attention backend: padded groups over ``scaled_dot_product_attention``.
 
-Attention cost must stay O(batch x context) (docs/design.md, "The worker"):
+Attention cost must stay O(batch x context) (docs/design.md, "Attention backends"):
 one mask spanning every request's tokens would be O(tokens^2). So the step's
 requests are split into two groups, each attended with one batched call:
 
@@ -11,7 +11,7 @@ requests are split into two groups, each attended with one batched call:
   prefill rows only, ``[Bp, H, Qmax, D]``, with a causal mask.
 
 Keys and values are gathered block by block through each row's block table
-(cache layout in ``pipeline.gpu_worker.attention.backend``). Everything
+(cache layout in ``kv_layout``, token-major here). Everything
 shaped by the batch is computed once per step in ``TorchSDPABackend.build_metadata``:
 small index arrays on the host, masks and block ids on the device; the
 per-layer path only indexes precomputed tensors, so it has no Python loop
