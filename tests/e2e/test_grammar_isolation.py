@@ -119,26 +119,37 @@ def test_over_the_per_request_grammar_memory_is_400(tiny_dir):
         srv.stop()
 
 
-def test_grammar_memory_returns_to_idle_after_a_burst(tiny):
-    complete(tiny, guided_choice=["yes", "no"])  # warm-up: the threads, the first matcher
-    time.sleep(12)  # past the cache's idle time: the warm-up's compiled grammar is dropped too
-    pid = role_pid(tiny, "scheduler")
-    idle = rss_mb(pid)
-    peak = idle
-    burst = [{"guided_json": ANY_OF, "n": 16, "max_tokens": 8}]
-    burst += [{"guided_json": {**ANY_OF, "title": f"copy {i}"}, "max_tokens": 8} for i in range(3)]  # 3 more grammars
-    threads = [threading.Thread(target=complete, args=(tiny,), kwargs=b) for b in burst]
+def run_burst(srv: Server, schema: dict, pid: int) -> float:
+    """A request of ``n`` = 16 under ``schema`` beside 3 under copies of it (4 grammars); the peak RSS of ``pid``."""
+    burst = [{"guided_json": schema, "n": 16, "max_tokens": 8}]
+    burst += [{"guided_json": {**schema, "title": f"copy {i}"}, "max_tokens": 8} for i in range(3)]
+    threads = [threading.Thread(target=complete, args=(srv,), kwargs=b) for b in burst]
     for t in threads:
         t.start()
+    peak = rss_mb(pid)
     while any(t.is_alive() for t in threads):
         peak = max(peak, rss_mb(pid))
         time.sleep(0.05)
+    return peak
+
+
+def test_grammar_memory_returns_to_idle_after_a_burst(tiny):
+    pid = role_pid(tiny, "scheduler")
+    # Warm-up of the same shape with small grammars: the grammar and mask threads the burst will use,
+    # and their allocator arenas, exist before idle is measured.
+    run_burst(tiny, {"type": "object", "properties": {"k": {"type": "integer"}}, "required": ["k"]}, pid)
+    time.sleep(12)  # past the cache's idle time: the warm-up's compiled grammars are dropped too
+    idle = rss_mb(pid)
+    peak = run_burst(tiny, ANY_OF, pid)
     deadline = time.monotonic() + 30  # unused compiled grammars go 10 s after their last use, then the trim
-    while (now := rss_mb(pid)) > idle * 1.1 and time.monotonic() < deadline:
+    # Within 10 %, or the 12 MB the allocators keep after such a burst (as after a large fan-out:
+    # test_fan_out.py), a tenth of what the burst took.
+    limit = max(idle * 1.1, idle + 12)
+    while (now := rss_mb(pid)) > limit and time.monotonic() < deadline:
         time.sleep(0.5)
     print(f"\nscheduler RSS: idle {idle:.0f} MB, peak {peak:.0f} MB, after {now:.0f} MB")
     assert peak > idle + 50  # the burst did take memory (four 27 MB grammars)
-    assert now <= idle * 1.1
+    assert now <= limit
 
 
 def itl_p99(srv: Server, tokens: int) -> float:
