@@ -117,7 +117,7 @@ def test_grammars_that_cannot_be_used_are_refused_with_why(tok):
     m.add(request(3, build_grammar("regex", "((", "guided_regex")))
     m.add(request(5, build_grammar("json_schema", {"$ref": "#"}, "guided_json")))  # the same: not compiled again
     ready, refused = settle(m)
-    assert not ready and [r for r, _ in refused] == [1, 3, 5]
+    assert not ready and sorted(r for r, _ in refused) == [1, 3, 5]  # 5 ends with 1's compilation
     assert all(why.startswith("the grammar cannot be used: ") for _, why in refused), refused
     assert m.used_bytes == 0
     m.close()
