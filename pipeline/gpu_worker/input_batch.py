@@ -176,8 +176,10 @@ class InputBatch:
             self.host_stop_ids[s] = x.stop_ids[i, :n]
         if self.penalty is not None:
             penalized = (x.presence_penalty != 0) | (x.frequency_penalty != 0) | (x.repetition_penalty != 1)
+            # A row whose last request had biases keeps them on the device until they are overwritten.
+            stale_bias = bool(self.host_num_bias[req_indices].any())
             self.host_penalized[req_indices], self.host_num_bias[req_indices] = penalized, x.num_logit_bias
-            if x.num_logit_bias.any():
+            if x.num_logit_bias.any() or stale_bias:
                 # Entries past a row's count become (token 0, +0): adding them changes nothing.
                 unused = np.arange(MAX_LOGIT_BIAS)[None, :] >= x.num_logit_bias[:, None]
                 u.bias_ids = batch.add(np.where(unused, 0, x.logit_bias_ids))

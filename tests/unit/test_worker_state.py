@@ -77,6 +77,19 @@ def test_feature_flags_follow_the_rows_parameters():
     assert flags() == (False, False, False, False)
 
 
+def test_a_new_request_does_not_inherit_its_rows_logit_bias():
+    """A request without logit_bias, new at a row whose last request had one, in a step whose other
+    rows have none: the old entries must not stay on the device for a later biased step to apply."""
+    config = engine_config()
+    state = InputBatch(config.max_num_seqs, config.max_blocks_per_seq, DeviceOps(CPU), vocab_size=512)
+    steps = Steps(config)
+    biased = SamplingParams(max_tokens=8, temperature=0.0, logit_bias=((5, 9.0), (7, -3.0)))
+    state.apply(steps.make([(1, 0, [3], True, biased)]))
+    assert state.penalty.bias_values[1, :2].tolist() == [9.0, -3.0]
+    state.apply(steps.make([(1, 0, [4], True, GREEDY)]))
+    assert state.penalty.bias_values[1].abs().sum().item() == 0 and state.host_num_bias[1] == 0
+
+
 def test_an_upload_batch_keeps_each_arrays_dtype_and_shape_on_the_cuda_path():
     """Mixed dtypes and sizes share one staging buffer: every slice starts aligned for its dtype."""
     ops = FakeAsyncOps(CPU, SyncGuard())
