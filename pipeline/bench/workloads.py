@@ -2,12 +2,46 @@
 
 from __future__ import annotations
 
+import ast
+import importlib
+import inspect
 import random
+import textwrap
 from dataclasses import dataclass
 
 import numpy as np
 
 from pipeline.common.constants import SIM_WORD_ID_RANGE as WORD_IDS
+
+# Where the rewrite workload's code comes from: pure-Python standard-library modules, whose
+# functions of 20-80 lines are real code a user might paste (the same on every machine with the
+# same Python).
+_REWRITE_MODULES = (
+    "argparse",
+    "base64",
+    "calendar",
+    "configparser",
+    "dataclasses",
+    "difflib",
+    "functools",
+    "gettext",
+    "ipaddress",
+    "json.encoder",
+    "locale",
+    "posixpath",
+    "pprint",
+    "random",
+    "statistics",
+    "textwrap",
+    "tokenize",
+    "urllib.parse",
+)
+_REWRITE_TASKS = (
+    "Rewrite the following Python function, adding type hints. Reply with the code only.",
+    "Add a comment above every block of the following Python function and return the whole function.",
+    "Rename the function below to follow snake_case if needed and return the complete code unchanged otherwise.",
+    "Fix any bugs in the following Python function and return the corrected code in full.",
+)
 
 
 @dataclass
@@ -34,6 +68,36 @@ class Workload:
         out = np.clip(rng.lognormal(np.log(130), 0.9, num_requests), 2, max_model_len // 2 - 1).astype(int)
         r = random.Random(seed)
         return cls([[r.randrange(*WORD_IDS) for _ in range(n)] for n in inp.tolist()], out.tolist())
+
+    @classmethod
+    def rewrite(cls, num_requests: int, tokenizer, max_model_len: int, seed: int) -> Workload:
+        """Requests to rewrite a function given in the prompt, as a chat turn: the output mostly quotes the prompt.
+
+        Each prompt is an instruction (type hints, comments, a rename, a fix) and a 20-80 line function
+        from the standard library; the output is given the function's length plus 64 tokens. Where
+        prompt lookup pays (docs/design.md, "Speculative decoding").
+        """
+        functions = []
+        for name in _REWRITE_MODULES:
+            source = inspect.getsource(importlib.import_module(name))
+            lines = source.splitlines()
+            for node in ast.walk(ast.parse(source)):
+                if isinstance(node, ast.FunctionDef) and 20 <= node.end_lineno - node.lineno + 1 <= 80:
+                    functions.append(textwrap.dedent("\n".join(lines[node.lineno - 1 : node.end_lineno])))
+        rng = random.Random(seed)
+        prompts, output_lens = [], []
+        for i in range(num_requests):
+            code = rng.choice(functions)
+            text = f"{_REWRITE_TASKS[i % len(_REWRITE_TASKS)]}\n\n```python\n{code}\n```"
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+            if not isinstance(ids, list):  # a BatchEncoding from newer transformers
+                ids = ids["input_ids"]
+            out = min(len(tokenizer.encode(code)) + 64, max_model_len - len(ids))
+            if out < 1:
+                continue
+            prompts.append(list(ids))
+            output_lens.append(out)
+        return cls(prompts, output_lens)
 
 
 @dataclass

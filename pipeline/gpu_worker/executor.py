@@ -21,7 +21,8 @@ from pipeline.gpu_worker.attention.backend import AttentionBackend, AttentionMet
 from pipeline.gpu_worker.cuda_graphs import DecodeGraphs, GraphStep
 from pipeline.gpu_worker.logprobs import token_logprobs
 from pipeline.gpu_worker.penalties import PenaltyInputs, PenaltyState, apply_penalties
-from pipeline.gpu_worker.sampler import SamplingPlan, sample_rows
+from pipeline.gpu_worker.rejection_sampler import VerifyInputs, accept_one_hot, rejection_sample
+from pipeline.gpu_worker.sampler import SamplingPlan, filtered_logits, race, sample_rows
 from pipeline.gpu_worker.sim_device import SimEvent, SimulatedDevice, sim_logprobs, sim_next_tokens
 from pipeline.gpu_worker.token_mask import apply_token_bitmask
 
@@ -86,7 +87,9 @@ class Executed:
     """Tokens of one enqueued step, and the step's timeline if the executor has its own clock.
 
     Attributes:
-        tokens: ``[S]`` int64 on the device (may still be being computed).
+        tokens: ``[S]`` int64 on the device (may still be being computed), one per sampled position.
+        accepted: ``[V]`` int64 on the device, the accepted drafts of each verified row; None when
+            the step verifies none.
         logprobs: the ``L`` requested sampled rows' log-probabilities (see
             ``token_logprobs``), or None.
         prompt_logprobs: the ``P`` prompt positions' log-probabilities, or None.
@@ -95,11 +98,13 @@ class Executed:
     """
 
     tokens: torch.Tensor
+    accepted: torch.Tensor | None = None
     logprobs: LogprobTensors | None = None
     prompt_logprobs: LogprobTensors | None = None
     done: SimEvent | None = None
     device_start_ns: int = 0
     device_end_ns: int = 0
+    spec_counts: torch.Tensor | None = None  # speculation: [2S] tokens emitted, then drafts matched, per row
 
 
 def sample_tokens(logits: torch.Tensor, s: SamplingInputs) -> torch.Tensor:
@@ -111,6 +116,49 @@ def sample_tokens(logits: torch.Tensor, s: SamplingInputs) -> torch.Tensor:
     """
     processed = apply_token_bitmask(apply_penalties(logits, s.penalties, s.penalty_state), s.mask_rows, s.bitmask)
     return sample_rows(processed, s.plan, s.temperature, s.top_p, s.top_k, s.seed, s.position, s.min_p)
+
+
+def sample_and_verify(
+    logits: torch.Tensor, s: SamplingInputs, v: VerifyInputs | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``sample_tokens`` for the ``S'`` sampled positions of a step, then each verified row's accepted drafts.
+
+    Args:
+        logits: ``[S', V]`` float32 raw logits, one row per sampled position (left unchanged).
+        s: how to sample every position (penalties, masks and temperatures per position).
+        v: the verified rows (docs/design.md, "Speculative decoding"); None when the step verifies nothing.
+
+    Returns:
+        ``(tokens [S'] int64, accepted [R] int64 or None)``. Verified row ``r`` emits
+        ``tokens[v.index[r, : accepted[r] + 1]]``: its accepted drafts, then the correction or bonus.
+        Later positions hold draws after rejected drafts, never emitted.
+    """
+    if v is None:
+        return sample_tokens(logits, s), None
+    processed = apply_token_bitmask(apply_penalties(logits, s.penalties, s.penalty_state), s.mask_rows, s.bitmask)
+    tokens = processed.argmax(-1)
+    rows, width = v.index.shape
+    hot = None
+    if s.plan.rows is not None:
+        x = filtered_logits(processed, s.plan, s.temperature, s.top_p, s.top_k, s.min_p)
+        if v.draft_probs is not None:  # gathered before the race overwrites x
+            hot = x.index_select(0, v.hot_index.view(-1)).view(v.hot_index.shape[0], width, -1)
+        tokens.index_copy_(0, s.plan.rows, race(x, s.seed, s.position))
+    targets = tokens.index_select(0, v.index.view(-1)).view(rows, width)
+    accepted = accept_one_hot(targets, v.drafts)
+    if hot is not None:
+        hot_flat = v.index.index_select(0, v.hot_rows).view(-1)
+        out, hot_accepted = rejection_sample(
+            hot,
+            v.draft_probs,
+            v.drafts.index_select(0, v.hot_rows),
+            targets.index_select(0, v.hot_rows),
+            s.seed.index_select(0, v.hot_index[:, 0]),
+            s.position.index_select(0, v.hot_index.view(-1)).view(-1, width),
+        )
+        accepted.index_copy_(0, v.hot_rows, hot_accepted)
+        tokens.index_copy_(0, hot_flat, out.view(-1))
+    return tokens, accepted
 
 
 class Executor(ABC):
@@ -139,15 +187,18 @@ class Executor(ABC):
         last: torch.Tensor,
         sampling: SamplingInputs,
         logprobs: LogprobInputs,
+        verify: VerifyInputs | None = None,
     ) -> Executed:
         """Enqueue the step's forward, sampling and log-probabilities; must not wait for the device.
 
         Args:
-            input_ids: ``[T]`` int64 on the device, placeholders resolved.
-            meta: from ``build_metadata``.
-            last: ``[S]`` int64 on the device, step-token index of each sampled row's last token.
-            sampling: how to sample those rows.
+            input_ids: ``[T]`` int64 on the device, placeholders and drafts resolved.
+            meta: the step's attention metadata, on the device.
+            last: ``[S]`` int64 on the device, step-token index of each sampled position (a
+                sampled row's last token; with drafts, its last ``1 + K`` tokens).
+            sampling: how to sample those positions.
             logprobs: which log-probabilities to compute, from the same forward.
+            verify: the rows whose drafts are verified (docs/design.md, "Speculative decoding"), or None.
         """
 
 
@@ -213,6 +264,7 @@ class ModelExecutor(Executor):
         last: torch.Tensor,
         sampling: SamplingInputs,
         logprobs: LogprobInputs,
+        verify: VerifyInputs | None = None,
     ) -> Executed:
         if isinstance(meta, GraphStep):  # a decode-only step (no prompt positions): its CUDA graph
             logits = meta.run(input_ids).index_select(0, last)
@@ -220,8 +272,8 @@ class ModelExecutor(Executor):
             hidden = self.model(input_ids, meta.positions, meta, self.kv_caches)
             logits = self.model.compute_logits(hidden.index_select(0, last))
         # Penalties and the sampler work on copies: `logits` stay raw for the log-probabilities below.
-        tokens = sample_tokens(logits, sampling)
-        executed = Executed(tokens=tokens)
+        tokens, accepted = sample_and_verify(logits, sampling, verify)
+        executed = Executed(tokens=tokens, accepted=accepted)
         if logprobs.rows is not None:
             executed.logprobs = token_logprobs(
                 logits.index_select(0, logprobs.rows), tokens.index_select(0, logprobs.rows)
@@ -267,14 +319,16 @@ class SimExecutor(Executor):
         last: torch.Tensor,
         sampling: SamplingInputs,
         logprobs: LogprobInputs,
+        verify: VerifyInputs | None = None,
     ) -> Executed:
         # The simulated kernel reads the resolved inputs like the model would.
         last_ids, last_pos = input_ids[last].numpy(), meta.positions[last].numpy()
-        tokens = sim_next_tokens(last_ids, last_pos)
+        tokens = torch.from_numpy(sim_next_tokens(last_ids, last_pos))
         start, end = self.sim.enqueue_step(input_ids.numel())
-        executed = Executed(
-            tokens=torch.from_numpy(tokens), done=SimEvent(end), device_start_ns=start, device_end_ns=end
-        )
+        executed = Executed(tokens=tokens, done=SimEvent(end), device_start_ns=start, device_end_ns=end)
+        if verify is not None:
+            executed.accepted = accept_one_hot(tokens[verify.index], verify.drafts)
+        tokens = tokens.numpy()
         if logprobs.rows is not None:
             r = logprobs.rows.numpy()
             executed.logprobs = _as_tensors(sim_logprobs(last_ids[r], last_pos[r], tokens[r]))

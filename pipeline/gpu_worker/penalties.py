@@ -48,6 +48,9 @@ class PenaltyInputs:
         min_tokens_rows, min_tokens_ids: ``[M]`` int64 each: set the logit of
             token ``min_tokens_ids[m]`` in row ``rows[min_tokens_rows[m]]``
             to -inf (a stop token id before ``min_tokens``); None for none.
+        draft_rows, draft_tokens: ``[E]`` int64 each: count token
+            ``draft_tokens[e]`` once more in row ``rows[draft_rows[e]]`` (the
+            drafts before a verified position); None for none.
     """
 
     rows: torch.Tensor
@@ -56,6 +59,8 @@ class PenaltyInputs:
     use_penalties: bool
     min_tokens_rows: torch.Tensor | None = None
     min_tokens_ids: torch.Tensor | None = None
+    draft_rows: torch.Tensor | None = None
+    draft_tokens: torch.Tensor | None = None
 
 
 @dataclass
@@ -64,6 +69,8 @@ class PenaltyPlan:
 
     ``stage`` puts its arrays into the step's upload batch;
     ``on_device``, after the batch is uploaded, gives the inputs.
+    ``draft_flat`` is the step-token index of each counted draft (its id is
+    read from the step's input ids on the device).
     """
 
     rows: np.ndarray
@@ -72,6 +79,8 @@ class PenaltyPlan:
     use_penalties: bool
     min_tokens_rows: np.ndarray | None = None
     min_tokens_ids: np.ndarray | None = None
+    draft_rows: np.ndarray | None = None
+    draft_flat: np.ndarray | None = None
     _staged: list[Staged] = field(default_factory=list)
 
     def stage(self, batch: UploadBatch) -> None:
@@ -79,20 +88,22 @@ class PenaltyPlan:
         arrays = [self.rows, self.req_indices]
         if self.min_tokens_rows is not None:
             arrays += [self.min_tokens_rows, self.min_tokens_ids]
+        if self.draft_rows is not None:
+            arrays += [self.draft_rows, self.draft_flat]
         self._staged = [batch.add(a) for a in arrays]
 
-    def on_device(self) -> PenaltyInputs:
-        """The ``PenaltyInputs`` of the staged arrays (their batch uploaded)."""
-        dev = [s.dev for s in self._staged]
-        has_min = self.min_tokens_rows is not None
-        return PenaltyInputs(
-            rows=dev[0],
-            req_indices=dev[1],
-            use_bias=self.use_bias,
-            use_penalties=self.use_penalties,
-            min_tokens_rows=dev[2] if has_min else None,
-            min_tokens_ids=dev[3] if has_min else None,
-        )
+    def on_device(self, input_ids: torch.Tensor | None = None) -> PenaltyInputs:
+        """The ``PenaltyInputs`` of the staged arrays (their batch uploaded).
+
+        ``input_ids`` (``[T]`` int64, placeholders resolved) holds the drafts; needed with ``draft_rows``.
+        """
+        dev = iter(s.dev for s in self._staged)
+        out = PenaltyInputs(next(dev), next(dev), self.use_bias, self.use_penalties)
+        if self.min_tokens_rows is not None:
+            out.min_tokens_rows, out.min_tokens_ids = next(dev), next(dev)
+        if self.draft_rows is not None:
+            out.draft_rows, out.draft_tokens = next(dev), input_ids.index_select(0, next(dev))
+        return out
 
 
 def plan_penalties(
@@ -102,6 +113,8 @@ def plan_penalties(
     num_bias: np.ndarray,
     min_tokens: np.ndarray,
     stop_ids: Sequence[np.ndarray],
+    drafts_before: np.ndarray | None = None,
+    first_draft: np.ndarray | None = None,
 ) -> PenaltyPlan | None:
     """Decide on the host which sampled rows get what; None when no row gets anything.
 
@@ -112,6 +125,11 @@ def plan_penalties(
         penalized, num_bias, min_tokens: ``[S]`` the rows' host mirrors
             (``min_tokens`` 0 where there are no stop ids to mask).
         stop_ids: per req_index (all rows), the ids ``min_tokens`` masks.
+        drafts_before, first_draft: ``[S]`` for a step that verifies drafts
+            (None otherwise): how many drafts precede each sampled position in
+            its row, and the step-token index of the row's first draft. Those
+            drafts count as output tokens at that position, as they would
+            once accepted (docs/design.md, "Speculative decoding").
     """
     masks_stop = output_index < min_tokens
     rows = np.flatnonzero(penalized | (num_bias > 0) | masks_stop)
@@ -127,6 +145,12 @@ def plan_penalties(
     if len(stopped):
         ids = [stop_ids[req_indices[rows[q]]] for q in stopped]
         plan.min_tokens_rows, plan.min_tokens_ids = np.repeat(stopped, [len(i) for i in ids]), np.concatenate(ids)
+    if drafts_before is not None:
+        n = np.where(penalized[rows], drafts_before[rows], 0)
+        if n.any():
+            q = np.repeat(np.arange(len(rows)), n)
+            i = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)  # 0..n-1 within each row
+            plan.draft_rows, plan.draft_flat = q, first_draft[rows][q] + i
     return plan
 
 
@@ -174,6 +198,8 @@ def apply_penalties(logits: torch.Tensor, inputs: PenaltyInputs | None, state: P
         x.index_put_((inputs.min_tokens_rows, inputs.min_tokens_ids), x.new_full((), float("-inf")))
     if inputs.use_penalties:
         counts = state.counts.index_select(0, inputs.req_indices)
+        if inputs.draft_rows is not None:
+            counts.index_put_((inputs.draft_rows, inputs.draft_tokens), counts.new_ones(()), accumulate=True)
         in_output = counts > 0
         seen = in_output | state.in_prompt.index_select(0, inputs.req_indices)
         r = state.repetition.index_select(0, inputs.req_indices)[:, None]

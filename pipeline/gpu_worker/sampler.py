@@ -174,6 +174,23 @@ def sample_rows(
     tokens = logits.argmax(-1)
     if plan.rows is None:
         return tokens
+    x = filtered_logits(logits, plan, temperature, top_p, top_k, min_p)
+    return tokens.index_copy_(0, plan.rows, race(x, seeds, positions))
+
+
+def filtered_logits(
+    logits: torch.Tensor,
+    plan: SamplingPlan,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
+    min_p: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``[R, V]`` float32: the ``plan.rows`` rows of ``logits`` divided by temperature, min-p, top-k and top-p
+    applied (dropped tokens -inf); a softmax of them is the distribution ``race`` draws from.
+
+    Arguments as ``sample_rows``; ``plan.rows`` must be set.
+    """
     vocab = logits.shape[1]
     x = logits.index_select(0, plan.rows)
     x.div_(temperature[:, None])
@@ -184,8 +201,15 @@ def sample_rows(
         apply_min_p(x, min_p)
     k = torch.where((top_k > 0) & (top_k < vocab), top_k, 0)
     _filter(x, k, top_p, plan)
-    x.sub_(uniform_noise(seeds, positions, vocab).log_().neg_().log_())
-    return tokens.index_copy_(0, plan.rows, x.argmax(-1))
+    return x
+
+
+def race(x: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``[R]`` int64: one draw per row from ``softmax(x)`` (the exponential race), noise keyed by (seed, position).
+
+    ``x`` (``[R, V]`` float32 log-weights, -inf for impossible tokens) is overwritten.
+    """
+    return x.sub_(uniform_noise(seeds, positions, x.shape[1]).log_().neg_().log_()).argmax(-1)
 
 
 def apply_min_p(x: torch.Tensor, min_p: torch.Tensor) -> None:

@@ -14,6 +14,11 @@ the real vocabulary. Every token therefore depends on the whole chain
 before it, so a placeholder resolved to a wrong token changes all later
 output, which is what the async-equals-sync tests need to see. Its
 log-probabilities are stand-ins derived the same way (``sim_logprobs``).
+
+With speculative decoding its drafts (``sim_drafts``) are the chain's
+own next tokens, each right with a configured probability and decided by a
+hash, so that the token gap and the accepted lengths can be measured without
+a model; verification is the real comparison with the chain's tokens.
 """
 
 from __future__ import annotations
@@ -81,6 +86,29 @@ def sim_next_tokens(last_input_ids: np.ndarray, last_positions: np.ndarray) -> n
     """
     h = _hash2(last_input_ids, last_positions)
     return (h % np.uint64(_NUM_WORD_IDS)).astype(np.int64) + _FIRST_WORD_ID
+
+
+def sim_drafts(last_ids: np.ndarray, last_positions: np.ndarray, k: int, acceptance: float) -> np.ndarray:
+    """``[R, k]`` int64 drafts continuing each row: draft ``i`` is the chain's token after draft ``i - 1``
+    (after the row's last token for the first) when a hash of that input and position falls below
+    ``acceptance``, else another word, which verification rejects.
+
+    Args:
+        last_ids: ``[R]`` int64, each row's last token (the newest sampled).
+        last_positions: ``[R]`` int64, its position.
+        k: drafts per row.
+        acceptance: the probability in [0, 1] that each draft is the chain's token.
+    """
+    x, p = last_ids.astype(np.int64), last_positions.astype(np.int64)
+    out = np.empty((len(x), k), dtype=np.int64)
+    threshold = np.uint64(min(int(acceptance * 2**32), 2**32))
+    for i in range(k):
+        true = sim_next_tokens(x, p)
+        right = (_hash2(x, p ^ 0x5BD1E995) >> np.uint64(32)) < threshold
+        x = np.where(right, true, (true - _FIRST_WORD_ID + 1) % _NUM_WORD_IDS + _FIRST_WORD_ID)
+        out[:, i] = x
+        p = p + 1
+    return out
 
 
 def _hash2(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pipeline.common.step_protocol import MAX_LOGPROBS
-from pipeline.gpu_worker.sim_device import SimEvent, SimulatedDevice, sim_logprobs, sim_next_tokens
+from pipeline.gpu_worker.sim_device import SimEvent, SimulatedDevice, sim_drafts, sim_logprobs, sim_next_tokens
 
 
 def test_enqueue_returns_at_once_and_runs_in_order():
@@ -64,3 +64,19 @@ def test_sim_logprobs_are_plausible_and_depend_only_on_inputs():
     # Row by row the same values in any batch.
     lp1, ids1, top1 = sim_logprobs(x[5:6], p[5:6], targets[5:6])
     assert lp1[0] == lp[5] and (ids1[0] == top_ids[5]).all() and (top1[0] == top_lp[5]).all()
+
+
+@pytest.mark.parametrize("acceptance", [0.0, 0.3, 0.8, 1.0])
+def test_drafts_follow_the_chain_with_the_configured_probability(acceptance):
+    """Each draft is the chain's next token with probability ``acceptance``, decided by a hash."""
+    rng = np.random.default_rng(0)
+    last = rng.integers(1000, 9000, 4000)
+    pos = rng.integers(0, 900, 4000)
+    k = 4
+    drafts = sim_drafts(last, pos, k, acceptance)
+    inputs = np.concatenate([last[:, None], drafts], 1)
+    truth = sim_next_tokens(inputs[:, :k].ravel(), (pos[:, None] + np.arange(k)).ravel()).reshape(-1, k)
+    right = drafts == truth
+    assert abs(right.mean() - acceptance) < 0.02
+    assert ((drafts >= 1000) & (drafts < 9000)).all()
+    assert np.array_equal(drafts, sim_drafts(last.copy(), pos.copy(), k, acceptance))  # deterministic
