@@ -8,7 +8,7 @@ import numpy as np
 
 from pipeline.common.messages import SamplingParams
 from pipeline.common.records import Record
-from pipeline.common.step_protocol import DESCRIPTOR, StepDescriptor
+from pipeline.common.step_protocol import DESCRIPTOR, DRAFT_TOKEN_ID, StepDescriptor
 
 
 class DescriptorBuilder:
@@ -35,6 +35,8 @@ class DescriptorBuilder:
         self._is_new: list[bool] = []
         self._num_prompt_logprobs: list[int] = []
         self._next_prompt_token: list[int] = []
+        self._num_drafts: list[int] = []
+        self._num_rejected: list[int] = []
         self._new: list[tuple[int, SamplingParams, int]] = []
         self._token_ids: list[int] = []
         self._new_blocks: list[tuple[int, int, int]] = []
@@ -66,6 +68,8 @@ class DescriptorBuilder:
             self._is_new,
             self._num_prompt_logprobs,
             self._next_prompt_token,
+            self._num_drafts,
+            self._num_rejected,
             self._new,
             self._token_ids,
             self._new_blocks,
@@ -87,6 +91,8 @@ class DescriptorBuilder:
         next_prompt_token: int = -1,
         prompt_len: int = 0,
         bitmask: np.ndarray | None = None,
+        num_drafts: int = 0,
+        num_rejected: int = 0,
     ) -> None:
         """Schedule ``token_ids`` (positions ``start_pos...``) of request ``req_num`` at row ``req_index``.
 
@@ -100,6 +106,10 @@ class DescriptorBuilder:
             bitmask: with ``do_sample``, int32 ``[W]``: the tokens the
                 sampled one may be (structured output); the caller keeps
                 ``num_masks`` below ``MAX_MASKED_ROWS``.
+            num_drafts: the last ``num_drafts`` of ``token_ids`` are drafts
+                (``DRAFT_TOKEN_ID``) to verify; needs ``do_sample``.
+            num_rejected: the request's rejected drafts that ``start_pos``
+                accounts for (the descriptor's field).
         """
         if bitmask is not None:
             self._masks.append((len(self._req_num), bitmask))
@@ -113,6 +123,8 @@ class DescriptorBuilder:
         self._is_new.append(new_params is not None)
         self._num_prompt_logprobs.append(num_prompt_logprobs)
         self._next_prompt_token.append(next_prompt_token)
+        self._num_drafts.append(num_drafts)
+        self._num_rejected.append(num_rejected)
         self._token_ids.extend(token_ids)
 
     def add_block(self, req_index: int, column: int, block_id: int) -> None:
@@ -130,26 +142,42 @@ class DescriptorBuilder:
         step_id: int,
         decode: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None,
         continues: bool = False,
+        decode_rejected: np.ndarray | None = None,
+        decode_drafts: np.ndarray | None = None,
     ) -> None:
         """Write the collected rows into ``desc`` as step ``step_id``.
 
         Args:
             decode: ``(req_num, req_index, start_pos, token_ids)``, int arrays
-                ``[D]``: D rows of one token each, which sample and are not
+                ``[D]``: D rows of one token each (then their drafts), which sample and are not
                 new at their req_index (the scheduler's steady rows),
                 written first; the rows added with ``add_row`` follow.
             continues: the header's ``continues`` flag.
+            decode_rejected: ``[D]`` those rows' ``num_rejected``; None: 0.
+            decode_drafts: ``[D]`` drafts each of those rows verifies after
+                its token (``DRAFT_TOKEN_ID`` tokens follow it); None: none.
         """
         d = 0 if decode is None else len(decode[0])
-        n, t, b = d + len(self._req_num), d + len(self._token_ids), self.num_blocks
+        td = d if decode_drafts is None else d + int(decode_drafts.sum())  # the decode rows' tokens
+        n, t, b = d + len(self._req_num), td + len(self._token_ids), self.num_blocks
         h, H = desc.header, self._h
         h[H["step_id"]], h[H["num_reqs"]], h[H["num_tokens"]], h[H["num_new_blocks"]] = step_id, n, t, b
         h[H["num_masks"]], h[H["mask_words"]], h[H["continues"]] = len(self._masks), desc.bitmask.shape[1], continues
         for m, (row, mask) in enumerate(self._masks):
             desc.mask_row[m], desc.bitmask[m] = d + row, mask
         if d:
-            desc.req_num[:d], desc.req_index[:d], desc.start_pos[:d], desc.token_ids[:d] = decode
-            desc.num_scheduled_tokens[:d] = 1
+            desc.req_num[:d], desc.req_index[:d], desc.start_pos[:d] = decode[:3]
+            if decode_drafts is None:
+                desc.token_ids[:d] = decode[3]
+                desc.num_scheduled_tokens[:d] = 1
+                desc.num_draft_tokens[:d] = 0
+            else:
+                q = decode_drafts + 1
+                desc.token_ids[:td] = DRAFT_TOKEN_ID
+                desc.token_ids[np.cumsum(q) - q] = decode[3]
+                desc.num_scheduled_tokens[:d] = q
+                desc.num_draft_tokens[:d] = decode_drafts
+            desc.num_rejected[:d] = 0 if decode_rejected is None else decode_rejected
             desc.do_sample[:d] = 1
             desc.is_new[:d] = 0
             desc.num_prompt_logprobs[:d] = 0
@@ -162,9 +190,11 @@ class DescriptorBuilder:
         desc.is_new[d:n] = self._is_new
         desc.num_prompt_logprobs[d:n] = self._num_prompt_logprobs
         desc.next_prompt_token[d:n] = self._next_prompt_token
+        desc.num_draft_tokens[d:n] = self._num_drafts
+        desc.num_rejected[d:n] = self._num_rejected
         if self._new:
             self._write_new_rows(desc, d)
-        desc.token_ids[d:t] = self._token_ids
+        desc.token_ids[td:t] = self._token_ids
         if b:
             parts = self._new_block_arrays + ([np.asarray(self._new_blocks).T] if self._new_blocks else [])
             desc.nb_req_index[:b], desc.nb_index[:b], desc.nb_block[:b] = np.concatenate(parts, axis=1)

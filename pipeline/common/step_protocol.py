@@ -20,6 +20,10 @@ from pipeline.common.step_clock import WORKER_STATS_LEN
 # Token id meaning "the token this request sampled in the previous step"; the
 # worker resolves it from its on-device token-id cache.
 PLACEHOLDER_TOKEN_ID = -1
+# Token id meaning "this row's next draft": the worker takes it from the drafts
+# it proposed for the row at the end of the row's previous step
+# (docs/design.md, "Speculative decoding").
+DRAFT_TOKEN_ID = -2
 
 # Steps in flight with asynchronous scheduling: N runs on the device while
 # N+1 is queued behind it (docs/design.md, "The in-flight limit"). Lock step
@@ -82,6 +86,17 @@ DESCRIPTOR = Record(
                     i32,
                     "the prompt token after its last position when that one is wanted, else -1",
                 ),
+                Field(
+                    "num_draft_tokens",
+                    i32,
+                    "its last scheduled tokens that are drafts to verify (DRAFT_TOKEN_ID), each sampled",
+                ),
+                Field(
+                    "num_rejected",
+                    i32,
+                    "its request's drafts rejected since it became new at this req_index that `start_pos` "
+                    "accounts for; the worker moves the row back by those only it knows yet",
+                ),
             ),
         ),
         Group(
@@ -126,7 +141,7 @@ DESCRIPTOR = Record(
             "token",
             "max_num_batched_tokens",
             "num_tokens",
-            (Field("token_ids", i32, "request-major; a real id or PLACEHOLDER_TOKEN_ID"),),
+            (Field("token_ids", i32, "request-major; a real id, PLACEHOLDER_TOKEN_ID or DRAFT_TOKEN_ID"),),
         ),
         Group(
             "new_blocks",
@@ -163,7 +178,12 @@ OUTPUT = Record(
     "StepOutput",
     header=(
         Field("step_id", i64, "the step's id"),
-        Field("num_rows", i64, "live output rows (S): the descriptor's sampled rows, in descriptor order"),
+        Field(
+            "num_rows",
+            i64,
+            "live output rows (S): per sampled descriptor row, in descriptor order, one row, or with drafts "
+            "one per token it got (its accepted drafts, then the correction or bonus)",
+        ),
         Field("num_logprob_rows", i64, "live log-probability rows (L)"),
         Field("num_prompt_entries", i64, "live prompt log-probabilities (P)"),
         Field("time_ns", i64, "the step's device end on `time.monotonic_ns()`'s clock: every token's engine timestamp"),
@@ -180,17 +200,18 @@ OUTPUT = Record(
         Group(
             "rows",
             "output row",
-            "max_num_seqs",
+            "max_output_rows",
             "num_rows",
             (
                 Field("req_num", i64, "the request the token is for"),
                 Field("token_id", i32, "the sampled token"),
+                Field("draft_matched", u8, "speculative decoding: the proposer found drafts for its next step"),
             ),
         ),
         Group(
             "logprob_rows",
             "output row with log-probabilities",
-            "max_num_seqs",
+            "max_output_rows",
             "num_logprob_rows",
             (
                 Field("lp_row", i32, "the output row"),
@@ -277,7 +298,7 @@ def pack_descriptor(desc: StepDescriptor, out: np.ndarray) -> int:
     The header comes first, so a reader holding the first
     ``PACKED_HEADER_NBYTES`` bytes knows the total. A step of R rows, T
     tokens, B new block-table entries and M bitmasks of W words takes ``56 +
-    2618 R + 4 T + 12 B + 4 M (W + 1)`` bytes (2,528 of a row's bytes are its
+    2626 R + 4 T + 12 B + 4 M (W + 1)`` bytes (2,528 of a row's bytes are its
     bias and stop-id room), where the entry has the fixed size of the
     configured maxima: this is what rank 0 relays to ranks on other nodes
     (docs/design.md, "Parallelism"). ``out`` holds at least the layout's ``nbytes``.
@@ -312,6 +333,9 @@ class TokenLogprobs:
 class DecodedOutput:
     """One StepOutput copied out of its ring entry: row ``r`` gave ``token_ids[r]`` to ``req_nums[r]``.
 
+    A request whose row verified drafts has one output row per token it got,
+    consecutive and in order. ``draft_matched`` (``[rows]`` uint8, when asked
+    for): the proposer found drafts for the request's next step.
     ``logprobs`` (rows whose request asked, ``index`` = row) and
     ``prompt_logprobs`` (``index`` = request number, with positions) are None
     when the step has none or the reader did not ask for them. ``time_ns``
@@ -325,6 +349,7 @@ class DecodedOutput:
     continues: bool = False
     logprobs: TokenLogprobs | None = None
     prompt_logprobs: TokenLogprobs | None = None
+    draft_matched: np.ndarray | None = None
 
 
 _OUT = OUTPUT.header_index
@@ -336,9 +361,10 @@ class StepOutput(OUTPUT.view_base):
     __slots__ = ()
 
     @staticmethod
-    def layout(max_num_seqs: int, max_num_batched_tokens: int) -> Layout:
-        """The entry layout for ``max_num_seqs`` rows and a step of ``max_num_batched_tokens``."""
-        return OUTPUT.layout(dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens))
+    def layout(max_output_rows: int, max_num_batched_tokens: int) -> Layout:
+        """The entry layout for ``max_output_rows`` rows (``max_num_seqs`` times the most tokens a row gets:
+        ``1 + num_speculative_tokens``) and a step of ``max_num_batched_tokens``."""
+        return OUTPUT.layout(dict(max_output_rows=max_output_rows, max_num_batched_tokens=max_num_batched_tokens))
 
     def write(
         self,
@@ -350,12 +376,13 @@ class StepOutput(OUTPUT.view_base):
         time_ns: int = 0,
         continues: bool = False,
         worker_stats: np.ndarray | None = None,
+        draft_matched: np.ndarray | None = None,
     ) -> None:
         """Fill the entry with step ``step_id``'s ``[S]`` request numbers and sampled token ids.
 
         ``logprobs.index`` are output rows; ``prompt_logprobs.index`` request
         numbers, with ``pos`` set; the rest are the header fields and the
-        worker's counts (left as they are if None).
+        worker's counts (left as they are if None), and ``draft_matched`` ``[S]`` (None: 0).
         """
         n = len(req_nums)
         h = self.header
@@ -365,6 +392,7 @@ class StepOutput(OUTPUT.view_base):
             self.worker_stats[:] = worker_stats
         self.req_num[:n] = req_nums
         self.token_id[:n] = token_ids
+        self.draft_matched[:n] = 0 if draft_matched is None else draft_matched
         h[_OUT["num_logprob_rows"]] = 0 if logprobs is None else len(logprobs.index)
         if logprobs is not None:
             m = len(logprobs.index)
@@ -381,8 +409,9 @@ class StepOutput(OUTPUT.view_base):
             self.pe_top_ids[:m] = prompt_logprobs.top_ids
             self.pe_top_logprobs[:m] = prompt_logprobs.top_logprobs
 
-    def read(self, logprobs: bool = False) -> DecodedOutput:
-        """Copy the entry out (it may be released right after); log-probabilities only if asked."""
+    def read(self, logprobs: bool = False, drafts: bool = False) -> DecodedOutput:
+        """Copy the entry out (it may be released right after); log-probabilities and ``draft_matched``
+        only if asked."""
         h = self.header
         n = int(h[_OUT["num_rows"]])
         out = DecodedOutput(
@@ -392,6 +421,8 @@ class StepOutput(OUTPUT.view_base):
             int(h[_OUT["time_ns"]]),
             bool(h[_OUT["continues"]]),
         )
+        if drafts:
+            out.draft_matched = self.draft_matched[:n].copy()
         if logprobs:
             if m := int(h[_OUT["num_logprob_rows"]]):
                 out.logprobs = TokenLogprobs(

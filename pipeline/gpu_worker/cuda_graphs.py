@@ -37,11 +37,13 @@ def padded_size(sizes: Sequence[int], num_rows: int) -> int | None:
 
 @dataclasses.dataclass
 class GraphStep:
-    """A decode-only step of ``num_tokens`` rows (one token each), run as the graph of ``size`` rows."""
+    """A decode-only step of ``num_tokens`` rows (one token each), run as the graph of ``size`` rows;
+    ``positions``: ``[num_tokens]`` int64 on the device, the rows' positions."""
 
     num_tokens: int
     size: int
     graphs: DecodeGraphs
+    positions: torch.Tensor
 
     def run(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``input_ids [B]`` int64 -> ``[B, vocab]`` float32 logits, by ``DecodeGraphs.run``."""
@@ -89,14 +91,17 @@ class DecodeGraphs:
         self.logits = torch.zeros(largest, model.config.vocab_size, dtype=torch.float32, device=self.device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
-    def prepare(self, layout: StepLayout, upload: Upload) -> GraphStep | None:
-        """Fill the static buffers for a decode-only step; None if the step runs eagerly (too big, or a prefill row)."""
+    def prepare(self, layout: StepLayout, upload: Upload, shift: torch.Tensor | None = None) -> GraphStep | None:
+        """Fill the static buffers for a decode-only step; None if the step runs eagerly (too big, or a prefill row).
+
+        ``shift``: as ``AttentionBackend.build_metadata``'s.
+        """
         num_rows = layout.query_lens.size
         size = padded_size(self.sizes, num_rows)
         if size is None or layout.num_tokens != num_rows:
             return None
-        self.attn_backend.prepare_replay(layout, size, upload)
-        return GraphStep(num_tokens=num_rows, size=size, graphs=self)
+        positions = self.attn_backend.prepare_replay(layout, size, upload, shift)
+        return GraphStep(num_tokens=num_rows, size=size, graphs=self, positions=positions)
 
     def run(self, step: GraphStep, input_ids: torch.Tensor) -> torch.Tensor:
         """Run ``step`` (the latest from ``prepare``): its captured graph, or the body eagerly where none was

@@ -175,9 +175,11 @@ class Executor(ABC):
     vocab_size: int | None = None
     max_positions: int | None = None
 
-    def build_metadata(self, layout: StepLayout, block_table: torch.Tensor, upload: Upload) -> AttentionMetadata:
+    def build_metadata(
+        self, layout: StepLayout, block_table: torch.Tensor, upload: Upload, shift: torch.Tensor | None = None
+    ) -> AttentionMetadata:
         """The step's metadata for ``execute`` (``AttentionBackend.build_metadata``)."""
-        return self.attn_backend.build_metadata(layout, block_table, upload)
+        return self.attn_backend.build_metadata(layout, block_table, upload, shift)
 
     @abstractmethod
     def execute(
@@ -251,11 +253,11 @@ class ModelExecutor(Executor):
         return self.graphs
 
     def build_metadata(
-        self, layout: StepLayout, block_table: torch.Tensor, upload: Upload
+        self, layout: StepLayout, block_table: torch.Tensor, upload: Upload, shift: torch.Tensor | None = None
     ) -> AttentionMetadata | GraphStep:
         """A ``GraphStep`` for a decode-only step that fits a graph, else the backend's metadata."""
-        step = self.graphs.prepare(layout, upload) if self.graphs is not None else None
-        return step if step is not None else self.attn_backend.build_metadata(layout, block_table, upload)
+        step = self.graphs.prepare(layout, upload, shift) if self.graphs is not None else None
+        return step if step is not None else self.attn_backend.build_metadata(layout, block_table, upload, shift)
 
     def execute(
         self,

@@ -148,15 +148,21 @@ class Case:
         )
         self.scale = head_dim**-0.5
 
-    def step(self, rows, query_lens, starts, check=True):
-        """One step of ``rows`` (through the backend's cache writes), checked against the reference."""
+    def step(self, rows, query_lens, starts, check=True, ahead=None):
+        """One step of ``rows`` (through the backend's cache writes), checked against the reference.
+
+        ``ahead``: per row, how far past its true start the host layout puts it; the backend gets it
+        as the device ``shift`` that moves it back (speculative decoding's upper bounds).
+        """
         s = self.setup
         q, k, v = (
             torch.cat([x[r][st : st + n] for r, st, n in zip(rows, starts, query_lens)])
             for x in (self.q, self.k, self.v)
         )
-        layout = StepLayout.build(query_lens, starts, rows, self.block_size, self.block_table.shape[1])
-        meta = s.backend.build_metadata(layout, self.block_table, self.upload)
+        planned = starts if ahead is None else [st + a for st, a in zip(starts, ahead)]
+        layout = StepLayout.build(query_lens, planned, rows, self.block_size, self.block_table.shape[1])
+        shift = None if ahead is None else torch.tensor(ahead, dtype=torch.int64, device=s.device)
+        meta = s.backend.build_metadata(layout, self.block_table, self.upload, shift)
         qkv = (x.to(s.device, s.dtype) for x in (q, k, v))
         out = s.backend.forward(*qkv, self.cache, meta, self.scale, self.window, self.softcap)
         assert out.shape == q.shape and out.dtype == s.dtype
@@ -187,11 +193,13 @@ class Case:
             rows = hist[j : j + 4]
             self.step(rows, [self.starts[i] for i in rows], [0] * len(rows), check)
 
-    def run(self, check_history=True):
+    def run(self, check_history=True, shifted=False):
         self.history(check_history)
         rows = list(range(len(self.starts)))
         self.rng.shuffle(rows)
-        self.step(rows, [self.query_lens[i] for i in rows], [self.starts[i] for i in rows])
+        # Within the block table's three spare columns (entries past a row's context are garbage).
+        ahead = [self.rng.randint(0, 3) for _ in rows] if shifted else None
+        self.step(rows, [self.query_lens[i] for i in rows], [self.starts[i] for i in rows], ahead=ahead)
 
 
 @pytest.mark.parametrize("name", SETUPS)
@@ -210,6 +218,22 @@ def test_backend_equals_dense_reference(name, seed):
         starts.append(start)
     setup = SETUPS[name](heads, kv_heads, head_dim)
     Case(setup, query_lens, starts, block_size, heads, kv_heads, head_dim, rng, seed).run()
+
+
+@pytest.mark.parametrize("name", [n for n in SETUPS if n != "flashinfer"])
+@pytest.mark.parametrize("seed", range(4))
+@torch.inference_mode()
+def test_shift_moves_rows_back_on_the_device(name, seed):
+    """A layout planned ahead of each row's true start plus the device shift equals the exact layout."""
+    rng = random.Random(100 + seed)
+    block_size = rng.choice([1, 4, 16])
+    query_lens, starts = [], []
+    for _ in range(rng.randint(1, 10)):
+        start = rng.choice([rng.randint(1, 40), rng.randint(40, 300)])
+        query_lens.append(rng.choice([1, 1, 5, rng.randint(2, 30)]))
+        starts.append(start)
+    setup = SETUPS[name](8, 2, 16)
+    Case(setup, query_lens, starts, block_size, 8, 2, 16, rng, seed).run(check_history=False, shifted=True)
 
 
 @pytest.mark.parametrize("name", SETUPS)

@@ -18,7 +18,7 @@ FIELDS = [("header", np.int64, 8), ("flag", np.uint8, 3), ("data", np.int32, 64)
         Layout.of([("a", np.uint8, 1)]),
         Layout.of([("a", np.int64, 9), ("b", np.uint8, 65), ("c", "float64", 1)]),
         StepDescriptor.layout(max_num_seqs=7, max_num_batched_tokens=33, block_size=16),
-        StepOutput.layout(max_num_seqs=5, max_num_batched_tokens=33),
+        StepOutput.layout(max_output_rows=5, max_num_batched_tokens=33),
     ],
     ids=["mixed", "one-byte", "odd-sizes", "step-descriptor", "step-output"],
 )

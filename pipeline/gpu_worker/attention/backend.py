@@ -7,7 +7,10 @@ the runner (docs/design.md, "Attention backends"). Metadata is built without
 waiting for the device: what the batch shapes is decided on the host
 (``StepLayout``) and uploaded at once; what is large is computed on the
 device from it. Each backend declares how it uses the cache's memory
-(``cache_layout``, ``kv_layout.py``).
+(``cache_layout``, ``kv_layout.py``). With speculative decoding the host's
+start positions may be upper bounds, and a per-row ``shift`` on the device
+moves every position, context length and slot derived from them back
+(docs/design.md, "Speculative decoding").
 """
 
 from __future__ import annotations
@@ -143,6 +146,11 @@ class StepLayout:
         """``[req_index of each token, block column of each token]`` for ``slot_mapping``."""
         return [self.req_indices[self.request_of_token], self.positions // self.block_size]
 
+    def shifted_inputs(self, shifted: bool) -> list[np.ndarray]:
+        """``[positions, *slot_mapping_inputs()]``, plus ``request_of_token`` when ``shifted``: what
+        ``shifted_slots`` reads."""
+        return [self.positions, *self.slot_mapping_inputs()] + ([self.request_of_token] if shifted else [])
+
 
 @dataclasses.dataclass(frozen=True)
 class PaddedQueries:
@@ -183,6 +191,23 @@ class PaddedQueries:
             query_pos=starts[:, None] + q_offsets,
             real=(np.arange(q_max)[None, :] < q_lens[:, None]).ravel(),
         )
+
+
+def shifted_slots(
+    layout_dev: list[torch.Tensor], shift: torch.Tensor | None, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(positions, token_req_indices, token_cols)`` of the step's tokens on the device, moved back by ``shift``.
+
+    Args:
+        layout_dev: the device copies of ``StepLayout.shifted_inputs``' arrays, in order.
+        shift: ``[B]`` int64 per row on the device, or None (the layout is exact).
+        block_size: tokens per KV block.
+    """
+    positions, token_req_indices, token_cols = layout_dev[:3]
+    if shift is None:
+        return positions, token_req_indices, token_cols
+    positions = positions - shift.index_select(0, layout_dev[3])
+    return positions, token_req_indices, torch.div(positions, block_size, rounding_mode="floor")
 
 
 def slot_mapping(
@@ -237,7 +262,9 @@ class AttentionBackend(ABC):
     cache_layout: str = TOKEN_MAJOR
 
     @abstractmethod
-    def build_metadata(self, layout: StepLayout, block_table: torch.Tensor, upload: Upload) -> AttentionMetadata:
+    def build_metadata(
+        self, layout: StepLayout, block_table: torch.Tensor, upload: Upload, shift: torch.Tensor | None = None
+    ) -> AttentionMetadata:
         """Lay out one step on the device without waiting for it.
 
         Args:
@@ -246,6 +273,12 @@ class AttentionBackend(ABC):
                 request ``i`` uses row ``layout.req_indices[i]``. Entries past a
                 request's context are ignored and may hold anything.
             upload: moves the host arrays the build derives to the device.
+            shift: ``[B]`` int64 on the device: row ``i`` starts ``shift[i]``
+                positions before ``layout.start_positions[i]`` (the drafts of
+                its previous step that were rejected); None: the layout is exact.
+
+        Raises:
+            ValueError: a ``shift`` for a backend that needs exact host positions.
         """
 
     @abstractmethod
@@ -302,8 +335,11 @@ class AttentionBackend(ABC):
         (runs inside the graph)."""
         raise NotImplementedError
 
-    def prepare_replay(self, layout: StepLayout, size: int, upload: Upload) -> None:
-        """Fill the static buffers with a decode-only step's rows, padded to ``size``, before its replay."""
+    def prepare_replay(
+        self, layout: StepLayout, size: int, upload: Upload, shift: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Fill the static buffers with a decode-only step's rows, padded to ``size``, before its replay;
+        returns the rows' ``[B]`` positions on the device (moved back by ``shift``, as ``build_metadata``)."""
         raise NotImplementedError
 
     def build_from_rows(

@@ -124,7 +124,15 @@ class FlashInferBackend(PaddedGraphDecode, AttentionBackend):
         }
         self._turn = 0
 
-    def build_metadata(self, layout: StepLayout, block_table: torch.Tensor, upload: Upload) -> FlashInferMetadata:
+    def build_metadata(
+        self, layout: StepLayout, block_table: torch.Tensor, upload: Upload, shift: torch.Tensor | None = None
+    ) -> FlashInferMetadata:
+        if shift is not None:
+            # plan() takes every row's exact KV length on the host.
+            raise ValueError(
+                "flashinfer plans from exact host context lengths, which speculative decoding with "
+                "asynchronous scheduling does not have: use --attention-backend torch_bucketed"
+            )
         q_lens, starts, bs = layout.query_lens, layout.start_positions, layout.block_size
         context_lens = starts + q_lens
         pages = -(-context_lens // bs)

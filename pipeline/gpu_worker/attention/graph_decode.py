@@ -68,8 +68,9 @@ class GraphDecodeInputs:
         self.rows[2].fill_(1)
         self.slot_mapping = torch.zeros(max_rows, dtype=torch.int64, device=device)
 
-    def fill(self, layout: StepLayout, size: int, upload: Upload) -> None:
-        """Write a decode-only step's rows, padded to ``size``, with one upload and one device copy."""
+    def fill(self, layout: StepLayout, size: int, upload: Upload, shift: torch.Tensor | None = None) -> torch.Tensor:
+        """Write a decode-only step's rows, padded to ``size``, with one upload and one device copy (and one
+        subtraction with a ``shift``); returns the rows' positions."""
         num_rows = layout.query_lens.size
         host = np.empty((3, size), dtype=np.int64)
         host[:, num_rows:] = [[-1], [0], [1]]
@@ -77,6 +78,9 @@ class GraphDecodeInputs:
         host[1, :num_rows] = layout.start_positions
         host[2, :num_rows] = layout.start_positions + 1
         self.rows[:, :size].copy_(upload([host])[0])
+        if shift is not None:
+            self.rows[1:, :num_rows] -= shift
+        return self.rows[1, :num_rows]
 
     def metadata(self, size: int, cache_layout: str) -> GraphDecodeMetadata:
         """The graph's metadata for ``size`` rows, computed on the device from the buffers (inside the graph)."""
@@ -116,8 +120,10 @@ class PaddedGraphDecode:
     def prepare_capture(self, size: int) -> GraphDecodeMetadata:
         return self.graph_inputs.metadata(size, self.cache_layout)
 
-    def prepare_replay(self, layout: StepLayout, size: int, upload: Upload) -> None:
-        self.graph_inputs.fill(layout, size, upload)
+    def prepare_replay(
+        self, layout: StepLayout, size: int, upload: Upload, shift: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self.graph_inputs.fill(layout, size, upload, shift)
 
 
 def graph_decode_attention(

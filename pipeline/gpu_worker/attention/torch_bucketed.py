@@ -28,6 +28,7 @@ from pipeline.gpu_worker.attention.backend import (
     StepLayout,
     Upload,
     sdpa,
+    shifted_slots,
     slot_mapping,
 )
 from pipeline.gpu_worker.attention.graph_decode import GraphDecodeMetadata, PaddedGraphDecode, graph_decode_attention
@@ -226,8 +227,9 @@ class _HostPrefill:
     arrays: list[np.ndarray]  # req_indices, context_lens, query_pos, token_index[, out_rows, out_tokens]
 
 
-def _host_prefill(layout: StepLayout, rows: np.ndarray) -> _HostPrefill:
-    """Shapes and indices of the prefill bucket of requests ``rows`` (see ``Bucket``)."""
+def _host_prefill(layout: StepLayout, rows: np.ndarray, shifted: bool) -> _HostPrefill:
+    """Shapes and indices of the prefill bucket of requests ``rows`` (see ``Bucket``); with ``shifted``
+    also the rows, whose shift moves the bucket's positions on the device."""
     g = PaddedQueries.of(layout, rows)
     token_index = g.token_index.ravel()
     padded = not g.real.all()
@@ -240,15 +242,25 @@ def _host_prefill(layout: StepLayout, rows: np.ndarray) -> _HostPrefill:
     if padded:
         out_rows = np.flatnonzero(g.real)
         arrays += [out_rows, token_index[out_rows]]
+    if shifted:
+        arrays.append(rows)
     return _HostPrefill(g.q_max, g.n_blocks, identity, padded, arrays)
 
 
 def _device_prefill(
-    host: _HostPrefill, dev: list[torch.Tensor], block_table: torch.Tensor, block_size: int, prefix: PrefixTable
+    host: _HostPrefill,
+    dev: list[torch.Tensor],
+    block_table: torch.Tensor,
+    block_size: int,
+    prefix: PrefixTable,
+    shift: torch.Tensor | None,
 ) -> Bucket:
     """A prefill bucket's block ids and causal mask, built on the device from its uploaded indices."""
     req_indices, context_lens, query_pos, token_index = dev[:4]
-    out_rows, out_tokens = dev[4:] if host.padded else (None, token_index)
+    out_rows, out_tokens = dev[4:6] if host.padded else (None, token_index)
+    if shift is not None:
+        row_shift = shift.index_select(0, dev[-1])
+        context_lens, query_pos = context_lens - row_shift, query_pos - row_shift[:, None]
     rows, q_max = query_pos.shape
     # Query at position p attends keys 0..p: the first p + 1.
     visible = (query_pos + 1).view(-1)
@@ -274,8 +286,9 @@ class _HostDecode:
     arrays: list[np.ndarray]  # req_indices [R], context_lens [R], token_index [R]
 
 
-def _host_decode(layout: StepLayout, rows: np.ndarray, plan: list[np.ndarray]) -> _HostDecode:
-    """Every decode bucket's indices in three arrays, so the build costs the same for 1 bucket or 20."""
+def _host_decode(layout: StepLayout, rows: np.ndarray, plan: list[np.ndarray], shifted: bool) -> _HostDecode:
+    """Every decode bucket's indices in three arrays (four ``shifted``: the rows too), so the build costs the
+    same for 1 bucket or 20."""
     order = rows[np.concatenate(plan)]
     context_lens = layout.start_positions[order] + 1
     row_blocks = -(-context_lens // layout.block_size)
@@ -287,14 +300,22 @@ def _host_decode(layout: StepLayout, rows: np.ndarray, plan: list[np.ndarray]) -
     identity = (
         len(plan) == 1 and order.size == layout.num_tokens and bool((token_index == np.arange(layout.num_tokens)).all())
     )
-    return _HostDecode(bounds, identity, [layout.req_indices[order], context_lens, token_index])
+    arrays = [layout.req_indices[order], context_lens, token_index] + ([order] if shifted else [])
+    return _HostDecode(bounds, identity, arrays)
 
 
 def _device_decode(
-    host: _HostDecode, dev: list[torch.Tensor], block_table: torch.Tensor, block_size: int, prefix: PrefixTable
+    host: _HostDecode,
+    dev: list[torch.Tensor],
+    block_table: torch.Tensor,
+    block_size: int,
+    prefix: PrefixTable,
+    shift: torch.Tensor | None,
 ) -> list[Bucket]:
     """Decode buckets as views of one block-id table and one mask built on the device."""
-    req_indices, context_lens, token_index = dev
+    req_indices, context_lens, token_index = dev[:3]
+    if shift is not None:
+        context_lens = context_lens - shift.index_select(0, dev[3])
     n_blocks = host.bounds[0][2]  # plan_buckets puts the longest bucket first
     block_ids = _block_ids(block_table, req_indices, context_lens, n_blocks, block_size, prefix)
     mask = prefix.rows(context_lens, n_blocks * block_size)[:, None, None, :]
@@ -335,33 +356,37 @@ class TorchBucketedBackend(PaddedGraphDecode, AttentionBackend):
         self.workspace = GatherBuffer()
         self.prefix = PrefixTable()
 
-    def build_metadata(self, layout: StepLayout, block_table: torch.Tensor, upload: Upload) -> BucketedMetadata:
+    def build_metadata(
+        self, layout: StepLayout, block_table: torch.Tensor, upload: Upload, shift: torch.Tensor | None = None
+    ) -> BucketedMetadata:
         q_lens = layout.query_lens
         ctx = layout.start_positions + q_lens
         is_decode = q_lens == 1
+        shifted = shift is not None
         rows = np.flatnonzero(is_decode)
-        decode = _host_decode(layout, rows, self.plan_decode(ctx[rows])) if rows.size else None
+        decode = _host_decode(layout, rows, self.plan_decode(ctx[rows]), shifted) if rows.size else None
         rows = np.flatnonzero(~is_decode)
         prefill = [
-            _host_prefill(layout, rows[b])
+            _host_prefill(layout, rows[b], shifted)
             for b in (plan_buckets(ctx[rows], q_lens[rows], *self.limits) if rows.size else [])
         ]
         # One upload for the whole step: positions, slot-mapping inputs, decode buckets, prefill buckets.
-        arrays = [layout.positions, *layout.slot_mapping_inputs()]
+        arrays = layout.shifted_inputs(shifted)
+        i = len(arrays)
         arrays += decode.arrays if decode is not None else []
         for h in prefill:
             arrays += h.arrays
         dev = upload(arrays)
-        positions, token_req_indices, token_cols = dev[:3]
-        i = 3
+        positions, token_req_indices, token_cols = shifted_slots(dev, shift, layout.block_size)
         decode_buckets = []
         if decode is not None:
-            decode_buckets = _device_decode(decode, dev[i : i + 3], block_table, layout.block_size, self.prefix)
-            i += 3
+            n = len(decode.arrays)
+            decode_buckets = _device_decode(decode, dev[i : i + n], block_table, layout.block_size, self.prefix, shift)
+            i += n
         prefill_buckets = []
         for h in prefill:
             prefill_buckets.append(
-                _device_prefill(h, dev[i : i + len(h.arrays)], block_table, layout.block_size, self.prefix)
+                _device_prefill(h, dev[i : i + len(h.arrays)], block_table, layout.block_size, self.prefix, shift)
             )
             i += len(h.arrays)
         return BucketedMetadata(

@@ -34,6 +34,7 @@ from pipeline.gpu_worker.attention.backend import (
     StepLayout,
     Upload,
     sdpa,
+    shifted_slots,
     slot_mapping,
     window_mask,
 )
@@ -104,25 +105,25 @@ class _HostGroup:
     arrays: list[np.ndarray]  # req_indices [rows], context_lens [rows], token_index, query_pos, out_rows, out_tokens
 
 
-def _host_group(layout: StepLayout, rows: np.ndarray) -> _HostGroup:
-    """Shapes and indices of the padded group of requests ``rows`` (see ``AttentionGroup``)."""
+def _host_group(layout: StepLayout, rows: np.ndarray, shifted: bool) -> _HostGroup:
+    """Shapes and indices of the padded group of requests ``rows`` (see ``AttentionGroup``); with
+    ``shifted`` also the rows, whose shift moves the group's positions on the device."""
     g = PaddedQueries.of(layout, rows)
     out_rows = np.flatnonzero(g.real)
     out_tokens = g.token_index.ravel()[out_rows]
     identity = rows.size == layout.query_lens.size and out_rows.size == rows.size * g.q_max == layout.num_tokens
-    return _HostGroup(
-        g.q_max,
-        g.n_blocks,
-        identity,
-        [layout.req_indices[rows], g.context_lens, g.token_index, g.query_pos, out_rows, out_tokens],
-    )
+    arrays = [layout.req_indices[rows], g.context_lens, g.token_index, g.query_pos, out_rows, out_tokens]
+    return _HostGroup(g.q_max, g.n_blocks, identity, arrays + ([rows] if shifted else []))
 
 
 def _device_group(
-    host: _HostGroup, dev: list[torch.Tensor], block_table: torch.Tensor, block_size: int
+    host: _HostGroup, dev: list[torch.Tensor], block_table: torch.Tensor, block_size: int, shift: torch.Tensor | None
 ) -> AttentionGroup:
     """Block ids and mask of one group, built on the device from its uploaded indices."""
-    req_indices, context_lens, token_index, query_pos, out_rows, out_tokens = dev
+    req_indices, context_lens, token_index, query_pos, out_rows, out_tokens = dev[:6]
+    if shift is not None:
+        row_shift = shift.index_select(0, dev[6])
+        context_lens, query_pos = context_lens - row_shift, query_pos - row_shift[:, None]
     device = block_table.device
     # Unused block-table entries may be garbage (e.g. -1); point them at
     # block 0 so the gather stays in bounds, the mask hides them.
@@ -283,24 +284,28 @@ class TorchSDPABackend(PaddedGraphDecode, AttentionBackend):
     def __init__(self) -> None:
         self.workspace = GatherBuffer()
 
-    def build_metadata(self, layout: StepLayout, block_table: torch.Tensor, upload: Upload) -> SDPAMetadata:
+    def build_metadata(
+        self, layout: StepLayout, block_table: torch.Tensor, upload: Upload, shift: torch.Tensor | None = None
+    ) -> SDPAMetadata:
         is_decode = layout.query_lens == 1
+        shifted = shift is not None
         hosts = [
-            _host_group(layout, rows) if rows.size else None
+            _host_group(layout, rows, shifted) if rows.size else None
             for rows in (np.flatnonzero(is_decode), np.flatnonzero(~is_decode))
         ]
         # One upload for the whole step: positions, slot-mapping inputs, then each group's arrays.
-        arrays = [layout.positions, *layout.slot_mapping_inputs()]
+        arrays = layout.shifted_inputs(shifted)
+        i = len(arrays)
         for h in hosts:
             arrays += h.arrays if h is not None else []
         dev = upload(arrays)
-        positions, token_req_indices, token_cols = dev[:3]
-        groups, i = [], 3
+        positions, token_req_indices, token_cols = shifted_slots(dev, shift, layout.block_size)
+        groups = []
         for h in hosts:
             if h is None:
                 groups.append(None)
                 continue
-            groups.append(_device_group(h, dev[i : i + len(h.arrays)], block_table, layout.block_size))
+            groups.append(_device_group(h, dev[i : i + len(h.arrays)], block_table, layout.block_size, shift))
             i += len(h.arrays)
         return SDPAMetadata(
             num_tokens=layout.num_tokens,
