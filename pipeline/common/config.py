@@ -17,6 +17,24 @@ from pipeline.common.step_protocol import (
     StepOutput,
 )
 
+# Speculative decoding methods (vLLM's names for --speculative-config's "method").
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+class SpeculativeConfig(msgspec.Struct, frozen=True):
+    """Speculative decoding (docs/design.md, "Speculative decoding"), vLLM's ``--speculative-config`` fields.
+
+    Attributes:
+        method: ``"ngram"`` (prompt lookup).
+        num_speculative_tokens: drafts a row verifies at most per step (K).
+        prompt_lookup_min, prompt_lookup_max: n-gram lengths prompt lookup tries.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 5
+    prompt_lookup_max: int = 5
+
 
 class EngineConfig(msgspec.Struct, frozen=True):
     """Everything the processes need to agree on.
@@ -107,6 +125,9 @@ class EngineConfig(msgspec.Struct, frozen=True):
         step_timeout_s: seconds a step in flight may go without its output,
             or a process without a heartbeat, before the server declares it
             hung and stops with a message naming it; 0 disables the watchdog.
+        speculative: speculative decoding's settings; None: off.
+        sim_draft_acceptance: with ``model == "sim"`` and speculative decoding,
+            the probability that each simulated draft is right.
         log_stats_interval_s: seconds between two stats lines in io_proc's
             log while there is traffic; 0: none.
         uvicorn_access_log: io_proc logs an access line per HTTP request (uvicorn's).
@@ -176,6 +197,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
     engine_index: int = 0
     api_key: str = ""
     step_timeout_s: float = 300.0
+    speculative: SpeculativeConfig | None = None
+    sim_draft_acceptance: float = 0.7
     metrics_compat: str = "none"
     log_stats_interval_s: float = 10.0
     uvicorn_access_log: bool = True
@@ -257,6 +280,11 @@ class EngineConfig(msgspec.Struct, frozen=True):
         return f"{self.ipc_dir}/trace-{role}.json"
 
     @property
+    def num_speculative_tokens(self) -> int:
+        """K: drafts a row verifies at most per step; 0 without speculative decoding."""
+        return self.speculative.num_speculative_tokens if self.speculative is not None else 0
+
+    @property
     def max_blocks_per_seq(self) -> int:
         """Width of a block-table row."""
         return cdiv(self.max_model_len, self.block_size)
@@ -269,7 +297,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
 
     @property
     def output_layout(self) -> Layout:
-        return StepOutput.layout(self.max_num_seqs, self.max_num_batched_tokens)
+        return StepOutput.layout(self.max_num_seqs * (1 + self.num_speculative_tokens), self.max_num_batched_tokens)
 
     @property
     def descriptor_ring_name(self) -> str:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.common.step_protocol import MAX_LOGIT_BIAS, StepInputs
+from pipeline.common.step_protocol import DRAFT_TOKEN_ID, MAX_LOGIT_BIAS, StepInputs
 from pipeline.gpu_worker.device import DeviceOps, Staged, UploadBatch
 from pipeline.gpu_worker.penalties import PenaltyState
 
@@ -224,12 +224,14 @@ class InputBatch:
         flat = (np.cumsum(x.num_scheduled_tokens) - x.num_scheduled_tokens)[row_of] + j
         req_index = x.req_index[row_of]
         is_output = x.start_pos[row_of] + j >= self.host_prompt_len[req_index]
+        # A draft counts once it is accepted (speculation.SpecState.after_verify), not as an input.
+        counted = is_output & (x.token_ids[flat] != DRAFT_TOKEN_ID)
         return InputCounts(
-            batch.add(flat[is_output]),
-            batch.add(req_index[is_output]),
+            batch.add(flat[counted]),
+            batch.add(req_index[counted]),
             batch.add(flat[~is_output]),
             batch.add(req_index[~is_output]),
-            bool(is_output.any()),
+            bool(counted.any()),
             not bool(is_output.all()),
         )
 

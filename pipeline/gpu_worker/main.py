@@ -143,6 +143,7 @@ class WorkerProc:
                 step.device_end_ns or time.monotonic_ns(),
                 step.continues,
                 self.clock.values,
+                step.draft_matched,
             )
             self.out_ring.publish()
             break

@@ -42,7 +42,9 @@ from pipeline.gpu_worker.executor import Executed, Executor, LogprobInputs, Logp
 from pipeline.gpu_worker.input_batch import FLOAT_COLUMN, INT_COLUMN, POISON_TOKEN_ID, InputBatch
 from pipeline.gpu_worker.logprobs import PromptLogprobPlan
 from pipeline.gpu_worker.penalties import PenaltyPlan, plan_penalties
+from pipeline.gpu_worker.rejection_sampler import VerifyInputs
 from pipeline.gpu_worker.sampler import SamplingPlan
+from pipeline.gpu_worker.speculation import NgramProposer, SampledPositions, SimProposer, SpecState, SpecStep
 
 __all__ = ["POISON_TOKEN_ID", "LaunchedStep", "ModelRunner", "StaleTokenError"]
 
@@ -63,16 +65,19 @@ class LaunchedStep:
     step_id: int
     req_num: np.ndarray  # [S] int64 of the sampled rows
     prepare_start_ns: int
-    tokens: torch.Tensor | None = None  # [S] int64 (pinned on CUDA)
+    tokens: torch.Tensor | None = None  # [S] int64 (pinned on CUDA); after finish one per output row
     done: object | None = None  # CUDA or simulated event; None on CPU torch: the work already ran
     start_event: torch.cuda.Event | None = None  # CUDA: recorded before the forward
     anchor: tuple[object, int] | None = None  # CUDA: (event, host ns) if launched on an idle device
     stale: torch.Tensor | None = None  # poison mode: [P] int64, 1 where a placeholder read a poisoned entry
-    stale_req_indices: np.ndarray | None = None  # [P] the req_index each placeholder read
+    stale_req_indices: np.ndarray | None = None  # [P] the req_index each placeholder (then draft) read
+    spec: SampledPositions | None = None  # speculative decoding: the step's sampled positions
+    spec_host: torch.Tensor | None = None  # [S] tokens emitted then [S] drafts matched per sampled row
+    draft_matched: np.ndarray | None = None  # after finish with speculation: [rows] per output row
     lp_rows: np.ndarray | None = None  # [L] output rows whose request asked for log-probabilities
     prompt_plan: PromptLogprobPlan | None = None  # the prompt positions whose log-probabilities are computed
     lp_host: torch.Tensor | None = None  # packed log-probabilities (see ModelRunner._start_host_copy)
-    logprobs: TokenLogprobs | None = None  # index = output row
+    logprobs: TokenLogprobs | None = None  # index = output row (lp_rows: sampled positions, until finish)
     prompt_logprobs: TokenLogprobs | None = None  # index = request number, with positions
     prepare_end_ns: int = 0
     launch_ns: int = 0
@@ -109,6 +114,7 @@ class _Sampling:
     hot: Staged | None = None
     hot_req_indices: Staged | None = None
     positions: Staged | None = None
+    hot_rows: Staged | None = None  # descriptor row of each hot position, when rows may be shifted
     top_k: np.ndarray | None = None
     top_p: np.ndarray | None = None
     min_p: np.ndarray | None = None
@@ -143,6 +149,7 @@ class ModelRunner:
         self.ops = ops or device_ops(device)
         self.input_batch = InputBatch(config.max_num_seqs, config.max_blocks_per_seq, self.ops, executor.vocab_size)
         self.poison = config.debug_token_cache_poison
+        self.spec = _spec_state(config, device, self.poison)
         self.clock = DeviceClock()
         self._in_flight = 0  # launched, not yet finished
         # The sampling parameters of a batch with no row to sample with temperature: empty, never read.
@@ -179,15 +186,18 @@ class ModelRunner:
         self._check_inputs(x)
         batch = UploadBatch()
         update = self.input_batch.stage(x, batch)
+        spec = self.spec.stage(x, batch) if self.spec is not None else None
         placeholders = self._stage_placeholders(x, batch)
         counts = self.input_batch.stage_counts(x, batch)
-        sampling = self._stage_sampling(x, batch)
-        logprobs = self._stage_logprobs(x, step, batch)
+        sampling = self._stage_sampling(x, batch, spec)
+        logprobs = self._stage_logprobs(x, step, batch, spec)
         batch.upload(self.ops)
         self.input_batch.write(update)
         input_ids = self._resolve_placeholders(placeholders, step)
+        if spec is not None:
+            self._resolve_drafts(spec, input_ids, step)
         self.input_batch.count_inputs(counts, input_ids)
-        executed = self._forward_and_sample(x, input_ids, sampling, logprobs, step)
+        executed = self._forward_and_sample(x, input_ids, sampling, logprobs, step, spec)
         self._start_host_copy(step, executed)
         self._in_flight += 1
         return step
@@ -235,25 +245,42 @@ class ModelRunner:
         input_ids.index_copy_(0, ph.index.dev, resolved.clamp(min=0))
         return input_ids
 
-    def _stage_sampling(self, x: StepInputs, batch: UploadBatch) -> _Sampling:
-        """Stage what sampling the step's sampled rows needs, decided on the host.
+    def _resolve_drafts(self, spec: SpecStep, input_ids: torch.Tensor, step: LaunchedStep) -> None:
+        """Read the drafts into ``input_ids``; in poison mode their stale flags join the placeholders'."""
+        stale = self.spec.resolve_drafts(spec, input_ids)
+        if stale is not None:
+            names = spec.draft_req
+            if step.stale is not None:
+                stale, names = torch.cat([step.stale, stale]), np.concatenate([step.stale_req_indices, names])
+            step.stale, step.stale_req_indices = stale, names
 
-        Which rows are greedy, what filtering runs and which rows get
+    def _stage_sampling(self, x: StepInputs, batch: UploadBatch, spec: SpecStep | None) -> _Sampling:
+        """Stage what sampling the step's sampled positions need, decided on the host.
+
+        Which positions are greedy, what filtering runs and which get
         penalties is decided from the host mirror of the rows' parameters
         and the descriptor's positions; the values are gathered from the
         device copy in ``_sampling_inputs``. A batch where no row
         samples with temperature, or none has penalties, skips that planning.
+        A sampled row has one position, or with drafts ``1 + K``
+        (``SampledPositions``).
         """
         rows = x.sample_rows
-        # One token per row (decode): each row's last token is its own index.
-        last = rows if len(x.token_ids) == len(x.req_index) else (np.cumsum(x.num_scheduled_tokens) - 1)[rows]
         sample_req_indices = x.req_index[rows]
-        positions = x.start_pos[rows] + x.num_scheduled_tokens[rows]
+        sp = spec.sp if spec is not None and spec.sp.k else None
+        if sp is None:
+            # One token per row (decode): each row's last token is its own index.
+            last = rows if len(x.token_ids) == len(x.req_index) else (np.cumsum(x.num_scheduled_tokens) - 1)[rows]
+            positions = x.start_pos[rows] + x.num_scheduled_tokens[rows]
+            pos_req, pos_rows = sample_req_indices, rows
+        else:
+            last, positions = sp.token, sp.position
+            pos_req, pos_rows = sample_req_indices[sp.row], rows[sp.row]
         s = self.input_batch
         out = _Sampling(batch.add(last), batch.add(sample_req_indices))
-        hot = np.flatnonzero(s.host_temperature[sample_req_indices] > 0) if s.any_hot else ()
+        hot = np.flatnonzero(s.host_temperature[pos_req] > 0) if s.any_hot else ()
         if len(hot):
-            hot_req_indices = sample_req_indices[hot]
+            hot_req_indices = pos_req[hot]
             out.hot, out.hot_req_indices, out.positions = (
                 batch.add(hot),
                 batch.add(hot_req_indices),
@@ -264,24 +291,36 @@ class ModelRunner:
                 s.host_top_p[hot_req_indices],
                 s.host_min_p[hot_req_indices],
             )
-        if len(x.mask_row):  # structured output: the descriptor rows become sampled-row indices
-            out.mask_rows = batch.add(np.searchsorted(rows, x.mask_row))
+            if spec is not None and spec.shift_req is not None:
+                out.hot_rows = batch.add(pos_rows[hot])
+        if len(x.mask_row):  # structured output: the descriptor rows become sampled positions
+            masked = np.searchsorted(rows, x.mask_row)
+            out.mask_rows = batch.add(masked if sp is None else sp.first[masked])
             out.bitmask = batch.add(x.bitmask)  # int32 words, widened
         if s.penalty is not None and s.any_penalty_work:
+            # Drafts count as output at the positions after them, as they would once accepted; the
+            # scheduler drafts for a row only past its min_tokens, so host positions decide that exactly.
             out.penalties = plan_penalties(
-                sample_req_indices,
-                positions - s.host_prompt_len[sample_req_indices],
-                s.host_penalized[sample_req_indices],
-                s.host_num_bias[sample_req_indices],
-                s.host_min_tokens[sample_req_indices],
+                pos_req,
+                positions - s.host_prompt_len[pos_req],
+                s.host_penalized[pos_req],
+                s.host_num_bias[pos_req],
+                s.host_min_tokens[pos_req],
                 s.host_stop_ids,
+                drafts_before=None if sp is None else sp.j,
+                first_draft=None if sp is None else (sp.token[sp.first] + 1)[sp.row],
             )
             if out.penalties is not None:
                 out.penalties.stage(batch)
+            if spec is not None:
+                self.spec.stage_penalized(spec, s.host_penalized[sample_req_indices], batch)
         return out
 
-    def _sampling_inputs(self, st: _Sampling) -> SamplingInputs:
-        """The ``SamplingInputs`` of a staged plan (its batch uploaded): parameters gathered on the device."""
+    def _sampling_inputs(self, st: _Sampling, shift: torch.Tensor | None, input_ids: torch.Tensor) -> SamplingInputs:
+        """The ``SamplingInputs`` of a staged plan (its batch uploaded): parameters gathered on the device.
+
+        ``shift`` moves shifted rows' positions back (the noise is keyed by the true one).
+        """
         s = self.input_batch
         if st.hot is None:
             sampling = SamplingInputs(SamplingPlan(rows=None), **self._no_rows)
@@ -293,35 +332,39 @@ class ModelRunner:
             # One gather per parameter table; the columns are views of it.
             f = s.float_params.index_select(0, st.hot_req_indices.dev)
             i = s.int_params.index_select(0, st.hot_req_indices.dev)
+            position = st.positions.dev
+            if shift is not None and st.hot_rows is not None:
+                position = position - shift.index_select(0, st.hot_rows.dev)
             sampling = SamplingInputs(
                 plan,
                 temperature=f[:, FLOAT_COLUMN["temperature"]],
                 top_p=f[:, FLOAT_COLUMN["top_p"]],
                 top_k=i[:, INT_COLUMN["top_k"]],
                 seed=i[:, INT_COLUMN["seed"]],
-                position=st.positions.dev,
+                position=position,
                 min_p=f[:, FLOAT_COLUMN["min_p"]],
             )
         if st.mask_rows is not None:
             sampling.mask_rows, sampling.bitmask = st.mask_rows.dev, st.bitmask.dev
         if st.penalties is not None:
             sampling.penalty_state = s.penalty
-            sampling.penalties = st.penalties.on_device()
+            sampling.penalties = st.penalties.on_device(input_ids)
         return sampling
 
-    def _stage_logprobs(self, x: StepInputs, step: LaunchedStep, batch: UploadBatch) -> _Logprobs:
-        """Stage which sampled rows and prompt positions get log-probabilities, decided on the host.
+    def _stage_logprobs(
+        self, x: StepInputs, step: LaunchedStep, batch: UploadBatch, spec: SpecStep | None
+    ) -> _Logprobs:
+        """Stage which sampled positions and prompt positions get log-probabilities, decided on the host.
 
-        Sampled rows come from the host mirror of the rows' ``logprobs``
+        Sampled positions come from the host mirror of the rows' ``logprobs``
         (skipped when no row wants any); prompt positions from the
         descriptor (``PromptLogprobPlan``).
         """
         out = _Logprobs()
-        rows = (
-            np.flatnonzero(self.input_batch.host_logprobs[x.req_index[x.sample_rows]] >= 0)
-            if self.input_batch.any_logprobs
-            else ()
-        )
+        wants = self.input_batch.host_logprobs[x.req_index[x.sample_rows]] >= 0 if self.input_batch.any_logprobs else ()
+        if len(wants) and spec is not None and spec.sp.k:
+            wants = wants[spec.sp.row]
+        rows = np.flatnonzero(wants) if len(wants) else ()
         if len(rows):
             step.lp_rows, out.rows = rows, batch.add(rows)
         plan = PromptLogprobPlan.of(x)
@@ -337,25 +380,42 @@ class ModelRunner:
         staged_sampling: _Sampling,
         staged_logprobs: _Logprobs,
         step: LaunchedStep,
+        spec: SpecStep | None,
     ) -> Executed:
-        """Build the attention metadata, run the executor, write the token-id cache."""
+        """Build the attention metadata, run the executor, write the token-id cache (and, speculating, the
+        rest of the rows' state and their next drafts)."""
         layout = StepLayout.build(
             x.num_scheduled_tokens, x.start_pos, x.req_index, self.config.block_size, self.config.max_blocks_per_seq
         )
-        meta = self.executor.build_metadata(layout, self.input_batch.block_table, self.ops.upload)
-        sampling = self._sampling_inputs(staged_sampling)
+        shift = self.spec.shift(spec) if spec is not None else None
+        meta = self.executor.build_metadata(layout, self.input_batch.block_table, self.ops.upload, shift)
+        sampling = self._sampling_inputs(staged_sampling, shift, input_ids)
         logprobs = LogprobInputs(
             *(
                 a.dev if a is not None else None
                 for a in (staged_logprobs.rows, staged_logprobs.prompt_positions, staged_logprobs.prompt_targets)
             )
         )
+        verify = None
+        if spec is not None:
+            self.spec.write_inputs(spec, input_ids, meta.positions)
+            if spec.sp.k:
+                drafts = input_ids.index_select(0, spec.draft_index.dev).view(-1, spec.sp.k)
+                verify = VerifyInputs(index=spec.verify_index.dev, drafts=drafts)
         step.prepare_end_ns = time.monotonic_ns()
 
         step.start_event = self.ops.timing_event()
         device_start = time.monotonic_ns()
-        executed = self.executor.execute(input_ids, meta, staged_sampling.last.dev, sampling, logprobs)
-        self.input_batch.token_cache.index_copy_(0, staged_sampling.sample_req_indices.dev, executed.tokens)
+        executed = self.executor.execute(input_ids, meta, staged_sampling.last.dev, sampling, logprobs, verify)
+        cache = self.input_batch.token_cache
+        if spec is None:
+            cache.index_copy_(0, staged_sampling.sample_req_indices.dev, executed.tokens)
+        else:
+            emitted = self.spec.after_verify(
+                spec, executed.tokens, executed.accepted, meta.positions, input_ids, cache, self.input_batch.penalty
+            )
+            matched = self.spec.propose(spec, cache)
+            step.spec, executed.spec_counts = spec.sp, torch.cat([emitted, matched])
         step.launch_ns = time.monotonic_ns()
         if executed.done is not None:  # the simulated device's own timeline
             step.device_start_ns, step.device_end_ns = executed.device_start_ns, executed.device_end_ns
@@ -367,13 +427,16 @@ class ModelRunner:
         """Start copying the tokens, poison flags and log-probabilities to the host, in one copy.
 
         Everything travels as one int64 tensor, so one event says when all
-        of it has arrived: the tokens, then the stale flags, then per
-        log-probability set ``N`` values, ``N x MAX_LOGPROBS`` ids and ``N x
-        MAX_LOGPROBS`` values, float32 travelling as their int32 bit patterns.
-        ``step.done`` fires when they are there.
+        of it has arrived: the tokens, then the stale flags, then with
+        speculation the tokens emitted and drafts matched per sampled row,
+        then per log-probability set ``N`` values, ``N x MAX_LOGPROBS`` ids
+        and ``N x MAX_LOGPROBS`` values, float32 travelling as their int32
+        bit patterns. ``step.done`` fires when they are there.
         """
         tokens = executed.tokens
         parts = [tokens] + ([step.stale] if step.stale is not None else [])
+        if executed.spec_counts is not None:
+            parts.append(executed.spec_counts)
         for lp in (executed.logprobs, executed.prompt_logprobs):
             if lp is not None:
                 parts.extend(_pack(lp))
@@ -385,14 +448,21 @@ class ModelRunner:
         if step.stale is not None:
             end += step.stale.shape[0]
             step.stale = host[num_sampled:end]
+        if executed.spec_counts is not None:
+            step.spec_host = host[end : end + executed.spec_counts.shape[0]]
+            end += executed.spec_counts.shape[0]
         step.lp_host = host[end:]
         step.done = executed.done if executed.done is not None else done
 
     def finish(self, step: LaunchedStep) -> LaunchedStep:
         """Wait for ``step``'s tokens on the host and fill its device times.
 
+        With speculation, ``step.req_num``, ``step.tokens`` and ``step.logprobs`` then hold one
+        output row per token each sampled row got (its accepted drafts, then the correction or
+        bonus), and ``step.draft_matched`` whether each row's next step has drafts.
+
         Raises:
-            StaleTokenError: in poison mode, if a placeholder of the step read a consumed entry.
+            StaleTokenError: in poison mode, if a placeholder (or draft) of the step read a consumed entry.
         """
         if step.done is not None:
             step.done.synchronize()
@@ -403,8 +473,8 @@ class ModelRunner:
             bad = step.stale.numpy().astype(bool)
             if bad.any():
                 raise StaleTokenError(
-                    f"step {step.step_id}: placeholder for req_indices {step.stale_req_indices[bad].tolist()} "
-                    "read a consumed token-id cache entry"
+                    f"step {step.step_id}: placeholder for req_indices "
+                    f"{step.stale_req_indices[bad].tolist()} read a consumed token-id cache entry"
                 )
         packed, offset = step.lp_host.numpy() if step.lp_host is not None else None, 0
         if step.lp_rows is not None:
@@ -413,6 +483,8 @@ class ModelRunner:
             plan = step.prompt_plan
             step.prompt_logprobs, offset = _unpack(packed, offset, plan.req_num)
             step.prompt_logprobs.pos = plan.pos
+        if step.spec_host is not None:
+            _emitted_rows(step)
         return step
 
 
@@ -433,3 +505,38 @@ def _unpack(packed: np.ndarray, offset: int, index: np.ndarray) -> tuple[TokenLo
     top_ids = packed[offset + n : offset + n + n * k].astype(np.int32).reshape(n, k)
     top_logprobs = packed[offset + n + n * k : offset + n + 2 * n * k].astype(np.int32).view(np.float32).reshape(n, k)
     return TokenLogprobs(index.astype(np.int64), logprob, top_ids, top_logprobs), offset + n + 2 * n * k
+
+
+def _emitted_rows(step: LaunchedStep) -> None:
+    """Turn a speculative step's sampled positions into output rows: each sampled row's emitted tokens."""
+    sp = step.spec
+    counts = step.spec_host.numpy()
+    emitted, matched = counts[: len(sp.first)], counts[len(sp.first) :]
+    keep = sp.j < emitted[sp.row]
+    step.tokens = step.tokens[torch.from_numpy(keep)]
+    step.req_num = step.req_num[sp.row[keep]]
+    step.draft_matched = (matched > 0)[sp.row[keep]].astype(np.uint8)
+    if step.logprobs is not None:
+        lp = step.logprobs
+        out_row = np.cumsum(keep) - 1  # the output row of each emitted position
+        kept = keep[lp.index]
+        step.logprobs = TokenLogprobs(
+            out_row[lp.index[kept]], lp.logprob[kept], lp.top_ids[kept], lp.top_logprobs[kept]
+        )
+
+
+def _spec_state(config: EngineConfig, device: torch.device, poison: bool) -> SpecState | None:
+    """The speculative state ``config`` asks for: prompt lookup, or the simulated device's drafts; None: off."""
+    spec = config.speculative
+    if spec is None:
+        return None
+    k = spec.num_speculative_tokens
+    if config.is_simulated:
+        proposer = SimProposer(k, config.sim_draft_acceptance)
+    elif spec.method == "ngram":
+        proposer = NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+    else:
+        raise ValueError(f"speculative method {spec.method!r} is not supported by this worker")
+    return SpecState(
+        config.max_num_seqs, config.max_model_len, k, device, proposer, POISON_TOKEN_ID if poison else None
+    )

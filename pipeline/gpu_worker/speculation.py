@@ -1,0 +1,295 @@
+"""Speculative decoding in the worker: drafts in, verification's bookkeeping on the device, drafts out.
+
+A row with ``K`` drafts is scheduled as its resolved last token plus ``K``
+``DRAFT_TOKEN_ID`` placeholders, which read
+the drafts proposed for it at the end of its previous step; all ``1 + K``
+positions are sampled and verified (``sample_and_verify``).
+Then, on the device: the last emitted token goes into the token-id cache, the
+row's length and rejected-draft count move on, the accepted drafts join the
+penalty counts and the token history, and the proposer drafts the row's next
+step. The scheduler planned the next step as if every draft were accepted, so
+a row whose previous step verified drafts is moved back on the device by the
+rejections the scheduler did not know yet (``shift``). docs/design.md,
+"Speculative decoding".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pipeline.common.step_protocol import DRAFT_TOKEN_ID, MAX_INFLIGHT_STEPS, StepInputs
+from pipeline.gpu_worker.device import Staged, UploadBatch
+from pipeline.gpu_worker.ngram_proposer import propose_ngram
+from pipeline.gpu_worker.penalties import PenaltyState
+from pipeline.gpu_worker.sim_device import sim_drafts
+
+
+@dataclass
+class SampledPositions:
+    """A step's sampled positions (host numpy int64): each sampled row's last token, or with ``K`` drafts
+    its last ``1 + K`` tokens (its resolved last token and the drafts).
+
+    ``row [S']``: which sampled row (``0 .. S - 1``) each position is of; ``j [S']``: its place in the
+    row (the drafts before it); ``token [S']``: the step-token index whose logits it samples;
+    ``position [S']``: the sampled token's position (the host's, an upper bound when the row is
+    shifted); ``first [S]``/``count [S]``: each sampled row's first position and number of them;
+    ``k``: drafts per verified row (0: none); ``verify_rows [V]``: the sampled rows that verify.
+    """
+
+    row: np.ndarray
+    j: np.ndarray
+    token: np.ndarray
+    position: np.ndarray
+    first: np.ndarray
+    count: np.ndarray
+    k: int
+    verify_rows: np.ndarray
+
+    @classmethod
+    def of(cls, x: StepInputs) -> SampledPositions:
+        """The sampled positions of step ``x``.
+
+        Raises:
+            ValueError: rows verifying different numbers of drafts, or drafts on a row that does not sample.
+        """
+        rows = x.sample_rows
+        n = len(rows)
+        # One token per row (decode): each row's last token is its own index.
+        last = rows if len(x.token_ids) == len(x.req_index) else (np.cumsum(x.num_scheduled_tokens) - 1)[rows]
+        end = x.start_pos[rows] + x.num_scheduled_tokens[rows]
+        drafts = x.num_draft_tokens[rows]
+        verify_rows = np.flatnonzero(drafts)
+        if not len(verify_rows):
+            if x.num_draft_tokens.any():
+                raise ValueError(f"step {x.step_id}: drafts on a row that does not sample")
+            ar = np.arange(n)
+            return cls(ar, np.zeros(n, np.int64), last, end, ar, np.ones(n, np.int64), 0, verify_rows)
+        k = int(drafts[verify_rows[0]])
+        if (drafts[verify_rows] != k).any() or int(x.num_draft_tokens.sum()) != k * len(verify_rows):
+            raise ValueError(f"step {x.step_id}: every row with drafts must sample and verify the same number")
+        count = drafts + 1
+        first = np.cumsum(count) - count
+        row = np.repeat(np.arange(n), count)
+        j = np.arange(int(count.sum())) - first[row]
+        back = (count - 1)[row] - j  # positions before the row's last
+        return cls(row, j, last[row] - back, end[row] - back, first, count, k, verify_rows)
+
+
+@dataclass
+class SpecStep:
+    """One step's speculative part, decided on the host and staged (None: not needed).
+
+    ``draft_index``/``draft_flat [D]``: step-token index of each draft input and where in
+    ``SpecState.drafts`` (flattened) it is read. ``shift_req``/``known_rejected [R]``: every row's
+    req_index and the rejections the scheduler knew, when some row may have to move back.
+    ``verify_index [V, K + 1]``: the verified rows' sampled positions. ``first``/``base [S]``: each
+    sampled row's first sampled position and the step-token index of its input. ``sample_req
+    [S]``: the sampled rows' req_index. ``token_req [T]``: each token's req_index (history).
+    ``pos_row``/``pos_j [S']``: each sampled position's row and place. ``penalized [P]``: verified
+    rows (of ``V``) with penalties, whose accepted drafts are counted. ``width``: the proposer's
+    history window (the longest row after the step, an upper bound).
+    """
+
+    sp: SampledPositions
+    first: Staged
+    base: Staged
+    sample_req: Staged
+    width: int
+    draft_index: Staged | None = None
+    draft_flat: Staged | None = None
+    draft_req: np.ndarray | None = None
+    new_req: Staged | None = None
+    shift_req: Staged | None = None
+    known_rejected: Staged | None = None
+    verify_index: Staged | None = None
+    verify_rows: Staged | None = None
+    token_req: Staged | None = None
+    pos_row: Staged | None = None
+    pos_j: Staged | None = None
+    penalized: Staged | None = None
+    penalized_req: Staged | None = None
+
+
+class NgramProposer:
+    """Prompt lookup over each request's token history (``propose_ngram``)."""
+
+    keeps_history = True
+
+    def __init__(self, k: int, n_min: int, n_max: int):
+        self.k, self.n_min, self.n_max = k, n_min, n_max
+
+    def propose(self, state: SpecState, req: torch.Tensor, width: int, token_cache: torch.Tensor):
+        """``(drafts [S, K] int64, matched [S] int64)`` for the rows at req_index ``req`` (``[S]``)."""
+        history = state.history.index_select(0, req)[:, :width]
+        return propose_ngram(history, state.seq_len.index_select(0, req), self.k, self.n_min, self.n_max)
+
+
+class SimProposer:
+    """The simulated device's drafts (``sim_drafts``), host arrays."""
+
+    keeps_history = False
+
+    def __init__(self, k: int, acceptance: float):
+        self.k, self.acceptance = k, acceptance
+
+    def propose(self, state: SpecState, req: torch.Tensor, width: int, token_cache: torch.Tensor):
+        last = token_cache.index_select(0, req).numpy()
+        pos = state.seq_len.index_select(0, req).numpy() - 1
+        drafts = torch.from_numpy(sim_drafts(last, pos, self.k, self.acceptance))
+        return drafts, torch.full((len(last),), self.k, dtype=torch.int64)
+
+
+class SpecState:
+    """Per-request speculative state on the device, by req_index, and the step protocol around it.
+
+    Device tensors: ``drafts [R, K]`` int64 (the next step's drafts; ``poison`` once consumed in
+    poison mode), ``num_rejected [R]`` int64 (rejected drafts since the request became new at
+    its req_index), ``seq_len [R]`` int64 (tokens known after its latest step) and, for prompt
+    lookup, ``history [R, max_model_len]`` int32 (its prompt and output tokens). Host:
+    ``verified_at [R]``, the last step that verified drafts at each req_index.
+
+    Args:
+        max_num_reqs, max_model_len: the table sizes.
+        k: drafts per row at most (``num_speculative_tokens``).
+        device: where the tensors live.
+        proposer: drafts the next step (``NgramProposer`` or ``SimProposer``).
+        poison: the token-id cache's poison value when poison mode is on (drafts read after
+            being consumed are reported as stale), else None.
+    """
+
+    def __init__(self, max_num_reqs: int, max_model_len: int, k: int, device, proposer, poison: int | None):
+        n = max_num_reqs
+        self.k, self.proposer, self.poison, self.max_model_len = k, proposer, poison, max_model_len
+        self.drafts = torch.full((n, k), 0 if poison is None else poison, dtype=torch.int64, device=device)
+        self.num_rejected = torch.zeros(n, dtype=torch.int64, device=device)
+        self.seq_len = torch.ones(n, dtype=torch.int64, device=device)
+        self.history = (
+            torch.zeros((n, max_model_len), dtype=torch.int32, device=device) if proposer.keeps_history else None
+        )
+        self.verified_at = np.full(n, -(2**62), dtype=np.int64)
+
+    def stage(self, x: StepInputs, batch: UploadBatch) -> SpecStep:
+        """Decide step ``x``'s speculative work on the host and stage its arrays in ``batch``."""
+        sp = SampledPositions.of(x)
+        rows = x.sample_rows
+        sample_req = x.req_index[rows]
+        st = SpecStep(
+            sp,
+            first=batch.add(sp.first),
+            base=batch.add(sp.token[sp.first]),
+            sample_req=batch.add(sample_req),
+            width=min(int((x.start_pos[rows] + x.num_scheduled_tokens[rows]).max(initial=0)) + 1, self.max_model_len),
+        )
+        if len(x.new_rows):
+            self.verified_at[x.req_index[x.new_rows]] = -(2**62)
+            st.new_req = batch.add(x.req_index[x.new_rows])
+        # The scheduler saw the outputs of every step but the one before this (the in-flight limit):
+        # only a row that verified there can be ahead of its true position.
+        if (self.verified_at[x.req_index] >= x.step_id - (MAX_INFLIGHT_STEPS - 1)).any():
+            st.shift_req, st.known_rejected = batch.add(x.req_index), batch.add(x.num_rejected)
+        if sp.k:
+            is_draft = x.token_ids == DRAFT_TOKEN_ID
+            index = np.flatnonzero(is_draft)
+            row_of = np.repeat(np.arange(len(x.req_index)), x.num_scheduled_tokens)[index]
+            col = index - (np.cumsum(x.num_scheduled_tokens) - x.num_draft_tokens)[row_of]
+            st.draft_index, st.draft_flat = batch.add(index), batch.add(x.req_index[row_of] * self.k + col)
+            st.draft_req = x.req_index[row_of]
+            st.verify_index = batch.add(sp.first[sp.verify_rows, None] + np.arange(sp.k + 1)[None, :])
+            st.verify_rows = batch.add(sp.verify_rows)
+            self.verified_at[sample_req[sp.verify_rows]] = x.step_id
+        if self.history is not None:
+            st.token_req = batch.add(np.repeat(x.req_index, x.num_scheduled_tokens))
+            st.pos_row, st.pos_j = batch.add(sp.row), batch.add(sp.j)
+        return st
+
+    def stage_penalized(self, st: SpecStep, penalized: np.ndarray, batch: UploadBatch) -> None:
+        """Stage which verified rows count their accepted drafts (``penalized``: ``[S]`` bool per sampled row)."""
+        if st.verify_rows is None:
+            return
+        rows = np.flatnonzero(penalized[st.sp.verify_rows])
+        if len(rows):
+            st.penalized = batch.add(rows)
+            st.penalized_req = batch.add(st.sample_req.host[st.sp.verify_rows[rows]])
+
+    def resolve_drafts(self, st: SpecStep, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """Write the drafts into ``input_ids`` (in place) and reset new rows; in poison mode ``[D]`` int64
+        flags, 1 where a draft was read after being consumed (else None)."""
+        if st.new_req is not None:
+            self.num_rejected.index_fill_(0, st.new_req.dev, 0)
+        if st.draft_index is None:
+            return None
+        flat = self.drafts.view(-1)
+        drafts = flat.index_select(0, st.draft_flat.dev)
+        stale = None
+        if self.poison is not None:
+            stale = (drafts < 0).long()
+            flat.index_fill_(0, st.draft_flat.dev, self.poison)
+        input_ids.index_copy_(0, st.draft_index.dev, drafts.clamp(min=0))
+        return stale
+
+    def shift(self, st: SpecStep) -> torch.Tensor | None:
+        """``[R]`` int64 on the device: how far each row starts before its planned position; None: nowhere."""
+        if st.shift_req is None:
+            return None
+        return self.num_rejected.index_select(0, st.shift_req.dev) - st.known_rejected.dev
+
+    def write_inputs(self, st: SpecStep, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        """Record the step's input tokens in the history at their (device) positions."""
+        if self.history is not None:
+            self._write_history(st.token_req.dev, positions, input_ids)
+
+    def after_verify(
+        self,
+        st: SpecStep,
+        tokens: torch.Tensor,
+        accepted: torch.Tensor | None,
+        positions: torch.Tensor,
+        input_ids: torch.Tensor,
+        token_cache: torch.Tensor,
+        penalty: PenaltyState | None,
+    ) -> torch.Tensor:
+        """Apply a step's verification on the device; returns ``[S]`` int64 tokens emitted per sampled row.
+
+        Args:
+            tokens: ``[S']`` the sampled positions' tokens; accepted: ``[V]`` accepted drafts per
+                verified row (None: the step verifies nothing).
+            positions: ``[T]`` the step's token positions on the device (shifted).
+            input_ids: ``[T]`` the resolved inputs (its drafts among them).
+            token_cache: the token-id cache; the last emitted token of each row goes in.
+            penalty: the penalty counts (accepted drafts are added), or None.
+        """
+        count = torch.ones_like(st.first.dev)
+        if accepted is not None:
+            k = st.sp.k  # this step's drafts per row (at most self.k)
+            count.index_copy_(0, st.verify_rows.dev, accepted + 1)
+            self.num_rejected.index_add_(0, st.sample_req.dev.index_select(0, st.verify_rows.dev), k - accepted)
+            if st.penalized is not None:
+                drafts = input_ids.index_select(0, st.verify_index.dev[:, 1:].reshape(-1)).view(-1, k)
+                taken = torch.arange(k, device=tokens.device)[None, :] < accepted[:, None]
+                sel = st.penalized.dev
+                penalty.counts.index_put_(
+                    (st.penalized_req.dev[:, None].expand(-1, k).reshape(-1), drafts.index_select(0, sel).view(-1)),
+                    taken.index_select(0, sel).view(-1).to(penalty.counts.dtype),
+                    accumulate=True,
+                )
+        token_cache.index_copy_(0, st.sample_req.dev, tokens.index_select(0, st.first.dev + count - 1))
+        base = positions.index_select(0, st.base.dev)  # each sampled row's first sampled input
+        self.seq_len.index_copy_(0, st.sample_req.dev, base + 1 + count)
+        if self.history is not None:
+            pos = base.index_select(0, st.pos_row.dev) + 1 + st.pos_j.dev
+            self._write_history(st.sample_req.dev.index_select(0, st.pos_row.dev), pos, tokens)
+        return count
+
+    def propose(self, st: SpecStep, token_cache: torch.Tensor) -> torch.Tensor:
+        """Draft every sampled row's next step (into ``drafts``); returns ``[S]`` int64 drafts matched per row."""
+        drafts, matched = self.proposer.propose(self, st.sample_req.dev, st.width, token_cache)
+        self.drafts.index_copy_(0, st.sample_req.dev, drafts)
+        return matched
+
+    def _write_history(self, req: torch.Tensor, pos: torch.Tensor, ids: torch.Tensor) -> None:
+        # A position past max_model_len holds nothing a request can reach; clamped, it stays in its row.
+        width = self.history.shape[1]
+        self.history.view(-1).index_copy_(0, req * width + pos.clamp(max=width - 1), ids.to(torch.int32))
