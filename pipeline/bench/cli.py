@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from pipeline.bench.bound import BoundReplay
 from pipeline.bench.drivers import drive_engine, drive_http
-from pipeline.bench.report import plot, print_table, summarize
+from pipeline.bench.report import plot, print_ratios, print_table, summarize
 from pipeline.bench.workloads import MultiTurn, Workload
 from pipeline.common.config import EngineConfig
 from pipeline.common.trace import ROLES
@@ -42,8 +42,10 @@ def run_mode(
     work: Workload | MultiTurn,
     label: str,
     trace_file: str | None,
+    concurrency: int | None = None,
 ) -> tuple[dict, list, EngineConfig | None]:
-    """Run ``work`` once on ``config``'s processes, or on the server at ``--url`` when config is None.
+    """Run ``work`` once (``concurrency`` requests at a time, None: all at once) on ``config``'s processes,
+    or on the server at ``--url`` when config is None.
 
     Returns:
         (figures, spans, the config the processes ran with: its KV blocks sized); no spans or config with ``--url``.
@@ -53,9 +55,9 @@ def run_mode(
         import httpx
 
         model = httpx.get(f"{args.url}/v1/models").json()["data"][0]["id"]
-        times = asyncio.run(drive_http(args.url, model, work, bar))
+        times, spec = asyncio.run(drive_http(args.url, model, work, bar, concurrency))
         bar.close()
-        return summarize(times, []), [], None
+        return summarize(times, [], spec), [], None
 
     launcher = Launcher(
         config,
@@ -67,13 +69,14 @@ def run_mode(
         launcher.start()
         config = launcher.config  # the workers may have sized the KV cache
         if http:
-            times = asyncio.run(drive_http(f"http://{config.host}:{config.port}", config.served_model_name, work, bar))
+            url = f"http://{config.host}:{config.port}"
+            times, spec = asyncio.run(drive_http(url, config.served_model_name, work, bar, concurrency))
         else:
-            times = asyncio.run(drive_engine(config, launcher.output_rings, work, bar))
+            times, spec = asyncio.run(drive_engine(config, launcher.output_rings, work, bar, concurrency))
     finally:
         bar.close()
         launcher.stop()
-    return summarize(times, launcher.spans), launcher.spans, launcher.config
+    return summarize(times, launcher.spans, spec), launcher.spans, launcher.config
 
 
 def total_output(work: Workload | MultiTurn) -> int:
@@ -110,10 +113,12 @@ def build_bench_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("benchmark")
     g.add_argument(
         "--workload",
-        choices=["fixed", "sharegpt-synth", "multi-turn"],
+        choices=["fixed", "sharegpt-synth", "rewrite", "multi-turn"],
         default="fixed",
         help="fixed: --batch-size requests of --input-len prompt and --output-len output tokens; "
-        "sharegpt-synth: --num-requests with long-tailed lengths; both arrive at once. multi-turn: "
+        "sharegpt-synth: --num-requests with long-tailed lengths; rewrite: --num-requests chat requests "
+        "to rewrite a function given in the prompt (where prompt-lookup speculation pays); these arrive "
+        "at once (see --concurrency). multi-turn: "
         "--num-users chat for --num-turns turns each in a closed loop, every turn resending a shared "
         "--system-len system prompt and the conversation so far (the server's own replies included) "
         "plus a new --message-len message, replies of --output-len tokens. All ignore EOS.",
@@ -129,6 +134,23 @@ def build_bench_parser() -> argparse.ArgumentParser:
         choices=["async", "sync", "both"],
         default="both",
         help="scheduling mode(s); both runs async then sync and reports ratios",
+    )
+    g.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="fixed, sharegpt-synth and rewrite workloads: requests in flight at once, the next sent as "
+        "one finishes; several values run one after another on the same workload. Default: every "
+        "request at once.",
+    )
+    g.add_argument(
+        "--speculation",
+        choices=["on", "off", "both"],
+        default="on",
+        help="with --speculative-config: run with it (on), without it (off), or both back to back "
+        "(each run then labelled spec / no-spec, and their throughput ratio printed)",
     )
     g.add_argument(
         "--http", action="store_true", help="start the whole server and send requests through the OpenAI API"
@@ -166,9 +188,16 @@ def main(argv: list[str] | None = None) -> None:
                 file=sys.stderr,
             )
             raise SystemExit(2)
-    else:
+    elif args.workload == "sharegpt-synth":
         sizes = {"max_model_len": args.max_model_len or 2048}
         work = Workload.sharegpt_synth(args.num_requests, sizes["max_model_len"], args.seed)
+    else:
+        from pipeline.io_proc.tokenization import load_tokenizer
+        from pipeline.model_files import resolve_model
+
+        sizes = {"max_model_len": args.max_model_len or 2048}
+        tokenizer, _ = load_tokenizer(str(resolve_model(None if args.model == "sim" else args.model)[0]))
+        work = Workload.rewrite(args.num_requests, tokenizer, sizes["max_model_len"], args.seed)
     if args.bound and (args.url or args.model == "sim" or args.data_parallel_size > 1 or args.tensor_parallel_size > 1):
         print(
             "pipeline-bench: --bound replays one engine's steps on one device: it needs a real model run by "
@@ -189,8 +218,11 @@ def main(argv: list[str] | None = None) -> None:
         "trace",
         "async_scheduling",
         "bound",
+        "concurrency",
+        "speculation",
         *{
             "fixed": ("num_requests", "num_users", "num_turns", "system_len", "message_len"),
+            "rewrite": ("batch_size", "input_len", "output_len", "num_users", "num_turns", "system_len", "message_len"),
             "sharegpt-synth": (
                 "batch_size",
                 "input_len",
@@ -205,30 +237,43 @@ def main(argv: list[str] | None = None) -> None:
     }
     flags = {**{k: v for k, v in vars(args).items() if k not in unused}, **sizes, "http": http}
     modes = {"async": [True], "sync": [False], "both": [True, False]}[args.mode]
+    specs = (
+        [True]
+        if args.speculative_config is None
+        else {"on": [True], "off": [False], "both": [True, False]}[args.speculation]
+    )
+    concurrencies = args.concurrency or [None]
+    runs = [(c, sp, a) for c in concurrencies for sp in specs for a in modes]
     trace = args.trace
     results, spans = {}, {}
     replay = None
     shapes_dir = tempfile.TemporaryDirectory(prefix="pipeline-bench-") if args.bound else None
     try:
-        for a in modes:
+        for c, sp, a in runs:
             label = "async" if a else "sync"
+            if c is not None:
+                label += f" c={c}"
+            if len(specs) == 2:
+                label += " spec" if sp else " no-spec"
             tf = trace
-            if trace and len(modes) == 2:
+            if trace and len(runs) > 1:
                 root, ext = os.path.splitext(trace)
-                tf = f"{root}.{label}{ext or '.json'}"
+                tf = f"{root}.{label.replace(' ', '.').replace('=', '')}{ext or '.json'}"
             config = None
             if not args.url:  # spans are always recorded: the gap figures come from them
                 config = msgspec.structs.replace(make_config(args, **sizes), async_scheduling=a, trace=True)
+                if not sp:
+                    config = msgspec.structs.replace(config, speculative=None)
                 if shapes_dir:
                     config = msgspec.structs.replace(
-                        config, step_shapes_file=os.path.join(shapes_dir.name, f"{label}.npz")
+                        config, step_shapes_file=os.path.join(shapes_dir.name, f"{len(results)}.npz")
                     )
-            results[label], spans[label], config = run_mode(args, config, http, work, label, tf)
+            results[label], spans[label], config = run_mode(args, config, http, work, label, tf, c)
             if shapes_dir:
                 replay = replay or BoundReplay(config)  # loaded after the first run: nothing else runs now
                 bound_s = replay.replay(config.step_shapes_file, label)
                 results[label]["bound"] = {"replay_s": bound_s, "engine_over_bound": bound_s / results[label]["wall_s"]}
-            results[label]["config"] = flags
+            results[label]["config"] = {**flags, "concurrency": c, "speculation": sp}
     except (ChildFailed, TimeoutError) as e:
         print(f"pipeline-bench: {e}", file=sys.stderr)
         raise SystemExit(1) from None
@@ -236,9 +281,10 @@ def main(argv: list[str] | None = None) -> None:
         if shapes_dir:
             shapes_dir.cleanup()
     print_table(results)
+    print_ratios(results)
     if args.json:
         out = dict(results)
-        if len(results) == 2:
+        if set(results) == {"async", "sync"}:
             a, s = results["async"], results["sync"]
             out["ratio_async_over_sync"] = {"output_tokens_per_s": a["output_tokens_per_s"] / s["output_tokens_per_s"]}
         with open(args.json, "w") as f:

@@ -31,15 +31,21 @@ class RequestTimes:
 Send = Callable[[list[int], int, int], Awaitable[tuple[Any, list[int]]]]
 
 
-async def play(work: Workload | MultiTurn, send: Send) -> list[tuple[Any, int]]:
-    """Send every request of ``work`` through ``send``: a fixed workload's all at once, a
-    multi-turn one's turn after turn per user (every user at once).
+async def play(work: Workload | MultiTurn, send: Send, concurrency: int | None = None) -> list[tuple[Any, int]]:
+    """Send every request of ``work`` through ``send``: a fixed workload's all at once (or ``concurrency``
+    at a time, the next as one finishes), a multi-turn one's turn after turn per user (every user at once).
 
     Returns:
         ``(what send kept, turn)`` per request; a user's turns in order.
     """
     if isinstance(work, Workload):
-        done = await asyncio.gather(*(send(p, n, i) for i, (p, n) in enumerate(zip(work.prompts, work.output_lens))))
+        gate = asyncio.Semaphore(concurrency or len(work.prompts) or 1)
+
+        async def gated(p: list[int], n: int, i: int):
+            async with gate:
+                return await send(p, n, i)
+
+        done = await asyncio.gather(*(gated(p, n, i) for i, (p, n) in enumerate(zip(work.prompts, work.output_lens))))
         return [(kept, 0) for kept, _ in done]
 
     async def user(u: int) -> list[tuple[Any, int]]:
@@ -54,12 +60,17 @@ async def play(work: Workload | MultiTurn, send: Send) -> list[tuple[Any, int]]:
 
 
 async def drive_engine(
-    config: EngineConfig, output_rings: list[ShmRing], work: Workload | MultiTurn, bar
-) -> list[RequestTimes]:
+    config: EngineConfig,
+    output_rings: list[ShmRing],
+    work: Workload | MultiTurn,
+    bar,
+    concurrency: int | None = None,
+) -> tuple[list[RequestTimes], dict | None]:
     """Play io_proc's part in-process: an EngineClient on ``output_rings`` (one per engine).
 
-    The client's spans go to ``config.trace_path("io_proc")``, the file io_proc
-    itself would write, so the launcher's stop() finds them with the others'.
+    Returns the times and, with speculative decoding, its counts (``spec_counts``). The
+    client's spans go to ``config.trace_path("io_proc")``, the file io_proc itself would write, so
+    the launcher's stop() finds them with the others'.
     """
     from pipeline.io_proc.engine_client import EngineClient
     from pipeline.io_proc.tokenization import Tokenization, load_tokenizer
@@ -71,7 +82,9 @@ async def drive_engine(
     freeze_startup_heap()  # as io_proc does before serving
     client.start()
     try:
-        return await _drive_client(client, work, bar)
+        times = await _drive_client(client, work, bar, concurrency)
+        stats = await client.get_stats(30.0)
+        return times, spec_counts({f: getattr(stats, f) for f in stats.__struct_fields__})
     finally:
         await client.stop()
         client.close()
@@ -79,8 +92,17 @@ async def drive_engine(
         recorder.dump(config.trace_path("io_proc"))
 
 
-async def _drive_client(client, work: Workload | MultiTurn, bar) -> list[RequestTimes]:
-    """Play ``work`` through a started EngineClient.
+def spec_counts(figures: dict) -> dict | None:
+    """Speculative decoding's counts from a stats reply or ``/metrics`` (vLLM's names without a prefix);
+    None when the server does not speculate."""
+    if figures.get("spec_decode_num_drafts") is None:
+        return None
+    return {k: figures[k] for k in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                                    "spec_decode_num_accepted_tokens")}  # fmt: skip
+
+
+async def _drive_client(client, work: Workload | MultiTurn, bar, concurrency: int | None = None) -> list[RequestTimes]:
+    """Play ``work`` through a started EngineClient (``concurrency``: as ``play``).
 
     Consumers wait for the finish only; each request's token timeline comes
     from the delivery times the client records per step, so the benchmark
@@ -101,7 +123,7 @@ async def _drive_client(client, work: Workload | MultiTurn, bar) -> list[Request
         return state, list(state.processor.token_ids)
 
     out = []
-    for state, turn in await play(work, send):
+    for state, turn in await play(work, send, concurrency):
         t = RequestTimes(submit=state.arrival_time, num_tokens=state.num_output_tokens, turn=turn)
         done = 0
         for when, n in state.delivery_times:
@@ -111,8 +133,11 @@ async def _drive_client(client, work: Workload | MultiTurn, bar) -> list[Request
     return out
 
 
-async def drive_http(url: str, model: str, work: Workload | MultiTurn, bar) -> list[RequestTimes]:
-    """Stream ``work`` through the OpenAI completions API at ``url`` (token-id prompts)."""
+async def drive_http(
+    url: str, model: str, work: Workload | MultiTurn, bar, concurrency: int | None = None
+) -> tuple[list[RequestTimes], dict | None]:
+    """Stream ``work`` through the OpenAI completions API at ``url`` (token-id prompts; ``concurrency``: as
+    ``play``); returns the times and the server's speculative-decoding counts (None: it does not speculate)."""
     import httpx
 
     async def send(prompt: list[int], max_tokens: int, seed: int) -> tuple[RequestTimes, list[int]]:
@@ -142,7 +167,12 @@ async def drive_http(url: str, model: str, work: Workload | MultiTurn, bar) -> l
 
     n = len(work.prompts) if isinstance(work, Workload) else work.num_users
     async with httpx.AsyncClient(base_url=url, timeout=None, limits=httpx.Limits(max_connections=n + 8)) as client:
-        played = await play(work, send)
+        played = await play(work, send, concurrency)
+        metrics = {}
+        for line in (await client.get("/metrics")).text.splitlines():
+            name, _, value = line.partition(" ")
+            if name.startswith("pipeline_spec_decode_num_") and name.endswith("_total"):
+                metrics[name.removeprefix("pipeline_").removesuffix("_total")] = int(float(value))
     for t, turn in played:
         t.turn = turn
-    return [t for t, _ in played]
+    return [t for t, _ in played], spec_counts(metrics)

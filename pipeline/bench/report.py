@@ -8,11 +8,13 @@ from pipeline.bench.drivers import RequestTimes
 from pipeline.common.trace import ROLES, cpu_per_step_us, device_spans, gap_metrics, token_gaps_us
 
 
-def summarize(times: list[RequestTimes], spans: list) -> dict:
-    """Per-mode figures from client-side token times and the worker's device spans.
+def summarize(times: list[RequestTimes], spans: list, spec: dict | None = None) -> dict:
+    """Per-mode figures from client-side token times, the worker's device spans and speculative
+    decoding's counts (``spec``, None without it).
 
-    Wall time runs from the first request's submission to the last token.
-    A multi-turn workload also gets ``ttft_p50_ms_by_turn``.
+    Wall time runs from the first request's submission to the last token. The acceptance rate is
+    accepted over drafted tokens; the mean accepted length is vLLM's, tokens per verified row
+    (``1 + accepted / drafts``). A multi-turn workload also gets ``ttft_p50_ms_by_turn``.
     """
     wall_s = max(t.token_times[-1] for t in times if t.token_times) - min(t.submit for t in times)
     ttft = [t.token_times[0] - t.submit for t in times if t.token_times]
@@ -34,7 +36,16 @@ def summarize(times: list[RequestTimes], spans: list) -> dict:
         "num_requests": len(times),
         "output_tokens": sum(t.num_tokens for t in times),
         "wall_s": wall_s,
+        "spec_decode": None,
     }
+    if spec is not None:
+        drafts, drafted = spec["spec_decode_num_drafts"], spec["spec_decode_num_draft_tokens"]
+        accepted = spec["spec_decode_num_accepted_tokens"]
+        out["spec_decode"] = {
+            **spec,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "mean_accepted_length": 1 + accepted / drafts if drafts else None,
+        }
     turns = sorted({t.turn for t in times})
     if turns != [0]:
         out["ttft_p50_ms_by_turn"] = [
@@ -78,11 +89,22 @@ def print_table(results: dict[str, dict]) -> None:
             if all("bound" in r for r in results.values())
             else ()
         ),
+        *(
+            (
+                ("speculation: acceptance rate", lambda r: r["spec_decode"] and r["spec_decode"]["acceptance_rate"]),
+                (
+                    "speculation: mean accepted length",
+                    lambda r: r["spec_decode"] and r["spec_decode"]["mean_accepted_length"],
+                ),
+            )
+            if any(r.get("spec_decode") for r in results.values())
+            else ()
+        ),
         ("steps", lambda r: r["num_steps"]),
         ("wall time (s)", lambda r: r["wall_s"]),
     ]
     modes = list(results)
-    both = len(modes) == 2
+    both = modes == ["async", "sync"]
     head = ["figure", *modes] + (["async/sync"] if both else [])
     lines = [head]
     for name, get in rows:
@@ -144,3 +166,22 @@ def plot(results: dict[str, dict], spans: dict[str, list], path: str) -> None:
         ax.set_xlabel("ms (12 steps from mid-run; white = device idle)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def print_ratios(results: dict[str, dict]) -> None:
+    """With speculation on and off: output tokens/s of each "spec" run over its "no-spec" twin."""
+    pairs = [(k, k.replace(" spec", " no-spec")) for k in results if k.endswith(" spec")]
+    pairs = [(on, off) for on, off in pairs if off in results]
+    if not pairs:
+        return
+    print("| run | spec tok/s | no-spec tok/s | spec / no-spec | acceptance rate | mean accepted length |")
+    print("|---|---|---|---|---|---|")
+    for on, off in pairs:
+        a, b = results[on]["output_tokens_per_s"], results[off]["output_tokens_per_s"]
+        sd = results[on]["spec_decode"] or {}
+        rate, length = sd.get("acceptance_rate"), sd.get("mean_accepted_length")
+        print(f"| {on.removesuffix(' spec')} | {a:.4g} | {b:.4g} | {a / b:.3g} | {_g(rate)} | {_g(length)} |")
+
+
+def _g(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3g}"

@@ -126,6 +126,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
             or a process without a heartbeat, before the server declares it
             hung and stops with a message naming it; 0 disables the watchdog.
         speculative: speculative decoding's settings; None: off.
+        speculative_policy: ``"adaptive"`` (each step drafts where measured acceptance and cost say it
+            pays) or ``"always"`` (every row that may draft drafts K).
         sim_draft_acceptance: with ``model == "sim"`` and speculative decoding,
             the probability that each simulated draft is right.
         log_stats_interval_s: seconds between two stats lines in io_proc's
@@ -198,6 +200,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
     api_key: str = ""
     step_timeout_s: float = 300.0
     speculative: SpeculativeConfig | None = None
+    speculative_policy: str = "adaptive"
     sim_draft_acceptance: float = 0.7
     metrics_compat: str = "none"
     log_stats_interval_s: float = 10.0

@@ -181,6 +181,7 @@ class Stats(msgspec.Struct, tag=True):
     spec_decode_num_drafts: int | None = None
     spec_decode_num_draft_tokens: int | None = None
     spec_decode_num_accepted_tokens: int | None = None
+    spec_decode_num_accepted_tokens_per_pos: list[int] | None = None
     num_cached_blocks: int = 0
 
 
@@ -193,6 +194,8 @@ def merge_stats(per_engine: list[Stats]) -> Stats:
             return None
         if isinstance(present[0], HistogramData):
             return sum(present[1:], present[0])
+        if isinstance(present[0], list):  # per position
+            return [sum(v) for v in zip(*present, strict=True)]
         return sum(present)
 
     fields = Stats.__struct_fields__[1:]

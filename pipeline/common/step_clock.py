@@ -29,6 +29,7 @@ _NUM_GAP, _NUM_CPU = len(TOKEN_GAP_BUCKETS_NS) + 1, len(STEP_CPU_BUCKETS_NS) + 1
 # Packed layout (int64): device busy ns, busy fraction in millionths (-1: none yet), token gap
 # sum and counts, CPU per step sum and counts.
 _BUSY, _FRACTION, _GAP_SUM = 0, 1, 2
+BUSY_NS = _BUSY  # where the cumulative device busy ns sits in the packed counts
 _GAP = 3
 _CPU_SUM = _GAP + _NUM_GAP
 _CPU = _CPU_SUM + 1

@@ -200,6 +200,7 @@ class PipelineMetrics:
                 for e, v in enumerate(values):
                     family.add_metric([self._model, str(e)], v)
                 yield family
+        yield from self._accepted_per_position()
         finished = CounterMetricFamily(
             "pipeline_requests_finished", "Finished requests by finish reason.", labels=["finished_reason"]
         )
@@ -239,6 +240,25 @@ class PipelineMetrics:
             )
         if self._vllm:
             yield from self._vllm_success()
+
+    def _accepted_per_position(self) -> Iterator[Metric]:
+        """Accepted draft tokens by draft position (vLLM's ``spec_decode_num_accepted_tokens_per_pos``)."""
+        per_engine = [s.spec_decode_num_accepted_tokens_per_pos for s in self._stats]
+        if any(p is None for p in per_engine):
+            return
+        doc = "Draft tokens accepted, by position in the draft (0: the first)."
+        family = CounterMetricFamily("pipeline_spec_decode_num_accepted_tokens_per_pos", doc, labels=["position"])
+        for pos, counts in enumerate(zip(*per_engine, strict=True)):
+            family.add_metric([str(pos)], sum(counts))
+        yield family
+        if self._vllm:
+            family = CounterMetricFamily(
+                "vllm:spec_decode_num_accepted_tokens_per_pos", doc, labels=["model_name", "engine", "position"]
+            )
+            for e, counts in enumerate(per_engine):
+                for pos, c in enumerate(counts):
+                    family.add_metric([self._model, str(e), str(pos)], c)
+            yield family
 
     def _scheduler_figures(self) -> Iterator[Metric]:
         stats = self._stats

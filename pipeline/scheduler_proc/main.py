@@ -37,7 +37,7 @@ from pipeline.common.messages import (
 )
 from pipeline.common.process import StopFlag, freeze_startup_heap, report
 from pipeline.common.shm_ring import RingTimeout, ShmRing
-from pipeline.common.step_clock import WORKER_STATS_LEN, CpuPerStep, worker_stats
+from pipeline.common.step_clock import BUSY_NS, WORKER_STATS_LEN, CpuPerStep, worker_stats
 from pipeline.common.step_protocol import (
     MAX_INFLIGHT_STEPS,
     OUTPUT_READER_SCHEDULER,
@@ -100,6 +100,8 @@ class SchedulerProc:
             config.max_blocks_per_seq,
             config.enable_prefix_caching,
             config.block_hash_root,
+            config.num_speculative_tokens,
+            config.speculative_policy == "adaptive",
         )
         self.max_inflight = MAX_INFLIGHT_STEPS if config.async_scheduling else 1
         self.inflight: deque[int] = deque()
@@ -252,14 +254,22 @@ class SchedulerProc:
                 ) from None
             return
         t0 = time.monotonic_ns()
-        out = entry.read()
+        out = entry.read(drafts=self.scheduler.drafts is not None)
+        busy = self._worker_counts[BUSY_NS]
         np.copyto(self._worker_counts, entry.worker_stats)
         self.out_ring.release_read(OUTPUT_READER_SCHEDULER)
         expected = self.inflight.popleft()
         if out.step_id != expected:
             raise RuntimeError(f"worker reported step {out.step_id}, expected {expected}")
         self._oldest_since = time.monotonic()
-        self.scheduler.process_output(out.step_id, out.req_nums, out.token_ids, out.time_ns)
+        self.scheduler.process_output(
+            out.step_id,
+            out.req_nums,
+            out.token_ids,
+            out.time_ns,
+            out.draft_matched,
+            int(self._worker_counts[BUSY_NS] - busy),
+        )
         self._cpu.step(out.continues)
         if self.trace is not None:
             self.trace.add(self.config.scheduler_role, "plan", "process_output", out.step_id, t0, time.monotonic_ns())
@@ -293,6 +303,19 @@ class SchedulerProc:
             prefix_cache_queries=s.prefix.num_queries if s.prefix.enabled else None,
             prefix_cache_hits=s.prefix.num_hits if s.prefix.enabled else None,
             num_cached_blocks=s.pool.num_cached_blocks,
+            **self._spec_stats(),
+        )
+
+    def _spec_stats(self) -> dict:
+        """The Stats fields of speculative decoding (none without it)."""
+        if self.scheduler.drafts is None:
+            return {}
+        st = self.scheduler.drafts.stats
+        return dict(
+            spec_decode_num_drafts=st.num_drafts,
+            spec_decode_num_draft_tokens=st.num_draft_tokens,
+            spec_decode_num_accepted_tokens=st.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=st.accepted_per_pos.tolist(),
         )
 
 

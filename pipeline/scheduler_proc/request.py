@@ -15,7 +15,9 @@ class Request:
 
     ``num_computed_tokens`` counts tokens already placed in a step (in flight
     included); ``num_placeholders`` counts tokens sampled in steps whose
-    output has not arrived (0 or 1). ``req_index`` is its row while it runs
+    output has not arrived (0 or 1, or with speculative decoding every planned
+    draft counted as accepted); ``num_rejected`` the drafts rejected since it
+    took its req_index (docs/design.md, "Speculative decoding"). ``req_index`` is its row while it runs
     (-1 otherwise), ``is_new`` says its next row is its first at that index
     (the descriptor then carries its parameters), ``admit_seq`` orders the
     running requests by admission. ``block_hashes`` names its prompt's full
@@ -29,7 +31,7 @@ class Request:
 
     While the request is a steady row, ``SteadyRows`` owns its progress:
     ``num_computed_tokens``, ``num_placeholders``, ``last_step_id`` and
-    ``output_token_ids`` are None here, so a stray read fails at once, and
+    ``output_token_ids`` are None here (``num_rejected`` is stale), so a stray read fails at once, and
     ``SteadyRows.release`` hands them back up to date.
     """
 
@@ -40,6 +42,7 @@ class Request:
         "params",
         "num_computed_tokens",
         "num_placeholders",
+        "num_rejected",
         "req_index",
         "block_ids",
         "last_step_id",
@@ -64,6 +67,7 @@ class Request:
         self.params = params
         self.num_computed_tokens = 0
         self.num_placeholders = 0
+        self.num_rejected = 0
         self.req_index = -1
         self.block_ids: list[int] = []
         self.last_step_id = -1

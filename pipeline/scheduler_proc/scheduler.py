@@ -9,7 +9,8 @@ longest cached prefix, all under ``max_num_batched_tokens`` and
 ``max_num_seqs``. KV blocks are allocated on demand; when none are left the
 newest running request is preempted (recompute). Running requests that
 plainly decode are planned as steady rows (``steady_rows.py``), with the same
-result.
+result. With speculative decoding decode rows may verify drafts
+(``drafts.py``; docs/design.md, "Speculative decoding").
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from pipeline.common.constants import cdiv
 from pipeline.common.descriptor_builder import DescriptorBuilder
 from pipeline.common.histogram import ITERATION_TOKENS_BUCKETS, REQUEST_LATENCY_BUCKETS, Histogram
 from pipeline.common.messages import AddRequest, check_finish, choice_seed
-from pipeline.common.step_protocol import MAX_MASKED_ROWS, StepDescriptor, max_new_blocks_per_step
+from pipeline.common.step_protocol import DRAFT_TOKEN_ID, MAX_MASKED_ROWS, StepDescriptor, max_new_blocks_per_step
+from pipeline.scheduler_proc.drafts import Drafts
 from pipeline.scheduler_proc.grammar_manager import GrammarState
 from pipeline.scheduler_proc.kv_block_pool import BlockPool
 from pipeline.scheduler_proc.prefix_cache import PrefixCache, num_final_tokens
@@ -65,6 +67,9 @@ class Scheduler:
         max_blocks_per_seq: block-table row width (``ceil(max_model_len / block_size)``).
         enable_prefix_caching: reuse the blocks of cached prefixes.
         block_hash_root: the parent name of a first block (``EngineConfig.block_hash_root``).
+        num_speculative_tokens: drafts a decode row may verify per step (K); 0: no speculation.
+        adaptive_speculation: drafts where measured acceptance and cost say they pay; False: wherever
+            a row may draft (``Drafts``).
 
     Raises:
         ValueError: if one request of ``max_model_len`` tokens could not fit.
@@ -79,6 +84,8 @@ class Scheduler:
         max_blocks_per_seq: int,
         enable_prefix_caching: bool = True,
         block_hash_root: bytes = b"",
+        num_speculative_tokens: int = 0,
+        adaptive_speculation: bool = True,
     ):
         if num_kv_blocks < max_blocks_per_seq:
             raise ValueError(
@@ -112,6 +119,11 @@ class Scheduler:
         self._last_output_step = -1
         self._finish_after: dict[int, list[Request]] = {}  # step id -> requests that end when it completes
         self._num_admitted = 0
+        self.drafts = (
+            Drafts(max_num_seqs, num_speculative_tokens, block_size, adaptive_speculation)
+            if num_speculative_tokens
+            else None
+        )
 
     @property
     def num_unfinished(self) -> int:
@@ -187,8 +199,15 @@ class Scheduler:
         self._admit_waiting(step)
         if not step.rows and not len(steady):
             return 0
-        self._write(desc, self.next_step_id, step.rows, steady, continues)
-        self.iteration_tokens.observe(len(steady) + sum(k for _, k, _ in step.rows))
+        step_id, drafts = self.next_step_id, None
+        if self.drafts is not None:
+            args = (self.pool, self._builder, self._max_new_blocks)
+            drafts = self.drafts.plan(step_id, self.steady, steady, step.rows, step.budget, *args)
+        self._write(desc, step_id, step.rows, steady, continues, drafts)
+        tokens = len(steady) + sum(k for _, k, _ in step.rows) + (0 if drafts is None else int(drafts.sum()))
+        self.iteration_tokens.observe(tokens)
+        if self.drafts is not None:
+            self.drafts.planned(step_id, tokens)
         self.next_step_id += 1
         return len(step.rows) + len(steady)
 
@@ -279,6 +298,8 @@ class Scheduler:
             req.scheduled_ns = time.monotonic_ns()
         req.req_index = self.pool.allocate_req_index()
         req.is_new = True
+        if self.drafts is not None:
+            self.drafts.admit(req)
         req.admit_seq = self._num_admitted
         self._num_admitted += 1
         for i, b in enumerate(hit):  # the new req_index's block-table row
@@ -326,14 +347,20 @@ class Scheduler:
         rows: list[tuple[Request, int, bool]],
         steady: np.ndarray,
         continues: bool,
+        steady_drafts: np.ndarray | None = None,
     ) -> None:
-        """Write the step: the ``steady`` rows' decodes (req_index ``[D]``), then ``rows``; update counters.
+        """Write the step: the ``steady`` rows' decodes (req_index ``[D]``, with ``steady_drafts`` ``[D]``
+        each; None: none), then ``rows``; update counters.
 
         ``continues``: some row's request was running before (the descriptor's flag).
         """
         b = self._builder
+        joining = []  # grammar rows need their own token back before each step, which steady rows cannot wait for
         for req, k, sample in rows:
             pos = req.num_computed_tokens
+            num_drafts = self.drafts.num_drafts(step_id, req) if self.drafts is not None else 0
+            if (k == 1 or num_drafts) and sample and req.grammar is None:
+                joining.append(req)
             masked = sample and req.grammar is not None and req.grammar.needs_mask(req.num_placeholders)
             mask = req.grammar.mask if masked else None
             params = req.params if req.is_new else None
@@ -341,12 +368,14 @@ class Scheduler:
                 req.req_num,
                 req.req_index,
                 pos,
-                req.chunk(pos, k),
+                req.chunk(pos, k) if not num_drafts else req.chunk(pos, 1) + [DRAFT_TOKEN_ID] * num_drafts,
                 sample,
                 params,
                 *req.prompt_logprob_span(pos, k),
                 len(req.prompt_token_ids),
                 mask,
+                num_drafts,
+                req.num_rejected,
             )
             req.is_new = False
             if req.params.max_tokens == 0 and pos + k >= req.num_known_tokens:
@@ -355,13 +384,14 @@ class Scheduler:
             req.num_computed_tokens = pos + k
             req.last_step_id = step_id
             if sample:
-                req.num_placeholders += 1
-        decode = None
+                req.num_placeholders += 1 + num_drafts
+        decode = rejected = None
         if len(steady):  # in lock step every row's input token is known
-            decode = self.steady.write(step_id, steady, inputs_known=self._last_output_step == step_id - 1)
-        b.write(desc, step_id, decode, continues)
-        # Grammar rows need their own token back before each step, which steady rows cannot wait for.
-        joining = [req for req, k, sample in rows if k == 1 and sample and req.grammar is None]
+            inputs_known = self._last_output_step == step_id - 1
+            decode = self.steady.write(step_id, steady, inputs_known, steady_drafts)
+            if self.drafts is not None:
+                rejected = self.steady.num_rejected(steady)
+        b.write(desc, step_id, decode, continues, rejected, steady_drafts)
         if joining:
             self._join_steady(joining)
 
@@ -382,12 +412,23 @@ class Scheduler:
 
     # -- outputs ----------------------------------------------------------------
 
-    def process_output(self, step_id: int, req_nums: list[int], token_ids: list[int], time_ns: int = 0) -> list[int]:
+    def process_output(
+        self,
+        step_id: int,
+        req_nums: list[int],
+        token_ids: list[int],
+        time_ns: int = 0,
+        draft_matched: np.ndarray | None = None,
+        device_ns: int = 0,
+    ) -> list[int]:
         """Apply StepOutput ``step_id``: append tokens, finish requests, release frees.
 
         A token for a request that finished or was aborted is the one wasted
         token of a step already in flight: it is dropped. ``time_ns`` is the
-        output's engine timestamp (now if 0), which its tokens get.
+        output's engine timestamp (now if 0), which its tokens get. With
+        speculation a request's tokens of the step are consecutive rows;
+        ``draft_matched`` (``[rows]``) and ``device_ns`` (the step's device
+        time) feed the speculation policy.
 
         Returns:
             ``req_num`` of the requests that finished (stop token, length, or the
@@ -398,17 +439,29 @@ class Scheduler:
         """
         finished: list[int] = []
         self._output_ns = time_ns or time.monotonic_ns()
-        d, left, ended = self.steady.apply_output(step_id, req_nums, token_ids)
-        for r, t in left:
+        d, left, ended, verified = self.steady.apply_output(step_id, req_nums, token_ids)
+        spec = self.drafts
+        apply = lambda q, t: self._apply_token(q, t, finished)  # noqa: E731
+        for r, n, tokens in left:
             if (req := self.requests.get(r)) is not None:
-                self._apply_token(req, t, finished)
+                if spec is None:
+                    self._apply_token(req, tokens[0], finished)
+                else:
+                    spec.apply_run(req, n, tokens, self.steady, apply)
         if ended:
             finished.extend(req.req_num for req in ended)
             self._remove_ended(ended)
         self.steady.flush(step_id)
-        for r, t in zip(req_nums[d:], token_ids[d:]):
-            if (req := self.requests.get(r)) is not None:
-                self._apply_token(req, t, finished)
+        if spec is None:
+            for r, t in zip(req_nums[d:], token_ids[d:]):
+                if (req := self.requests.get(r)) is not None:
+                    self._apply_token(req, t, finished)
+        else:
+            spec.observe_step(step_id, device_ns)
+            if verified is not None:
+                spec.observe_steady(verified, draft_matched)
+            rest = None if draft_matched is None else draft_matched[d:]
+            spec.apply_general(step_id, req_nums[d:], token_ids[d:], rest, self.requests, self.steady, apply)
         for req in self._finish_after.pop(step_id, ()):
             if self.requests.get(req.req_num) is req:
                 finished.append(req.req_num)
@@ -418,8 +471,8 @@ class Scheduler:
         self._last_output_step = step_id
         return finished
 
-    def _apply_token(self, req: Request, t: int, finished: list[int]) -> None:
-        """Append ``t`` to ``req``; remove it and list it in ``finished`` if it ends."""
+    def _apply_token(self, req: Request, t: int, finished: list[int]) -> bool:
+        """Append ``t`` to ``req``; remove it and list it in ``finished`` if it ends (then True)."""
         if not req.first_token_ns:
             req.first_token_ns = self._output_ns
         steady = self.steady.holds(req)
@@ -437,6 +490,7 @@ class Scheduler:
             self.prefix.name_final(req, num_final_tokens(req))
             if req.grammar is not None:  # never steady
                 req.grammar.advance(t)  # on a grammar thread; a failure ends the request (GrammarManager.failed)
+        return ends
 
     def _observe_finish(self, req: Request, end_ns: int) -> None:
         """Observe the phases of ``req``, which finished at ``end_ns`` (vLLM's intervals:

@@ -12,11 +12,13 @@ from array import array
 
 import numpy as np
 
+from pipeline.common.constants import cdiv
 from pipeline.common.descriptor_builder import DescriptorBuilder
 from pipeline.common.messages import check_finish
 from pipeline.common.step_protocol import PLACEHOLDER_TOKEN_ID
 from pipeline.scheduler_proc.kv_block_pool import BlockPool
 from pipeline.scheduler_proc.request import Request
+from pipeline.scheduler_proc.spec_policy import output_runs
 
 # Steps a steady row's tokens wait in the per-row buffer before joining its
 # request's list (int32: 512 KiB at 1024 rows): appending to a thousand lists
@@ -40,7 +42,13 @@ class SteadyRows:
     ``max_tokens``), ``_stop`` (its stop token ids, -1 padded; none with
     ``ignore_eos``), ``_last_token``, ``_admitted`` (its ``admit_seq``),
     ``_req_num`` (-1 once the row holds no steady request) and its newest
-    tokens, ``_buffer[i, :_num_buffered[i]]``.
+    tokens, ``_buffer[i, :_num_buffered[i]]``. With speculative decoding
+    (docs/design.md, "Speculative decoding") ``_pos``, ``_in_flight`` and
+    ``_remaining`` count every planned draft as accepted until the output
+    shows its rejection (``rollback``); ``_rejected`` (num_rejected),
+    ``_num_blocks`` (blocks held, which after a rollback may exceed what
+    ``_pos`` needs) and ``_draft_left`` (a row drafts once ``_left`` is down
+    to it: past ``min_tokens``) serve that.
 
     Args:
         keep_ended_tokens: an ended request gets its buffered tokens back
@@ -63,12 +71,16 @@ class SteadyRows:
             self._last_token,
             self._admitted,
             self._num_buffered,
-        ) = (np.zeros(n, np.int64) for _ in range(8))
+            self._rejected,
+            self._num_blocks,
+            self._draft_left,
+        ) = (np.zeros(n, np.int64) for _ in range(11))
         self._req_num = np.full(n, -1, np.int64)
         self._stop = np.full((n, 1), -1, np.int64)
         self._buffer = np.zeros((n, _TOKEN_BUFFER), np.int32)
-        # Step id -> its steady rows, which lead its output: (req_indices, request numbers as an array and a list).
-        self._planned: dict[int, tuple[np.ndarray, np.ndarray, list[int]]] = {}
+        # Step id -> its steady rows, which lead its output: (req_indices, request numbers as an array and a
+        # list, tokens planned per row or None for one each).
+        self._planned: dict[int, tuple[np.ndarray, np.ndarray, list[int], np.ndarray | None]] = {}
 
     def __len__(self) -> int:
         return len(self.order)
@@ -86,6 +98,9 @@ class SteadyRows:
         self._remaining[idx] = [r.params.max_tokens - r.num_outputs_planned for r in reqs]
         self._left[idx] = [r.params.max_tokens - len(r.output_token_ids) for r in reqs]
         self._admitted[idx] = [r.admit_seq for r in reqs]
+        self._rejected[idx] = [r.num_rejected for r in reqs]
+        self._num_blocks[idx] = [len(r.block_ids) for r in reqs]
+        self._draft_left[idx] = [r.params.max_tokens - r.params.min_tokens for r in reqs]
         self._num_buffered[idx] = 0
         for r in reqs:
             i = r.req_index
@@ -124,7 +139,8 @@ class SteadyRows:
                 ``admit_seq``; None when there is none.
         """
         active = self.order[self._remaining[self.order] > 0]
-        crossing = active[self._pos[active] % self.block_size == 0]
+        # After rejected drafts a row may already hold the block its next position needs.
+        crossing = active[cdiv(self._pos[active] + 1, self.block_size) > self._num_blocks[active]]
         others_after = (
             first_other_admitted is None or not len(active) or first_other_admitted > self._admitted[active].max()
         )
@@ -135,38 +151,85 @@ class SteadyRows:
             return None
         if len(crossing):
             new = pool.allocate_blocks(len(crossing))
-            builder.add_blocks(crossing, self._pos[crossing] // self.block_size, np.asarray(new))
+            builder.add_blocks(crossing, self._num_blocks[crossing], np.asarray(new))
+            self._num_blocks[crossing] += 1
             for i, b in zip(crossing.tolist(), new):
                 self._req[i].block_ids.append(b)
         return active
 
-    def write(self, step_id: int, rows: np.ndarray, inputs_known: bool) -> tuple[np.ndarray, ...]:
-        """Count ``rows`` (from ``plan``) as planned in step ``step_id``; returns ``DescriptorBuilder.write``'s
-        ``decode``. With ``inputs_known`` (lock step) each row's input is its last token, else the placeholder."""
+    def draft_candidates(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Of ``rows`` (planned this step), those that may draft (past ``min_tokens``), and the tokens each
+        may still plan (at most that minus one drafts)."""
+        cand = rows[self._left[rows] <= self._draft_left[rows]]
+        return cand, self._remaining[cand]
+
+    def grow_for_drafts(
+        self, rows: np.ndarray, k: int, pool: BlockPool, builder: DescriptorBuilder, room: int
+    ) -> np.ndarray:
+        """Blocks for ``k`` drafts after each of ``rows``' token, in order while free blocks and ``room``
+        block-table entries last; returns the rows that got them (the others do not draft)."""
+        need = np.maximum(0, cdiv(self._pos[rows] + 1 + k, self.block_size) - self._num_blocks[rows])
+        fits = np.cumsum(need) <= min(pool.num_free_blocks, room)
+        rows, need = rows[fits], need[fits]
+        for i, n in zip(rows[need > 0].tolist(), need[need > 0].tolist()):
+            req = self._req[i]
+            blocks = pool.allocate_blocks(n)
+            for j, b in enumerate(blocks):
+                builder.add_block(i, int(self._num_blocks[i]) + j, b)
+            req.block_ids.extend(blocks)
+            self._num_blocks[i] += n
+        return rows
+
+    def num_rejected(self, rows: np.ndarray) -> np.ndarray:
+        return self._rejected[rows]
+
+    def rollback(self, req: Request, rejected: int) -> None:
+        """``rejected`` tokens planned for steady ``req`` in a row it had before joining were drafts the
+        worker rejected: its counters go back by them."""
+        i = req.req_index
+        self._pos[i] -= rejected
+        self._remaining[i] += rejected
+        self._in_flight[i] -= rejected
+        self._rejected[i] += rejected
+
+    def write(
+        self, step_id: int, rows: np.ndarray, inputs_known: bool, drafts: np.ndarray | None = None
+    ) -> tuple[np.ndarray, ...]:
+        """Count ``rows`` (from ``plan``) as planned in step ``step_id``, each with ``drafts`` (``[D]``, None:
+        none) counted as accepted; returns ``DescriptorBuilder.write``'s ``decode``. With ``inputs_known``
+        (lock step) each row's input is its last token, else the placeholder."""
         pos = self._pos[rows]
         if inputs_known:
             tokens = self._last_token[rows]
         else:
             tokens = np.full(len(rows), PLACEHOLDER_TOKEN_ID, np.int64)
         nums = self._req_num[rows]
-        self._planned[step_id] = (rows, nums, nums.tolist())
-        self._pos[rows] = pos + 1
-        self._remaining[rows] -= 1
-        self._in_flight[rows] += 1
+        n = 1 if drafts is None else drafts + 1
+        self._planned[step_id] = (rows, nums, nums.tolist(), None if drafts is None else n)
+        self._pos[rows] = pos + n
+        self._remaining[rows] -= n
+        self._in_flight[rows] += n
         self._last_step[rows] = step_id
         self.num_steps += 1
         return nums, rows, pos, tokens
 
     def apply_output(
         self, step_id: int, req_nums: list[int], token_ids: list[int]
-    ) -> tuple[int, list[tuple[int, int]], list[Request]]:
+    ) -> tuple[int, list[tuple[int, int, list[int]]], list[Request], tuple | None]:
         """Apply the tokens of step ``step_id``'s steady rows, vectorized.
+
+        A row planned with drafts has one output row per token it got (a run);
+        the tokens it planned beyond them were rejected, and its counters go
+        back by them. A run ends at its first stop token.
 
         Returns:
             How many leading output rows were the step's steady rows; the
-            ``(req_num, token)`` of those whose request left the steady rows
-            since (the caller applies or drops them); and the requests that
-            ended, released.
+            ``(req_num, tokens planned, tokens got)`` of those whose request
+            left the steady rows since (the caller applies or drops them); the
+            requests that ended, released; and for speculation's bookkeeping
+            ``(req_indices, planned, got, last_row)`` of the other rows (None
+            for planned and got: one each; for last_row, the output row of
+            each row's last token: ``arange``), or None without steady rows.
 
         Raises:
             RuntimeError: the output's first rows are not the step's steady
@@ -175,18 +238,21 @@ class SteadyRows:
         """
         planned = self._planned.pop(step_id, None)
         if planned is None:
-            return 0, [], []
-        rows, nums, num_list = planned
+            return 0, [], [], None
+        rows, nums, num_list, n = planned
+        if n is not None:
+            return self._apply_runs(step_id, rows, nums, num_list, n, req_nums, token_ids)
         d = len(num_list)
         if req_nums[:d] != num_list:
             raise RuntimeError(f"step {step_id}: output rows are not the steady rows planned")
         tokens = token_ids[:d]
         kept = self._req_num[rows] == nums
-        left: list[tuple[int, int]] = []
+        left: list[tuple[int, int, list[int]]] = []
+        last_row = None
         if not kept.all():
-            left = [(num_list[i], tokens[i]) for i in np.flatnonzero(~kept).tolist()]
-            sel = np.flatnonzero(kept)
-            rows, tok, num_list = rows[sel], np.asarray(tokens)[sel], [num_list[i] for i in sel.tolist()]
+            left = [(num_list[i], 1, [tokens[i]]) for i in np.flatnonzero(~kept).tolist()]
+            last_row = np.flatnonzero(kept)
+            rows, tok = rows[last_row], np.asarray(tokens)[last_row]
         else:
             tok = np.asarray(tokens)
         self._buffer[rows, self._num_buffered[rows]] = tok
@@ -195,14 +261,67 @@ class SteadyRows:
         self._in_flight[rows] -= 1
         self._left[rows] -= 1
         ended = np.flatnonzero((self._left[rows] <= 0) | (self._stop[rows] == tok[:, None]).any(1))
-        if not len(ended):
-            return d, left, []
-        ended_rows = rows[ended]
+        return d, left, self._end(rows[ended]), (rows, None, None, last_row)
+
+    def _apply_runs(
+        self,
+        step_id: int,
+        rows: np.ndarray,
+        nums: np.ndarray,
+        num_list: list[int],
+        planned: np.ndarray,
+        req_nums: list[int],
+        token_ids: list[int],
+    ) -> tuple[int, list[tuple[int, int, list[int]]], list[Request], tuple]:
+        """``apply_output`` for a step whose steady rows had drafts: row ``i`` planned ``planned[i]`` tokens."""
+        arr = np.asarray(req_nums[: int(planned.sum())], np.int64)
+        starts, lengths = output_runs(arr)
+        starts, lengths = starts[: len(num_list)], lengths[: len(num_list)]
+        if len(starts) < len(num_list) or (arr[starts] != nums).any() or (lengths > planned).any():
+            raise RuntimeError(f"step {step_id}: output rows are not the steady rows planned")
+        d = int(starts[-1] + lengths[-1])
+        tok_all = np.asarray(token_ids[:d], np.int64)
+        kept = self._req_num[rows] == nums
+        left: list[tuple[int, int, list[int]]] = []
+        if not kept.all():
+            for i in np.flatnonzero(~kept).tolist():
+                left.append((num_list[i], int(planned[i]), token_ids[starts[i] : starts[i] + lengths[i]]))
+            keep = np.flatnonzero(kept)
+            rows, planned, starts, lengths = rows[keep], planned[keep], starts[keep], lengths[keep]
+        last_row = starts + lengths - 1
+        offset = np.cumsum(lengths) - lengths
+        row_of = np.repeat(np.arange(len(rows)), lengths)
+        j = np.arange(int(lengths.sum())) - offset[row_of]
+        tok = tok_all[starts[row_of] + j]
+        hit = (self._stop[rows][row_of] == tok[:, None]).any(1)
+        first_stop = lengths.copy()  # none: the run's length
+        np.minimum.at(first_stop, row_of[hit], j[hit])
+        take = np.minimum(lengths, first_stop + 1)  # a run's tokens up to its first stop token
+        for i in np.flatnonzero(self._num_buffered[rows] + take > _TOKEN_BUFFER).tolist():
+            self._move_tokens(int(rows[i]))
+        taken = j < take[row_of]
+        at = rows[row_of[taken]]
+        self._buffer[at, self._num_buffered[at] + j[taken]] = tok[taken]
+        self._num_buffered[rows] += take
+        self._last_token[rows] = tok[offset + take - 1]
+        self._in_flight[rows] -= planned
+        self._left[rows] -= take
+        rejected = planned - lengths
+        self._pos[rows] -= rejected
+        self._remaining[rows] += rejected
+        self._rejected[rows] += rejected
+        ended = np.flatnonzero((first_stop < lengths) | (self._left[rows] <= 0))
+        return d, left, self._end(rows[ended]), (rows, planned, lengths, last_row)
+
+    def _end(self, ended_rows: np.ndarray) -> list[Request]:
+        """Release the rows ``ended_rows`` whose requests ended."""
+        if not len(ended_rows):
+            return []
         if not self.keep_ended_tokens:
             self._num_buffered[ended_rows] = 0  # nobody reads an ended request's tokens
         reqs = [self._write_back(i) for i in ended_rows.tolist()]
         self.order = self.order[self._req_num[self.order] >= 0]
-        return d, left, reqs
+        return reqs
 
     def receive(self, req: Request, token: int) -> bool:
         """Append ``token`` from a row ``req`` had before it joined; returns whether it ends the request."""
@@ -238,6 +357,7 @@ class SteadyRows:
         req.num_computed_tokens = int(self._pos[i])
         req.num_placeholders = int(self._in_flight[i])
         req.last_step_id = int(self._last_step[i])
+        req.num_rejected = int(self._rejected[i])
         self._req[i] = None
         self._req_num[i] = -1
         return req

@@ -61,6 +61,40 @@ def test_node_layout():
         os.rmdir(c.ipc_dir)
 
 
+def test_speculative_config_takes_vllms_shape():
+    def spec(text):
+        return make_config(build_parser().parse_args(["--model", "sim", "--speculative-config", text])).speculative
+
+    s = spec('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}')
+    assert (s.method, s.num_speculative_tokens, s.prompt_lookup_min, s.prompt_lookup_max) == ("ngram", 4, 2, 5)
+    # vLLM's defaults: both bounds 5, or one bound given sets the other.
+    assert (spec('{"method": "ngram", "num_speculative_tokens": 3}').prompt_lookup_min, 5) == (5, 5)
+    assert spec('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}').prompt_lookup_min == 2
+    assert spec('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 3}').prompt_lookup_max == 3
+    assert make_config(build_parser().parse_args(["--model", "sim"])).speculative is None
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("{", "is not JSON"),
+        ("[1]", "must be a JSON object"),
+        ('{"method": "eagle", "num_speculative_tokens": 2}', "method must be one of ngram, draft_model"),
+        ('{"method": "ngram"}', "num_speculative_tokens must be an integer from 1 to 32"),
+        ('{"method": "ngram", "num_speculative_tokens": 33}', "num_speculative_tokens must be an integer"),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}', "prompt_lookup_min must be"),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "<="),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 4}', "unsupported key"),
+        ('{"method": "draft_model", "num_speculative_tokens": 2, "model": "x"}', "not supported yet"),
+    ],
+)
+def test_bad_speculative_configs_exit_naming_the_key(text, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        make_config(build_parser().parse_args(["--model", "sim", "--speculative-config", text]))
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_dtype_auto_is_float32_on_cpu_and_the_checkpoint_dtype_on_cuda(tiny_dir, tmp_path):
     import json
     import shutil

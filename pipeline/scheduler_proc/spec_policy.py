@@ -1,0 +1,187 @@
+"""How many drafts each step verifies, and for which rows (docs/design.md, "Speculative decoding").
+
+Verifying ``k`` drafts costs a row ``k`` more tokens in the step; it pays only when the tokens it is
+expected to gain beat what those tokens would cost at the step's throughput. Both sides are
+measured, so nothing is tuned by hand:
+
+* **Acceptance** per request: a geometric model (each draft accepted with probability ``a``
+  given the ones before it were), estimated from the request's own verified rows with
+  exponential forgetting and a prior from every request's (``prior_weight`` drafts' worth). A
+  row with ``k`` drafts then gains ``a + a^2 + ... + a^k`` tokens. A request whose proposer found
+  no match last step gains nothing (its drafts would be filler).
+* **Step cost** as a function of the step's tokens: the device time of recent steps, averaged per
+  power-of-two bucket of token counts and interpolated between buckets. Beyond the largest
+  bucket seen it is assumed flat and below the smallest proportional to the tokens: either guess
+  flatters the side not tried yet, so the policy tries it once and learns.
+
+Each step then takes, for every ``k`` in ``1..K``, the rows in order of their gain while each
+row's gain per added unit of time beats the step's average, and keeps the ``k`` with the best
+expected tokens per second (``0`` when none beats verifying nothing). A workload whose drafts
+are never accepted thus stops drafting after a few tries, and retries a request only as its
+evidence fades.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# Forgetting of a request's acceptance evidence per verified row, and of the cost buckets per step.
+_ROW_DECAY = 0.8
+_BUCKET_DECAY = 0.9
+# Evidence fades while a candidate row does not draft, so it is retried now and then.
+_IDLE_DECAY = 0.97
+
+
+class SpecPolicy:
+    """Chooses each step's drafts per row (0 or the step's ``k``) from measured acceptance and cost.
+
+    Args:
+        max_num_seqs: rows (req_index) tracked.
+        k_max: drafts per row at most (``num_speculative_tokens``).
+        prior: acceptance assumed before anything is measured.
+        prior_weight: how many drafts' worth of evidence the prior (then the global estimate) counts for.
+        adaptive: False: every candidate whose proposer matched drafts ``k_max`` (while ``remaining``
+            and the budget allow), whatever acceptance and cost say (``--speculative-policy always``).
+    """
+
+    def __init__(
+        self, max_num_seqs: int, k_max: int, prior: float = 0.6, prior_weight: float = 2.0, adaptive: bool = True
+    ):
+        self.k_max, self.adaptive = k_max, adaptive
+        self.prior_weight = prior_weight
+        # Per req_index: accepted drafts and rejections (rows that stopped before their last draft).
+        self.accepted = np.zeros(max_num_seqs)
+        self.rejected = np.zeros(max_num_seqs)
+        self.matched = np.ones(max_num_seqs, dtype=bool)
+        self._global = np.array([prior * 10, (1 - prior) * 10])
+        # Cost buckets: token count b holds steps of 2**b .. 2**(b+1) - 1 tokens; mean tokens and mean ns.
+        self._bucket_tokens = np.zeros(32)
+        self._bucket_ns = np.zeros(32)
+        self._bucket_weight = np.zeros(32)
+
+    def reset(self, req_index: int) -> None:
+        """A new request at ``req_index``: no evidence of its own yet."""
+        self.accepted[req_index] = self.rejected[req_index] = 0.0
+        self.matched[req_index] = True
+
+    def acceptance(self, req_indices: np.ndarray) -> np.ndarray:
+        """``[N]`` estimated per-draft acceptance of the requests at ``req_indices``."""
+        g = self._global[0] / self._global.sum()
+        w = self.prior_weight
+        a, r = self.accepted[req_indices], self.rejected[req_indices]
+        return (a + g * w) / (a + r + w)
+
+    def observe_row(self, req_index: int, k: int, accepted: int, matched: bool) -> None:
+        """A row's verified output: ``accepted`` of its ``k`` drafts (``k`` 0: it verified none);
+        ``matched``: its proposer found drafts for its next step."""
+        self.observe_rows(np.array([req_index]), np.array([k]), np.array([accepted]), np.array([matched]))
+
+    def observe_rows(self, req_indices: np.ndarray, k: np.ndarray, accepted: np.ndarray, matched: np.ndarray) -> None:
+        """``observe_row`` for many rows (``[N]`` arrays, distinct ``req_indices``)."""
+        self.matched[req_indices] = matched
+        v = k > 0
+        if not v.any():
+            return
+        idx, a = req_indices[v], accepted[v]
+        stopped = (a < k[v]).astype(np.float64)
+        self.accepted[idx] = self.accepted[idx] * _ROW_DECAY + a
+        self.rejected[idx] = self.rejected[idx] * _ROW_DECAY + stopped
+        self._global = self._global * 0.99 ** len(idx) + [a.sum(), stopped.sum()]
+
+    def observe_step(self, num_tokens: int, device_ns: int) -> None:
+        """A step of ``num_tokens`` took ``device_ns`` on the device."""
+        if num_tokens <= 0 or device_ns <= 0:
+            return
+        b = int(num_tokens).bit_length() - 1
+        w = self._bucket_weight[b] * _BUCKET_DECAY
+        self._bucket_tokens[b] = (self._bucket_tokens[b] * w + num_tokens) / (w + 1)
+        self._bucket_ns[b] = (self._bucket_ns[b] * w + device_ns) / (w + 1)
+        self._bucket_weight[b] = w + 1
+
+    def cost(self, num_tokens: np.ndarray) -> np.ndarray:
+        """Estimated device ns of steps of ``num_tokens`` (``[N]``); 1 everywhere before any step is measured.
+
+        Between measured buckets, interpolated; past the largest, flat; below the smallest,
+        proportional to the tokens. Both guesses flatter the untried side, so it gets tried.
+        """
+        seen = np.flatnonzero(self._bucket_weight > 0)
+        if not len(seen):
+            return np.ones(len(num_tokens))
+        t, ns = self._bucket_tokens[seen], np.maximum.accumulate(self._bucket_ns[seen])
+        num_tokens = np.asarray(num_tokens, dtype=np.float64)
+        return np.where(num_tokens < t[0], ns[0] * num_tokens / t[0], np.interp(num_tokens, t, ns))
+
+    def choose(
+        self, num_sampled: int, base_tokens: int, req_indices: np.ndarray, remaining: np.ndarray, budget: int
+    ) -> tuple[int, np.ndarray]:
+        """This step's drafts: ``(k, rows)``, the candidates (indices into ``req_indices``) that verify ``k``.
+
+        Args:
+            num_sampled: the step's sampled rows (each gives at least one token).
+            base_tokens: the step's tokens without drafts (each decode row's one, prefill chunks).
+            req_indices: ``[C]`` the candidate rows' req_index (decoding rows that may draft).
+            remaining: ``[C]`` tokens each may still be given before ``max_tokens`` (so at most
+                ``remaining - 1`` drafts).
+            budget: tokens left in the step for drafts.
+        """
+        best_rate, best_k, best_rows = 0.0, 0, np.zeros(0, dtype=np.int64)
+        if not self.adaptive:
+            k = self.k_max
+            rows = np.flatnonzero((remaining > k) & self.matched[req_indices])[: budget // k]
+            return (k, rows) if len(rows) else (0, best_rows)
+        if len(req_indices) and budget > 0:
+            a = self.acceptance(req_indices) * self.matched[req_indices]
+            plain = num_sampled / self.cost(np.array([base_tokens]))[0]
+            for k in range(1, self.k_max + 1):
+                ok = np.flatnonzero((remaining > k) & (a > 0))
+                if not len(ok):
+                    break
+                gain = (a[ok, None] ** np.arange(1, k + 1)).sum(1)  # a + a^2 + ... + a^k
+                order = np.argsort(-gain, kind="stable")[: budget // k]
+                # Expected tokens per ns over verifying nothing, for the first n rows by gain.
+                n = np.arange(1, len(order) + 1)
+                rate = (num_sampled + np.cumsum(gain[order])) / self.cost(base_tokens + k * n) - plain
+                m = int(rate.argmax()) if len(rate) else 0
+                if len(rate) and rate[m] > best_rate:
+                    best_rate, best_k, best_rows = float(rate[m]), k, ok[order[: m + 1]]
+        self._idle(np.delete(req_indices, best_rows))
+        return best_k, np.sort(best_rows)
+
+    def _idle(self, req_indices: np.ndarray) -> None:
+        self.accepted[req_indices] *= _IDLE_DECAY
+        self.rejected[req_indices] *= _IDLE_DECAY
+
+
+@dataclass
+class SpecStats:
+    """Speculative decoding's cumulative counts, vLLM's ``spec_decode_*``: verified rows (drafts), draft
+    tokens, accepted tokens, and accepted tokens by draft position (``[K]``)."""
+
+    num_speculative_tokens: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: np.ndarray = field(default=None)
+
+    def __post_init__(self) -> None:
+        self.accepted_per_pos = np.zeros(self.num_speculative_tokens, np.int64)
+
+    def add(self, k: np.ndarray, accepted: np.ndarray) -> None:
+        """Rows that verified ``k`` drafts (``[N]``, 0: none) and accepted ``accepted`` of them."""
+        v = k > 0
+        if v.any():
+            self.num_drafts += int(v.sum())
+            self.num_draft_tokens += int(k[v].sum())
+            self.num_accepted_tokens += int(accepted[v].sum())
+            self.accepted_per_pos += (np.arange(self.num_speculative_tokens)[None, :] < accepted[v, None]).sum(0)
+
+
+def output_runs(req_nums: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(starts, lengths)`` of the runs of equal request numbers in a StepOutput's rows (``[rows]``):
+    with speculation a request's tokens of one step are consecutive rows."""
+    if not len(req_nums):
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    starts = np.flatnonzero(np.concatenate([[True], req_nums[1:] != req_nums[:-1]]))
+    return starts, np.diff(np.append(starts, len(req_nums)))

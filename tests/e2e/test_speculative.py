@@ -1,0 +1,229 @@
+"""Speculative decoding changes no token a client sees, and shows in /metrics.
+
+Servers with ``--speculative-config`` (prompt lookup) against the same model without it: the
+simulated device (drafts right with probability 0.7, every token depending on the whole chain
+before it), the tiny random Llama, SmolLM2 on requests that rewrite code given in the prompt
+(where drafts are accepted most), and the tiny Llama over two tensor-parallel ranks. Greedy,
+seeded sampling, penalties, log-probabilities, ``n`` = 3, stop tokens and stop strings met inside
+an accepted run, ``max_tokens`` inside one, aborts, preemption, structured output and prompts
+found in the prefix cache (blocks filled through verified drafts) must all give the tokens of the
+server without speculation, async and in lock step, and every KV block and req_index must come back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import SIM, SMALL, Server
+from tests.e2e.test_async import assert_same_logprobs, run_all, workload
+
+SPEC = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, '
+        '"prompt_lookup_max": 3}']  # fmt: skip
+TINY = ["--max-num-batched-tokens", "32", *SMALL]
+
+
+def _server(request, args):
+    srv = Server(args)
+    request.addfinalizer(srv.stop)
+    return srv
+
+
+@pytest.fixture(scope="module")
+def sim_spec_async(request):
+    return _server(request, [*SIM, *SPEC, "--sim-draft-acceptance", "0.7"])
+
+
+@pytest.fixture(scope="module")
+def sim_spec_sync(request):
+    return _server(request, [*SIM, *SPEC, "--sim-draft-acceptance", "0.7", "--no-async-scheduling"])
+
+
+@pytest.fixture(scope="module")
+def tiny_spec_async(request, tiny_dir):
+    return _server(request, ["--model", str(tiny_dir), *TINY, *SPEC])
+
+
+@pytest.fixture(scope="module")
+def tiny_spec_sync(request, tiny_dir):
+    return _server(request, ["--model", str(tiny_dir), *TINY, *SPEC, "--no-async-scheduling"])
+
+
+def spec_counts(server) -> dict[str, float]:
+    m = server.metrics()
+    return {k.removeprefix("pipeline_spec_decode_"): v for k, v in m.items() if "spec_decode" in k}
+
+
+def assert_idle(*servers) -> None:
+    for srv in servers:
+        m = srv.wait_idle()
+        assert m["pipeline_kv_blocks_free"] == m["pipeline_kv_blocks_total"], m
+        assert m["pipeline_req_indices_free"] == m["pipeline_req_indices_total"], m
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_sim_tokens_unchanged(request, sim_sync, mode):
+    """64 requests at once (aborts, max_tokens 1), then one at a time, and stop tokens met mid-run."""
+    spec = request.getfixturevalue(f"sim_spec_{mode}")
+    before = spec_counts(spec)
+    jobs = workload(64, seed=5)
+    assert asyncio.run(run_all(spec, jobs)) == asyncio.run(run_all(sim_sync, jobs))
+    one = workload(4, seed=6)
+    assert [asyncio.run(run_all(spec, [j]))[0] for j in one] == [asyncio.run(run_all(sim_sync, [j]))[0] for j in one]
+    # A stop token that comes inside an accepted run ends the request there, in both.
+    ref = asyncio.run(run_all(sim_sync, [{"prompt": "stop here", "max_tokens": 40, "abort_after": None}]))[0]
+    stop = {"prompt": "stop here", "max_tokens": 40, "abort_after": None, "sampling": {"stop_token_ids": [ref[17]]}}
+    got = asyncio.run(run_all(spec, [{**stop, "sampling": {**stop["sampling"], "ignore_eos": False}}]))[0]
+    assert got == ref[:18]
+    after = spec_counts(spec)
+    drafted = after["num_draft_tokens_total"] - before["num_draft_tokens_total"]
+    accepted = after["num_accepted_tokens_total"] - before["num_accepted_tokens_total"]
+    assert drafted > 100 and 0.3 < accepted / drafted < 0.9  # drafts right with probability 0.7, each
+    per_pos = [v for k, v in after.items() if k.startswith("num_accepted_tokens_per_pos_total")]
+    assert len(per_pos) == 3 and sum(per_pos) == after["num_accepted_tokens_total"]
+    assert per_pos[0] >= per_pos[1] >= per_pos[2]  # a draft is accepted only after the ones before it
+    assert_idle(spec, sim_sync)
+
+
+def test_sim_preemption(request):
+    """A KV cache too small for the batch: requests are preempted while drafts are in flight, and
+    recompute to the same tokens."""
+    small = ["--num-kv-blocks", "24", "--max-model-len", "256"]
+    spec = _server(request, [*SIM, *SPEC, *small])
+    plain = _server(request, [*SIM, *small, "--no-async-scheduling"])
+    jobs = [{"prompt": f"{i}: " + "the of " * 20, "max_tokens": 120, "abort_after": None} for i in range(12)]
+    assert asyncio.run(run_all(spec, jobs)) == asyncio.run(run_all(plain, jobs))
+    assert spec.metrics()["pipeline_num_preemptions_total"] > 0
+    assert spec_counts(spec)["num_accepted_tokens_total"] > 0
+    assert_idle(spec, plain)
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_tiny_greedy_sampled_penalized_unchanged(request, tiny_sync, mode):
+    """The tiny Llama, 24 requests at once: greedy, seeded sampling and penalties."""
+    spec = request.getfixturevalue(f"tiny_spec_{mode}")
+    jobs = workload(24, seed=9)
+    for i, job in enumerate(jobs):
+        job["prompt"] += " the cat the cat the cat"  # something to look up
+        job["max_tokens"] = max(job["max_tokens"], 8)
+        job["sampling"] = [
+            {},
+            {"temperature": 1.0, "top_p": 0.9, "seed": 100 + i},
+            {"presence_penalty": 1.2, "frequency_penalty": 0.4, "repetition_penalty": 1.3},
+            {"temperature": 0.8, "seed": i, "logit_bias": {"1000": 5.0}, "min_tokens": 4, "ignore_eos": False},
+        ][i % 4]
+    assert asyncio.run(run_all(spec, jobs)) == asyncio.run(run_all(tiny_sync, jobs))
+    assert spec_counts(spec)["num_draft_tokens_total"] > 0
+    assert_idle(spec, tiny_sync)
+
+
+def test_tiny_logprobs_n_and_structured_output(tiny_spec_async, tiny_sync):
+    """Log-probabilities (to 1e-4) and echo, n = 3 seeded choices, and a JSON-constrained request."""
+    jobs = workload(12, seed=11)
+    for job in jobs:
+        job["abort_after"] = None
+        job["logprobs"] = 2
+    for x, y in zip(asyncio.run(run_all(tiny_spec_async, jobs)), asyncio.run(run_all(tiny_sync, jobs))):
+        assert_same_logprobs(x, y)
+
+    def post(server, body):
+        r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": server.model, **body}, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    messages = [{"role": "user", "content": "the cat the cat the cat"}]
+    choices = {"messages": messages, "n": 3, "temperature": 1.0, "seed": 4, "max_tokens": 24}
+    a, b = post(tiny_spec_async, choices), post(tiny_sync, choices)
+    assert [c["message"]["content"] for c in a["choices"]] == [c["message"]["content"] for c in b["choices"]]
+    structured = {"messages": messages, "max_tokens": 30, "temperature": 0, "response_format": {"type": "json_object"}}
+    a, b = post(tiny_spec_async, structured), post(tiny_sync, structured)
+    assert a["choices"][0]["message"] == b["choices"][0]["message"]
+    assert_idle(tiny_spec_async, tiny_sync)
+
+
+CODE = "def add(a, b):\n    total = a + b\n    return total\n\n\ndef sub(a, b):\n    diff = a - b\n    return diff\n"
+REWRITE = [{"role": "user", "content": f"Repeat this Python code exactly:\n```python\n{CODE}```"}]
+
+
+@pytest.fixture(scope="module")
+def smol_spec(request, smol_dir):
+    return _server(request, ["--model", str(smol_dir), "--served-model-name", "smol", *SMALL, *SPEC])
+
+
+def post_chat(server, messages=REWRITE, **extra) -> dict:
+    body = {"model": "smol", "messages": messages, "max_tokens": 60, "temperature": 0, **extra}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_smol_rewrite_is_unchanged_and_accepts_drafts(smol_spec, smol_sync):
+    """SmolLM2 rewriting a function given in the prompt: most drafts are accepted, the text is the
+    same, also where a stop string cuts it inside an accepted run."""
+    spec = smol_spec
+
+    def post(server, **extra):
+        return post_chat(server, **extra)["choices"][0]
+
+    before = spec_counts(spec)
+    plain, fast = post(smol_sync), post(spec)
+    assert fast["message"]["content"] == plain["message"]["content"]
+    after = spec_counts(spec)
+    drafted = after["num_draft_tokens_total"] - before["num_draft_tokens_total"]
+    assert drafted > 0 and (after["num_accepted_tokens_total"] - before["num_accepted_tokens_total"]) / drafted > 0.5
+    cut = post(smol_sync, stop=["diff"]), post(spec, stop=["diff"])
+    assert cut[0]["message"]["content"] == cut[1]["message"]["content"]
+    assert cut[0]["finish_reason"] == cut[1]["finish_reason"] == "stop"
+    assert_idle(spec, smol_sync)
+
+
+def test_smol_prefix_cache_hits_after_drafts_unchanged(smol_spec, smol_sync):
+    """The prefix cache on in both servers, greedy: the rewrite sent again finds its prompt's whole
+    blocks, and a second turn (prompt, reply, a new message) finds the blocks that the reply filled
+    through verified drafts; the tokens stay those of the server without speculation."""
+    first = post_chat(smol_spec)
+    reply = first["choices"][0]["message"]["content"]
+    assert reply == post_chat(smol_sync)["choices"][0]["message"]["content"]
+    prompt_tokens = first["usage"]["prompt_tokens"]
+    before = spec_counts(smol_spec)
+    again = post_chat(smol_spec)
+    assert again["choices"][0]["message"]["content"] == reply
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == (prompt_tokens - 1) // 16 * 16
+    turn = [*REWRITE, {"role": "assistant", "content": reply}, {"role": "user", "content": "Once more, exactly."}]
+    got, ref = post_chat(smol_spec, turn, max_tokens=80), post_chat(smol_sync, turn, max_tokens=80)
+    assert got["choices"][0]["message"]["content"] == ref["choices"][0]["message"]["content"]
+    # Past the prompt's blocks: the reply's, named only from final tokens.
+    assert got["usage"]["prompt_tokens_details"]["cached_tokens"] > prompt_tokens // 16 * 16
+    after = spec_counts(smol_spec)
+    assert after["num_accepted_tokens_total"] > before["num_accepted_tokens_total"]
+    assert_idle(smol_spec, smol_sync)
+
+
+def test_tensor_parallel(request, tiny_kv4_dir):
+    jobs = workload(8, seed=13)
+    for job in jobs:
+        job["prompt"] += " a b a b a b"
+    base = ["--model", str(tiny_kv4_dir), *TINY, "-tp", "2"]
+    spec = _server(request, [*base, *SPEC])
+    plain = _server(request, [*base, "--no-async-scheduling"])
+    assert asyncio.run(run_all(spec, jobs)) == asyncio.run(run_all(plain, jobs))
+    assert spec_counts(spec)["num_draft_tokens_total"] > 0
+    assert_idle(spec, plain)
+
+
+def test_vllm_metric_names(request):
+    """With --metrics-compat vllm the four spec_decode metrics have vLLM's names and labels."""
+    srv = _server(request, [*SIM, *SPEC, "--metrics-compat", "vllm"])
+    asyncio.run(run_all(srv, workload(4, seed=1)))
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{srv.url}/metrics").text)}
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        (sample,) = [s for s in families[f"vllm:spec_decode_{name}"].samples if s.name.endswith("_total")]
+        assert set(sample.labels) == {"model_name", "engine"}
+    per_pos = [s for s in families["vllm:spec_decode_num_accepted_tokens_per_pos"].samples if s.name.endswith("_total")]
+    assert sorted(s.labels["position"] for s in per_pos) == ["0", "1", "2"]
+    assert all(set(s.labels) == {"model_name", "engine", "position"} for s in per_pos)
+    assert json.loads(SPEC[1])["num_speculative_tokens"] == len(per_pos)

@@ -1,0 +1,62 @@
+"""The speculation policy drafts when measured acceptance beats measured cost, and only then."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pipeline.scheduler_proc.spec_policy import SpecPolicy
+
+K = 4
+
+
+def train(policy: SpecPolicy, cost_ns, rows: int, accepted_of_k, steps: int = 60) -> list[int]:
+    """Run ``steps`` decode steps of ``rows`` rows: the step costs ``cost_ns(tokens)``, a row with ``k``
+    drafts accepts ``accepted_of_k(k)``. Returns each step's k."""
+    ks = []
+    req = np.arange(rows)
+    for _ in range(steps):
+        k, chosen = policy.choose(rows, rows, req, np.full(rows, 1000), budget=10_000)
+        ks.append(k)
+        policy.observe_step(rows + k * len(chosen), int(cost_ns(rows + k * len(chosen))))
+        for r in req:
+            drafted = k if r in chosen else 0
+            policy.observe_row(int(r), drafted, accepted_of_k(drafted), matched=True)
+    return ks
+
+
+def test_free_drafts_that_are_accepted_are_always_taken():
+    ks = train(SpecPolicy(64, K), lambda t: 10_000_000, 64, lambda k: k)
+    assert ks[-20:] == [K] * 20
+
+
+def test_drafts_that_cost_their_tokens_are_never_worth_it():
+    """A compute-bound device (time proportional to tokens): even perfect drafts only break even."""
+    ks = train(SpecPolicy(64, K), lambda t: 1_000_000 * t, 64, lambda k: k)
+    assert ks[-20:] == [0] * 20
+
+
+def test_rejected_drafts_stop_being_tried():
+    ks = train(SpecPolicy(8, K), lambda t: 10_000_000 + 100_000 * t, 8, lambda k: 0, steps=200)
+    assert sum(k > 0 for k in ks[-100:]) <= 10  # now and then a retry, as the evidence fades
+
+
+def test_memory_bound_small_batch_drafts_a_compute_bound_large_one_does_not():
+    """A concave cost (flat while memory-bound, then linear): drafting pays at batch 1, not at 256."""
+
+    def cost(t):
+        return 20_000_000 + 1_000_000 * max(0, t - 32)
+
+    assert train(SpecPolicy(256, K), cost, 1, lambda k: k * 3 // 4)[-10:] == [K] * 10
+    assert train(SpecPolicy(256, K), cost, 256, lambda k: k * 3 // 4)[-10:] == [0] * 10
+
+
+def test_unmatched_rows_remaining_and_budget():
+    p = SpecPolicy(8, K)
+    p.observe_step(8, 1_000_000)
+    p.observe_step(40, 1_000_000)
+    for r in range(8):
+        p.observe_row(r, K, K, matched=r != 3)  # row 3's proposer found nothing for its next step
+    k, rows = p.choose(8, 8, np.arange(8), np.array([100, 100, 100, 100, 100, 100, 3, 2]), budget=100)
+    assert k == K and 3 not in rows and 6 not in rows and 7 not in rows
+    k, rows = p.choose(8, 8, np.arange(8), np.full(8, 100), budget=8)
+    assert k * len(rows) <= 8 and len(rows) > 0
