@@ -20,6 +20,9 @@ from pipeline.common.config import EngineConfig
 from pipeline.common.constants import cdiv
 from pipeline.common.messages import SamplingParams
 from pipeline.common.step_protocol import PLACEHOLDER_TOKEN_ID
+from pipeline.gpu_worker.attention.backend import StepLayout, host_upload
+from pipeline.gpu_worker.attention.graph_decode import GraphDecodeInputs
+from pipeline.gpu_worker.attention.kv_layout import TOKEN_MAJOR
 from pipeline.gpu_worker.cuda_graphs import DecodeGraphs, GraphStep, padded_size
 from pipeline.gpu_worker.executor import PAD_BLOCKS, ModelExecutor
 from pipeline.gpu_worker.model_runner import ModelRunner
@@ -197,6 +200,20 @@ def test_graph_body_applies_the_layers_window_and_softcap(tiny_gemma2_dir, graph
     expected = run(make_runner(tiny_gemma2_dir, "torch_bucketed"), SAMPLED)
     assert run(make_runner(tiny_gemma2_dir, "torch_bucketed", sizes=[1, 2, 4]), SAMPLED) == expected
     assert graph_sizes_run
+
+
+def test_a_shift_moves_the_graph_rows_back():
+    """Rows planned ahead of their true start (speculative decoding's upper bounds) plus the device shift
+    give the graph the positions, slots, blocks and mask of the exact rows."""
+    block_table = torch.arange(4 * 8, dtype=torch.int64).view(4, 8) * 3  # any block ids
+    exact = StepLayout.build([1, 1, 1], [5, 9, 3], [0, 2, 3], BLOCK, 8)
+    ahead = StepLayout.build([1, 1, 1], [7, 9, 6], [0, 2, 3], BLOCK, 8)
+    a, b = (GraphDecodeInputs(4, block_table, pad_block=99, block_size=BLOCK) for _ in range(2))
+    assert a.fill(exact, 4, host_upload).tolist() == [5, 9, 3]
+    assert b.fill(ahead, 4, host_upload, torch.tensor([2, 0, 3])).tolist() == [5, 9, 3]
+    ma, mb = a.metadata(4, TOKEN_MAJOR), b.metadata(4, TOKEN_MAJOR)
+    for name in ("positions", "slot_mapping", "block_ids", "mask"):
+        assert torch.equal(getattr(ma, name), getattr(mb, name)), name
 
 
 def test_padding_rows_write_only_the_padding_block(tiny_dir):
