@@ -26,7 +26,7 @@ from pipeline.common.descriptor_builder import DescriptorBuilder
 from pipeline.common.histogram import ITERATION_TOKENS_BUCKETS, REQUEST_LATENCY_BUCKETS, Histogram
 from pipeline.common.messages import AddRequest, check_finish, choice_seed
 from pipeline.common.step_protocol import MAX_MASKED_ROWS, StepDescriptor
-from pipeline.scheduler_proc.grammar_manager import GrammarState
+from pipeline.scheduler_proc.grammar_state import GrammarState
 from pipeline.scheduler_proc.kv_block_pool import BlockPool
 from pipeline.scheduler_proc.prefix_cache import PrefixCache, num_final_tokens
 from pipeline.scheduler_proc.request import Request
