@@ -295,7 +295,11 @@ class EngineConfig(msgspec.Struct, frozen=True):
     @property
     def descriptor_layout(self) -> Layout:
         return StepDescriptor.layout(
-            self.max_num_seqs, self.max_num_batched_tokens, self.block_size, cdiv(self.vocab_size, MASK_BITS)
+            self.max_num_seqs,
+            self.max_num_batched_tokens,
+            self.block_size,
+            cdiv(self.vocab_size, MASK_BITS),
+            self.max_blocks_per_seq,
         )
 
     @property

@@ -16,6 +16,8 @@ import time
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
 _malloc_trim = getattr(_libc, "malloc_trim", None)
 _mallinfo2 = getattr(_libc, "mallinfo2", None)
+_mallopt = getattr(_libc, "mallopt", None)
+_M_ARENA_MAX = -8  # glibc malloc.h
 
 
 class _MallInfo2(ctypes.Structure):
@@ -51,6 +53,17 @@ def trim_heap() -> None:
     """
     if _malloc_trim is not None:
         _malloc_trim(0)
+
+
+def limit_arenas(n: int) -> None:
+    """Let the threads started after this share ``n`` malloc arenas (glibc's ``mallopt(M_ARENA_MAX)``).
+
+    Each thread otherwise gets an arena of its own (up to 8 per core), and
+    each keeps the pages a few live objects pin after a burst. A no-op
+    without glibc.
+    """
+    if _mallopt is not None:
+        _mallopt(_M_ARENA_MAX, n)
 
 
 class BurstWatch:

@@ -238,21 +238,33 @@ OUTPUT = Record(
 )
 
 
-def max_new_blocks_per_step(max_num_seqs: int, max_num_batched_tokens: int, block_size: int) -> int:
-    """Worst-case number of block-table entries one step can add.
+# Whole block-table rows of requests admitted from the prefix cache that one step can set. A
+# bound of every row (max_num_seqs x width) would cost megabytes per ring entry at long contexts;
+# past this many, the next cached requests are admitted in the following steps.
+CACHED_ROWS_PER_STEP = 16
+
+
+def max_new_blocks_per_step(
+    max_num_seqs: int, max_num_batched_tokens: int, block_size: int, max_blocks_per_seq: int = 0
+) -> int:
+    """Block-table entries one step can add.
 
     Each scheduled request's tokens span at most ``ceil(n / block_size) + 1``
-    blocks it did not have, so the sum is bounded by the token budget divided
-    by the block size plus two per request.
+    blocks it did not have, so those are bounded by the token budget divided
+    by the block size plus two per request. A request admitted from the prefix
+    cache also sets its cached blocks: room for ``CACHED_ROWS_PER_STEP`` rows of
+    ``max_blocks_per_seq`` (0: no room; such requests are then admitted one
+    per step as far as they fit the bound above).
     """
-    return max_num_batched_tokens // block_size + 2 * max_num_seqs
+    cached = min(max_num_seqs, CACHED_ROWS_PER_STEP) * max_blocks_per_seq
+    return max_num_batched_tokens // block_size + 2 * max_num_seqs + cached
 
 
 def descriptor_dims(
-    max_num_seqs: int, max_num_batched_tokens: int, block_size: int, mask_words: int = 0
+    max_num_seqs: int, max_num_batched_tokens: int, block_size: int, mask_words: int = 0, max_blocks_per_seq: int = 0
 ) -> dict[str, int]:
     """The capacities a descriptor layout takes; ``mask_words`` per token bitmask (0: no structured output)."""
-    b = max_new_blocks_per_step(max_num_seqs, max_num_batched_tokens, block_size)
+    b = max_new_blocks_per_step(max_num_seqs, max_num_batched_tokens, block_size, max_blocks_per_seq)
     return dict(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
@@ -267,9 +279,16 @@ class StepDescriptor(DESCRIPTOR.view_base):
     __slots__ = ()
 
     @staticmethod
-    def layout(max_num_seqs: int, max_num_batched_tokens: int, block_size: int, mask_words: int = 0) -> Layout:
+    def layout(
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        block_size: int,
+        mask_words: int = 0,
+        max_blocks_per_seq: int = 0,
+    ) -> Layout:
         """The entry layout for these limits (``descriptor_dims``)."""
-        return DESCRIPTOR.layout(descriptor_dims(max_num_seqs, max_num_batched_tokens, block_size, mask_words))
+        dims = descriptor_dims(max_num_seqs, max_num_batched_tokens, block_size, mask_words, max_blocks_per_seq)
+        return DESCRIPTOR.layout(dims)
 
 
 # The worker's host copy of one StepDescriptor (``Record.read``): ``step_id`` and the other header

@@ -29,11 +29,10 @@ from pipeline.common.lazy_grammar import Trigger
 from pipeline.common.memory import heap_in_use, trim_heap
 from pipeline.common.messages import AddRequest
 from pipeline.common.step_protocol import MASK_BITS
+from pipeline.scheduler_proc.grammar_state import CompiledGrammar, GrammarState, error_of, guarded_advance
 
 log = logging.getLogger(__name__)
 
-# A mask that took longer than this last time is computed on the background thread.
-FAST_MASK_S = 0.0005
 # The most the scheduler waits for the cheap masks of a step before it plans without them.
 MASK_WAIT_S = 0.001
 # Niceness of the background thread: CFS weighs it 110 against 1024 for a normal thread.
@@ -49,21 +48,6 @@ _HOUSEKEEP_S = 0.5
 
 
 @dataclass
-class _Compiled:
-    """One grammar, compiled: a matcher that has computed its first mask, to be deep-copied per choice."""
-
-    template: llguidance.LLMatcher | None
-    first_mask: np.ndarray | None  # int32 [W], llguidance's own (EOS stands for "may end")
-    ends: bool  # the grammar accepts the empty output or has stopped
-    nbytes: int  # heap taken by compiling and the first mask
-    copy_nbytes: int  # heap one deep copy takes
-    mask_s: float  # the first mask's time
-    error: str = ""
-    users: int = 0
-    last_used: float = field(default_factory=time.monotonic)
-
-
-@dataclass
 class _Pending:
     """A request waiting for its matchers."""
 
@@ -71,132 +55,6 @@ class _Pending:
     aborted: set[int] = field(default_factory=set)  # choices aborted meanwhile
     copies: Future | None = None  # the job making its matchers
     reserved: int = 0  # bytes counted for it before its copies exist
-
-
-class GrammarState:
-    """The matcher of one constrained request (a choice), and the mask for its next output position.
-
-    The matcher has consumed the request's output tokens so far, or is
-    consuming the last one on a grammar thread (then ``ready`` is False).
-    With a trigger, the mask is needed only where ``needs_mask`` says,
-    and the matcher exists only there (a copy of the pristine one, fed the
-    text's tail).
-    Ending is the model's choice among the request's stop token ids, allowed
-    exactly when the grammar accepts, and the only tokens allowed once it
-    cannot continue; so the request finishes with "stop" in the scheduler
-    and io_proc alike (``check_finish``).
-
-    Attributes:
-        req_num: the request (choice) it constrains.
-        mask: int32 ``[ceil(V / 32)]``, bit set = allowed; valid while ``ready``.
-        ready: the mask is that of the next output position.
-        error: why the matcher failed (it left its grammar, or hit a limit); "" if it did not.
-        trigger: where the text stands against the request's ``grammar_trigger``; None without one.
-    """
-
-    __slots__ = (
-        "req_num",
-        "mask",
-        "ready",
-        "error",
-        "_matcher",
-        "_pristine",
-        "trigger",
-        "_stop_ids",
-        "_cost_s",
-        "_manager",
-        "_entry",
-        "_nbytes",
-    )
-
-    def __init__(
-        self,
-        manager: GrammarManager,
-        entry: _Compiled,
-        matcher: llguidance.LLMatcher,
-        req_num: int,
-        stop,
-        trigger: Trigger | None = None,
-    ):
-        self.req_num, self._manager, self._entry, self.trigger = req_num, manager, entry, trigger
-        # With a trigger, ``matcher`` stays pristine; _matcher is None until a mask needs one (the first
-        # mask, the compiled grammar's, is that of a pristine matcher).
-        self._matcher, self._pristine = (matcher, None) if trigger is None else (None, matcher)
-        self._nbytes = entry.copy_nbytes * (1 if trigger is None else 2)
-        self._stop_ids = np.asarray(stop, np.int64)
-        self.mask = manager.end_mask(entry.first_mask.copy(), entry.ends, self._stop_ids)
-        self._cost_s = entry.mask_s
-        self.ready, self.error = True, ""
-
-    def needs_mask(self, in_flight: int) -> bool:
-        """Whether the next sampled token needs ``mask``, with ``in_flight`` of the row's tokens not
-        advanced past yet (a row that needs one waits for them). Always, without a trigger."""
-        return self.trigger is None or self.trigger.needs_mask(in_flight)
-
-    def advance(self, token_id: int) -> None:
-        """Consume output ``token_id`` and compute the next mask, on a grammar thread; a stop id ends the output.
-
-        With a trigger, the text is followed here, and a thread runs only where a mask is needed next.
-        """
-        if token_id in self._stop_ids or self.error:
-            return
-        trigger = self.trigger
-        if trigger is None:
-            self._submit(token_id, None)
-            return
-        masked = trigger.needs_mask(0)  # this token was sampled under a mask, from the matcher's state
-        trigger.feed(token_id)
-        if not trigger.needs_mask(0):
-            if self._matcher is not None:  # the text turned away from the trigger
-                self._manager.drop(self._matcher)
-                self._matcher = None
-        elif masked and trigger.triggered:
-            self._submit(token_id, None)  # the matcher goes on past the trigger
-        else:
-            self._submit(token_id, trigger.tail())  # a fresh matcher, fed the text's tail
-
-    def _submit(self, token_id: int, tail: bytes | None) -> None:
-        self.ready = False
-        self._manager.submit_mask(self, token_id, tail, self._cost_s < FAST_MASK_S)
-
-    def close(self) -> None:
-        """The request has ended: its matcher's memory returns."""
-        if self._manager is not None:
-            self._manager.release(self)
-            self._manager = None
-
-    def _advance(self, token_id: int, tail: bytes | None) -> None:  # on a grammar thread
-        """Consume ``token_id``, or with ``tail`` make a matcher from the pristine one fed it; then mask."""
-        t0 = time.perf_counter()
-        manager, m, pristine = self._manager, self._matcher, self._pristine
-        if manager is None or (m is None and pristine is None):  # its request has ended meanwhile
-            return
-        if tail is not None:
-            m = pristine.deep_copy()
-            if not all(m.consume_token(t) for t in manager.tokenize_bytes(tail)):
-                self._fail(f"the text before the trigger does not parse: {_error_of(m) or 'rejected'}")
-                return
-            self._matcher = m
-        else:
-            if m is None:  # a trigger at the output's start: the first mask was the pristine matcher's
-                m = self._matcher = pristine.deep_copy()
-            if not m.consume_token(token_id):
-                self._fail(f"the output left its grammar at token {token_id}: {_error_of(m) or 'rejected'}")
-                return
-        mask = np.zeros_like(self.mask)
-        llguidance.numpy.fill_next_token_bitmask(m, mask.reshape(1, -1), 0)
-        if m.is_error():
-            self._fail(f"the output left its grammar: {_error_of(m)}")
-            return
-        self.mask = manager.end_mask(mask, m.is_accepting() or m.is_stopped(), self._stop_ids)
-        self._cost_s = time.perf_counter() - t0
-        self.ready = True
-
-    def _fail(self, why: str) -> None:
-        self.error = why
-        manager = self._manager
-        if manager is not None:
-            manager.failed.append(self)
 
 
 class GrammarManager:
@@ -226,7 +84,7 @@ class GrammarManager:
         self._max_request, self._max_total = max_request_bytes, max_total_bytes
         self._background = ThreadPoolExecutor(1, "grammar-background", _lower_priority, (_BACKGROUND_NICE,))
         self._masks = ThreadPoolExecutor(1, "grammar-masks")
-        self._cache: OrderedDict[str, _Compiled] = OrderedDict()  # failed compilations too, for a while
+        self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()  # failed compilations too, for a while
         self._compiling: dict[str, Future] = {}
         self._pending: list[_Pending] = []
         self._last_cheap: Future | None = None  # the mask thread runs its jobs in order
@@ -356,7 +214,7 @@ class GrammarManager:
         try:
             entry = job.result()
         except Exception as e:  # not the grammar's fault: llguidance itself failed
-            entry = _Compiled(None, None, False, 0, 0, 0.0, error=f"the grammar could not be compiled: {e}")
+            entry = CompiledGrammar(None, None, False, 0, 0, 0.0, error=f"the grammar could not be compiled: {e}")
         self._used += entry.nbytes
         self._cache[text] = entry
 
@@ -413,9 +271,9 @@ class GrammarManager:
         """Run ``state``'s advance past ``token_id`` (or from ``tail``) on the mask thread (``cheap``) or the
         background one."""
         if cheap:
-            self._last_cheap = self._masks.submit(_guarded, state, token_id, tail)
+            self._last_cheap = self._masks.submit(guarded_advance, state, token_id, tail)
         else:
-            self._background.submit(_guarded, state, token_id, tail)
+            self._background.submit(guarded_advance, state, token_id, tail)
 
     def wait_masks(self) -> None:
         """Give the cheap masks in flight up to ``MASK_WAIT_S`` to finish (the scheduler is about to plan)."""
@@ -430,25 +288,25 @@ class GrammarManager:
             _set_bits(mask, stop_ids, True)
         return mask
 
-    def _compile(self, text: str) -> _Compiled:  # on the background thread, one at a time
+    def _compile(self, text: str) -> CompiledGrammar:  # on the background thread, one at a time
         """Compile ``text`` and compute its first mask, measuring the heap both take."""
         before = heap_in_use()
         m = llguidance.LLMatcher(self._tokenizer, text, log_level=0, limits=self._limits)
         mask = np.zeros(self.mask_words, np.int32)
         t0 = time.perf_counter()
         if m.is_error():
-            return _Compiled(None, None, False, 0, 0, 0.0, error=f"the grammar cannot be used: {_error_of(m)}")
+            return CompiledGrammar(None, None, False, 0, 0, 0.0, error=f"the grammar cannot be used: {error_of(m)}")
         llguidance.numpy.fill_next_token_bitmask(m, mask.reshape(1, -1), 0)
         if m.is_error():  # a schema that only refers to itself ({"$ref": "#"}) has nothing to produce
-            why = f"it allows no output at all ({_error_of(m)}); does it only refer to itself?"
-            return _Compiled(None, None, False, 0, 0, 0.0, error=f"the grammar cannot be used: {why}")
+            why = f"it allows no output at all ({error_of(m)}); does it only refer to itself?"
+            return CompiledGrammar(None, None, False, 0, 0, 0.0, error=f"the grammar cannot be used: {why}")
         mask_s = time.perf_counter() - t0
         after = heap_in_use()
         copy = m.deep_copy()
         copy_nbytes = max(0, (heap_in_use() or 0) - (after or 0))
         del copy
         nbytes = max(0, after - before) if before is not None else len(text) * 100
-        return _Compiled(m, mask, m.is_accepting() or m.is_stopped(), nbytes, copy_nbytes, mask_s)
+        return CompiledGrammar(m, mask, m.is_accepting() or m.is_stopped(), nbytes, copy_nbytes, mask_s)
 
     def close(self) -> None:
         """Stop the threads (jobs in flight are dropped)."""
@@ -458,19 +316,6 @@ class GrammarManager:
 
 def _copies(template: llguidance.LLMatcher, n: int) -> list[llguidance.LLMatcher]:
     return [template.deep_copy() for _ in range(n)]
-
-
-def _guarded(state: GrammarState, token_id: int, tail: bytes | None) -> None:
-    try:
-        state._advance(token_id, tail)
-    except Exception as e:  # one request's matcher must not take the thread (and everyone's masks) down
-        log.exception("request %d: grammar advance failed", state.req_num)
-        state._fail(f"the grammar failed: {type(e).__name__}: {e}")
-
-
-def _error_of(m: llguidance.LLMatcher) -> str:
-    """The matcher's error message, without the marker of the parser state it leaves out."""
-    return m.get_error().replace("<non-verbose/>", "").strip()
 
 
 def _lower_priority(nice: int) -> None:

@@ -23,7 +23,7 @@ from pipeline.common.config import EngineConfig
 from pipeline.common.constants import POLL_INTERVAL_S
 from pipeline.common.grammar import load_tokenizer
 from pipeline.common.heartbeat import Heartbeats
-from pipeline.common.memory import BurstWatch, trim_heap
+from pipeline.common.memory import BurstWatch, limit_arenas, trim_heap
 from pipeline.common.messages import (
     AbortRequest,
     AddRequest,
@@ -321,6 +321,9 @@ class SchedulerProc:
 
 def run_scheduler(config: EngineConfig, status_conn, stop: StopFlag) -> int:
     """Process body of scheduler_proc (see ``pipeline.child``): serve until ``stop``; returns the exit status."""
+    # Before any thread starts: the grammar threads' matchers (tens of MB each) then come back after
+    # a burst; in arenas of their own, 10-20 MB stayed pinned (docs/design.md, "Memory after a burst").
+    limit_arenas(2)
     role = config.scheduler_role
     desc_ring = config.descriptor_ring()
     out_ring = config.output_ring()

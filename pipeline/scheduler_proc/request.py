@@ -7,7 +7,7 @@ from array import array
 
 from pipeline.common.messages import SamplingParams
 from pipeline.common.step_protocol import PLACEHOLDER_TOKEN_ID
-from pipeline.scheduler_proc.grammar_manager import GrammarState
+from pipeline.scheduler_proc.grammar_state import GrammarState
 
 
 class Request:

@@ -26,9 +26,9 @@ from pipeline.common.constants import cdiv
 from pipeline.common.descriptor_builder import DescriptorBuilder
 from pipeline.common.histogram import ITERATION_TOKENS_BUCKETS, REQUEST_LATENCY_BUCKETS, Histogram
 from pipeline.common.messages import AddRequest, check_finish, choice_seed
-from pipeline.common.step_protocol import DRAFT_TOKEN_ID, MAX_MASKED_ROWS, StepDescriptor, max_new_blocks_per_step
+from pipeline.common.step_protocol import DRAFT_TOKEN_ID, MAX_MASKED_ROWS, StepDescriptor
 from pipeline.scheduler_proc.drafts import Drafts
-from pipeline.scheduler_proc.grammar_manager import GrammarState
+from pipeline.scheduler_proc.grammar_state import GrammarState
 from pipeline.scheduler_proc.kv_block_pool import BlockPool
 from pipeline.scheduler_proc.prefix_cache import PrefixCache, num_final_tokens
 from pipeline.scheduler_proc.request import Request
@@ -115,7 +115,7 @@ class Scheduler:
         self.iteration_tokens = Histogram(ITERATION_TOKENS_BUCKETS)
         self._output_ns = 0  # time_ns of the output being applied
         self._builder = DescriptorBuilder()
-        self._max_new_blocks = max_new_blocks_per_step(max_num_seqs, max_num_batched_tokens, block_size)
+        self._max_new_blocks = 0  # block-table entries the ring entry being planned holds
         self._last_output_step = -1
         self._finish_after: dict[int, list[Request]] = {}  # step id -> requests that end when it completes
         self._num_admitted = 0
@@ -191,6 +191,7 @@ class Scheduler:
             and ``desc`` holds no step (the step id is not consumed).
         """
         self._builder.clear()
+        self._max_new_blocks = len(desc.nb_block)
         self.num_cached_tokens_step = 0
         steady = self._plan_steady()
         step = _StepPlan(self.max_num_batched_tokens - len(steady), self.max_num_seqs - len(steady))

@@ -12,7 +12,8 @@ from pipeline.common.grammar import build_grammar, load_tokenizer
 from pipeline.common.lazy_grammar import advance
 from pipeline.common.messages import AddRequest, SamplingParams
 from pipeline.io_proc.tool_parsers import TOOL_PARSERS, ToolSpec
-from pipeline.scheduler_proc.grammar_manager import GrammarManager, GrammarState
+from pipeline.scheduler_proc.grammar_manager import GrammarManager
+from pipeline.scheduler_proc.grammar_state import GrammarState
 
 WEATHER = ToolSpec("get_weather", {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
 STOP = 2  # SmolLM2's <|im_end|>

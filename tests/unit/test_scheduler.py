@@ -159,7 +159,7 @@ def run(
 
 
 def _run(requests, depth, max_num_seqs, budget, num_blocks, abort_at, seed, max_blocks_per_seq, caching, after):
-    layout = StepDescriptor.layout(max_num_seqs, budget, BS)
+    layout = StepDescriptor.layout(max_num_seqs, budget, BS, max_blocks_per_seq=max_blocks_per_seq)
     sched = Scheduler(
         max_num_seqs,
         budget,
@@ -335,27 +335,33 @@ def test_choices_share_the_prompt_blocks(depth, num_blocks):
                 assert outputs[c] == expected(r, c), c
 
 
-def test_four_choices_allocate_the_prompt_once():
+@pytest.mark.parametrize(
+    "cached_rows, tokens",
+    [(True, [[300, 12, 12, 12], [1, 1, 1, 1]]), (False, [[300, 12], [1, 1, 12, 12]])],
+    ids=["room-for-cached-rows", "no-room"],
+)
+def test_four_choices_allocate_the_prompt_once(cached_rows, tokens):
     """A 300-token prompt with n = 4: its 18 whole blocks before the last token are computed and allocated once.
 
     Choice 0 computes the prompt; the others find its blocks in the prefix cache, in the very step that
     computes them, and compute only their last 12 tokens. A choice's new req_index needs a block-table
-    entry per block, so with 8 req_indices (48 entries per step) two choices join per step.
+    entry per block: the ring entry has room for whole cached rows, so all four start in the first step;
+    an entry without that room (48 entries per step) lets two choices join per step.
     """
     bs, prompt = 16, list(range(10, 310))
     sched = Scheduler(8, 512, bs, 200, max_blocks_per_seq=32, block_hash_root=ROOT)
-    layout = StepDescriptor.layout(8, 512, bs)
+    layout = StepDescriptor.layout(8, 512, bs, max_blocks_per_seq=32 if cached_rows else 0)
     sched.add_request(AddRequest(1, prompt, SamplingParams(max_tokens=4, temperature=0.0), n=4))
-    tokens = []
-    for rows in (2, 4):
+    planned = []
+    for step in range(2):
         d = StepDescriptor(layout.views(bytearray(layout.nbytes)))
-        assert sched.schedule(d) == rows
-        tokens.append(read_descriptor(d).num_scheduled_tokens.tolist())
-    assert tokens == [[300, 12], [1, 1, 12, 12]]
+        assert sched.schedule(d) == len(tokens[step])
+        planned.append(read_descriptor(d).num_scheduled_tokens.tolist())
+    assert planned == tokens
     assert sched.pool.num_free_blocks == 200 - 18 - 4  # 18 shared + one block per choice
     assert (sched.prefix.num_queries, sched.prefix.num_hits) == (4 * 300, 3 * 288)
     assert sched.admitted == [(1, 0), (2, 288), (3, 288), (4, 288)]
-    sched.process_output(0, [1, 2], [7, 7])
+    sched.process_output(0, [1, 2, 3, 4][: len(tokens[0])], [7] * len(tokens[0]))
     sched.process_output(1, [1, 2, 3, 4], [7, 7, 7, 7])
     for c in (1, 2, 3, 4):
         sched.abort_request(c)

@@ -1,0 +1,177 @@
+"""One constrained request's matcher and the mask for its next output position (docs/design.md,
+"Structured output"); the grammar manager makes them and runs their jobs on its threads."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import llguidance
+import llguidance.numpy
+import numpy as np
+
+from pipeline.common.lazy_grammar import Trigger
+
+if TYPE_CHECKING:
+    from pipeline.scheduler_proc.grammar_manager import GrammarManager
+
+log = logging.getLogger(__name__)
+
+# A mask that took longer than this last time is computed on the background thread.
+FAST_MASK_S = 0.0005
+
+
+@dataclass
+class CompiledGrammar:
+    """One grammar, compiled: a matcher that has computed its first mask, to be deep-copied per choice."""
+
+    template: llguidance.LLMatcher | None
+    first_mask: np.ndarray | None  # int32 [W], llguidance's own (EOS stands for "may end")
+    ends: bool  # the grammar accepts the empty output or has stopped
+    nbytes: int  # heap taken by compiling and the first mask
+    copy_nbytes: int  # heap one deep copy takes
+    mask_s: float  # the first mask's time
+    error: str = ""
+    users: int = 0
+    last_used: float = field(default_factory=time.monotonic)
+
+
+class GrammarState:
+    """The matcher of one constrained request (a choice), and the mask for its next output position.
+
+    The matcher has consumed the request's output tokens so far, or is
+    consuming the last one on a grammar thread (then ``ready`` is False).
+    With a trigger, the mask is needed only where ``needs_mask`` says,
+    and the matcher exists only there (a copy of the pristine one, fed the
+    text's tail).
+    Ending is the model's choice among the request's stop token ids, allowed
+    exactly when the grammar accepts, and the only tokens allowed once it
+    cannot continue; so the request finishes with "stop" in the scheduler
+    and io_proc alike (``check_finish``).
+
+    Attributes:
+        req_num: the request (choice) it constrains.
+        mask: int32 ``[ceil(V / 32)]``, bit set = allowed; valid while ``ready``.
+        ready: the mask is that of the next output position.
+        error: why the matcher failed (it left its grammar, or hit a limit); "" if it did not.
+        trigger: where the text stands against the request's ``grammar_trigger``; None without one.
+    """
+
+    __slots__ = (
+        "req_num",
+        "mask",
+        "ready",
+        "error",
+        "_matcher",
+        "_pristine",
+        "trigger",
+        "_stop_ids",
+        "_cost_s",
+        "_manager",
+        "_entry",
+        "_nbytes",
+    )
+
+    def __init__(
+        self,
+        manager: GrammarManager,
+        entry: CompiledGrammar,
+        matcher: llguidance.LLMatcher,
+        req_num: int,
+        stop,
+        trigger: Trigger | None = None,
+    ):
+        self.req_num, self._manager, self._entry, self.trigger = req_num, manager, entry, trigger
+        # With a trigger, ``matcher`` stays pristine; _matcher is None until a mask needs one (the first
+        # mask, the compiled grammar's, is that of a pristine matcher).
+        self._matcher, self._pristine = (matcher, None) if trigger is None else (None, matcher)
+        self._nbytes = entry.copy_nbytes * (1 if trigger is None else 2)
+        self._stop_ids = np.asarray(stop, np.int64)
+        self.mask = manager.end_mask(entry.first_mask.copy(), entry.ends, self._stop_ids)
+        self._cost_s = entry.mask_s
+        self.ready, self.error = True, ""
+
+    def needs_mask(self, in_flight: int) -> bool:
+        """Whether the next sampled token needs ``mask``, with ``in_flight`` of the row's tokens not
+        advanced past yet (a row that needs one waits for them). Always, without a trigger."""
+        return self.trigger is None or self.trigger.needs_mask(in_flight)
+
+    def advance(self, token_id: int) -> None:
+        """Consume output ``token_id`` and compute the next mask, on a grammar thread; a stop id ends the output.
+
+        With a trigger, the text is followed here, and a thread runs only where a mask is needed next.
+        """
+        if token_id in self._stop_ids or self.error:
+            return
+        trigger = self.trigger
+        if trigger is None:
+            self._submit(token_id, None)
+            return
+        masked = trigger.needs_mask(0)  # this token was sampled under a mask, from the matcher's state
+        trigger.feed(token_id)
+        if not trigger.needs_mask(0):
+            if self._matcher is not None:  # the text turned away from the trigger
+                self._manager.drop(self._matcher)
+                self._matcher = None
+        elif masked and trigger.triggered:
+            self._submit(token_id, None)  # the matcher goes on past the trigger
+        else:
+            self._submit(token_id, trigger.tail())  # a fresh matcher, fed the text's tail
+
+    def _submit(self, token_id: int, tail: bytes | None) -> None:
+        self.ready = False
+        self._manager.submit_mask(self, token_id, tail, self._cost_s < FAST_MASK_S)
+
+    def close(self) -> None:
+        """The request has ended: its matcher's memory returns."""
+        if self._manager is not None:
+            self._manager.release(self)
+            self._manager = None
+
+    def _advance(self, token_id: int, tail: bytes | None) -> None:  # on a grammar thread
+        """Consume ``token_id``, or with ``tail`` make a matcher from the pristine one fed it; then mask."""
+        t0 = time.perf_counter()
+        manager, m, pristine = self._manager, self._matcher, self._pristine
+        if manager is None or (m is None and pristine is None):  # its request has ended meanwhile
+            return
+        if tail is not None:
+            m = pristine.deep_copy()
+            if not all(m.consume_token(t) for t in manager.tokenize_bytes(tail)):
+                self._fail(f"the text before the trigger does not parse: {error_of(m) or 'rejected'}")
+                return
+            self._matcher = m
+        else:
+            if m is None:  # a trigger at the output's start: the first mask was the pristine matcher's
+                m = self._matcher = pristine.deep_copy()
+            if not m.consume_token(token_id):
+                self._fail(f"the output left its grammar at token {token_id}: {error_of(m) or 'rejected'}")
+                return
+        mask = np.zeros_like(self.mask)
+        llguidance.numpy.fill_next_token_bitmask(m, mask.reshape(1, -1), 0)
+        if m.is_error():
+            self._fail(f"the output left its grammar: {error_of(m)}")
+            return
+        self.mask = manager.end_mask(mask, m.is_accepting() or m.is_stopped(), self._stop_ids)
+        self._cost_s = time.perf_counter() - t0
+        self.ready = True
+
+    def _fail(self, why: str) -> None:
+        self.error = why
+        manager = self._manager
+        if manager is not None:
+            manager.failed.append(self)
+
+
+def guarded_advance(state: GrammarState, token_id: int, tail: bytes | None) -> None:
+    try:
+        state._advance(token_id, tail)
+    except Exception as e:  # one request's matcher must not take the thread (and everyone's masks) down
+        log.exception("request %d: grammar advance failed", state.req_num)
+        state._fail(f"the grammar failed: {type(e).__name__}: {e}")
+
+
+def error_of(m: llguidance.LLMatcher) -> str:
+    """The matcher's error message, without the marker of the parser state it leaves out."""
+    return m.get_error().replace("<non-verbose/>", "").strip()
