@@ -87,7 +87,8 @@ class Executed:
     """Tokens of one enqueued step, and the step's timeline if the executor has its own clock.
 
     Attributes:
-        tokens: ``[S]`` int64 on the device (may still be being computed), one per sampled position.
+        tokens: ``[S]`` int64 on the device (may still be being computed), one per sampled position
+            (speculating, ``SpecState.after_step`` appends its counts).
         accepted: ``[V]`` int64 on the device, the accepted drafts of each verified row; None when
             the step verifies none.
         logprobs: the ``L`` requested sampled rows' log-probabilities (see
@@ -104,7 +105,6 @@ class Executed:
     done: SimEvent | None = None
     device_start_ns: int = 0
     device_end_ns: int = 0
-    spec_counts: torch.Tensor | None = None  # speculation: [2S] tokens emitted, then drafts matched, per row
 
 
 def sample_tokens(logits: torch.Tensor, s: SamplingInputs) -> torch.Tensor:

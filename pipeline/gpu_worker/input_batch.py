@@ -224,7 +224,7 @@ class InputBatch:
         flat = (np.cumsum(x.num_scheduled_tokens) - x.num_scheduled_tokens)[row_of] + j
         req_index = x.req_index[row_of]
         is_output = x.start_pos[row_of] + j >= self.host_prompt_len[req_index]
-        # A draft counts once it is accepted (speculation.SpecState.after_verify), not as an input.
+        # A draft counts once it is accepted (speculation.SpecState.after_step), not as an input.
         counted = is_output & (x.token_ids[flat] != DRAFT_TOKEN_ID)
         return InputCounts(
             batch.add(flat[counted]),

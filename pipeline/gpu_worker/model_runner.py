@@ -42,9 +42,8 @@ from pipeline.gpu_worker.executor import Executed, Executor, LogprobInputs, Logp
 from pipeline.gpu_worker.input_batch import FLOAT_COLUMN, INT_COLUMN, POISON_TOKEN_ID, InputBatch
 from pipeline.gpu_worker.logprobs import PromptLogprobPlan
 from pipeline.gpu_worker.penalties import PenaltyPlan, plan_penalties
-from pipeline.gpu_worker.rejection_sampler import VerifyInputs
 from pipeline.gpu_worker.sampler import SamplingPlan
-from pipeline.gpu_worker.speculation import NgramProposer, SampledPositions, SimProposer, SpecState, SpecStep
+from pipeline.gpu_worker.speculation import SampledPositions, SpecStep, spec_state
 
 __all__ = ["POISON_TOKEN_ID", "LaunchedStep", "ModelRunner", "StaleTokenError"]
 
@@ -65,14 +64,13 @@ class LaunchedStep:
     step_id: int
     req_num: np.ndarray  # [S] int64 of the sampled rows
     prepare_start_ns: int
-    tokens: torch.Tensor | None = None  # [S] int64 (pinned on CUDA); after finish one per output row
+    tokens: torch.Tensor | None = None  # [S] int64 (pinned on CUDA); speculating, as SampledPositions.output_rows reads
     done: object | None = None  # CUDA or simulated event; None on CPU torch: the work already ran
     start_event: torch.cuda.Event | None = None  # CUDA: recorded before the forward
     anchor: tuple[object, int] | None = None  # CUDA: (event, host ns) if launched on an idle device
     stale: torch.Tensor | None = None  # poison mode: [P] int64, 1 where a placeholder read a poisoned entry
     stale_req_indices: np.ndarray | None = None  # [P] the req_index each placeholder (then draft) read
     spec: SampledPositions | None = None  # speculative decoding: the step's sampled positions
-    spec_host: torch.Tensor | None = None  # [S] tokens emitted then [S] drafts matched per sampled row
     draft_matched: np.ndarray | None = None  # after finish with speculation: [rows] per output row
     lp_rows: np.ndarray | None = None  # [L] output rows whose request asked for log-probabilities
     prompt_plan: PromptLogprobPlan | None = None  # the prompt positions whose log-probabilities are computed
@@ -149,7 +147,7 @@ class ModelRunner:
         self.ops = ops or device_ops(device)
         self.input_batch = InputBatch(config.max_num_seqs, config.max_blocks_per_seq, self.ops, executor.vocab_size)
         self.poison = config.debug_token_cache_poison
-        self.spec = _spec_state(config, device, self.poison)
+        self.spec = spec_state(config, device, self.input_batch)
         self.clock = DeviceClock()
         self._in_flight = 0  # launched, not yet finished
         # The sampling parameters of a batch with no row to sample with temperature: empty, never read.
@@ -195,7 +193,7 @@ class ModelRunner:
         self.input_batch.write(update)
         input_ids = self._resolve_placeholders(placeholders, step)
         if spec is not None:
-            self._resolve_drafts(spec, input_ids, step)
+            self.spec.resolve_drafts(spec, input_ids, step)
         self.input_batch.count_inputs(counts, input_ids)
         executed = self._forward_and_sample(x, input_ids, sampling, logprobs, step, spec)
         self._start_host_copy(step, executed)
@@ -245,15 +243,6 @@ class ModelRunner:
         input_ids.index_copy_(0, ph.index.dev, resolved.clamp(min=0))
         return input_ids
 
-    def _resolve_drafts(self, spec: SpecStep, input_ids: torch.Tensor, step: LaunchedStep) -> None:
-        """Read the drafts into ``input_ids``; in poison mode their stale flags join the placeholders'."""
-        stale = self.spec.resolve_drafts(spec, input_ids)
-        if stale is not None:
-            names = spec.draft_req
-            if step.stale is not None:
-                stale, names = torch.cat([step.stale, stale]), np.concatenate([step.stale_req_indices, names])
-            step.stale, step.stale_req_indices = stale, names
-
     def _stage_sampling(self, x: StepInputs, batch: UploadBatch, spec: SpecStep | None) -> _Sampling:
         """Stage what sampling the step's sampled positions need, decided on the host.
 
@@ -273,9 +262,8 @@ class ModelRunner:
             last = rows if len(x.token_ids) == len(x.req_index) else (np.cumsum(x.num_scheduled_tokens) - 1)[rows]
             positions = x.start_pos[rows] + x.num_scheduled_tokens[rows]
             pos_req, pos_rows = sample_req_indices, rows
-        else:
-            last, positions = sp.token, sp.position
-            pos_req, pos_rows = sample_req_indices[sp.row], rows[sp.row]
+        else:  # every position of a row that verifies drafts
+            last, positions, pos_req, pos_rows = sp.token, sp.position, sample_req_indices[sp.row], rows[sp.row]
         s = self.input_batch
         out = _Sampling(batch.add(last), batch.add(sample_req_indices))
         hot = np.flatnonzero(s.host_temperature[pos_req] > 0) if s.any_hot else ()
@@ -298,8 +286,7 @@ class ModelRunner:
             out.mask_rows = batch.add(masked if sp is None else sp.first[masked])
             out.bitmask = batch.add(x.bitmask)  # int32 words, widened
         if s.penalty is not None and s.any_penalty_work:
-            # Drafts count as output at the positions after them, as they would once accepted; the
-            # scheduler drafts for a row only past its min_tokens, so host positions decide that exactly.
+            # The scheduler drafts for a row only past its min_tokens: host positions decide that exactly.
             out.penalties = plan_penalties(
                 pos_req,
                 positions - s.host_prompt_len[pos_req],
@@ -312,8 +299,6 @@ class ModelRunner:
             )
             if out.penalties is not None:
                 out.penalties.stage(batch)
-            if spec is not None:
-                self.spec.stage_penalized(spec, s.host_penalized[sample_req_indices], batch)
         return out
 
     def _sampling_inputs(self, st: _Sampling, shift: torch.Tensor | None, input_ids: torch.Tensor) -> SamplingInputs:
@@ -396,26 +381,17 @@ class ModelRunner:
                 for a in (staged_logprobs.rows, staged_logprobs.prompt_positions, staged_logprobs.prompt_targets)
             )
         )
-        verify = None
-        if spec is not None:
-            self.spec.write_inputs(spec, input_ids, meta.positions)
-            if spec.sp.k:
-                drafts = input_ids.index_select(0, spec.draft_index.dev).view(-1, spec.sp.k)
-                verify = VerifyInputs(index=spec.verify_index.dev, drafts=drafts)
+        verify = self.spec.verify_inputs(spec, input_ids, meta.positions) if spec is not None else None
         step.prepare_end_ns = time.monotonic_ns()
 
         step.start_event = self.ops.timing_event()
         device_start = time.monotonic_ns()
         executed = self.executor.execute(input_ids, meta, staged_sampling.last.dev, sampling, logprobs, verify)
-        cache = self.input_batch.token_cache
         if spec is None:
-            cache.index_copy_(0, staged_sampling.sample_req_indices.dev, executed.tokens)
+            self.input_batch.token_cache.index_copy_(0, staged_sampling.sample_req_indices.dev, executed.tokens)
         else:
-            emitted = self.spec.after_verify(
-                spec, executed.tokens, executed.accepted, meta.positions, input_ids, cache, self.input_batch.penalty
-            )
-            matched = self.spec.propose(spec, cache)
-            step.spec, executed.spec_counts = spec.sp, torch.cat([emitted, matched])
+            step.spec = spec.sp
+            self.spec.after_step(spec, executed, meta.positions, input_ids)
         step.launch_ns = time.monotonic_ns()
         if executed.done is not None:  # the simulated device's own timeline
             step.device_start_ns, step.device_end_ns = executed.device_start_ns, executed.device_end_ns
@@ -427,16 +403,14 @@ class ModelRunner:
         """Start copying the tokens, poison flags and log-probabilities to the host, in one copy.
 
         Everything travels as one int64 tensor, so one event says when all
-        of it has arrived: the tokens, then the stale flags, then with
-        speculation the tokens emitted and drafts matched per sampled row,
-        then per log-probability set ``N`` values, ``N x MAX_LOGPROBS`` ids
-        and ``N x MAX_LOGPROBS`` values, float32 travelling as their int32
-        bit patterns. ``step.done`` fires when they are there.
+        of it has arrived: the tokens (with speculation, then the counts
+        ``SpecState.after_step`` appends), then the stale flags, then per
+        log-probability set ``N`` values, ``N x MAX_LOGPROBS`` ids and ``N x
+        MAX_LOGPROBS`` values, float32 travelling as their int32 bit patterns.
+        ``step.done`` fires when they are there.
         """
         tokens = executed.tokens
         parts = [tokens] + ([step.stale] if step.stale is not None else [])
-        if executed.spec_counts is not None:
-            parts.append(executed.spec_counts)
         for lp in (executed.logprobs, executed.prompt_logprobs):
             if lp is not None:
                 parts.extend(_pack(lp))
@@ -448,9 +422,6 @@ class ModelRunner:
         if step.stale is not None:
             end += step.stale.shape[0]
             step.stale = host[num_sampled:end]
-        if executed.spec_counts is not None:
-            step.spec_host = host[end : end + executed.spec_counts.shape[0]]
-            end += executed.spec_counts.shape[0]
         step.lp_host = host[end:]
         step.done = executed.done if executed.done is not None else done
 
@@ -473,8 +444,8 @@ class ModelRunner:
             bad = step.stale.numpy().astype(bool)
             if bad.any():
                 raise StaleTokenError(
-                    f"step {step.step_id}: placeholder for req_indices "
-                    f"{step.stale_req_indices[bad].tolist()} read a consumed token-id cache entry"
+                    f"step {step.step_id}: placeholder for req_indices {step.stale_req_indices[bad].tolist()} "
+                    "read a consumed token-id cache entry"
                 )
         packed, offset = step.lp_host.numpy() if step.lp_host is not None else None, 0
         if step.lp_rows is not None:
@@ -483,8 +454,10 @@ class ModelRunner:
             plan = step.prompt_plan
             step.prompt_logprobs, offset = _unpack(packed, offset, plan.req_num)
             step.prompt_logprobs.pos = plan.pos
-        if step.spec_host is not None:
-            _emitted_rows(step)
+        if step.spec is not None:
+            step.tokens, step.req_num, step.draft_matched, step.logprobs = step.spec.output_rows(
+                step.tokens, step.req_num, step.logprobs
+            )
         return step
 
 
@@ -505,38 +478,3 @@ def _unpack(packed: np.ndarray, offset: int, index: np.ndarray) -> tuple[TokenLo
     top_ids = packed[offset + n : offset + n + n * k].astype(np.int32).reshape(n, k)
     top_logprobs = packed[offset + n + n * k : offset + n + 2 * n * k].astype(np.int32).view(np.float32).reshape(n, k)
     return TokenLogprobs(index.astype(np.int64), logprob, top_ids, top_logprobs), offset + n + 2 * n * k
-
-
-def _emitted_rows(step: LaunchedStep) -> None:
-    """Turn a speculative step's sampled positions into output rows: each sampled row's emitted tokens."""
-    sp = step.spec
-    counts = step.spec_host.numpy()
-    emitted, matched = counts[: len(sp.first)], counts[len(sp.first) :]
-    keep = sp.j < emitted[sp.row]
-    step.tokens = step.tokens[torch.from_numpy(keep)]
-    step.req_num = step.req_num[sp.row[keep]]
-    step.draft_matched = (matched > 0)[sp.row[keep]].astype(np.uint8)
-    if step.logprobs is not None:
-        lp = step.logprobs
-        out_row = np.cumsum(keep) - 1  # the output row of each emitted position
-        kept = keep[lp.index]
-        step.logprobs = TokenLogprobs(
-            out_row[lp.index[kept]], lp.logprob[kept], lp.top_ids[kept], lp.top_logprobs[kept]
-        )
-
-
-def _spec_state(config: EngineConfig, device: torch.device, poison: bool) -> SpecState | None:
-    """The speculative state ``config`` asks for: prompt lookup, or the simulated device's drafts; None: off."""
-    spec = config.speculative
-    if spec is None:
-        return None
-    k = spec.num_speculative_tokens
-    if config.is_simulated:
-        proposer = SimProposer(k, config.sim_draft_acceptance)
-    elif spec.method == "ngram":
-        proposer = NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
-    else:
-        raise ValueError(f"speculative method {spec.method!r} is not supported by this worker")
-    return SpecState(
-        config.max_num_seqs, config.max_model_len, k, device, proposer, POISON_TOKEN_ID if poison else None
-    )

@@ -16,15 +16,22 @@ rejections the scheduler did not know yet (``shift``). docs/design.md,
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from pipeline.common.step_protocol import DRAFT_TOKEN_ID, MAX_INFLIGHT_STEPS, StepInputs
+from pipeline.common.config import EngineConfig
+from pipeline.common.step_protocol import DRAFT_TOKEN_ID, MAX_INFLIGHT_STEPS, StepInputs, TokenLogprobs
 from pipeline.gpu_worker.device import Staged, UploadBatch
+from pipeline.gpu_worker.executor import Executed
+from pipeline.gpu_worker.input_batch import POISON_TOKEN_ID, InputBatch
 from pipeline.gpu_worker.ngram_proposer import propose_ngram
-from pipeline.gpu_worker.penalties import PenaltyState
+from pipeline.gpu_worker.rejection_sampler import VerifyInputs
 from pipeline.gpu_worker.sim_device import sim_drafts
+
+if TYPE_CHECKING:
+    from pipeline.gpu_worker.model_runner import LaunchedStep
 
 
 @dataclass
@@ -76,6 +83,29 @@ class SampledPositions:
         j = np.arange(int(count.sum())) - first[row]
         back = (count - 1)[row] - j  # positions before the row's last
         return cls(row, j, last[row] - back, end[row] - back, first, count, k, verify_rows)
+
+    def output_rows(
+        self, host: torch.Tensor, req_num: np.ndarray, logprobs: TokenLogprobs | None
+    ) -> tuple[torch.Tensor, np.ndarray, np.ndarray, TokenLogprobs | None]:
+        """A finished step's output rows, each sampled row's emitted tokens: ``(tokens, req_num,
+        draft_matched, logprobs)`` from ``host`` (``[S' + 2S]`` int64: the positions' tokens, then per
+        sampled row the tokens emitted and the drafts matched), the sampled rows' ``req_num`` ``[S]`` and
+        the positions' ``logprobs`` (index: sampled position; None: none)."""
+        n = len(self.row)
+        counts = host[n:].numpy()
+        emitted, matched = counts[: len(self.first)], counts[len(self.first) :]
+        keep = self.j < emitted[self.row]
+        out_matched = (matched > 0)[self.row[keep]].astype(np.uint8)
+        if logprobs is not None:
+            out_row = np.cumsum(keep) - 1  # the output row of each emitted position
+            kept = keep[logprobs.index]
+            logprobs = TokenLogprobs(
+                out_row[logprobs.index[kept]],
+                logprobs.logprob[kept],
+                logprobs.top_ids[kept],
+                logprobs.top_logprobs[kept],
+            )
+        return host[:n][torch.from_numpy(keep)], req_num[self.row[keep]], out_matched, logprobs
 
 
 @dataclass
@@ -158,11 +188,22 @@ class SpecState:
         proposer: drafts the next step (``NgramProposer`` or ``SimProposer``).
         poison: the token-id cache's poison value when poison mode is on (drafts read after
             being consumed are reported as stale), else None.
+        input_batch: the rows' state: the token-id cache and the penalty counts.
     """
 
-    def __init__(self, max_num_reqs: int, max_model_len: int, k: int, device, proposer, poison: int | None):
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        k: int,
+        device,
+        proposer,
+        poison: int | None,
+        input_batch: InputBatch,
+    ):
         n = max_num_reqs
         self.k, self.proposer, self.poison, self.max_model_len = k, proposer, poison, max_model_len
+        self.input_batch = input_batch
         self.drafts = torch.full((n, k), 0 if poison is None else poison, dtype=torch.int64, device=device)
         self.num_rejected = torch.zeros(n, dtype=torch.int64, device=device)
         self.seq_len = torch.ones(n, dtype=torch.int64, device=device)
@@ -200,35 +241,32 @@ class SpecState:
             st.verify_index = batch.add(sp.first[sp.verify_rows, None] + np.arange(sp.k + 1)[None, :])
             st.verify_rows = batch.add(sp.verify_rows)
             self.verified_at[sample_req[sp.verify_rows]] = x.step_id
+            ib = self.input_batch  # staged before this step: its host mirrors are the step's
+            if ib.penalty is not None and ib.any_penalty_work:
+                # Verified rows with penalties count their accepted drafts.
+                if len(rows := np.flatnonzero(ib.host_penalized[sample_req[sp.verify_rows]])):
+                    st.penalized, st.penalized_req = batch.add(rows), batch.add(sample_req[sp.verify_rows[rows]])
         if self.history is not None:
             st.token_req = batch.add(np.repeat(x.req_index, x.num_scheduled_tokens))
             st.pos_row, st.pos_j = batch.add(sp.row), batch.add(sp.j)
         return st
 
-    def stage_penalized(self, st: SpecStep, penalized: np.ndarray, batch: UploadBatch) -> None:
-        """Stage which verified rows count their accepted drafts (``penalized``: ``[S]`` bool per sampled row)."""
-        if st.verify_rows is None:
-            return
-        rows = np.flatnonzero(penalized[st.sp.verify_rows])
-        if len(rows):
-            st.penalized = batch.add(rows)
-            st.penalized_req = batch.add(st.sample_req.host[st.sp.verify_rows[rows]])
-
-    def resolve_drafts(self, st: SpecStep, input_ids: torch.Tensor) -> torch.Tensor | None:
-        """Write the drafts into ``input_ids`` (in place) and reset new rows; in poison mode ``[D]`` int64
-        flags, 1 where a draft was read after being consumed (else None)."""
+    def resolve_drafts(self, st: SpecStep, input_ids: torch.Tensor, step: LaunchedStep) -> None:
+        """Write the drafts into ``input_ids`` (in place) and reset new rows; in poison mode a draft read
+        after being consumed is stale: its flag joins the placeholders' in ``step.stale``."""
         if st.new_req is not None:
             self.num_rejected.index_fill_(0, st.new_req.dev, 0)
         if st.draft_index is None:
-            return None
+            return
         flat = self.drafts.view(-1)
         drafts = flat.index_select(0, st.draft_flat.dev)
-        stale = None
         if self.poison is not None:
-            stale = (drafts < 0).long()
+            stale, names = (drafts < 0).long(), st.draft_req
             flat.index_fill_(0, st.draft_flat.dev, self.poison)
+            if step.stale is not None:
+                stale, names = torch.cat([step.stale, stale]), np.concatenate([step.stale_req_indices, names])
+            step.stale, step.stale_req_indices = stale, names
         input_ids.index_copy_(0, st.draft_index.dev, drafts.clamp(min=0))
-        return stale
 
     def shift(self, st: SpecStep) -> torch.Tensor | None:
         """``[R]`` int64 on the device: how far each row starts before its planned position; None: nowhere."""
@@ -236,31 +274,27 @@ class SpecState:
             return None
         return self.num_rejected.index_select(0, st.shift_req.dev) - st.known_rejected.dev
 
-    def write_inputs(self, st: SpecStep, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
-        """Record the step's input tokens in the history at their (device) positions."""
+    def verify_inputs(self, st: SpecStep, input_ids: torch.Tensor, positions: torch.Tensor) -> VerifyInputs | None:
+        """Record the step's input tokens (``[T]``, resolved) in the history at their device positions;
+        returns what the executor verifies (None: no drafts)."""
         if self.history is not None:
             self._write_history(st.token_req.dev, positions, input_ids)
+        if not st.sp.k:
+            return None
+        drafts = input_ids.index_select(0, st.draft_index.dev).view(-1, st.sp.k)
+        return VerifyInputs(index=st.verify_index.dev, drafts=drafts)
 
-    def after_verify(
-        self,
-        st: SpecStep,
-        tokens: torch.Tensor,
-        accepted: torch.Tensor | None,
-        positions: torch.Tensor,
-        input_ids: torch.Tensor,
-        token_cache: torch.Tensor,
-        penalty: PenaltyState | None,
-    ) -> torch.Tensor:
-        """Apply a step's verification on the device; returns ``[S]`` int64 tokens emitted per sampled row.
+    def after_step(self, st: SpecStep, executed: Executed, positions: torch.Tensor, input_ids: torch.Tensor) -> None:
+        """Apply a step's verification on the device, then draft every sampled row's next step.
 
-        Args:
-            tokens: ``[S']`` the sampled positions' tokens; accepted: ``[V]`` accepted drafts per
-                verified row (None: the step verifies nothing).
-            positions: ``[T]`` the step's token positions on the device (shifted).
-            input_ids: ``[T]`` the resolved inputs (its drafts among them).
-            token_cache: the token-id cache; the last emitted token of each row goes in.
-            penalty: the penalty counts (accepted drafts are added), or None.
+        The last emitted token of each row goes into the token-id cache, accepted drafts into the
+        penalty counts. ``executed.tokens`` (``[S']``, the sampled positions') is followed by ``[S]``
+        tokens emitted and ``[S]`` drafts matched per sampled row (``SampledPositions.output_rows``).
+        ``positions``: ``[T]`` the step's token positions on the device (shifted); ``input_ids``: ``[T]``
+        its resolved inputs (the drafts among them).
         """
+        tokens, accepted = executed.tokens, executed.accepted
+        penalty, token_cache = self.input_batch.penalty, self.input_batch.token_cache
         count = torch.ones_like(st.first.dev)
         if accepted is not None:
             k = st.sp.k  # this step's drafts per row (at most self.k)
@@ -281,15 +315,27 @@ class SpecState:
         if self.history is not None:
             pos = base.index_select(0, st.pos_row.dev) + 1 + st.pos_j.dev
             self._write_history(st.sample_req.dev.index_select(0, st.pos_row.dev), pos, tokens)
-        return count
-
-    def propose(self, st: SpecStep, token_cache: torch.Tensor) -> torch.Tensor:
-        """Draft every sampled row's next step (into ``drafts``); returns ``[S]`` int64 drafts matched per row."""
         drafts, matched = self.proposer.propose(self, st.sample_req.dev, st.width, token_cache)
         self.drafts.index_copy_(0, st.sample_req.dev, drafts)
-        return matched
+        executed.tokens = torch.cat([tokens, count, matched])
 
     def _write_history(self, req: torch.Tensor, pos: torch.Tensor, ids: torch.Tensor) -> None:
         # A position past max_model_len holds nothing a request can reach; clamped, it stays in its row.
         width = self.history.shape[1]
         self.history.view(-1).index_copy_(0, req * width + pos.clamp(max=width - 1), ids.to(torch.int32))
+
+
+def spec_state(config: EngineConfig, device: torch.device, input_batch: InputBatch) -> SpecState | None:
+    """The speculative state ``config`` asks for: prompt lookup, or the simulated device's drafts; None: off."""
+    spec = config.speculative
+    if spec is None:
+        return None
+    k = spec.num_speculative_tokens
+    if config.is_simulated:
+        proposer = SimProposer(k, config.sim_draft_acceptance)
+    elif spec.method == "ngram":
+        proposer = NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+    else:
+        raise ValueError(f"speculative method {spec.method!r} is not supported by this worker")
+    poison = POISON_TOKEN_ID if config.debug_token_cache_poison else None
+    return SpecState(config.max_num_seqs, config.max_model_len, k, device, proposer, poison, input_batch)
