@@ -144,8 +144,8 @@ class DescriptorBuilder:
         continues: bool = False,
         decode_rejected: np.ndarray | None = None,
         decode_drafts: np.ndarray | None = None,
-    ) -> None:
-        """Write the collected rows into ``desc`` as step ``step_id``.
+    ) -> int:
+        """Write the collected rows into ``desc`` as step ``step_id``; returns its number of tokens.
 
         Args:
             decode: ``(req_num, req_index, start_pos, token_ids)``, int arrays
@@ -198,6 +198,7 @@ class DescriptorBuilder:
         if b:
             parts = self._new_block_arrays + ([np.asarray(self._new_blocks).T] if self._new_blocks else [])
             desc.nb_req_index[:b], desc.nb_index[:b], desc.nb_block[:b] = np.concatenate(parts, axis=1)
+        return t
 
     def _write_new_rows(self, desc: StepDescriptor, d: int) -> None:
         """The parameters of the rows new at their req_index: the ``sampling`` group by name, then the rest."""

@@ -9,8 +9,7 @@ longest cached prefix, all under ``max_num_batched_tokens`` and
 ``max_num_seqs``. KV blocks are allocated on demand; when none are left the
 newest running request is preempted (recompute). Running requests that
 plainly decode are planned as steady rows (``steady_rows.py``), with the same
-result. With speculative decoding decode rows may verify drafts
-(``drafts.py``; docs/design.md, "Speculative decoding").
+result. Speculative decoding's drafts are planned by ``drafts.py``.
 """
 
 from __future__ import annotations
@@ -67,9 +66,7 @@ class Scheduler:
         max_blocks_per_seq: block-table row width (``ceil(max_model_len / block_size)``).
         enable_prefix_caching: reuse the blocks of cached prefixes.
         block_hash_root: the parent name of a first block (``EngineConfig.block_hash_root``).
-        num_speculative_tokens: drafts a decode row may verify per step (K); 0: no speculation.
-        adaptive_speculation: drafts where measured acceptance and cost say they pay; False: wherever
-            a row may draft (``Drafts``).
+        num_speculative_tokens, adaptive_speculation: speculative decoding's K (0: off) and policy (``Drafts``).
 
     Raises:
         ValueError: if one request of ``max_model_len`` tokens could not fit.
@@ -119,11 +116,8 @@ class Scheduler:
         self._last_output_step = -1
         self._finish_after: dict[int, list[Request]] = {}  # step id -> requests that end when it completes
         self._num_admitted = 0
-        self.drafts = (
-            Drafts(max_num_seqs, num_speculative_tokens, block_size, adaptive_speculation)
-            if num_speculative_tokens
-            else None
-        )
+        spec = (num_speculative_tokens, adaptive_speculation, self.pool, self.steady, self._builder, self._apply_token)
+        self.drafts = Drafts(max_num_seqs, *spec) if num_speculative_tokens else None
 
     @property
     def num_unfinished(self) -> int:
@@ -200,15 +194,9 @@ class Scheduler:
         self._admit_waiting(step)
         if not step.rows and not len(steady):
             return 0
-        step_id, drafts = self.next_step_id, None
-        if self.drafts is not None:
-            args = (self.pool, self._builder, self._max_new_blocks)
-            drafts = self.drafts.plan(step_id, self.steady, steady, step.rows, step.budget, *args)
-        self._write(desc, step_id, step.rows, steady, continues, drafts)
-        tokens = len(steady) + sum(k for _, k, _ in step.rows) + (0 if drafts is None else int(drafts.sum()))
-        self.iteration_tokens.observe(tokens)
-        if self.drafts is not None:
-            self.drafts.planned(step_id, tokens)
+        step_id = self.next_step_id
+        drafts = self.drafts and self.drafts.plan(step_id, steady, step.rows, step.budget, self._max_new_blocks)
+        self.iteration_tokens.observe(self._write(desc, step_id, step.rows, steady, continues, drafts))
         self.next_step_id += 1
         return len(step.rows) + len(steady)
 
@@ -349,19 +337,17 @@ class Scheduler:
         steady: np.ndarray,
         continues: bool,
         steady_drafts: np.ndarray | None = None,
-    ) -> None:
+    ) -> int:
         """Write the step: the ``steady`` rows' decodes (req_index ``[D]``, with ``steady_drafts`` ``[D]``
-        each; None: none), then ``rows``; update counters.
+        each; None: none), then ``rows``; update counters. Returns the step's tokens.
 
         ``continues``: some row's request was running before (the descriptor's flag).
         """
         b = self._builder
-        joining = []  # grammar rows need their own token back before each step, which steady rows cannot wait for
+        drafted = self.drafts.drafted(step_id) if self.drafts is not None else {}  # req_num -> drafts
         for req, k, sample in rows:
             pos = req.num_computed_tokens
-            num_drafts = self.drafts.num_drafts(step_id, req) if self.drafts is not None else 0
-            if (k == 1 or num_drafts) and sample and req.grammar is None:
-                joining.append(req)
+            num_drafts = drafted.get(req.req_num, 0)
             masked = sample and req.grammar is not None and req.grammar.needs_mask(req.num_placeholders)
             mask = req.grammar.mask if masked else None
             params = req.params if req.is_new else None
@@ -388,13 +374,14 @@ class Scheduler:
                 req.num_placeholders += 1 + num_drafts
         decode = rejected = None
         if len(steady):  # in lock step every row's input token is known
-            inputs_known = self._last_output_step == step_id - 1
-            decode = self.steady.write(step_id, steady, inputs_known, steady_drafts)
-            if self.drafts is not None:
-                rejected = self.steady.num_rejected(steady)
-        b.write(desc, step_id, decode, continues, rejected, steady_drafts)
+            decode = self.steady.write(step_id, steady, self._last_output_step == step_id - 1, steady_drafts)
+            rejected = self.steady.num_rejected(steady) if self.drafts is not None else None
+        num_tokens = b.write(desc, step_id, decode, continues, rejected, steady_drafts)
+        # Grammar rows need their own token back before each step, which steady rows cannot wait for.
+        joining = [r for r, k, sample in rows if (k == 1 or r.req_num in drafted) and sample and r.grammar is None]
         if joining:
             self._join_steady(joining)
+        return num_tokens
 
     def _join_steady(self, reqs: list[Request]) -> None:
         self.steady.join(reqs)
@@ -427,9 +414,7 @@ class Scheduler:
         A token for a request that finished or was aborted is the one wasted
         token of a step already in flight: it is dropped. ``time_ns`` is the
         output's engine timestamp (now if 0), which its tokens get. With
-        speculation a request's tokens of the step are consecutive rows;
-        ``draft_matched`` (``[rows]``) and ``device_ns`` (the step's device
-        time) feed the speculation policy.
+        speculation a request's tokens are consecutive rows (``Drafts.apply_output``).
 
         Returns:
             ``req_num`` of the requests that finished (stop token, length, or the
@@ -441,28 +426,23 @@ class Scheduler:
         finished: list[int] = []
         self._output_ns = time_ns or time.monotonic_ns()
         d, left, ended, verified = self.steady.apply_output(step_id, req_nums, token_ids)
-        spec = self.drafts
-        apply = lambda q, t: self._apply_token(q, t, finished)  # noqa: E731
         for r, n, tokens in left:
-            if (req := self.requests.get(r)) is not None:
-                if spec is None:
-                    self._apply_token(req, tokens[0], finished)
-                else:
-                    spec.apply_run(req, n, tokens, self.steady, apply)
+            if (req := self.requests.get(r)) is not None and n > 1:  # it verified drafts: a run of tokens
+                self.drafts.apply_run(req, n, tokens, finished)
+            elif req is not None:
+                self._apply_token(req, tokens[0], finished)
         if ended:
             finished.extend(req.req_num for req in ended)
             self._remove_ended(ended)
         self.steady.flush(step_id)
-        if spec is None:
+        if self.drafts is None:
             for r, t in zip(req_nums[d:], token_ids[d:]):
                 if (req := self.requests.get(r)) is not None:
                     self._apply_token(req, t, finished)
         else:
-            spec.observe_step(step_id, device_ns)
-            if verified is not None:
-                spec.observe_steady(verified, draft_matched)
-            rest = None if draft_matched is None else draft_matched[d:]
-            spec.apply_general(step_id, req_nums[d:], token_ids[d:], rest, self.requests, self.steady, apply)
+            self.drafts.apply_output(
+                step_id, device_ns, d, verified, req_nums, token_ids, draft_matched, self.requests, finished
+            )
         for req in self._finish_after.pop(step_id, ()):
             if self.requests.get(req.req_num) is req:
                 finished.append(req.req_num)
