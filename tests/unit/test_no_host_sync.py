@@ -67,10 +67,10 @@ PARAMS = {
 }
 
 
-def tiny_model(max_position_embeddings: int = 256, attention_backend: str = "auto") -> CausalLM:
+def tiny_model(max_position_embeddings: int = 256, attention_backend: str = "auto", vocab_size: int = 512) -> CausalLM:
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
-        vocab_size=512,
+        vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,

@@ -1,6 +1,6 @@
 """The worker's speculative decoding gives token for token the output without it.
 
-A tiny random Llama runs through :class:`ModelRunner` with prompt lookup (``K`` drafts per row) and
+A tiny random Llama runs through ``ModelRunner`` with prompt lookup (``K`` drafts per row) and
 without, driven by a small scheduler that plans as the real one does: with asynchronous scheduling
 step N+1 is launched before N's tokens are read, each decoding row gets its last token as a
 placeholder and ``K`` draft placeholders, positions advance as if every draft were accepted and
@@ -20,7 +20,6 @@ import msgspec
 import numpy as np
 import pytest
 import torch
-import transformers
 
 from pipeline.common.config import SpeculativeConfig
 from pipeline.common.constants import cdiv
@@ -32,9 +31,9 @@ from pipeline.gpu_worker.device import DeviceOps
 from pipeline.gpu_worker.executor import ModelExecutor
 from pipeline.gpu_worker.model_runner import ModelRunner
 from pipeline.gpu_worker.models.base import CausalLM
-from tests.reference import ours_from_hf
 from tests.unit.sync_guard import FakeAsyncOps, SyncGuard
 from tests.unit.test_no_host_sync import BLOCK, engine_config
+from tests.unit.test_no_host_sync import tiny_model as random_llama
 
 K = 3
 VOCAB = 32
@@ -44,19 +43,10 @@ CPU = torch.device("cpu")
 def tiny_model() -> CausalLM:
     """A random Llama over a small vocabulary with peaked distributions: its outputs repeat, so drafts
     are accepted, also when sampling."""
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    hf = transformers.LlamaForCausalLM(cfg).eval().requires_grad_(False)
-    hf.model.norm.weight.mul_(6.0)
-    return ours_from_hf(hf)
+    model = random_llama(vocab_size=VOCAB)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(6.0)
+    return model
 
 
 @dataclass
