@@ -234,6 +234,22 @@ class Launcher:
                 ready.close()  # the child is gone
         return out
 
+    def check(self, timeout: float = 0.0) -> None:
+        """Watch the started children for up to ``timeout`` seconds.
+
+        Raises:
+            ChildFailed: a child reported an error, exited or is hung.
+            HeadStopped: this node's head stopped (a rank on another node).
+        """
+        # A child reports an error before it exits: its message says why, its exit status does not.
+        for kind, name, *rest in self._messages(timeout):
+            if kind == "error":
+                raise ChildFailed(f"{name}: {rest[0]}")
+            if kind == "done":
+                raise HeadStopped(f"{name}: {rest[0]}")
+        self._check_alive()
+        self._check_heartbeats()
+
     def _check_alive(self) -> None:
         for name, p in self.procs.items():
             if p.poll() is not None:
@@ -303,14 +319,7 @@ class Launcher:
                 )
             ready_printed = True
             while not self._signalled:
-                # A child reports an error before it exits: its message says why, its exit status does not.
-                for kind, name, *rest in self._messages(0.5):
-                    if kind == "error":
-                        raise ChildFailed(f"{name}: {rest[0]}")
-                    if kind == "done":
-                        raise HeadStopped(f"{name}: {rest[0]}")
-                self._check_alive()
-                self._check_heartbeats()
+                self.check(0.5)
             return 0
         except HeadStopped as e:
             print(f"pipeline-serve: {e}; stopping this node", file=sys.stderr)

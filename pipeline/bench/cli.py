@@ -70,13 +70,26 @@ def run_mode(
         config = launcher.config  # the workers may have sized the KV cache
         if http:
             url = f"http://{config.host}:{config.port}"
-            times, spec = asyncio.run(drive_http(url, config.served_model_name, work, bar, concurrency))
+            drive = drive_http(url, config.served_model_name, work, bar, concurrency)
         else:
-            times, spec = asyncio.run(drive_engine(config, launcher.output_rings, work, bar, concurrency))
+            drive = drive_engine(config, launcher.output_rings, work, bar, concurrency)
+        times, spec = asyncio.run(_watched(drive, launcher))
     finally:
         bar.close()
         launcher.stop()
     return summarize(times, launcher.spans, spec), launcher.spans, launcher.config
+
+
+async def _watched(drive, launcher: Launcher):
+    """Await ``drive`` while the launcher's children live; a child that dies or hangs raises ChildFailed."""
+    task = asyncio.ensure_future(drive)
+    try:
+        while not task.done():
+            await asyncio.wait([task], timeout=0.5)
+            launcher.check()
+    finally:
+        task.cancel()
+    return task.result()
 
 
 def total_output(work: Workload | MultiTurn) -> int:

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
+
+from tests.conftest import child_pids
+from tests.e2e.test_faults import cmdline
 
 
 @pytest.fixture(scope="module")
@@ -152,3 +158,27 @@ def test_multi_turn_workload(tmp_path, http):
     assert res["num_requests"] == 9 and res["output_tokens"] == 54
     assert len(res["ttft_p50_ms_by_turn"]) == 3
     assert "TTFT p50 turn 3 (ms)" in r.stdout
+
+
+def test_a_child_that_dies_stops_the_bench_naming_it():
+    """The benchmark watches the processes it started: a scheduler killed mid-run ends it with an error
+    naming the scheduler (it used to wait for the dead scheduler's tokens forever)."""
+    cmd = [sys.executable, "-m", "pipeline.bench", "--model", "sim", "--sim-step-us", "5000"]
+    cmd += ["--batch-size", "4", "--output-len", "100000", "--max-model-len", "200000", "--mode", "async"]
+    bench = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        scheduler = None
+        while scheduler is None and time.monotonic() < deadline and bench.poll() is None:
+            time.sleep(0.5)
+            scheduler = next((p for p in child_pids(bench.pid) if "pipeline-scheduler" in cmdline(p)), None)
+        assert scheduler is not None, "the scheduler never started"
+        time.sleep(3)  # running the workload
+        os.kill(scheduler, signal.SIGKILL)
+        _, err = bench.communicate(timeout=30)
+    finally:
+        for p in child_pids(bench.pid):  # what a bench that did not stop leaves
+            os.kill(p, signal.SIGKILL)
+        bench.kill()
+    assert bench.returncode != 0
+    assert "scheduler" in err and "SIGKILL" in err, err[-2000:]
