@@ -255,6 +255,11 @@ class SteadyRows:
             rows, tok = rows[last_row], np.asarray(tokens)[last_row]
         else:
             tok = np.asarray(tokens)
+        # A run of accepted drafts fills a buffer faster than one token a step, the pace flush keeps up with.
+        full = self._num_buffered[rows] >= _TOKEN_BUFFER
+        if full.any():
+            for i in rows[full].tolist():
+                self._move_tokens(i)
         self._buffer[rows, self._num_buffered[rows]] = tok
         self._num_buffered[rows] += 1
         self._last_token[rows] = tok

@@ -37,9 +37,9 @@ def PROMPTS(n: int) -> list[list[int]]:  # noqa: N802
     return [[(7 * i + j) % 32 for j in range(3 + i % 6)] + [5, 6, 5, 6] for i in range(n)]
 
 
-def params(i: int) -> SamplingParams:
+def params(i: int, long: bool = False) -> SamplingParams:
     kind = i % 4
-    base = dict(max_tokens=8 + 7 * (i % 5), ignore_eos=True)
+    base = dict(max_tokens=8 + 7 * (i % 5) + (150 if long and kind != 0 else 0), ignore_eos=True)
     if kind == 0:  # ends at a stop token, often inside a run of accepted drafts
         base.update(ignore_eos=False, stop_token_ids=(7, 11, 20))
     elif kind == 1:
@@ -51,14 +51,17 @@ def params(i: int) -> SamplingParams:
     return SamplingParams(**base)
 
 
-def run(k: int, pipelined: bool, seed: int, num_blocks: int = 400, abort: bool = False) -> dict[int, list[int]]:
+def run(
+    k: int, pipelined: bool, seed: int, num_blocks: int = 400, abort: bool = False, long: bool = False
+) -> dict[int, list[int]]:
+    """``long``: first turns of up to 150 tokens more, past a steady row's token buffer, drafts and all."""
     cfg = EngineConfig(
         model="tiny",
         served_model_name="tiny",
         max_num_seqs=8,
         max_num_batched_tokens=24,
         block_size=BLOCK,
-        max_model_len=96,
+        max_model_len=256 if long else 96,
         num_kv_blocks=num_blocks,
         debug_token_cache_poison=True,
         speculative=SpeculativeConfig("ngram", k, 1, 3) if k else None,
@@ -76,7 +79,7 @@ def run(k: int, pipelined: bool, seed: int, num_blocks: int = 400, abort: bool =
         sched.drafts.policy.choose = choose
     prompts = PROMPTS(14)
     for i, p in enumerate(prompts):
-        sched.add_request(AddRequest(i, p, params(i)))
+        sched.add_request(AddRequest(i, p, params(i, long)))
     layout = cfg.descriptor_layout
     outputs: dict[int, list[int]] = {}
     in_flight = []
@@ -102,7 +105,7 @@ def run(k: int, pipelined: bool, seed: int, num_blocks: int = 400, abort: bool =
 
     def cut(r: int, tokens: list[int]) -> list[int]:
         """What the request got: up to max_tokens and its first stop token (later rows are dropped)."""
-        p = params(r % 100)
+        p = params(r % 100, long and r < 100)
         stops = [i for i, t in enumerate(tokens) if t in p.stop_token_ids]
         return tokens[: min([p.max_tokens, *(i + 1 for i in stops[:1])])]
 
@@ -127,6 +130,12 @@ def run(k: int, pipelined: bool, seed: int, num_blocks: int = 400, abort: bool =
 @pytest.mark.parametrize("seed", range(3))
 def test_random_drafts_give_the_same_tokens(pipelined, seed):
     assert run(K, pipelined, seed) == run(0, False, seed)
+
+
+def test_long_outputs_with_drafts_overflow_no_buffer():
+    """Steady rows' tokens are buffered and moved to their requests every few steps; runs of
+    accepted drafts fill a buffer faster than one token a step (this once raised IndexError)."""
+    assert run(K, True, 0, num_blocks=2000, long=True) == run(0, False, 0, num_blocks=2000, long=True)
 
 
 @pytest.mark.parametrize("seed", range(2))
