@@ -175,3 +175,25 @@ def read_model_config(model_dir: Path) -> ModelConfig:
     except ValueError as e:
         custom = " (it ships its own modelling code, which this server does not run)" if cfg.get("auto_map") else ""
         raise ValueError(f"{path}: {e}{custom}") from None
+
+
+def tokenizer_vocabulary(model_dir: Path) -> object | None:
+    """What the tokenizer files of ``model_dir`` map token ids to, comparable between directories: from
+    ``tokenizer.json`` its model's vocabulary and the added tokens, else the bytes of ``tokenizer.model``
+    or ``vocab.json``; None: no tokenizer files.
+
+    Raises:
+        ValueError: ``tokenizer.json`` is not JSON.
+    """
+    path = model_dir / "tokenizer.json"
+    if path.is_file():
+        try:
+            t = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON ({e})") from None
+        added = sorted((a.get("id"), a.get("content")) for a in t.get("added_tokens") or ())
+        return (t.get("model") or {}).get("vocab"), added
+    for name in ("tokenizer.model", "vocab.json"):
+        if (model_dir / name).is_file():
+            return (model_dir / name).read_bytes()
+    return None

@@ -15,6 +15,8 @@ import secrets
 import sys
 from pathlib import Path
 
+import msgspec
+
 from pipeline.common.config import SPECULATIVE_METHODS, EngineConfig, SpeculativeConfig
 from pipeline.common.instance_files import make_ipc_dir, sweep_dead_instances
 from pipeline.gpu_worker.attention import ATTENTION_BACKENDS
@@ -271,8 +273,13 @@ def build_parser() -> argparse.ArgumentParser:
         "neither is given, one bound alone sets both), on the device, and verifies them in one forward "
         "pass; sampled outputs keep the model's distribution (greedy ones are unchanged). Each step "
         "chooses how many drafts to verify, and for which requests, from the measured acceptance and "
-        "step time, so a workload that does not repeat itself is not slowed down. With --model sim the "
-        "drafts are right with probability --sim-draft-acceptance.",
+        "step time, so a workload that does not repeat itself is not slowed down. "
+        '\'{"method": "draft_model", "model": DIR, "num_speculative_tokens": K}\' drafts with a smaller '
+        "model of the same vocabulary and tokenizer (a directory or .gguf file): it runs over every step's "
+        "tokens with its own KV cache on the same blocks (each block then costs both models' bytes) and "
+        "K more one-token passes in each step that verifies drafts; sampled drafts are verified by "
+        "rejection sampling (min(1, p/q)), so outputs keep the model's distribution. With --model sim "
+        "the drafts are right with probability --sim-draft-acceptance.",
     )
     p.add_argument(
         "--speculative-policy",
@@ -487,10 +494,52 @@ def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
     if lo > hi:
         _die(f"{flag}: prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}")
     if method == "draft_model":
-        _die(f"{flag}: method draft_model is not supported yet; use ngram (prompt lookup)")
+        if "prompt_lookup_min" in raw or "prompt_lookup_max" in raw:
+            _die(f"{flag}: prompt_lookup_min and prompt_lookup_max are for method ngram only")
+        model = raw.get("model")
+        if not isinstance(model, str) or not model:
+            _die(f"{flag}: method draft_model needs model, the draft model's directory (or .gguf file)")
+        return SpeculativeConfig(method, k, model=model)
     if "model" in raw:
         _die(f"{flag}: model is for method draft_model only")
     return SpeculativeConfig(method, k, lo, hi)
+
+
+def check_draft_model(spec: SpeculativeConfig, target_dir: Path, target, max_model_len: int, tp: int):
+    """``(spec with the draft's Hugging Face directory, the draft's ModelConfig)``; exits with a message
+    naming both models when the draft cannot serve the target (another vocabulary, too few positions,
+    a ``-tp`` it does not split into)."""
+    from pipeline.model_files import checkpoint_files, read_model_config, resolve_model, tokenizer_vocabulary
+
+    flag = "--speculative-config"
+    try:
+        draft_dir = resolve_model(spec.model)[0]
+        draft = read_model_config(draft_dir)
+        checkpoint_files(draft_dir)
+        vocabularies = tokenizer_vocabulary(target_dir), tokenizer_vocabulary(draft_dir)
+    except (FileNotFoundError, ValueError, OSError) as e:
+        _die(f"{flag}: draft model: {e}".replace("--model ", "model "))
+    if draft.vocab_size != target.vocab_size:
+        _die(
+            f"{flag}: the draft model {draft_dir} has a vocabulary of {draft.vocab_size} tokens and the model "
+            f"{target_dir} one of {target.vocab_size}: a draft model must have the model's tokenizer"
+        )
+    if None not in vocabularies and vocabularies[0] != vocabularies[1]:
+        _die(
+            f"{flag}: the tokenizer files of the draft model {draft_dir} map token ids to other tokens than "
+            f"those of the model {target_dir}: a draft model must have the model's tokenizer"
+        )
+    if draft.max_position_embeddings and draft.max_position_embeddings < max_model_len:
+        _die(
+            f"{flag}: the draft model {draft_dir} has max_position_embeddings {draft.max_position_embeddings}, "
+            f"below --max-model-len {max_model_len}; lower --max-model-len"
+        )
+    if tp > 1:
+        try:
+            draft.tp_shape(tp)
+        except ValueError as e:
+            _die(f"{flag}: the draft model {draft_dir} does not split over --tensor-parallel-size {tp}: {e}")
+    return msgspec.structs.replace(spec, model=str(draft_dir)), draft
 
 
 def _die(msg: str) -> None:
@@ -635,6 +684,10 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
     dtype = args.dtype
     if dtype == "auto":
         dtype = checkpoint_dtype(model_dir, cfg) if device == "cuda" and not sim else "float32"
+    speculative = parse_speculative_config(args.speculative_config)
+    draft = None
+    if speculative is not None and speculative.method == "draft_model" and not sim:
+        speculative, draft = check_draft_model(speculative, model_dir, cfg, max_model_len, tp)
     if args.num_kv_blocks:
         num_blocks = args.num_kv_blocks
     elif sim:  # nothing is allocated: enough blocks that the simulation never preempts
@@ -643,6 +696,9 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         num_blocks = 0  # each worker sizes its cache from --gpu-memory-utilization after a profiling step
     else:
         per_block = cfg.kv_bytes_per_block(args.block_size, _DTYPE_BYTES[dtype], kv_heads)
+        if draft is not None:  # its cache holds the same blocks
+            draft_heads = draft.tp_shape(tp).num_kv_heads if tp > 1 else None
+            per_block += draft.kv_bytes_per_block(args.block_size, _DTYPE_BYTES[dtype], draft_heads)
         num_blocks = int((args.kv_cache_memory or 2.0) * 2**30 // per_block)
     if num_blocks and num_blocks * args.block_size < max_model_len:
         _die(
@@ -668,7 +724,6 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
                 f"--tensor-parallel-size {tp} x --data-parallel-size {dp} / --nnodes {args.nnodes} needs "
                 f"{local} CUDA devices on this node (one per rank), found {torch.cuda.device_count()}"
             )
-    speculative = parse_speculative_config(args.speculative_config)
     attention_backend = args.attention_backend
     if not 0 <= args.sim_draft_acceptance <= 1:
         _die("--sim-draft-acceptance must be a probability from 0 to 1")

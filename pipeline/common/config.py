@@ -25,15 +25,17 @@ class SpeculativeConfig(msgspec.Struct, frozen=True):
     """Speculative decoding (docs/design.md, "Speculative decoding"), vLLM's ``--speculative-config`` fields.
 
     Attributes:
-        method: ``"ngram"`` (prompt lookup).
+        method: ``"ngram"`` (prompt lookup) or ``"draft_model"`` (a smaller model's drafts).
         num_speculative_tokens: drafts a row verifies at most per step (K).
         prompt_lookup_min, prompt_lookup_max: n-gram lengths prompt lookup tries.
+        model: with ``draft_model``, the draft model's Hugging Face directory (same vocabulary as the target's).
     """
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int = 5
     prompt_lookup_max: int = 5
+    model: str = ""
 
 
 class EngineConfig(msgspec.Struct, frozen=True):

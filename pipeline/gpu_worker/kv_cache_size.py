@@ -9,7 +9,9 @@ LM head over ``--max-num-seqs`` rows) measures the activations' peak, and
 
 where ``total - free`` is everything on the device then (weights, the CUDA
 context, other processes). Tensor-parallel ranks take the smallest of their
-figures, so every rank holds the same blocks.
+figures, so every rank holds the same blocks. A draft model (speculative decoding) has a cache of the
+same blocks: a block's bytes are both models', and the draft's weights are on the device when the
+profile runs.
 """
 
 from __future__ import annotations
@@ -26,14 +28,23 @@ from pipeline.gpu_worker.models.base import CausalLM
 
 
 def kv_cache_blocks(
-    config: EngineConfig, model: CausalLM, device: torch.device, dtype: torch.dtype, tp: TPGroup
+    config: EngineConfig,
+    model: CausalLM,
+    device: torch.device,
+    dtype: torch.dtype,
+    tp: TPGroup,
+    draft: CausalLM | None = None,
 ) -> int:
-    """Blocks of ``config.block_size`` tokens this engine's KV cache holds on every rank.
+    """Blocks of ``config.block_size`` tokens this engine's KV cache (and ``draft``'s) holds on every rank.
 
     Raises:
         ValueError: not even one request of ``config.max_model_len`` fits; the message says what to change.
     """
-    per_block = model.config.kv_bytes_per_block(config.block_size, dtype.itemsize, model.num_kv_heads)
+    per_block = sum(
+        m.config.kv_bytes_per_block(config.block_size, dtype.itemsize, m.num_kv_heads)
+        for m in (model, draft)
+        if m is not None
+    )
     if device.type == "cuda" and not config.kv_cache_memory_bytes:
         budget = profiled_kv_bytes(config, model, device, dtype)
         source = f"--gpu-memory-utilization {config.gpu_memory_utilization} of {device}'s memory"

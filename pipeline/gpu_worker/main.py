@@ -208,11 +208,15 @@ def load_runner(config: EngineConfig, rank: int = 0) -> tuple[ModelRunner, Descr
 
         tp, relay = init_tensor_parallel(config, rank)
     model = load_model(config.model, dtype, device, config.attention_backend, tp, config.max_model_len)
+    draft = None
+    if config.speculative is not None and config.speculative.method == "draft_model":
+        draft = load_model(config.speculative.model, dtype, device, config.attention_backend, tp, config.max_model_len)
     if not config.num_kv_blocks:
         from pipeline.gpu_worker.kv_cache_size import kv_cache_blocks
 
-        config = msgspec.structs.replace(config, num_kv_blocks=kv_cache_blocks(config, model, device, dtype, tp))
-    runner = ModelRunner(config, ModelExecutor(config, model, device, dtype), device)
+        blocks = kv_cache_blocks(config, model, device, dtype, tp, draft)
+        config = msgspec.structs.replace(config, num_kv_blocks=blocks)
+    runner = ModelRunner(config, ModelExecutor(config, model, device, dtype), device, draft_model=draft)
     if config.cuda_graph_sizes:  # after the KV cache exists, so the graphs' pool comes from what is left
         runner.executor.capture_decode_graphs(runner.input_batch.block_table, config.cuda_graph_sizes)
     return runner, relay

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -38,12 +39,16 @@ from pipeline.common.config import EngineConfig
 from pipeline.common.step_protocol import MAX_LOGPROBS, PLACEHOLDER_TOKEN_ID, StepInputs, TokenLogprobs
 from pipeline.gpu_worker.attention.backend import StepLayout
 from pipeline.gpu_worker.device import DeviceClock, DeviceOps, Staged, UploadBatch, device_ops
+from pipeline.gpu_worker.draft_model import DraftModel
 from pipeline.gpu_worker.executor import Executed, Executor, LogprobInputs, LogprobTensors, SamplingInputs
 from pipeline.gpu_worker.input_batch import FLOAT_COLUMN, INT_COLUMN, POISON_TOKEN_ID, InputBatch
 from pipeline.gpu_worker.logprobs import PromptLogprobPlan
 from pipeline.gpu_worker.penalties import PenaltyPlan, plan_penalties
 from pipeline.gpu_worker.sampler import SamplingPlan
 from pipeline.gpu_worker.speculation import SampledPositions, SpecStep, spec_state
+
+if TYPE_CHECKING:  # the simulated device never loads the model code
+    from pipeline.gpu_worker.models.base import CausalLM
 
 __all__ = ["POISON_TOKEN_ID", "LaunchedStep", "ModelRunner", "StaleTokenError"]
 
@@ -140,14 +145,27 @@ class ModelRunner:
             which replaces only the forward pass and the sampling kernel).
         device: where the model and all per-request state live.
         ops: how data moves to and from ``device``; default ``device_ops``.
+        draft_model: with ``--speculative-config``'s ``draft_model``, the draft (on ``device``); its KV
+            cache is made here.
     """
 
-    def __init__(self, config: EngineConfig, executor: Executor, device: torch.device, ops: DeviceOps | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor: Executor,
+        device: torch.device,
+        ops: DeviceOps | None = None,
+        draft_model: CausalLM | None = None,
+    ):
         self.config, self.device, self.executor = config, device, executor
         self.ops = ops or device_ops(device)
         self.input_batch = InputBatch(config.max_num_seqs, config.max_blocks_per_seq, self.ops, executor.vocab_size)
         self.poison = config.debug_token_cache_poison
-        self.spec = spec_state(config, device, self.input_batch)
+        draft = None
+        if draft_model is not None:
+            target = getattr(executor, "model", None)
+            draft = DraftModel(draft_model, config, device, self.input_batch, self.ops.upload, target)
+        self.spec = spec_state(config, device, self.input_batch, draft)
         self.clock = DeviceClock()
         self._in_flight = 0  # launched, not yet finished
         # The sampling parameters of a batch with no row to sample with temperature: empty, never read.
@@ -192,10 +210,13 @@ class ModelRunner:
         batch.upload(self.ops)
         self.input_batch.write(update)
         input_ids = self._resolve_placeholders(placeholders, step)
+        device_start = None
         if spec is not None:
+            if spec.draft_plan is not None:  # the draft model's passes are the step's first device work
+                step.start_event, device_start = self.ops.timing_event(), time.monotonic_ns()
             self.spec.resolve_drafts(spec, input_ids, step)
         self.input_batch.count_inputs(counts, input_ids)
-        executed = self._forward_and_sample(x, input_ids, sampling, logprobs, step, spec)
+        executed = self._forward_and_sample(x, input_ids, sampling, logprobs, step, spec, device_start)
         self._start_host_copy(step, executed)
         self._in_flight += 1
         return step
@@ -366,9 +387,11 @@ class ModelRunner:
         staged_logprobs: _Logprobs,
         step: LaunchedStep,
         spec: SpecStep | None,
+        device_start: int | None = None,
     ) -> Executed:
         """Build the attention metadata, run the executor, write the token-id cache (and, speculating, the
-        rest of the rows' state and their next drafts)."""
+        rest of the rows' state and their next drafts). ``device_start``: when the step's device work
+        began, if before this (``step.start_event`` then recorded)."""
         layout = StepLayout.build(
             x.num_scheduled_tokens, x.start_pos, x.req_index, self.config.block_size, self.config.max_blocks_per_seq
         )
@@ -384,14 +407,15 @@ class ModelRunner:
         verify = self.spec.verify_inputs(spec, input_ids, meta.positions) if spec is not None else None
         step.prepare_end_ns = time.monotonic_ns()
 
-        step.start_event = self.ops.timing_event()
-        device_start = time.monotonic_ns()
+        if device_start is None:
+            step.start_event = self.ops.timing_event()
+            device_start = time.monotonic_ns()
         executed = self.executor.execute(input_ids, meta, staged_sampling.last.dev, sampling, logprobs, verify)
         if spec is None:
             self.input_batch.token_cache.index_copy_(0, staged_sampling.sample_req_indices.dev, executed.tokens)
         else:
             step.spec = spec.sp
-            self.spec.after_step(spec, executed, meta.positions, input_ids)
+            self.spec.after_step(spec, executed, meta, layout, input_ids)
         step.launch_ns = time.monotonic_ns()
         if executed.done is not None:  # the simulated device's own timeline
             step.device_start_ns, step.device_end_ns = executed.device_start_ns, executed.device_end_ns

@@ -23,7 +23,9 @@ import torch
 
 from pipeline.common.config import EngineConfig
 from pipeline.common.step_protocol import DRAFT_TOKEN_ID, MAX_INFLIGHT_STEPS, StepInputs, TokenLogprobs
+from pipeline.gpu_worker.attention.backend import StepLayout
 from pipeline.gpu_worker.device import Staged, UploadBatch
+from pipeline.gpu_worker.draft_model import DraftModel, DraftPlan
 from pipeline.gpu_worker.executor import Executed
 from pipeline.gpu_worker.input_batch import POISON_TOKEN_ID, InputBatch
 from pipeline.gpu_worker.ngram_proposer import propose_ngram
@@ -120,7 +122,9 @@ class SpecStep:
     [S]``: the sampled rows' req_index. ``token_req [T]``: each token's req_index (history).
     ``pos_row``/``pos_j [S']``: each sampled position's row and place. ``penalized [P]``: verified
     rows (of ``V``) with penalties, whose accepted drafts are counted. ``width``: the proposer's
-    history window (the longest row after the step, an upper bound).
+    history window (the longest row after the step, an upper bound). With a draft model:
+    ``draft_plan``, its passes; ``hot_rows [H]``/``hot_index [H, K + 1]`` and, once proposed,
+    ``draft_probs``, as ``VerifyInputs`` takes them. ``shift_dev``: ``shift``'s value, once computed.
     """
 
     sp: SampledPositions
@@ -141,6 +145,11 @@ class SpecStep:
     pos_j: Staged | None = None
     penalized: Staged | None = None
     penalized_req: Staged | None = None
+    draft_plan: DraftPlan | None = None
+    hot_rows: Staged | None = None
+    hot_index: Staged | None = None
+    draft_probs: torch.Tensor | None = None
+    shift_dev: torch.Tensor | None = None
 
 
 class NgramProposer:
@@ -242,6 +251,8 @@ class SpecState:
             st.verify_rows = batch.add(sp.verify_rows)
             self.verified_at[sample_req[sp.verify_rows]] = x.step_id
             ib = self.input_batch  # staged before this step: its host mirrors are the step's
+            if isinstance(self.proposer, DraftModel):
+                self._stage_draft_model(x, sp, sample_req, batch, st)
             if ib.penalty is not None and ib.any_penalty_work:
                 # Verified rows with penalties count their accepted drafts.
                 if len(rows := np.flatnonzero(ib.host_penalized[sample_req[sp.verify_rows]])):
@@ -251,12 +262,41 @@ class SpecState:
             st.pos_row, st.pos_j = batch.add(sp.row), batch.add(sp.j)
         return st
 
+    def _stage_draft_model(
+        self, x: StepInputs, sp: SampledPositions, sample_req: np.ndarray, batch: UploadBatch, st: SpecStep
+    ) -> None:
+        """Stage the draft model's passes and which verified rows sample (their draft distributions)."""
+        first = sp.first[sp.verify_rows]
+        req = sample_req[sp.verify_rows]
+        st.draft_plan = self.proposer.stage(
+            sp.k, req, sp.position[first] - 1, x.sample_rows[sp.verify_rows], sp.token[first], batch
+        )
+        ib = self.input_batch
+        hot = np.flatnonzero(ib.host_temperature[req] > 0) if ib.any_hot else ()
+        if len(hot):
+            # Each hot verified position's row among the sampler's temperature rows (ModelRunner._stage_sampling).
+            hot_pos = np.flatnonzero(ib.host_temperature[sample_req[sp.row]] > 0)
+            among = np.full(len(sp.row), -1, np.int64)
+            among[hot_pos] = np.arange(len(hot_pos))
+            st.hot_rows = batch.add(hot)
+            st.hot_index = batch.add(among[first[hot, None] + np.arange(sp.k + 1)[None, :]])
+
+    @property
+    def drafts_on_device(self) -> bool:
+        """Drafts are computed in the step that verifies them (a draft model), not read from ``drafts``."""
+        return isinstance(self.proposer, DraftModel)
+
     def resolve_drafts(self, st: SpecStep, input_ids: torch.Tensor, step: LaunchedStep) -> None:
         """Write the drafts into ``input_ids`` (in place) and reset new rows; in poison mode a draft read
-        after being consumed is stale: its flag joins the placeholders' in ``step.stale``."""
+        after being consumed is stale: its flag joins the placeholders' in ``step.stale``. A draft
+        model computes them now."""
         if st.new_req is not None:
             self.num_rejected.index_fill_(0, st.new_req.dev, 0)
         if st.draft_index is None:
+            return
+        if st.draft_plan is not None:
+            drafts, st.draft_probs = self.proposer.propose(st.draft_plan, input_ids, self.shift(st))
+            input_ids.index_copy_(0, st.draft_index.dev, drafts.view(-1))
             return
         flat = self.drafts.view(-1)
         drafts = flat.index_select(0, st.draft_flat.dev)
@@ -272,7 +312,9 @@ class SpecState:
         """``[R]`` int64 on the device: how far each row starts before its planned position; None: nowhere."""
         if st.shift_req is None:
             return None
-        return self.num_rejected.index_select(0, st.shift_req.dev) - st.known_rejected.dev
+        if st.shift_dev is None:
+            st.shift_dev = self.num_rejected.index_select(0, st.shift_req.dev) - st.known_rejected.dev
+        return st.shift_dev
 
     def verify_inputs(self, st: SpecStep, input_ids: torch.Tensor, positions: torch.Tensor) -> VerifyInputs | None:
         """Record the step's input tokens (``[T]``, resolved) in the history at their device positions;
@@ -282,17 +324,22 @@ class SpecState:
         if not st.sp.k:
             return None
         drafts = input_ids.index_select(0, st.draft_index.dev).view(-1, st.sp.k)
-        return VerifyInputs(index=st.verify_index.dev, drafts=drafts)
+        v = VerifyInputs(index=st.verify_index.dev, drafts=drafts)
+        if st.draft_probs is not None:
+            v.draft_probs, v.hot_rows, v.hot_index = st.draft_probs, st.hot_rows.dev, st.hot_index.dev
+        return v
 
-    def after_step(self, st: SpecStep, executed: Executed, positions: torch.Tensor, input_ids: torch.Tensor) -> None:
-        """Apply a step's verification on the device, then draft every sampled row's next step.
+    def after_step(self, st: SpecStep, executed: Executed, meta, layout: StepLayout, input_ids: torch.Tensor) -> None:
+        """Apply a step's verification on the device, then draft every sampled row's next step (a draft
+        model instead runs over the step's inputs; it drafts in the next step).
 
         The last emitted token of each row goes into the token-id cache, accepted drafts into the
         penalty counts. ``executed.tokens`` (``[S']``, the sampled positions') is followed by ``[S]``
         tokens emitted and ``[S]`` drafts matched per sampled row (``SampledPositions.output_rows``).
-        ``positions``: ``[T]`` the step's token positions on the device (shifted); ``input_ids``: ``[T]``
-        its resolved inputs (the drafts among them).
+        ``meta``/``layout``: the step's attention metadata (its ``positions``, ``[T]`` on the device,
+        shifted) and host layout; ``input_ids``: ``[T]`` its resolved inputs (the drafts among them).
         """
+        positions = meta.positions
         tokens, accepted = executed.tokens, executed.accepted
         penalty, token_cache = self.input_batch.penalty, self.input_batch.token_cache
         count = torch.ones_like(st.first.dev)
@@ -315,8 +362,12 @@ class SpecState:
         if self.history is not None:
             pos = base.index_select(0, st.pos_row.dev) + 1 + st.pos_j.dev
             self._write_history(st.sample_req.dev.index_select(0, st.pos_row.dev), pos, tokens)
-        drafts, matched = self.proposer.propose(self, st.sample_req.dev, st.width, token_cache)
-        self.drafts.index_copy_(0, st.sample_req.dev, drafts)
+        if self.drafts_on_device:
+            self.proposer.consume(input_ids, meta, layout, self.shift(st))
+            matched = torch.full_like(count, self.k)
+        else:
+            drafts, matched = self.proposer.propose(self, st.sample_req.dev, st.width, token_cache)
+            self.drafts.index_copy_(0, st.sample_req.dev, drafts)
         executed.tokens = torch.cat([tokens, count, matched])
 
     def _write_history(self, req: torch.Tensor, pos: torch.Tensor, ids: torch.Tensor) -> None:
@@ -325,8 +376,15 @@ class SpecState:
         self.history.view(-1).index_copy_(0, req * width + pos.clamp(max=width - 1), ids.to(torch.int32))
 
 
-def spec_state(config: EngineConfig, device: torch.device, input_batch: InputBatch) -> SpecState | None:
-    """The speculative state ``config`` asks for: prompt lookup, or the simulated device's drafts; None: off."""
+def spec_state(
+    config: EngineConfig, device: torch.device, input_batch: InputBatch, draft: DraftModel | None = None
+) -> SpecState | None:
+    """The speculative state ``config`` asks for: prompt lookup, the draft model ``draft``, or the simulated
+    device's drafts; None: off.
+
+    Raises:
+        ValueError: ``draft_model`` without ``draft``, or another method this worker does not run.
+    """
     spec = config.speculative
     if spec is None:
         return None
@@ -335,6 +393,8 @@ def spec_state(config: EngineConfig, device: torch.device, input_batch: InputBat
         proposer = SimProposer(k, config.sim_draft_acceptance)
     elif spec.method == "ngram":
         proposer = NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+    elif spec.method == "draft_model" and draft is not None:
+        proposer = draft
     else:
         raise ValueError(f"speculative method {spec.method!r} is not supported by this worker")
     poison = POISON_TOKEN_ID if config.debug_token_cache_poison else None

@@ -85,7 +85,9 @@ def test_speculative_config_takes_vllms_shape():
         ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}', "prompt_lookup_min must be"),
         ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "<="),
         ('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 4}', "unsupported key"),
-        ('{"method": "draft_model", "num_speculative_tokens": 2, "model": "x"}', "not supported yet"),
+        ('{"method": "draft_model", "num_speculative_tokens": 2}', "method draft_model needs model"),
+        ('{"model": "x", "num_speculative_tokens": 2, "prompt_lookup_max": 2}', "are for method ngram only"),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}', "model is for method draft_model only"),
     ],
 )
 def test_bad_speculative_configs_exit_naming_the_key(text, message, capsys):
@@ -93,6 +95,57 @@ def test_bad_speculative_configs_exit_naming_the_key(text, message, capsys):
         make_config(build_parser().parse_args(["--model", "sim", "--speculative-config", text]))
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def _draft_config(target, draft, *flags):
+    text = f'{{"method": "draft_model", "model": "{draft}", "num_speculative_tokens": 3}}'
+    args = ["--model", str(target), "--kv-cache-memory", "0.01", "--speculative-config", text, *flags]
+    return make_config(build_parser().parse_args(args))
+
+
+def test_a_draft_model_is_resolved_and_its_cache_counted(tiny_dir, smol_dir, tmp_path):
+    from tests.conftest import make_tiny_llama
+
+    draft = make_tiny_llama(tmp_path / "draft", smol_dir, num_hidden_layers=1)
+    cfg = _draft_config(tiny_dir, draft)
+    assert (cfg.speculative.method, cfg.speculative.model, cfg.speculative.num_speculative_tokens) == (
+        "draft_model", str(draft), 3
+    )  # fmt: skip
+    alone = make_config(build_parser().parse_args(["--model", str(tiny_dir), "--kv-cache-memory", "0.01"]))
+    # The target's 2 layers and the draft's 1, of the same shape, share each block's bytes.
+    assert cfg.num_kv_blocks == alone.num_kv_blocks * 2 // 3
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused_naming_both(tiny_dir, smol_dir, tmp_path, capsys):
+    import json
+    import shutil
+
+    from tests.conftest import make_tiny_llama
+
+    small = make_tiny_llama(tmp_path / "small-vocab", smol_dir, vocab_size=1000)
+    with pytest.raises(SystemExit) as e:
+        _draft_config(tiny_dir, small)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "vocabulary of 1000 tokens" in err and str(small) in err and str(tiny_dir) in err
+    # The same size, two tokens swapped.
+    swapped = tmp_path / "swapped"
+    shutil.copytree(tiny_dir, swapped)
+    tok = json.loads((swapped / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = list(vocab)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (swapped / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(SystemExit):
+        _draft_config(tiny_dir, swapped)
+    err = capsys.readouterr().err
+    assert "map token ids to other tokens" in err and str(swapped) in err and str(tiny_dir) in err
+    with pytest.raises(SystemExit):
+        _draft_config(tiny_dir, tmp_path / "absent")
+    assert "draft model: model" in capsys.readouterr().err
+    short = make_tiny_llama(tmp_path / "short", smol_dir, max_position_embeddings=64)
+    with pytest.raises(SystemExit):
+        _draft_config(tiny_dir, short, "--max-model-len", "128")
+    assert "max_position_embeddings 64, below --max-model-len 128" in capsys.readouterr().err
 
 
 def test_dtype_auto_is_float32_on_cpu_and_the_checkpoint_dtype_on_cuda(tiny_dir, tmp_path):

@@ -67,8 +67,8 @@ class Req:
 class MiniScheduler:
     """Plans whole prefills and decodes (with drafts where allowed) for a fixed set of requests."""
 
-    def __init__(self, runner: ModelRunner, reqs: list[Req], k: int):
-        self.runner, self.reqs, self.k = runner, reqs, k
+    def __init__(self, runner: ModelRunner, reqs: list[Req], k: int, vary_k: bool = True):
+        self.runner, self.reqs, self.k, self.vary_k = runner, reqs, k, vary_k
         self.layout = runner.config.descriptor_layout
         self.per_req = cdiv(runner.config.max_model_len, BLOCK)
         self.step_id = 0
@@ -84,8 +84,9 @@ class MiniScheduler:
             if r.new:
                 ids, start, k = r.prompt, 0, 0
             else:
-                # The step's k varies, as the policy's does; one k for every row of a step.
-                k = [self.k, 1, self.k - 1][self.step_id % 3] if r.drafts and self.k else 0
+                # The step's k varies, as the policy's does (or not); one k for every row of a step.
+                k = [self.k, 1, self.k - 1][self.step_id % 3] if self.vary_k else self.k
+                k = k if r.drafts and self.k else 0
                 k = k if remaining > k else 0
                 last = r.out[-1] if r.in_flight == 0 else PLACEHOLDER_TOKEN_ID
                 ids, start = [last] + [DRAFT_TOKEN_ID] * k, r.computed
@@ -127,23 +128,33 @@ class MiniScheduler:
             r.out += got[:keep]
 
 
-def make_runner(k: int, guard: SyncGuard | None):
+def make_runner(k: int, guard: SyncGuard | None, draft: CausalLM | None = None):
+    """A runner of ``tiny_model`` with prompt lookup (``k`` drafts), or with ``draft`` as its draft model."""
     cfg = engine_config()
     if k:
-        cfg = msgspec.structs.replace(cfg, speculative=SpeculativeConfig("ngram", k, 1, 3))
+        method = SpeculativeConfig("ngram", k, 1, 3) if draft is None else SpeculativeConfig("draft_model", k)
+        cfg = msgspec.structs.replace(cfg, speculative=method)
     model = tiny_model()
     if guard is None:
-        return ModelRunner(cfg, ModelExecutor(cfg, model, CPU, torch.float32), CPU, DeviceOps(CPU))
-    guard.mark_device(*model.parameters(), *model.buffers())
+        return ModelRunner(cfg, ModelExecutor(cfg, model, CPU, torch.float32), CPU, DeviceOps(CPU), draft)
+    for m in (model, draft) if draft is not None else (model,):
+        guard.mark_device(*m.parameters(), *m.buffers())
     with guard, guard.paused():
-        return ModelRunner(cfg, ModelExecutor(cfg, model, CPU, torch.float32), CPU, FakeAsyncOps(CPU, guard))
+        return ModelRunner(cfg, ModelExecutor(cfg, model, CPU, torch.float32), CPU, FakeAsyncOps(CPU, guard), draft)
 
 
-def run(reqs: list[Req], k: int, pipelined: bool, guard: SyncGuard | None = None) -> list[Req]:
+def run(
+    reqs: list[Req],
+    k: int,
+    pipelined: bool,
+    guard: SyncGuard | None = None,
+    draft: CausalLM | None = None,
+    vary_k: bool = True,
+) -> list[Req]:
     if guard is not None:
         sampler._COUNTER_BITS.clear()  # made outside the guard, it would not know them as device tensors
-    runner = make_runner(k, guard)
-    sched = MiniScheduler(runner, reqs, k)
+    runner = make_runner(k, guard, draft)
+    sched = MiniScheduler(runner, reqs, k, vary_k)
 
     def launch(x):
         if guard is None:

@@ -1,0 +1,159 @@
+"""Drafts from a smaller model with the target's vocabulary (docs/design.md, "Speculative decoding").
+
+The draft model keeps its own paged KV cache, of the target's block size and number of blocks,
+addressed by the same block table and slots: every step it runs over the step's inputs at the
+target's positions (``consume``), so its cache holds its keys and values wherever the target's
+holds the target's, prefix-cached blocks included. A row that verifies ``k`` drafts gets them
+just before the target's forward (``propose``): ``k`` one-token passes feeding the row's last
+token, then each pass's draw, at the row's first ``k`` positions of the step (moved back on the
+device like the step's own), so no block the step does not hold is written. Greedy rows take the
+draft's argmax; sampled rows draw from ``q``, the draft's distribution after the request's
+temperature, min-p, top-k and top-p, and ``q`` goes to verification (``rejection_sample``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from pipeline.common.config import EngineConfig
+from pipeline.gpu_worker.attention.backend import StepLayout, Upload
+from pipeline.gpu_worker.cuda_graphs import GraphStep
+from pipeline.gpu_worker.device import Staged, UploadBatch
+from pipeline.gpu_worker.executor import PAD_BLOCKS
+from pipeline.gpu_worker.input_batch import FLOAT_COLUMN, INT_COLUMN, InputBatch
+from pipeline.gpu_worker.rejection_sampler import DRAFT_SALT
+from pipeline.gpu_worker.sampler import SamplingPlan, filtered_logits, race
+
+if TYPE_CHECKING:  # the simulated device never loads the model code
+    from pipeline.gpu_worker.models.base import CausalLM
+
+
+@dataclass
+class DraftPlan:
+    """One step's draft passes, decided on the host: its ``V`` verified rows and ``k``.
+
+    ``rows [V]``: their descriptor rows; ``req``/``start [V]``: req_index and the host's position of
+    each row's first input (an upper bound when shifted); ``first [V]``: that input's step-token index;
+    ``hot [H]``: the rows (of ``V``) that sample, with their ``hot_req`` and host ``top_k``, ``top_p``,
+    ``min_p``.
+    """
+
+    k: int
+    req: np.ndarray
+    start: np.ndarray
+    rows: Staged
+    first: Staged
+    hot: Staged | None = None
+    hot_req: Staged | None = None
+    top_k: np.ndarray | None = None
+    top_p: np.ndarray | None = None
+    min_p: np.ndarray | None = None
+
+
+class DraftModel:
+    """The draft model, its KV cache and its passes.
+
+    Args:
+        model: the draft, on ``device``, with the target's vocabulary.
+        config: block size, blocks and rows (the target's).
+        device: where it runs.
+        input_batch: the rows' state: the block table and the sampling parameters.
+        upload: the runner's host-to-device copy, for the passes' attention metadata.
+        target: the target model; when it attends with the same backend and head shapes, ``consume``
+            reuses the target's metadata (None: never).
+
+    Raises:
+        ValueError: the draft's vocabulary size differs from the target's.
+    """
+
+    keeps_history = False
+
+    def __init__(
+        self,
+        model: CausalLM,
+        config: EngineConfig,
+        device: torch.device,
+        input_batch: InputBatch,
+        upload: Upload,
+        target: CausalLM | None = None,
+    ):
+        if target is not None and target.config.vocab_size != model.config.vocab_size:
+            raise ValueError(
+                f"the draft model's vocabulary ({model.config.vocab_size} tokens) differs from the target's "
+                f"({target.config.vocab_size})"
+            )
+        self.model, self.input_batch, self.upload = model, input_batch, upload
+        dtype = getattr(torch, config.dtype)
+        self.kv_caches = model.allocate_kv_caches(config.num_kv_blocks + PAD_BLOCKS, config.block_size, dtype, device)
+        self.block_size, self.max_blocks = config.block_size, config.max_blocks_per_seq
+        self.host_reads_ok = device.type == "cpu"
+
+        def shape(m: CausalLM) -> tuple:
+            return type(m.attn_backend), m.num_heads, m.num_kv_heads, m.head_dim, m.attention_kinds
+
+        self.shares_metadata = target is not None and shape(target) == shape(model)
+
+    def stage(
+        self, k: int, req: np.ndarray, start: np.ndarray, rows: np.ndarray, first: np.ndarray, batch: UploadBatch
+    ) -> DraftPlan:
+        """Stage a step's draft passes for the verified rows at descriptor ``rows`` (``[V]``; see ``DraftPlan``)."""
+        plan = DraftPlan(k, req, start, batch.add(rows), batch.add(first))
+        ib = self.input_batch
+        hot = np.flatnonzero(ib.host_temperature[req] > 0) if ib.any_hot else ()
+        if len(hot):
+            plan.hot, plan.hot_req = batch.add(hot), batch.add(req[hot])
+            plan.top_k, plan.top_p, plan.min_p = (
+                ib.host_top_k[req[hot]],
+                ib.host_top_p[req[hot]],
+                ib.host_min_p[req[hot]],
+            )
+        return plan
+
+    def propose(
+        self, plan: DraftPlan, input_ids: torch.Tensor, shift: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(drafts [V, k] int64, q [H, k, V_vocab] float32 or None)``: the plan's rows' drafts and, for
+        the rows that sample, the distribution each was drawn from.
+
+        ``input_ids``: the step's ``[T]`` resolved inputs; ``shift``: ``[B]`` per descriptor row (None: exact).
+        """
+        n = len(plan.req)
+        cur = input_ids.index_select(0, plan.first.dev)
+        row_shift = shift.index_select(0, plan.rows.dev) if shift is not None else None
+        ib, vocab = self.input_batch, self.model.config.vocab_size
+        sampling = None
+        if plan.hot is not None:
+            f = ib.float_params.index_select(0, plan.hot_req.dev)
+            i = ib.int_params.index_select(0, plan.hot_req.dev)
+            sampling = (
+                SamplingPlan.build(plan.hot.dev, plan.top_k, plan.top_p, vocab, self.host_reads_ok, plan.min_p),
+                f[:, FLOAT_COLUMN["temperature"]],
+                f[:, FLOAT_COLUMN["top_p"]],
+                i[:, INT_COLUMN["top_k"]],
+                f[:, FLOAT_COLUMN["min_p"]],
+            )
+            seeds = i[:, INT_COLUMN["seed"]] ^ DRAFT_SALT
+        drafts, qs = [], []
+        ones = np.ones(n, np.int64)
+        for j in range(plan.k):
+            layout = StepLayout.build(ones, plan.start + j, plan.req, self.block_size, self.max_blocks)
+            meta = self.model.attn_backend.build_metadata(layout, ib.block_table, self.upload, row_shift)
+            logits = self.model.compute_logits(self.model(cur, meta.positions, meta, self.kv_caches))
+            cur = logits.argmax(-1)
+            if sampling is not None:
+                x = filtered_logits(logits, *sampling)
+                qs.append(torch.softmax(x, dim=-1))
+                # Keyed by the drafted token's position, as the target's draw there (with its own salt).
+                cur.index_copy_(0, plan.hot.dev, race(x, seeds, meta.positions.index_select(0, plan.hot.dev) + 1))
+            drafts.append(cur)
+        return torch.stack(drafts, 1), torch.stack(qs, 1) if qs else None
+
+    def consume(self, input_ids: torch.Tensor, meta, layout: StepLayout, shift: torch.Tensor | None) -> None:
+        """Run the draft over a step's ``[T]`` inputs at the target's slots (``meta``: the target's metadata)."""
+        if not self.shares_metadata or isinstance(meta, GraphStep):
+            meta = self.model.attn_backend.build_metadata(layout, self.input_batch.block_table, self.upload, shift)
+        self.model(input_ids, meta.positions, meta, self.kv_caches)
