@@ -33,17 +33,10 @@ from pipeline.common.heartbeat import Heartbeats
 from pipeline.io_proc.engine_client import EngineClient
 from pipeline.io_proc.http_limits import RequestBodyLimit
 from pipeline.io_proc.metrics import PipelineMetrics
-from pipeline.io_proc.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    ErrorInfo,
-    ErrorResponse,
-    ModelCard,
-    ModelList,
-    TokenizeRequest,
-)
+from pipeline.io_proc.protocol import APIError, ErrorInfo, ErrorResponse, ModelCard, ModelList
+from pipeline.io_proc.protocol_chat import ChatCompletionRequest
+from pipeline.io_proc.protocol_completion import CompletionRequest
+from pipeline.io_proc.protocol_tokenization import DetokenizeRequest, TokenizeRequest
 from pipeline.io_proc.response_store import ResponseStore
 from pipeline.io_proc.responses import ResponsesServing
 from pipeline.io_proc.responses_input import ResponsesRequest

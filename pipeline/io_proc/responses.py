@@ -20,7 +20,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pipeline.io_proc.event_stream import EventStream
-from pipeline.io_proc.protocol import APIError, ChatCompletionRequest
+from pipeline.io_proc.protocol import APIError
+from pipeline.io_proc.protocol_chat import ChatCompletionRequest
 from pipeline.io_proc.request_state import RequestState
 from pipeline.io_proc.response_store import ResponseStore
 from pipeline.io_proc.responses_input import (

@@ -28,7 +28,7 @@ from pipeline.io_proc.event_stream import (
     stream_failed,
 )
 from pipeline.io_proc.logprobs_json import chat_logprobs
-from pipeline.io_proc.protocol import (
+from pipeline.io_proc.protocol_chat import (
     ChatCompletionChoice,
     ChatCompletionChunk,
     ChatCompletionChunkChoice,

@@ -32,7 +32,8 @@ from pipeline.io_proc.event_stream import (
     stream_failed,
 )
 from pipeline.io_proc.logprobs_json import TokenLogprob, completion_logprobs
-from pipeline.io_proc.protocol import APIError, CompletionChoice, CompletionRequest, CompletionResponse
+from pipeline.io_proc.protocol import APIError
+from pipeline.io_proc.protocol_completion import CompletionChoice, CompletionRequest, CompletionResponse
 from pipeline.io_proc.request_state import RequestState
 from pipeline.io_proc.serving import CLIENT_CLOSED, OpenAIServing, grammar_field, json_response
 

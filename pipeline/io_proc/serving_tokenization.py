@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from starlette.responses import Response
 
-from pipeline.io_proc.protocol import (
-    APIError,
+from pipeline.io_proc.protocol import APIError
+from pipeline.io_proc.protocol_tokenization import (
     DetokenizeRequest,
     DetokenizeResponse,
     TokenizeRequest,
