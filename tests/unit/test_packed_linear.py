@@ -19,6 +19,7 @@ from pipeline.gpu_worker.layers.linear import (
     packed,
 )
 from pipeline.gpu_worker.models.loader import load_model
+from tests.e2e.test_model import tiny_config
 
 CPU = torch.device("cpu")
 ROWS = [1, 5, 16, 64, 257]
@@ -91,15 +92,7 @@ def test_only_cpu_float32_and_bfloat16_weights_pack():
 @pytest.mark.parametrize("tied", [False, True])
 def test_load_model_packs_every_linear_weight_once(tmp_path, tied):
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=tied,
-    )
+    cfg = tiny_config(tie_word_embeddings=tied)
     hf = transformers.LlamaForCausalLM(cfg).eval()
     hf.save_pretrained(tmp_path)
     model = load_model(str(tmp_path), torch.float32, CPU)
