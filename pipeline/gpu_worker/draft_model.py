@@ -20,9 +20,9 @@ import numpy as np
 import torch
 
 from pipeline.common.config import EngineConfig
-from pipeline.gpu_worker.attention.backend import StepLayout, Upload
+from pipeline.gpu_worker.attention.backend import StepLayout
 from pipeline.gpu_worker.cuda_graphs import GraphStep
-from pipeline.gpu_worker.device import Staged, UploadBatch
+from pipeline.gpu_worker.device import DeviceOps, Staged, UploadBatch
 from pipeline.gpu_worker.executor import PAD_BLOCKS
 from pipeline.gpu_worker.input_batch import FLOAT_COLUMN, INT_COLUMN, InputBatch
 from pipeline.gpu_worker.rejection_sampler import DRAFT_SALT
@@ -62,7 +62,7 @@ class DraftModel:
         config: block size, blocks and rows (the target's).
         device: where it runs.
         input_batch: the rows' state: the block table and the sampling parameters.
-        upload: the runner's host-to-device copy, for the passes' attention metadata.
+        ops: the runner's device operations (its upload makes the passes' attention metadata).
         target: the target model; when it attends with the same backend and head shapes, ``consume``
             reuses the target's metadata (None: never).
 
@@ -78,7 +78,7 @@ class DraftModel:
         config: EngineConfig,
         device: torch.device,
         input_batch: InputBatch,
-        upload: Upload,
+        ops: DeviceOps,
         target: CausalLM | None = None,
     ):
         if target is not None and target.config.vocab_size != model.config.vocab_size:
@@ -86,11 +86,11 @@ class DraftModel:
                 f"the draft model's vocabulary ({model.config.vocab_size} tokens) differs from the target's "
                 f"({target.config.vocab_size})"
             )
-        self.model, self.input_batch, self.upload = model, input_batch, upload
+        self.model, self.input_batch, self.upload = model, input_batch, ops.upload
         dtype = getattr(torch, config.dtype)
         self.kv_caches = model.allocate_kv_caches(config.num_kv_blocks + PAD_BLOCKS, config.block_size, dtype, device)
         self.block_size, self.max_blocks = config.block_size, config.max_blocks_per_seq
-        self.host_reads_ok = device.type == "cpu"
+        self.host_reads_ok = not ops.is_async  # as the target's sampling plan
 
         def shape(m: CausalLM) -> tuple:
             return type(m.attn_backend), m.num_heads, m.num_kv_heads, m.head_dim, m.attention_kinds

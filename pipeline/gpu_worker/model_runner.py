@@ -164,7 +164,7 @@ class ModelRunner:
         draft = None
         if draft_model is not None:
             target = getattr(executor, "model", None)
-            draft = DraftModel(draft_model, config, device, self.input_batch, self.ops.upload, target)
+            draft = DraftModel(draft_model, config, device, self.input_batch, self.ops, target)
         self.spec = spec_state(config, device, self.input_batch, draft)
         self.clock = DeviceClock()
         self._in_flight = 0  # launched, not yet finished
