@@ -33,8 +33,9 @@ import torch
 
 from pipeline.gpu_worker.attention import cpu_paged, make_backend
 from pipeline.gpu_worker.attention.backend import StepLayout
+from pipeline.gpu_worker.attention.bucket_plan import plan_buckets
 from pipeline.gpu_worker.attention.cpu_paged import CpuPagedBackend
-from pipeline.gpu_worker.attention.torch_bucketed import PrefixTable, TorchBucketedBackend, plan_buckets
+from pipeline.gpu_worker.attention.torch_bucketed import PrefixTable, TorchBucketedBackend
 from pipeline.gpu_worker.attention.torch_sdpa import TorchSDPABackend
 from pipeline.server_args import build_parser, make_config
 
@@ -57,7 +58,7 @@ def _cpu_paged(dtype, atol):
     def setup(heads, kv_heads, head_dim, kinds=None):
         if cpu_paged.unavailable_reason() is not None:
             pytest.skip(f"cpu_paged cannot run here: {cpu_paged.unavailable_reason()}")
-        return Setup(CpuPagedBackend(), CPU, dtype, atol)
+        return Setup(CpuPagedBackend(heads, kv_heads, head_dim), CPU, dtype, atol)
 
     return setup
 
@@ -358,8 +359,9 @@ def test_cpu_paged_reads_strided_queries_as_the_model_passes_them():
     token_index = torch.tensor([3, 0, 4, 1, 2])
     out = torch.full((5, heads, dim), float("nan"))
     torch.ops.pipeline_cpu.paged_decode(
-        out, q, k_cache, v_cache, token_index, block_ids, context_lens, 0.125, bs, 0, 0.0
-    )
+        out, q, k_cache, v_cache, token_index, torch.ones(5, dtype=torch.int64), block_ids, context_lens, 0.125, bs,
+        0, 0.0,
+    )  # fmt: skip
     for r in range(5):
         slot = (block_ids[r][:, None] * bs + torch.arange(bs)).flatten()[: context_lens[r]]
         keys = k_cache[:, slot].repeat_interleave(heads // kv_heads, 0)
