@@ -19,10 +19,20 @@ prints each case's step time and its ratio to ``u300`` for the same backend:
 - ``mixed``: ``tail`` less one short decode row, plus two prefill chunks in
   the same step (320 tokens at position 960, 128 tokens at position 0);
 - ``chunks``: those two prefill chunks alone (``mixed`` should cost about
-  ``tail`` + ``chunks``).
+  ``tail`` + ``chunks``);
+- ``spec<q>c<ctx>``, e.g. ``spec5c700``: every request verifies speculative
+  drafts, ``q`` queries (its last token and ``q - 1`` drafts) ending at a context
+  of ``ctx`` tokens.
 
     python scripts/bench_forward.py --cases u300 tail u1300 mixed chunks \
         --attention-backends torch_sdpa torch_bucketed --repeat 5
+
+``cpu_paged_q<N>`` is ``cpu_paged`` sending rows of up to ``N`` queries to its
+kernel (``cpu_paged_q1``: verify rows take the SDPA path); with the ``spec``
+cases it compares the two paths in one run:
+
+    python scripts/bench_forward.py --batch 1 --cases spec5c700 spec16c300 \
+        --attention-backends cpu_paged cpu_paged_q1 --repeat 20
 
 With several ``--dtype`` (``float32 bfloat16``) each case is timed for each
 dtype too, and each column's time is also given as a ratio to the first
@@ -38,6 +48,7 @@ generates free-running before the first difference.
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import time
 
@@ -45,6 +56,7 @@ import numpy as np
 import torch
 
 from pipeline.gpu_worker.attention import make_backend
+from pipeline.gpu_worker.attention.cpu_paged import CpuPagedBackend
 from pipeline.gpu_worker.attention.torch_bucketed import TorchBucketedBackend
 from pipeline.gpu_worker.models.loader import load_model
 
@@ -82,6 +94,11 @@ def long_tailed_contexts(n: int, mean: float, longest: int, seed: int = 0) -> li
 
 def make_case(name: str, batch: int) -> tuple[list[int], list[int]]:
     """``(query_lens, start_positions)`` of one of the ``--cases`` (see the module docstring)."""
+    if m := re.fullmatch(r"spec(\d+)c(\d+)", name):
+        q, ctx = int(m[1]), int(m[2])
+        if not 1 <= q <= ctx:
+            raise ValueError(f"case {name!r}: need 1 <= queries <= context")
+        return [q] * batch, [ctx - q] * batch
     if name in ("u300", "u1300"):
         ctx = int(name[1:])
         return [1] * batch, [ctx - 1] * batch
@@ -120,17 +137,13 @@ def run_cases(args, models: dict[str, torch.nn.Module]) -> None:
         kv_caches = model.allocate_kv_caches(num_blocks, bs, dtype, torch.device("cpu"))
         cfg = model.config
         for name in args.attention_backends:
-            backend = (
-                TorchBucketedBackend(head_major=False)
-                if name == "torch_bucketed_token_major"
-                else make_backend(
-                    name,
-                    dtype=dtype,
-                    num_heads=cfg.num_attention_heads,
-                    num_kv_heads=cfg.num_key_value_heads,
-                    head_dim=model.head_dim,
-                )
-            )
+            shape = (cfg.num_attention_heads, cfg.num_key_value_heads, model.head_dim)
+            if name == "torch_bucketed_token_major":
+                backend = TorchBucketedBackend(head_major=False)
+            elif m := re.fullmatch(r"cpu_paged_q(\d+)", name):
+                backend = CpuPagedBackend(*shape, decode_query_max=int(m[1]))
+            else:
+                backend = make_backend(name, dtype=dtype, num_heads=shape[0], num_kv_heads=shape[1], head_dim=shape[2])
             label = name if len(models) == 1 else f"{name}/{dt}"
             columns[label] = (model, kv_caches, backend)
     times: dict[tuple[str, str], list[float]] = {(c, b): [] for c in cases for b in columns}
@@ -268,16 +281,17 @@ def main() -> None:
     parser.add_argument(
         "--cases",
         nargs="+",
-        choices=["u300", "tail", "u1300", "mixed", "chunks"],
         default=None,
-        help="time these context mixes instead of the batch sweep (see above)",
+        help="time these context mixes instead of the batch sweep: u300 tail u1300 mixed chunks spec<q>c<ctx> "
+        "(see above)",
     )
     parser.add_argument(
         "--attention-backends",
         nargs="+",
         default=["auto"],
         help="with --cases: the backends to compare (names as --attention-backend, or "
-        "torch_bucketed_token_major: torch_bucketed on the cache's token-major layout)",
+        "torch_bucketed_token_major: torch_bucketed on the cache's token-major layout; cpu_paged_q<N>: cpu_paged "
+        "with rows of up to N queries in its kernel)",
     )
     parser.add_argument("--repeat", type=int, default=5, help="with --cases: timed rounds")
     parser.add_argument(
@@ -295,6 +309,11 @@ def main() -> None:
         "than wall time on a machine shared with other work)",
     )
     args = parser.parse_args()
+    for c in args.cases or []:
+        try:
+            make_case(c, 64)
+        except ValueError as e:
+            parser.error(f"--cases: {e}")
     if args.model_dir is None:
         from pipeline.model_files import convert_gguf, default_model_path
 

@@ -183,20 +183,29 @@ void attend_rows(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache
   const int64_t* bids = block_ids.data_ptr<int64_t>();
   const int64_t* ctxs = context_lens.data_ptr<int64_t>();
   const float scale_f = static_cast<float>(scale), softcap_f = static_cast<float>(softcap);
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // Fewer (row, KV head) pairs than two per thread (one row verifying its drafts): each pair's queries are split
+  // into up to `splits` tiles, each a task that reads the row's keys again (from the shared cache).
+  const int64_t pairs = rows * kv_heads;
+  int64_t splits = (2 * at::get_num_threads() + pairs - 1) / pairs;
+  if (splits > 1) splits = std::min(splits, *std::max_element(qlens, qlens + rows));
+  at::parallel_for(0, pairs * splits, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / kv_heads, h = task % kv_heads;
-      const T* q0 = qp + tok[r] * q_row + h * G * q_head;
-      T* o0 = op + tok[r] * o_row + h * G * o_head;
+      const int64_t r = task / splits / kv_heads, h = task / splits % kv_heads, tile = task % splits;
+      // A tile is the row's queries i0 .. i1 - 1: a row of i1 - i0 queries ending at context ctx - (q - i1).
+      const int64_t i0 = tile * qlens[r] / splits, i1 = (tile + 1) * qlens[r] / splits, nq = i1 - i0;
+      if (nq == 0) continue;
+      const int64_t ctx = ctxs[r] - (qlens[r] - i1);
+      const T* q0 = qp + (tok[r] + i0) * q_row + h * G * q_head;
+      T* o0 = op + (tok[r] + i0) * o_row + h * G * o_head;
       const T* k_head = kp + h * slots * D;
       const T* v_head = vp + h * slots * D;
-      if (qlens[r] == 1)
-        attend_task<T, G, D, 1>(q0, q_row, q_head, o0, o_row, o_head, 1, k_head, v_head, bids + r * max_blocks,
-                                ctxs[r], window, block_size, scale_f, softcap_f, scratch);
+      if (nq == 1)
+        attend_task<T, G, D, 1>(q0, q_row, q_head, o0, o_row, o_head, 1, k_head, v_head, bids + r * max_blocks, ctx,
+                                window, block_size, scale_f, softcap_f, scratch);
       else
-        attend_task<T, G, D, 0>(q0, q_row, q_head, o0, o_row, o_head, qlens[r], k_head, v_head,
-                                bids + r * max_blocks, ctxs[r], window, block_size, scale_f, softcap_f, scratch);
+        attend_task<T, G, D, 0>(q0, q_row, q_head, o0, o_row, o_head, nq, k_head, v_head, bids + r * max_blocks, ctx,
+                                window, block_size, scale_f, softcap_f, scratch);
     }
   });
 }

@@ -49,7 +49,7 @@ _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"]
 
 # Rows of up to this many queries go to the kernel; past it SDPA's GEMM-shaped work wins (docs/design.md,
 # "Attention backends").
-DECODE_QUERY_MAX = 16
+DECODE_QUERY_MAX = 32
 
 
 def _host_tag() -> str:
