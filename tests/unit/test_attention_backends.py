@@ -35,7 +35,8 @@ from pipeline.gpu_worker.attention import cpu_paged, make_backend
 from pipeline.gpu_worker.attention.backend import StepLayout
 from pipeline.gpu_worker.attention.bucket_plan import plan_buckets
 from pipeline.gpu_worker.attention.cpu_paged import CpuPagedBackend
-from pipeline.gpu_worker.attention.torch_bucketed import PrefixTable, TorchBucketedBackend
+from pipeline.gpu_worker.attention.prefix_table import PrefixTable
+from pipeline.gpu_worker.attention.torch_bucketed import TorchBucketedBackend
 from pipeline.gpu_worker.attention.torch_sdpa import TorchSDPABackend
 from pipeline.server_args import build_parser, make_config
 
