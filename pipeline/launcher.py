@@ -62,13 +62,6 @@ class _Child(subprocess.Popen):
         env = dict(os.environ)
         root = os.path.dirname(os.path.dirname(os.path.abspath(pipeline.__file__)))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        if kind == "gpu_worker":
-            # The worker's OpenMP threads sleep at a barrier instead of spinning (libgomp spins 300,000
-            # times first; KMP_BLOCKTIME is Intel OpenMP's): on a machine whose cores other processes
-            # also use, a spinning thread kept a core from them (docs/design.md, "OpenMP waits passively"). Read when
-            # torch loads OpenMP; a value the user set is kept.
-            env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-            env.setdefault("KMP_BLOCKTIME", "0")
         try:
             child = cls(
                 [sys.executable, "-m", "pipeline.child", kind, str(status_w), str(os.getpid()), str(rank)],

@@ -2,15 +2,21 @@
 
 Variants, each its own ``pipeline-serve`` (SmolLM2 by default):
 
-- ``default``: the defaults (the worker's OpenMP threads wait passively);
-- ``spin``: the worker's threads spin at every barrier as libgomp does by
-  default (``OMP_WAIT_POLICY=ACTIVE GOMP_SPINCOUNT=300000``): the behaviour
-  before the passive wait policy;
+- ``default``: the defaults (libgomp's short spin at a barrier; one thread
+  per usable CPU, less those other programs keep busy);
+- ``passive``: the same, with the worker's OpenMP threads sleeping at every
+  barrier (``OMP_WAIT_POLICY=PASSIVE KMP_BLOCKTIME=0``);
+- ``passive, fixed``: passive, one thread per CPU whatever the load (the
+  defaults before the thread count followed the load);
+- ``spin, fixed``: libgomp's spin (``OMP_WAIT_POLICY=ACTIVE
+  GOMP_SPINCOUNT=300000``), one thread per CPU whatever the load;
 - ``1 thread``: ``--worker-threads 1``.
 
 For each variant the requests alternate in pairs, one on the idle machine,
 one while a busy-looping process pinned to ``--hog-cpu`` runs, so both sides
-see the same drift. It prints the median latency of each side, each
+see the same drift. The hog starts ``--settle`` seconds before its request
+and each idle request waits as long after the hog stops, as a program that
+keeps running would (the worker looks at the load every 0.25 s). It prints the median latency of each side, each
 variant's hog latency over the best one's (the default should be within 2x)
 and each idle latency over the default's. Run it on an otherwise idle machine.
 
@@ -31,9 +37,13 @@ import time
 import httpx
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_FIXED = ["--worker-threads", str(len(os.sched_getaffinity(0)))]
+_PASSIVE = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
 VARIANTS = {
     "default": ([], {}),
-    "spin": ([], {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "300000"}),
+    "passive": ([], _PASSIVE),
+    "passive, fixed": (_FIXED, _PASSIVE),
+    "spin, fixed": (_FIXED, {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "300000"}),
     "1 thread": (["--worker-threads", "1"], {}),
 }
 HOG = "import os, sys; os.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True: pass"
@@ -73,13 +83,14 @@ def chat_s(url: str) -> float:
     return time.perf_counter() - t0
 
 
-def measure(url: str, pairs: int, hog_cpu: int) -> tuple[list[float], list[float]]:
+def measure(url: str, pairs: int, hog_cpu: int, settle: float) -> tuple[list[float], list[float]]:
     idle, hogged = [], []
     for _ in range(pairs):
+        time.sleep(settle)
         idle.append(chat_s(url))
         hog = subprocess.Popen([sys.executable, "-c", HOG, str(hog_cpu)])
         try:
-            time.sleep(0.2)
+            time.sleep(settle)
             hogged.append(chat_s(url))
         finally:
             hog.kill()
@@ -93,6 +104,7 @@ def main() -> None:
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     p.add_argument("--pairs", type=int, default=6, help="idle / hog pairs per variant")
     p.add_argument("--hog-cpu", type=int, default=0, help="the CPU the hog is pinned to")
+    p.add_argument("--settle", type=float, default=1.0, help="seconds between the hog's start or stop and a request")
     p.add_argument("flags", nargs=argparse.REMAINDER, help="pipeline-serve flags for every variant, after --")
     args = p.parse_args()
     common = [f for f in args.flags if f != "--"]
@@ -103,7 +115,7 @@ def main() -> None:
         try:
             for _ in range(2):
                 chat_s(url)  # warm-up
-            results[name] = measure(url, args.pairs, args.hog_cpu)
+            results[name] = measure(url, args.pairs, args.hog_cpu, args.settle)
         finally:
             proc.terminate()
             proc.wait(60)

@@ -9,7 +9,6 @@ the overlap is the scheduler planning N+1 during N's forward.
 
 from __future__ import annotations
 
-import os
 import re
 import time
 import traceback
@@ -28,6 +27,7 @@ from pipeline.common.step_clock import WorkerClock
 from pipeline.common.step_protocol import StepDescriptor, StepOutput, read_descriptor
 from pipeline.common.trace import TraceRecorder
 from pipeline.gpu_worker.attention import make_backend
+from pipeline.gpu_worker.cpu_threads import ThreadGovernor, usable_cpus
 from pipeline.gpu_worker.executor import ModelExecutor, SimExecutor
 from pipeline.gpu_worker.model_runner import LaunchedStep, ModelRunner
 from pipeline.gpu_worker.sim_device import SimulatedDevice
@@ -76,6 +76,9 @@ class WorkerProc:
         self.trace = TraceRecorder() if config.trace else None
         # Every rank runs the same steps: rank 0's record is the step list.
         self.step_shapes = StepShapeRecorder() if config.step_shapes_file and rank == 0 else None
+        # A model on the CPU with automatic threads: fewer while other programs contend for the CPUs.
+        auto = config.device == "cpu" and not config.is_simulated and not config.worker_threads
+        self.threads = ThreadGovernor(usable_cpus(), time.monotonic_ns()) if auto else None
 
     def run(self, stop: StopFlag) -> None:
         """Run steps until ``stop.is_set()`` or, on a node other than the head, until rank 0 stops.
@@ -87,6 +90,8 @@ class WorkerProc:
         while not stop.is_set():
             if self.heartbeats is not None:
                 self.heartbeats.beat(self.role)
+            if self.threads is not None:
+                self.threads.check(time.monotonic_ns())
             while self.pending and self.pending[0].is_done():
                 self._publish(self.runner.finish(self.pending.popleft()), stop)
             timeout = _BUSY_POLL_S if self.pending else POLL_INTERVAL_S
@@ -198,7 +203,7 @@ def load_runner(config: EngineConfig, rank: int = 0) -> tuple[ModelRunner, Descr
 
             relay = init_tensor_parallel(config, rank)[1]
         return ModelRunner(config, SimExecutor(sim, make_backend(config.attention_backend)), device), relay
-    torch.set_num_threads(config.worker_threads or len(os.sched_getaffinity(0)))
+    torch.set_num_threads(config.worker_threads or usable_cpus())
     from pipeline.gpu_worker.layers.tp import SINGLE_RANK
     from pipeline.gpu_worker.models.loader import load_model
 

@@ -33,21 +33,17 @@ from pipeline.common.heartbeat import Heartbeats
 from pipeline.io_proc.engine_client import EngineClient
 from pipeline.io_proc.http_limits import RequestBodyLimit
 from pipeline.io_proc.metrics import PipelineMetrics
-from pipeline.io_proc.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    ErrorInfo,
-    ErrorResponse,
-    ModelCard,
-    ModelList,
-    TokenizeRequest,
-)
+from pipeline.io_proc.protocol import APIError, ErrorInfo, ErrorResponse, ModelCard, ModelList
+from pipeline.io_proc.protocol_chat import ChatCompletionRequest
+from pipeline.io_proc.protocol_completion import CompletionRequest
+from pipeline.io_proc.protocol_tokenization import DetokenizeRequest, TokenizeRequest
 from pipeline.io_proc.response_store import ResponseStore
 from pipeline.io_proc.responses import ResponsesServing
 from pipeline.io_proc.responses_input import ResponsesRequest
-from pipeline.io_proc.serving import OpenAIServing, json_response
+from pipeline.io_proc.serving import json_response
+from pipeline.io_proc.serving_chat import OpenAIServingChat
+from pipeline.io_proc.serving_completion import OpenAIServingCompletion
+from pipeline.io_proc.serving_tokenization import OpenAIServingTokenization
 from pipeline.io_proc.tokenization import Tokenization
 
 # How long /metrics waits for the scheduler's Stats reply.
@@ -149,11 +145,13 @@ def build_app(
         heartbeats: the engines' heartbeats; ``/health`` and ``/metrics``
             answer 503 while one is older than ``config.step_timeout_s``.
     """
-    serving = OpenAIServing(config, client, tokenization, stop_token_ids)
+    chat = OpenAIServingChat(config, client, tokenization, stop_token_ids)
+    completion = OpenAIServingCompletion(config, client, tokenization, stop_token_ids)
+    tokenizer = OpenAIServingTokenization(config, client, tokenization, stop_token_ids)
     store = ResponseStore(
         config.responses_store_max_entries, config.responses_store_max_bytes, config.responses_store_max_age_s
     )
-    responses = ResponsesServing(serving, store, config.served_model_name)
+    responses = ResponsesServing(chat, store, config.served_model_name)
     engine_roles = [r for r in heartbeats.roles if r != "io_proc"] if heartbeats is not None else []
 
     def hung() -> str | None:
@@ -203,11 +201,11 @@ def build_app(
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
-        return await serving.chat(request, raw_request)
+        return await chat.chat(request, raw_request)
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
-        return await serving.completion(request, raw_request)
+        return await completion.completion(request, raw_request)
 
     @app.post("/v1/responses")
     async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
@@ -223,11 +221,11 @@ def build_app(
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> Response:
-        return await serving.tokenize(request)
+        return await tokenizer.tokenize(request)
 
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> Response:
-        return await serving.detokenize(request)
+        return await tokenizer.detokenize(request)
 
     @app.get("/v1/models")
     async def show_models() -> Response:

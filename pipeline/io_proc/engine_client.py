@@ -3,11 +3,8 @@
 * Control (zmq, msgspec msgpack): ``AddRequest`` / ``AbortRequest`` /
   ``GetStats`` are pushed to the scheduler; ``Stats`` replies are pulled back
   (docs/design.md, "The control channel").
-* Tokens come back through the output ring, read by the
-  ``OutputReader`` thread this client
-  starts; each request's state is a
-  ``RequestState``. Both names are
-  re-exported here for callers that import them from this module.
+* Tokens come back through the output ring, read by the ``OutputReader`` thread this client
+  starts; each request's state is a ``RequestState``.
 
 The table of live requests (``req_num -> RequestState``) belongs to this
 client and is shared with the reader thread: see
@@ -51,8 +48,6 @@ from pipeline.io_proc.output_reader import OutputReader, StepResult
 from pipeline.io_proc.prefix_router import PrefixRouter, pick_engine
 from pipeline.io_proc.request_metrics import RequestMetrics
 from pipeline.io_proc.request_state import RequestState, StepTime
-
-__all__ = ["EngineClient", "EngineUnavailable", "OutputReader", "RequestState"]
 
 logger = logging.getLogger(__name__)
 

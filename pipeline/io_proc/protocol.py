@@ -1,7 +1,6 @@
-"""Shapes of the OpenAI API as served by io_proc.
-
-One module on purpose (longer than most): every request and response shape of
-the API, so a field's validation and its wire name are read in one place.
+"""Shapes of the OpenAI API as served by io_proc: errors, the sampling fields every generation endpoint
+takes, usage and the model list. Each endpoint's own shapes are in ``protocol_chat``, ``protocol_completion``
+and ``protocol_tokenization``.
 
 Requests are pydantic models, validated by FastAPI (any failure becomes an
 HTTP 400 ``ErrorResponse``). Responses are msgspec structs: io_proc
@@ -14,28 +13,19 @@ client parses), with the conventions and extensions of vLLM's
 OpenAI-compatible server (``top_k``, ``ignore_eos``, ``return_token_ids``, the
 400 error for too long requests). Fields that exist only for an extension are
 omitted from responses unless the request asked for them.
-
-The module is longer than the others because it is one flat list of the API's
-shapes (errors, requests with their validation, responses); splitting it
-would only scatter them.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
-
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pipeline.common.step_protocol import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
+from pipeline.common.step_protocol import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 
 # The OpenAI API accepts at most four stop sequences.
 MAX_STOP_STRINGS = 4
 # Choices per prompt (n); each is a sequence with a req_index of its own.
 MAX_CHOICES = 128
-# Prompts in one completions request (a list of strings or of token-id lists),
-# as the OpenAI API bounds a batched input; each becomes its own request.
-MAX_PROMPTS = 2048
 
 
 # -- errors -------------------------------------------------------------------
@@ -87,94 +77,20 @@ class ErrorResponse(msgspec.Struct, kw_only=True):
 # -- requests -----------------------------------------------------------------
 
 
-class _Request(BaseModel):
+class OpenAIBaseModel(BaseModel):
     # Strict: a string is not a number and a number is not a string, as in the
     # OpenAI API. Unknown fields are ignored, since clients send optional
     # fields (user, metadata, ...) that change nothing here.
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
-class TextPart(_Request):
-    """One part of a message's content; only text parts are supported."""
-
-    type: Literal["text"]
-    text: str
-
-
-class FunctionCall(_Request):
-    """A past call's function: ``arguments`` is JSON text, as the model wrote it."""
-
-    name: str
-    arguments: str
-
-
-class ToolCallItem(_Request):
-    """A call in an assistant message of the history."""
-
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class ChatMessage(_Request):
-    """One input message; the content is a string or a list of text parts.
-
-    An assistant message may carry ``tool_calls`` (then its content may be
-    null); a ``tool`` message answers the call ``tool_call_id`` of an earlier one.
-    """
-
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    tool_calls: list[ToolCallItem] | None = None
-    tool_call_id: str | None = None
-    name: str | None = None
-
-    @model_validator(mode="after")
-    def _check_fields(self) -> ChatMessage:
-        if self.tool_calls is not None and self.role != "assistant":
-            raise ValueError("only assistant messages carry tool_calls")
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError("content may be null only in an assistant message with tool_calls")
-        if self.role == "tool" and not self.tool_call_id:
-            raise ValueError("a tool message needs the tool_call_id of the call it answers")
-        return self
-
-    def template_role(self) -> str:
-        """The role the chat template sees: OpenAI's ``developer`` is the ``system`` role."""
-        return "system" if self.role == "developer" else self.role
-
-    def text(self) -> str:
-        """The content as one string; text parts are joined with newlines, like vLLM."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "\n".join(p.text for p in self.content)
-
-
-class FunctionDefinition(_Request):
-    """A function the model may call: ``parameters`` is the JSON schema of its arguments (an object)."""
-
-    name: str
-    description: str | None = None
-    parameters: dict | None = None
-    strict: bool | None = None
-
-
-class ChatTool(_Request):
-    """One entry of ``tools``: only functions."""
-
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class StreamOptions(_Request):
+class StreamOptions(OpenAIBaseModel):
     """``include_usage``: end the stream with a chunk carrying the usage."""
 
     include_usage: bool = False
 
 
-class SamplingRequest(_Request):
+class SamplingRequest(OpenAIBaseModel):
     """Fields shared by chat and text completions.
 
     ``top_k`` -1 or 0 disables it; ``seed`` absent means a random seed;
@@ -352,144 +268,7 @@ class SamplingRequest(_Request):
         return -1
 
 
-class ChatCompletionRequest(SamplingRequest):
-    """Body of ``POST /v1/chat/completions``.
-
-    ``logprobs: true`` returns each output token's log-probability, with its
-    ``top_logprobs`` (0..20) most likely alternatives; ``top_logprobs``
-    needs ``logprobs: true`` (OpenAI API reference; vLLM refuses it
-    otherwise too).
-    """
-
-    messages: list[ChatMessage] = Field(min_length=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    # Tool calling (docs/design.md, "Tool calling"): tool_choice is checked where it is served.
-    tools: list[ChatTool] | None = None
-    tool_choice: str | dict | None = None
-    parallel_tool_calls: bool | None = None
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _check_top_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
-        if v is not None and not info.data.get("logprobs"):
-            raise ValueError("top_logprobs requires logprobs: true")
-        return v
-
-    def sampled_logprobs(self) -> int:
-        return (self.top_logprobs or 0) if self.logprobs else -1
-
-
-class CompletionRequest(SamplingRequest):
-    """Body of ``POST /v1/completions``.
-
-    ``prompt`` is, as in the OpenAI API, a non-empty string, a list of such
-    strings, a non-empty list of token ids (ints >= 0; the upper bound is
-    checked against the tokenizer when the request is served), or a list of
-    such lists; each prompt of a list gets its own choice, ``index`` in list
-    order. After validation it is a list of prompts, each a ``str`` or a
-    ``list[int]``.
-
-    ``logprobs`` (0..20) returns each token's log-probability and that many
-    alternatives; ``echo`` prepends the prompt to the text (and, with
-    ``logprobs``, the prompt tokens' log-probabilities, the first null).
-    ``max_tokens`` 0 is allowed with ``echo`` (the prompt alone: what
-    evaluation harnesses score).
-    """
-
-    prompt: Any
-    max_tokens: int | None = Field(default=None, ge=0)
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
-    # Accepted only at its "off" value: refusing is more honest than ignoring it.
-    tools: list | None = None
-
-    @model_validator(mode="after")
-    def _check_unsupported(self) -> CompletionRequest:
-        if self.tools:
-            raise ValueError("tools is not supported by /v1/completions; use /v1/chat/completions")
-        return self
-
-    @field_validator("prompt", mode="before")
-    @classmethod
-    def _check_prompt(cls, v: Any) -> list[str | list[int]]:
-        if isinstance(v, str) or (isinstance(v, list) and v and all(type(t) is int for t in v)):
-            v = [v]
-        if not isinstance(v, list) or not v or len(v) > MAX_PROMPTS:
-            raise ValueError(
-                f"prompt must be a non-empty string, a list of 1 to {MAX_PROMPTS} strings, "
-                "a non-empty list of token ids, or a list of such lists"
-            )
-        if len({type(p) for p in v}) > 1:
-            raise ValueError("a list of prompts must hold only strings or only token-id lists, not both")
-        for p in v:
-            if isinstance(p, str):
-                if not p:
-                    raise ValueError("prompts must not be empty")
-            elif isinstance(p, list) and p and all(type(t) is int for t in p):
-                if min(p) < 0:
-                    raise ValueError("prompt token ids must be >= 0")
-            else:
-                raise ValueError(
-                    "each prompt of a list must be a non-empty string or a non-empty list of token ids >= 0"
-                )
-        return v
-
-    def sampled_logprobs(self) -> int:
-        return -1 if self.logprobs is None else self.logprobs
-
-    def prompt_logprobs(self) -> int:
-        return self.logprobs if self.echo and self.logprobs is not None else -1
-
-
-class TokenizeRequest(_Request):
-    """Body of ``POST /tokenize`` (vLLM's shape): a ``prompt``, or chat ``messages`` rendered
-    with the chat template (``add_generation_prompt``, default true), exactly one of them."""
-
-    model: str | None = None
-    prompt: str | None = None
-    add_special_tokens: bool = True
-    # validate_default: the one-of check runs when messages is absent too.
-    messages: list[ChatMessage] | None = Field(default=None, min_length=1, validate_default=True)
-    add_generation_prompt: bool = True
-
-    @field_validator("messages")
-    @classmethod
-    def _one_input(cls, v: list[ChatMessage] | None, info: ValidationInfo) -> list[ChatMessage] | None:
-        if (v is None) == (info.data.get("prompt") is None):
-            raise ValueError("give exactly one of prompt and messages")
-        return v
-
-
-class DetokenizeRequest(_Request):
-    """Body of ``POST /detokenize`` (vLLM's shape): token ids to turn back into text."""
-
-    model: str | None = None
-    tokens: list[int]
-
-    @field_validator("tokens")
-    @classmethod
-    def _check_tokens(cls, v: list[int]) -> list[int]:
-        if v and min(v) < 0:
-            raise ValueError("token ids must be >= 0")
-        return v
-
-
 # -- responses ----------------------------------------------------------------
-
-
-class TokenizeResponse(msgspec.Struct, kw_only=True):
-    """``{"count", "max_model_len", "tokens"}``, as vLLM answers ``/tokenize``."""
-
-    count: int
-    max_model_len: int
-    tokens: list[int]
-
-
-class DetokenizeResponse(msgspec.Struct, kw_only=True):
-    """``{"prompt": text}``, as vLLM answers ``/detokenize``."""
-
-    prompt: str
 
 
 class PromptTokensDetails(msgspec.Struct, kw_only=True):
@@ -505,125 +284,6 @@ class UsageInfo(msgspec.Struct, kw_only=True):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
-
-
-class FunctionCallOut(msgspec.Struct, kw_only=True):
-    """A call's function: ``arguments`` is JSON text."""
-
-    name: str
-    arguments: str
-
-
-class ToolCallOut(msgspec.Struct, kw_only=True):
-    """One call in ``message.tool_calls``."""
-
-    id: str
-    type: str = "function"
-    function: FunctionCallOut
-
-
-class ChatCompletionMessage(msgspec.Struct, kw_only=True):
-    """The generated message of a non-streamed chat completion; ``content`` is null when it is calls only."""
-
-    role: str = "assistant"
-    content: str | None
-    tool_calls: list[ToolCallOut] | msgspec.UnsetType = msgspec.UNSET
-
-
-class ChatCompletionChoice(msgspec.Struct, kw_only=True):
-    """One choice of a ``chat.completion`` (``index`` 0..n-1); ``logprobs`` is
-    ``{"content": [...]}`` (see ``chat_logprobs``) when asked."""
-
-    index: int = 0
-    message: ChatCompletionMessage
-    logprobs: dict | None = None
-    finish_reason: str | None
-    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
-
-
-class ChatCompletionResponse(msgspec.Struct, kw_only=True):
-    """A ``chat.completion`` object; ``created`` is Unix time in seconds."""
-
-    id: str
-    object: str = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatCompletionChoice]
-    usage: UsageInfo
-    prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
-
-
-class DeltaFunctionCall(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """A streamed call's function: ``name`` in its first delta, then fragments of ``arguments``."""
-
-    name: str | None = None
-    arguments: str | None = None
-
-
-class DeltaToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """A piece of call ``index``: the first has ``id``, ``type`` and the name."""
-
-    index: int
-    id: str | None = None
-    type: str | None = None
-    function: DeltaFunctionCall | None = None
-
-
-class DeltaMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """A streamed message delta; absent fields are omitted (the final delta is ``{}``)."""
-
-    role: str | None = None
-    content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
-
-
-class ChatCompletionChunkChoice(msgspec.Struct, kw_only=True):
-    """The choice a chunk is about; ``finish_reason`` is null until its last; ``logprobs``
-    covers the chunk's tokens when asked."""
-
-    index: int = 0
-    delta: DeltaMessage
-    logprobs: dict | None = None
-    finish_reason: str | None = None
-    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
-
-
-class ChatCompletionChunk(msgspec.Struct, kw_only=True):
-    """One ``chat.completion.chunk``. ``usage`` is omitted unless the client
-    asked for it (``stream_options.include_usage``); then it is null on every
-    chunk but the last, which has no choices."""
-
-    id: str
-    object: str = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatCompletionChunkChoice]
-    usage: UsageInfo | None | msgspec.UnsetType = msgspec.UNSET
-    prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
-
-
-class CompletionChoice(msgspec.Struct, kw_only=True):
-    """One choice of a ``text_completion`` (whole or chunk), one per prompt; ``logprobs`` is
-    the legacy object (see ``completion_logprobs``) when asked."""
-
-    index: int = 0
-    text: str
-    logprobs: dict | None = None
-    finish_reason: str | None = None
-    prompt_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
-    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
-
-
-class CompletionResponse(msgspec.Struct, kw_only=True):
-    """A ``text_completion`` object: the whole response, or one streamed chunk
-    (then ``usage`` follows the same rule as ``ChatCompletionChunk``)."""
-
-    id: str
-    object: str = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None | msgspec.UnsetType = msgspec.UNSET
 
 
 class ModelCard(msgspec.Struct, kw_only=True):

@@ -3,7 +3,7 @@
 A ``RequestState`` is created by
 ``EngineClient.add_request``, fed by the
 output reader (``pipeline.io_proc.output_reader``) and consumed by a
-handler in ``pipeline.io_proc.serving`` (docs/design.md, "io_proc").
+handler in ``pipeline.io_proc.serving_chat`` or ``serving_completion`` (docs/design.md, "io_proc").
 
 Thread ownership: ``processor`` is used only by the output-reader thread,
 which also appends to ``token_steps``, ``logprobs`` and ``prompt_logprobs``;

@@ -19,7 +19,9 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pipeline.io_proc.protocol import APIError, ChatCompletionRequest
+from pipeline.io_proc.event_stream import EventStream
+from pipeline.io_proc.protocol import APIError
+from pipeline.io_proc.protocol_chat import ChatCompletionRequest
 from pipeline.io_proc.request_state import RequestState
 from pipeline.io_proc.response_store import ResponseStore
 from pipeline.io_proc.responses_input import (
@@ -32,14 +34,15 @@ from pipeline.io_proc.responses_input import (
     responses_error,
 )
 from pipeline.io_proc.responses_output import Events, ResponseBuilder
-from pipeline.io_proc.serving import EventStream, OpenAIServing, chat_output, grammar_field, json_body
+from pipeline.io_proc.serving import CLIENT_CLOSED, grammar_field, json_body
+from pipeline.io_proc.serving_chat import OpenAIServingChat, chat_output
 from pipeline.io_proc.tool_calling import ChatToolStream, ToolPlan, new_call_id
 
 logger = logging.getLogger(__name__)
 
 
 class ResponsesServing:
-    """The ``/v1/responses`` routes' logic, over ``OpenAIServing``.
+    """The ``/v1/responses`` routes' logic, over ``OpenAIServingChat``.
 
     Args:
         serving: the chat path.
@@ -47,7 +50,7 @@ class ResponsesServing:
         model: the served model name.
     """
 
-    def __init__(self, serving: OpenAIServing, store: ResponseStore, model: str):
+    def __init__(self, serving: OpenAIServingChat, store: ResponseStore, model: str):
         self._serving, self._store, self._model = serving, store, model
 
     async def create(self, req: ResponsesRequest, raw: Request) -> Response:
@@ -80,10 +83,10 @@ class ResponsesServing:
         try:
             if req.stream:
                 if not await self._serving.compiled(states, raw, close, param):
-                    return Response(status_code=499)
+                    return Response(status_code=CLIENT_CLOSED)
                 return EventStream(self._stream(resp, plan, states[0]), close)
             if not await self._serving.wait(states, raw, close, param):
-                return Response(status_code=499)
+                return Response(status_code=CLIENT_CLOSED)
         except APIError as e:  # the grammar refused (400) or the request failed (500)
             raise responses_error(e) from None
         content, calls, finish_reason = chat_output(plan, states[0])

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pipeline.common.grammar import GrammarError, build_grammar, check_grammar
-from pipeline.io_proc.protocol import (
-    APIError,
+from pipeline.io_proc.protocol import APIError
+from pipeline.io_proc.protocol_chat import (
     ChatCompletionRequest,
     ChatMessage,
     ChatTool,

@@ -46,6 +46,7 @@ class Drafts:
         self.block_size = steady.block_size
         self._drafted: dict[int, dict[int, int]] = {}  # step -> {req_num: drafts} of general rows
         self._step_tokens: dict[int, int] = {}  # step -> its tokens, drafts included
+        self._drafting = np.zeros(max_num_seqs, bool)  # scratch: the steady rows given drafts, by req_index
 
     def admit(self, req: Request) -> None:
         """``req`` took its req_index: no rejections, no evidence of its own."""
@@ -96,7 +97,9 @@ class Drafts:
             room = max_blocks - builder.num_blocks
             got = steady.grow_for_drafts(cand_steady[chosen[chosen < ns]], k, pool, builder, room)
             if len(got):
-                drafts = np.where(np.isin(steady_rows, got), k, 0)
+                self._drafting[got] = True
+                drafts = self._drafting[steady_rows] * k
+                self._drafting[got] = False
                 self._step_tokens[step_id] += int(drafts.sum())
         drafted = {}
         for c in chosen[chosen >= ns].tolist():

@@ -9,7 +9,8 @@ longest cached prefix, all under ``max_num_batched_tokens`` and
 ``max_num_seqs``. KV blocks are allocated on demand; when none are left the
 newest running request is preempted (recompute). Running requests that
 plainly decode are planned as steady rows (``steady_rows.py``), with the same
-result. Speculative decoding's drafts are planned by ``drafts.py``.
+result. Speculative decoding's drafts are planned by ``drafts.py``; outputs are applied by
+``scheduler_outputs.py``.
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ from msgspec.structs import replace
 from pipeline.common.constants import cdiv
 from pipeline.common.descriptor_builder import DescriptorBuilder
 from pipeline.common.histogram import ITERATION_TOKENS_BUCKETS, REQUEST_LATENCY_BUCKETS, Histogram
-from pipeline.common.messages import AddRequest, check_finish, choice_seed
+from pipeline.common.messages import AddRequest, choice_seed
 from pipeline.common.step_protocol import DRAFT_TOKEN_ID, MAX_MASKED_ROWS, StepDescriptor
 from pipeline.scheduler_proc.drafts import Drafts
 from pipeline.scheduler_proc.grammar_state import GrammarState
 from pipeline.scheduler_proc.kv_block_pool import BlockPool
 from pipeline.scheduler_proc.prefix_cache import PrefixCache, num_final_tokens
 from pipeline.scheduler_proc.request import Request
+from pipeline.scheduler_proc.scheduler_outputs import SchedulerOutputsMixin
 from pipeline.scheduler_proc.steady_rows import SteadyRows
 
 _NO_ROWS = np.zeros(0, np.int64)
@@ -55,7 +57,7 @@ class _StepPlan:
         self.num_masks += masked
 
 
-class Scheduler:
+class Scheduler(SchedulerOutputsMixin):
     """Plans steps into StepDescriptor views and applies StepOutputs.
 
     Args:
@@ -398,92 +400,6 @@ class Scheduler:
         # block in the steps of every row, and nothing can reuse them while it runs.
         self.prefix.name_final(req, num_final_tokens(req))
 
-    # -- outputs ----------------------------------------------------------------
-
-    def process_output(
-        self,
-        step_id: int,
-        req_nums: list[int],
-        token_ids: list[int],
-        time_ns: int = 0,
-        draft_matched: np.ndarray | None = None,
-        device_ns: int = 0,
-    ) -> list[int]:
-        """Apply StepOutput ``step_id``: append tokens, finish requests, release frees.
-
-        A token for a request that finished or was aborted is the one wasted
-        token of a step already in flight: it is dropped. ``time_ns`` is the
-        output's engine timestamp (now if 0), which its tokens get. With
-        speculation a request's tokens are consecutive rows (``Drafts.apply_output``).
-
-        Returns:
-            ``req_num`` of the requests that finished (stop token, length, or the
-            end of the prefill of a request with ``max_tokens`` 0).
-
-        Raises:
-            RuntimeError: as ``SteadyRows.apply_output``.
-        """
-        finished: list[int] = []
-        self._output_ns = time_ns or time.monotonic_ns()
-        d, left, ended, verified = self.steady.apply_output(step_id, req_nums, token_ids)
-        for r, n, tokens in left:
-            if (req := self.requests.get(r)) is not None and n > 1:  # it verified drafts: a run of tokens
-                self.drafts.apply_run(req, n, tokens, finished)
-            elif req is not None:
-                self._apply_token(req, tokens[0], finished)
-        if ended:
-            finished.extend(req.req_num for req in ended)
-            self._remove_ended(ended)
-        self.steady.flush(step_id)
-        if self.drafts is None:
-            for r, t in zip(req_nums[d:], token_ids[d:]):
-                if (req := self.requests.get(r)) is not None:
-                    self._apply_token(req, t, finished)
-        else:
-            self.drafts.apply_output(
-                step_id, device_ns, d, verified, req_nums, token_ids, draft_matched, self.requests, finished
-            )
-        for req in self._finish_after.pop(step_id, ()):
-            if self.requests.get(req.req_num) is req:
-                finished.append(req.req_num)
-                self._observe_finish(req, self._output_ns)
-                self._remove(req)
-        self.pool.step_completed(step_id)
-        self._last_output_step = step_id
-        return finished
-
-    def _apply_token(self, req: Request, t: int, finished: list[int]) -> bool:
-        """Append ``t`` to ``req``; remove it and list it in ``finished`` if it ends (then True)."""
-        if not req.first_token_ns:
-            req.first_token_ns = self._output_ns
-        steady = self.steady.holds(req)
-        if steady:  # from a row it had before joining
-            ends = self.steady.receive(req, t)
-        else:
-            req.num_placeholders -= 1
-            req.output_token_ids.append(t)
-            ends = check_finish(t, len(req.output_token_ids), req.params) is not None
-        if ends:
-            finished.append(req.req_num)
-            self._observe_finish(req, self._output_ns)
-            self._remove(req)
-        elif not steady:  # a steady row names its blocks when it leaves
-            self.prefix.name_final(req, num_final_tokens(req))
-            if req.grammar is not None:  # never steady
-                req.grammar.advance(t)  # on a grammar thread; a failure ends the request (GrammarManager.failed)
-        return ends
-
-    def _observe_finish(self, req: Request, end_ns: int) -> None:
-        """Observe the phases of ``req``, which finished at ``end_ns`` (vLLM's intervals:
-        queued -> first scheduled -> first token -> last token; docs/design.md, "Metrics")."""
-        if not req.scheduled_ns:
-            return
-        first = req.first_token_ns or end_ns  # a prefill-only request (max_tokens 0) ends at its last chunk
-        self.queue_time.observe((req.scheduled_ns - req.queued_ns) * 1e-9)
-        self.prefill_time.observe((first - req.scheduled_ns) * 1e-9)
-        self.decode_time.observe((end_ns - first) * 1e-9)
-        self.inference_time.observe((end_ns - req.scheduled_ns) * 1e-9)
-
     # -- removal ----------------------------------------------------------------
 
     def _remove(self, req: Request) -> None:
@@ -497,19 +413,6 @@ class Scheduler:
         else:
             self.waiting.remove(req)
         self._free(req)
-
-    def _remove_ended(self, reqs: list[Request]) -> None:
-        """``_remove`` for ended steady rows (already released), with one pass over the running list.
-
-        At batch 1024 a few dozen rows can end in one step; removing them one
-        by one would scan the running list once for each.
-        """
-        for req in reqs:
-            self._observe_finish(req, self._output_ns)
-            self._name_released(req)
-            del self.requests[req.req_num]
-            self._free(req)
-        self.running = [r for r in self.running if r.req_index >= 0]  # a running request has a req_index
 
     def _leave_running(self, req: Request) -> None:
         """Take ``req`` (running) out of the running lists, steady or not, its counters up to date."""

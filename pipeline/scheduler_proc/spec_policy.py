@@ -101,14 +101,15 @@ class SpecPolicy:
         self._bucket_weight[b] = w + 1
 
     def cost(self, num_tokens: np.ndarray) -> np.ndarray:
-        """Estimated device ns of steps of ``num_tokens`` (``[N]``); 1 everywhere before any step is measured.
+        """Estimated device ns of steps of ``num_tokens`` (an array, any shape); 1 everywhere before any step is
+        measured.
 
         Between measured buckets, interpolated; past the largest, flat; below the smallest,
         proportional to the tokens. Both guesses flatter the untried side, so it gets tried.
         """
         seen = np.flatnonzero(self._bucket_weight > 0)
         if not len(seen):
-            return np.ones(len(num_tokens))
+            return np.ones(np.shape(num_tokens))
         t, ns = self._bucket_tokens[seen], np.maximum.accumulate(self._bucket_ns[seen])
         num_tokens = np.asarray(num_tokens, dtype=np.float64)
         return np.where(num_tokens < t[0], ns[0] * num_tokens / t[0], np.interp(num_tokens, t, ns))
@@ -126,7 +127,7 @@ class SpecPolicy:
                 ``remaining - 1`` drafts).
             budget: tokens left in the step for drafts.
         """
-        best_rate, best_k, best_rows = 0.0, 0, np.zeros(0, dtype=np.int64)
+        best_k, best_rows = 0, np.zeros(0, dtype=np.int64)
         if not self.adaptive:
             k = self.k_max
             rows = np.flatnonzero((remaining > k) & self.matched[req_indices])[: budget // k]
@@ -137,22 +138,20 @@ class SpecPolicy:
             # A row's gain a + a^2 + ... + a^k grows with a for every k: one order serves every k.
             order = np.argsort(-a, kind="stable")
             a, remaining = a[order], remaining[order]
-            power, gain = np.ones_like(a), np.zeros_like(a)
-            for k in range(1, self.k_max + 1):
-                power *= a
-                gain += power
-                ok = np.flatnonzero((remaining > k) & (a > 0))
-                if not len(ok):
-                    break
-                ok = ok[: budget // k]
-                if not len(ok):
-                    continue
-                # Expected tokens per ns over verifying nothing, for the first n rows by gain.
-                n = np.arange(1, len(ok) + 1)
-                rate = (num_sampled + np.cumsum(gain[ok])) / self.cost(base_tokens + k * n) - plain
-                m = int(rate.argmax())
-                if rate[m] > best_rate:
-                    best_rate, best_k, best_rows = float(rate[m]), k, order[ok[: m + 1]]
+            ks = np.arange(1, self.k_max + 1)[:, None]
+            # [K, C]: row k - 1 is k drafts; a candidate takes part while it may take k more tokens
+            # and its acceptance is not 0, the first budget // k of those by gain.
+            gain = np.cumsum(np.cumprod(np.broadcast_to(a, (self.k_max, len(a))), axis=0), axis=0)
+            ok = (remaining > ks) & (a > 0)
+            n = np.cumsum(ok, axis=1)
+            ok &= n <= budget // ks
+            # Expected tokens per ns over verifying nothing, for the first n rows by gain.
+            rate = (num_sampled + np.cumsum(np.where(ok, gain, 0.0), axis=1)) / self.cost(base_tokens + ks * n) - plain
+            rate[~ok] = -np.inf
+            best = int(rate.argmax())
+            k, m = divmod(best, len(a))
+            if rate[k, m] > 0:
+                best_k, best_rows = k + 1, order[np.flatnonzero(ok[k, : m + 1])]
         self._idle(np.delete(req_indices, best_rows))
         return best_k, np.sort(best_rows)
 

@@ -171,13 +171,18 @@ class SteadyRows:
         need = np.maximum(0, cdiv(self._pos[rows] + 1 + k, self.block_size) - self._num_blocks[rows])
         fits = np.cumsum(need) <= min(pool.num_free_blocks, room)
         rows, need = rows[fits], need[fits]
-        for i, n in zip(rows[need > 0].tolist(), need[need > 0].tolist()):
-            req = self._req[i]
-            blocks = pool.allocate_blocks(n)
-            for j, b in enumerate(blocks):
-                builder.add_block(i, int(self._num_blocks[i]) + j, b)
-            req.block_ids.extend(blocks)
-            self._num_blocks[i] += n
+        growing, need = rows[need > 0], need[need > 0]
+        if len(growing):
+            # Row i's j-th new block goes to column num_blocks[i] + j.
+            row_of = np.repeat(np.arange(len(growing)), need)
+            j = np.arange(len(row_of)) - np.repeat(np.cumsum(need) - need, need)
+            new = pool.allocate_blocks(len(row_of))
+            builder.add_blocks(growing[row_of], self._num_blocks[growing][row_of] + j, np.asarray(new))
+            self._num_blocks[growing] += need
+            at = 0
+            for i, n in zip(growing.tolist(), need.tolist()):
+                self._req[i].block_ids.extend(new[at : at + n])
+                at += n
         return rows
 
     def num_rejected(self, rows: np.ndarray) -> np.ndarray:

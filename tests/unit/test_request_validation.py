@@ -9,7 +9,8 @@ import pytest
 from safetensors.torch import save_file
 
 from pipeline.common.config import EngineConfig
-from pipeline.io_proc.protocol import APIError, CompletionRequest
+from pipeline.io_proc.protocol import APIError
+from pipeline.io_proc.protocol_completion import CompletionRequest
 from pipeline.io_proc.serving import OpenAIServing
 from pipeline.server_args import build_parser, make_config
 

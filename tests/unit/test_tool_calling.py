@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.io_proc.protocol import APIError, ChatCompletionRequest, ChatTool, FunctionDefinition
+from pipeline.io_proc.protocol import APIError
+from pipeline.io_proc.protocol_chat import ChatCompletionRequest, ChatTool, FunctionDefinition
 from pipeline.io_proc.tokenization import Tokenization
 from pipeline.io_proc.tool_calling import ToolCalling
 

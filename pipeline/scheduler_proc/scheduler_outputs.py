@@ -1,0 +1,117 @@
+"""Applying a StepOutput to the scheduler's requests: tokens appended, finishes, phase metrics
+(docs/design.md, "Outputs").
+
+A mixin of ``Scheduler``, whose state it uses (``requests``, ``running``, ``steady``, ``drafts``,
+``prefix``, ``pool``), so the per-token path keeps plain attribute lookups.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from pipeline.common.messages import check_finish
+from pipeline.scheduler_proc.prefix_cache import num_final_tokens
+from pipeline.scheduler_proc.request import Request
+
+
+class SchedulerOutputsMixin:
+    """``Scheduler.process_output`` and what it calls."""
+
+    def process_output(
+        self,
+        step_id: int,
+        req_nums: list[int],
+        token_ids: list[int],
+        time_ns: int = 0,
+        draft_matched: np.ndarray | None = None,
+        device_ns: int = 0,
+    ) -> list[int]:
+        """Apply StepOutput ``step_id``: append tokens, finish requests, release frees.
+
+        A token for a request that finished or was aborted is the one wasted
+        token of a step already in flight: it is dropped. ``time_ns`` is the
+        output's engine timestamp (now if 0), which its tokens get. With
+        speculation a request's tokens are consecutive rows (``Drafts.apply_output``).
+
+        Returns:
+            ``req_num`` of the requests that finished (stop token, length, or the
+            end of the prefill of a request with ``max_tokens`` 0).
+
+        Raises:
+            RuntimeError: as ``SteadyRows.apply_output``.
+        """
+        finished: list[int] = []
+        self._output_ns = time_ns or time.monotonic_ns()
+        d, left, ended, verified = self.steady.apply_output(step_id, req_nums, token_ids)
+        for r, n, tokens in left:
+            if (req := self.requests.get(r)) is not None and n > 1:  # it verified drafts: a run of tokens
+                self.drafts.apply_run(req, n, tokens, finished)
+            elif req is not None:
+                self._apply_token(req, tokens[0], finished)
+        if ended:
+            finished.extend(req.req_num for req in ended)
+            self._remove_ended(ended)
+        self.steady.flush(step_id)
+        if self.drafts is None:
+            for r, t in zip(req_nums[d:], token_ids[d:]):
+                if (req := self.requests.get(r)) is not None:
+                    self._apply_token(req, t, finished)
+        else:
+            self.drafts.apply_output(
+                step_id, device_ns, d, verified, req_nums, token_ids, draft_matched, self.requests, finished
+            )
+        for req in self._finish_after.pop(step_id, ()):
+            if self.requests.get(req.req_num) is req:
+                finished.append(req.req_num)
+                self._observe_finish(req, self._output_ns)
+                self._remove(req)
+        self.pool.step_completed(step_id)
+        self._last_output_step = step_id
+        return finished
+
+    def _apply_token(self, req: Request, t: int, finished: list[int]) -> bool:
+        """Append ``t`` to ``req``; remove it and list it in ``finished`` if it ends (then True)."""
+        if not req.first_token_ns:
+            req.first_token_ns = self._output_ns
+        steady = self.steady.holds(req)
+        if steady:  # from a row it had before joining
+            ends = self.steady.receive(req, t)
+        else:
+            req.num_placeholders -= 1
+            req.output_token_ids.append(t)
+            ends = check_finish(t, len(req.output_token_ids), req.params) is not None
+        if ends:
+            finished.append(req.req_num)
+            self._observe_finish(req, self._output_ns)
+            self._remove(req)
+        elif not steady:  # a steady row names its blocks when it leaves
+            self.prefix.name_final(req, num_final_tokens(req))
+            if req.grammar is not None:  # never steady
+                req.grammar.advance(t)  # on a grammar thread; a failure ends the request (GrammarManager.failed)
+        return ends
+
+    def _observe_finish(self, req: Request, end_ns: int) -> None:
+        """Observe the phases of ``req``, which finished at ``end_ns`` (vLLM's intervals:
+        queued -> first scheduled -> first token -> last token; docs/design.md, "Metrics")."""
+        if not req.scheduled_ns:
+            return
+        first = req.first_token_ns or end_ns  # a prefill-only request (max_tokens 0) ends at its last chunk
+        self.queue_time.observe((req.scheduled_ns - req.queued_ns) * 1e-9)
+        self.prefill_time.observe((first - req.scheduled_ns) * 1e-9)
+        self.decode_time.observe((end_ns - first) * 1e-9)
+        self.inference_time.observe((end_ns - req.scheduled_ns) * 1e-9)
+
+    def _remove_ended(self, reqs: list[Request]) -> None:
+        """``_remove`` for ended steady rows (already released), with one pass over the running list.
+
+        At batch 1024 a few dozen rows can end in one step; removing them one
+        by one would scan the running list once for each.
+        """
+        for req in reqs:
+            self._observe_finish(req, self._output_ns)
+            self._name_released(req)
+            del self.requests[req.req_num]
+            self._free(req)
+        self.running = [r for r in self.running if r.req_index >= 0]  # a running request has a req_index
