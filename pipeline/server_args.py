@@ -304,7 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--worker-threads",
         type=int,
         default=0,
-        help="torch intra-op threads of the model worker; 0: one per CPU the worker may run on (see --worker-cpus).",
+        help="torch intra-op threads of the model worker; 0: one per CPU the worker may use (its affinity, see "
+        "--worker-cpus, and a cgroup CPU quota), less one per CPU other programs keep busy, checked every 0.25 s.",
     )
     p.add_argument(
         "--worker-cpus",

@@ -63,6 +63,7 @@ def family_model(name: str, window: int, dtype: torch.dtype, backend: str):
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    model.pack_weights()  # as load_model does
     return model
 
 

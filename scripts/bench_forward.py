@@ -20,6 +20,9 @@ prints each case's step time and its ratio to ``u300`` for the same backend:
   the same step (320 tokens at position 960, 128 tokens at position 0);
 - ``chunks``: those two prefill chunks alone (``mixed`` should cost about
   ``tail`` + ``chunks``);
+- ``verify``: every request verifies 4 drafts (query 5, speculative
+  decoding's verify row) with 300 tokens of context; ``--batch 1`` is
+  speculation at concurrency 1;
 - ``spec<q>c<ctx>``, e.g. ``spec5c700``: every request verifies speculative
   drafts, ``q`` queries (its last token and ``q - 1`` drafts) ending at a context
   of ``ctx`` tokens.
@@ -34,15 +37,18 @@ cases it compares the two paths in one run:
     python scripts/bench_forward.py --batch 1 --cases spec5c700 spec16c300 \
         --attention-backends cpu_paged cpu_paged_q1 --repeat 20
 
-With several ``--dtype`` (``float32 bfloat16``) each case is timed for each
-dtype too, and each column's time is also given as a ratio to the first
-dtype's; ``--greedy-agreement N`` then compares N greedy tokens of each dtype
-with the first's on a few fixed prompts: the fraction of the first dtype's
-tokens the other picks given the same context, and how many tokens it
-generates free-running before the first difference.
+With several ``--dtype`` (``float32 bfloat16``) or ``--weights`` (``packed
+dense``: the linear weights packed for oneDNN after loading, as served, or
+left dense) each case is timed for each model too, and each column's time is
+also given as a ratio to the first model's; ``--greedy-agreement N`` then
+compares N greedy tokens of each model with the first's on a few fixed
+prompts: the fraction of the first model's tokens the other picks given the
+same context, and how many tokens it generates free-running before the first
+difference.
 
     python scripts/bench_forward.py --cases u300 tail --attention-backends torch_bucketed \
         --dtype float32 bfloat16 --greedy-agreement 32
+    python scripts/bench_forward.py --cases u300 verify --batch 1 --weights packed dense --repeat 20
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ import argparse
 import re
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -58,7 +65,7 @@ import torch
 from pipeline.gpu_worker.attention import make_backend
 from pipeline.gpu_worker.attention.cpu_paged import CpuPagedBackend
 from pipeline.gpu_worker.attention.torch_bucketed import TorchBucketedBackend
-from pipeline.gpu_worker.models.loader import load_model
+from pipeline.gpu_worker.models.loader import build_model, load_config, read_checkpoint
 
 
 def _step(model, kv_caches, query_lens, starts, block_table, block_size) -> None:
@@ -102,6 +109,8 @@ def make_case(name: str, batch: int) -> tuple[list[int], list[int]]:
     if name in ("u300", "u1300"):
         ctx = int(name[1:])
         return [1] * batch, [ctx - 1] * batch
+    if name == "verify":
+        return [5] * batch, [295] * batch
     tail = long_tailed_contexts(batch, 295, 1300)
     if name == "tail":
         return [1] * batch, [c - 1 for c in tail]
@@ -113,8 +122,21 @@ def make_case(name: str, batch: int) -> tuple[list[int], list[int]]:
     raise ValueError(f"unknown case {name!r}")
 
 
+def load(model_dir: str, dtype: torch.dtype, weights: str) -> torch.nn.Module:
+    """The model as ``load_model`` makes it, its linear weights ``packed`` (as served) or left ``dense``."""
+    model = build_model(load_config(model_dir), dtype, torch.device("cpu"))
+    model.load_weights(read_checkpoint(Path(model_dir)))
+    if weights == "packed":
+        model.pack_weights()
+    return model
+
+
+def _dtype(model: torch.nn.Module) -> torch.dtype:
+    return model.model.norm.weight.dtype
+
+
 def run_cases(args, models: dict[str, torch.nn.Module]) -> None:
-    """Time ``args.cases`` x ``models`` (one per dtype) x ``args.attention_backends``, round-robin; print the table."""
+    """Time ``args.cases`` x ``models`` (by label) x ``args.attention_backends``, round-robin; print the table."""
     bs = args.block_size
     batch = args.batch[0] if len(args.batch) == 1 else 64
     cases = {c: make_case(c, batch) for c in args.cases}
@@ -130,10 +152,10 @@ def run_cases(args, models: dict[str, torch.nn.Module]) -> None:
             table[i, :k] = perm[o : o + k]
             o += k
         tables[c] = table
-    # One column per (dtype, backend); each dtype's model has its own cache.
+    # One column per (model, backend); each model has its own cache.
     columns = {}
-    for dt, model in models.items():
-        dtype = getattr(torch, dt)
+    for label, model in models.items():
+        dtype = _dtype(model)
         kv_caches = model.allocate_kv_caches(num_blocks, bs, dtype, torch.device("cpu"))
         cfg = model.config
         for name in args.attention_backends:
@@ -144,12 +166,11 @@ def run_cases(args, models: dict[str, torch.nn.Module]) -> None:
                 backend = CpuPagedBackend(*shape, decode_query_max=int(m[1]))
             else:
                 backend = make_backend(name, dtype=dtype, num_heads=shape[0], num_kv_heads=shape[1], head_dim=shape[2])
-            label = name if len(models) == 1 else f"{name}/{dt}"
-            columns[label] = (model, kv_caches, backend)
+            columns[(name, label)] = (model, kv_caches, backend)
     times: dict[tuple[str, str], list[float]] = {(c, b): [] for c in cases for b in columns}
     clock = time.perf_counter if args.clock == "wall" else time.process_time
     print(
-        f"threads={torch.get_num_threads()} dtype={' '.join(models)} batch={batch} block_size={bs} "
+        f"threads={torch.get_num_threads()} models={' '.join(models)} batch={batch} block_size={bs} "
         f"repeat={args.repeat} clock={args.clock} (ms per step: median, min)"
     )
     with torch.inference_mode():
@@ -163,9 +184,10 @@ def run_cases(args, models: dict[str, torch.nn.Module]) -> None:
                     if r >= args.warmup:
                         times[(c, b)].append((clock() - t0) * 1e3)
     base = "u300" if "u300" in cases else next(iter(cases))
+    names = {b: b[0] if len(models) == 1 else "/".join(b) for b in columns}
     print(
         f"{'case':>6} {'rows':>5} {'tokens':>7} {'ctx mean':>9} {'ctx max':>8}  "
-        + "  ".join(f"{b:>26}" for b in columns)
+        + "  ".join(f"{names[b]:>26}" for b in columns)
     )
     for c, (q, s) in cases.items():
         ctx = np.array(q) + np.array(s)
@@ -181,8 +203,8 @@ def run_cases(args, models: dict[str, torch.nn.Module]) -> None:
         for c in cases:
             cells = []
             for b in columns:
-                ref = b.rsplit("/", 1)[0] + "/" + first
-                cells.append(f"{b}: {statistics.median(times[(c, b)]) / statistics.median(times[(c, ref)]):.2f}")
+                ref = (b[0], first)
+                cells.append(f"{names[b]}: {statistics.median(times[(c, b)]) / statistics.median(times[(c, ref)]):.2f}")
             print(f"{c:>6}  " + "  ".join(cells))
 
 
@@ -200,9 +222,7 @@ GREEDY_PROMPTS = [
 def _greedy(model, prompt: list[int], new_tokens: int, block_size: int) -> list[int]:
     """``new_tokens`` greedy tokens after ``prompt`` through the paged model (prefill, then one decode per token)."""
     total = len(prompt) + new_tokens
-    kv = model.allocate_kv_caches(
-        -(-total // block_size), block_size, next(model.parameters()).dtype, torch.device("cpu")
-    )
+    kv = model.allocate_kv_caches(-(-total // block_size), block_size, _dtype(model), torch.device("cpu"))
     table = torch.arange(-(-total // block_size))[None]
     ids, start, out = list(prompt), 0, []
     while len(out) < new_tokens:
@@ -220,7 +240,7 @@ def _greedy(model, prompt: list[int], new_tokens: int, block_size: int) -> list[
 def _forced_argmax(model, ids: list[int], block_size: int) -> list[int]:
     """Each position's argmax next token, with ``ids`` as the context (one prefill)."""
     blocks = -(-len(ids) // block_size)
-    kv = model.allocate_kv_caches(blocks, block_size, next(model.parameters()).dtype, torch.device("cpu"))
+    kv = model.allocate_kv_caches(blocks, block_size, _dtype(model), torch.device("cpu"))
     meta = model.attn_backend.build_from_rows(
         torch.tensor([len(ids)]), torch.tensor([0]), torch.arange(blocks)[None], block_size
     )
@@ -228,10 +248,10 @@ def _forced_argmax(model, ids: list[int], block_size: int) -> list[int]:
 
 
 def greedy_agreement(args, models: dict[str, torch.nn.Module]) -> None:
-    """Greedy tokens of each dtype against the first one's, on ``GREEDY_PROMPTS``; print the agreement.
+    """Greedy tokens of each model against the first one's, on ``GREEDY_PROMPTS``; print the agreement.
 
-    Two figures per dtype: the fraction of the first dtype's greedy tokens
-    this dtype also picks given the same (first dtype's) context, and the
+    Two figures per model: the fraction of the first model's greedy tokens
+    this one also picks given the same (first model's) context, and the
     tokens generated free-running before the first difference.
     """
     from transformers import AutoTokenizer
@@ -275,6 +295,14 @@ def main() -> None:
         default=["float32"],
         help="with --cases or --greedy-agreement, several: each is measured against the first",
     )
+    parser.add_argument(
+        "--weights",
+        nargs="+",
+        choices=["packed", "dense"],
+        default=["packed"],
+        help="linear weights packed for oneDNN after loading (as served) or left dense; with --cases "
+        "or --greedy-agreement, several: each is measured against the first",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
@@ -282,7 +310,7 @@ def main() -> None:
         "--cases",
         nargs="+",
         default=None,
-        help="time these context mixes instead of the batch sweep: u300 tail u1300 mixed chunks spec<q>c<ctx> "
+        help="time these context mixes instead of the batch sweep: u300 tail u1300 mixed chunks verify spec<q>c<ctx> "
         "(see above)",
     )
     parser.add_argument(
@@ -321,7 +349,11 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    models = {dt: load_model(args.model_dir, getattr(torch, dt), torch.device("cpu")) for dt in args.dtype}
+    models = {}
+    for dt in args.dtype:
+        for w in args.weights:
+            label = "/".join(x for x, many in ((dt, len(args.dtype) > 1), (w, len(args.weights) > 1)) if many)
+            models[label or dt] = load(args.model_dir, getattr(torch, dt), w)
     if args.cases or args.greedy_agreement:
         if args.warmup == 3:
             args.warmup = 1
@@ -331,9 +363,9 @@ def main() -> None:
             greedy_agreement(args, models)
         return
     if len(models) > 1:
-        parser.error("the batch sweep takes one --dtype")
-    ((dt, model),) = models.items()
-    dtype = getattr(torch, dt)
+        parser.error("the batch sweep takes one --dtype and one --weights")
+    (model,) = models.values()
+    dtype = _dtype(model)
     bs = args.block_size
     blocks_per_seq = (max(args.context + 1, args.prefill_chunk) + bs - 1) // bs
     max_batch = max(args.batch)
@@ -342,7 +374,10 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     all_blocks = torch.randperm(max_batch * blocks_per_seq, generator=gen).view(max_batch, blocks_per_seq)
 
-    print(f"threads={torch.get_num_threads()} dtype={dt} context={args.context} block_size={bs}")
+    print(
+        f"threads={torch.get_num_threads()} dtype={args.dtype[0]} weights={args.weights[0]} "
+        f"context={args.context} block_size={bs}"
+    )
     print(f"{'step':>10} {'batch':>6} {'tokens':>7} {'ms/step':>9} {'tok/s':>9}")
     with torch.inference_mode():
         for batch in args.batch:

@@ -54,12 +54,17 @@ def assert_same_greedy(model_dir: str, prompt_ids: list[int], ours: list[int], r
             return
 
 
-def ours_from_hf(hf_model, dtype: torch.dtype = torch.float32, attention_backend: str = "auto", **kwargs):
-    """Our model built from the in-memory transformers model ``hf_model``'s config and filled with its weights."""
+def ours_from_hf(
+    hf_model, dtype: torch.dtype = torch.float32, attention_backend: str = "auto", pack: bool = True, **kwargs
+):
+    """Our model built from the in-memory transformers model ``hf_model``'s config and filled with its weights,
+    then packed as ``load_model`` packs it (``pack``)."""
     from pipeline.gpu_worker.models.config import ModelConfig
     from pipeline.gpu_worker.models.loader import build_model
 
     hf_model.config.architectures = [type(hf_model).__name__]
     model = build_model(ModelConfig.from_hf(hf_model.config), dtype, torch.device("cpu"), attention_backend, **kwargs)
     model.load_weights(hf_model.state_dict().items())
+    if pack:
+        model.pack_weights()
     return model

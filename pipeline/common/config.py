@@ -98,8 +98,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
         max_grammar_memory_mb: MiB of matcher memory every request (and the
             cache of compiled grammars) may take together; a request that
             would pass it waits.
-        worker_threads: torch intra-op threads of the worker; 0: one per CPU
-            the worker may run on.
+        worker_threads: torch intra-op threads of the worker; 0: one per CPU the worker may use,
+            less those other programs keep busy (``ThreadGovernor``).
         worker_cpus: CPUs the worker runs on; empty: every CPU.
         frontend_cpus: CPUs the scheduler and io_proc run on; empty: every CPU.
         tensor_parallel_size: worker ranks the model is sharded over, one

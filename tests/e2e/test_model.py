@@ -185,7 +185,7 @@ def test_bfloat16_runs(hf_dir):
 
 
 def test_load_weights_reports_missing_unexpected_and_misshapen(hf_model):
-    ours = ours_from_hf(hf_model)
+    ours = ours_from_hf(hf_model, pack=False)  # loaded again below
     state = dict(hf_model.state_dict())
     del state["model.layers.1.mlp.up_proj.weight"]
     state["model.layers.9.extra.weight"] = torch.zeros(1)

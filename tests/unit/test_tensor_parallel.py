@@ -122,7 +122,7 @@ def test_each_rank_loads_exactly_its_slice(model_dir, size):
         # Embedding, LM head, final norm; per layer two norms and four fused projections with biases.
         assert len(params) == 3 + 10 * CONFIG["num_hidden_layers"]
         for name, value in params.items():
-            assert torch.equal(value, expected_slice(sd, name, rank, size)), (rank, name)
+            assert torch.equal(value.to_dense(), expected_slice(sd, name, rank, size)), (rank, name)
         assert sum(p.numel() for p in params.values()) < full_numel / 1.5  # no rank holds the whole model
         assert shard.config.vocab_size == 515  # the executor still sees the full vocabulary
 

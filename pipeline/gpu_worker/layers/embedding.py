@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.common.constants import cdiv
-from pipeline.gpu_worker.layers.linear import check_shape, empty_parameter, linear
+from pipeline.gpu_worker.layers.linear import check_shape, empty_parameter, linear, packed
 from pipeline.gpu_worker.layers.tp import SINGLE_RANK, TPGroup
 
 
@@ -25,6 +25,8 @@ class VocabParallelEmbedding(nn.Module):
         self.start = tp.rank * self.rows
         self.weight = empty_parameter(self.rows, hidden_size)
         self.weight.weight_loader = self.weight_loader
+        # The table in oneDNN's layout for ``logits``, beside the dense one (see ``pack_weights``).
+        self.register_buffer("packed_weight", None, persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids [T]`` int64 of the full vocabulary -> ``[T, hidden]``, the same on every rank.
@@ -41,10 +43,26 @@ class VocabParallelEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [S, hidden]`` -> ``[S, V]`` float32 logits over the full vocabulary, the same on every rank."""
-        out = linear(hidden, self.weight)
+        out = linear(hidden, self.weight if self.packed_weight is None else self.packed_weight)
         if self.tp.size > 1:
             out = self.tp.all_gather_last_dim(out)[:, : self.vocab_size]
         return out.float()
+
+    def pack_weights(self, keep_dense: bool) -> None:
+        """Pack the table for ``logits`` where ``linear.packed`` can; after loading.
+
+        An untied LM head (``keep_dense`` False) is replaced by its packed
+        form. A tied table (``keep_dense``) is also the embedding, whose
+        lookups need it dense: the packed copy is kept beside it in
+        ``packed_weight``, ``V_r x hidden`` more elements (as vLLM does).
+        """
+        weight = packed(self.weight)
+        if weight is None:
+            return
+        if keep_dense:
+            self.packed_weight = weight
+        else:
+            self.weight = nn.Parameter(weight, requires_grad=False)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> tuple:
         check_shape(loaded, (self.vocab_size, param.shape[1]))

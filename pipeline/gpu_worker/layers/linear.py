@@ -11,11 +11,14 @@ parameter (casting to its dtype and device), checks the full tensor's shape,
 and returns the shard keys it filled; a parameter filled from several
 tensors lists them all in ``param.shards`` (docs/design.md, "Model families").
 ``loaded`` may be a view of a memory-mapped file: only the rows or columns
-the rank keeps are read.
+the rank keeps are read. After loading, ``pack_weights`` reorders each weight
+on the CPU into oneDNN's blocked layout once (docs/design.md, "Layers take
+switches").
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -24,20 +27,59 @@ from torch import nn
 
 from pipeline.gpu_worker.layers.tp import SINGLE_RANK, TPGroup
 
-# A private op (used by inductor's CPU backend); absent in builds without oneDNN.
-_onednn_linear = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
+_LOG = logging.getLogger(__name__)
+
+# Private ops (used by inductor's CPU backend); absent in builds without oneDNN.
+_mkldnn = getattr(torch.ops, "mkldnn", None)
+_onednn_linear = getattr(_mkldnn, "_linear_pointwise", None)
+_reorder_linear_weight = getattr(_mkldnn, "_reorder_linear_weight", None)
+# The dtypes whose packed weights measured faster than dense ones here (float16 needs
+# AVX-512 FP16 or AVX-NE-CONVERT, which this project's CPUs lack).
+_PACKED_DTYPES = (torch.float32, torch.bfloat16)
+# oneDNN picks the blocked layout for this many rows; vLLM's CPU build uses 32 too.
+_PACK_BATCH_HINT = 32
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [N, in] @ weight.T + bias`` -> ``[N, out]``, same dtype as ``x``.
 
-    float32 on CPU uses oneDNN: aten's float32 matmul is MKL sgemm, which on
-    this project's AMD EPYC measured 2-3x slower than oneDNN for every shape
-    these models run (bf16 already goes through oneDNN).
+    ``weight`` is dense ``[out, in]`` or the form ``packed`` makes. float32
+    on CPU uses oneDNN: aten's float32 matmul is MKL sgemm, which on this
+    project's AMD EPYC measured 2-3x slower than oneDNN for every shape these
+    models run (bf16 already goes through oneDNN).
     """
-    if _onednn_linear is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+    if weight.is_mkldnn or (_onednn_linear is not None and x.dtype == torch.float32 and x.device.type == "cpu"):
         return _onednn_linear(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def packed(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight [out, in]`` reordered into oneDNN's blocked layout for ``linear``: an opaque mkldnn tensor
+    of the same shape and dtype (about the same bytes), which oneDNN would otherwise reorder on every call.
+
+    None (keep the dense weight) off the CPU, for other dtypes, and where
+    this torch build cannot reorder (logged once, at debug level).
+    """
+    if weight.device.type != "cpu" or weight.dtype not in _PACKED_DTYPES:
+        return None
+    if _reorder_linear_weight is None or _onednn_linear is None:
+        _log_unpacked("this torch build has no oneDNN linear ops")
+        return None
+    try:
+        return _reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT)
+    except RuntimeError as e:
+        _log_unpacked(str(e).splitlines()[0])
+        return None
+
+
+_logged_unpacked = False
+
+
+def _log_unpacked(reason: str) -> None:
+    global _logged_unpacked
+    if not _logged_unpacked:
+        _logged_unpacked = True
+        _LOG.debug("linear weights stay dense, oneDNN could not pack them: %s", reason)
 
 
 def check_shape(loaded: torch.Tensor, expected: Sequence[int]) -> None:
@@ -58,7 +100,23 @@ def load_whole(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> tupl
     return (None,)
 
 
-class ReplicatedLinear(nn.Module):
+class LinearBase(nn.Module):
+    """What every linear layer shares: ``forward`` over ``weight`` and ``bias``, and packing the weight."""
+
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+    def pack_weights(self) -> None:
+        """Replace ``weight`` by its ``packed`` form where there is one, freeing the dense one; after loading."""
+        weight = packed(self.weight)
+        if weight is not None:
+            self.weight = nn.Parameter(weight, requires_grad=False)
+
+
+class ReplicatedLinear(LinearBase):
     """The same ``[out, in]`` weight on every rank (a MoE router)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -70,11 +128,8 @@ class ReplicatedLinear(nn.Module):
             self.bias = empty_parameter(out_features)
             self.bias.weight_loader = load_whole
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
 
-
-class MergedColumnParallelLinear(nn.Module):
+class MergedColumnParallelLinear(LinearBase):
     """Several column-parallel outputs in one matmul, e.g. an MLP's gate and up projections.
 
     Each rank holds ``size / N`` rows of every part, the parts one after
@@ -97,9 +152,6 @@ class MergedColumnParallelLinear(nn.Module):
             if p is not None:
                 p.weight_loader, p.shards = self.weight_loader, set(range(len(output_sizes)))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
-
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> tuple:
         """Part ``shard_id`` (full rows), or every part of a checkpoint that fuses them (``shard_id`` None)."""
         if shard_id is None:
@@ -113,7 +165,7 @@ class MergedColumnParallelLinear(nn.Module):
         return (shard_id,)
 
 
-class QKVParallelLinear(nn.Module):
+class QKVParallelLinear(LinearBase):
     """The fused query, key and value projection, column-parallel by heads.
 
     Each rank holds its ``H / N`` query heads and its KV heads: ``KV / N``,
@@ -152,9 +204,6 @@ class QKVParallelLinear(nn.Module):
             if p is not None:
                 p.weight_loader, p.shards = self.weight_loader, set(self.full_rows)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
-
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> tuple:
         """Shard ``"q"``, ``"k"`` or ``"v"`` (full rows), or all three of a fused ``qkv_proj`` (``shard_id`` None)."""
         if shard_id is None:
@@ -169,7 +218,7 @@ class QKVParallelLinear(nn.Module):
         return (shard_id,)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(LinearBase):
     """``x [T, in / N] @ W_r.T`` summed over the ranks, plus the bias once: output ``[T, out]`` on every rank.
 
     ``weight`` is ``[out, in / N]``, this rank's input columns; ``bias``

@@ -23,7 +23,7 @@ from torch import nn
 from pipeline.gpu_worker.attention import default_backend
 from pipeline.gpu_worker.attention.backend import AttentionBackend, AttentionMetadata, KVCache
 from pipeline.gpu_worker.layers.embedding import VocabParallelEmbedding
-from pipeline.gpu_worker.layers.linear import load_whole
+from pipeline.gpu_worker.layers.linear import LinearBase, load_whole
 from pipeline.gpu_worker.layers.norm import make_norm
 from pipeline.gpu_worker.layers.rotary import RotaryEmbedding
 from pipeline.gpu_worker.layers.tp import SINGLE_RANK, TPGroup
@@ -232,3 +232,18 @@ class CausalLM(nn.Module):
                 f"the checkpoint does not match the {self.config.architecture} layout its config.json describes: "
                 f"missing {missing or 'none'}, unexpected {sorted(unexpected) or 'none'}"
             )
+
+    @torch.no_grad()
+    def pack_weights(self) -> None:
+        """Reorder every linear weight and the LM head once into oneDNN's layout, after ``load_weights``.
+
+        On the CPU in float32 and bfloat16 only, elsewhere a no-op (see
+        ``linear.packed``); a packed weight is no longer loadable.
+        """
+        for module in self.modules():
+            if isinstance(module, LinearBase):
+                module.pack_weights()
+        if self.lm_head is None:
+            self.model.embed_tokens.pack_weights(keep_dense=True)
+        else:
+            self.lm_head.pack_weights(keep_dense=False)

@@ -141,7 +141,8 @@ def load_model(
         max_model_len: the longest sequence served (see ``CausalLM``).
 
     Returns:
-        The model, parameters without gradients.
+        The model, parameters without gradients; on the CPU its linear
+        weights are packed for oneDNN (``CausalLM.pack_weights``).
 
     Raises:
         ValueError: an unsupported architecture or config, a ``tp.size``
@@ -151,6 +152,7 @@ def load_model(
     """
     model = build_model(load_config(model_dir), dtype, device, attention_backend, tp, max_model_len)
     model.load_weights(read_checkpoint(Path(model_dir)))
+    model.pack_weights()
     return model
 
 
