@@ -22,10 +22,20 @@ prints each case's step time and its ratio to ``u300`` for the same backend:
   ``tail`` + ``chunks``);
 - ``verify``: every request verifies 4 drafts (query 5, speculative
   decoding's verify row) with 300 tokens of context; ``--batch 1`` is
-  speculation at concurrency 1.
+  speculation at concurrency 1;
+- ``spec<q>c<ctx>``, e.g. ``spec5c700``: every request verifies speculative
+  drafts, ``q`` queries (its last token and ``q - 1`` drafts) ending at a context
+  of ``ctx`` tokens.
 
     python scripts/bench_forward.py --cases u300 tail u1300 mixed chunks \
         --attention-backends torch_sdpa torch_bucketed --repeat 5
+
+``cpu_paged_q<N>`` is ``cpu_paged`` sending rows of up to ``N`` queries to its
+kernel (``cpu_paged_q1``: verify rows take the SDPA path); with the ``spec``
+cases it compares the two paths in one run:
+
+    python scripts/bench_forward.py --batch 1 --cases spec5c700 spec16c300 \
+        --attention-backends cpu_paged cpu_paged_q1 --repeat 20
 
 With several ``--dtype`` (``float32 bfloat16``) or ``--weights`` (``packed
 dense``: the linear weights packed for oneDNN after loading, as served, or
@@ -44,6 +54,7 @@ difference.
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import time
 from pathlib import Path
@@ -52,6 +63,7 @@ import numpy as np
 import torch
 
 from pipeline.gpu_worker.attention import make_backend
+from pipeline.gpu_worker.attention.cpu_paged import CpuPagedBackend
 from pipeline.gpu_worker.attention.torch_bucketed import TorchBucketedBackend
 from pipeline.gpu_worker.models.loader import build_model, load_config, read_checkpoint
 
@@ -89,6 +101,11 @@ def long_tailed_contexts(n: int, mean: float, longest: int, seed: int = 0) -> li
 
 def make_case(name: str, batch: int) -> tuple[list[int], list[int]]:
     """``(query_lens, start_positions)`` of one of the ``--cases`` (see the module docstring)."""
+    if m := re.fullmatch(r"spec(\d+)c(\d+)", name):
+        q, ctx = int(m[1]), int(m[2])
+        if not 1 <= q <= ctx:
+            raise ValueError(f"case {name!r}: need 1 <= queries <= context")
+        return [q] * batch, [ctx - q] * batch
     if name in ("u300", "u1300"):
         ctx = int(name[1:])
         return [1] * batch, [ctx - 1] * batch
@@ -142,17 +159,13 @@ def run_cases(args, models: dict[str, torch.nn.Module]) -> None:
         kv_caches = model.allocate_kv_caches(num_blocks, bs, dtype, torch.device("cpu"))
         cfg = model.config
         for name in args.attention_backends:
-            backend = (
-                TorchBucketedBackend(head_major=False)
-                if name == "torch_bucketed_token_major"
-                else make_backend(
-                    name,
-                    dtype=dtype,
-                    num_heads=cfg.num_attention_heads,
-                    num_kv_heads=cfg.num_key_value_heads,
-                    head_dim=model.head_dim,
-                )
-            )
+            shape = (cfg.num_attention_heads, cfg.num_key_value_heads, model.head_dim)
+            if name == "torch_bucketed_token_major":
+                backend = TorchBucketedBackend(head_major=False)
+            elif m := re.fullmatch(r"cpu_paged_q(\d+)", name):
+                backend = CpuPagedBackend(*shape, decode_query_max=int(m[1]))
+            else:
+                backend = make_backend(name, dtype=dtype, num_heads=shape[0], num_kv_heads=shape[1], head_dim=shape[2])
             columns[(name, label)] = (model, kv_caches, backend)
     times: dict[tuple[str, str], list[float]] = {(c, b): [] for c in cases for b in columns}
     clock = time.perf_counter if args.clock == "wall" else time.process_time
@@ -296,16 +309,17 @@ def main() -> None:
     parser.add_argument(
         "--cases",
         nargs="+",
-        choices=["u300", "tail", "u1300", "mixed", "chunks", "verify"],
         default=None,
-        help="time these context mixes instead of the batch sweep (see above)",
+        help="time these context mixes instead of the batch sweep: u300 tail u1300 mixed chunks verify spec<q>c<ctx> "
+        "(see above)",
     )
     parser.add_argument(
         "--attention-backends",
         nargs="+",
         default=["auto"],
         help="with --cases: the backends to compare (names as --attention-backend, or "
-        "torch_bucketed_token_major: torch_bucketed on the cache's token-major layout)",
+        "torch_bucketed_token_major: torch_bucketed on the cache's token-major layout; cpu_paged_q<N>: cpu_paged "
+        "with rows of up to N queries in its kernel)",
     )
     parser.add_argument("--repeat", type=int, default=5, help="with --cases: timed rounds")
     parser.add_argument(
@@ -323,6 +337,11 @@ def main() -> None:
         "than wall time on a machine shared with other work)",
     )
     args = parser.parse_args()
+    for c in args.cases or []:
+        try:
+            make_case(c, 64)
+        except ValueError as e:
+            parser.error(f"--cases: {e}")
     if args.model_dir is None:
         from pipeline.model_files import convert_gguf, default_model_path
 

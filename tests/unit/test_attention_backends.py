@@ -33,8 +33,10 @@ import torch
 
 from pipeline.gpu_worker.attention import cpu_paged, make_backend
 from pipeline.gpu_worker.attention.backend import StepLayout
+from pipeline.gpu_worker.attention.bucket_plan import plan_buckets
 from pipeline.gpu_worker.attention.cpu_paged import CpuPagedBackend
-from pipeline.gpu_worker.attention.torch_bucketed import PrefixTable, TorchBucketedBackend, plan_buckets
+from pipeline.gpu_worker.attention.prefix_table import PrefixTable
+from pipeline.gpu_worker.attention.torch_bucketed import TorchBucketedBackend
 from pipeline.gpu_worker.attention.torch_sdpa import TorchSDPABackend
 from pipeline.server_args import build_parser, make_config
 
@@ -57,7 +59,7 @@ def _cpu_paged(dtype, atol):
     def setup(heads, kv_heads, head_dim, kinds=None):
         if cpu_paged.unavailable_reason() is not None:
             pytest.skip(f"cpu_paged cannot run here: {cpu_paged.unavailable_reason()}")
-        return Setup(CpuPagedBackend(), CPU, dtype, atol)
+        return Setup(CpuPagedBackend(heads, kv_heads, head_dim), CPU, dtype, atol)
 
     return setup
 
@@ -267,6 +269,50 @@ def test_long_tailed_decode_with_chunks(name):
     Case(setup, query_lens, starts, 16, 9, 3, 64, random.Random(0), 0).run(check_history=False)
 
 
+# (heads, KV heads, head_dim) the kernel is compiled for: SmolLM2's, and groups of 4, 1 and 6 at two head sizes.
+_KERNEL_SHAPES = [(9, 3, 64), (8, 2, 128), (8, 8, 64), (6, 1, 64)]
+
+
+@pytest.mark.parametrize("name", SETUPS)
+@pytest.mark.parametrize("seed", range(4))
+@torch.inference_mode()
+def test_rows_verifying_drafts_equal_the_reference(name, seed):
+    """Rows of 1, 2, 5, 9, 16 and 32 queries (a last token and its drafts) in one step with prefill chunks:
+    contexts on and off block boundaries and shorter than the window, with windows and soft-caps."""
+    rng = random.Random(200 + seed)
+    heads, kv_heads, head_dim = _KERNEL_SHAPES[seed]
+    window, cap = [(None, None), (7, None), (None, 1.5), (40, 2.0)][seed]
+    query_lens = [1, 2, 5, 9, 16, 32, 5, 2, 40, 100, 33]
+    # Contexts: as short as the row (a fresh prompt), block-aligned, shorter than the window, any.
+    contexts = [max(q, c) for q, c in zip(query_lens, [1, 2, 32, 16, 48, 32, 6, 300, 40, 700, 33])]
+    contexts = [c + rng.choice([0, 0, rng.randint(1, 200)]) for c in contexts]
+    starts = [c - q for q, c in zip(query_lens, contexts)]
+    setup = SETUPS[name](heads, kv_heads, head_dim, ((window, cap),))
+    if isinstance(setup.backend, CpuPagedBackend):
+        # Every row of up to DECODE_QUERY_MAX queries goes to the kernel; the rest to SDPA.
+        meta = setup.backend.build_from_rows(query_lens, starts, torch.zeros(len(starts), 64, dtype=torch.int64), 16)
+        assert sorted(int(q) for b in meta.decode for q in b.query_lens) == sorted(
+            q for q in query_lens if q <= cpu_paged.DECODE_QUERY_MAX
+        )
+        assert len(meta.prefill) > 0
+    Case(setup, query_lens, starts, 16, heads, kv_heads, head_dim, rng, seed, window, cap).run()
+
+
+@pytest.mark.parametrize("threads", [1, 2, 8])
+@torch.inference_mode()
+def test_cpu_paged_splits_a_lone_verifying_row_over_threads(threads):
+    """A step of one row has fewer (row, KV head) tasks than two per thread: its queries are split into tiles,
+    each a task; every split equals the reference."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for q, ctx, window in [(9, 700, None), (5, 37, 8), (2, 2, None), (16, 16, 3)]:
+            setup = SETUPS["cpu_paged"](9, 3, 64)
+            Case(setup, [q], [ctx - q], 16, 9, 3, 64, random.Random(q), q, window).run(check_history=False)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_attention_backend_flag_reaches_the_worker_config():
     parser = build_parser()
     assert "--attention-backend" in parser.format_help()
@@ -358,8 +404,9 @@ def test_cpu_paged_reads_strided_queries_as_the_model_passes_them():
     token_index = torch.tensor([3, 0, 4, 1, 2])
     out = torch.full((5, heads, dim), float("nan"))
     torch.ops.pipeline_cpu.paged_decode(
-        out, q, k_cache, v_cache, token_index, block_ids, context_lens, 0.125, bs, 0, 0.0
-    )
+        out, q, k_cache, v_cache, token_index, torch.ones(5, dtype=torch.int64), block_ids, context_lens, 0.125, bs,
+        0, 0.0,
+    )  # fmt: skip
     for r in range(5):
         slot = (block_ids[r][:, None] * bs + torch.arange(bs)).flatten()[: context_lens[r]]
         keys = k_cache[:, slot].repeat_interleave(heads // kv_heads, 0)

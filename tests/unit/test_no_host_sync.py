@@ -67,15 +67,21 @@ PARAMS = {
 }
 
 
-def tiny_model(max_position_embeddings: int = 256, attention_backend: str = "auto", vocab_size: int = 512) -> CausalLM:
+def tiny_model(
+    max_position_embeddings: int = 256,
+    attention_backend: str = "auto",
+    vocab_size: int = 512,
+    heads: tuple[int, int, int] = (4, 2, 16),
+) -> CausalLM:
+    """A random 2-layer Llama; ``heads``: (query heads, KV heads, head size)."""
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=64,
+        hidden_size=heads[0] * heads[2],
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads[0],
+        num_key_value_heads=heads[1],
         max_position_embeddings=max_position_embeddings,
     )
     return ours_from_hf(transformers.LlamaForCausalLM(cfg), attention_backend=attention_backend)

@@ -27,6 +27,7 @@ from pipeline.common.descriptor_builder import DescriptorBuilder
 from pipeline.common.messages import SamplingParams
 from pipeline.common.step_protocol import DRAFT_TOKEN_ID, PLACEHOLDER_TOKEN_ID, StepDescriptor, read_descriptor
 from pipeline.gpu_worker import sampler
+from pipeline.gpu_worker.attention import cpu_paged
 from pipeline.gpu_worker.device import DeviceOps
 from pipeline.gpu_worker.executor import ModelExecutor
 from pipeline.gpu_worker.model_runner import ModelRunner
@@ -40,10 +41,10 @@ VOCAB = 32
 CPU = torch.device("cpu")
 
 
-def tiny_model() -> CausalLM:
+def tiny_model(heads: tuple[int, int, int] = (4, 2, 16)) -> CausalLM:
     """A random Llama over a small vocabulary with peaked distributions: its outputs repeat, so drafts
-    are accepted, also when sampling."""
-    model = random_llama(vocab_size=VOCAB)
+    are accepted, also when sampling. ``heads`` as ``random_llama``'s."""
+    model = random_llama(vocab_size=VOCAB, heads=heads)
     with torch.no_grad():
         model.model.norm.weight.mul_(6.0)
     return model
@@ -128,13 +129,12 @@ class MiniScheduler:
             r.out += got[:keep]
 
 
-def make_runner(k: int, guard: SyncGuard | None, draft: CausalLM | None = None):
-    """A runner of ``tiny_model`` with prompt lookup (``k`` drafts), or with ``draft`` as its draft model."""
+def make_runner(k: int, guard: SyncGuard | None, model: CausalLM, draft: CausalLM | None = None):
+    """A runner of ``model`` with prompt lookup (``k`` drafts), or with ``draft`` as its draft model."""
     cfg = engine_config()
     if k:
         method = SpeculativeConfig("ngram", k, 1, 3) if draft is None else SpeculativeConfig("draft_model", k)
         cfg = msgspec.structs.replace(cfg, speculative=method)
-    model = tiny_model()
     if guard is None:
         return ModelRunner(cfg, ModelExecutor(cfg, model, CPU, torch.float32), CPU, DeviceOps(CPU), draft)
     for m in (model, draft) if draft is not None else (model,):
@@ -148,12 +148,13 @@ def run(
     k: int,
     pipelined: bool,
     guard: SyncGuard | None = None,
+    heads: tuple[int, int, int] = (4, 2, 16),
     draft: CausalLM | None = None,
     vary_k: bool = True,
 ) -> list[Req]:
     if guard is not None:
         sampler._COUNTER_BITS.clear()  # made outside the guard, it would not know them as device tensors
-    runner = make_runner(k, guard, draft)
+    runner = make_runner(k, guard, tiny_model(heads), draft)
     sched = MiniScheduler(runner, reqs, k, vary_k)
 
     def launch(x):
@@ -225,4 +226,22 @@ def test_speculation_gives_the_tokens_of_one_at_a_time(guard, params, pipelined,
         if params.logprobs >= 0:
             np.testing.assert_allclose(s.logprobs, p.logprobs, atol=1e-4)
     # Speculation happened: drafts were accepted and rejected.
+    assert sum(r.accepted for r in spec) > 0 and sum(r.rejected for r in spec) > 0
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED, PENALIZED], ids=["greedy", "sampled", "penalized"])
+@pytest.mark.parametrize("pipelined", [True, False], ids=["async", "lock_step"])
+def test_verify_rows_through_the_cpu_paged_kernel(params, pipelined):
+    """SmolLM2's attention shape (3 query heads per KV head of size 64), which ``auto`` runs on the cpu_paged
+    kernel, verify rows included: the same tokens and log-probabilities as one at a time."""
+    if cpu_paged.unavailable_reason() is not None:
+        pytest.skip(f"cpu_paged cannot run here: {cpu_paged.unavailable_reason()}")
+    backend = tiny_model((3, 1, 64)).attn_backend
+    assert backend.name == "cpu_paged" and backend.decode_query_max > K
+    plain = run(requests(params), 0, pipelined=False, heads=(3, 1, 64))
+    spec = run(requests(params), K, pipelined, heads=(3, 1, 64))
+    for p, s in zip(plain, spec, strict=True):
+        assert s.out == p.out and len(s.out) == s.params.max_tokens
+        if params.logprobs >= 0:
+            np.testing.assert_allclose(s.logprobs, p.logprobs, atol=1e-4)
     assert sum(r.accepted for r in spec) > 0 and sum(r.rejected for r in spec) > 0

@@ -98,7 +98,7 @@ def _cpu_paged(m: ModelShape) -> AttentionBackend:
             f"cpu_paged attention is not built for {m.num_heads} heads over {m.num_kv_heads} KV heads "
             f"of size {m.head_dim}"
         )
-    return cpu_paged.CpuPagedBackend()
+    return cpu_paged.CpuPagedBackend(m.num_heads, m.num_kv_heads, m.head_dim)
 
 
 @ATTENTION_BACKENDS.register("torch_bucketed")

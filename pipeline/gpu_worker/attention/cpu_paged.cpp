@@ -1,11 +1,11 @@
-// Paged decode attention on the CPU, reading the KV cache in place (docs/design.md, "Attention backends").
+// Paged attention of decode rows on the CPU, reading the KV cache in place (docs/design.md, "Attention backends").
 //
-// One query per row; each (row, KV head) task reads that row's keys (all, or a sliding window's last) block by
-// block straight from the head-major cache, so no per-layer copy of the
-// row's K/V is made. Two passes over the row's context: scores (each key row
-// loaded once for the KV head's whole query group), then softmax and the
-// weighted sum of values. Built at start-up by cpu_paged.py; compiled for the
-// host CPU, so the inner loops vectorize with its widest SIMD.
+// A row has q >= 1 queries at consecutive positions ending at its context's end: its last token, and with
+// speculative decoding the drafts it verifies. Each (row, KV head) task reads that row's keys (all, or the
+// sliding windows' last) block by block straight from the head-major cache, so no per-layer copy of the row's
+// K/V is made. Two passes over the row's context: scores (each key row loaded once for all the row's queries
+// of the KV head's group), then per query softmax and the weighted sum of values. Built at start-up by
+// cpu_paged.py; compiled for the host CPU, so the inner loops vectorize with its widest SIMD.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -58,25 +58,43 @@ inline void dot4(const float* qg, const T* k0, int64_t stride, float* out) {
 }
 #endif
 
-// One (row, KV head) task: the G queries sharing the head against the row's keys first .. ctx - 1 (the whole
-// context, or a sliding window's last keys). G and D are compile-time so the queries and accumulators stay in
-// registers. softcap > 0 caps each score s to softcap * tanh(s / softcap) (Gemma 2).
-template <typename T, int G, int D>
-void decode_task(const T* q_rows[G], T* out_rows[G], const T* k_head, const T* v_head, const int64_t* row_blocks,
-                 int64_t ctx, int64_t first, int64_t block_size, float scale, float softcap,
-                 std::vector<float>& scores) {
-  float qf[G][D], acc[G][D];
-  for (int g = 0; g < G; ++g)
-    for (int d = 0; d < D; ++d) qf[g][d] = static_cast<float>(q_rows[g][d]) * scale, acc[g][d] = 0.f;
-  const int64_t n_keys = ctx - first, b0 = first / block_size, b_end = (ctx - 1) / block_size + 1;
-  scores.resize(G * n_keys);
+// Per-thread scratch of the tasks: scores [G * q, n_keys]; the scaled queries of a multi-query row.
+struct Scratch {
+  std::vector<float> scores, queries;
+};
+
+// One (row, KV head) task: the row's nq queries, at positions ctx - nq .. ctx - 1, times the G query heads sharing
+// the KV head (query j = i * G + g). Query i sees keys first_i .. ctx - nq + i: all of them, or a sliding window's
+// last. Each key row is loaded once for all G * nq queries. G and D are compile-time so the accumulators stay in
+// registers; Q = 1 compiles the decode row (its queries in registers too), Q = 0 takes nq at run time.
+// softcap > 0 caps each score s to softcap * tanh(s / softcap) (Gemma 2).
+template <typename T, int G, int D, int Q>
+void attend_task(const T* q0, int64_t q_tok, int64_t q_head, T* o0, int64_t o_tok, int64_t o_head, int64_t nq_run,
+                 const T* k_head, const T* v_head, const int64_t* row_blocks, int64_t ctx, int64_t window,
+                 int64_t block_size, float scale, float softcap, Scratch& scratch) {
+  const int64_t nq = Q ? Q : nq_run, nj = G * nq;
+  float q_local[Q ? G * Q : 1][D];
+  if constexpr (Q == 0) scratch.queries.resize(nj * D);
+  float(*qf)[D] = Q ? q_local : reinterpret_cast<float(*)[D]>(scratch.queries.data());
+  for (int64_t i = 0; i < nq; ++i)
+    for (int g = 0; g < G; ++g)
+      for (int d = 0; d < D; ++d) qf[i * G + g][d] = static_cast<float>(q0[i * q_tok + g * q_head + d]) * scale;
+  // Query i attends keys [first_of(i), ctx - nq + i + 1).
+  const auto first_of = [&](int64_t i) {
+    return window > 0 ? std::max<int64_t>(ctx - nq + i + 1 - window, 0) : int64_t{0};
+  };
+  const int64_t first = first_of(0), n_keys = ctx - first;
+  const int64_t b0 = first / block_size, b_end = (ctx - 1) / block_size + 1;
+  scratch.scores.resize(nj * n_keys);
+  float* scores = scratch.scores.data();
   const int64_t block_bytes = block_size * D * sizeof(T);
-  // Pass 1: scaled scores, [G, n_keys]; each key row is loaded once for the whole query group.
+  // Pass 1: scaled scores of every query against every key of the row's range (a query's keys outside its own
+  // range are computed but left out of its softmax and sum).
   for (int64_t b = b0; b < b_end; ++b) {
     const int64_t base = b * block_size;
     const int64_t lo = std::max<int64_t>(first - base, 0), hi = std::min(block_size, ctx - base);
     const T* kb = k_head + row_blocks[b] * block_size * D;
-    float* sb = scores.data() + base - first;  // scores of this block's keys, for query 0
+    float* sb = scores + base - first;  // scores of this block's keys, for query 0
     // Prefetch two blocks ahead (one block's compute did not cover a fetch), and V's first two
     // blocks during the last K block, so they arrive while the softmax runs.
     if (b == b0) {
@@ -92,59 +110,67 @@ void decode_task(const T* q_rows[G], T* out_rows[G], const T* k_head, const T* v
 #if defined(__AVX512F__)
     if constexpr (D % 16 == 0) {
       for (; t + 4 <= hi; t += 4)
-        for (int g = 0; g < G; ++g) dot4<T, D>(qf[g], kb + t * D, D, sb + g * n_keys + t);
+        for (int64_t j = 0; j < nj; ++j) dot4<T, D>(qf[j], kb + t * D, D, sb + j * n_keys + t);
     }
 #endif
     for (; t < hi; ++t) {
       const T* kr = kb + t * D;
-      for (int g = 0; g < G; ++g) {
+      for (int64_t j = 0; j < nj; ++j) {
         float s = 0.f;
 #pragma omp simd reduction(+ : s)
-        for (int d = 0; d < D; ++d) s += qf[g][d] * static_cast<float>(kr[d]);
-        sb[g * n_keys + t] = s;
+        for (int d = 0; d < D; ++d) s += qf[j][d] * static_cast<float>(kr[d]);
+        sb[j * n_keys + t] = s;
       }
     }
   }
   if (softcap > 0.f)
-    for (int64_t i = 0; i < G * n_keys; ++i) scores[i] = softcap * std::tanh(scores[i] / softcap);
-  // Softmax per query, unnormalised; the sum divides at the end.
-  float inv_sum[G];
-  for (int g = 0; g < G; ++g) {
-    float* sg = scores.data() + g * n_keys;
-    float mx = sg[0];
-    for (int64_t i = 1; i < n_keys; ++i) mx = std::max(mx, sg[i]);
-    float sum = 0.f;
+    for (int64_t i = 0; i < nj * n_keys; ++i) scores[i] = softcap * std::tanh(scores[i] / softcap);
+  for (int64_t i = 0; i < nq; ++i) {
+    const int64_t key_lo = first_of(i), key_hi = ctx - nq + i + 1;
+    // Softmax per query over its own keys, unnormalised; the sum divides at the end.
+    float inv_sum[G];
+    for (int g = 0; g < G; ++g) {
+      float* sg = scores + (i * G + g) * n_keys - first;  // indexed by key position
+      float mx = sg[key_lo];
+      for (int64_t k = key_lo + 1; k < key_hi; ++k) mx = std::max(mx, sg[k]);
+      float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < n_keys; ++i) {
-      sg[i] = std::exp(sg[i] - mx);
-      sum += sg[i];
+      for (int64_t k = key_lo; k < key_hi; ++k) {
+        sg[k] = std::exp(sg[k] - mx);
+        sum += sg[k];
+      }
+      inv_sum[g] = 1.f / sum;
     }
-    inv_sum[g] = 1.f / sum;
-  }
-  // Pass 2: weighted sum of values, accumulated in registers.
-  for (int64_t b = b0; b < b_end; ++b) {
-    const int64_t base = b * block_size;
-    const int64_t lo = std::max<int64_t>(first - base, 0), hi = std::min(block_size, ctx - base);
-    const T* vb = v_head + row_blocks[b] * block_size * D;
-    const float* sb = scores.data() + base - first;
-    if (b + 2 < b_end) prefetch_block(v_head + row_blocks[b + 2] * block_size * D, block_bytes);
-    for (int64_t t = lo; t < hi; ++t) {
-      const T* vr = vb + t * D;
-      for (int g = 0; g < G; ++g) {
-        const float p = sb[g * n_keys + t];
+    // Pass 2: weighted sum of values, accumulated in registers; query 0 reads V from memory, later ones from
+    // the core's cache.
+    float acc[G][D];
+    for (int g = 0; g < G; ++g)
+      for (int d = 0; d < D; ++d) acc[g][d] = 0.f;
+    const int64_t vb0 = key_lo / block_size, vb_end = (key_hi - 1) / block_size + 1;
+    for (int64_t b = vb0; b < vb_end; ++b) {
+      const int64_t base = b * block_size;
+      const int64_t lo = std::max<int64_t>(key_lo - base, 0), hi = std::min(block_size, key_hi - base);
+      const T* vb = v_head + row_blocks[b] * block_size * D;
+      const float* sb = scores + (i * G) * n_keys + base - first;
+      if (i == 0 && b + 2 < vb_end) prefetch_block(v_head + row_blocks[b + 2] * block_size * D, block_bytes);
+      for (int64_t t = lo; t < hi; ++t) {
+        const T* vr = vb + t * D;
+        for (int g = 0; g < G; ++g) {
+          const float p = sb[g * n_keys + t];
 #pragma omp simd
-        for (int d = 0; d < D; ++d) acc[g][d] += p * static_cast<float>(vr[d]);
+          for (int d = 0; d < D; ++d) acc[g][d] += p * static_cast<float>(vr[d]);
+        }
       }
     }
+    for (int g = 0; g < G; ++g)
+      for (int d = 0; d < D; ++d) o0[i * o_tok + g * o_head + d] = static_cast<T>(acc[g][d] * inv_sum[g]);
   }
-  for (int g = 0; g < G; ++g)
-    for (int d = 0; d < D; ++d) out_rows[g][d] = static_cast<T>(acc[g][d] * inv_sum[g]);
 }
 
 template <typename T, int G, int D>
-void decode_rows(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                 const at::Tensor& token_index, const at::Tensor& block_ids, const at::Tensor& context_lens,
-                 double scale, int64_t block_size, int64_t window, double softcap) {
+void attend_rows(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const at::Tensor& token_index, const at::Tensor& query_lens, const at::Tensor& block_ids,
+                 const at::Tensor& context_lens, double scale, int64_t block_size, int64_t window, double softcap) {
   const int64_t rows = block_ids.size(0), max_blocks = block_ids.size(1);
   const int64_t kv_heads = k_cache.size(0), slots = k_cache.size(1);
   const int64_t q_row = q.stride(0), q_head = q.stride(1), o_row = out.stride(0), o_head = out.stride(1);
@@ -153,21 +179,33 @@ void decode_rows(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache
   const T* vp = v_cache.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const int64_t* tok = token_index.data_ptr<int64_t>();
+  const int64_t* qlens = query_lens.data_ptr<int64_t>();
   const int64_t* bids = block_ids.data_ptr<int64_t>();
   const int64_t* ctxs = context_lens.data_ptr<int64_t>();
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+  const float scale_f = static_cast<float>(scale), softcap_f = static_cast<float>(softcap);
+  // Fewer (row, KV head) pairs than two per thread (one row verifying its drafts): each pair's queries are split
+  // into up to `splits` tiles, each a task that reads the row's keys again (from the shared cache).
+  const int64_t pairs = rows * kv_heads;
+  int64_t splits = (2 * at::get_num_threads() + pairs - 1) / pairs;
+  if (splits > 1) splits = std::min(splits, *std::max_element(qlens, qlens + rows));
+  at::parallel_for(0, pairs * splits, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / kv_heads, h = task % kv_heads;
-      const T* q_rows[G];
-      T* out_rows[G];
-      for (int g = 0; g < G; ++g) {
-        q_rows[g] = qp + tok[r] * q_row + (h * G + g) * q_head;
-        out_rows[g] = op + tok[r] * o_row + (h * G + g) * o_head;
-      }
-      const int64_t first = window > 0 ? std::max<int64_t>(ctxs[r] - window, 0) : 0;
-      decode_task<T, G, D>(q_rows, out_rows, kp + h * slots * D, vp + h * slots * D, bids + r * max_blocks, ctxs[r],
-                           first, block_size, static_cast<float>(scale), static_cast<float>(softcap), scores);
+      const int64_t r = task / splits / kv_heads, h = task / splits % kv_heads, tile = task % splits;
+      // A tile is the row's queries i0 .. i1 - 1: a row of i1 - i0 queries ending at context ctx - (q - i1).
+      const int64_t i0 = tile * qlens[r] / splits, i1 = (tile + 1) * qlens[r] / splits, nq = i1 - i0;
+      if (nq == 0) continue;
+      const int64_t ctx = ctxs[r] - (qlens[r] - i1);
+      const T* q0 = qp + (tok[r] + i0) * q_row + h * G * q_head;
+      T* o0 = op + (tok[r] + i0) * o_row + h * G * o_head;
+      const T* k_head = kp + h * slots * D;
+      const T* v_head = vp + h * slots * D;
+      if (nq == 1)
+        attend_task<T, G, D, 1>(q0, q_row, q_head, o0, o_row, o_head, 1, k_head, v_head, bids + r * max_blocks, ctx,
+                                window, block_size, scale_f, softcap_f, scratch);
+      else
+        attend_task<T, G, D, 0>(q0, q_row, q_head, o0, o_row, o_head, nq, k_head, v_head, bids + r * max_blocks, ctx,
+                                window, block_size, scale_f, softcap_f, scratch);
     }
   });
 }
@@ -178,12 +216,13 @@ void decode_rows(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache
 
 template <typename T>
 bool dispatch(int64_t group, int64_t dim, at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
-              const at::Tensor& v_cache, const at::Tensor& token_index, const at::Tensor& block_ids,
-              const at::Tensor& context_lens, double scale, int64_t block_size, int64_t window, double softcap) {
+              const at::Tensor& v_cache, const at::Tensor& token_index, const at::Tensor& query_lens,
+              const at::Tensor& block_ids, const at::Tensor& context_lens, double scale, int64_t block_size,
+              int64_t window, double softcap) {
 #define PIPELINE_RUN(G, D)                                                                                        \
   if (group == G && dim == D) {                                                                                 \
-    decode_rows<T, G, D>(out, q, k_cache, v_cache, token_index, block_ids, context_lens, scale, block_size,    \
-                         window, softcap);                                                                      \
+    attend_rows<T, G, D>(out, q, k_cache, v_cache, token_index, query_lens, block_ids, context_lens, scale,    \
+                         block_size, window, softcap);                                                          \
     return true;                                                                                                \
   }
   PIPELINE_SHAPES(PIPELINE_RUN)
@@ -199,22 +238,23 @@ bool supports(int64_t group, int64_t dim) {
 }
 
 void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                  const at::Tensor& token_index, const at::Tensor& block_ids, const at::Tensor& context_lens,
-                  double scale, int64_t block_size, int64_t window, double softcap) {
+                  const at::Tensor& token_index, const at::Tensor& query_lens, const at::Tensor& block_ids,
+                  const at::Tensor& context_lens, double scale, int64_t block_size, int64_t window, double softcap) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous [KVH, slots, D]");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "q and out need contiguous head_dim");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type(), "dtype mismatch");
-  TORCH_CHECK(block_ids.is_contiguous() && token_index.is_contiguous() && context_lens.is_contiguous(),
+  TORCH_CHECK(block_ids.is_contiguous() && token_index.is_contiguous() && query_lens.is_contiguous() &&
+                  context_lens.is_contiguous(),
               "index tensors must be contiguous");
   TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "query heads must be a multiple of KV heads");
   const int64_t group = q.size(1) / k_cache.size(0), dim = k_cache.size(2);
   bool done = false;
   if (q.scalar_type() == at::kFloat) {
-    done = dispatch<float>(group, dim, out, q, k_cache, v_cache, token_index, block_ids, context_lens, scale,
-                           block_size, window, softcap);
+    done = dispatch<float>(group, dim, out, q, k_cache, v_cache, token_index, query_lens, block_ids, context_lens,
+                           scale, block_size, window, softcap);
   } else if (q.scalar_type() == at::kBFloat16) {
-    done = dispatch<at::BFloat16>(group, dim, out, q, k_cache, v_cache, token_index, block_ids, context_lens, scale,
-                                  block_size, window, softcap);
+    done = dispatch<at::BFloat16>(group, dim, out, q, k_cache, v_cache, token_index, query_lens, block_ids,
+                                  context_lens, scale, block_size, window, softcap);
   } else {
     TORCH_CHECK(false, "paged_decode supports float32 and bfloat16, got ", q.scalar_type());
   }
@@ -226,7 +266,8 @@ void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache
 TORCH_LIBRARY(pipeline_cpu, m) {
   m.def(
       "paged_decode(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor token_index, "
-      "Tensor block_ids, Tensor context_lens, float scale, int block_size, int window, float softcap) -> ()");
+      "Tensor query_lens, Tensor block_ids, Tensor context_lens, float scale, int block_size, int window, "
+      "float softcap) -> ()");
   m.def("supports(int group, int head_dim) -> bool", &supports);
 }
 

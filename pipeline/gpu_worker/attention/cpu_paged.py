@@ -1,4 +1,4 @@
-"""The ``cpu_paged`` attention backend: decode rows read the paged cache in place.
+"""The ``cpu_paged`` attention backend: decode rows, drafts included, read the paged cache in place.
 
 ``torch_bucketed`` copies each bucket's blocks into a scratch buffer in every
 layer before its SDPA call: for a 64-request decode step at contexts of 300
@@ -8,9 +8,11 @@ of the step (docs/design.md, "Attention backends"). Here decode rows go through 
 C++ kernel (``cpu_paged.cpp``) that reads each row's keys and values block
 by block straight from the cache, as vLLM's CPU paged-attention kernel does:
 one task per (row, KV head), on torch's intra-op threads, its cost following
-the row's own context (no buckets, no padding). Prefill rows keep
-``torch_bucketed``'s path (one SDPA call per bucket: its GEMM-shaped work
-suits SDPA), and the cache memory is used head-major as there.
+the row's own context (no buckets, no padding). A row of up to
+``DECODE_QUERY_MAX`` queries (a decode row verifying its speculative drafts)
+runs there too, its keys read once for all its queries. Longer rows (prefill
+chunks) keep ``torch_bucketed``'s path (one SDPA call per bucket: its
+GEMM-shaped work suits SDPA), and the cache memory is used head-major as there.
 
 The kernel is compiled for the host CPU at start-up by
 ``torch.utils.cpp_extension`` (ninja and a C++ compiler; about 10 s, then
@@ -44,6 +46,10 @@ _SOURCE = Path(__file__).with_name("cpu_paged.cpp")
 # reassociate; both stay within float32 rounding of the reference (the tests'
 # 1e-5).
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"]
+
+# Rows of up to this many queries go to the kernel; past it SDPA's GEMM-shaped work wins (docs/design.md,
+# "Attention backends").
+DECODE_QUERY_MAX = 32
 
 
 def _host_tag() -> str:
@@ -116,6 +122,9 @@ class CpuPagedBackend(TorchBucketedBackend):
     """Decode rows by the in-place paged kernel, prefill rows as ``torch_bucketed`` (see the module docstring).
 
     Args:
+        num_heads, num_kv_heads, head_dim: the model's attention shape; rows of several queries go to the kernel
+            only for a shape it is compiled for (0: not known, decode rows of one query only).
+        decode_query_max: rows of up to this many queries go to the kernel (1: decode rows without drafts).
         slack, min_pad, min_query_pad: prefill bucket limits (see
             ``plan_buckets``).
 
@@ -125,12 +134,21 @@ class CpuPagedBackend(TorchBucketedBackend):
 
     name = "cpu_paged"
 
-    def __init__(self, **limits) -> None:
+    def __init__(
+        self,
+        num_heads: int = 0,
+        num_kv_heads: int = 0,
+        head_dim: int = 0,
+        decode_query_max: int = DECODE_QUERY_MAX,
+        **limits,
+    ) -> None:
         super().__init__(head_major=True, **limits)
         reason = unavailable_reason()
         if reason is not None:
             raise RuntimeError(f"attention backend cpu_paged cannot run here: {reason}")
         self._kernel = torch.ops.pipeline_cpu.paged_decode
+        # The padded fallback for other shapes serves rows of one query only.
+        self.decode_query_max = decode_query_max if head_dim and supports(num_heads, num_kv_heads, head_dim) else 1
 
     def plan_decode(self, context_lens: np.ndarray) -> list[np.ndarray]:
         """All decode rows in one bucket: the kernel's cost already follows each row's own context."""
@@ -157,9 +175,14 @@ class CpuPagedBackend(TorchBucketedBackend):
                 # Reads q and writes out at each row's token index: no gathered copies; a window's
                 # older keys are not read at all.
                 self._kernel(
-                    out, q, k_cache, v_cache, b.token_index, b.block_ids, b.context_lens, scale, bs, window or 0,
-                    softcap or 0.0,
+                    out, q, k_cache, v_cache, b.token_index, b.query_lens, b.block_ids, b.context_lens, scale, bs,
+                    window or 0, softcap or 0.0,
                 )  # fmt: skip
+            elif self.decode_query_max > 1:
+                raise ValueError(
+                    f"cpu_paged was set up for another attention shape than {q.shape[1]} heads over {k.shape[1]} "
+                    f"KV heads of size {q.shape[2]}"
+                )
             else:  # a shape the kernel is not built for: correct, padded to the longest row
                 res = self.attend_bucket(q, k_cache, v_cache, b, bs, scale, window, softcap)
                 out.index_copy_(0, b.out_tokens, res)

@@ -1,7 +1,7 @@
 """The ``torch_bucketed`` attention backend: cost follows each request's own context.
 
 Padding every row to the step's longest context (``torch_sdpa``) makes one long request cost the
-whole batch its length. Here the step's rows are grouped on the host (``plan_buckets``) into a few
+whole batch its length. Here the step's rows are grouped on the host (``bucket_plan.plan_buckets``) into a few
 buckets of similar context (and, for prefill rows, chunk) length, within ``SLACK`` or ``MIN_PAD``,
 and each bucket is one SDPA call over its rows' own blocks. Decode queries run as
 ``[rows, KVH, H / KVH, D]``, so K/V are never expanded. The cache memory is used head-major
@@ -31,68 +31,11 @@ from pipeline.gpu_worker.attention.backend import (
     shifted_slots,
     slot_mapping,
 )
+from pipeline.gpu_worker.attention.bucket_plan import MIN_PAD, MIN_QUERY_PAD, SLACK, plan_buckets
 from pipeline.gpu_worker.attention.graph_decode import GraphDecodeMetadata, PaddedGraphDecode, graph_decode_attention
 from pipeline.gpu_worker.attention.kv_layout import HEAD_MAJOR, TOKEN_MAJOR, gather_blocks, write_kv
+from pipeline.gpu_worker.attention.prefix_table import PrefixTable
 from pipeline.gpu_worker.attention.torch_sdpa import GatherBuffer
-
-# A row joins a bucket whose (padded) context is at most SLACK x its own ...
-SLACK = 1.25
-# ... or at most MIN_PAD tokens longer (short rows: a call costs more than a few padded keys).
-MIN_PAD = 64
-# Prefill rows also need chunk lengths within SLACK of each other, or MIN_QUERY_PAD apart.
-MIN_QUERY_PAD = 16
-
-
-def plan_buckets(
-    context_lens: np.ndarray,
-    query_lens: np.ndarray,
-    slack: float = SLACK,
-    min_pad: int = MIN_PAD,
-    min_query_pad: int = MIN_QUERY_PAD,
-) -> list[np.ndarray]:
-    """Group rows of similar context (and query) length (docs/design.md, "Attention backends").
-
-    Greedy, longest context first: a bucket is opened by its longest row and
-    takes each next row (in descending context order) while the bucket's
-    longest context is within ``slack`` x (or ``min_pad`` tokens of) the
-    row's, and the bucket's query lengths stay within ``slack`` x (or
-    ``min_query_pad`` of) each other.
-
-    Args:
-        context_lens: ``[R]`` integer, each row's context in tokens (keys it attends), R >= 1.
-        query_lens: ``[R]`` integer, each row's queries in tokens.
-        slack, min_pad, min_query_pad: the limits above.
-
-    Returns:
-        The buckets, as int64 arrays of row indices in ascending order (so a
-        single bucket of every row keeps the step's order); longest bucket first.
-    """
-    order = np.argsort(-context_lens, kind="stable")
-    if query_lens.min() == query_lens.max():
-        # Equal queries (decode rows): a bucket opened at context ``top`` takes
-        # every next row down to min(top / slack, top - min_pad); one binary
-        # search per bucket instead of a Python step per row.
-        neg = -context_lens[order]  # ascending
-        buckets, i = [], 0
-        while i < order.size:
-            top = -neg[i]
-            j = int(np.searchsorted(neg, -min(top / slack, top - min_pad), side="right"))
-            buckets.append(np.sort(order[i:j]))
-            i = j
-        return buckets
-    ctx = context_lens[order].tolist()
-    ql = query_lens[order].tolist()
-    groups: list[list[int]] = []
-    top = q_min = q_max = 0
-    for i, (c, q) in enumerate(zip(ctx, ql, strict=True)):
-        lo, hi = min(q_min, q), max(q_max, q)
-        if groups and (top <= slack * c or top - c <= min_pad) and (hi <= slack * lo or hi - lo <= min_query_pad):
-            groups[-1].append(i)
-            q_min, q_max = lo, hi
-        else:
-            groups.append([i])
-            top, q_min, q_max = c, q, q
-    return [np.sort(order[g]) for g in groups]
 
 
 @dataclasses.dataclass
@@ -117,6 +60,8 @@ class Bucket:
             without a window (its position + 1): the count ``mask`` holds per query.
         context_lens: ``[rows]`` int64, each row's context in tokens (decode
             buckets; None for prefill).
+        query_lens: ``[rows]`` int64, each row's queries, the last ones of its
+            context (decode buckets; None for prefill).
         window_masks: ``mask`` narrowed to each sliding window used this
             step, made by the first layer that asks (``mask_for``).
     """
@@ -130,6 +75,7 @@ class Bucket:
     identity: bool
     visible: torch.Tensor
     context_lens: torch.Tensor | None = None
+    query_lens: torch.Tensor | None = None
     window_masks: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     def mask_for(self, window: int | None, prefix: PrefixTable) -> torch.Tensor:
@@ -151,50 +97,12 @@ class BucketedMetadata(AttentionMetadata):
     """Per-step layout for ``TorchBucketedBackend``, shared by every layer.
 
     Attributes (beyond ``AttentionMetadata``):
-        decode: buckets of rows with query_len == 1, longest first.
-        prefill: buckets of rows with query_len > 1, longest first.
+        decode: buckets of rows with query_len <= the backend's ``decode_query_max``, longest first.
+        prefill: buckets of the other rows, longest first.
     """
 
     decode: list[Bucket]
     prefill: list[Bucket]
-
-
-# Widest key range the prefix table serves ([w + 1, w] bool: 16 MiB at 4,096); wider masks are computed.
-_PREFIX_TABLE_MAX = 4096
-
-
-class PrefixTable:
-    """Masks of the form "the first ``n`` of ``width`` keys", as a row gather from a cached table.
-
-    ``table[n, k] = k < n``. A broadcast comparison writes an ``[R, W]`` bool
-    mask element by element, which on CPU torch costs about 0.5 ns per
-    element (140 us for 1,024 decode rows of 288 keys, more than the rest of
-    the step's metadata); gathering ``R`` rows of this table costs 12 us. On
-    a GPU both are one kernel. The table grows by doubling as contexts grow
-    (a rebuild costs one comparison of its size), up to
-    ``_PREFIX_TABLE_MAX`` keys; wider masks fall back to the comparison.
-    """
-
-    def __init__(self) -> None:
-        self.table: torch.Tensor | None = None
-
-    def rows(self, lengths: torch.Tensor, width: int) -> torch.Tensor:
-        """``[R, width]`` bool on ``lengths``' device: row ``r`` is True at ``k < lengths[r]``.
-
-        Args:
-            lengths: ``[R]`` int64 on the device, each in ``[0, width]``.
-            width: keys per row.
-        """
-        device = lengths.device
-        if width > _PREFIX_TABLE_MAX:
-            return torch.arange(width, device=device)[None, :] < lengths[:, None]
-        t = self.table
-        if t is None or t.shape[1] < width or t.device != device:
-            w = min(_PREFIX_TABLE_MAX, max(256, 1 << (width - 1).bit_length()))
-            # A normal tensor even when first made in inference mode: build_from_rows may run outside it.
-            with torch.inference_mode(False):
-                self.table = t = torch.arange(w, device=device)[None, :] < torch.arange(w + 1, device=device)[:, None]
-        return t[:, :width].index_select(0, lengths)
 
 
 def _block_ids(
@@ -283,14 +191,15 @@ class _HostDecode:
 
     bounds: list[tuple[int, int, int]]  # per bucket: first row, row count, n_blocks
     identity: bool
-    arrays: list[np.ndarray]  # req_indices [R], context_lens [R], token_index [R]
+    arrays: list[np.ndarray]  # req_indices [R], context_lens [R], token_index [R] (first query), query_lens [R]
 
 
 def _host_decode(layout: StepLayout, rows: np.ndarray, plan: list[np.ndarray], shifted: bool) -> _HostDecode:
-    """Every decode bucket's indices in three arrays (four ``shifted``: the rows too), so the build costs the
+    """Every decode bucket's indices in four arrays (five ``shifted``: the rows too), so the build costs the
     same for 1 bucket or 20."""
     order = rows[np.concatenate(plan)]
-    context_lens = layout.start_positions[order] + 1
+    query_lens = layout.query_lens[order]
+    context_lens = layout.start_positions[order] + query_lens
     row_blocks = -(-context_lens // layout.block_size)
     bounds, first = [], 0
     for b in plan:
@@ -300,7 +209,7 @@ def _host_decode(layout: StepLayout, rows: np.ndarray, plan: list[np.ndarray], s
     identity = (
         len(plan) == 1 and order.size == layout.num_tokens and bool((token_index == np.arange(layout.num_tokens)).all())
     )
-    arrays = [layout.req_indices[order], context_lens, token_index] + ([order] if shifted else [])
+    arrays = [layout.req_indices[order], context_lens, token_index, query_lens] + ([order] if shifted else [])
     return _HostDecode(bounds, identity, arrays)
 
 
@@ -313,9 +222,9 @@ def _device_decode(
     shift: torch.Tensor | None,
 ) -> list[Bucket]:
     """Decode buckets as views of one block-id table and one mask built on the device."""
-    req_indices, context_lens, token_index = dev[:3]
+    req_indices, context_lens, token_index, query_lens = dev[:4]
     if shift is not None:
-        context_lens = context_lens - shift.index_select(0, dev[3])
+        context_lens = context_lens - shift.index_select(0, dev[4])
     n_blocks = host.bounds[0][2]  # plan_buckets puts the longest bucket first
     block_ids = _block_ids(block_table, req_indices, context_lens, n_blocks, block_size, prefix)
     mask = prefix.rows(context_lens, n_blocks * block_size)[:, None, None, :]
@@ -330,6 +239,7 @@ def _device_decode(
             identity=host.identity,
             visible=context_lens[a : a + n],
             context_lens=context_lens[a : a + n],
+            query_lens=query_lens[a : a + n],
         )
         for a, n, nb in host.bounds
     ]
@@ -341,12 +251,17 @@ class TorchBucketedBackend(PaddedGraphDecode, AttentionBackend):
     Owns the ``GatherBuffer``
     its layers share and the ``PrefixTable`` its masks are read from.
 
+    Attributes:
+        decode_query_max: rows of up to this many queries go to the decode buckets; here 1, as those
+            buckets' SDPA call folds the query heads of one query.
+
     Args:
         head_major: use the cache memory head-major (faster gathers on CPU).
         slack, min_pad, min_query_pad: bucket limits (see ``plan_buckets``).
     """
 
     name = "torch_bucketed"
+    decode_query_max = 1
 
     def __init__(
         self, head_major: bool = True, slack: float = SLACK, min_pad: int = MIN_PAD, min_query_pad: int = MIN_QUERY_PAD
@@ -361,7 +276,7 @@ class TorchBucketedBackend(PaddedGraphDecode, AttentionBackend):
     ) -> BucketedMetadata:
         q_lens = layout.query_lens
         ctx = layout.start_positions + q_lens
-        is_decode = q_lens == 1
+        is_decode = q_lens <= self.decode_query_max
         shifted = shift is not None
         rows = np.flatnonzero(is_decode)
         decode = _host_decode(layout, rows, self.plan_decode(ctx[rows]), shifted) if rows.size else None

@@ -1,0 +1,68 @@
+"""Grouping a step's rows into buckets of similar context and query length (docs/design.md, "Attention backends").
+
+``torch_bucketed`` makes one SDPA call per bucket, so a row pays at most the bucket's padding over its own
+context, and a step makes a few calls per layer, not one per request.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# A row joins a bucket whose (padded) context is at most SLACK x its own ...
+SLACK = 1.25
+# ... or at most MIN_PAD tokens longer (short rows: a call costs more than a few padded keys).
+MIN_PAD = 64
+# Prefill rows also need chunk lengths within SLACK of each other, or MIN_QUERY_PAD apart.
+MIN_QUERY_PAD = 16
+
+
+def plan_buckets(
+    context_lens: np.ndarray,
+    query_lens: np.ndarray,
+    slack: float = SLACK,
+    min_pad: int = MIN_PAD,
+    min_query_pad: int = MIN_QUERY_PAD,
+) -> list[np.ndarray]:
+    """Group rows of similar context (and query) length (docs/design.md, "Attention backends").
+
+    Greedy, longest context first: a bucket is opened by its longest row and
+    takes each next row (in descending context order) while the bucket's
+    longest context is within ``slack`` x (or ``min_pad`` tokens of) the
+    row's, and the bucket's query lengths stay within ``slack`` x (or
+    ``min_query_pad`` of) each other.
+
+    Args:
+        context_lens: ``[R]`` integer, each row's context in tokens (keys it attends), R >= 1.
+        query_lens: ``[R]`` integer, each row's queries in tokens.
+        slack, min_pad, min_query_pad: the limits above.
+
+    Returns:
+        The buckets, as int64 arrays of row indices in ascending order (so a
+        single bucket of every row keeps the step's order); longest bucket first.
+    """
+    order = np.argsort(-context_lens, kind="stable")
+    if query_lens.min() == query_lens.max():
+        # Equal queries (decode rows): a bucket opened at context ``top`` takes
+        # every next row down to min(top / slack, top - min_pad); one binary
+        # search per bucket instead of a Python step per row.
+        neg = -context_lens[order]  # ascending
+        buckets, i = [], 0
+        while i < order.size:
+            top = -neg[i]
+            j = int(np.searchsorted(neg, -min(top / slack, top - min_pad), side="right"))
+            buckets.append(np.sort(order[i:j]))
+            i = j
+        return buckets
+    ctx = context_lens[order].tolist()
+    ql = query_lens[order].tolist()
+    groups: list[list[int]] = []
+    top = q_min = q_max = 0
+    for i, (c, q) in enumerate(zip(ctx, ql, strict=True)):
+        lo, hi = min(q_min, q), max(q_max, q)
+        if groups and (top <= slack * c or top - c <= min_pad) and (hi <= slack * lo or hi - lo <= min_query_pad):
+            groups[-1].append(i)
+            q_min, q_max = lo, hi
+        else:
+            groups.append([i])
+            top, q_min, q_max = c, q, q
+    return [np.sort(order[g]) for g in groups]
