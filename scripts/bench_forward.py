@@ -68,8 +68,8 @@ from pipeline.gpu_worker.attention.torch_bucketed import TorchBucketedBackend
 from pipeline.gpu_worker.models.loader import build_model, load_config, read_checkpoint
 
 
-def _step(model, kv_caches, query_lens, starts, block_table, block_size) -> None:
-    meta = model.attn_backend.build_from_rows(query_lens, starts, block_table, block_size)
+def _step(model, kv_caches, query_lens, starts, block_table, block_size, drafts=None) -> None:
+    meta = model.attn_backend.build_from_rows(query_lens, starts, block_table, block_size, drafts)
     input_ids = torch.zeros(meta.num_tokens, dtype=torch.int64)
     hidden = model(input_ids, meta.positions, meta, kv_caches)
     last = torch.cumsum(query_lens, 0) - 1
@@ -177,10 +177,12 @@ def run_cases(args, models: dict[str, torch.nn.Module]) -> None:
         for r in range(args.warmup + args.repeat):
             for c, (q, s) in cases.items():
                 ql, st = torch.tensor(q), torch.tensor(s)
+                # The verify cases' rows are a last token and its drafts; the others decode or prefill.
+                drafts = ql - 1 if c == "verify" or c.startswith("spec") else None
                 for b, (model, kv_caches, backend) in columns.items():
                     model.attn_backend = backend
                     t0 = clock()
-                    _step(model, kv_caches, ql, st, tables[c], bs)
+                    _step(model, kv_caches, ql, st, tables[c], bs, drafts)
                     if r >= args.warmup:
                         times[(c, b)].append((clock() - t0) * 1e3)
     base = "u300" if "u300" in cases else next(iter(cases))

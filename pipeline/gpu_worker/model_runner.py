@@ -393,7 +393,12 @@ class ModelRunner:
         rest of the rows' state and their next drafts). ``device_start``: when the step's device work
         began, if before this (``step.start_event`` then recorded)."""
         layout = StepLayout.build(
-            x.num_scheduled_tokens, x.start_pos, x.req_index, self.config.block_size, self.config.max_blocks_per_seq
+            x.num_scheduled_tokens,
+            x.start_pos,
+            x.req_index,
+            self.config.block_size,
+            self.config.max_blocks_per_seq,
+            x.num_draft_tokens,
         )
         shift = self.spec.shift(spec) if spec is not None else None
         meta = self.executor.build_metadata(layout, self.input_batch.block_table, self.ops.upload, shift)

@@ -150,7 +150,7 @@ class Case:
         )
         self.scale = head_dim**-0.5
 
-    def step(self, rows, query_lens, starts, check=True, ahead=None):
+    def step(self, rows, query_lens, starts, check=True, ahead=None, drafts=None):
         """One step of ``rows`` (through the backend's cache writes), checked against the reference.
 
         ``ahead``: per row, how far past its true start the host layout puts it; the backend gets it
@@ -162,7 +162,7 @@ class Case:
             for x in (self.q, self.k, self.v)
         )
         planned = starts if ahead is None else [st + a for st, a in zip(starts, ahead)]
-        layout = StepLayout.build(query_lens, planned, rows, self.block_size, self.block_table.shape[1])
+        layout = StepLayout.build(query_lens, planned, rows, self.block_size, self.block_table.shape[1], drafts)
         shift = None if ahead is None else torch.tensor(ahead, dtype=torch.int64, device=s.device)
         meta = s.backend.build_metadata(layout, self.block_table, self.upload, shift)
         qkv = (x.to(s.device, s.dtype) for x in (q, k, v))
@@ -195,13 +195,15 @@ class Case:
             rows = hist[j : j + 4]
             self.step(rows, [self.starts[i] for i in rows], [0] * len(rows), check)
 
-    def run(self, check_history=True, shifted=False):
+    def run(self, check_history=True, shifted=False, drafts=None):
+        """``drafts``: per request, the drafts its last queries verify (None: none)."""
         self.history(check_history)
         rows = list(range(len(self.starts)))
         self.rng.shuffle(rows)
         # Within the block table's three spare columns (entries past a row's context are garbage).
         ahead = [self.rng.randint(0, 3) for _ in rows] if shifted else None
-        self.step(rows, [self.query_lens[i] for i in rows], [self.starts[i] for i in rows], ahead=ahead)
+        d = None if drafts is None else [drafts[i] for i in rows]
+        self.step(rows, [self.query_lens[i] for i in rows], [self.starts[i] for i in rows], ahead=ahead, drafts=d)
 
 
 @pytest.mark.parametrize("name", SETUPS)
@@ -277,25 +279,29 @@ _KERNEL_SHAPES = [(9, 3, 64), (8, 2, 128), (8, 8, 64), (6, 1, 64)]
 @pytest.mark.parametrize("seed", range(4))
 @torch.inference_mode()
 def test_rows_verifying_drafts_equal_the_reference(name, seed):
-    """Rows of 1, 2, 5, 9, 16 and 32 queries (a last token and its drafts) in one step with prefill chunks:
-    contexts on and off block boundaries and shorter than the window, with windows and soft-caps."""
+    """Rows of 1, 2, 5, 9, 16 and 32 queries (a last token and its drafts) in one step with prefill chunks,
+    some as short as those rows: contexts on and off block boundaries and shorter than the window, with
+    windows and soft-caps."""
     rng = random.Random(200 + seed)
     heads, kv_heads, head_dim = _KERNEL_SHAPES[seed]
     window, cap = [(None, None), (7, None), (None, 1.5), (40, 2.0)][seed]
-    query_lens = [1, 2, 5, 9, 16, 32, 5, 2, 40, 100, 33]
+    query_lens = [1, 2, 5, 9, 16, 32, 5, 2, 40, 100, 33, 5, 16]
+    drafts = [q - 1 for q in query_lens[:11]] + [0, 0]  # the last two: short prefill chunks
     # Contexts: as short as the row (a fresh prompt), block-aligned, shorter than the window, any.
-    contexts = [max(q, c) for q, c in zip(query_lens, [1, 2, 32, 16, 48, 32, 6, 300, 40, 700, 33])]
+    contexts = [max(q, c) for q, c in zip(query_lens, [1, 2, 32, 16, 48, 32, 6, 300, 40, 700, 33, 5, 112])]
     contexts = [c + rng.choice([0, 0, rng.randint(1, 200)]) for c in contexts]
     starts = [c - q for q, c in zip(query_lens, contexts)]
     setup = SETUPS[name](heads, kv_heads, head_dim, ((window, cap),))
     if isinstance(setup.backend, CpuPagedBackend):
-        # Every row of up to DECODE_QUERY_MAX queries goes to the kernel; the rest to SDPA.
-        meta = setup.backend.build_from_rows(query_lens, starts, torch.zeros(len(starts), 64, dtype=torch.int64), 16)
+        # Every row verifying drafts with up to DECODE_QUERY_MAX queries goes to the kernel; prefill
+        # chunks, however short, and longer rows to SDPA.
+        table = torch.zeros(len(starts), 64, dtype=torch.int64)
+        meta = setup.backend.build_from_rows(query_lens, starts, table, 16, drafts)
         assert sorted(int(q) for b in meta.decode for q in b.query_lens) == sorted(
-            q for q in query_lens if q <= cpu_paged.DECODE_QUERY_MAX
+            q for q, d in zip(query_lens, drafts) if q == d + 1 and q <= cpu_paged.DECODE_QUERY_MAX
         )
         assert len(meta.prefill) > 0
-    Case(setup, query_lens, starts, 16, heads, kv_heads, head_dim, rng, seed, window, cap).run()
+    Case(setup, query_lens, starts, 16, heads, kv_heads, head_dim, rng, seed, window, cap).run(drafts=drafts)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 8])
@@ -308,7 +314,8 @@ def test_cpu_paged_splits_a_lone_verifying_row_over_threads(threads):
     try:
         for q, ctx, window in [(9, 700, None), (5, 37, 8), (2, 2, None), (16, 16, 3)]:
             setup = SETUPS["cpu_paged"](9, 3, 64)
-            Case(setup, [q], [ctx - q], 16, 9, 3, 64, random.Random(q), q, window).run(check_history=False)
+            case = Case(setup, [q], [ctx - q], 16, 9, 3, 64, random.Random(q), q, window)
+            case.run(check_history=False, drafts=[q - 1])
     finally:
         torch.set_num_threads(before)
 

@@ -79,6 +79,8 @@ class StepLayout:
         start_positions: ``[B]`` position of each request's first scheduled
             token (= tokens already in its KV cache).
         req_indices: ``[B]`` each request's row in the block table.
+        num_draft_tokens: ``[B]`` drafts among each request's last queries (a row verifying them);
+            0 for a decode row or a prefill chunk.
         block_size: tokens per KV cache block.
         token_starts: ``[B]`` exclusive cumulative sum of ``query_lens``.
         request_of_token: ``[T]`` the request each token belongs to.
@@ -89,6 +91,7 @@ class StepLayout:
     query_lens: np.ndarray
     start_positions: np.ndarray
     req_indices: np.ndarray
+    num_draft_tokens: np.ndarray
     block_size: int
     token_starts: np.ndarray
     request_of_token: np.ndarray
@@ -96,11 +99,14 @@ class StepLayout:
     num_tokens: int
 
     @classmethod
-    def build(cls, query_lens, start_positions, req_indices, block_size: int, max_blocks_per_seq: int) -> StepLayout:
+    def build(
+        cls, query_lens, start_positions, req_indices, block_size: int, max_blocks_per_seq: int, num_draft_tokens=None
+    ) -> StepLayout:
         """Check and lay out a step.
 
         Args:
             query_lens, start_positions, req_indices: ``[B]`` integer arrays (or host tensors).
+            num_draft_tokens: ``[B]`` integers, each below its query_len; None: no drafts.
             block_size: tokens per KV cache block.
             max_blocks_per_seq: width of a block-table row.
 
@@ -121,6 +127,9 @@ class StepLayout:
             raise ValueError(f"every query_len must be >= 1, got {q.tolist()}")
         if (s < 0).any():
             raise ValueError(f"start positions must be >= 0, got {s.tolist()}")
+        d = np.zeros_like(q) if num_draft_tokens is None else np.asarray(num_draft_tokens, dtype=np.int64)
+        if d.shape != q.shape or (d < 0).any() or (d >= q).any():
+            raise ValueError(f"num_draft_tokens must be [{q.size}] integers in 0 .. query_len - 1, got {d.tolist()}")
         longest = int((s + q).max())
         if longest > max_blocks_per_seq * block_size:
             raise ValueError(
@@ -135,6 +144,7 @@ class StepLayout:
             query_lens=q,
             start_positions=s,
             req_indices=np.asarray(req_indices, dtype=np.int64),
+            num_draft_tokens=d,
             block_size=block_size,
             token_starts=token_starts,
             request_of_token=request_of_token,
@@ -343,13 +353,14 @@ class AttentionBackend(ABC):
         raise NotImplementedError
 
     def build_from_rows(
-        self, query_lens, start_positions, block_table: torch.Tensor, block_size: int
+        self, query_lens, start_positions, block_table: torch.Tensor, block_size: int, num_draft_tokens=None
     ) -> AttentionMetadata:
         """``build_metadata`` with one block-table row per request, for CPU tensors (tests, benchmarks).
 
         Args:
             query_lens, start_positions: ``[B]`` host integers.
             block_table: ``[B, max_blocks_per_seq]`` integer CPU tensor, row ``i`` for request ``i``.
+            num_draft_tokens: as ``StepLayout.build``.
 
         Raises:
             ValueError: as ``StepLayout.build``, or a block table whose rows do not match.
@@ -359,5 +370,7 @@ class AttentionBackend(ABC):
             raise ValueError(
                 f"block_table must have shape ({num_reqs}, max_blocks_per_seq), got {tuple(block_table.shape)}"
             )
-        layout = StepLayout.build(query_lens, start_positions, np.arange(num_reqs), block_size, block_table.shape[1])
+        layout = StepLayout.build(
+            query_lens, start_positions, np.arange(num_reqs), block_size, block_table.shape[1], num_draft_tokens
+        )
         return self.build_metadata(layout, block_table.long(), host_upload)

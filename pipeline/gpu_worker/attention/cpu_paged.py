@@ -124,7 +124,8 @@ class CpuPagedBackend(TorchBucketedBackend):
     Args:
         num_heads, num_kv_heads, head_dim: the model's attention shape; rows of several queries go to the kernel
             only for a shape it is compiled for (0: not known, decode rows of one query only).
-        decode_query_max: rows of up to this many queries go to the kernel (1: decode rows without drafts).
+        decode_query_max: rows verifying drafts of up to this many queries go to the kernel (1: decode rows
+            only); prefill chunks never do.
         slack, min_pad, min_query_pad: prefill bucket limits (see
             ``plan_buckets``).
 

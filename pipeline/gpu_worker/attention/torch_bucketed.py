@@ -252,8 +252,9 @@ class TorchBucketedBackend(PaddedGraphDecode, AttentionBackend):
     its layers share and the ``PrefixTable`` its masks are read from.
 
     Attributes:
-        decode_query_max: rows of up to this many queries go to the decode buckets; here 1, as those
-            buckets' SDPA call folds the query heads of one query.
+        decode_query_max: rows verifying drafts of up to this many queries go to the decode buckets
+            (``StepLayout.num_draft_tokens``); here 1, as those buckets' SDPA call folds the query heads
+            of one query.
 
     Args:
         head_major: use the cache memory head-major (faster gathers on CPU).
@@ -276,7 +277,9 @@ class TorchBucketedBackend(PaddedGraphDecode, AttentionBackend):
     ) -> BucketedMetadata:
         q_lens = layout.query_lens
         ctx = layout.start_positions + q_lens
-        is_decode = q_lens <= self.decode_query_max
+        # A decode row, or one verifying its drafts (up to decode_query_max queries); a prefill chunk,
+        # however short, stays on SDPA, so a cached prompt's tail computes as the whole prompt would.
+        is_decode = (q_lens - layout.num_draft_tokens == 1) & (q_lens <= self.decode_query_max)
         shifted = shift is not None
         rows = np.flatnonzero(is_decode)
         decode = _host_decode(layout, rows, self.plan_decode(ctx[rows]), shifted) if rows.size else None
