@@ -24,7 +24,8 @@ from pipeline.common.heartbeat import Heartbeats
 from pipeline.common.process import StopFlag, Stopped, freeze_startup_heap, report
 from pipeline.common.shm_ring import RingTimeout, ShmRing
 from pipeline.common.step_clock import WorkerClock
-from pipeline.common.step_protocol import StepDescriptor, StepOutput, read_descriptor
+from pipeline.common.step_output import StepOutput
+from pipeline.common.step_protocol import StepDescriptor, read_descriptor
 from pipeline.common.trace import TraceRecorder
 from pipeline.gpu_worker.attention import make_backend
 from pipeline.gpu_worker.cpu_threads import ThreadGovernor, usable_cpus

@@ -36,7 +36,8 @@ import numpy as np
 import torch
 
 from pipeline.common.config import EngineConfig
-from pipeline.common.step_protocol import MAX_LOGPROBS, PLACEHOLDER_TOKEN_ID, StepInputs, TokenLogprobs
+from pipeline.common.step_output import MAX_LOGPROBS, TokenLogprobs
+from pipeline.common.step_protocol import PLACEHOLDER_TOKEN_ID, StepInputs
 from pipeline.gpu_worker.attention.backend import StepLayout
 from pipeline.gpu_worker.device import DeviceClock, DeviceOps, Staged, UploadBatch, device_ops
 from pipeline.gpu_worker.draft_model import DraftModel
