@@ -34,7 +34,7 @@ from pipeline.gpu_worker.rejection_sampler import VerifyInputs
 from pipeline.gpu_worker.sim_device import sim_drafts
 
 if TYPE_CHECKING:
-    from pipeline.gpu_worker.model_runner import LaunchedStep
+    from pipeline.gpu_worker.launched_step import LaunchedStep
 
 
 @dataclass
