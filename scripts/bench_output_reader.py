@@ -42,7 +42,7 @@ from pipeline.common.constants import SIM_WORD_ID_RANGE
 from pipeline.common.messages import SamplingParams
 from pipeline.common.process import freeze_startup_heap
 from pipeline.common.shm_ring import ShmRing
-from pipeline.common.step_protocol import OUTPUT_READER_SCHEDULER, StepOutput
+from pipeline.common.step_output import OUTPUT_READER_SCHEDULER, StepOutput
 from pipeline.common.trace import TraceRecorder
 from pipeline.io_proc.engine_client import EngineClient
 from pipeline.io_proc.tokenization import Tokenization, load_tokenizer

@@ -28,7 +28,8 @@ import numpy as np
 
 from pipeline.common.constants import cdiv
 from pipeline.common.messages import AddRequest, SamplingParams
-from pipeline.common.step_protocol import StepDescriptor, StepOutput
+from pipeline.common.step_output import StepOutput
+from pipeline.common.step_protocol import StepDescriptor
 from pipeline.scheduler_proc.scheduler import Scheduler
 
 

@@ -9,13 +9,8 @@ from pipeline.common.constants import cdiv
 from pipeline.common.heartbeat import Heartbeats
 from pipeline.common.layouts import Layout
 from pipeline.common.shm_ring import ShmRing
-from pipeline.common.step_protocol import (
-    DESCRIPTOR_RING_ENTRIES,
-    MASK_BITS,
-    OUTPUT_RING_ENTRIES,
-    StepDescriptor,
-    StepOutput,
-)
+from pipeline.common.step_output import OUTPUT_RING_ENTRIES, StepOutput
+from pipeline.common.step_protocol import DESCRIPTOR_RING_ENTRIES, MASK_BITS, StepDescriptor
 
 # Speculative decoding methods (vLLM's names for --speculative-config's "method").
 SPECULATIVE_METHODS = ("ngram", "draft_model")

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.common.step_protocol import MAX_LOGPROBS, StepInputs
+from pipeline.common.step_output import MAX_LOGPROBS
+from pipeline.common.step_protocol import StepInputs
 
 # log_softmax of finite logits is finite, but a -inf logit (a masked token)
 # would give -inf, which JSON cannot carry: clamp to the float32 range.

@@ -24,12 +24,14 @@ from pipeline.common.heartbeat import Heartbeats
 from pipeline.common.process import StopFlag, Stopped, freeze_startup_heap, report
 from pipeline.common.shm_ring import RingTimeout, ShmRing
 from pipeline.common.step_clock import WorkerClock
-from pipeline.common.step_protocol import StepDescriptor, StepOutput, read_descriptor
+from pipeline.common.step_output import StepOutput
+from pipeline.common.step_protocol import StepDescriptor, read_descriptor
 from pipeline.common.trace import TraceRecorder
 from pipeline.gpu_worker.attention import make_backend
 from pipeline.gpu_worker.cpu_threads import ThreadGovernor, usable_cpus
 from pipeline.gpu_worker.executor import ModelExecutor, SimExecutor
-from pipeline.gpu_worker.model_runner import LaunchedStep, ModelRunner
+from pipeline.gpu_worker.launched_step import LaunchedStep
+from pipeline.gpu_worker.model_runner import ModelRunner
 from pipeline.gpu_worker.sim_device import SimulatedDevice
 from pipeline.gpu_worker.step_shapes import StepShapeRecorder
 

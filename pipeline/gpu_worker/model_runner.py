@@ -15,7 +15,7 @@ runs four named steps (docs/design.md, "The step protocol"; "The worker"):
    ``Executor`` (real model or simulated
    device), which also computes the log-probabilities asked for from the
    same forward; the sampled tokens go into the token-id cache;
-4. ``ModelRunner._start_host_copy``: the tokens, the stale flags and the
+4. ``LaunchedStep.start_host_copy``: the tokens, the stale flags and the
    log-probabilities travel together to pinned host memory on a copy stream
    (one copy); an event says when.
 
@@ -36,60 +36,20 @@ import numpy as np
 import torch
 
 from pipeline.common.config import EngineConfig
-from pipeline.common.step_protocol import MAX_LOGPROBS, PLACEHOLDER_TOKEN_ID, StepInputs, TokenLogprobs
+from pipeline.common.step_protocol import PLACEHOLDER_TOKEN_ID, StepInputs
 from pipeline.gpu_worker.attention.backend import StepLayout
 from pipeline.gpu_worker.device import DeviceClock, DeviceOps, Staged, UploadBatch, device_ops
 from pipeline.gpu_worker.draft_model import DraftModel
-from pipeline.gpu_worker.executor import Executed, Executor, LogprobInputs, LogprobTensors, SamplingInputs
+from pipeline.gpu_worker.executor import Executed, Executor, LogprobInputs, SamplingInputs
 from pipeline.gpu_worker.input_batch import FLOAT_COLUMN, INT_COLUMN, POISON_TOKEN_ID, InputBatch
+from pipeline.gpu_worker.launched_step import LaunchedStep
 from pipeline.gpu_worker.logprobs import PromptLogprobPlan
 from pipeline.gpu_worker.penalties import PenaltyPlan, plan_penalties
 from pipeline.gpu_worker.sampler import SamplingPlan
-from pipeline.gpu_worker.speculation import SampledPositions, SpecStep, spec_state
+from pipeline.gpu_worker.speculation import SpecStep, spec_state
 
 if TYPE_CHECKING:  # the simulated device never loads the model code
     from pipeline.gpu_worker.models.base import CausalLM
-
-__all__ = ["POISON_TOKEN_ID", "LaunchedStep", "ModelRunner", "StaleTokenError"]
-
-
-class StaleTokenError(RuntimeError):
-    """A placeholder resolved to a token-id cache entry that was already consumed."""
-
-
-@dataclass
-class LaunchedStep:
-    """A step whose device work is enqueued; ``ModelRunner.finish`` collects it.
-
-    Times are ``time.monotonic_ns()``. ``tokens`` and ``stale`` are host
-    tensors whose contents are valid once ``done`` has fired; ``logprobs``
-    and ``prompt_logprobs`` are filled by ``ModelRunner.finish``.
-    """
-
-    step_id: int
-    req_num: np.ndarray  # [S] int64 of the sampled rows
-    prepare_start_ns: int
-    tokens: torch.Tensor | None = None  # [S] int64 (pinned on CUDA); speculating, as SampledPositions.output_rows reads
-    done: object | None = None  # CUDA or simulated event; None on CPU torch: the work already ran
-    start_event: torch.cuda.Event | None = None  # CUDA: recorded before the forward
-    anchor: tuple[object, int] | None = None  # CUDA: (event, host ns) if launched on an idle device
-    stale: torch.Tensor | None = None  # poison mode: [P] int64, 1 where a placeholder read a poisoned entry
-    stale_req_indices: np.ndarray | None = None  # [P] the req_index each placeholder (then draft) read
-    spec: SampledPositions | None = None  # speculative decoding: the step's sampled positions
-    draft_matched: np.ndarray | None = None  # after finish with speculation: [rows] per output row
-    lp_rows: np.ndarray | None = None  # [L] output rows whose request asked for log-probabilities
-    prompt_plan: PromptLogprobPlan | None = None  # the prompt positions whose log-probabilities are computed
-    lp_host: torch.Tensor | None = None  # packed log-probabilities (see ModelRunner._start_host_copy)
-    logprobs: TokenLogprobs | None = None  # index = output row (lp_rows: sampled positions, until finish)
-    prompt_logprobs: TokenLogprobs | None = None  # index = request number, with positions
-    prepare_end_ns: int = 0
-    launch_ns: int = 0
-    device_start_ns: int = 0  # on CUDA derived from the events in finish()
-    device_end_ns: int = 0
-    continues: bool = False  # the descriptor's flag: some row's request ran before this step
-
-    def is_done(self) -> bool:
-        return self.done is None or self.done.query()
 
 
 @dataclass
@@ -217,7 +177,7 @@ class ModelRunner:
             self.spec.resolve_drafts(spec, input_ids, step)
         self.input_batch.count_inputs(counts, input_ids)
         executed = self._forward_and_sample(x, input_ids, sampling, logprobs, step, spec, device_start)
-        self._start_host_copy(step, executed)
+        step.start_host_copy(executed, self.ops)
         self._in_flight += 1
         return step
 
@@ -428,38 +388,8 @@ class ModelRunner:
             step.device_start_ns, step.device_end_ns = device_start, step.launch_ns
         return executed
 
-    def _start_host_copy(self, step: LaunchedStep, executed: Executed) -> None:
-        """Start copying the tokens, poison flags and log-probabilities to the host, in one copy.
-
-        Everything travels as one int64 tensor, so one event says when all
-        of it has arrived: the tokens (with speculation, then the counts
-        ``SpecState.after_step`` appends), then the stale flags, then per
-        log-probability set ``N`` values, ``N x MAX_LOGPROBS`` ids and ``N x
-        MAX_LOGPROBS`` values, float32 travelling as their int32 bit patterns.
-        ``step.done`` fires when they are there.
-        """
-        tokens = executed.tokens
-        parts = [tokens] + ([step.stale] if step.stale is not None else [])
-        for lp in (executed.logprobs, executed.prompt_logprobs):
-            if lp is not None:
-                parts.extend(_pack(lp))
-        out = parts[0] if len(parts) == 1 else torch.cat(parts)
-        host, done = self.ops.copy_to_host(out)
-        num_sampled = tokens.shape[0]
-        step.tokens = host[:num_sampled]
-        end = num_sampled
-        if step.stale is not None:
-            end += step.stale.shape[0]
-            step.stale = host[num_sampled:end]
-        step.lp_host = host[end:]
-        step.done = executed.done if executed.done is not None else done
-
     def finish(self, step: LaunchedStep) -> LaunchedStep:
-        """Wait for ``step``'s tokens on the host and fill its device times.
-
-        With speculation, ``step.req_num``, ``step.tokens`` and ``step.logprobs`` then hold one
-        output row per token each sampled row got (its accepted drafts, then the correction or
-        bonus), and ``step.draft_matched`` whether each row's next step has drafts.
+        """Wait for ``step``'s tokens on the host, fill its device times, then ``step.read_host_copy()``.
 
         Raises:
             StaleTokenError: in poison mode, if a placeholder (or draft) of the step read a consumed entry.
@@ -469,41 +399,5 @@ class ModelRunner:
         self._in_flight -= 1
         if self.ops.is_async:
             step.device_start_ns, step.device_end_ns = self.clock.span(step.anchor, step.start_event, step.done)
-        if step.stale is not None:
-            bad = step.stale.numpy().astype(bool)
-            if bad.any():
-                raise StaleTokenError(
-                    f"step {step.step_id}: placeholder for req_indices {step.stale_req_indices[bad].tolist()} "
-                    "read a consumed token-id cache entry"
-                )
-        packed, offset = step.lp_host.numpy() if step.lp_host is not None else None, 0
-        if step.lp_rows is not None:
-            step.logprobs, offset = _unpack(packed, offset, step.lp_rows)
-        if step.prompt_plan is not None:
-            plan = step.prompt_plan
-            step.prompt_logprobs, offset = _unpack(packed, offset, plan.req_num)
-            step.prompt_logprobs.pos = plan.pos
-        if step.spec is not None:
-            step.tokens, step.req_num, step.draft_matched, step.logprobs = step.spec.output_rows(
-                step.tokens, step.req_num, step.logprobs
-            )
+        step.read_host_copy()
         return step
-
-
-def _pack(lp: LogprobTensors) -> list[torch.Tensor]:
-    """One log-probability set as flat int64 tensors: float32 values as their bit patterns."""
-    logprob, top_ids, top_logprobs = lp
-    return [
-        logprob.contiguous().view(torch.int32).long(),
-        top_ids.reshape(-1).long(),
-        top_logprobs.contiguous().view(torch.int32).reshape(-1).long(),
-    ]
-
-
-def _unpack(packed: np.ndarray, offset: int, index: np.ndarray) -> tuple[TokenLogprobs, int]:
-    """Read back one set packed by ``_pack`` at ``offset``; returns it and the offset after it."""
-    n, k = len(index), MAX_LOGPROBS
-    logprob = packed[offset : offset + n].astype(np.int32).view(np.float32)
-    top_ids = packed[offset + n : offset + n + n * k].astype(np.int32).reshape(n, k)
-    top_logprobs = packed[offset + n + n * k : offset + n + 2 * n * k].astype(np.int32).view(np.float32).reshape(n, k)
-    return TokenLogprobs(index.astype(np.int64), logprob, top_ids, top_logprobs), offset + n + 2 * n * k

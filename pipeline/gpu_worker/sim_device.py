@@ -28,7 +28,7 @@ import time
 import numpy as np
 
 from pipeline.common.constants import SIM_WORD_ID_RANGE
-from pipeline.common.step_protocol import MAX_LOGPROBS
+from pipeline.common.step_output import MAX_LOGPROBS
 
 _FIRST_WORD_ID = SIM_WORD_ID_RANGE[0]
 _NUM_WORD_IDS = SIM_WORD_ID_RANGE[1] - SIM_WORD_ID_RANGE[0]

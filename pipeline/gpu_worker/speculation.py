@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from pipeline.common.config import EngineConfig
-from pipeline.common.step_protocol import DRAFT_TOKEN_ID, MAX_INFLIGHT_STEPS, StepInputs, TokenLogprobs
+from pipeline.common.step_output import TokenLogprobs
+from pipeline.common.step_protocol import DRAFT_TOKEN_ID, MAX_INFLIGHT_STEPS, StepInputs
 from pipeline.gpu_worker.attention.backend import StepLayout
 from pipeline.gpu_worker.device import Staged, UploadBatch
 from pipeline.gpu_worker.draft_model import DraftModel, DraftPlan
@@ -33,7 +34,7 @@ from pipeline.gpu_worker.rejection_sampler import VerifyInputs
 from pipeline.gpu_worker.sim_device import sim_drafts
 
 if TYPE_CHECKING:
-    from pipeline.gpu_worker.model_runner import LaunchedStep
+    from pipeline.gpu_worker.launched_step import LaunchedStep
 
 
 @dataclass

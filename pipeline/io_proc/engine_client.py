@@ -41,7 +41,7 @@ from pipeline.common.messages import (
     merge_stats,
 )
 from pipeline.common.shm_ring import ShmRing
-from pipeline.common.step_protocol import StepOutput
+from pipeline.common.step_output import StepOutput
 from pipeline.common.trace import TraceRecorder
 from pipeline.io_proc.detokenizer import NewDetokenizer, OutputProcessor
 from pipeline.io_proc.output_reader import OutputReader, StepResult

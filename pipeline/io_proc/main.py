@@ -23,7 +23,7 @@ from pipeline.common.heartbeat import Heartbeats
 from pipeline.common.memory import BurstWatch, trim_heap
 from pipeline.common.process import StopFlag, freeze_startup_heap, report
 from pipeline.common.shm_ring import ShmRing
-from pipeline.common.step_protocol import StepOutput
+from pipeline.common.step_output import StepOutput
 from pipeline.common.trace import TraceRecorder
 from pipeline.io_proc.api_server import STATS_TIMEOUT_S, build_app
 from pipeline.io_proc.engine_client import EngineClient

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pipeline.common.constants import POLL_INTERVAL_S
 from pipeline.common.messages import FinishReason
 from pipeline.common.shm_ring import RingTimeout, ShmRing
-from pipeline.common.step_protocol import OUTPUT_READER_IO, DecodedOutput, StepOutput, TokenLogprobs
+from pipeline.common.step_output import OUTPUT_READER_IO, DecodedOutput, StepOutput, TokenLogprobs
 from pipeline.common.trace import TraceRecorder
 from pipeline.io_proc.logprobs_json import TokenLogprob
 from pipeline.io_proc.request_metrics import RequestMetrics

@@ -8,7 +8,7 @@ from typing import Literal
 import msgspec
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from pipeline.common.step_protocol import MAX_LOGPROBS
+from pipeline.common.step_output import MAX_LOGPROBS
 from pipeline.io_proc.protocol import OpenAIBaseModel, SamplingRequest, UsageInfo
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import msgspec
 from pydantic import Field, field_validator, model_validator
 
-from pipeline.common.step_protocol import MAX_LOGPROBS
+from pipeline.common.step_output import MAX_LOGPROBS
 from pipeline.io_proc.protocol import SamplingRequest, UsageInfo
 
 # Prompts in one completions request (a list of strings or of token-id lists),

@@ -28,7 +28,7 @@ from pipeline.common.histogram import (
     buckets_1_2_5,
 )
 from pipeline.common.step_clock import CpuPerStep
-from pipeline.common.step_protocol import DecodedOutput
+from pipeline.common.step_output import DecodedOutput
 from pipeline.io_proc.request_state import RequestState, StepTime
 
 _ITL_BOUNDS_NS = tuple(int(b * 1e9) for b in ITL_BUCKETS)

@@ -38,12 +38,8 @@ from pipeline.common.messages import (
 from pipeline.common.process import StopFlag, freeze_startup_heap, report
 from pipeline.common.shm_ring import RingTimeout, ShmRing
 from pipeline.common.step_clock import BUSY_NS, WORKER_STATS_LEN, CpuPerStep, worker_stats
-from pipeline.common.step_protocol import (
-    MAX_INFLIGHT_STEPS,
-    OUTPUT_READER_SCHEDULER,
-    StepDescriptor,
-    StepOutput,
-)
+from pipeline.common.step_output import OUTPUT_READER_SCHEDULER, StepOutput
+from pipeline.common.step_protocol import MAX_INFLIGHT_STEPS, StepDescriptor
 from pipeline.common.trace import TraceRecorder
 from pipeline.scheduler_proc.grammar_manager import GrammarManager
 from pipeline.scheduler_proc.scheduler import Scheduler

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from pipeline.common.layouts import Layout
-from pipeline.common.step_protocol import StepDescriptor, StepOutput
+from pipeline.common.step_output import StepOutput
+from pipeline.common.step_protocol import StepDescriptor
 
 FIELDS = [("header", np.int64, 8), ("flag", np.uint8, 3), ("data", np.int32, 64), ("x", np.float32, 17)]
 

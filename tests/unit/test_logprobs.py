@@ -8,7 +8,8 @@ import torch
 
 from pipeline.common.descriptor_builder import DescriptorBuilder
 from pipeline.common.messages import SamplingParams
-from pipeline.common.step_protocol import MAX_LOGPROBS, StepDescriptor, read_descriptor
+from pipeline.common.step_output import MAX_LOGPROBS
+from pipeline.common.step_protocol import StepDescriptor, read_descriptor
 from pipeline.gpu_worker.logprobs import PromptLogprobPlan, token_logprobs
 
 

@@ -30,7 +30,8 @@ from pipeline.common.step_protocol import PLACEHOLDER_TOKEN_ID, StepDescriptor, 
 from pipeline.gpu_worker import sampler
 from pipeline.gpu_worker.device import DeviceOps
 from pipeline.gpu_worker.executor import ModelExecutor
-from pipeline.gpu_worker.model_runner import ModelRunner, StaleTokenError
+from pipeline.gpu_worker.launched_step import StaleTokenError
+from pipeline.gpu_worker.model_runner import ModelRunner
 from pipeline.gpu_worker.models.base import CausalLM
 from tests.reference import ours_from_hf
 from tests.unit.sync_guard import FakeAsyncOps, FakeEvent, SyncGuard

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pipeline.common.messages import SamplingParams
-from pipeline.common.step_protocol import DecodedOutput
+from pipeline.common.step_output import DecodedOutput
 from pipeline.io_proc.detokenizer import OutputProcessor
 from pipeline.io_proc.output_reader import OutputReader
 from pipeline.io_proc.request_metrics import RequestMetrics

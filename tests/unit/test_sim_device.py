@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from pipeline.common.step_protocol import MAX_LOGPROBS
+from pipeline.common.step_output import MAX_LOGPROBS
 from pipeline.gpu_worker.sim_device import SimEvent, SimulatedDevice, sim_drafts, sim_logprobs, sim_next_tokens
 
 

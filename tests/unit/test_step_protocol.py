@@ -9,14 +9,12 @@ from hypothesis import strategies as st
 from pipeline.common.descriptor_builder import DescriptorBuilder
 from pipeline.common.messages import SamplingParams
 from pipeline.common.step_clock import WORKER_STATS_LEN
+from pipeline.common.step_output import MAX_LOGPROBS, StepOutput, TokenLogprobs
 from pipeline.common.step_protocol import (
     MAX_LOGIT_BIAS,
-    MAX_LOGPROBS,
     MAX_STOP_TOKEN_IDS,
     PLACEHOLDER_TOKEN_ID,
     StepDescriptor,
-    StepOutput,
-    TokenLogprobs,
     max_new_blocks_per_step,
     pack_descriptor,
     packed_descriptor_nbytes,

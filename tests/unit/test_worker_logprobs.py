@@ -20,7 +20,8 @@ from pipeline.common.config import EngineConfig
 from pipeline.common.constants import cdiv
 from pipeline.common.descriptor_builder import DescriptorBuilder
 from pipeline.common.messages import SamplingParams
-from pipeline.common.step_protocol import MAX_LOGPROBS, PLACEHOLDER_TOKEN_ID, StepDescriptor, read_descriptor
+from pipeline.common.step_output import MAX_LOGPROBS
+from pipeline.common.step_protocol import PLACEHOLDER_TOKEN_ID, StepDescriptor, read_descriptor
 from pipeline.gpu_worker import sampler
 from pipeline.gpu_worker.device import DeviceOps
 from pipeline.gpu_worker.executor import ModelExecutor

@@ -1,0 +1,220 @@
+"""The StepOutput record: the tokens a step sampled, worker -> scheduler and io_proc.
+
+Defined by the field table ``OUTPUT`` (docs/design.md, "The step protocol");
+``step_protocol`` defines the StepDescriptor and generates docs/step-protocol.md
+from both tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeline.common.layouts import Layout
+from pipeline.common.records import Field, Group, Record
+from pipeline.common.step_clock import WORKER_STATS_LEN
+
+# The output ring is read by two processes at different paces; extra entries
+# absorb io_proc falling behind for a few steps without stalling the worker.
+OUTPUT_RING_ENTRIES = 16
+# Reader indices on the output ring, which only worker rank 0 writes.
+OUTPUT_READER_SCHEDULER, OUTPUT_READER_IO = 0, 1
+# Alternatives returned per token with log-probabilities (OpenAI's top_logprobs limit).
+MAX_LOGPROBS = 20
+
+i32, i64, f32, u8 = np.int32, np.int64, np.float32, np.uint8
+
+OUTPUT = Record(
+    "StepOutput",
+    header=(
+        Field("step_id", i64, "the step's id"),
+        Field(
+            "num_rows",
+            i64,
+            "live output rows (S): per sampled descriptor row, in descriptor order, one row, or with drafts "
+            "one per token it got (its accepted drafts, then the correction or bonus)",
+        ),
+        Field("num_logprob_rows", i64, "live log-probability rows (L)"),
+        Field("num_prompt_entries", i64, "live prompt log-probabilities (P)"),
+        Field("time_ns", i64, "the step's device end on `time.monotonic_ns()`'s clock: every token's engine timestamp"),
+        Field("continues", i64, "the descriptor's flag"),
+    ),
+    groups=(
+        Group(
+            "worker_stats",
+            "worker count",
+            "WORKER_STATS_LEN",
+            "WORKER_STATS_LEN",
+            (Field("worker_stats", i64, "the worker's cumulative `WorkerClock` counts (`step_clock.py`)"),),
+        ),
+        Group(
+            "rows",
+            "output row",
+            "max_output_rows",
+            "num_rows",
+            (
+                Field("req_num", i64, "the request the token is for"),
+                Field("token_id", i32, "the sampled token"),
+                Field("draft_matched", u8, "speculative decoding: the proposer found drafts for its next step"),
+            ),
+        ),
+        Group(
+            "logprob_rows",
+            "output row with log-probabilities",
+            "max_output_rows",
+            "num_logprob_rows",
+            (
+                Field("lp_row", i32, "the output row"),
+                Field("lp_logprob", f32, "the sampled token's log-probability (raw model log-softmax)"),
+                Field("lp_top_ids", i32, "the most likely tokens, descending", width="MAX_LOGPROBS"),
+                Field("lp_top_logprobs", f32, "their log-probabilities", width="MAX_LOGPROBS"),
+            ),
+        ),
+        Group(
+            "prompt_entries",
+            "prompt token with log-probabilities",
+            "max_num_batched_tokens",
+            "num_prompt_entries",
+            (
+                Field("pe_req_num", i64, "the request"),
+                Field("pe_pos", i32, "the prompt token's position"),
+                Field("pe_logprob", f32, "its log-probability"),
+                Field("pe_top_ids", i32, "the most likely tokens at that position", width="MAX_LOGPROBS"),
+                Field("pe_top_logprobs", f32, "their log-probabilities", width="MAX_LOGPROBS"),
+            ),
+        ),
+    ),
+    constants={"MAX_LOGPROBS": MAX_LOGPROBS, "WORKER_STATS_LEN": WORKER_STATS_LEN},
+)
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probabilities of ``N`` chosen tokens (raw model log-softmax).
+
+    ``logprob[i]`` is token ``i``'s own; ``top_ids[i, :k]`` and
+    ``top_logprobs[i, :k]`` its ``k`` most likely alternatives in descending
+    order (``k`` as the request asked; columns past it are unspecified).
+    ``index`` says whose tokens they are: output rows for sampled tokens,
+    request numbers for prompt tokens.
+    """
+
+    index: np.ndarray  # [N] int64
+    logprob: np.ndarray  # [N] float32
+    top_ids: np.ndarray  # [N, MAX_LOGPROBS] int32
+    top_logprobs: np.ndarray  # [N, MAX_LOGPROBS] float32
+    pos: np.ndarray | None = None  # [N] int64 position of each prompt token (prompt entries only)
+
+
+@dataclass
+class DecodedOutput:
+    """One StepOutput copied out of its ring entry: row ``r`` gave ``token_ids[r]`` to ``req_nums[r]``.
+
+    A request whose row verified drafts has one output row per token it got,
+    consecutive and in order. ``draft_matched`` (``[rows]`` uint8, when asked
+    for): the proposer found drafts for the request's next step.
+    ``logprobs`` (rows whose request asked, ``index`` = row) and
+    ``prompt_logprobs`` (``index`` = request number, with positions) are None
+    when the step has none or the reader did not ask for them. ``time_ns``
+    and ``continues`` are the header's.
+    """
+
+    step_id: int
+    req_nums: list[int]
+    token_ids: list[int]
+    time_ns: int = 0
+    continues: bool = False
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: TokenLogprobs | None = None
+    draft_matched: np.ndarray | None = None
+
+
+_OUT = OUTPUT.header_index
+
+
+class StepOutput(OUTPUT.view_base):
+    """Typed views of one StepOutput ring entry (fields: ``OUTPUT``), with its writer and reader."""
+
+    __slots__ = ()
+
+    @staticmethod
+    def layout(max_output_rows: int, max_num_batched_tokens: int) -> Layout:
+        """The entry layout for ``max_output_rows`` rows (``max_num_seqs`` times the most tokens a row gets:
+        ``1 + num_speculative_tokens``) and a step of ``max_num_batched_tokens``."""
+        return OUTPUT.layout(dict(max_output_rows=max_output_rows, max_num_batched_tokens=max_num_batched_tokens))
+
+    def write(
+        self,
+        step_id: int,
+        req_nums: np.ndarray,
+        token_ids: np.ndarray,
+        logprobs: TokenLogprobs | None = None,
+        prompt_logprobs: TokenLogprobs | None = None,
+        time_ns: int = 0,
+        continues: bool = False,
+        worker_stats: np.ndarray | None = None,
+        draft_matched: np.ndarray | None = None,
+    ) -> None:
+        """Fill the entry with step ``step_id``'s ``[S]`` request numbers and sampled token ids.
+
+        ``logprobs.index`` are output rows; ``prompt_logprobs.index`` request
+        numbers, with ``pos`` set; the rest are the header fields and the
+        worker's counts (left as they are if None), and ``draft_matched`` ``[S]`` (None: 0).
+        """
+        n = len(req_nums)
+        h = self.header
+        h[_OUT["step_id"]], h[_OUT["num_rows"]] = step_id, n
+        h[_OUT["time_ns"]], h[_OUT["continues"]] = time_ns, continues
+        if worker_stats is not None:
+            self.worker_stats[:] = worker_stats
+        self.req_num[:n] = req_nums
+        self.token_id[:n] = token_ids
+        self.draft_matched[:n] = 0 if draft_matched is None else draft_matched
+        h[_OUT["num_logprob_rows"]] = 0 if logprobs is None else len(logprobs.index)
+        if logprobs is not None:
+            m = len(logprobs.index)
+            self.lp_row[:m] = logprobs.index
+            self.lp_logprob[:m] = logprobs.logprob
+            self.lp_top_ids[:m] = logprobs.top_ids
+            self.lp_top_logprobs[:m] = logprobs.top_logprobs
+        h[_OUT["num_prompt_entries"]] = 0 if prompt_logprobs is None else len(prompt_logprobs.index)
+        if prompt_logprobs is not None:
+            m = len(prompt_logprobs.index)
+            self.pe_req_num[:m] = prompt_logprobs.index
+            self.pe_pos[:m] = prompt_logprobs.pos
+            self.pe_logprob[:m] = prompt_logprobs.logprob
+            self.pe_top_ids[:m] = prompt_logprobs.top_ids
+            self.pe_top_logprobs[:m] = prompt_logprobs.top_logprobs
+
+    def read(self, logprobs: bool = False, drafts: bool = False) -> DecodedOutput:
+        """Copy the entry out (it may be released right after); log-probabilities and ``draft_matched``
+        only if asked."""
+        h = self.header
+        n = int(h[_OUT["num_rows"]])
+        out = DecodedOutput(
+            int(h[_OUT["step_id"]]),
+            self.req_num[:n].tolist(),
+            self.token_id[:n].tolist(),
+            int(h[_OUT["time_ns"]]),
+            bool(h[_OUT["continues"]]),
+        )
+        if drafts:
+            out.draft_matched = self.draft_matched[:n].copy()
+        if logprobs:
+            if m := int(h[_OUT["num_logprob_rows"]]):
+                out.logprobs = TokenLogprobs(
+                    self.lp_row[:m].astype(np.int64),
+                    self.lp_logprob[:m].copy(),
+                    self.lp_top_ids[:m].copy(),
+                    self.lp_top_logprobs[:m].copy(),
+                )
+            if m := int(h[_OUT["num_prompt_entries"]]):
+                out.prompt_logprobs = TokenLogprobs(
+                    self.pe_req_num[:m].copy(),
+                    self.pe_logprob[:m].copy(),
+                    self.pe_top_ids[:m].copy(),
+                    self.pe_top_logprobs[:m].copy(),
+                    self.pe_pos[:m].astype(np.int64),
+                )
+        return out
