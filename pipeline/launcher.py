@@ -6,7 +6,7 @@ gpu_worker, unlinks the rings as soon as all three have attached (so the kernel 
 processes end), and stops everyone on a signal or on the death of any child.
 With ``--nnodes > 1`` a launcher on a node other than the head starts only
 that node's worker ranks (docs/design.md, "Parallelism").
-The flags and the config they make are in ``pipeline.server_args``,
+The flags are in ``pipeline.server_args``, the config they make in ``pipeline.server_config``,
 ``--profile``'s py-spy recording in ``pipeline.profiler``.
 """
 
@@ -31,7 +31,8 @@ from pipeline.common.process import exit_now
 from pipeline.common.shm_ring import ShmRing
 from pipeline.common.trace import ROLES, load_spans, write_chrome_trace
 from pipeline.profiler import Profiler
-from pipeline.server_args import build_parser, make_config
+from pipeline.server_args import build_parser
+from pipeline.server_config import make_config
 
 _STOP_GRACE_S = 5.0
 _WATCHDOG_GRACE_S = 0.5  # docs/design.md, "Liveness"

@@ -13,7 +13,8 @@ import sys
 import msgspec
 
 from pipeline.launcher import Launcher
-from pipeline.server_args import build_parser, make_config
+from pipeline.server_args import build_parser
+from pipeline.server_config import make_config
 
 
 def main() -> None:

@@ -32,7 +32,8 @@ from pipeline.bench.workloads import MultiTurn, Workload
 from pipeline.common.config import EngineConfig
 from pipeline.common.trace import ROLES
 from pipeline.launcher import ChildFailed, Launcher
-from pipeline.server_args import build_parser, make_config
+from pipeline.server_args import build_parser
+from pipeline.server_config import make_config
 
 
 def run_mode(

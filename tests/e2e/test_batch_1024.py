@@ -79,7 +79,8 @@ async def run(config, output_rings, work: list[dict]) -> tuple[list[list[int]], 
 
 def serve_and_run(async_scheduling: bool, work: list[dict]) -> tuple[list[list[int]], dict]:
     from pipeline.launcher import Launcher
-    from pipeline.server_args import build_parser, make_config
+    from pipeline.server_args import build_parser
+    from pipeline.server_config import make_config
 
     args = build_parser().parse_args(
         [

@@ -38,7 +38,8 @@ from pipeline.gpu_worker.attention.cpu_paged import CpuPagedBackend
 from pipeline.gpu_worker.attention.prefix_table import PrefixTable
 from pipeline.gpu_worker.attention.torch_bucketed import TorchBucketedBackend
 from pipeline.gpu_worker.attention.torch_sdpa import TorchSDPABackend
-from pipeline.server_args import build_parser, make_config
+from pipeline.server_args import build_parser
+from pipeline.server_config import make_config
 
 CPU = torch.device("cpu")
 

@@ -27,7 +27,8 @@ from pipeline.gpu_worker.cuda_graphs import DecodeGraphs, GraphStep, padded_size
 from pipeline.gpu_worker.executor import PAD_BLOCKS, ModelExecutor
 from pipeline.gpu_worker.model_runner import ModelRunner
 from pipeline.gpu_worker.models.loader import load_model
-from pipeline.server_args import build_parser, cuda_graph_sizes, make_config
+from pipeline.server_args import build_parser
+from pipeline.server_config import cuda_graph_sizes, make_config
 from tests.conftest import make_tiny_model
 from tests.unit.test_no_host_sync import Steps
 

@@ -29,7 +29,10 @@ print(len(names), " ".join(heavy))
         (["pipeline.common"], True),
         (["pipeline.scheduler_proc"], True),
         # The launcher offers --attention-backend from the backend registry (the package's __init__ only).
-        (["pipeline.launcher", "pipeline.server_args", "pipeline.gpu_worker.attention"], False),
+        (
+            ["pipeline.launcher", "pipeline.server_args", "pipeline.server_config", "pipeline.gpu_worker.attention"],
+            False,
+        ),
     ],
 )
 def test_imports_no_torch(names, walk):

@@ -12,7 +12,8 @@ from pipeline.common.config import EngineConfig
 from pipeline.io_proc.protocol import APIError
 from pipeline.io_proc.protocol_completion import CompletionRequest
 from pipeline.io_proc.serving import OpenAIServing
-from pipeline.server_args import build_parser, make_config
+from pipeline.server_args import build_parser
+from pipeline.server_config import make_config
 
 
 @pytest.fixture()

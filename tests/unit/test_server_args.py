@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from pipeline.server_args import build_parser, make_config, parse_cpu_list
+from pipeline.server_args import build_parser
+from pipeline.server_config import make_config, parse_cpu_list
 
 
 def test_cpu_lists():

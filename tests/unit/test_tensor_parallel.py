@@ -54,7 +54,8 @@ def test_sizes_that_do_not_fit_are_refused(size):
 
 
 def test_serve_refuses_a_size_that_does_not_fit(tiny_kv4_dir, capsys):
-    from pipeline.server_args import build_parser, make_config
+    from pipeline.server_args import build_parser
+    from pipeline.server_config import make_config
 
     with pytest.raises(SystemExit) as e:
         make_config(build_parser().parse_args(["--model", str(tiny_kv4_dir), "-tp", "3", "--device", "cpu"]))
@@ -63,7 +64,8 @@ def test_serve_refuses_a_size_that_does_not_fit(tiny_kv4_dir, capsys):
 
 
 def test_kv_cache_is_sized_per_rank(tiny_kv4_dir):
-    from pipeline.server_args import build_parser, make_config
+    from pipeline.server_args import build_parser
+    from pipeline.server_config import make_config
 
     def blocks(tp: int) -> int:
         args = build_parser().parse_args(
