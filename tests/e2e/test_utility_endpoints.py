@@ -91,7 +91,8 @@ def test_bad_tokenize_input_is_400_naming_the_field(sim_async, path, body, param
 def test_kept_alive_round_trips_do_not_wait_for_delayed_acks(sim_async):
     """Accepted connections set TCP_NODELAY: without it a response's headers and body leave in two
     segments, and the second waits for the client's delayed ACK (~40 ms on Linux) on a kept-alive
-    connection, as the openai client keeps them."""
+    connection, as the openai client keeps them. The bound sits under that 40 ms, and well above a round
+    trip on a loaded 2-core machine (7-17 ms)."""
     body = {"model": sim_async.model, "prompt": "hello", "max_tokens": 1}
     with httpx.Client(base_url=sim_async.url, timeout=30) as client:
         times = {"health": [], "completion": []}
@@ -105,4 +106,4 @@ def test_kept_alive_round_trips_do_not_wait_for_delayed_acks(sim_async):
                 times[name].append(time.perf_counter() - t0)
                 assert r.status_code == 200, r.text
     for name, ts in times.items():
-        assert statistics.median(ts[2:]) < 0.010, (name, [round(t * 1000, 1) for t in ts])
+        assert statistics.median(ts[2:]) < 0.030, (name, [round(t * 1000, 1) for t in ts])
