@@ -84,13 +84,16 @@ def sim_next_tokens(last_input_ids: np.ndarray, last_positions: np.ndarray) -> n
     Returns:
         ``[S]`` int64 token ids in ``SIM_WORD_ID_RANGE``.
     """
-    h = _hash2(last_input_ids, last_positions)
+    return _word(_hash2(last_input_ids, last_positions))
+
+
+def _word(h: np.ndarray) -> np.ndarray:
     return (h % np.uint64(_NUM_WORD_IDS)).astype(np.int64) + _FIRST_WORD_ID
 
 
 def sim_drafts(last_ids: np.ndarray, last_positions: np.ndarray, k: int, acceptance: float) -> np.ndarray:
     """``[R, k]`` int64 drafts continuing each row: draft ``i`` is the chain's token after draft ``i - 1``
-    (after the row's last token for the first) when a hash of that input and position falls below
+    (after the row's last token for the first) when the high half of that token's hash falls below
     ``acceptance``, else another word, which verification rejects.
 
     Args:
@@ -103,8 +106,8 @@ def sim_drafts(last_ids: np.ndarray, last_positions: np.ndarray, k: int, accepta
     out = np.empty((len(x), k), dtype=np.int64)
     threshold = np.uint64(min(int(acceptance * 2**32), 2**32))
     for i in range(k):
-        true = sim_next_tokens(x, p)
-        right = (_hash2(x, p ^ 0x5BD1E995) >> np.uint64(32)) < threshold
+        h = _hash2(x, p)
+        true, right = _word(h), (h >> np.uint64(32)) < threshold
         x = np.where(right, true, (true - _FIRST_WORD_ID + 1) % _NUM_WORD_IDS + _FIRST_WORD_ID)
         out[:, i] = x
         p = p + 1

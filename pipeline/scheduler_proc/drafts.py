@@ -47,6 +47,9 @@ class Drafts:
         self._drafted: dict[int, dict[int, int]] = {}  # step -> {req_num: drafts} of general rows
         self._step_tokens: dict[int, int] = {}  # step -> its tokens, drafts included
         self._drafting = np.zeros(max_num_seqs, bool)  # scratch: the steady rows given drafts, by req_index
+        # Measurements of applied outputs not yet given to the policy and the stats: (step, what, args).
+        self._observations: list[tuple[int, Callable, tuple]] = []
+        self._last_output = -1  # the newest step whose output was applied
 
     def admit(self, req: Request) -> None:
         """``req`` took its req_index: no rejections, no evidence of its own."""
@@ -136,21 +139,25 @@ class Drafts:
         ``SteadyRows.apply_output``, whose last value is ``verified``) and measure the step.
 
         ``device_ns``: its device time; ``matched``: ``[rows]`` ``draft_matched`` (None: not known). Per
-        request its run of tokens (``apply_run``); ``finished`` gets the requests that end.
+        request its run of tokens (``apply_run``); ``finished`` gets the requests that end. The
+        measurements wait for ``observe``.
         """
-        self.policy.observe_step(self._step_tokens.pop(step_id, 0), device_ns)
+        self._last_output = step_id
+        record = self._observations.append
+        record((step_id, self.policy.observe_step, (self._step_tokens.pop(step_id, 0), device_ns)))
         if verified is not None:
             rows, planned, got, last_row = verified
             if planned is not None:
-                self.stats.add(planned - 1, got - 1)
+                record((step_id, self.stats.add, (planned - 1, got - 1)))
             if matched is not None:
                 m = matched[: len(rows)] if last_row is None else matched[last_row]
                 k = np.zeros(len(rows), np.int64) if planned is None else planned - 1
-                self.policy.observe_rows(rows, k, k if got is None else got - 1, m.astype(bool))
+                record((step_id, self.policy.observe_rows, (rows, k, k if got is None else got - 1, m.astype(bool))))
         drafted = self._drafted.pop(step_id, _NO_DRAFTS)
         req_nums, token_ids = req_nums[d:], token_ids[d:]
         matched = None if matched is None else matched[d:]
         starts, lengths = output_runs(np.asarray(req_nums, np.int64))
+        verified_rows: list[tuple[int, int]] = []  # (drafts, accepted) of the rows that verified drafts
         seen: list[tuple[int, int, int, bool]] = []  # (req_index, drafts, accepted, matched) of live rows
         for start, m in zip(starts.tolist(), lengths.tolist()):
             req = requests.get(req_nums[start])
@@ -158,11 +165,26 @@ class Drafts:
                 continue
             n = 1 + drafted.get(req.req_num, 0)
             if n > 1:
-                self.stats.add(np.array([n - 1]), np.array([m - 1]))
+                verified_rows.append((n - 1, m - 1))
             if not self.apply_run(req, n, token_ids[start : start + m], finished) and matched is not None:
                 seen.append((req.req_index, n - 1, m - 1, bool(matched[start + m - 1])))
+        if verified_rows:
+            record((step_id, self.stats.add, tuple(np.array(c) for c in zip(*verified_rows))))
         if seen:
-            self.policy.observe_rows(*(np.asarray(c) for c in zip(*seen)))
+            record((step_id, self.policy.observe_rows, tuple(np.asarray(c) for c in zip(*seen))))
+
+    def observe(self, all_outputs: bool = True) -> None:
+        """Give the policy and the stats the measurements of the outputs applied (False: all but the newest).
+
+        The scheduler's loop calls this once the next step is published, so that measuring is not
+        between an output and the step planned from it; a step's planning catches up first on all but
+        the newest (``Scheduler.schedule``), so the policy sees the same evidence however it is driven.
+        """
+        obs, newest = self._observations, self._last_output
+        n = len(obs) if all_outputs else next((i for i, o in enumerate(obs) if o[0] >= newest), len(obs))
+        for _, what, args in obs[:n]:
+            what(*args)
+        del obs[:n]
 
     def apply_run(self, req: Request, n: int, tokens: list[int], finished: list[int]) -> bool:
         """Roll back the rejected drafts of a row of ``req`` planned with ``n`` tokens, then append the

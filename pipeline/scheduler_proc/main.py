@@ -227,6 +227,7 @@ class SchedulerProc:
             self._reply(Admitted(list(nums), list(cached)))
             self.scheduler.admitted.clear()
         self.desc_ring.publish()
+        self.scheduler.observe_outputs()
         if self.trace is not None:
             t1 = time.monotonic_ns()
             self.trace.add(self.config.scheduler_role, "plan", "plan", step_id, t0, t1)
@@ -306,6 +307,7 @@ class SchedulerProc:
         """The Stats fields of speculative decoding (none without it)."""
         if self.scheduler.drafts is None:
             return {}
+        self.scheduler.observe_outputs()  # the newest output's too
         st = self.scheduler.drafts.stats
         return dict(
             spec_decode_num_drafts=st.num_drafts,

@@ -179,6 +179,12 @@ class Scheduler(SchedulerOutputsMixin):
 
     # -- planning ---------------------------------------------------------------
 
+    def observe_outputs(self) -> None:
+        """Measure the outputs applied so far (speculation's policy and stats): call it once a step is
+        published, off the path from an output to the next step."""
+        if self.drafts is not None:
+            self.drafts.observe()
+
     def schedule(self, desc: StepDescriptor) -> int:
         """Plan the next step into the descriptor ring entry ``desc``.
 
@@ -186,6 +192,8 @@ class Scheduler(SchedulerOutputsMixin):
             The number of requests planned; 0 means nothing could run now
             and ``desc`` holds no step (the step id is not consumed).
         """
+        if self.drafts is not None:  # before admission: a request's req_index may be an ended one's
+            self.drafts.observe(all_outputs=False)
         self._builder.clear()
         self._max_new_blocks = len(desc.nb_block)
         self.num_cached_tokens_step = 0

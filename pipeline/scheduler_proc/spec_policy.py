@@ -60,6 +60,8 @@ class SpecPolicy:
         self._bucket_tokens = np.zeros(32)
         self._bucket_ns = np.zeros(32)
         self._bucket_weight = np.zeros(32)
+        self._curve: tuple[np.ndarray, np.ndarray] | None = None  # cost's points (tokens, ns), from (0, 0)
+        self._ks = np.arange(1, k_max + 1)[:, None]
 
     def reset(self, req_index: int) -> None:
         """A new request at ``req_index``: no evidence of its own yet."""
@@ -99,6 +101,12 @@ class SpecPolicy:
         self._bucket_tokens[b] = (self._bucket_tokens[b] * w + num_tokens) / (w + 1)
         self._bucket_ns[b] = (self._bucket_ns[b] * w + device_ns) / (w + 1)
         self._bucket_weight[b] = w + 1
+        seen = self._bucket_weight > 0
+        # From (0, 0): below the smallest bucket the cost is proportional to the tokens.
+        self._curve = (
+            np.concatenate([[0.0], self._bucket_tokens[seen]]),
+            np.concatenate([[0.0], np.maximum.accumulate(self._bucket_ns[seen])]),
+        )
 
     def cost(self, num_tokens: np.ndarray) -> np.ndarray:
         """Estimated device ns of steps of ``num_tokens`` (an array, any shape); 1 everywhere before any step is
@@ -107,12 +115,9 @@ class SpecPolicy:
         Between measured buckets, interpolated; past the largest, flat; below the smallest,
         proportional to the tokens. Both guesses flatter the untried side, so it gets tried.
         """
-        seen = np.flatnonzero(self._bucket_weight > 0)
-        if not len(seen):
+        if self._curve is None:
             return np.ones(np.shape(num_tokens))
-        t, ns = self._bucket_tokens[seen], np.maximum.accumulate(self._bucket_ns[seen])
-        num_tokens = np.asarray(num_tokens, dtype=np.float64)
-        return np.where(num_tokens < t[0], ns[0] * num_tokens / t[0], np.interp(num_tokens, t, ns))
+        return np.interp(num_tokens, *self._curve)
 
     def choose(
         self, num_sampled: int, base_tokens: int, req_indices: np.ndarray, remaining: np.ndarray, budget: int
@@ -134,19 +139,18 @@ class SpecPolicy:
             return (k, rows) if len(rows) else (0, best_rows)
         if len(req_indices) and budget > 0:
             a = self.acceptance(req_indices) * self.matched[req_indices]
-            plain = num_sampled / self.cost(np.array([base_tokens]))[0]
             # A row's gain a + a^2 + ... + a^k grows with a for every k: one order serves every k.
             order = np.argsort(-a, kind="stable")
-            a, remaining = a[order], remaining[order]
-            ks = np.arange(1, self.k_max + 1)[:, None]
+            a, remaining, ks = a[order], remaining[order], self._ks
             # [K, C]: row k - 1 is k drafts; a candidate takes part while it may take k more tokens
             # and its acceptance is not 0, the first budget // k of those by gain.
-            gain = np.cumsum(np.cumprod(np.broadcast_to(a, (self.k_max, len(a))), axis=0), axis=0)
+            gain = np.cumsum(a**ks, axis=0)
             ok = (remaining > ks) & (a > 0)
             n = np.cumsum(ok, axis=1)
             ok &= n <= budget // ks
             # Expected tokens per ns over verifying nothing, for the first n rows by gain.
-            rate = (num_sampled + np.cumsum(np.where(ok, gain, 0.0), axis=1)) / self.cost(base_tokens + ks * n) - plain
+            cost = self.cost(np.append(base_tokens, base_tokens + ks * n))
+            rate = (num_sampled + np.cumsum(gain * ok, axis=1)) / cost[1:].reshape(n.shape) - num_sampled / cost[0]
             rate[~ok] = -np.inf
             best = int(rate.argmax())
             k, m = divmod(best, len(a))
