@@ -94,8 +94,7 @@ class WorkerProc:
                 self.heartbeats.beat(self.role)
             if self.threads is not None:
                 self.threads.check(time.monotonic_ns())
-            while self.pending and self.pending[0].is_done():
-                self._publish(self.runner.finish(self.pending.popleft()), stop)
+            self._publish_done(stop)
             timeout = _BUSY_POLL_S if self.pending else POLL_INTERVAL_S
             if self.desc_ring is None:  # a rank on another node
                 desc = self.relay.receive(timeout)
@@ -123,9 +122,13 @@ class WorkerProc:
                 raise RuntimeError(f"injected fault: the forward pass of step {inputs.step_id} failed")
             if self.step_shapes is not None:
                 self.step_shapes.add(inputs)
-            launched = self.runner.launch(inputs, t0)
+            launched = self.runner.launch(inputs, t0, lambda: self._publish_done(stop))
             launched.continues = inputs.continues
             self.pending.append(launched)
+
+    def _publish_done(self, stop: StopFlag) -> None:
+        while self.pending and self.pending[0].is_done():
+            self._publish(self.runner.finish(self.pending.popleft()), stop)
 
     def _publish(self, step: LaunchedStep, stop: StopFlag) -> None:
         """Write ``step``'s sampled tokens and log-probabilities into the output ring (rank 0; other ranks

@@ -29,6 +29,7 @@ fired. ``tests/unit/test_no_host_sync.py`` guards this.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -138,11 +139,15 @@ class ModelRunner:
         return self.input_batch.token_cache
 
     @torch.inference_mode()
-    def launch(self, x: StepInputs, prepare_start_ns: int) -> LaunchedStep:
+    def launch(self, x: StepInputs, prepare_start_ns: int, meanwhile: Callable[[], None] | None = None) -> LaunchedStep:
         """Enqueue step ``x`` on the device: state updates, forward, sampling, host copy.
 
         ``prepare_start_ns`` (``time.monotonic_ns()``) is when the worker
-        started reading the step; it goes into the step's trace spans. Every
+        started reading the step; it goes into the step's trace spans.
+        ``meanwhile`` runs once the forward is enqueued, before the step's
+        bookkeeping (speculation's, the host copy): the worker publishes the
+        outputs of earlier steps there, which the next step's planning waits
+        for. Every
         tensor the step reads is written in stream order before it, so
         per-request state of steps still queued is never changed under them.
 
@@ -176,7 +181,7 @@ class ModelRunner:
                 step.start_event, device_start = self.ops.timing_event(), time.monotonic_ns()
             self.spec.resolve_drafts(spec, input_ids, step)
         self.input_batch.count_inputs(counts, input_ids)
-        executed = self._forward_and_sample(x, input_ids, sampling, logprobs, step, spec, device_start)
+        executed = self._forward_and_sample(x, input_ids, sampling, logprobs, step, spec, device_start, meanwhile)
         step.start_host_copy(executed, self.ops)
         self._in_flight += 1
         return step
@@ -348,10 +353,11 @@ class ModelRunner:
         step: LaunchedStep,
         spec: SpecStep | None,
         device_start: int | None = None,
+        meanwhile: Callable[[], None] | None = None,
     ) -> Executed:
         """Build the attention metadata, run the executor, write the token-id cache (and, speculating, the
         rest of the rows' state and their next drafts). ``device_start``: when the step's device work
-        began, if before this (``step.start_event`` then recorded)."""
+        began, if before this (``step.start_event`` then recorded); ``meanwhile``: as ``launch``."""
         layout = StepLayout.build(
             x.num_scheduled_tokens,
             x.start_pos,
@@ -376,6 +382,8 @@ class ModelRunner:
             step.start_event = self.ops.timing_event()
             device_start = time.monotonic_ns()
         executed = self.executor.execute(input_ids, meta, staged_sampling.last.dev, sampling, logprobs, verify)
+        if meanwhile is not None:
+            meanwhile()
         if spec is None:
             self.input_batch.token_cache.index_copy_(0, staged_sampling.sample_req_indices.dev, executed.tokens)
         else:

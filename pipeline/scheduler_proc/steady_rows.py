@@ -303,9 +303,10 @@ class SteadyRows:
         row_of = np.repeat(np.arange(len(rows)), lengths)
         j = np.arange(int(lengths.sum())) - offset[row_of]
         tok = tok_all[starts[row_of] + j]
-        hit = (self._stop[rows][row_of] == tok[:, None]).any(1)
+        hit = (self._stop[rows[row_of]] == tok[:, None]).any(1)
         first_stop = lengths.copy()  # none: the run's length
-        np.minimum.at(first_stop, row_of[hit], j[hit])
+        if hit.any():
+            np.minimum.at(first_stop, row_of[hit], j[hit])
         take = np.minimum(lengths, first_stop + 1)  # a run's tokens up to its first stop token
         for i in np.flatnonzero(self._num_buffered[rows] + take > _TOKEN_BUFFER).tolist():
             self._move_tokens(int(rows[i]))
