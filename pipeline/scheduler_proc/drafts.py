@@ -50,6 +50,10 @@ class Drafts:
         # Measurements of applied outputs not yet given to the policy and the stats: (step, what, args).
         self._observations: list[tuple[int, Callable, tuple]] = []
         self._last_output = -1  # the newest step whose output was applied
+        # The policy's choice made after a step was published, for the next: (k, lowest acceptance chosen),
+        # and what that choice is made from (choose's arguments, kept by plan).
+        self._prepared: tuple[int, float] | None = None
+        self._to_prepare: tuple | None = None
 
     def admit(self, req: Request) -> None:
         """``req`` took its req_index: no rejections, no evidence of its own."""
@@ -91,7 +95,7 @@ class Drafts:
             return None
         left = np.fromiter((r.params.max_tokens - r.num_outputs_planned for r in reqs), np.int64, len(reqs))
         num_sampled = len(steady_rows) + sum(sample for _, _, sample in rows)
-        k, chosen = self.policy.choose(num_sampled, base, cand, np.concatenate([remaining, left]), budget)
+        k, chosen = self._choose(num_sampled, base, cand, np.concatenate([remaining, left]), budget)
         if not k:
             return None
         ns = len(cand_steady)
@@ -172,6 +176,34 @@ class Drafts:
             record((step_id, self.stats.add, tuple(np.array(c) for c in zip(*verified_rows))))
         if seen:
             record((step_id, self.policy.observe_rows, tuple(np.asarray(c) for c in zip(*seen))))
+
+    def _choose(
+        self, num_sampled: int, base: int, cand: np.ndarray, remaining: np.ndarray, budget: int
+    ) -> tuple[int, np.ndarray]:
+        """``SpecPolicy.choose``'s ``(k, rows)``, or, when ``prepare`` made the choice since the last step and
+        the token budget cannot bind, that choice applied to these candidates: its ``k`` for those at least
+        as likely to accept as the least likely it took (a few array operations instead of the search;
+        the adaptive policy only: the other is as cheap)."""
+        prepared, self._prepared = self._prepared, None
+        policy, args = self.policy, (num_sampled, base, cand, remaining, budget)
+        if prepared is not None and policy.adaptive and len(cand) * policy.k_max <= budget:
+            self._to_prepare = (args, True)
+            k, lowest = prepared
+            if not k:
+                return 0, np.zeros(0, np.int64)
+            a = policy.acceptance(cand) * policy.matched[cand]
+            return k, np.flatnonzero((a >= lowest) & (a > 0) & (remaining > k))
+        self._to_prepare = (args, False)  # chosen now: prepare must not fade the rows' evidence again
+        return policy.choose(*args)
+
+    def prepare(self) -> None:
+        """Make the policy's choice for the next step from this one's candidates (``_choose``): called off the
+        path from an output to the next step, once this one is published."""
+        if self._to_prepare is None:
+            return
+        (args, idle), self._to_prepare = self._to_prepare, None
+        k, rows = self.policy.choose(*args, idle=idle)
+        self._prepared = (k, float(self.policy.acceptance(args[2][rows]).min()) if k else 0.0)
 
     def observe(self, all_outputs: bool = True) -> None:
         """Give the policy and the stats the measurements of the outputs applied (False: all but the newest).

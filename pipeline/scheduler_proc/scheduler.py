@@ -180,10 +180,11 @@ class Scheduler(SchedulerOutputsMixin):
     # -- planning ---------------------------------------------------------------
 
     def observe_outputs(self) -> None:
-        """Measure the outputs applied so far (speculation's policy and stats): call it once a step is
-        published, off the path from an output to the next step."""
+        """Measure the outputs applied so far (speculation's policy and stats) and make the policy's next
+        choice: call it once a step is published, off the path from an output to the next step."""
         if self.drafts is not None:
             self.drafts.observe()
+            self.drafts.prepare()
 
     def schedule(self, desc: StepDescriptor) -> int:
         """Plan the next step into the descriptor ring entry ``desc``.

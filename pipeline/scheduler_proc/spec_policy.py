@@ -120,7 +120,13 @@ class SpecPolicy:
         return np.interp(num_tokens, *self._curve)
 
     def choose(
-        self, num_sampled: int, base_tokens: int, req_indices: np.ndarray, remaining: np.ndarray, budget: int
+        self,
+        num_sampled: int,
+        base_tokens: int,
+        req_indices: np.ndarray,
+        remaining: np.ndarray,
+        budget: int,
+        idle: bool = True,
     ) -> tuple[int, np.ndarray]:
         """This step's drafts: ``(k, rows)``, the candidates (indices into ``req_indices``) that verify ``k``.
 
@@ -131,6 +137,8 @@ class SpecPolicy:
             remaining: ``[C]`` tokens each may still be given before ``max_tokens`` (so at most
                 ``remaining - 1`` drafts).
             budget: tokens left in the step for drafts.
+            idle: the evidence of the candidates not chosen fades (``_IDLE_DECAY``); False: a choice
+                made again for the same step.
         """
         best_k, best_rows = 0, np.zeros(0, dtype=np.int64)
         if not self.adaptive:
@@ -156,7 +164,8 @@ class SpecPolicy:
             k, m = divmod(best, len(a))
             if rate[k, m] > 0:
                 best_k, best_rows = k + 1, order[np.flatnonzero(ok[k, : m + 1])]
-        self._idle(np.delete(req_indices, best_rows))
+        if idle:
+            self._idle(np.delete(req_indices, best_rows))
         return best_k, np.sort(best_rows)
 
     def _idle(self, req_indices: np.ndarray) -> None:

@@ -52,9 +52,17 @@ def params(i: int, long: bool = False) -> SamplingParams:
 
 
 def run(
-    k: int, pipelined: bool, seed: int, num_blocks: int = 400, abort: bool = False, long: bool = False
+    k: int,
+    pipelined: bool,
+    seed: int,
+    num_blocks: int = 400,
+    abort: bool = False,
+    long: bool = False,
+    policy: bool = False,
 ) -> dict[int, list[int]]:
-    """``long``: first turns of up to 150 tokens more, past a steady row's token buffer, drafts and all."""
+    """``long``: first turns of up to 150 tokens more, past a steady row's token buffer, drafts and all.
+    ``policy``: the real policy, driven as the scheduler's loop drives it (``observe_outputs`` after each
+    step), instead of random choices."""
     cfg = EngineConfig(
         model="tiny",
         served_model_name="tiny",
@@ -69,7 +77,16 @@ def run(
     sched = Scheduler(8, 24, BLOCK, num_blocks, cfg.max_blocks_per_seq, num_speculative_tokens=k)
     runner = ModelRunner(cfg, ModelExecutor(cfg, tiny_model(), CPU, torch.float32), CPU, DeviceOps(CPU))
     rng = random.Random(seed)
-    if k:
+    prepared = []
+    if k and policy:
+        real_prepare = sched.drafts.prepare
+
+        def prepare():
+            real_prepare()
+            prepared.append(sched.drafts._prepared)
+
+        sched.drafts.prepare = prepare
+    elif k:
         # Random drafts: any k for the step, any subset of the rows that may have them.
         def choose(num_sampled, base, req_indices, remaining, budget):
             kk = rng.randint(0, k)
@@ -91,6 +108,8 @@ def run(
             limit = 2 if pipelined else 1
             if len(in_flight) < limit and sched.num_unfinished and sched.schedule(desc):
                 in_flight.append(runner.launch(read_descriptor(desc), 0))
+                if policy:
+                    sched.observe_outputs()
                 continue
             step = runner.finish(in_flight.pop(0))
             reqs, toks = step.req_num.tolist(), step.tokens.tolist()
@@ -121,6 +140,8 @@ def run(
     drain()
     assert sched.prefix.num_hits > 0
     assert sched.pool.num_free_blocks == num_blocks and sched.pool.num_free_req_indices == 8
+    if policy:  # most steps drafted as prepare chose after the step before was published
+        assert sum(p is not None and p[0] > 0 for p in prepared) > len(prepared) // 2
     for r in outputs:
         outputs[r] = cut(r, outputs[r])
     return outputs
@@ -130,6 +151,13 @@ def run(
 @pytest.mark.parametrize("seed", range(3))
 def test_random_drafts_give_the_same_tokens(pipelined, seed):
     assert run(K, pipelined, seed) == run(0, False, seed)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_choices_prepared_between_steps_give_the_same_tokens(seed):
+    """As the scheduler's loop drives it, the policy chooses each step's drafts after the step before
+    was published (``Drafts.prepare``), and the step applies that choice to its own candidates."""
+    assert run(K, True, seed, policy=True) == run(0, False, seed)
 
 
 def test_long_outputs_with_drafts_overflow_no_buffer():
