@@ -180,19 +180,22 @@ class Drafts:
     def _choose(
         self, num_sampled: int, base: int, cand: np.ndarray, remaining: np.ndarray, budget: int
     ) -> tuple[int, np.ndarray]:
-        """``SpecPolicy.choose``'s ``(k, rows)``, or, when ``prepare`` made the choice since the last step and
-        the token budget cannot bind, that choice applied to these candidates: its ``k`` for those at least
-        as likely to accept as the least likely it took (a few array operations instead of the search;
-        the adaptive policy only: the other is as cheap)."""
+        """``SpecPolicy.choose``'s ``(k, rows)``, or, when ``prepare`` made the choice since the last step,
+        that choice applied to these candidates: its ``k`` for those at least as likely to accept as the
+        least likely it took, the likeliest first while the token budget lasts (a few array operations
+        instead of the search; the adaptive policy only: the other is as cheap)."""
         prepared, self._prepared = self._prepared, None
         policy, args = self.policy, (num_sampled, base, cand, remaining, budget)
-        if prepared is not None and policy.adaptive and len(cand) * policy.k_max <= budget:
+        if prepared is not None and policy.adaptive:
             self._to_prepare = (args, True)
             k, lowest = prepared
-            if not k:
+            if not k or budget < k:
                 return 0, np.zeros(0, np.int64)
             a = policy.acceptance(cand) * policy.matched[cand]
-            return k, np.flatnonzero((a >= lowest) & (a > 0) & (remaining > k))
+            rows = np.flatnonzero((a >= lowest) & (a > 0) & (remaining > k))
+            if len(rows) * k > budget:
+                rows = np.sort(rows[np.argsort(-a[rows], kind="stable")[: budget // k]])
+            return (k, rows) if len(rows) else (0, rows)
         self._to_prepare = (args, False)  # chosen now: prepare must not fade the rows' evidence again
         return policy.choose(*args)
 
