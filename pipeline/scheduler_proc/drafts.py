@@ -15,6 +15,9 @@ from pipeline.scheduler_proc.spec_policy import SpecPolicy, SpecStats, output_ru
 from pipeline.scheduler_proc.steady_rows import SteadyRows
 
 _NO_DRAFTS: dict[int, int] = {}
+# Steps planned with one prepared choice before the policy chooses again (its search costs more than the rest
+# of a step's planning, and the evidence it reads changes little in a step).
+_CHOICE_STEPS = 4
 
 
 class Drafts:
@@ -50,9 +53,11 @@ class Drafts:
         # Measurements of applied outputs not yet given to the policy and the stats: (step, what, args).
         self._observations: list[tuple[int, Callable, tuple]] = []
         self._last_output = -1  # the newest step whose output was applied
-        # The policy's choice made after a step was published, for the next: (k, lowest acceptance chosen),
-        # and what that choice is made from (choose's arguments, kept by plan).
+        # The policy's choice made after a step was published, for the next ones: (k, lowest acceptance
+        # chosen), the steps planned with it, and what the next choice is made from (the newest step's
+        # choose arguments, and how many steps' fading of idle evidence it owes).
         self._prepared: tuple[int, float] | None = None
+        self._prepared_steps = 0
         self._to_prepare: tuple | None = None
 
     def admit(self, req: Request) -> None:
@@ -184,11 +189,11 @@ class Drafts:
         that choice applied to these candidates: its ``k`` for those at least as likely to accept as the
         least likely it took, the likeliest first while the token budget lasts (a few array operations
         instead of the search; the adaptive policy only: the other is as cheap)."""
-        prepared, self._prepared = self._prepared, None
         policy, args = self.policy, (num_sampled, base, cand, remaining, budget)
-        if prepared is not None and policy.adaptive:
-            self._to_prepare = (args, True)
-            k, lowest = prepared
+        if self._prepared is not None and policy.adaptive:
+            self._prepared_steps += 1
+            self._to_prepare = (args, self._prepared_steps)
+            k, lowest = self._prepared
             if not k or budget < k:
                 return 0, np.zeros(0, np.int64)
             a = policy.acceptance(cand) * policy.matched[cand]
@@ -196,17 +201,20 @@ class Drafts:
             if len(rows) * k > budget:
                 rows = np.sort(rows[np.argsort(-a[rows], kind="stable")[: budget // k]])
             return (k, rows) if len(rows) else (0, rows)
-        self._to_prepare = (args, False)  # chosen now: prepare must not fade the rows' evidence again
+        self._prepared = None
+        self._to_prepare = (args, 0)  # chosen now: prepare must not fade the rows' evidence again
         return policy.choose(*args)
 
     def prepare(self) -> None:
-        """Make the policy's choice for the next step from this one's candidates (``_choose``): called off the
-        path from an output to the next step, once this one is published."""
-        if self._to_prepare is None:
+        """Make the policy's choice for the next steps from this one's candidates (``_choose``), every
+        ``_CHOICE_STEPS`` steps: called off the path from an output to the next step, once this one is
+        published."""
+        if self._to_prepare is None or (self._prepared is not None and self._prepared_steps < _CHOICE_STEPS):
             return
-        (args, idle), self._to_prepare = self._to_prepare, None
-        k, rows = self.policy.choose(*args, idle=idle)
+        (args, idle_steps), self._to_prepare = self._to_prepare, None
+        k, rows = self.policy.choose(*args, idle_steps=idle_steps)
         self._prepared = (k, float(self.policy.acceptance(args[2][rows]).min()) if k else 0.0)
+        self._prepared_steps = 0
 
     def observe(self, all_outputs: bool = True) -> None:
         """Give the policy and the stats the measurements of the outputs applied (False: all but the newest).

@@ -126,7 +126,7 @@ class SpecPolicy:
         req_indices: np.ndarray,
         remaining: np.ndarray,
         budget: int,
-        idle: bool = True,
+        idle_steps: int = 1,
     ) -> tuple[int, np.ndarray]:
         """This step's drafts: ``(k, rows)``, the candidates (indices into ``req_indices``) that verify ``k``.
 
@@ -137,8 +137,8 @@ class SpecPolicy:
             remaining: ``[C]`` tokens each may still be given before ``max_tokens`` (so at most
                 ``remaining - 1`` drafts).
             budget: tokens left in the step for drafts.
-            idle: the evidence of the candidates not chosen fades (``_IDLE_DECAY``); False: a choice
-                made again for the same step.
+            idle_steps: the evidence of the candidates not chosen fades by ``_IDLE_DECAY`` this many
+                times: the steps since the last choice (0: a choice made again for the same step).
         """
         best_k, best_rows = 0, np.zeros(0, dtype=np.int64)
         if not self.adaptive:
@@ -164,13 +164,13 @@ class SpecPolicy:
             k, m = divmod(best, len(a))
             if rate[k, m] > 0:
                 best_k, best_rows = k + 1, order[np.flatnonzero(ok[k, : m + 1])]
-        if idle:
-            self._idle(np.delete(req_indices, best_rows))
+        if idle_steps:
+            self._idle(np.delete(req_indices, best_rows), _IDLE_DECAY**idle_steps)
         return best_k, np.sort(best_rows)
 
-    def _idle(self, req_indices: np.ndarray) -> None:
-        self.accepted[req_indices] *= _IDLE_DECAY
-        self.rejected[req_indices] *= _IDLE_DECAY
+    def _idle(self, req_indices: np.ndarray, decay: float) -> None:
+        self.accepted[req_indices] *= decay
+        self.rejected[req_indices] *= decay
 
 
 @dataclass
