@@ -107,8 +107,8 @@ def sim_drafts(last_ids: np.ndarray, last_positions: np.ndarray, k: int, accepta
     threshold = np.uint64(min(int(acceptance * 2**32), 2**32))
     for i in range(k):
         h = _hash2(x, p)
-        true, right = _word(h), (h >> np.uint64(32)) < threshold
-        x = np.where(right, true, (true - _FIRST_WORD_ID + 1) % _NUM_WORD_IDS + _FIRST_WORD_ID)
+        # A wrong draft is the word beside the right one (the range's bounds are even: it stays inside).
+        x = _word(h) ^ ~((h >> np.uint64(32)) < threshold)
         out[:, i] = x
         p = p + 1
     return out

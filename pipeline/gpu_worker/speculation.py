@@ -23,7 +23,7 @@ import torch
 
 from pipeline.common.config import EngineConfig
 from pipeline.common.step_output import TokenLogprobs
-from pipeline.common.step_protocol import DRAFT_TOKEN_ID, MAX_INFLIGHT_STEPS, StepInputs
+from pipeline.common.step_protocol import MAX_INFLIGHT_STEPS, StepInputs
 from pipeline.gpu_worker.attention.backend import StepLayout
 from pipeline.gpu_worker.device import Staged, UploadBatch
 from pipeline.gpu_worker.draft_model import DraftModel, DraftPlan
@@ -232,7 +232,8 @@ class SpecState:
             first=batch.add(sp.first),
             base=batch.add(sp.token[sp.first]),
             sample_req=batch.add(sample_req),
-            width=min(int((x.start_pos[rows] + x.num_scheduled_tokens[rows]).max(initial=0)) + 1, self.max_model_len),
+            # A row's last sampled position is its end.
+            width=min(int(sp.position.max(initial=0)) + 1, self.max_model_len) if self.history is not None else 0,
         )
         if len(x.new_rows):
             self.verified_at[x.req_index[x.new_rows]] = -(2**62)
@@ -242,12 +243,11 @@ class SpecState:
         if (self.verified_at[x.req_index] >= x.step_id - (MAX_INFLIGHT_STEPS - 1)).any():
             st.shift_req, st.known_rejected = batch.add(x.req_index), batch.add(x.num_rejected)
         if sp.k:
-            is_draft = x.token_ids == DRAFT_TOKEN_ID
-            index = np.flatnonzero(is_draft)
-            row_of = np.repeat(np.arange(len(x.req_index)), x.num_scheduled_tokens)[index]
-            col = index - (np.cumsum(x.num_scheduled_tokens) - x.num_draft_tokens)[row_of]
-            st.draft_index, st.draft_flat = batch.add(index), batch.add(x.req_index[row_of] * self.k + col)
-            st.draft_req = x.req_index[row_of]
+            # A verified row's drafts are its last k tokens: its sampled positions after the first.
+            is_draft = sp.j > 0
+            st.draft_req = sample_req[sp.row[is_draft]]
+            st.draft_index = batch.add(sp.token[is_draft])
+            st.draft_flat = batch.add(st.draft_req * self.k + sp.j[is_draft] - 1)
             st.verify_index = batch.add(sp.first[sp.verify_rows, None] + np.arange(sp.k + 1)[None, :])
             st.verify_rows = batch.add(sp.verify_rows)
             self.verified_at[sample_req[sp.verify_rows]] = x.step_id

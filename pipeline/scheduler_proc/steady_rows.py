@@ -302,7 +302,8 @@ class SteadyRows:
         offset = np.cumsum(lengths) - lengths
         row_of = np.repeat(np.arange(len(rows)), lengths)
         j = np.arange(int(lengths.sum())) - offset[row_of]
-        tok = tok_all[starts[row_of] + j]
+        # The runs are the output's first rows, back to back: with every row kept, they are tok_all.
+        tok = tok_all if len(left) == 0 else tok_all[starts[row_of] + j]
         hit = (self._stop[rows[row_of]] == tok[:, None]).any(1)
         first_stop = lengths.copy()  # none: the run's length
         if hit.any():
