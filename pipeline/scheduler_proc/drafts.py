@@ -18,6 +18,9 @@ _NO_DRAFTS: dict[int, int] = {}
 # Steps planned with one prepared choice before the policy chooses again (its search costs more than the rest
 # of a step's planning, and the evidence it reads changes little in a step).
 _CHOICE_STEPS = 4
+# Fewer candidates search every step: the search is cheap there, and a threshold taken from a few rows
+# would not carry over to the next steps.
+_PREPARED_MIN_ROWS = 64
 
 
 class Drafts:
@@ -148,8 +151,8 @@ class Drafts:
         ``SteadyRows.apply_output``, whose last value is ``verified``) and measure the step.
 
         ``device_ns``: its device time; ``matched``: ``[rows]`` ``draft_matched`` (None: not known). Per
-        request its run of tokens (``apply_run``); ``finished`` gets the requests that end. The
-        measurements wait for ``observe``.
+        request its run of tokens (``apply_run``); ``finished`` gets the requests that end. Whether each
+        row's proposer matched counts at once; the other measurements wait for ``observe``.
         """
         self._last_output = step_id
         record = self._observations.append
@@ -161,7 +164,8 @@ class Drafts:
             if matched is not None:
                 m = matched[: len(rows)] if last_row is None else matched[last_row]
                 k = np.zeros(len(rows), np.int64) if planned is None else planned - 1
-                record((step_id, self.policy.observe_rows, (rows, k, k if got is None else got - 1, m.astype(bool))))
+                self.policy.matched[rows] = m
+                record((step_id, self.policy.observe_rows, (rows, k, k if got is None else got - 1)))
         drafted = self._drafted.pop(step_id, _NO_DRAFTS)
         req_nums, token_ids = req_nums[d:], token_ids[d:]
         matched = None if matched is None else matched[d:]
@@ -180,7 +184,9 @@ class Drafts:
         if verified_rows:
             record((step_id, self.stats.add, tuple(np.array(c) for c in zip(*verified_rows))))
         if seen:
-            record((step_id, self.policy.observe_rows, tuple(np.asarray(c) for c in zip(*seen))))
+            index, k, accepted, m = (np.asarray(c) for c in zip(*seen))
+            self.policy.matched[index] = m
+            record((step_id, self.policy.observe_rows, (index, k, accepted)))
 
     def _choose(
         self, num_sampled: int, base: int, cand: np.ndarray, remaining: np.ndarray, budget: int
@@ -188,9 +194,9 @@ class Drafts:
         """``SpecPolicy.choose``'s ``(k, rows)``, or, when ``prepare`` made the choice since the last step,
         that choice applied to these candidates: its ``k`` for those at least as likely to accept as the
         least likely it took, the likeliest first while the token budget lasts (a few array operations
-        instead of the search; the adaptive policy only: the other is as cheap)."""
+        instead of the search; the adaptive policy with ``_PREPARED_MIN_ROWS`` candidates only)."""
         policy, args = self.policy, (num_sampled, base, cand, remaining, budget)
-        if self._prepared is not None and policy.adaptive:
+        if self._prepared is not None and policy.adaptive and len(cand) >= _PREPARED_MIN_ROWS:
             self._prepared_steps += 1
             self._to_prepare = (args, self._prepared_steps)
             k, lowest = self._prepared

@@ -80,9 +80,13 @@ class SpecPolicy:
         ``matched``: its proposer found drafts for its next step."""
         self.observe_rows(np.array([req_index]), np.array([k]), np.array([accepted]), np.array([matched]))
 
-    def observe_rows(self, req_indices: np.ndarray, k: np.ndarray, accepted: np.ndarray, matched: np.ndarray) -> None:
-        """``observe_row`` for many rows (``[N]`` arrays, distinct ``req_indices``)."""
-        self.matched[req_indices] = matched
+    def observe_rows(
+        self, req_indices: np.ndarray, k: np.ndarray, accepted: np.ndarray, matched: np.ndarray | None = None
+    ) -> None:
+        """``observe_row`` for many rows (``[N]`` arrays, distinct ``req_indices``); ``matched`` None: set apart
+        (in ``self.matched``)."""
+        if matched is not None:
+            self.matched[req_indices] = matched
         v = k > 0
         if not v.any():
             return

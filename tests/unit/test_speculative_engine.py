@@ -24,6 +24,7 @@ from pipeline.common.step_protocol import StepDescriptor, read_descriptor
 from pipeline.gpu_worker.device import DeviceOps
 from pipeline.gpu_worker.executor import ModelExecutor
 from pipeline.gpu_worker.model_runner import ModelRunner
+from pipeline.scheduler_proc import drafts as drafts_module
 from pipeline.scheduler_proc.request import Request
 from pipeline.scheduler_proc.scheduler import Scheduler
 from tests.unit.test_speculative_runner import tiny_model
@@ -154,9 +155,11 @@ def test_random_drafts_give_the_same_tokens(pipelined, seed):
 
 
 @pytest.mark.parametrize("seed", range(2))
-def test_choices_prepared_between_steps_give_the_same_tokens(seed):
-    """As the scheduler's loop drives it, the policy chooses each step's drafts after the step before
-    was published (``Drafts.prepare``), and the step applies that choice to its own candidates."""
+def test_choices_prepared_between_steps_give_the_same_tokens(seed, monkeypatch):
+    """As the scheduler's loop drives it, the policy chooses the drafts of the next steps after a step was
+    published (``Drafts.prepare``), and each step applies that choice to its own candidates (here
+    from one candidate on)."""
+    monkeypatch.setattr(drafts_module, "_PREPARED_MIN_ROWS", 1)
     assert run(K, True, seed, policy=True) == run(0, False, seed)
 
 
