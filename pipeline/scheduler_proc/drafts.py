@@ -218,6 +218,8 @@ class Drafts:
         if self._to_prepare is None or (self._prepared is not None and self._prepared_steps < _CHOICE_STEPS):
             return
         (args, idle_steps), self._to_prepare = self._to_prepare, None
+        if not self.policy.adaptive or len(args[2]) < _PREPARED_MIN_ROWS:  # _choose searches each step there
+            return
         k, rows = self.policy.choose(*args, idle_steps=idle_steps)
         self._prepared = (k, float(self.policy.acceptance(args[2][rows]).min()) if k else 0.0)
         self._prepared_steps = 0
