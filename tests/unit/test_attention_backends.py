@@ -229,16 +229,21 @@ def test_backend_equals_dense_reference(name, seed):
 @pytest.mark.parametrize("seed", range(4))
 @torch.inference_mode()
 def test_shift_moves_rows_back_on_the_device(name, seed):
-    """A layout planned ahead of each row's true start plus the device shift equals the exact layout."""
+    """A layout planned ahead of each row's true start plus the device shift equals the exact layout: decode
+    rows, rows verifying drafts (several of the same query count, as a step's drafting rows are) and
+    prefill chunks."""
     rng = random.Random(100 + seed)
     block_size = rng.choice([1, 4, 16])
-    query_lens, starts = [], []
+    query_lens, starts, drafts = [], [], []
     for _ in range(rng.randint(1, 10)):
         start = rng.choice([rng.randint(1, 40), rng.randint(40, 300)])
-        query_lens.append(rng.choice([1, 1, 5, rng.randint(2, 30)]))
+        query_lens.append(rng.choice([1, 1, 5, 5, rng.randint(2, 30)]))
         starts.append(start)
+        drafts.append(query_lens[-1] - 1 if rng.random() < 0.7 else 0)
     setup = SETUPS[name](8, 2, 16)
-    Case(setup, query_lens, starts, block_size, 8, 2, 16, rng, seed).run(check_history=False, shifted=True)
+    Case(setup, query_lens, starts, block_size, 8, 2, 16, rng, seed).run(
+        check_history=False, shifted=True, drafts=drafts
+    )
 
 
 @pytest.mark.parametrize("name", SETUPS)

@@ -105,23 +105,14 @@ class BucketedMetadata(AttentionMetadata):
     prefill: list[Bucket]
 
 
-def _block_ids(
-    block_table: torch.Tensor,
-    req_indices: torch.Tensor,
-    context_lens: torch.Tensor,
-    n_blocks: int,
-    block_size: int,
-    prefix: PrefixTable,
-) -> torch.Tensor:
-    """``[rows, n_blocks]`` each row's first blocks, read on the device; unused entries -> block 0.
+def _block_ids(block_table: torch.Tensor, req_indices: torch.Tensor, n_blocks: int) -> torch.Tensor:
+    """``[rows, n_blocks]`` each row's first blocks, read on the device.
 
-    Unused block-table entries may hold anything (e.g. -1): pointing them at
-    block 0 keeps the gather in bounds, and the mask hides them.
+    Entries past a row's context hold a block id or -1 (the tests' tables): clamped, the gather stays in
+    bounds, and the mask hides them.
     """
     # index_select of the sliced table, not block_table[req_indices, :n]: advanced indexing is 3x slower on CPU.
-    ids = block_table[:, :n_blocks].index_select(0, req_indices)
-    needed = prefix.rows(torch.div(context_lens + (block_size - 1), block_size, rounding_mode="floor"), n_blocks)
-    return ids.mul_(needed)
+    return block_table[:, :n_blocks].index_select(0, req_indices).clamp_(min=0)
 
 
 @dataclasses.dataclass
@@ -132,7 +123,7 @@ class _HostPrefill:
     n_blocks: int
     identity: bool
     padded: bool  # some queries are padding (out_rows needed)
-    arrays: list[np.ndarray]  # req_indices, context_lens, query_pos, token_index[, out_rows, out_tokens]
+    arrays: list[np.ndarray]  # req_indices, query_pos, token_index[, out_rows, out_tokens]
 
 
 def _host_prefill(layout: StepLayout, rows: np.ndarray, shifted: bool) -> _HostPrefill:
@@ -146,7 +137,7 @@ def _host_prefill(layout: StepLayout, rows: np.ndarray, shifted: bool) -> _HostP
         and token_index.size == layout.num_tokens
         and bool((token_index == np.arange(layout.num_tokens)).all())
     )
-    arrays = [layout.req_indices[rows], g.context_lens, g.query_pos, token_index]
+    arrays = [layout.req_indices[rows], g.query_pos, token_index]
     if padded:
         out_rows = np.flatnonzero(g.real)
         arrays += [out_rows, token_index[out_rows]]
@@ -164,18 +155,17 @@ def _device_prefill(
     shift: torch.Tensor | None,
 ) -> Bucket:
     """A prefill bucket's block ids and causal mask, built on the device from its uploaded indices."""
-    req_indices, context_lens, query_pos, token_index = dev[:4]
-    out_rows, out_tokens = dev[4:6] if host.padded else (None, token_index)
+    req_indices, query_pos, token_index = dev[:3]
+    out_rows, out_tokens = dev[3:5] if host.padded else (None, token_index)
     if shift is not None:
-        row_shift = shift.index_select(0, dev[-1])
-        context_lens, query_pos = context_lens - row_shift, query_pos - row_shift[:, None]
+        query_pos = query_pos - shift.index_select(0, dev[-1])[:, None]
     rows, q_max = query_pos.shape
     # Query at position p attends keys 0..p: the first p + 1.
     visible = (query_pos + 1).view(-1)
     mask = prefix.rows(visible, host.n_blocks * block_size).view(rows, 1, q_max, -1)
     return Bucket(
         q_max=host.q_max,
-        block_ids=_block_ids(block_table, req_indices, context_lens, host.n_blocks, block_size, prefix),
+        block_ids=_block_ids(block_table, req_indices, host.n_blocks),
         mask=mask,
         token_index=token_index,
         out_rows=out_rows,
@@ -226,7 +216,7 @@ def _device_decode(
     if shift is not None:
         context_lens = context_lens - shift.index_select(0, dev[4])
     n_blocks = host.bounds[0][2]  # plan_buckets puts the longest bucket first
-    block_ids = _block_ids(block_table, req_indices, context_lens, n_blocks, block_size, prefix)
+    block_ids = _block_ids(block_table, req_indices, n_blocks)
     mask = prefix.rows(context_lens, n_blocks * block_size)[:, None, None, :]
     return [
         Bucket(
@@ -240,6 +230,65 @@ def _device_decode(
             visible=context_lens[a : a + n],
             context_lens=context_lens[a : a + n],
             query_lens=query_lens[a : a + n],
+        )
+        for a, n, nb in host.bounds
+    ]
+
+
+@dataclasses.dataclass
+class _HostVerify:
+    """The host half of the buckets of rows verifying drafts with ``q`` queries each (numpy int64)."""
+
+    q: int
+    bounds: list[tuple[int, int, int]]  # per bucket: first row, row count, n_blocks
+    identity: bool
+    arrays: list[np.ndarray]  # req_indices [R], query_pos [R, q], token_index [R * q][, rows]
+
+
+def _host_verify(layout: StepLayout, rows: np.ndarray, plan: list[np.ndarray], q: int, shifted: bool) -> _HostVerify:
+    """Every bucket of verifying rows of ``q`` queries in three arrays (four ``shifted``): with no padding
+    to plan, their grids need no per-bucket build, unlike prefill chunks."""
+    order = rows[np.concatenate(plan)]
+    row_blocks = -(-(layout.start_positions[order] + q) // layout.block_size)
+    bounds, first = [], 0
+    for b in plan:
+        bounds.append((first, b.size, int(row_blocks[first : first + b.size].max())))
+        first += b.size
+    offsets = np.arange(q)
+    token_index = (layout.token_starts[order][:, None] + offsets).ravel()
+    whole = len(plan) == 1 and token_index.size == layout.num_tokens
+    identity = whole and bool((token_index == np.arange(layout.num_tokens)).all())
+    query_pos = layout.start_positions[order][:, None] + offsets
+    arrays = [layout.req_indices[order], query_pos, token_index] + ([order] if shifted else [])
+    return _HostVerify(q, bounds, identity, arrays)
+
+
+def _device_verify(
+    host: _HostVerify,
+    dev: list[torch.Tensor],
+    block_table: torch.Tensor,
+    block_size: int,
+    prefix: PrefixTable,
+    shift: torch.Tensor | None,
+) -> list[Bucket]:
+    """Verifying rows' buckets, their block ids views of one table built on the device; each bucket's
+    causal mask is read at its own width (one mask at the widest would cost a long row's width for all)."""
+    req_indices, query_pos, token_index = dev[:3]
+    if shift is not None:
+        query_pos = query_pos - shift.index_select(0, dev[3])[:, None]
+    q, n_blocks = host.q, host.bounds[0][2]
+    visible = (query_pos + 1).view(-1)
+    block_ids = _block_ids(block_table, req_indices, n_blocks)
+    return [
+        Bucket(
+            q_max=q,
+            block_ids=block_ids[a : a + n, :nb],
+            mask=prefix.rows(visible[a * q : (a + n) * q], nb * block_size).view(n, 1, q, nb * block_size),
+            token_index=token_index[a * q : (a + n) * q],
+            out_rows=None,
+            out_tokens=token_index[a * q : (a + n) * q],
+            identity=host.identity,
+            visible=visible[a * q : (a + n) * q],
         )
         for a, n, nb in host.bounds
     ]
@@ -279,11 +328,20 @@ class TorchBucketedBackend(PaddedGraphDecode, AttentionBackend):
         ctx = layout.start_positions + q_lens
         # A decode row, or one verifying its drafts (up to decode_query_max queries); a prefill chunk,
         # however short, stays on SDPA, so a cached prompt's tail computes as the whole prompt would.
-        is_decode = (q_lens - layout.num_draft_tokens == 1) & (q_lens <= self.decode_query_max)
+        verifies = q_lens - layout.num_draft_tokens == 1
+        is_decode = verifies & (q_lens <= self.decode_query_max)
         shifted = shift is not None
         rows = np.flatnonzero(is_decode)
         decode = _host_decode(layout, rows, self.plan_decode(ctx[rows]), shifted) if rows.size else None
-        rows = np.flatnonzero(~is_decode)
+        # The other verifying rows: one grid per query count (a step's drafting rows mostly share one).
+        verify = []
+        rows = np.flatnonzero(verifies & ~is_decode)
+        if rows.size:
+            q_rows = q_lens[rows]
+            for q in [int(q_rows[0])] if q_rows.min() == q_rows.max() else np.unique(q_rows).tolist():
+                rows_q = rows[q_rows == q]
+                verify.append(_host_verify(layout, rows_q, self.plan_decode(ctx[rows_q]), q, shifted))
+        rows = np.flatnonzero(~verifies)
         prefill = [
             _host_prefill(layout, rows[b], shifted)
             for b in (plan_buckets(ctx[rows], q_lens[rows], *self.limits) if rows.size else [])
@@ -292,7 +350,7 @@ class TorchBucketedBackend(PaddedGraphDecode, AttentionBackend):
         arrays = layout.shifted_inputs(shifted)
         i = len(arrays)
         arrays += decode.arrays if decode is not None else []
-        for h in prefill:
+        for h in verify + prefill:
             arrays += h.arrays
         dev = upload(arrays)
         positions, token_req_indices, token_cols = shifted_slots(dev, shift, layout.block_size)
@@ -302,6 +360,10 @@ class TorchBucketedBackend(PaddedGraphDecode, AttentionBackend):
             decode_buckets = _device_decode(decode, dev[i : i + n], block_table, layout.block_size, self.prefix, shift)
             i += n
         prefill_buckets = []
+        for h in verify:
+            n = len(h.arrays)
+            prefill_buckets += _device_verify(h, dev[i : i + n], block_table, layout.block_size, self.prefix, shift)
+            i += n
         for h in prefill:
             prefill_buckets.append(
                 _device_prefill(h, dev[i : i + len(h.arrays)], block_table, layout.block_size, self.prefix, shift)
