@@ -92,9 +92,9 @@ def _word(h: np.ndarray) -> np.ndarray:
 
 
 def sim_drafts(last_ids: np.ndarray, last_positions: np.ndarray, k: int, acceptance: float) -> np.ndarray:
-    """``[R, k]`` int64 drafts continuing each row: draft ``i`` is the chain's token after draft ``i - 1``
-    (after the row's last token for the first) when the high half of that token's hash falls below
-    ``acceptance``, else another word, which verification rejects.
+    """``[R, k]`` int64 drafts continuing each row: draft ``i`` is the chain's ``i``-th next token after the
+    row's last when the high half of that token's hash falls below ``acceptance``, else the word beside it,
+    which verification rejects (and with it every later draft: a row accepts its leading right drafts).
 
     Args:
         last_ids: ``[R]`` int64, each row's last token (the newest sampled).
@@ -102,23 +102,30 @@ def sim_drafts(last_ids: np.ndarray, last_positions: np.ndarray, k: int, accepta
         k: drafts per row.
         acceptance: the probability in [0, 1] that each draft is the chain's token.
     """
-    x, p = last_ids.astype(np.int64), last_positions.astype(np.int64)
-    out = np.empty((len(x), k), dtype=np.int64)
-    threshold = np.uint64(min(int(acceptance * 2**32), 2**32))
+    # _hash2 of (token, position) along the chain, token i + 1 following token i, in place.
+    x = last_ids.astype(np.uint64)
+    h = (last_positions.astype(np.uint64)[:, None] + np.arange(k, dtype=np.uint64)) * _C2
     for i in range(k):
-        h = _hash2(x, p)
-        # A wrong draft is the word beside the right one (the range's bounds are even: it stays inside).
-        x = _word(h) ^ ~((h >> np.uint64(32)) < threshold)
-        out[:, i] = x
-        p = p + 1
+        hi = h[:, i]
+        hi += x * _C1
+        hi ^= hi >> np.uint64(31)
+        hi *= _C3
+        hi ^= hi >> np.uint64(29)
+        x = hi % np.uint64(_NUM_WORD_IDS) + np.uint64(_FIRST_WORD_ID)
+    out = _word(h)
+    # A wrong draft is the word beside the right one (the range's bounds are even: it stays inside).
+    out ^= (h >> np.uint64(32)) >= np.uint64(min(int(acceptance * 2**32), 2**32))
     return out
+
+
+_C1, _C2, _C3 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
 
 def _hash2(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """A uint64 hash of two int arrays, elementwise (a splitmix64-style finalizer)."""
-    h = a.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) + b.astype(np.uint64) * np.uint64(0xBF58476D1CE4E5B9)
+    h = a.astype(np.uint64) * _C1 + b.astype(np.uint64) * _C2
     h ^= h >> np.uint64(31)
-    h *= np.uint64(0x94D049BB133111EB)
+    h *= _C3
     h ^= h >> np.uint64(29)
     return h
 

@@ -68,15 +68,20 @@ def test_sim_logprobs_are_plausible_and_depend_only_on_inputs():
 
 @pytest.mark.parametrize("acceptance", [0.0, 0.3, 0.8, 1.0])
 def test_drafts_follow_the_chain_with_the_configured_probability(acceptance):
-    """Each draft is the chain's next token with probability ``acceptance``, decided by a hash."""
+    """Each draft is the chain's token at its place with probability ``acceptance``, decided by a hash, so
+    a row's accepted run (its leading right drafts) is geometric."""
     rng = np.random.default_rng(0)
     last = rng.integers(1000, 9000, 4000)
     pos = rng.integers(0, 900, 4000)
     k = 4
     drafts = sim_drafts(last, pos, k, acceptance)
-    inputs = np.concatenate([last[:, None], drafts], 1)
-    truth = sim_next_tokens(inputs[:, :k].ravel(), (pos[:, None] + np.arange(k)).ravel()).reshape(-1, k)
+    truth, token = np.empty_like(drafts), last
+    for i in range(k):
+        token = truth[:, i] = sim_next_tokens(token, pos + i)
     right = drafts == truth
     assert abs(right.mean() - acceptance) < 0.02
+    run = np.where(right.all(1), k, np.argmin(right, 1))  # leading right drafts
+    expected = [(1 - acceptance) * acceptance**n for n in range(k)] + [acceptance**k]
+    assert np.abs(np.bincount(run, minlength=k + 1) / len(run) - expected).max() < 0.02
     assert ((drafts >= 1000) & (drafts < 9000)).all()
     assert np.array_equal(drafts, sim_drafts(last.copy(), pos.copy(), k, acceptance))  # deterministic
