@@ -57,6 +57,11 @@ class LaunchedStep:
     def is_done(self) -> bool:
         return self.done is None or self.done.query()
 
+    def wait(self) -> None:
+        """Block until ``done`` has fired (a CUDA event's or the simulated device's synchronize)."""
+        if self.done is not None:
+            self.done.synchronize()
+
     def start_host_copy(self, executed: Executed, ops: DeviceOps) -> None:
         """Start copying the tokens, poison flags and log-probabilities to the host, in one copy.
 

@@ -25,7 +25,7 @@ from pipeline.common.process import StopFlag, Stopped, freeze_startup_heap, repo
 from pipeline.common.shm_ring import RingTimeout, ShmRing
 from pipeline.common.step_clock import WorkerClock
 from pipeline.common.step_output import StepOutput
-from pipeline.common.step_protocol import StepDescriptor, read_descriptor
+from pipeline.common.step_protocol import MAX_INFLIGHT_STEPS, StepDescriptor, read_descriptor
 from pipeline.common.trace import TraceRecorder
 from pipeline.gpu_worker.attention import make_backend
 from pipeline.gpu_worker.cpu_threads import ThreadGovernor, usable_cpus
@@ -74,6 +74,9 @@ class WorkerProc:
         self.heartbeats = heartbeats
         self.desc_ring, self.out_ring, self.relay = desc_ring, out_ring, relay
         self.pending: deque[LaunchedStep] = deque()
+        # With this many steps pending the scheduler has its in-flight limit out: no descriptor comes
+        # before the oldest one's output.
+        self.max_pending = MAX_INFLIGHT_STEPS if config.async_scheduling else 1
         self.clock = WorkerClock() if out_ring is not None else None
         self.trace = TraceRecorder() if config.trace else None
         # Every rank runs the same steps: rank 0's record is the step list.
@@ -95,6 +98,9 @@ class WorkerProc:
             if self.threads is not None:
                 self.threads.check(time.monotonic_ns())
             self._publish_done(stop)
+            if len(self.pending) >= self.max_pending:
+                self.pending[0].wait()  # its output is what the next descriptor waits for
+                continue
             timeout = _BUSY_POLL_S if self.pending else POLL_INTERVAL_S
             if self.desc_ring is None:  # a rank on another node
                 desc = self.relay.receive(timeout)
