@@ -5,6 +5,7 @@
 #   VLLM_PYTHON=../vllm-venv/bin/python bash scripts/perf_figures.sh   # vLLM's CPU build as a peer too
 #   bash scripts/perf_figures.sh sim                    # only the simulated-device tables
 #   bash scripts/perf_figures.sh spec                   # only the speculative-decoding tables
+#   bash scripts/perf_figures.sh spec-sim               # only speculation on the simulated device
 #
 # Each table compares figures measured in one invocation (async vs lock step, engine vs bound,
 # pipeline vs its peers): machines differ 2-3x in absolute speed, and a busy machine changes
@@ -71,9 +72,12 @@ if [[ $ONLY == all || $ONLY == spec ]]; then
         --json "$OUT/peers-spec-rewrite-c$c.json"
     done
   fi
-  # The simulated device with speculation: the token gap at 10 ms and 2 ms steps, with and without drafts
+fi
+if [[ $ONLY == all || $ONLY == spec || $ONLY == spec-sim ]]; then
+  spec='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}'
+  # The simulated device with speculation: the token gap at 10, 4 and 2 ms steps, with and without drafts
   # in one invocation (three at 2 ms, where the host work of drafting shows).
-  for run_name in 10000us 2000us-1 2000us-2 2000us-3; do
+  for run_name in 10000us 4000us 2000us-1 2000us-2 2000us-3; do
     run "spec-sim-$run_name" "${BENCH[@]}" --model sim --sim-step-us "${run_name%%us*}" --batch-size 256 \
       --output-len 1024 --mode async --speculative-config "$spec" --speculation both --json "$OUT/spec-sim-$run_name.json"
   done
