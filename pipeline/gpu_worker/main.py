@@ -1,7 +1,9 @@
 """gpu_worker: the only process that touches the device.
 
 Loop: publish every launched step whose tokens have reached the host, then
-take the next StepDescriptor and launch it. With a CUDA device, step N+1 is
+take the next StepDescriptor and launch it; with as many steps pending as the
+scheduler keeps in flight, wait for the oldest one instead (no descriptor can
+come before its output). With a CUDA device, step N+1 is
 launched while N still runs (the scheduler queues it ahead), so the device
 never waits for the host; on CPU torch each launch runs to completion, and
 the overlap is the scheduler planning N+1 during N's forward.
