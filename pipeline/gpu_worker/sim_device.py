@@ -108,9 +108,7 @@ def sim_drafts(last_ids: np.ndarray, last_positions: np.ndarray, k: int, accepta
     for i in range(k):
         hi = h[:, i]
         hi += x * _C1
-        hi ^= hi >> np.uint64(31)
-        hi *= _C3
-        hi ^= hi >> np.uint64(29)
+        _mix(hi)
         x = hi % np.uint64(_NUM_WORD_IDS) + np.uint64(_FIRST_WORD_ID)
     out = _word(h)
     # A wrong draft is the word beside the right one (the range's bounds are even: it stays inside).
@@ -123,7 +121,11 @@ _C1, _C2, _C3 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np
 
 def _hash2(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """A uint64 hash of two int arrays, elementwise (a splitmix64-style finalizer)."""
-    h = a.astype(np.uint64) * _C1 + b.astype(np.uint64) * _C2
+    return _mix(a.astype(np.uint64) * _C1 + b.astype(np.uint64) * _C2)
+
+
+def _mix(h: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer on uint64 ``h``, in place; returns ``h``."""
     h ^= h >> np.uint64(31)
     h *= _C3
     h ^= h >> np.uint64(29)

@@ -58,6 +58,17 @@ def tiny_spec_sync(request, tiny_dir):
     return _server(request, ["--model", str(tiny_dir), *TINY, *SPEC, "--no-async-scheduling"])
 
 
+def repeating_job(model_dir, max_tokens: int) -> dict:
+    """A greedy request whose output repeats " the" (a logit bias of 100), found in its prompt: it drafts."""
+    the = AutoTokenizer.from_pretrained(model_dir)(" the", add_special_tokens=False).input_ids[-1]
+    return {
+        "prompt": "the cat the cat",
+        "max_tokens": max_tokens,
+        "abort_after": None,
+        "sampling": {"logit_bias": {str(the): 100.0}},
+    }
+
+
 def spec_counts(server) -> dict[str, float]:
     m = server.metrics()
     return {k.removeprefix("pipeline_spec_decode_"): v for k, v in m.items() if "spec_decode" in k}
@@ -136,15 +147,7 @@ def test_tiny_greedy_sampled_penalized_unchanged(request, tiny_sync, tiny_dir, m
         ][i % 4]
     # Whether the random model repeats itself, and finds room to draft in the burst, varies with the
     # load: one row repeats " the", found in its prompt, and decodes on past the burst, so it drafts.
-    the = AutoTokenizer.from_pretrained(tiny_dir)(" the", add_special_tokens=False).input_ids[-1]
-    jobs.append(
-        {
-            "prompt": "the cat the cat",
-            "max_tokens": 200,
-            "abort_after": None,
-            "sampling": {"logit_bias": {str(the): 100.0}},
-        }
-    )
+    jobs.append(repeating_job(tiny_dir, 200))
     assert asyncio.run(run_all(spec, jobs)) == asyncio.run(run_all(tiny_sync, jobs))
     assert spec_counts(spec)["num_draft_tokens_total"] > 0
     assert_idle(spec, tiny_sync)
@@ -242,17 +245,8 @@ def test_tensor_parallel(request, tiny_kv4_dir):
     for job in jobs:
         job["prompt"] += " a b a b a b"
     # The workload's requests end or are aborted within 5 tokens, and the random model seldom repeats a
-    # token: whether one of them drafts varies with the load. This one repeats " the" (as in
-    # test_tiny_greedy_sampled_penalized_unchanged) long enough to draft.
-    the = AutoTokenizer.from_pretrained(tiny_kv4_dir)(" the", add_special_tokens=False).input_ids[-1]
-    jobs.append(
-        {
-            "prompt": "the cat the cat",
-            "max_tokens": 60,
-            "abort_after": None,
-            "sampling": {"logit_bias": {str(the): 100.0}},
-        }
-    )
+    # token: whether one of them drafts varies with the load. This one repeats " the" long enough to draft.
+    jobs.append(repeating_job(tiny_kv4_dir, 60))
     base = ["--model", str(tiny_kv4_dir), *TINY, "-tp", "2"]
     spec = _server(request, [*base, *SPEC])
     plain = _server(request, [*base, "--no-async-scheduling"])

@@ -115,6 +115,21 @@ def _block_ids(block_table: torch.Tensor, req_indices: torch.Tensor, n_blocks: i
     return block_table[:, :n_blocks].index_select(0, req_indices).clamp_(min=0)
 
 
+def _in_step_order(token_index: np.ndarray, num_tokens: int) -> bool:
+    """Whether ``token_index`` is every token of the step, in order (a bucket that is the whole step)."""
+    return token_index.size == num_tokens and bool((token_index == np.arange(num_tokens)).all())
+
+
+def _bucket_bounds(plan: list[np.ndarray], row_blocks: np.ndarray) -> list[tuple[int, int, int]]:
+    """Per bucket of ``plan``, laid out one after another: (first row, row count, blocks of its longest row);
+    ``row_blocks`` ``[R]`` in that order."""
+    bounds, first = [], 0
+    for b in plan:
+        bounds.append((first, b.size, int(row_blocks[first : first + b.size].max())))
+        first += b.size
+    return bounds
+
+
 @dataclasses.dataclass
 class _HostPrefill:
     """The host half of a prefill bucket: shapes and small index arrays (numpy int64)."""
@@ -132,11 +147,7 @@ def _host_prefill(layout: StepLayout, rows: np.ndarray, shifted: bool) -> _HostP
     g = PaddedQueries.of(layout, rows)
     token_index = g.token_index.ravel()
     padded = not g.real.all()
-    identity = (
-        not padded
-        and token_index.size == layout.num_tokens
-        and bool((token_index == np.arange(layout.num_tokens)).all())
-    )
+    identity = not padded and _in_step_order(token_index, layout.num_tokens)
     arrays = [layout.req_indices[rows], g.query_pos, token_index]
     if padded:
         out_rows = np.flatnonzero(g.real)
@@ -190,15 +201,9 @@ def _host_decode(layout: StepLayout, rows: np.ndarray, plan: list[np.ndarray], s
     order = rows[np.concatenate(plan)]
     query_lens = layout.query_lens[order]
     context_lens = layout.start_positions[order] + query_lens
-    row_blocks = -(-context_lens // layout.block_size)
-    bounds, first = [], 0
-    for b in plan:
-        bounds.append((first, b.size, int(row_blocks[first : first + b.size].max())))
-        first += b.size
+    bounds = _bucket_bounds(plan, -(-context_lens // layout.block_size))
     token_index = layout.token_starts[order]
-    identity = (
-        len(plan) == 1 and order.size == layout.num_tokens and bool((token_index == np.arange(layout.num_tokens)).all())
-    )
+    identity = len(plan) == 1 and _in_step_order(token_index, layout.num_tokens)
     arrays = [layout.req_indices[order], context_lens, token_index, query_lens] + ([order] if shifted else [])
     return _HostDecode(bounds, identity, arrays)
 
@@ -249,15 +254,10 @@ def _host_verify(layout: StepLayout, rows: np.ndarray, plan: list[np.ndarray], q
     """Every bucket of verifying rows of ``q`` queries in three arrays (four ``shifted``): with no padding
     to plan, their grids need no per-bucket build, unlike prefill chunks."""
     order = rows[np.concatenate(plan)]
-    row_blocks = -(-(layout.start_positions[order] + q) // layout.block_size)
-    bounds, first = [], 0
-    for b in plan:
-        bounds.append((first, b.size, int(row_blocks[first : first + b.size].max())))
-        first += b.size
+    bounds = _bucket_bounds(plan, -(-(layout.start_positions[order] + q) // layout.block_size))
     offsets = np.arange(q)
     token_index = (layout.token_starts[order][:, None] + offsets).ravel()
-    whole = len(plan) == 1 and token_index.size == layout.num_tokens
-    identity = whole and bool((token_index == np.arange(layout.num_tokens)).all())
+    identity = len(plan) == 1 and _in_step_order(token_index, layout.num_tokens)
     query_pos = layout.start_positions[order][:, None] + offsets
     arrays = [layout.req_indices[order], query_pos, token_index] + ([order] if shifted else [])
     return _HostVerify(q, bounds, identity, arrays)
