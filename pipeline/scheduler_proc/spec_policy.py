@@ -23,8 +23,6 @@ evidence fades.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 
 # Forgetting of a request's acceptance evidence per verified row, and of the cost buckets per step.
@@ -60,7 +58,7 @@ class SpecPolicy:
         self._bucket_tokens = np.zeros(32)
         self._bucket_ns = np.zeros(32)
         self._bucket_weight = np.zeros(32)
-        self._curve: tuple[np.ndarray, np.ndarray] | None = None  # cost's points (tokens, ns), from (0, 0)
+        self._curve: tuple[np.ndarray, np.ndarray] | None = None  # cost's points (tokens, ns), from (0, 0); None: stale
         self._ks = np.arange(1, k_max + 1)[:, None]
 
     def reset(self, req_index: int) -> None:
@@ -105,12 +103,7 @@ class SpecPolicy:
         self._bucket_tokens[b] = (self._bucket_tokens[b] * w + num_tokens) / (w + 1)
         self._bucket_ns[b] = (self._bucket_ns[b] * w + device_ns) / (w + 1)
         self._bucket_weight[b] = w + 1
-        seen = self._bucket_weight > 0
-        # From (0, 0): below the smallest bucket the cost is proportional to the tokens.
-        self._curve = (
-            np.concatenate([[0.0], self._bucket_tokens[seen]]),
-            np.concatenate([[0.0], np.maximum.accumulate(self._bucket_ns[seen])]),
-        )
+        self._curve = None  # drawn again when next asked (choose runs once in a few steps)
 
     def cost(self, num_tokens: np.ndarray) -> np.ndarray:
         """Estimated device ns of steps of ``num_tokens`` (an array, any shape); 1 everywhere before any step is
@@ -119,8 +112,15 @@ class SpecPolicy:
         Between measured buckets, interpolated; past the largest, flat; below the smallest,
         proportional to the tokens. Both guesses flatter the untried side, so it gets tried.
         """
-        if self._curve is None:
+        seen = self._bucket_weight > 0
+        if not seen.any():
             return np.ones(np.shape(num_tokens))
+        if self._curve is None:
+            # From (0, 0): below the smallest bucket the cost is proportional to the tokens.
+            self._curve = (
+                np.concatenate([[0.0], self._bucket_tokens[seen]]),
+                np.concatenate([[0.0], np.maximum.accumulate(self._bucket_ns[seen])]),
+            )
         return np.interp(num_tokens, *self._curve)
 
     def choose(
@@ -177,28 +177,40 @@ class SpecPolicy:
         self.rejected[req_indices] *= decay
 
 
-@dataclass
 class SpecStats:
     """Speculative decoding's cumulative counts, vLLM's ``spec_decode_*``: verified rows (drafts), draft
-    tokens, accepted tokens, and accepted tokens by draft position (``[K]``)."""
+    tokens, accepted tokens, and accepted tokens by draft position (``[K]``).
 
-    num_speculative_tokens: int
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_pos: np.ndarray = field(default=None)
+    Kept as a histogram of (drafts, accepted) per row, so that adding a step's rows is one bincount;
+    the counts are read from it.
+    """
 
-    def __post_init__(self) -> None:
-        self.accepted_per_pos = np.zeros(self.num_speculative_tokens, np.int64)
+    def __init__(self, num_speculative_tokens: int):
+        self.num_speculative_tokens = k = num_speculative_tokens
+        self._hist = np.zeros((k + 1, k + 1), np.int64)  # [drafts, accepted]: rows
 
     def add(self, k: np.ndarray, accepted: np.ndarray) -> None:
         """Rows that verified ``k`` drafts (``[N]``, 0: none) and accepted ``accepted`` of them."""
-        v = k > 0
-        if v.any():
-            self.num_drafts += int(v.sum())
-            self.num_draft_tokens += int(k[v].sum())
-            self.num_accepted_tokens += int(accepted[v].sum())
-            self.accepted_per_pos += (np.arange(self.num_speculative_tokens)[None, :] < accepted[v, None]).sum(0)
+        n = self.num_speculative_tokens + 1
+        self._hist += np.bincount(k * n + accepted, minlength=n * n).reshape(n, n)
+
+    @property
+    def num_drafts(self) -> int:
+        return int(self._hist[1:].sum())
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return int(self._hist.sum(1) @ np.arange(self.num_speculative_tokens + 1))
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        return int(self._hist.sum(0) @ np.arange(self.num_speculative_tokens + 1))
+
+    @property
+    def accepted_per_pos(self) -> np.ndarray:
+        """``[K]``: rows whose draft at each position was accepted (those that accepted more than it)."""
+        rows_accepting = self._hist[1:].sum(0)  # by accepted count
+        return rows_accepting[::-1].cumsum()[::-1][1:]
 
 
 def output_runs(req_nums: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -305,24 +305,29 @@ class SteadyRows:
         # The runs are the output's first rows, back to back: with every row kept, they are tok_all.
         tok = tok_all if len(left) == 0 else tok_all[starts[row_of] + j]
         hit = (self._stop[rows[row_of]] == tok[:, None]).any(1)
-        first_stop = lengths.copy()  # none: the run's length
+        take, stopped = lengths, False  # a run's tokens up to its first stop token; whether it has one
         if hit.any():
+            first_stop = lengths.copy()
             np.minimum.at(first_stop, row_of[hit], j[hit])
-        take = np.minimum(lengths, first_stop + 1)  # a run's tokens up to its first stop token
-        for i in np.flatnonzero(self._num_buffered[rows] + take > _TOKEN_BUFFER).tolist():
-            self._move_tokens(int(rows[i]))
-        taken = j < take[row_of]
-        at = rows[row_of[taken]]
-        self._buffer[at, self._num_buffered[at] + j[taken]] = tok[taken]
-        self._num_buffered[rows] += take
-        self._last_token[rows] = tok[offset + take - 1]
+            take, stopped = np.minimum(lengths, first_stop + 1), first_stop < lengths
+            taken = j < take[row_of]
+            tok, j, row_of = tok[taken], j[taken], row_of[taken]
+        buffered = self._num_buffered[rows]
+        if (full := buffered + take > _TOKEN_BUFFER).any():
+            for i in rows[full].tolist():
+                self._move_tokens(i)
+            buffered = self._num_buffered[rows]
+        self._buffer[rows[row_of], buffered[row_of] + j] = tok
+        self._num_buffered[rows] = buffered + take
+        self._last_token[rows] = tok[np.cumsum(take) - 1]
         self._in_flight[rows] -= planned
-        self._left[rows] -= take
+        left_after = self._left[rows] - take
+        self._left[rows] = left_after
         rejected = planned - lengths
         self._pos[rows] -= rejected
         self._remaining[rows] += rejected
         self._rejected[rows] += rejected
-        ended = np.flatnonzero((first_stop < lengths) | (self._left[rows] <= 0))
+        ended = np.flatnonzero(stopped | (left_after <= 0))
         return d, left, self._end(rows[ended]), (rows, planned, lengths, last_row)
 
     def _end(self, ended_rows: np.ndarray) -> list[Request]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.scheduler_proc.spec_policy import SpecPolicy
+from pipeline.scheduler_proc.spec_policy import SpecPolicy, SpecStats
 
 K = 4
 
@@ -60,3 +60,19 @@ def test_unmatched_rows_remaining_and_budget():
     assert k == K and 3 not in rows and 6 not in rows and 7 not in rows
     k, rows = p.choose(8, 8, np.arange(8), np.full(8, 100), budget=8)
     assert k * len(rows) <= 8 and len(rows) > 0
+
+
+def test_stats_count_drafts_tokens_and_acceptance_by_position():
+    """vLLM's counts: a row with k >= 1 drafts is a draft; accepted_per_pos[p] counts rows accepting p + 1 or more."""
+    rng = np.random.default_rng(0)
+    stats = SpecStats(K)
+    rows = []
+    for _ in range(5):
+        k = rng.integers(0, K + 1, 50)
+        accepted = (rng.random(50) * (k + 1)).astype(np.int64)
+        stats.add(k, accepted)
+        rows += zip(k.tolist(), accepted.tolist())
+    assert stats.num_drafts == sum(k > 0 for k, _ in rows)
+    assert stats.num_draft_tokens == sum(k for k, _ in rows)
+    assert stats.num_accepted_tokens == sum(a for _, a in rows)
+    assert stats.accepted_per_pos.tolist() == [sum(a > p for _, a in rows) for p in range(K)]
