@@ -121,8 +121,8 @@ class DecodedOutput:
     """
 
     step_id: int
-    req_nums: list[int]
-    token_ids: list[int]
+    req_nums: list[int] | np.ndarray
+    token_ids: list[int] | np.ndarray
     time_ns: int = 0
     continues: bool = False
     logprobs: TokenLogprobs | None = None
@@ -187,15 +187,15 @@ class StepOutput(OUTPUT.view_base):
             self.pe_top_ids[:m] = prompt_logprobs.top_ids
             self.pe_top_logprobs[:m] = prompt_logprobs.top_logprobs
 
-    def read(self, logprobs: bool = False, drafts: bool = False) -> DecodedOutput:
+    def read(self, logprobs: bool = False, drafts: bool = False, arrays: bool = False) -> DecodedOutput:
         """Copy the entry out (it may be released right after); log-probabilities and ``draft_matched``
-        only if asked."""
+        only if asked; with ``arrays``, ``req_nums`` and ``token_ids`` as int64 arrays instead of lists."""
         h = self.header
         n = int(h[_OUT["num_rows"]])
+        rows = (self.req_num[:n], self.token_id[:n])
         out = DecodedOutput(
             int(h[_OUT["step_id"]]),
-            self.req_num[:n].tolist(),
-            self.token_id[:n].tolist(),
+            *(a.astype(np.int64) if arrays else a.tolist() for a in rows),
             int(h[_OUT["time_ns"]]),
             bool(h[_OUT["continues"]]),
         )

@@ -83,9 +83,9 @@ class SampledPositions:
         count = drafts + 1
         first = np.cumsum(count) - count
         row = np.repeat(np.arange(n), count)
-        j = np.arange(int(count.sum())) - first[row]
-        back = (count - 1)[row] - j  # positions before the row's last
-        return cls(row, j, last[row] - back, end[row] - back, first, count, k, verify_rows)
+        j = np.arange(len(row)) - first[row]
+        # A row's sampled positions are its last count tokens: the first is count - 1 before its last.
+        return cls(row, j, (last - drafts)[row] + j, (end - drafts)[row] + j, first, count, k, verify_rows)
 
     def output_rows(
         self, host: torch.Tensor, req_num: np.ndarray, logprobs: TokenLogprobs | None

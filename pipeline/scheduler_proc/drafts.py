@@ -115,7 +115,7 @@ class Drafts:
                 self._drafting[got] = True
                 drafts = self._drafting[steady_rows] * k
                 self._drafting[got] = False
-                self._step_tokens[step_id] += int(drafts.sum())
+                self._step_tokens[step_id] += k * len(got)
         drafted = {}
         for c in chosen[chosen >= ns].tolist():
             i = general[c - ns]
@@ -141,8 +141,8 @@ class Drafts:
         device_ns: int,
         d: int,
         verified: tuple | None,
-        req_nums: list[int],
-        token_ids: list[int],
+        req_nums: np.ndarray,
+        token_ids: np.ndarray,
         matched: np.ndarray | None,
         requests: dict[int, Request],
         finished: list[int],
@@ -167,9 +167,9 @@ class Drafts:
                 self.policy.matched[rows] = m
                 record((step_id, self.policy.observe_rows, (rows, k, k if got is None else got - 1)))
         drafted = self._drafted.pop(step_id, _NO_DRAFTS)
-        req_nums, token_ids = req_nums[d:], token_ids[d:]
+        starts, lengths = output_runs(req_nums[d:])
+        req_nums, token_ids = req_nums[d:].tolist(), token_ids[d:].tolist()
         matched = None if matched is None else matched[d:]
-        starts, lengths = output_runs(np.asarray(req_nums, np.int64))
         verified_rows: list[tuple[int, int]] = []  # (drafts, accepted) of the rows that verified drafts
         seen: list[tuple[int, int, int, bool]] = []  # (req_index, drafts, accepted, matched) of live rows
         for start, m in zip(starts.tolist(), lengths.tolist()):

@@ -251,7 +251,7 @@ class SchedulerProc:
                 ) from None
             return
         t0 = time.monotonic_ns()
-        out = entry.read(drafts=self.scheduler.drafts is not None)
+        out = entry.read(drafts=self.scheduler.drafts is not None, arrays=True)
         busy = self._worker_counts[BUSY_NS]
         np.copyto(self._worker_counts, entry.worker_stats)
         self.out_ring.release_read(OUTPUT_READER_SCHEDULER)

@@ -22,8 +22,8 @@ class SchedulerOutputsMixin:
     def process_output(
         self,
         step_id: int,
-        req_nums: list[int],
-        token_ids: list[int],
+        req_nums: np.ndarray | list[int],
+        token_ids: np.ndarray | list[int],
         time_ns: int = 0,
         draft_matched: np.ndarray | None = None,
         device_ns: int = 0,
@@ -35,6 +35,8 @@ class SchedulerOutputsMixin:
         output's engine timestamp (now if 0), which its tokens get. With
         speculation a request's tokens are consecutive rows (``Drafts.apply_output``).
 
+        ``req_nums`` and ``token_ids``: ``[rows]`` (int64 arrays are taken as they are).
+
         Returns:
             ``req_num`` of the requests that finished (stop token, length, or the
             end of the prefill of a request with ``max_tokens`` 0).
@@ -44,6 +46,7 @@ class SchedulerOutputsMixin:
         """
         finished: list[int] = []
         self._output_ns = time_ns or time.monotonic_ns()
+        req_nums, token_ids = np.asarray(req_nums, np.int64), np.asarray(token_ids, np.int64)
         d, left, ended, verified = self.steady.apply_output(step_id, req_nums, token_ids)
         for r, n, tokens in left:
             if (req := self.requests.get(r)) is not None and n > 1:  # it verified drafts: a run of tokens
@@ -55,7 +58,7 @@ class SchedulerOutputsMixin:
             self._remove_ended(ended)
         self.steady.flush(step_id)
         if self.drafts is None:
-            for r, t in zip(req_nums[d:], token_ids[d:]):
+            for r, t in zip(req_nums[d:].tolist(), token_ids[d:].tolist()):
                 if (req := self.requests.get(r)) is not None:
                     self._apply_token(req, t, finished)
         else:

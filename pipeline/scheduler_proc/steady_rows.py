@@ -169,9 +169,11 @@ class SteadyRows:
         """Blocks for ``k`` drafts after each of ``rows``' token, in order while free blocks and ``room``
         block-table entries last; returns the rows that got them (the others do not draft)."""
         need = np.maximum(0, cdiv(self._pos[rows] + 1 + k, self.block_size) - self._num_blocks[rows])
-        fits = np.cumsum(need) <= min(pool.num_free_blocks, room)
-        rows, need = rows[fits], need[fits]
-        growing, need = rows[need > 0], need[need > 0]
+        if need.sum() > min(pool.num_free_blocks, room):
+            fits = np.cumsum(need) <= min(pool.num_free_blocks, room)
+            rows, need = rows[fits], need[fits]
+        growing = np.flatnonzero(need)
+        growing, need = rows[growing], need[growing]
         if len(growing):
             # Row i's j-th new block goes to column num_blocks[i] + j.
             row_of = np.repeat(np.arange(len(growing)), need)
@@ -219,7 +221,7 @@ class SteadyRows:
         return nums, rows, pos, tokens
 
     def apply_output(
-        self, step_id: int, req_nums: list[int], token_ids: list[int]
+        self, step_id: int, req_nums: np.ndarray, token_ids: np.ndarray
     ) -> tuple[int, list[tuple[int, int, list[int]]], list[Request], tuple | None]:
         """Apply the tokens of step ``step_id``'s steady rows, vectorized.
 
@@ -248,18 +250,16 @@ class SteadyRows:
         if n is not None:
             return self._apply_runs(step_id, rows, nums, num_list, n, req_nums, token_ids)
         d = len(num_list)
-        if req_nums[:d] != num_list:
+        if len(req_nums) < d or (req_nums[:d] != nums).any():
             raise RuntimeError(f"step {step_id}: output rows are not the steady rows planned")
-        tokens = token_ids[:d]
+        tok = token_ids[:d]
         kept = self._req_num[rows] == nums
         left: list[tuple[int, int, list[int]]] = []
         last_row = None
         if not kept.all():
-            left = [(num_list[i], 1, [tokens[i]]) for i in np.flatnonzero(~kept).tolist()]
+            left = [(num_list[i], 1, [int(tok[i])]) for i in np.flatnonzero(~kept).tolist()]
             last_row = np.flatnonzero(kept)
-            rows, tok = rows[last_row], np.asarray(tokens)[last_row]
-        else:
-            tok = np.asarray(tokens)
+            rows, tok = rows[last_row], tok[last_row]
         # A run of accepted drafts fills a buffer faster than one token a step, the pace flush keeps up with.
         full = self._num_buffered[rows] >= _TOKEN_BUFFER
         if full.any():
@@ -280,22 +280,22 @@ class SteadyRows:
         nums: np.ndarray,
         num_list: list[int],
         planned: np.ndarray,
-        req_nums: list[int],
-        token_ids: list[int],
+        req_nums: np.ndarray,
+        token_ids: np.ndarray,
     ) -> tuple[int, list[tuple[int, int, list[int]]], list[Request], tuple]:
         """``apply_output`` for a step whose steady rows had drafts: row ``i`` planned ``planned[i]`` tokens."""
-        arr = np.asarray(req_nums[: int(planned.sum())], np.int64)
+        arr = req_nums[: int(planned.sum())]
         starts, lengths = output_runs(arr)
         starts, lengths = starts[: len(num_list)], lengths[: len(num_list)]
         if len(starts) < len(num_list) or (arr[starts] != nums).any() or (lengths > planned).any():
             raise RuntimeError(f"step {step_id}: output rows are not the steady rows planned")
         d = int(starts[-1] + lengths[-1])
-        tok_all = np.asarray(token_ids[:d], np.int64)
+        tok_all = token_ids[:d]
         kept = self._req_num[rows] == nums
         left: list[tuple[int, int, list[int]]] = []
         if not kept.all():
             for i in np.flatnonzero(~kept).tolist():
-                left.append((num_list[i], int(planned[i]), token_ids[starts[i] : starts[i] + lengths[i]]))
+                left.append((num_list[i], int(planned[i]), token_ids[starts[i] : starts[i] + lengths[i]].tolist()))
             keep = np.flatnonzero(kept)
             rows, planned, starts, lengths = rows[keep], planned[keep], starts[keep], lengths[keep]
         last_row = starts + lengths - 1

@@ -199,6 +199,9 @@ def test_output_round_trip(step_id, rows):
     assert (got.time_ns, got.continues) == (step_id + 1, False)
     np.testing.assert_array_equal(out.worker_stats, counts)
     assert got.logprobs is None and got.prompt_logprobs is None
+    as_arrays = out.read(arrays=True)  # the scheduler's read
+    assert as_arrays.req_nums.dtype == as_arrays.token_ids.dtype == np.int64
+    assert (as_arrays.req_nums.tolist(), as_arrays.token_ids.tolist()) == (got.req_nums, got.token_ids)
 
 
 def _logprobs(rng, n: int, index) -> TokenLogprobs:
