@@ -174,17 +174,18 @@ class SteadyRows:
             rows, need = rows[fits], need[fits]
         growing = np.flatnonzero(need)
         growing, need = rows[growing], need[growing]
-        if len(growing):
-            # Row i's j-th new block goes to column num_blocks[i] + j.
-            row_of = np.repeat(np.arange(len(growing)), need)
-            j = np.arange(len(row_of)) - np.repeat(np.cumsum(need) - need, need)
-            new = pool.allocate_blocks(len(row_of))
-            builder.add_blocks(growing[row_of], self._num_blocks[growing][row_of] + j, np.asarray(new))
-            self._num_blocks[growing] += need
-            at = 0
-            for i, n in zip(growing.tolist(), need.tolist()):
-                self._req[i].block_ids.extend(new[at : at + n])
-                at += n
+        if not len(growing):
+            return rows
+        new = pool.allocate_blocks(int(need.sum()))
+        if len(new) == len(growing):  # one block each: the drafts fit in a block
+            owners, cols = growing, self._num_blocks[growing]
+        else:  # row i's j-th new block goes to column num_blocks[i] + j
+            owners = np.repeat(growing, need)
+            cols = np.repeat(self._num_blocks[growing] - (np.cumsum(need) - need), need) + np.arange(len(new))
+        builder.add_blocks(owners, cols, np.asarray(new))
+        self._num_blocks[growing] += need
+        for i, b in zip(owners.tolist(), new):
+            self._req[i].block_ids.append(b)
         return rows
 
     def num_rejected(self, rows: np.ndarray) -> np.ndarray:

@@ -163,6 +163,12 @@ def test_choices_prepared_between_steps_give_the_same_tokens(seed, monkeypatch):
     assert run(K, True, seed, policy=True) == run(0, False, seed)
 
 
+@pytest.mark.parametrize("pipelined", [True, False], ids=["async", "lock_step"])
+def test_drafts_longer_than_a_block_give_the_same_tokens(pipelined):
+    """More drafts than a block holds: a row can take two new blocks in one step, steady or not."""
+    assert run(BLOCK + 2, pipelined, 0) == run(0, False, 0)
+
+
 def test_long_outputs_with_drafts_overflow_no_buffer():
     """Steady rows' tokens are buffered and moved to their requests every few steps; runs of
     accepted drafts fill a buffer faster than one token a step (this once raised IndexError)."""
