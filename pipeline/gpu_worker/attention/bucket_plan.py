@@ -40,11 +40,14 @@ def plan_buckets(
         The buckets, as int64 arrays of row indices in ascending order (so a
         single bucket of every row keeps the step's order); longest bucket first.
     """
-    order = np.argsort(-context_lens, kind="stable")
     if query_lens.min() == query_lens.max():
         # Equal queries (decode rows): a bucket opened at context ``top`` takes
         # every next row down to min(top / slack, top - min_pad); one binary
         # search per bucket instead of a Python step per row.
+        top = context_lens.max()
+        if context_lens.min() >= min(top / slack, top - min_pad):  # one bucket takes every row
+            return [np.arange(context_lens.size)]
+        order = np.argsort(-context_lens, kind="stable")
         neg = -context_lens[order]  # ascending
         buckets, i = [], 0
         while i < order.size:
@@ -53,6 +56,7 @@ def plan_buckets(
             buckets.append(np.sort(order[i:j]))
             i = j
         return buckets
+    order = np.argsort(-context_lens, kind="stable")
     ctx = context_lens[order].tolist()
     ql = query_lens[order].tolist()
     groups: list[list[int]] = []
