@@ -52,6 +52,9 @@ from pipeline.gpu_worker.speculation import SpecStep, spec_state
 if TYPE_CHECKING:  # the simulated device never loads the model code
     from pipeline.gpu_worker.models.base import CausalLM
 
+# The simulated device has no vocabulary: top-k is never clipped to it (np.iinfo costs 10 us a call).
+_NO_VOCAB = np.iinfo(np.int64).max
+
 
 @dataclass
 class _Placeholders:
@@ -296,7 +299,7 @@ class ModelRunner:
         if st.hot is None:
             sampling = SamplingInputs(SamplingPlan(rows=None), **self._no_rows)
         else:
-            vocab = self.executor.vocab_size or np.iinfo(np.int64).max
+            vocab = self.executor.vocab_size or _NO_VOCAB
             plan = SamplingPlan.build(
                 st.hot.dev, st.top_k, st.top_p, vocab, host_reads_ok=not self.ops.is_async, min_p=st.min_p
             )
