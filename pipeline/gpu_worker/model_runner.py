@@ -148,9 +148,9 @@ class ModelRunner:
         ``prepare_start_ns`` (``time.monotonic_ns()``) is when the worker
         started reading the step; it goes into the step's trace spans.
         ``meanwhile`` runs once the forward is enqueued, before the step's
-        bookkeeping (speculation's, the host copy): the worker publishes the
-        outputs of earlier steps there, which the next step's planning waits
-        for. Every
+        bookkeeping (speculation's, the host copy), and with speculation again
+        before the drafting: the worker publishes the outputs of earlier steps
+        there, which the next step's planning waits for. Every
         tensor the step reads is written in stream order before it, so
         per-request state of steps still queued is never changed under them.
 
@@ -391,7 +391,7 @@ class ModelRunner:
             self.input_batch.token_cache.index_copy_(0, staged_sampling.sample_req_indices.dev, executed.tokens)
         else:
             step.spec = spec.sp
-            self.spec.after_step(spec, executed, meta, layout, input_ids)
+            self.spec.after_step(spec, executed, meta, layout, input_ids, meanwhile)
         step.launch_ns = time.monotonic_ns()
         if executed.done is not None:  # the simulated device's own timeline
             step.device_start_ns, step.device_end_ns = executed.device_start_ns, executed.device_end_ns

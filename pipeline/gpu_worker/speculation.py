@@ -15,6 +15,7 @@ rejections the scheduler did not know yet (``shift``). docs/design.md,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -331,9 +332,18 @@ class SpecState:
             v.draft_probs, v.hot_rows, v.hot_index = st.draft_probs, st.hot_rows.dev, st.hot_index.dev
         return v
 
-    def after_step(self, st: SpecStep, executed: Executed, meta, layout: StepLayout, input_ids: torch.Tensor) -> None:
+    def after_step(
+        self,
+        st: SpecStep,
+        executed: Executed,
+        meta,
+        layout: StepLayout,
+        input_ids: torch.Tensor,
+        meanwhile: Callable[[], None] | None = None,
+    ) -> None:
         """Apply a step's verification on the device, then draft every sampled row's next step (a draft
-        model instead runs over the step's inputs; it drafts in the next step).
+        model instead runs over the step's inputs; it drafts in the next step); ``meanwhile`` runs between
+        the two (``ModelRunner.launch``'s: a step that ended by then is published before the drafting).
 
         The last emitted token of each row goes into the token-id cache, accepted drafts into the
         penalty counts. ``executed.tokens`` (``[S']``, the sampled positions') is followed by ``[S]``
@@ -364,6 +374,8 @@ class SpecState:
         if self.history is not None:
             pos = base.index_select(0, st.pos_row.dev) + 1 + st.pos_j.dev
             self._write_history(st.sample_req.dev.index_select(0, st.pos_row.dev), pos, tokens)
+        if meanwhile is not None:
+            meanwhile()
         if self.drafts_on_device:
             self.proposer.consume(input_ids, meta, layout, self.shift(st))
             matched = torch.full_like(count, self.k)
