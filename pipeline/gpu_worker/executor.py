@@ -323,10 +323,11 @@ class SimExecutor(Executor):
         logprobs: LogprobInputs,
         verify: VerifyInputs | None = None,
     ) -> Executed:
-        # The simulated kernel reads the resolved inputs like the model would.
+        # Enqueued first: what follows is the simulated kernel's work, which a device does after the launch.
+        start, end = self.sim.enqueue_step(input_ids.numel())
+        # It reads the resolved inputs like the model would.
         last_ids, last_pos = input_ids[last].numpy(), meta.positions[last].numpy()
         tokens = torch.from_numpy(sim_next_tokens(last_ids, last_pos))
-        start, end = self.sim.enqueue_step(input_ids.numel())
         executed = Executed(tokens=tokens, done=SimEvent(end), device_start_ns=start, device_end_ns=end)
         if verify is not None:
             executed.accepted = accept_one_hot(tokens[verify.index], verify.drafts)
