@@ -130,8 +130,21 @@ class Server:
         return "".join(self._output)
 
     def metrics(self) -> dict[str, float]:
+        """The ``pipeline_*`` samples of ``/metrics``.
+
+        Raises:
+            RuntimeError: the server has exited (with what it printed).
+        """
+        try:
+            text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        except httpx.ConnectError as e:
+            try:
+                self.proc.wait(5)  # refused: it is stopping, or stopped
+            except subprocess.TimeoutExpired:
+                raise e from None
+            raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.output()}") from None
         out = {}
-        for line in httpx.get(f"{self.url}/metrics", timeout=10).text.splitlines():
+        for line in text.splitlines():
             if line.startswith("pipeline_"):
                 k, v = line.rsplit(" ", 1)
                 out[k] = float(v)
