@@ -112,10 +112,10 @@ class SpecPolicy:
         Between measured buckets, interpolated; past the largest, flat; below the smallest,
         proportional to the tokens. Both guesses flatter the untried side, so it gets tried.
         """
-        seen = self._bucket_weight > 0
-        if not seen.any():
-            return np.ones(np.shape(num_tokens))
         if self._curve is None:
+            seen = self._bucket_weight > 0
+            if not seen.any():
+                return np.ones(np.shape(num_tokens))
             # From (0, 0): below the smallest bucket the cost is proportional to the tokens.
             self._curve = (
                 np.concatenate([[0.0], self._bucket_tokens[seen]]),
