@@ -131,7 +131,7 @@ class EngineClient:
                 self._requests,
                 functools.partial(self._send_abort, engine=e),
                 self._dispatch,
-                RequestMetrics(config.max_model_len),
+                RequestMetrics(config.max_model_len, config.num_speculative_tokens > 0),
                 trace,
             )
             for e, ring in enumerate(rings)

@@ -34,7 +34,7 @@ from pipeline.io_proc.request_state import RequestState, StepTime
 _ITL_BOUNDS_NS = tuple(int(b * 1e9) for b in ITL_BUCKETS)
 # Steps whose inter-step time is kept (a power of two). A request whose tokens came in
 # consecutive steps (nearly all) has its inter-token latencies counted from these at once;
-# one that skipped steps, or ran longer than a quarter of them, is counted token by token.
+# one that skipped steps, or ran longer than a quarter of them, is counted step by step.
 _RING = 1 << 16
 _MAX_SPAN = _RING // 4
 _FLUSH_SPANS = 1024
@@ -50,7 +50,8 @@ class _InterTokenLatency:
     are read (or every ``_FLUSH_SPANS`` spans).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, speculative: bool = False) -> None:
+        self.speculative = speculative  # a step may bring a request several tokens
         self.histogram = Histogram(ITL_BUCKETS)
         self._bucket = np.zeros(_RING, np.int8)
         self._seq = 0
@@ -69,7 +70,11 @@ class _InterTokenLatency:
         return seq
 
     def observe(self, steps: list[StepTime]) -> None:
-        """Count the latencies between the steps that brought one request's tokens."""
+        """Count the latencies between the steps that brought one request's tokens (``steps``: one per token,
+        in order; with speculative decoding a step's several tokens repeat it and count one latency, as vLLM
+        counts one per engine output)."""
+        if self.speculative and len(steps) > 1:
+            steps = list(dict.fromkeys(steps))  # each step once, in order
         n = len(steps)
         if n < 2:
             return
@@ -115,9 +120,13 @@ class RequestMetrics:
     ``max_tokens`` (the parameter), and per request of ``n`` choices, once
     all have finished, ``n`` and ``max_generation_tokens`` (the longest
     choice). ``success``: finished requests by finish reason.
+
+    Args:
+        max_model_len: the largest token count (the token histograms' top bucket).
+        speculative: the engine verifies drafts, so one step may bring a request several tokens.
     """
 
-    def __init__(self, max_model_len: int):
+    def __init__(self, max_model_len: int, speculative: bool = False):
         tokens = buckets_1_2_5(max_model_len)
         self.ttft = Histogram(TTFT_BUCKETS)
         self.e2e = Histogram(REQUEST_LATENCY_BUCKETS)
@@ -128,7 +137,7 @@ class RequestMetrics:
         self.n = Histogram(N_BUCKETS)
         self.success = {"stop": 0, "length": 0, "abort": 0, "error": 0}
         self.cpu = CpuPerStep()
-        self._itl = _InterTokenLatency()
+        self._itl = _InterTokenLatency(speculative)
 
     def step(self, out: DecodedOutput) -> StepTime:
         """Record a step read from the ring (reader thread); returns the ``StepTime`` its rows get."""

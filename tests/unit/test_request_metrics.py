@@ -1,4 +1,4 @@
-"""Histogram counts, and io_proc's inter-token latencies counted per span of steps against a token-by-token count."""
+"""Histogram counts, and io_proc's inter-token latencies counted per span of steps against a step-by-step count."""
 
 from __future__ import annotations
 
@@ -39,29 +39,34 @@ def test_quantile_interpolates_as_prometheus():
 
 
 def reference(requests: list[list[StepTime]]) -> list[int]:
+    """One latency per step after a request's first that brought it tokens (vLLM's: one per engine output)."""
     h = Histogram(ITL_BUCKETS)
-    for steps in requests:
+    for tokens in requests:
+        steps = sorted({s.seq: s for s in tokens}.values(), key=lambda s: s.seq)
         for a, b in zip(steps, steps[1:]):
             h.observe((b.engine_ns - a.engine_ns) * 1e-9)
     return h.counts
 
 
+@pytest.mark.parametrize("speculative", [False, True])
 @pytest.mark.parametrize("num_steps", [300, 70_000])
-def test_spans_count_what_token_by_token_counts(num_steps, monkeypatch):
-    """Requests over consecutive steps (spans), with skipped steps and too long ones (token by token), across
-    the ring's wrap-around."""
+def test_spans_count_what_step_by_step_counts(num_steps, speculative, monkeypatch):
+    """Requests over consecutive steps (spans), with skipped steps and too long ones (step by step), some
+    taking several tokens in a step (speculative decoding), across the ring's wrap-around."""
     monkeypatch.setattr(request_metrics, "_FLUSH_SPANS", 7)
     rng = random.Random(num_steps)
-    itl = _InterTokenLatency()
+    itl = _InterTokenLatency(speculative)
     t, live, done = 0, [], []
     for _ in range(num_steps):
         t += rng.choice([2_000_000, 9_000_000, 30_000_000, 120_000_000, 3_000_000_000])
         step = StepTime(itl.step(t), 0.0, t)
         for r in live:
             if rng.random() < r["p"]:
-                r["steps"].append(step)
+                r["steps"] += [step] * r["tokens"](rng)
         if rng.random() < 0.3:
-            live.append({"steps": [step], "p": rng.choice([1.0, 1.0, 1.0, 0.5]), "len": rng.randint(1, 300)})
+            tokens = rng.choice([lambda _: 1, lambda _: 1, lambda r: r.randint(1, 5)]) if speculative else lambda _: 1
+            p = rng.choice([1.0, 1.0, 1.0, 0.5])
+            live.append({"steps": [step] * tokens(rng), "p": p, "len": rng.randint(1, 300), "tokens": tokens})
         for r in [r for r in live if len(r["steps"]) >= r["len"] or rng.random() < 0.002]:
             live.remove(r)
             itl.observe(r["steps"])
