@@ -68,13 +68,17 @@ class PrefixCache:
             self.num_queries += req.num_known_tokens
             self.num_hits += len(hit) * self.block_size
 
-    def name_final(self, req: Request, final: int) -> None:
-        """Name ``req``'s blocks that its first ``final`` tokens fill and that are not named yet; O(new blocks)."""
+    def name_final(self, req: Request, final: int, block_ids: list[int] | None = None) -> None:
+        """Name ``req``'s blocks that its first ``final`` tokens fill and that are not named yet; O(new blocks).
+
+        ``block_ids``: its blocks, if no longer ``req.block_ids`` (an ended request whose free is deferred).
+        """
+        block_ids = req.block_ids if block_ids is None else block_ids
         bs = self.block_size
         done = req.num_named_blocks
         if final < (done + 1) * bs or not self.enabled:  # the common case: no block filled since
             return
-        full = min(final // bs, len(req.block_ids))
+        full = min(final // bs, len(block_ids))
         if full <= done:
             return
         names = req.block_hashes
@@ -83,7 +87,7 @@ class PrefixCache:
             tokens = array("i", req.prompt_token_ids[start:end]) if start < p else array("i")
             tokens += req.output_token_ids[max(0, start - p) : max(0, end - p)]
             names += hash_blocks(tokens, bs, names[-1] if names else self.root)
-        self.pool.cache_blocks(req.block_ids[done:full], names[done:full])
+        self.pool.cache_blocks(block_ids[done:full], names[done:full])
         req.num_named_blocks = full
 
 

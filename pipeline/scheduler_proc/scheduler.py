@@ -113,10 +113,14 @@ class Scheduler(SchedulerOutputsMixin):
         )
         self.iteration_tokens = Histogram(ITERATION_TOKENS_BUCKETS)
         self._output_ns = 0  # time_ns of the output being applied
+        self._output_step = -1  # its step id
         self._builder = DescriptorBuilder()
         self._max_new_blocks = 0  # block-table entries the ring entry being planned holds
         self._last_output_step = -1
         self._finish_after: dict[int, list[Request]] = {}  # step id -> requests that end when it completes
+        # Ended steady rows whose blocks are named after the next step is published (observe_outputs):
+        # (req, its final tokens, its blocks, the step whose completion releases them).
+        self._unnamed: list[tuple[Request, int, list[int], int]] = []
         self._num_admitted = 0
         spec = (num_speculative_tokens, adaptive_speculation, self.pool, self.steady, self._builder, self._apply_token)
         self.drafts = Drafts(max_num_seqs, *spec) if num_speculative_tokens else None
@@ -180,8 +184,10 @@ class Scheduler(SchedulerOutputsMixin):
     # -- planning ---------------------------------------------------------------
 
     def observe_outputs(self) -> None:
-        """Measure the outputs applied so far (speculation's policy and stats) and make the policy's next
-        choice: call it once a step is published, off the path from an output to the next step."""
+        """Name the blocks of the steady rows that ended, measure the outputs applied so far (speculation's
+        policy and stats) and make the policy's next choice: call it once a step is published, off the path
+        from an output to the next step."""
+        self._name_ended()
         if self.drafts is not None:
             self.drafts.observe()
             self.drafts.prepare()
@@ -411,26 +417,63 @@ class Scheduler(SchedulerOutputsMixin):
 
     # -- removal ----------------------------------------------------------------
 
-    def _remove(self, req: Request) -> None:
-        """Drop ``req`` (finished or aborted); its named blocks stay cached."""
+    def _remove(self, req: Request, ended: bool = False) -> None:
+        """Drop ``req`` (finished or aborted; ``ended``: it finished in the output being applied); its named
+        blocks stay cached."""
         del self.requests[req.req_num]
         if req.grammar is not None:
             req.grammar.close()
-        if req.req_index >= 0:
-            self._leave_running(req)
-            self.prefix.name_final(req, num_final_tokens(req))
-        else:
+        if req.req_index < 0:
             self.waiting.remove(req)
-        self._free(req)
+            self._free(req)
+            return
+        self._leave_running(req)
+        if ended:
+            self._free_ended(req)
+        else:
+            self._name_released(req)
+            self._free(req)
 
     def _leave_running(self, req: Request) -> None:
         """Take ``req`` (running) out of the running lists, steady or not, its counters up to date."""
         self.running.remove(req)
         if self.steady.holds(req):
             self.steady.release(req)
-            self._name_released(req)
         else:
             self._general.remove(req)
+
+    def _free_ended(self, req: Request) -> None:
+        """``_free`` for ``req``, which ended in the output being applied (off the running lists).
+
+        Naming its blocks (hashing its output) is most of the cost of its end. With a step in flight
+        after this output (asynchronous scheduling) no step waits for it: it is done once the next step
+        is published (``observe_outputs``), the blocks owned until the step in flight completes, as they
+        are anyway when that step has the row.
+        """
+        step_id = self._output_step
+        if not self.prefix.enabled or self.next_step_id <= step_id + 1:
+            self._name_released(req)
+            self._free(req)
+            return
+        release = max(req.last_step_id, step_id + 1)
+        self._unnamed.append((req, num_final_tokens(req), req.block_ids, release))
+        self.pool.free_after(req.last_step_id, [], req.req_index)
+        self.pool.free_after(release, req.block_ids, -1)
+        req.block_ids, req.req_index = [], -1
+
+    def _name_ended(self, completed: int | None = None) -> None:
+        """Name the blocks of the requests ``_free_ended`` left unnamed: all, or those that step ``completed``
+        releases (a block is named while it is owned)."""
+        if not self._unnamed:
+            return
+        later = []
+        for entry in self._unnamed:
+            req, final, blocks, release = entry
+            if completed is None or release <= completed:
+                self.prefix.name_final(req, final, blocks)
+            else:
+                later.append(entry)
+        self._unnamed = later
 
     def _free(self, req: Request) -> None:
         """Give back ``req``'s blocks and req_index after the last step that reads them."""

@@ -46,6 +46,7 @@ class SchedulerOutputsMixin:
         """
         finished: list[int] = []
         self._output_ns = time_ns or time.monotonic_ns()
+        self._output_step = step_id
         req_nums, token_ids = np.asarray(req_nums, np.int64), np.asarray(token_ids, np.int64)
         d, left, ended, verified = self.steady.apply_output(step_id, req_nums, token_ids)
         for r, n, tokens in left:
@@ -69,7 +70,8 @@ class SchedulerOutputsMixin:
             if self.requests.get(req.req_num) is req:
                 finished.append(req.req_num)
                 self._observe_finish(req, self._output_ns)
-                self._remove(req)
+                self._remove(req, ended=True)
+        self._name_ended(step_id)
         self.pool.step_completed(step_id)
         self._last_output_step = step_id
         return finished
@@ -88,7 +90,7 @@ class SchedulerOutputsMixin:
         if ends:
             finished.append(req.req_num)
             self._observe_finish(req, self._output_ns)
-            self._remove(req)
+            self._remove(req, ended=True)
         elif not steady:  # a steady row names its blocks when it leaves
             self.prefix.name_final(req, num_final_tokens(req))
             if req.grammar is not None:  # never steady
@@ -107,14 +109,14 @@ class SchedulerOutputsMixin:
         self.inference_time.observe((end_ns - req.scheduled_ns) * 1e-9)
 
     def _remove_ended(self, reqs: list[Request]) -> None:
-        """``_remove`` for ended steady rows (already released), with one pass over the running list.
+        """``_remove`` for steady rows that ended in the output being applied (already released), with one
+        pass over the running list.
 
         At batch 1024 a few dozen rows can end in one step; removing them one
         by one would scan the running list once for each.
         """
         for req in reqs:
             self._observe_finish(req, self._output_ns)
-            self._name_released(req)
             del self.requests[req.req_num]
-            self._free(req)
+            self._free_ended(req)
         self.running = [r for r in self.running if r.req_index >= 0]  # a running request has a req_index
