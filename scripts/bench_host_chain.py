@@ -46,7 +46,7 @@ class _TimedDevice(SimulatedDevice):
 
 
 def run(args: argparse.Namespace, speculate: bool) -> dict[str, float]:
-    """One run; returns each phase's mean CPU microseconds per step."""
+    """One run; returns each phase's mean CPU microseconds per step (over the last ``args.tail`` steps if set)."""
     k = args.num_speculative_tokens
     config = EngineConfig(
         model="sim",
@@ -76,6 +76,7 @@ def run(args: argparse.Namespace, speculate: bool) -> dict[str, float]:
     layout = config.descriptor_layout
     descs = [StepDescriptor(layout.views(bytearray(layout.nbytes))) for _ in range(3)]
     total = dict.fromkeys(PHASES, 0)
+    per_step = []  # total after each launch, to take the last steps' share
     clock = time.thread_time_ns
     in_flight, steps = [], 0
     while sched.num_unfinished or in_flight:
@@ -92,6 +93,7 @@ def run(args: argparse.Namespace, speculate: bool) -> dict[str, float]:
                 total["prepare"] += device.enqueued_ns - t1
                 total["bookkeeping"] += t2 - device.enqueued_ns
                 total["observe"] += t3 - t2
+                per_step.append(dict(total))
                 steps += 1
                 continue
         t0 = clock()
@@ -103,8 +105,12 @@ def run(args: argparse.Namespace, speculate: bool) -> dict[str, float]:
         )
         total["finish"] += t1 - t0
         total["apply"] += clock() - t1
+    if args.tail:  # the last steps' own phases: an output's apply and finish go with the launch after it
+        start = per_step[-args.tail - 1]
+        total = {name: ns - start[name] for name, ns in total.items()}
     total["chain"] = total["finish"] + total["apply"] + total["plan"] + total["prepare"]
-    return {name: ns / steps / 1000 for name, ns in total.items()} | {"steps": steps}
+    n = args.tail or steps
+    return {name: ns / n / 1000 for name, ns in total.items()} | {"steps": steps}
 
 
 def main() -> None:
@@ -116,6 +122,9 @@ def main() -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts per row at most")
     p.add_argument("--speculation", choices=("on", "off", "both"), default="both")
     p.add_argument("--runs", type=int, default=3, help="runs per setting; the least of each phase is printed")
+    p.add_argument(
+        "--tail", type=int, default=0, help="measure only the last TAIL steps (with drafts, where requests end)"
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     torch.set_num_threads(1)  # as the simulated worker runs
@@ -125,7 +134,8 @@ def main() -> None:
         for s in settings:
             results[s].append(run(args, s))
     names = {True: "drafts", False: "no drafts"}
-    print(f"| us per step (least of {args.runs}) | " + " | ".join(names[s] for s in settings) + " |")
+    over = f", last {args.tail} steps" if args.tail else ""
+    print(f"| us per step (least of {args.runs}{over}) | " + " | ".join(names[s] for s in settings) + " |")
     print("|---|" + "---|" * len(settings))
     for phase in (*PHASES, "steps"):
         print(f"| {phase} | " + " | ".join(f"{min(r[phase] for r in results[s]):.0f}" for s in settings) + " |")
