@@ -201,6 +201,8 @@ class Scheduler(SchedulerOutputsMixin):
         """
         if self.drafts is not None:  # before admission: a request's req_index may be an ended one's
             self.drafts.observe(all_outputs=False)
+        if self._unnamed and self.waiting:  # a request about to be admitted may resend an ended one's tokens
+            self._name_ended()
         self._builder.clear()
         self._max_new_blocks = len(desc.nb_block)
         self.num_cached_tokens_step = 0
@@ -447,7 +449,8 @@ class Scheduler(SchedulerOutputsMixin):
 
         Naming its blocks (hashing its output) is most of the cost of its end. With a step in flight
         after this output (asynchronous scheduling) no step waits for it: it is done once the next step
-        is published (``observe_outputs``), the blocks owned until the step in flight completes, as they
+        is published (``observe_outputs``), or before it is planned if a request waits to be admitted
+        (it may resend this one's tokens), the blocks owned until the step in flight completes, as they
         are anyway when that step has the row.
         """
         step_id = self._output_step

@@ -512,17 +512,23 @@ def test_a_shared_system_prompt(depth, system_len, together):
 
 
 @pytest.mark.parametrize("depth", [1, 2], ids=["lock-step", "async"])
-def test_a_conversation_resent_turn_by_turn(depth):
+@pytest.mark.parametrize("background", [False, True], ids=["alone", "beside-a-long-request"])
+def test_a_conversation_resent_turn_by_turn(depth, background):
     """Each turn resends the previous turn's prompt, its reply and a new message: it finds its whole
-    history cached, the reply's blocks (named as the reply's tokens became final) included."""
+    history cached, the reply's blocks (named as the reply's tokens became final) included. Beside a
+    long request a step is in flight when a turn ends, so its blocks' naming is deferred: the next
+    turn, arriving at once, still finds them."""
     rng = random.Random(depth)
     prompt, reqs = [rng.randrange(10, 900) for _ in range(10)], []
     for turn in range(1, 6):
         req = chat(turn, prompt, 7)
         reqs.append(req)
         prompt = prompt + expected(req) + [rng.randrange(10, 900) for _ in range(3)]
-    outputs, sched = run(reqs, depth, after={t: t - 1 for t in range(2, 6)}, max_blocks_per_seq=32)
-    for r in reqs:
+    long = [chat(9, [rng.randrange(10, 900) for _ in range(5)], 100)] if background else []
+    outputs, sched = run(
+        long + reqs, depth, after={t: t - 1 for t in range(2, 6)}, max_blocks_per_seq=32, num_blocks=128
+    )
+    for r in long + reqs:
         assert outputs[r.req_num] == expected(r)
     history = sum((len(r.prompt_token_ids) + 7) // BS * BS for r in reqs[:-1])  # each turn's final whole blocks
     assert sched.prefix.num_hits == history
