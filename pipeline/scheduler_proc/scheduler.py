@@ -118,7 +118,7 @@ class Scheduler(SchedulerOutputsMixin):
         self._max_new_blocks = 0  # block-table entries the ring entry being planned holds
         self._last_output_step = -1
         self._finish_after: dict[int, list[Request]] = {}  # step id -> requests that end when it completes
-        # Ended steady rows whose blocks are named after the next step is published (observe_outputs):
+        # Ended requests whose blocks are named after the next step is published (observe_outputs):
         # (req, its final tokens, its blocks, the step whose completion releases them).
         self._unnamed: list[tuple[Request, int, list[int], int]] = []
         self._num_admitted = 0
@@ -184,7 +184,7 @@ class Scheduler(SchedulerOutputsMixin):
     # -- planning ---------------------------------------------------------------
 
     def observe_outputs(self) -> None:
-        """Name the blocks of the steady rows that ended, measure the outputs applied so far (speculation's
+        """Name the blocks of the requests that ended, measure the outputs applied so far (speculation's
         policy and stats) and make the policy's next choice: call it once a step is published, off the path
         from an output to the next step."""
         self._name_ended()
