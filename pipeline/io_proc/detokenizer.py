@@ -115,14 +115,30 @@ class ByteLevelDetokenizer:
 
     def push_many(self, token_ids: Sequence[int]) -> str:
         """The texts ``push`` would return for each of ``token_ids`` in turn, joined."""
+        try:
+            texts = [self._texts[t] for t in token_ids]
+        except IndexError:  # an id past the vocabulary: token by token
+            return "".join([self.push(t) for t in token_ids])
         if not self._pending:
             try:
-                # join() refuses a None (a piece of a character) and the lookup
-                # an id past the vocabulary: both go token by token instead.
-                return "".join([self._texts[t] for t in token_ids])
-            except (TypeError, IndexError):
+                return "".join(texts)
+            except TypeError:  # a None: a piece of a character
                 pass
-        return "".join([self.push(t) for t in token_ids])
+        # Only the tokens from a piece of a character until its text completes decode bytes: a long
+        # output usually has a few (emoji, CJK, a rare accented letter), not a reason to go token by token.
+        out, i, n = [], 0, len(texts)
+        while i < n:
+            if not self._pending:
+                try:
+                    j = texts.index(None, i)
+                except ValueError:
+                    out.append("".join(texts[i:]))
+                    break
+                out.append("".join(texts[i:j]))
+                i = j
+            out.append(self.push(token_ids[i]))
+            i += 1
+        return "".join(out)
 
 
 def new_detokenizer(tokenizer: Any) -> NewDetokenizer:
