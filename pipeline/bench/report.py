@@ -14,12 +14,16 @@ def summarize(times: list[RequestTimes], spans: list, spec: dict | None = None) 
 
     Wall time runs from the first request's submission to the last token. The acceptance rate is
     accepted over drafted tokens; the mean accepted length is vLLM's, tokens per verified row
-    (``1 + accepted / drafts``). A multi-turn workload also gets ``ttft_p50_ms_by_turn``.
+    (``1 + accepted / drafts``). The host CPU per output token is the processes' mean CPU per step,
+    summed, times the steps, over the output tokens: what the host spends per token, whatever the
+    tokens per step. A multi-turn workload also gets ``ttft_p50_ms_by_turn``.
     """
     wall_s = max(t.token_times[-1] for t in times if t.token_times) - min(t.submit for t in times)
     ttft = [t.token_times[0] - t.submit for t in times if t.token_times]
     itl = [b - a for t in times for a, b in zip(t.token_times, t.token_times[1:])]
     dev = device_spans(spans)
+    cpu = {role: v for role, v in cpu_per_step_us(spans).items() if len(v)}
+    tokens = sum(t.num_tokens for t in times)
     out = {
         **gap_metrics(dev),
         "output_tokens_per_s": sum(t.num_tokens for t in times) / wall_s,
@@ -29,12 +33,13 @@ def summarize(times: list[RequestTimes], spans: list, spec: dict | None = None) 
         ),
         "num_steps": int(len(dev)) if len(dev) else None,
         "cpu_per_step_us": {
-            role: {"p50": float(np.percentile(v, 50)), "p99": float(np.percentile(v, 99))}
-            for role, v in cpu_per_step_us(spans).items()
-            if len(v)
+            role: {"p50": float(np.percentile(v, 50)), "p99": float(np.percentile(v, 99))} for role, v in cpu.items()
         },
+        "host_cpu_per_token_us": (
+            sum(float(v.mean()) for v in cpu.values()) * len(dev) / tokens if cpu and len(dev) and tokens else None
+        ),
         "num_requests": len(times),
-        "output_tokens": sum(t.num_tokens for t in times),
+        "output_tokens": tokens,
         "wall_s": wall_s,
         "spec_decode": None,
     }
@@ -81,6 +86,7 @@ def print_table(results: dict[str, dict]) -> None:
             for q in ("p50", "p99")
             if any(role in r.get("cpu_per_step_us", {}) for r in results.values())
         ),
+        ("host CPU per output token (us)", lambda r: r.get("host_cpu_per_token_us")),
         *(
             (
                 ("bound: replay of the same steps (s)", lambda r: r["bound"]["replay_s"]),
