@@ -10,8 +10,8 @@ measured, so nothing is tuned by hand:
   row with ``k`` drafts then gains ``a + a^2 + ... + a^k`` tokens. A request whose proposer found
   no match last step gains nothing (its drafts would be filler).
 * **Step cost** as a function of the step's tokens: the device time of recent steps, averaged per
-  power-of-two bucket of token counts and interpolated between buckets. Beyond the largest
-  bucket seen it is assumed flat and below the smallest proportional to the tokens: either guess
+  bucket of token counts (four buckets per doubling) and interpolated between buckets. Beyond the
+  largest bucket seen it is assumed flat and below the smallest proportional to the tokens: either guess
   flatters the side not tried yet, so the policy tries it once and learns.
 
 Each step then takes, for every ``k`` in ``1..K``, the rows in order of their gain while each
@@ -23,6 +23,8 @@ evidence fades.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 # Forgetting of a request's acceptance evidence per verified row, and of the cost buckets per step.
@@ -30,6 +32,11 @@ _ROW_DECAY = 0.8
 _BUCKET_DECAY = 0.9
 # Evidence fades while a candidate row does not draft, so it is retried now and then.
 _IDLE_DECAY = 0.97
+# Cost buckets per doubling of the token count. One bucket per doubling mixed steps without drafts with
+# steps whose drafts add less than their tokens (256 and 456): on a device whose step time does not
+# follow the tokens, the bucket's mean made the steps without drafts look cheaper than they are, and
+# the policy stopped drafting in up to one step of three (tests/unit/test_spec_policy.py).
+_BUCKETS_PER_DOUBLING = 4
 
 
 class SpecPolicy:
@@ -54,10 +61,10 @@ class SpecPolicy:
         self.rejected = np.zeros(max_num_seqs)
         self.matched = np.ones(max_num_seqs, dtype=bool)
         self._global = np.array([prior * 10, (1 - prior) * 10])
-        # Cost buckets: token count b holds steps of 2**b .. 2**(b+1) - 1 tokens; mean tokens and mean ns.
-        self._bucket_tokens = np.zeros(32)
-        self._bucket_ns = np.zeros(32)
-        self._bucket_weight = np.zeros(32)
+        # Cost buckets: bucket b holds steps of 2**(b / 4) to 2**((b + 1) / 4) tokens; mean tokens and mean ns.
+        self._bucket_tokens = np.zeros(32 * _BUCKETS_PER_DOUBLING)
+        self._bucket_ns = np.zeros(32 * _BUCKETS_PER_DOUBLING)
+        self._bucket_weight = np.zeros(32 * _BUCKETS_PER_DOUBLING)
         self._curve: tuple[np.ndarray, np.ndarray] | None = None  # cost's points (tokens, ns), from (0, 0); None: stale
         self._ks = np.arange(1, k_max + 1)[:, None]
 
@@ -98,7 +105,7 @@ class SpecPolicy:
         """A step of ``num_tokens`` took ``device_ns`` on the device."""
         if num_tokens <= 0 or device_ns <= 0:
             return
-        b = int(num_tokens).bit_length() - 1
+        b = int(math.log2(num_tokens) * _BUCKETS_PER_DOUBLING)
         w = self._bucket_weight[b] * _BUCKET_DECAY
         self._bucket_tokens[b] = (self._bucket_tokens[b] * w + num_tokens) / (w + 1)
         self._bucket_ns[b] = (self._bucket_ns[b] * w + device_ns) / (w + 1)

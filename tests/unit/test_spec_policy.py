@@ -9,13 +9,13 @@ from pipeline.scheduler_proc.spec_policy import SpecPolicy, SpecStats
 K = 4
 
 
-def train(policy: SpecPolicy, cost_ns, rows: int, accepted_of_k, steps: int = 60) -> list[int]:
+def train(policy: SpecPolicy, cost_ns, rows: int, accepted_of_k, steps: int = 60, budget: int = 10_000) -> list[int]:
     """Run ``steps`` decode steps of ``rows`` rows: the step costs ``cost_ns(tokens)``, a row with ``k``
-    drafts accepts ``accepted_of_k(k)``. Returns each step's k."""
+    drafts accepts ``accepted_of_k(k)``, drafts take at most ``budget`` tokens. Returns each step's k."""
     ks = []
     req = np.arange(rows)
     for _ in range(steps):
-        k, chosen = policy.choose(rows, rows, req, np.full(rows, 1000), budget=10_000)
+        k, chosen = policy.choose(rows, rows, req, np.full(rows, 1000), budget=budget)
         ks.append(k)
         policy.observe_step(rows + k * len(chosen), int(cost_ns(rows + k * len(chosen))))
         for r in req:
@@ -27,6 +27,20 @@ def train(policy: SpecPolicy, cost_ns, rows: int, accepted_of_k, steps: int = 60
 def test_free_drafts_that_are_accepted_are_always_taken():
     ks = train(SpecPolicy(64, K), lambda t: 10_000_000, 64, lambda k: k)
     assert ks[-20:] == [K] * 20
+
+
+def test_free_drafts_are_taken_every_step_when_they_add_less_than_the_step():
+    """256 rows, 200 tokens for drafts, each draft accepted with probability 0.7: steps of 256 tokens and
+    of up to 456 cost the same, and the cost curve must tell them apart. With one bucket per doubling
+    they shared one, the steps without drafts looked cheaper than they are, and the policy drafted
+    nothing in 50 of the last 150 steps."""
+    rng = np.random.default_rng(0)
+
+    def accepted(k):  # the leading drafts accepted, each with probability 0.7
+        return int(np.argmin(np.append(rng.random(k) < 0.7, False)))
+
+    ks = train(SpecPolicy(256, K), lambda t: 10_000_000, 256, accepted, steps=200, budget=200)
+    assert all(k > 0 for k in ks[-150:]), ks
 
 
 def test_drafts_that_cost_their_tokens_are_never_worth_it():
