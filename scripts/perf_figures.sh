@@ -76,8 +76,8 @@ fi
 if [[ $ONLY == all || $ONLY == spec || $ONLY == spec-sim ]]; then
   spec='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}'
   # The simulated device with speculation: the token gap at 10, 4 and 2 ms steps, with and without drafts
-  # in one invocation (three at 2 ms, where the host work of drafting shows).
-  for run_name in 10000us 4000us 2000us-1 2000us-2 2000us-3; do
+  # in one invocation (six at 2 ms, where the host work of drafting shows and one machine's runs spread most).
+  for run_name in 10000us 4000us 2000us-1 2000us-2 2000us-3 2000us-4 2000us-5 2000us-6; do
     run "spec-sim-$run_name" "${BENCH[@]}" --model sim --sim-step-us "${run_name%%us*}" --batch-size 256 \
       --output-len 1024 --mode async --speculative-config "$spec" --speculation both --json "$OUT/spec-sim-$run_name.json"
   done
