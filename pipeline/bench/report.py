@@ -14,9 +14,9 @@ def summarize(times: list[RequestTimes], spans: list, spec: dict | None = None) 
 
     Wall time runs from the first request's submission to the last token. The acceptance rate is
     accepted over drafted tokens; the mean accepted length is vLLM's, tokens per verified row
-    (``1 + accepted / drafts``). The host CPU per output token is the processes' mean CPU per step,
-    summed, times the steps, over the output tokens: what the host spends per token, whatever the
-    tokens per step. A multi-turn workload also gets ``ttft_p50_ms_by_turn``.
+    (``1 + accepted / drafts``). The host CPU per output token is every process's CPU of every step
+    (each engine's, under ``-dp``), summed, over the output tokens: what the host spends per token,
+    whatever the tokens per step. A multi-turn workload also gets ``ttft_p50_ms_by_turn``.
     """
     wall_s = max(t.token_times[-1] for t in times if t.token_times) - min(t.submit for t in times)
     ttft = [t.token_times[0] - t.submit for t in times if t.token_times]
@@ -35,9 +35,7 @@ def summarize(times: list[RequestTimes], spans: list, spec: dict | None = None) 
         "cpu_per_step_us": {
             role: {"p50": float(np.percentile(v, 50)), "p99": float(np.percentile(v, 99))} for role, v in cpu.items()
         },
-        "host_cpu_per_token_us": (
-            sum(float(v.mean()) for v in cpu.values()) * len(dev) / tokens if cpu and len(dev) and tokens else None
-        ),
+        "host_cpu_per_token_us": sum(float(v.sum()) for v in cpu.values()) / tokens if cpu and tokens else None,
         "num_requests": len(times),
         "output_tokens": tokens,
         "wall_s": wall_s,

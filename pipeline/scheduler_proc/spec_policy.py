@@ -9,10 +9,11 @@ measured, so nothing is tuned by hand:
   exponential forgetting and a prior from every request's (``prior_weight`` drafts' worth). A
   row with ``k`` drafts then gains ``a + a^2 + ... + a^k`` tokens. A request whose proposer found
   no match last step gains nothing (its drafts would be filler).
-* **Step cost** as a function of the step's tokens: the device time of recent steps, averaged per
-  bucket of token counts (four buckets per doubling) and interpolated between buckets. Beyond the
-  largest bucket seen it is assumed flat and below the smallest proportional to the tokens: either guess
-  flatters the side not tried yet, so the policy tries it once and learns.
+* **Step cost** as a function of the step's tokens: the device time of recent steps per bucket of
+  token counts (four buckets per doubling), a least-squares line inside a bucket whose steps differ
+  in tokens, interpolated between buckets. Beyond the largest bucket seen it is assumed flat and below
+  the smallest proportional to the tokens: either guess flatters the side not tried yet, so the
+  policy tries it once and learns.
 
 Each step then takes, for every ``k`` in ``1..K``, the rows in order of their gain while each
 row's gain per added unit of time beats the step's average, and keeps the ``k`` with the best
@@ -32,10 +33,7 @@ _ROW_DECAY = 0.8
 _BUCKET_DECAY = 0.9
 # Evidence fades while a candidate row does not draft, so it is retried now and then.
 _IDLE_DECAY = 0.97
-# Cost buckets per doubling of the token count. One bucket per doubling mixed steps without drafts with
-# steps whose drafts add less than their tokens (256 and 456): on a device whose step time does not
-# follow the tokens, the bucket's mean made the steps without drafts look cheaper than they are, and
-# the policy stopped drafting in up to one step of three (tests/unit/test_spec_policy.py).
+# Cost buckets per doubling of the token count.
 _BUCKETS_PER_DOUBLING = 4
 
 
@@ -61,11 +59,13 @@ class SpecPolicy:
         self.rejected = np.zeros(max_num_seqs)
         self.matched = np.ones(max_num_seqs, dtype=bool)
         self._global = np.array([prior * 10, (1 - prior) * 10])
-        # Cost buckets: bucket b holds steps of 2**(b / 4) to 2**((b + 1) / 4) tokens; mean tokens and mean ns.
-        self._bucket_tokens = np.zeros(32 * _BUCKETS_PER_DOUBLING)
-        self._bucket_ns = np.zeros(32 * _BUCKETS_PER_DOUBLING)
-        self._bucket_weight = np.zeros(32 * _BUCKETS_PER_DOUBLING)
-        self._curve: tuple[np.ndarray, np.ndarray] | None = None  # cost's points (tokens, ns), from (0, 0); None: stale
+        # Cost buckets: bucket b holds steps of 2**(b / 4) to 2**((b + 1) / 4) tokens; their mean tokens and
+        # ns, and the sums of squares and products of their deviations (tokens, tokens x ns), for the line.
+        n = 32 * _BUCKETS_PER_DOUBLING
+        self._bucket_tokens, self._bucket_ns, self._bucket_weight = np.zeros(n), np.zeros(n), np.zeros(n)
+        self._bucket_tt, self._bucket_tn = np.zeros(n), np.zeros(n)
+        # The cost's points (tokens, ns), from (0, 0), and each bucket's slope (NaN: no line); None: stale.
+        self._curve: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._ks = np.arange(1, k_max + 1)[:, None]
 
     def reset(self, req_index: int) -> None:
@@ -106,29 +106,52 @@ class SpecPolicy:
         if num_tokens <= 0 or device_ns <= 0:
             return
         b = int(math.log2(num_tokens) * _BUCKETS_PER_DOUBLING)
-        w = self._bucket_weight[b] * _BUCKET_DECAY
-        self._bucket_tokens[b] = (self._bucket_tokens[b] * w + num_tokens) / (w + 1)
-        self._bucket_ns[b] = (self._bucket_ns[b] * w + device_ns) / (w + 1)
-        self._bucket_weight[b] = w + 1
+        w = self._bucket_weight[b] * _BUCKET_DECAY + 1
+        # Weighted means and co-moments, updated in one pass (West 1979), old steps fading by _BUCKET_DECAY.
+        dt = num_tokens - self._bucket_tokens[b]
+        self._bucket_tokens[b] += dt / w
+        self._bucket_ns[b] += (device_ns - self._bucket_ns[b]) / w
+        self._bucket_tt[b] = self._bucket_tt[b] * _BUCKET_DECAY + dt * (num_tokens - self._bucket_tokens[b])
+        self._bucket_tn[b] = self._bucket_tn[b] * _BUCKET_DECAY + dt * (device_ns - self._bucket_ns[b])
+        self._bucket_weight[b] = w
         self._curve = None  # drawn again when next asked (choose runs once in a few steps)
 
     def cost(self, num_tokens: np.ndarray) -> np.ndarray:
         """Estimated device ns of steps of ``num_tokens`` (an array, any shape); 1 everywhere before any step is
         measured.
 
-        Between measured buckets, interpolated; past the largest, flat; below the smallest,
-        proportional to the tokens. Both guesses flatter the untried side, so it gets tried.
+        Inside a measured bucket whose steps differ in tokens, the bucket's least-squares line (slope
+        at least 0); elsewhere between measured buckets, interpolated; past the largest, flat; below
+        the smallest, proportional to the tokens. Both guesses flatter the untried side, so it gets
+        tried. The line is what tells a step apart from the steps that share its bucket: a step
+        without drafts and steps whose drafts add fewer tokens than a bucket spans (256 and 300
+        tokens) cost the same on a device whose step time does not follow the tokens, where the
+        bucket's mean alone made the step without drafts look cheaper than it is and the policy
+        stopped drafting in one step of three (tests/unit/test_spec_policy.py).
         """
         if self._curve is None:
             seen = self._bucket_weight > 0
             if not seen.any():
                 return np.ones(np.shape(num_tokens))
+            # A line needs the steps' tokens to spread by a token or more (variance >= 1).
+            spread = self._bucket_tt >= np.maximum(self._bucket_weight, 1e-9)
+            slope = np.full(len(spread), np.nan)
+            slope[spread] = np.maximum(0.0, self._bucket_tn[spread] / self._bucket_tt[spread])
             # From (0, 0): below the smallest bucket the cost is proportional to the tokens.
             self._curve = (
                 np.concatenate([[0.0], self._bucket_tokens[seen]]),
                 np.concatenate([[0.0], np.maximum.accumulate(self._bucket_ns[seen])]),
+                slope,
             )
-        return np.interp(num_tokens, *self._curve)
+        tokens, ns, slope = self._curve
+        t = np.asarray(num_tokens, dtype=np.float64)
+        out = np.interp(t, tokens, ns)
+        b = (np.log2(np.maximum(t, 1.0)) * _BUCKETS_PER_DOUBLING).astype(np.int64)
+        s = slope[b]
+        line = ~np.isnan(s)
+        if line.any():
+            out[line] = (self._bucket_ns[b] + s * (t - self._bucket_tokens[b]))[line]
+        return out
 
     def choose(
         self,

@@ -66,7 +66,7 @@ def test_json_fields_are_consistent(bench_run):
         # Host CPU per step of each process, from one `cpu` span per step after the first.
         assert set(r["cpu_per_step_us"]) == {"scheduler", "gpu_worker", "io_proc"}
         assert all(0 <= c["p50"] <= c["p99"] for c in r["cpu_per_step_us"].values())
-        # Their mean CPU per step, summed, times the 16 steps, over the 16 tokens.
+        # Every step's CPU of the three processes, summed, over the 16 tokens.
         assert r["host_cpu_per_token_us"] > 0
     assert "gpu_worker CPU/step p50 (us)" in stdout and "host CPU per output token (us)" in stdout
     assert out["ratio_async_over_sync"]["output_tokens_per_s"] > 0
