@@ -26,7 +26,7 @@ def summarize(times: list[RequestTimes], spans: list, spec: dict | None = None) 
     tokens = sum(t.num_tokens for t in times)
     out = {
         **gap_metrics(dev),
-        "output_tokens_per_s": sum(t.num_tokens for t in times) / wall_s,
+        "output_tokens_per_s": tokens / wall_s,
         "ttft_ms": {"p50": float(np.percentile(ttft, 50) * 1e3), "p99": float(np.percentile(ttft, 99) * 1e3)},
         "itl_ms": (
             {"p50": float(np.percentile(itl, 50) * 1e3), "p99": float(np.percentile(itl, 99) * 1e3)} if itl else None

@@ -123,11 +123,9 @@ class SpecPolicy:
         Inside a measured bucket whose steps differ in tokens, the bucket's least-squares line (slope
         at least 0); elsewhere between measured buckets, interpolated; past the largest, flat; below
         the smallest, proportional to the tokens. Both guesses flatter the untried side, so it gets
-        tried. The line is what tells a step apart from the steps that share its bucket: a step
-        without drafts and steps whose drafts add fewer tokens than a bucket spans (256 and 300
-        tokens) cost the same on a device whose step time does not follow the tokens, where the
-        bucket's mean alone made the step without drafts look cheaper than it is and the policy
-        stopped drafting in one step of three (tests/unit/test_spec_policy.py).
+        tried. The line tells a step from the others in its bucket: a step without drafts and one
+        with a few (256 and 300 tokens) cost the same where step time does not follow the tokens
+        (docs/design.md, "Speculative decoding").
         """
         if self._curve is None:
             seen = self._bucket_weight > 0
