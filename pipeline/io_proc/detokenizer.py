@@ -119,12 +119,7 @@ class ByteLevelDetokenizer:
             texts = [self._texts[t] for t in token_ids]
         except IndexError:  # an id past the vocabulary: token by token
             return "".join([self.push(t) for t in token_ids])
-        if not self._pending:
-            try:
-                return "".join(texts)
-            except TypeError:  # a None: a piece of a character
-                pass
-        # Only the tokens from a piece of a character until its text completes decode bytes: a long
+        # Only the tokens from a piece of a character (None) until its text completes decode bytes: a long
         # output usually has a few (emoji, CJK, a rare accented letter), not a reason to go token by token.
         out, i, n = [], 0, len(texts)
         while i < n:
