@@ -81,6 +81,13 @@ if [[ $ONLY == all || $ONLY == spec || $ONLY == spec-sim ]]; then
     run "spec-sim-$run_name" "${BENCH[@]}" --model sim --sim-step-us "${run_name%%us*}" --batch-size 256 \
       --output-len 1024 --mode async --speculative-config "$spec" --speculation both --json "$OUT/spec-sim-$run_name.json"
   done
+  # The same on one CPU (taskset): how the drafts' host work fares as the cores the three processes share
+  # go from two to one.
+  for run_name in 4000us 2000us; do
+    run "spec-sim-1cpu-$run_name" taskset -c 0 "${BENCH[@]}" --model sim --sim-step-us "${run_name%%us*}" \
+      --batch-size 256 --output-len 1024 --mode async --speculative-config "$spec" --speculation both \
+      --json "$OUT/spec-sim-1cpu-$run_name.json"
+  done
   # The host work on the path from an output to the next launch, in one thread, with and without drafts:
   # over the run, and over its last 80 steps, where with drafts the requests end at different steps.
   run host-chain "$PY" scripts/bench_host_chain.py --runs 4
