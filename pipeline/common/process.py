@@ -24,6 +24,11 @@ from collections.abc import Iterator
 from multiprocessing.connection import Connection
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
+# The OS name of the engine's threads that work beside the step chain (grammars, prompt encoding): the
+# worker's ThreadGovernor counts their CPU as taken from its threads (docs/design.md, "Threads follow
+# the machine's load").
+BACKGROUND_THREAD_PREFIX = b"bg-"
 
 
 class Stopped(BaseException):
@@ -109,6 +114,19 @@ def name_process(name: str) -> None:
 
         setproctitle.setproctitle(f"pipeline-{name}")
     except ImportError:
+        pass
+
+
+def start_background_thread(name: str, nice: int = 0) -> None:
+    """Name the calling thread ``bg-<name>`` for the OS (15 bytes kept) and run it at niceness ``nice``.
+
+    A ThreadPoolExecutor initializer. Linux only; elsewhere it does nothing.
+    """
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, (BACKGROUND_THREAD_PREFIX + name.encode())[:15])
+        if nice:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)  # a thread id is a process id here
+    except (OSError, AttributeError):
         pass
 
 

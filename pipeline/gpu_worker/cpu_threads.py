@@ -11,6 +11,8 @@ import os
 
 import torch
 
+from pipeline.common.process import BACKGROUND_THREAD_PREFIX
+
 logger = logging.getLogger(__name__)
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -62,8 +64,13 @@ def _busy_ticks(cpus: set[int]) -> int:
     return busy
 
 
-def _engine_ticks() -> int:
-    """Clock ticks used by this process and its siblings (the launcher's other children: the engine)."""
+def _engine_ticks(background: dict[str, bool | None]) -> int:
+    """Clock ticks used by this process and its siblings (the launcher's other children: the engine), less
+    those of their background threads (``BACKGROUND_THREAD_PREFIX``), which run beside the worker's steps.
+
+    ``background`` maps the thread ids seen at the last look to whether each is one (None: not known yet);
+    it is updated in place.
+    """
     ppid = os.getppid()
     try:
         with open(f"/proc/{ppid}/task/{ppid}/children") as f:
@@ -71,15 +78,37 @@ def _engine_ticks() -> int:
     except OSError:
         pids = set()
     pids.add(os.getpid())
-    ticks = 0
+    ticks, seen = 0, {}
     for pid in pids:
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+            ticks += _cpu_ticks(f"/proc/{pid}/stat")
+            tids = os.listdir(f"/proc/{pid}/task")
         except OSError:  # a sibling that just exited
             continue
-        ticks += int(fields[11]) + int(fields[12])  # utime, stime
+        for tid in tids:
+            task = f"/proc/{pid}/task/{tid}"
+            try:
+                if (is_background := background.get(tid)) is None:
+                    with open(f"{task}/comm", "rb") as f:
+                        is_background = f.read().startswith(BACKGROUND_THREAD_PREFIX)
+                    # Kept from the second look on: at the first, a new thread may not have its name yet.
+                    seen[tid] = is_background if tid in background else None
+                else:
+                    seen[tid] = is_background
+                if is_background:
+                    ticks -= _cpu_ticks(f"{task}/stat")
+            except OSError:  # a thread that just exited
+                continue
+    background.clear()
+    background.update(seen)
     return ticks
+
+
+def _cpu_ticks(stat_path: str) -> int:
+    """utime + stime of a process or thread, in clock ticks."""
+    with open(stat_path) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
 
 
 class ThreadGovernor:
@@ -87,14 +116,16 @@ class ThreadGovernor:
 
     ``check`` runs in the worker's loop, busy or idle, and looks at the load
     of the last 0.25 s at most that often. The engine's own processes are
-    not other programs. Without /proc it keeps ``max_threads``.
+    not other programs, but their background threads are. Without /proc it
+    keeps ``max_threads``.
     """
 
     def __init__(self, max_threads: int, now_ns: int) -> None:
         self.max_threads = max_threads
         self._cpus = os.sched_getaffinity(0)
+        self._background: dict[str, bool | None] = {}
         try:
-            self._last = (now_ns, _busy_ticks(self._cpus), _engine_ticks())
+            self._last = (now_ns, _busy_ticks(self._cpus), _engine_ticks(self._background))
         except (OSError, ValueError, IndexError):
             self._last = None
         torch.set_num_threads(max_threads)
@@ -103,7 +134,7 @@ class ThreadGovernor:
         if self._last is None or now_ns - self._last[0] < _INTERVAL_NS:
             return
         then, busy, engine = self._last
-        self._last = (now_ns, _busy_ticks(self._cpus), _engine_ticks())
+        self._last = (now_ns, _busy_ticks(self._cpus), _engine_ticks(self._background))
         seconds = (now_ns - then) / 1e9
         foreign = max(0, (self._last[1] - busy) - (self._last[2] - engine)) / _CLK_TCK / seconds
         threads = max(1, min(self.max_threads, self.max_threads - math.ceil(foreign - _TAKEN)))

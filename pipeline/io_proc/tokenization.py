@@ -17,6 +17,7 @@ from typing import Any
 
 from jinja2 import TemplateError, TemplateSyntaxError
 
+from pipeline.common.process import start_background_thread
 from pipeline.io_proc.detokenizer import NewDetokenizer, new_detokenizer
 from pipeline.io_proc.logprobs_json import TokenTexts
 from pipeline.io_proc.protocol import APIError
@@ -115,7 +116,7 @@ class Tokenization:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         margin = 1 if backend is not None and backend.normalizer is None else _NORMALIZER_MARGIN
         self.max_token_chars = margin * max(1, max(map(len, tokenizer.get_vocab())))
-        self._executor = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="tokenize")
+        self._executor = ThreadPoolExecutor(num_threads, "tokenize", start_background_thread, ("tokenize",))
 
     def max_prompt_chars(self, max_tokens: int) -> int:
         """Characters beyond which a text surely encodes to more than ``max_tokens`` tokens."""

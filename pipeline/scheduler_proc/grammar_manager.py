@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import os
-import threading
 import time
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,6 +26,7 @@ import numpy as np
 from pipeline.common.lazy_grammar import Trigger
 from pipeline.common.memory import heap_in_use, trim_heap
 from pipeline.common.messages import AddRequest
+from pipeline.common.process import start_background_thread
 from pipeline.common.step_protocol import MASK_BITS
 from pipeline.scheduler_proc.grammar_state import CompiledGrammar, GrammarState, error_of, guarded_advance
 
@@ -82,8 +81,10 @@ class GrammarManager:
         self.mask_words = -(-vocab_size // MASK_BITS)
         self._limits = llguidance.LLParserLimits(verbose_errors=False)  # no request text in messages and logs
         self._max_request, self._max_total = max_request_bytes, max_total_bytes
-        self._background = ThreadPoolExecutor(1, "grammar-background", _lower_priority, (_BACKGROUND_NICE,))
-        self._masks = ThreadPoolExecutor(1, "grammar-masks")
+        self._background = ThreadPoolExecutor(
+            1, "grammar-background", start_background_thread, ("grammar", _BACKGROUND_NICE)
+        )
+        self._masks = ThreadPoolExecutor(1, "grammar-masks", start_background_thread, ("masks",))
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()  # failed compilations too, for a while
         self._compiling: dict[str, Future] = {}
         self._pending: list[_Pending] = []
@@ -316,14 +317,6 @@ class GrammarManager:
 
 def _copies(template: llguidance.LLMatcher, n: int) -> list[llguidance.LLMatcher]:
     return [template.deep_copy() for _ in range(n)]
-
-
-def _lower_priority(nice: int) -> None:
-    """Run the calling thread at niceness ``nice`` (Linux: a thread id is a process id to setpriority)."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-    except OSError:
-        pass
 
 
 def _set_bits(mask: np.ndarray, ids: np.ndarray, value: bool) -> None:
