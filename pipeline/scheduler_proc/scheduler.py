@@ -246,6 +246,10 @@ class Scheduler(SchedulerOutputsMixin):
             if req.num_computed_tokens < req.num_known_tokens:  # unfinished prefill
                 n = min(req.num_known_tokens - req.num_computed_tokens, step.budget)
             elif req.num_outputs_planned < req.params.max_tokens:  # decode (a grammar's mask follows the step)
+                g = req.grammar
+                if g is not None and g.costly and g.needs_mask(req.num_placeholders):
+                    if req.num_placeholders or not g.ready:
+                        continue  # its slow mask must not hold the step's sampling: it sits out until ready
                 n = 1
             else:  # its last token is in flight; it finishes when that arrives
                 continue

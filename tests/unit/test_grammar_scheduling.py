@@ -8,10 +8,12 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import pytest
 
 from pipeline.common.grammar import build_grammar, load_tokenizer
 from pipeline.common.messages import AddRequest, SamplingParams
 from pipeline.common.step_protocol import MASK_BITS, PLACEHOLDER_TOKEN_ID, StepDescriptor, TokenMasks, read_descriptor
+from pipeline.scheduler_proc import grammar_state
 from pipeline.scheduler_proc.grammar_manager import GrammarManager
 from pipeline.scheduler_proc.scheduler import Scheduler
 
@@ -28,6 +30,13 @@ def add_compiled(sched: Scheduler, grammars: GrammarManager, msg: AddRequest):
     ((_, states, _),) = ready
     sched.add_request(msg, states)
     return states[0]
+
+
+@pytest.fixture
+def cheap_masks(monkeypatch):
+    """Every mask counts as cheap: on a loaded machine one can take over ``FAST_MASK_S``, and its row would
+    then sit out a step (``test_costly_grammar_row_sits_out_instead_of_holding_the_step``)."""
+    monkeypatch.setattr(grammar_state, "FAST_MASK_S", 10.0)
 
 
 def write_masks(sched: Scheduler, grammars: GrammarManager, words: int) -> tuple[int, np.ndarray]:
@@ -51,7 +60,7 @@ def allowed_ids(mask: np.ndarray) -> list[int]:
     return np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")).tolist()
 
 
-def test_grammar_row_runs_every_step_and_its_mask_follows(smol_dir):
+def test_grammar_row_runs_every_step_and_its_mask_follows(smol_dir, cheap_masks):
     """Under async scheduling a constrained row is planned on a placeholder like any other; the mask of
     the step it samples in is written once the token in flight is known."""
     tok = load_tokenizer(str(smol_dir), V)
@@ -92,7 +101,7 @@ def test_grammar_row_runs_every_step_and_its_mask_follows(smol_dir):
     grammars.close()
 
 
-def test_auto_tool_row_keeps_pace_through_its_trigger(smol_dir):
+def test_auto_tool_row_keeps_pace_through_its_trigger(smol_dir, cheap_masks):
     """A tool_choice auto row is planned every step on a placeholder, before and after its trigger;
     its mask allows everything while the text is free and constrains the call after the trigger."""
     from transformers import AutoTokenizer
@@ -136,7 +145,7 @@ def test_auto_tool_row_keeps_pace_through_its_trigger(smol_dir):
     grammars.close()
 
 
-def test_every_step_carries_every_constrained_row(smol_dir):
+def test_every_step_carries_every_constrained_row(smol_dir, cheap_masks):
     """256 JSON-schema requests under async scheduling: once admitted, every step plans every live row,
     each advances a token per step, and each step's masks come in one entry (no cap on masked rows)."""
     rows = 256
@@ -174,4 +183,27 @@ def test_every_step_carries_every_constrained_row(smol_dir):
     assert per_step[0][:2] == (rows, rows)  # all admitted in the first step, every row masked
     assert all(n == m == rows for n, m, _ in per_step[1:12]), per_step  # then every step carries them all
     assert len(per_step) == 12  # 12 tokens each in 12 steps: none sat out
+    grammars.close()
+
+
+def test_costly_grammar_row_sits_out_instead_of_holding_the_step(smol_dir):
+    """A row whose mask takes milliseconds (computed on the background thread) is planned only with its
+    token known and its mask ready, so the other rows' sampling never waits for it."""
+    tok = load_tokenizer(str(smol_dir), V)
+    grammars = GrammarManager(tok, V, 2**28, 2**30)
+    sched = Scheduler(4, 64, 16, 64, 16)
+    layout = StepDescriptor.layout(4, 64, 16)
+
+    def plan():
+        desc = StepDescriptor(layout.views(bytearray(layout.nbytes)))
+        assert sched.schedule(desc)
+        return read_descriptor(desc)
+
+    sched.add_request(AddRequest(1, [5, 6, 7], SamplingParams(max_tokens=8, temperature=0.0)))
+    bomb = build_grammar("regex", "a{100000}", "guided_regex")  # its first mask builds a 40 MB lexer
+    params = SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=(EOS,), grammar=bomb)
+    state = add_compiled(sched, grammars, AddRequest(2, [5, 6], params))
+    assert state.costly
+    assert plan().req_num.tolist() == [1, 2]
+    assert plan().req_num.tolist() == [1]  # its token is in flight: it sits out
     grammars.close()
