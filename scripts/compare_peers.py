@@ -165,6 +165,8 @@ def run_pipeline(
     ]
     if model_arg:
         cmd += ["--model", model_arg]
+    if model_arg == "sim":
+        cmd += ["--sim-step-us", str(args.sim_step_us)]
     if args.speculative_config:
         cmd += ["--speculative-config", args.speculative_config]
     label = label or "pipeline-" + ("async" if async_scheduling else "sync")
@@ -257,7 +259,12 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    p.add_argument("--model", default=None, help="as pipeline-serve --model (default: SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="as pipeline-serve --model (default: SmolLM2-135M-Instruct); sim: the simulated device (pipeline only)",
+    )
+    p.add_argument("--sim-step-us", type=int, default=2000, help="with --model sim: the simulated step time")
     p.add_argument(
         "--workload",
         choices=["fixed", "sharegpt-synth", "rewrite", "multi-turn", "structured"],
@@ -307,7 +314,8 @@ def main(argv: list[str] | None = None) -> None:
     if "vllm" in peers and not args.vllm_python:
         print("compare_peers: no --vllm-python given; skipping vllm", file=sys.stderr)
         peers.remove("vllm")
-    model_dir = str(resolve_model(args.model)[0])
+    # The simulated device (pipeline peers only) takes the default model's tokenizer.
+    model_dir = str(resolve_model(None if args.model == "sim" else args.model)[0])
     if args.workload == "fixed":
         work = Workload.fixed(args.batch_size, args.input_len, args.output_len, args.seed)
     elif args.workload == "multi-turn":
