@@ -71,8 +71,8 @@ ENTRY_MODULES = (
 
 
 def device_patterns() -> list[str]:
-    lines = DEVICE_PACKAGES.read_text().splitlines()
-    return [canonicalize_name(x.strip()) if "*" not in x else x.strip() for x in lines if x.strip()[:1] not in "#"]
+    names = [x.strip() for x in DEVICE_PACKAGES.read_text().splitlines() if x.strip() and not x.startswith("#")]
+    return [x if "*" in x else canonicalize_name(x) for x in names]
 
 
 def on_device(name: str, patterns: list[str]) -> bool:
@@ -126,14 +126,14 @@ def closure(wheel_dir: Path) -> tuple[list[Path], list[str]]:
         if not found:
             problems.append(f"no wheel of {req} (needed by {by})")
             continue
-        if len(found) > 1:
-            problems.append(f"{len(found)} wheels of {name}: " + ", ".join(p.name for p, _, _ in found))
         path, version, wheel_tags = found[0]
         if not req.specifier.contains(version, prereleases=True):
             problems.append(f"{path.name} does not meet {req} (needed by {by})")
         if name in needed:
             continue
         needed[name] = path
+        if len(found) > 1:  # pip would stop at the second
+            problems.append(f"{len(found)} wheels of {name}: " + ", ".join(p.name for p, _, _ in found))
         if not wheel_tags & tags:
             problems.append(f"{path.name} is not built for CPython 3.12 on manylinux x86-64 (glibc <= 2.{GLIBC_MAX})")
         todo += [(r, name) for r in wheel_requirements(path) if wanted(r, patterns)]
