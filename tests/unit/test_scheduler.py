@@ -370,9 +370,12 @@ def test_four_choices_allocate_the_prompt_once(cached_rows, tokens):
 
 
 class StubGrammar:
-    """A grammar that allows every token: its rows are masked, never steady, and sit out while a token is in flight."""
+    """A grammar that allows every token: its rows are masked and never steady; its masks are cheap, so its
+    rows decode every step."""
 
     ready = True
+    costly = False
+    error = ""
     mask = np.full(1, -1, np.int32)
 
     def needs_mask(self, in_flight):
