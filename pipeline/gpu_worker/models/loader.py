@@ -14,9 +14,7 @@ the data.
 from __future__ import annotations
 
 import contextlib
-import json
 import mmap
-import struct
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,7 +25,7 @@ from pipeline.gpu_worker.layers.tp import SINGLE_RANK, TPGroup
 from pipeline.gpu_worker.models import model_class
 from pipeline.gpu_worker.models.base import CausalLM, CheckpointError
 from pipeline.gpu_worker.models.config import ModelConfig
-from pipeline.model_files import checkpoint_files
+from pipeline.model_files import checkpoint_files, read_safetensors_header
 
 _DTYPES = {
     "F64": torch.float64,
@@ -43,22 +41,13 @@ _DTYPES = {
 }
 
 
-def read_header(path: Path) -> tuple[dict, int]:
-    """A safetensors file's header (name -> {dtype, shape, data_offsets}) and where its data starts."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    return header, 8 + n
-
-
 def iter_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` for each tensor of a safetensors file, in file order, as views of its mapping.
 
     A tensor must not be kept past the next step of the iteration: its pages
     are dropped then (it would read them back from the file).
     """
-    header, data_start = read_header(path)
+    header, data_start = read_safetensors_header(path)
     page = mmap.PAGESIZE
     with open(path, "rb") as f, contextlib.ExitStack() as stack:
         # A private (copy-on-write) mapping: writable for torch.frombuffer, never written.
@@ -113,11 +102,16 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     """The checkpoint's normalised config, through transformers (its class defaults fill what config.json omits).
 
     Raises:
-        ValueError: as ``ModelConfig.from_hf``.
+        ValueError: as ``ModelConfig.from_hf``, or transformers refuses the file (one line, naming it).
     """
     import transformers
 
-    return ModelConfig.from_hf(transformers.AutoConfig.from_pretrained(model_dir))
+    try:
+        hf = transformers.AutoConfig.from_pretrained(model_dir)
+    except Exception as e:  # its own checks raise huggingface_hub's StrictDataclassError, not a ValueError
+        why = " ".join(str(e).split())
+        raise ValueError(f"{Path(model_dir) / 'config.json'}: transformers refuses it: {why}") from None
+    return ModelConfig.from_hf(hf)
 
 
 def load_model(
