@@ -123,3 +123,13 @@ def test_broken_files_are_refused_before_any_process_starts(tiny, tmp_path, conf
     assert out.strip().splitlines() == [out.strip()], out
     path = str(d / file) if file else str(d)
     assert out.startswith(f"pipeline-serve: error: {path}{':' if file else ''} {why}"), out
+
+
+def test_a_nan_weight_is_refused_naming_the_tensor(tiny, tmp_path):
+    d = edited(tiny, tmp_path)
+    tensors = load_file(d / "model.safetensors")
+    tensors["model.layers.1.self_attn.k_proj.weight"][3, 7] = float("nan")
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    code, out = serve("--model", str(d))
+    assert code == 1
+    assert "model.safetensors: tensor model.layers.1.self_attn.k_proj.weight holds NaN or infinite values" in out

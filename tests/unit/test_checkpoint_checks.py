@@ -165,3 +165,40 @@ def test_a_model_without_tokenizer_json(tmp_path):
     )
     (tmp_path / "tokenizer.json").write_text("{}")
     check_tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_weights_are_refused_as_they_stream_in(tmp_path, dtype, bad):
+    from pipeline.gpu_worker.models.base import CheckpointError
+    from pipeline.gpu_worker.models.loader import iter_tensors
+
+    path = tmp_path / "model.safetensors"
+    w = torch.randn(4, 8).to(dtype)
+    w[2, 5] = bad
+    save_file({"a": torch.randn(3).to(dtype), "b": w, "ids": torch.arange(3)}, path)
+    names = []
+    with pytest.raises(CheckpointError) as e:
+        for name, _ in iter_tensors(path):
+            names.append(name)
+    assert str(e.value) == "model.safetensors: tensor b holds NaN or infinite values"
+    assert "b" not in names  # refused before the tensor is handed to a weight loader
+    # Ranks other than 0 leave the check to rank 0 (they read only their part of each tensor).
+    assert sorted(name for name, _ in iter_tensors(path, check_finite=False)) == ["a", "b", "ids"]
+
+
+def test_shapes_are_checked_against_the_config_before_anything_is_allocated(tiny_dir, tmp_path):
+    """Sizes within bounds that the file does not have: named by tensor, not a terabyte allocation failing."""
+    import shutil
+
+    from pipeline.gpu_worker.models.base import CheckpointError
+    from pipeline.gpu_worker.models.loader import load_model
+
+    d = shutil.copytree(tiny_dir, tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "vocab_size": 2**22, "hidden_size": 2**16, "head_dim": 16}))
+    with pytest.raises(CheckpointError) as e:
+        load_model(d, torch.float32, torch.device("cpu"), "torch_sdpa")
+    assert str(e.value).startswith("model.")
+    assert "in the checkpoint, the model config implies" in str(e.value)
+    assert "65536" in str(e.value)
