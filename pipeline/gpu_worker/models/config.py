@@ -204,7 +204,7 @@ class ModelConfig:
             rope_sliding = _rope(f, model_type, SLIDING, head_dim, max_pos)
         num_experts = _size(f, "num_experts", 0) or _size(f, "num_local_experts", 0) or 0
         top_k = _size(f, "num_experts_per_tok", 0) or 0
-        if top_k > num_experts:
+        if num_experts and top_k > num_experts:
             raise ValueError(f"num_experts_per_tok {top_k} exceeds the {num_experts} experts")
         sparse_step = int(f.get("decoder_sparse_step") or 1)
         dense_layers = set(f.get("mlp_only_layers") or ())
