@@ -113,13 +113,11 @@ class Launcher:
     ):
         self.config, self.trace_file = config, trace_file
         self.roles = roles if config.is_head else ("gpu_worker",)
-        # Each engine's descriptor ring, then its output ring; only the head node has them.
-        self.rings = [
-            ring
-            for e in config.engines()
-            if config.is_head
-            for ring in (e.descriptor_ring(create=True), e.output_ring(create=True))
-        ]
+        # Each engine's descriptor ring, mask ring (with a vocabulary) and output ring; only the head node has them.
+        engines = config.engines() if config.is_head else []
+        self._output_rings = [e.output_ring(create=True) for e in engines]
+        self.rings = [r for e in engines for r in (e.descriptor_ring(create=True), e.mask_ring(create=True)) if r]
+        self.rings += self._output_rings
         self.heartbeats = config.heartbeats(create=True) if config.is_head else None
         self._hung: str | None = None  # a child the watchdog found hung: killed at once on stop
         self.procs: dict[str, _Child] = {}
@@ -137,7 +135,7 @@ class Launcher:
     @property
     def output_rings(self) -> list[ShmRing]:
         """The launcher's handles on the engines' StepOutput rings, for a benchmark that plays io_proc's part."""
-        return self.rings[1::2]
+        return self._output_rings
 
     def _start_children(self, roles: tuple[str, ...]) -> None:
         """One scheduler and one process per local worker rank for each engine, then one io_proc for all

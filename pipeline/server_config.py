@@ -342,7 +342,7 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         num_kv_blocks=num_blocks,
         kv_cache_memory_bytes=int((args.kv_cache_memory or 0) * 2**30),
         gpu_memory_utilization=args.gpu_memory_utilization,
-        vocab_size=0 if sim else cfg.vocab_size,
+        vocab_size=cfg.vocab_size,
         async_scheduling=args.async_scheduling,
         enable_prefix_caching=args.enable_prefix_caching,
         debug_token_cache_poison=args.debug_token_cache_poison,

@@ -27,6 +27,8 @@ median of each round's ratio (paired runs).
         --vllm-python ../vllm-venv/bin/python --json peers.json
     python scripts/compare_peers.py --workload multi-turn --num-users 16 --num-turns 4 --output-len 48 \\
         --peers pipeline-async,pipeline-no-cache,vllm --vllm-python ../vllm-venv/bin/python
+    python scripts/compare_peers.py --workload structured --num-requests 16 --json-share 0.5 --output-len 128 \\
+        --peers pipeline-async,pipeline-sync,vllm --repeat 2 --vllm-python ../vllm-venv/bin/python
     python scripts/compare_peers.py --workload rewrite --num-requests 8 --concurrency 1 --peers pipeline-async,vllm \\
         --speculative-config '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, \\
         "prompt_lookup_max": 5}' --vllm-python ../vllm-venv/bin/python
@@ -163,6 +165,8 @@ def run_pipeline(
     ]
     if model_arg:
         cmd += ["--model", model_arg]
+    if model_arg == "sim":
+        cmd += ["--sim-step-us", str(args.sim_step_us)]
     if args.speculative_config:
         cmd += ["--speculative-config", args.speculative_config]
     label = label or "pipeline-" + ("async" if async_scheduling else "sync")
@@ -255,9 +259,26 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    p.add_argument("--model", default=None, help="as pipeline-serve --model (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--workload", choices=["fixed", "sharegpt-synth", "rewrite", "multi-turn"], default="sharegpt-synth")
-    p.add_argument("--num-requests", type=int, default=64, help="sharegpt-synth and rewrite: number of requests")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="as pipeline-serve --model (default: SmolLM2-135M-Instruct); sim: the simulated device (pipeline only)",
+    )
+    p.add_argument("--sim-step-us", type=int, default=2000, help="with --model sim: the simulated step time")
+    p.add_argument(
+        "--workload",
+        choices=["fixed", "sharegpt-synth", "rewrite", "multi-turn", "structured"],
+        default="sharegpt-synth",
+    )
+    p.add_argument(
+        "--num-requests", type=int, default=64, help="sharegpt-synth, rewrite and structured: number of requests"
+    )
+    p.add_argument(
+        "--json-share",
+        type=float,
+        default=0.5,
+        help="structured: the share of requests with a JSON-schema response_format (the rest free text)",
+    )
     p.add_argument(
         "--concurrency", type=int, default=None, help="HTTP peers: requests in flight at once (default: all)"
     )
@@ -269,7 +290,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--batch-size", type=int, default=64, help="fixed: number of requests")
     p.add_argument("--input-len", type=int, default=150, help="fixed: prompt tokens")
-    p.add_argument("--output-len", type=int, default=150, help="fixed and multi-turn: output tokens")
+    p.add_argument(
+        "--output-len", type=int, default=150, help="fixed, multi-turn and structured: output tokens (at most)"
+    )
     add_workload_flags(p)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -291,15 +314,20 @@ def main(argv: list[str] | None = None) -> None:
     if "vllm" in peers and not args.vllm_python:
         print("compare_peers: no --vllm-python given; skipping vllm", file=sys.stderr)
         peers.remove("vllm")
-    model_dir = str(resolve_model(args.model)[0])
+    # The simulated device (pipeline peers only) takes the default model's tokenizer.
+    model_dir = str(resolve_model(None if args.model == "sim" else args.model)[0])
     if args.workload == "fixed":
         work = Workload.fixed(args.batch_size, args.input_len, args.output_len, args.seed)
     elif args.workload == "multi-turn":
         work = multi_turn(args)
-    elif args.workload == "rewrite":
+    elif args.workload in ("rewrite", "structured"):
         from pipeline.io_proc.tokenization import load_tokenizer
 
-        work = Workload.rewrite(args.num_requests, load_tokenizer(model_dir)[0], args.max_model_len, args.seed)
+        tokenizer = load_tokenizer(model_dir)[0]
+        if args.workload == "rewrite":
+            work = Workload.rewrite(args.num_requests, tokenizer, args.max_model_len, args.seed)
+        else:
+            work = Workload.structured(args.num_requests, args.json_share, args.output_len, tokenizer)
     else:
         work = Workload.sharegpt_synth(args.num_requests, args.max_model_len, args.seed)
 
@@ -317,7 +345,7 @@ def main(argv: list[str] | None = None) -> None:
         results = {}
         for peer in peers:
             results[peer] = summarize(runners[peer](), [])
-            if results[peer]["output_tokens"] != total_output(work):
+            if results[peer]["output_tokens"] != total_output(work) and not getattr(work, "response_formats", None):
                 print(
                     f"compare_peers: {peer} returned {results[peer]['output_tokens']} tokens, "
                     f"expected {total_output(work)}",
@@ -365,6 +393,20 @@ def print_table(work: Workload | MultiTurn, args: argparse.Namespace, peers: lis
             turns = range(len(rs[0]["ttft_p50_ms_by_turn"]))
             row += " " + " / ".join(f"{med(x['ttft_p50_ms_by_turn'][k] for x in rs):.0f}" for k in turns) + " |"
         print(row)
+    if all("itl_ms_constrained" in r[peer] for r in rounds for peer in peers):
+        print("\n| peer | wall (s) | output tokens | constrained ITL p50 / p90 (ms) | free ITL p50 / p90 (ms) | "
+              "constrained ÷ free, p50 / p90 |")  # fmt: skip
+        print("| --- | --- | --- | --- | --- | --- |")
+        for peer in peers:
+            rs = [r[peer] for r in rounds]
+            c = {q: med(x["itl_ms_constrained"][q] for x in rs) for q in ("p50", "p90")}
+            f = {q: med(x["itl_ms_free"][q] for x in rs) for q in ("p50", "p90")}
+            ratio = {q: med(x["itl_ms_constrained"][q] / x["itl_ms_free"][q] for x in rs) for q in ("p50", "p90")}
+            print(
+                f"| {peer} | {med(x['wall_s'] for x in rs):.1f} | {med(x['output_tokens'] for x in rs):.0f} | "
+                f"{c['p50']:.0f} / {c['p90']:.0f} | {f['p50']:.0f} / {f['p90']:.0f} | "
+                f"{ratio['p50']:.2f} / {ratio['p90']:.2f} |"
+            )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@
 #   bash scripts/perf_figures.sh sim                    # only the simulated-device tables
 #   bash scripts/perf_figures.sh spec                   # only the speculative-decoding tables
 #   bash scripts/perf_figures.sh spec-sim               # only speculation on the simulated device
+#   bash scripts/perf_figures.sh structured             # only structured output (JSON schema beside free text)
 #
 # Each table compares figures measured in one invocation (async vs lock step, engine vs bound,
 # pipeline vs its peers): machines differ 2-3x in absolute speed, and a busy machine changes
@@ -92,4 +93,21 @@ if [[ $ONLY == all || $ONLY == spec || $ONLY == spec-sim ]]; then
   # over the run, and over its last 80 steps, where with drafts the requests end at different steps.
   run host-chain "$PY" scripts/bench_host_chain.py --runs 4
   run host-chain-tail "$PY" scripts/bench_host_chain.py --runs 4 --tail 80
+fi
+if [[ $ONLY == all || $ONLY == structured ]]; then
+  # Structured output: 16 streams, half of them JSON-schema constrained, async against lock step (and vLLM),
+  # paired rounds; then all 16 constrained against none (the share of the free pace the grammars keep).
+  peers=(--workload structured --num-requests 16 --json-share 0.5 --output-len 128 --repeat 2
+    --peers pipeline-async,pipeline-sync,vllm --json "$OUT/structured-mixed.json")
+  [[ -n ${VLLM_PYTHON:-} ]] && peers+=(--vllm-python "$VLLM_PYTHON")
+  run structured-mixed "$PY" scripts/compare_peers.py "${peers[@]}"
+  for share in 1 0; do
+    run "structured-share-$share" "$PY" scripts/compare_peers.py --workload structured --num-requests 16 \
+      --json-share "$share" --output-len 128 --peers pipeline-async,pipeline-sync \
+      --json "$OUT/structured-share-$share.json"
+  done
+  # The simulated device at 2 ms steps, 256 streams, every one JSON-schema constrained: the host cost of masks.
+  run structured-sim-256 "$PY" scripts/compare_peers.py --model sim --workload structured --num-requests 256 \
+    --sim-step-us 2000 --json-share 1 --output-len 64 --peers pipeline-async,pipeline-sync \
+    --json "$OUT/structured-sim-256.json"
 fi

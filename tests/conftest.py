@@ -257,16 +257,24 @@ def make_tiny_model(d: Path, smol_dir: Path, config_cls, **fields) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory, smol_dir) -> Path:
-    """A tiny random Llama with SmolLM2's tokenizer, built in seconds."""
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smol_dir)
+def tokenizer_dir(request) -> Path:
+    """SmolLM2's tokenizer: ``$PIPELINE_TEST_TOKENIZER_DIR`` if set (a directory of its tokenizer files alone,
+    which scripts/gpu_check.sh carries to a GPU machine that cannot take the 94 MB GGUF), else ``smol_dir``."""
+    carried = os.environ.get("PIPELINE_TEST_TOKENIZER_DIR")
+    return Path(carried) if carried else request.getfixturevalue("smol_dir")
 
 
 @pytest.fixture(scope="session")
-def tiny_kv4_dir(tmp_path_factory, smol_dir) -> Path:
+def tiny_dir(tmp_path_factory, tokenizer_dir) -> Path:
+    """A tiny random Llama with SmolLM2's tokenizer, built in seconds."""
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_kv4_dir(tmp_path_factory, tokenizer_dir) -> Path:
     """Like ``tiny_dir`` with 8 attention heads over 4 KV heads: splits over 2 or 4 tensor-parallel ranks."""
     return make_tiny_llama(
-        tmp_path_factory.mktemp("tiny-llama-kv4"), smol_dir, num_attention_heads=8, num_key_value_heads=4
+        tmp_path_factory.mktemp("tiny-llama-kv4"), tokenizer_dir, num_attention_heads=8, num_key_value_heads=4
     )
 
 

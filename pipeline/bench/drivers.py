@@ -25,6 +25,7 @@ class RequestTimes:
     token_times: list[float] = field(default_factory=list)  # one entry per output token
     num_tokens: int = 0
     turn: int = 0  # a multi-turn conversation's turn, from 0
+    constrained: bool = False  # it had a response_format
 
 
 # (prompt, max_tokens, seed) -> (whatever the driver keeps of the request, its output token ids)
@@ -151,6 +152,10 @@ async def drive_http(
             "stream": True,
             "return_token_ids": True,
         }
+        rf = work.response_formats[seed] if isinstance(work, Workload) and work.response_formats else None
+        if rf is not None:  # it ends with its JSON (a grammar needs its stop token)
+            body["response_format"], t.constrained = rf, True
+            del body["ignore_eos"]
         out: list[int] = []
         async with client.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:

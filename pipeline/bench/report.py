@@ -36,6 +36,7 @@ def summarize(times: list[RequestTimes], spans: list, spec: dict | None = None) 
             role: {"p50": float(np.percentile(v, 50)), "p99": float(np.percentile(v, 99))} for role, v in cpu.items()
         },
         "host_cpu_per_token_us": sum(float(v.sum()) for v in cpu.values()) / tokens if cpu and tokens else None,
+        **_itl_by_kind(times),
         "num_requests": len(times),
         "output_tokens": tokens,
         "wall_s": wall_s,
@@ -189,3 +190,13 @@ def print_ratios(results: dict[str, dict]) -> None:
 
 def _g(v: float | None) -> str:
     return "-" if v is None else f"{v:.3g}"
+
+
+def _itl_by_kind(times: list[RequestTimes]) -> dict:
+    """With constrained requests (a ``response_format``) beside free ones: each kind's ITL p50 and p90, ms."""
+    out = {}
+    for kind, want in (("constrained", True), ("free", False)):
+        itl = [b - a for t in times if t.constrained == want for a, b in zip(t.token_times, t.token_times[1:])]
+        if itl:
+            out[f"itl_ms_{kind}"] = {p: float(np.percentile(itl, int(p[1:])) * 1e3) for p in ("p50", "p90")}
+    return out if len(out) == 2 else {}

@@ -44,12 +44,27 @@ _REWRITE_TASKS = (
 )
 
 
+# The structured workload's schema: a free string, an array and an enum, as an agent's JSON reply.
+STRUCTURED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "summary": {"type": "string"},
+        "keywords": {"type": "array", "items": {"type": "string"}},
+        "sentiment": {"enum": ["positive", "neutral", "negative"]},
+    },
+    "required": ["summary", "keywords", "sentiment"],
+}
+_STRUCTURED_TOPICS = ("the sea", "a city at night", "autumn leaves", "a chess game", "a train journey", "coffee")
+
+
 @dataclass
 class Workload:
-    """Prompts (token ids) and output lengths; every request ignores EOS."""
+    """Prompts (token ids) and output lengths; every request ignores EOS, except those with a
+    ``response_formats`` entry (OpenAI's ``response_format``), which end with their JSON."""
 
     prompts: list[list[int]]
     output_lens: list[int]
+    response_formats: list[dict | None] | None = None
 
     @classmethod
     def fixed(cls, batch_size: int, input_len: int, output_len: int, seed: int) -> Workload:
@@ -98,6 +113,21 @@ class Workload:
             prompts.append(list(ids))
             output_lens.append(out)
         return cls(prompts, output_lens)
+
+    @classmethod
+    def structured(cls, num_requests: int, share: float, output_len: int, tokenizer) -> Workload:
+        """Chat requests about a few topics; a ``share`` of them, spread evenly, answer with a JSON object
+        of ``STRUCTURED_SCHEMA`` (``response_format`` json_schema), the others in free text; up to
+        ``output_len`` tokens each."""
+        prompts, formats = [], []
+        rf = {"type": "json_schema", "json_schema": {"name": "reply", "schema": STRUCTURED_SCHEMA}}
+        for i in range(num_requests):
+            text = f"Describe {_STRUCTURED_TOPICS[i % len(_STRUCTURED_TOPICS)]} in JSON with a summary, keywords "
+            text += "and a sentiment."
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+            prompts.append(list(ids if isinstance(ids, list) else ids["input_ids"]))
+            formats.append(rf if int((i + 1) * share) > int(i * share) else None)
+        return cls(prompts, [output_len] * num_requests, formats)
 
 
 @dataclass

@@ -10,7 +10,7 @@ from pipeline.common.heartbeat import Heartbeats
 from pipeline.common.layouts import Layout
 from pipeline.common.shm_ring import ShmRing
 from pipeline.common.step_output import OUTPUT_RING_ENTRIES, StepOutput
-from pipeline.common.step_protocol import DESCRIPTOR_RING_ENTRIES, MASK_BITS, StepDescriptor
+from pipeline.common.step_protocol import DESCRIPTOR_RING_ENTRIES, StepDescriptor, TokenMasks
 
 # Speculative decoding methods (vLLM's names for --speculative-config's "method").
 SPECULATIVE_METHODS = ("ngram", "draft_model")
@@ -50,9 +50,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
         block_size: tokens per KV cache block.
         max_model_len: prompt + output tokens of one request at most (at most
             the model's ``max_position_embeddings``).
-        vocab_size: token ids the model has embedding rows for; 0 when there
-            is no model (the simulated device). io_proc refuses prompt ids at
-            or above it.
+        vocab_size: token ids the model (or, simulated, its tokenizer's model) has embedding rows for;
+            0 when unknown (no structured output). io_proc refuses prompt ids at or above it.
         num_kv_blocks: KV cache blocks the worker allocates; 0 until each
             engine's rank 0 has sized the cache on its device (CUDA without
             ``--kv-cache-memory``: docs/design.md, "KV cache size"), then the
@@ -295,7 +294,6 @@ class EngineConfig(msgspec.Struct, frozen=True):
             self.max_num_seqs,
             self.max_num_batched_tokens,
             self.block_size,
-            cdiv(self.vocab_size, MASK_BITS),
             self.max_blocks_per_seq,
         )
 
@@ -306,6 +304,10 @@ class EngineConfig(msgspec.Struct, frozen=True):
     @property
     def descriptor_ring_name(self) -> str:
         return f"/pipeline-{self.instance}{self._engine_suffix}-desc"
+
+    @property
+    def mask_ring_name(self) -> str:
+        return f"/pipeline-{self.instance}{self._engine_suffix}-mask"
 
     @property
     def output_ring_name(self) -> str:
@@ -325,6 +327,14 @@ class EngineConfig(msgspec.Struct, frozen=True):
             create,
             StepDescriptor,
         )
+
+    def mask_ring(self, create: bool = False) -> ShmRing[TokenMasks] | None:
+        """The TokenMasks ring (scheduler writes the masks of a step's constrained rows; readers as the
+        descriptor ring's); None without a vocabulary (no structured output)."""
+        if not self.vocab_size:
+            return None
+        layout = TokenMasks.layout(self.max_num_seqs, self.vocab_size)
+        return ShmRing(self.mask_ring_name, layout, DESCRIPTOR_RING_ENTRIES, self.ranks_per_node, create, TokenMasks)
 
     def output_ring(self, create: bool = False) -> ShmRing[StepOutput]:
         """The StepOutput ring (worker rank 0 writes; scheduler and io_proc read)."""

@@ -42,7 +42,7 @@ class DescriptorBuilder:
         self._new_blocks: list[tuple[int, int, int]] = []
         self._new_block_arrays: list[np.ndarray] = []  # [3, k] int: req_index, column, block (from add_blocks)
         self._num_array_blocks = 0
-        self._masks: list[tuple[int, np.ndarray]] = []
+        self._masks: list[int] = []  # rows that sample under a grammar
 
     def __len__(self) -> int:
         """Rows added since the last ``clear``."""
@@ -52,11 +52,6 @@ class DescriptorBuilder:
     def num_blocks(self) -> int:
         """Block-table entries added since the last ``clear``."""
         return len(self._new_blocks) + self._num_array_blocks
-
-    @property
-    def num_masks(self) -> int:
-        """Rows with a token bitmask added since the last ``clear`` (at most ``MAX_MASKED_ROWS``)."""
-        return len(self._masks)
 
     def clear(self) -> None:
         for lst in (
@@ -90,7 +85,7 @@ class DescriptorBuilder:
         num_prompt_logprobs: int = 0,
         next_prompt_token: int = -1,
         prompt_len: int = 0,
-        bitmask: np.ndarray | None = None,
+        masked: bool = False,
         num_drafts: int = 0,
         num_rejected: int = 0,
     ) -> None:
@@ -103,16 +98,15 @@ class DescriptorBuilder:
                 ``req_index`` (the worker keeps them per req_index), else None.
             num_prompt_logprobs, next_prompt_token: as the descriptor's fields.
             prompt_len: with ``new_params``, the request's prompt length.
-            bitmask: with ``do_sample``, int32 ``[W]``: the tokens the
-                sampled one may be (structured output); the caller keeps
-                ``num_masks`` below ``MAX_MASKED_ROWS``.
+            masked: with ``do_sample``, a grammar constrains the sampled
+                token; its mask follows in the step's ``TokenMasks`` entry.
             num_drafts: the last ``num_drafts`` of ``token_ids`` are drafts
                 (``DRAFT_TOKEN_ID``) to verify; needs ``do_sample``.
             num_rejected: the request's rejected drafts that ``start_pos``
                 accounts for (the descriptor's field).
         """
-        if bitmask is not None:
-            self._masks.append((len(self._req_num), bitmask))
+        if masked:
+            self._masks.append(len(self._req_num))
         if new_params is not None:
             self._new.append((len(self._req_num), new_params, prompt_len))
         self._req_num.append(req_num)
@@ -162,9 +156,9 @@ class DescriptorBuilder:
         n, t, b = d + len(self._req_num), td + len(self._token_ids), self.num_blocks
         h, H = desc.header, self._h
         h[H["step_id"]], h[H["num_reqs"]], h[H["num_tokens"]], h[H["num_new_blocks"]] = step_id, n, t, b
-        h[H["num_masks"]], h[H["mask_words"]], h[H["continues"]] = len(self._masks), desc.bitmask.shape[1], continues
-        for m, (row, mask) in enumerate(self._masks):
-            desc.mask_row[m], desc.bitmask[m] = d + row, mask
+        h[H["num_masks"]], h[H["continues"]] = len(self._masks), continues
+        if self._masks:
+            desc.mask_row[: len(self._masks)] = np.asarray(self._masks) + d
         if d:
             desc.req_num[:d], desc.req_index[:d], desc.start_pos[:d] = decode[:3]
             if decode_drafts is None:

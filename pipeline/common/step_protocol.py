@@ -36,10 +36,6 @@ DESCRIPTOR_RING_ENTRIES = MAX_INFLIGHT_STEPS + 2
 # they cost 0.6 MiB and 32 KiB.
 MAX_LOGIT_BIAS = 300
 MAX_STOP_TOKEN_IDS = 32
-# Rows per step that carry a token bitmask (structured output): each takes
-# ceil(V / 32) int32 words, 6 KiB at 49,152 tokens and 16 KiB at 128,256, so
-# the count is bounded; a constrained row beyond it waits a step.
-MAX_MASKED_ROWS = 32
 # Bits per bitmask word: the packed layout of llguidance and xgrammar (token
 # ``t`` is allowed when bit ``t % 32`` of word ``t // 32`` is set).
 MASK_BITS = 32
@@ -53,8 +49,7 @@ DESCRIPTOR = Record(
         Field("num_reqs", i64, "live request rows (R)"),
         Field("num_tokens", i64, "live tokens (T)"),
         Field("num_new_blocks", i64, "live new block-table entries (B)"),
-        Field("num_masks", i64, "live token bitmasks (M)"),
-        Field("mask_words", i64, "int32 words of one bitmask, `ceil(vocab / 32)`; 0 without a model"),
+        Field("num_masks", i64, "rows that sample under a grammar (M): the step's `TokenMasks` entry follows"),
         Field("continues", i64, "1 when a row's request ran before: the gap before the step is the host's"),
     ),
     groups=(
@@ -145,23 +140,47 @@ DESCRIPTOR = Record(
             ),
         ),
         Group(
-            "masks",
+            "masked_rows",
             "masked row",
-            "MAX_MASKED_ROWS",
+            "max_num_seqs",
             "num_masks",
-            (
-                Field("mask_row", i32, "the (sampled) request row the mask constrains"),
-                Field(
-                    "bitmask", i32, "bit t % 32 of word t // 32 set: token t allowed", width="mask_words", widen=False
-                ),
-            ),
+            (Field("mask_row", i32, "a sampled request row whose token its grammar constrains, in row order"),),
         ),
     ),
     constants={
         "MAX_LOGIT_BIAS": MAX_LOGIT_BIAS,
         "MAX_STOP_TOKEN_IDS": MAX_STOP_TOKEN_IDS,
-        "MAX_MASKED_ROWS": MAX_MASKED_ROWS,
     },
+)
+
+# The masks of a step's constrained rows (scheduler -> worker, on a ring of their own): written once
+# each row's previous token is known, which under asynchronous scheduling is after the step was
+# published; the worker runs the step's forward pass meanwhile and waits only before sampling
+# (docs/design.md, "Structured output").
+MASKS = Record(
+    "TokenMasks",
+    header=(
+        Field("step_id", i64, "the step whose `mask_row` rows these constrain"),
+        Field("num_masks", i64, "the step's `num_masks` (M)"),
+        Field("mask_words", i64, "int32 words of one bitmask, `ceil(vocab / 32)`"),
+    ),
+    groups=(
+        Group(
+            "masks",
+            "masked row",
+            "max_num_seqs",
+            "num_masks",
+            (
+                Field(
+                    "bitmask",
+                    i32,
+                    "for the step's `mask_row` of the same index: bit t % 32 of word t // 32 set, token t allowed",
+                    width="mask_words",
+                    widen=False,
+                ),
+            ),
+        ),
+    ),
 )
 
 
@@ -188,16 +207,11 @@ def max_new_blocks_per_step(
 
 
 def descriptor_dims(
-    max_num_seqs: int, max_num_batched_tokens: int, block_size: int, mask_words: int = 0, max_blocks_per_seq: int = 0
+    max_num_seqs: int, max_num_batched_tokens: int, block_size: int, max_blocks_per_seq: int = 0
 ) -> dict[str, int]:
-    """The capacities a descriptor layout takes; ``mask_words`` per token bitmask (0: no structured output)."""
+    """The capacities a descriptor layout takes."""
     b = max_new_blocks_per_step(max_num_seqs, max_num_batched_tokens, block_size, max_blocks_per_seq)
-    return dict(
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_new_blocks=b,
-        mask_words=mask_words,
-    )
+    return dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_new_blocks=b)
 
 
 class StepDescriptor(DESCRIPTOR.view_base):
@@ -210,18 +224,28 @@ class StepDescriptor(DESCRIPTOR.view_base):
         max_num_seqs: int,
         max_num_batched_tokens: int,
         block_size: int,
-        mask_words: int = 0,
         max_blocks_per_seq: int = 0,
     ) -> Layout:
         """The entry layout for these limits (``descriptor_dims``)."""
-        dims = descriptor_dims(max_num_seqs, max_num_batched_tokens, block_size, mask_words, max_blocks_per_seq)
+        dims = descriptor_dims(max_num_seqs, max_num_batched_tokens, block_size, max_blocks_per_seq)
         return DESCRIPTOR.layout(dims)
+
+
+class TokenMasks(MASKS.view_base):
+    """Typed views of one TokenMasks ring entry (fields: ``MASKS``)."""
+
+    __slots__ = ()
+
+    @staticmethod
+    def layout(max_num_seqs: int, vocab_size: int) -> Layout:
+        """An entry with room for a mask on every row (``ceil(vocab_size / 32)`` words each)."""
+        return MASKS.layout(dict(max_num_seqs=max_num_seqs, mask_words=-(-vocab_size // MASK_BITS)))
 
 
 # The worker's host copy of one StepDescriptor (``Record.read``): ``step_id`` and the other header
 # values; per request row ``[R]``, the rows' fields with ``sample_rows`` and ``new_rows`` for the flags;
 # per new row ``[K]`` (``new_rows``), the sampling and new-row fields; ``token_ids [T]``; ``nb_* [B]``;
-# ``mask_row [M]`` and ``bitmask [M, W]`` (int32 words). Other integers are int64.
+# ``mask_row [M]``. Other integers are int64.
 StepInputs = DESCRIPTOR.host_type
 
 
@@ -243,8 +267,8 @@ def pack_descriptor(desc: StepDescriptor, out: np.ndarray) -> int:
 
     The header comes first, so a reader holding the first
     ``PACKED_HEADER_NBYTES`` bytes knows the total. A step of R rows, T
-    tokens, B new block-table entries and M bitmasks of W words takes ``56 +
-    2626 R + 4 T + 12 B + 4 M (W + 1)`` bytes (2,528 of a row's bytes are its
+    tokens, B new block-table entries and M masked rows takes ``48 +
+    2626 R + 4 T + 12 B + 4 M`` bytes (2,528 of a row's bytes are its
     bias and stop-id room), where the entry has the fixed size of the
     configured maxima: this is what rank 0 relays to ranks on other nodes
     (docs/design.md, "Parallelism"). ``out`` holds at least the layout's ``nbytes``.
@@ -258,7 +282,7 @@ def unpack_descriptor(buf: np.ndarray, desc: StepDescriptor) -> None:
 
 
 def reference_markdown() -> str:
-    """docs/step-protocol.md: both records' tables."""
+    """docs/step-protocol.md: the records' tables."""
     intro = (
         "# Step protocol reference\n\n"
         "Generated from the field tables in `pipeline/common/step_protocol.py` and "
@@ -266,7 +290,7 @@ def reference_markdown() -> str:
         "(`python -m pipeline.common.step_protocol > docs/step-protocol.md`); "
         'docs/design.md, "The step protocol", explains them.\n'
     )
-    return "\n".join([intro, DESCRIPTOR.reference(), OUTPUT.reference()])
+    return "\n".join([intro, DESCRIPTOR.reference(), MASKS.reference(), OUTPUT.reference()])
 
 
 if __name__ == "__main__":

@@ -32,7 +32,9 @@ import torch
 import torch.distributed as dist
 
 from pipeline.common.config import EngineConfig
+from pipeline.common.constants import cdiv
 from pipeline.common.step_protocol import (
+    MASK_BITS,
     PACKED_HEADER_NBYTES,
     StepDescriptor,
     pack_descriptor,
@@ -99,6 +101,8 @@ class DescriptorRelay:
     def __init__(self, config: EngineConfig, rank: int, group: dist.ProcessGroup):
         layout = config.descriptor_layout
         self.rank, self.group = rank, group
+        self._mask_words = cdiv(config.vocab_size, MASK_BITS)
+        self._sent_masks: torch.Tensor | None = None
         self._first = min(_FIRST_NBYTES, layout.nbytes)
         self._buf = torch.zeros(max(layout.nbytes, self._first), dtype=torch.uint8)
         self._np = self._buf.numpy()
@@ -145,6 +149,18 @@ class DescriptorRelay:
         if n > self._first:
             self._works.append(dist.broadcast(self._buf[self._first : n], 0, group=self.group, async_op=True))
         self._last_send = time.monotonic()
+
+    def send_masks(self, words: np.ndarray) -> None:
+        """Rank 0: broadcast a step's ``[M, W]`` int32 bitmasks (``TokenMasks``), after its descriptor."""
+        self._wait_sent()
+        self._sent_masks = torch.from_numpy(words).reshape(-1)  # alive until the broadcast is done
+        self._works.append(dist.broadcast(self._sent_masks, 0, group=self.group, async_op=True))
+
+    def receive_masks(self, num_masks: int) -> np.ndarray:
+        """Ranks on other nodes: the ``[num_masks, W]`` int32 bitmasks of the step last received."""
+        words = torch.empty((num_masks, self._mask_words), dtype=torch.int32)
+        dist.broadcast(words.reshape(-1), 0, group=self.group)
+        return words.numpy()
 
     def receive(self, timeout: float) -> StepDescriptor | None:
         """Ranks on other nodes: the next relayed descriptor, or None after ``timeout`` seconds.

@@ -10,7 +10,7 @@ the forward pass needs (the KV cache).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +24,7 @@ from pipeline.gpu_worker.penalties import PenaltyInputs, PenaltyState, apply_pen
 from pipeline.gpu_worker.rejection_sampler import VerifyInputs, accept_one_hot, rejection_sample
 from pipeline.gpu_worker.sampler import SamplingPlan, filtered_logits, race, sample_rows
 from pipeline.gpu_worker.sim_device import SimEvent, SimulatedDevice, sim_logprobs, sim_next_tokens
-from pipeline.gpu_worker.token_mask import apply_token_bitmask
+from pipeline.gpu_worker.token_mask import apply_token_bitmask, nearest_allowed
 
 # Prompt log-probabilities go through the LM head this many positions at a
 # time, so a long prefill chunk never holds a [chunk, vocab] float32 block.
@@ -49,7 +49,9 @@ class SamplingInputs:
     of the ``S`` rows get penalties and biases first (None: none), read from
     ``penalty_state``. ``mask_rows`` (``[M]`` int64, None for none) are the
     rows constrained by a grammar, and ``bitmask`` (``[M, W]``) the tokens
-    each may sample (``apply_token_bitmask``).
+    each may sample (``apply_token_bitmask``), or ``await_bitmask`` gives it
+    once the forward pass is enqueued (the scheduler writes it after the
+    step: docs/design.md, "Structured output").
     """
 
     plan: SamplingPlan
@@ -63,6 +65,20 @@ class SamplingInputs:
     penalty_state: PenaltyState | None = None
     mask_rows: torch.Tensor | None = None
     bitmask: torch.Tensor | None = None
+    await_bitmask: Callable[[], torch.Tensor] | None = None
+
+    def processed_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Penalties and biases, then the grammar's mask (last, so that no bias or penalty can bring back a
+        rejected token), on a copy of the raw ``[S, V]`` float32 ``logits``. Waits for the masks if they
+        are still to come (``await_bitmask``), never for the device."""
+        penalized = apply_penalties(logits, self.penalties, self.penalty_state)
+        return apply_token_bitmask(penalized, self.mask_rows, self.resolved_bitmask())
+
+    def resolved_bitmask(self) -> torch.Tensor | None:
+        """``bitmask``, from ``await_bitmask`` first if it is still to come."""
+        if self.await_bitmask is not None:
+            self.bitmask, self.await_bitmask = self.await_bitmask(), None
+        return self.bitmask
 
 
 @dataclass
@@ -113,11 +129,11 @@ class Executed:
 def sample_tokens(logits: torch.Tensor, s: SamplingInputs) -> torch.Tensor:
     """``[S]`` int64 token ids, below ``V``, from the sampled rows' raw ``[S, V]`` float32 logits (left unchanged).
 
-    Penalties and biases, then the grammar's mask (last, so that no bias or penalty can bring back a
-    rejected token), then sampling. Seeded noise is keyed by the sampled token's position, so a request
-    draws the same noise whatever batch it is in. Defined for any logits, NaN and infinities included.
+    ``SamplingInputs.processed_logits``, then sampling. Seeded noise is keyed by the sampled token's
+    position, so a request draws the same noise whatever batch it is in. Defined for any logits, NaN and
+    infinities included.
     """
-    processed = apply_token_bitmask(apply_penalties(logits, s.penalties, s.penalty_state), s.mask_rows, s.bitmask)
+    processed = s.processed_logits(logits)
     return sample_rows(processed, s.plan, s.temperature, s.top_p, s.top_k, s.seed, s.position, s.min_p)
 
 
@@ -138,7 +154,7 @@ def sample_and_verify(
     """
     if v is None:
         return sample_tokens(logits, s), None
-    processed = apply_token_bitmask(apply_penalties(logits, s.penalties, s.penalty_state), s.mask_rows, s.bitmask)
+    processed = s.processed_logits(logits)
     tokens = processed.argmax(-1)
     rows, width = v.index.shape
     hot = None
@@ -307,7 +323,8 @@ class SimExecutor(Executor):
     (a real device would compute the tokens on the device). Sampling
     parameters, penalties and biases are ignored. Log-probabilities are deterministic stand-ins
     (``sim_logprobs``) of the same
-    shapes, so the async-equals-lock-step tests cover their path.
+    shapes, so the async-equals-lock-step tests cover their path. A constrained row draws the allowed
+    token nearest to its own (``nearest_allowed``), so grammars cost the host what they would.
 
     Args:
         sim: the simulated device's timeline.
@@ -334,6 +351,8 @@ class SimExecutor(Executor):
         # It reads the resolved inputs like the model would.
         last_ids, last_pos = input_ids[last].numpy(), meta.positions[last].numpy()
         tokens = torch.from_numpy(sim_next_tokens(last_ids, last_pos))
+        if sampling.mask_rows is not None:  # the masks come after the step was enqueued, like a real draw's
+            nearest_allowed(tokens, sampling.mask_rows, sampling.resolved_bitmask())
         executed = Executed(tokens=tokens, done=SimEvent(end), device_start_ns=start, device_end_ns=end)
         if verify is not None:
             executed.accepted = accept_one_hot(tokens[verify.index], verify.drafts)

@@ -27,12 +27,13 @@ from pipeline.common.process import StopFlag, Stopped, freeze_startup_heap, repo
 from pipeline.common.shm_ring import RingTimeout, ShmRing
 from pipeline.common.step_clock import WorkerClock
 from pipeline.common.step_output import StepOutput
-from pipeline.common.step_protocol import MAX_INFLIGHT_STEPS, StepDescriptor, read_descriptor
+from pipeline.common.step_protocol import MAX_INFLIGHT_STEPS, StepDescriptor, TokenMasks, read_descriptor
 from pipeline.common.trace import TraceRecorder
 from pipeline.gpu_worker.attention import make_backend
 from pipeline.gpu_worker.cpu_threads import ThreadGovernor, usable_cpus
 from pipeline.gpu_worker.executor import ModelExecutor, SimExecutor
 from pipeline.gpu_worker.launched_step import LaunchedStep
+from pipeline.gpu_worker.mask_reader import MaskReader
 from pipeline.gpu_worker.model_runner import ModelRunner
 from pipeline.gpu_worker.sim_device import SimulatedDevice
 from pipeline.gpu_worker.step_shapes import StepShapeRecorder
@@ -70,8 +71,10 @@ class WorkerProc:
         rank: int = 0,
         relay: DescriptorRelay | None = None,
         heartbeats: Heartbeats | None = None,
+        mask_ring: ShmRing[TokenMasks] | None = None,
     ):
         self.config, self.runner, self.rank = config, runner, rank
+        self.mask_ring = mask_ring
         self.role = config.worker_role(rank)
         self.heartbeats = heartbeats
         self.desc_ring, self.out_ring, self.relay = desc_ring, out_ring, relay
@@ -94,6 +97,13 @@ class WorkerProc:
             Exception: whatever a launch raised (a failing forward pass,
                 ``StaleTokenError``); the process reports it and exits with 1.
         """
+        self.runner.masks = MaskReader(self.mask_ring, self.rank, stop, self.relay)
+        try:
+            self._run(stop)
+        except Stopped:  # stopped while a step waited for its masks
+            pass
+
+    def _run(self, stop: StopFlag) -> None:
         while not stop.is_set():
             if self.heartbeats is not None:
                 self.heartbeats.beat(self.role)
@@ -183,6 +193,8 @@ class WorkerProc:
             self.relay.send_stop()
         if self.desc_ring is not None:
             self.desc_ring.close()
+        if self.mask_ring is not None:
+            self.mask_ring.close()
         if self.out_ring is not None:
             self.out_ring.close()
         if self.heartbeats is not None:
@@ -247,6 +259,7 @@ def run_gpu_worker(config: EngineConfig, status_conn, stop: StopFlag, rank: int 
     role = config.worker_role(rank)
     # The rings live on the head node; ranks elsewhere get the descriptors from the relay.
     desc_ring = config.descriptor_ring() if config.is_head else None
+    mask_ring = config.mask_ring() if config.is_head else None
     out_ring = config.output_ring() if rank == 0 else None
     heartbeats = config.heartbeats() if config.is_head else None
     report(status_conn, "attached", role)
@@ -266,7 +279,7 @@ def run_gpu_worker(config: EngineConfig, status_conn, stop: StopFlag, rank: int 
     if not config.num_kv_blocks and rank == 0:  # the launcher starts the scheduler with this figure
         report(status_conn, "kv_blocks", role, runner.config.num_kv_blocks)
     report(status_conn, "ready", role)
-    proc = WorkerProc(runner.config, runner, desc_ring, out_ring, rank, relay, heartbeats)
+    proc = WorkerProc(runner.config, runner, desc_ring, out_ring, rank, relay, heartbeats, mask_ring)
     try:
         proc.run(stop)
         if relay is not None and relay.head_stopped:

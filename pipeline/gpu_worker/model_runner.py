@@ -45,6 +45,7 @@ from pipeline.gpu_worker.executor import Executed, Executor, LogprobInputs, Samp
 from pipeline.gpu_worker.input_batch import FLOAT_COLUMN, INT_COLUMN, POISON_TOKEN_ID, InputBatch
 from pipeline.gpu_worker.launched_step import LaunchedStep
 from pipeline.gpu_worker.logprobs import PromptLogprobPlan
+from pipeline.gpu_worker.mask_reader import MaskReader
 from pipeline.gpu_worker.penalties import PenaltyPlan, plan_penalties
 from pipeline.gpu_worker.sampler import SamplingPlan
 from pipeline.gpu_worker.speculation import SpecStep, spec_state
@@ -86,7 +87,7 @@ class _Sampling:
     top_p: np.ndarray | None = None
     min_p: np.ndarray | None = None
     mask_rows: Staged | None = None
-    bitmask: Staged | None = None
+    num_masks: int = 0  # rows whose bitmask follows the descriptor (``MaskReader``)
     penalties: PenaltyPlan | None = None
 
 
@@ -111,6 +112,10 @@ class ModelRunner:
         ops: how data moves to and from ``device``; default ``device_ops``.
         draft_model: with ``--speculative-config``'s ``draft_model``, the draft (on ``device``); its KV
             cache is made here.
+
+    Attributes:
+        masks: reads the bitmasks of a step's constrained rows before it samples; a step with some
+            needs it set (the worker sets it).
     """
 
     def __init__(
@@ -132,6 +137,7 @@ class ModelRunner:
         self.spec = spec_state(config, device, self.input_batch, draft)
         self.clock = DeviceClock()
         self._in_flight = 0  # launched, not yet finished
+        self.masks: MaskReader | None = None
         # The sampling parameters of a batch with no row to sample with temperature: empty, never read.
         f, i = (torch.zeros(0, dtype=d, device=device) for d in (torch.float32, torch.int64))
         self._no_rows = dict(temperature=f, top_p=f, min_p=f, top_k=i, seed=i, position=i)
@@ -272,8 +278,7 @@ class ModelRunner:
                 out.hot_rows = batch.add(pos_rows[hot])
         if len(x.mask_row):  # structured output: the descriptor rows become sampled positions
             masked = np.searchsorted(rows, x.mask_row)
-            out.mask_rows = batch.add(masked if sp is None else sp.first[masked])
-            out.bitmask = batch.add(x.bitmask)  # int32 words, widened
+            out.mask_rows, out.num_masks = batch.add(masked if sp is None else sp.first[masked]), len(masked)
         if s.penalty is not None and s.any_penalty_work:
             # The scheduler drafts for a row only past its min_tokens: host positions decide that exactly.
             out.penalties = plan_penalties(
@@ -290,10 +295,19 @@ class ModelRunner:
                 out.penalties.stage(batch)
         return out
 
-    def _sampling_inputs(self, st: _Sampling, shift: torch.Tensor | None, input_ids: torch.Tensor) -> SamplingInputs:
+    def _sampling_inputs(
+        self,
+        st: _Sampling,
+        shift: torch.Tensor | None,
+        input_ids: torch.Tensor,
+        step_id: int,
+        meanwhile: Callable[[], None] | None,
+    ) -> SamplingInputs:
         """The ``SamplingInputs`` of a staged plan (its batch uploaded): parameters gathered on the device.
 
-        ``shift`` moves shifted rows' positions back (the noise is keyed by the true one).
+        ``shift`` moves shifted rows' positions back (the noise is keyed by the true one). The bitmasks
+        of step ``step_id``'s constrained rows are read when its sampling needs them (``meanwhile``: as
+        ``launch``).
         """
         s = self.input_batch
         if st.hot is None:
@@ -319,7 +333,8 @@ class ModelRunner:
                 min_p=f[:, FLOAT_COLUMN["min_p"]],
             )
         if st.mask_rows is not None:
-            sampling.mask_rows, sampling.bitmask = st.mask_rows.dev, st.bitmask.dev
+            sampling.mask_rows = st.mask_rows.dev
+            sampling.await_bitmask = lambda: self._upload_masks(step_id, st.num_masks, meanwhile)
         if st.penalties is not None:
             sampling.penalty_state = s.penalty
             sampling.penalties = st.penalties.on_device(input_ids)
@@ -371,7 +386,7 @@ class ModelRunner:
         )
         shift = self.spec.shift(spec) if spec is not None else None
         meta = self.executor.build_metadata(layout, self.input_batch.block_table, self.ops.upload, shift)
-        sampling = self._sampling_inputs(staged_sampling, shift, input_ids)
+        sampling = self._sampling_inputs(staged_sampling, shift, input_ids, x.step_id, meanwhile)
         logprobs = LogprobInputs(
             *(
                 a.dev if a is not None else None
@@ -398,6 +413,11 @@ class ModelRunner:
         elif not self.ops.is_async:  # CPU torch ran the step synchronously: wall time around it
             step.device_start_ns, step.device_end_ns = device_start, step.launch_ns
         return executed
+
+    def _upload_masks(self, step_id: int, num_masks: int, meanwhile: Callable[[], None] | None) -> torch.Tensor:
+        """``[M, W]`` int64 (int32 words, widened) on the device: step ``step_id``'s bitmasks, once written
+        (a non-blocking copy, in stream order before the sampling)."""
+        return self.ops.upload([self.masks.read(step_id, num_masks, meanwhile)])[0]
 
     def finish(self, step: LaunchedStep) -> LaunchedStep:
         """Wait for ``step``'s tokens on the host, fill its device times, then ``step.read_host_copy()``.

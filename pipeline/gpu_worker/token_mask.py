@@ -35,3 +35,19 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor | None, bitmask
     allowed = ((bitmask[:, :, None] >> shifts) & 1).reshape(bitmask.shape[0], -1)[:, :vocab].bool()
     x = logits.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
     return logits.index_copy(0, rows, x)
+
+
+def nearest_allowed(tokens: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """The simulated device's masked draw: ``tokens`` with each constrained row's token replaced by the
+    allowed token nearest to it (the lower one on a tie); a row that allows nothing keeps its own.
+
+    Args:
+        tokens: ``[S]`` int64 (changed in place and returned).
+        rows, bitmask: as ``apply_token_bitmask``.
+    """
+    shifts = torch.arange(MASK_BITS, dtype=bitmask.dtype)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).reshape(bitmask.shape[0], -1).bool()
+    drawn = tokens.index_select(0, rows)
+    distance = (torch.arange(allowed.shape[1])[None, :] - drawn[:, None]).abs().masked_fill_(~allowed, 2**62)
+    best = distance.argmin(1)
+    return tokens.index_copy_(0, rows, torch.where(allowed.any(1), best, drawn))

@@ -252,8 +252,7 @@ class OpenAIServing:
 
         Raises:
             APIError: 400 naming the field for a malformed schema, regex or
-                choice list, without a model (the simulated device samples
-                no logits), with ``min_tokens`` (it could forbid the only
+                choice list, without a vocabulary, with ``min_tokens`` (it could forbid the only
                 token the grammar allows), or with no stop token to end on.
         """
         tools = plan is not None and bool(plan.grammar)
@@ -262,7 +261,9 @@ class OpenAIServing:
             return ""
         kind, spec, param = so
         if not self._structured_output:
-            raise APIError.bad_request("structured output needs a model; the simulated device has none", param=param)
+            raise APIError.bad_request(
+                "structured output needs the model's vocabulary, not configured here", param=param
+            )
         if req.min_tokens:
             raise APIError.bad_request(f"min_tokens cannot be combined with {param}", param="min_tokens")
         if not stop_ids:

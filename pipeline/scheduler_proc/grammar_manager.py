@@ -277,7 +277,7 @@ class GrammarManager:
             self._background.submit(guarded_advance, state, token_id, tail)
 
     def wait_masks(self) -> None:
-        """Give the cheap masks in flight up to ``MASK_WAIT_S`` to finish (the scheduler is about to plan)."""
+        """Give the cheap masks in flight up to ``MASK_WAIT_S`` to finish (a step's sampling waits for them)."""
         job = self._last_cheap
         if job is not None and not job.done():
             concurrent.futures.wait([job], MASK_WAIT_S)

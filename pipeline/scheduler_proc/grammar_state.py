@@ -93,6 +93,11 @@ class GrammarState:
         self._cost_s = entry.mask_s
         self.ready, self.error = True, ""
 
+    @property
+    def costly(self) -> bool:
+        """Its last mask took ``FAST_MASK_S`` or more (the next is computed on the background thread)."""
+        return self._cost_s >= FAST_MASK_S
+
     def needs_mask(self, in_flight: int) -> bool:
         """Whether the next sampled token needs ``mask``, with ``in_flight`` of the row's tokens not
         advanced past yet (a row that needs one waits for them). Always, without a trigger."""
@@ -122,7 +127,7 @@ class GrammarState:
 
     def _submit(self, token_id: int, tail: bytes | None) -> None:
         self.ready = False
-        self._manager.submit_mask(self, token_id, tail, self._cost_s < FAST_MASK_S)
+        self._manager.submit_mask(self, token_id, tail, not self.costly)
 
     def close(self) -> None:
         """The request has ended: its matcher's memory returns."""

@@ -39,7 +39,7 @@ from pipeline.common.process import StopFlag, freeze_startup_heap, report
 from pipeline.common.shm_ring import RingTimeout, ShmRing
 from pipeline.common.step_clock import BUSY_NS, WORKER_STATS_LEN, CpuPerStep, worker_stats
 from pipeline.common.step_output import NONFINITE_LOGITS, OUTPUT_READER_SCHEDULER, StepOutput
-from pipeline.common.step_protocol import MAX_INFLIGHT_STEPS, StepDescriptor
+from pipeline.common.step_protocol import MAX_INFLIGHT_STEPS, StepDescriptor, TokenMasks
 from pipeline.common.trace import TraceRecorder
 from pipeline.scheduler_proc.grammar_manager import GrammarManager
 from pipeline.scheduler_proc.scheduler import Scheduler
@@ -48,6 +48,8 @@ logger = logging.getLogger("pipeline.scheduler")
 
 # How often the loop looks for finished compilations while nothing else runs.
 _COMPILING_POLL_MS = 5
+# How long the loop waits for an output while a step's masks are being computed, before it looks at them again.
+_MASK_POLL_S = 0.0002
 
 
 class StepTimeout(Exception):
@@ -73,10 +75,11 @@ class SchedulerProc:
         control: zmq.Socket,
         replies: zmq.Socket,
         heartbeats: Heartbeats | None = None,
+        mask_ring: ShmRing[TokenMasks] | None = None,
     ):
         self.config = config
         self.heartbeats = heartbeats
-        self.desc_ring, self.out_ring = desc_ring, out_ring
+        self.desc_ring, self.out_ring, self.mask_ring = desc_ring, out_ring, mask_ring
         self.control, self.replies = control, replies
         # Structured output needs llguidance's view of the tokenizer; building it takes ~0.2 s, so it is
         # done here, before the first step, not when the first grammar request arrives.
@@ -123,12 +126,15 @@ class SchedulerProc:
             wait_ms = 0
             if self._burst.passed(self.scheduler.num_unfinished):
                 self._release_memory()
+            masks_wait = False
             if self.grammars is not None:
                 self._grammar_turn()
+                masks_wait = self._publish_masks()
             if len(self.inflight) < self.max_inflight and self.scheduler.num_unfinished and self._plan_step():
                 continue
             if self.inflight:
-                self._await_output()
+                # A step waits for masks still being computed: look for them again soon.
+                self._await_output(_MASK_POLL_S if masks_wait else POLL_INTERVAL_S)
             elif self.grammars is not None and self.grammars.num_pending:  # look again soon: compiling
                 wait_ms = _COMPILING_POLL_MS
             else:  # nothing runs and nothing can: sleep in zmq until a message comes
@@ -178,7 +184,7 @@ class SchedulerProc:
         if msg.params.grammar:
             if self.grammars is None:
                 self._reply(
-                    GrammarCompiled(msg.req_num, "structured output needs a model; the simulated device has none")
+                    GrammarCompiled(msg.req_num, "structured output needs the model's vocabulary, not configured here")
                 )
             else:
                 self.grammars.add(msg)
@@ -208,6 +214,29 @@ class SchedulerProc:
                 logger.warning("request %d: %s", state.req_num, state.error)
                 self._reply(RequestFailed(state.req_num, state.error))
 
+    def _publish_masks(self) -> bool:
+        """Write the masks of planned steps whose constrained rows' tokens are known, oldest first.
+
+        Returns:
+            True if a step's masks are still being computed (its sampling waits for them on the worker).
+        """
+        masks = self.scheduler.masks
+        while len(masks):
+            if not masks.oldest_ready():
+                self.grammars.wait_masks()
+                if not masks.oldest_ready():
+                    return True
+            try:
+                entry = self.mask_ring.acquire_write(timeout=0)
+            except RingTimeout:  # the worker has not read an earlier step's masks yet
+                return True
+            step_id = masks.write_oldest(entry)
+            self.mask_ring.publish()
+            if self.trace is not None:
+                t = time.monotonic_ns()
+                self.trace.add(self.config.scheduler_role, "plan", "masks", step_id, t, t)
+        return False
+
     def _reply(self, msg: Admitted | GrammarCompiled | RequestFailed | Stats) -> None:
         self.replies.send(self._encoder.encode(msg))
 
@@ -216,8 +245,6 @@ class SchedulerProc:
             desc = self.desc_ring.acquire_write(timeout=POLL_INTERVAL_S)
         except RingTimeout:
             return False
-        if self.grammars is not None:
-            self.grammars.wait_masks()
         t0 = time.monotonic_ns()
         step_id = self.scheduler.next_step_id
         if not self.scheduler.schedule(desc):
@@ -239,9 +266,9 @@ class SchedulerProc:
         self.inflight.append(step_id)
         return True
 
-    def _await_output(self) -> None:
+    def _await_output(self, timeout: float) -> None:
         try:
-            entry = self.out_ring.acquire_read(OUTPUT_READER_SCHEDULER, timeout=POLL_INTERVAL_S)
+            entry = self.out_ring.acquire_read(OUTPUT_READER_SCHEDULER, timeout=timeout)
         except RingTimeout:
             waited = time.monotonic() - self._oldest_since
             if self.config.step_timeout_s and waited > self.config.step_timeout_s and not self._io_proc_hung():
@@ -270,6 +297,8 @@ class SchedulerProc:
             out.draft_matched,
             int(self._worker_counts[BUSY_NS] - busy),
         )
+        if self.grammars is not None:  # the tokens just applied may complete the next step's masks
+            self._publish_masks()
         self._cpu.step(out.continues)
         if self.trace is not None:
             self.trace.add(self.config.scheduler_role, "plan", "process_output", out.step_id, t0, time.monotonic_ns())
@@ -327,6 +356,7 @@ def run_scheduler(config: EngineConfig, status_conn, stop: StopFlag) -> int:
     limit_arenas(2)
     role = config.scheduler_role
     desc_ring = config.descriptor_ring()
+    mask_ring = config.mask_ring()
     out_ring = config.output_ring()
     heartbeats = config.heartbeats()
     report(status_conn, "attached", role)
@@ -336,7 +366,7 @@ def run_scheduler(config: EngineConfig, status_conn, stop: StopFlag) -> int:
     replies = ctx.socket(zmq.PUSH)
     replies.connect(config.reply_address)
     try:
-        loop = SchedulerProc(config, desc_ring, out_ring, control, replies, heartbeats)
+        loop = SchedulerProc(config, desc_ring, out_ring, control, replies, heartbeats, mask_ring)
     except ValueError as e:
         report(status_conn, "error", role, str(e))
         return 1
@@ -351,6 +381,8 @@ def run_scheduler(config: EngineConfig, status_conn, stop: StopFlag) -> int:
             loop.grammars.close()
         ctx.destroy(linger=0)
         desc_ring.close()
+        if mask_ring is not None:
+            mask_ring.close()
         out_ring.close()
         heartbeats.close()
     return 0

@@ -26,7 +26,7 @@ from pipeline.common.constants import cdiv
 from pipeline.common.descriptor_builder import DescriptorBuilder
 from pipeline.common.histogram import ITERATION_TOKENS_BUCKETS, REQUEST_LATENCY_BUCKETS, Histogram
 from pipeline.common.messages import AddRequest, choice_seed
-from pipeline.common.step_protocol import DRAFT_TOKEN_ID, MAX_MASKED_ROWS, StepDescriptor
+from pipeline.common.step_protocol import DRAFT_TOKEN_ID, StepDescriptor
 from pipeline.scheduler_proc.drafts import Drafts
 from pipeline.scheduler_proc.grammar_state import GrammarState
 from pipeline.scheduler_proc.kv_block_pool import BlockPool
@@ -34,6 +34,7 @@ from pipeline.scheduler_proc.prefix_cache import PrefixCache, num_final_tokens
 from pipeline.scheduler_proc.request import Request
 from pipeline.scheduler_proc.scheduler_outputs import SchedulerOutputsMixin
 from pipeline.scheduler_proc.steady_rows import SteadyRows
+from pipeline.scheduler_proc.step_masks import StepMasks
 
 _NO_ROWS = np.zeros(0, np.int64)
 
@@ -45,16 +46,14 @@ class _StepPlan:
     budget: int  # tokens
     max_rows: int
     rows: list[tuple[Request, int, bool]] = field(default_factory=list)
-    num_masks: int = 0  # rows that sample under a grammar
 
     @property
     def full(self) -> bool:
         return self.budget == 0 or len(self.rows) == self.max_rows
 
-    def add(self, req: Request, n: int, sample: bool, masked: bool) -> None:
+    def add(self, req: Request, n: int, sample: bool) -> None:
         self.rows.append((req, n, sample))
         self.budget -= n
-        self.num_masks += masked
 
 
 class Scheduler(SchedulerOutputsMixin):
@@ -99,6 +98,7 @@ class Scheduler(SchedulerOutputsMixin):
         # Prefix caching names an ended steady row's blocks from its tokens.
         self.steady = SteadyRows(max_num_seqs, block_size, keep_ended_tokens=enable_prefix_caching)
         self.requests: dict[int, Request] = {}
+        self.masks = StepMasks(self.requests)  # the masks of planned steps' constrained rows, to be written
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self._general: list[Request] = []  # the running requests that are not steady rows, in running order
@@ -180,6 +180,7 @@ class Scheduler(SchedulerOutputsMixin):
     def shrink(self) -> None:
         """After a burst: rebuild the request table, which never gives back the room its peak took."""
         self.requests = dict(self.requests)
+        self.masks.rebind(self.requests)
 
     # -- planning ---------------------------------------------------------------
 
@@ -244,22 +245,20 @@ class Scheduler(SchedulerOutputsMixin):
                 continue
             if req.num_computed_tokens < req.num_known_tokens:  # unfinished prefill
                 n = min(req.num_known_tokens - req.num_computed_tokens, step.budget)
-            elif req.num_outputs_planned < req.params.max_tokens:  # decode
+            elif req.num_outputs_planned < req.params.max_tokens:  # decode (a grammar's mask follows the step)
                 g = req.grammar
-                if g is not None and g.needs_mask(req.num_placeholders) and (req.num_placeholders or not g.ready):
-                    continue  # its mask needs the token in flight, or is being computed: it sits out alone
+                if g is not None and g.costly and g.needs_mask(req.num_placeholders):
+                    if req.num_placeholders or not g.ready:
+                        continue  # its slow mask must not hold the step's sampling: it sits out until ready
                 n = 1
             else:  # its last token is in flight; it finishes when that arrives
                 continue
             sample = req.samples(req.num_computed_tokens + n)
-            masked = sample and req.grammar is not None and req.grammar.needs_mask(req.num_placeholders)
-            if masked and (step.num_masks == MAX_MASKED_ROWS or not req.grammar.ready):
-                continue
             if not self._grow_blocks(req, n):
                 continue
             # Named now, as planned: a request admitted later in this step may start from them.
             self.prefix.name_final(req, min(req.num_known_tokens, req.num_computed_tokens + n))
-            step.add(req, n, sample, masked)
+            step.add(req, n, sample)
 
     def _admit_waiting(self, step: _StepPlan) -> None:
         """Waiting requests in FIFO order, each from its longest cached prefix, while a req_index and the
@@ -278,9 +277,6 @@ class Scheduler(SchedulerOutputsMixin):
             start = len(hit) * self.block_size
             n = min(req.num_known_tokens - start, step.budget)
             sample = req.samples(start + n)
-            masked = sample and req.grammar is not None and req.grammar.needs_mask(0)
-            if masked and (step.num_masks == MAX_MASKED_ROWS or not req.grammar.ready):
-                break
             need = cdiv(start + n, self.block_size) - len(hit)
             if (
                 need + self.pool.count_unowned(hit) > self.pool.num_free_blocks
@@ -291,7 +287,7 @@ class Scheduler(SchedulerOutputsMixin):
             self._admit(req, hit)
             self._grow_blocks(req, n)
             self.prefix.name_final(req, min(req.num_known_tokens, start + n))
-            step.add(req, n, sample, masked)
+            step.add(req, n, sample)
 
     def _admit(self, req: Request, hit: list[int]) -> None:
         """``req`` starts running from the cached blocks ``hit``: a req_index, their block-table entries."""
@@ -364,11 +360,13 @@ class Scheduler(SchedulerOutputsMixin):
         """
         b = self._builder
         drafted = self.drafts.drafted(step_id) if self.drafts is not None else {}  # req_num -> drafts
+        masked_rows: list[tuple[Request, int]] = []
         for req, k, sample in rows:
             pos = req.num_computed_tokens
             num_drafts = drafted.get(req.req_num, 0)
             masked = sample and req.grammar is not None and req.grammar.needs_mask(req.num_placeholders)
-            mask = req.grammar.mask if masked else None
+            if masked:
+                masked_rows.append((req, req.num_outputs_planned))
             params = req.params if req.is_new else None
             b.add_row(
                 req.req_num,
@@ -379,7 +377,7 @@ class Scheduler(SchedulerOutputsMixin):
                 params,
                 *req.prompt_logprob_span(pos, k),
                 len(req.prompt_token_ids),
-                mask,
+                masked,
                 num_drafts,
                 req.num_rejected,
             )
@@ -396,6 +394,8 @@ class Scheduler(SchedulerOutputsMixin):
             decode = self.steady.write(step_id, steady, self._last_output_step == step_id - 1, steady_drafts)
             rejected = self.steady.num_rejected(steady) if self.drafts is not None else None
         num_tokens = b.write(desc, step_id, decode, continues, rejected, steady_drafts)
+        if masked_rows:
+            self.masks.add(step_id, masked_rows)
         # Grammar rows need their own token back before each step, which steady rows cannot wait for.
         joining = [r for r, k, sample in rows if (k == 1 or r.req_num in drafted) and sample and r.grammar is None]
         if joining:

@@ -113,3 +113,27 @@ def test_bad_grammar_is_400_naming_the_field(smol_async, field, value):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["param"] == field, err
+
+
+def test_simulated_device_serves_every_constrained_row_every_step():
+    """256 JSON-schema requests at once on the simulated device (which draws the allowed token nearest to
+    its own): each answers, and once admitted every step carries every row, so the steps number about
+    the tokens of one request (a row that sat out every other step would need twice as many)."""
+    from tests.conftest import Server
+
+    n, max_tokens = 256, 48
+    srv = Server(
+        ["--model", "sim", "--sim-step-us", "2000", "--max-num-seqs", str(n), "--max-num-batched-tokens", "8192"]
+    )
+    try:
+        steps_before = srv.metrics()["pipeline_num_steps_total"]
+        rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+        body = {"response_format": rf, "max_tokens": max_tokens}
+        with ThreadPoolExecutor(n) as pool:
+            got = list(pool.map(lambda _: chat(srv, **body), range(n)))
+        assert all(c["finish_reason"] in ("stop", "length") for c in got)
+        assert all(c["message"]["content"].startswith("{") for c in got)
+        steps = srv.wait_idle()["pipeline_num_steps_total"] - steps_before
+        assert max_tokens <= steps < 1.5 * max_tokens, steps
+    finally:
+        srv.stop()

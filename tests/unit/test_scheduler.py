@@ -445,7 +445,7 @@ def test_steady_rows_plan_what_the_general_path_plans(depth, max_num_seqs, budge
         Scheduler(max_num_seqs, budget, BS, num_blocks, 64),
         GeneralOnlyScheduler(max_num_seqs, budget, BS, num_blocks, 64),
     ]
-    layout = StepDescriptor.layout(max_num_seqs, budget, BS, mask_words=1)
+    layout = StepDescriptor.layout(max_num_seqs, budget, BS)
     descs = [StepDescriptor(layout.views(bytearray(layout.nbytes))) for _ in scheds]
     pending, inflight, rng, step = deque(reqs), deque(), random.Random(3), 0
     while pending or scheds[0].num_unfinished or inflight:

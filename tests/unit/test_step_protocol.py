@@ -11,10 +11,12 @@ from pipeline.common.messages import SamplingParams
 from pipeline.common.step_clock import WORKER_STATS_LEN
 from pipeline.common.step_output import MAX_LOGPROBS, StepOutput, TokenLogprobs
 from pipeline.common.step_protocol import (
+    MASK_BITS,
     MAX_LOGIT_BIAS,
     MAX_STOP_TOKEN_IDS,
     PLACEHOLDER_TOKEN_ID,
     StepDescriptor,
+    TokenMasks,
     max_new_blocks_per_step,
     pack_descriptor,
     packed_descriptor_nbytes,
@@ -158,30 +160,33 @@ def test_packed_descriptor_round_trip(step, previous):
     buf = np.full(layout.nbytes, 0xAB, dtype=np.uint8)
     n = pack_descriptor(src, buf)
     _, rows, blocks = step
-    assert n == packed_descriptor_nbytes(src.header) == 56 + 2626 * len(rows) + 4 * src.num_tokens + 12 * len(blocks)
+    assert n == packed_descriptor_nbytes(src.header) == 48 + 2626 * len(rows) + 4 * src.num_tokens + 12 * len(blocks)
     unpack_descriptor(buf, dst)
     want, got = read_descriptor(src), read_descriptor(dst)
     for name in type(want).__slots__:
         np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
 
 
-def test_bitmask_rows_round_trip():
-    """Token bitmasks reach the worker's copy, and the relay to other nodes, with their rows."""
-    layout = StepDescriptor.layout(MAX_SEQS, MAX_TOKENS, BLOCK, mask_words=3)
+def test_masked_rows_round_trip():
+    """The rows whose masks follow reach the worker's copy, and the relay to other nodes; their masks
+    travel in a TokenMasks entry of their own."""
+    layout = StepDescriptor.layout(MAX_SEQS, MAX_TOKENS, BLOCK)
     src, dst = StepDescriptor(_entry(layout)), StepDescriptor(_entry(layout))
     b = DescriptorBuilder()
     b.add_row(7, 0, 0, [1, 2], True, None)
-    b.add_row(8, 1, 5, [3], True, None, bitmask=np.array([5, -1, 0], np.int32))
+    b.add_row(8, 1, 5, [3], True, None, masked=True)
     b.write(src, 4)
     buf = np.zeros(layout.nbytes, dtype=np.uint8)
-    assert pack_descriptor(src, buf) == packed_descriptor_nbytes(src.header) == 56 + 2 * 2626 + 12 + 4 + 12
+    assert pack_descriptor(src, buf) == packed_descriptor_nbytes(src.header) == 48 + 2 * 2626 + 12 + 4
     unpack_descriptor(buf, dst)
     for desc in (src, dst):
         x = read_descriptor(desc)
-        assert x.mask_row.tolist() == [1] and x.bitmask.tolist() == [[5, -1, 0]]
+        assert x.mask_row.tolist() == [1] and x.num_masks == 1
     b.clear()
     b.write(src, 5, decode=(np.array([7]), np.array([0]), np.array([2]), np.array([-1])))
-    assert read_descriptor(src).bitmask.shape == (0, 3)
+    assert read_descriptor(src).mask_row.shape == (0,)
+    masks = TokenMasks(_entry(TokenMasks.layout(MAX_SEQS, 3 * MASK_BITS - 5)))
+    assert masks.bitmask.shape == (MAX_SEQS, 3)  # a mask on every row, ceil(V / 32) words each
 
 
 @settings(max_examples=40, deadline=None)
@@ -241,7 +246,7 @@ def test_output_logprobs_round_trip(num_rows, num_prompt, seed):
 
 def test_decode_rows_come_first():
     """Vectorized decode rows lead the descriptor; added rows, their parameters, masks and blocks follow them."""
-    desc = StepDescriptor(_entry(StepDescriptor.layout(MAX_SEQS, MAX_TOKENS, BLOCK, mask_words=2)))
+    desc = StepDescriptor(_entry(StepDescriptor.layout(MAX_SEQS, MAX_TOKENS, BLOCK)))
     b = DescriptorBuilder()
     b.add_row(
         9,
@@ -251,7 +256,7 @@ def test_decode_rows_come_first():
         True,
         SamplingParams(max_tokens=3, temperature=0.5),
         prompt_len=3,
-        bitmask=np.array([1, 2], np.int32),
+        masked=True,
     )
     b.add_block(4, 0, 11)
     b.add_blocks(np.array([1, 2]), np.array([3, 5]), np.array([12, 13]))
@@ -261,7 +266,7 @@ def test_decode_rows_come_first():
     assert x.num_scheduled_tokens.tolist() == [1, 1, 3] and x.start_pos.tolist() == [48, 80, 0]
     assert x.token_ids.tolist() == [-1, -1, 5, 6, 7] and x.sample_rows.tolist() == [0, 1, 2]
     assert x.new_rows.tolist() == [2] and x.temperature.tolist() == [0.5] and x.prompt_len.tolist() == [3]
-    assert x.mask_row.tolist() == [2] and x.bitmask.tolist() == [[1, 2]]
+    assert x.mask_row.tolist() == [2]
     assert sorted(new_blocks(x)) == [[1, 3, 12], [2, 5, 13], [4, 0, 11]]
 
 

@@ -4,7 +4,7 @@ import numpy as np
 import torch
 
 from pipeline.gpu_worker.sampler import SamplingPlan, sample_rows
-from pipeline.gpu_worker.token_mask import apply_token_bitmask
+from pipeline.gpu_worker.token_mask import apply_token_bitmask, nearest_allowed
 
 V = 70  # not a multiple of 32: the last word is partly used
 
@@ -55,3 +55,12 @@ def test_masked_tokens_never_sampled():
             torch.arange(s) + 5,
         )
         assert all(allowed[i, t] for i, t in enumerate(tokens.tolist())), seed
+
+
+def test_simulated_draw_takes_the_nearest_allowed_token():
+    allowed = np.zeros((3, V), bool)
+    allowed[0, [3, 40]] = True  # 20 -> 3 (17 away) rather than 40 (20 away)
+    allowed[1, [10, 30]] = True  # 20 -> 10 on a tie
+    tokens = torch.tensor([20, 20, 20, 66])
+    out = nearest_allowed(tokens, torch.tensor([0, 1, 2]), _pack(allowed))
+    assert out.tolist() == [3, 10, 20, 66]  # a row allowing nothing keeps its draw; unmasked rows too
