@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -125,7 +126,10 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     """
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted({model_dir / f for f in json.loads(index.read_text())["weight_map"].values()})
+        try:
+            files = sorted({model_dir / f for f in json.loads(index.read_text())["weight_map"].values()})
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index} is not a safetensors index: no weight_map of file names ({e!r})") from None
         if absent := [f.name for f in files if not f.is_file()]:
             raise FileNotFoundError(f"{index} lists files that are missing: {', '.join(absent)}")
         return files
@@ -141,6 +145,77 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 _FLOAT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+# Bytes per element of each safetensors dtype (the format's list; the loader reads fewer).
+_DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
+    "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8,
+}  # fmt: skip
+# safetensors' own limit on the JSON header.
+_MAX_HEADER_BYTES = 100 << 20
+
+
+def read_safetensors_header(path: Path) -> tuple[dict, int]:
+    """A safetensors file's tensors (name -> ``{dtype, shape, data_offsets}``, ``__metadata__`` dropped)
+    and the offset where its data starts, checked before any data is read: the header length against the
+    file's size, the header as JSON, and each tensor's dtype, shape and byte range against the data.
+
+    Raises:
+        ValueError: one line naming the file, the tensor if one is at fault, and what is wrong.
+    """
+    size = path.stat().st_size
+    if size < 8:
+        raise ValueError(f"{path}: {size} bytes, too short for a safetensors file (it starts with an 8-byte length)")
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if n > min(size - 8, _MAX_HEADER_BYTES):
+            raise ValueError(
+                f"{path}: the header length reads {n} bytes, but the file has {size - 8} after it "
+                f"(at most {_MAX_HEADER_BYTES} allowed): truncated, or not a safetensors file"
+            )
+        try:
+            header = json.loads(f.read(n))
+        except (ValueError, RecursionError) as e:
+            raise ValueError(f"{path}: the safetensors header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: the safetensors header is not a JSON object")
+    header.pop("__metadata__", None)
+    data = size - 8 - n
+    for name, info in header.items():
+        if problem := _tensor_entry_problem(info, data):
+            raise ValueError(f"{path}: tensor {name}: {problem}")
+    return header, 8 + n
+
+
+def _tensor_entry_problem(info: object, data: int) -> str:
+    """What is wrong with one tensor's header entry in a file with ``data`` bytes of data, or ""."""
+    if not isinstance(info, dict):
+        return "its header entry is not a JSON object"
+    itemsize = _DTYPE_BYTES.get(info.get("dtype"))
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if itemsize is None:
+        return f"unknown dtype {info.get('dtype')!r}"
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        return f"shape {shape!r} is not a list of sizes"
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets):
+        return f"data_offsets {offsets!r} is not [begin, end]"
+    begin, end = offsets
+    if not 0 <= begin <= end <= data:
+        return f"data_offsets {offsets} fall outside the file's {data} bytes of data: the file is truncated"
+    if end - begin != math.prod(shape) * itemsize:
+        return f"{end - begin} bytes of data for shape {tuple(shape)} of {info['dtype']}"
+    return ""
+
+
+def check_checkpoint(model_dir: Path) -> list[Path]:
+    """``checkpoint_files``, each file's header checked (``read_safetensors_header``), before a process reads them.
+
+    Raises:
+        FileNotFoundError / ValueError: as those two.
+    """
+    files = checkpoint_files(model_dir)
+    for path in files:
+        read_safetensors_header(path)
+    return files
 
 
 def checkpoint_dtype(model_dir: Path, config: ModelConfig) -> str:
@@ -148,11 +223,8 @@ def checkpoint_dtype(model_dir: Path, config: ModelConfig) -> str:
     of its first file's tensors (read from the safetensors header); float32 if neither says."""
     if config.dtype in _FLOAT_DTYPES.values():
         return config.dtype
-    with open(checkpoint_files(model_dir)[0], "rb") as f:
-        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-    found = [
-        _FLOAT_DTYPES[t["dtype"]] for k, t in header.items() if k != "__metadata__" and t["dtype"] in _FLOAT_DTYPES
-    ]
+    header, _ = read_safetensors_header(checkpoint_files(model_dir)[0])
+    found = [_FLOAT_DTYPES[t["dtype"]] for t in header.values() if t["dtype"] in _FLOAT_DTYPES]
     return max(set(found), key=found.count) if found else "float32"
 
 
@@ -175,6 +247,18 @@ def read_model_config(model_dir: Path) -> ModelConfig:
     except ValueError as e:
         custom = " (it ships its own modelling code, which this server does not run)" if cfg.get("auto_map") else ""
         raise ValueError(f"{path}: {e}{custom}") from None
+
+
+def check_tokenizer(model_dir: Path) -> None:
+    """Raises FileNotFoundError unless ``model_dir`` has ``tokenizer.json``, which io_proc and the
+    scheduler's grammar matcher both read (only fast tokenizers are supported)."""
+    if not (model_dir / "tokenizer.json").is_file():
+        found = sorted(p.name for p in model_dir.glob("tokenizer*") if p.is_file())
+        others = f" (found {', '.join(found)})" if found else ""
+        raise FileNotFoundError(
+            f"{model_dir} has no tokenizer.json{others}: this server needs a fast tokenizer's file "
+            "(transformers' save_pretrained of the tokenizer writes it)"
+        )
 
 
 def tokenizer_vocabulary(model_dir: Path) -> object | None:

@@ -91,13 +91,13 @@ def check_draft_model(spec: SpeculativeConfig, target_dir: Path, target, max_mod
     """``(spec with the draft's Hugging Face directory, the draft's ModelConfig)``; exits with a message
     naming both models when the draft cannot serve the target (another vocabulary, too few positions,
     a ``-tp`` it does not split into)."""
-    from pipeline.model_files import checkpoint_files, read_model_config, resolve_model, tokenizer_vocabulary
+    from pipeline.model_files import check_checkpoint, read_model_config, resolve_model, tokenizer_vocabulary
 
     flag = "--speculative-config"
     try:
         draft_dir = resolve_model(spec.model)[0]
         draft = read_model_config(draft_dir)
-        checkpoint_files(draft_dir)
+        check_checkpoint(draft_dir)
         vocabularies = tokenizer_vocabulary(target_dir), tokenizer_vocabulary(draft_dir)
     except (FileNotFoundError, ValueError, OSError) as e:
         _die(f"{flag}: draft model: {e}".replace("--model ", "model "))
@@ -183,7 +183,13 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
             before any size is derived from them; ``args`` is left as parsed.
     """
     from pipeline.gpu_worker.models import supported_architectures
-    from pipeline.model_files import checkpoint_dtype, checkpoint_files, read_model_config, resolve_model
+    from pipeline.model_files import (
+        check_checkpoint,
+        check_tokenizer,
+        checkpoint_dtype,
+        read_model_config,
+        resolve_model,
+    )
 
     if unknown := flags.keys() - vars(args).keys():
         raise TypeError(f"make_config: no such flags: {sorted(unknown)}")
@@ -214,7 +220,8 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         model_dir, name = resolve_model(None if sim else args.model)
         cfg = read_model_config(model_dir)
         if not sim:
-            checkpoint_files(model_dir)
+            check_checkpoint(model_dir)
+            check_tokenizer(model_dir)
     except (FileNotFoundError, ValueError, OSError) as e:
         _die(str(e))
     max_positions = cfg.max_position_embeddings

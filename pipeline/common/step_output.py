@@ -7,7 +7,7 @@ from both tables.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -22,6 +22,8 @@ OUTPUT_RING_ENTRIES = 16
 OUTPUT_READER_SCHEDULER, OUTPUT_READER_IO = 0, 1
 # Alternatives returned per token with log-probabilities (OpenAI's top_logprobs limit).
 MAX_LOGPROBS = 20
+# Why a request in a StepOutput's failed list ends (docs/design.md, "Non-finite logits").
+NONFINITE_LOGITS = "the model's logits were not finite (NaN or infinite): its output cannot be sampled"
 
 i32, i64, f32, u8 = np.int32, np.int64, np.float32, np.uint8
 
@@ -39,6 +41,7 @@ OUTPUT = Record(
         Field("num_prompt_entries", i64, "live prompt log-probabilities (P)"),
         Field("time_ns", i64, "the step's device end on `time.monotonic_ns()`'s clock: every token's engine timestamp"),
         Field("continues", i64, "the descriptor's flag"),
+        Field("num_failed", i64, "requests whose logits were not finite this step (F)"),
     ),
     groups=(
         Group(
@@ -84,6 +87,20 @@ OUTPUT = Record(
                 Field("pe_top_logprobs", f32, "their log-probabilities", width="MAX_LOGPROBS"),
             ),
         ),
+        Group(
+            "failed",
+            "failed request",
+            "max_output_rows",
+            "num_failed",
+            (
+                Field(
+                    "failed_req_num",
+                    i64,
+                    "a request with a NaN or an infinity in a sampled position's logits: it ends with an error "
+                    "and its rows in this output are dropped",
+                ),
+            ),
+        ),
     ),
     constants={"MAX_LOGPROBS": MAX_LOGPROBS, "WORKER_STATS_LEN": WORKER_STATS_LEN},
 )
@@ -117,7 +134,8 @@ class DecodedOutput:
     ``logprobs`` (rows whose request asked, ``index`` = row) and
     ``prompt_logprobs`` (``index`` = request number, with positions) are None
     when the step has none or the reader did not ask for them. ``time_ns``
-    and ``continues`` are the header's.
+    and ``continues`` are the header's. ``failed``: the requests whose logits were not finite
+    (``NONFINITE_LOGITS``), which end before their rows here are applied.
     """
 
     step_id: int
@@ -128,6 +146,7 @@ class DecodedOutput:
     logprobs: TokenLogprobs | None = None
     prompt_logprobs: TokenLogprobs | None = None
     draft_matched: np.ndarray | None = None
+    failed: list[int] = field(default_factory=list)
 
 
 _OUT = OUTPUT.header_index
@@ -155,12 +174,14 @@ class StepOutput(OUTPUT.view_base):
         continues: bool = False,
         worker_stats: np.ndarray | None = None,
         draft_matched: np.ndarray | None = None,
+        failed: np.ndarray | None = None,
     ) -> None:
         """Fill the entry with step ``step_id``'s ``[S]`` request numbers and sampled token ids.
 
         ``logprobs.index`` are output rows; ``prompt_logprobs.index`` request
         numbers, with ``pos`` set; the rest are the header fields and the
-        worker's counts (left as they are if None), and ``draft_matched`` ``[S]`` (None: 0).
+        worker's counts (left as they are if None), ``draft_matched`` ``[S]`` (None: 0) and the
+        ``failed`` request numbers (None: none).
         """
         n = len(req_nums)
         h = self.header
@@ -171,6 +192,9 @@ class StepOutput(OUTPUT.view_base):
         self.req_num[:n] = req_nums
         self.token_id[:n] = token_ids
         self.draft_matched[:n] = 0 if draft_matched is None else draft_matched
+        h[_OUT["num_failed"]] = 0 if failed is None else len(failed)
+        if failed is not None:
+            self.failed_req_num[: len(failed)] = failed
         h[_OUT["num_logprob_rows"]] = 0 if logprobs is None else len(logprobs.index)
         if logprobs is not None:
             m = len(logprobs.index)
@@ -201,6 +225,8 @@ class StepOutput(OUTPUT.view_base):
         )
         if drafts:
             out.draft_matched = self.draft_matched[:n].copy()
+        if m := int(h[_OUT["num_failed"]]):
+            out.failed = self.failed_req_num[:m].tolist()
         if logprobs:
             if m := int(h[_OUT["num_logprob_rows"]]):
                 out.logprobs = TokenLogprobs(

@@ -41,6 +41,8 @@ class LaunchedStep:
     anchor: tuple[object, int] | None = None  # CUDA: (event, host ns) if launched on an idle device
     stale: torch.Tensor | None = None  # poison mode: [P] int64, 1 where a placeholder read a poisoned entry
     stale_req_indices: np.ndarray | None = None  # [P] the req_index each placeholder (then draft) read
+    nonfinite: torch.Tensor | None = None  # [S'] int64 on the host: 1 where a position's logits were not finite
+    failed: np.ndarray | None = None  # after finish: req_num of the requests with such a position (None: none)
     spec: SampledPositions | None = None  # speculative decoding: the step's sampled positions
     draft_matched: np.ndarray | None = None  # after finish with speculation: [rows] per output row
     lp_rows: np.ndarray | None = None  # [L] output rows whose request asked for log-probabilities
@@ -63,17 +65,19 @@ class LaunchedStep:
             self.done.synchronize()
 
     def start_host_copy(self, executed: Executed, ops: DeviceOps) -> None:
-        """Start copying the tokens, poison flags and log-probabilities to the host, in one copy.
+        """Start copying the tokens, poison flags, non-finite flags and log-probabilities to the host, in one copy.
 
         Everything travels as one int64 tensor, so one event says when all
         of it has arrived: the tokens (with speculation, then the counts
-        ``SpecState.after_step`` appends), then the stale flags, then per
+        ``SpecState.after_step`` appends), then the stale flags, then the non-finite flags, then per
         log-probability set ``N`` values, ``N x MAX_LOGPROBS`` ids and ``N x
         MAX_LOGPROBS`` values, float32 travelling as their int32 bit patterns.
         ``done`` fires when they are there.
         """
         tokens = executed.tokens
         parts = [tokens] + ([self.stale] if self.stale is not None else [])
+        if executed.nonfinite is not None:
+            parts.append(executed.nonfinite.long())
         for lp in (executed.logprobs, executed.prompt_logprobs):
             if lp is not None:
                 parts.extend(_pack(lp))
@@ -85,11 +89,15 @@ class LaunchedStep:
         if self.stale is not None:
             end += self.stale.shape[0]
             self.stale = host[num_sampled:end]
+        if executed.nonfinite is not None:
+            self.nonfinite = host[end : end + executed.nonfinite.shape[0]]
+            end += executed.nonfinite.shape[0]
         self.lp_host = host[end:]
         self.done = executed.done if executed.done is not None else done
 
     def read_host_copy(self) -> None:
-        """Check the poison flags and unpack the log-probabilities and, speculating, the output rows.
+        """Check the poison flags, list the requests with non-finite logits (``failed``), and unpack the
+        log-probabilities and, speculating, the output rows.
 
         Call once ``done`` has fired. With speculation, ``req_num``, ``tokens`` and ``logprobs`` then
         hold one output row per token each sampled row got (its accepted drafts, then the correction
@@ -105,6 +113,10 @@ class LaunchedStep:
                     f"step {self.step_id}: placeholder for req_indices {self.stale_req_indices[bad].tolist()} "
                     "read a consumed token-id cache entry"
                 )
+        if self.nonfinite is not None:
+            bad = self.nonfinite.numpy().astype(bool)
+            if bad.any():  # positions -> sampled rows (speculating, several positions a row) -> requests
+                self.failed = np.unique(self.req_num[self.spec.row[bad] if self.spec is not None else bad])
         packed, offset = self.lp_host.numpy() if self.lp_host is not None else None, 0
         if self.lp_rows is not None:
             self.logprobs, offset = _unpack(packed, offset, self.lp_rows)

@@ -172,6 +172,7 @@ class WorkerProc:
                 step.continues,
                 self.clock.values,
                 step.draft_matched,
+                step.failed,
             )
             self.out_ring.publish()
             break

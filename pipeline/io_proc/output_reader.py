@@ -22,7 +22,13 @@ from collections.abc import Callable
 from pipeline.common.constants import POLL_INTERVAL_S
 from pipeline.common.messages import FinishReason
 from pipeline.common.shm_ring import RingTimeout, ShmRing
-from pipeline.common.step_output import OUTPUT_READER_IO, DecodedOutput, StepOutput, TokenLogprobs
+from pipeline.common.step_output import (
+    NONFINITE_LOGITS,
+    OUTPUT_READER_IO,
+    DecodedOutput,
+    StepOutput,
+    TokenLogprobs,
+)
 from pipeline.common.trace import TraceRecorder
 from pipeline.io_proc.logprobs_json import TokenLogprob
 from pipeline.io_proc.request_metrics import RequestMetrics
@@ -134,6 +140,13 @@ class OutputReader:
         """
         requests = self._requests
         outputs: list[StepResult] = []
+        # First: their rows and log-probabilities (NaN) are then dropped as those of a finished request.
+        for req_num in out.failed:
+            state = requests.pop(req_num, None)
+            if state is not None:
+                state.error = NONFINITE_LOGITS
+                self.metrics.finished(state, step, "error")
+                outputs.append((state, state.processor.take_text(), "error", state.processor.num_output_tokens))
         if out.prompt_logprobs is not None:
             self._prompt_logprobs(out.prompt_logprobs, outputs, step)
         if out.logprobs is not None:

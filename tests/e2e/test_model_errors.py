@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
 import subprocess
 import sys
 
@@ -78,3 +79,57 @@ def test_tensor_parallel_size_that_does_not_divide(tiny):
     assert code == 2
     assert "tensor-parallel size 3 does not divide 4 attention heads" in out
     assert "this model supports sizes [1, 2, 4]" in out
+
+
+def _empty(d):
+    (d / "model.safetensors").write_bytes(b"")
+
+
+def _garbage_header_length(d):
+    f = d / "model.safetensors"
+    f.write_bytes(struct.pack("<Q", 2**62) + f.read_bytes()[8:])
+
+
+def _truncated(d):
+    f = d / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def _no_tokenizer(d):
+    (d / "tokenizer.json").unlink()
+
+
+@pytest.mark.parametrize(
+    "config, damage, file, why",
+    [
+        (None, _empty, "model.safetensors", "0 bytes, too short for a safetensors file"),
+        (None, _garbage_header_length, "model.safetensors", f"the header length reads {2**62} bytes"),
+        (None, _truncated, "model.safetensors", "tensor model.embed_tokens.weight: data_offsets [0, 12582912] fall "),
+        ({"num_attention_heads": 5, "num_key_value_heads": 5}, None, "config.json", "hidden_size 64 is not a multip"),
+        ({"hidden_size": 2**31}, None, "config.json", "hidden_size must be an integer from 1 to 65536, got 2147"),
+        ({"hidden_size": "64"}, None, "config.json", "hidden_size must be an integer from 1 to 65536, got '64'"),
+        ({"vocab_size": 2**40}, None, "config.json", "vocab_size must be an integer from 1 to 4194304, got 1099"),
+        (None, _no_tokenizer, "", "has no tokenizer.json (found tokenizer_config.json)"),
+    ],
+    ids=["empty", "header-length", "truncated", "heads", "hidden-2^31", "hidden-string", "vocab-2^40", "tokenizer"],
+)
+def test_broken_files_are_refused_before_any_process_starts(tiny, tmp_path, config, damage, file, why):
+    """Each gets one line naming the file and the cause; status 2 is the launcher's refusal, before any child."""
+    d = edited(tiny, tmp_path, config=config)
+    if damage:
+        damage(d)
+    code, out = serve("--model", str(d))
+    assert code == 2
+    assert out.strip().splitlines() == [out.strip()], out
+    path = str(d / file) if file else str(d)
+    assert out.startswith(f"pipeline-serve: error: {path}{':' if file else ''} {why}"), out
+
+
+def test_a_nan_weight_is_refused_naming_the_tensor(tiny, tmp_path):
+    d = edited(tiny, tmp_path)
+    tensors = load_file(d / "model.safetensors")
+    tensors["model.layers.1.self_attn.k_proj.weight"][3, 7] = float("nan")
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    code, out = serve("--model", str(d))
+    assert code == 1
+    assert "model.safetensors: tensor model.layers.1.self_attn.k_proj.weight holds NaN or infinite values" in out

@@ -194,13 +194,17 @@ def test_masked_rows_round_trip():
 def test_output_round_trip(step_id, rows):
     out = StepOutput(_entry(StepOutput.layout(MAX_SEQS, MAX_TOKENS)))
     out.write(
-        7, np.array([1, 2, 3]), np.array([4, 5, 6]), time_ns=5, continues=True
+        7, np.array([1, 2, 3]), np.array([4, 5, 6]), time_ns=5, continues=True, failed=np.array([2])
     )  # a previous step in the same ring entry
+    assert out.read().failed == [2]
     counts = np.arange(WORKER_STATS_LEN, dtype=np.int64) * step_id
     ids = np.array([r for r, _ in rows], dtype=np.int64)
-    out.write(step_id, ids, np.array([t for _, t in rows], dtype=np.int64), time_ns=step_id + 1, worker_stats=counts)
+    failed = np.unique(ids)[::2]  # requests whose logits were not finite
+    tokens = np.array([t for _, t in rows], dtype=np.int64)
+    out.write(step_id, ids, tokens, time_ns=step_id + 1, worker_stats=counts, failed=failed)
     got = out.read()
     assert (got.step_id, got.req_nums, got.token_ids) == (step_id, [r for r, _ in rows], [t for _, t in rows])
+    assert got.failed == failed.tolist()
     assert (got.time_ns, got.continues) == (step_id + 1, False)
     np.testing.assert_array_equal(out.worker_stats, counts)
     assert got.logprobs is None and got.prompt_logprobs is None

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from pipeline.gpu_worker.attention.backend import AttentionMetadata, StepLayout, Upload, sdpa, window_mask
-from pipeline.gpu_worker.attention.kv_layout import KVCache, gather_blocks, write_kv
+from pipeline.gpu_worker.attention.kv_layout import KVCache, finite, gather_blocks, write_kv
 
 
 @dataclasses.dataclass
@@ -147,7 +147,7 @@ def graph_decode_attention(
     Returns:
         ``[n, H, D]``, dtype of ``q``.
     """
-    k_cache, v_cache = write_kv(kv_cache, k, v, meta.slot_mapping, meta.cache_layout)
+    k_cache, v_cache = write_kv(kv_cache, finite(k), finite(v), meta.slot_mapping, meta.cache_layout)
     rows, num_heads, head_dim = q.shape
     kv_heads = k.shape[1]
     numel = meta.block_ids.numel() * meta.block_size * kv_heads * head_dim

@@ -20,6 +20,16 @@ TOKEN_MAJOR = "token_major"
 HEAD_MAJOR = "head_major"
 
 
+def finite(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with NaN and infinities as 0, for a cache read by masked gathers of whole blocks.
+
+    Such a gather reads slots its request never wrote (a block's tail, stale table entries): masked out,
+    they count 0 x value, which is NaN for a NaN or an infinity a failed request left there
+    (docs/design.md, "Non-finite logits").
+    """
+    return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+
+
 def write_kv(kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, layout: str) -> KVCache:
     """Write a step's keys and values into one layer's cache; returns the cache in ``layout``.
 

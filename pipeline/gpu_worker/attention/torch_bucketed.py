@@ -33,7 +33,7 @@ from pipeline.gpu_worker.attention.backend import (
 )
 from pipeline.gpu_worker.attention.bucket_plan import MIN_PAD, MIN_QUERY_PAD, SLACK, plan_buckets
 from pipeline.gpu_worker.attention.graph_decode import GraphDecodeMetadata, PaddedGraphDecode, graph_decode_attention
-from pipeline.gpu_worker.attention.kv_layout import HEAD_MAJOR, TOKEN_MAJOR, gather_blocks, write_kv
+from pipeline.gpu_worker.attention.kv_layout import HEAD_MAJOR, TOKEN_MAJOR, finite, gather_blocks, write_kv
 from pipeline.gpu_worker.attention.prefix_table import PrefixTable
 from pipeline.gpu_worker.attention.torch_sdpa import GatherBuffer
 
@@ -395,7 +395,7 @@ class TorchBucketedBackend(PaddedGraphDecode, AttentionBackend):
     ) -> torch.Tensor:
         if isinstance(meta, GraphDecodeMetadata):
             return graph_decode_attention(q, k, v, kv_cache, meta, scale, window, softcap)
-        k_cache, v_cache = write_kv(kv_cache, k, v, meta.slot_mapping, self.cache_layout)
+        k_cache, v_cache = write_kv(kv_cache, finite(k), finite(v), meta.slot_mapping, self.cache_layout)
         buckets = meta.decode + meta.prefill
         out = None if len(buckets) == 1 and buckets[0].identity else q.new_empty(q.shape)
         for b in buckets:

@@ -39,6 +39,7 @@ from pipeline.gpu_worker.attention.backend import (
     window_mask,
 )
 from pipeline.gpu_worker.attention.graph_decode import GraphDecodeMetadata, PaddedGraphDecode, graph_decode_attention
+from pipeline.gpu_worker.attention.kv_layout import finite
 
 
 @dataclasses.dataclass
@@ -226,8 +227,8 @@ def paged_attention(
     Returns:
         ``[T, H, D]`` attention output, dtype of ``q``.
     """
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    k_cache.index_copy_(0, meta.slot_mapping, finite(k))
+    v_cache.index_copy_(0, meta.slot_mapping, finite(v))
 
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = k.shape[1]

@@ -98,10 +98,11 @@ class CausalLM(nn.Module):
         ropes = [config.rope] + ([config.rope_sliding] if config.rope_sliding else [])
         self.rotary = nn.ModuleList(RotaryEmbedding(r, config.max_position_embeddings, max_model_len) for r in ropes)
         self.layer_rope = [int(config.rope_sliding is not None and t == SLIDING) for t in config.layer_types]
-        # The scale is rounded to the model dtype before it multiplies, as in transformers.
+        # The scale is rounded to the model dtype before it multiplies, as in transformers (on the CPU:
+        # the loader first builds the model on the meta device, which holds no values).
         self.embed_scale = None
         if config.embed_scale is not None:
-            self.embed_scale = float(torch.tensor(config.embed_scale, dtype=torch.get_default_dtype()))
+            self.embed_scale = float(torch.tensor(config.embed_scale, dtype=torch.get_default_dtype(), device="cpu"))
         self.attn_backend = attn_backend or default_backend()
 
     def forward(

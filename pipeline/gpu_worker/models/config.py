@@ -60,6 +60,23 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 }
 # Families whose sliding window is only on when use_sliding_window says so.
 _OPT_IN_WINDOW = ("qwen2", "qwen3", "qwen3_moe")
+# The largest value each size may take: far past any released model (vocabularies reach 262,144, hidden
+# sizes 16,384), and small enough that nothing sized from a corrupt config.json tries to allocate terabytes.
+SIZE_LIMITS = {
+    "vocab_size": 1 << 22,
+    "hidden_size": 1 << 16,
+    "intermediate_size": 1 << 20,
+    "moe_intermediate_size": 1 << 20,
+    "num_hidden_layers": 1 << 10,
+    "num_attention_heads": 1 << 10,
+    "num_key_value_heads": 1 << 10,
+    "head_dim": 1 << 12,
+    "max_position_embeddings": 1 << 26,
+    "sliding_window": 1 << 26,
+    "num_experts": 1 << 12,
+    "num_local_experts": 1 << 12,
+    "num_experts_per_tok": 1 << 12,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,18 +173,26 @@ class ModelConfig:
             raise ValueError(f"the model's config.json lacks {', '.join(missing)}")
         if f.get("use_bidirectional_attention"):
             raise ValueError("bidirectional attention (an embedding model) is not supported: this server generates")
-        heads = int(f.get("num_attention_heads"))
-        hidden = int(f.get("hidden_size"))
-        layers = int(f.get("num_hidden_layers"))
-        head_dim = int(f.get("head_dim") or hidden // heads)
-        max_pos = int(f.get("max_position_embeddings") or 2048)
+        heads = _size(f, "num_attention_heads")
+        hidden = _size(f, "hidden_size")
+        layers = _size(f, "num_hidden_layers")
+        kv_heads = _size(f, "num_key_value_heads", 0) or heads
+        if heads % kv_heads:
+            raise ValueError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+        # transformers refuses this for Llama and Gemma 2/3 even with head_dim given; no released model has it.
+        if hidden % heads:
+            raise ValueError(f"hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
+        head_dim = _size(f, "head_dim", 0) or hidden // heads  # 0: derived, as transformers does
+        max_pos = _size(f, "max_position_embeddings", 0) or 2048
+        vocab = _size(f, "vocab_size")
+        intermediate = _size(f, "intermediate_size")
         act = f.get("hidden_activation") or f.get("hidden_act") or "silu"
         if "gemma" in model_type and act == "gelu":
             act = "gelu_pytorch_tanh"  # Gemma's legacy value, which transformers reads as the tanh approximation
         if act not in ACTIVATIONS:
             raise ValueError(f"activation {act!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
         attention_bias = bool(f.get("attention_bias", False))
-        window = f.get("sliding_window")
+        window = _size(f, "sliding_window", 0) or None
         if model_type in _OPT_IN_WINDOW and not f.get("use_sliding_window", False):
             window = None
         layer_types = tuple(f.get("layer_types") or _default_layer_types(model_type, layers, window, f))
@@ -177,7 +202,10 @@ class ModelConfig:
         rope_sliding = None
         if SLIDING in layer_types and model_type == "gemma3_text":
             rope_sliding = _rope(f, model_type, SLIDING, head_dim, max_pos)
-        num_experts = int(f.get("num_experts") or f.get("num_local_experts") or 0)
+        num_experts = _size(f, "num_experts", 0) or _size(f, "num_local_experts", 0) or 0
+        top_k = _size(f, "num_experts_per_tok", 0) or 0
+        if num_experts and top_k > num_experts:
+            raise ValueError(f"num_experts_per_tok {top_k} exceeds the {num_experts} experts")
         sparse_step = int(f.get("decoder_sparse_step") or 1)
         dense_layers = set(f.get("mlp_only_layers") or ())
         scalar = f.get("query_pre_attn_scalar")
@@ -189,12 +217,12 @@ class ModelConfig:
         return cls(
             architecture=architecture,
             model_type=model_type,
-            vocab_size=int(f.get("vocab_size")),
+            vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=int(f.get("intermediate_size")),
+            intermediate_size=intermediate,
             num_hidden_layers=layers,
             num_attention_heads=heads,
-            num_key_value_heads=int(f.get("num_key_value_heads") or heads),
+            num_key_value_heads=kv_heads,
             head_dim=head_dim,
             max_position_embeddings=max_pos,
             rms_norm_eps=float(f.get("rms_norm_eps") or 1e-6),
@@ -209,13 +237,13 @@ class ModelConfig:
             attn_scale=float(scalar) ** -0.5 if scalar else head_dim**-0.5,
             attn_logit_softcapping=f.get("attn_logit_softcapping"),
             final_logit_softcapping=f.get("final_logit_softcapping"),
-            sliding_window=None if window is None else int(window),
+            sliding_window=window,
             layer_types=layer_types,
             rope=rope,
             rope_sliding=rope_sliding,
             num_experts=num_experts,
-            num_experts_per_tok=int(f.get("num_experts_per_tok") or 0),
-            moe_intermediate_size=int(f.get("moe_intermediate_size") or f.get("intermediate_size")),
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=_size(f, "moe_intermediate_size", 0) or intermediate,
             norm_topk_prob=bool(implied.get("norm_topk_prob", f.get("norm_topk_prob", False))),
             moe_layers=tuple(
                 num_experts > 0 and i not in dense_layers and (i + 1) % sparse_step == 0 for i in range(layers)
@@ -266,6 +294,21 @@ class _Fields:
         if value is None:
             value = self.defaults.get(key, default)
         return value
+
+
+def _size(f: _Fields, key: str, minimum: int = 1) -> int | None:
+    """Field ``key``, an integer from ``minimum`` to ``SIZE_LIMITS[key]``, or None when missing.
+
+    Raises:
+        ValueError: another type (a string, a float, a bool) or a value out of bounds, naming the field.
+    """
+    value = f.get(key)
+    if value is None:
+        return None
+    limit = SIZE_LIMITS[key]
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= limit:
+        raise ValueError(f"{key} must be an integer from {minimum} to {limit}, got {value!r}")
+    return value
 
 
 def _default_layer_types(model_type: str, layers: int, window: int | None, f: _Fields) -> list[str]:

@@ -6,6 +6,8 @@ copied into its parameter, its pages are dropped from the process
 (``madvise(MADV_DONTNEED)``; the page cache keeps them), so the host memory
 a load takes is the parameters (on a CPU device) plus about one checkpoint
 tensor, not a second copy of the model (docs/design.md, "Model families").
+Tensor parallel rank 0 also reads every tensor whole, once, for NaN and
+infinities, so that each engine checks the whole checkpoint once.
 The format is safetensors' documented one: an 8-byte little-endian header
 length, a JSON header naming each tensor's dtype, shape and byte range, then
 the data.
@@ -14,9 +16,7 @@ the data.
 from __future__ import annotations
 
 import contextlib
-import json
 import mmap
-import struct
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,7 +27,7 @@ from pipeline.gpu_worker.layers.tp import SINGLE_RANK, TPGroup
 from pipeline.gpu_worker.models import model_class
 from pipeline.gpu_worker.models.base import CausalLM, CheckpointError
 from pipeline.gpu_worker.models.config import ModelConfig
-from pipeline.model_files import checkpoint_files
+from pipeline.model_files import checkpoint_files, read_safetensors_header
 
 _DTYPES = {
     "F64": torch.float64,
@@ -43,31 +43,46 @@ _DTYPES = {
 }
 
 
-def read_header(path: Path) -> tuple[dict, int]:
-    """A safetensors file's header (name -> {dtype, shape, data_offsets}) and where its data starts."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    return header, 8 + n
+def _entries(path: Path) -> tuple[list[tuple[str, dict, torch.dtype]], int]:
+    """A safetensors file's ``(name, header entry, torch dtype)`` in file order, and where its data starts.
+
+    Raises:
+        ValueError: as ``read_safetensors_header``; CheckpointError: a dtype the loader does not read.
+    """
+    header, data_start = read_safetensors_header(path)
+    entries = []
+    for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+        dtype = _DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise CheckpointError(f"{path.name}: tensor {name} has dtype {info['dtype']}, which is not supported")
+        entries.append((name, info, dtype))
+    return entries, data_start
 
 
-def iter_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_shapes(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` for each tensor of a safetensors file, in file order, as meta tensors of its
+    dtype and shape: the header alone, no data read."""
+    for name, info, dtype in _entries(path)[0]:
+        yield name, torch.empty(info["shape"], dtype=dtype, device="meta")
+
+
+def iter_tensors(path: Path, check_finite: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` for each tensor of a safetensors file, in file order, as views of its mapping.
 
     A tensor must not be kept past the next step of the iteration: its pages
     are dropped then (it would read them back from the file).
+
+    Raises:
+        CheckpointError: with ``check_finite``, a floating-point tensor holds a NaN or an infinity
+            (checked as it streams in: one reduction, no allocation).
     """
-    header, data_start = read_header(path)
+    entries, data_start = _entries(path)
     page = mmap.PAGESIZE
     with open(path, "rb") as f, contextlib.ExitStack() as stack:
         # A private (copy-on-write) mapping: writable for torch.frombuffer, never written.
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         stack.callback(_close, mm)
-        for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-            dtype = _DTYPES.get(info["dtype"])
-            if dtype is None:
-                raise CheckpointError(f"{path.name}: tensor {name} has dtype {info['dtype']}, which is not supported")
+        for name, info, dtype in entries:
             begin, end = (data_start + o for o in info["data_offsets"])
             shape = info["shape"]
             if end == begin:
@@ -78,10 +93,18 @@ def iter_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 tensor = torch.frombuffer(bytearray(mm[begin:end]), dtype=dtype).view(shape)
             else:
                 tensor = torch.frombuffer(mm, dtype=dtype, count=(end - begin) // itemsize, offset=begin).view(shape)
+            if check_finite and tensor.is_floating_point() and not _all_finite(tensor):
+                raise CheckpointError(f"{path.name}: tensor {name} holds NaN or infinite values")
             yield name, tensor
             del tensor
             start = begin // page * page
             mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+
+def _all_finite(tensor: torch.Tensor) -> bool:
+    # min and max propagate NaN and show an infinity; unlike isfinite() they allocate nothing per element.
+    lo, hi = torch.aminmax(tensor)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
 def _close(mm: mmap.mmap) -> None:
@@ -89,14 +112,17 @@ def _close(mm: mmap.mmap) -> None:
         mm.close()
 
 
-def read_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the checkpoint in ``model_dir``, file by file (see ``iter_tensors``).
+def read_checkpoint(
+    model_dir: Path, shapes_only: bool = False, check_finite: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint in ``model_dir``, file by file (see ``iter_tensors``; ``iter_shapes``
+    with ``shapes_only``).
 
     Raises:
         FileNotFoundError: as ``checkpoint_files``.
     """
     for path in checkpoint_files(model_dir):
-        yield from iter_tensors(path)
+        yield from iter_shapes(path) if shapes_only else iter_tensors(path, check_finite)
 
 
 @contextlib.contextmanager
@@ -113,11 +139,16 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     """The checkpoint's normalised config, through transformers (its class defaults fill what config.json omits).
 
     Raises:
-        ValueError: as ``ModelConfig.from_hf``.
+        ValueError: as ``ModelConfig.from_hf``, or transformers refuses the file (one line, naming it).
     """
     import transformers
 
-    return ModelConfig.from_hf(transformers.AutoConfig.from_pretrained(model_dir))
+    try:
+        hf = transformers.AutoConfig.from_pretrained(model_dir)
+    except Exception as e:  # its own checks raise huggingface_hub's StrictDataclassError, not a ValueError
+        why = " ".join(str(e).split())
+        raise ValueError(f"{Path(model_dir) / 'config.json'}: transformers refuses it: {why}") from None
+    return ModelConfig.from_hf(hf)
 
 
 def load_model(
@@ -147,11 +178,19 @@ def load_model(
     Raises:
         ValueError: an unsupported architecture or config, a ``tp.size``
             that does not fit, or an attention backend that cannot run here.
-        CheckpointError: missing, unexpected or misshapen tensors.
+        CheckpointError: missing, unexpected or misshapen tensors (checked before any is read), or one
+            holding NaN or infinite values.
         FileNotFoundError: no safetensors weights (see ``checkpoint_files``).
     """
-    model = build_model(load_config(model_dir), dtype, device, attention_backend, tp, max_model_len)
-    model.load_weights(read_checkpoint(Path(model_dir)))
+    config = load_config(model_dir)
+    # Every tensor's shape against the config, from the headers, before a byte is allocated or read: a
+    # config whose sizes the file does not have is named by tensor, not an allocation failure.
+    with torch.device("meta"):
+        model_class(config.architecture)(config, tp, max_model_len).load_weights(
+            read_checkpoint(Path(model_dir), shapes_only=True)
+        )
+    model = build_model(config, dtype, device, attention_backend, tp, max_model_len)
+    model.load_weights(read_checkpoint(Path(model_dir), check_finite=tp.rank == 0))
     model.pack_weights()
     return model
 
