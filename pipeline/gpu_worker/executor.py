@@ -13,9 +13,11 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pipeline.common.config import EngineConfig
+from pipeline.common.constants import cdiv
 from pipeline.gpu_worker.attention import default_backend
 from pipeline.gpu_worker.attention.backend import AttentionBackend, AttentionMetadata, StepLayout, Upload
 from pipeline.gpu_worker.cuda_graphs import DecodeGraphs, GraphStep
@@ -254,6 +256,21 @@ class ModelExecutor(Executor):
         self.kv_caches = model.allocate_kv_caches(config.num_kv_blocks + PAD_BLOCKS, config.block_size, dtype, device)
         self.block_size, self.pad_block = config.block_size, config.num_kv_blocks
         self.graphs: DecodeGraphs | None = None
+
+    @torch.inference_mode()
+    def warm_up(self, upload: Upload) -> None:
+        """Run one step, a 2-token prefill chunk beside a decode row, to its greedy tokens on the host.
+
+        Both rows read and write only the padding block. The first request's
+        step then pays none of the first-call costs (the attention kernel's and
+        the linear algebra libraries' set-up, the allocator's first blocks).
+        """
+        cols = cdiv(2, self.block_size)
+        layout = StepLayout.build([2, 1], [0, 1], [0, 1], self.block_size, cols)
+        (table, input_ids) = upload([np.full((2, cols), self.pad_block), np.zeros(layout.num_tokens)])
+        meta = self.attn_backend.build_metadata(layout, table, upload)
+        hidden = self.model(input_ids, meta.positions, meta, self.kv_caches)
+        self.model.compute_logits(hidden).argmax(-1).cpu()
 
     def capture_decode_graphs(self, block_table: torch.Tensor, sizes: Sequence[int]) -> DecodeGraphs:
         """Serve decode-only steps of up to ``max(sizes)`` rows through CUDA graphs, captured now on CUDA.

@@ -250,6 +250,8 @@ def load_runner(config: EngineConfig, rank: int = 0) -> tuple[ModelRunner, Descr
     runner = ModelRunner(config, ModelExecutor(config, model, device, dtype), device, draft_model=draft)
     if config.cuda_graph_sizes:  # after the KV cache exists, so the graphs' pool comes from what is left
         runner.executor.capture_decode_graphs(runner.input_batch.block_table, config.cuda_graph_sizes)
+    # Before "ready": /health says 200 once a request can be served at full speed (docs/design.md, "Readiness").
+    runner.executor.warm_up(runner.ops.upload)
     return runner, relay
 
 

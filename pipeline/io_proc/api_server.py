@@ -142,8 +142,9 @@ def build_app(
         client: engine client, not started yet.
         tokenization: prompt encoding.
         stop_token_ids: token ids that end generation.
-        heartbeats: the engines' heartbeats; ``/health`` and ``/metrics``
-            answer 503 while one is older than ``config.step_timeout_s``.
+        heartbeats: the engines' heartbeats; ``/health`` answers 503 until
+            every engine has beaten once, and ``/health`` and ``/metrics``
+            while one is older than ``config.step_timeout_s``.
     """
     chat = OpenAIServingChat(config, client, tokenization, stop_token_ids)
     completion = OpenAIServingCompletion(config, client, tokenization, stop_token_ids)
@@ -153,6 +154,14 @@ def build_app(
     )
     responses = ResponsesServing(chat, store, config.served_model_name)
     engine_roles = [r for r in heartbeats.roles if r != "io_proc"] if heartbeats is not None else []
+
+    def starting() -> str | None:
+        """Which engine processes cannot serve yet: each beats first once it can (a worker after its
+        model, kernels and warm-up step; docs/design.md, "Readiness")."""
+        waiting = [r for r in engine_roles if heartbeats.age(r) is None]
+        if not waiting:
+            return None
+        return f"the server is starting: {', '.join(waiting)} not ready yet (loading the model, compiling kernels)"
 
     def hung() -> str | None:
         """What is wrong when an engine process has shown no progress within the step timeout."""
@@ -246,7 +255,7 @@ def build_app(
     async def health() -> Response:
         if not client.is_healthy():
             return _error(503, "the output reader thread is not running", "service_unavailable_error")
-        if why := hung():
+        if why := starting() or hung():
             return _error(503, why, "service_unavailable_error")
         return Response(b"{}", media_type="application/json")
 

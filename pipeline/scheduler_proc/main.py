@@ -61,9 +61,9 @@ class SchedulerProc:
 
     A control message that does not decode is logged and dropped. With
     ``config.step_timeout_s`` > 0, ``run`` raises ``StepTimeout``
-    when the oldest step in flight has waited that long for its output,
-    unless io_proc's heartbeat is as old (then the worker waits on io_proc,
-    and the launcher names io_proc). Each turn of the loop beats in
+    when the oldest step in flight has waited that long for its output
+    (counted from the worker's start), unless io_proc's heartbeat is as old
+    (then the worker waits on io_proc, and the launcher names io_proc). Each turn of the loop beats in
     ``heartbeats`` (docs/design.md, "Liveness").
     """
 
@@ -270,6 +270,11 @@ class SchedulerProc:
         try:
             entry = self.out_ring.acquire_read(OUTPUT_READER_SCHEDULER, timeout=timeout)
         except RingTimeout:
+            if not self._worker_started():
+                # A request sent while the worker still loads (docs/design.md, "Readiness"): its step
+                # can start only once the worker is up, so the watchdog counts from then.
+                self._oldest_since = time.monotonic()
+                return
             waited = time.monotonic() - self._oldest_since
             if self.config.step_timeout_s and waited > self.config.step_timeout_s and not self._io_proc_hung():
                 raise StepTimeout(
@@ -303,6 +308,11 @@ class SchedulerProc:
         if self.trace is not None:
             self.trace.add(self.config.scheduler_role, "plan", "process_output", out.step_id, t0, time.monotonic_ns())
             self.trace.add_step_cpu(self.config.scheduler_role, out.step_id)
+
+    def _worker_started(self) -> bool:
+        """The worker has begun running steps (it beats first then); True where there are no heartbeats."""
+        hb = self.heartbeats
+        return hb is None or hb.age(self.config.worker_role(0)) is not None
 
     def _io_proc_hung(self) -> bool:
         """io_proc has stopped reading outputs, so the worker cannot publish: the launcher's watchdog names it."""

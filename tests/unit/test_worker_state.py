@@ -7,12 +7,14 @@ import pytest
 import torch
 
 from pipeline.common.messages import SamplingParams
+from pipeline.gpu_worker.attention import cpu_paged
+from pipeline.gpu_worker.attention.kv_layout import HEAD_MAJOR
 from pipeline.gpu_worker.device import DeviceOps, UploadBatch
 from pipeline.gpu_worker.executor import ModelExecutor
 from pipeline.gpu_worker.input_batch import POISON_TOKEN_ID, InputBatch
 from pipeline.gpu_worker.model_runner import ModelRunner
 from tests.unit.sync_guard import FakeAsyncOps, SyncGuard
-from tests.unit.test_no_host_sync import GREEDY, SAMPLED, Steps, engine_config, tiny_model
+from tests.unit.test_no_host_sync import BLOCK, GREEDY, SAMPLED, Steps, engine_config, tiny_model
 
 CPU = torch.device("cpu")
 
@@ -45,6 +47,27 @@ def test_max_model_len_beyond_the_rope_table_is_refused_at_start_up():
     model = tiny_model(max_position_embeddings=64)
     with pytest.raises(ValueError, match="max_model_len 128 exceeds the model's max_position_embeddings 64"):
         ModelExecutor(engine_config(max_model_len=128), model, CPU, torch.float32)
+
+
+@pytest.mark.parametrize("backend", ["cpu_paged", "torch_bucketed"])
+def test_warm_up_step_writes_only_the_padding_block(backend):
+    """The start-up warm-up step runs the backend's prefill and decode paths over the padding block, which the
+    scheduler never hands out: no block a request may own changes."""
+    if backend == "cpu_paged" and cpu_paged.unavailable_reason() is not None:
+        pytest.skip(f"cpu_paged cannot run here: {cpu_paged.unavailable_reason()}")
+    config = engine_config()
+    executor = ModelExecutor(config, tiny_model(attention_backend=backend, heads=(4, 2, 64)), CPU, torch.float32)
+    assert executor.attn_backend.name == backend
+    executor.warm_up(DeviceOps(CPU).upload)
+    heads, dim = executor.model.num_kv_heads, executor.model.head_dim
+    pad = slice(config.num_kv_blocks * BLOCK, (config.num_kv_blocks + 1) * BLOCK)
+    for cache in (c for layer in executor.kv_caches for c in layer):
+        slots = (
+            cache.view(heads, -1, dim) if executor.attn_backend.cache_layout == HEAD_MAJOR else cache.transpose(0, 1)
+        )
+        written = slots.abs().sum(dim=(0, 2)) > 0
+        assert written[pad][:2].all() and not written[pad][2:].any()  # positions 0 and 1 of the two rows
+        assert not written[: pad.start].any()
 
 
 def test_token_ids_outside_the_vocabulary_are_refused_before_the_device_sees_them():

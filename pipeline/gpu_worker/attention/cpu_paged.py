@@ -15,30 +15,23 @@ chunks) keep ``torch_bucketed``'s path (one SDPA call per bucket: its
 GEMM-shaped work suits SDPA), and the cache memory is used head-major as there.
 
 The kernel is compiled for the host CPU at start-up by
-``torch.utils.cpp_extension`` (ninja and a C++ compiler; about 10 s, then
-cached). Where it cannot be built or loaded, ``unavailable_reason`` says
+``torch.utils.cpp_extension`` (ninja and a C++ compiler; 10-50 s, once per
+build key: ``kernel_cache``). Where it cannot be built or loaded, ``unavailable_reason`` says
 why and ``auto`` keeps ``torch_bucketed``.
 """
 
 from __future__ import annotations
 
-import fcntl
 import functools
-import hashlib
-import logging
-import platform
-import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from pipeline.gpu_worker.attention import kernel_cache
 from pipeline.gpu_worker.attention.graph_decode import GraphDecodeMetadata, graph_decode_attention
 from pipeline.gpu_worker.attention.kv_layout import HEAD_MAJOR, KVCache, write_kv
 from pipeline.gpu_worker.attention.torch_bucketed import BucketedMetadata, TorchBucketedBackend
-from pipeline.model_files import cache_dir
-
-logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_paged.cpp")
 # -march=native: the library is built on the machine that runs it. -ffast-math
@@ -52,57 +45,16 @@ _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"]
 DECODE_QUERY_MAX = 32
 
 
-def _host_tag() -> str:
-    """A short hash of this CPU's model and feature flags: a -march=native build is only valid on such a CPU."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-        lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))][:2]
-    except OSError:
-        lines = [platform.processor()]
-    return hashlib.sha256("\n".join([platform.machine(), *lines]).encode()).hexdigest()[:12]
-
-
-def build_directory() -> Path:
-    """Where the kernel is built: per CPU and source, so that checkouts of other versions keep their own builds."""
-    source_tag = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:8]
-    return cache_dir() / "kernels" / f"pipeline_cpu_paged_{_host_tag()}_{source_tag}"
-
-
 @functools.cache
 def unavailable_reason() -> str | None:
-    """None once the kernel is built and loaded (first call builds it), else why it cannot be.
+    """None once the kernel is built and loaded (first call builds it if no process has), else why it cannot be.
 
     The ops are then ``torch.ops.pipeline_cpu.paged_decode`` and ``.supports``.
     """
-    compiler = shutil.which("c++") or shutil.which("g++")
-    if compiler is None:
-        return "no C++ compiler found"
-    # The first start on a machine compiles (10-30 s): say so rather than look hung.
-    logger.info(
-        "cpu_paged: loading the attention kernel (compiled for this CPU on its first start, 10-30 s; cached after)"
-    )
-    build_dir = build_directory()
     try:
-        from torch.utils import cpp_extension
-
-        build_dir.mkdir(parents=True, exist_ok=True)
-        # torch's own build lock is a file that outlives a process killed while
-        # compiling, and every later start then waits on it forever. An flock is
-        # released by the kernel with its holder; under it, torch's lock file
-        # can only be such a leftover.
-        with open(build_dir.with_suffix(".lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            (build_dir / "lock").unlink(missing_ok=True)
-            cpp_extension.load(
-                build_dir.name,
-                [str(_SOURCE)],
-                extra_cflags=_CFLAGS,
-                build_directory=str(build_dir),
-                is_python_module=False,
-                verbose=False,
-            )
-    except Exception as e:  # noqa: BLE001 -- any build or load failure means: use torch_bucketed
-        return f"building the kernel failed: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[-1]}"
+        kernel_cache.load("pipeline_cpu_paged", _SOURCE, _CFLAGS)
+    except kernel_cache.KernelUnavailable as e:
+        return str(e)
     return None
 
 
