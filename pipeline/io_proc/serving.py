@@ -213,11 +213,13 @@ class OpenAIServing:
             grammar_trigger=plan.trigger if plan is not None and grammar else "",
             grammar_trigger_at_start=plan is not None and plan.trigger_at_start,
         )
+        # Stop strings apply to free text only: a forced call's output has none (docs/design.md, "Stop strings").
+        forced = plan is not None and bool(plan.grammar) and not plan.trigger
         try:
             return self._client.add_choices(
                 prompt,
                 params,
-                req.stop_strings(),
+                [] if forced else req.stop_strings(),
                 streaming=req.stream,
                 return_token_ids=req.return_token_ids,
                 n=req.num_choices(),
