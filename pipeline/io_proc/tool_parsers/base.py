@@ -51,9 +51,13 @@ class ToolParser(ABC):
         return ToolCallStream(self)
 
     def extract(self, text: str) -> tuple[str, list[ToolCall]]:
-        """The content and calls of a whole output."""
+        """The content and calls of a whole output; a call it ends inside is content, not a broken call."""
         s = self.stream()
-        return assemble(s.feed(text) + s.finish())
+        content, calls = assemble(s.feed(text) + s.finish())
+        if s.cut:
+            calls.pop()
+            content += s.cut
+        return content, calls
 
     def grammar(self, tools: list[ToolSpec], *, free: bool, parallel: bool) -> str:
         """The grammar (llguidance's Lark) of an output in this format.
