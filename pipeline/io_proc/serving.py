@@ -73,6 +73,7 @@ class OpenAIServing:
             config.enable_auto_tool_choice,
             tokenization.renders_tools,
             tokenization.renders_tool_calls,
+            tokenization.system_role,
         )
         self._model = config.served_model_name
         self._max_model_len = config.max_model_len
@@ -278,9 +279,11 @@ class OpenAIServing:
         except GrammarError as e:
             raise APIError.bad_request(str(e), param=e.param) from None
 
-    def closer(self, rid: str, req: SamplingRequest, states: list[RequestState]) -> Callable[[], None]:
+    def closer(
+        self, rid: str, req: SamplingRequest, states: list[RequestState], plan: ToolPlan | None = None
+    ) -> Callable[[], None]:
         """What ends a request's response however it ends: release its states, then log it
-        (``--enable-log-requests``; its prompt only with ``--log-prompts``)."""
+        (``--enable-log-requests``, with how ``plan`` served its tools; its prompt only with ``--log-prompts``)."""
 
         def close() -> None:
             for st in states:
@@ -290,7 +293,8 @@ class OpenAIServing:
                 if self._log_prompts:
                     chat = isinstance(req, ChatCompletionRequest)
                     prompt = [m.model_dump(exclude_none=True) for m in req.messages] if chat else req.prompt
-                log_request(rid, states, req.num_choices(), req.stop_strings(), req.stream, prompt)
+                tools = plan.route if plan is not None else ""
+                log_request(rid, states, req.num_choices(), req.stop_strings(), req.stream, prompt, tools)
 
         return close
 

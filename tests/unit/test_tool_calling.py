@@ -23,6 +23,11 @@ WEATHER = {
     },
 }
 USER = [{"role": "user", "content": "Weather in Paris?"}]
+# A template that refuses the system role, as Gemma's and early Mistral ones do.
+NO_SYSTEM_TEMPLATE = (
+    "{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}<{{ m.role }}>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+)
 
 
 def request(**body) -> ChatCompletionRequest:
@@ -121,11 +126,38 @@ def test_a_schema_nested_past_any_limit_is_400():
     assert e.param.startswith("tools") and "nested too deeply" in e.message
 
 
-def test_auto_needs_the_flags_and_a_template_that_renders_tools():
+def test_auto_needs_the_flags():
     e = refused(ToolCalling(None, False, True, True), request())
     assert e.message == '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
-    e = refused(ignoring(), request(tool_choice="auto"))
-    assert "ignores tools" in e.message and "--chat-template" in e.message and e.param == "tool_choice"
+
+
+@pytest.mark.parametrize("choice", [None, "auto"])
+def test_auto_on_a_template_that_ignores_tools_describes_them_in_the_parsers_format(choice):
+    """OpenAI's default (no tool_choice) and auto: the tools and the hermes format in the system message,
+    the lazy grammar from <tool_call>, the route named for the request log."""
+    system = [{"role": "system", "content": "Be brief."}]
+    for messages, tc in ((USER, ignoring()), ([*system, *USER], ignoring())):
+        plan = tc.plan(request(messages=messages, **({"tool_choice": choice} if choice else {})))
+        assert plan.parser.name == "hermes" and plan.trigger == "<tool_call>" and plan.grammar
+        assert plan.template_tools is None and plan.conversation[-1] == USER[0]
+        described = plan.conversation[0]
+        assert described["role"] == "system" and len(plan.conversation) == 2
+        assert described["content"].startswith("Be brief.\n\n") == (messages != USER)
+        assert (
+            '<tool_call>\n{"name": <function name>, "arguments": <arguments object>}\n</tool_call>'
+            in (described["content"])
+        )
+        assert json.dumps(WEATHER["function"]) in described["content"]
+        assert plan.route == "auto, hermes format, tools described in the system message"
+    # A template with no system role: the description opens the first user message.
+    plan = ToolCalling("hermes", True, False, False, system_role=False).plan(request())
+    assert [m["role"] for m in plan.conversation] == ["user"]
+    assert (
+        plan.conversation[0]["content"].endswith("\n\nWeather in Paris?")
+        and "<tool_call>" in (plan.conversation[0]["content"])
+    )
+    assert plan.route == "auto, hermes format, tools described in the first user message"
+    assert rendering().plan(request()).route == "auto, hermes format, tools rendered by the chat template"
 
 
 def test_message_shapes_are_checked_by_the_request_model():
@@ -170,9 +202,13 @@ def test_history_reaches_the_template_as_transformers_takes_it():
     assert conv[0] == {"role": "system", "content": "Be brief."}
     assert conv[2] == {"role": "assistant", "content": None, "tool_calls": [call]}
     assert conv[3] == {"role": "tool", "content": "sunny", "tool_call_id": "c1"}
-    # A template that cannot show the calls gets them as text, in the format it is asked to write.
-    conv = ignoring().conversation(request(messages=messages).messages)
-    assert json.loads(conv[2]["content"]) == [{"name": "get_weather", "arguments": {"city": "Paris"}}]
+    # A template that cannot show the calls gets them as text, in the format it is asked to write:
+    # the parser's under auto, the JSON list when forced.
+    auto = ignoring().plan(request(messages=messages)).conversation
+    assert auto[2]["content"] == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    assert auto[3] == {"role": "tool", "content": "sunny", "tool_call_id": "c1"}
+    forced = ignoring().plan(request(messages=messages, tool_choice="required")).conversation
+    assert json.loads(forced[2]["content"]) == [{"name": "get_weather", "arguments": {"city": "Paris"}}]
 
 
 def test_templates_are_probed_for_tools(smol_dir):
@@ -183,5 +219,8 @@ def test_templates_are_probed_for_tools(smol_dir):
     assert not stock.renders_tools and not stock.renders_tool_calls  # SmolLM2's template ignores them
     hermes = Tokenization(tok, num_threads=1, chat_template=HERMES_TEMPLATE.read_text())
     assert hermes.renders_tools and hermes.renders_tool_calls
-    stock.close()
-    hermes.close()
+    assert stock.system_role and hermes.system_role
+    no_system = Tokenization(tok, num_threads=1, chat_template=NO_SYSTEM_TEMPLATE)
+    assert not no_system.system_role and not no_system.renders_tools
+    for t in (stock, hermes, no_system):
+        t.close()

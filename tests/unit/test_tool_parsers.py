@@ -169,6 +169,22 @@ def test_cut_calls_by_example():
     assert mistral.extract(first + ', {"name": "ad') == (', {"name": "ad', [ToolCall("add", '{"a": 1, "b": 2}')])
 
 
+@pytest.mark.parametrize("name", [*TOOL_PARSERS, "json_list"])
+def test_rendered_calls_read_back_and_follow_the_grammar(smol_dir, name):
+    """Past calls are written as the model is asked to write them: the parser reads them back, and the
+    grammar accepts them; the example that describes the format names no function."""
+    parser, tok = _parser(name), _tokenizer(smol_dir)
+    calls = [
+        ("get_weather", {"city": 'S\u00e3o "Paulo"', "unit": "celsius"}),
+        ("add", {"a": 1.5, "b": 2, "exact": True}),
+    ]
+    text = parser.render([parser.call_text(n, a) for n, a in calls])
+    content, got = parser.extract(text)
+    assert content == "" and [(c.name, json.loads(c.arguments)) for c in got] == calls
+    assert _accepts(tok, parser.grammar([WEATHER, ADD], free=False, parallel=True), text)
+    assert "<function name>" in parser.render([parser.example_call]) and not parser.extract(parser.example_call)[1]
+
+
 def _tokenizer(smol_dir) -> llguidance.LLTokenizer:
     return llguidance.LLTokenizer((smol_dir / "tokenizer.json").read_text())
 

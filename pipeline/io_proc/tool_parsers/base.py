@@ -46,6 +46,21 @@ class ToolParser(ABC):
     def call_rules(self, tools: list[ToolSpec]) -> str:
         """Lark rules defining ``call``: a call of one of ``tools`` with arguments valid for its schema."""
 
+    @abstractmethod
+    def call_text(self, name: str, arguments: dict) -> str:
+        """One call as the grammar writes it, without its tags."""
+
+    @property
+    @abstractmethod
+    def example_call(self) -> str:
+        """One call with placeholders for its name and arguments, for telling the model the format."""
+
+    def render(self, calls: list[str]) -> str:
+        """Calls (each from ``call_text`` or ``example_call``) laid out as the model writes them."""
+        head = "" if self.trigger_in_region else self.trigger
+        one = [self.call_open + c + self.call_close for c in calls]
+        return head + self.region_open + self.separator.join(one) + self.region_close
+
     def stream(self) -> ToolCallStream:
         """A parser state for one output."""
         return ToolCallStream(self)
