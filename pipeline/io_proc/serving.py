@@ -74,6 +74,7 @@ class OpenAIServing:
             tokenization.renders_tools,
             tokenization.renders_tool_calls,
             tokenization.system_role,
+            tokenization.tool_role,
         )
         self._model = config.served_model_name
         self._max_model_len = config.max_model_len

@@ -82,6 +82,7 @@ class ToolCalling:
         renders_tools: the chat template shows ``tools`` to the model.
         renders_tool_calls: it shows an assistant message's ``tool_calls``.
         system_role: it renders a system message (else tools are described in the first user message).
+        tool_role: it renders a ``tool`` message (else results go to the model as the user's text).
     """
 
     def __init__(
@@ -91,12 +92,14 @@ class ToolCalling:
         renders_tools: bool,
         renders_tool_calls: bool,
         system_role: bool = True,
+        tool_role: bool = True,
     ):
         self._parser = TOOL_PARSERS[parser_name]() if parser_name else None
         self._enable_auto = enable_auto
         self._renders_tools = renders_tools
         self._renders_tool_calls = renders_tool_calls
         self._system_role = system_role
+        self._tool_role = tool_role
 
     def plan(self, req: ChatCompletionRequest) -> ToolPlan:
         """Check the request's tools, choice and history, and say how to serve them.
@@ -152,20 +155,23 @@ class ToolCalling:
         Past calls' arguments become objects, as templates iterate them; for a
         template that ignores ``tool_calls`` they are written into the content
         in ``parser``'s format, the one the model is asked to write (by default
-        ``auto``'s: the configured parser's, else ``json_list``).
+        ``auto``'s: the configured parser's, else ``json_list``). For a template
+        that refuses the ``tool`` role, results are the user's text, one turn for
+        those in a row, so that roles still alternate.
 
         Raises:
             APIError: 400 for a ``tool_call_id`` no earlier call has, or arguments that are not a JSON object.
         """
         parser = parser or self._parser or JsonListToolParser()
         out: list[dict] = []
-        call_ids: set[str] = set()
+        call_ids: dict[str, str] = {}  # id -> function name
+        results: dict | None = None  # the user turn that holds the latest results, for a template without the role
         for i, m in enumerate(messages):
             msg: dict = {"role": m.template_role(), "content": utf8_text(m.text(), "messages")}
             if m.tool_calls:
                 calls = []
                 for j, c in enumerate(m.tool_calls):
-                    call_ids.add(c.id)
+                    call_ids[c.id] = c.function.name
                     param = f"messages[{i}].tool_calls[{j}].function.arguments"
                     try:
                         args = json.loads(c.function.arguments)
@@ -192,9 +198,21 @@ class ToolCalling:
                         "assistant message",
                         param=f"messages[{i}].tool_call_id",
                     )
+                if not self._tool_role:
+                    text = f"{call_ids[m.tool_call_id]} returned: {msg['content']}"
+                    if results is None:
+                        results = {"role": "user", "content": text}
+                        out.append(results)
+                    else:
+                        results["content"] += f"\n\n{text}"
+                    continue
                 msg["tool_call_id"] = m.tool_call_id
                 if m.name:
                     msg["name"] = m.name
+            if results is not None and msg["role"] == "user":
+                results["content"] += f"\n\n{msg['content']}"
+                continue
+            results = None
             out.append(msg)
         return out
 

@@ -28,6 +28,15 @@ NO_SYSTEM_TEMPLATE = (
     "{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('System role not supported') }}"
     "{% endif %}<{{ m.role }}>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
 )
+# Gemma's shape: no system role, and user and assistant turns that must alternate (so no tool role).
+ALTERNATING_TEMPLATE = (
+    "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+)
 
 
 def request(**body) -> ChatCompletionRequest:
@@ -224,3 +233,38 @@ def test_templates_are_probed_for_tools(smol_dir):
     assert not no_system.system_role and not no_system.renders_tools
     for t in (stock, hermes, no_system):
         t.close()
+
+
+def test_a_template_without_system_and_tool_roles_renders_a_tool_loop(smol_dir):
+    """Gemma's shape: the description opens the first user message, and the results of a turn's calls come
+    back as one user turn, so that roles alternate and the template renders the follow-up."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smol_dir)
+    t = Tokenization(tok, num_threads=1, chat_template=ALTERNATING_TEMPLATE)
+    assert (t.renders_tools, t.renders_tool_calls, t.system_role, t.tool_role) == (False, False, False, False)
+    tc = ToolCalling("hermes", True, t.renders_tools, t.renders_tool_calls, t.system_role, t.tool_role)
+    calls = [
+        {"id": f"c{i}", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps({"city": c})}}
+        for i, c in enumerate(("Paris", "Oslo"))
+    ]
+    messages = [
+        *USER,
+        {"role": "assistant", "content": None, "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "c0", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "c1", "content": "rain"},
+        {"role": "user", "content": "And tomorrow?"},
+    ]
+    plan = tc.plan(request(messages=messages))
+    assert [m["role"] for m in plan.conversation] == ["user", "assistant", "user"]
+    assert plan.conversation[0]["content"].startswith("You can call functions.")
+    assert plan.conversation[1]["content"].count("<tool_call>") == 2
+    assert plan.conversation[2]["content"] == (
+        "get_weather returned: sunny\n\nget_weather returned: rain\n\nAnd tomorrow?"
+    )
+    text = tok.decode(asyncio.run(t.encode_chat(plan.conversation)))
+    assert '<start_of_turn>model\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in text
+    assert text.endswith("And tomorrow?<end_of_turn>\n<start_of_turn>model\n")
+    t.close()
