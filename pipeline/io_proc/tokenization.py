@@ -76,7 +76,7 @@ def utf8_text(text: str, param: str) -> str:
 _PROBE_TOOL, _PROBE_CALL, _PROBE_TEXT = (
     "pipeline_probe_tool_3f9a",
     "pipeline_probe_call_7c2e",
-    "pipeline_probe_sys_5b1d",
+    "pipeline_probe_text_5b1d",
 )
 # Threads that encode prompts, so one long prompt never queues the others
 # behind it (encoding releases the GIL).

@@ -99,7 +99,8 @@ class ToolCalling:
         self._renders_tools = renders_tools
         self._renders_tool_calls = renders_tool_calls
         self._system_role = system_role
-        self._tool_role = tool_role
+        # A template that shows past calls takes their results as it is.
+        self._results_as_text = not renders_tool_calls and not tool_role
 
     def plan(self, req: ChatCompletionRequest) -> ToolPlan:
         """Check the request's tools, choice and history, and say how to serve them.
@@ -198,7 +199,7 @@ class ToolCalling:
                         "assistant message",
                         param=f"messages[{i}].tool_call_id",
                     )
-                if not self._tool_role:
+                if self._results_as_text:
                     text = f"{call_ids[m.tool_call_id]} returned: {msg['content']}"
                     if results is None:
                         results = {"role": "user", "content": text}
