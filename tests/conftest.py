@@ -328,6 +328,13 @@ def smol_tools(request, smol_dir):
     return _server(request, ["--model", str(smol_dir), "--served-model-name", "smol", *TOOLS, *SMALL])
 
 
+@pytest.fixture(scope="session")
+def smol_auto(request, smol_dir):
+    """SmolLM2 with its own template, which ignores tools, and ``auto`` on with the hermes parser; request logs on."""
+    auto = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--enable-log-requests"]
+    return _server(request, ["--model", str(smol_dir), "--served-model-name", "smol", *auto, *SMALL])
+
+
 SIM = [
     "--model",
     "sim",

@@ -159,21 +159,32 @@ class StopStringMatcher:
     part of the output, like the OpenAI API). When the request ends for
     another reason, ``flush`` releases what is held.
 
+    With ``until`` (a tool call's trigger), stop strings apply to the free
+    text only: one counts if it ends by the trigger's end, and from there on
+    (the calls, which their grammar ends) the text passes unsearched, so a
+    stop string never cuts a call (docs/design.md, "Stop strings").
+
     Args:
         stop: the stop strings, each non-empty.
+        until: the text after which stop strings no longer apply ("" for none).
+        until_at_start: ``until`` counts only at the text's start.
 
     Raises:
         ValueError: ``stop`` is empty or contains an empty string.
     """
 
-    __slots__ = ("_stops", "_hold", "_held")
+    __slots__ = ("_stops", "_hold", "_held", "_until", "_at_start", "_tail", "_in_calls")
 
-    def __init__(self, stop: Sequence[str]):
+    def __init__(self, stop: Sequence[str], until: str = "", until_at_start: bool = False):
         if not stop or not all(stop):
             raise ValueError(f"stop strings must be a non-empty list of non-empty strings, got {stop!r}")
         self._stops = tuple(stop)
         self._hold = max(map(len, self._stops)) - 1
         self._held = ""
+        self._until = until
+        self._at_start = until_at_start
+        self._tail = ""  # the text's end that may begin ``until``
+        self._in_calls = False
 
     def push(self, text: str, check: bool = True) -> tuple[str, bool]:
         """Add a delta.
@@ -187,25 +198,45 @@ class StopStringMatcher:
             whether a stop string was found (then ``released`` ends right
             before it, and nothing more must be sent for this request).
         """
+        if self._in_calls:
+            return text, False
         held = len(self._held)
         buf = self._held + text
+        calls = self._calls_start(text, held)
+        end = len(buf) if calls < 0 else calls
         first = -1
         if check and text:
             # A match must end in the new delta: one inside the held tail was
             # either searched before or came from unchecked text.
             for s in self._stops:
-                i = buf.find(s, max(0, held - len(s) + 1))
+                i = buf.find(s, max(0, held - len(s) + 1), end)
                 if i != -1 and (first == -1 or i < first):
                     first = i
         if first != -1:
             self._held = ""
             return buf[:first], True
+        if calls >= 0:
+            self._held, self._in_calls = "", True
+            return buf, False
         cut = len(buf) - self._hold
         if cut <= 0:
             self._held = buf
             return "", False
         self._held = buf[cut:]
         return buf[:cut], False
+
+    def _calls_start(self, text: str, held: int) -> int:
+        """Where ``until`` ends in the held text plus ``text`` if this delta completes it, else -1."""
+        if not self._until or not text:
+            return -1
+        if self._at_start:
+            until, self._until = self._until, ""  # the first text decides it either way
+            return held + len(until) if text.startswith(until) else -1
+        seen = self._tail + text
+        k = seen.find(self._until)
+        keep = len(self._until) - 1
+        self._tail = seen[-keep:] if keep else ""
+        return -1 if k < 0 else held + k + len(self._until) - (len(seen) - len(text))
 
     def flush(self) -> str:
         """Release and forget the held-back text (the request ended otherwise)."""
@@ -260,7 +291,7 @@ class OutputProcessor:
         self, detokenizer: Detokenizer, params: SamplingParams, stop: Sequence[str] = (), incremental: bool = True
     ):
         self._detok = detokenizer
-        self._stop = StopStringMatcher(stop) if stop else None
+        self._stop = StopStringMatcher(stop, params.grammar_trigger, params.grammar_trigger_at_start) if stop else None
         self._params = params
         # check_finish can only answer for these tokens or counts; testing
         # them first keeps its call off the path of nearly every token.

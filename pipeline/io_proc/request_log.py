@@ -42,9 +42,11 @@ def log_request(
     stop: list[str],
     stream: bool,
     prompt: object = None,
+    tools: str = "",
 ) -> None:
-    """Log one finished (or abandoned) request: its id, prompt tokens, parameters, finish reasons, output tokens,
-    time to first token (the earliest choice's) and end-to-end latency (the last choice's).
+    """Log one finished (or abandoned) request: its id, prompt tokens, parameters, how its tools reached the
+    model (``tools``, a chat request's ``ToolPlan.route``), finish reasons, output tokens, time to first
+    token (the earliest choice's) and end-to-end latency (the last choice's).
 
     ``prompt`` (the request's prompt or messages) is logged only when given: ``--log-prompts``.
     """
@@ -54,7 +56,8 @@ def log_request(
     line = (
         f"{request_id}: prompt_tokens={sum(st.prompt_len for st in states[::n])}, "
         f"params=({_params(states[0].params, n, stop, stream)}), "
-        f"finish_reason={reasons[0] if one else reasons}, completion_tokens={tokens[0] if one else tokens}, "
+        + (f"tools=({tools}), " if tools else "")
+        + f"finish_reason={reasons[0] if one else reasons}, completion_tokens={tokens[0] if one else tokens}, "
         f"ttft={_seconds([st.ttft for st in states], min)}, e2e={_seconds([st.e2e for st in states], max)}"
     )
     if prompt is not None:

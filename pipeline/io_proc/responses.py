@@ -78,7 +78,7 @@ class ResponsesServing:
         except APIError as e:
             raise responses_error(e) from None
         resp = ResponseBuilder(req, self._model, history + items)
-        close = self._serving.closer(resp.id, chat, states)
+        close = self._serving.closer(resp.id, chat, states, plan)
         param = grammar_field(chat, plan)
         try:
             if req.stream:

@@ -73,6 +73,8 @@ class OpenAIServing:
             config.enable_auto_tool_choice,
             tokenization.renders_tools,
             tokenization.renders_tool_calls,
+            tokenization.system_role,
+            tokenization.tool_role,
         )
         self._model = config.served_model_name
         self._max_model_len = config.max_model_len
@@ -213,11 +215,13 @@ class OpenAIServing:
             grammar_trigger=plan.trigger if plan is not None and grammar else "",
             grammar_trigger_at_start=plan is not None and plan.trigger_at_start,
         )
+        # Stop strings apply to free text only: a forced call's output has none (docs/design.md, "Stop strings").
+        forced = plan is not None and bool(plan.grammar) and not plan.trigger
         try:
             return self._client.add_choices(
                 prompt,
                 params,
-                req.stop_strings(),
+                [] if forced else req.stop_strings(),
                 streaming=req.stream,
                 return_token_ids=req.return_token_ids,
                 n=req.num_choices(),
@@ -277,9 +281,11 @@ class OpenAIServing:
         except GrammarError as e:
             raise APIError.bad_request(str(e), param=e.param) from None
 
-    def closer(self, rid: str, req: SamplingRequest, states: list[RequestState]) -> Callable[[], None]:
+    def closer(
+        self, rid: str, req: SamplingRequest, states: list[RequestState], plan: ToolPlan | None = None
+    ) -> Callable[[], None]:
         """What ends a request's response however it ends: release its states, then log it
-        (``--enable-log-requests``; its prompt only with ``--log-prompts``)."""
+        (``--enable-log-requests``, with how ``plan`` served its tools; its prompt only with ``--log-prompts``)."""
 
         def close() -> None:
             for st in states:
@@ -289,7 +295,8 @@ class OpenAIServing:
                 if self._log_prompts:
                     chat = isinstance(req, ChatCompletionRequest)
                     prompt = [m.model_dump(exclude_none=True) for m in req.messages] if chat else req.prompt
-                log_request(rid, states, req.num_choices(), req.stop_strings(), req.stream, prompt)
+                tools = plan.route if plan is not None else ""
+                log_request(rid, states, req.num_choices(), req.stop_strings(), req.stream, prompt, tools)
 
         return close
 

@@ -59,7 +59,7 @@ class OpenAIServingChat(OpenAIServing):
         param = grammar_field(req, plan)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         prompt_ids = prompt if req.return_token_ids else msgspec.UNSET
-        close = self.closer(rid, req, states)
+        close = self.closer(rid, req, states, plan)
         if req.stream:
             if not await self.compiled(states, raw, close, param):
                 return Response(status_code=CLIENT_CLOSED)

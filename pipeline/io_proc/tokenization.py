@@ -72,8 +72,12 @@ def utf8_text(text: str, param: str) -> str:
     return text
 
 
-# Function names no template would write unless it renders what it was given.
-_PROBE_TOOL, _PROBE_CALL = "pipeline_probe_tool_3f9a", "pipeline_probe_call_7c2e"
+# Function names and a text no template would write unless it renders what it was given.
+_PROBE_TOOL, _PROBE_CALL, _PROBE_TEXT = (
+    "pipeline_probe_tool_3f9a",
+    "pipeline_probe_call_7c2e",
+    "pipeline_probe_text_5b1d",
+)
 # Threads that encode prompts, so one long prompt never queues the others
 # behind it (encoding releases the GIL).
 ENCODE_THREADS = 4
@@ -103,6 +107,8 @@ class Tokenization:
         renders_tools: the chat template shows ``tools`` to the model (its
             prompt differs with them; SmolLM2's does not).
         renders_tool_calls: it shows an assistant message's ``tool_calls``.
+        system_role: it renders a system message (some templates refuse the role).
+        tool_role: it renders a ``tool`` message (some templates refuse the role).
         max_token_chars: the most characters one token stands for (the
             longest vocabulary entry; a byte-level entry's length is its byte
             count), times a margin if the tokenizer normalizes text first.
@@ -111,7 +117,7 @@ class Tokenization:
     def __init__(self, tokenizer: Any, num_threads: int = ENCODE_THREADS, chat_template: str | None = None):
         self._tokenizer = tokenizer
         self._chat_template = chat_template or getattr(tokenizer, "chat_template", None) or None
-        self.renders_tools, self.renders_tool_calls = self._probe_template()
+        self.renders_tools, self.renders_tool_calls, self.system_role, self.tool_role = self._probe_template()
         self.vocab_size = len(tokenizer)
         backend = getattr(tokenizer, "backend_tokenizer", None)
         margin = 1 if backend is not None and backend.normalizer is None else _NORMALIZER_MARGIN
@@ -159,10 +165,11 @@ class Tokenization:
         ids = out["input_ids"] if isinstance(out, Mapping) else out
         return list(ids)
 
-    def _probe_template(self) -> tuple[bool, bool]:
-        """Whether the template renders tools, and past tool calls: a probe name shows in its text."""
+    def _probe_template(self) -> tuple[bool, bool, bool, bool]:
+        """Whether the template renders tools, past tool calls, a system and a tool message: a probe shows
+        in its text."""
         if not self._chat_template:
-            return False, False
+            return False, False, False, False
 
         def render(messages: list[dict], tools: list[dict] | None = None) -> str:
             try:
@@ -179,7 +186,14 @@ class Tokenization:
         user = {"role": "user", "content": "hi"}
         history = [user, {"role": "assistant", "content": None, "tool_calls": [call]}]
         history.append({"role": "tool", "tool_call_id": "call_0", "content": "ok"})
-        return _PROBE_TOOL in render([user], [tool]), _PROBE_CALL in render(history, [tool])
+        system = {"role": "system", "content": _PROBE_TEXT}
+        answered = [user, {"role": "assistant", "content": "ok"}, {**history[2], "content": _PROBE_TEXT}]
+        return (
+            _PROBE_TOOL in render([user], [tool]),
+            _PROBE_CALL in render(history, [tool]),
+            _PROBE_TEXT in render([system, user]),
+            _PROBE_TEXT in render(answered),
+        )
 
     async def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Prompt token ids of a completion prompt (with the tokenizer's usual

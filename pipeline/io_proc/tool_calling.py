@@ -3,8 +3,9 @@
 docs/design.md, "Tool calling". ``tool_choice`` ``auto`` runs the configured
 parser's format under a grammar inactive until its trigger; ``required`` and
 a named function force that format from the first token, or, where no parser
-is configured or the template ignores tools, the ``json_list`` format (with
-the tools described in a system message when the template would not show them).
+is configured or the template ignores tools, the ``json_list`` format. Where
+the template ignores tools, they are described to the model in the format it
+is asked to write, and past calls are written in it.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class ToolPlan:
         trigger_at_start: the trigger counts only at the output's start.
         template_tools: ``tools`` for the chat template (None: not passed).
         conversation: the messages as the chat template takes them.
+        route: how the tools reach the model, for the request log ("" without tools).
     """
 
     parser: ToolParser | None = None
@@ -68,6 +70,7 @@ class ToolPlan:
     trigger_at_start: bool = False
     template_tools: list[dict] | None = None
     conversation: list[dict] = field(default_factory=list)
+    route: str = ""
 
 
 class ToolCalling:
@@ -78,22 +81,34 @@ class ToolCalling:
         enable_auto: ``--enable-auto-tool-choice``.
         renders_tools: the chat template shows ``tools`` to the model.
         renders_tool_calls: it shows an assistant message's ``tool_calls``.
+        system_role: it renders a system message (else tools are described in the first user message).
+        tool_role: it renders a ``tool`` message (else results go to the model as the user's text).
     """
 
-    def __init__(self, parser_name: str | None, enable_auto: bool, renders_tools: bool, renders_tool_calls: bool):
+    def __init__(
+        self,
+        parser_name: str | None,
+        enable_auto: bool,
+        renders_tools: bool,
+        renders_tool_calls: bool,
+        system_role: bool = True,
+        tool_role: bool = True,
+    ):
         self._parser = TOOL_PARSERS[parser_name]() if parser_name else None
         self._enable_auto = enable_auto
         self._renders_tools = renders_tools
         self._renders_tool_calls = renders_tool_calls
+        self._system_role = system_role
+        # A template that shows past calls takes their results as it is.
+        self._results_as_text = not renders_tool_calls and not tool_role
 
     def plan(self, req: ChatCompletionRequest) -> ToolPlan:
         """Check the request's tools, choice and history, and say how to serve them.
 
         Raises:
             APIError: 400 naming the field: a malformed tool or schema, an
-                unknown ``tool_choice`` or function, ``auto`` without the flags
-                or with a template that ignores tools, a ``tool_call_id``
-                without its call, arguments that are not a JSON object.
+                unknown ``tool_choice`` or function, ``auto`` without the flags,
+                a ``tool_call_id`` without its call, arguments that are not a JSON object.
         """
         specs = _tool_specs(req.tools or [])
         choice = _tool_choice(req.tool_choice, specs)
@@ -102,6 +117,7 @@ class ToolCalling:
             # As vLLM: the template still sees the tools.
             plan.template_tools = _template_tools(req.tools) if specs and self._renders_tools else None
             plan.conversation = self.conversation(req.messages)
+            plan.route = "none" if specs else ""
             return plan
         if req.structured_output() is not None:
             raise APIError.bad_request(
@@ -112,14 +128,6 @@ class ToolCalling:
         if choice == "auto":
             if not self._enable_auto or self._parser is None:
                 raise APIError.bad_request(_AUTO_NEEDS_FLAGS, param="tool_choice")
-            if not self._renders_tools:
-                raise APIError.bad_request(
-                    "the chat template ignores tools (it renders the same prompt with and without them), so "
-                    "the model cannot know it may call one: serve with --chat-template FILE, a template that "
-                    f"renders tools in the format of --tool-call-parser {self._parser.name}; tool_choice "
-                    '"required" or a named function works with any template',
-                    param="tool_choice",
-                )
             plan.parser, chosen, free = self._parser, specs, True
             plan.trigger, plan.trigger_at_start = self._parser.trigger, self._parser.anchored
         else:
@@ -133,29 +141,38 @@ class ToolCalling:
             raise APIError.bad_request("tools: a schema is nested too deeply", param="tools") from None
         plan.grammar = _compile(grammar, chosen, specs)
         plan.template_tools = _template_tools(req.tools) if self._renders_tools else None
-        plan.conversation = self.conversation(req.messages)
-        if not self._renders_tools:
-            _describe_tools(plan.conversation, req.tools, chosen)
+        plan.conversation = self.conversation(req.messages, plan.parser)
+        kind = choice if choice in ("auto", "required") else "named"
+        if self._renders_tools:
+            plan.route = f"{kind}, {plan.parser.name} format, tools rendered by the chat template"
+        else:
+            where = _describe_tools(plan.conversation, req.tools, chosen, plan.parser, free, self._system_role)
+            plan.route = f"{kind}, {plan.parser.name} format, tools described in the {where}"
         return plan
 
-    def conversation(self, messages: Sequence[ChatMessage]) -> list[dict]:
+    def conversation(self, messages: Sequence[ChatMessage], parser: ToolParser | None = None) -> list[dict]:
         """The messages as the chat template takes them (transformers' shape).
 
         Past calls' arguments become objects, as templates iterate them; for a
         template that ignores ``tool_calls`` they are written into the content
-        in the ``json_list`` format.
+        in ``parser``'s format, the one the model is asked to write (by default
+        ``auto``'s: the configured parser's, else ``json_list``). For a template
+        that refuses the ``tool`` role, results are the user's text, one turn for
+        those in a row, so that roles still alternate.
 
         Raises:
             APIError: 400 for a ``tool_call_id`` no earlier call has, or arguments that are not a JSON object.
         """
+        parser = parser or self._parser or JsonListToolParser()
         out: list[dict] = []
-        call_ids: set[str] = set()
+        call_ids: dict[str, str] = {}  # id -> function name
+        results: dict | None = None  # the user turn that holds the latest results, for a template without the role
         for i, m in enumerate(messages):
             msg: dict = {"role": m.template_role(), "content": utf8_text(m.text(), "messages")}
             if m.tool_calls:
                 calls = []
                 for j, c in enumerate(m.tool_calls):
-                    call_ids.add(c.id)
+                    call_ids[c.id] = c.function.name
                     param = f"messages[{i}].tool_calls[{j}].function.arguments"
                     try:
                         args = json.loads(c.function.arguments)
@@ -171,8 +188,8 @@ class ToolCalling:
                     if m.content is None:
                         msg["content"] = None
                 else:
-                    listed = json.dumps(
-                        [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in calls]
+                    listed = parser.render(
+                        [parser.call_text(c["function"]["name"], c["function"]["arguments"]) for c in calls]
                     )
                     msg["content"] = f"{msg['content']}\n{listed}" if msg["content"] else listed
             if m.role == "tool":
@@ -182,9 +199,21 @@ class ToolCalling:
                         "assistant message",
                         param=f"messages[{i}].tool_call_id",
                     )
+                if self._results_as_text:
+                    text = f"{call_ids[m.tool_call_id]} returned: {msg['content']}"
+                    if results is None:
+                        results = {"role": "user", "content": text}
+                        out.append(results)
+                    else:
+                        results["content"] += f"\n\n{text}"
+                    continue
                 msg["tool_call_id"] = m.tool_call_id
                 if m.name:
                     msg["name"] = m.name
+            if results is not None and msg["role"] == "user":
+                results["content"] += f"\n\n{msg['content']}"
+                continue
+            results = None
             out.append(msg)
         return out
 
@@ -288,21 +317,43 @@ def _compile(grammar: str, chosen: list[ToolSpec], specs: list[ToolSpec]) -> str
         raise APIError.bad_request(str(e), param="tools") from None
 
 
-def _describe_tools(conversation: list[dict], tools: list[ChatTool], chosen: list[ToolSpec]) -> None:
-    """Tell the model, in the system message, which functions it may call and how (for a template
-    that would not show it the tools)."""
+def _describe_tools(
+    conversation: list[dict],
+    tools: list[ChatTool],
+    chosen: list[ToolSpec],
+    parser: ToolParser,
+    free: bool,
+    system_role: bool,
+) -> str:
+    """Tell the model which functions it may call and how, for a template that would not show it the
+    tools: in the system message, or the first user message where the template has no system role.
+
+    Returns:
+        Where the description went ("system message" or "first user message").
+    """
     names = {s.name for s in chosen}
     described = "\n".join(
         json.dumps(t.function.model_dump(exclude_none=True)) for t in tools if t.function.name in names
     )
-    text = (
-        "You can call functions. Reply with a JSON list of the calls to make, as "
-        '[{"name": <function name>, "arguments": <arguments object>}], and nothing else. The functions:\n' + described
-    )
+    if free:
+        how = f"To call one, write the call in this format:\n{parser.render([parser.example_call])}\nor answer in text."
+    else:
+        how = (
+            f"Reply with a JSON list of the calls to make, as {parser.render([parser.example_call])}, and nothing else."
+        )
+    text = f"You can call functions. {how} The functions:\n{described}"
     if conversation and conversation[0]["role"] == "system":
         conversation[0]["content"] = f"{conversation[0]['content']}\n\n{text}"
-    else:
+    elif system_role:
         conversation.insert(0, {"role": "system", "content": text})
+    else:
+        user = next((m for m in conversation if m["role"] == "user"), None)
+        if user is None:
+            conversation.insert(0, {"role": "user", "content": text})
+        else:
+            user["content"] = f"{text}\n\n{user['content']}"
+        return "first user message"
+    return "system message"
 
 
 def new_call_id() -> str:

@@ -11,6 +11,7 @@ import asyncio
 
 from agents import (
     Agent,
+    MaxTurnsExceeded,
     ModelSettings,
     OpenAIChatCompletionsModel,
     OpenAIResponsesModel,
@@ -28,8 +29,8 @@ set_tracing_disabled(True)
 PydanticAgent.instrument_all(False)
 
 
-def _run_forecast_agent(srv, model_class) -> tuple[list[tuple[str, int]], str]:
-    calls: list[tuple[str, int]] = []
+def _run_forecast_agent(srv, model_class, calls: list | None = None) -> tuple[list[tuple[str, int]], str]:
+    calls = [] if calls is None else calls
 
     @function_tool
     def get_forecast(city: str, days: int) -> str:
@@ -78,3 +79,18 @@ def test_pydantic_ai_typed_result(smol_tools, smol_async):
         agent = PydanticAgent(model, output_type=City, model_settings=settings)
         result = agent.run_sync("What is the capital of France?")
         assert isinstance(result.output, City) and result.output.name == "Paris", result.output
+
+
+def test_openai_agents_on_a_template_that_ignores_tools(smol_auto):
+    """SmolLM2's own template with --enable-auto-tool-choice --tool-call-parser hermes: the SDK's
+    follow-up turns (tool_choice reset to auto, the tool result in the history) are served too. The
+    small model copies its call on each turn rather than answer, and the run ends at its turn limit;
+    a refused turn would raise the SDK's BadRequestError instead."""
+    for model_class in (OpenAIChatCompletionsModel, OpenAIResponsesModel):
+        calls: list[tuple[str, int]] = []
+        answer = ""
+        try:
+            _, answer = _run_forecast_agent(smol_auto, model_class, calls)
+        except MaxTurnsExceeded:
+            pass
+        assert calls[:1] == [("Tokyo", 5)] and (answer or len(calls) == 3), (model_class, calls)

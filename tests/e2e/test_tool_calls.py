@@ -309,3 +309,125 @@ def test_auto_without_the_flags_is_vllms_400(smol_async):
     assert "--enable-auto-tool-choice" in e.value.body["message"]
     m = smol_async.wait_idle()
     assert m["pipeline_kv_blocks_free"] == m["pipeline_kv_blocks_total"]
+
+
+# smol_auto: SmolLM2's own template, which ignores tools, with --enable-auto-tool-choice --tool-call-parser hermes.
+# Its few shots come as text in the hermes format, as the server writes past calls for such a template.
+TOKYO = [*SHOTS, {"role": "user", "content": "Forecast for Tokyo, 5 days?"}]
+
+
+def _check_forecast(calls: list[tuple[str, str]]) -> None:
+    for name, arguments in calls:
+        assert name == "get_forecast"
+        jsonschema.validate(json.loads(arguments), FORECAST["function"]["parameters"])
+
+
+def test_openais_default_tool_choice_on_a_template_that_ignores_tools(smol_auto):
+    """No tool_choice (OpenAI's default, auto) and auto: 200, the tools described in the hermes format,
+    calls valid for the schema, a stream that reassembles to the whole answer."""
+    called = 0
+    for messages in ([{"role": "user", "content": "What is the capital of France?"}], TOKYO):
+        for kw in ({}, {"tool_choice": "auto"}):
+            r = _create(smol_auto, messages, tools=[FORECAST], max_tokens=40, **kw)
+            calls = _message_calls(r)
+            _check_forecast(calls)
+            called += bool(calls)
+            finish = "tool_calls" if calls else r.choices[0].finish_reason
+            assert r.choices[0].finish_reason == finish
+            assert _stream(smol_auto, messages, tools=[FORECAST], max_tokens=40, **kw) == (
+                r.choices[0].message.content or "",
+                calls,
+                finish,
+            )
+    assert called  # the shots make the model call: the checks above saw calls
+    assert "tools=(auto, hermes format, tools described in the system message)" in smol_auto.output()
+
+
+def test_follow_up_turns_on_a_template_that_ignores_tools(smol_auto):
+    first = _create(smol_auto, TOKYO, tools=[FORECAST], max_tokens=40)
+    call = first.choices[0].message.tool_calls[0]
+    messages = [
+        *TOKYO,
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "Rain all week."},
+    ]
+    for kw in ({}, {"tool_choice": "auto"}, {"tool_choice": "none"}):
+        final = _create(smol_auto, messages, tools=[FORECAST], max_tokens=30, **kw)
+        assert final.choices[0].message.content or final.choices[0].message.tool_calls
+        _check_forecast(_message_calls(final))
+
+
+def test_responses_follow_ups_on_a_template_that_ignores_tools(smol_auto):
+    """function_call_output items in the input, and a follow-up by previous_response_id."""
+    tool = {"type": "function", **FORECAST["function"]}
+    items: list[dict] = []
+    for m in TOKYO:
+        if m["role"] == "user":
+            items.append({"role": "user", "content": m["content"]})
+        for c in m.get("tool_calls", []):
+            f = c["function"]
+            items.append({"type": "function_call", "call_id": c["id"], "name": f["name"], "arguments": f["arguments"]})
+            items.append({"type": "function_call_output", "call_id": c["id"], "output": "Sunny."})
+    responses = client(smol_auto).responses
+    first = responses.create(
+        model=smol_auto.model, input=items, tools=[tool], store=True, temperature=0, max_output_tokens=40
+    )
+    calls = [o for o in first.output if o.type == "function_call"]
+    assert first.status == "completed" and calls
+    _check_forecast([(c.name, c.arguments) for c in calls])
+    follow = [{"type": "function_call_output", "call_id": c.call_id, "output": "Rain."} for c in calls]
+    final = responses.create(
+        model=smol_auto.model,
+        previous_response_id=first.id,
+        input=follow,
+        tools=[tool],
+        temperature=0,
+        max_output_tokens=30,
+    )
+    assert final.status in ("completed", "incomplete") and final.output
+    _check_forecast([(o.name, o.arguments) for o in final.output if o.type == "function_call"])
+
+
+def test_stop_strings_never_break_a_call(smol_auto):
+    """Stop strings that occur inside the arguments apply to free text only: required, named and auto
+    calls come back whole, streamed and not."""
+    weather = [{"role": "user", "content": "What is the weather in Paris?"}]
+    required = {"tool_choice": "required", "parallel_tool_calls": False}
+    named = {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    cases = [
+        (messages, kw, tools, stop)
+        for stop in ("}", ", ", '"')
+        for messages, kw, tools in ((weather, required, TOOLS), (weather, named, TOOLS), (TOKYO, {}, [FORECAST]))
+    ]
+    schemas = {**SCHEMAS, "get_forecast": FORECAST["function"]["parameters"]}
+
+    def one(case) -> tuple[list, str]:
+        messages, kw, tools, stop = case
+        r = _create(smol_auto, messages, tools=tools, max_tokens=60, stop=[stop], **kw)
+        calls, finish = _message_calls(r), r.choices[0].finish_reason
+        content = r.choices[0].message.content or ""
+        assert _stream(smol_auto, messages, tools=tools, max_tokens=60, stop=[stop], **kw) == (content, calls, finish)
+        for name, arguments in calls:
+            assert name in {t["function"]["name"] for t in tools}
+            jsonschema.validate(json.loads(arguments), schemas[name])
+        return calls, finish
+
+    with ThreadPoolExecutor(len(cases)) as ex:
+        results = list(ex.map(one, cases))
+    # Forced calls ignore stop strings (their output is calls only); the shots make auto call too.
+    assert all(calls and finish == "tool_calls" for calls, finish in results)
+
+
+def test_a_call_cut_by_max_tokens_comes_back_as_content(smol_auto):
+    named = {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    weather = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for messages, kw, tools in ((weather, named, TOOLS), (TOKYO, {}, [FORECAST])):
+        for max_tokens in (2, 5, 12):
+            r = _create(smol_auto, messages, tools=tools, max_tokens=max_tokens, **kw).choices[0]
+            assert r.finish_reason == "length" and r.message.tool_calls is None and r.message.content, max_tokens
+            content, calls, finish = _stream(smol_auto, messages, tools=tools, max_tokens=max_tokens, **kw)
+            assert finish == "length"
+            if calls:  # the stream had sent the call's name: its arguments are cut, and the finish says so
+                assert len(calls) == 1 and calls[0][0] in {"get_weather", "get_forecast"}
+            else:
+                assert content == r.message.content

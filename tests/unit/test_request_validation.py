@@ -52,6 +52,7 @@ def test_config_carries_the_model_vocabulary(model_dir):
 class _Tokenization:
     vocab_size = 1000  # the tokenizer knows more ids than the model has rows for
     renders_tools = renders_tool_calls = False
+    system_role = tool_role = True
 
     @staticmethod
     def max_prompt_chars(max_tokens: int) -> int:

@@ -23,6 +23,8 @@ def make_serving() -> tuple[OpenAIServing, list[RequestState]]:
         vocab_size=1000,
         renders_tools=False,
         renders_tool_calls=False,
+        system_role=True,
+        tool_role=True,
     )
     return OpenAIServing(EngineConfig(model="sim", served_model_name="sim"), client, tokenization, ()), released
 

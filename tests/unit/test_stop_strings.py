@@ -219,3 +219,62 @@ def test_min_tokens_stop_may_start_before_and_end_after():
 def test_min_tokens_with_multibyte_characters():
     # "é" is two tokens; the stop "é" completed by tokens 3-4 (past min_tokens 2) counts, the one at 1-2 not.
     assert run_min_tokens("ééa", ["é"], 2) == ("é", "stop", 4)
+
+
+def until_reference(text: str, stops: list[str], until: str, at_start: bool) -> str | None:
+    """The cut of ``text`` where stop strings count only if they end by ``until``'s end (its first
+    occurrence; with ``at_start``, only at the start); None if none counts."""
+    if at_start:
+        end = len(until) if text.startswith(until) else len(text)
+    else:
+        k = text.find(until)
+        end = len(text) if k < 0 else k + len(until)
+    hits = [i for i in (text.find(s, 0, end) for s in stops) if i != -1]
+    return text[: min(hits)] if hits else None
+
+
+def test_stop_strings_do_not_apply_inside_tool_calls():
+    trigger = "<tool_call>"
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+    for stop in (["}"], [", "], ['"'], ["}", "\n</tool"]):
+        for pieces in ([call], list(call), ["Sure. " + call[:5], call[5:]]):
+            m = StopStringMatcher(stop, trigger)
+            released, matched = feed(m, pieces)
+            assert not matched and "".join(released) + m.flush() == "".join(pieces)
+    # Before the trigger they apply, and one that ends by the trigger's end counts.
+    assert feed(StopStringMatcher(["}"], trigger), ["a} ", call]) == (["a"], True)
+    assert feed(StopStringMatcher(["<tool"], trigger), ["Hi <to", "ol_call>\n{"]) == (["Hi", " "], True)
+    assert feed(StopStringMatcher(["call>"], trigger), ["Hi <tool_", "call>\n{"]) == (["Hi <t", "ool_"], True)
+    # An anchored trigger counts only as the output's first character.
+    assert feed(StopStringMatcher(["}"], "{", True), ['{"a": {}}']) == (['{"a": {}}'], False)
+    assert feed(StopStringMatcher(["}"], "{", True), ['x {"a": {}}']) == (['x {"a": {'], True)
+
+
+def test_stop_strings_with_a_trigger_match_the_reference_however_split():
+    rng = random.Random(1)
+    alphabet = "ab<>c}{"
+    for _ in range(3000):
+        at_start = rng.random() < 0.3
+        until = rng.choice("{<") if at_start else "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4)))
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 24)))
+        stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 3))) for _ in range(rng.randint(1, 3))]
+        cuts = sorted(rng.sample(range(len(text) + 1), k=min(len(text) + 1, rng.randint(0, 6))))
+        pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+        m = StopStringMatcher(stops, until, at_start)
+        released, matched = feed(m, pieces)
+        expected = until_reference(text, stops, until, at_start)
+        if expected is None:
+            assert not matched and "".join(released) + m.flush() == text, (text, stops, until, pieces)
+        else:
+            assert matched and "".join(released) == expected, (text, stops, until, pieces)
+
+
+def test_processor_takes_the_trigger_from_the_sampling_params():
+    call = '<tool_call>\n{"name": "f", "arguments": {"a": 1, "b": "x"}}\n</tool_call>'
+    params = SamplingParams(max_tokens=1000, stop_token_ids=(EOS,), grammar="g", grammar_trigger="<tool_call>")
+    proc = OutputProcessor(ByteDetokenizer(), params, ["}", ", "])
+    out = []
+    for t in byte_encode(call) + [EOS]:
+        finish = proc.push(t)
+        out.append(proc.take_text())
+    assert (finish, proc.needs_abort, "".join(out)) == ("stop", False, call)

@@ -23,6 +23,20 @@ WEATHER = {
     },
 }
 USER = [{"role": "user", "content": "Weather in Paris?"}]
+# A template that refuses the system role, as Gemma's and early Mistral ones do.
+NO_SYSTEM_TEMPLATE = (
+    "{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}<{{ m.role }}>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+# Gemma's shape: no system role, and user and assistant turns that must alternate (so no tool role).
+ALTERNATING_TEMPLATE = (
+    "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+)
 
 
 def request(**body) -> ChatCompletionRequest:
@@ -121,11 +135,38 @@ def test_a_schema_nested_past_any_limit_is_400():
     assert e.param.startswith("tools") and "nested too deeply" in e.message
 
 
-def test_auto_needs_the_flags_and_a_template_that_renders_tools():
+def test_auto_needs_the_flags():
     e = refused(ToolCalling(None, False, True, True), request())
     assert e.message == '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
-    e = refused(ignoring(), request(tool_choice="auto"))
-    assert "ignores tools" in e.message and "--chat-template" in e.message and e.param == "tool_choice"
+
+
+@pytest.mark.parametrize("choice", [None, "auto"])
+def test_auto_on_a_template_that_ignores_tools_describes_them_in_the_parsers_format(choice):
+    """OpenAI's default (no tool_choice) and auto: the tools and the hermes format in the system message,
+    the lazy grammar from <tool_call>, the route named for the request log."""
+    system = [{"role": "system", "content": "Be brief."}]
+    for messages, tc in ((USER, ignoring()), ([*system, *USER], ignoring())):
+        plan = tc.plan(request(messages=messages, **({"tool_choice": choice} if choice else {})))
+        assert plan.parser.name == "hermes" and plan.trigger == "<tool_call>" and plan.grammar
+        assert plan.template_tools is None and plan.conversation[-1] == USER[0]
+        described = plan.conversation[0]
+        assert described["role"] == "system" and len(plan.conversation) == 2
+        assert described["content"].startswith("Be brief.\n\n") == (messages != USER)
+        assert (
+            '<tool_call>\n{"name": <function name>, "arguments": <arguments object>}\n</tool_call>'
+            in (described["content"])
+        )
+        assert json.dumps(WEATHER["function"]) in described["content"]
+        assert plan.route == "auto, hermes format, tools described in the system message"
+    # A template with no system role: the description opens the first user message.
+    plan = ToolCalling("hermes", True, False, False, system_role=False).plan(request())
+    assert [m["role"] for m in plan.conversation] == ["user"]
+    assert (
+        plan.conversation[0]["content"].endswith("\n\nWeather in Paris?")
+        and "<tool_call>" in (plan.conversation[0]["content"])
+    )
+    assert plan.route == "auto, hermes format, tools described in the first user message"
+    assert rendering().plan(request()).route == "auto, hermes format, tools rendered by the chat template"
 
 
 def test_message_shapes_are_checked_by_the_request_model():
@@ -170,9 +211,13 @@ def test_history_reaches_the_template_as_transformers_takes_it():
     assert conv[0] == {"role": "system", "content": "Be brief."}
     assert conv[2] == {"role": "assistant", "content": None, "tool_calls": [call]}
     assert conv[3] == {"role": "tool", "content": "sunny", "tool_call_id": "c1"}
-    # A template that cannot show the calls gets them as text, in the format it is asked to write.
-    conv = ignoring().conversation(request(messages=messages).messages)
-    assert json.loads(conv[2]["content"]) == [{"name": "get_weather", "arguments": {"city": "Paris"}}]
+    # A template that cannot show the calls gets them as text, in the format it is asked to write:
+    # the parser's under auto, the JSON list when forced.
+    auto = ignoring().plan(request(messages=messages)).conversation
+    assert auto[2]["content"] == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    assert auto[3] == {"role": "tool", "content": "sunny", "tool_call_id": "c1"}
+    forced = ignoring().plan(request(messages=messages, tool_choice="required")).conversation
+    assert json.loads(forced[2]["content"]) == [{"name": "get_weather", "arguments": {"city": "Paris"}}]
 
 
 def test_templates_are_probed_for_tools(smol_dir):
@@ -183,5 +228,43 @@ def test_templates_are_probed_for_tools(smol_dir):
     assert not stock.renders_tools and not stock.renders_tool_calls  # SmolLM2's template ignores them
     hermes = Tokenization(tok, num_threads=1, chat_template=HERMES_TEMPLATE.read_text())
     assert hermes.renders_tools and hermes.renders_tool_calls
-    stock.close()
-    hermes.close()
+    assert stock.system_role and hermes.system_role
+    no_system = Tokenization(tok, num_threads=1, chat_template=NO_SYSTEM_TEMPLATE)
+    assert not no_system.system_role and not no_system.renders_tools
+    for t in (stock, hermes, no_system):
+        t.close()
+
+
+def test_a_template_without_system_and_tool_roles_renders_a_tool_loop(smol_dir):
+    """Gemma's shape: the description opens the first user message, and the results of a turn's calls come
+    back as one user turn, so that roles alternate and the template renders the follow-up."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smol_dir)
+    t = Tokenization(tok, num_threads=1, chat_template=ALTERNATING_TEMPLATE)
+    assert (t.renders_tools, t.renders_tool_calls, t.system_role, t.tool_role) == (False, False, False, False)
+    tc = ToolCalling("hermes", True, t.renders_tools, t.renders_tool_calls, t.system_role, t.tool_role)
+    calls = [
+        {"id": f"c{i}", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps({"city": c})}}
+        for i, c in enumerate(("Paris", "Oslo"))
+    ]
+    messages = [
+        *USER,
+        {"role": "assistant", "content": None, "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "c0", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "c1", "content": "rain"},
+        {"role": "user", "content": "And tomorrow?"},
+    ]
+    plan = tc.plan(request(messages=messages))
+    assert [m["role"] for m in plan.conversation] == ["user", "assistant", "user"]
+    assert plan.conversation[0]["content"].startswith("You can call functions.")
+    assert plan.conversation[1]["content"].count("<tool_call>") == 2
+    assert plan.conversation[2]["content"] == (
+        "get_weather returned: sunny\n\nget_weather returned: rain\n\nAnd tomorrow?"
+    )
+    text = tok.decode(asyncio.run(t.encode_chat(plan.conversation)))
+    assert '<start_of_turn>model\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in text
+    assert text.endswith("And tomorrow?<end_of_turn>\n<start_of_turn>model\n")
+    t.close()

@@ -139,6 +139,52 @@ def test_stream_split_anywhere_reassembles_to_the_whole(name, text, content, cal
                 seen = e.index
 
 
+@pytest.mark.parametrize("name,text,content,calls", [c for c in CASES if c[3]])
+def test_an_output_cut_inside_a_call_gives_its_text_as_content(name, text, content, calls):
+    """max_tokens may end an output anywhere: a whole output returns only complete calls, and the text of
+    the call it ended inside as content; a stream emits that text too unless the call's name went out."""
+    parser, full = _parser(name), [ToolCall(n, a) for n, a in calls]
+    for i in range(len(text) + 1):
+        got_content, got_calls = parser.extract(text[:i])
+        assert got_calls == full[: len(got_calls)], text[:i]
+        assert got_content or got_calls or not text[:i].strip(), text[:i]
+        streamed = parser.stream()
+        events = streamed.feed(text[:i]) + streamed.finish()
+        stream_content, stream_calls = assemble(events)
+        if streamed.cut:  # the stream sent the call's name and arguments so far; a whole output has its text
+            assert stream_calls[:-1] == got_calls and got_content == stream_content + streamed.cut
+        else:
+            assert (stream_content, stream_calls) == (got_content, got_calls)
+
+
+def test_cut_calls_by_example():
+    hermes, mistral = TOOL_PARSERS["hermes"](), TOOL_PARSERS["mistral"]()
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    for cut in ("<tool_call>\n{", '<tool_call>\n{"na', '<tool_call>\n{"name": "get_weather", "arguments": {"ci'):
+        assert hermes.extract("Let me see. " + cut) == ("Let me see. " + cut, [])
+    # The JSON is whole, its closing tag cut: a complete call.
+    assert hermes.extract(call[:-3]) == ("", [ToolCall("get_weather", '{"city": "Paris"}')])
+    assert hermes.extract(call + "\n" + call[:20]) == ("\n" + call[:20], [ToolCall("get_weather", '{"city": "Paris"}')])
+    first = '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": 2}}'
+    assert mistral.extract(first + ', {"name": "ad') == (', {"name": "ad', [ToolCall("add", '{"a": 1, "b": 2}')])
+
+
+@pytest.mark.parametrize("name", [*TOOL_PARSERS, "json_list"])
+def test_rendered_calls_read_back_and_follow_the_grammar(smol_dir, name):
+    """Past calls are written as the model is asked to write them: the parser reads them back, and the
+    grammar accepts them; the example that describes the format names no function."""
+    parser, tok = _parser(name), _tokenizer(smol_dir)
+    calls = [
+        ("get_weather", {"city": 'S\u00e3o "Paulo"', "unit": "celsius"}),
+        ("add", {"a": 1.5, "b": 2, "exact": True}),
+    ]
+    text = parser.render([parser.call_text(n, a) for n, a in calls])
+    content, got = parser.extract(text)
+    assert content == "" and [(c.name, json.loads(c.arguments)) for c in got] == calls
+    assert _accepts(tok, parser.grammar([WEATHER, ADD], free=False, parallel=True), text)
+    assert "<function name>" in parser.render([parser.example_call]) and not parser.extract(parser.example_call)[1]
+
+
 def _tokenizer(smol_dir) -> llguidance.LLTokenizer:
     return llguidance.LLTokenizer((smol_dir / "tokenizer.json").read_text())
 

@@ -46,14 +46,33 @@ class ToolParser(ABC):
     def call_rules(self, tools: list[ToolSpec]) -> str:
         """Lark rules defining ``call``: a call of one of ``tools`` with arguments valid for its schema."""
 
+    @abstractmethod
+    def call_text(self, name: str, arguments: dict) -> str:
+        """One call as the grammar writes it, without its tags."""
+
+    @property
+    @abstractmethod
+    def example_call(self) -> str:
+        """One call with placeholders for its name and arguments, for telling the model the format."""
+
+    def render(self, calls: list[str]) -> str:
+        """Calls (each from ``call_text`` or ``example_call``) laid out as the model writes them."""
+        head = "" if self.trigger_in_region else self.trigger
+        one = [self.call_open + c + self.call_close for c in calls]
+        return head + self.region_open + self.separator.join(one) + self.region_close
+
     def stream(self) -> ToolCallStream:
         """A parser state for one output."""
         return ToolCallStream(self)
 
     def extract(self, text: str) -> tuple[str, list[ToolCall]]:
-        """The content and calls of a whole output."""
+        """The content and calls of a whole output; a call it ends inside is content, not a broken call."""
         s = self.stream()
-        return assemble(s.feed(text) + s.finish())
+        content, calls = assemble(s.feed(text) + s.finish())
+        if s.cut:
+            calls.pop()
+            content += s.cut
+        return content, calls
 
     def grammar(self, tools: list[ToolSpec], *, free: bool, parallel: bool) -> str:
         """The grammar (llguidance's Lark) of an output in this format.

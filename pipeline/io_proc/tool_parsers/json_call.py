@@ -34,6 +34,13 @@ class JsonToolParser(ToolParser):
     def call_rules(self, tools: list[ToolSpec]) -> str:
         return json_call_rules(tools, self.args_keys[0])
 
+    def call_text(self, name: str, arguments: dict) -> str:
+        return json.dumps({"name": name, self.args_keys[0]: arguments}, ensure_ascii=False)
+
+    @property
+    def example_call(self) -> str:
+        return '{"name": <function name>, ' + json.dumps(self.args_keys[0]) + ": <arguments object>}"
+
 
 _WS = " \t\n\r"
 

@@ -25,8 +25,13 @@ class PythonicToolParser(ToolParser):
     separator = ", "
     region_close = "]"
 
+    example_call = "<function name>(<argument name>=<value>, ...)"
+
     def call_scanner(self) -> CallScanner:
         return _PythonCallScanner()
+
+    def call_text(self, name: str, arguments: dict) -> str:
+        return f"{name}({', '.join(f'{k}={_python(v)}' for k, v in arguments.items())})"
 
     def call_rules(self, tools: list[ToolSpec]) -> str:
         g = _PythonLiteralGrammar()
@@ -185,3 +190,14 @@ class _PythonLiteralGrammar:
 def _literal(v: object) -> str:
     """Lark for the Python literal of JSON value ``v``."""
     return json.dumps(repr(v) if not isinstance(v, str) else json.dumps(v))
+
+
+def _python(v: object) -> str:
+    """The Python literal of JSON value ``v`` (a JSON string is a Python string literal too)."""
+    if isinstance(v, bool) or v is None:
+        return repr(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(map(_python, v)) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_python(k)}: {_python(x)}" for k, x in v.items()) + "}"
+    return json.dumps(v, ensure_ascii=False)

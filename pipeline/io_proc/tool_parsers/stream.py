@@ -25,6 +25,12 @@ class ToolCallStream:
     Text that may begin the trigger or a tag is held back until it is told
     apart. Where the text stops following the format, the rest is content,
     from the start of the call it was in if nothing of that call was emitted.
+    An output that ends inside a call (``max_tokens``) gives that call's text
+    as content if its name was not emitted, else as ``cut``.
+
+    Attributes:
+        cut: after ``finish``, the text of a call the output ended inside whose
+            name and arguments so far were emitted ("" if none).
     """
 
     def __init__(self, parser: ToolParser):
@@ -37,6 +43,7 @@ class ToolCallStream:
         self._num_calls = 0
         self._named = False  # the current call's name was emitted
         self._trim = False  # in _TAIL after the calls: leading whitespace is dropped
+        self.cut = ""
 
     def feed(self, text: str) -> list[Event]:
         """Events for ``text``, the output's next delta."""
@@ -52,6 +59,12 @@ class ToolCallStream:
         rest = self._buf.lstrip() if self._state == _AFTER_CALL or self._trim else self._buf
         if rest and self._state in (_TEXT, _TAIL, _AFTER_CALL):
             out.append(rest)  # text after the calls, or a trigger's start that never completed
+        elif self._state in (_REGION_OPEN, _CALL_OPEN, _CALL) and self._raw + rest:
+            # Ended inside a call: its text must not vanish.
+            if self._named:
+                self.cut = self._raw + rest
+            else:
+                out.append(self._raw + rest)
         self._buf = ""
         return out
 
