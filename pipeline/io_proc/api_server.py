@@ -12,12 +12,14 @@ types, out-of-range values) is HTTP 400 ``invalid_request_error`` (FastAPI's
 422 is replaced, as the OpenAI API and vLLM answer 400); an unknown model is
 404 ``model_not_found``; a body over ``max_request_body_bytes`` is 413 (see
 ``pipeline.io_proc.http_limits``); unknown routes and methods keep their
-status; anything unexpected is 500 and affects only its own request.
+status; anything unexpected is 500 and affects only its own request, whose
+connection stays open for the next (``InternalErrors``).
 """
 
 from __future__ import annotations
 
 import hmac
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -26,7 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pipeline.common.config import EngineConfig
 from pipeline.common.heartbeat import Heartbeats
@@ -45,6 +47,8 @@ from pipeline.io_proc.serving_chat import OpenAIServingChat
 from pipeline.io_proc.serving_completion import OpenAIServingCompletion
 from pipeline.io_proc.serving_tokenization import OpenAIServingTokenization
 from pipeline.io_proc.tokenization import Tokenization
+
+logger = logging.getLogger(__name__)
 
 # How long /metrics waits for the scheduler's Stats reply.
 STATS_TIMEOUT_S = 5.0
@@ -125,6 +129,40 @@ class ApiKeyAuth:
         await self.app(scope, receive, send)
 
 
+class InternalErrors:
+    """ASGI middleware: an exception the app did not turn into a response becomes a logged 500 with an
+    OpenAI error object (``internal_server_error``), and goes no further.
+
+    Starlette's own handler for ``Exception`` answers the 500 and then re-raises, and uvicorn closes
+    the connection of a request that raised after its response started: the client's next request
+    on that kept-alive connection was reset. A stream that fails after its headers still ends that way
+    (nothing else can tell the client its body is incomplete); the streams catch their own errors.
+    """
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except Exception as exc:
+            if started:
+                raise
+            logger.exception("%s %s failed", scope["method"], scope["path"])
+            response = _error(500, f"internal server error: {type(exc).__name__}", "internal_server_error")
+            await response(scope, receive, send)
+
+
 def build_app(
     config: EngineConfig,
     client: EngineClient,
@@ -176,6 +214,8 @@ def build_app(
             await client.stop()
 
     app = FastAPI(title="pipeline", lifespan=lifespan)
+    # Innermost: what escapes the routes' exception handlers is answered here, below the body limit.
+    app.add_middleware(InternalErrors)
     app.add_middleware(RequestBodyLimit, max_bytes=config.max_request_body_bytes)
     if config.api_key:
         # Added last, so it runs first: an unauthenticated body is never read.
@@ -193,11 +233,6 @@ def build_app(
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, exc: StarletteHTTPException) -> Response:
         return _error(exc.status_code, str(exc.detail), _ERROR_TYPES.get(exc.status_code, "api_error"))
-
-    @app.exception_handler(Exception)
-    async def _internal_error(_request: Request, exc: Exception) -> Response:
-        # Starlette re-raises after this response, so uvicorn logs the traceback.
-        return _error(500, f"internal server error: {type(exc).__name__}", "internal_server_error")
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
