@@ -34,6 +34,7 @@ from pipeline.common.config import EngineConfig
 from pipeline.common.heartbeat import Heartbeats
 from pipeline.io_proc.engine_client import EngineClient
 from pipeline.io_proc.http_limits import RequestBodyLimit
+from pipeline.io_proc.json_limits import too_deep_message
 from pipeline.io_proc.metrics import PipelineMetrics
 from pipeline.io_proc.protocol import APIError, ErrorInfo, ErrorResponse, ModelCard, ModelList
 from pipeline.io_proc.protocol_chat import ChatCompletionRequest
@@ -232,6 +233,8 @@ def build_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, exc: StarletteHTTPException) -> Response:
+        if isinstance(exc.__cause__, RecursionError):  # FastAPI's json.loads of the body
+            return _error(400, too_deep_message("the request body"), "invalid_request_error")
         return _error(exc.status_code, str(exc.detail), _ERROR_TYPES.get(exc.status_code, "api_error"))
 
     @app.post("/v1/chat/completions")

@@ -3,8 +3,11 @@ tools, ``text.format`` to ``response_format``; chat errors named as the Response
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import BaseModel, ConfigDict, Field
 
+from pipeline.io_proc.json_limits import Shallow
 from pipeline.io_proc.protocol import APIError
 
 # Content parts whose text a message may carry.
@@ -17,19 +20,19 @@ class ResponsesRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     model: str | None = None
-    input: str | list[dict]
+    input: Annotated[str | list[dict], Shallow]
     instructions: str | None = None
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
+    tools: Annotated[list[dict] | None, Shallow] = None
+    tool_choice: Annotated[str | dict | None, Shallow] = None
     parallel_tool_calls: bool | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    text: dict | None = None
+    text: Annotated[dict | None, Shallow] = None
     stream: bool = False
     store: bool = False
     previous_response_id: str | None = None
-    metadata: dict | None = None
+    metadata: Annotated[dict | None, Shallow] = None
 
 
 def input_items(req: ResponsesRequest) -> list[dict]:

@@ -15,7 +15,8 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pipeline.common.grammar import GrammarError, build_grammar, check_grammar
+from pipeline.common.grammar import GrammarError, build_grammar, check_finite, check_grammar
+from pipeline.io_proc.json_limits import loads
 from pipeline.io_proc.protocol import APIError
 from pipeline.io_proc.protocol_chat import (
     ChatCompletionRequest,
@@ -158,9 +159,9 @@ class ToolCalling:
                     call_ids.add(c.id)
                     param = f"messages[{i}].tool_calls[{j}].function.arguments"
                     try:
-                        args = json.loads(c.function.arguments)
-                    except ValueError:
-                        args = None
+                        args = loads(c.function.arguments)
+                    except ValueError as e:
+                        raise APIError.bad_request(f"{param} must be a JSON object as text: {e}", param=param) from None
                     if not isinstance(args, dict):
                         raise APIError.bad_request(f"{param} must be a JSON object as text", param=param)
                     calls.append(
@@ -210,7 +211,10 @@ def _tool_specs(tools: list[ChatTool]) -> list[ToolSpec]:
                 param=f"tools[{i}].function.parameters",
             )
         try:
+            check_finite(params, f"tools[{i}].function.parameters")
             specs.append(ToolSpec(f.name, _closed(params)))
+        except GrammarError as e:
+            raise APIError.bad_request(str(e), param=e.param) from None
         except RecursionError:
             raise APIError.bad_request(
                 f"tools[{i}].function.parameters is nested too deeply to be a JSON schema",
