@@ -24,14 +24,17 @@ _Productive = Callable[[object], bool]
 
 def admits_finite_value(schema: object) -> bool:
     """Whether ``schema`` (a JSON schema, parsed) has a finite value, as far as its references and
-    required parts tell; True where unsure."""
+    required parts tell; True where unsure, and for a schema without references (a finite tree)."""
     nodes = _subschemas(schema)
+    if not any("$ref" in node for node in nodes):
+        # A tree: only a `false` part can leave it without values, and llguidance refuses those.
+        return schema is not False
     productive: set[int] = set()
 
     def known(s: object) -> bool:
         return not isinstance(s, dict) and s is not False or id(s) in productive
 
-    # A worklist: each sub-schema is looked at again only when one it depends on turns productive.
+    # A worklist: each sub-schema is looked at again when one it depends on turns productive.
     dependents: dict[int, list[dict]] = {}
     for node in nodes:
         for part in _parts(node, schema):

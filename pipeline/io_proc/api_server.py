@@ -18,14 +18,18 @@ connection stays open for the next (``InternalErrors``).
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -74,18 +78,9 @@ def _is_json(content_type: str | None) -> bool:
     return media_type == "application/json" or (media_type.startswith("application/") and media_type.endswith("+json"))
 
 
-def _validation_message(exc: RequestValidationError, content_type: str | None) -> tuple[str, str | None]:
-    """A readable message and the offending parameter of a validation failure."""
-    errors = exc.errors()
-    if not errors:
-        return "invalid request", None
+def _errors_message(errors: list) -> tuple[str, str | None]:
+    """A readable message and the offending parameter of pydantic's errors (at least one)."""
     first = errors[0]
-    if first.get("type") == "json_invalid":
-        return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', 'decode error')}", None
-    if tuple(first.get("loc", ())) == ("body",) and not _is_json(content_type):
-        # FastAPI parses only a JSON content type; any other leaves the body as bytes.
-        got = f"Content-Type {content_type!r}" if content_type else "no Content-Type"
-        return f"the request body must be JSON sent with Content-Type: application/json (got {got})", None
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     msg = first.get("msg", "invalid value").removeprefix("Value error, ")
@@ -93,6 +88,40 @@ def _validation_message(exc: RequestValidationError, content_type: str | None) -
     if len(errors) > 1:
         text += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
     return text, param
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+async def _body(request: Request, model: type[M]) -> M:
+    """The request's JSON body as ``model``, parsed and validated on a thread: megabytes of tools take tens
+    of milliseconds, which the event loop must not spend (``/health`` and the streams wait on it).
+
+    Raises:
+        APIError: 400 for a body that is not JSON, nests past ``json``'s limit, or is not a valid ``model``.
+    """
+    body = await request.body()
+    return await asyncio.to_thread(_parse_body, body, request.headers.get("content-type"), model)
+
+
+def _parse_body(body: bytes, content_type: str | None, model: type[M]) -> M:
+    if not _is_json(content_type):
+        got = f"Content-Type {content_type!r}" if content_type else "no Content-Type"
+        raise APIError.bad_request(
+            f"the request body must be JSON sent with Content-Type: application/json (got {got})"
+        )
+    try:
+        value = json.loads(body)
+    except RecursionError:
+        raise APIError.bad_request(too_deep_message("the request body")) from None
+    except json.JSONDecodeError as e:
+        raise APIError.bad_request(f"the request body is not valid JSON: {e.msg}") from None
+    except ValueError as e:  # not UTF-8
+        raise APIError.bad_request(f"the request body is not valid JSON: {e}") from None
+    try:
+        return model.model_validate(value)
+    except ValidationError as e:
+        raise APIError.bad_request(*_errors_message(e.errors())) from None
 
 
 # Routes that answer without an API key: probes and scrapers carry none.
@@ -227,27 +256,25 @@ def build_app(
         return _error(exc.status_code, exc.message, exc.type, exc.param, exc.code)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
-        message, param = _validation_message(exc, request.headers.get("content-type"))
+    async def _validation_error(_request: Request, exc: RequestValidationError) -> Response:
+        message, param = _errors_message(exc.errors()) if exc.errors() else ("invalid request", None)
         return _error(400, message, "invalid_request_error", param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, exc: StarletteHTTPException) -> Response:
-        if isinstance(exc.__cause__, RecursionError):  # FastAPI's json.loads of the body
-            return _error(400, too_deep_message("the request body"), "invalid_request_error")
         return _error(exc.status_code, str(exc.detail), _ERROR_TYPES.get(exc.status_code, "api_error"))
 
     @app.post("/v1/chat/completions")
-    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
-        return await chat.chat(request, raw_request)
+    async def create_chat_completion(raw_request: Request) -> Response:
+        return await chat.chat(await _body(raw_request, ChatCompletionRequest), raw_request)
 
     @app.post("/v1/completions")
-    async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
-        return await completion.completion(request, raw_request)
+    async def create_completion(raw_request: Request) -> Response:
+        return await completion.completion(await _body(raw_request, CompletionRequest), raw_request)
 
     @app.post("/v1/responses")
-    async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
-        return await responses.create(request, raw_request)
+    async def create_response(raw_request: Request) -> Response:
+        return await responses.create(await _body(raw_request, ResponsesRequest), raw_request)
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str) -> Response:
@@ -258,12 +285,12 @@ def build_app(
         return responses.delete(response_id)
 
     @app.post("/tokenize")
-    async def tokenize(request: TokenizeRequest) -> Response:
-        return await tokenizer.tokenize(request)
+    async def tokenize(raw_request: Request) -> Response:
+        return await tokenizer.tokenize(await _body(raw_request, TokenizeRequest))
 
     @app.post("/detokenize")
-    async def detokenize(request: DetokenizeRequest) -> Response:
-        return await tokenizer.detokenize(request)
+    async def detokenize(raw_request: Request) -> Response:
+        return await tokenizer.detokenize(await _body(raw_request, DetokenizeRequest))
 
     @app.get("/v1/models")
     async def show_models() -> Response:
