@@ -12,6 +12,8 @@ from pipeline.io_proc.protocol import APIError
 
 # Content parts whose text a message may carry.
 _TEXT_PARTS = ("input_text", "output_text", "text")
+# The fields of an input item that become chat messages.
+_ITEM_FIELDS = ("type", "role", "content", "call_id", "name", "arguments", "output")
 
 
 class ResponsesRequest(BaseModel):
@@ -40,6 +42,23 @@ def input_items(req: ResponsesRequest) -> list[dict]:
     if isinstance(req.input, str):
         return [{"type": "message", "role": "user", "content": req.input}]
     return req.input
+
+
+def stored_items(items: list[dict]) -> list[dict]:
+    """``items`` as a follow-up reads them: only the fields ``chat_messages`` uses, and no ``reasoning``
+    items (they carry nothing this server's models read), so that what the store keeps is what the
+    prompt holds."""
+    out = []
+    for item in items:
+        kind = item.get("type", "message")
+        if kind == "reasoning":
+            continue
+        kept = {k: item[k] for k in _ITEM_FIELDS if k in item}
+        for key in ("content", "output"):  # text parts as the text they join to (checked already)
+            if key in kept:
+                kept[key] = _text(kept[key], key)
+        out.append(kept)
+    return out
 
 
 def chat_messages(items: list[dict], instructions: str | None) -> list[dict]:
