@@ -3,8 +3,8 @@
 A stored response keeps only the items its request added (its input and output) and a link to the
 response it continued: a chain of follow-ups shares its history instead of copying it per hop.
 Bounded three ways, each evicting the oldest first: entries, bytes and age. The bytes bound counts
-what the store keeps alive: an evicted response whose items a kept follow-up still reaches stays
-counted until that follow-up goes too. docs/design.md, "The Responses API".
+what the store keeps alive: an evicted response whose items a kept follow-up still reaches keeps
+them (not its response object) counted until that follow-up goes too. docs/design.md, "The Responses API".
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class ResponseStore:
         self._hold(entry)  # its history first, so that evicting the oldest cannot free it
         self._expire()
         while self._entries and (len(self._entries) >= self._max_entries or self.num_bytes > self._max_bytes):
-            self._release(self._entries.popitem(last=False)[1])
+            self._unindex(self._entries.popitem(last=False)[1])
         if self.num_bytes > self._max_bytes:  # its history alone is too large
             self._release(entry)
             return False
@@ -84,13 +84,20 @@ class ResponseStore:
         entry = self._entries.pop(response_id, None)
         if entry is None:
             return False
-        self._release(entry)
+        self._unindex(entry)
         return True
 
     def _expire(self) -> None:
         deadline = self._clock() - self._max_age_s
         while self._entries and next(iter(self._entries.values())).stored_at < deadline:
-            self._release(self._entries.popitem(last=False)[1])
+            self._unindex(self._entries.popitem(last=False)[1])
+
+    def _unindex(self, entry: StoredResponse) -> None:
+        """``entry`` is no longer found by its id: its response object goes at once, its items when no
+        kept follow-up reaches them."""
+        self.num_bytes -= len(entry.response)
+        entry.response = b""
+        self._release(entry)
 
     def _hold(self, entry: StoredResponse) -> None:
         """Count one more holder of ``entry``; its bytes (and its history's, once) from the first."""

@@ -60,9 +60,9 @@ def test_a_chain_of_follow_ups_shares_its_history():
 
 def test_history_a_kept_follow_up_reaches_stays_counted_until_it_goes():
     store = ResponseStore(max_entries=2, max_bytes=1000, max_age_s=60, clock=Clock())
-    store.put("a", b"", b'["' + b"a" * 96 + b'"]')  # 100 bytes
+    store.put("a", b"{}", b'["' + b"a" * 96 + b'"]')  # 2 + 100 bytes
     store.put("b", b"", b'["bbbbbb"]', store.get("a"))  # 10
-    store.put("c", b"", b"[]")  # evicts a from the index; b still reaches its items
+    store.put("c", b"", b"[]")  # evicts a from the index, and its response; b still reaches its items
     assert store.get("a") is None and store.get("b").conversation() == ["a" * 96, "bbbbbb"]
     assert store.num_bytes == 112
     store.delete("b")
