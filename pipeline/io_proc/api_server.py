@@ -91,17 +91,22 @@ def _errors_message(errors: list) -> tuple[str, str | None]:
 
 
 M = TypeVar("M", bound=BaseModel)
+# Bodies up to this size are parsed on the event loop; larger ones on a thread.
+_INLINE_BODY_BYTES = 64 * 1024
 
 
 async def _body(request: Request, model: type[M]) -> M:
-    """The request's JSON body as ``model``, parsed and validated on a thread: megabytes of tools take tens
-    of milliseconds, which the event loop must not spend (``/health`` and the streams wait on it).
+    """The request's JSON body as ``model``, parsed and validated, a large one on a thread: megabytes of
+    tools take tens of milliseconds, which the event loop must not spend (``/health`` and the streams
+    wait on it).
 
     Raises:
         APIError: 400 for a body that is not JSON, nests past ``json``'s limit, or is not a valid ``model``.
     """
-    body = await request.body()
-    return await asyncio.to_thread(_parse_body, body, request.headers.get("content-type"), model)
+    body, content_type = await request.body(), request.headers.get("content-type")
+    if len(body) <= _INLINE_BODY_BYTES:  # microseconds: not worth a thread, nor a wait behind large ones
+        return _parse_body(body, content_type, model)
+    return await asyncio.to_thread(_parse_body, body, content_type, model)
 
 
 def _parse_body(body: bytes, content_type: str | None, model: type[M]) -> M:
