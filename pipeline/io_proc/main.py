@@ -189,9 +189,11 @@ class IoProc:
             if self.heartbeats is not None:
                 # As old as the reader thread's last turn: a stuck thread or a stuck loop both stop the beat.
                 self.heartbeats.beat(_NAME, client.reader_turn)
-            # A burst of requests, or of large bodies that may never become requests (refused ones).
-            if burst.passed(client.num_live) | heap.passed(heap_in_use()):
+            if burst.passed(client.num_live):
                 await asyncio.to_thread(_release_memory)
+            elif heap.passed(heap_in_use()):
+                # Large bodies, refused or not, freed their heap; no collection (it would hold the GIL).
+                await asyncio.to_thread(trim_heap)
             await asyncio.sleep(_WATCH_INTERVAL_S)
         if serving.done() and not stop.is_set():
             logger.error("the HTTP server stopped on its own; exiting")
