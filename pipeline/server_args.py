@@ -101,8 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--responses-store-max-bytes",
         type=int,
         default=64 * 2**20,
-        help="/v1/responses: bytes the stored responses may take in all (their JSON size, "
-        "conversation included); beyond it the oldest are dropped.",
+        help="/v1/responses: bytes the stored responses may keep alive in all (their JSON size; a "
+        "follow-up shares its history); beyond it the oldest are dropped, and one that cannot fit "
+        "alone is not kept (it says store: false).",
     )
     p.add_argument(
         "--responses-store-max-age",

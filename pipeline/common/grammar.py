@@ -22,6 +22,8 @@ from pathlib import Path
 
 import llguidance
 
+from pipeline.common.finite_schema import admits_finite_value
+
 # llguidance's Earley parser keeps at most this many items in a row (its
 # default max_items_in_row is 2,000): a choice list whose entries share a
 # prefix puts one item per entry in a row, so more entries than this would
@@ -40,8 +42,9 @@ class GrammarError(ValueError):
 def build_grammar(kind: str, spec: object, param: str) -> str:
     """The llguidance grammar for one structured-output request.
 
-    Its form is checked here; whether llguidance can compile it (and within
-    the memory a request may take) is found when the scheduler compiles it.
+    Its form is checked here, and a JSON schema that admits only infinite
+    values is refused; whether llguidance can compile it (and within the
+    memory a request may take) is found when the scheduler compiles it.
 
     Args:
         kind: ``"json_object"`` (any JSON object), ``"json_schema"`` (``spec``
@@ -57,15 +60,18 @@ def build_grammar(kind: str, spec: object, param: str) -> str:
         The grammar as llguidance's JSON text (``LLMatcher`` takes it).
 
     Raises:
-        GrammarError: the schema, regex or choice list is malformed or not supported.
+        GrammarError: the schema, regex or choice list is malformed or not supported, or the
+            schema admits no finite value.
     """
     if kind == "json_object":
         kind, spec = "json_schema", {"type": "object"}
     try:
         if kind == "json_schema":
             text = spec if isinstance(spec, str) else json.dumps(spec)
-            if not isinstance(json.loads(text), dict):
+            schema = json.loads(text)
+            if not isinstance(schema, dict):
                 raise GrammarError("the JSON schema must be an object", param)
+            check_finite(schema, param)
             grammar = llguidance.LLMatcher.grammar_from_json_schema(text)
         elif kind == "regex":
             grammar = llguidance.LLMatcher.grammar_from_regex(spec)
@@ -90,6 +96,16 @@ def build_grammar(kind: str, spec: object, param: str) -> str:
     except RecursionError:  # json's parser and encoder recurse once per level of nesting
         raise GrammarError(f"{param} is nested too deeply to be a JSON schema", param) from None
     return grammar
+
+
+def check_finite(schema: object, param: str) -> None:
+    """Raise ``GrammarError`` naming ``param`` if the JSON schema admits no finite value (``finite_schema``)."""
+    if not admits_finite_value(schema):
+        raise GrammarError(
+            f"{param} admits no finite value: a required property or item refers back to a schema "
+            "that contains it, with no alternative that ends",
+            param,
+        )
 
 
 def check_grammar(grammar: str, param: str) -> None:

@@ -93,3 +93,36 @@ class BurstWatch:
             return False
         self._peak, self._low_since = live, None
         return True
+
+
+class HeapWatch:
+    """Tells when the malloc heap has stayed ``min_bytes`` below its peak for ``settle_s``: a burst of
+    large work (request bodies, rendered prompts, refused or not) has passed, and the pages it freed
+    can go back to the system.
+
+    Args:
+        min_bytes: how much must have been freed since the peak.
+        settle_s: how long the heap must stay down, so that a burst still under way is not trimmed
+            in the middle (and then not again at its end).
+    """
+
+    def __init__(self, min_bytes: int = 16 * 2**20, settle_s: float = 1.0):
+        self._min_bytes, self._settle_s = min_bytes, settle_s
+        self._peak = 0
+        self._low_since: float | None = None
+
+    def passed(self, in_use: int | None) -> bool:
+        """Note the heap in use now (``heap_in_use``; None: unknown); True once per such shrink."""
+        if in_use is None:
+            return False
+        self._peak = max(self._peak, in_use)
+        if self._peak - in_use < self._min_bytes:
+            self._low_since = None
+            return False
+        now = time.monotonic()
+        if self._low_since is None:
+            self._low_since = now
+        if now - self._low_since < self._settle_s:
+            return False
+        self._peak, self._low_since = in_use, None
+        return True

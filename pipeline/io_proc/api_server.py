@@ -12,26 +12,33 @@ types, out-of-range values) is HTTP 400 ``invalid_request_error`` (FastAPI's
 422 is replaced, as the OpenAI API and vLLM answer 400); an unknown model is
 404 ``model_not_found``; a body over ``max_request_body_bytes`` is 413 (see
 ``pipeline.io_proc.http_limits``); unknown routes and methods keep their
-status; anything unexpected is 500 and affects only its own request.
+status; anything unexpected is 500 and affects only its own request, whose
+connection stays open for the next (``InternalErrors``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pipeline.common.config import EngineConfig
 from pipeline.common.heartbeat import Heartbeats
 from pipeline.io_proc.engine_client import EngineClient
 from pipeline.io_proc.http_limits import RequestBodyLimit
+from pipeline.io_proc.json_limits import too_deep_message
 from pipeline.io_proc.metrics import PipelineMetrics
 from pipeline.io_proc.protocol import APIError, ErrorInfo, ErrorResponse, ModelCard, ModelList
 from pipeline.io_proc.protocol_chat import ChatCompletionRequest
@@ -45,6 +52,8 @@ from pipeline.io_proc.serving_chat import OpenAIServingChat
 from pipeline.io_proc.serving_completion import OpenAIServingCompletion
 from pipeline.io_proc.serving_tokenization import OpenAIServingTokenization
 from pipeline.io_proc.tokenization import Tokenization
+
+logger = logging.getLogger(__name__)
 
 # How long /metrics waits for the scheduler's Stats reply.
 STATS_TIMEOUT_S = 5.0
@@ -69,18 +78,9 @@ def _is_json(content_type: str | None) -> bool:
     return media_type == "application/json" or (media_type.startswith("application/") and media_type.endswith("+json"))
 
 
-def _validation_message(exc: RequestValidationError, content_type: str | None) -> tuple[str, str | None]:
-    """A readable message and the offending parameter of a validation failure."""
-    errors = exc.errors()
-    if not errors:
-        return "invalid request", None
+def _errors_message(errors: list) -> tuple[str, str | None]:
+    """A readable message and the offending parameter of pydantic's errors (at least one)."""
     first = errors[0]
-    if first.get("type") == "json_invalid":
-        return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', 'decode error')}", None
-    if tuple(first.get("loc", ())) == ("body",) and not _is_json(content_type):
-        # FastAPI parses only a JSON content type; any other leaves the body as bytes.
-        got = f"Content-Type {content_type!r}" if content_type else "no Content-Type"
-        return f"the request body must be JSON sent with Content-Type: application/json (got {got})", None
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     msg = first.get("msg", "invalid value").removeprefix("Value error, ")
@@ -88,6 +88,45 @@ def _validation_message(exc: RequestValidationError, content_type: str | None) -
     if len(errors) > 1:
         text += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
     return text, param
+
+
+M = TypeVar("M", bound=BaseModel)
+# Bodies up to this size are parsed on the event loop; larger ones on a thread.
+_INLINE_BODY_BYTES = 64 * 1024
+
+
+async def _body(request: Request, model: type[M]) -> M:
+    """The request's JSON body as ``model``, parsed and validated, a large one on a thread: megabytes of
+    tools take tens of milliseconds, which the event loop must not spend (``/health`` and the streams
+    wait on it).
+
+    Raises:
+        APIError: 400 for a body that is not JSON, nests past ``json``'s limit, or is not a valid ``model``.
+    """
+    body, content_type = await request.body(), request.headers.get("content-type")
+    if len(body) <= _INLINE_BODY_BYTES:  # microseconds: not worth a thread, nor a wait behind large ones
+        return _parse_body(body, content_type, model)
+    return await asyncio.to_thread(_parse_body, body, content_type, model)
+
+
+def _parse_body(body: bytes, content_type: str | None, model: type[M]) -> M:
+    if not _is_json(content_type):
+        got = f"Content-Type {content_type!r}" if content_type else "no Content-Type"
+        raise APIError.bad_request(
+            f"the request body must be JSON sent with Content-Type: application/json (got {got})"
+        )
+    try:
+        value = json.loads(body)
+    except RecursionError:
+        raise APIError.bad_request(too_deep_message("the request body")) from None
+    except json.JSONDecodeError as e:
+        raise APIError.bad_request(f"the request body is not valid JSON: {e.msg}") from None
+    except ValueError as e:  # not UTF-8
+        raise APIError.bad_request(f"the request body is not valid JSON: {e}") from None
+    try:
+        return model.model_validate(value)
+    except ValidationError as e:
+        raise APIError.bad_request(*_errors_message(e.errors())) from None
 
 
 # Routes that answer without an API key: probes and scrapers carry none.
@@ -123,6 +162,40 @@ class ApiKeyAuth:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class InternalErrors:
+    """ASGI middleware: an exception the app did not turn into a response becomes a logged 500 with an
+    OpenAI error object (``internal_server_error``), and goes no further.
+
+    Starlette's own handler for ``Exception`` answers the 500 and then re-raises, and uvicorn closes
+    the connection of a request that raised after its response started: the client's next request
+    on that kept-alive connection was reset. A stream that fails after its headers still ends that way
+    (nothing else can tell the client its body is incomplete); the streams catch their own errors.
+    """
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except Exception as exc:
+            if started:
+                raise
+            logger.exception("%s %s failed", scope["method"], scope["path"])
+            response = _error(500, f"internal server error: {type(exc).__name__}", "internal_server_error")
+            await response(scope, receive, send)
 
 
 def build_app(
@@ -185,6 +258,8 @@ def build_app(
             await client.stop()
 
     app = FastAPI(title="pipeline", lifespan=lifespan)
+    # Innermost: what escapes the routes' exception handlers is answered here, below the body limit.
+    app.add_middleware(InternalErrors)
     app.add_middleware(RequestBodyLimit, max_bytes=config.max_request_body_bytes)
     if config.api_key:
         # Added last, so it runs first: an unauthenticated body is never read.
@@ -195,30 +270,25 @@ def build_app(
         return _error(exc.status_code, exc.message, exc.type, exc.param, exc.code)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
-        message, param = _validation_message(exc, request.headers.get("content-type"))
+    async def _validation_error(_request: Request, exc: RequestValidationError) -> Response:
+        message, param = _errors_message(exc.errors()) if exc.errors() else ("invalid request", None)
         return _error(400, message, "invalid_request_error", param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, exc: StarletteHTTPException) -> Response:
         return _error(exc.status_code, str(exc.detail), _ERROR_TYPES.get(exc.status_code, "api_error"))
 
-    @app.exception_handler(Exception)
-    async def _internal_error(_request: Request, exc: Exception) -> Response:
-        # Starlette re-raises after this response, so uvicorn logs the traceback.
-        return _error(500, f"internal server error: {type(exc).__name__}", "internal_server_error")
-
     @app.post("/v1/chat/completions")
-    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
-        return await chat.chat(request, raw_request)
+    async def create_chat_completion(raw_request: Request) -> Response:
+        return await chat.chat(await _body(raw_request, ChatCompletionRequest), raw_request)
 
     @app.post("/v1/completions")
-    async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
-        return await completion.completion(request, raw_request)
+    async def create_completion(raw_request: Request) -> Response:
+        return await completion.completion(await _body(raw_request, CompletionRequest), raw_request)
 
     @app.post("/v1/responses")
-    async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
-        return await responses.create(request, raw_request)
+    async def create_response(raw_request: Request) -> Response:
+        return await responses.create(await _body(raw_request, ResponsesRequest), raw_request)
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str) -> Response:
@@ -229,12 +299,12 @@ def build_app(
         return responses.delete(response_id)
 
     @app.post("/tokenize")
-    async def tokenize(request: TokenizeRequest) -> Response:
-        return await tokenizer.tokenize(request)
+    async def tokenize(raw_request: Request) -> Response:
+        return await tokenizer.tokenize(await _body(raw_request, TokenizeRequest))
 
     @app.post("/detokenize")
-    async def detokenize(request: DetokenizeRequest) -> Response:
-        return await tokenizer.detokenize(request)
+    async def detokenize(raw_request: Request) -> Response:
+        return await tokenizer.detokenize(await _body(raw_request, DetokenizeRequest))
 
     @app.get("/v1/models")
     async def show_models() -> Response:

@@ -17,10 +17,13 @@ omitted from responses unless the request asked for them.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pipeline.common.step_protocol import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
+from pipeline.io_proc.json_limits import Shallow, loads
 
 # The OpenAI API accepts at most four stop sequences.
 MAX_STOP_STRINGS = 4
@@ -141,8 +144,8 @@ class SamplingRequest(OpenAIBaseModel):
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     min_tokens: int = Field(default=0, ge=0)
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
-    response_format: dict | None = None
-    guided_json: dict | str | None = None
+    response_format: Annotated[dict | None, Shallow] = None
+    guided_json: Annotated[dict | str | None, Shallow] = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
 
@@ -195,6 +198,13 @@ class SamplingRequest(OpenAIBaseModel):
                 raise ValueError(f"logit_bias keys must be token ids written as decimal integers, got {key!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {key}")
+        return v
+
+    @field_validator("guided_json")
+    @classmethod
+    def _check_guided_json(cls, v: dict | str | None) -> dict | str | None:
+        if isinstance(v, str):
+            loads(v)  # a schema as JSON text nests no deeper than one given as an object
         return v
 
     @field_validator("stop_token_ids")

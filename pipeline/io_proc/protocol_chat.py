@@ -3,12 +3,13 @@ stream chunks (OpenAI API reference; ``pipeline.io_proc.protocol`` for the conve
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from pipeline.common.step_output import MAX_LOGPROBS
+from pipeline.io_proc.json_limits import Shallow
 from pipeline.io_proc.protocol import OpenAIBaseModel, SamplingRequest, UsageInfo
 
 
@@ -75,7 +76,7 @@ class FunctionDefinition(OpenAIBaseModel):
 
     name: str
     description: str | None = None
-    parameters: dict | None = None
+    parameters: Annotated[dict | None, Shallow] = None
     strict: bool | None = None
 
 
@@ -100,7 +101,7 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # Tool calling (docs/design.md, "Tool calling"): tool_choice is checked where it is served.
     tools: list[ChatTool] | None = None
-    tool_choice: str | dict | None = None
+    tool_choice: Annotated[str | dict | None, Shallow] = None
     parallel_tool_calls: bool | None = None
 
     @field_validator("top_logprobs")

@@ -1,24 +1,41 @@
 """The in-memory store of ``/v1/responses`` objects kept for ``previous_response_id`` (``store: true``).
 
-Bounded three ways, each evicting the oldest first: entries, bytes (each
-entry's encoded size) and age. docs/design.md, "The Responses API".
+A stored response keeps only the items its request added (its input and output) and a link to the
+response it continued: a chain of follow-ups shares its history instead of copying it per hop.
+Bounded three ways, each evicting the oldest first: entries, bytes and age. The bytes bound counts
+what the store keeps alive: an evicted response whose items a kept follow-up still reaches keeps
+them (not its response object) counted until that follow-up goes too. docs/design.md, "The Responses API".
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 
 
-@dataclass(frozen=True)
 class StoredResponse:
-    """A stored response: ``response`` its JSON, ``conversation`` the JSON list of every item up to
-    and including its output (what a follow-up continues)."""
+    """A stored response: ``response`` its JSON, ``items`` the JSON list of the items its request
+    added (input, then output), ``previous`` the stored response it continued (None: none)."""
 
-    response: bytes
-    conversation: bytes
-    stored_at: float
+    __slots__ = ("response", "items", "previous", "stored_at", "_holders")
+
+    def __init__(self, response: bytes, items: bytes, previous: StoredResponse | None, stored_at: float):
+        self.response, self.items, self.previous, self.stored_at = response, items, previous, stored_at
+        self._holders = 0  # the store's index, and the follow-ups whose ``previous`` it is
+
+    @property
+    def size(self) -> int:
+        return len(self.response) + len(self.items)
+
+    def conversation(self) -> list[dict]:
+        """Every item up to and including this response's output, oldest first (decoding: off the event loop)."""
+        chain = []
+        node: StoredResponse | None = self
+        while node is not None:
+            chain.append(node.items)
+            node = node.previous
+        return [item for items in reversed(chain) for item in json.loads(items)]
 
 
 class ResponseStore:
@@ -26,7 +43,8 @@ class ResponseStore:
 
     Args:
         max_entries: responses kept at most (0: none is kept).
-        max_bytes: their JSON bytes at most, in all; a larger one alone is not kept.
+        max_bytes: the JSON bytes the kept responses hold alive, at most; one whose own bytes and
+            history exceed it alone is not kept.
         max_age_s: seconds one is kept.
         clock: seconds, monotonic (tests pass their own).
     """
@@ -40,16 +58,20 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, response_id: str, response: bytes, conversation: bytes) -> bool:
-        """Keep a response, evicting the oldest as the bounds require; False if it alone exceeds them."""
-        size = len(response) + len(conversation)
-        if self._max_entries == 0 or size > self._max_bytes:
+    def put(self, response_id: str, response: bytes, items: bytes, previous: StoredResponse | None = None) -> bool:
+        """Keep a response that continues ``previous``, evicting the oldest as the bounds require; False
+        if it cannot be kept within them."""
+        entry = StoredResponse(response, items, previous, self._clock())
+        if self._max_entries == 0 or entry.size > self._max_bytes:
             return False
+        self._hold(entry)  # its history first, so that evicting the oldest cannot free it
         self._expire()
-        while self._entries and (len(self._entries) >= self._max_entries or self.num_bytes + size > self._max_bytes):
-            self._pop_oldest()
-        self._entries[response_id] = StoredResponse(response, conversation, self._clock())
-        self.num_bytes += size
+        while self._entries and (len(self._entries) >= self._max_entries or self.num_bytes > self._max_bytes):
+            self._unindex(self._entries.popitem(last=False)[1])
+        if self.num_bytes > self._max_bytes:  # its history alone is too large
+            self._release(entry)
+            return False
+        self._entries[response_id] = entry
         return True
 
     def get(self, response_id: str) -> StoredResponse | None:
@@ -62,14 +84,35 @@ class ResponseStore:
         entry = self._entries.pop(response_id, None)
         if entry is None:
             return False
-        self.num_bytes -= len(entry.response) + len(entry.conversation)
+        self._unindex(entry)
         return True
 
     def _expire(self) -> None:
         deadline = self._clock() - self._max_age_s
         while self._entries and next(iter(self._entries.values())).stored_at < deadline:
-            self._pop_oldest()
+            self._unindex(self._entries.popitem(last=False)[1])
 
-    def _pop_oldest(self) -> None:
-        _, entry = self._entries.popitem(last=False)
-        self.num_bytes -= len(entry.response) + len(entry.conversation)
+    def _unindex(self, entry: StoredResponse) -> None:
+        """``entry`` is no longer found by its id: its response object goes at once, its items when no
+        kept follow-up reaches them."""
+        self.num_bytes -= len(entry.response)
+        entry.response = b""
+        self._release(entry)
+
+    def _hold(self, entry: StoredResponse) -> None:
+        """Count one more holder of ``entry``; its bytes (and its history's, once) from the first."""
+        while entry is not None:
+            entry._holders += 1
+            if entry._holders > 1:
+                return
+            self.num_bytes += entry.size
+            entry = entry.previous
+
+    def _release(self, entry: StoredResponse) -> None:
+        """Count one holder less; at none, its bytes go, and its hold on its history."""
+        while entry is not None:
+            entry._holders -= 1
+            if entry._holders > 0:
+                return
+            self.num_bytes -= entry.size
+            entry = entry.previous

@@ -5,12 +5,14 @@ chat tools, ``text.format`` to ``response_format``) and is served as chat
 completions are; the output becomes output items (a message, function calls).
 A stream sends the standard semantic events, each ``event: <type>`` with
 its ``sequence_number``. ``store: true`` keeps the response for
-``previous_response_id`` in a bounded store (``pipeline.io_proc.response_store``);
-the default is stateless. docs/design.md, "The Responses API".
+``previous_response_id`` in a bounded store (``pipeline.io_proc.response_store``),
+and a response the store cannot keep says ``store: false``; the default is stateless.
+docs/design.md, "The Responses API".
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -23,7 +25,7 @@ from pipeline.io_proc.event_stream import EventStream
 from pipeline.io_proc.protocol import APIError
 from pipeline.io_proc.protocol_chat import ChatCompletionRequest
 from pipeline.io_proc.request_state import RequestState
-from pipeline.io_proc.response_store import ResponseStore
+from pipeline.io_proc.response_store import ResponseStore, StoredResponse
 from pipeline.io_proc.responses_input import (
     ResponsesRequest,
     chat_messages,
@@ -32,6 +34,7 @@ from pipeline.io_proc.responses_input import (
     chat_tools,
     input_items,
     responses_error,
+    stored_items,
 )
 from pipeline.io_proc.responses_output import Events, ResponseBuilder
 from pipeline.io_proc.serving import CLIENT_CLOSED, grammar_field, json_body
@@ -60,24 +63,23 @@ class ResponsesServing:
             APIError: 400 for input this server cannot take or an unknown
                 ``previous_response_id``, and as chat completions do.
         """
-        items = input_items(req)
-        history: list[dict] = []
+        previous = None
         if req.previous_response_id is not None:
-            stored = self._store.get(req.previous_response_id)
-            if stored is None:
+            previous = self._store.get(req.previous_response_id)
+            if previous is None:
                 raise APIError.bad_request(
                     f"Previous response with id {req.previous_response_id!r} not found: responses are kept only "
                     "when created with store: true, and for a bounded time and number (see "
                     "--responses-store-max-entries, --responses-store-max-bytes and --responses-store-max-age)",
                     param="previous_response_id",
                 )
-            history = json.loads(stored.conversation)
-        chat = self._chat_request(req, history + items)
+        # A long stored history takes milliseconds per megabyte to decode and check: off the event loop.
+        chat = await asyncio.to_thread(self._chat_request, req, previous)
         try:
             plan, _, states = await self._serving.start_chat(chat)
         except APIError as e:
             raise responses_error(e) from None
-        resp = ResponseBuilder(req, self._model, history + items)
+        resp = ResponseBuilder(req, self._model, previous)
         close = self._serving.closer(resp.id, chat, states, plan)
         param = grammar_field(chat, plan)
         try:
@@ -112,7 +114,9 @@ class ResponsesServing:
             json_body({"id": response_id, "object": "response", "deleted": True}), media_type="application/json"
         )
 
-    def _chat_request(self, req: ResponsesRequest, items: list[dict]) -> ChatCompletionRequest:
+    def _chat_request(self, req: ResponsesRequest, previous: StoredResponse | None) -> ChatCompletionRequest:
+        """The chat request of ``req``, continuing ``previous``'s conversation."""
+        items = (previous.conversation() if previous is not None else []) + input_items(req)
         body = {
             "model": req.model,
             "messages": chat_messages(items, req.instructions),
@@ -133,11 +137,13 @@ class ResponsesServing:
             raise APIError.bad_request(f"input: {where}: {first.get('msg', 'invalid')}", param="input") from None
 
     async def _finish(self, resp: ResponseBuilder, finish_reason: str | None, states: list[RequestState]) -> bytes:
-        """The final response object, stored if asked."""
-        usage = await self._serving.usage(states, 1)
-        body = json_body(resp.object(finish_reason, usage))
+        """The final response object, stored if asked; ``store`` says false if the store could not keep it."""
+        obj = resp.object(finish_reason, await self._serving.usage(states, 1))
+        body = json_body(obj)
         if resp.req.store:
-            self._store.put(resp.id, body, json_body(resp.conversation + resp.output))
+            items = json_body(stored_items(input_items(resp.req)) + resp.output)
+            if not self._store.put(resp.id, body, items, resp.previous):
+                body = json_body({**obj, "store": False})
         return body
 
     async def _stream(self, resp: ResponseBuilder, plan: ToolPlan, state: RequestState) -> AsyncIterator[bytes]:

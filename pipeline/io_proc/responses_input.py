@@ -3,12 +3,17 @@ tools, ``text.format`` to ``response_format``; chat errors named as the Response
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import BaseModel, ConfigDict, Field
 
+from pipeline.io_proc.json_limits import Shallow
 from pipeline.io_proc.protocol import APIError
 
 # Content parts whose text a message may carry.
 _TEXT_PARTS = ("input_text", "output_text", "text")
+# The fields of an input item that become chat messages.
+_ITEM_FIELDS = ("type", "role", "content", "call_id", "name", "arguments", "output")
 
 
 class ResponsesRequest(BaseModel):
@@ -17,19 +22,19 @@ class ResponsesRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     model: str | None = None
-    input: str | list[dict]
+    input: Annotated[str | list[dict], Shallow]
     instructions: str | None = None
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
+    tools: Annotated[list[dict] | None, Shallow] = None
+    tool_choice: Annotated[str | dict | None, Shallow] = None
     parallel_tool_calls: bool | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    text: dict | None = None
+    text: Annotated[dict | None, Shallow] = None
     stream: bool = False
     store: bool = False
     previous_response_id: str | None = None
-    metadata: dict | None = None
+    metadata: Annotated[dict | None, Shallow] = None
 
 
 def input_items(req: ResponsesRequest) -> list[dict]:
@@ -37,6 +42,23 @@ def input_items(req: ResponsesRequest) -> list[dict]:
     if isinstance(req.input, str):
         return [{"type": "message", "role": "user", "content": req.input}]
     return req.input
+
+
+def stored_items(items: list[dict]) -> list[dict]:
+    """``items`` as a follow-up reads them: only the fields ``chat_messages`` uses, and no ``reasoning``
+    items (they carry nothing this server's models read), so that what the store keeps is what the
+    prompt holds."""
+    out = []
+    for item in items:
+        kind = item.get("type", "message")
+        if kind == "reasoning":
+            continue
+        kept = {k: item[k] for k in _ITEM_FIELDS if k in item}
+        for key in ("content", "output"):  # text parts as the text they join to (checked already)
+            if key in kept:
+                kept[key] = _text(kept[key], key)
+        out.append(kept)
+    return out
 
 
 def chat_messages(items: list[dict], instructions: str | None) -> list[dict]:

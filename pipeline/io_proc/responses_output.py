@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 
+from pipeline.io_proc.response_store import StoredResponse
 from pipeline.io_proc.responses_input import ResponsesRequest
 from pipeline.io_proc.serving import json_body
 
@@ -22,10 +23,11 @@ class Events:
 
 
 class ResponseBuilder:
-    """A response being built: its output items, whole or streamed."""
+    """A response being built: its output items, whole or streamed; ``previous`` is the stored response
+    it continues (None: none)."""
 
-    def __init__(self, req: ResponsesRequest, model: str, conversation: list[dict]):
-        self.req, self.model, self.conversation = req, model, conversation
+    def __init__(self, req: ResponsesRequest, model: str, previous: StoredResponse | None):
+        self.req, self.model, self.previous = req, model, previous
         self.id = f"resp_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
         self.output: list[dict] = []

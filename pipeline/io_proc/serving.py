@@ -31,7 +31,7 @@ from pipeline.io_proc.protocol_tokenization import DetokenizeRequest, TokenizeRe
 from pipeline.io_proc.request_log import log_request
 from pipeline.io_proc.request_state import RequestState
 from pipeline.io_proc.tokenization import Tokenization
-from pipeline.io_proc.tool_calling import ToolCalling, ToolPlan
+from pipeline.io_proc.tool_calling import ToolCalling, ToolPlan, compile_tool_grammar
 
 _SEED_MASK = (1 << 63) - 1
 _MIN_TEMPERATURE = 1e-5
@@ -118,8 +118,9 @@ class OpenAIServing:
                 param="n" if n > 1 else "prompt",
             )
 
-    def _check_chars(self, num_chars: int, param: str) -> None:
-        """Refuse, before tokenizing it, a text too long to fit ``max_model_len`` whatever it encodes to.
+    def _check_chars(self, num_chars: int, param: str, what: str | None = None) -> None:
+        """Refuse, before tokenizing it, a text too long to fit ``max_model_len`` whatever it encodes to
+        (``what``: the text, if it is not the field ``param``).
 
         Raises:
             APIError: 400 ``context_length_exceeded``.
@@ -128,23 +129,19 @@ class OpenAIServing:
             limit = self._max_model_len
             raise APIError.bad_request(
                 f"This model's maximum context length is {limit} tokens. However, your request has {num_chars} "
-                f"characters in the {param}, more than {limit} tokens can hold (at most {self._max_prompt_chars}). "
+                f"characters in {what or 'the ' + param}, more than {limit} tokens can hold (at most "
+                f"{self._max_prompt_chars}). "
                 f"Please reduce the length of the input.",
                 param=param,
                 code="context_length_exceeded",
             )
 
-    def _start(
-        self,
-        req: SamplingRequest,
-        prompt: list[int],
-        prompt_param: str,
-        grammar: str = "",
-        plan: ToolPlan | None = None,
-    ) -> list[RequestState]:
-        """Check lengths, build sampling parameters and add the request's ``n`` choices to the engine.
+    def _sampling_params(self, req: SamplingRequest, prompt: list[int], prompt_param: str) -> SamplingParams:
+        """Check the prompt's ids and length and the request's token ids; its sampling parameters without
+        a grammar. Before any grammar is compiled: a request that cannot fit costs no compile.
 
-        ``grammar``: from ``_request_grammar`` ("" for free text); ``plan``: a chat request's tools.
+        Raises:
+            APIError: 400 naming the field (``context_length_exceeded`` for lengths).
         """
         n, limit = len(prompt), self._max_model_len
         if n == 0:
@@ -194,7 +191,7 @@ class OpenAIServing:
             )
         temperature = 1.0 if req.temperature is None else req.temperature
         top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
-        params = SamplingParams(
+        return SamplingParams(
             max_tokens=max_tokens,
             # Below _MIN_TEMPERATURE, logits / temperature overflow: that is greedy (as vLLM treats it).
             temperature=0.0 if temperature < _MIN_TEMPERATURE else temperature,
@@ -211,12 +208,33 @@ class OpenAIServing:
             min_p=req.min_p or 0.0,
             min_tokens=req.min_tokens,
             logit_bias=logit_bias,
-            grammar=grammar,
-            grammar_trigger=plan.trigger if plan is not None and grammar else "",
-            grammar_trigger_at_start=plan is not None and plan.trigger_at_start,
         )
+
+    def _start(
+        self,
+        req: SamplingRequest,
+        prompt: list[int],
+        params: SamplingParams,
+        grammar: str = "",
+        plan: ToolPlan | None = None,
+    ) -> list[RequestState]:
+        """Add the request's ``n`` choices to the engine.
+
+        ``params``: from ``_sampling_params``; ``grammar``: from ``_request_grammar`` ("" for free text);
+        ``plan``: a chat request's tools.
+
+        Raises:
+            APIError: 503 when the scheduler takes no more requests.
+        """
+        if grammar:
+            params = msgspec.structs.replace(
+                params,
+                grammar=grammar,
+                grammar_trigger=plan.trigger if plan is not None else "",
+                grammar_trigger_at_start=plan is not None and plan.trigger_at_start,
+            )
         # Stop strings apply to free text only: a forced call's output has none (docs/design.md, "Stop strings").
-        forced = plan is not None and bool(plan.grammar) and not plan.trigger
+        forced = bool(grammar) and plan is not None and not plan.trigger
         try:
             return self._client.add_choices(
                 prompt,
@@ -239,14 +257,13 @@ class OpenAIServing:
 
     async def _request_grammar(self, req: SamplingRequest, plan: ToolPlan | None = None) -> str:
         """The request's grammar ("" for free text), built on a thread: a schema of megabytes takes tens of
-        milliseconds to serialize, which the event loop must not spend (a tool plan's is built already).
+        milliseconds to serialize, and a tool plan's hundreds to check, which the event loop must not spend.
+        Called once the prompt is known to fit (``_sampling_params``).
 
         Raises:
             APIError: 400 naming the field (see ``_grammar``).
         """
-        if plan is not None and plan.grammar:
-            return self._grammar(req, self._stop_ids(req), plan)
-        if req.structured_output() is None:
+        if grammar_field(req, plan) is None:
             return ""
         return await asyncio.to_thread(self._grammar, req, self._stop_ids(req), plan)
 
@@ -275,7 +292,7 @@ class OpenAIServing:
                 f"{param} needs a stop token to end on: with ignore_eos, give stop_token_ids", param="ignore_eos"
             )
         if tools:
-            return plan.grammar  # compiled and checked by the plan
+            return compile_tool_grammar(plan)
         try:
             return build_grammar(kind, spec, param)
         except GrammarError as e:

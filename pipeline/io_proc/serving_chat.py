@@ -101,11 +101,15 @@ class OpenAIServingChat(OpenAIServing):
         self._check_model(req)
         self._check_fan_out(1, req.num_choices())
         self._check_chars(sum(len(m.text()) for m in req.messages), "messages")
-        # Tools' schemas are checked as grammars, which the event loop must not spend its time on.
+        # Tools' schemas are checked, and rendered as the grammar's text, off the event loop.
         plan = await asyncio.to_thread(self.tool_calling.plan, req) if req.tools else self.tool_calling.plan(req)
+        # The prompt must fit before it is tokenized, and before any grammar is compiled.
+        text = await self._tokenization.render_chat(plan.conversation, tools=plan.template_tools)
+        self._check_chars(len(text), "messages", "the prompt the chat template renders")
+        prompt = await self._tokenization.encode_rendered(text)
+        params = self._sampling_params(req, prompt, "messages")
         grammar = await self._request_grammar(req, plan)
-        prompt = await self._tokenization.encode_chat(plan.conversation, tools=plan.template_tools)
-        return plan, prompt, self._start(req, prompt, "messages", grammar, plan)
+        return plan, prompt, self._start(req, prompt, params, grammar, plan)
 
     async def _chat_stream(
         self,

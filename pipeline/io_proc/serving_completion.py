@@ -54,7 +54,6 @@ class OpenAIServingCompletion(OpenAIServing):
         self._check_fan_out(len(req.prompt), req.num_choices())
         if req.requested_max_tokens() == 0 and not req.echo:
             raise APIError.bad_request("max_tokens must be at least 1 unless echo is true", param="max_tokens")
-        grammar, param = await self._request_grammar(req), grammar_field(req)  # once for every prompt and choice
         prompts: list[list[int]] = []
         for p in req.prompt:
             if isinstance(p, str):
@@ -62,6 +61,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 prompts.append(await self._tokenization.encode_text(p))
             else:
                 prompts.append(p)
+        params = [self._sampling_params(req, ids, "prompt") for ids in prompts]
+        # Once every prompt fits: once for every prompt and choice.
+        grammar, param = await self._request_grammar(req), grammar_field(req)
         echoes = (
             [p if isinstance(p, str) else await self._tokenization.decode(p) for p in req.prompt]
             if req.echo
@@ -71,8 +73,8 @@ class OpenAIServingCompletion(OpenAIServing):
         n = req.num_choices()
         states: list[RequestState] = []
         try:
-            for ids in prompts:
-                states.extend(self._start(req, ids, "prompt", grammar))
+            for ids, p in zip(prompts, params, strict=True):
+                states.extend(self._start(req, ids, p, grammar))
         except APIError:
             for st in states:
                 self._client.release(st)

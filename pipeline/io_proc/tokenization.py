@@ -11,7 +11,6 @@ import copy
 import functools
 import json
 import os
-from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -131,8 +130,19 @@ class Tokenization:
     async def encode_chat(
         self, conversation: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
     ) -> list[int]:
-        """Prompt token ids of a conversation (messages in transformers' shape), rendered with the
-        chat template with ``tools`` and (unless ``add_generation_prompt`` is false) the generation prompt.
+        """Prompt token ids of a conversation: ``render_chat`` then ``encode_rendered``.
+
+        Raises:
+            APIError: as those two.
+        """
+        return await self.encode_rendered(await self.render_chat(conversation, add_generation_prompt, tools))
+
+    async def render_chat(
+        self, conversation: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
+        """The prompt text of a conversation (messages in transformers' shape), rendered with the chat
+        template with ``tools`` and (unless ``add_generation_prompt`` is false) the generation prompt.
+        Its length can refuse a prompt before it is tokenized (seconds for megabytes of tools).
 
         Raises:
             APIError: 400 if the model has no chat template or the template
@@ -144,26 +154,30 @@ class Tokenization:
                 param="messages",
             )
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._executor, self._apply_chat_template, conversation, add_generation_prompt, tools
-        )
+        return await loop.run_in_executor(self._executor, self._render_chat, conversation, add_generation_prompt, tools)
 
-    def _apply_chat_template(
-        self, conversation: list[dict], add_generation_prompt: bool, tools: list[dict] | None
-    ) -> list[int]:
+    def _render_chat(self, conversation: list[dict], add_generation_prompt: bool, tools: list[dict] | None) -> str:
         try:
-            out = self._tokenizer.apply_chat_template(
+            return self._tokenizer.apply_chat_template(
                 conversation,
                 tools=tools,
                 chat_template=self._chat_template,
                 add_generation_prompt=add_generation_prompt,
-                tokenize=True,
+                tokenize=False,
             )
         except (TemplateError, TypeError) as e:  # a template's own TypeError: it cannot render these messages
             raise APIError.bad_request(f"the chat template rejected the messages: {e}", param="messages") from e
-        # transformers 5 returns a BatchEncoding; older versions a plain list.
-        ids = out["input_ids"] if isinstance(out, Mapping) else out
-        return list(ids)
+
+    async def encode_rendered(self, text: str) -> list[int]:
+        """Prompt token ids of a rendered chat prompt (the template writes the special tokens itself, so
+        none are added, as ``apply_chat_template`` tokenizes).
+
+        Raises:
+            APIError: 400 if the text is not valid Unicode (a tool's lone surrogate, which ``tojson`` keeps).
+        """
+        utf8_text(text, "messages")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._encode_text, text, False)
 
     def _probe_template(self) -> tuple[bool, bool, bool, bool]:
         """Whether the template renders tools, past tool calls, a system and a tool message: a probe shows

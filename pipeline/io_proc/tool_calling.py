@@ -16,7 +16,8 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pipeline.common.grammar import GrammarError, build_grammar, check_grammar
+from pipeline.common.grammar import GrammarError, build_grammar, check_finite, check_grammar
+from pipeline.io_proc.json_limits import loads
 from pipeline.io_proc.protocol import APIError
 from pipeline.io_proc.protocol_chat import (
     ChatCompletionRequest,
@@ -56,7 +57,9 @@ class ToolPlan:
 
     Attributes:
         parser: reads calls out of the output; None for ``tool_choice: none`` (or no tools).
-        grammar: llguidance Lark grammar of the output, "" for none.
+        grammar: the output's grammar in llguidance's Lark, "" for none; ``compile_tool_grammar``
+            compiles it once the prompt is known to fit.
+        allowed: the tools the grammar allows, with their index in ``tools`` (to name one at fault).
         trigger: with ``auto``, the text before which the grammar is inactive.
         trigger_at_start: the trigger counts only at the output's start.
         template_tools: ``tools`` for the chat template (None: not passed).
@@ -66,6 +69,7 @@ class ToolPlan:
 
     parser: ToolParser | None = None
     grammar: str = ""
+    allowed: list[tuple[int, ToolSpec]] = field(default_factory=list)
     trigger: str = ""
     trigger_at_start: bool = False
     template_tools: list[dict] | None = None
@@ -139,7 +143,9 @@ class ToolCalling:
             grammar = plan.parser.grammar(chosen, free=free, parallel=parallel)
         except RecursionError:  # json.dumps of a schema nested past Python's limit
             raise APIError.bad_request("tools: a schema is nested too deeply", param="tools") from None
-        plan.grammar = _compile(grammar, chosen, specs)
+        plan.grammar = grammar
+        allowed = {id(s) for s in chosen}
+        plan.allowed = [(i, s) for i, s in enumerate(specs) if id(s) in allowed]
         plan.template_tools = _template_tools(req.tools) if self._renders_tools else None
         plan.conversation = self.conversation(req.messages, plan.parser)
         kind = choice if choice in ("auto", "required") else "named"
@@ -175,9 +181,9 @@ class ToolCalling:
                     call_ids[c.id] = c.function.name
                     param = f"messages[{i}].tool_calls[{j}].function.arguments"
                     try:
-                        args = json.loads(c.function.arguments)
-                    except ValueError:
-                        args = None
+                        args = loads(c.function.arguments)
+                    except ValueError as e:
+                        raise APIError.bad_request(f"{param} must be a JSON object as text: {e}", param=param) from None
                     if not isinstance(args, dict):
                         raise APIError.bad_request(f"{param} must be a JSON object as text", param=param)
                     calls.append(
@@ -239,7 +245,10 @@ def _tool_specs(tools: list[ChatTool]) -> list[ToolSpec]:
                 param=f"tools[{i}].function.parameters",
             )
         try:
+            check_finite(params, f"tools[{i}].function.parameters")
             specs.append(ToolSpec(f.name, _closed(params)))
+        except GrammarError as e:
+            raise APIError.bad_request(str(e), param=e.param) from None
         except RecursionError:
             raise APIError.bad_request(
                 f"tools[{i}].function.parameters is nested too deeply to be a JSON schema",
@@ -300,20 +309,24 @@ def _template_tools(tools: list[ChatTool]) -> list[dict]:
     return [t.model_dump(exclude_none=True) for t in tools]
 
 
-def _compile(grammar: str, chosen: list[ToolSpec], specs: list[ToolSpec]) -> str:
-    """``grammar`` compiled and checked; on an error, the tool whose schema caused it is named."""
+def compile_tool_grammar(plan: ToolPlan) -> str:
+    """The plan's grammar compiled and checked (hundreds of milliseconds for thousands of tools: off the
+    event loop, and only for a prompt that fits).
+
+    Raises:
+        APIError: 400 naming the tool whose schema llguidance refuses (``tools`` if none alone).
+    """
     try:
-        grammar = build_grammar("lark", grammar, "tools")
+        grammar = build_grammar("lark", plan.grammar, "tools")
         check_grammar(grammar, "tools")
         return grammar
     except GrammarError as e:
-        for i, s in enumerate(specs):
-            if s in chosen:
-                param = f"tools[{i}].function.parameters"
-                try:
-                    check_grammar(build_grammar("json_schema", s.parameters, param), param)
-                except GrammarError as culprit:
-                    raise APIError.bad_request(str(culprit), param=culprit.param) from None
+        for i, s in plan.allowed:
+            param = f"tools[{i}].function.parameters"
+            try:
+                check_grammar(build_grammar("json_schema", s.parameters, param), param)
+            except GrammarError as culprit:
+                raise APIError.bad_request(str(culprit), param=culprit.param) from None
         raise APIError.bad_request(str(e), param="tools") from None
 
 

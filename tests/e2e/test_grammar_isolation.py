@@ -76,7 +76,7 @@ def stream_events(srv: Server, **body) -> list[dict]:
     "field, value, says",
     [
         ("guided_choice", [f"word{i}" for i in range(2000)], "at most 1999 are supported"),
-        ("guided_json", {"$ref": "#"}, "the grammar cannot be used"),  # refers only to itself
+        ("guided_json", {"$ref": "#"}, "admits no finite value"),  # refers only to itself
         ("guided_regex", "((", "the grammar cannot be used"),
     ],
 )

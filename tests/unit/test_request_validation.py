@@ -69,10 +69,11 @@ def test_prompt_ids_are_checked_against_the_model_vocabulary():
     config = EngineConfig(model="m", served_model_name="m", max_model_len=64, vocab_size=300)
     serving = OpenAIServing(config, _Client(), _Tokenization(), stop_token_ids=())
     with pytest.raises(APIError) as e:
-        serving._start(CompletionRequest(prompt=[5, 300], max_tokens=2), [5, 300], "prompt")
+        serving._sampling_params(CompletionRequest(prompt=[5, 300], max_tokens=2), [5, 300], "prompt")
     assert e.value.status_code == 400 and e.value.param == "prompt"
     assert "prompt token id 300 is out of range: the vocabulary has 300 tokens" in e.value.message
-    assert serving._start(CompletionRequest(prompt=[5, 299], max_tokens=2), [5, 299], "prompt") == [("added", [5, 299])]
+    req = CompletionRequest(prompt=[5, 299], max_tokens=2)
+    assert serving._start(req, [5, 299], serving._sampling_params(req, [5, 299], "prompt")) == [("added", [5, 299])]
 
 
 def test_max_completion_tokens_wins_on_completions():
@@ -80,7 +81,7 @@ def test_max_completion_tokens_wins_on_completions():
     client = _Client()
     serving = OpenAIServing(config, client, _Tokenization(), stop_token_ids=())
     req = CompletionRequest(prompt=[5], max_tokens=9, max_completion_tokens=3, user="someone")
-    serving._start(req, [5], "prompt")
+    serving._start(req, [5], serving._sampling_params(req, [5], "prompt"))
     assert client.params.max_tokens == 3
     with pytest.raises(ValueError, match="max_completion_tokens"):
         CompletionRequest(prompt=[5], max_completion_tokens=0)

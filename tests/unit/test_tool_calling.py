@@ -11,7 +11,7 @@ import pytest
 from pipeline.io_proc.protocol import APIError
 from pipeline.io_proc.protocol_chat import ChatCompletionRequest, ChatTool, FunctionDefinition
 from pipeline.io_proc.tokenization import Tokenization
-from pipeline.io_proc.tool_calling import ToolCalling
+from pipeline.io_proc.tool_calling import ToolCalling, compile_tool_grammar
 
 HERMES_TEMPLATE = Path(__file__).resolve().parent.parent / "fixtures" / "hermes_tool_chat_template.jinja"
 WEATHER = {
@@ -52,8 +52,11 @@ def ignoring() -> ToolCalling:
 
 
 def refused(tc: ToolCalling, req: ChatCompletionRequest) -> APIError:
+    """The 400 of planning ``req``'s tools, or of compiling the plan's grammar."""
     with pytest.raises(APIError) as e:
-        tc.plan(req)
+        plan = tc.plan(req)
+        if plan.grammar:
+            compile_tool_grammar(plan)
     assert e.value.status_code == 400 and e.value.type == "invalid_request_error"
     return e.value
 
