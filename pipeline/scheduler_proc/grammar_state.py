@@ -21,6 +21,10 @@ log = logging.getLogger(__name__)
 
 # A mask that took longer than this last time is computed on the background thread.
 FAST_MASK_S = 0.0005
+# A row whose mask took longer than this last time does not join steps while its mask is being computed:
+# a step's sampling waits for its rows' masks, one after another on the mask thread, and a few such rows
+# would make every row of the step wait (JSON-schema masks take tens of microseconds).
+PACE_MASK_S = 0.0001
 
 
 @dataclass
@@ -95,8 +99,8 @@ class GrammarState:
 
     @property
     def costly(self) -> bool:
-        """Its last mask took ``FAST_MASK_S`` or more (the next is computed on the background thread)."""
-        return self._cost_s >= FAST_MASK_S
+        """Its last mask took ``PACE_MASK_S`` or more: its row waits for its mask out of the step."""
+        return self._cost_s >= PACE_MASK_S
 
     def needs_mask(self, in_flight: int) -> bool:
         """Whether the next sampled token needs ``mask``, with ``in_flight`` of the row's tokens not
@@ -127,7 +131,7 @@ class GrammarState:
 
     def _submit(self, token_id: int, tail: bytes | None) -> None:
         self.ready = False
-        self._manager.submit_mask(self, token_id, tail, not self.costly)
+        self._manager.submit_mask(self, token_id, tail, self._cost_s < FAST_MASK_S)
 
     def close(self) -> None:
         """The request has ended: its matcher's memory returns."""

@@ -34,9 +34,9 @@ def add_compiled(sched: Scheduler, grammars: GrammarManager, msg: AddRequest):
 
 @pytest.fixture
 def cheap_masks(monkeypatch):
-    """Every mask counts as cheap: on a loaded machine one can take over ``FAST_MASK_S``, and its row would
+    """Every mask counts as cheap: on a loaded machine one can take over ``PACE_MASK_S``, and its row would
     then sit out a step (``test_costly_grammar_row_sits_out_instead_of_holding_the_step``)."""
-    monkeypatch.setattr(grammar_state, "FAST_MASK_S", 10.0)
+    monkeypatch.setattr(grammar_state, "PACE_MASK_S", 10.0)
 
 
 def write_masks(sched: Scheduler, grammars: GrammarManager, words: int) -> tuple[int, np.ndarray]:

@@ -30,6 +30,7 @@ def model_dir(tmp_path):
     }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     save_file({}, tmp_path / "model.safetensors")  # start-up checks the weights file is there, not its tensors
+    (tmp_path / "tokenizer.json").write_text("{}")  # and that the tokenizer's file is there
     return tmp_path
 
 
