@@ -73,6 +73,7 @@ class GrammarState:
         "trigger",
         "_stop_ids",
         "_cost_s",
+        "_peak_s",
         "_manager",
         "_entry",
         "_nbytes",
@@ -95,12 +96,14 @@ class GrammarState:
         self._stop_ids = np.asarray(stop, np.int64)
         self.mask = manager.end_mask(entry.first_mask.copy(), entry.ends, self._stop_ids)
         self._cost_s = entry.mask_s
+        self._peak_s = 0.0  # the slowest mask after the first (which builds the lexer)
         self.ready, self.error = True, ""
 
     @property
     def costly(self) -> bool:
-        """Its last mask took ``PACE_MASK_S`` or more: its row waits for its mask out of the step."""
-        return self._cost_s >= PACE_MASK_S
+        """Its last mask, or any after its first, took ``PACE_MASK_S`` or more: its row waits for its mask out
+        of the step (a grammar whose mask times vary, as a large anyOf's do, stays out)."""
+        return max(self._cost_s, self._peak_s) >= PACE_MASK_S
 
     def needs_mask(self, in_flight: int) -> bool:
         """Whether the next sampled token needs ``mask``, with ``in_flight`` of the row's tokens not
@@ -164,6 +167,7 @@ class GrammarState:
             return
         self.mask = manager.end_mask(mask, m.is_accepting() or m.is_stopped(), self._stop_ids)
         self._cost_s = time.perf_counter() - t0
+        self._peak_s = max(self._peak_s, self._cost_s)
         self.ready = True
 
     def _fail(self, why: str) -> None:
