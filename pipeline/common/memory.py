@@ -66,7 +66,30 @@ def limit_arenas(n: int) -> None:
         _mallopt(_M_ARENA_MAX, n)
 
 
-class BurstWatch:
+class _Settle:
+    """A value's peak, and since when it has stayed down: the part ``BurstWatch`` and ``HeapWatch`` share."""
+
+    def __init__(self, settle_s: float):
+        self._settle_s = settle_s
+        self._peak = 0
+        self._low_since: float | None = None
+
+    def _settled(self, low: bool, value: int) -> bool:
+        """Whether ``value`` (``low``: down from the peak) has stayed down ``settle_s``; then the peak restarts
+        from it."""
+        if not low:
+            self._low_since = None
+            return False
+        now = time.monotonic()
+        if self._low_since is None:
+            self._low_since = now
+        if now - self._low_since < self._settle_s:
+            return False
+        self._peak, self._low_since = value, None
+        return True
+
+
+class BurstWatch(_Settle):
     """Tells when a burst of live items (requests, sequences) has passed.
 
     Args:
@@ -76,26 +99,16 @@ class BurstWatch:
     """
 
     def __init__(self, threshold: int = 1024, settle_s: float = 1.0):
-        self._threshold, self._settle_s = threshold, settle_s
-        self._peak = 0
-        self._low_since: float | None = None
+        super().__init__(settle_s)
+        self._threshold = threshold
 
     def passed(self, live: int) -> bool:
         """Note ``live`` items now; True once per burst, when ``live`` has stayed at a quarter of its peak or less."""
         self._peak = max(self._peak, live)
-        if self._peak < self._threshold or live > self._peak // 4:
-            self._low_since = None
-            return False
-        now = time.monotonic()
-        if self._low_since is None:
-            self._low_since = now
-        if now - self._low_since < self._settle_s:
-            return False
-        self._peak, self._low_since = live, None
-        return True
+        return self._settled(self._peak >= self._threshold and live <= self._peak // 4, live)
 
 
-class HeapWatch:
+class HeapWatch(_Settle):
     """Tells when the malloc heap has stayed ``min_bytes`` below its peak for ``settle_s``: a burst of
     large work (request bodies, rendered prompts, refused or not) has passed, and the pages it freed
     can go back to the system.
@@ -107,22 +120,12 @@ class HeapWatch:
     """
 
     def __init__(self, min_bytes: int = 16 * 2**20, settle_s: float = 1.0):
-        self._min_bytes, self._settle_s = min_bytes, settle_s
-        self._peak = 0
-        self._low_since: float | None = None
+        super().__init__(settle_s)
+        self._min_bytes = min_bytes
 
     def passed(self, in_use: int | None) -> bool:
         """Note the heap in use now (``heap_in_use``; None: unknown); True once per such shrink."""
         if in_use is None:
             return False
         self._peak = max(self._peak, in_use)
-        if self._peak - in_use < self._min_bytes:
-            self._low_since = None
-            return False
-        now = time.monotonic()
-        if self._low_since is None:
-            self._low_since = now
-        if now - self._low_since < self._settle_s:
-            return False
-        self._peak, self._low_since = in_use, None
-        return True
+        return self._settled(self._peak - in_use >= self._min_bytes, in_use)
