@@ -56,6 +56,18 @@ def write_masks_for(sched: Scheduler, grammars: GrammarManager, words: int, rows
     return step_id, entry.bitmask[: entry.num_masks].copy()
 
 
+def planner(sched: Scheduler):
+    """Plans ``sched``'s next step (4 rows, 64 tokens, blocks of 16) and returns the worker's copy of it."""
+    layout = StepDescriptor.layout(4, 64, 16)
+
+    def plan():
+        desc = StepDescriptor(layout.views(bytearray(layout.nbytes)))
+        assert sched.schedule(desc)
+        return read_descriptor(desc)
+
+    return plan
+
+
 def allowed_ids(mask: np.ndarray) -> list[int]:
     return np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")).tolist()
 
@@ -67,12 +79,7 @@ def test_grammar_row_runs_every_step_and_its_mask_follows(smol_dir, cheap_masks)
     words = V // MASK_BITS
     grammars = GrammarManager(tok, V, 2**28, 2**30)
     sched = Scheduler(4, 64, 16, 64, 16)
-    layout = StepDescriptor.layout(4, 64, 16)
-
-    def plan():
-        desc = StepDescriptor(layout.views(bytearray(layout.nbytes)))
-        assert sched.schedule(desc)
-        return read_descriptor(desc)
+    plan = planner(sched)
 
     grammar = build_grammar("choice", ["yes", "no"], "guided_choice")
     sched.add_request(AddRequest(1, [5, 6, 7], SamplingParams(max_tokens=8, temperature=0.0)))
@@ -192,12 +199,7 @@ def test_costly_grammar_row_sits_out_instead_of_holding_the_step(smol_dir):
     tok = load_tokenizer(str(smol_dir), V)
     grammars = GrammarManager(tok, V, 2**28, 2**30)
     sched = Scheduler(4, 64, 16, 64, 16)
-    layout = StepDescriptor.layout(4, 64, 16)
-
-    def plan():
-        desc = StepDescriptor(layout.views(bytearray(layout.nbytes)))
-        assert sched.schedule(desc)
-        return read_descriptor(desc)
+    plan = planner(sched)
 
     sched.add_request(AddRequest(1, [5, 6, 7], SamplingParams(max_tokens=8, temperature=0.0)))
     bomb = build_grammar("regex", "a{100000}", "guided_regex")  # its first mask builds a 40 MB lexer
