@@ -183,6 +183,7 @@ class Stats(msgspec.Struct, tag=True):
     spec_decode_num_accepted_tokens: int | None = None
     spec_decode_num_accepted_tokens_per_pos: list[int] | None = None
     num_cached_blocks: int = 0
+    num_grammar_rows_deferred: int = 0  # constrained decode rows left out of a step while their mask was computed
 
 
 def merge_stats(per_engine: list[Stats]) -> Stats:

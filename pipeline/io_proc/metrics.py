@@ -132,7 +132,14 @@ _GAUGES = (
     ("req_indices_total", "Request indices (max_num_seqs).", "num_total_req_indices"),
     ("kv_blocks_cached", "KV cache blocks holding a cached prefix, in use or not.", "num_cached_blocks"),
 )
-_ENGINE_COUNTERS = (("num_steps", "Steps planned by the scheduler.", "num_steps"),)
+_ENGINE_COUNTERS = (
+    ("num_steps", "Steps planned by the scheduler.", "num_steps"),
+    (
+        "grammar_rows_deferred",
+        "Decode rows of constrained requests left out of a step while their costly mask was being computed.",
+        "num_grammar_rows_deferred",
+    ),
+)
 # Counters of COUNTERS also reported per engine (pipeline_engine_<name>{engine}): where a request went matters.
 _PER_ENGINE = {"prefix_cache_queries", "prefix_cache_hits"}
 

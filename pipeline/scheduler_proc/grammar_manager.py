@@ -12,10 +12,10 @@ is counted per request and in total (``max_grammar_memory_per_request``: refused
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -32,8 +32,6 @@ from pipeline.scheduler_proc.grammar_state import CompiledGrammar, GrammarState,
 
 log = logging.getLogger(__name__)
 
-# The most the scheduler waits for the cheap masks of a step before it plans without them.
-MASK_WAIT_S = 0.001
 # Niceness of the background thread: CFS weighs it 110 against 1024 for a normal thread.
 _BACKGROUND_NICE = 10
 # A compiled grammar nobody uses is dropped this long after its last use.
@@ -61,7 +59,7 @@ class GrammarManager:
 
     Everything but the jobs runs on the scheduler's thread. Jobs run on two
     threads of their own: the background one (compile, copy, costly masks,
-    freeing, trimming; low priority) and the mask one (cheap masks).
+    freeing, trimming; low priority) and the mask one (the other masks, one job per ``flush``).
 
     Args:
         tokenizer: llguidance's tokenizer (``load_tokenizer``).
@@ -88,7 +86,8 @@ class GrammarManager:
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()  # failed compilations too, for a while
         self._compiling: dict[str, Future] = {}
         self._pending: list[_Pending] = []
-        self._last_cheap: Future | None = None  # the mask thread runs its jobs in order
+        self._batch: list[tuple[GrammarState, int, bytes | None]] = []  # advances for the next flush
+        self._last_batch: Future | None = None  # the mask thread runs its jobs in order
         self._dropped: list[object] = []  # matchers to free on the background thread
         self._used = 0  # bytes counted: compiled grammars, copies, reservations
         self._freed = 0  # bytes freed since the last trim
@@ -268,19 +267,26 @@ class GrammarManager:
         """A matcher no longer used: freed on the background thread."""
         self._dropped.append(matcher)
 
-    def submit_mask(self, state: GrammarState, token_id: int, tail: bytes | None, cheap: bool) -> None:
-        """Run ``state``'s advance past ``token_id`` (or from ``tail``) on the mask thread (``cheap``) or the
-        background one."""
-        if cheap:
-            self._last_cheap = self._masks.submit(guarded_advance, state, token_id, tail)
+    def submit_mask(self, state: GrammarState, token_id: int, tail: bytes | None, paced: bool) -> None:
+        """Run ``state``'s advance past ``token_id`` (or from ``tail``): in the next ``flush``'s job on the mask
+        thread (``paced``), or alone on the background one."""
+        if paced:
+            self._batch.append((state, token_id, tail))
         else:
             self._background.submit(guarded_advance, state, token_id, tail)
 
+    def flush(self, then: Callable[[], object] | None = None) -> None:
+        """Start the paced advances submitted since the last flush, as one job on the mask thread (one job,
+        not one per row: a step's masks take microseconds each); ``then`` runs on that thread after them."""
+        if self._batch:
+            batch, self._batch = self._batch, []
+            self._last_batch = self._masks.submit(_advance_all, batch, then)
+
     def wait_masks(self) -> None:
-        """Give the cheap masks in flight up to ``MASK_WAIT_S`` to finish (a step's sampling waits for them)."""
-        job = self._last_cheap
-        if job is not None and not job.done():
-            concurrent.futures.wait([job], MASK_WAIT_S)
+        """Flush, and wait until the mask thread's jobs are done."""
+        self.flush()
+        if self._last_batch is not None:
+            self._last_batch.result()
 
     def end_mask(self, mask: np.ndarray, ends: bool, stop_ids: np.ndarray) -> np.ndarray:
         """``mask`` with the tokenizer's EOS replaced by the request's stop ids, allowed iff the grammar ``ends``."""
@@ -294,17 +300,16 @@ class GrammarManager:
         before = heap_in_use()
         m = llguidance.LLMatcher(self._tokenizer, text, log_level=0, limits=self._limits)
         mask = np.zeros(self.mask_words, np.int32)
-        t0 = time.perf_counter()
         if m.is_error():
             return CompiledGrammar(None, None, False, 0, 0, 0.0, error=f"the grammar cannot be used: {error_of(m)}")
         llguidance.numpy.fill_next_token_bitmask(m, mask.reshape(1, -1), 0)
         if m.is_error():  # a schema that only refers to itself ({"$ref": "#"}) has nothing to produce
             why = f"it allows no output at all ({error_of(m)}); does it only refer to itself?"
             return CompiledGrammar(None, None, False, 0, 0, 0.0, error=f"the grammar cannot be used: {why}")
-        mask_s = time.perf_counter() - t0
         after = heap_in_use()
         copy = m.deep_copy()
         copy_nbytes = max(0, (heap_in_use() or 0) - (after or 0))
+        mask_s = _later_mask_s(copy, mask, self._eos)
         del copy
         nbytes = max(0, after - before) if before is not None else len(text) * 100
         return CompiledGrammar(m, mask, m.is_accepting() or m.is_stopped(), nbytes, copy_nbytes, mask_s)
@@ -313,6 +318,32 @@ class GrammarManager:
         """Stop the threads (jobs in flight are dropped)."""
         self._background.shutdown(wait=False, cancel_futures=True)
         self._masks.shutdown(wait=False, cancel_futures=True)
+
+
+def _advance_all(batch: list[tuple[GrammarState, int, bytes | None]], then: Callable[[], object] | None) -> None:
+    for state, token_id, tail in batch:
+        guarded_advance(state, token_id, tail)
+    if then is not None:
+        try:
+            then()
+        except Exception:  # the scheduler's loop publishes them instead
+            log.exception("publishing the masks of a step failed")
+
+
+def _later_mask_s(m: llguidance.LLMatcher, first: np.ndarray, eos: int, tokens: int = 4) -> float:
+    """What a row's masks are expected to take before its own are measured: the least CPU seconds of ``m``'s
+    masks along ``tokens`` tokens (each the lowest allowed other than ``eos``), since one can take ten times
+    the others while it builds lexer states; 0 if the grammar allows none. Advances ``m``."""
+    least, mask = float("inf"), first.copy()
+    for _ in range(tokens):
+        ids = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))
+        ids = ids[ids != eos]
+        if not len(ids) or not m.consume_token(int(ids[0])):
+            break
+        t0 = time.thread_time()
+        llguidance.numpy.fill_next_token_bitmask(m, mask.reshape(1, -1), 0)
+        least = min(least, time.thread_time() - t0)
+    return 0.0 if least == float("inf") else least
 
 
 def _copies(template: llguidance.LLMatcher, n: int) -> list[llguidance.LLMatcher]:

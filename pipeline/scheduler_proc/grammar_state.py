@@ -19,12 +19,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# A mask that took longer than this last time is computed on the background thread.
-FAST_MASK_S = 0.0005
-# A row whose mask took longer than this last time does not join steps while its mask is being computed:
-# a step's sampling waits for its rows' masks, one after another on the mask thread, and a few such rows
-# would make every row of the step wait (JSON-schema masks take tens of microseconds).
+# A row whose masks take this much CPU time or more (a decaying peak, ``GrammarState.cost_s``) is costly: its
+# masks are computed one by one on the background thread, and it sits out the steps whose sampling would wait
+# for them, unless the step's ``COSTLY_MASKS_PER_STEP_S`` has room. The others' masks are computed together,
+# one job per step on the mask thread. A JSON schema's masks take microseconds (with a tenth to half a
+# millisecond now and then, for new lexer states), a large anyOf's first few milliseconds, a hostile regex's
+# tens of milliseconds; a step's sampling waits for all of its rows' masks.
 PACE_MASK_S = 0.0001
+# Expected CPU seconds of costly masks that one step's sampling may wait for.
+COSTLY_MASKS_PER_STEP_S = 0.001
 
 
 @dataclass
@@ -36,7 +39,7 @@ class CompiledGrammar:
     ends: bool  # the grammar accepts the empty output or has stopped
     nbytes: int  # heap taken by compiling and the first mask
     copy_nbytes: int  # heap one deep copy takes
-    mask_s: float  # the first mask's time
+    mask_s: float  # CPU time of a mask after the first (which builds the lexer)
     error: str = ""
     users: int = 0
     last_used: float = field(default_factory=time.monotonic)
@@ -61,6 +64,7 @@ class GrammarState:
         ready: the mask is that of the next output position.
         error: why the matcher failed (it left its grammar, or hit a limit); "" if it did not.
         trigger: where the text stands against the request's ``grammar_trigger``; None without one.
+        cost_s: CPU seconds its masks take: the last one's, or a quarter of the previous figure if more.
     """
 
     __slots__ = (
@@ -72,8 +76,7 @@ class GrammarState:
         "_pristine",
         "trigger",
         "_stop_ids",
-        "_cost_s",
-        "_peak_s",
+        "cost_s",
         "_manager",
         "_entry",
         "_nbytes",
@@ -95,31 +98,31 @@ class GrammarState:
         self._nbytes = entry.copy_nbytes * (1 if trigger is None else 2)
         self._stop_ids = np.asarray(stop, np.int64)
         self.mask = manager.end_mask(entry.first_mask.copy(), entry.ends, self._stop_ids)
-        self._cost_s = entry.mask_s
-        self._peak_s = 0.0  # the slowest mask after the first (which builds the lexer)
+        self.cost_s = entry.mask_s
         self.ready, self.error = True, ""
 
     @property
     def costly(self) -> bool:
-        """Its last mask, or any after its first, took ``PACE_MASK_S`` or more: its row waits for its mask out
-        of the step (a grammar whose mask times vary, as a large anyOf's do, stays out)."""
-        return max(self._cost_s, self._peak_s) >= PACE_MASK_S
+        """Its masks take ``PACE_MASK_S`` or more (``cost_s``): its row waits for its mask out of the step."""
+        return self.cost_s >= PACE_MASK_S
 
     def needs_mask(self, in_flight: int) -> bool:
         """Whether the next sampled token needs ``mask``, with ``in_flight`` of the row's tokens not
         advanced past yet (a row that needs one waits for them). Always, without a trigger."""
         return self.trigger is None or self.trigger.needs_mask(in_flight)
 
-    def advance(self, token_id: int) -> None:
+    def advance(self, token_id: int, awaited: bool = False) -> None:
         """Consume output ``token_id`` and compute the next mask, on a grammar thread; a stop id ends the output.
 
-        With a trigger, the text is followed here, and a thread runs only where a mask is needed next.
+        ``awaited``: a step in flight samples the row next, so its mask goes with the other rows' on the mask
+        thread, whatever it costs. With a trigger, the text is followed here, and a thread runs only where a
+        mask is needed next.
         """
         if token_id in self._stop_ids or self.error:
             return
         trigger = self.trigger
         if trigger is None:
-            self._submit(token_id, None)
+            self._submit(token_id, None, awaited)
             return
         masked = trigger.needs_mask(0)  # this token was sampled under a mask, from the matcher's state
         trigger.feed(token_id)
@@ -128,13 +131,13 @@ class GrammarState:
                 self._manager.drop(self._matcher)
                 self._matcher = None
         elif masked and trigger.triggered:
-            self._submit(token_id, None)  # the matcher goes on past the trigger
+            self._submit(token_id, None, awaited)  # the matcher goes on past the trigger
         else:
-            self._submit(token_id, trigger.tail())  # a fresh matcher, fed the text's tail
+            self._submit(token_id, trigger.tail(), awaited)  # a fresh matcher, fed the text's tail
 
-    def _submit(self, token_id: int, tail: bytes | None) -> None:
+    def _submit(self, token_id: int, tail: bytes | None, awaited: bool) -> None:
         self.ready = False
-        self._manager.submit_mask(self, token_id, tail, self._cost_s < FAST_MASK_S)
+        self._manager.submit_mask(self, token_id, tail, awaited or self.cost_s < PACE_MASK_S)
 
     def close(self) -> None:
         """The request has ended: its matcher's memory returns."""
@@ -144,7 +147,7 @@ class GrammarState:
 
     def _advance(self, token_id: int, tail: bytes | None) -> None:  # on a grammar thread
         """Consume ``token_id``, or with ``tail`` make a matcher from the pristine one fed it; then mask."""
-        t0 = time.perf_counter()
+        t0 = time.thread_time()  # CPU time: a thread that waits for the GIL or a core is not charged
         manager, m, pristine = self._manager, self._matcher, self._pristine
         if manager is None or (m is None and pristine is None):  # its request has ended meanwhile
             return
@@ -166,8 +169,9 @@ class GrammarState:
             self._fail(f"the output left its grammar: {error_of(m)}")
             return
         self.mask = manager.end_mask(mask, m.is_accepting() or m.is_stopped(), self._stop_ids)
-        self._cost_s = time.perf_counter() - t0
-        self._peak_s = max(self._peak_s, self._cost_s)
+        # A decaying peak: a slow mask (new lexer states: a JSON schema's take up to half a millisecond now and
+        # then) keeps its row out for a mask or two; a grammar whose every mask is slow stays out.
+        self.cost_s = max(time.thread_time() - t0, self.cost_s / 4)
         self.ready = True
 
     def _fail(self, why: str) -> None:

@@ -114,6 +114,7 @@ class SchedulerProc:
         self._encoder = msgspec.msgpack.Encoder()
         self._running = True
         self._burst = BurstWatch()
+        self._mask_lock = threading.Lock()  # the mask ring's writer: this thread or the mask thread
 
     def run(self, stop) -> None:
         """Serve until a Shutdown message or ``stop.is_set()``."""
@@ -129,7 +130,7 @@ class SchedulerProc:
             masks_wait = False
             if self.grammars is not None:
                 self._grammar_turn()
-                masks_wait = self._publish_masks()
+                masks_wait = self._publish_masks()  # the mask thread publishes them too, once computed
             if len(self.inflight) < self.max_inflight and self.scheduler.num_unfinished and self._plan_step():
                 continue
             if self.inflight:
@@ -215,26 +216,26 @@ class SchedulerProc:
                 self._reply(RequestFailed(state.req_num, state.error))
 
     def _publish_masks(self) -> bool:
-        """Write the masks of planned steps whose constrained rows' tokens are known, oldest first.
+        """Write the masks of planned steps whose constrained rows' tokens are known, oldest first; on the
+        scheduler's thread, or on the mask thread once it has computed a step's masks.
 
         Returns:
             True if a step's masks are still being computed (its sampling waits for them on the worker).
         """
         masks = self.scheduler.masks
-        while len(masks):
-            if not masks.oldest_ready():
-                self.grammars.wait_masks()
+        with self._mask_lock:
+            while len(masks):
                 if not masks.oldest_ready():
                     return True
-            try:
-                entry = self.mask_ring.acquire_write(timeout=0)
-            except RingTimeout:  # the worker has not read an earlier step's masks yet
-                return True
-            step_id = masks.write_oldest(entry)
-            self.mask_ring.publish()
-            if self.trace is not None:
-                t = time.monotonic_ns()
-                self.trace.add(self.config.scheduler_role, "plan", "masks", step_id, t, t)
+                try:
+                    entry = self.mask_ring.acquire_write(timeout=0)
+                except RingTimeout:  # the worker has not read an earlier step's masks yet
+                    return True
+                step_id = masks.write_oldest(entry)
+                self.mask_ring.publish()
+                if self.trace is not None:
+                    t = time.monotonic_ns()
+                    self.trace.add(self.config.scheduler_role, "plan", "masks", step_id, t, t)
         return False
 
     def _reply(self, msg: Admitted | GrammarCompiled | RequestFailed | Stats) -> None:
@@ -254,6 +255,8 @@ class SchedulerProc:
             self._reply(Admitted(list(nums), list(cached)))
             self.scheduler.admitted.clear()
         self.desc_ring.publish()
+        if self.grammars is not None:  # rows whose masks were known at planning: the worker reads them next
+            self._publish_masks()
         self.scheduler.observe_outputs()
         if self.trace is not None:
             t1 = time.monotonic_ns()
@@ -302,7 +305,8 @@ class SchedulerProc:
             out.draft_matched,
             int(self._worker_counts[BUSY_NS] - busy),
         )
-        if self.grammars is not None:  # the tokens just applied may complete the next step's masks
+        if self.grammars is not None:  # the tokens just applied start the next steps' masks
+            self.grammars.flush(then=self._publish_masks)
             self._publish_masks()
         self._cpu.step(out.continues)
         if self.trace is not None:
@@ -331,6 +335,7 @@ class SchedulerProc:
             num_total_req_indices=s.pool.num_req_indices,
             num_steps=s.next_step_id,
             num_preemptions=s.num_preemptions,
+            num_grammar_rows_deferred=s.num_grammar_rows_deferred,
             queue_time=s.queue_time.data(),
             prefill_time=s.prefill_time.data(),
             decode_time=s.decode_time.data(),

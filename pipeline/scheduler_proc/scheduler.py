@@ -28,7 +28,7 @@ from pipeline.common.histogram import ITERATION_TOKENS_BUCKETS, REQUEST_LATENCY_
 from pipeline.common.messages import AddRequest, choice_seed
 from pipeline.common.step_protocol import DRAFT_TOKEN_ID, StepDescriptor
 from pipeline.scheduler_proc.drafts import Drafts
-from pipeline.scheduler_proc.grammar_state import GrammarState
+from pipeline.scheduler_proc.grammar_state import COSTLY_MASKS_PER_STEP_S, GrammarState
 from pipeline.scheduler_proc.kv_block_pool import BlockPool
 from pipeline.scheduler_proc.prefix_cache import PrefixCache, num_final_tokens
 from pipeline.scheduler_proc.request import Request
@@ -46,6 +46,7 @@ class _StepPlan:
     budget: int  # tokens
     max_rows: int
     rows: list[tuple[Request, int, bool]] = field(default_factory=list)
+    mask_budget_s: float = COSTLY_MASKS_PER_STEP_S  # for costly masks that the step's sampling may wait for
 
     @property
     def full(self) -> bool:
@@ -104,6 +105,7 @@ class Scheduler(SchedulerOutputsMixin):
         self._general: list[Request] = []  # the running requests that are not steady rows, in running order
         self.next_step_id = 0
         self.num_preemptions = 0
+        self.num_grammar_rows_deferred = 0  # constrained decode rows left out of a step (costly masks)
         self.num_cached_tokens_step = 0  # prompt tokens found cached by the requests admitted in the last step
         # (req_num, prompt tokens found cached) of first admissions since the caller last emptied it.
         self.admitted: list[tuple[int, int]] = []
@@ -246,19 +248,31 @@ class Scheduler(SchedulerOutputsMixin):
             if req.num_computed_tokens < req.num_known_tokens:  # unfinished prefill
                 n = min(req.num_known_tokens - req.num_computed_tokens, step.budget)
             elif req.num_outputs_planned < req.params.max_tokens:  # decode (a grammar's mask follows the step)
-                g = req.grammar
-                if g is not None and g.costly and g.needs_mask(req.num_placeholders):
-                    if req.num_placeholders or not g.ready:
-                        continue  # its slow mask must not hold the step's sampling: it sits out until ready
                 n = 1
             else:  # its last token is in flight; it finishes when that arrives
                 continue
             sample = req.samples(req.num_computed_tokens + n)
+            if sample and self._mask_would_hold(req, step):
+                continue
             if not self._grow_blocks(req, n):
                 continue
             # Named now, as planned: a request admitted later in this step may start from them.
             self.prefix.name_final(req, min(req.num_known_tokens, req.num_computed_tokens + n))
             step.add(req, n, sample)
+
+    def _mask_would_hold(self, req: Request, step: _StepPlan) -> bool:
+        """Whether ``req``'s row sits out this step: its grammar is costly, and the mask for its sample is
+        being computed, or needs its token in flight and would take more of ``step.mask_budget_s`` than is
+        left (the step's sampling waits for every row's mask; docs/design.md, "Structured output").
+        Counted in ``num_grammar_rows_deferred``."""
+        g, in_flight = req.grammar, req.num_placeholders
+        if g is None or not g.costly or not g.needs_mask(in_flight) or (g.ready and not in_flight):
+            return False
+        if g.ready and g.cost_s <= step.mask_budget_s:  # its next mask goes with the step's others
+            step.mask_budget_s -= g.cost_s
+            return False
+        self.num_grammar_rows_deferred += 1
+        return True
 
     def _admit_waiting(self, step: _StepPlan) -> None:
         """Waiting requests in FIFO order, each from its longest cached prefix, while a req_index and the
@@ -277,6 +291,8 @@ class Scheduler(SchedulerOutputsMixin):
             start = len(hit) * self.block_size
             n = min(req.num_known_tokens - start, step.budget)
             sample = req.samples(start + n)
+            if sample and self._mask_would_hold(req, step):
+                break
             need = cdiv(start + n, self.block_size) - len(hit)
             if (
                 need + self.pool.count_unowned(hit) > self.pool.num_free_blocks

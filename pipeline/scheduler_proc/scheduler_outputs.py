@@ -94,7 +94,8 @@ class SchedulerOutputsMixin:
         elif not steady:  # a steady row names its blocks when it leaves
             self.prefix.name_final(req, num_final_tokens(req))
             if req.grammar is not None:  # never steady
-                req.grammar.advance(t)  # on a grammar thread; a failure ends the request (GrammarManager.failed)
+                # On a grammar thread; a failure ends the request (GrammarManager.failed).
+                req.grammar.advance(t, awaited=req.num_placeholders > 0)
         return ends
 
     def _observe_finish(self, req: Request, end_ns: int) -> None:

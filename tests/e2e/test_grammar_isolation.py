@@ -195,11 +195,6 @@ class Bombs:
             t.join()
 
 
-@pytest.mark.xfail(
-    reason="known regression since masks travel on their own ring (x1.7-3.5 here, with or without constrained "
-    "rows joining steps in flight): to find and fix before constrained rows' full pace is claimed (issue 34)",
-    strict=False,
-)
 def test_grammar_bombs_leave_a_free_stream_its_pace(tiny):
     """A free stream's ITL p99 beside grammar bombs is at most 20 % above its ITL p99 beside the same requests
     without their grammars (which take the device as much or more): regexes whose every mask costs about

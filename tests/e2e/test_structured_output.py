@@ -117,8 +117,8 @@ def test_bad_grammar_is_400_naming_the_field(smol_async, field, value):
 
 def test_simulated_device_serves_every_constrained_row_every_step():
     """256 JSON-schema requests at once on the simulated device (which draws the allowed token nearest to
-    its own): each answers, and once admitted every step carries every row, so the steps number about
-    the tokens of one request (a row that sat out every other step would need twice as many)."""
+    its own): each answers, and the scheduler leaves a row out of a step only after one of its masks took a
+    tenth of a millisecond of CPU or more (new lexer states; about one row in a hundred), not every other step."""
     from tests.conftest import Server
 
     n, max_tokens = 256, 48
@@ -126,14 +126,18 @@ def test_simulated_device_serves_every_constrained_row_every_step():
         ["--model", "sim", "--sim-step-us", "2000", "--max-num-seqs", str(n), "--max-num-batched-tokens", "8192"]
     )
     try:
-        steps_before = srv.metrics()["pipeline_num_steps_total"]
+        before = srv.metrics()
         rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
         body = {"response_format": rf, "max_tokens": max_tokens}
         with ThreadPoolExecutor(n) as pool:
             got = list(pool.map(lambda _: chat(srv, **body), range(n)))
         assert all(c["finish_reason"] in ("stop", "length") for c in got)
         assert all(c["message"]["content"].startswith("{") for c in got)
-        steps = srv.wait_idle()["pipeline_num_steps_total"] - steps_before
-        assert max_tokens <= steps < 1.5 * max_tokens, steps
+        after = srv.wait_idle()
+        tokens = after["pipeline_request_generation_tokens_sum"] - before["pipeline_request_generation_tokens_sum"]
+        deferred = after["pipeline_grammar_rows_deferred_total"] - before["pipeline_grammar_rows_deferred_total"]
+        steps = after["pipeline_num_steps_total"] - before["pipeline_num_steps_total"]
+        print(f"\n{tokens:.0f} tokens in {steps:.0f} steps, {deferred:.0f} rows deferred")
+        assert tokens > n * 8 and deferred < 0.05 * tokens, (tokens, deferred)
     finally:
         srv.stop()

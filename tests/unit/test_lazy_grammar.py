@@ -45,6 +45,7 @@ def _state(grammars: GrammarManager, parser_name: str) -> GrammarState:
 
 def _wait(state: GrammarState) -> None:
     deadline = time.monotonic() + 30
+    state._manager.flush()  # as the scheduler does after each output
     while not state.ready:  # the mask is computed on a grammar thread
         assert time.monotonic() < deadline
         time.sleep(0.0005)

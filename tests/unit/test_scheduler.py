@@ -381,7 +381,7 @@ class StubGrammar:
     def needs_mask(self, in_flight):
         return True
 
-    def advance(self, token_id):
+    def advance(self, token_id, awaited=False):
         pass
 
     def close(self):
