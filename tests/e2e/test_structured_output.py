@@ -118,7 +118,9 @@ def test_bad_grammar_is_400_naming_the_field(smol_async, field, value):
 def test_simulated_device_serves_every_constrained_row_every_step():
     """256 JSON-schema requests at once on the simulated device (which draws the allowed token nearest to
     its own): each answers, and the scheduler leaves a row out of a step only after one of its masks took a
-    tenth of a millisecond of CPU or more (new lexer states; about one row in a hundred), not every other step."""
+    tenth of a millisecond of CPU or more (new lexer states; 1.5-2.5 % of row-steps on an idle machine, 13 % on
+    one busy installing packages, whose background thread computes those masks slowly), never every other step
+    (a deferral per token)."""
     from tests.conftest import Server
 
     n, max_tokens = 256, 48
@@ -138,6 +140,6 @@ def test_simulated_device_serves_every_constrained_row_every_step():
         deferred = after["pipeline_grammar_rows_deferred_total"] - before["pipeline_grammar_rows_deferred_total"]
         steps = after["pipeline_num_steps_total"] - before["pipeline_num_steps_total"]
         print(f"\n{tokens:.0f} tokens in {steps:.0f} steps, {deferred:.0f} rows deferred")
-        assert tokens > n * 8 and deferred < 0.05 * tokens, (tokens, deferred)
+        assert tokens > n * 8 and deferred < 0.25 * tokens, (tokens, deferred)
     finally:
         srv.stop()
