@@ -255,7 +255,7 @@ class SchedulerProc:
             self._reply(Admitted(list(nums), list(cached)))
             self.scheduler.admitted.clear()
         self.desc_ring.publish()
-        if self.grammars is not None:  # rows whose masks were known at planning: the worker reads them next
+        if len(self.scheduler.masks):  # rows whose masks were known at planning: the worker reads them next
             self._publish_masks()
         self.scheduler.observe_outputs()
         if self.trace is not None:

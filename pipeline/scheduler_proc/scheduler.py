@@ -252,7 +252,7 @@ class Scheduler(SchedulerOutputsMixin):
             else:  # its last token is in flight; it finishes when that arrives
                 continue
             sample = req.samples(req.num_computed_tokens + n)
-            if sample and self._mask_would_hold(req, step):
+            if sample and req.grammar is not None and self._mask_would_hold(req, step):
                 continue
             if not self._grow_blocks(req, n):
                 continue
@@ -266,7 +266,7 @@ class Scheduler(SchedulerOutputsMixin):
         left (the step's sampling waits for every row's mask; docs/design.md, "Structured output").
         Counted in ``num_grammar_rows_deferred``."""
         g, in_flight = req.grammar, req.num_placeholders
-        if g is None or not g.costly or not g.needs_mask(in_flight) or (g.ready and not in_flight):
+        if not g.costly or not g.needs_mask(in_flight) or (g.ready and not in_flight):
             return False
         if g.ready and g.cost_s <= step.mask_budget_s:  # its next mask goes with the step's others
             step.mask_budget_s -= g.cost_s
@@ -291,7 +291,7 @@ class Scheduler(SchedulerOutputsMixin):
             start = len(hit) * self.block_size
             n = min(req.num_known_tokens - start, step.budget)
             sample = req.samples(start + n)
-            if sample and self._mask_would_hold(req, step):
+            if sample and req.grammar is not None and self._mask_would_hold(req, step):
                 break
             need = cdiv(start + n, self.block_size) - len(hit)
             if (
