@@ -175,9 +175,11 @@ class DescriptorRelay:
         try:
             work.wait(timedelta(seconds=timeout))
         except RuntimeError:
-            if work.is_completed():
-                raise  # the broadcast failed
-            return None  # timed out; it stays posted
+            if not work.is_completed():
+                return None  # timed out; it stays posted
+            # Failed, or it arrived between the timeout and the check: waiting
+            # again raises only if it failed.
+            work.wait()
         self._works.clear()
         header = self._np[:PACKED_HEADER_NBYTES].view(np.int64)
         if header[0] < 0:  # a heartbeat or the stop

@@ -69,10 +69,11 @@ def test_two_nodes_equal_tp1(tiny_kv4_dir, reference):
         assert len(ranks) == 2 and any(listening for _, _, listening in sockets)
         assert {ip for ip, _, _ in sockets} == {"127.0.0.1"}, sockets
     finally:
-        assert head.stop() == 0
+        head_code = head.stop()
         # The head's rank 0 tells node 1 it stops: node 1 follows, cleanly.
         code = node1.wait(30)
-    log = node1.stdout.read()
+        log = node1.stdout.read()
+        assert head_code == 0, f"head:\n{head.output()}\nnode 1:\n{log}"
     assert code == 0, log
     assert "gpu_worker-tp1: the head node stopped; stopping this node" in log, log
 
