@@ -228,30 +228,28 @@ def test_stopped_process_is_named_by_the_watchdog(role, tmp_path):
 
 def test_metrics_during_a_stop_is_503_with_a_json_body():
     srv = Server(SLOW_SIM)
-    answers, stopping = [], threading.Event()
-
-    def scrape() -> None:
-        with httpx.Client(timeout=10) as c:
-            while not stopping.is_set():
-                try:
-                    r = c.get(f"{srv.url}/metrics")
-                except httpx.HTTPError:
-                    continue  # the port is closed: nothing answered
-                answers.append((r.status_code, r.headers["content-type"], r.content))
-
-    scrapers = [threading.Thread(target=scrape) for _ in range(4)]
-    for t in scrapers:
-        t.start()
-    time.sleep(0.5)
-    srv.proc.send_signal(signal.SIGTERM)
+    scheduler = role_pid(srv, "scheduler")
+    answer: list[httpx.Response] = []
+    # A stopped scheduler holds the scrape at its stats request, so the stop finds it in flight.
+    os.kill(scheduler, signal.SIGSTOP)
+    try:
+        scrape = threading.Thread(target=lambda: answer.append(httpx.get(f"{srv.url}/metrics", timeout=30)))
+        scrape.start()
+        time.sleep(1.0)
+        assert not answer, "the scrape did not wait for the stopped scheduler"
+        srv.proc.send_signal(signal.SIGTERM)
+        scrape.join(10)
+    finally:
+        os.kill(scheduler, signal.SIGCONT)
     assert srv.proc.wait(15) == 0
-    stopping.set()
-    for t in scrapers:
-        t.join()
-    assert answers and all(status in (200, 503) for status, _, _ in answers), answers
-    for status, content_type, body in answers:
-        if status == 503:
-            assert content_type == "application/json" and msgspec.json.decode(body)["error"]["message"], body
+    (r,) = answer
+    assert r.status_code == 503 and r.headers["content-type"] == "application/json", r.text
+    assert r.json()["error"] == {
+        "message": "no metrics: the server is shutting down",
+        "type": "service_unavailable_error",
+        "param": None,
+        "code": None,
+    }
 
 
 @pytest.fixture(scope="module")
