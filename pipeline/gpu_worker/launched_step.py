@@ -59,6 +59,12 @@ class LaunchedStep:
     def is_done(self) -> bool:
         return self.done is None or self.done.query()
 
+    def add_stale(self, stale: torch.Tensor, req_indices: np.ndarray) -> None:
+        """Poison mode: more stale flags (``[D]`` int64 on the device) and the req_index each input read."""
+        if self.stale is not None:
+            stale, req_indices = torch.cat([self.stale, stale]), np.concatenate([self.stale_req_indices, req_indices])
+        self.stale, self.stale_req_indices = stale, req_indices
+
     def wait(self) -> None:
         """Block until ``done`` has fired (a CUDA event's or the simulated device's synchronize)."""
         if self.done is not None:

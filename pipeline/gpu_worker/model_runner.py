@@ -188,7 +188,8 @@ class ModelRunner:
         if spec is not None:
             if spec.draft_plan is not None:  # the draft model's passes are the step's first device work
                 step.start_event, device_start = self.ops.timing_event(), time.monotonic_ns()
-            self.spec.resolve_drafts(spec, input_ids, step)
+            if (stale := self.spec.resolve_drafts(spec, input_ids)) is not None:
+                step.add_stale(*stale)
         self.input_batch.count_inputs(counts, input_ids)
         executed = self._forward_and_sample(x, input_ids, sampling, logprobs, step, spec, device_start, meanwhile)
         step.start_host_copy(executed, self.ops)
@@ -222,8 +223,8 @@ class ModelRunner:
         """``[T]`` int64 device input ids, placeholders read from the token-id cache.
 
         In poison mode each consumed cache entry is overwritten with
-        ``POISON_TOKEN_ID``, and ``step.stale`` gets, per placeholder, a
-        device flag "read a poisoned entry" that ``finish`` checks.
+        ``POISON_TOKEN_ID``, and the step gets, per placeholder, a device
+        flag "read a poisoned entry" that ``finish`` checks (``add_stale``).
         """
         input_ids = ph.token_ids.dev
         if ph.index is None:
@@ -231,7 +232,7 @@ class ModelRunner:
         cache = self.input_batch.token_cache
         resolved = cache.index_select(0, ph.req_indices.dev)
         if self.poison:
-            step.stale, step.stale_req_indices = (resolved < 0).long(), ph.host_req_indices
+            step.add_stale((resolved < 0).long(), ph.host_req_indices)
             cache.index_fill_(0, ph.req_indices.dev, POISON_TOKEN_ID)
         # A stale read must not reach the embedding as a negative id (an
         # asynchronous device assert on CUDA); poison mode reports it in finish().

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -33,9 +32,6 @@ from pipeline.gpu_worker.input_batch import POISON_TOKEN_ID, InputBatch
 from pipeline.gpu_worker.ngram_proposer import propose_ngram
 from pipeline.gpu_worker.rejection_sampler import VerifyInputs
 from pipeline.gpu_worker.sim_device import sim_drafts
-
-if TYPE_CHECKING:
-    from pipeline.gpu_worker.launched_step import LaunchedStep
 
 
 @dataclass
@@ -289,27 +285,26 @@ class SpecState:
         """Drafts are computed in the step that verifies them (a draft model), not read from ``drafts``."""
         return isinstance(self.proposer, DraftModel)
 
-    def resolve_drafts(self, st: SpecStep, input_ids: torch.Tensor, step: LaunchedStep) -> None:
-        """Write the drafts into ``input_ids`` (in place) and reset new rows; in poison mode a draft read
-        after being consumed is stale: its flag joins the placeholders' in ``step.stale``. A draft
-        model computes them now."""
+    def resolve_drafts(self, st: SpecStep, input_ids: torch.Tensor) -> tuple[torch.Tensor, np.ndarray] | None:
+        """Write the drafts into ``input_ids`` (in place) and reset new rows; a draft model computes them now.
+        Returns, in poison mode, each draft's stale flag (``[D]`` int64 on the device, 1 where it was read
+        after being consumed) and its req_index (``LaunchedStep.add_stale``); None otherwise."""
         if st.new_req is not None:
             self.num_rejected.index_fill_(0, st.new_req.dev, 0)
         if st.draft_index is None:
-            return
+            return None
         if st.draft_plan is not None:
             drafts, st.draft_probs = self.proposer.propose(st.draft_plan, input_ids, self.shift(st))
             input_ids.index_copy_(0, st.draft_index.dev, drafts.view(-1))
-            return
+            return None
         flat = self.drafts.view(-1)
         drafts = flat.index_select(0, st.draft_flat.dev)
+        stale = None
         if self.poison is not None:
-            stale, names = (drafts < 0).long(), st.draft_req
+            stale = (drafts < 0).long(), st.draft_req
             flat.index_fill_(0, st.draft_flat.dev, self.poison)
-            if step.stale is not None:
-                stale, names = torch.cat([step.stale, stale]), np.concatenate([step.stale_req_indices, names])
-            step.stale, step.stale_req_indices = stale, names
         input_ids.index_copy_(0, st.draft_index.dev, drafts.clamp(min=0))
+        return stale
 
     def shift(self, st: SpecStep) -> torch.Tensor | None:
         """``[R]`` int64 on the device: how far each row starts before its planned position; None: nowhere."""

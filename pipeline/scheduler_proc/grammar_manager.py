@@ -28,7 +28,7 @@ from pipeline.common.memory import heap_in_use, trim_heap
 from pipeline.common.messages import AddRequest
 from pipeline.common.process import start_background_thread
 from pipeline.common.step_protocol import MASK_BITS
-from pipeline.scheduler_proc.grammar_state import CompiledGrammar, GrammarState, error_of, guarded_advance
+from pipeline.scheduler_proc.grammar_state import CompiledGrammar, GrammarState, error_of
 
 log = logging.getLogger(__name__)
 
@@ -103,10 +103,6 @@ class GrammarManager:
     def used_bytes(self) -> int:
         """Matcher memory counted now: compiled grammars (the cache), copies, reservations."""
         return self._used
-
-    def tokenize_bytes(self, data: bytes) -> list[int]:
-        """``data`` as token ids of the grammars' tokenizer."""
-        return self._tokenizer.tokenize_bytes(data)
 
     def add(self, msg: AddRequest) -> None:
         """Take a request with a grammar; it comes back from ``poll`` once its matchers exist."""
@@ -199,7 +195,12 @@ class GrammarManager:
         stop = msg.params.stop_token_ids
         return [
             GrammarState(
-                self, entry, m, msg.req_num + i, stop, self._new_trigger(msg) if msg.params.grammar_trigger else None
+                self._tokenizer,
+                entry,
+                m,
+                msg.req_num + i,
+                stop,
+                self._new_trigger(msg) if msg.params.grammar_trigger else None,
             )
             for i, m in enumerate(matchers)
         ]
@@ -260,40 +261,39 @@ class GrammarManager:
         entry.last_used = time.monotonic()
         self._used -= state._nbytes
         self._freed += state._nbytes
-        self._dropped += (state._matcher, state._pristine)
-        state._matcher = state._pristine = None
+        self._dropped += state.take_matchers()
 
-    def drop(self, matcher: llguidance.LLMatcher) -> None:
-        """A matcher no longer used: freed on the background thread."""
-        self._dropped.append(matcher)
+    def advance(self, state: GrammarState, token_id: int, awaited: bool = False) -> None:
+        """``state``'s request has output ``token_id``: its matcher consumes it and computes the next mask on a
+        grammar thread (``state.ready`` until then is False); a failure lands in ``failed``.
 
-    def submit_mask(self, state: GrammarState, token_id: int, tail: bytes | None, paced: bool) -> None:
-        """Run ``state``'s advance past ``token_id`` (or from ``tail``): in the next ``flush``'s job on the mask
-        thread (``paced``), or alone on the background one."""
-        if paced:
+        ``awaited``: a step in flight samples the row next, so its mask goes in the next ``flush``'s job on the
+        mask thread, whatever it costs; so does a cheap one (``PACE_MASK_S``). A costly one runs alone on the
+        background thread.
+        """
+        job, tail, dropped = state.follow(token_id)
+        if dropped is not None:
+            self._dropped.append(dropped)
+        if not job:
+            return
+        state.ready = False
+        if awaited or not state.costly:
             self._batch.append((state, token_id, tail))
         else:
-            self._background.submit(guarded_advance, state, token_id, tail)
+            self._background.submit(self._compute, state, token_id, tail)
 
     def flush(self, then: Callable[[], object] | None = None) -> None:
         """Start the paced advances submitted since the last flush, as one job on the mask thread (one job,
         not one per row: a step's masks take microseconds each); ``then`` runs on that thread after them."""
         if self._batch:
             batch, self._batch = self._batch, []
-            self._last_batch = self._masks.submit(_advance_all, batch, then)
+            self._last_batch = self._masks.submit(self._compute_all, batch, then)
 
     def wait_masks(self) -> None:
         """Flush, and wait until the mask thread's jobs are done."""
         self.flush()
         if self._last_batch is not None:
             self._last_batch.result()
-
-    def end_mask(self, mask: np.ndarray, ends: bool, stop_ids: np.ndarray) -> np.ndarray:
-        """``mask`` with the tokenizer's EOS replaced by the request's stop ids, allowed iff the grammar ``ends``."""
-        _set_bits(mask, np.asarray([self._eos]), False)
-        if ends:
-            _set_bits(mask, stop_ids, True)
-        return mask
 
     def _compile(self, text: str) -> CompiledGrammar:  # on the background thread, one at a time
         """Compile ``text`` and compute its first mask, measuring the heap both take."""
@@ -314,20 +314,30 @@ class GrammarManager:
         nbytes = max(0, after - before) if before is not None else len(text) * 100
         return CompiledGrammar(m, mask, m.is_accepting() or m.is_stopped(), nbytes, copy_nbytes, mask_s)
 
+    def _compute(self, state: GrammarState, token_id: int, tail: bytes | None) -> None:  # on a grammar thread
+        try:
+            state.compute(token_id, tail)
+        except Exception as e:  # one request's matcher must not take the thread (and everyone's masks) down
+            log.exception("request %d: grammar advance failed", state.req_num)
+            state.error = f"the grammar failed: {type(e).__name__}: {e}"
+        if state.error:
+            self.failed.append(state)
+
+    def _compute_all(
+        self, batch: list[tuple[GrammarState, int, bytes | None]], then: Callable[[], object] | None
+    ) -> None:  # on the mask thread
+        for state, token_id, tail in batch:
+            self._compute(state, token_id, tail)
+        if then is not None:
+            try:
+                then()
+            except Exception:  # the scheduler's loop publishes them instead
+                log.exception("publishing the masks of a step failed")
+
     def close(self) -> None:
         """Stop the threads (jobs in flight are dropped)."""
         self._background.shutdown(wait=False, cancel_futures=True)
         self._masks.shutdown(wait=False, cancel_futures=True)
-
-
-def _advance_all(batch: list[tuple[GrammarState, int, bytes | None]], then: Callable[[], object] | None) -> None:
-    for state, token_id, tail in batch:
-        guarded_advance(state, token_id, tail)
-    if then is not None:
-        try:
-            then()
-        except Exception:  # the scheduler's loop publishes them instead
-            log.exception("publishing the masks of a step failed")
 
 
 def _later_mask_s(m: llguidance.LLMatcher, first: np.ndarray, eos: int, tokens: int = 4) -> float:
@@ -348,13 +358,3 @@ def _later_mask_s(m: llguidance.LLMatcher, first: np.ndarray, eos: int, tokens: 
 
 def _copies(template: llguidance.LLMatcher, n: int) -> list[llguidance.LLMatcher]:
     return [template.deep_copy() for _ in range(n)]
-
-
-def _set_bits(mask: np.ndarray, ids: np.ndarray, value: bool) -> None:
-    words, bits = ids // MASK_BITS, (ids % MASK_BITS).astype(np.uint32)
-    view, bit = mask.view(np.uint32), np.left_shift(np.uint32(1), bits)
-    # ufunc.at: several ids may share a word.
-    if value:
-        np.bitwise_or.at(view, words, bit)
-    else:
-        np.bitwise_and.at(view, words, ~bit)

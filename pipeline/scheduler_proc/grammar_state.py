@@ -1,23 +1,18 @@
 """One constrained request's matcher and the mask for its next output position (docs/design.md,
-"Structured output"); the grammar manager makes them and runs their jobs on its threads."""
+"Structured output"); the grammar manager makes them, advances them and runs their jobs on its threads. A
+state calls nobody back: it holds its matcher and mask, and says what advancing it takes."""
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import llguidance
 import llguidance.numpy
 import numpy as np
 
 from pipeline.common.lazy_grammar import Trigger
-
-if TYPE_CHECKING:
-    from pipeline.scheduler_proc.grammar_manager import GrammarManager
-
-log = logging.getLogger(__name__)
+from pipeline.common.step_protocol import MASK_BITS
 
 # A row whose masks take this much CPU time or more (a decaying peak, ``GrammarState.cost_s``) is costly: its
 # masks are computed one by one on the background thread, and it sits out the steps whose sampling would wait
@@ -65,6 +60,7 @@ class GrammarState:
         error: why the matcher failed (it left its grammar, or hit a limit); "" if it did not.
         trigger: where the text stands against the request's ``grammar_trigger``; None without one.
         cost_s: CPU seconds its masks take: the last one's, or a quarter of the previous figure if more.
+        closed: its request has ended (``GrammarManager.release``).
     """
 
     __slots__ = (
@@ -77,29 +73,30 @@ class GrammarState:
         "trigger",
         "_stop_ids",
         "cost_s",
-        "_manager",
+        "closed",
+        "_tokenizer",
         "_entry",
         "_nbytes",
     )
 
     def __init__(
         self,
-        manager: GrammarManager,
+        tokenizer: llguidance.LLTokenizer,
         entry: CompiledGrammar,
         matcher: llguidance.LLMatcher,
         req_num: int,
         stop,
         trigger: Trigger | None = None,
     ):
-        self.req_num, self._manager, self._entry, self.trigger = req_num, manager, entry, trigger
+        self.req_num, self._tokenizer, self._entry, self.trigger = req_num, tokenizer, entry, trigger
         # With a trigger, ``matcher`` stays pristine; _matcher is None until a mask needs one (the first
         # mask, the compiled grammar's, is that of a pristine matcher).
         self._matcher, self._pristine = (matcher, None) if trigger is None else (None, matcher)
         self._nbytes = entry.copy_nbytes * (1 if trigger is None else 2)
         self._stop_ids = np.asarray(stop, np.int64)
-        self.mask = manager.end_mask(entry.first_mask.copy(), entry.ends, self._stop_ids)
+        self.mask = end_mask(entry.first_mask.copy(), entry.ends, tokenizer.eos_token, self._stop_ids)
         self.cost_s = entry.mask_s
-        self.ready, self.error = True, ""
+        self.ready, self.error, self.closed = True, "", False
 
     @property
     def costly(self) -> bool:
@@ -111,82 +108,80 @@ class GrammarState:
         advanced past yet (a row that needs one waits for them). Always, without a trigger."""
         return self.trigger is None or self.trigger.needs_mask(in_flight)
 
-    def advance(self, token_id: int, awaited: bool = False) -> None:
-        """Consume output ``token_id`` and compute the next mask, on a grammar thread; a stop id ends the output.
-
-        ``awaited``: a step in flight samples the row next, so its mask goes with the other rows' on the mask
-        thread, whatever it costs. With a trigger, the text is followed here, and a thread runs only where a
-        mask is needed next.
-        """
+    def follow(self, token_id: int) -> tuple[bool, bytes | None, llguidance.LLMatcher | None]:
+        """Output ``token_id`` has come: ``(whether a mask job follows, the text's tail that job makes a
+        matcher from (None: it consumes ``token_id``), a matcher no longer used)``. A stop id ends the
+        output. With a trigger, the text is followed here, and a job follows only where a mask is needed
+        next; a matcher is given up where the text turned away from the trigger."""
         if token_id in self._stop_ids or self.error:
-            return
+            return False, None, None
         trigger = self.trigger
         if trigger is None:
-            self._submit(token_id, None, awaited)
-            return
+            return True, None, None
         masked = trigger.needs_mask(0)  # this token was sampled under a mask, from the matcher's state
         trigger.feed(token_id)
         if not trigger.needs_mask(0):
-            if self._matcher is not None:  # the text turned away from the trigger
-                self._manager.drop(self._matcher)
-                self._matcher = None
-        elif masked and trigger.triggered:
-            self._submit(token_id, None, awaited)  # the matcher goes on past the trigger
-        else:
-            self._submit(token_id, trigger.tail(), awaited)  # a fresh matcher, fed the text's tail
+            dropped, self._matcher = self._matcher, None  # None unless the text turned away from the trigger
+            return False, None, dropped
+        if masked and trigger.triggered:
+            return True, None, None  # the matcher goes on past the trigger
+        return True, trigger.tail(), None  # a fresh matcher, fed the text's tail
 
-    def _submit(self, token_id: int, tail: bytes | None, awaited: bool) -> None:
-        self.ready = False
-        self._manager.submit_mask(self, token_id, tail, awaited or self.cost_s < PACE_MASK_S)
+    def take_matchers(self) -> list[llguidance.LLMatcher]:
+        """Its request has ended: its matchers (to be freed off the scheduler's loop)."""
+        self.closed = True
+        matchers = [m for m in (self._matcher, self._pristine) if m is not None]
+        self._matcher = self._pristine = None
+        return matchers
 
-    def close(self) -> None:
-        """The request has ended: its matcher's memory returns."""
-        if self._manager is not None:
-            self._manager.release(self)
-            self._manager = None
-
-    def _advance(self, token_id: int, tail: bytes | None) -> None:  # on a grammar thread
-        """Consume ``token_id``, or with ``tail`` make a matcher from the pristine one fed it; then mask."""
+    def compute(self, token_id: int, tail: bytes | None) -> None:  # on a grammar thread
+        """Consume ``token_id``, or with ``tail`` make a matcher from the pristine one fed it; then the next
+        mask. A failure sets ``error``."""
         t0 = time.thread_time()  # CPU time: a thread that waits for the GIL or a core is not charged
-        manager, m, pristine = self._manager, self._matcher, self._pristine
-        if manager is None or (m is None and pristine is None):  # its request has ended meanwhile
+        m, pristine = self._matcher, self._pristine
+        if self.closed or (m is None and pristine is None):  # its request has ended meanwhile
             return
         if tail is not None:
             m = pristine.deep_copy()
-            if not all(m.consume_token(t) for t in manager.tokenize_bytes(tail)):
-                self._fail(f"the text before the trigger does not parse: {error_of(m) or 'rejected'}")
+            if not all(m.consume_token(t) for t in self._tokenizer.tokenize_bytes(tail)):
+                self.error = f"the text before the trigger does not parse: {error_of(m) or 'rejected'}"
                 return
             self._matcher = m
         else:
             if m is None:  # a trigger at the output's start: the first mask was the pristine matcher's
                 m = self._matcher = pristine.deep_copy()
             if not m.consume_token(token_id):
-                self._fail(f"the output left its grammar at token {token_id}: {error_of(m) or 'rejected'}")
+                self.error = f"the output left its grammar at token {token_id}: {error_of(m) or 'rejected'}"
                 return
         mask = np.zeros_like(self.mask)
         llguidance.numpy.fill_next_token_bitmask(m, mask.reshape(1, -1), 0)
         if m.is_error():
-            self._fail(f"the output left its grammar: {error_of(m)}")
+            self.error = f"the output left its grammar: {error_of(m)}"
             return
-        self.mask = manager.end_mask(mask, m.is_accepting() or m.is_stopped(), self._stop_ids)
+        ends = m.is_accepting() or m.is_stopped()
+        self.mask = end_mask(mask, ends, self._tokenizer.eos_token, self._stop_ids)
         # A decaying peak: a slow mask (new lexer states: a JSON schema's take up to half a millisecond now and
         # then) keeps its row out for a mask or two; a grammar whose every mask is slow stays out.
         self.cost_s = max(time.thread_time() - t0, self.cost_s / 4)
         self.ready = True
 
-    def _fail(self, why: str) -> None:
-        self.error = why
-        manager = self._manager
-        if manager is not None:
-            manager.failed.append(self)
+
+def end_mask(mask: np.ndarray, ends: bool, eos: int, stop_ids: np.ndarray) -> np.ndarray:
+    """``mask`` with the tokenizer's ``eos`` replaced by the request's stop ids, allowed iff the grammar ``ends``."""
+    _set_bits(mask, np.asarray([eos]), False)
+    if ends:
+        _set_bits(mask, stop_ids, True)
+    return mask
 
 
-def guarded_advance(state: GrammarState, token_id: int, tail: bytes | None) -> None:
-    try:
-        state._advance(token_id, tail)
-    except Exception as e:  # one request's matcher must not take the thread (and everyone's masks) down
-        log.exception("request %d: grammar advance failed", state.req_num)
-        state._fail(f"the grammar failed: {type(e).__name__}: {e}")
+def _set_bits(mask: np.ndarray, ids: np.ndarray, value: bool) -> None:
+    words, bits = ids // MASK_BITS, (ids % MASK_BITS).astype(np.uint32)
+    view, bit = mask.view(np.uint32), np.left_shift(np.uint32(1), bits)
+    # ufunc.at: several ids may share a word.
+    if value:
+        np.bitwise_or.at(view, words, bit)
+    else:
+        np.bitwise_and.at(view, words, ~bit)
 
 
 def error_of(m: llguidance.LLMatcher) -> str:

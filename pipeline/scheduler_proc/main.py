@@ -101,6 +101,7 @@ class SchedulerProc:
             config.block_hash_root,
             config.num_speculative_tokens,
             config.speculative_policy == "adaptive",
+            self.grammars,
         )
         self.max_inflight = MAX_INFLIGHT_STEPS if config.async_scheduling else 1
         self.inflight: deque[int] = deque()

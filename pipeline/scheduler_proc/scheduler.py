@@ -28,6 +28,7 @@ from pipeline.common.histogram import ITERATION_TOKENS_BUCKETS, REQUEST_LATENCY_
 from pipeline.common.messages import AddRequest, choice_seed
 from pipeline.common.step_protocol import DRAFT_TOKEN_ID, StepDescriptor
 from pipeline.scheduler_proc.drafts import Drafts
+from pipeline.scheduler_proc.grammar_manager import GrammarManager
 from pipeline.scheduler_proc.grammar_state import COSTLY_MASKS_PER_STEP_S, GrammarState
 from pipeline.scheduler_proc.kv_block_pool import BlockPool
 from pipeline.scheduler_proc.prefix_cache import PrefixCache, num_final_tokens
@@ -69,6 +70,7 @@ class Scheduler(SchedulerOutputsMixin):
         enable_prefix_caching: reuse the blocks of cached prefixes.
         block_hash_root: the parent name of a first block (``EngineConfig.block_hash_root``).
         num_speculative_tokens, adaptive_speculation: speculative decoding's K (0: off) and policy (``Drafts``).
+        grammars: advances the matchers of constrained requests (None: no request has a grammar).
 
     Raises:
         ValueError: if one request of ``max_model_len`` tokens could not fit.
@@ -85,6 +87,7 @@ class Scheduler(SchedulerOutputsMixin):
         block_hash_root: bytes = b"",
         num_speculative_tokens: int = 0,
         adaptive_speculation: bool = True,
+        grammars: GrammarManager | None = None,
     ):
         if num_kv_blocks < max_blocks_per_seq:
             raise ValueError(
@@ -99,6 +102,7 @@ class Scheduler(SchedulerOutputsMixin):
         # Prefix caching names an ended steady row's blocks from its tokens.
         self.steady = SteadyRows(max_num_seqs, block_size, keep_ended_tokens=enable_prefix_caching)
         self.requests: dict[int, Request] = {}
+        self.grammars = grammars
         self.masks = StepMasks(self.requests)  # the masks of planned steps' constrained rows, to be written
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
@@ -440,7 +444,7 @@ class Scheduler(SchedulerOutputsMixin):
         blocks stay cached."""
         del self.requests[req.req_num]
         if req.grammar is not None:
-            req.grammar.close()
+            self.grammars.release(req.grammar)
         if req.req_index < 0:
             self.waiting.remove(req)
             self._free(req)

@@ -95,7 +95,7 @@ class SchedulerOutputsMixin:
             self.prefix.name_final(req, num_final_tokens(req))
             if req.grammar is not None:  # never steady
                 # On a grammar thread; a failure ends the request (GrammarManager.failed).
-                req.grammar.advance(t, awaited=req.num_placeholders > 0)
+                self.grammars.advance(req.grammar, t, awaited=req.num_placeholders > 0)
         return ends
 
     def _observe_finish(self, req: Request, end_ns: int) -> None:

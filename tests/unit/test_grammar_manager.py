@@ -96,13 +96,13 @@ def test_masks_follow_the_output_and_the_grammar_ends_on_the_stop_ids(tok):
     ((_, (state,), _),), _ = settle(m)
     assert {tok.decode_str([t]) for t in allowed(state.mask)} <= {"y", "ye", "yes", "n", "no"}
     for t in tok.tokenize_str("yes"):
-        state.advance(t)  # the next mask is computed on the mask thread
+        m.advance(state, t)  # the next mask is computed on the mask thread
         deadline = time.monotonic() + 10
         while not state.ready:
             m.wait_masks()
             assert time.monotonic() < deadline and not state.error
     assert allowed(state.mask) == {EOS}  # complete: only the request's stop ids
-    state.close()
+    m.release(state)
     assert m.used_bytes == m._cache[state_grammar(m)].nbytes
     m.close()
 
@@ -142,7 +142,7 @@ def test_over_the_total_limit_waits_for_room(tok):
     time.sleep(0.5)
     assert m.poll() == ([], []) and m.num_pending == 1  # waits: the total would pass its limit
     for state in first[0][1]:
-        state.close()
+        m.release(state)
     ready, refused = settle(m)  # the first grammar, unused now, is dropped to make room
     assert [msg.req_num for msg, _, _ in ready] == [2] and not refused
     assert schema not in m._cache and m.used_bytes <= 120 * MiB
@@ -164,7 +164,7 @@ def test_a_matcher_in_its_error_state_mid_output_fails_its_request(tok):
     ((_, (state,), _),), _ = settle(m)
     for t in tok.tokenize_str('{"k": 1, "v7": "a"}'):
         assert t in allowed(state.mask)
-        state.advance(t)
+        m.advance(state, t)
         deadline = time.monotonic() + 10
         while not (state.ready or state.error):
             m.wait_masks()
@@ -188,7 +188,7 @@ def test_aborted_while_compiling_and_memory_comes_back(tok, monkeypatch):
     m.add(request(10, schema, n=16))
     ((_, states, _),), _ = settle(m)
     for s in states:
-        s.close()
+        m.release(s)
     deadline = time.monotonic() + 10
     while m.used_bytes or m._cache:
         m.poll()

@@ -78,7 +78,7 @@ def test_grammar_row_runs_every_step_and_its_mask_follows(smol_dir, cheap_masks)
     tok = load_tokenizer(str(smol_dir), V)
     words = V // MASK_BITS
     grammars = GrammarManager(tok, V, 2**28, 2**30)
-    sched = Scheduler(4, 64, 16, 64, 16)
+    sched = Scheduler(4, 64, 16, 64, 16, grammars=grammars)
     plan = planner(sched)
 
     grammar = build_grammar("choice", ["yes", "no"], "guided_choice")
@@ -118,7 +118,7 @@ def test_auto_tool_row_keeps_pace_through_its_trigger(smol_dir, cheap_masks):
     tok, hf = load_tokenizer(str(smol_dir), V), AutoTokenizer.from_pretrained(smol_dir)
     words = V // MASK_BITS
     grammars = GrammarManager(tok, V, 2**28, 2**30)
-    sched = Scheduler(4, 64, 16, 64, 16)
+    sched = Scheduler(4, 64, 16, 64, 16, grammars=grammars)
     layout = StepDescriptor.layout(4, 64, 16)
     parser = TOOL_PARSERS["hermes"]()
     schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -159,7 +159,7 @@ def test_every_step_carries_every_constrained_row(smol_dir, cheap_masks):
     tok = load_tokenizer(str(smol_dir), V)
     words = V // MASK_BITS
     grammars = GrammarManager(tok, V, 2**30, 2**32)
-    sched = Scheduler(rows, 4096, 16, 4096, 16)
+    sched = Scheduler(rows, 4096, 16, 4096, 16, grammars=grammars)
     layout = StepDescriptor.layout(rows, 4096, 16)
     schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
     grammar = build_grammar("json_schema", schema, "response_format")
@@ -198,7 +198,7 @@ def test_costly_grammar_row_sits_out_instead_of_holding_the_step(smol_dir):
     token known and its mask ready, so the other rows' sampling never waits for it."""
     tok = load_tokenizer(str(smol_dir), V)
     grammars = GrammarManager(tok, V, 2**28, 2**30)
-    sched = Scheduler(4, 64, 16, 64, 16)
+    sched = Scheduler(4, 64, 16, 64, 16, grammars=grammars)
     plan = planner(sched)
 
     sched.add_request(AddRequest(1, [5, 6, 7], SamplingParams(max_tokens=8, temperature=0.0)))

@@ -1,15 +1,20 @@
-"""The scheduler's side of the package and the launcher never load torch (docs/design.md, "Overview").
+"""The scheduler's side of the package and the launcher never load torch (docs/design.md, "Overview"),
+and no module of the package imports itself through others.
 
-Each case imports in a fresh interpreter, so nothing another test imported
+Each torch case imports in a fresh interpreter, so nothing another test imported
 can hide a dependency.
 """
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from graphlib import CycleError, TopologicalSorter
 
 import pytest
+
+from tests.conftest import REPO
 
 _CHECK = """
 import importlib, pkgutil, sys
@@ -41,3 +46,42 @@ def test_imports_no_torch(names, walk):
     ).stdout.split()
     assert int(out[0]) > len(names) or not walk, f"{names} has no modules to import"
     assert out[1:] == [], f"importing {names} loads {out[1:]}"
+
+
+def _module_imports() -> dict[str, set[str]]:
+    """Each module of ``pipeline`` and the modules of ``pipeline`` it names in any import, type-only ones too."""
+    files = {}
+    for f in (REPO / "pipeline").rglob("*.py"):
+        parts = f.relative_to(REPO).with_suffix("").parts
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+
+    def module(name: str) -> str:  # "pipeline.a.b.Name" -> "pipeline.a.b"
+        while name not in files:
+            name = name.rpartition(".")[0]
+        return name
+
+    graph = {}
+    for name, f in files.items():
+        package = name if f.name == "__init__.py" else name.rpartition(".")[0]
+        deps = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                deps |= {module(a.name) for a in node.names if a.name.startswith("pipeline.")}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*up, base] if base else up)
+                if base.startswith("pipeline"):
+                    deps |= {module(f"{base}.{a.name}") for a in node.names}
+        graph[name] = deps - {name}
+    return graph
+
+
+def test_no_import_cycle():
+    graph = _module_imports()
+    assert len(graph) > 100 and graph["pipeline.scheduler_proc.scheduler"]
+    try:
+        TopologicalSorter(graph).prepare()
+    except CycleError as e:
+        pytest.fail(f"an import cycle: {' -> '.join(e.args[1])}")

@@ -43,26 +43,26 @@ def _state(grammars: GrammarManager, parser_name: str) -> GrammarState:
     return ready[0][1][0]
 
 
-def _wait(state: GrammarState) -> None:
+def _wait(grammars: GrammarManager, state: GrammarState) -> None:
     deadline = time.monotonic() + 30
-    state._manager.flush()  # as the scheduler does after each output
+    grammars.flush()  # as the scheduler does after each output
     while not state.ready:  # the mask is computed on a grammar thread
         assert time.monotonic() < deadline
         time.sleep(0.0005)
 
 
-def _accept(state: GrammarState, token: int) -> bool:
-    state.advance(token)
-    _wait(state)
+def _accept(grammars: GrammarManager, state: GrammarState, token: int) -> bool:
+    grammars.advance(state, token)
+    _wait(grammars, state)
     return not state.error
 
 
-def _allowed(state: GrammarState, token: int) -> bool:
-    _wait(state)
+def _allowed(grammars: GrammarManager, state: GrammarState, token: int) -> bool:
+    _wait(grammars, state)
     return bool((state.mask.view(np.uint32)[token // 32] >> (token % 32)) & 1)
 
 
-def _decode(state, ids: list[int]) -> tuple[list[bool], list[bool]]:
+def _decode(grammars: GrammarManager, state, ids: list[int]) -> tuple[list[bool], list[bool]]:
     """Lock step's mask decisions per token, and whether asynchronous planning, with the token
     before in flight, would wait for it; each token is checked against the mask where there is one."""
     masked, waits = [], []
@@ -71,8 +71,8 @@ def _decode(state, ids: list[int]) -> tuple[list[bool], list[bool]]:
         m = state.needs_mask(0)
         masked.append(m)
         if m:
-            assert _allowed(state, t)
-        assert _accept(state, t)
+            assert _allowed(grammars, state, t)
+        assert _accept(grammars, state, t)
     return masked, waits
 
 
@@ -80,7 +80,7 @@ def test_free_text_is_never_masked_and_never_waits(tokenizers):
     grammars, hf = tokenizers
     st = _state(grammars, "hermes")
     ids = hf.encode("The weather in Paris is mild; use a <b>tag</b> or <tool> if you like.", add_special_tokens=False)
-    masked, waits = _decode(st, ids)
+    masked, waits = _decode(grammars, st, ids)
     assert not any(masked) and not st.trigger.triggered
     # It waits only where the text ends with the trigger's start ("<tool_..." after "<tool_").
     assert sum(waits) <= 2
@@ -91,36 +91,36 @@ def test_the_call_after_the_trigger_is_masked_and_valid(tokenizers):
     st = _state(grammars, "hermes")
     text = 'Let me look. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     ids = hf.encode(text, add_special_tokens=False)
-    masked, waits = _decode(st, ids)
+    masked, waits = _decode(grammars, st, ids)
     first = next(i for i, m in enumerate(masked) if m)
     assert hf.decode(ids[:first]).endswith("<tool_call") and all(masked[first:]) and st.trigger.triggered
     # Async planning waited for each token whose successor was masked.
     assert all(w for w, m in zip(waits[1:], masked[1:]) if m)
     # Once the call is closed, only the stop token may come.
-    assert _allowed(st, STOP) and not _allowed(st, hf.encode(" ok", add_special_tokens=False)[0])
+    assert _allowed(grammars, st, STOP) and not _allowed(grammars, st, hf.encode(" ok", add_special_tokens=False)[0])
 
 
 def test_a_call_with_wrong_arguments_is_masked_out(tokenizers):
     grammars, hf = tokenizers
     st = _state(grammars, "hermes")
     for t in hf.encode('<tool_call>\n{"name": "get_weather", "arguments": {"', add_special_tokens=False):
-        _accept(st, t)
+        _accept(grammars, st, t)
     assert st.trigger.triggered
-    assert _allowed(st, hf.encode("city", add_special_tokens=False)[0])
-    assert not _allowed(st, hf.encode("town", add_special_tokens=False)[0])
+    assert _allowed(grammars, st, hf.encode("city", add_special_tokens=False)[0])
+    assert not _allowed(grammars, st, hf.encode("town", add_special_tokens=False)[0])
 
 
 def test_anchored_trigger_decides_on_the_first_token(tokenizers):
     grammars, hf = tokenizers
     st = _state(grammars, "llama3_json")
     assert st.needs_mask(0)  # the first token may open a call
-    masked, _ = _decode(st, hf.encode("Sunny, with {braces} later.", add_special_tokens=False))
+    masked, _ = _decode(grammars, st, hf.encode("Sunny, with {braces} later.", add_special_tokens=False))
     assert masked[0] and not any(masked[1:]) and not st.needs_mask(1)
     st = _state(grammars, "llama3_json")
     masked, _ = _decode(
-        st, hf.encode('{"name": "get_weather", "parameters": {"city": "Oslo"}}', add_special_tokens=False)
+        grammars, st, hf.encode('{"name": "get_weather", "parameters": {"city": "Oslo"}}', add_special_tokens=False)
     )
-    assert all(masked) and st.trigger.triggered and _allowed(st, STOP)
+    assert all(masked) and st.trigger.triggered and _allowed(grammars, st, STOP)
 
 
 def test_special_tokens_and_split_characters_leave_the_state_alone(tokenizers):
@@ -129,9 +129,9 @@ def test_special_tokens_and_split_characters_leave_the_state_alone(tokenizers):
     im_start = hf.convert_tokens_to_ids("<|im_start|>")
     snowman = hf.encode("☃ <tool_call", add_special_tokens=False)  # a character over several tokens
     for t in [im_start, *snowman]:
-        assert _accept(st, t)
+        assert _accept(grammars, st, t)
     assert st.needs_mask(0) and not st.trigger.triggered
-    assert _allowed(st, hf.encode(">", add_special_tokens=False)[0])
+    assert _allowed(grammars, st, hf.encode(">", add_special_tokens=False)[0])
 
 
 def test_advance_follows_the_trigger_across_pieces():

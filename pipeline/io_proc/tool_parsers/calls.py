@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Protocol
 
 
 @dataclass(frozen=True)
@@ -77,3 +78,19 @@ class CallScanner(ABC):
     @abstractmethod
     def done(self) -> bool:
         """True once the call's last character has been consumed."""
+
+
+class CallLayout(Protocol):
+    """What reading a format's calls needs of its parser (``ToolParser`` has it): the layout's literals and a
+    scanner for one call."""
+
+    trigger: str
+    anchored: bool
+    trigger_in_region: bool
+    region_open: str
+    call_open: str
+    call_close: str
+    separator: str
+    region_close: str
+
+    def call_scanner(self) -> CallScanner: ...

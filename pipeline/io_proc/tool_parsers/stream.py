@@ -7,13 +7,7 @@ it is split.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from pipeline.io_proc.tool_parsers.calls import Broken, CallScanner, Event, ToolCallDelta
-
-if TYPE_CHECKING:
-    from pipeline.io_proc.tool_parsers.base import ToolParser
-
+from pipeline.io_proc.tool_parsers.calls import Broken, CallLayout, CallScanner, Event, ToolCallDelta
 
 # Where the machine is in the output.
 _TEXT, _REGION_OPEN, _CALL_OPEN, _CALL, _CALL_CLOSE, _AFTER_CALL, _TAIL = range(7)
@@ -33,7 +27,7 @@ class ToolCallStream:
             name and arguments so far were emitted ("" if none).
     """
 
-    def __init__(self, parser: ToolParser):
+    def __init__(self, parser: CallLayout):
         self._p = parser
         self._buf = ""  # text not consumed yet
         self._raw = ""  # text consumed since the current call began (or the region, for the first)
