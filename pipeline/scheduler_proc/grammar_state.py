@@ -16,13 +16,16 @@ from pipeline.common.step_protocol import MASK_BITS
 
 # A row whose masks take this much CPU time or more (a decaying peak, ``GrammarState.cost_s``) is costly: its
 # masks are computed one by one on the background thread, and it sits out the steps whose sampling would wait
-# for them, unless the step's ``COSTLY_MASKS_PER_STEP_S`` has room. The others' masks are computed together,
-# one job per step on the mask thread. A JSON schema's masks take microseconds (with a tenth to half a
-# millisecond now and then, for new lexer states), a large anyOf's first few milliseconds, a hostile regex's
+# for them, unless the step's budget for costly masks has room. The others' masks are computed together,
+# one job per step on the mask thread. A JSON schema's masks take microseconds (with a tenth of a millisecond
+# to two now and then, for new lexer states), a large anyOf's first few milliseconds, a hostile regex's
 # tens of milliseconds; a step's sampling waits for all of its rows' masks.
 PACE_MASK_S = 0.0001
-# Expected CPU seconds of costly masks that one step's sampling may wait for.
+# A step's budget for costly masks, in expected CPU seconds: at least this, or ``MASK_SHARE_OF_STEP`` of the
+# recent steps' device time (the masks are computed while the step's forward pass runs, so a slow device
+# step hides slow masks; a 2 ms step hides few).
 COSTLY_MASKS_PER_STEP_S = 0.001
+MASK_SHARE_OF_STEP = 0.25
 
 
 @dataclass

@@ -29,7 +29,7 @@ from pipeline.common.messages import AddRequest, choice_seed
 from pipeline.common.step_protocol import DRAFT_TOKEN_ID, StepDescriptor
 from pipeline.scheduler_proc.drafts import Drafts
 from pipeline.scheduler_proc.grammar_manager import GrammarManager
-from pipeline.scheduler_proc.grammar_state import COSTLY_MASKS_PER_STEP_S, GrammarState
+from pipeline.scheduler_proc.grammar_state import COSTLY_MASKS_PER_STEP_S, MASK_SHARE_OF_STEP, GrammarState
 from pipeline.scheduler_proc.kv_block_pool import BlockPool
 from pipeline.scheduler_proc.prefix_cache import PrefixCache, num_final_tokens
 from pipeline.scheduler_proc.request import Request
@@ -110,6 +110,7 @@ class Scheduler(SchedulerOutputsMixin):
         self.next_step_id = 0
         self.num_preemptions = 0
         self.num_grammar_rows_deferred = 0  # constrained decode rows left out of a step (costly masks)
+        self.step_device_s = 0.0  # the steps' device time, seconds (a moving average; 0: none measured)
         self.num_cached_tokens_step = 0  # prompt tokens found cached by the requests admitted in the last step
         # (req_num, prompt tokens found cached) of first admissions since the caller last emptied it.
         self.admitted: list[tuple[int, int]] = []
@@ -214,7 +215,11 @@ class Scheduler(SchedulerOutputsMixin):
         self._max_new_blocks = len(desc.nb_block)
         self.num_cached_tokens_step = 0
         steady = self._plan_steady()
-        step = _StepPlan(self.max_num_batched_tokens - len(steady), self.max_num_seqs - len(steady))
+        step = _StepPlan(
+            self.max_num_batched_tokens - len(steady),
+            self.max_num_seqs - len(steady),
+            mask_budget_s=max(COSTLY_MASKS_PER_STEP_S, MASK_SHARE_OF_STEP * self.step_device_s),
+        )
         self._plan_running(step)
         continues = len(steady) > 0 or len(step.rows) > 0  # the device had work of these requests waiting
         self._admit_waiting(step)
@@ -265,14 +270,14 @@ class Scheduler(SchedulerOutputsMixin):
             step.add(req, n, sample)
 
     def _mask_would_hold(self, req: Request, step: _StepPlan) -> bool:
-        """Whether ``req``'s row sits out this step: its grammar is costly, and the mask for its sample is
-        being computed, or needs its token in flight and would take more of ``step.mask_budget_s`` than is
-        left (the step's sampling waits for every row's mask; docs/design.md, "Structured output").
-        Counted in ``num_grammar_rows_deferred``."""
+        """Whether ``req``'s row sits out this step: its grammar is costly, the mask for its sample is still
+        to be computed (being computed, or after its token in flight), and it would take more of
+        ``step.mask_budget_s`` than is left (the step's sampling waits for every row's mask; docs/design.md,
+        "Structured output"). Counted in ``num_grammar_rows_deferred``."""
         g, in_flight = req.grammar, req.num_placeholders
         if not g.costly or not g.needs_mask(in_flight) or (g.ready and not in_flight):
             return False
-        if g.ready and g.cost_s <= step.mask_budget_s:  # its next mask goes with the step's others
+        if g.cost_s <= step.mask_budget_s:  # expected before the step's forward pass ends
             step.mask_budget_s -= g.cost_s
             return False
         self.num_grammar_rows_deferred += 1

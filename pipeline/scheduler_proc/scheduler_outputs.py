@@ -33,7 +33,9 @@ class SchedulerOutputsMixin:
         A token for a request that finished or was aborted is the one wasted
         token of a step already in flight: it is dropped. ``time_ns`` is the
         output's engine timestamp (now if 0), which its tokens get. With
-        speculation a request's tokens are consecutive rows (``Drafts.apply_output``).
+        speculation a request's tokens are consecutive rows (``Drafts.apply_output``). ``device_ns``: the
+        worker's device busy time since the previous output (0: unknown), which sizes the steps' budget for
+        costly masks.
 
         ``req_nums`` and ``token_ids``: ``[rows]`` (int64 arrays are taken as they are).
 
@@ -45,6 +47,9 @@ class SchedulerOutputsMixin:
             RuntimeError: as ``SteadyRows.apply_output``.
         """
         finished: list[int] = []
+        if device_ns > 0:  # a moving average over about four steps
+            s = device_ns * 1e-9
+            self.step_device_s = s if not self.step_device_s else self.step_device_s + (s - self.step_device_s) / 4
         self._output_ns = time_ns or time.monotonic_ns()
         self._output_step = step_id
         req_nums, token_ids = np.asarray(req_nums, np.int64), np.asarray(token_ids, np.int64)

@@ -5,6 +5,7 @@ docs/design.md, "Structured output".
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -208,4 +209,28 @@ def test_costly_grammar_row_sits_out_instead_of_holding_the_step(smol_dir):
     assert state.costly
     assert plan().req_num.tolist() == [1, 2]
     assert plan().req_num.tolist() == [1]  # its token is in flight: it sits out
+    grammars.close()
+
+
+@pytest.mark.parametrize(("device_ms", "planned"), [(1, [1]), (1000, [1, 2])])
+def test_a_slow_device_step_hides_a_costly_mask(smol_dir, device_ms, planned):
+    """The budget for costly masks is a quarter of the steps' device time (at least 1 ms): behind a 1 s
+    forward pass the costly row runs while its mask is computed; behind 1 ms steps it sits out."""
+    tok = load_tokenizer(str(smol_dir), V)
+    grammars = GrammarManager(tok, V, 2**28, 2**30)
+    sched = Scheduler(4, 64, 16, 64, 16, grammars=grammars)
+    plan = planner(sched)
+    sched.add_request(AddRequest(1, [5, 6, 7], SamplingParams(max_tokens=8, temperature=0.0)))
+    bomb = build_grammar("regex", "a{100000}", "guided_regex")
+    params = SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=(EOS,), grammar=bomb)
+    state = add_compiled(sched, grammars, AddRequest(2, [5, 6], params))
+    assert plan().req_num.tolist() == [1, 2]
+    assert plan().req_num.tolist() == [1]
+    (a,) = tok.tokenize_str("a")
+    busy = threading.Event()
+    grammars._background.submit(busy.wait, 30)  # its next mask waits behind this job
+    sched.process_output(0, [1, 2], [9, a], device_ns=device_ms * 10**6)
+    assert state.costly and not state.ready
+    assert plan().req_num.tolist() == planned
+    busy.set()
     grammars.close()
