@@ -96,7 +96,7 @@ class GrammarState:
         # mask, the compiled grammar's, is that of a pristine matcher).
         self._matcher, self._pristine = (matcher, None) if trigger is None else (None, matcher)
         self._nbytes = entry.copy_nbytes * (1 if trigger is None else 2)
-        self._stop_ids = np.asarray(stop, np.int64)
+        self._stop_ids = tuple(int(t) for t in stop)
         self.mask = end_mask(entry.first_mask.copy(), entry.ends, tokenizer.eos_token, self._stop_ids)
         self.cost_s = entry.mask_s
         self.ready, self.error, self.closed = True, "", False
@@ -169,22 +169,20 @@ class GrammarState:
         self.ready = True
 
 
-def end_mask(mask: np.ndarray, ends: bool, eos: int, stop_ids: np.ndarray) -> np.ndarray:
+def end_mask(mask: np.ndarray, ends: bool, eos: int, stop_ids: tuple[int, ...]) -> np.ndarray:
     """``mask`` with the tokenizer's ``eos`` replaced by the request's stop ids, allowed iff the grammar ``ends``."""
-    _set_bits(mask, np.asarray([eos]), False)
+    view = mask.view(np.uint32)
+    _set_bit(view, eos, False)
     if ends:
-        _set_bits(mask, stop_ids, True)
+        for t in stop_ids:
+            _set_bit(view, t, True)
     return mask
 
 
-def _set_bits(mask: np.ndarray, ids: np.ndarray, value: bool) -> None:
-    words, bits = ids // MASK_BITS, (ids % MASK_BITS).astype(np.uint32)
-    view, bit = mask.view(np.uint32), np.left_shift(np.uint32(1), bits)
-    # ufunc.at: several ids may share a word.
-    if value:
-        np.bitwise_or.at(view, words, bit)
-    else:
-        np.bitwise_and.at(view, words, ~bit)
+def _set_bit(view: np.ndarray, t: int, value: bool) -> None:
+    w, b = divmod(t, MASK_BITS)
+    bit = np.uint32(1 << b)
+    view[w] = view[w] | bit if value else view[w] & ~bit
 
 
 def error_of(m: llguidance.LLMatcher) -> str:

@@ -64,3 +64,17 @@ def test_simulated_draw_takes_the_nearest_allowed_token():
     tokens = torch.tensor([20, 20, 20, 66])
     out = nearest_allowed(tokens, torch.tensor([0, 1, 2]), _pack(allowed))
     assert out.tolist() == [3, 10, 20, 66]  # a row allowing nothing keeps its draw; unmasked rows too
+
+
+def test_simulated_draw_matches_the_nearest_by_distance():
+    """Random masks, sparse to dense: each row's draw is the allowed token at the least distance, the lower
+    one on a tie, its own where allowed."""
+    rng = np.random.default_rng(2)
+    for density in (0.0, 0.02, 0.3, 0.95):
+        allowed = rng.random((64, V)) < density
+        tokens = torch.from_numpy(rng.integers(0, V, 64))
+        want = []
+        for a, t in zip(allowed, tokens.tolist()):
+            ids = np.flatnonzero(a)
+            want.append(int(ids[np.argmin(np.abs(ids - t))]) if len(ids) else t)  # argmin: the first, lower
+        assert nearest_allowed(tokens, torch.arange(64), _pack(allowed)).tolist() == want, density
