@@ -274,12 +274,6 @@ def main(argv: list[str] | None = None) -> None:
         "--num-requests", type=int, default=64, help="sharegpt-synth, rewrite and structured: number of requests"
     )
     p.add_argument(
-        "--json-share",
-        type=float,
-        default=0.5,
-        help="structured: the share of requests with a JSON-schema response_format (the rest free text)",
-    )
-    p.add_argument(
         "--concurrency", type=int, default=None, help="HTTP peers: requests in flight at once (default: all)"
     )
     p.add_argument(

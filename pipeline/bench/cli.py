@@ -101,13 +101,20 @@ def total_output(work: Workload | MultiTurn) -> int:
 
 
 def add_workload_flags(g: argparse._ArgumentGroup) -> None:
-    """The flags of the multi-turn workload (pipeline-bench and scripts/compare_peers.py share them)."""
+    """The flags of the multi-turn and structured workloads (pipeline-bench and scripts/compare_peers.py share
+    them)."""
     g.add_argument("--num-users", type=int, default=16, help="multi-turn: users chatting at once")
     g.add_argument("--num-turns", type=int, default=4, help="multi-turn: turns per user")
     g.add_argument(
         "--system-len", type=int, default=600, help="multi-turn: tokens of the system prompt every user shares"
     )
     g.add_argument("--message-len", type=int, default=40, help="multi-turn: tokens of each new user message")
+    g.add_argument(
+        "--json-share",
+        type=float,
+        default=0.5,
+        help="structured: the share of requests with a JSON-schema response_format (the rest free text)",
+    )
 
 
 def multi_turn(args: argparse.Namespace) -> MultiTurn:
@@ -127,7 +134,7 @@ def build_bench_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("benchmark")
     g.add_argument(
         "--workload",
-        choices=["fixed", "sharegpt-synth", "rewrite", "multi-turn"],
+        choices=["fixed", "sharegpt-synth", "rewrite", "multi-turn", "structured"],
         default="fixed",
         help="fixed: --batch-size requests of --input-len prompt and --output-len output tokens; "
         "sharegpt-synth: --num-requests with long-tailed lengths; rewrite: --num-requests chat requests "
@@ -135,12 +142,16 @@ def build_bench_parser() -> argparse.ArgumentParser:
         "at once (see --concurrency). multi-turn: "
         "--num-users chat for --num-turns turns each in a closed loop, every turn resending a shared "
         "--system-len system prompt and the conversation so far (the server's own replies included) "
-        "plus a new --message-len message, replies of --output-len tokens. All ignore EOS.",
+        "plus a new --message-len message, replies of --output-len tokens. structured (--http): "
+        "--num-requests chat requests, a --json-share of them with a JSON-schema response_format (they end "
+        "with their JSON), the others free text, up to --output-len tokens. The others ignore EOS.",
     )
     g.add_argument("--batch-size", type=int, default=64, help="fixed workload: number of requests")
     g.add_argument("--input-len", type=int, default=32, help="fixed workload: prompt tokens")
     g.add_argument("--output-len", type=int, default=128, help="fixed and multi-turn workloads: output tokens")
-    g.add_argument("--num-requests", type=int, default=200, help="sharegpt-synth: number of requests")
+    g.add_argument(
+        "--num-requests", type=int, default=200, help="sharegpt-synth, rewrite and structured: number of requests"
+    )
     add_workload_flags(g)
     g.add_argument("--seed", type=int, default=0, help="workload seed")
     g.add_argument(
@@ -209,9 +220,19 @@ def main(argv: list[str] | None = None) -> None:
         from pipeline.io_proc.tokenization import load_tokenizer
         from pipeline.model_files import resolve_model
 
+        if args.workload == "structured" and not http:
+            print(
+                "pipeline-bench: the structured workload's grammars go through the OpenAI API: add --http (or --url)",
+                file=sys.stderr,
+            )
+            raise SystemExit(2)
         sizes = {"max_model_len": args.max_model_len or 2048}
         tokenizer, _ = load_tokenizer(str(resolve_model(None if args.model == "sim" else args.model)[0]))
-        work = Workload.rewrite(args.num_requests, tokenizer, sizes["max_model_len"], args.seed)
+        if args.workload == "rewrite":
+            work = Workload.rewrite(args.num_requests, tokenizer, sizes["max_model_len"], args.seed)
+        else:
+            work = Workload.structured(args.num_requests, args.json_share, args.output_len, tokenizer)
+            sizes["max_num_seqs"] = max(args.max_num_seqs, args.num_requests)
     if args.bound and (args.url or args.model == "sim" or args.data_parallel_size > 1 or args.tensor_parallel_size > 1):
         print(
             "pipeline-bench: --bound replays one engine's steps on one device: it needs a real model run by "
@@ -234,6 +255,7 @@ def main(argv: list[str] | None = None) -> None:
         "bound",
         "concurrency",
         "speculation",
+        "json_share",
         *{
             "fixed": ("num_requests", "num_users", "num_turns", "system_len", "message_len"),
             "rewrite": ("batch_size", "input_len", "output_len", "num_users", "num_turns", "system_len", "message_len"),
@@ -247,6 +269,7 @@ def main(argv: list[str] | None = None) -> None:
                 "message_len",
             ),
             "multi-turn": ("num_requests", "batch_size", "input_len"),
+            "structured": ("batch_size", "input_len", "num_users", "num_turns", "system_len", "message_len"),
         }[args.workload],
     }
     flags = {**{k: v for k, v in vars(args).items() if k not in unused}, **sizes, "http": http}

@@ -221,13 +221,15 @@ class SchedulerProc:
         scheduler's thread, or on the mask thread once it has computed a step's masks.
 
         Returns:
-            True if a step's masks are still being computed (its sampling waits for them on the worker).
+            True if a step's masks are being computed now or cannot be written yet (its sampling waits for
+            them on the worker); False when they wait for a step's output, which wakes the loop anyway (a
+            poll every 0.2 ms through a 100 ms forward pass cost the scheduler 18 ms of CPU a step).
         """
         masks = self.scheduler.masks
         with self._mask_lock:
             while len(masks):
                 if not masks.oldest_ready():
-                    return True
+                    return masks.oldest_computing()
                 try:
                     entry = self.mask_ring.acquire_write(timeout=0)
                 except RingTimeout:  # the worker has not read an earlier step's masks yet

@@ -54,6 +54,13 @@ class StepMasks:
         before its sample and computed the mask after them."""
         return all(self._row_ready(row) for row in self._steps[0][1])
 
+    def oldest_computing(self) -> bool:
+        """Whether a mask of the oldest step is being computed now: its row's tokens are known and its
+        matcher is at work (rather than waiting for a token of a step in flight)."""
+        return any(
+            len(row.req.output_token_ids) >= row.num_outputs and not self._row_ready(row) for row in self._steps[0][1]
+        )
+
     def _row_ready(self, row: _MaskedRow) -> bool:
         req = row.req
         g = req.grammar
