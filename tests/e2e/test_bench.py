@@ -162,6 +162,21 @@ def test_multi_turn_workload(tmp_path, http):
     assert "TTFT p50 turn 3 (ms)" in r.stdout
 
 
+def test_structured_workload(tmp_path):
+    """Half the requests carry a JSON schema (they end with their JSON, on the simulated device too); the
+    workload needs the OpenAI API, so without --http it is refused with the flag to add."""
+    out = tmp_path / "out.json"
+    base = [sys.executable, "-m", "pipeline.bench", "--model", "sim", "--sim-step-us", "2000"]
+    work = ["--workload", "structured", "--num-requests", "4", "--json-share", "0.5", "--output-len", "16"]
+    r = subprocess.run([*base, *work], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "add --http" in r.stderr, r.stderr
+    cmd = [*base, *work, "--http", "--mode", "async", "--json", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())["async"]
+    assert res["num_requests"] == 4 and 32 < res["output_tokens"] <= 64
+
+
 def test_a_child_that_dies_stops_the_bench_naming_it():
     """The benchmark watches the processes it started: a scheduler killed mid-run ends it with an error
     naming the scheduler (it used to wait for the dead scheduler's tokens forever)."""
