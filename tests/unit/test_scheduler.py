@@ -381,10 +381,14 @@ class StubGrammar:
     def needs_mask(self, in_flight):
         return True
 
-    def advance(self, token_id, awaited=False):
+
+class StubGrammars:
+    """The grammar manager of ``StubGrammar``s: advancing and releasing one changes nothing."""
+
+    def advance(self, state, token_id, awaited=False):
         pass
 
-    def close(self):
+    def release(self, state):
         pass
 
 
@@ -445,8 +449,8 @@ def test_steady_rows_plan_what_the_general_path_plans(depth, max_num_seqs, budge
     ]
     aborts = {12: 5, 40: 17, 41: 30, 90: 60}
     scheds = [
-        Scheduler(max_num_seqs, budget, BS, num_blocks, 64),
-        GeneralOnlyScheduler(max_num_seqs, budget, BS, num_blocks, 64),
+        Scheduler(max_num_seqs, budget, BS, num_blocks, 64, grammars=StubGrammars()),
+        GeneralOnlyScheduler(max_num_seqs, budget, BS, num_blocks, 64, grammars=StubGrammars()),
     ]
     layout = StepDescriptor.layout(max_num_seqs, budget, BS)
     descs = [StepDescriptor(layout.views(bytearray(layout.nbytes))) for _ in scheds]
