@@ -299,7 +299,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
 
     @property
     def output_layout(self) -> Layout:
-        return StepOutput.layout(self.max_num_seqs * (1 + self.num_speculative_tokens), self.max_num_batched_tokens)
+        k = self.num_speculative_tokens
+        return StepOutput.layout(self.max_num_seqs * (1 + k), self.max_num_batched_tokens, k)
 
     @property
     def descriptor_ring_name(self) -> str:
@@ -333,7 +334,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
         descriptor ring's); None without a vocabulary (no structured output)."""
         if not self.vocab_size:
             return None
-        layout = TokenMasks.layout(self.max_num_seqs, self.vocab_size)
+        # A row that verifies drafts has a mask per sampled position.
+        layout = TokenMasks.layout(self.max_num_seqs * (1 + self.num_speculative_tokens), self.vocab_size)
         return ShmRing(self.mask_ring_name, layout, DESCRIPTOR_RING_ENTRIES, self.ranks_per_node, create, TokenMasks)
 
     def output_ring(self, create: bool = False) -> ShmRing[StepOutput]:

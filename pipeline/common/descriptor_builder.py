@@ -156,7 +156,7 @@ class DescriptorBuilder:
         n, t, b = d + len(self._req_num), td + len(self._token_ids), self.num_blocks
         h, H = desc.header, self._h
         h[H["step_id"]], h[H["num_reqs"]], h[H["num_tokens"]], h[H["num_new_blocks"]] = step_id, n, t, b
-        h[H["num_masks"]], h[H["continues"]] = len(self._masks), continues
+        h[H["num_masked_rows"]], h[H["continues"]] = len(self._masks), continues
         if self._masks:
             desc.mask_row[: len(self._masks)] = np.asarray(self._masks) + d
         if d:

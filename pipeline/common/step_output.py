@@ -42,6 +42,7 @@ OUTPUT = Record(
         Field("time_ns", i64, "the step's device end on `time.monotonic_ns()`'s clock: every token's engine timestamp"),
         Field("continues", i64, "the descriptor's flag"),
         Field("num_failed", i64, "requests whose logits were not finite this step (F)"),
+        Field("num_proposals", i64, "speculative decoding: sampled rows whose next drafts follow (D)"),
     ),
     groups=(
         Group(
@@ -101,6 +102,21 @@ OUTPUT = Record(
                 ),
             ),
         ),
+        Group(
+            "proposals",
+            "sampled row's proposed drafts",
+            "max_output_rows",
+            "num_proposals",
+            (
+                Field("pr_req_num", i64, "speculative decoding: a sampled row's request"),
+                Field(
+                    "pr_drafts",
+                    i32,
+                    "the drafts proposed for its next step, which a grammar's masks for that step check",
+                    width="max_drafts",
+                ),
+            ),
+        ),
     ),
     constants={"MAX_LOGPROBS": MAX_LOGPROBS, "WORKER_STATS_LEN": WORKER_STATS_LEN},
 )
@@ -130,7 +146,8 @@ class DecodedOutput:
 
     A request whose row verified drafts has one output row per token it got,
     consecutive and in order. ``draft_matched`` (``[rows]`` uint8, when asked
-    for): the proposer found drafts for the request's next step.
+    for): the proposer found drafts for the request's next step; ``proposals`` (asked for with it;
+    None: none): ``(req_nums [D], drafts [D, K] int64)``, the drafts each sampled row's next step reads.
     ``logprobs`` (rows whose request asked, ``index`` = row) and
     ``prompt_logprobs`` (``index`` = request number, with positions) are None
     when the step has none or the reader did not ask for them. ``time_ns``
@@ -147,6 +164,7 @@ class DecodedOutput:
     prompt_logprobs: TokenLogprobs | None = None
     draft_matched: np.ndarray | None = None
     failed: list[int] = field(default_factory=list)
+    proposals: tuple[list[int], np.ndarray] | None = None
 
 
 _OUT = OUTPUT.header_index
@@ -158,10 +176,11 @@ class StepOutput(OUTPUT.view_base):
     __slots__ = ()
 
     @staticmethod
-    def layout(max_output_rows: int, max_num_batched_tokens: int) -> Layout:
+    def layout(max_output_rows: int, max_num_batched_tokens: int, num_speculative_tokens: int = 0) -> Layout:
         """The entry layout for ``max_output_rows`` rows (``max_num_seqs`` times the most tokens a row gets:
         ``1 + num_speculative_tokens``) and a step of ``max_num_batched_tokens``."""
-        return OUTPUT.layout(dict(max_output_rows=max_output_rows, max_num_batched_tokens=max_num_batched_tokens))
+        dims = dict(max_output_rows=max_output_rows, max_num_batched_tokens=max_num_batched_tokens)
+        return OUTPUT.layout(dims | dict(max_drafts=max(1, num_speculative_tokens)))
 
     def write(
         self,
@@ -175,13 +194,15 @@ class StepOutput(OUTPUT.view_base):
         worker_stats: np.ndarray | None = None,
         draft_matched: np.ndarray | None = None,
         failed: np.ndarray | None = None,
+        proposals: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> None:
         """Fill the entry with step ``step_id``'s ``[S]`` request numbers and sampled token ids.
 
         ``logprobs.index`` are output rows; ``prompt_logprobs.index`` request
         numbers, with ``pos`` set; the rest are the header fields and the
-        worker's counts (left as they are if None), ``draft_matched`` ``[S]`` (None: 0) and the
-        ``failed`` request numbers (None: none).
+        worker's counts (left as they are if None), ``draft_matched`` ``[S]`` (None: 0), the
+        ``failed`` request numbers (None: none) and the ``proposals``: ``(req_num [D], drafts [D, K])``
+        (None: none).
         """
         n = len(req_nums)
         h = self.header
@@ -195,6 +216,11 @@ class StepOutput(OUTPUT.view_base):
         h[_OUT["num_failed"]] = 0 if failed is None else len(failed)
         if failed is not None:
             self.failed_req_num[: len(failed)] = failed
+        h[_OUT["num_proposals"]] = 0 if proposals is None else len(proposals[0])
+        if proposals is not None:
+            m, k = proposals[1].shape
+            self.pr_req_num[:m] = proposals[0]
+            self.pr_drafts[:m, :k] = proposals[1]
         h[_OUT["num_logprob_rows"]] = 0 if logprobs is None else len(logprobs.index)
         if logprobs is not None:
             m = len(logprobs.index)
@@ -225,6 +251,8 @@ class StepOutput(OUTPUT.view_base):
         )
         if drafts:
             out.draft_matched = self.draft_matched[:n].copy()
+            if m := int(h[_OUT["num_proposals"]]):
+                out.proposals = (self.pr_req_num[:m].tolist(), self.pr_drafts[:m].astype(np.int64))
         if m := int(h[_OUT["num_failed"]]):
             out.failed = self.failed_req_num[:m].tolist()
         if logprobs:

@@ -49,7 +49,11 @@ DESCRIPTOR = Record(
         Field("num_reqs", i64, "live request rows (R)"),
         Field("num_tokens", i64, "live tokens (T)"),
         Field("num_new_blocks", i64, "live new block-table entries (B)"),
-        Field("num_masks", i64, "rows that sample under a grammar (M): the step's `TokenMasks` entry follows"),
+        Field(
+            "num_masked_rows",
+            i64,
+            "rows that sample under a grammar (M): the step's `TokenMasks` entry follows",
+        ),
         Field("continues", i64, "1 when a row's request ran before: the gap before the step is the host's"),
     ),
     groups=(
@@ -143,7 +147,7 @@ DESCRIPTOR = Record(
             "masked_rows",
             "masked row",
             "max_num_seqs",
-            "num_masks",
+            "num_masked_rows",
             (Field("mask_row", i32, "a sampled request row whose token its grammar constrains, in row order"),),
         ),
     ),
@@ -161,20 +165,21 @@ MASKS = Record(
     "TokenMasks",
     header=(
         Field("step_id", i64, "the step whose `mask_row` rows these constrain"),
-        Field("num_masks", i64, "the step's `num_masks` (M)"),
+        Field("num_masks", i64, "masks: one per sampled position of the step's `mask_row` rows"),
         Field("mask_words", i64, "int32 words of one bitmask, `ceil(vocab / 32)`"),
     ),
     groups=(
         Group(
             "masks",
-            "masked row",
-            "max_num_seqs",
+            "masked sampled position",
+            "max_masks",
             "num_masks",
             (
                 Field(
                     "bitmask",
                     i32,
-                    "for the step's `mask_row` of the same index: bit t % 32 of word t // 32 set, token t allowed",
+                    "per `mask_row` in order, one per sampled position of that row (1, or 1 + its drafts): bit "
+                    "t % 32 of word t // 32 set, token t allowed",
                     width="mask_words",
                     widen=False,
                 ),
@@ -237,9 +242,10 @@ class TokenMasks(MASKS.view_base):
     __slots__ = ()
 
     @staticmethod
-    def layout(max_num_seqs: int, vocab_size: int) -> Layout:
-        """An entry with room for a mask on every row (``ceil(vocab_size / 32)`` words each)."""
-        return MASKS.layout(dict(max_num_seqs=max_num_seqs, mask_words=-(-vocab_size // MASK_BITS)))
+    def layout(max_masks: int, vocab_size: int) -> Layout:
+        """An entry with room for ``max_masks`` masks (a mask on every sampled position: ``max_num_seqs``
+        times ``1 + num_speculative_tokens``), ``ceil(vocab_size / 32)`` words each."""
+        return MASKS.layout(dict(max_masks=max_masks, mask_words=-(-vocab_size // MASK_BITS)))
 
 
 # The worker's host copy of one StepDescriptor (``Record.read``): ``step_id`` and the other header

@@ -45,6 +45,7 @@ class LaunchedStep:
     failed: np.ndarray | None = None  # after finish: req_num of the requests with such a position (None: none)
     spec: SampledPositions | None = None  # speculative decoding: the step's sampled positions
     draft_matched: np.ndarray | None = None  # after finish with speculation: [rows] per output row
+    proposals: tuple[np.ndarray, np.ndarray] | None = None  # after finish: (req_num [S], next drafts [S, K])
     lp_rows: np.ndarray | None = None  # [L] output rows whose request asked for log-probabilities
     prompt_plan: PromptLogprobPlan | None = None  # the prompt positions whose log-probabilities are computed
     lp_host: torch.Tensor | None = None  # packed log-probabilities (see start_host_copy)
@@ -131,7 +132,7 @@ class LaunchedStep:
             self.prompt_logprobs, offset = _unpack(packed, offset, plan.req_num)
             self.prompt_logprobs.pos = plan.pos
         if self.spec is not None:
-            self.tokens, self.req_num, self.draft_matched, self.logprobs = self.spec.output_rows(
+            self.tokens, self.req_num, self.draft_matched, self.logprobs, self.proposals = self.spec.output_rows(
                 self.tokens, self.req_num, self.logprobs
             )
 

@@ -173,6 +173,7 @@ class WorkerProc:
                 self.clock.values,
                 step.draft_matched,
                 step.failed,
+                step.proposals,
             )
             self.out_ring.publish()
             break

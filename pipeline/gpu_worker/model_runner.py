@@ -87,7 +87,7 @@ class _Sampling:
     top_p: np.ndarray | None = None
     min_p: np.ndarray | None = None
     mask_rows: Staged | None = None
-    num_masks: int = 0  # rows whose bitmask follows the descriptor (``MaskReader``)
+    num_masks: int = 0  # sampled positions whose bitmask follows the descriptor (``MaskReader``)
     penalties: PenaltyPlan | None = None
 
 
@@ -277,9 +277,12 @@ class ModelRunner:
             )
             if spec is not None and spec.shift_req is not None:
                 out.hot_rows = batch.add(pos_rows[hot])
-        if len(x.mask_row):  # structured output: the descriptor rows become sampled positions
+        if len(x.mask_row):  # structured output: the descriptor rows become sampled positions, a mask each
             masked = np.searchsorted(rows, x.mask_row)
-            out.mask_rows, out.num_masks = batch.add(masked if sp is None else sp.first[masked]), len(masked)
+            if sp is not None:  # every position of a row that verifies drafts
+                count = sp.count[masked]
+                masked = np.repeat(sp.first[masked] - (np.cumsum(count) - count), count) + np.arange(count.sum())
+            out.mask_rows, out.num_masks = batch.add(masked), len(masked)
         if s.penalty is not None and s.any_penalty_work:
             # The scheduler drafts for a row only past its min_tokens: host positions decide that exactly.
             out.penalties = plan_penalties(

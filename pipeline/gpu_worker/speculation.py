@@ -43,7 +43,8 @@ class SampledPositions:
     row (the drafts before it); ``token [S']``: the step-token index whose logits it samples;
     ``position [S']``: the sampled token's position (the host's, an upper bound when the row is
     shifted); ``first [S]``/``count [S]``: each sampled row's first position and number of them;
-    ``k``: drafts per verified row (0: none); ``verify_rows [V]``: the sampled rows that verify.
+    ``k``: drafts per verified row (0: none); ``verify_rows [V]``: the sampled rows that verify;
+    ``proposed``: drafts per sampled row its output reports for the row's next step (0: none).
     """
 
     row: np.ndarray
@@ -54,6 +55,7 @@ class SampledPositions:
     count: np.ndarray
     k: int
     verify_rows: np.ndarray
+    proposed: int = 0
 
     @classmethod
     def of(cls, x: StepInputs) -> SampledPositions:
@@ -86,14 +88,16 @@ class SampledPositions:
 
     def output_rows(
         self, host: torch.Tensor, req_num: np.ndarray, logprobs: TokenLogprobs | None
-    ) -> tuple[torch.Tensor, np.ndarray, np.ndarray, TokenLogprobs | None]:
+    ) -> tuple[torch.Tensor, np.ndarray, np.ndarray, TokenLogprobs | None, tuple[np.ndarray, np.ndarray] | None]:
         """A finished step's output rows, each sampled row's emitted tokens: ``(tokens, req_num,
-        draft_matched, logprobs)`` from ``host`` (``[S' + 2S]`` int64: the positions' tokens, then per
-        sampled row the tokens emitted and the drafts matched), the sampled rows' ``req_num`` ``[S]`` and
-        the positions' ``logprobs`` (index: sampled position; None: none)."""
-        n = len(self.row)
+        draft_matched, logprobs, proposals)`` from ``host`` (``[S' + 2S + S * proposed]`` int64: the
+        positions' tokens, then per sampled row the tokens emitted, the drafts matched and the drafts
+        proposed), the sampled rows' ``req_num`` ``[S]`` and the positions' ``logprobs`` (index: sampled
+        position; None: none). ``proposals``: ``(req_num [S], drafts [S, proposed])``, None if none."""
+        n, s = len(self.row), len(self.first)
         values = host.numpy()  # numpy's boolean indexing costs a fraction of torch's
-        emitted, matched = values[n : n + len(self.first)], values[n + len(self.first) :]
+        emitted, matched = values[n : n + s], values[n + s : n + 2 * s]
+        proposals = (req_num, values[n + 2 * s :].reshape(s, self.proposed)) if self.proposed else None
         keep = self.j < emitted[self.row]
         kept_row = self.row[keep]
         out_matched = (matched > 0)[kept_row].astype(np.uint8)
@@ -106,7 +110,7 @@ class SampledPositions:
                 logprobs.top_ids[kept],
                 logprobs.top_logprobs[kept],
             )
-        return torch.from_numpy(values[:n][keep]), req_num[kept_row], out_matched, logprobs
+        return torch.from_numpy(values[:n][keep]), req_num[kept_row], out_matched, logprobs, proposals
 
 
 @dataclass
@@ -223,6 +227,7 @@ class SpecState:
     def stage(self, x: StepInputs, batch: UploadBatch) -> SpecStep:
         """Decide step ``x``'s speculative work on the host and stage its arrays in ``batch``."""
         sp = SampledPositions.of(x)
+        sp.proposed = 0 if self.drafts_on_device else self.k  # the output reports the drafts a grammar checks
         rows = x.sample_rows
         sample_req = x.req_index[rows]
         st = SpecStep(
@@ -342,7 +347,8 @@ class SpecState:
 
         The last emitted token of each row goes into the token-id cache, accepted drafts into the
         penalty counts. ``executed.tokens`` (``[S']``, the sampled positions') is followed by ``[S]``
-        tokens emitted and ``[S]`` drafts matched per sampled row (``SampledPositions.output_rows``).
+        tokens emitted, ``[S]`` drafts matched and, from a proposer, ``[S, K]`` drafts proposed per sampled
+        row (``SampledPositions.output_rows``).
         ``meta``/``layout``: the step's attention metadata (its ``positions``, ``[T]`` on the device,
         shifted) and host layout; ``input_ids``: ``[T]`` its resolved inputs (the drafts among them).
         """
@@ -373,11 +379,11 @@ class SpecState:
             meanwhile()
         if self.drafts_on_device:
             self.proposer.consume(input_ids, meta, layout, self.shift(st))
-            matched = torch.full_like(count, self.k)
+            executed.tokens = torch.cat([tokens, count, torch.full_like(count, self.k)])
         else:
             drafts, matched = self.proposer.propose(self, st.sample_req.dev, st.width, token_cache)
             self.drafts.index_copy_(0, st.sample_req.dev, drafts)
-        executed.tokens = torch.cat([tokens, count, matched])
+            executed.tokens = torch.cat([tokens, count, matched, drafts.view(-1)])
 
     def _write_history(self, req: torch.Tensor, pos: torch.Tensor, ids: torch.Tensor) -> None:
         # A position past max_model_len holds nothing a request can reach; clamped, it stays in its row.

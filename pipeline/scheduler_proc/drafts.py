@@ -34,6 +34,8 @@ class Drafts:
         pool, steady, builder: the scheduler's block pool, steady rows and descriptor builder.
         apply_token: the scheduler's ``(req, token, finished)``: append ``token`` to ``req``; if that
             ends it, remove it, list it in ``finished`` and return True.
+        grammar_rows: rows with a grammar draft too (its masks check the drafts), except where it is
+            lazy (a tool-call trigger).
     """
 
     def __init__(
@@ -45,10 +47,12 @@ class Drafts:
         steady: SteadyRows,
         builder: DescriptorBuilder,
         apply_token: Callable[[Request, int, list[int]], bool],
+        grammar_rows: bool = False,
     ):
         self.policy = SpecPolicy(max_num_seqs, k, adaptive=adaptive)
         self.stats = SpecStats(k)
         self.pool, self.steady, self.builder, self.apply_token = pool, steady, builder, apply_token
+        self.grammar_rows = grammar_rows
         self.block_size = steady.block_size
         self._drafted: dict[int, dict[int, int]] = {}  # step -> {req_num: drafts} of general rows
         self._step_tokens: dict[int, int] = {}  # step -> its tokens, drafts included
@@ -81,7 +85,7 @@ class Drafts:
         block-table entries the step's ring entry holds (they never preempt). General rows chosen
         become ``(req, 1 + k, True)`` in ``rows``; returns the steady rows' drafts (``[D]``, None:
         none). Rows with a grammar, before ``min_tokens`` or new at their req_index (no drafts
-        proposed there yet) do not draft.
+        proposed there yet) do not draft; nor do rows with a grammar unless ``grammar_rows``.
         """
         base = len(steady_rows) + sum(n for _, n, _ in rows)
         self._step_tokens[step_id] = base
@@ -91,7 +95,7 @@ class Drafts:
             if n == 1
             and sample
             and not req.is_new
-            and req.grammar is None
+            and (req.grammar is None or self.grammar_rows and req.grammar.trigger is None)
             and req.num_computed_tokens >= len(req.prompt_token_ids)
             and len(req.output_token_ids) >= req.params.min_tokens
         ]

@@ -18,6 +18,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 
 import llguidance
 import llguidance.numpy
@@ -29,6 +30,7 @@ from pipeline.common.messages import AddRequest
 from pipeline.common.process import start_background_thread
 from pipeline.common.step_protocol import MASK_BITS
 from pipeline.scheduler_proc.grammar_state import CompiledGrammar, GrammarState, error_of
+from pipeline.scheduler_proc.step_masks import MaskedRow
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +88,11 @@ class GrammarManager:
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()  # failed compilations too, for a while
         self._compiling: dict[str, Future] = {}
         self._pending: list[_Pending] = []
-        self._batch: list[tuple[GrammarState, int, bytes | None]] = []  # advances for the next flush
+        # Advances and draft walks for the next flush's job on the mask thread, and the costly advances, each a
+        # job of its own on the background thread; the newest advance, which the next token of its run joins.
+        self._batch: list[Callable[[], None]] = []
+        self._costly: list[tuple[GrammarState, list[int], bytes | None]] = []
+        self._last: tuple[GrammarState, list[int], bytes | None] | None = None
         self._last_batch: Future | None = None  # the mask thread runs its jobs in order
         self._dropped: list[object] = []  # matchers to free on the background thread
         self._used = 0  # bytes counted: compiled grammars, copies, reservations
@@ -265,7 +271,9 @@ class GrammarManager:
 
     def advance(self, state: GrammarState, token_id: int, awaited: bool = False) -> None:
         """``state``'s request has output ``token_id``: its matcher consumes it and computes the next mask on a
-        grammar thread (``state.ready`` until then is False); a failure lands in ``failed``.
+        grammar thread (``state.ready`` until then is False), once the next ``flush`` starts it; a failure
+        lands in ``failed``. The tokens of one output (a run of accepted drafts) are one job and one mask:
+        a mask after only some of them would look ready.
 
         ``awaited``: a step in flight samples the row next, so its mask goes in the next ``flush``'s job on the
         mask thread, whatever it costs; so does a cheap one (``PACE_MASK_S``). A costly one runs alone on the
@@ -277,14 +285,32 @@ class GrammarManager:
         if not job:
             return
         state.ready = False
+        last = self._last
+        if last is not None and last[0] is state and tail is None and last[2] is None:
+            last[1].append(token_id)  # the run goes on
+            return
+        self._last = advance = (state, [token_id], tail)
         if awaited or not state.costly:
-            self._batch.append((state, token_id, tail))
+            self._batch.append(partial(self._compute, *advance))
         else:
-            self._background.submit(self._compute, state, token_id, tail)
+            state.on_background = True
+            self._costly.append(advance)
+
+    def walk(self, row: MaskedRow, drafts: list[int]) -> None:
+        """``row`` verifies ``drafts``: its masks, one per sampled position (``GrammarState.walk``), go in the
+        next ``flush``'s job, after the advance that makes its first (the mask thread runs in order).
+        ``row.masks`` is set when they exist; a failure lands in ``failed``."""
+        self._last = None
+        self._batch.append(partial(self._walk, row, drafts))
 
     def flush(self, then: Callable[[], object] | None = None) -> None:
-        """Start the paced advances submitted since the last flush, as one job on the mask thread (one job,
-        not one per row: a step's masks take microseconds each); ``then`` runs on that thread after them."""
+        """Start the advances and walks submitted since the last flush: the paced ones as one job on the mask
+        thread (one job, not one per row: a step's masks take microseconds each), ``then`` running on that
+        thread after them; the costly ones on the background thread, a job each."""
+        self._last = None
+        for advance in self._costly:
+            self._background.submit(self._compute, *advance)
+        self._costly.clear()
         if self._batch:
             batch, self._batch = self._batch, []
             self._last_batch = self._masks.submit(self._compute_all, batch, then)
@@ -314,20 +340,33 @@ class GrammarManager:
         nbytes = max(0, after - before) if before is not None else len(text) * 100
         return CompiledGrammar(m, mask, m.is_accepting() or m.is_stopped(), nbytes, copy_nbytes, mask_s)
 
-    def _compute(self, state: GrammarState, token_id: int, tail: bytes | None) -> None:  # on a grammar thread
+    def _compute(self, state: GrammarState, token_ids: list[int], tail: bytes | None) -> None:
+        # on a grammar thread
         try:
-            state.compute(token_id, tail)
+            state.compute(token_ids, tail)
         except Exception as e:  # one request's matcher must not take the thread (and everyone's masks) down
             log.exception("request %d: grammar advance failed", state.req_num)
             state.error = f"the grammar failed: {type(e).__name__}: {e}"
+        state.on_background = False
         if state.error:
             self.failed.append(state)
 
-    def _compute_all(
-        self, batch: list[tuple[GrammarState, int, bytes | None]], then: Callable[[], object] | None
-    ) -> None:  # on the mask thread
-        for state, token_id, tail in batch:
-            self._compute(state, token_id, tail)
+    def _walk(self, row: MaskedRow, drafts: list[int]) -> None:  # on the mask thread
+        state = row.req.grammar
+        try:
+            masks = state.walk(drafts)
+        except Exception as e:  # as _compute
+            log.exception("request %d: grammar draft walk failed", state.req_num)
+            state.error = f"the grammar failed: {type(e).__name__}: {e}"
+        if state.error:
+            self.failed.append(state)
+        else:
+            row.masks = masks
+
+    def _compute_all(self, batch: list[Callable[[], None]], then: Callable[[], object] | None) -> None:
+        # on the mask thread
+        for job in batch:
+            job()
         if then is not None:
             try:
                 then()

@@ -64,6 +64,7 @@ class GrammarState:
         trigger: where the text stands against the request's ``grammar_trigger``; None without one.
         cost_s: CPU seconds its masks take: the last one's, or a quarter of the previous figure if more.
         closed: its request has ended (``GrammarManager.release``).
+        on_background: its matcher is advancing on the background thread (a costly mask).
     """
 
     __slots__ = (
@@ -80,6 +81,7 @@ class GrammarState:
         "_tokenizer",
         "_entry",
         "_nbytes",
+        "on_background",
     )
 
     def __init__(
@@ -100,6 +102,7 @@ class GrammarState:
         self.mask = end_mask(entry.first_mask.copy(), entry.ends, tokenizer.eos_token, self._stop_ids)
         self.cost_s = entry.mask_s
         self.ready, self.error, self.closed = True, "", False
+        self.on_background = False  # its matcher is at work on the background thread
 
     @property
     def costly(self) -> bool:
@@ -137,8 +140,8 @@ class GrammarState:
         self._matcher = self._pristine = None
         return matchers
 
-    def compute(self, token_id: int, tail: bytes | None) -> None:  # on a grammar thread
-        """Consume ``token_id``, or with ``tail`` make a matcher from the pristine one fed it; then the next
+    def compute(self, token_ids: list[int], tail: bytes | None) -> None:  # on a grammar thread
+        """Consume ``token_ids``, or with ``tail`` make a matcher from the pristine one fed it; then the next
         mask. A failure sets ``error``."""
         t0 = time.thread_time()  # CPU time: a thread that waits for the GIL or a core is not charged
         m, pristine = self._matcher, self._pristine
@@ -153,9 +156,10 @@ class GrammarState:
         else:
             if m is None:  # a trigger at the output's start: the first mask was the pristine matcher's
                 m = self._matcher = pristine.deep_copy()
-            if not m.consume_token(token_id):
-                self.error = f"the output left its grammar at token {token_id}: {error_of(m) or 'rejected'}"
-                return
+            for token_id in token_ids:
+                if not m.consume_token(token_id):
+                    self.error = f"the output left its grammar at token {token_id}: {error_of(m) or 'rejected'}"
+                    return
         mask = np.zeros_like(self.mask)
         llguidance.numpy.fill_next_token_bitmask(m, mask.reshape(1, -1), 0)
         if m.is_error():
@@ -167,6 +171,32 @@ class GrammarState:
         # then) keeps its row out for a mask or two; a grammar whose every mask is slow stays out.
         self.cost_s = max(time.thread_time() - t0, self.cost_s / 4)
         self.ready = True
+
+    def walk(self, drafts: list[int]) -> np.ndarray:  # on the mask thread, once ``ready``
+        """The masks of a row that verifies ``drafts`` from here: ``[1 + k, W]`` int32, ``mask`` and then the
+        mask after each draft, as long as the drafts are allowed. A position after a forbidden draft or a
+        stop id is never sampled from (verification rejects there): it allows everything. The matcher is
+        rolled back; a failure sets ``error``."""
+        out = np.full((1 + len(drafts), len(self.mask)), -1, np.int32)
+        out[0] = self.mask
+        m = self._matcher
+        if m is None or self.closed or self.error:
+            return out
+        consumed = 0
+        for j, d in enumerate(drafts):
+            w, b = divmod(d, MASK_BITS)
+            if d in self._stop_ids or not (int(out[j, w]) >> b) & 1 or m.try_consume_tokens([d]) != 1:
+                break
+            consumed += 1
+            out[j + 1] = 0
+            llguidance.numpy.fill_next_token_bitmask(m, out[j + 1].reshape(1, -1), 0)
+            if m.is_error():
+                self.error = f"the output left its grammar: {error_of(m)}"
+                return out
+            end_mask(out[j + 1], m.is_accepting() or m.is_stopped(), self._tokenizer.eos_token, self._stop_ids)
+        if consumed and not m.rollback(consumed):
+            self.error = f"the grammar could not take back its drafts: {error_of(m) or 'rollback failed'}"
+        return out
 
 
 def end_mask(mask: np.ndarray, ends: bool, eos: int, stop_ids: tuple[int, ...]) -> np.ndarray:

@@ -102,6 +102,8 @@ class SchedulerProc:
             config.num_speculative_tokens,
             config.speculative_policy == "adaptive",
             self.grammars,
+            # The worker reports the drafts a proposer made; a draft model's exist only inside its step.
+            grammar_drafts=config.speculative is not None and config.speculative.method != "draft_model",
         )
         self.max_inflight = MAX_INFLIGHT_STEPS if config.async_scheduling else 1
         self.inflight: deque[int] = deque()
@@ -209,6 +211,9 @@ class SchedulerProc:
             self._reply(GrammarCompiled(msg.req_num))
         for req_num, why in refused:
             self._reply(GrammarCompiled(req_num, why))
+        if self.scheduler.masks.walks_waiting:
+            self.scheduler.start_walks()
+            self.grammars.flush(then=self._publish_masks)
         failed = self.grammars.failed
         while failed:
             state = failed.popleft()
@@ -259,6 +264,7 @@ class SchedulerProc:
             self.scheduler.admitted.clear()
         self.desc_ring.publish()
         if len(self.scheduler.masks):  # rows whose masks were known at planning: the worker reads them next
+            self.grammars.flush(then=self._publish_masks)  # draft walks the step started
             self._publish_masks()
         self.scheduler.observe_outputs()
         if self.trace is not None:
@@ -307,6 +313,7 @@ class SchedulerProc:
             out.time_ns,
             out.draft_matched,
             int(self._worker_counts[BUSY_NS] - busy),
+            out.proposals,
         )
         if self.grammars is not None:  # the tokens just applied start the next steps' masks
             self.grammars.flush(then=self._publish_masks)

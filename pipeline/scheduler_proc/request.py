@@ -25,7 +25,8 @@ class Request:
     ``num_named_blocks`` blocks carry their names in the pool (docs/design.md,
     "Prefix caching"). ``grammar`` is the matcher of a structured-output
     request (None for others); it has consumed every token of
-    ``output_token_ids``. ``queued_ns``, ``scheduled_ns`` (first admission; 0
+    ``output_token_ids``; ``proposed_drafts`` (int64 array), the drafts the worker proposed for its next
+    row, which its grammar checks when that row verifies them. ``queued_ns``, ``scheduled_ns`` (first admission; 0
     before) and ``first_token_ns`` (0 before) are vLLM's request events on
     ``time.monotonic_ns()`` (docs/design.md, "Metrics").
 
@@ -51,6 +52,7 @@ class Request:
         "block_hashes",
         "num_named_blocks",
         "grammar",
+        "proposed_drafts",
         "queued_ns",
         "scheduled_ns",
         "first_token_ns",
@@ -76,6 +78,7 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.num_named_blocks = 0
         self.grammar = grammar
+        self.proposed_drafts = None  # with a grammar and drafts: those its next row reads (its latest output's)
         self.queued_ns = time.monotonic_ns()
         self.scheduled_ns = 0
         self.first_token_ns = 0

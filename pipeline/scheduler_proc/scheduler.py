@@ -35,7 +35,7 @@ from pipeline.scheduler_proc.prefix_cache import PrefixCache, num_final_tokens
 from pipeline.scheduler_proc.request import Request
 from pipeline.scheduler_proc.scheduler_outputs import SchedulerOutputsMixin
 from pipeline.scheduler_proc.steady_rows import SteadyRows
-from pipeline.scheduler_proc.step_masks import StepMasks
+from pipeline.scheduler_proc.step_masks import MaskedRow, StepMasks
 
 _NO_ROWS = np.zeros(0, np.int64)
 
@@ -71,6 +71,8 @@ class Scheduler(SchedulerOutputsMixin):
         block_hash_root: the parent name of a first block (``EngineConfig.block_hash_root``).
         num_speculative_tokens, adaptive_speculation: speculative decoding's K (0: off) and policy (``Drafts``).
         grammars: advances the matchers of constrained requests (None: no request has a grammar).
+        grammar_drafts: constrained rows draft too, their masks checking each draft (the worker reports
+            the drafts it proposes: prompt lookup or the simulated device's, not a draft model's).
 
     Raises:
         ValueError: if one request of ``max_model_len`` tokens could not fit.
@@ -88,6 +90,7 @@ class Scheduler(SchedulerOutputsMixin):
         num_speculative_tokens: int = 0,
         adaptive_speculation: bool = True,
         grammars: GrammarManager | None = None,
+        grammar_drafts: bool = False,
     ):
         if num_kv_blocks < max_blocks_per_seq:
             raise ValueError(
@@ -129,8 +132,9 @@ class Scheduler(SchedulerOutputsMixin):
         # (req, its final tokens, its blocks, the step whose completion releases them).
         self._unnamed: list[tuple[Request, int, list[int], int]] = []
         self._num_admitted = 0
+        self.masks_drafts = grammar_drafts and bool(num_speculative_tokens) and grammars is not None
         spec = (num_speculative_tokens, adaptive_speculation, self.pool, self.steady, self._builder, self._apply_token)
-        self.drafts = Drafts(max_num_seqs, *spec) if num_speculative_tokens else None
+        self.drafts = Drafts(max_num_seqs, *spec, grammar_rows=self.masks_drafts) if num_speculative_tokens else None
 
     @property
     def num_unfinished(self) -> int:
@@ -385,13 +389,13 @@ class Scheduler(SchedulerOutputsMixin):
         """
         b = self._builder
         drafted = self.drafts.drafted(step_id) if self.drafts is not None else {}  # req_num -> drafts
-        masked_rows: list[tuple[Request, int]] = []
+        masked_rows: list[MaskedRow] = []
         for req, k, sample in rows:
             pos = req.num_computed_tokens
             num_drafts = drafted.get(req.req_num, 0)
             masked = sample and req.grammar is not None and req.grammar.needs_mask(req.num_placeholders)
             if masked:
-                masked_rows.append((req, req.num_outputs_planned))
+                masked_rows.append(MaskedRow(req, req.last_step_id, num_drafts))
             params = req.params if req.is_new else None
             b.add_row(
                 req.req_num,
@@ -421,11 +425,19 @@ class Scheduler(SchedulerOutputsMixin):
         num_tokens = b.write(desc, step_id, decode, continues, rejected, steady_drafts)
         if masked_rows:
             self.masks.add(step_id, masked_rows)
+            if self.masks_drafts:
+                self.start_walks()
         # Grammar rows need their own token back before each step, which steady rows cannot wait for.
         joining = [r for r, k, sample in rows if (k == 1 or r.req_num in drafted) and sample and r.grammar is None]
         if joining:
             self._join_steady(joining)
         return num_tokens
+
+    def start_walks(self) -> None:
+        """Give the grammar manager the draft walks whose rows' previous outputs are applied (their masks
+        follow the advances of those outputs on the mask thread; ``GrammarManager.flush`` starts them)."""
+        for row in self.masks.due_walks():
+            self.grammars.walk(row, row.req.proposed_drafts[: row.num_drafts].tolist())
 
     def _join_steady(self, reqs: list[Request]) -> None:
         self.steady.join(reqs)

@@ -27,6 +27,7 @@ class SchedulerOutputsMixin:
         time_ns: int = 0,
         draft_matched: np.ndarray | None = None,
         device_ns: int = 0,
+        proposals: tuple[list[int], np.ndarray] | None = None,
     ) -> list[int]:
         """Apply StepOutput ``step_id``: append tokens, finish requests, release frees.
 
@@ -35,7 +36,8 @@ class SchedulerOutputsMixin:
         output's engine timestamp (now if 0), which its tokens get. With
         speculation a request's tokens are consecutive rows (``Drafts.apply_output``). ``device_ns``: the
         worker's device busy time since the previous output (0: unknown), which sizes the steps' budget for
-        costly masks.
+        costly masks. ``proposals``: ``(req_nums, drafts [D, K])``, the drafts each sampled row's next step
+        reads (None: none), which a constrained row's masks for that step check.
 
         ``req_nums`` and ``token_ids``: ``[rows]`` (int64 arrays are taken as they are).
 
@@ -53,6 +55,10 @@ class SchedulerOutputsMixin:
         self._output_ns = time_ns or time.monotonic_ns()
         self._output_step = step_id
         req_nums, token_ids = np.asarray(req_nums, np.int64), np.asarray(token_ids, np.int64)
+        if proposals is not None and self.masks_drafts:
+            for r, drafts in zip(*proposals):
+                if (req := self.requests.get(r)) is not None and req.grammar is not None:
+                    req.proposed_drafts = drafts
         d, left, ended, verified = self.steady.apply_output(step_id, req_nums, token_ids)
         for r, n, tokens in left:
             if (req := self.requests.get(r)) is not None and n > 1:  # it verified drafts: a run of tokens
@@ -78,7 +84,9 @@ class SchedulerOutputsMixin:
                 self._remove(req, ended=True)
         self._name_ended(step_id)
         self.pool.step_completed(step_id)
-        self._last_output_step = step_id
+        self._last_output_step = self.masks.applied_step = step_id
+        if self.masks_drafts and len(self.masks):
+            self.start_walks()
         return finished
 
     def _apply_token(self, req: Request, t: int, finished: list[int]) -> bool:

@@ -105,6 +105,47 @@ def test_sim_tokens_unchanged(request, sim_sync, mode):
     assert_idle(spec, sim_sync)
 
 
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_sim_constrained_rows_draft_and_are_unchanged(request, sim_sync, mode):
+    """32 constrained requests at once on the simulated device, which draws the allowed token nearest to its
+    own: the rows verify drafts, each position under its own mask, and every token is that of the server
+    without speculation in lock step. Half are JSON-schema rows (their drafts, the device's chain of words,
+    are forbidden at once: whitespace is the allowed token nearest a word); the others a regex that forbids
+    only braces, under which the chain's drafts are accepted."""
+    spec = request.getfixturevalue(f"sim_spec_{mode}")
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    json_schema = {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}}
+    grammars = [json_schema, {"guided_regex": "[^{}]+"}]
+
+    async def run(server):
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+
+            async def one(i):
+                body = {
+                    "model": server.model,
+                    "messages": [{"role": "user", "content": f"person {i}"}],
+                    "max_tokens": 40,
+                    "temperature": 0,
+                    "return_token_ids": True,
+                    **grammars[i % 2],
+                }
+                r = await client.post("/v1/chat/completions", json=body)
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]
+
+            return await asyncio.gather(*(one(i) for i in range(32)))
+
+    before = spec_counts(spec)
+    got, ref = asyncio.run(run(spec)), asyncio.run(run(sim_sync))
+    assert [c["token_ids"] for c in got] == [c["token_ids"] for c in ref]
+    assert all(c["message"]["content"].startswith("{") for c in got[::2])
+    assert not any("{" in c["message"]["content"] for c in got[1::2])
+    after = spec_counts(spec)
+    accepted = after["num_accepted_tokens_total"] - before["num_accepted_tokens_total"]
+    assert accepted > 100, (before, after)
+    assert_idle(spec, sim_sync)
+
+
 def test_sim_adaptive_policy_tokens_unchanged(request, sim_sync):
     """The adaptive policy drafts where measured times say it pays (so how much depends on the
     machine): the tokens stay the same, and its counts agree with one another."""
@@ -237,6 +278,59 @@ def test_smol_prefix_cache_hits_after_drafts_unchanged(smol_spec, smol_sync):
     assert got["usage"]["prompt_tokens_details"]["cached_tokens"] > prompt_tokens // 16 * 16
     after = spec_counts(smol_spec)
     assert after["num_accepted_tokens_total"] > before["num_accepted_tokens_total"]
+    assert_idle(smol_spec, smol_sync)
+
+
+COPY_JSON = json.dumps({"colors": ITEMS[:10]})
+COLORS = {
+    "type": "object",
+    "properties": {"colors": {"type": "array", "items": {"type": "string"}}},
+    "required": ["colors"],
+    "additionalProperties": False,
+}
+GRAMMARS = {
+    "json_schema": (
+        f"Copy this JSON exactly: {COPY_JSON}",
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "colors", "schema": COLORS}}},
+    ),
+    # Prompts no other test sends: prompt lookup sees only the prompt tokens a step computed, not those
+    # found in the prefix cache.
+    "regex": ("Regex. " + REWRITE[0]["content"], {"guided_regex": "(- [a-z]+\n)+- [a-z]+"}),
+    "choice": (
+        "Choice. " + REWRITE[0]["content"],
+        {"guided_choice": [LISTED, LISTED.replace("violet", "indigo"), "none"]},
+    ),
+    "tool_call": (
+        f"Save these colors: {', '.join(ITEMS[:10])}. Call save_colors with the list {COPY_JSON}.",
+        {
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {"name": "save_colors", "description": "Save colors.", "parameters": COLORS},
+                }
+            ],
+            "tool_choice": {"type": "function", "function": {"name": "save_colors"}},
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", list(GRAMMARS))
+def test_smol_constrained_rows_draft_and_are_unchanged(smol_spec, smol_sync, kind):
+    """A constrained row verifies drafts too, each position under its own mask (the grammar walks the
+    drafts; one it forbids ends them there): the tokens are those of the server without speculation in
+    lock step, and drafts of the constrained row are accepted."""
+    content, extra = GRAMMARS[kind]
+    messages = [{"role": "user", "content": content}]
+    before = spec_counts(smol_spec)
+    got = post_chat(smol_spec, messages, max_tokens=80, return_token_ids=True, **extra)["choices"][0]
+    ref = post_chat(smol_sync, messages, max_tokens=80, return_token_ids=True, **extra)["choices"][0]
+    for call in got["message"].get("tool_calls", []) + ref["message"].get("tool_calls", []):
+        call.pop("id")  # random
+    assert got["token_ids"] == ref["token_ids"] and got["message"] == ref["message"]
+    assert got["finish_reason"] == ref["finish_reason"]
+    after = spec_counts(smol_spec)
+    assert after["num_accepted_tokens_total"] - before["num_accepted_tokens_total"] >= 4, (before, after)
     assert_idle(smol_spec, smol_sync)
 
 

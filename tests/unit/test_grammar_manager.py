@@ -197,3 +197,55 @@ def test_aborted_while_compiling_and_memory_comes_back(tok, monkeypatch):
     m._background.submit(lambda: None).result()  # its frees have run
     assert heap_in_use() - before < 2 * MiB
     m.close()
+
+
+def test_a_draft_walk_gives_each_verified_position_its_mask_and_rolls_back(tok):
+    """The masks of a row verifying drafts: position j's is the mask after the first j drafts, as if they
+    had been output one by one; after a draft the grammar forbids (or a stop id) every token is allowed
+    (verification rejects there, so nothing samples from it); the matcher ends where it began."""
+    from pipeline.scheduler_proc.step_masks import MaskedRow
+
+    class Req:  # the fields a walk reads
+        pass
+
+    m = GrammarManager(tok, V, 256 * MiB, 1024 * MiB)
+    schema = build_grammar("json_schema", {"type": "object", "properties": {"ab": {"type": "integer"}}}, "x")
+    m.add(request(1, schema, n=2))
+    ((_, (state, ref), _),), _ = settle(m)
+    text = tok.tokenize_str('{"ab": 12}')
+    drafts = text[:3] + tok.tokenize_str("x") + text[4:5]  # three allowed, then one the grammar forbids
+    req = Req()
+    req.grammar = state
+    row = MaskedRow(req, 0, len(drafts))
+    m.walk(row, drafts)
+    m.wait_masks()
+    assert row.masks is not None and row.masks.shape == (1 + len(drafts), m.mask_words) and not state.error
+    expected = [ref.mask.copy()]
+    for t in drafts[:3]:
+        advance(m, ref, t)
+        expected.append(ref.mask.copy())
+    for j in range(4):
+        assert allowed(row.masks[j]) == allowed(expected[j]), j
+    assert (row.masks[4:] == -1).all()
+    # Rolled back: the state goes on from where it was, as the reference did.
+    for t in text[:2]:
+        advance(m, state, t)
+    assert allowed(state.mask) == allowed(expected[2])
+    # A stop id ends a walk too.
+    done = Req()
+    done.grammar = ref
+    advance(m, ref, text[3])
+    row = MaskedRow(done, 0, 2)
+    m.walk(row, [EOS, text[4]])
+    m.wait_masks()
+    assert allowed(row.masks[0]) == allowed(ref.mask) and (row.masks[1:] == -1).all()
+    m.close()
+
+
+def advance(m: GrammarManager, state, token: int) -> None:
+    """Advance ``state`` by ``token`` and wait for its mask (on the mask thread, or the background one if costly)."""
+    m.advance(state, token)
+    deadline = time.monotonic() + 10
+    while not state.ready:
+        m.wait_masks()
+        assert time.monotonic() < deadline and not state.error

@@ -87,7 +87,7 @@ def test_grammar_row_runs_every_step_and_its_mask_follows(smol_dir, cheap_masks)
     msg = AddRequest(2, [5, 6], SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=(EOS,), grammar=grammar))
     state = add_compiled(sched, grammars, msg)
     x0 = plan()
-    assert x0.req_num.tolist() == [1, 2] and x0.mask_row.tolist() == [1] and x0.num_masks == 1
+    assert x0.req_num.tolist() == [1, 2] and x0.mask_row.tolist() == [1] and x0.num_masked_rows == 1
     step, masks = write_masks(sched, grammars, words)
     assert step == 0 and len(masks) == 1
     assert {tok.decode_str([t]) for t in allowed_ids(masks[0])} <= {"y", "ye", "yes", "n", "no"}
@@ -181,8 +181,8 @@ def test_every_step_carries_every_constrained_row(smol_dir, cheap_masks):
             if not sched.schedule(desc):
                 break
             x = read_descriptor(desc)
-            per_step.append((len(x.req_num), x.num_masks, len(sched.requests)))
-            in_flight.append((step, x.req_num.tolist(), x.num_masks))
+            per_step.append((len(x.req_num), x.num_masked_rows, len(sched.requests)))
+            in_flight.append((step, x.req_num.tolist(), x.num_masked_rows))
         step, nums, num_masks = in_flight.pop(0)
         got, masks = write_masks_for(sched, grammars, words, rows)
         assert got == step and len(masks) == num_masks == len(nums)

@@ -181,7 +181,7 @@ def test_masked_rows_round_trip():
     unpack_descriptor(buf, dst)
     for desc in (src, dst):
         x = read_descriptor(desc)
-        assert x.mask_row.tolist() == [1] and x.num_masks == 1
+        assert x.mask_row.tolist() == [1] and x.num_masked_rows == 1
     b.clear()
     b.write(src, 5, decode=(np.array([7]), np.array([0]), np.array([2]), np.array([-1])))
     assert read_descriptor(src).mask_row.shape == (0,)
