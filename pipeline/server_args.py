@@ -275,7 +275,17 @@ def build_parser() -> argparse.ArgumentParser:
         default="adaptive",
         help="With --speculative-config: adaptive (default) verifies drafts only where the measured "
         "acceptance and step time say they pay; always gives K drafts to every decoding request whose "
-        "last lookup matched (before max_tokens, past min_tokens, without a grammar), whatever they cost.",
+        "last lookup matched (before max_tokens, past min_tokens, without a tool-call trigger), whatever they "
+        "cost.",
+    )
+    p.add_argument(
+        "--grammar-jump-forward",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="With --speculative-config (prompt lookup): a request with a grammar (response_format, guided_*, "
+        "a tool call) verifies the tokens its grammar forces next (a JSON key, '\": ', a closing brace) as "
+        "its drafts, several tokens a forward pass; the output is unchanged. --no-grammar-jump-forward: "
+        "prompt lookup's drafts only.",
     )
     p.add_argument(
         "--sim-draft-acceptance",

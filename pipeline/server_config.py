@@ -359,6 +359,7 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         attention_backend=attention_backend,
         speculative=speculative,
         speculative_policy=args.speculative_policy,
+        grammar_jump_forward=args.grammar_jump_forward,
         sim_draft_acceptance=args.sim_draft_acceptance,
         worker_threads=args.worker_threads,
         worker_cpus=worker_cpus,

@@ -124,6 +124,8 @@ class EngineConfig(msgspec.Struct, frozen=True):
         speculative: speculative decoding's settings; None: off.
         speculative_policy: ``"adaptive"`` (each step drafts where measured acceptance and cost say it
             pays) or ``"always"`` (every row that may draft drafts K).
+        grammar_jump_forward: with prompt lookup, a constrained row whose grammar forces its next tokens
+            verifies those as its drafts (docs/design.md, "Jump-forward").
         sim_draft_acceptance: with ``model == "sim"`` and speculative decoding,
             the probability that each simulated draft is right.
         log_stats_interval_s: seconds between two stats lines in io_proc's
@@ -197,6 +199,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
     step_timeout_s: float = 300.0
     speculative: SpeculativeConfig | None = None
     speculative_policy: str = "adaptive"
+    grammar_jump_forward: bool = True
     sim_draft_acceptance: float = 0.7
     metrics_compat: str = "none"
     log_stats_interval_s: float = 10.0

@@ -78,7 +78,8 @@ DESCRIPTOR = Record(
                 Field(
                     "num_draft_tokens",
                     i32,
-                    "its last scheduled tokens that are drafts to verify (DRAFT_TOKEN_ID), each sampled",
+                    "its last scheduled tokens that are drafts to verify, each sampled: DRAFT_TOKEN_ID (the "
+                    "proposer's) or named (its grammar's forced tokens)",
                 ),
                 Field(
                     "num_rejected",

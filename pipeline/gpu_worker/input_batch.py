@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.common.step_protocol import DRAFT_TOKEN_ID, MAX_LOGIT_BIAS, StepInputs
+from pipeline.common.step_protocol import MAX_LOGIT_BIAS, StepInputs
 from pipeline.gpu_worker.device import DeviceOps, Staged, UploadBatch
 from pipeline.gpu_worker.penalties import PenaltyState
 
@@ -224,8 +224,9 @@ class InputBatch:
         flat = (np.cumsum(x.num_scheduled_tokens) - x.num_scheduled_tokens)[row_of] + j
         req_index = x.req_index[row_of]
         is_output = x.start_pos[row_of] + j >= self.host_prompt_len[req_index]
-        # A draft counts once it is accepted (speculation.SpecState.after_step), not as an input.
-        counted = is_output & (x.token_ids[flat] != DRAFT_TOKEN_ID)
+        # A draft (a row's last num_draft_tokens) counts once it is accepted (speculation.SpecState.after_step),
+        # not as an input.
+        counted = is_output & (j < x.num_scheduled_tokens[row_of] - x.num_draft_tokens[row_of])
         return InputCounts(
             batch.add(flat[counted]),
             batch.add(req_index[counted]),

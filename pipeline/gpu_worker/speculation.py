@@ -2,7 +2,8 @@
 
 A row with ``K`` drafts is scheduled as its resolved last token plus ``K``
 ``DRAFT_TOKEN_ID`` placeholders, which read
-the drafts proposed for it at the end of its previous step; all ``1 + K``
+the drafts proposed for it at the end of its previous step (or ``K`` tokens the descriptor names:
+a grammar's forced tokens); all ``1 + K``
 positions are sampled and verified (``sample_and_verify``).
 Then, on the device: the last emitted token goes into the token-id cache, the
 row's length and rejected-draft count move on, the accepted drafts join the
@@ -23,7 +24,7 @@ import torch
 
 from pipeline.common.config import EngineConfig
 from pipeline.common.step_output import TokenLogprobs
-from pipeline.common.step_protocol import MAX_INFLIGHT_STEPS, StepInputs
+from pipeline.common.step_protocol import DRAFT_TOKEN_ID, MAX_INFLIGHT_STEPS, StepInputs
 from pipeline.gpu_worker.attention.backend import StepLayout
 from pipeline.gpu_worker.device import Staged, UploadBatch
 from pipeline.gpu_worker.draft_model import DraftModel, DraftPlan
@@ -117,8 +118,9 @@ class SampledPositions:
 class SpecStep:
     """One step's speculative part, decided on the host and staged (None: not needed).
 
-    ``draft_index``/``draft_flat [D]``: step-token index of each draft input and where in
-    ``SpecState.drafts`` (flattened) it is read. ``shift_req``/``known_rejected [R]``: every row's
+    ``verify_drafts [V * K]``: step-token index of each draft input; ``draft_index``/``draft_flat [D]``:
+    those the proposer's drafts fill and where in ``SpecState.drafts`` (flattened) each is read (the
+    descriptor names the others). ``shift_req``/``known_rejected [R]``: every row's
     req_index and the rejections the scheduler knew, when some row may have to move back.
     ``verify_index [V, K + 1]``: the verified rows' sampled positions. ``first``/``base [S]``: each
     sampled row's first sampled position and the step-token index of its input. ``sample_req
@@ -135,6 +137,7 @@ class SpecStep:
     base: Staged
     sample_req: Staged
     width: int
+    verify_drafts: Staged | None = None
     draft_index: Staged | None = None
     draft_flat: Staged | None = None
     draft_req: np.ndarray | None = None
@@ -246,11 +249,17 @@ class SpecState:
         if (self.verified_at[x.req_index] >= x.step_id - (MAX_INFLIGHT_STEPS - 1)).any():
             st.shift_req, st.known_rejected = batch.add(x.req_index), batch.add(x.num_rejected)
         if sp.k:
-            # A verified row's drafts are its last k tokens: its sampled positions after the first.
+            # A verified row's drafts are its last k tokens: its sampled positions after the first. Those the
+            # descriptor leaves as DRAFT_TOKEN_ID are the proposer's; the others it names (a grammar's forced
+            # tokens).
             is_draft = sp.j > 0
-            st.draft_req = sample_req[sp.row[is_draft]]
-            st.draft_index = batch.add(sp.token[is_draft])
-            st.draft_flat = batch.add(st.draft_req * self.k + sp.j[is_draft] - 1)
+            slots = sp.token[is_draft]
+            st.verify_drafts = batch.add(slots)
+            proposed = x.token_ids[slots] == DRAFT_TOKEN_ID
+            if proposed.any():
+                st.draft_req = sample_req[sp.row[is_draft][proposed]]
+                st.draft_index = batch.add(slots[proposed])
+                st.draft_flat = batch.add(st.draft_req * self.k + sp.j[is_draft][proposed] - 1)
             st.verify_index = batch.add(sp.first[sp.verify_rows, None] + np.arange(sp.k + 1)[None, :])
             st.verify_rows = batch.add(sp.verify_rows)
             self.verified_at[sample_req[sp.verify_rows]] = x.step_id
@@ -326,7 +335,7 @@ class SpecState:
             self._write_history(st.token_req.dev, positions, input_ids)
         if not st.sp.k:
             return None
-        drafts = input_ids.index_select(0, st.draft_index.dev).view(-1, st.sp.k)
+        drafts = input_ids.index_select(0, st.verify_drafts.dev).view(-1, st.sp.k)
         v = VerifyInputs(index=st.verify_index.dev, drafts=drafts)
         if st.draft_probs is not None:
             v.draft_probs, v.hot_rows, v.hot_index = st.draft_probs, st.hot_rows.dev, st.hot_index.dev

@@ -15,6 +15,7 @@ from pipeline.scheduler_proc.spec_policy import SpecPolicy, SpecStats, output_ru
 from pipeline.scheduler_proc.steady_rows import SteadyRows
 
 _NO_DRAFTS: dict[int, int] = {}
+_NO_KNOWN: dict[int, list[int]] = {}
 # Steps planned with one prepared choice before the policy chooses again (its search costs more than the rest
 # of a step's planning, and the evidence it reads changes little in a step).
 _CHOICE_STEPS = 4
@@ -36,6 +37,7 @@ class Drafts:
             ends it, remove it, list it in ``finished`` and return True.
         grammar_rows: rows with a grammar draft too (its masks check the drafts), except where it is
             lazy (a tool-call trigger).
+        jump_forward: such a row whose grammar forces its next tokens drafts those (``GrammarState.forced``).
     """
 
     def __init__(
@@ -48,11 +50,13 @@ class Drafts:
         builder: DescriptorBuilder,
         apply_token: Callable[[Request, int, list[int]], bool],
         grammar_rows: bool = False,
+        jump_forward: bool = False,
     ):
         self.policy = SpecPolicy(max_num_seqs, k, adaptive=adaptive)
         self.stats = SpecStats(k)
         self.pool, self.steady, self.builder, self.apply_token = pool, steady, builder, apply_token
-        self.grammar_rows = grammar_rows
+        self.grammar_rows, self.jump_forward = grammar_rows, jump_forward
+        self._known: dict[int, dict[int, list[int]]] = {}  # step -> {req_num: the drafts it names}
         self.block_size = steady.block_size
         self._drafted: dict[int, dict[int, int]] = {}  # step -> {req_num: drafts} of general rows
         self._step_tokens: dict[int, int] = {}  # step -> its tokens, drafts included
@@ -84,8 +88,9 @@ class Drafts:
         Drafts take only what is left of the token ``budget``, free blocks and the ``max_blocks``
         block-table entries the step's ring entry holds (they never preempt). General rows chosen
         become ``(req, 1 + k, True)`` in ``rows``; returns the steady rows' drafts (``[D]``, None:
-        none). Rows with a grammar, before ``min_tokens`` or new at their req_index (no drafts
-        proposed there yet) do not draft; nor do rows with a grammar unless ``grammar_rows``.
+        none). Rows before ``min_tokens`` or new at their req_index (no drafts proposed there yet) do
+        not draft; nor do rows with a grammar unless ``grammar_rows``. With ``jump_forward``, a row whose
+        grammar forces its next tokens drafts those (``known``), whatever the policy says.
         """
         base = len(steady_rows) + sum(n for _, n, _ in rows)
         self._step_tokens[step_id] = base
@@ -99,15 +104,21 @@ class Drafts:
             and req.num_computed_tokens >= len(req.prompt_token_ids)
             and len(req.output_token_ids) >= req.params.min_tokens
         ]
+        forced = {}
+        if self.jump_forward:
+            forced = {i: f for i in general if rows[i][0].grammar is not None and (f := _forced_drafts(rows[i][0]))}
+            general = [i for i in general if i not in forced]
         steady, pool, builder = self.steady, self.pool, self.builder
         cand_steady, remaining = steady.draft_candidates(steady_rows)
         reqs = [rows[i][0] for i in general]
         cand = np.concatenate([cand_steady, np.fromiter((r.req_index for r in reqs), np.int64, len(reqs))])
-        if not len(cand):
-            return None
-        left = np.fromiter((r.params.max_tokens - r.num_outputs_planned for r in reqs), np.int64, len(reqs))
-        num_sampled = len(steady_rows) + sum(sample for _, _, sample in rows)
-        k, chosen = self._choose(num_sampled, base, cand, np.concatenate([remaining, left]), budget)
+        k, chosen = 0, cand[:0]
+        if len(cand):
+            left = np.fromiter((r.params.max_tokens - r.num_outputs_planned for r in reqs), np.int64, len(reqs))
+            num_sampled = len(steady_rows) + sum(sample for _, _, sample in rows)
+            k, chosen = self._choose(num_sampled, base, cand, np.concatenate([remaining, left]), budget)
+        if forced and not k:  # every verifying row of a step has the same k
+            k = min(self.policy.k_max, max(len(f) for f in forced.values()))
         if not k:
             return None
         ns = len(cand_steady)
@@ -120,10 +131,12 @@ class Drafts:
                 drafts = self._drafting[steady_rows] * k
                 self._drafting[got] = False
                 self._step_tokens[step_id] += k * len(got)
-        drafted = {}
-        for c in chosen[chosen >= ns].tolist():
-            i = general[c - ns]
+                budget -= k * len(got)
+        drafted, known = {}, {}
+        for i in [general[c - ns] for c in chosen[chosen >= ns].tolist()] + list(forced):
             req = rows[i][0]
+            if i in forced and (budget < k or req.params.max_tokens - req.num_outputs_planned <= k):
+                continue
             need = cdiv(req.num_computed_tokens + 1 + k, self.block_size) - len(req.block_ids)
             if need > pool.num_free_blocks or builder.num_blocks + need > max_blocks:
                 continue
@@ -134,10 +147,21 @@ class Drafts:
                     builder.add_block(req.req_index, j, req.block_ids[j])
             rows[i] = (req, 1 + k, True)
             drafted[req.req_num] = k
+            budget -= k
+            if i in forced:
+                f = forced[i][:k]
+                known[req.req_num] = f + f[-1:] * (k - len(f))  # a repeat is forbidden: verification stops there
         if drafted:
             self._drafted[step_id] = drafted
             self._step_tokens[step_id] += k * len(drafted)
+        if known:
+            self._known[step_id] = known
         return drafts
+
+    def known(self, step_id: int) -> dict[int, list[int]]:
+        """The drafts ``plan`` named for step ``step_id``'s rows (a grammar's forced tokens), by req_num;
+        forgotten once read."""
+        return self._known.pop(step_id, _NO_KNOWN)
 
     def apply_output(
         self,
@@ -258,3 +282,15 @@ class Drafts:
                     req.num_computed_tokens -= rejected
                     req.num_rejected += rejected
         return any(self.apply_token(req, t, finished) for t in tokens)
+
+
+def _forced_drafts(req: Request) -> list[int]:
+    """The tokens ``req``'s grammar forces after its tokens in flight (counted as if its drafts in flight are
+    all accepted), if its outputs since the grammar said so are those it forced; else none."""
+    at, tokens = req.grammar.forced
+    out = req.output_token_ids
+    done = len(out) - at
+    ahead = done + req.num_placeholders
+    if ahead >= len(tokens) or (done and out[at:].tolist() != tokens[:done]):
+        return []
+    return tokens[ahead:]

@@ -68,6 +68,7 @@ class GrammarManager:
         vocab_size: token ids with a mask bit.
         max_request_bytes: matcher memory one request may take.
         max_total_bytes: matcher memory all requests (and the cache) may take.
+        jump_forward: the states say which tokens their grammar forces next (``GrammarState.forced``).
 
     Attributes:
         failed: states whose matcher failed on a token (appended by the threads);
@@ -75,8 +76,14 @@ class GrammarManager:
     """
 
     def __init__(
-        self, tokenizer: llguidance.LLTokenizer, vocab_size: int, max_request_bytes: int, max_total_bytes: int
+        self,
+        tokenizer: llguidance.LLTokenizer,
+        vocab_size: int,
+        max_request_bytes: int,
+        max_total_bytes: int,
+        jump_forward: bool = False,
     ):
+        self.jump_forward = jump_forward
         self._tokenizer, self._eos = tokenizer, tokenizer.eos_token
         self.mask_words = -(-vocab_size // MASK_BITS)
         self._limits = llguidance.LLParserLimits(verbose_errors=False)  # no request text in messages and logs
@@ -207,6 +214,7 @@ class GrammarManager:
                 msg.req_num + i,
                 stop,
                 self._new_trigger(msg) if msg.params.grammar_trigger else None,
+                self.jump_forward,
             )
             for i, m in enumerate(matchers)
         ]
@@ -315,11 +323,14 @@ class GrammarManager:
             batch, self._batch = self._batch, []
             self._last_batch = self._masks.submit(self._compute_all, batch, then)
 
-    def wait_masks(self) -> None:
-        """Flush, and wait until the mask thread's jobs are done."""
+    def wait_masks(self, timeout: float | None = None) -> None:
+        """Flush, and wait until the mask thread's jobs are done, or ``timeout`` seconds have passed."""
         self.flush()
         if self._last_batch is not None:
-            self._last_batch.result()
+            try:
+                self._last_batch.result(timeout)
+            except TimeoutError:
+                pass
 
     def _compile(self, text: str) -> CompiledGrammar:  # on the background thread, one at a time
         """Compile ``text`` and compute its first mask, measuring the heap both take."""
@@ -338,7 +349,8 @@ class GrammarManager:
         mask_s = _later_mask_s(copy, mask, self._eos)
         del copy
         nbytes = max(0, after - before) if before is not None else len(text) * 100
-        return CompiledGrammar(m, mask, m.is_accepting() or m.is_stopped(), nbytes, copy_nbytes, mask_s)
+        ends = m.is_accepting() or m.is_stopped()
+        return CompiledGrammar(m, mask, ends, nbytes, copy_nbytes, mask_s, tuple(m.compute_ff_tokens()))
 
     def _compute(self, state: GrammarState, token_ids: list[int], tail: bytes | None) -> None:
         # on a grammar thread

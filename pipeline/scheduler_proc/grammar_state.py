@@ -38,6 +38,7 @@ class CompiledGrammar:
     nbytes: int  # heap taken by compiling and the first mask
     copy_nbytes: int  # heap one deep copy takes
     mask_s: float  # CPU time of a mask after the first (which builds the lexer)
+    forced: tuple[int, ...] = ()  # the tokens it forces at the start (llguidance's fast-forward tokens)
     error: str = ""
     users: int = 0
     last_used: float = field(default_factory=time.monotonic)
@@ -65,6 +66,9 @@ class GrammarState:
         cost_s: CPU seconds its masks take: the last one's, or a quarter of the previous figure if more.
         closed: its request has ended (``GrammarManager.release``).
         on_background: its matcher is advancing on the background thread (a costly mask).
+        forced: ``(outputs consumed, tokens)``: the tokens the grammar forces after that many output tokens
+            (llguidance's fast-forward tokens; with ``jump_forward`` and no trigger, else none), which the
+            row's next steps verify as drafts (docs/design.md, "Jump-forward").
     """
 
     __slots__ = (
@@ -82,6 +86,9 @@ class GrammarState:
         "_entry",
         "_nbytes",
         "on_background",
+        "forced",
+        "_consumed",
+        "_jump_forward",
     )
 
     def __init__(
@@ -92,6 +99,7 @@ class GrammarState:
         req_num: int,
         stop,
         trigger: Trigger | None = None,
+        jump_forward: bool = False,
     ):
         self.req_num, self._tokenizer, self._entry, self.trigger = req_num, tokenizer, entry, trigger
         # With a trigger, ``matcher`` stays pristine; _matcher is None until a mask needs one (the first
@@ -103,6 +111,8 @@ class GrammarState:
         self.cost_s = entry.mask_s
         self.ready, self.error, self.closed = True, "", False
         self.on_background = False  # its matcher is at work on the background thread
+        self._jump_forward, self._consumed = jump_forward and trigger is None, 0
+        self.forced = (0, list(entry.forced) if self._jump_forward else [])
 
     @property
     def costly(self) -> bool:
@@ -160,6 +170,7 @@ class GrammarState:
                 if not m.consume_token(token_id):
                     self.error = f"the output left its grammar at token {token_id}: {error_of(m) or 'rejected'}"
                     return
+            self._consumed += len(token_ids)
         mask = np.zeros_like(self.mask)
         llguidance.numpy.fill_next_token_bitmask(m, mask.reshape(1, -1), 0)
         if m.is_error():
@@ -167,6 +178,8 @@ class GrammarState:
             return
         ends = m.is_accepting() or m.is_stopped()
         self.mask = end_mask(mask, ends, self._tokenizer.eos_token, self._stop_ids)
+        if self._jump_forward:
+            self.forced = (self._consumed, m.compute_ff_tokens())
         # A decaying peak: a slow mask (new lexer states: a JSON schema's take up to half a millisecond now and
         # then) keeps its row out for a mask or two; a grammar whose every mask is slow stays out.
         self.cost_s = max(time.thread_time() - t0, self.cost_s / 4)

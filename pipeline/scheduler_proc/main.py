@@ -42,12 +42,16 @@ from pipeline.common.step_output import NONFINITE_LOGITS, OUTPUT_READER_SCHEDULE
 from pipeline.common.step_protocol import MAX_INFLIGHT_STEPS, StepDescriptor, TokenMasks
 from pipeline.common.trace import TraceRecorder
 from pipeline.scheduler_proc.grammar_manager import GrammarManager
+from pipeline.scheduler_proc.grammar_state import MASK_SHARE_OF_STEP
 from pipeline.scheduler_proc.scheduler import Scheduler
 
 logger = logging.getLogger("pipeline.scheduler")
 
 # How often the loop looks for finished compilations while nothing else runs.
 _COMPILING_POLL_MS = 5
+# With jump-forward, planning waits this long at most (and at most MASK_SHARE_OF_STEP of a step's device time)
+# for the masks of the output just applied, whose job also computes the tokens each grammar forces next.
+_FORCED_WAIT_S = 0.002
 # How long the loop waits for an output while a step's masks are being computed, before it looks at them again.
 _MASK_POLL_S = 0.0002
 
@@ -84,12 +88,17 @@ class SchedulerProc:
         # Structured output needs llguidance's view of the tokenizer; building it takes ~0.2 s, so it is
         # done here, before the first step, not when the first grammar request arrives.
         self.grammars = None
+        # The worker reports the drafts a proposer made; a draft model's exist only inside its step.
+        grammar_drafts = config.speculative is not None and config.speculative.method != "draft_model"
+        jump_forward = grammar_drafts and config.grammar_jump_forward
+        self._jump_forward = jump_forward and bool(config.vocab_size)
         if config.vocab_size:
             self.grammars = GrammarManager(
                 load_tokenizer(config.tokenizer or config.model, config.vocab_size),
                 config.vocab_size,
                 config.max_grammar_memory_per_request_mb * 2**20,
                 config.max_grammar_memory_mb * 2**20,
+                jump_forward,
             )
         self.scheduler = Scheduler(
             config.max_num_seqs,
@@ -102,8 +111,8 @@ class SchedulerProc:
             config.num_speculative_tokens,
             config.speculative_policy == "adaptive",
             self.grammars,
-            # The worker reports the drafts a proposer made; a draft model's exist only inside its step.
-            grammar_drafts=config.speculative is not None and config.speculative.method != "draft_model",
+            grammar_drafts=grammar_drafts,
+            jump_forward=jump_forward,
         )
         self.max_inflight = MAX_INFLIGHT_STEPS if config.async_scheduling else 1
         self.inflight: deque[int] = deque()
@@ -256,6 +265,8 @@ class SchedulerProc:
             return False
         t0 = time.monotonic_ns()
         step_id = self.scheduler.next_step_id
+        if self._jump_forward:  # a row's forced tokens are computed with its mask: those after its newest tokens
+            self.grammars.wait_masks(min(_FORCED_WAIT_S, MASK_SHARE_OF_STEP * self.scheduler.step_device_s))
         if not self.scheduler.schedule(desc):
             return False  # entry stays acquired for the next try
         if self.scheduler.admitted:  # before the step: io_proc has it before the requests' outputs

@@ -73,6 +73,8 @@ class Scheduler(SchedulerOutputsMixin):
         grammars: advances the matchers of constrained requests (None: no request has a grammar).
         grammar_drafts: constrained rows draft too, their masks checking each draft (the worker reports
             the drafts it proposes: prompt lookup or the simulated device's, not a draft model's).
+        jump_forward: with ``grammar_drafts``, a constrained row whose grammar forces its next tokens drafts
+            those (docs/design.md, "Jump-forward").
 
     Raises:
         ValueError: if one request of ``max_model_len`` tokens could not fit.
@@ -91,6 +93,7 @@ class Scheduler(SchedulerOutputsMixin):
         adaptive_speculation: bool = True,
         grammars: GrammarManager | None = None,
         grammar_drafts: bool = False,
+        jump_forward: bool = False,
     ):
         if num_kv_blocks < max_blocks_per_seq:
             raise ValueError(
@@ -113,6 +116,7 @@ class Scheduler(SchedulerOutputsMixin):
         self.next_step_id = 0
         self.num_preemptions = 0
         self.num_grammar_rows_deferred = 0  # constrained decode rows left out of a step (costly masks)
+        self.num_grammar_requests = 0  # live requests with a grammar
         self.step_device_s = 0.0  # the steps' device time, seconds (a moving average; 0: none measured)
         self.num_cached_tokens_step = 0  # prompt tokens found cached by the requests admitted in the last step
         # (req_num, prompt tokens found cached) of first admissions since the caller last emptied it.
@@ -134,7 +138,11 @@ class Scheduler(SchedulerOutputsMixin):
         self._num_admitted = 0
         self.masks_drafts = grammar_drafts and bool(num_speculative_tokens) and grammars is not None
         spec = (num_speculative_tokens, adaptive_speculation, self.pool, self.steady, self._builder, self._apply_token)
-        self.drafts = Drafts(max_num_seqs, *spec, grammar_rows=self.masks_drafts) if num_speculative_tokens else None
+        self.drafts = (
+            Drafts(max_num_seqs, *spec, grammar_rows=self.masks_drafts, jump_forward=self.masks_drafts and jump_forward)
+            if num_speculative_tokens
+            else None
+        )
 
     @property
     def num_unfinished(self) -> int:
@@ -164,6 +172,7 @@ class Scheduler(SchedulerOutputsMixin):
         for i in range(msg.n):
             params = msg.params if msg.n == 1 else replace(msg.params, seed=choice_seed(msg.params.seed, i))
             req = Request(msg.req_num + i, prompt, params, grammars[i])
+            self.num_grammar_requests += grammars[i] is not None
             if i == 0:
                 self.prefix.name_prompt(req)
             else:
@@ -389,19 +398,21 @@ class Scheduler(SchedulerOutputsMixin):
         """
         b = self._builder
         drafted = self.drafts.drafted(step_id) if self.drafts is not None else {}  # req_num -> drafts
+        known = self.drafts.known(step_id) if self.drafts is not None else {}  # req_num -> the drafts named
         masked_rows: list[MaskedRow] = []
         for req, k, sample in rows:
             pos = req.num_computed_tokens
             num_drafts = drafted.get(req.req_num, 0)
             masked = sample and req.grammar is not None and req.grammar.needs_mask(req.num_placeholders)
+            named = known.get(req.req_num)
             if masked:
-                masked_rows.append(MaskedRow(req, req.last_step_id, num_drafts))
+                masked_rows.append(MaskedRow(req, req.last_step_id, num_drafts, named))
             params = req.params if req.is_new else None
             b.add_row(
                 req.req_num,
                 req.req_index,
                 pos,
-                req.chunk(pos, k) if not num_drafts else req.chunk(pos, 1) + [DRAFT_TOKEN_ID] * num_drafts,
+                req.chunk(pos, k) if not num_drafts else req.chunk(pos, 1) + (named or [DRAFT_TOKEN_ID] * num_drafts),
                 sample,
                 params,
                 *req.prompt_logprob_span(pos, k),
@@ -437,7 +448,8 @@ class Scheduler(SchedulerOutputsMixin):
         """Give the grammar manager the draft walks whose rows' previous outputs are applied (their masks
         follow the advances of those outputs on the mask thread; ``GrammarManager.flush`` starts them)."""
         for row in self.masks.due_walks():
-            self.grammars.walk(row, row.req.proposed_drafts[: row.num_drafts].tolist())
+            drafts = row.drafts if row.drafts is not None else row.req.proposed_drafts[: row.num_drafts].tolist()
+            self.grammars.walk(row, drafts)
 
     def _join_steady(self, reqs: list[Request]) -> None:
         self.steady.join(reqs)
@@ -462,6 +474,7 @@ class Scheduler(SchedulerOutputsMixin):
         del self.requests[req.req_num]
         if req.grammar is not None:
             self.grammars.release(req.grammar)
+            self.num_grammar_requests -= 1
         if req.req_index < 0:
             self.waiting.remove(req)
             self._free(req)

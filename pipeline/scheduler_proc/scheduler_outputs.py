@@ -55,7 +55,7 @@ class SchedulerOutputsMixin:
         self._output_ns = time_ns or time.monotonic_ns()
         self._output_step = step_id
         req_nums, token_ids = np.asarray(req_nums, np.int64), np.asarray(token_ids, np.int64)
-        if proposals is not None and self.masks_drafts:
+        if proposals is not None and self.masks_drafts and self.num_grammar_requests:
             for r, drafts in zip(*proposals):
                 if (req := self.requests.get(r)) is not None and req.grammar is not None:
                     req.proposed_drafts = drafts

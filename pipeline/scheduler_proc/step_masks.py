@@ -29,6 +29,7 @@ class MaskedRow:
     req: Request
     after_step: int  # the row's previous step: its output comes before this step's masks (-1: none)
     num_drafts: int
+    drafts: list[int] | None = None  # the drafts the descriptor names (None: the proposer's)
     masks: np.ndarray | None = None  # [1 + num_drafts, W] int32, once walked
     walking: bool = False
 

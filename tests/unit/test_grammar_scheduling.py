@@ -234,3 +234,45 @@ def test_a_slow_device_step_hides_a_costly_mask(smol_dir, device_ms, planned):
     assert plan().req_num.tolist() == planned
     busy.set()
     grammars.close()
+
+
+def test_jump_forward_names_the_forced_tokens_as_drafts(smol_dir, cheap_masks):
+    """With jump-forward, a constrained row whose grammar forces its next tokens verifies them as drafts
+    the descriptor names (not the proposer's), and its step's masks are walked over them: one per sampled
+    position, each allowing its forced token."""
+    tok = load_tokenizer(str(smol_dir), V)
+    words = V // MASK_BITS
+    grammars = GrammarManager(tok, V, 2**28, 2**30, jump_forward=True)
+    sched = Scheduler(4, 64, 16, 64, 16, num_speculative_tokens=3, adaptive_speculation=False, grammars=grammars,
+                      grammar_drafts=True, jump_forward=True)  # fmt: skip
+    plan = planner(sched)
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "species": {"enum": ["cat", "dog"]}},
+        "required": ["name", "species"],
+        "x-guidance": {"whitespace_flexible": False},
+    }
+    grammar = build_grammar("json_schema", schema, "response_format")
+    params = SamplingParams(max_tokens=32, temperature=0.0, stop_token_ids=(EOS,), grammar=grammar)
+    state = add_compiled(sched, grammars, AddRequest(1, [5, 6, 7], params))
+    at, head = state.forced
+    assert at == 0 and tok.decode_str(head) == '{"name'  # the object's start and its first key are forced
+    x0 = plan()
+    assert x0.num_draft_tokens.tolist() == [0]  # new at its req_index: nothing proposed there yet
+    write_masks_for(sched, grammars, words, 4)
+    sched.process_output(0, [1], [head[0]])
+    grammars.wait_masks()  # as the scheduler's loop waits before planning, with jump-forward on
+    x1 = plan()
+    forced = head[1:]
+    k = min(3, len(forced))  # with no other row drafting, k is the longest forced run's (at most K)
+    named = forced[:k]
+    assert x1.num_draft_tokens.tolist() == [k] and x1.token_ids.tolist() == [head[0], *named]
+    step, masks = write_masks_for(sched, grammars, words, 4 * (1 + k))
+    assert step == 1 and len(masks) == 1 + k
+    for j, t in enumerate(named):
+        assert t in allowed_ids(masks[j]), j
+    # All accepted, then the bonus: one output, one advance; the next forced run starts from there.
+    sched.process_output(1, [1] * (k + 1), [*named, tok.tokenize_str('":"')[0]])
+    grammars.wait_masks()
+    assert state.forced[0] == 1 + k + 1 and state.error == ""
+    grammars.close()
