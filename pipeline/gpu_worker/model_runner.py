@@ -397,7 +397,7 @@ class ModelRunner:
                 for a in (staged_logprobs.rows, staged_logprobs.prompt_positions, staged_logprobs.prompt_targets)
             )
         )
-        verify = self.spec.verify_inputs(spec, input_ids, meta.positions) if spec is not None else None
+        verify = self.spec.verify_inputs(spec, input_ids, meta) if spec is not None else None
         step.prepare_end_ns = time.monotonic_ns()
 
         if device_start is None:

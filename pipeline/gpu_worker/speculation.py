@@ -25,10 +25,10 @@ import torch
 from pipeline.common.config import EngineConfig
 from pipeline.common.step_output import TokenLogprobs
 from pipeline.common.step_protocol import DRAFT_TOKEN_ID, MAX_INFLIGHT_STEPS, StepInputs
-from pipeline.gpu_worker.attention.backend import StepLayout
+from pipeline.gpu_worker.attention.backend import AttentionMetadata, StepLayout
 from pipeline.gpu_worker.device import Staged, UploadBatch
 from pipeline.gpu_worker.draft_model import DraftModel, DraftPlan
-from pipeline.gpu_worker.executor import Executed
+from pipeline.gpu_worker.executor import PAD_BLOCKS, Executed
 from pipeline.gpu_worker.input_batch import POISON_TOKEN_ID, InputBatch
 from pipeline.gpu_worker.ngram_proposer import propose_ngram
 from pipeline.gpu_worker.rejection_sampler import VerifyInputs
@@ -130,6 +130,8 @@ class SpecStep:
     history window (the longest row after the step, an upper bound). With a draft model:
     ``draft_plan``, its passes; ``hot_rows [H]``/``hot_index [H, K + 1]`` and, once proposed,
     ``draft_probs``, as ``VerifyInputs`` takes them. ``shift_dev``: ``shift``'s value, once computed.
+    ``cached_req``/``cached_pos [C]``: the positions of new rows' cached prefixes, whose tokens the
+    history takes from ``slot_tokens``.
     """
 
     sp: SampledPositions
@@ -156,6 +158,8 @@ class SpecStep:
     hot_index: Staged | None = None
     draft_probs: torch.Tensor | None = None
     shift_dev: torch.Tensor | None = None
+    cached_req: Staged | None = None
+    cached_pos: Staged | None = None
 
 
 class NgramProposer:
@@ -193,7 +197,8 @@ class SpecState:
     Device tensors: ``drafts [R, K]`` int64 (the next step's drafts; ``poison`` once consumed in
     poison mode), ``num_rejected [R]`` int64 (rejected drafts since the request became new at
     its req_index), ``seq_len [R]`` int64 (tokens known after its latest step) and, for prompt
-    lookup, ``history [R, max_model_len]`` int32 (its prompt and output tokens). Host:
+    lookup, ``history [R, max_model_len]`` int32 (its prompt and output tokens) and ``slot_tokens
+    [num_slots]`` int32 (the token whose key and value each KV slot holds). Host:
     ``verified_at [R]``, the last step that verified drafts at each req_index.
 
     Args:
@@ -203,7 +208,9 @@ class SpecState:
         proposer: drafts the next step (``NgramProposer`` or ``SimProposer``).
         poison: the token-id cache's poison value when poison mode is on (drafts read after
             being consumed are reported as stale), else None.
-        input_batch: the rows' state: the token-id cache and the penalty counts.
+        input_batch: the rows' state: the token-id cache, the penalty counts and the block table.
+        block_size, num_slots: the KV cache's block size and slots (blocks times block size, padding
+            blocks included), for the tokens of cached prefixes.
     """
 
     def __init__(
@@ -215,6 +222,8 @@ class SpecState:
         proposer,
         poison: int | None,
         input_batch: InputBatch,
+        block_size: int,
+        num_slots: int,
     ):
         n = max_num_reqs
         self.k, self.proposer, self.poison, self.max_model_len = k, proposer, poison, max_model_len
@@ -225,6 +234,10 @@ class SpecState:
         self.history = (
             torch.zeros((n, max_model_len), dtype=torch.int32, device=device) if proposer.keeps_history else None
         )
+        # The token in each KV slot, written with its key and value: a row admitted after a cached prefix
+        # takes that prefix's tokens into its history from here (its step computes only the rest).
+        self.block_size = block_size
+        self.slot_tokens = torch.zeros(num_slots, dtype=torch.int32, device=device) if proposer.keeps_history else None
         self.verified_at = np.full(n, -(2**62), dtype=np.int64)
 
     def stage(self, x: StepInputs, batch: UploadBatch) -> SpecStep:
@@ -244,6 +257,11 @@ class SpecState:
         if len(x.new_rows):
             self.verified_at[x.req_index[x.new_rows]] = -(2**62)
             st.new_req = batch.add(x.req_index[x.new_rows])
+            cached = x.new_rows[x.start_pos[x.new_rows] > 0]  # admitted after a prefix found in the cache
+            if self.history is not None and len(cached):
+                n = x.start_pos[cached]
+                st.cached_req = batch.add(np.repeat(x.req_index[cached], n))
+                st.cached_pos = batch.add(np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n))
         # The scheduler saw the outputs of every step but the one before this (the in-flight limit):
         # only a row that verified there can be ahead of its true position.
         if (self.verified_at[x.req_index] >= x.step_id - (MAX_INFLIGHT_STEPS - 1)).any():
@@ -300,11 +318,17 @@ class SpecState:
         return isinstance(self.proposer, DraftModel)
 
     def resolve_drafts(self, st: SpecStep, input_ids: torch.Tensor) -> tuple[torch.Tensor, np.ndarray] | None:
-        """Write the drafts into ``input_ids`` (in place) and reset new rows; a draft model computes them now.
+        """Write the drafts into ``input_ids`` (in place) and reset new rows (their history gets their cached
+        prefix); a draft model computes them now.
         Returns, in poison mode, each draft's stale flag (``[D]`` int64 on the device, 1 where it was read
         after being consumed) and its req_index (``LaunchedStep.add_stale``); None otherwise."""
         if st.new_req is not None:
             self.num_rejected.index_fill_(0, st.new_req.dev, 0)
+        if st.cached_req is not None:  # the block table holds the new rows' blocks by now
+            req, pos = st.cached_req.dev, st.cached_pos.dev
+            blocks = self.input_batch.block_table[req, torch.div(pos, self.block_size, rounding_mode="floor")]
+            slots = blocks * self.block_size + pos % self.block_size
+            self._write_history(req, pos, self.slot_tokens.index_select(0, slots))
         if st.draft_index is None:
             return None
         if st.draft_plan is not None:
@@ -328,11 +352,13 @@ class SpecState:
             st.shift_dev = self.num_rejected.index_select(0, st.shift_req.dev) - st.known_rejected.dev
         return st.shift_dev
 
-    def verify_inputs(self, st: SpecStep, input_ids: torch.Tensor, positions: torch.Tensor) -> VerifyInputs | None:
-        """Record the step's input tokens (``[T]``, resolved) in the history at their device positions;
-        returns what the executor verifies (None: no drafts)."""
+    def verify_inputs(self, st: SpecStep, input_ids: torch.Tensor, meta: AttentionMetadata) -> VerifyInputs | None:
+        """Record the step's input tokens (``[T]``, resolved) in the history at their device positions, and in
+        ``slot_tokens`` at their KV slots (``meta``: the step's attention metadata); returns what the executor
+        verifies (None: no drafts)."""
         if self.history is not None:
-            self._write_history(st.token_req.dev, positions, input_ids)
+            self._write_history(st.token_req.dev, meta.positions, input_ids)
+            self.slot_tokens.index_copy_(0, meta.slot_mapping, input_ids.to(torch.int32))
         if not st.sp.k:
             return None
         drafts = input_ids.index_select(0, st.verify_drafts.dev).view(-1, st.sp.k)
@@ -422,4 +448,7 @@ def spec_state(
     else:
         raise ValueError(f"speculative method {spec.method!r} is not supported by this worker")
     poison = POISON_TOKEN_ID if config.debug_token_cache_poison else None
-    return SpecState(config.max_num_seqs, config.max_model_len, k, device, proposer, poison, input_batch)
+    slots = (config.num_kv_blocks + PAD_BLOCKS) * config.block_size
+    return SpecState(
+        config.max_num_seqs, config.max_model_len, k, device, proposer, poison, input_batch, config.block_size, slots
+    )
