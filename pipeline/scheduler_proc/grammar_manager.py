@@ -354,25 +354,26 @@ class GrammarManager:
 
     def _compute(self, state: GrammarState, token_ids: list[int], tail: bytes | None) -> None:
         # on a grammar thread
-        self._guarded(state, "advance", lambda: state.compute(token_ids, tail))
+        try:
+            state.compute(token_ids, tail)
+        except Exception as e:  # one request's matcher must not take the thread (and everyone's masks) down
+            log.exception("request %d: grammar advance failed", state.req_num)
+            state.error = f"the grammar failed: {type(e).__name__}: {e}"
         state.on_background = False
+        if state.error:
+            self.failed.append(state)
 
     def _walk(self, row: MaskedRow, drafts: list[int]) -> None:  # on the mask thread
-        masks = self._guarded(row.req.grammar, "draft walk", lambda: row.req.grammar.walk(drafts))
-        if masks is not None:
-            row.masks = masks
-
-    def _guarded(self, state: GrammarState, what: str, job: Callable[[], object]) -> object | None:
-        """``job()``'s value; None if it failed or left ``state`` failed, which then lands in ``failed``."""
+        state = row.req.grammar
         try:
-            value = job()
-        except Exception as e:  # one request's matcher must not take the thread (and everyone's masks) down
-            log.exception("request %d: grammar %s failed", state.req_num, what)
+            masks = state.walk(drafts)
+        except Exception as e:  # as _compute
+            log.exception("request %d: grammar draft walk failed", state.req_num)
             state.error = f"the grammar failed: {type(e).__name__}: {e}"
         if state.error:
             self.failed.append(state)
-            return None
-        return value
+        else:
+            row.masks = masks
 
     def _compute_all(self, batch: list[Callable[[], None]], then: Callable[[], object] | None) -> None:
         # on the mask thread
