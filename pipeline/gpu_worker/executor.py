@@ -21,12 +21,12 @@ from pipeline.common.constants import cdiv
 from pipeline.gpu_worker.attention import default_backend
 from pipeline.gpu_worker.attention.backend import AttentionBackend, AttentionMetadata, StepLayout, Upload
 from pipeline.gpu_worker.cuda_graphs import DecodeGraphs, GraphStep
-from pipeline.gpu_worker.logprobs import token_logprobs
-from pipeline.gpu_worker.penalties import PenaltyInputs, PenaltyState, apply_penalties
-from pipeline.gpu_worker.rejection_sampler import VerifyInputs, accept_one_hot, rejection_sample
-from pipeline.gpu_worker.sampler import SamplingPlan, filtered_logits, race, sample_rows
+from pipeline.gpu_worker.sampling.logprobs import token_logprobs
+from pipeline.gpu_worker.sampling.penalties import PenaltyInputs, PenaltyState, apply_penalties
+from pipeline.gpu_worker.sampling.rejection_sampler import VerifyInputs, accept_one_hot, rejection_sample
+from pipeline.gpu_worker.sampling.sampler import SamplingPlan, filtered_logits, race, sample_rows
+from pipeline.gpu_worker.sampling.token_mask import apply_token_bitmask, nearest_allowed
 from pipeline.gpu_worker.sim_device import SimEvent, SimulatedDevice, sim_logprobs, sim_next_tokens
-from pipeline.gpu_worker.token_mask import apply_token_bitmask, nearest_allowed
 
 # Prompt log-probabilities go through the LM head this many positions at a
 # time, so a long prefill chunk never holds a [chunk, vocab] float32 block.

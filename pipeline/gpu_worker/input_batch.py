@@ -18,7 +18,7 @@ import torch
 
 from pipeline.common.step_protocol import MAX_LOGIT_BIAS, StepInputs
 from pipeline.gpu_worker.device import DeviceOps, Staged, UploadBatch
-from pipeline.gpu_worker.penalties import PenaltyState
+from pipeline.gpu_worker.sampling.penalties import PenaltyState
 
 # Written into a token-id cache entry once a placeholder consumed it; reading
 # it again means a placeholder resolved to a stale token.

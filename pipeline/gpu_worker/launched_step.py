@@ -15,8 +15,8 @@ import torch
 from pipeline.common.step_output import MAX_LOGPROBS, TokenLogprobs
 from pipeline.gpu_worker.device import DeviceOps
 from pipeline.gpu_worker.executor import Executed, LogprobTensors
-from pipeline.gpu_worker.logprobs import PromptLogprobPlan
-from pipeline.gpu_worker.speculation import SampledPositions
+from pipeline.gpu_worker.sampling.logprobs import PromptLogprobPlan
+from pipeline.gpu_worker.spec.speculation import SampledPositions
 
 
 class StaleTokenError(RuntimeError):

@@ -33,8 +33,8 @@ from pipeline.gpu_worker.attention import make_backend
 from pipeline.gpu_worker.cpu_threads import ThreadGovernor, usable_cpus
 from pipeline.gpu_worker.executor import ModelExecutor, SimExecutor
 from pipeline.gpu_worker.launched_step import LaunchedStep
-from pipeline.gpu_worker.mask_reader import MaskReader
 from pipeline.gpu_worker.model_runner import ModelRunner
+from pipeline.gpu_worker.sampling.mask_reader import MaskReader
 from pipeline.gpu_worker.sim_device import SimulatedDevice
 from pipeline.gpu_worker.step_shapes import StepShapeRecorder
 

@@ -40,15 +40,15 @@ from pipeline.common.config import EngineConfig
 from pipeline.common.step_protocol import PLACEHOLDER_TOKEN_ID, StepInputs
 from pipeline.gpu_worker.attention.backend import StepLayout
 from pipeline.gpu_worker.device import DeviceClock, DeviceOps, Staged, UploadBatch, device_ops
-from pipeline.gpu_worker.draft_model import DraftModel
 from pipeline.gpu_worker.executor import Executed, Executor, LogprobInputs, SamplingInputs
 from pipeline.gpu_worker.input_batch import FLOAT_COLUMN, INT_COLUMN, POISON_TOKEN_ID, InputBatch
 from pipeline.gpu_worker.launched_step import LaunchedStep
-from pipeline.gpu_worker.logprobs import PromptLogprobPlan
-from pipeline.gpu_worker.mask_reader import MaskReader
-from pipeline.gpu_worker.penalties import PenaltyPlan, plan_penalties
-from pipeline.gpu_worker.sampler import SamplingPlan
-from pipeline.gpu_worker.speculation import SpecStep, spec_state
+from pipeline.gpu_worker.sampling.logprobs import PromptLogprobPlan
+from pipeline.gpu_worker.sampling.mask_reader import MaskReader
+from pipeline.gpu_worker.sampling.penalties import PenaltyPlan, plan_penalties
+from pipeline.gpu_worker.sampling.sampler import SamplingPlan
+from pipeline.gpu_worker.spec.draft_model import DraftModel
+from pipeline.gpu_worker.spec.speculation import SpecStep, spec_state
 
 if TYPE_CHECKING:  # the simulated device never loads the model code
     from pipeline.gpu_worker.models.base import CausalLM

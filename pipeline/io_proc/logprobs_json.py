@@ -5,7 +5,7 @@ Two shapes exist (OpenAI API reference): the legacy completions object
 lm-evaluation-harness reads with ``echo``), and the chat object
 ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}``.
 Values are the raw model's log-softmax, computed on the device
-(``pipeline.gpu_worker.logprobs``).
+(``pipeline.gpu_worker.sampling.logprobs``).
 """
 
 from __future__ import annotations

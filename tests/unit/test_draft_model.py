@@ -100,7 +100,7 @@ def test_sampled_rows_are_reproducible_seed_for_seed(guard, params):
 
 @pytest.fixture()
 def guard(monkeypatch):
-    from pipeline.gpu_worker import sampler
+    from pipeline.gpu_worker.sampling import sampler
     from tests.unit.sync_guard import SyncGuard
 
     monkeypatch.setattr(sampler, "_COUNTER_BITS", {})
@@ -191,7 +191,7 @@ def test_sampled_rows_keep_the_target_distribution(case):
 
 def test_the_test_can_fail(monkeypatch):
     """Verifying against another distribution than the one the drafts were drawn from is caught."""
-    from pipeline.gpu_worker import speculation
+    from pipeline.gpu_worker.spec import speculation
 
     verify = speculation.SpecState.verify_inputs
 

@@ -10,7 +10,7 @@ from pipeline.common.descriptor_builder import DescriptorBuilder
 from pipeline.common.messages import SamplingParams
 from pipeline.common.step_output import MAX_LOGPROBS
 from pipeline.common.step_protocol import StepDescriptor, read_descriptor
-from pipeline.gpu_worker.logprobs import PromptLogprobPlan, token_logprobs
+from pipeline.gpu_worker.sampling.logprobs import PromptLogprobPlan, token_logprobs
 
 
 def test_token_logprobs_are_the_raw_log_softmax():

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.gpu_worker.ngram_proposer import propose_ngram
+from pipeline.gpu_worker.spec.ngram_proposer import propose_ngram
 from tests.unit.sync_guard import SyncGuard
 
 

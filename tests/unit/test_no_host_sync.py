@@ -27,12 +27,12 @@ from pipeline.common.constants import cdiv
 from pipeline.common.descriptor_builder import DescriptorBuilder
 from pipeline.common.messages import SamplingParams
 from pipeline.common.step_protocol import PLACEHOLDER_TOKEN_ID, StepDescriptor, read_descriptor
-from pipeline.gpu_worker import sampler
 from pipeline.gpu_worker.device import DeviceOps
 from pipeline.gpu_worker.executor import ModelExecutor
 from pipeline.gpu_worker.launched_step import StaleTokenError
 from pipeline.gpu_worker.model_runner import ModelRunner
 from pipeline.gpu_worker.models.base import CausalLM
+from pipeline.gpu_worker.sampling import sampler
 from tests.reference import ours_from_hf
 from tests.unit.sync_guard import FakeAsyncOps, FakeEvent, SyncGuard
 

@@ -30,13 +30,13 @@ from pipeline.common.constants import cdiv
 from pipeline.common.descriptor_builder import DescriptorBuilder
 from pipeline.common.messages import SamplingParams
 from pipeline.common.step_protocol import MAX_LOGIT_BIAS, PLACEHOLDER_TOKEN_ID, StepDescriptor, read_descriptor
-from pipeline.gpu_worker import sampler
 from pipeline.gpu_worker.device import DeviceOps
 from pipeline.gpu_worker.executor import ModelExecutor
 from pipeline.gpu_worker.model_runner import ModelRunner
 from pipeline.gpu_worker.models.loader import load_model
-from pipeline.gpu_worker.penalties import PenaltyInputs, PenaltyState, apply_penalties
-from pipeline.gpu_worker.sampler import apply_min_p
+from pipeline.gpu_worker.sampling import sampler
+from pipeline.gpu_worker.sampling.penalties import PenaltyInputs, PenaltyState, apply_penalties
+from pipeline.gpu_worker.sampling.sampler import apply_min_p
 from tests.unit.sync_guard import FakeAsyncOps, SyncGuard
 
 CPU = torch.device("cpu")

@@ -24,9 +24,9 @@ from scipy import stats
 from pipeline.common.step_protocol import MAX_LOGIT_BIAS
 from pipeline.gpu_worker.device import DeviceOps, UploadBatch
 from pipeline.gpu_worker.executor import SamplingInputs, sample_and_verify
-from pipeline.gpu_worker.penalties import PenaltyState, plan_penalties
-from pipeline.gpu_worker.rejection_sampler import VerifyInputs, accept_one_hot
-from pipeline.gpu_worker.sampler import SamplingPlan
+from pipeline.gpu_worker.sampling.penalties import PenaltyState, plan_penalties
+from pipeline.gpu_worker.sampling.rejection_sampler import VerifyInputs, accept_one_hot
+from pipeline.gpu_worker.sampling.sampler import SamplingPlan
 
 VOCAB = 16
 PROMPT = [3, 7, 1]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.gpu_worker import sampler
-from pipeline.gpu_worker.sampler import sample
+from pipeline.gpu_worker.sampling import sampler
+from pipeline.gpu_worker.sampling.sampler import sample
 
 VOCAB = 300
 

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from pipeline.common.step_protocol import MASK_BITS, MAX_LOGIT_BIAS
 from pipeline.gpu_worker.executor import SamplingInputs, sample_tokens
-from pipeline.gpu_worker.penalties import PenaltyInputs, PenaltyState
-from pipeline.gpu_worker.sampler import SamplingPlan
+from pipeline.gpu_worker.sampling.penalties import PenaltyInputs, PenaltyState
+from pipeline.gpu_worker.sampling.sampler import SamplingPlan
 
 VOCAB = 37
 WORDS = -(-VOCAB // MASK_BITS)

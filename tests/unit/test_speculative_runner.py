@@ -26,12 +26,12 @@ from pipeline.common.constants import cdiv
 from pipeline.common.descriptor_builder import DescriptorBuilder
 from pipeline.common.messages import SamplingParams
 from pipeline.common.step_protocol import DRAFT_TOKEN_ID, PLACEHOLDER_TOKEN_ID, StepDescriptor, read_descriptor
-from pipeline.gpu_worker import sampler
 from pipeline.gpu_worker.attention import cpu_paged
 from pipeline.gpu_worker.device import DeviceOps
 from pipeline.gpu_worker.executor import ModelExecutor
 from pipeline.gpu_worker.model_runner import ModelRunner
 from pipeline.gpu_worker.models.base import CausalLM
+from pipeline.gpu_worker.sampling import sampler
 from tests.unit.sync_guard import FakeAsyncOps, SyncGuard
 from tests.unit.test_no_host_sync import BLOCK, engine_config
 from tests.unit.test_no_host_sync import tiny_model as random_llama

@@ -3,8 +3,8 @@
 import numpy as np
 import torch
 
-from pipeline.gpu_worker.sampler import SamplingPlan, sample_rows
-from pipeline.gpu_worker.token_mask import apply_token_bitmask, nearest_allowed
+from pipeline.gpu_worker.sampling.sampler import SamplingPlan, sample_rows
+from pipeline.gpu_worker.sampling.token_mask import apply_token_bitmask, nearest_allowed
 
 V = 70  # not a multiple of 32: the last word is partly used
 

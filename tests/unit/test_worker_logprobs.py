@@ -22,11 +22,11 @@ from pipeline.common.descriptor_builder import DescriptorBuilder
 from pipeline.common.messages import SamplingParams
 from pipeline.common.step_output import MAX_LOGPROBS
 from pipeline.common.step_protocol import PLACEHOLDER_TOKEN_ID, StepDescriptor, read_descriptor
-from pipeline.gpu_worker import sampler
 from pipeline.gpu_worker.device import DeviceOps
 from pipeline.gpu_worker.executor import ModelExecutor
 from pipeline.gpu_worker.model_runner import ModelRunner
 from pipeline.gpu_worker.models.loader import load_model
+from pipeline.gpu_worker.sampling import sampler
 from tests.unit.sync_guard import FakeAsyncOps, SyncGuard
 
 BLOCK = 4

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.gpu_worker.sampler import race, uniform_noise
+from pipeline.gpu_worker.sampling.sampler import race, uniform_noise
 
 # XORed into a request's seed for the acceptance uniforms and for a draft model's own draws, so
 # neither shares noise with the target's draw at the same position.

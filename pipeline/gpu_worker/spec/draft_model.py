@@ -25,8 +25,8 @@ from pipeline.gpu_worker.cuda_graphs import GraphStep
 from pipeline.gpu_worker.device import DeviceOps, Staged, UploadBatch
 from pipeline.gpu_worker.executor import PAD_BLOCKS
 from pipeline.gpu_worker.input_batch import FLOAT_COLUMN, INT_COLUMN, InputBatch
-from pipeline.gpu_worker.rejection_sampler import DRAFT_SALT
-from pipeline.gpu_worker.sampler import SamplingPlan, filtered_logits, race
+from pipeline.gpu_worker.sampling.rejection_sampler import DRAFT_SALT
+from pipeline.gpu_worker.sampling.sampler import SamplingPlan, filtered_logits, race
 
 if TYPE_CHECKING:  # the simulated device never loads the model code
     from pipeline.gpu_worker.models.base import CausalLM

@@ -27,12 +27,12 @@ from pipeline.common.step_output import TokenLogprobs
 from pipeline.common.step_protocol import DRAFT_TOKEN_ID, MAX_INFLIGHT_STEPS, StepInputs
 from pipeline.gpu_worker.attention.backend import AttentionMetadata, StepLayout
 from pipeline.gpu_worker.device import Staged, UploadBatch
-from pipeline.gpu_worker.draft_model import DraftModel, DraftPlan
 from pipeline.gpu_worker.executor import PAD_BLOCKS, Executed
 from pipeline.gpu_worker.input_batch import POISON_TOKEN_ID, InputBatch
-from pipeline.gpu_worker.ngram_proposer import propose_ngram
-from pipeline.gpu_worker.rejection_sampler import VerifyInputs
+from pipeline.gpu_worker.sampling.rejection_sampler import VerifyInputs
 from pipeline.gpu_worker.sim_device import sim_drafts
+from pipeline.gpu_worker.spec.draft_model import DraftModel, DraftPlan
+from pipeline.gpu_worker.spec.ngram_proposer import propose_ngram
 
 
 @dataclass
