@@ -40,17 +40,17 @@ from pipeline.io_proc.engine_client import EngineClient
 from pipeline.io_proc.http_limits import RequestBodyLimit
 from pipeline.io_proc.json_limits import too_deep_message
 from pipeline.io_proc.metrics import PipelineMetrics
-from pipeline.io_proc.protocol import APIError, ErrorInfo, ErrorResponse, ModelCard, ModelList
-from pipeline.io_proc.protocol_chat import ChatCompletionRequest
-from pipeline.io_proc.protocol_completion import CompletionRequest
-from pipeline.io_proc.protocol_tokenization import DetokenizeRequest, TokenizeRequest
-from pipeline.io_proc.response_store import ResponseStore
-from pipeline.io_proc.responses import ResponsesServing
-from pipeline.io_proc.responses_input import ResponsesRequest
-from pipeline.io_proc.serving import json_response
-from pipeline.io_proc.serving_chat import OpenAIServingChat
-from pipeline.io_proc.serving_completion import OpenAIServingCompletion
-from pipeline.io_proc.serving_tokenization import OpenAIServingTokenization
+from pipeline.io_proc.openai.protocol import APIError, ErrorInfo, ErrorResponse, ModelCard, ModelList
+from pipeline.io_proc.openai.protocol_chat import ChatCompletionRequest
+from pipeline.io_proc.openai.protocol_completion import CompletionRequest
+from pipeline.io_proc.openai.protocol_tokenization import DetokenizeRequest, TokenizeRequest
+from pipeline.io_proc.openai.response_store import ResponseStore
+from pipeline.io_proc.openai.responses import ResponsesServing
+from pipeline.io_proc.openai.responses_input import ResponsesRequest
+from pipeline.io_proc.openai.serving import json_response
+from pipeline.io_proc.openai.serving_chat import OpenAIServingChat
+from pipeline.io_proc.openai.serving_completion import OpenAIServingCompletion
+from pipeline.io_proc.openai.serving_tokenization import OpenAIServingTokenization
 from pipeline.io_proc.tokenization import Tokenization
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ import msgspec
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from pipeline.io_proc.protocol import ErrorInfo, ErrorResponse
+from pipeline.io_proc.openai.protocol import ErrorInfo, ErrorResponse
 
 
 def error_body(message: str, type: str, code: str | None = None) -> bytes:

@@ -30,7 +30,7 @@ from pipeline.common.step_output import (
     TokenLogprobs,
 )
 from pipeline.common.trace import TraceRecorder
-from pipeline.io_proc.logprobs_json import TokenLogprob
+from pipeline.io_proc.openai.logprobs_json import TokenLogprob
 from pipeline.io_proc.request_metrics import RequestMetrics
 from pipeline.io_proc.request_state import RequestState, StepTime
 

@@ -3,7 +3,7 @@
 A ``RequestState`` is created by
 ``EngineClient.add_request``, fed by the
 output reader (``pipeline.io_proc.output_reader``) and consumed by a
-handler in ``pipeline.io_proc.serving_chat`` or ``serving_completion`` (docs/design.md, "io_proc").
+handler in ``pipeline.io_proc.openai.serving_chat`` or ``serving_completion`` (docs/design.md, "io_proc").
 
 Thread ownership: ``processor`` is used only by the output-reader thread,
 which also appends to ``token_steps``, ``logprobs`` and ``prompt_logprobs``;
@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 
 from pipeline.common.messages import FinishReason, SamplingParams
 from pipeline.io_proc.detokenizer import OutputProcessor
-from pipeline.io_proc.logprobs_json import TokenLogprob
+from pipeline.io_proc.openai.logprobs_json import TokenLogprob
 
 
 class StepTime:

@@ -18,8 +18,8 @@ from jinja2 import TemplateError, TemplateSyntaxError
 
 from pipeline.common.process import start_background_thread
 from pipeline.io_proc.detokenizer import NewDetokenizer, new_detokenizer
-from pipeline.io_proc.logprobs_json import TokenTexts
-from pipeline.io_proc.protocol import APIError
+from pipeline.io_proc.openai.logprobs_json import TokenTexts
+from pipeline.io_proc.openai.protocol import APIError
 
 
 def load_tokenizer(model_dir: str) -> tuple[Any, tuple[int, ...]]:

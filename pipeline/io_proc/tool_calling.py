@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 from pipeline.common.grammar import GrammarError, build_grammar, check_finite, check_grammar
 from pipeline.io_proc.json_limits import loads
-from pipeline.io_proc.protocol import APIError
-from pipeline.io_proc.protocol_chat import (
+from pipeline.io_proc.openai.protocol import APIError
+from pipeline.io_proc.openai.protocol_chat import (
     ChatCompletionRequest,
     ChatMessage,
     ChatTool,

@@ -9,8 +9,8 @@ from pydantic import ValidationError
 from pipeline.common.finite_schema import admits_finite_value
 from pipeline.common.grammar import GrammarError, build_grammar
 from pipeline.io_proc.json_limits import MAX_JSON_DEPTH, loads, nests_too_deeply
-from pipeline.io_proc.protocol_chat import ChatCompletionRequest
-from pipeline.io_proc.responses_input import ResponsesRequest
+from pipeline.io_proc.openai.protocol_chat import ChatCompletionRequest
+from pipeline.io_proc.openai.responses_input import ResponsesRequest
 
 
 def nested(depth: int) -> dict:

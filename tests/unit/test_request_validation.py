@@ -9,9 +9,9 @@ import pytest
 from safetensors.torch import save_file
 
 from pipeline.common.config import EngineConfig
-from pipeline.io_proc.protocol import APIError
-from pipeline.io_proc.protocol_completion import CompletionRequest
-from pipeline.io_proc.serving import OpenAIServing
+from pipeline.io_proc.openai.protocol import APIError
+from pipeline.io_proc.openai.protocol_completion import CompletionRequest
+from pipeline.io_proc.openai.serving import OpenAIServing
 from pipeline.server_args import build_parser
 from pipeline.server_config import make_config
 

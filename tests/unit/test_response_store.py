@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from pipeline.io_proc.response_store import ResponseStore
+from pipeline.io_proc.openai.response_store import ResponseStore
 
 
 class Clock:

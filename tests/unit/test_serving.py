@@ -10,9 +10,9 @@ import pytest
 from starlette.requests import Request
 
 from pipeline.common.config import EngineConfig
-from pipeline.io_proc.protocol import APIError
+from pipeline.io_proc.openai.protocol import APIError
+from pipeline.io_proc.openai.serving import OpenAIServing
 from pipeline.io_proc.request_state import RequestState
-from pipeline.io_proc.serving import OpenAIServing
 
 
 def make_serving() -> tuple[OpenAIServing, list[RequestState]]:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.io_proc.protocol import APIError
-from pipeline.io_proc.protocol_chat import ChatCompletionRequest, ChatTool, FunctionDefinition
+from pipeline.io_proc.openai.protocol import APIError
+from pipeline.io_proc.openai.protocol_chat import ChatCompletionRequest, ChatTool, FunctionDefinition
 from pipeline.io_proc.tokenization import Tokenization
 from pipeline.io_proc.tool_calling import ToolCalling, compile_tool_grammar
 

@@ -8,7 +8,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.io_proc.json_limits import Shallow
-from pipeline.io_proc.protocol import APIError
+from pipeline.io_proc.openai.protocol import APIError
 
 # Content parts whose text a message may carry.
 _TEXT_PARTS = ("input_text", "output_text", "text")

@@ -1,5 +1,5 @@
 """Shapes of ``POST /v1/chat/completions``: messages, tools, the request, and the response whole or as
-stream chunks (OpenAI API reference; ``pipeline.io_proc.protocol`` for the conventions)."""
+stream chunks (OpenAI API reference; ``pipeline.io_proc.openai.protocol`` for the conventions)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from pipeline.common.step_output import MAX_LOGPROBS
 from pipeline.io_proc.json_limits import Shallow
-from pipeline.io_proc.protocol import OpenAIBaseModel, SamplingRequest, UsageInfo
+from pipeline.io_proc.openai.protocol import OpenAIBaseModel, SamplingRequest, UsageInfo
 
 
 class TextPart(OpenAIBaseModel):

@@ -11,7 +11,7 @@ import msgspec
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from pipeline.io_proc.protocol import ErrorInfo, ErrorResponse
+from pipeline.io_proc.openai.protocol import ErrorInfo, ErrorResponse
 from pipeline.io_proc.request_state import RequestState
 
 DONE = b"data: [DONE]\n\n"

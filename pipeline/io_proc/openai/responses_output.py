@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 import uuid
 
-from pipeline.io_proc.response_store import StoredResponse
-from pipeline.io_proc.responses_input import ResponsesRequest
-from pipeline.io_proc.serving import json_body
+from pipeline.io_proc.openai.response_store import StoredResponse
+from pipeline.io_proc.openai.responses_input import ResponsesRequest
+from pipeline.io_proc.openai.serving import json_body
 
 
 class Events:

@@ -18,7 +18,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pipeline.io_proc.event_stream import (
+from pipeline.io_proc.openai.event_stream import (
     DONE,
     EventStream,
     merged_updates,
@@ -27,8 +27,8 @@ from pipeline.io_proc.event_stream import (
     stream_error,
     stream_failed,
 )
-from pipeline.io_proc.logprobs_json import chat_logprobs
-from pipeline.io_proc.protocol_chat import (
+from pipeline.io_proc.openai.logprobs_json import chat_logprobs
+from pipeline.io_proc.openai.protocol_chat import (
     ChatCompletionChoice,
     ChatCompletionChunk,
     ChatCompletionChunkChoice,
@@ -37,8 +37,8 @@ from pipeline.io_proc.protocol_chat import (
     ChatCompletionResponse,
     DeltaMessage,
 )
+from pipeline.io_proc.openai.serving import CLIENT_CLOSED, OpenAIServing, grammar_field, json_response
 from pipeline.io_proc.request_state import RequestState
-from pipeline.io_proc.serving import CLIENT_CLOSED, OpenAIServing, grammar_field, json_response
 from pipeline.io_proc.tool_calling import ChatToolStream, ToolPlan, message_calls
 from pipeline.io_proc.tool_parsers import ToolCall
 

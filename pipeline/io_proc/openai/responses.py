@@ -5,7 +5,7 @@ chat tools, ``text.format`` to ``response_format``) and is served as chat
 completions are; the output becomes output items (a message, function calls).
 A stream sends the standard semantic events, each ``event: <type>`` with
 its ``sequence_number``. ``store: true`` keeps the response for
-``previous_response_id`` in a bounded store (``pipeline.io_proc.response_store``),
+``previous_response_id`` in a bounded store (``pipeline.io_proc.openai.response_store``),
 and a response the store cannot keep says ``store: false``; the default is stateless.
 docs/design.md, "The Responses API".
 """
@@ -21,12 +21,11 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pipeline.io_proc.event_stream import EventStream
-from pipeline.io_proc.protocol import APIError
-from pipeline.io_proc.protocol_chat import ChatCompletionRequest
-from pipeline.io_proc.request_state import RequestState
-from pipeline.io_proc.response_store import ResponseStore, StoredResponse
-from pipeline.io_proc.responses_input import (
+from pipeline.io_proc.openai.event_stream import EventStream
+from pipeline.io_proc.openai.protocol import APIError
+from pipeline.io_proc.openai.protocol_chat import ChatCompletionRequest
+from pipeline.io_proc.openai.response_store import ResponseStore, StoredResponse
+from pipeline.io_proc.openai.responses_input import (
     ResponsesRequest,
     chat_messages,
     chat_response_format,
@@ -36,9 +35,10 @@ from pipeline.io_proc.responses_input import (
     responses_error,
     stored_items,
 )
-from pipeline.io_proc.responses_output import Events, ResponseBuilder
-from pipeline.io_proc.serving import CLIENT_CLOSED, grammar_field, json_body
-from pipeline.io_proc.serving_chat import OpenAIServingChat, chat_output
+from pipeline.io_proc.openai.responses_output import Events, ResponseBuilder
+from pipeline.io_proc.openai.serving import CLIENT_CLOSED, grammar_field, json_body
+from pipeline.io_proc.openai.serving_chat import OpenAIServingChat, chat_output
+from pipeline.io_proc.request_state import RequestState
 from pipeline.io_proc.tool_calling import ChatToolStream, ToolPlan, new_call_id
 
 logger = logging.getLogger(__name__)

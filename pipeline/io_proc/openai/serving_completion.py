@@ -22,7 +22,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pipeline.io_proc.event_stream import (
+from pipeline.io_proc.openai.event_stream import (
     DONE,
     EventStream,
     merged_updates,
@@ -31,11 +31,11 @@ from pipeline.io_proc.event_stream import (
     stream_error,
     stream_failed,
 )
-from pipeline.io_proc.logprobs_json import TokenLogprob, completion_logprobs
-from pipeline.io_proc.protocol import APIError
-from pipeline.io_proc.protocol_completion import CompletionChoice, CompletionRequest, CompletionResponse
+from pipeline.io_proc.openai.logprobs_json import TokenLogprob, completion_logprobs
+from pipeline.io_proc.openai.protocol import APIError
+from pipeline.io_proc.openai.protocol_completion import CompletionChoice, CompletionRequest, CompletionResponse
+from pipeline.io_proc.openai.serving import CLIENT_CLOSED, OpenAIServing, grammar_field, json_response
 from pipeline.io_proc.request_state import RequestState
-from pipeline.io_proc.serving import CLIENT_CLOSED, OpenAIServing, grammar_field, json_response
 
 logger = logging.getLogger(__name__)
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from starlette.responses import Response
 
-from pipeline.io_proc.protocol import APIError
-from pipeline.io_proc.protocol_tokenization import (
+from pipeline.io_proc.openai.protocol import APIError
+from pipeline.io_proc.openai.protocol_tokenization import (
     DetokenizeRequest,
     DetokenizeResponse,
     TokenizeRequest,
     TokenizeResponse,
 )
-from pipeline.io_proc.serving import OpenAIServing, json_response
+from pipeline.io_proc.openai.serving import OpenAIServing, json_response
 
 
 class OpenAIServingTokenization(OpenAIServing):

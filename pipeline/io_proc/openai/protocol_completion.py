@@ -1,5 +1,5 @@
 """Shapes of ``POST /v1/completions``: the request and the ``text_completion`` object, whole or as a
-stream chunk (OpenAI API reference; ``pipeline.io_proc.protocol`` for the conventions)."""
+stream chunk (OpenAI API reference; ``pipeline.io_proc.openai.protocol`` for the conventions)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import msgspec
 from pydantic import Field, field_validator, model_validator
 
 from pipeline.common.step_output import MAX_LOGPROBS
-from pipeline.io_proc.protocol import SamplingRequest, UsageInfo
+from pipeline.io_proc.openai.protocol import SamplingRequest, UsageInfo
 
 # Prompts in one completions request (a list of strings or of token-id lists),
 # as the OpenAI API bounds a batched input; each becomes its own request.

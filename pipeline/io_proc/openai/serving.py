@@ -24,10 +24,10 @@ from pipeline.common.grammar import GrammarError, build_grammar
 from pipeline.common.messages import SamplingParams
 from pipeline.common.step_protocol import MAX_STOP_TOKEN_IDS
 from pipeline.io_proc.engine_client import EngineClient, EngineUnavailable
-from pipeline.io_proc.event_stream import ABORTED
-from pipeline.io_proc.protocol import APIError, PromptTokensDetails, SamplingRequest, UsageInfo
-from pipeline.io_proc.protocol_chat import ChatCompletionRequest
-from pipeline.io_proc.protocol_tokenization import DetokenizeRequest, TokenizeRequest
+from pipeline.io_proc.openai.event_stream import ABORTED
+from pipeline.io_proc.openai.protocol import APIError, PromptTokensDetails, SamplingRequest, UsageInfo
+from pipeline.io_proc.openai.protocol_chat import ChatCompletionRequest
+from pipeline.io_proc.openai.protocol_tokenization import DetokenizeRequest, TokenizeRequest
 from pipeline.io_proc.request_log import log_request
 from pipeline.io_proc.request_state import RequestState
 from pipeline.io_proc.tokenization import Tokenization

@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgspec
 from pydantic import Field, ValidationInfo, field_validator
 
-from pipeline.io_proc.protocol import OpenAIBaseModel
-from pipeline.io_proc.protocol_chat import ChatMessage
+from pipeline.io_proc.openai.protocol import OpenAIBaseModel
+from pipeline.io_proc.openai.protocol_chat import ChatMessage
 
 
 class TokenizeRequest(OpenAIBaseModel):
