@@ -91,7 +91,7 @@ def check_draft_model(spec: SpeculativeConfig, target_dir: Path, target, max_mod
     """``(spec with the draft's Hugging Face directory, the draft's ModelConfig)``; exits with a message
     naming both models when the draft cannot serve the target (another vocabulary, too few positions,
     a ``-tp`` it does not split into)."""
-    from pipeline.model_files import check_checkpoint, read_model_config, resolve_model, tokenizer_vocabulary
+    from pipeline.common.model_files import check_checkpoint, read_model_config, resolve_model, tokenizer_vocabulary
 
     flag = "--speculative-config"
     try:
@@ -182,8 +182,8 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         **flags: values to use instead of parsed ones, by flag name (``max_num_seqs=...``),
             before any size is derived from them; ``args`` is left as parsed.
     """
-    from pipeline.gpu_worker.models import supported_architectures
-    from pipeline.model_files import (
+    from pipeline.common.families import supported_architectures
+    from pipeline.common.model_files import (
         check_checkpoint,
         check_tokenizer,
         checkpoint_dtype,

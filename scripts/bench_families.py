@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from pipeline.gpu_worker.models.config import ModelConfig
+from pipeline.common.model_config import ModelConfig
 from pipeline.gpu_worker.models.loader import build_model
 
 SHAPE = dict(

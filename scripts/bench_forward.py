@@ -345,7 +345,7 @@ def main() -> None:
         except ValueError as e:
             parser.error(f"--cases: {e}")
     if args.model_dir is None:
-        from pipeline.model_files import convert_gguf, default_model_path
+        from pipeline.common.model_files import convert_gguf, default_model_path
 
         args.model_dir = str(convert_gguf(default_model_path()))
 

@@ -38,7 +38,7 @@ fi
 
 if [ "$MODEL" = sim ]; then
     PROCESSOR="$(cd "$ROOT" && "$PYTHON" -c \
-        'from pipeline.model_files import convert_gguf, default_model_path; print(convert_gguf(default_model_path()))')"
+        'from pipeline.common.model_files import convert_gguf, default_model_path; print(convert_gguf(default_model_path()))')"
     SERVE=(--model sim --sim-step-us 2000 --max-model-len 2048)
 else
     PROCESSOR="$MODEL"

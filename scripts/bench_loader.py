@@ -122,8 +122,8 @@ def child(loader: str, model_dir: str, dtype_name: str, tp: int) -> None:
     import torch
     import transformers
 
+    from pipeline.common.model_config import ModelConfig
     from pipeline.gpu_worker.layers.tp import TPGroup
-    from pipeline.gpu_worker.models.config import ModelConfig
     from pipeline.gpu_worker.models.loader import build_model, load_model
 
     dtype, cpu = getattr(torch, dtype_name), torch.device("cpu")

@@ -40,13 +40,13 @@ import numpy as np
 from pipeline.common.config import EngineConfig
 from pipeline.common.constants import SIM_WORD_ID_RANGE
 from pipeline.common.messages import SamplingParams
+from pipeline.common.model_files import convert_gguf, default_model_path
 from pipeline.common.process import freeze_startup_heap
 from pipeline.common.shm_ring import ShmRing
 from pipeline.common.step_output import OUTPUT_READER_SCHEDULER, StepOutput
 from pipeline.common.trace import TraceRecorder
 from pipeline.io_proc.engine_client import EngineClient
 from pipeline.io_proc.tokenization import Tokenization, load_tokenizer
-from pipeline.model_files import convert_gguf, default_model_path
 
 TEXT = (
     "Café, naïve, façade, déjà vu. 日本語のテキストと中文文本。Emoji 😀 then 🎉🎉 and 👨‍👩‍👧‍👦. "

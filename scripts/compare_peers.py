@@ -54,7 +54,7 @@ from pipeline.bench.cli import add_workload_flags, multi_turn, total_output
 from pipeline.bench.drivers import RequestTimes, drive_http
 from pipeline.bench.report import summarize
 from pipeline.bench.workloads import MultiTurn, Workload
-from pipeline.model_files import resolve_model
+from pipeline.common.model_files import resolve_model
 
 PEERS = ("pipeline-async", "pipeline-no-cache", "pipeline-sync", "transformers", "vllm")
 # Untimed first request: tokens no workload draws in a row, so it leaves nothing a workload could hit in a cache.

@@ -143,7 +143,7 @@ def closure(wheel_dir: Path) -> tuple[list[Path], list[str]]:
 
 def default_tokenizer_dir() -> Path:
     """The default model's Hugging Face directory (converted from its GGUF file once, then cached)."""
-    from pipeline.model_files import convert_gguf, default_model_path
+    from pipeline.common.model_files import convert_gguf, default_model_path
 
     return convert_gguf(default_model_path())
 

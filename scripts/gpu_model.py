@@ -99,7 +99,7 @@ def main() -> int:
     cfg = model_config(args.tokenizer, args.tiny)
     n = num_parameters(cfg)
     if args.meta:
-        from pipeline.model_files import read_model_config
+        from pipeline.common.model_files import read_model_config
 
         cfg.save_pretrained(args.out)
         read_model_config(args.out)  # raises if the server would refuse it

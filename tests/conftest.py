@@ -213,7 +213,7 @@ def load_until_generating(
 @pytest.fixture(scope="session")
 def smol_dir() -> Path:
     """SmolLM2-135M-Instruct converted to a Hugging Face directory (cached across runs)."""
-    from pipeline.model_files import convert_gguf, default_model_path
+    from pipeline.common.model_files import convert_gguf, default_model_path
 
     return convert_gguf(default_model_path())
 

@@ -59,7 +59,7 @@ def ours_from_hf(
 ):
     """Our model built from the in-memory transformers model ``hf_model``'s config and filled with its weights,
     then packed as ``load_model`` packs it (``pack``)."""
-    from pipeline.gpu_worker.models.config import ModelConfig
+    from pipeline.common.model_config import ModelConfig
     from pipeline.gpu_worker.models.loader import build_model
 
     hf_model.config.architectures = [type(hf_model).__name__]

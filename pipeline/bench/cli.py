@@ -217,8 +217,8 @@ def main(argv: list[str] | None = None) -> None:
         sizes = {"max_model_len": args.max_model_len or 2048}
         work = Workload.sharegpt_synth(args.num_requests, sizes["max_model_len"], args.seed)
     else:
+        from pipeline.common.model_files import resolve_model
         from pipeline.io_proc.tokenization import load_tokenizer
-        from pipeline.model_files import resolve_model
 
         if args.workload == "structured" and not http:
             print(

@@ -19,10 +19,10 @@ import torch
 import torch.multiprocessing as mp
 import transformers
 
+from pipeline.common.model_files import checkpoint_files
 from pipeline.gpu_worker.attention import cpu_paged, make_backend
 from pipeline.gpu_worker.layers.tp import TPGroup
 from pipeline.gpu_worker.models.loader import load_model
-from pipeline.model_files import checkpoint_files
 from tests.reference import NEAR_TIE
 
 CPU = torch.device("cpu")

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from pipeline.gpu_worker.models.config import ModelConfig
-from pipeline.model_files import check_tokenizer, read_safetensors_header
+from pipeline.common.model_config import ModelConfig
+from pipeline.common.model_files import check_tokenizer, read_safetensors_header
 
 LLAMA = {
     "architectures": ["LlamaForCausalLM"],

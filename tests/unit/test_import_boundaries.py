@@ -85,3 +85,33 @@ def test_no_import_cycle():
         TopologicalSorter(graph).prepare()
     except CycleError as e:
         pytest.fail(f"an import cycle: {' -> '.join(e.args[1])}")
+
+
+def _level(module: str) -> int:
+    """0: ``common``, what every process shares; 1: a process's package; 2: the launcher side above them."""
+    parts = module.split(".")
+    if parts[1] == "common":
+        return 0
+    return 1 if parts[1] in ("gpu_worker", "scheduler_proc", "io_proc") else 2
+
+
+def test_no_upward_import():
+    graph = _module_imports()
+    upward = sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps if _level(d) > _level(m))
+    # Inside the worker, layers and attention backends are what the model families are built of.
+    upward += sorted(
+        f"{m} -> {d}"
+        for m, deps in graph.items()
+        if m.startswith(("pipeline.gpu_worker.layers", "pipeline.gpu_worker.attention"))
+        for d in deps
+        if d.startswith("pipeline.gpu_worker.models")
+    )
+    assert upward == []
+    # The processes share only common/.
+    crossing = sorted(
+        f"{m} -> {d}"
+        for m, deps in graph.items()
+        for d in deps
+        if _level(m) == _level(d) == 1 and m.split(".")[1] != d.split(".")[1]
+    )
+    assert crossing == []

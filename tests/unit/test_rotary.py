@@ -8,8 +8,8 @@ import transformers
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
+from pipeline.common.model_config import FULL, SLIDING, ModelConfig
 from pipeline.gpu_worker.layers.rotary import RotaryEmbedding
-from pipeline.gpu_worker.models.config import FULL, SLIDING, ModelConfig
 
 MAX_POS = 256
 FIELDS = dict(

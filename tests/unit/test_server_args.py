@@ -153,7 +153,7 @@ def test_dtype_auto_is_float32_on_cpu_and_the_checkpoint_dtype_on_cuda(tiny_dir,
     import json
     import shutil
 
-    from pipeline.model_files import checkpoint_dtype, read_model_config
+    from pipeline.common.model_files import checkpoint_dtype, read_model_config
 
     config = make_config(build_parser().parse_args(["--model", str(tiny_dir), "--device", "cpu"]))
     assert config.dtype == "float32"

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.model_files import cache_dir
+from pipeline.common.model_files import cache_dir
 
 logger = logging.getLogger(__name__)
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pipeline.common.model_config import ModelConfig
 from pipeline.gpu_worker.attention.backend import AttentionBackend, AttentionMetadata, KVCache
 from pipeline.gpu_worker.layers.linear import QKVParallelLinear, RowParallelLinear
 from pipeline.gpu_worker.layers.norm import make_norm
 from pipeline.gpu_worker.layers.rotary import apply_rotary
 from pipeline.gpu_worker.layers.tp import SINGLE_RANK, TPGroup
-from pipeline.gpu_worker.models.config import ModelConfig
 
 
 class Attention(nn.Module):

@@ -20,7 +20,7 @@ import math
 import torch
 from torch import nn
 
-from pipeline.gpu_worker.models.config import RopeConfig
+from pipeline.common.model_config import RopeConfig
 
 
 def inverse_frequencies(

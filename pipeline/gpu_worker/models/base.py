@@ -20,6 +20,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from pipeline.common.model_config import SLIDING, ModelConfig
 from pipeline.gpu_worker.attention import default_backend
 from pipeline.gpu_worker.attention.backend import AttentionBackend, AttentionMetadata, KVCache
 from pipeline.gpu_worker.layers.embedding import VocabParallelEmbedding
@@ -27,7 +28,6 @@ from pipeline.gpu_worker.layers.linear import LinearBase, load_whole
 from pipeline.gpu_worker.layers.norm import make_norm
 from pipeline.gpu_worker.layers.rotary import RotaryEmbedding
 from pipeline.gpu_worker.layers.tp import SINGLE_RANK, TPGroup
-from pipeline.gpu_worker.models.config import SLIDING, ModelConfig
 
 # A stacked expert parameter's part, by the per-expert checkpoint projection that fills it.
 _EXPERT_PARTS = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", None)}

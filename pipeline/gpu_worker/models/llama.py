@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pipeline.common.model_config import ModelConfig
 from pipeline.gpu_worker.attention.backend import AttentionBackend, AttentionMetadata, KVCache
 from pipeline.gpu_worker.layers.attention import Attention
 from pipeline.gpu_worker.layers.mlp import GatedMLP
@@ -19,7 +20,6 @@ from pipeline.gpu_worker.layers.moe import SparseMoE
 from pipeline.gpu_worker.layers.norm import make_norm
 from pipeline.gpu_worker.layers.tp import TPGroup
 from pipeline.gpu_worker.models.base import CausalLM
-from pipeline.gpu_worker.models.config import ModelConfig
 
 
 def make_mlp(config: ModelConfig, layer: int, tp: TPGroup) -> nn.Module:

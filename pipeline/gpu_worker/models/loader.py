@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 
+from pipeline.common.model_config import ModelConfig
+from pipeline.common.model_files import checkpoint_files, read_safetensors_header
 from pipeline.gpu_worker.attention import make_backend
 from pipeline.gpu_worker.layers.tp import SINGLE_RANK, TPGroup
 from pipeline.gpu_worker.models import model_class
 from pipeline.gpu_worker.models.base import CausalLM, CheckpointError
-from pipeline.gpu_worker.models.config import ModelConfig
-from pipeline.model_files import checkpoint_files, read_safetensors_header
 
 _DTYPES = {
     "F64": torch.float64,

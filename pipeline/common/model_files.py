@@ -15,7 +15,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from pipeline.gpu_worker.models.config import ModelConfig
+from pipeline.common.model_config import ModelConfig
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

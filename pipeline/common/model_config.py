@@ -4,8 +4,8 @@
 the raw ``config.json`` dict (the launcher, which must not import torch), in
 transformers 5's form (``rope_parameters``, ``layer_types``) or the older
 one of most hub checkpoints (``rope_theta`` + ``rope_scaling``), and
-resolves what a family implies without saying it (docs/design.md, "Model
-families").
+resolves what a family implies without saying it (``families.FAMILIES``;
+docs/design.md, "Model families").
 """
 
 from __future__ import annotations
@@ -14,52 +14,14 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from pipeline.common.families import family
 from pipeline.common.tp_shape import TPShape
-from pipeline.gpu_worker.models import check_architecture
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu_new", "gelu")
 
-# What a family implies that its config does not say.
-_IMPLIED: dict[str, dict[str, Any]] = {
-    "qwen2": {"qkv_bias": True, "o_bias": False},
-    "qwen3": {"qk_norm": True},
-    "qwen3_moe": {"qk_norm": True},
-    "mixtral": {"norm_topk_prob": True},
-    "gemma": {"norm": "gemma", "embed_scale": True},
-    "gemma2": {"norm": "gemma", "embed_scale": True},
-    "gemma3_text": {"norm": "gemma", "embed_scale": True, "qk_norm": True},
-}
-# Defaults of transformers' config classes that hub configs leave out (Gemma 3's multimodal
-# checkpoints list few text fields); a config object already holds them.
-_DEFAULTS: dict[str, dict[str, Any]] = {
-    "gemma": {"head_dim": 256, "tie_word_embeddings": True},
-    "gemma2": {
-        "head_dim": 256,
-        "hidden_activation": "gelu_pytorch_tanh",
-        "tie_word_embeddings": True,
-        "query_pre_attn_scalar": 256,
-        "sliding_window": 4096,
-        "final_logit_softcapping": 30.0,
-        "attn_logit_softcapping": 50.0,
-    },
-    "gemma3_text": {
-        "vocab_size": 262_208,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-        "head_dim": 256,
-        "hidden_activation": "gelu_pytorch_tanh",
-        "max_position_embeddings": 131_072,
-        "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": True,
-        "query_pre_attn_scalar": 256,
-        "sliding_window": 4096,
-    },
-}
-# Families whose sliding window is only on when use_sliding_window says so.
-_OPT_IN_WINDOW = ("qwen2", "qwen3", "qwen3_moe")
 # The largest value each size may take: far past any released model (vocabularies reach 262,144, hidden
 # sizes 16,384), and small enough that nothing sized from a corrupt config.json tries to allocate terabytes.
 SIZE_LIMITS = {
@@ -155,15 +117,15 @@ class ModelConfig:
         """
         top = _Fields(hf, {})
         architecture = (top.get("architectures") or [""])[0]
-        check_architecture(architecture)
+        fam = family(architecture)
         quant = top.get("quantization_config")
         if quant is not None:
             method = quant.get("quant_method") if isinstance(quant, Mapping) else getattr(quant, "quant_method", "")
             raise ValueError(f"quantized checkpoints are not supported (quantization_config: {method!r})")
         text = top.get("text_config")
         model_type = (_Fields(text, {}) if text is not None else top).get("model_type") or ""
-        f = _Fields(text if text is not None else hf, _DEFAULTS.get(model_type, {}))
-        implied = _IMPLIED.get(model_type, {})
+        f = _Fields(text if text is not None else hf, fam.defaults)
+        implied = fam.implied
         missing = [
             k
             for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
@@ -193,7 +155,7 @@ class ModelConfig:
             raise ValueError(f"activation {act!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
         attention_bias = bool(f.get("attention_bias", False))
         window = _size(f, "sliding_window", 0) or None
-        if model_type in _OPT_IN_WINDOW and not f.get("use_sliding_window", False):
+        if fam.opt_in_window and not f.get("use_sliding_window", False):
             window = None
         layer_types = tuple(f.get("layer_types") or _default_layer_types(model_type, layers, window, f))
         if window is None:
