@@ -4,10 +4,10 @@ A decode step of a small model is bound by kernel launches; a CUDA graph
 replays a step's kernels with one launch (PyTorch, "CUDA Graphs"). A graph
 replays fixed shapes at fixed addresses, so, as vLLM does, graphs are
 captured at start-up for a few batch sizes and a decode-only step of ``B``
-rows runs as the graph of the smallest size ``n >= B``. The attention
-backend's capture hooks own what attention reads inside the graph
-(``AttentionBackend.init_capture`` and ``prepare_*``); this module owns the
-token ids, the logits and the graphs. On CPU nothing is captured: ``run``
+rows runs as the graph of the smallest size ``n >= B``. Inside a graph
+the model attends through ``GraphDecodeBackend`` over static per-row buffers
+(``GraphDecodeInputs``) in its own backend's cache layout; this module owns
+those buffers, the token ids, the logits and the graphs. On CPU nothing is captured: ``run``
 calls the graph body eagerly on the same padded buffers, which is how the
 tests check it against the eager path.
 """
@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from pipeline.gpu_worker.attention.backend import AttentionBackend, StepLayout, Upload
+from pipeline.gpu_worker.attention.graph_decode import GraphDecodeBackend, GraphDecodeInputs
 from pipeline.gpu_worker.attention.kv_layout import KVCache
 
 
@@ -55,7 +56,7 @@ class DecodeGraphs:
 
     Args:
         model: a model of ``pipeline.gpu_worker.models``, which calls ``attn_backend`` in its layers.
-        attn_backend: the model's backend; its capture hooks are set up here.
+        attn_backend: the model's backend (the graphs attend in its cache layout).
         kv_caches: the model's caches, the padding block included.
         block_table: ``[max_num_reqs, max_blocks_per_seq]`` int64, the runner's device
             block table (read by the graphs at this address).
@@ -65,7 +66,6 @@ class DecodeGraphs:
 
     Raises:
         ValueError: no sizes, or a KV cache without the padding block.
-        NotImplementedError: a backend without capture hooks.
     """
 
     def __init__(
@@ -82,11 +82,12 @@ class DecodeGraphs:
             raise ValueError("CUDA graphs need at least one batch size")
         if kv_caches[0][0].shape[0] < (pad_block + 1) * block_size:
             raise ValueError(f"the KV cache has no padding block {pad_block}; allocate one block more")
-        self.model, self.attn_backend, self.kv_caches = model, attn_backend, kv_caches
+        self.model, self.kv_caches = model, kv_caches
         self.sizes = sorted(sizes)
         self.device = block_table.device
         largest = self.sizes[-1]
-        attn_backend.init_capture(largest, block_table, pad_block, block_size)
+        inputs = GraphDecodeInputs(largest, block_table, pad_block, block_size)
+        self.backend = GraphDecodeBackend(inputs, attn_backend.cache_layout)
         self.input_ids = torch.zeros(largest, dtype=torch.int64, device=self.device)
         self.logits = torch.zeros(largest, model.config.vocab_size, dtype=torch.float32, device=self.device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -100,7 +101,7 @@ class DecodeGraphs:
         size = padded_size(self.sizes, num_rows)
         if size is None or layout.num_tokens != num_rows:
             return None
-        positions = self.attn_backend.prepare_replay(layout, size, upload, shift)
+        positions = self.backend.inputs.fill(layout, size, upload, shift)
         return GraphStep(num_tokens=num_rows, size=size, graphs=self, positions=positions)
 
     def run(self, step: GraphStep, input_ids: torch.Tensor) -> torch.Tensor:
@@ -124,8 +125,8 @@ class DecodeGraphs:
 
     def body(self, size: int) -> None:
         """The graph's work for ``size`` rows, from the static buffers to ``self.logits[:size]``."""
-        meta = self.attn_backend.prepare_capture(size)
-        hidden = self.model(self.input_ids[:size], meta.positions, meta, self.kv_caches)
+        meta = self.backend.inputs.metadata(size)
+        hidden = self.model(self.input_ids[:size], meta.positions, meta, self.kv_caches, self.backend)
         self.logits[:size].copy_(self.model.compute_logits(hidden))
 
     @torch.inference_mode()

@@ -22,7 +22,6 @@ from pipeline.common.messages import SamplingParams
 from pipeline.common.step_protocol import PLACEHOLDER_TOKEN_ID
 from pipeline.gpu_worker.attention.backend import StepLayout, host_upload
 from pipeline.gpu_worker.attention.graph_decode import GraphDecodeInputs
-from pipeline.gpu_worker.attention.kv_layout import TOKEN_MAJOR
 from pipeline.gpu_worker.cuda_graphs import DecodeGraphs, GraphStep, padded_size
 from pipeline.gpu_worker.executor import PAD_BLOCKS, ModelExecutor
 from pipeline.gpu_worker.model_runner import ModelRunner
@@ -212,14 +211,14 @@ def test_a_shift_moves_the_graph_rows_back():
     a, b = (GraphDecodeInputs(4, block_table, pad_block=99, block_size=BLOCK) for _ in range(2))
     assert a.fill(exact, 4, host_upload).tolist() == [5, 9, 3]
     assert b.fill(ahead, 4, host_upload, torch.tensor([2, 0, 3])).tolist() == [5, 9, 3]
-    ma, mb = a.metadata(4, TOKEN_MAJOR), b.metadata(4, TOKEN_MAJOR)
+    ma, mb = a.metadata(4), b.metadata(4)
     for name in ("positions", "slot_mapping", "block_ids", "mask"):
         assert torch.equal(getattr(ma, name), getattr(mb, name)), name
 
 
 def test_padding_rows_write_only_the_padding_block(tiny_dir):
     runner = make_runner(tiny_dir, "torch_bucketed", sizes=[8])
-    graphs = runner.executor.attn_backend.graph_inputs  # the backend's static rows, read by the graph
+    graphs = runner.executor.graphs.backend.inputs  # the static rows the graph reads
     steps = Steps(runner.config)
     rows = [(0, 0, [1, 2, 3, 4, 5], True, GREEDY), (3, 0, [6, 7], True, GREEDY), (6, 0, [9], True, GREEDY)]
     runner.finish(runner.launch(steps.make(rows), 0))

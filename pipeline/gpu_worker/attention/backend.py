@@ -1,4 +1,4 @@
-"""The attention-backend interface: per-step metadata, per-layer forward, decode-graph capture hooks.
+"""The attention-backend interface: per-step metadata, per-layer forward.
 
 The runner asks the backend once per step for its metadata; every layer
 then calls ``forward`` with its own queries, keys, values and KV cache and
@@ -325,32 +325,6 @@ class AttentionBackend(ABC):
         Returns:
             ``[T, H, D]`` attention output, dtype of ``q``.
         """
-
-    # -- decode-only steps as CUDA graphs (docs/design.md, "CUDA graphs for decode"); graph_decode.py implements these.
-
-    def init_capture(self, max_rows: int, block_table: torch.Tensor, pad_block: int, block_size: int) -> None:
-        """Allocate the static buffers the decode graphs of up to ``max_rows`` rows read.
-
-        Args:
-            block_table: ``[max_num_reqs, max_blocks_per_seq]`` int64 on the device, read at this address.
-            pad_block: a KV block the scheduler never hands out, where padding rows write.
-
-        Raises:
-            NotImplementedError: the backend captures no decode graphs.
-        """
-        raise NotImplementedError(f"attention backend {self.name} captures no CUDA graphs; use --enforce-eager")
-
-    def prepare_capture(self, size: int) -> AttentionMetadata:
-        """The metadata of the decode graph of ``size`` rows, computed on the device from the static buffers
-        (runs inside the graph)."""
-        raise NotImplementedError
-
-    def prepare_replay(
-        self, layout: StepLayout, size: int, upload: Upload, shift: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Fill the static buffers with a decode-only step's rows, padded to ``size``, before its replay;
-        returns the rows' ``[B]`` positions on the device (moved back by ``shift``, as ``build_metadata``)."""
-        raise NotImplementedError
 
     def build_from_rows(
         self, query_lens, start_positions, block_table: torch.Tensor, block_size: int, num_draft_tokens=None

@@ -29,7 +29,6 @@ import numpy as np
 import torch
 
 from pipeline.gpu_worker.attention import kernel_cache
-from pipeline.gpu_worker.attention.graph_decode import GraphDecodeMetadata, graph_decode_attention
 from pipeline.gpu_worker.attention.kv_layout import HEAD_MAJOR, KVCache, write_kv
 from pipeline.gpu_worker.attention.torch_bucketed import BucketedMetadata, TorchBucketedBackend
 
@@ -118,8 +117,6 @@ class CpuPagedBackend(TorchBucketedBackend):
         window: int | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        if isinstance(meta, GraphDecodeMetadata):
-            return graph_decode_attention(q, k, v, kv_cache, meta, scale, window, softcap)
         k_cache, v_cache = write_kv(kv_cache, k, v, meta.slot_mapping, HEAD_MAJOR)
         out = q.new_empty(q.shape)
         bs = meta.block_size

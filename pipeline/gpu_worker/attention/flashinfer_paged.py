@@ -36,7 +36,6 @@ from pipeline.gpu_worker.attention.backend import (
     Upload,
     slot_mapping,
 )
-from pipeline.gpu_worker.attention.graph_decode import GraphDecodeMetadata, PaddedGraphDecode, graph_decode_attention
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -80,7 +79,7 @@ def _pinned_int32(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).pin_memory()
 
 
-class FlashInferBackend(PaddedGraphDecode, AttentionBackend):
+class FlashInferBackend(AttentionBackend):
     """FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` over the paged cache (see the module docstring).
 
     Args:
@@ -186,8 +185,6 @@ class FlashInferBackend(PaddedGraphDecode, AttentionBackend):
         window: int | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        if isinstance(meta, GraphDecodeMetadata):  # its graphs use the torch decode (graph_decode.py)
-            return graph_decode_attention(q, k, v, kv_cache, meta, scale, window, softcap)
         if scale != self.scale:
             raise ValueError(f"flashinfer planned softmax scale {self.scale}, forward got {scale}")
         k_cache, v_cache = kv_cache

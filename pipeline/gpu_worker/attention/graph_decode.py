@@ -1,4 +1,4 @@
-"""Graph capture hooks of the torch backends: a decode graph attends each row's whole block-table row.
+"""The attention of decode graphs, whatever the model's backend: each row attends its whole block-table row.
 
 A graph replays fixed shapes at fixed addresses (docs/design.md, "CUDA
 graphs"). So the graph of ``n`` rows reads static per-row buffers (req_index,
@@ -17,7 +17,14 @@ import dataclasses
 import numpy as np
 import torch
 
-from pipeline.gpu_worker.attention.backend import AttentionMetadata, StepLayout, Upload, sdpa, window_mask
+from pipeline.gpu_worker.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    StepLayout,
+    Upload,
+    sdpa,
+    window_mask,
+)
 from pipeline.gpu_worker.attention.kv_layout import KVCache, finite, gather_blocks, write_kv
 
 
@@ -29,14 +36,12 @@ class GraphDecodeMetadata(AttentionMetadata):
         block_ids: ``[n, max_blocks_per_seq]`` int64, each row's blocks; the
             padding block past a row's context and for padding rows.
         mask: ``[n, 1, 1, max_blocks_per_seq * block_size]`` bool, True for the keys a row attends.
-        cache_layout: the backend's (``kv_layout``).
         window_masks: ``mask`` narrowed to each sliding window the layers
             use (``window_mask``), made by the first layer that asks.
     """
 
     block_ids: torch.Tensor
     mask: torch.Tensor
-    cache_layout: str
     window_masks: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     def mask_for(self, window: int | None) -> torch.Tensor:
@@ -82,7 +87,7 @@ class GraphDecodeInputs:
             self.rows[1:, :num_rows] -= shift
         return self.rows[1, :num_rows]
 
-    def metadata(self, size: int, cache_layout: str) -> GraphDecodeMetadata:
+    def metadata(self, size: int) -> GraphDecodeMetadata:
         """The graph's metadata for ``size`` rows, computed on the device from the buffers (inside the graph)."""
         req_indices, positions, context_lens = self.rows[:, :size]
         bs = self.block_size
@@ -102,59 +107,52 @@ class GraphDecodeInputs:
             slot_mapping=self.slot_mapping[:size],
             block_ids=block_ids,
             mask=(key_pos[None, :] < context_lens[:, None])[:, None, None, :],
-            cache_layout=cache_layout,
         )
 
 
-class PaddedGraphDecode:
-    """``AttentionBackend``'s capture hooks for a backend whose decode graph is ``graph_decode_attention``.
+class GraphDecodeBackend(AttentionBackend):
+    """The attention of captured decode steps: ``DecodeGraphs`` installs it in place of the model's
+    backend, over the static rows of ``inputs``, in the model backend's ``cache_layout``."""
 
-    The backend's ``forward`` sends ``GraphDecodeMetadata`` to ``graph_decode_attention``.
-    """
+    name = "graph_decode"
 
-    graph_inputs: GraphDecodeInputs | None = None
+    def __init__(self, inputs: GraphDecodeInputs, cache_layout: str) -> None:
+        self.inputs, self.cache_layout = inputs, cache_layout
 
-    def init_capture(self, max_rows: int, block_table: torch.Tensor, pad_block: int, block_size: int) -> None:
-        self.graph_inputs = GraphDecodeInputs(max_rows, block_table, pad_block, block_size)
+    def build_metadata(
+        self, layout: StepLayout, block_table: torch.Tensor, upload: Upload, shift: torch.Tensor | None = None
+    ) -> AttentionMetadata:
+        raise NotImplementedError("a decode graph's metadata is computed inside it (GraphDecodeInputs.metadata)")
 
-    def prepare_capture(self, size: int) -> GraphDecodeMetadata:
-        return self.graph_inputs.metadata(size, self.cache_layout)
-
-    def prepare_replay(
-        self, layout: StepLayout, size: int, upload: Upload, shift: torch.Tensor | None = None
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        meta: GraphDecodeMetadata,
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        return self.graph_inputs.fill(layout, size, upload, shift)
+        """Decode attention with the graph's fixed shapes: write K/V, gather every row's blocks, one SDPA call.
 
-
-def graph_decode_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kv_cache: KVCache,
-    meta: GraphDecodeMetadata,
-    scale: float,
-    window: int | None = None,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """Decode attention with the graph's fixed shapes: write K/V, gather every row's blocks, one SDPA call.
-
-    Args:
-        q: ``[n, H, D]`` queries (RoPE applied), one per row.
-        k, v: ``[n, KVH, D]``, written at ``meta.slot_mapping``.
-        kv_cache: the layer's ``(k_cache, v_cache)`` as allocated.
-        window, softcap: as ``AttentionBackend.forward``.
-
-    Returns:
-        ``[n, H, D]``, dtype of ``q``.
-    """
-    k_cache, v_cache = write_kv(kv_cache, finite(k), finite(v), meta.slot_mapping, meta.cache_layout)
-    rows, num_heads, head_dim = q.shape
-    kv_heads = k.shape[1]
-    numel = meta.block_ids.numel() * meta.block_size * kv_heads * head_dim
-    layout = meta.cache_layout
-    keys = gather_blocks(k_cache, meta.block_ids, meta.block_size, layout, k_cache.new_empty(numel))
-    values = gather_blocks(v_cache, meta.block_ids, meta.block_size, layout, v_cache.new_empty(numel))
-    # The heads sharing a KV head fold into the query dimension, so K/V are never expanded.
-    return sdpa(
-        q.reshape(rows, kv_heads, num_heads // kv_heads, head_dim), keys, values, meta.mask_for(window), scale, softcap
-    ).reshape(rows, num_heads, head_dim)
+        ``q [n, H, D]`` (one query per row), ``k, v [n, KVH, D]`` written at ``meta.slot_mapping``; the rest as
+        ``AttentionBackend.forward``.
+        """
+        k_cache, v_cache = write_kv(kv_cache, finite(k), finite(v), meta.slot_mapping, self.cache_layout)
+        rows, num_heads, head_dim = q.shape
+        kv_heads = k.shape[1]
+        numel = meta.block_ids.numel() * meta.block_size * kv_heads * head_dim
+        layout = self.cache_layout
+        keys = gather_blocks(k_cache, meta.block_ids, meta.block_size, layout, k_cache.new_empty(numel))
+        values = gather_blocks(v_cache, meta.block_ids, meta.block_size, layout, v_cache.new_empty(numel))
+        # The heads sharing a KV head fold into the query dimension, so K/V are never expanded.
+        return sdpa(
+            q.reshape(rows, kv_heads, num_heads // kv_heads, head_dim),
+            keys,
+            values,
+            meta.mask_for(window),
+            scale,
+            softcap,
+        ).reshape(rows, num_heads, head_dim)

@@ -32,7 +32,6 @@ from pipeline.gpu_worker.attention.backend import (
     slot_mapping,
 )
 from pipeline.gpu_worker.attention.bucket_plan import MIN_PAD, MIN_QUERY_PAD, SLACK, plan_buckets
-from pipeline.gpu_worker.attention.graph_decode import GraphDecodeMetadata, PaddedGraphDecode, graph_decode_attention
 from pipeline.gpu_worker.attention.kv_layout import HEAD_MAJOR, TOKEN_MAJOR, finite, gather_blocks, write_kv
 from pipeline.gpu_worker.attention.prefix_table import PrefixTable
 from pipeline.gpu_worker.attention.torch_sdpa import GatherBuffer
@@ -294,7 +293,7 @@ def _device_verify(
     ]
 
 
-class TorchBucketedBackend(PaddedGraphDecode, AttentionBackend):
+class TorchBucketedBackend(AttentionBackend):
     """SDPA per bucket of similar-length requests (see the module docstring).
 
     Owns the ``GatherBuffer``
@@ -393,8 +392,6 @@ class TorchBucketedBackend(PaddedGraphDecode, AttentionBackend):
         window: int | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        if isinstance(meta, GraphDecodeMetadata):
-            return graph_decode_attention(q, k, v, kv_cache, meta, scale, window, softcap)
         k_cache, v_cache = write_kv(kv_cache, finite(k), finite(v), meta.slot_mapping, self.cache_layout)
         buckets = meta.decode + meta.prefill
         out = None if len(buckets) == 1 and buckets[0].identity else q.new_empty(q.shape)

@@ -38,7 +38,6 @@ from pipeline.gpu_worker.attention.backend import (
     slot_mapping,
     window_mask,
 )
-from pipeline.gpu_worker.attention.graph_decode import GraphDecodeMetadata, PaddedGraphDecode, graph_decode_attention
 from pipeline.gpu_worker.attention.kv_layout import finite
 
 
@@ -274,7 +273,7 @@ def _single_identity_group(meta: SDPAMetadata) -> bool:
     return group is not None and group.identity
 
 
-class TorchSDPABackend(PaddedGraphDecode, AttentionBackend):
+class TorchSDPABackend(AttentionBackend):
     """Padded decode and prefill groups over SDPA (see the module docstring).
 
     Owns the ``GatherBuffer`` its layers share.
@@ -328,6 +327,4 @@ class TorchSDPABackend(PaddedGraphDecode, AttentionBackend):
         window: int | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        if isinstance(meta, GraphDecodeMetadata):
-            return graph_decode_attention(q, k, v, kv_cache, meta, scale, window, softcap)
         return paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, scale, self.workspace, window, softcap)

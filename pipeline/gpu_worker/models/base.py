@@ -111,6 +111,7 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_caches: list[KVCache],
+        attn_backend: AttentionBackend | None = None,
     ) -> torch.Tensor:
         """Run one step over the flat token batch.
 
@@ -122,6 +123,8 @@ class CausalLM(nn.Module):
                 on the model's device.
             kv_caches: one ``(k_cache, v_cache)`` per layer, as made by
                 ``allocate_kv_caches``; written in place.
+            attn_backend: the backend ``meta`` is for; None: ``self.attn_backend`` (a decode graph's
+                differs).
 
         Returns:
             ``[T, hidden_size]`` final-normed hidden states, model dtype.
@@ -130,8 +133,9 @@ class CausalLM(nn.Module):
         hidden = self.model.embed_tokens(input_ids)
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
+        attn_backend = attn_backend or self.attn_backend
         for layer, kv_cache, rope in zip(self.model.layers, kv_caches, self.layer_rope, strict=True):
-            hidden = layer(hidden, ropes[rope], meta, kv_cache, self.attn_backend)
+            hidden = layer(hidden, ropes[rope], meta, kv_cache, attn_backend)
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
