@@ -1,13 +1,11 @@
 """``pipeline-serve``: create the rings, start the three processes, watch them.
 
-The launcher owns the lifecycle (docs/design.md, "Processes and lifecycle"):
-it creates every shared-memory ring, starts io_proc, scheduler_proc and
-gpu_worker, unlinks the rings as soon as all three have attached (so the kernel frees them however the
-processes end), and stops everyone on a signal or on the death of any child.
-With ``--nnodes > 1`` a launcher on a node other than the head starts only
-that node's worker ranks (docs/design.md, "Parallelism").
-The flags are in ``pipeline.server_args``, the config they make in ``pipeline.server_config``,
-``--profile``'s py-spy recording in ``pipeline.profiler``.
+The launcher owns the lifecycle (docs/design.md, "Processes and lifecycle"): it creates every shared-memory ring, starts
+io_proc, scheduler_proc and gpu_worker, unlinks the rings as soon as all three have attached (so the kernel frees them
+however the processes end), and stops everyone on a signal or on the death of any child. With ``--nnodes > 1`` a
+launcher on a node other than the head starts only that node's worker ranks (docs/design.md, "Parallelism"). The flags
+are in ``pipeline.server_args``, the config they make in ``pipeline.server_config``, ``--profile``'s py-spy recording in
+``pipeline.profiler``.
 """
 
 from __future__ import annotations
@@ -53,11 +51,11 @@ class _Child(subprocess.Popen):
 
     @classmethod
     def start(cls, kind: str, config: EngineConfig, rank: int = 0) -> tuple[_Child, Connection]:
-        """Start a process of ``kind`` (io_proc, scheduler, gpu_worker rank ``rank``) for the engine
-        ``config`` addresses; returns it and the read end of its status pipe.
+        """Start a process of ``kind`` (io_proc, scheduler, gpu_worker rank ``rank``) for the engine ``config``
+        addresses; returns it and the read end of its status pipe.
 
-        The config goes over the child's standard input; the package's own
-        directory leads ``PYTHONPATH``, so the child runs this very code.
+        The config goes over the child's standard input; the package's own directory leads ``PYTHONPATH``, so the child
+        runs this very code.
         """
         status_r, status_w = os.pipe()
         env = dict(os.environ)
@@ -94,14 +92,13 @@ class Launcher:
 
     Args:
         config: the instance's configuration.
-        roles: which processes to start; a benchmark that plays io_proc's
-            part in-process starts only the scheduler and the worker.
+        roles: which processes to start; a benchmark that plays io_proc's part in-process starts only the scheduler and
+            the worker.
         trace_file: write the merged Chrome trace here on stop.
         profile_dir: record each process with py-spy; flame graphs land here on stop.
 
-    With ``config.trace``, ``stop`` loads the spans every role wrote to
-    ``config.trace_path(role)`` into ``spans`` (a benchmark playing io_proc's
-    part writes io_proc's file itself, before calling stop).
+    With ``config.trace``, ``stop`` loads the spans every role wrote to ``config.trace_path(role)`` into ``spans`` (a
+    benchmark playing io_proc's part writes io_proc's file itself, before calling stop).
     """
 
     def __init__(
@@ -138,8 +135,8 @@ class Launcher:
         return self._output_rings
 
     def _start_children(self, roles: tuple[str, ...]) -> None:
-        """One scheduler and one process per local worker rank for each engine, then one io_proc for all
-        (those of ``roles``)."""
+        """One scheduler and one process per local worker rank for each engine, then one io_proc for all (those of
+        ``roles``)."""
 
         def add(name: str, kind: str, engine: EngineConfig, rank: int = 0) -> None:
             self.procs[name], self.conns[name] = _Child.start(kind, engine, rank)
@@ -156,9 +153,8 @@ class Launcher:
     def start(self, timeout: float = 600.0) -> None:
         """Start every process and wait until all are ready.
 
-        When the workers size the KV cache (``config.num_kv_blocks`` 0), they
-        start first; the others start once every engine's rank 0 has reported
-        its blocks, with the smallest figure in their config.
+        When the workers size the KV cache (``config.num_kv_blocks`` 0), they start first; the others start once every
+        engine's rank 0 has reported its blocks, with the smallest figure in their config.
 
         Raises:
             ChildFailed: a process died or reported an error first.
@@ -269,8 +265,8 @@ class Launcher:
             raise ChildFailed(f"{name} is hung: it has shown no progress for {age:.1f} s (--step-timeout {timeout:g})")
 
     def _last_report(self, name: str) -> tuple[str, str]:
-        """What a dead child said last: ``("error", why)``, ``("done", why)`` (a rank on another node
-        whose head stopped), or ``("", "")``."""
+        """What a dead child said last: ``("error", why)``, ``("done", why)`` (a rank on another node whose head
+        stopped), or ``("", "")``."""
         last, conn = ("", ""), self.conns[name]
         try:
             while not conn.closed and conn.poll():
@@ -332,8 +328,8 @@ class Launcher:
     def stop(self) -> None:
         """Stop every process (SIGTERM, then SIGKILL after a grace period), then clean up.
 
-        Writes the trace and the flame graphs if asked for, unlinks the rings
-        (a no-op once they were unlinked at start-up) and removes the socket directory.
+        Writes the trace and the flame graphs if asked for, unlinks the rings (a no-op once they were unlinked at
+        start-up) and removes the socket directory.
         """
         hung = {self._hung} if self._hung else set()
         if self.heartbeats is not None and self.config.step_timeout_s:
@@ -387,10 +383,9 @@ def _interrupt_start_up(signum: int, _frame) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Console entry of ``pipeline-serve``; exits with ``Launcher.serve``'s status.
 
-    A SIGINT or SIGTERM while the flags are read, the model is resolved or
-    the rings are created (before the children start) ends start-up with a
-    message and status 0, and removes the socket directory and ring names
-    this launcher had made (docs/design.md, "Processes and lifecycle").
+    A SIGINT or SIGTERM while the flags are read, the model is resolved or the rings are created (before the children
+    start) ends start-up with a message and status 0, and removes the socket directory and ring names this launcher had
+    made (docs/design.md, "Processes and lifecycle").
     """
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _interrupt_start_up)

@@ -12,8 +12,8 @@ import sys
 class Profiler:
     """Runs ``py-spy record`` on processes; each one's flame graph is ``<out_dir>/<name>.svg``.
 
-    py-spy writes a flame graph when the process it samples exits, so
-    ``finish`` is called once those processes have stopped.
+    py-spy writes a flame graph when the process it samples exits, so ``finish`` is called once those processes have
+    stopped.
 
     Args:
         out_dir: where the flame graphs land (created by ``start``).

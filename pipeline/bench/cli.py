@@ -1,16 +1,13 @@
 """``pipeline-bench``: token gap, device-busy fraction, throughput, TTFT and ITL.
 
-Without ``--http`` the benchmark starts the scheduler and the worker as real
-processes and plays io_proc's part itself (the same EngineClient: control
-over zmq, tokens from the output ring, incremental detokenization), so no
-HTTP cost is in the figures. With ``--http`` it starts the whole server (or
-uses ``--url``) and streams requests through the OpenAI API.
+Without ``--http`` the benchmark starts the scheduler and the worker as real processes and plays io_proc's part itself
+(the same EngineClient: control over zmq, tokens from the output ring, incremental detokenization), so no HTTP cost is
+in the figures. With ``--http`` it starts the whole server (or uses ``--url``) and streams requests through the OpenAI
+API.
 
-``--mode both`` runs asynchronous scheduling and lock step back to back in
-one invocation, on the same workload, and reports their ratios: this
-machine is shared and noisy, so only figures measured together compare.
-Token gap and busy fraction come from the worker's per-step device spans
-(docs/design.md, "Measuring the token gap").
+``--mode both`` runs asynchronous scheduling and lock step back to back in one invocation, on the same workload, and
+reports their ratios: this machine is shared and noisy, so only figures measured together compare. Token gap and busy
+fraction come from the worker's per-step device spans (docs/design.md, "Measuring the token gap").
 """
 
 from __future__ import annotations
@@ -45,8 +42,8 @@ def run_mode(
     trace_file: str | None,
     concurrency: int | None = None,
 ) -> tuple[dict, list, EngineConfig | None]:
-    """Run ``work`` once (``concurrency`` requests at a time, None: all at once) on ``config``'s processes,
-    or on the server at ``--url`` when config is None.
+    """Run ``work`` once (``concurrency`` requests at a time, None: all at once) on ``config``'s processes, or on the
+    server at ``--url`` when config is None.
 
     Returns:
         (figures, spans, the config the processes ran with: its KV blocks sized); no spans or config with ``--url``.
@@ -101,8 +98,7 @@ def total_output(work: Workload | MultiTurn) -> int:
 
 
 def add_workload_flags(g: argparse._ArgumentGroup) -> None:
-    """The flags of the multi-turn and structured workloads (pipeline-bench and scripts/compare_peers.py share
-    them)."""
+    """The flags of the multi-turn and structured workloads (pipeline-bench and scripts/compare_peers.py share them)."""
     g.add_argument("--num-users", type=int, default=16, help="multi-turn: users chatting at once")
     g.add_argument("--num-turns", type=int, default=4, help="multi-turn: turns per user")
     g.add_argument(

@@ -33,8 +33,8 @@ Send = Callable[[list[int], int, int], Awaitable[tuple[Any, list[int]]]]
 
 
 async def play(work: Workload | MultiTurn, send: Send, concurrency: int | None = None) -> list[tuple[Any, int]]:
-    """Send every request of ``work`` through ``send``: a fixed workload's all at once (or ``concurrency``
-    at a time, the next as one finishes), a multi-turn one's turn after turn per user (every user at once).
+    """Send every request of ``work`` through ``send``: a fixed workload's all at once (or ``concurrency`` at a time,
+    the next as one finishes), a multi-turn one's turn after turn per user (every user at once).
 
     Returns:
         ``(what send kept, turn)`` per request; a user's turns in order.
@@ -69,9 +69,9 @@ async def drive_engine(
 ) -> tuple[list[RequestTimes], dict | None]:
     """Play io_proc's part in-process: an EngineClient on ``output_rings`` (one per engine).
 
-    Returns the times and, with speculative decoding, its counts (``spec_counts``). The
-    client's spans go to ``config.trace_path("io_proc")``, the file io_proc itself would write, so
-    the launcher's stop() finds them with the others'.
+    Returns the times and, with speculative decoding, its counts (``spec_counts``). The client's spans go to
+    ``config.trace_path("io_proc")``, the file io_proc itself would write, so the launcher's stop() finds them with the
+    others'.
     """
     from pipeline.io_proc.engine_client import EngineClient
     from pipeline.io_proc.tokenization import Tokenization, load_tokenizer
@@ -94,8 +94,8 @@ async def drive_engine(
 
 
 def spec_counts(figures: dict) -> dict | None:
-    """Speculative decoding's counts from a stats reply or ``/metrics`` (vLLM's names without a prefix);
-    None when the server does not speculate."""
+    """Speculative decoding's counts from a stats reply or ``/metrics`` (vLLM's names without a prefix); None when the
+    server does not speculate."""
     if figures.get("spec_decode_num_drafts") is None:
         return None
     return {k: figures[k] for k in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
@@ -105,12 +105,10 @@ def spec_counts(figures: dict) -> dict | None:
 async def _drive_client(client, work: Workload | MultiTurn, bar, concurrency: int | None = None) -> list[RequestTimes]:
     """Play ``work`` through a started EngineClient (``concurrency``: as ``play``).
 
-    Consumers wait for the finish only; each request's token timeline comes
-    from the delivery times the client records per step, so the benchmark
-    measures the runtime rather than a thousand coroutine wake-ups per step.
-    The timelines are read once every request has finished: built as each
-    one finishes, they cost the loop ~0.1 ms per request in the very steps
-    whose io_proc CPU the benchmark reports.
+    Consumers wait for the finish only; each request's token timeline comes from the delivery times the client records
+    per step, so the benchmark measures the runtime rather than a thousand coroutine wake-ups per step. The timelines
+    are read once every request has finished: built as each one finishes, they cost the loop ~0.1 ms per request in the
+    very steps whose io_proc CPU the benchmark reports.
     """
 
     async def send(prompt: list[int], max_tokens: int, seed: int):
@@ -137,8 +135,8 @@ async def _drive_client(client, work: Workload | MultiTurn, bar, concurrency: in
 async def drive_http(
     url: str, model: str, work: Workload | MultiTurn, bar, concurrency: int | None = None
 ) -> tuple[list[RequestTimes], dict | None]:
-    """Stream ``work`` through the OpenAI completions API at ``url`` (token-id prompts; ``concurrency``: as
-    ``play``); returns the times and the server's speculative-decoding counts (None: it does not speculate)."""
+    """Stream ``work`` through the OpenAI completions API at ``url`` (token-id prompts; ``concurrency``: as ``play``);
+    returns the times and the server's speculative-decoding counts (None: it does not speculate)."""
     import httpx
 
     async def send(prompt: list[int], max_tokens: int, seed: int) -> tuple[RequestTimes, list[int]]:

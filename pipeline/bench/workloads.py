@@ -59,8 +59,8 @@ _STRUCTURED_TOPICS = ("the sea", "a city at night", "autumn leaves", "a chess ga
 
 @dataclass
 class Workload:
-    """Prompts (token ids) and output lengths; every request ignores EOS, except those with a
-    ``response_formats`` entry (OpenAI's ``response_format``), which end with their JSON."""
+    """Prompts (token ids) and output lengths; every request ignores EOS, except those with a ``response_formats`` entry
+    (OpenAI's ``response_format``), which end with their JSON."""
 
     prompts: list[list[int]]
     output_lens: list[int]
@@ -76,8 +76,8 @@ class Workload:
 
     @classmethod
     def sharegpt_synth(cls, num_requests: int, max_model_len: int, seed: int) -> Workload:
-        """Long-tailed lengths like ShareGPT conversations: log-normal prompt
-        (median 180 tokens) and output (median 130) lengths, clipped to fit."""
+        """Long-tailed lengths like ShareGPT conversations: log-normal prompt (median 180 tokens) and output (median
+        130) lengths, clipped to fit."""
         rng = np.random.default_rng(seed)
         inp = np.clip(rng.lognormal(np.log(180), 1.0, num_requests), 4, max_model_len // 2).astype(int)
         out = np.clip(rng.lognormal(np.log(130), 0.9, num_requests), 2, max_model_len // 2 - 1).astype(int)
@@ -88,9 +88,9 @@ class Workload:
     def rewrite(cls, num_requests: int, tokenizer, max_model_len: int, seed: int) -> Workload:
         """Requests to rewrite a function given in the prompt, as a chat turn: the output mostly quotes the prompt.
 
-        Each prompt is an instruction (type hints, comments, a rename, a fix) and a 20-80 line function
-        from the standard library; the output is given the function's length plus 64 tokens. Where
-        prompt lookup pays (docs/design.md, "Speculative decoding").
+        Each prompt is an instruction (type hints, comments, a rename, a fix) and a 20-80 line function from the
+        standard library; the output is given the function's length plus 64 tokens. Where prompt lookup pays
+        (docs/design.md, "Speculative decoding").
         """
         functions = []
         for name in _REWRITE_MODULES:
@@ -116,9 +116,9 @@ class Workload:
 
     @classmethod
     def structured(cls, num_requests: int, share: float, output_len: int, tokenizer) -> Workload:
-        """Chat requests about a few topics; a ``share`` of them, spread evenly, answer with a JSON object
-        of ``STRUCTURED_SCHEMA`` (``response_format`` json_schema), the others in free text; up to
-        ``output_len`` tokens each."""
+        """Chat requests about a few topics; a ``share`` of them, spread evenly, answer with a JSON object of
+        ``STRUCTURED_SCHEMA`` (``response_format`` json_schema), the others in free text; up to ``output_len`` tokens
+        each."""
         prompts, formats = [], []
         rf = {"type": "json_schema", "json_schema": {"name": "reply", "schema": STRUCTURED_SCHEMA}}
         for i in range(num_requests):
@@ -134,10 +134,9 @@ class Workload:
 class MultiTurn:
     """Chat traffic: users that each hold a conversation of several turns, in a closed loop.
 
-    Every turn's prompt is the shared system prompt, then the user's earlier
-    messages each followed by the reply it got (the server's own tokens),
-    then a new message; a user sends its next turn when the previous reply
-    has ended. Replies are ``output_len`` tokens, ignoring EOS.
+    Every turn's prompt is the shared system prompt, then the user's earlier messages each followed by the reply it got
+    (the server's own tokens), then a new message; a user sends its next turn when the previous reply has ended. Replies
+    are ``output_len`` tokens, ignoring EOS.
     """
 
     system: list[int]

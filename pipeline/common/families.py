@@ -1,8 +1,7 @@
 """The model families: one row per architecture a checkpoint's config names (``architectures[0]``).
 
-A row says where the family's code lives and what it implies that its config does not say. No
-torch: the launcher checks the architecture, the worker imports the row's module when it loads a
-model (docs/design.md, "Model families").
+A row says where the family's code lives and what it implies that its config does not say. No torch: the launcher checks
+the architecture, the worker imports the row's module when it loads a model (docs/design.md, "Model families").
 """
 
 from __future__ import annotations
@@ -15,10 +14,10 @@ from typing import Any
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-    """``module``/``cls``: the class in ``pipeline.gpu_worker.models`` that serves it; ``implied``: switches
-    of ``ModelConfig`` the family always has; ``defaults``: transformers' config defaults that hub configs
-    leave out (a config object already holds them); ``opt_in_window``: its sliding window is on only when
-    ``use_sliding_window`` says so."""
+    """``module``/``cls``: the class in ``pipeline.gpu_worker.models`` that serves it; ``implied``: switches of
+    ``ModelConfig`` the family always has; ``defaults``: transformers' config defaults that hub configs leave out (a
+    config object already holds them); ``opt_in_window``: its sliding window is on only when ``use_sliding_window`` says
+    so."""
 
     module: str
     cls: str

@@ -1,18 +1,16 @@
 """Whether a JSON schema admits a finite value, which llguidance does not check.
 
-llguidance refuses a schema that is unsatisfiable where it stands (a required property ``false``,
-an empty ``enum``), but compiles one whose every value would be infinite: a required property that
-refers back to its own object, ``{"type": "object", "required": ["a"], "properties": {"a":
-{"$ref": "#"}}}``. Its matcher then forces ``{"a": {"a": ...`` until the output runs out, and the
-request fails mid-output. This finds such schemas before they are served (docs/design.md,
+llguidance refuses a schema that is unsatisfiable where it stands (a required property ``false``, an empty ``enum``),
+but compiles one whose every value would be infinite: a required property that refers back to its own object, ``{"type":
+"object", "required": ["a"], "properties": {"a": {"$ref": "#"}}}``. Its matcher then forces ``{"a": {"a": ...`` until
+the output runs out, and the request fails mid-output. This finds such schemas before they are served (docs/design.md,
 "Structured output", "Errors").
 
-A sub-schema is *productive* when it has a finite value given which of the others do; productive
-sub-schemas are found by a fixpoint from none (a worklist: linear in the schema's size). Only
-``$ref``, ``anyOf``, ``oneOf``, ``allOf`` and an object's ``required`` properties or an array's
-``minItems`` can make a value infinite; anything else (other keywords, other types, references
-outside the document) counts as productive, so a schema is refused only where every value must be
-infinite.
+A sub-schema is *productive* when it has a finite value given which of the others do; productive sub-schemas are found
+by a fixpoint from none (a worklist: linear in the schema's size). Only ``$ref``, ``anyOf``, ``oneOf``, ``allOf`` and an
+object's ``required`` properties or an array's ``minItems`` can make a value infinite; anything else (other keywords,
+other types, references outside the document) counts as productive, so a schema is refused only where every value must
+be infinite.
 """
 
 from __future__ import annotations
@@ -23,8 +21,8 @@ _Productive = Callable[[object], bool]
 
 
 def admits_finite_value(schema: object) -> bool:
-    """Whether ``schema`` (a JSON schema, parsed) has a finite value, as far as its references and
-    required parts tell; True where unsure, and for a schema without references (a finite tree)."""
+    """Whether ``schema`` (a JSON schema, parsed) has a finite value, as far as its references and required parts tell;
+    True where unsure, and for a schema without references (a finite tree)."""
     nodes = _subschemas(schema)
     if not any("$ref" in node for node in nodes):
         # A tree: only a `false` part can leave it without values, and llguidance refuses those.

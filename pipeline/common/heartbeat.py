@@ -1,11 +1,9 @@
 """Heartbeats: when each process last showed progress, in shared memory (docs/design.md, "Liveness").
 
-One float64 per process of the head node: the ``time.monotonic()`` of its
-loop's last turn (CLOCK_MONOTONIC, one clock for every process of the
-machine), 0 until its first. The launcher creates the segment with the
-rings and unlinks its name once every child has attached; it watches every
-entry, io_proc's ``/health`` and ``/metrics`` read the engines' entries, and
-the scheduler reads io_proc's before it blames the worker for a late step.
+One float64 per process of the head node: the ``time.monotonic()`` of its loop's last turn (CLOCK_MONOTONIC, one clock
+for every process of the machine), 0 until its first. The launcher creates the segment with the rings and unlinks its
+name once every child has attached; it watches every entry, io_proc's ``/health`` and ``/metrics`` read the engines'
+entries, and the scheduler reads io_proc's before it blames the worker for a late step.
 """
 
 from __future__ import annotations

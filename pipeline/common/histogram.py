@@ -1,11 +1,9 @@
 """Cumulative histograms that a process keeps and ships as plain counts, and the bucket bounds.
 
-A process observes into a ``Histogram`` (a bisect and two additions per
-value) and sends ``Histogram.data`` in its stats reply; io_proc renders
-the counts as Prometheus histograms (docs/design.md, "Metrics"). Bounds are
-upper bounds (Prometheus ``le``); the last count is the +Inf bucket. The
-request histograms use vLLM's bounds (``vllm/v1/metrics/loggers.py``), so
-its dashboards read them unchanged.
+A process observes into a ``Histogram`` (a bisect and two additions per value) and sends ``Histogram.data`` in its stats
+reply; io_proc renders the counts as Prometheus histograms (docs/design.md, "Metrics"). Bounds are upper bounds
+(Prometheus ``le``); the last count is the +Inf bucket. The request histograms use vLLM's bounds
+(``vllm/v1/metrics/loggers.py``), so its dashboards read them unchanged.
 """
 
 from __future__ import annotations
@@ -79,8 +77,8 @@ class HistogramData(msgspec.Struct, array_like=True):
         return sum(self.counts)
 
     def quantile(self, q: float, bounds: Sequence[float]) -> float | None:
-        """The ``q`` quantile by linear interpolation within its bucket, as Prometheus'
-        ``histogram_quantile`` estimates it (the +Inf bucket answers the highest bound); None if empty."""
+        """The ``q`` quantile by linear interpolation within its bucket, as Prometheus' ``histogram_quantile`` estimates
+        it (the +Inf bucket answers the highest bound); None if empty."""
         total = self.count
         if not total:
             return None

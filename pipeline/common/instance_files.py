@@ -1,14 +1,11 @@
 """The files a server instance leaves in the file system, and their removal.
 
-An instance owns two kinds of named objects (docs/design.md, "Processes and
-lifecycle"): its socket directory ``<tmp>/pipeline-<launcher pid>-<random>``
-(mode 0700) and, until every child has attached, its rings' shared-memory
-segments and semaphores ``/dev/shm/[sem.]pipeline-<launcher pid>-<hex>-*``
-(mode 0600). Both names start with the launcher's pid, so whoever finds one
-can tell whether its owner still runs. The children remove their instance's
-files when they notice the launcher died, and every launcher first sweeps
-away what dead instances of the same user left (a ``kill -9`` of a launcher
-before its children attached, or of the whole process group).
+An instance owns two kinds of named objects (docs/design.md, "Processes and lifecycle"): its socket directory
+``<tmp>/pipeline-<launcher pid>-<random>`` (mode 0700) and, until every child has attached, its rings' shared-memory
+segments and semaphores ``/dev/shm/[sem.]pipeline-<launcher pid>-<hex>-*`` (mode 0600). Both names start with the
+launcher's pid, so whoever finds one can tell whether its owner still runs. The children remove their instance's files
+when they notice the launcher died, and every launcher first sweeps away what dead instances of the same user left (a
+``kill -9`` of a launcher before its children attached, or of the whole process group).
 """
 
 from __future__ import annotations
@@ -27,8 +24,8 @@ _SHM_DIR = "/dev/shm"
 def make_ipc_dir() -> str:
     """Create this process's private socket directory (mode 0700) under the system temp directory.
 
-    Its name starts with ``pipeline-<pid>-``, so ``sweep_dead_instances``
-    can tell when its owner is gone. Raises ``OSError`` if it cannot be created.
+    Its name starts with ``pipeline-<pid>-``, so ``sweep_dead_instances`` can tell when its owner is gone. Raises
+    ``OSError`` if it cannot be created.
     """
     return tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-")
 
@@ -47,9 +44,8 @@ def pid_alive(pid: int) -> bool:
 def remove_files_of(pid: int, *, only_if_dead: bool = False) -> list[str]:
     """Remove the socket directories and ring names that instance owner ``pid`` left.
 
-    Only entries owned by this user are touched. With ``only_if_dead``, an
-    entry is removed only while ``pid`` runs no more (checked per entry).
-    Returns the paths removed; errors (a racing remover) are ignored.
+    Only entries owned by this user are touched. With ``only_if_dead``, an entry is removed only while ``pid`` runs no
+    more (checked per entry). Returns the paths removed; errors (a racing remover) are ignored.
     """
     removed = []
     for base in (tempfile.gettempdir(), _SHM_DIR):

@@ -1,7 +1,6 @@
 """Fixed byte layouts of ring entries and numpy views over them.
 
-Every field is an array at a fixed, 64-byte aligned offset, so an entry
-never changes size.
+Every field is an array at a fixed, 64-byte aligned offset, so an entry never changes size.
 """
 
 from __future__ import annotations

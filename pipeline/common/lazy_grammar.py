@@ -1,20 +1,15 @@
 """A grammar inactive until its trigger: tool calling's ``tool_choice: auto`` (docs/design.md, "Tool calling").
 
-The grammar (llguidance's Lark, with a lazy trigger rule or a start anchor)
-lets any text through until the trigger, then constrains the call.
-``Trigger`` follows the output's text against the trigger, in the
-scheduler's loop and without a matcher: while the text cannot reach the
-trigger in the next token, the row needs no mask and decodes every step,
-with placeholders, like an unconstrained one. Only where the next token could
-complete the trigger does the row need a mask, from a matcher (a copy of a
-pristine one, fed the text's last bytes, ``Trigger.tail``); once the
-trigger is in, it is a constrained row like any other. A row waits for its
-token in flight only when that token could bring it to such a point
-(``needs_mask(1)``). The grammar manager runs the matchers
-(``pipeline.scheduler_proc.grammar_manager``).
+The grammar (llguidance's Lark, with a lazy trigger rule or a start anchor) lets any text through until the trigger,
+then constrains the call. ``Trigger`` follows the output's text against the trigger, in the scheduler's loop and without
+a matcher: while the text cannot reach the trigger in the next token, the row needs no mask and decodes every step, with
+placeholders, like an unconstrained one. Only where the next token could complete the trigger does the row need a mask,
+from a matcher (a copy of a pristine one, fed the text's last bytes, ``Trigger.tail``); once the trigger is in, it is a
+constrained row like any other. A row waits for its token in flight only when that token could bring it to such a point
+(``needs_mask(1)``). The grammar manager runs the matchers (``pipeline.scheduler_proc.grammar_manager``).
 
-The decisions depend on the tokens consumed only, so asynchronous scheduling
-and lock step mask the same positions and sample the same tokens.
+The decisions depend on the tokens consumed only, so asynchronous scheduling and lock step mask the same positions and
+sample the same tokens.
 """
 
 from __future__ import annotations
@@ -45,9 +40,8 @@ def _vocab(tokenizer: llguidance.LLTokenizer) -> _Vocab:
 class _TriggerTable:
     """For a trigger ``T`` of ``L`` bytes, per state ``s`` (the text ends with ``T[:s]``, ``s < L``):
 
-    ``risky[s]``: some token completes ``T`` from ``s`` (the next token needs a mask);
-    ``maybe[s]``: some token leads from ``s`` to completion or to a risky state (a
-    token in flight from ``s`` must be waited for).
+    ``risky[s]``: some token completes ``T`` from ``s`` (the next token needs a mask); ``maybe[s]``: some token leads
+    from ``s`` to completion or to a risky state (a token in flight from ``s`` must be waited for).
     """
 
     def __init__(self, vocab: _Vocab, trigger: bytes):
@@ -120,8 +114,8 @@ class Trigger:
         return self._s == len(self._trigger)
 
     def needs_mask(self, in_flight: int) -> bool:
-        """Whether the next sampled token needs a mask, with ``in_flight`` of the row's tokens not fed yet
-        (a row that needs one waits for them); False while the text is free and cannot reach the trigger."""
+        """Whether the next sampled token needs a mask, with ``in_flight`` of the row's tokens not fed yet (a row that
+        needs one waits for them); False while the text is free and cannot reach the trigger."""
         s = self._s
         if s == len(self._trigger) or in_flight > 1:
             return True
@@ -143,8 +137,8 @@ class Trigger:
             self._s = n if text.startswith(t) else len(text) if t.startswith(text) else -1
 
     def tail(self) -> bytes:
-        """The text's end from a character boundary, for a fresh matcher to consume: from it on, the
-        matcher's state is that of one fed the whole text."""
+        """The text's end from a character boundary, for a fresh matcher to consume: from it on, the matcher's state is
+        that of one fed the whole text."""
         if self._at_start:
             return self._trigger[: self._s] if not self.triggered else self._tail
         tail = self._tail[-(self._s + _UTF8_SLACK) :]

@@ -1,9 +1,8 @@
 """Control messages between io_proc and scheduler_proc (zmq + msgspec).
 
-Control is everything that happens per request, not per step: add, abort,
-stats, shutdown. Messages are msgspec structs in a tagged union, encoded as
-msgpack. ``io_proc -> scheduler`` uses ``ToScheduler``;
-``scheduler -> io_proc`` uses ``ToIO``.
+Control is everything that happens per request, not per step: add, abort, stats, shutdown. Messages are msgspec structs
+in a tagged union, encoded as msgpack. ``io_proc -> scheduler`` uses ``ToScheduler``; ``scheduler -> io_proc`` uses
+``ToIO``.
 """
 
 from __future__ import annotations
@@ -85,10 +84,9 @@ class SamplingParams(msgspec.Struct, frozen=True):
 class AddRequest(msgspec.Struct, tag=True):
     """Add a request. ``req_num`` is unique for the server's life.
 
-    With ``n`` > 1 the prompt has ``n`` choices: they are the requests
-    ``req_num .. req_num + n - 1`` (io_proc reserves all ``n`` numbers),
-    choice ``i`` sampling with ``choice_seed`` ``(params.seed, i)``
-    (docs/design.md, "Parallel choices").
+    With ``n`` > 1 the prompt has ``n`` choices: they are the requests ``req_num .. req_num + n - 1`` (io_proc reserves
+    all ``n`` numbers), choice ``i`` sampling with ``choice_seed`` ``(params.seed, i)`` (docs/design.md, "Parallel
+    choices").
     """
 
     req_num: int
@@ -108,9 +106,8 @@ def choice_seed(seed: int, index: int) -> int:
 class AbortRequest(msgspec.Struct, tag=True):
     """Stop a request now (client gone, stop string seen). Unknown numbers are ignored.
 
-    ``finished_ns`` is 0 for a client that left; for a stop string it is the
-    ``time_ns`` of the StepOutput whose token completed it: the request
-    finished then, and its phase times end there (docs/design.md, "Metrics").
+    ``finished_ns`` is 0 for a client that left; for a stop string it is the ``time_ns`` of the StepOutput whose token
+    completed it: the request finished then, and its phase times end there (docs/design.md, "Metrics").
     """
 
     req_num: int
@@ -131,11 +128,10 @@ class WorkerStats(msgspec.Struct, array_like=True):
     """The worker's own clocks (rank 0), cumulative since it started (docs/design.md, "Metrics").
 
     Attributes:
-        token_gap: device idle between a step and the next one that continues
-            running requests, nanoseconds (``TOKEN_GAP_BUCKETS_NS``).
+        token_gap: device idle between a step and the next one that continues running requests, nanoseconds
+            (``TOKEN_GAP_BUCKETS_NS``).
         device_busy_ns: device time of every step.
-        busy_fraction: device time / (device time + token gaps) over the last
-            second of steps; -1 before there is one.
+        busy_fraction: device time / (device time + token gaps) over the last second of steps; -1 before there is one.
         step_cpu: the process's CPU time per such step, nanoseconds (``STEP_CPU_BUCKETS_NS``).
     """
 
@@ -148,16 +144,12 @@ class WorkerStats(msgspec.Struct, array_like=True):
 class Stats(msgspec.Struct, tag=True):
     """One engine's occupancy and cumulative figures, answered to ``GetStats`` with the same nonce.
 
-    The histograms are the scheduler's (vLLM's request phases from its own
-    events, in seconds; tokens per step; its CPU time per step in
-    nanoseconds) and the worker's (``WorkerStats``).
-    ``prefix_cache_queries`` and ``prefix_cache_hits`` count prompt tokens
-    looked up in the prefix cache and found there, since the start (vLLM's
-    counters; None with caching off); ``num_cached_blocks`` is the KV blocks
-    that hold a cached prefix now, in use or not (docs/design.md, "Prefix
-    caching"). The fields that are None are counted by features still to
-    come (speculative decoding); metrics and the stats line show them once
-    they are set.
+    The histograms are the scheduler's (vLLM's request phases from its own events, in seconds; tokens per step; its CPU
+    time per step in nanoseconds) and the worker's (``WorkerStats``). ``prefix_cache_queries`` and ``prefix_cache_hits``
+    count prompt tokens looked up in the prefix cache and found there, since the start (vLLM's counters; None with
+    caching off); ``num_cached_blocks`` is the KV blocks that hold a cached prefix now, in use or not (docs/design.md,
+    "Prefix caching"). The fields that are None are counted by features still to come (speculative decoding); metrics
+    and the stats line show them once they are set.
     """
 
     nonce: int
@@ -214,8 +206,8 @@ def merge_stats(per_engine: list[Stats]) -> Stats:
 class Admitted(msgspec.Struct, tag=True):
     """Requests the scheduler admitted for the first time in one step, sent before the step.
 
-    ``num_cached_tokens[i]`` is the prompt tokens ``req_nums[i]`` found in
-    the prefix cache: what its usage reports as ``cached_tokens``.
+    ``num_cached_tokens[i]`` is the prompt tokens ``req_nums[i]`` found in the prefix cache: what its usage reports as
+    ``cached_tokens``.
     """
 
     req_nums: list[int]
@@ -225,9 +217,8 @@ class Admitted(msgspec.Struct, tag=True):
 class GrammarCompiled(msgspec.Struct, tag=True):
     """The scheduler's answer to an ``AddRequest`` with a grammar, once its matchers exist or not.
 
-    ``error`` empty: the request is queued. Otherwise it was refused before
-    it ran (the grammar does not compile, takes more memory than a request
-    may, or the request was aborted meanwhile), and ``error`` says why.
+    ``error`` empty: the request is queued. Otherwise it was refused before it ran (the grammar does not compile, takes
+    more memory than a request may, or the request was aborted meanwhile), and ``error`` says why.
     """
 
     req_num: int
@@ -237,8 +228,7 @@ class GrammarCompiled(msgspec.Struct, tag=True):
 class RequestFailed(msgspec.Struct, tag=True):
     """The scheduler ended request ``req_num`` (a choice) with an error: its finish reason is "error".
 
-    A failure tied to one request, such as its matcher leaving its grammar
-    mid-output; the engine serves on.
+    A failure tied to one request, such as its matcher leaving its grammar mid-output; the engine serves on.
     """
 
     req_num: int
@@ -252,9 +242,8 @@ ToIO = Union[Stats, Admitted, GrammarCompiled, RequestFailed]
 def check_finish(token_id: int, num_output_tokens: int, params: SamplingParams) -> FinishReason | None:
     """Why a request ends after producing ``token_id`` as its ``num_output_tokens``-th token.
 
-    The scheduler and io_proc both call this on the same tokens, so they
-    agree on every finish without talking to each other. Stop strings are
-    io_proc's alone (they need text) and end the request with an abort.
+    The scheduler and io_proc both call this on the same tokens, so they agree on every finish without talking to each
+    other. Stop strings are io_proc's alone (they need text) and end the request with an abort.
 
     Returns:
         "stop" for a stop token id (unless ``ignore_eos``), "length" when

@@ -1,11 +1,9 @@
 """ModelConfig: every switch the shared layers take, read once from a checkpoint's config (no torch).
 
-``ModelConfig.from_hf`` takes transformers' config object (the worker) or
-the raw ``config.json`` dict (the launcher, which must not import torch), in
-transformers 5's form (``rope_parameters``, ``layer_types``) or the older
-one of most hub checkpoints (``rope_theta`` + ``rope_scaling``), and
-resolves what a family implies without saying it (``families.FAMILIES``;
-docs/design.md, "Model families").
+``ModelConfig.from_hf`` takes transformers' config object (the worker) or the raw ``config.json`` dict (the launcher,
+which must not import torch), in transformers 5's form (``rope_parameters``, ``layer_types``) or the older one of most
+hub checkpoints (``rope_theta`` + ``rope_scaling``), and resolves what a family implies without saying it
+(``families.FAMILIES``; docs/design.md, "Model families").
 """
 
 from __future__ import annotations
@@ -43,8 +41,8 @@ SIZE_LIMITS = {
 
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
-    """One rotary embedding: ``rope_type`` (one of ROPE_TYPES), base ``theta``, the first ``rotary_dim``
-    dimensions of each head rotated, and the type's own parameters (``factor``, ...) in ``scaling``."""
+    """One rotary embedding: ``rope_type`` (one of ROPE_TYPES), base ``theta``, the first ``rotary_dim`` dimensions of
+    each head rotated, and the type's own parameters (``factor``, ...) in ``scaling``."""
 
     rope_type: str
     theta: float
@@ -56,19 +54,16 @@ class RopeConfig:
 class ModelConfig:
     """A decoder-only model's architecture, normalised (field names as transformers' where it has one).
 
-    Attributes beyond transformers' names:
-        architecture: ``architectures[0]``, the registry key.
-        qkv_bias, o_bias: bias on the q, k and v projections; on the output projection.
-        qk_norm: an RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3).
-        norm: "rms" (Llama's RMSNorm) or "gemma" (``x̂ (1 + w)`` in float32).
-        embed_scale: embeddings are multiplied by this (Gemma: sqrt(hidden_size)); None: not scaled.
-        attn_scale: softmax scale (``head_dim ** -0.5``, or ``query_pre_attn_scalar ** -0.5``).
-        layer_types: per layer, FULL or SLIDING (a window of ``sliding_window`` keys, the current one included).
-        rope: the rotary embedding of full-attention layers (and of every layer but for ``rope_sliding``).
-        rope_sliding: sliding layers' own rotary embedding (Gemma 3's local base), else None.
-        num_experts: routed experts per MoE layer; 0 for a dense model.
-        moe_layers: per layer, whether its MLP is the experts (else the dense MLP).
-        dtype: the checkpoint's dtype as config.json states it ("bfloat16", ...), or None.
+    Attributes beyond transformers' names: architecture: ``architectures[0]``, the registry key. qkv_bias, o_bias: bias
+        on the q, k and v projections; on the output projection. qk_norm: an RMSNorm over each head of q and k before
+        RoPE (Qwen3, Gemma 3). norm: "rms" (Llama's RMSNorm) or "gemma" (``x̂ (1 + w)`` in float32). embed_scale:
+        embeddings are multiplied by this (Gemma: sqrt(hidden_size)); None: not scaled. attn_scale: softmax scale
+        (``head_dim ** -0.5``, or ``query_pre_attn_scalar ** -0.5``). layer_types: per layer, FULL or SLIDING (a window
+        of ``sliding_window`` keys, the current one included). rope: the rotary embedding of full-attention layers (and
+        of every layer but for ``rope_sliding``). rope_sliding: sliding layers' own rotary embedding (Gemma 3's local
+        base), else None. num_experts: routed experts per MoE layer; 0 for a dense model. moe_layers: per layer, whether
+        its MLP is the experts (else the dense MLP). dtype: the checkpoint's dtype as config.json states it ("bfloat16",
+        ...), or None.
     """
 
     architecture: str
@@ -111,9 +106,8 @@ class ModelConfig:
         A multimodal wrapper (``text_config``) is read as its language model.
 
         Raises:
-            ValueError: an architecture no family serves, a required field
-                missing, or a value not supported (RoPE type, activation,
-                quantization); the message says which.
+            ValueError: an architecture no family serves, a required field missing, or a value not supported (RoPE type,
+                activation, quantization); the message says which.
         """
         top = _Fields(hf, {})
         architecture = (top.get("architectures") or [""])[0]
@@ -216,8 +210,8 @@ class ModelConfig:
     def window(self, layer: int, max_model_len: int) -> int | None:
         """Layer ``layer``'s sliding window in keys, or None when it attends its whole context.
 
-        A window of at least ``max_model_len`` keys never cuts anything off
-        (position p sees keys p - W + 1 .. p), so it is None too.
+        A window of at least ``max_model_len`` keys never cuts anything off (position p sees keys p - W + 1 .. p), so it
+        is None too.
         """
         if self.layer_types[layer] != SLIDING or self.sliding_window is None:
             return None
@@ -289,8 +283,8 @@ def _default_layer_types(model_type: str, layers: int, window: int | None, f: _F
 
 
 def _rope(f: _Fields, model_type: str, layer_type: str, head_dim: int, max_pos: int) -> RopeConfig:
-    """The rotary embedding of ``layer_type`` layers, from ``rope_parameters`` (transformers 5, possibly
-    nested per layer type) or ``rope_theta`` + ``rope_scaling`` (older checkpoints)."""
+    """The rotary embedding of ``layer_type`` layers, from ``rope_parameters`` (transformers 5, possibly nested per
+    layer type) or ``rope_theta`` + ``rope_scaling`` (older checkpoints)."""
     params = f.get("rope_parameters")
     gemma3 = model_type == "gemma3_text"
     if isinstance(params, Mapping) and (FULL in params or SLIDING in params):

@@ -1,13 +1,10 @@
 """Start-up, status reporting and exit shared by the three child processes.
 
-The launcher starts each child as ``python -m pipeline.child`` (see
-``pipeline.child``) with a pipe end; the child reports ``("attached",
-name)`` once it has opened every shared-memory ring (the launcher then
-unlinks their names), ``("ready", name)`` once it can serve, and ``("error",
-name, message)`` before exiting on an error, at start-up or later
-(docs/design.md, "Processes and lifecycle"). A worker rank on a node other
-than the head reports ``("done", name, message)`` before exiting cleanly
-because the head stopped (docs/design.md, "Parallelism").
+The launcher starts each child as ``python -m pipeline.child`` (see ``pipeline.child``) with a pipe end; the child
+reports ``("attached", name)`` once it has opened every shared-memory ring (the launcher then unlinks their names),
+``("ready", name)`` once it can serve, and ``("error", name, message)`` before exiting on an error, at start-up or later
+(docs/design.md, "Processes and lifecycle"). A worker rank on a node other than the head reports ``("done", name,
+message)`` before exiting cleanly because the head stopped (docs/design.md, "Parallelism").
 """
 
 from __future__ import annotations
@@ -34,8 +31,8 @@ BACKGROUND_THREAD_PREFIX = b"bg-"
 class Stopped(BaseException):
     """Raised by ``StopFlag.interrupting`` when a stop cuts a long start-up step short.
 
-    A BaseException, like KeyboardInterrupt, so that no ``except Exception``
-    in the interrupted library code takes it for an error of its own.
+    A BaseException, like KeyboardInterrupt, so that no ``except Exception`` in the interrupted library code takes it
+    for an error of its own.
     """
 
 
@@ -43,8 +40,8 @@ class StopFlag:
     """Set by SIGTERM (from the launcher); loops poll ``is_set``.
 
     Args:
-        launcher_pid: the launcher's pid; once this process's parent is
-            another one, the launcher is gone and the flag reads as set.
+        launcher_pid: the launcher's pid; once this process's parent is another one, the launcher is gone and the flag
+            reads as set.
     """
 
     def __init__(self, launcher_pid: int) -> None:
@@ -66,9 +63,8 @@ class StopFlag:
     def interrupting(self) -> Iterator[None]:
         """Within the block, SIGTERM raises ``Stopped`` (and sets the flag) instead of waiting to be polled.
 
-        For a long step with no loop to poll from, such as loading a model:
-        a stop then takes effect at once rather than after the load. Raises
-        ``Stopped`` at once if the flag is already set.
+        For a long step with no loop to poll from, such as loading a model: a stop then takes effect at once rather than
+        after the load. Raises ``Stopped`` at once if the flag is already set.
         """
 
         def interrupt(*_args) -> None:
@@ -87,12 +83,10 @@ class StopFlag:
 def child_setup(name: str, launcher_pid: int) -> StopFlag:
     """Prepare a child process: own process group, die with the launcher, private files.
 
-    Ctrl-C in a terminal reaches only the launcher's process group, which
-    then stops the children in order; SIGTERM sets the returned flag.
-    ``PR_SET_PDEATHSIG`` makes the kernel send SIGTERM if the launcher dies,
-    even by ``kill -9``; a launcher that died before this call shows as a
-    parent other than ``launcher_pid``. The umask makes every file the child
-    creates (zmq socket files, traces) private to the user.
+    Ctrl-C in a terminal reaches only the launcher's process group, which then stops the children in order; SIGTERM sets
+    the returned flag. ``PR_SET_PDEATHSIG`` makes the kernel send SIGTERM if the launcher dies, even by ``kill -9``; a
+    launcher that died before this call shows as a parent other than ``launcher_pid``. The umask makes every file the
+    child creates (zmq socket files, traces) private to the user.
     """
     os.setpgrp()
     os.umask(0o077)
@@ -133,9 +127,8 @@ def start_background_thread(name: str, nice: int = 0) -> None:
 def pin_to_cpus(cpus: tuple[int, ...]) -> None:
     """Restrict the calling process (all its threads) to ``cpus``; ``()`` leaves it on every CPU.
 
-    On a machine with few cores the worker's intra-op threads and the other
-    two processes otherwise take turns on the same cores, and a decode step
-    waits for whichever thread was descheduled (docs/design.md, "CPU placement").
+    On a machine with few cores the worker's intra-op threads and the other two processes otherwise take turns on the
+    same cores, and a decode step waits for whichever thread was descheduled (docs/design.md, "CPU placement").
 
     Raises:
         OSError: a CPU that does not exist or is not allowed to this process.
@@ -155,14 +148,11 @@ def report(conn: Connection, *msg) -> None:
 def freeze_startup_heap() -> None:
     """Move every object alive now out of the garbage collector's reach (``gc.freeze``).
 
-    Called once start-up is over, before serving. torch, transformers and
-    the tokenizers leave millions of long-lived objects, and each full
-    (generation 2) collection walks all of them: 100-150 ms measured in a
-    process that imported them, during which no other thread of the process
-    runs. In io_proc that stalled the output reader for whole steps, and the
-    worker filled the output ring and waited. Frozen objects are never
-    scanned, so a collection costs what serving allocated since
-    (Python's ``gc.freeze`` documentation recommends exactly this).
+    Called once start-up is over, before serving. torch, transformers and the tokenizers leave millions of long-lived
+    objects, and each full (generation 2) collection walks all of them: 100-150 ms measured in a process that imported
+    them, during which no other thread of the process runs. In io_proc that stalled the output reader for whole steps,
+    and the worker filled the output ring and waited. Frozen objects are never scanned, so a collection costs what
+    serving allocated since (Python's ``gc.freeze`` documentation recommends exactly this).
     """
     gc.collect()
     gc.freeze()
@@ -171,11 +161,9 @@ def freeze_startup_heap() -> None:
 def exit_now(code: int) -> None:
     """Flush the logs and standard streams, then end the process with ``code`` at once.
 
-    A child calls this once it has released everything it holds (rings,
-    sockets, trace files). Skipping the interpreter's own teardown is what
-    makes a stop fast: with torch, transformers and the tokenizers loaded,
-    collecting and finalizing their module graphs costs 1-3 s of CPU per
-    process, for memory the kernel frees anyway.
+    A child calls this once it has released everything it holds (rings, sockets, trace files). Skipping the
+    interpreter's own teardown is what makes a stop fast: with torch, transformers and the tokenizers loaded, collecting
+    and finalizing their module graphs costs 1-3 s of CPU per process, for memory the kernel frees anyway.
     """
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

@@ -1,9 +1,8 @@
 """Fixed-layout records defined by one field table each (docs/step-protocol.md).
 
-A record's table gives every field once: name, dtype, extent and meaning.
-The byte layout, the typed views over a ring entry, the reader's host copy,
-the live-bytes packing and the reference table are all derived from it, so a
-new field is one line in the table plus the code that uses it.
+A record's table gives every field once: name, dtype, extent and meaning. The byte layout, the typed views over a ring
+entry, the reader's host copy, the live-bytes packing and the reference table are all derived from it, so a new field is
+one line in the table plus the code that uses it.
 """
 
 from __future__ import annotations
@@ -25,13 +24,11 @@ class Field:
         name: its name in the layout, the views and the host copy.
         dtype: its numpy dtype on the wire.
         meaning: one line for the reference table.
-        width: elements per entry: a number or the name of a constant or
-            header field holding it; a field wider than 1 is 2-D
-            ``[capacity, width]``.
-        rows: for a uint8 flag, the name under which the host copy holds the
-            indices of its set entries (instead of the flag itself).
-        widen: integers become int64 in the host copy (False: bit patterns,
-            copied as they are).
+        width: elements per entry: a number or the name of a constant or header field holding it; a field wider than 1
+            is 2-D ``[capacity, width]``.
+        rows: for a uint8 flag, the name under which the host copy holds the indices of its set entries (instead of the
+            flag itself).
+        widen: integers become int64 in the host copy (False: bit patterns, copied as they are).
     """
 
     name: str
@@ -83,9 +80,8 @@ class RecordView:
 class HostCopy:
     """The reader's copy of one entry (``Record.read``): header values as ints, live fields as arrays.
 
-    Integer fields are widened to int64 (unless ``widen`` is False); a flag with ``rows`` becomes the
-    indices of its set entries; a group with ``select`` holds the selected
-    entries only.
+    Integer fields are widened to int64 (unless ``widen`` is False); a flag with ``rows`` becomes the indices of its set
+    entries; a group with ``select`` holds the selected entries only.
     """
 
     __slots__ = ()
@@ -101,8 +97,7 @@ class Record:
 
     Attributes:
         name: the record's name ("StepDescriptor").
-        header: int64 values, held in one array ``header``; they include
-            every group's ``count``.
+        header: int64 values, held in one array ``header``; they include every group's ``count``.
         groups: the fields, in layout order.
         constants: named widths and capacities that are not layout arguments.
     """

@@ -1,17 +1,14 @@
 """A single-writer, multi-reader ring of fixed-layout entries in POSIX shared memory.
 
-Ordering and back-pressure use POSIX named semaphores (``posix_ipc``), which
-are full memory barriers: the writer fills an entry, then posts each reader's
-``full`` semaphore; a reader waits on its ``full`` semaphore, reads, then
-posts its ``empty`` semaphore. The writer waits on every reader's ``empty``
-semaphore before reusing an entry, so an entry is rewritten only after every
-reader released it, and a full ring makes the writer wait instead of
-overwriting. Waits sleep in the kernel (futex), so an idle process burns no
-CPU. This is the classic bounded-buffer protocol (Dijkstra), with one
+Ordering and back-pressure use POSIX named semaphores (``posix_ipc``), which are full memory barriers: the writer fills
+an entry, then posts each reader's ``full`` semaphore; a reader waits on its ``full`` semaphore, reads, then posts its
+``empty`` semaphore. The writer waits on every reader's ``empty`` semaphore before reusing an entry, so an entry is
+rewritten only after every reader released it, and a full ring makes the writer wait instead of overwriting. Waits sleep
+in the kernel (futex), so an idle process burns no CPU. This is the classic bounded-buffer protocol (Dijkstra), with one
 ``full``/``empty`` pair per reader so each reader consumes every entry.
 
-Both sides keep their entry index locally: the protocol is FIFO, so the
-writer's n-th publish is every reader's n-th acquire.
+Both sides keep their entry index locally: the protocol is FIFO, so the writer's n-th publish is every reader's n-th
+acquire.
 """
 
 from __future__ import annotations
@@ -40,14 +37,12 @@ class ShmRing(Generic[EntryT]):
         layout: the entry layout.
         num_entries: entries in the ring; size it from the worst case in flight.
         num_readers: readers that must each consume every entry.
-        create: True in the process that creates the segment (the launcher),
-            False in processes that attach to it.
-        wrap: turns an entry's ``{field: view}`` dict into what the acquire
-            calls return (e.g. a typed view class); by default the dict itself.
+        create: True in the process that creates the segment (the launcher), False in processes that attach to it.
+        wrap: turns an entry's ``{field: view}`` dict into what the acquire calls return (e.g. a typed view class); by
+            default the dict itself.
 
     Raises:
-        posix_ipc.ExistentialError: creating a name that exists, or
-            attaching to one that does not.
+        posix_ipc.ExistentialError: creating a name that exists, or attaching to one that does not.
     """
 
     def __init__(
@@ -89,9 +84,8 @@ class ShmRing(Generic[EntryT]):
             timeout: seconds to wait; None waits forever, 0 does not wait.
 
         Raises:
-            RingTimeout: the entry did not become free in time. Semaphores
-                already taken for this entry are kept, so calling again
-                resumes the wait without losing an entry.
+            RingTimeout: the entry did not become free in time. Semaphores already taken for this entry are kept, so
+                calling again resumes the wait without losing an entry.
         """
         while self._write_taken < self.num_readers:
             try:
@@ -135,8 +129,8 @@ class ShmRing(Generic[EntryT]):
     def unlink(self) -> None:
         """Remove the names; the memory lives on until the last process unmaps it.
 
-        Called once every process has attached, so nothing is left behind
-        however the processes end (``kill -9`` included). Idempotent.
+        Called once every process has attached, so nothing is left behind however the processes end (``kill -9``
+        included). Idempotent.
         """
         names = [self.name] + [s.name for s in self._full + self._empty]
         for i, n in enumerate(names):

@@ -1,8 +1,7 @@
 """The StepOutput record: the tokens a step sampled, worker -> scheduler and io_proc.
 
-Defined by the field table ``OUTPUT`` (docs/design.md, "The step protocol");
-``step_protocol`` defines the StepDescriptor and generates docs/step-protocol.md
-from both tables.
+Defined by the field table ``OUTPUT`` (docs/design.md, "The step protocol"); ``step_protocol`` defines the
+StepDescriptor and generates docs/step-protocol.md from both tables.
 """
 
 from __future__ import annotations
@@ -126,11 +125,9 @@ OUTPUT = Record(
 class TokenLogprobs:
     """Log-probabilities of ``N`` chosen tokens (raw model log-softmax).
 
-    ``logprob[i]`` is token ``i``'s own; ``top_ids[i, :k]`` and
-    ``top_logprobs[i, :k]`` its ``k`` most likely alternatives in descending
-    order (``k`` as the request asked; columns past it are unspecified).
-    ``index`` says whose tokens they are: output rows for sampled tokens,
-    request numbers for prompt tokens.
+    ``logprob[i]`` is token ``i``'s own; ``top_ids[i, :k]`` and ``top_logprobs[i, :k]`` its ``k`` most likely
+    alternatives in descending order (``k`` as the request asked; columns past it are unspecified). ``index`` says whose
+    tokens they are: output rows for sampled tokens, request numbers for prompt tokens.
     """
 
     index: np.ndarray  # [N] int64
@@ -144,15 +141,13 @@ class TokenLogprobs:
 class DecodedOutput:
     """One StepOutput copied out of its ring entry: row ``r`` gave ``token_ids[r]`` to ``req_nums[r]``.
 
-    A request whose row verified drafts has one output row per token it got,
-    consecutive and in order. ``draft_matched`` (``[rows]`` uint8, when asked
-    for): the proposer found drafts for the request's next step; ``proposals`` (asked for with it;
-    None: none): ``(req_nums [D], drafts [D, K] int64)``, the drafts each sampled row's next step reads.
-    ``logprobs`` (rows whose request asked, ``index`` = row) and
-    ``prompt_logprobs`` (``index`` = request number, with positions) are None
-    when the step has none or the reader did not ask for them. ``time_ns``
-    and ``continues`` are the header's. ``failed``: the requests whose logits were not finite
-    (``NONFINITE_LOGITS``), which end before their rows here are applied.
+    A request whose row verified drafts has one output row per token it got, consecutive and in order. ``draft_matched``
+    (``[rows]`` uint8, when asked for): the proposer found drafts for the request's next step; ``proposals`` (asked for
+    with it; None: none): ``(req_nums [D], drafts [D, K] int64)``, the drafts each sampled row's next step reads.
+    ``logprobs`` (rows whose request asked, ``index`` = row) and ``prompt_logprobs`` (``index`` = request number, with
+    positions) are None when the step has none or the reader did not ask for them. ``time_ns`` and ``continues`` are the
+    header's. ``failed``: the requests whose logits were not finite (``NONFINITE_LOGITS``), which end before their rows
+    here are applied.
     """
 
     step_id: int
@@ -177,8 +172,8 @@ class StepOutput(OUTPUT.view_base):
 
     @staticmethod
     def layout(max_output_rows: int, max_num_batched_tokens: int, num_speculative_tokens: int = 0) -> Layout:
-        """The entry layout for ``max_output_rows`` rows (``max_num_seqs`` times the most tokens a row gets:
-        ``1 + num_speculative_tokens``) and a step of ``max_num_batched_tokens``."""
+        """The entry layout for ``max_output_rows`` rows (``max_num_seqs`` times the most tokens a row gets: ``1 +
+        num_speculative_tokens``) and a step of ``max_num_batched_tokens``."""
         dims = dict(max_output_rows=max_output_rows, max_num_batched_tokens=max_num_batched_tokens)
         return OUTPUT.layout(dims | dict(max_drafts=max(1, num_speculative_tokens)))
 
@@ -198,11 +193,9 @@ class StepOutput(OUTPUT.view_base):
     ) -> None:
         """Fill the entry with step ``step_id``'s ``[S]`` request numbers and sampled token ids.
 
-        ``logprobs.index`` are output rows; ``prompt_logprobs.index`` request
-        numbers, with ``pos`` set; the rest are the header fields and the
-        worker's counts (left as they are if None), ``draft_matched`` ``[S]`` (None: 0), the
-        ``failed`` request numbers (None: none) and the ``proposals``: ``(req_num [D], drafts [D, K])``
-        (None: none).
+        ``logprobs.index`` are output rows; ``prompt_logprobs.index`` request numbers, with ``pos`` set; the rest are
+        the header fields and the worker's counts (left as they are if None), ``draft_matched`` ``[S]`` (None: 0), the
+        ``failed`` request numbers (None: none) and the ``proposals``: ``(req_num [D], drafts [D, K])`` (None: none).
         """
         n = len(req_nums)
         h = self.header
@@ -238,8 +231,8 @@ class StepOutput(OUTPUT.view_base):
             self.pe_top_logprobs[:m] = prompt_logprobs.top_logprobs
 
     def read(self, logprobs: bool = False, drafts: bool = False, arrays: bool = False) -> DecodedOutput:
-        """Copy the entry out (it may be released right after); log-probabilities and ``draft_matched``
-        only if asked; with ``arrays``, ``req_nums`` and ``token_ids`` as int64 arrays instead of lists."""
+        """Copy the entry out (it may be released right after); log-probabilities and ``draft_matched`` only if asked;
+        with ``arrays``, ``req_nums`` and ``token_ids`` as int64 arrays instead of lists."""
         h = self.header
         n = int(h[_OUT["num_rows"]])
         rows = (self.req_num[:n], self.token_id[:n])

@@ -1,13 +1,11 @@
 """Tensor-parallel shard sizes: how a model's dimensions split over ranks (no torch).
 
-The launcher checks a tensor-parallel size against the model before any
-process starts, and sizes the KV cache per rank, with the same arithmetic the
-worker uses to build its shard (docs/design.md, "Parallelism"). The scheme is
-Megatron-LM's (Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion
-Parameter Language Models Using Model Parallelism", section 3): attention
-heads and the MLP's intermediate dimension are split evenly; vLLM's parallel
-layers were read as a reference for replicating KV heads when there are more
-ranks than KV heads, and for padding the vocabulary to a multiple of the size.
+The launcher checks a tensor-parallel size against the model before any process starts, and sizes the KV cache per rank,
+with the same arithmetic the worker uses to build its shard (docs/design.md, "Parallelism"). The scheme is Megatron-LM's
+(Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using Model Parallelism", section
+3): attention heads and the MLP's intermediate dimension are split evenly; vLLM's parallel layers were read as a
+reference for replicating KV heads when there are more ranks than KV heads, and for padding the vocabulary to a multiple
+of the size.
 """
 
 from __future__ import annotations
@@ -24,13 +22,13 @@ class TPShape:
     Attributes:
         size: ranks (N).
         num_heads: query heads per rank, ``H / N``.
-        num_kv_heads: KV heads per rank: ``KV / N`` when N divides KV, else 1
-            (each KV head replicated on ``N / KV`` ranks).
+        num_kv_heads: KV heads per rank: ``KV / N`` when N divides KV, else 1 (each KV head replicated on ``N / KV``
+            ranks).
         kv_replicas: ranks holding each KV head (1 unless replicated).
         intermediate_size: dense MLP intermediate width per rank, ``I / N`` (0: no dense MLP).
         vocab_size: the model's vocabulary (V).
-        vocab_per_rank: embedding / LM-head rows per rank, ``ceil(V / N)``;
-            the last rank's rows past V are zero padding.
+        vocab_per_rank: embedding / LM-head rows per rank, ``ceil(V / N)``; the last rank's rows past V are zero
+            padding.
         moe_intermediate_size: each expert's intermediate width per rank (0: no experts).
     """
 
@@ -57,15 +55,13 @@ class TPShape:
 
         Args:
             size: tensor-parallel size N >= 1.
-            num_heads, num_kv_heads, intermediate_size, vocab_size: the full
-                model's (``intermediate_size`` 0 when no layer has a dense MLP).
+            num_heads, num_kv_heads, intermediate_size, vocab_size: the full model's (``intermediate_size`` 0 when no
+                layer has a dense MLP).
             moe_intermediate_size: each expert's intermediate width; 0 for a dense model.
 
         Raises:
-            ValueError: N does not divide the attention heads or an
-                intermediate size, or N and the KV heads divide neither one
-                the other (a KV head would straddle two ranks); the message
-                lists the sizes that would work.
+            ValueError: N does not divide the attention heads or an intermediate size, or N and the KV heads divide
+                neither one the other (a KV head would straddle two ranks); the message lists the sizes that would work.
         """
         if size < 1:
             raise ValueError(f"tensor-parallel size must be at least 1, got {size}")

@@ -1,18 +1,14 @@
 """Step timeline: spans recorded by the processes, merged into a Chrome trace.
 
-Every time is ``time.monotonic_ns()`` (one system-wide clock, so spans from
-different processes line up). A span is ``(role, track, name, step_id,
-start_ns, end_ns, cpu_ns)``; ``cpu_ns`` is -1 except on the ``cpu`` track,
-where one span per step covers the wall time since the process's previous
-step and ``cpu_ns`` is the CPU time the whole process (all its threads) spent
-in it: the host cost of a step, per process. Each process records its own
-spans and writes them to ``EngineConfig.trace_path(role)`` when it exits;
-the launcher merges the files.
+Every time is ``time.monotonic_ns()`` (one system-wide clock, so spans from different processes line up). A span is
+``(role, track, name, step_id, start_ns, end_ns, cpu_ns)``; ``cpu_ns`` is -1 except on the ``cpu`` track, where one span
+per step covers the wall time since the process's previous step and ``cpu_ns`` is the CPU time the whole process (all
+its threads) spent in it: the host cost of a step, per process. Each process records its own spans and writes them to
+``EngineConfig.trace_path(role)`` when it exits; the launcher merges the files.
 
-The merged file is Chrome's Trace Event Format (JSON object with
-``traceEvents``, complete events ``"ph": "X"`` in microseconds, one ``pid``
-per process and one ``tid`` per track, and a counter ``"ph": "C"`` of CPU
-per step), which Perfetto and chrome://tracing open.
+The merged file is Chrome's Trace Event Format (JSON object with ``traceEvents``, complete events ``"ph": "X"`` in
+microseconds, one ``pid`` per process and one ``tid`` per track, and a counter ``"ph": "C"`` of CPU per step), which
+Perfetto and chrome://tracing open.
 """
 
 from __future__ import annotations
@@ -123,16 +119,16 @@ def cpu_per_step_us(spans: list[Span]) -> dict[str, np.ndarray]:
 
 
 def token_gaps_us(dev: np.ndarray) -> np.ndarray:
-    """Token gaps in microseconds: start(N+1) − end(N) of consecutive device spans,
-    clamped at 0 (CPU wall-time spans can touch)."""
+    """Token gaps in microseconds: start(N+1) − end(N) of consecutive device spans, clamped at 0 (CPU wall-time spans
+    can touch)."""
     return np.maximum(dev[1:, 0] - dev[:-1, 1], 0) / 1000.0
 
 
 def gap_metrics(dev: np.ndarray) -> dict:
     """Token gap and device-busy fraction over consecutive device spans.
 
-    Token gap as ``token_gaps_us`` (docs/design.md, "Measuring the
-    token gap"); busy fraction = Σ device time / (last end − first start).
+    Token gap as ``token_gaps_us`` (docs/design.md, "Measuring the token gap"); busy fraction = Σ device time / (last
+    end − first start).
 
     Returns:
         ``{"token_gap_us": {p50, p90, p99, max, mean}, "device_busy_fraction"}``

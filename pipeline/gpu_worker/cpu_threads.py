@@ -65,11 +65,11 @@ def _busy_ticks(cpus: set[int]) -> int:
 
 
 def _engine_ticks(background: dict[str, bool | None]) -> int:
-    """Clock ticks used by this process and its siblings (the launcher's other children: the engine), less
-    those of their background threads (``BACKGROUND_THREAD_PREFIX``), which run beside the worker's steps.
+    """Clock ticks used by this process and its siblings (the launcher's other children: the engine), less those of
+    their background threads (``BACKGROUND_THREAD_PREFIX``), which run beside the worker's steps.
 
-    ``background`` maps the thread ids seen at the last look to whether each is one (None: not known yet);
-    it is updated in place.
+    ``background`` maps the thread ids seen at the last look to whether each is one (None: not known yet); it is updated
+    in place.
     """
     ppid = os.getppid()
     try:
@@ -114,10 +114,9 @@ def _cpu_ticks(stat_path: str) -> int:
 class ThreadGovernor:
     """Sets torch's intra-op threads to ``max_threads`` less the CPUs other programs keep busy, at least 1.
 
-    ``check`` runs in the worker's loop, busy or idle, and looks at the load
-    of the last 0.25 s at most that often. The engine's own processes are
-    not other programs, but their background threads are. Without /proc it
-    keeps ``max_threads``.
+    ``check`` runs in the worker's loop, busy or idle, and looks at the load of the last 0.25 s at most that often. The
+    engine's own processes are not other programs, but their background threads are. Without /proc it keeps
+    ``max_threads``.
     """
 
     def __init__(self, max_threads: int, now_ns: int) -> None:

@@ -1,15 +1,12 @@
 """CUDA graphs for decode-only steps (docs/design.md, "CUDA graphs for decode").
 
-A decode step of a small model is bound by kernel launches; a CUDA graph
-replays a step's kernels with one launch (PyTorch, "CUDA Graphs"). A graph
-replays fixed shapes at fixed addresses, so, as vLLM does, graphs are
-captured at start-up for a few batch sizes and a decode-only step of ``B``
-rows runs as the graph of the smallest size ``n >= B``. Inside a graph
-the model attends through ``GraphDecodeBackend`` over static per-row buffers
-(``GraphDecodeInputs``) in its own backend's cache layout; this module owns
-those buffers, the token ids, the logits and the graphs. On CPU nothing is captured: ``run``
-calls the graph body eagerly on the same padded buffers, which is how the
-tests check it against the eager path.
+A decode step of a small model is bound by kernel launches; a CUDA graph replays a step's kernels with one launch
+(PyTorch, "CUDA Graphs"). A graph replays fixed shapes at fixed addresses, so, as vLLM does, graphs are captured at
+start-up for a few batch sizes and a decode-only step of ``B`` rows runs as the graph of the smallest size ``n >= B``.
+Inside a graph the model attends through ``GraphDecodeBackend`` over static per-row buffers (``GraphDecodeInputs``) in
+its own backend's cache layout; this module owns those buffers, the token ids, the logits and the graphs. On CPU nothing
+is captured: ``run`` calls the graph body eagerly on the same padded buffers, which is how the tests check it against
+the eager path.
 """
 
 from __future__ import annotations
@@ -38,8 +35,8 @@ def padded_size(sizes: Sequence[int], num_rows: int) -> int | None:
 
 @dataclasses.dataclass
 class GraphStep:
-    """A decode-only step of ``num_tokens`` rows (one token each), run as the graph of ``size`` rows;
-    ``positions``: ``[num_tokens]`` int64 on the device, the rows' positions."""
+    """A decode-only step of ``num_tokens`` rows (one token each), run as the graph of ``size`` rows; ``positions``:
+    ``[num_tokens]`` int64 on the device, the rows' positions."""
 
     num_tokens: int
     size: int
@@ -58,8 +55,8 @@ class DecodeGraphs:
         model: a model of ``pipeline.gpu_worker.models``, which calls ``attn_backend`` in its layers.
         attn_backend: the model's backend (the graphs attend in its cache layout).
         kv_caches: the model's caches, the padding block included.
-        block_table: ``[max_num_reqs, max_blocks_per_seq]`` int64, the runner's device
-            block table (read by the graphs at this address).
+        block_table: ``[max_num_reqs, max_blocks_per_seq]`` int64, the runner's device block table (read by the graphs
+            at this address).
         sizes: batch sizes to serve, >= 1.
         block_size: tokens per KV block.
         pad_block: the padding block's id, a block the scheduler never hands out.
@@ -105,8 +102,8 @@ class DecodeGraphs:
         return GraphStep(num_tokens=num_rows, size=size, graphs=self, positions=positions)
 
     def run(self, step: GraphStep, input_ids: torch.Tensor) -> torch.Tensor:
-        """Run ``step`` (the latest from ``prepare``): its captured graph, or the body eagerly where none was
-        captured (CPU).
+        """Run ``step`` (the latest from ``prepare``): its captured graph, or the body eagerly where none was captured
+        (CPU).
 
         Args:
             input_ids: ``[B]`` int64 on the device, placeholders resolved.
@@ -133,8 +130,8 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Capture one graph per size on the current CUDA device (PyTorch's ``torch.cuda.graph``).
 
-        The static buffers must hold padding rows only (as after construction),
-        so warm-up and capture write nothing but the padding block.
+        The static buffers must hold padding rows only (as after construction), so warm-up and capture write nothing but
+        the padding block.
         """
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its pool memory

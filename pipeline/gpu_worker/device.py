@@ -1,8 +1,7 @@
 """How the runner moves data to and from its device and marks time there.
 
-On a GPU nothing in ``ModelRunner.launch``
-may make the host wait for the device (docs/design.md, "Nothing in `launch` waits for the device"), so
-every transfer follows one of two patterns, both here:
+On a GPU nothing in ``ModelRunner.launch`` may make the host wait for the device (docs/design.md, "Nothing in `launch`
+waits for the device"), so every transfer follows one of two patterns, both here:
 
 * **host -> device** (``DeviceOps.upload``): host arrays are packed into
   one staging buffer (pinned on CUDA) and copied with ``non_blocking=True``.
@@ -14,9 +13,8 @@ every transfer follows one of two patterns, both here:
   pinned buffer on a separate copy stream, gated by an event recorded after
   the producer; a second event says when the bytes have arrived.
 
-``DeviceOps`` itself is CPU torch: the "device" is host memory, work runs
-when it is called, and nothing is copied. ``CudaOps`` is the GPU.
-``DeviceClock`` maps device events onto ``time.monotonic_ns()``.
+``DeviceOps`` itself is CPU torch: the "device" is host memory, work runs when it is called, and nothing is copied.
+``CudaOps`` is the GPU. ``DeviceClock`` maps device events onto ``time.monotonic_ns()``.
 """
 
 from __future__ import annotations
@@ -39,8 +37,8 @@ class DeviceOps:
 
     Attributes:
         device: where the runner's device tensors live.
-        is_async: True when enqueued work may still be running after the call
-            that enqueued it returns (so events, not wall time, time it).
+        is_async: True when enqueued work may still be running after the call that enqueued it returns (so events, not
+            wall time, time it).
     """
 
     is_async = False
@@ -51,8 +49,7 @@ class DeviceOps:
     def upload(self, arrays: Sequence[np.ndarray], dtype: type = np.int64) -> list[torch.Tensor]:
         """Device copies of ``arrays`` (each cast to ``dtype``: int64, int32 or float32), in order, in one copy.
 
-        On CPU torch these share memory with the cast arrays: callers pass
-        arrays they no longer change.
+        On CPU torch these share memory with the cast arrays: callers pass arrays they no longer change.
         """
         return self.upload_mixed([np.asarray(a, dtype=dtype) for a in arrays])
 
@@ -75,9 +72,8 @@ class DeviceOps:
 class AsyncOps(DeviceOps):
     """A stream-ordered device: staging buffers, non-blocking copies, events.
 
-    Subclasses provide the buffers, events and the copy stream
-    (``host_buffer``, ``new_event``, ``copy_stream_ctx``); the
-    transfer patterns are written once, here.
+    Subclasses provide the buffers, events and the copy stream (``host_buffer``, ``new_event``, ``copy_stream_ctx``);
+    the transfer patterns are written once, here.
     """
 
     is_async = True
@@ -166,12 +162,10 @@ class Staged:
 class UploadBatch:
     """Host arrays from the parts of one step, copied to the device together (docs/design.md, "Host work per step").
 
-    Each part of a step first decides on the host what it will need
-    (``add`` returns a ``Staged`` handle), then ``upload`` makes
-    one staging buffer and one non-blocking copy for all of them, and the
-    parts enqueue their device work reading ``handle.dev``. A copy costs the
-    host a pinned buffer, a device buffer and a copy call whatever its size,
-    so a step pays that once, not once per part.
+    Each part of a step first decides on the host what it will need (``add`` returns a ``Staged`` handle), then
+    ``upload`` makes one staging buffer and one non-blocking copy for all of them, and the parts enqueue their device
+    work reading ``handle.dev``. A copy costs the host a pinned buffer, a device buffer and a copy call whatever its
+    size, so a step pays that once, not once per part.
     """
 
     def __init__(self) -> None:
@@ -200,11 +194,9 @@ def device_ops(device: torch.device) -> DeviceOps:
 class DeviceClock:
     """Maps device events onto ``time.monotonic_ns()`` without waiting for the device.
 
-    CUDA times an event only relative to another (``elapsed_time``, float32
-    milliseconds, about 0.5 us resolution). Timing every event against one
-    event from start-up loses precision with uptime (float32 keeps ~7
-    digits: ~4 us after a minute, ~0.25 ms after an hour). Instead each
-    step is timed against a **reference** that is at most one step old:
+    CUDA times an event only relative to another (``elapsed_time``, float32 milliseconds, about 0.5 us resolution).
+    Timing every event against one event from start-up loses precision with uptime (float32 keeps ~7 digits: ~4 us after
+    a minute, ~0.25 ms after an hour). Instead each step is timed against a **reference** that is at most one step old:
 
     * an **anchor**, recorded when the device is idle (nothing in flight),
       with the host time of recording: the idle stream runs it at once, so
@@ -212,8 +204,8 @@ class DeviceClock:
     * otherwise the previous finished step's end event, whose host time was
       derived the same way.
 
-    So every ``elapsed_time`` spans about one step, and the gap between two
-    consecutive steps is measured directly between their events.
+    So every ``elapsed_time`` spans about one step, and the gap between two consecutive steps is measured directly
+    between their events.
     """
 
     def __init__(self) -> None:

@@ -1,19 +1,15 @@
 """The tensor-parallel process group of one engine's worker ranks, and the descriptor relay between nodes.
 
-Each rank is one gpu_worker process with one device. On one node the ranks
-meet over a private rendezvous: a ``file://`` store in the instance's socket
-directory, which only this user can reach and which needs no free port, and
-their gloo (and NCCL bootstrap) sockets bind 127.0.0.1. Over several nodes
-(``--nnodes``) they meet at the head's TCP store, which listens on
-``master_addr:master_port`` only, in the style of ``torchrun``, and each
-node's sockets bind its address on the route to ``master_addr``. The
-collectives run on gloo for CPU tensors and NCCL for CUDA ones
-(docs/design.md, "Parallelism").
+Each rank is one gpu_worker process with one device. On one node the ranks meet over a private rendezvous: a ``file://``
+store in the instance's socket directory, which only this user can reach and which needs no free port, and their gloo
+(and NCCL bootstrap) sockets bind 127.0.0.1. Over several nodes (``--nnodes``) they meet at the head's TCP store, which
+listens on ``master_addr:master_port`` only, in the style of ``torchrun``, and each node's sockets bind its address on
+the route to ``master_addr``. The collectives run on gloo for CPU tensors and NCCL for CUDA ones (docs/design.md,
+"Parallelism").
 
-A rank on another node cannot map the head's shared-memory descriptor ring,
-so rank 0 relays every descriptor it reads to those ranks with a
-``torch.distributed`` broadcast, as vLLM's message queue does for its remote
-readers (``DescriptorRelay``).
+A rank on another node cannot map the head's shared-memory descriptor ring, so rank 0 relays every descriptor it reads
+to those ranks with a ``torch.distributed`` broadcast, as vLLM's message queue does for its remote readers
+(``DescriptorRelay``).
 """
 
 from __future__ import annotations
@@ -79,14 +75,11 @@ _SHARED_FIELDS = (
 class DescriptorRelay:
     """Rank 0's copy of every StepDescriptor, broadcast to the ranks on other nodes.
 
-    The relay group is a gloo group of rank 0 and every rank not on the
-    head node, apart from the model's group so that relay messages never
-    interleave with the model's collectives. Each message is the packed
-    descriptor (``pack_descriptor``, its
-    live bytes only) as a uint8 CPU tensor: a fixed first broadcast of
-    ``min(4096, entry size)`` bytes holding the header, then one of the rest
-    when the step is larger. Rank 0's sends are asynchronous, so relaying
-    adds the packing and an enqueue to its step, not the network.
+    The relay group is a gloo group of rank 0 and every rank not on the head node, apart from the model's group so that
+    relay messages never interleave with the model's collectives. Each message is the packed descriptor
+    (``pack_descriptor``, its live bytes only) as a uint8 CPU tensor: a fixed first broadcast of ``min(4096, entry
+    size)`` bytes holding the header, then one of the rest when the step is larger. Rank 0's sends are asynchronous, so
+    relaying adds the packing and an enqueue to its step, not the network.
 
     Args:
         config: the engine's configuration (its descriptor layout).
@@ -165,9 +158,8 @@ class DescriptorRelay:
     def receive(self, timeout: float) -> StepDescriptor | None:
         """Ranks on other nodes: the next relayed descriptor, or None after ``timeout`` seconds.
 
-        The returned view stays valid until the next call. A broadcast that
-        has not arrived stays posted, so the next call resumes it. None with
-        ``head_stopped`` set: rank 0 stopped (``send_stop``).
+        The returned view stays valid until the next call. A broadcast that has not arrived stays posted, so the next
+        call resumes it. None with ``head_stopped`` set: rank 0 stopped (``send_stop``).
         """
         if not self._works:
             self._works.append(dist.broadcast(self._buf[: self._first], 0, group=self.group, async_op=True))
@@ -195,11 +187,9 @@ class DescriptorRelay:
 def init_tensor_parallel(config: EngineConfig, rank: int) -> tuple[TPGroup, DescriptorRelay | None]:
     """Join the engine's process group as ``rank``; returns once every rank has joined.
 
-    On CUDA, the rank takes device ``config.device_index(rank)``. With
-    ``config.nnodes > 1`` every rank also joins the relay group; rank 0 and
-    the ranks on other nodes get a ``DescriptorRelay`` (the head's other
-    ranks read the ring and get None), after checking that every node was
-    started with the head's settings.
+    On CUDA, the rank takes device ``config.device_index(rank)``. With ``config.nnodes > 1`` every rank also joins the
+    relay group; rank 0 and the ranks on other nodes get a ``DescriptorRelay`` (the head's other ranks read the ring and
+    get None), after checking that every node was started with the head's settings.
 
     Raises:
         RuntimeError: the rendezvous or the backend failed (from torch.distributed).
@@ -252,9 +242,8 @@ def _check_same_settings(config: EngineConfig, group: dist.ProcessGroup, size: i
 def bind_sockets_to(address: str) -> None:
     """Make gloo's and NCCL's sockets of this process bind ``address`` (an IPv4 address of this host).
 
-    Both pick an interface by name (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``),
-    else by resolving the host name, which lands on loopback only where the
-    host name maps there. A name the user set is kept.
+    Both pick an interface by name (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``), else by resolving the host name,
+    which lands on loopback only where the host name maps there. A name the user set is kept.
     """
     name = interface_of(address)
     if name is None:
@@ -290,8 +279,8 @@ def _route_source(host: str, port: int) -> str:
 def _tcp_store(config: EngineConfig, rank: int) -> dist.TCPStore:
     """The ranks' rendezvous over several nodes: rank 0 serves it on ``master_addr:master_port`` alone.
 
-    torch's own server would listen on every address of the head; this one
-    is handed a socket bound to the address given.
+    torch's own server would listen on every address of the head; this one is handed a socket bound to the address
+    given.
     """
     host, port, world = config.master_addr, config.master_port, config.tensor_parallel_size
     timeout = dist.constants.default_pg_timeout

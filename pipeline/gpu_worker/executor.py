@@ -1,10 +1,8 @@
 """What the model runner drives: the real model or the simulated device.
 
-``ModelRunner`` prepares a step (row
-updates, placeholder resolution, attention metadata) the same way for both;
-an ``Executor`` then turns the resolved inputs into sampled tokens
-(docs/design.md, "The worker"; "The simulated device"). It owns what only
-the forward pass needs (the KV cache).
+``ModelRunner`` prepares a step (row updates, placeholder resolution, attention metadata) the same way for both; an
+``Executor`` then turns the resolved inputs into sampled tokens (docs/design.md, "The worker"; "The simulated device").
+It owns what only the forward pass needs (the KV cache).
 """
 
 from __future__ import annotations
@@ -44,16 +42,12 @@ LogprobTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 class SamplingInputs:
     """How to sample a step's ``S`` sampled rows.
 
-    ``plan.rows`` selects the ``R`` rows with temperature > 0; the six
-    tensors are ``[R]`` on the device, for those rows: ``temperature``,
-    ``top_p`` and ``min_p`` float32, ``top_k`` (0 = off), ``seed`` and
-    ``position`` (of the token being sampled) int64. ``penalties`` says which
-    of the ``S`` rows get penalties and biases first (None: none), read from
-    ``penalty_state``. ``mask_rows`` (``[M]`` int64, None for none) are the
-    rows constrained by a grammar, and ``bitmask`` (``[M, W]``) the tokens
-    each may sample (``apply_token_bitmask``), or ``await_bitmask`` gives it
-    once the forward pass is enqueued (the scheduler writes it after the
-    step: docs/design.md, "Structured output").
+    ``plan.rows`` selects the ``R`` rows with temperature > 0; the six tensors are ``[R]`` on the device, for those
+    rows: ``temperature``, ``top_p`` and ``min_p`` float32, ``top_k`` (0 = off), ``seed`` and ``position`` (of the token
+    being sampled) int64. ``penalties`` says which of the ``S`` rows get penalties and biases first (None: none), read
+    from ``penalty_state``. ``mask_rows`` (``[M]`` int64, None for none) are the rows constrained by a grammar, and
+    ``bitmask`` (``[M, W]``) the tokens each may sample (``apply_token_bitmask``), or ``await_bitmask`` gives it once
+    the forward pass is enqueued (the scheduler writes it after the step: docs/design.md, "Structured output").
     """
 
     plan: SamplingPlan
@@ -70,9 +64,9 @@ class SamplingInputs:
     await_bitmask: Callable[[], torch.Tensor] | None = None
 
     def processed_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """Penalties and biases, then the grammar's mask (last, so that no bias or penalty can bring back a
-        rejected token), on a copy of the raw ``[S, V]`` float32 ``logits``. Waits for the masks if they
-        are still to come (``await_bitmask``), never for the device."""
+        """Penalties and biases, then the grammar's mask (last, so that no bias or penalty can bring back a rejected
+        token), on a copy of the raw ``[S, V]`` float32 ``logits``. Waits for the masks if they are still to come
+        (``await_bitmask``), never for the device."""
         penalized = apply_penalties(logits, self.penalties, self.penalty_state)
         return apply_token_bitmask(penalized, self.mask_rows, self.resolved_bitmask())
 
@@ -88,10 +82,10 @@ class LogprobInputs:
     """Which log-probabilities a step computes (docs/design.md, "The step protocol").
 
     Attributes:
-        rows: ``[L]`` int64 on the device, indices into the ``S`` sampled rows
-            whose request asked for log-probabilities; None for none.
-        prompt_positions: ``[P]`` int64 on the device, step-token indices
-            whose position predicts a wanted prompt token; None for none.
+        rows: ``[L]`` int64 on the device, indices into the ``S`` sampled rows whose request asked for
+            log-probabilities; None for none.
+        prompt_positions: ``[P]`` int64 on the device, step-token indices whose position predicts a wanted prompt token;
+            None for none.
         prompt_targets: ``[P]`` int64 on the device, the prompt token each predicts.
     """
 
@@ -105,15 +99,14 @@ class Executed:
     """Tokens of one enqueued step, and the step's timeline if the executor has its own clock.
 
     Attributes:
-        tokens: ``[S]`` int64 on the device (may still be being computed), one per sampled position
-            (speculating, ``SpecState.after_step`` appends its counts).
-        accepted: ``[V]`` int64 on the device, the accepted drafts of each verified row; None when
-            the step verifies none.
-        logprobs: the ``L`` requested sampled rows' log-probabilities (see
-            ``token_logprobs``), or None.
+        tokens: ``[S]`` int64 on the device (may still be being computed), one per sampled position (speculating,
+            ``SpecState.after_step`` appends its counts).
+        accepted: ``[V]`` int64 on the device, the accepted drafts of each verified row; None when the step verifies
+            none.
+        logprobs: the ``L`` requested sampled rows' log-probabilities (see ``token_logprobs``), or None.
         prompt_logprobs: the ``P`` prompt positions' log-probabilities, or None.
-        nonfinite: ``[S']`` bool on the device, whether each sampled position's raw logits hold a NaN
-            or an infinity; None: not checked (the simulated device has no logits).
+        nonfinite: ``[S']`` bool on the device, whether each sampled position's raw logits hold a NaN or an infinity;
+            None: not checked (the simulated device has no logits).
         done: fires when the tokens exist (the simulated device); None otherwise.
         device_start_ns, device_end_ns: the simulated timeline (``time.monotonic_ns()``); 0 otherwise.
     """
@@ -131,9 +124,8 @@ class Executed:
 def sample_tokens(logits: torch.Tensor, s: SamplingInputs) -> torch.Tensor:
     """``[S]`` int64 token ids, below ``V``, from the sampled rows' raw ``[S, V]`` float32 logits (left unchanged).
 
-    ``SamplingInputs.processed_logits``, then sampling. Seeded noise is keyed by the sampled token's
-    position, so a request draws the same noise whatever batch it is in. Defined for any logits, NaN and
-    infinities included.
+    ``SamplingInputs.processed_logits``, then sampling. Seeded noise is keyed by the sampled token's position, so a
+    request draws the same noise whatever batch it is in. Defined for any logits, NaN and infinities included.
     """
     processed = s.processed_logits(logits)
     return sample_rows(processed, s.plan, s.temperature, s.top_p, s.top_k, s.seed, s.position, s.min_p)
@@ -186,8 +178,8 @@ class Executor(ABC):
     """Forward and sample, given a step's resolved inputs and its metadata.
 
     Attributes:
-        attn_backend: builds the step's attention metadata (the runner calls
-            it; the simulated device uses it for the host cost and positions).
+        attn_backend: builds the step's attention metadata (the runner calls it; the simulated device uses it for the
+            host cost and positions).
         vocab_size: token ids must be below it (None: no limit of its own).
         max_positions: positions must be below it (None: no limit of its own).
     """
@@ -217,8 +209,8 @@ class Executor(ABC):
         Args:
             input_ids: ``[T]`` int64 on the device, placeholders and drafts resolved.
             meta: the step's attention metadata, on the device.
-            last: ``[S]`` int64 on the device, step-token index of each sampled position (a
-                sampled row's last token; with drafts, its last ``1 + K`` tokens).
+            last: ``[S]`` int64 on the device, step-token index of each sampled position (a sampled row's last token;
+                with drafts, its last ``1 + K`` tokens).
             sampling: how to sample those positions.
             logprobs: which log-probabilities to compute, from the same forward.
             verify: the rows whose drafts are verified (docs/design.md, "Speculative decoding"), or None.
@@ -234,13 +226,12 @@ class ModelExecutor(Executor):
         device: where the model lives.
         dtype: the KV cache dtype (the model's).
 
-    The KV cache holds ``PAD_BLOCKS`` blocks beyond ``config.num_kv_blocks``.
-    ``graphs`` serves decode-only steps once ``capture_decode_graphs`` made them.
+    The KV cache holds ``PAD_BLOCKS`` blocks beyond ``config.num_kv_blocks``. ``graphs`` serves decode-only steps once
+    ``capture_decode_graphs`` made them.
 
     Raises:
-        ValueError: ``config.max_model_len`` exceeds the model's
-            ``max_position_embeddings`` (a position past the RoPE table is an
-            asynchronous device assert on CUDA, so it is refused up front).
+        ValueError: ``config.max_model_len`` exceeds the model's ``max_position_embeddings`` (a position past the RoPE
+            table is an asynchronous device assert on CUDA, so it is refused up front).
     """
 
     def __init__(self, config: EngineConfig, model, device: torch.device, dtype: torch.dtype):
@@ -261,9 +252,8 @@ class ModelExecutor(Executor):
     def warm_up(self, upload: Upload) -> None:
         """Run one step, a 2-token prefill chunk beside a decode row, to its greedy tokens on the host.
 
-        Both rows read and write only the padding block. The first request's
-        step then pays none of the first-call costs (the attention kernel's and
-        the linear algebra libraries' set-up, the allocator's first blocks).
+        Both rows read and write only the padding block. The first request's step then pays none of the first-call costs
+        (the attention kernel's and the linear algebra libraries' set-up, the allocator's first blocks).
         """
         cols = cdiv(2, self.block_size)
         layout = StepLayout.build([2, 1], [0, 1], [0, 1], self.block_size, cols)
@@ -275,8 +265,8 @@ class ModelExecutor(Executor):
     def capture_decode_graphs(self, block_table: torch.Tensor, sizes: Sequence[int]) -> DecodeGraphs:
         """Serve decode-only steps of up to ``max(sizes)`` rows through CUDA graphs, captured now on CUDA.
 
-        Call once, after the runner's block table exists (``[max_num_reqs, max_blocks_per_seq]`` int64 on
-        the device). On CPU nothing is captured and graph steps run the graph body eagerly.
+        Call once, after the runner's block table exists (``[max_num_reqs, max_blocks_per_seq]`` int64 on the device).
+        On CPU nothing is captured and graph steps run the graph body eagerly.
 
         Raises:
             ValueError, NotImplementedError: as ``DecodeGraphs``.
@@ -336,18 +326,15 @@ class ModelExecutor(Executor):
 class SimExecutor(Executor):
     """The simulated device: deterministic tokens, computed timeline (see ``.sim_device``).
 
-    Its "device" is host memory, so it reads the resolved inputs directly
-    (a real device would compute the tokens on the device). Sampling
-    parameters, penalties and biases are ignored. Log-probabilities are deterministic stand-ins
-    (``sim_logprobs``) of the same
-    shapes, so the async-equals-lock-step tests cover their path. A constrained row draws the allowed
-    token nearest to its own (``nearest_allowed``), so grammars cost the host what they would.
+    Its "device" is host memory, so it reads the resolved inputs directly (a real device would compute the tokens on the
+    device). Sampling parameters, penalties and biases are ignored. Log-probabilities are deterministic stand-ins
+    (``sim_logprobs``) of the same shapes, so the async-equals-lock-step tests cover their path. A constrained row draws
+    the allowed token nearest to its own (``nearest_allowed``), so grammars cost the host what they would.
 
     Args:
         sim: the simulated device's timeline.
-        attn_backend: builds the step's metadata, as it would for a model
-            (docs/design.md, "The simulated device"); default
-            ``default_backend``.
+        attn_backend: builds the step's metadata, as it would for a model (docs/design.md, "The simulated device");
+            default ``default_backend``.
     """
 
     def __init__(self, sim: SimulatedDevice, attn_backend: AttentionBackend | None = None):

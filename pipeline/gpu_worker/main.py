@@ -1,12 +1,10 @@
 """gpu_worker: the only process that touches the device.
 
-Loop: publish every launched step whose tokens have reached the host, then
-take the next StepDescriptor and launch it; with as many steps pending as the
-scheduler keeps in flight, wait for the oldest one instead (no descriptor can
-come before its output). With a CUDA device, step N+1 is
-launched while N still runs (the scheduler queues it ahead), so the device
-never waits for the host; on CPU torch each launch runs to completion, and
-the overlap is the scheduler planning N+1 during N's forward.
+Loop: publish every launched step whose tokens have reached the host, then take the next StepDescriptor and launch it;
+with as many steps pending as the scheduler keeps in flight, wait for the oldest one instead (no descriptor can come
+before its output). With a CUDA device, step N+1 is launched while N still runs (the scheduler queues it ahead), so the
+device never waits for the host; on CPU torch each launch runs to completion, and the overlap is the scheduler planning
+N+1 during N's forward.
 """
 
 from __future__ import annotations
@@ -48,18 +46,14 @@ _BUSY_POLL_S = 0.0002
 class WorkerProc:
     """Owns the model runner and its rings; ``run`` is the process body.
 
-    With ``config.trace`` it records, per step, the host spans ``prepare``
-    (descriptor read to inputs ready) and ``launch`` (inputs ready to the
-    step enqueued) and the ``device`` span, and writes them to
+    With ``config.trace`` it records, per step, the host spans ``prepare`` (descriptor read to inputs ready) and
+    ``launch`` (inputs ready to the step enqueued) and the ``device`` span, and writes them to
     ``config.trace_path(role)`` in ``close``.
 
-    Under tensor parallelism every rank runs this loop on the same
-    descriptors (rank ``r`` on the head node reads as descriptor-ring reader
-    ``r``) and samples the same tokens into its own token-id cache; only
-    rank 0 has ``out_ring`` and publishes the StepOutput. Over several nodes
-    rank 0 also relays each descriptor to the other nodes' ranks, which have
-    no ``desc_ring`` and receive from ``relay`` instead (docs/design.md,
-    "Parallelism").
+    Under tensor parallelism every rank runs this loop on the same descriptors (rank ``r`` on the head node reads as
+    descriptor-ring reader ``r``) and samples the same tokens into its own token-id cache; only rank 0 has ``out_ring``
+    and publishes the StepOutput. Over several nodes rank 0 also relays each descriptor to the other nodes' ranks, which
+    have no ``desc_ring`` and receive from ``relay`` instead (docs/design.md, "Parallelism").
     """
 
     def __init__(
@@ -94,8 +88,8 @@ class WorkerProc:
         """Run steps until ``stop.is_set()`` or, on a node other than the head, until rank 0 stops.
 
         Raises:
-            Exception: whatever a launch raised (a failing forward pass,
-                ``StaleTokenError``); the process reports it and exits with 1.
+            Exception: whatever a launch raised (a failing forward pass, ``StaleTokenError``); the process reports it
+                and exits with 1.
         """
         self.runner.masks = MaskReader(self.mask_ring, self.rank, stop, self.relay)
         try:
@@ -149,8 +143,7 @@ class WorkerProc:
             self._publish(self.runner.finish(self.pending.popleft()), stop)
 
     def _publish(self, step: LaunchedStep, stop: StopFlag) -> None:
-        """Write ``step``'s sampled tokens and log-probabilities into the output ring (rank 0; other ranks
-        only trace)."""
+        """Write ``step``'s sampled tokens and log-probabilities into the output ring (rank 0; others trace)."""
         if self.clock is not None:
             self.clock.step(step.device_start_ns, step.device_end_ns, step.continues)
         while self.out_ring is not None:
@@ -205,14 +198,12 @@ class WorkerProc:
 def load_runner(config: EngineConfig, rank: int = 0) -> tuple[ModelRunner, DescriptorRelay | None]:
     """Load the model named by ``config`` (rank ``rank``'s shard under tensor parallelism) and build its runner.
 
-    With ``config.tensor_parallel_size > 1`` this first joins the ranks'
-    process group, so it returns only once every rank has started. Returns
-    the runner and, over several nodes, rank 0's or a remote rank's
-    descriptor relay (else None).
+    With ``config.tensor_parallel_size > 1`` this first joins the ranks' process group, so it returns only once every
+    rank has started. Returns the runner and, over several nodes, rank 0's or a remote rank's descriptor relay (else
+    None).
 
     Raises:
-        ValueError: the model cannot be loaded as configured, or another
-            node's settings differ from the head's.
+        ValueError: the model cannot be loaded as configured, or another node's settings differ from the head's.
         RuntimeError: the rendezvous failed.
     """
     device = torch.device("cuda", config.device_index(rank)) if config.device == "cuda" else torch.device("cpu")
@@ -257,8 +248,8 @@ def load_runner(config: EngineConfig, rank: int = 0) -> tuple[ModelRunner, Descr
 
 
 def run_gpu_worker(config: EngineConfig, status_conn, stop: StopFlag, rank: int = 0) -> int:
-    """Process body of gpu_worker rank ``rank`` (see ``pipeline.child``): run steps until ``stop``;
-    returns the exit status."""
+    """Process body of gpu_worker rank ``rank`` (see ``pipeline.child``): run steps until ``stop``; returns the exit
+    status."""
     role = config.worker_role(rank)
     # The rings live on the head node; ranks elsewhere get the descriptors from the relay.
     desc_ring = config.descriptor_ring() if config.is_head else None

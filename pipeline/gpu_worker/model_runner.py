@@ -1,9 +1,8 @@
 """Turns a StepDescriptor into enqueued device work and, later, host tokens.
 
-``ModelRunner.launch`` first decides on the host everything the step
-needs from the device and stages those arrays in one
-``UploadBatch``, copied up at once; it then
-runs four named steps (docs/design.md, "The step protocol"; "The worker"):
+``ModelRunner.launch`` first decides on the host everything the step needs from the device and stages those arrays in
+one ``UploadBatch``, copied up at once; it then runs four named steps (docs/design.md, "The step protocol"; "The
+worker"):
 
 1. ``InputBatch.write``: new block-table entries and the sampling parameters
    of rows new at their req_index, written on the device;
@@ -19,11 +18,10 @@ runs four named steps (docs/design.md, "The step protocol"; "The worker"):
    log-probabilities travel together to pinned host memory on a copy stream
    (one copy); an event says when.
 
-On a GPU none of these waits for the device: inputs go up through pinned
-staging buffers, decisions are taken from host copies of the descriptor and
-of the per-request parameters, and nothing device-side is read on the host until
-``ModelRunner.finish``, which the worker calls once the step's event has
-fired. ``tests/unit/test_no_host_sync.py`` guards this.
+On a GPU none of these waits for the device: inputs go up through pinned staging buffers, decisions are taken from host
+copies of the descriptor and of the per-request parameters, and nothing device-side is read on the host until
+``ModelRunner.finish``, which the worker calls once the step's event has fired. ``tests/unit/test_no_host_sync.py``
+guards this.
 """
 
 from __future__ import annotations
@@ -71,9 +69,8 @@ class _Placeholders:
 class _Sampling:
     """A step's sampling decided on the host (staged arrays; None: not needed).
 
-    ``last``/``sample_req_indices [S]``: step-token index and req_index of each sampled
-    row. ``hot [R]``: the sampled rows with temperature > 0, with their
-    ``hot_req_indices`` and ``positions``, and host copies of their ``top_k``,
+    ``last``/``sample_req_indices [S]``: step-token index and req_index of each sampled row. ``hot [R]``: the sampled
+    rows with temperature > 0, with their ``hot_req_indices`` and ``positions``, and host copies of their ``top_k``,
     ``top_p`` and ``min_p`` for the ``SamplingPlan``.
     """
 
@@ -105,17 +102,16 @@ class ModelRunner:
 
     Args:
         config: the engine configuration (rows, blocks, block size).
-        executor: the real model (``ModelExecutor``)
-            or the simulated device (``SimExecutor``,
-            which replaces only the forward pass and the sampling kernel).
+        executor: the real model (``ModelExecutor``) or the simulated device (``SimExecutor``, which replaces only the
+            forward pass and the sampling kernel).
         device: where the model and all per-request state live.
         ops: how data moves to and from ``device``; default ``device_ops``.
-        draft_model: with ``--speculative-config``'s ``draft_model``, the draft (on ``device``); its KV
-            cache is made here.
+        draft_model: with ``--speculative-config``'s ``draft_model``, the draft (on ``device``); its KV cache is made
+            here.
 
     Attributes:
-        masks: reads the bitmasks of a step's constrained rows before it samples; a step with some
-            needs it set (the worker sets it).
+        masks: reads the bitmasks of a step's constrained rows before it samples; a step with some needs it set (the
+            worker sets it).
     """
 
     def __init__(
@@ -151,23 +147,18 @@ class ModelRunner:
     def launch(self, x: StepInputs, prepare_start_ns: int, meanwhile: Callable[[], None] | None = None) -> LaunchedStep:
         """Enqueue step ``x`` on the device: state updates, forward, sampling, host copy.
 
-        ``prepare_start_ns`` (``time.monotonic_ns()``) is when the worker
-        started reading the step; it goes into the step's trace spans.
-        ``meanwhile`` runs once the forward is enqueued, before the step's
-        bookkeeping (speculation's, the host copy), and with speculation again
-        before the drafting: the worker publishes the outputs of earlier steps
-        there, which the next step's planning waits for. Every
-        tensor the step reads is written in stream order before it, so
-        per-request state of steps still queued is never changed under them.
+        ``prepare_start_ns`` (``time.monotonic_ns()``) is when the worker started reading the step; it goes into the
+        step's trace spans. ``meanwhile`` runs once the forward is enqueued, before the step's bookkeeping
+        (speculation's, the host copy), and with speculation again before the drafting: the worker publishes the outputs
+        of earlier steps there, which the next step's planning waits for. Every tensor the step reads is written in
+        stream order before it, so per-request state of steps still queued is never changed under them.
 
-        Every part of the step first decides on the host what it needs and
-        stages its arrays; one upload then copies them all (the attention
-        metadata makes the step's only other copy), and the device work
-        follows in stream order.
+        Every part of the step first decides on the host what it needs and stages its arrays; one upload then copies
+        them all (the attention metadata makes the step's only other copy), and the device work follows in stream order.
 
         Raises:
-            ValueError: a token id or position the model cannot take (checked
-                on the host: on CUDA it would be an asynchronous device assert).
+            ValueError: a token id or position the model cannot take (checked on the host: on CUDA it would be an
+                asynchronous device assert).
         """
         step = LaunchedStep(step_id=x.step_id, req_num=x.req_num[x.sample_rows], prepare_start_ns=prepare_start_ns)
         if self.ops.is_async and self._in_flight == 0:
@@ -222,9 +213,8 @@ class ModelRunner:
     def _resolve_placeholders(self, ph: _Placeholders, step: LaunchedStep) -> torch.Tensor:
         """``[T]`` int64 device input ids, placeholders read from the token-id cache.
 
-        In poison mode each consumed cache entry is overwritten with
-        ``POISON_TOKEN_ID``, and the step gets, per placeholder, a device
-        flag "read a poisoned entry" that ``finish`` checks (``add_stale``).
+        In poison mode each consumed cache entry is overwritten with ``POISON_TOKEN_ID``, and the step gets, per
+        placeholder, a device flag "read a poisoned entry" that ``finish`` checks (``add_stale``).
         """
         input_ids = ph.token_ids.dev
         if ph.index is None:
@@ -242,13 +232,10 @@ class ModelRunner:
     def _stage_sampling(self, x: StepInputs, batch: UploadBatch, spec: SpecStep | None) -> _Sampling:
         """Stage what sampling the step's sampled positions need, decided on the host.
 
-        Which positions are greedy, what filtering runs and which get
-        penalties is decided from the host mirror of the rows' parameters
-        and the descriptor's positions; the values are gathered from the
-        device copy in ``_sampling_inputs``. A batch where no row
-        samples with temperature, or none has penalties, skips that planning.
-        A sampled row has one position, or with drafts ``1 + K``
-        (``SampledPositions``).
+        Which positions are greedy, what filtering runs and which get penalties is decided from the host mirror of the
+        rows' parameters and the descriptor's positions; the values are gathered from the device copy in
+        ``_sampling_inputs``. A batch where no row samples with temperature, or none has penalties, skips that planning.
+        A sampled row has one position, or with drafts ``1 + K`` (``SampledPositions``).
         """
         rows = x.sample_rows
         sample_req_indices = x.req_index[rows]
@@ -309,9 +296,8 @@ class ModelRunner:
     ) -> SamplingInputs:
         """The ``SamplingInputs`` of a staged plan (its batch uploaded): parameters gathered on the device.
 
-        ``shift`` moves shifted rows' positions back (the noise is keyed by the true one). The bitmasks
-        of step ``step_id``'s constrained rows are read when its sampling needs them (``meanwhile``: as
-        ``launch``).
+        ``shift`` moves shifted rows' positions back (the noise is keyed by the true one). The bitmasks of step
+        ``step_id``'s constrained rows are read when its sampling needs them (``meanwhile``: as ``launch``).
         """
         s = self.input_batch
         if st.hot is None:
@@ -349,9 +335,8 @@ class ModelRunner:
     ) -> _Logprobs:
         """Stage which sampled positions and prompt positions get log-probabilities, decided on the host.
 
-        Sampled positions come from the host mirror of the rows' ``logprobs``
-        (skipped when no row wants any); prompt positions from the
-        descriptor (``PromptLogprobPlan``).
+        Sampled positions come from the host mirror of the rows' ``logprobs`` (skipped when no row wants any); prompt
+        positions from the descriptor (``PromptLogprobPlan``).
         """
         out = _Logprobs()
         wants = self.input_batch.host_logprobs[x.req_index[x.sample_rows]] >= 0 if self.input_batch.any_logprobs else ()
@@ -377,9 +362,9 @@ class ModelRunner:
         device_start: int | None = None,
         meanwhile: Callable[[], None] | None = None,
     ) -> Executed:
-        """Build the attention metadata, run the executor, write the token-id cache (and, speculating, the
-        rest of the rows' state and their next drafts). ``device_start``: when the step's device work
-        began, if before this (``step.start_event`` then recorded); ``meanwhile``: as ``launch``."""
+        """Build the attention metadata, run the executor, write the token-id cache (and, speculating, the rest of the
+        rows' state and their next drafts). ``device_start``: when the step's device work began, if before this
+        (``step.start_event`` then recorded); ``meanwhile``: as ``launch``."""
         layout = StepLayout.build(
             x.num_scheduled_tokens,
             x.start_pos,
@@ -419,8 +404,8 @@ class ModelRunner:
         return executed
 
     def _upload_masks(self, step_id: int, num_masks: int, meanwhile: Callable[[], None] | None) -> torch.Tensor:
-        """``[M, W]`` int64 (int32 words, widened) on the device: step ``step_id``'s bitmasks, once written
-        (a non-blocking copy, in stream order before the sampling)."""
+        """``[M, W]`` int64 (int32 words, widened) on the device: step ``step_id``'s bitmasks, once written (a
+        non-blocking copy, in stream order before the sampling)."""
         return self.ops.upload([self.masks.read(step_id, num_masks, meanwhile)])[0]
 
     def finish(self, step: LaunchedStep) -> LaunchedStep:

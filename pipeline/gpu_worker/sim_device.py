@@ -1,24 +1,19 @@
 """The simulated device: a CUDA-stream stand-in for measuring host overhead.
 
-It replaces only the forward pass and the sampling kernel (docs/design.md,
-"The simulated device"). Work enqueued on it returns at once and runs in
-order "in the background": a step enqueued at host time ``t`` starts at
-``max(t, end of the previous step)`` and lasts ``step_us + token_us ×
-tokens`` microseconds. The timeline is computed, not slept through, so no
-thread competes with the worker's host code for the GIL or a core; only
-waiting for an event sleeps, until the time that event completes.
+It replaces only the forward pass and the sampling kernel (docs/design.md, "The simulated device"). Work enqueued on it
+returns at once and runs in order "in the background": a step enqueued at host time ``t`` starts at ``max(t, end of the
+previous step)`` and lasts ``step_us + token_us × tokens`` microseconds. The timeline is computed, not slept through, so
+no thread competes with the worker's host code for the GIL or a core; only waiting for an event sleeps, until the time
+that event completes.
 
-Tokens are deterministic: the token sampled after position ``p`` whose
-input token is ``x`` is a hash of ``(x, p)``, mapped onto ordinary words of
-the real vocabulary. Every token therefore depends on the whole chain
-before it, so a placeholder resolved to a wrong token changes all later
-output, which is what the async-equals-sync tests need to see. Its
-log-probabilities are stand-ins derived the same way (``sim_logprobs``).
+Tokens are deterministic: the token sampled after position ``p`` whose input token is ``x`` is a hash of ``(x, p)``,
+mapped onto ordinary words of the real vocabulary. Every token therefore depends on the whole chain before it, so a
+placeholder resolved to a wrong token changes all later output, which is what the async-equals-sync tests need to see.
+Its log-probabilities are stand-ins derived the same way (``sim_logprobs``).
 
-With speculative decoding its drafts (``sim_drafts``) are the chain's
-own next tokens, each right with a configured probability and decided by a
-hash, so that the token gap and the accepted lengths can be measured without
-a model; verification is the real comparison with the chain's tokens.
+With speculative decoding its drafts (``sim_drafts``) are the chain's own next tokens, each right with a configured
+probability and decided by a hash, so that the token gap and the accepted lengths can be measured without a model;
+verification is the real comparison with the chain's tokens.
 """
 
 from __future__ import annotations
@@ -92,9 +87,9 @@ def _word(h: np.ndarray) -> np.ndarray:
 
 
 def sim_drafts(last_ids: np.ndarray, last_positions: np.ndarray, k: int, acceptance: float) -> np.ndarray:
-    """``[R, k]`` int64 drafts continuing each row: draft ``i`` is the chain's ``i``-th next token after the
-    row's last when the high half of that token's hash falls below ``acceptance``, else the word beside it,
-    which verification rejects (and with it every later draft: a row accepts its leading right drafts).
+    """``[R, k]`` int64 drafts continuing each row: draft ``i`` is the chain's ``i``-th next token after the row's last
+    when the high half of that token's hash falls below ``acceptance``, else the word beside it, which verification
+    rejects (and with it every later draft: a row accepts its leading right drafts).
 
     Args:
         last_ids: ``[R]`` int64, each row's last token (the newest sampled).
@@ -137,12 +132,10 @@ def sim_logprobs(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Deterministic stand-in log-probabilities of ``targets``, each following (input token, position).
 
-    The simulated model's most likely token after ``(x, p)`` is
-    ``sim_next_tokens``'s, with a log-probability in (-1.05, -0.05]
-    hashed from ``(x, p)``; its other ``MAX_LOGPROBS - 1`` alternatives are
-    distinct word ids, each 0.5 below the previous. A target among them gets
-    its listed value, any other a value below all of them. Like the real
-    values they depend only on the inputs, never on the batch.
+    The simulated model's most likely token after ``(x, p)`` is ``sim_next_tokens``'s, with a log-probability in (-1.05,
+    -0.05] hashed from ``(x, p)``; its other ``MAX_LOGPROBS - 1`` alternatives are distinct word ids, each 0.5 below the
+    previous. A target among them gets its listed value, any other a value below all of them. Like the real values they
+    depend only on the inputs, never on the batch.
 
     Args:
         input_ids: ``[N]`` int64, the token at the predicting position.

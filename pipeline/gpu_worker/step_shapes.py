@@ -1,10 +1,9 @@
 """The composition of every step the worker ran, for replay without the runtime.
 
-``pipeline-bench --bound`` needs what each step asked of the model: per row,
-the tokens scheduled, the position of the first, and whether its last token
-is sampled. The worker appends each step's rows here (three small array
-copies per step, only when ``EngineConfig.step_shapes_file`` is set) and
-saves them on exit (docs/design.md, "Measuring the token gap").
+``pipeline-bench --bound`` needs what each step asked of the model: per row, the tokens scheduled, the position of the
+first, and whether its last token is sampled. The worker appends each step's rows here (three small array copies per
+step, only when ``EngineConfig.step_shapes_file`` is set) and saves them on exit (docs/design.md, "Measuring the token
+gap").
 """
 
 from __future__ import annotations

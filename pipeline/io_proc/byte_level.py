@@ -1,12 +1,9 @@
 """Byte-level BPE vocabularies (GPT-2, Llama 3, SmolLM): each token's bytes, computed once.
 
-Such a vocabulary spells every byte as one printable character (GPT-2's
-``bytes_to_unicode`` alphabet), and the tokenizer's ``ByteLevel`` decoder
-maps a token's characters back to bytes and decodes the bytes of a whole
-sequence as UTF-8, lossily. A token's bytes therefore do not depend on its
-neighbours, so they can be tabulated per id; that is what lets
-``ByteLevelDetokenizer`` turn most tokens
-into text with one list lookup.
+Such a vocabulary spells every byte as one printable character (GPT-2's ``bytes_to_unicode`` alphabet), and the
+tokenizer's ``ByteLevel`` decoder maps a token's characters back to bytes and decodes the bytes of a whole sequence as
+UTF-8, lossily. A token's bytes therefore do not depend on its neighbours, so they can be tabulated per id; that is what
+lets ``ByteLevelDetokenizer`` turn most tokens into text with one list lookup.
 """
 
 from __future__ import annotations
@@ -19,9 +16,8 @@ from tokenizers.decoders import ByteLevel
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table that byte-level BPE vocabularies are written in.
 
-    From OpenAI's GPT-2 ``encoder.py`` (also ``tokenizers``' ``ByteLevel``):
-    printable Latin-1 bytes stand for themselves, the other 68 bytes for
-    ``chr(256 + n)`` in byte order.
+    From OpenAI's GPT-2 ``encoder.py`` (also ``tokenizers``' ``ByteLevel``): printable Latin-1 bytes stand for
+    themselves, the other 68 bytes for ``chr(256 + n)`` in byte order.
     """
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs, n = bs[:], 0
@@ -40,9 +36,8 @@ UNICODE_TO_BYTE: dict[str, int] = {c: b for b, c in _bytes_to_unicode().items()}
 def token_bytes(token: str) -> bytes:
     """The bytes the ``ByteLevel`` decoder makes of one token's string.
 
-    As ``tokenizers``' ``ByteLevel::decode_chain``: the bytes its characters
-    stand for if every character is in the alphabet, else the string's own
-    UTF-8 (an added token such as ``"<|im_end|>"`` or one with other characters).
+    As ``tokenizers``' ``ByteLevel::decode_chain``: the bytes its characters stand for if every character is in the
+    alphabet, else the string's own UTF-8 (an added token such as ``"<|im_end|>"`` or one with other characters).
     """
     try:
         return bytes([UNICODE_TO_BYTE[c] for c in token])
@@ -53,9 +48,8 @@ def token_bytes(token: str) -> bytes:
 def is_byte_level(tokenizer: Any) -> bool:
     """True if ``tokenizer`` (a ``tokenizers.Tokenizer``) decodes with exactly a ``ByteLevel`` decoder.
 
-    Only then does ``ByteLevelVocab`` describe its decoding; a sequence
-    of decoders or any other decoder (SentencePiece's ``Metaspace``,
-    ``WordPiece``, ...) does not qualify.
+    Only then does ``ByteLevelVocab`` describe its decoding; a sequence of decoders or any other decoder
+    (SentencePiece's ``Metaspace``, ``WordPiece``, ...) does not qualify.
     """
     return isinstance(tokenizer.decoder, ByteLevel)
 
@@ -63,8 +57,8 @@ def is_byte_level(tokenizer: Any) -> bool:
 class ByteLevelVocab:
     """Per token id, the bytes and (when they stand alone as text) the text that decoding gives it.
 
-    Built once per tokenizer (about 0.1 s for 128k tokens) and then only
-    read, so one instance serves every request on any thread.
+    Built once per tokenizer (about 0.1 s for 128k tokens) and then only read, so one instance serves every request on
+    any thread.
 
     Args:
         tokenizer: a ``tokenizers.Tokenizer`` for which ``is_byte_level`` holds.
@@ -73,12 +67,10 @@ class ByteLevelVocab:
         ValueError: the tokenizer's decoder is not ``ByteLevel``.
 
     Attributes:
-        texts: ``texts[id]`` is the token's text when its bytes are complete
-            UTF-8 whose last character is not U+FFFD (so a decoder that sees
-            it after a character boundary emits it at once, whole), ``""``
-            for a special token or an id with no token (``DecodeStream`` with
-            ``skip_special_tokens`` drops both), and None otherwise (a piece
-            of a multi-byte character: it needs the bytes around it).
+        texts: ``texts[id]`` is the token's text when its bytes are complete UTF-8 whose last character is not U+FFFD
+            (so a decoder that sees it after a character boundary emits it at once, whole), ``""`` for a special token
+            or an id with no token (``DecodeStream`` with ``skip_special_tokens`` drops both), and None otherwise (a
+            piece of a multi-byte character: it needs the bytes around it).
     """
 
     __slots__ = ("_bytes", "texts")

@@ -1,13 +1,10 @@
 """Output token ids -> client text: incremental detokenization, stop strings, finish.
 
-Everything here runs on io_proc's output-reader thread, one object set per
-request. Two detokenizers give the same text, chosen per tokenizer at
-start-up (``new_detokenizer``): for a byte-level BPE tokenizer (decoder
-``ByteLevel``: GPT-2, Llama 3, SmolLM) ``ByteLevelDetokenizer`` looks
-each token's text up in a table built once (about 0.2 us per token); for
-every other decoder ``IncrementalDetokenizer`` runs the ``tokenizers``
-library's streaming decoder (``DecodeStream``, in Rust, as vLLM uses it;
-about 1 us per token, which at a batch of 1024 is a millisecond per step).
+Everything here runs on io_proc's output-reader thread, one object set per request. Two detokenizers give the same text,
+chosen per tokenizer at start-up (``new_detokenizer``): for a byte-level BPE tokenizer (decoder ``ByteLevel``: GPT-2,
+Llama 3, SmolLM) ``ByteLevelDetokenizer`` looks each token's text up in a table built once (about 0.2 us per token); for
+every other decoder ``IncrementalDetokenizer`` runs the ``tokenizers`` library's streaming decoder (``DecodeStream``, in
+Rust, as vLLM uses it; about 1 us per token, which at a batch of 1024 is a millisecond per step).
 """
 
 from __future__ import annotations
@@ -39,20 +36,16 @@ NewDetokenizer = Callable[[], Detokenizer]
 class IncrementalDetokenizer:
     """Turns one request's output tokens into text deltas, one token at a time.
 
-    ``DecodeStream`` implements the prefix-offset / read-offset algorithm of
-    text-generation-inference and vLLM: it decodes a short window ending at
-    the new token and returns the text beyond what the window's start already
-    produced, so the cost per token is constant, and context-dependent
-    decoders (SentencePiece's leading space) stay right. A character whose
-    UTF-8 bytes are split over several tokens (emoji, CJK) yields nothing until
-    its last byte arrives and is then emitted whole; an incomplete character
-    still pending when the request ends is never emitted (no U+FFFD reaches a
-    client). Special tokens are skipped. For text made of complete characters
-    the deltas concatenate to ``decode(token_ids, skip_special_tokens=True)``.
+    ``DecodeStream`` implements the prefix-offset / read-offset algorithm of text-generation-inference and vLLM: it
+    decodes a short window ending at the new token and returns the text beyond what the window's start already produced,
+    so the cost per token is constant, and context-dependent decoders (SentencePiece's leading space) stay right. A
+    character whose UTF-8 bytes are split over several tokens (emoji, CJK) yields nothing until its last byte arrives
+    and is then emitted whole; an incomplete character still pending when the request ends is never emitted (no U+FFFD
+    reaches a client). Special tokens are skipped. For text made of complete characters the deltas concatenate to
+    ``decode(token_ids, skip_special_tokens=True)``.
 
     Args:
-        tokenizer: a ``tokenizers.Tokenizer`` (a fast tokenizer's
-            ``backend_tokenizer``), used by this thread only.
+        tokenizer: a ``tokenizers.Tokenizer`` (a fast tokenizer's ``backend_tokenizer``), used by this thread only.
     """
 
     __slots__ = ("_tokenizer", "_stream")
@@ -73,18 +66,14 @@ class IncrementalDetokenizer:
 class ByteLevelDetokenizer:
     """Turns one request's output tokens into the text deltas ``DecodeStream`` gives, for a byte-level tokenizer.
 
-    With a ``ByteLevel`` decoder, ``DecodeStream(skip_special_tokens=True)``
-    emits, at each token, the lossy UTF-8 decoding of the bytes of the tokens
-    since its previous emission, once that text is non-empty and does not end
-    in U+FFFD (an incomplete character, or a literal U+FFFD, waits for the
-    next token; what is still pending at the end never comes out). This
-    reproduces that from the bytes alone: while nothing is pending, a token
-    whose own bytes are complete text (``ByteLevelVocab.texts``) is
-    emitted straight from the table, and only a token that leaves bytes
-    pending, or follows pending bytes, decodes bytes. Python's
-    ``errors="replace"`` substitutes U+FFFD for invalid bytes as Rust's
-    ``String::from_utf8_lossy`` does (both follow the Unicode standard's
-    "maximal subpart" practice), so even invalid byte sequences come out the same.
+    With a ``ByteLevel`` decoder, ``DecodeStream(skip_special_tokens=True)`` emits, at each token, the lossy UTF-8
+    decoding of the bytes of the tokens since its previous emission, once that text is non-empty and does not end in
+    U+FFFD (an incomplete character, or a literal U+FFFD, waits for the next token; what is still pending at the end
+    never comes out). This reproduces that from the bytes alone: while nothing is pending, a token whose own bytes are
+    complete text (``ByteLevelVocab.texts``) is emitted straight from the table, and only a token that leaves bytes
+    pending, or follows pending bytes, decodes bytes. Python's ``errors="replace"`` substitutes U+FFFD for invalid bytes
+    as Rust's ``String::from_utf8_lossy`` does (both follow the Unicode standard's "maximal subpart" practice), so even
+    invalid byte sequences come out the same.
 
     Args:
         vocab: the tokenizer's ``ByteLevelVocab`` (shared by all requests).
@@ -139,10 +128,9 @@ class ByteLevelDetokenizer:
 def new_detokenizer(tokenizer: Any) -> NewDetokenizer:
     """The per-request detokenizer factory for ``tokenizer`` (a ``tokenizers.Tokenizer``).
 
-    ``ByteLevelDetokenizer`` (over a ``ByteLevelVocab`` built here,
-    once) when the tokenizer's decoder is ``ByteLevel``, otherwise
-    ``IncrementalDetokenizer``; the choice follows the decoder, not the
-    model's name. Both give the same deltas for a byte-level tokenizer.
+    ``ByteLevelDetokenizer`` (over a ``ByteLevelVocab`` built here, once) when the tokenizer's decoder is ``ByteLevel``,
+    otherwise ``IncrementalDetokenizer``; the choice follows the decoder, not the model's name. Both give the same
+    deltas for a byte-level tokenizer.
     """
     if is_byte_level(tokenizer):
         return functools.partial(ByteLevelDetokenizer, ByteLevelVocab(tokenizer))
@@ -152,17 +140,14 @@ def new_detokenizer(tokenizer: Any) -> NewDetokenizer:
 class StopStringMatcher:
     """Finds stop strings in a stream of text deltas without leaking any part of one.
 
-    The last ``max(len(stop)) - 1`` characters not yet released are held
-    back, because they may be the beginning of a stop string that the next
-    delta completes. When a stop string appears, the text before its earliest
-    occurrence is released and the rest is dropped (the stop string is not
-    part of the output, like the OpenAI API). When the request ends for
-    another reason, ``flush`` releases what is held.
+    The last ``max(len(stop)) - 1`` characters not yet released are held back, because they may be the beginning of a
+    stop string that the next delta completes. When a stop string appears, the text before its earliest occurrence is
+    released and the rest is dropped (the stop string is not part of the output, like the OpenAI API). When the request
+    ends for another reason, ``flush`` releases what is held.
 
-    With ``until`` (a tool call's trigger), stop strings apply to the free
-    text only: one counts if it ends by the trigger's end, and from there on
-    (the calls, which their grammar ends) the text passes unsearched, so a
-    stop string never cuts a call (docs/design.md, "Stop strings").
+    With ``until`` (a tool call's trigger), stop strings apply to the free text only: one counts if it ends by the
+    trigger's end, and from there on (the calls, which their grammar ends) the text passes unsearched, so a stop string
+    never cuts a call (docs/design.md, "Stop strings").
 
     Args:
         stop: the stop strings, each non-empty.
@@ -189,9 +174,8 @@ class StopStringMatcher:
     def push(self, text: str, check: bool = True) -> tuple[str, bool]:
         """Add a delta.
 
-        With ``check`` false the delta is only held back, not searched: a stop
-        string must end in a delta that is checked, though it may start in
-        earlier text (vLLM's rule for ``min_tokens``).
+        With ``check`` false the delta is only held back, not searched: a stop string must end in a delta that is
+        checked, though it may start in earlier text (vLLM's rule for ``min_tokens``).
 
         Returns:
             ``(released, matched)``: the text that can be sent now, and
@@ -247,15 +231,11 @@ class StopStringMatcher:
 class OutputProcessor:
     """One request's output path: tokens in, client text and finish reason out.
 
-    Applies, per token: incremental detokenization, stop strings, and
-    ``pipeline.common.messages.check_finish`` (stop token ids and
-    ``max_tokens``, the same rule the scheduler applies on its side). The
-    text accumulates here until the reader hands it on (``take_text``).
-    When nothing needs the text before the finish (``incremental`` false and
-    no stop strings: a client that waits for the whole answer), a token costs
-    only its finish check, and the text is detokenized all at once
-    (``Detokenizer.push_many``) with the finishing token: the same text,
-    for a fraction of the work.
+    Applies, per token: incremental detokenization, stop strings, and ``pipeline.common.messages.check_finish`` (stop
+    token ids and ``max_tokens``, the same rule the scheduler applies on its side). The text accumulates here until the
+    reader hands it on (``take_text``). When nothing needs the text before the finish (``incremental`` false and no stop
+    strings: a client that waits for the whole answer), a token costs only its finish check, and the text is detokenized
+    all at once (``Detokenizer.push_many``) with the finishing token: the same text, for a fraction of the work.
 
     Args:
         detokenizer: this request's ``Detokenizer``.
@@ -264,13 +244,11 @@ class OutputProcessor:
         incremental: the text is wanted as it comes (a stream).
 
     Attributes:
-        num_output_tokens: tokens pushed so far, the finishing one included
-            (what ``usage.completion_tokens`` reports).
+        num_output_tokens: tokens pushed so far, the finishing one included (what ``usage.completion_tokens`` reports).
         token_ids: those tokens (a list that only grows).
         text_pieces: text produced and not yet taken (non-empty strings).
-        needs_abort: set with a "stop" finish that came from a stop string:
-            the scheduler does not know about it and must be told to abort
-            (it finishes stop token ids and ``max_tokens`` on its own).
+        needs_abort: set with a "stop" finish that came from a stop string: the scheduler does not know about it and
+            must be told to abort (it finishes stop token ids and ``max_tokens`` on its own).
     """
 
     __slots__ = (

@@ -6,9 +6,8 @@
 * Tokens come back through the output ring, read by the ``OutputReader`` thread this client
   starts; each request's state is a ``RequestState``.
 
-The table of live requests (``req_num -> RequestState``) belongs to this
-client and is shared with the reader thread: see
-``pipeline.io_proc.output_reader`` for who inserts and who removes.
+The table of live requests (``req_num -> RequestState``) belongs to this client and is shared with the reader thread:
+see ``pipeline.io_proc.output_reader`` for who inserts and who removes.
 """
 
 from __future__ import annotations
@@ -66,31 +65,24 @@ class EngineUnavailable(Exception):
 class EngineClient:
     """Sends requests to the engines' schedulers and routes sampled tokens back to them.
 
-    With data parallelism (``config.data_parallel_size`` engines) each new
-    request goes to the engine that holds the longest prefix of it, by the
-    ``PrefixRouter``'s account (with prefix caching), unless that
-    engine is overloaded; otherwise to the engine with the fewest waiting
-    requests, then the fewest running ones, as io_proc sees them: a live
-    request is waiting until its first token arrives. Aborts go to the
-    request's engine, and ``get_engine_stats`` asks every engine
-    (docs/design.md, "Parallelism").
+    With data parallelism (``config.data_parallel_size`` engines) each new request goes to the engine that holds the
+    longest prefix of it, by the ``PrefixRouter``'s account (with prefix caching), unless that engine is overloaded;
+    otherwise to the engine with the fewest waiting requests, then the fewest running ones, as io_proc sees them: a live
+    request is waiting until its first token arrives. Aborts go to the request's engine, and ``get_engine_stats`` asks
+    every engine (docs/design.md, "Parallelism").
 
     Args:
         config: the server configuration (its zmq addresses).
-        rings: each engine's output ring, attached (``create=False``) with two
-            readers, in engine order; one reader thread per ring.
-        new_detokenizer: makes each request's detokenizer (see
-            ``Detokenizer``), which only
-            the reader thread uses.
+        rings: each engine's output ring, attached (``create=False``) with two readers, in engine order; one reader
+            thread per ring.
+        new_detokenizer: makes each request's detokenizer (see ``Detokenizer``), which only the reader thread uses.
         trace: if given, the reader thread records its per-step handling span.
 
     Raises:
         zmq.ZMQError: the reply address cannot be bound.
 
-    Counters (read by the metrics endpoint), per engine: ``prompt_tokens``,
-    ``generation_tokens`` (tokens delivered to live requests); and
-    ``num_finished`` (requests by finish reason; a client that left counts
-    as "abort").
+    Counters (read by the metrics endpoint), per engine: ``prompt_tokens``, ``generation_tokens`` (tokens delivered to
+    live requests); and ``num_finished`` (requests by finish reason; a client that left counts as "abort").
     """
 
     def __init__(
@@ -232,18 +224,16 @@ class EngineClient:
     ) -> list[RequestState]:
         """Register ``n`` choices of one prompt and send them to the scheduler as one request.
 
-        With ``n`` > 1 the scheduler prefills the prompt once for all of them,
-        through its prefix cache (docs/design.md, "Parallel choices"); choice ``i`` samples with seed
-        ``choice_seed`` ``(params.seed, i)``.
+        With ``n`` > 1 the scheduler prefills the prompt once for all of them, through its prefix cache (docs/design.md,
+        "Parallel choices"); choice ``i`` samples with seed ``choice_seed`` ``(params.seed, i)``.
 
         Args:
             prompt_token_ids: the prompt, already checked against ``max_model_len``.
-            params: sampling parameters (``max_tokens`` already clamped; 0
-                returns only what the prompt gives: its log-probabilities if
-                asked, and the request finishes with "length").
+            params: sampling parameters (``max_tokens`` already clamped; 0 returns only what the prompt gives: its
+                log-probabilities if asked, and the request finishes with "length").
             stop: stop strings (possibly empty).
-            streaming: the consumer reads ``RequestState.updates`` (woken
-                per step) rather than ``RequestState.wait_finished``.
+            streaming: the consumer reads ``RequestState.updates`` (woken per step) rather than
+                ``RequestState.wait_finished``.
             return_token_ids: a stream needs every token, text or not.
             n: choices, >= 1.
 
@@ -251,8 +241,7 @@ class EngineClient:
             One state per choice, in choice order.
 
         Raises:
-            EngineUnavailable: the scheduler's queue is full, or the server is
-                shutting down (``abort_all`` was called).
+            EngineUnavailable: the scheduler's queue is full, or the server is shutting down (``abort_all`` was called).
         """
         if self._shutting_down:
             # A request still being tokenized when the stop came would
@@ -304,9 +293,8 @@ class EngineClient:
     def _pick_engine(self, prompt: list[int]) -> int:
         """The engine for a new request of ``prompt`` (``pick_engine``).
 
-        Overloaded means more live requests than the least loaded engine by
-        over a quarter of ``max_num_seqs`` (SGLang's router balances alike,
-        its default 32 being a quarter of 128 sequences).
+        Overloaded means more live requests than the least loaded engine by over a quarter of ``max_num_seqs`` (SGLang's
+        router balances alike, its default 32 being a quarter of 128 sequences).
         """
         if len(self._pushes) == 1:
             return 0
@@ -338,10 +326,9 @@ class EngineClient:
             self._send_abort(state.req_num, engine=state.engine)
 
     def abort_all(self) -> None:
-        """Finish every live request with "abort" (server shutdown): their
-        consumers wake up and end their responses, and the scheduler is told.
-        Stats requests waiting for a reply fail with ``EngineUnavailable``.
-        From now on ``add_request`` refuses new requests (a 503)."""
+        """Finish every live request with "abort" (server shutdown): their consumers wake up and end their responses,
+        and the scheduler is told. Stats requests waiting for a reply fail with ``EngineUnavailable``. From now on
+        ``add_request`` refuses new requests (a 503)."""
         self._shutting_down = True
         for future in self._stats_waiters.values():  # the schedulers are stopping too: no reply will come
             if not future.done():
@@ -432,9 +419,8 @@ class EngineClient:
     async def wait_admitted(self, states: list[RequestState]) -> None:
         """Return once each of ``states`` knows its ``num_cached_tokens`` (0 if it does not within a few seconds).
 
-        A request's Admitted message leaves its scheduler before its first
-        step, so a finished request almost always has it; the wait covers
-        the reply socket being read later than the output ring.
+        A request's Admitted message leaves its scheduler before its first step, so a finished request almost always has
+        it; the wait covers the reply socket being read later than the output ring.
         """
         loop = asyncio.get_running_loop()
         missing = [st for st in states if st.num_cached_tokens is None]

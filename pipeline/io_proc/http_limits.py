@@ -6,9 +6,8 @@
   ``socket.send() raised exception`` for each after the fifth).
 * ``RequestBodyLimit`` (the ASGI layer) caps a request body's size (413) before any JSON is parsed.
 
-uvicorn's own bounds are used as they are (``limit_concurrency``, ``timeout_keep_alive``, h11's
-16 KiB header limit); ``OncePerInterval`` thins out their warnings. docs/design.md, "Bounds per
-client".
+uvicorn's own bounds are used as they are (``limit_concurrency``, ``timeout_keep_alive``, h11's 16 KiB header limit);
+``OncePerInterval`` thins out their warnings. docs/design.md, "Bounds per client".
 """
 
 from __future__ import annotations
@@ -32,8 +31,7 @@ def error_body(message: str, type: str, code: str | None = None) -> bytes:
 
 
 class _QuietTransport:
-    """A transport whose ``write`` does nothing once it is closing; everything
-    else is the wrapped transport's."""
+    """A transport whose ``write`` does nothing once it is closing; everything else is the wrapped transport's."""
 
     __slots__ = ("_transport",)
 
@@ -51,9 +49,8 @@ class _QuietTransport:
 class _GuardedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with read deadlines and quiet writes (see the module docstring).
 
-    Subclasses made by ``guarded_h11_protocol`` set the two timeouts
-    (seconds). A missed header deadline closes the connection; a missed body
-    deadline answers 408 (if no response has started) and closes it.
+    Subclasses made by ``guarded_h11_protocol`` set the two timeouts (seconds). A missed header deadline closes the
+    connection; a missed body deadline answers 408 (if no response has started) and closes it.
     """
 
     header_timeout_s: float = 10.0
@@ -81,10 +78,9 @@ class _GuardedH11Protocol(H11Protocol):
     def _update_deadline(self) -> None:
         """Time the phase the client is in: "headers", "body", or none.
 
-        None covers a request that has fully arrived and an idle kept-alive
-        connection, which uvicorn's keep-alive timer covers (uvicorn cancels
-        that timer when bytes arrive, and does not arm it after the rest of
-        a body was discarded: then the header deadline runs instead).
+        None covers a request that has fully arrived and an idle kept-alive connection, which uvicorn's keep-alive timer
+        covers (uvicorn cancels that timer when bytes arrive, and does not arm it after the rest of a body was
+        discarded: then the header deadline runs instead).
         """
         if self.transport.is_closing():
             phase = None
@@ -139,8 +135,7 @@ class _GuardedH11Protocol(H11Protocol):
 
 
 def guarded_h11_protocol(header_timeout_s: float, body_timeout_s: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with these read deadlines (seconds), for
-    ``uvicorn.Config(http=...)``."""
+    """uvicorn's h11 protocol with these read deadlines (seconds), for ``uvicorn.Config(http=...)``."""
     return type(
         "GuardedH11Protocol",
         (_GuardedH11Protocol,),
@@ -151,11 +146,10 @@ def guarded_h11_protocol(header_timeout_s: float, body_timeout_s: float) -> type
 class RequestBodyLimit:
     """ASGI middleware: read each HTTP request body up to ``max_bytes`` before the app runs.
 
-    Over the limit the client gets 413 with an OpenAI error object, at once
-    when ``Content-Length`` says so (nothing is read) and otherwise as soon
-    as the bytes read pass it. The app then receives the body as one
-    ``http.request`` message, and later ``receive`` calls go to the server
-    (a disconnect). A client that leaves while sending is simply dropped.
+    Over the limit the client gets 413 with an OpenAI error object, at once when ``Content-Length`` says so (nothing is
+    read) and otherwise as soon as the bytes read pass it. The app then receives the body as one ``http.request``
+    message, and later ``receive`` calls go to the server (a disconnect). A client that leaves while sending is simply
+    dropped.
 
     Args:
         app: the ASGI app.
@@ -220,12 +214,11 @@ class RequestBodyLimit:
 
 
 class OncePerInterval(logging.Filter):
-    """A logging filter that passes records with message ``message`` at most
-    once per ``interval_s`` seconds, noting how many it dropped since the last one.
+    """A logging filter that passes records with message ``message`` at most once per ``interval_s`` seconds, noting how
+    many it dropped since the last one.
 
-    uvicorn logs "Exceeded concurrency limit." for every request it refuses
-    with 503, and "Invalid HTTP request received." for every malformed one:
-    under a flood that would be a line per request.
+    uvicorn logs "Exceeded concurrency limit." for every request it refuses with 503, and "Invalid HTTP request
+    received." for every malformed one: under a flood that would be a line per request.
     """
 
     def __init__(self, message: str, interval_s: float):

@@ -1,10 +1,9 @@
-"""How deeply a request's free-form JSON may nest: values the body carries as objects (schemas,
-``metadata``, Responses items) and JSON the body carries as text (a past call's ``arguments``).
+"""How deeply a request's free-form JSON may nest: values the body carries as objects (schemas, ``metadata``, Responses
+items) and JSON the body carries as text (a past call's ``arguments``).
 
-Past ``MAX_JSON_DEPTH`` levels the value is refused with a 400 naming its field. Without the bound,
-each later step that walks the value (``json.dumps``, the chat template's ``tojson``, llguidance's
-parser, msgspec) has a depth at which it raises ``RecursionError`` instead. docs/design.md, "Bounds
-per client".
+Past ``MAX_JSON_DEPTH`` levels the value is refused with a 400 naming its field. Without the bound, each later step that
+walks the value (``json.dumps``, the chat template's ``tojson``, llguidance's parser, msgspec) has a depth at which it
+raises ``RecursionError`` instead. docs/design.md, "Bounds per client".
 """
 
 from __future__ import annotations
@@ -50,8 +49,8 @@ def loads(text: str) -> object:
     """``text`` parsed as JSON.
 
     Raises:
-        ValueError: not JSON, or nested more than ``MAX_JSON_DEPTH`` deep (``json``'s own recursion
-            limit, about a thousand levels, is a ``RecursionError``).
+        ValueError: not JSON, or nested more than ``MAX_JSON_DEPTH`` deep (``json``'s own recursion limit, about a
+            thousand levels, is a ``RecursionError``).
     """
     try:
         value = json.loads(text)

@@ -1,8 +1,7 @@
 """io_proc's process body: uvicorn serving the OpenAI API over the engine client.
 
-``run_io_proc`` is the entry the launcher's child runs (``pipeline.child``);
-it builds an ``IoProc`` and runs it (docs/design.md, "Processes and
-lifecycle").
+``run_io_proc`` is the entry the launcher's child runs (``pipeline.child``); it builds an ``IoProc`` and runs it
+(docs/design.md, "Processes and lifecycle").
 """
 
 from __future__ import annotations
@@ -56,9 +55,8 @@ _SPARE_FDS = 256
 
 
 class _Server(uvicorn.Server):
-    """uvicorn without its own SIGINT/SIGTERM handlers: the launcher stops this
-    process with SIGTERM, which ``child_setup``'s flag receives, and
-    uvicorn's handlers would replace it and re-raise the signal on exit."""
+    """uvicorn without its own SIGINT/SIGTERM handlers: the launcher stops this process with SIGTERM, which
+    ``child_setup``'s flag receives, and uvicorn's handlers would replace it and re-raise the signal on exit."""
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -70,14 +68,11 @@ class StartupError(Exception):
 
 
 class IoProc:
-    """Owns the HTTP socket, the tokenizer, the engine client and the uvicorn
-    server; ``run`` is the process body.
+    """Owns the HTTP socket, the tokenizer, the engine client and the uvicorn server; ``run`` is the process body.
 
-    Construction does the start-up steps: bind the HTTP port
-    (``config.host:config.port``), load the tokenizer from
-    ``config.tokenizer``, open the control sockets (push to each engine's
-    ``control_address``, pull on ``config.reply_address``) and build
-    the app. ``close`` releases all of it (and writes the trace when
+    Construction does the start-up steps: bind the HTTP port (``config.host:config.port``), load the tokenizer from
+    ``config.tokenizer``, open the control sockets (push to each engine's ``control_address``, pull on
+    ``config.reply_address``) and build the app. ``close`` releases all of it (and writes the trace when
     ``config.trace``); the output rings (one per engine) stay the caller's.
 
     Raises:
@@ -145,9 +140,8 @@ class IoProc:
     def run(self, stop: StopFlag, status_conn: Connection) -> int:
         """Serve until ``stop`` is set; returns the exit status.
 
-        Reports ``("ready", "io_proc")`` once uvicorn listens. Exits with 1 if
-        the output reader thread dies or the HTTP server stops on its own. A
-        stop ends every open request with finish reason "abort" first.
+        Reports ``("ready", "io_proc")`` once uvicorn listens. Exits with 1 if the output reader thread dies or the HTTP
+        server stops on its own. A stop ends every open request with finish reason "abort" first.
 
         Raises:
             StartupError: the HTTP server did not start.
@@ -209,11 +203,9 @@ class IoProc:
 def run_io_proc(config: EngineConfig, status_conn: Connection, stop: StopFlag) -> int:
     """Process body of io_proc: run until ``stop`` is set (SIGTERM or the launcher's death).
 
-    Attaches every engine's output ring (reader ``OUTPUT_READER_IO``) and reports
-    ``("attached", "io_proc")``, then builds and runs an ``IoProc``.
-    Returns the exit status: 1 after a start-up failure (reported as
-    ``("error", "io_proc", message)``) or if the output reader thread dies,
-    else 0. A stop returns within about 0.3 s.
+    Attaches every engine's output ring (reader ``OUTPUT_READER_IO``) and reports ``("attached", "io_proc")``, then
+    builds and runs an ``IoProc``. Returns the exit status: 1 after a start-up failure (reported as ``("error",
+    "io_proc", message)``) or if the output reader thread dies, else 0. A stop returns within about 0.3 s.
     """
     # Before any thread starts: the threads that parse, render and tokenize large bodies share two malloc
     # arenas, whose free pages the trim after a burst gives back (docs/design.md, "Memory after a burst").
@@ -263,8 +255,8 @@ def _release_memory() -> None:
 
 
 def _raise_fd_limit(wanted: int) -> None:
-    """Raise this process's soft limit on open files towards ``wanted`` (up to the hard limit), so
-    ``limit_concurrency`` connections fit; many systems start at 1024."""
+    """Raise this process's soft limit on open files towards ``wanted`` (up to the hard limit), so ``limit_concurrency``
+    connections fit; many systems start at 1024."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and soft < wanted:
         new = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)

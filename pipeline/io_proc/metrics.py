@@ -1,13 +1,10 @@
 """Prometheus metrics of ``GET /metrics`` (docs/design.md, "Metrics").
 
-Each scrape renders one ``Stats`` reply per
-engine (the scheduler's figures and histograms, and the worker's, which ride
-along) and io_proc's own counters and request histograms. The ``pipeline_``
-family is always there; ``--metrics-compat vllm`` adds every vLLM metric the
-server has, under vLLM's name and labels (``model_name``, ``engine``), so
-dashboards and autoscalers made for vLLM read it unchanged. Adding a metric
-is one row in ``HISTOGRAMS`` or ``COUNTERS``. Each app has its own
-registry, so several servers in one process (tests) do not collide.
+Each scrape renders one ``Stats`` reply per engine (the scheduler's figures and histograms, and the worker's, which ride
+along) and io_proc's own counters and request histograms. The ``pipeline_`` family is always there; ``--metrics-compat
+vllm`` adds every vLLM metric the server has, under vLLM's name and labels (``model_name``, ``engine``), so dashboards
+and autoscalers made for vLLM read it unchanged. Adding a metric is one row in ``HISTOGRAMS`` or ``COUNTERS``. Each app
+has its own registry, so several servers in one process (tests) do not collide.
 """
 
 from __future__ import annotations
@@ -43,9 +40,8 @@ Source = Callable[[Stats, RequestMetrics], HistogramData]
 class HistogramDef:
     """A histogram: ``pipeline_<name>``, and ``vllm`` (vLLM's name) with ``--metrics-compat vllm``.
 
-    ``bounds`` are in the unit of ``source``'s values except for ``scale``
-    (1e-9 for bounds in nanoseconds); ``"tokens"`` means vLLM's
-    ``max_model_len`` 1-2-5 bounds.
+    ``bounds`` are in the unit of ``source``'s values except for ``scale`` (1e-9 for bounds in nanoseconds);
+    ``"tokens"`` means vLLM's ``max_model_len`` 1-2-5 bounds.
     """
 
     name: str

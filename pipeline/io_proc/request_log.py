@@ -44,9 +44,9 @@ def log_request(
     prompt: object = None,
     tools: str = "",
 ) -> None:
-    """Log one finished (or abandoned) request: its id, prompt tokens, parameters, how its tools reached the
-    model (``tools``, a chat request's ``ToolPlan.route``), finish reasons, output tokens, time to first
-    token (the earliest choice's) and end-to-end latency (the last choice's).
+    """Log one finished (or abandoned) request: its id, prompt tokens, parameters, how its tools reached the model
+    (``tools``, a chat request's ``ToolPlan.route``), finish reasons, output tokens, time to first token (the earliest
+    choice's) and end-to-end latency (the last choice's).
 
     ``prompt`` (the request's prompt or messages) is logged only when given: ``--log-prompts``.
     """

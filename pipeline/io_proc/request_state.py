@@ -1,14 +1,12 @@
 """One live request on io_proc's side: what waits to be sent to its client.
 
-A ``RequestState`` is created by
-``EngineClient.add_request``, fed by the
-output reader (``pipeline.io_proc.output_reader``) and consumed by a
-handler in ``pipeline.io_proc.openai.serving_chat`` or ``serving_completion`` (docs/design.md, "io_proc").
+A ``RequestState`` is created by ``EngineClient.add_request``, fed by the output reader
+(``pipeline.io_proc.output_reader``) and consumed by a handler in ``pipeline.io_proc.openai.serving_chat`` or
+``serving_completion`` (docs/design.md, "io_proc").
 
-Thread ownership: ``processor`` is used only by the output-reader thread,
-which also appends to ``token_steps``, ``logprobs`` and ``prompt_logprobs``;
-everything else is the event loop's (the reader hands each step's results to
-the loop, which calls ``RequestState.deliver``).
+Thread ownership: ``processor`` is used only by the output-reader thread, which also appends to ``token_steps``,
+``logprobs`` and ``prompt_logprobs``; everything else is the event loop's (the reader hands each step's results to the
+loop, which calls ``RequestState.deliver``).
 """
 
 from __future__ import annotations
@@ -25,9 +23,8 @@ from pipeline.io_proc.openai.logprobs_json import TokenLogprob
 class StepTime:
     """One step as io_proc saw it: when the reader read it, its engine time, and when the loop took it.
 
-    The reader makes one per step and appends it to ``RequestState.token_steps``
-    of every request that got a token in the step; the loop sets ``time``
-    when it handles the step, once for all of them.
+    The reader makes one per step and appends it to ``RequestState.token_steps`` of every request that got a token in
+    the step; the loop sets ``time`` when it handles the step, once for all of them.
 
     Attributes:
         seq: the step's number among those this reader has read (consecutive).
@@ -46,49 +43,40 @@ class StepTime:
 class RequestState:
     """One live request: its output processor and what waits to be sent to the client.
 
-    ``EngineClient.release`` must be
-    called when the client side is done with it.
+    ``EngineClient.release`` must be called when the client side is done with it.
 
     Attributes:
         req_num: the request's number (unique for the server's life).
         prompt_len: prompt tokens.
         processor: token -> text (reader thread only).
-        finish_reason: None while running, then "stop", "length", "abort" or
-            "error" (see ``error``).
+        finish_reason: None while running, then "stop", "length", "abort" or "error" (see ``error``).
         error: with finish reason "error", what went wrong.
-        refused: with finish reason "error", the request was refused before
-            it ran (its grammar: a client error, 400) rather than failed
-            while running (500).
-        compiled: for a request with a grammar, resolved with "" once the
-            scheduler has compiled it and queued the request, or with why it
-            was refused; None for others. Choices of one request share it.
-        num_output_tokens: output tokens delivered to this side so far (all
-            of them once finished; a non-streaming request's only at its finish).
-        streaming: the consumer reads ``updates`` and is woken per step;
-            otherwise it waits for the finish (``wait_finished``) and
-            nothing is delivered before it.
-        every_token: deliver every token, even one that adds no text (a
-            stream that returns token ids or log-probabilities).
-        logprobs: each output token's ``TokenLogprob``, appended by the
-            reader thread before the token is delivered (requests that asked
-            for log-probabilities; otherwise stays empty).
-        prompt_logprobs: per prompt position, its ``TokenLogprob``
-            (position 0's logprob is None: nothing predicts it), filled by the
-            reader thread; None unless the request asked for them.
+        refused: with finish reason "error", the request was refused before it ran (its grammar: a client error, 400)
+            rather than failed while running (500).
+        compiled: for a request with a grammar, resolved with "" once the scheduler has compiled it and queued the
+            request, or with why it was refused; None for others. Choices of one request share it.
+        num_output_tokens: output tokens delivered to this side so far (all of them once finished; a non-streaming
+            request's only at its finish).
+        streaming: the consumer reads ``updates`` and is woken per step; otherwise it waits for the finish
+            (``wait_finished``) and nothing is delivered before it.
+        every_token: deliver every token, even one that adds no text (a stream that returns token ids or
+            log-probabilities).
+        logprobs: each output token's ``TokenLogprob``, appended by the reader thread before the token is delivered
+            (requests that asked for log-probabilities; otherwise stays empty).
+        prompt_logprobs: per prompt position, its ``TokenLogprob`` (position 0's logprob is None: nothing predicts it),
+            filled by the reader thread; None unless the request asked for them.
         prompt_logprobs_missing: prompt positions whose entry has not arrived.
         released: the client side is done with it (set by ``EngineClient.release``).
         engine: the data-parallel engine that serves it (0 with one engine).
-        num_cached_tokens: prompt tokens its engine found in the prefix cache
-            when it admitted the request; None until that is known.
+        num_cached_tokens: prompt tokens its engine found in the prefix cache when it admitted the request; None until
+            that is known.
         arrival_time: ``time.perf_counter()`` when it was added (seconds).
-        token_steps: one ``StepTime`` per output token, that of the
-            step which brought it (appended by the reader thread); see
-            ``delivery_times``.
-        choices: shared by the ``n`` > 1 choices of one request: ``[choices
-            not finished, most tokens of a finished one, n]``; None for one choice.
-        ttft, e2e: time to first token and end-to-end latency in seconds, set
-            by the reader thread when the request finishes (None before, and
-            for one the client left).
+        token_steps: one ``StepTime`` per output token, that of the step which brought it (appended by the reader
+            thread); see ``delivery_times``.
+        choices: shared by the ``n`` > 1 choices of one request: ``[choices not finished, most tokens of a finished one,
+            n]``; None for one choice.
+        ttft, e2e: time to first token and end-to-end latency in seconds, set by the reader thread when the request
+            finishes (None before, and for one the client left).
     """
 
     __slots__ = (
@@ -188,9 +176,9 @@ class RequestState:
 
     @property
     def delivery_times(self) -> list[tuple[float, int]]:
-        """``(perf_counter seconds, tokens so far)`` for each step that brought this request
-        tokens, as the event loop took the step: the client-side token timeline (TTFT, ITL),
-        kept without delivering to, or waking, any consumer per step."""
+        """``(perf_counter seconds, tokens so far)`` for each step that brought this request tokens, as the event loop
+        took the step: the client-side token timeline (TTFT, ITL), kept without delivering to, or waking, any consumer
+        per step."""
         return [(step.time, n) for n, step in enumerate(self.token_steps, 1) if step.time is not None]
 
     def take_text(self) -> str:
@@ -230,12 +218,10 @@ class RequestState:
     async def updates(self) -> AsyncIterator[tuple[str, list[int], list[TokenLogprob]]]:
         """Yield ``(text, token_ids, logprobs)`` as output arrives; end when the request finishes.
 
-        ``token_ids`` are the output tokens since the previous update, and
-        ``logprobs`` their entries (empty unless the request asked). An
-        update is yielded when there is text, or, with ``every_token``,
-        when there are tokens. What arrived while the consumer was busy is
-        joined into one update, so a slow client costs fewer chunks, not
-        more memory.
+        ``token_ids`` are the output tokens since the previous update, and ``logprobs`` their entries (empty unless the
+        request asked). An update is yielded when there is text, or, with ``every_token``, when there are tokens. What
+        arrived while the consumer was busy is joined into one update, so a slow client costs fewer chunks, not more
+        memory.
         """
         while True:
             await self._event.wait()

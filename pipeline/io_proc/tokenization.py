@@ -1,7 +1,7 @@
 """Loading the tokenizer and turning requests into prompt token ids.
 
-``transformers`` is imported inside ``load_tokenizer``, not at module
-level, so importing io_proc stays light (``AutoTokenizer`` pulls in torch).
+``transformers`` is imported inside ``load_tokenizer``, not at module level, so importing io_proc stays light
+(``AutoTokenizer`` pulls in torch).
 """
 
 from __future__ import annotations
@@ -32,11 +32,9 @@ def load_tokenizer(model_dir: str) -> tuple[Any, tuple[int, ...]]:
         directory, if present (chat models list their end-of-turn token there).
 
     Raises:
-        FileNotFoundError: ``model_dir`` is not a directory (nothing is
-            downloaded: the server must start offline).
-        OSError, ValueError: from ``transformers`` when the directory has no
-            usable tokenizer; ``json.JSONDecodeError`` for a broken
-            ``generation_config.json``.
+        FileNotFoundError: ``model_dir`` is not a directory (nothing is downloaded: the server must start offline).
+        OSError, ValueError: from ``transformers`` when the directory has no usable tokenizer; ``json.JSONDecodeError``
+            for a broken ``generation_config.json``.
     """
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"{model_dir!r} is not a directory")
@@ -88,13 +86,10 @@ _NORMALIZER_MARGIN = 4
 class Tokenization:
     """Prompt encoding on a pool of threads, and decoders for output tokens.
 
-    Encoding runs off the event loop (a long prompt or a chat template takes
-    milliseconds to seconds) on ``num_threads`` threads that share the
-    tokenizer. That is safe because encoding only reads it: a Hugging Face
-    fast tokenizer raises "Already borrowed" only when a call changes its
-    truncation or padding while another runs, and every call here uses the
-    same settings (none). The output-reader thread decodes with its own copy
-    (``make_detokenizer``).
+    Encoding runs off the event loop (a long prompt or a chat template takes milliseconds to seconds) on ``num_threads``
+    threads that share the tokenizer. That is safe because encoding only reads it: a Hugging Face fast tokenizer raises
+    "Already borrowed" only when a call changes its truncation or padding while another runs, and every call here uses
+    the same settings (none). The output-reader thread decodes with its own copy (``make_detokenizer``).
 
     Args:
         tokenizer: a ``transformers`` tokenizer (see ``load_tokenizer``).
@@ -103,14 +98,13 @@ class Tokenization:
 
     Attributes:
         vocab_size: token ids are ``0..vocab_size-1``.
-        renders_tools: the chat template shows ``tools`` to the model (its
-            prompt differs with them; SmolLM2's does not).
+        renders_tools: the chat template shows ``tools`` to the model (its prompt differs with them; SmolLM2's does
+            not).
         renders_tool_calls: it shows an assistant message's ``tool_calls``.
         system_role: it renders a system message (some templates refuse the role).
         tool_role: it renders a ``tool`` message (some templates refuse the role).
-        max_token_chars: the most characters one token stands for (the
-            longest vocabulary entry; a byte-level entry's length is its byte
-            count), times a margin if the tokenizer normalizes text first.
+        max_token_chars: the most characters one token stands for (the longest vocabulary entry; a byte-level entry's
+            length is its byte count), times a margin if the tokenizer normalizes text first.
     """
 
     def __init__(self, tokenizer: Any, num_threads: int = ENCODE_THREADS, chat_template: str | None = None):
@@ -140,13 +134,13 @@ class Tokenization:
     async def render_chat(
         self, conversation: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
     ) -> str:
-        """The prompt text of a conversation (messages in transformers' shape), rendered with the chat
-        template with ``tools`` and (unless ``add_generation_prompt`` is false) the generation prompt.
-        Its length can refuse a prompt before it is tokenized (seconds for megabytes of tools).
+        """The prompt text of a conversation (messages in transformers' shape), rendered with the chat template with
+        ``tools`` and (unless ``add_generation_prompt`` is false) the generation prompt. Its length can refuse a prompt
+        before it is tokenized (seconds for megabytes of tools).
 
         Raises:
-            APIError: 400 if the model has no chat template or the template
-                rejects the conversation (e.g. roles not alternating).
+            APIError: 400 if the model has no chat template or the template rejects the conversation (e.g. roles not
+                alternating).
         """
         if not self._chat_template:
             raise APIError.bad_request(
@@ -169,8 +163,8 @@ class Tokenization:
             raise APIError.bad_request(f"the chat template rejected the messages: {e}", param="messages") from e
 
     async def encode_rendered(self, text: str) -> list[int]:
-        """Prompt token ids of a rendered chat prompt (the template writes the special tokens itself, so
-        none are added, as ``apply_chat_template`` tokenizes).
+        """Prompt token ids of a rendered chat prompt (the template writes the special tokens itself, so none are added,
+        as ``apply_chat_template`` tokenizes).
 
         Raises:
             APIError: 400 if the text is not valid Unicode (a tool's lone surrogate, which ``tojson`` keeps).
@@ -180,8 +174,7 @@ class Tokenization:
         return await loop.run_in_executor(self._executor, self._encode_text, text, False)
 
     def _probe_template(self) -> tuple[bool, bool, bool, bool]:
-        """Whether the template renders tools, past tool calls, a system and a tool message: a probe shows
-        in its text."""
+        """Whether the template renders tools, past tool calls, a system and a tool message (probed)."""
         if not self._chat_template:
             return False, False, False, False
 
@@ -210,8 +203,8 @@ class Tokenization:
         )
 
     async def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Prompt token ids of a completion prompt (with the tokenizer's usual
-        special tokens, e.g. BOS, unless ``add_special_tokens`` is false, as vLLM does)."""
+        """Prompt token ids of a completion prompt (with the tokenizer's usual special tokens, e.g. BOS, unless
+        ``add_special_tokens`` is false, as vLLM does)."""
         utf8_text(text, "prompt")
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self._encode_text, text, add_special_tokens)
@@ -230,11 +223,9 @@ class Tokenization:
         return TokenTexts(self._tokenizer)
 
     def make_detokenizer(self) -> NewDetokenizer:
-        """A factory of per-request detokenizers for the output-reader thread
-        (``new_detokenizer``: a table lookup
-        for a byte-level tokenizer, ``DecodeStream`` otherwise), over a private
-        copy of the tokenizer: that thread then never shares the Rust tokenizer
-        with the encoding threads.
+        """A factory of per-request detokenizers for the output-reader thread (``new_detokenizer``: a table lookup for a
+        byte-level tokenizer, ``DecodeStream`` otherwise), over a private copy of the tokenizer: that thread then never
+        shares the Rust tokenizer with the encoding threads.
 
         Raises:
             ValueError: the tokenizer is not a fast one (no ``tokenizer.json``).

@@ -1,11 +1,9 @@
 """Tool calling on chat requests: checks, the prompt's conversation, the grammar and the output's parser.
 
-docs/design.md, "Tool calling". ``tool_choice`` ``auto`` runs the configured
-parser's format under a grammar inactive until its trigger; ``required`` and
-a named function force that format from the first token, or, where no parser
-is configured or the template ignores tools, the ``json_list`` format. Where
-the template ignores tools, they are described to the model in the format it
-is asked to write, and past calls are written in it.
+docs/design.md, "Tool calling". ``tool_choice`` ``auto`` runs the configured parser's format under a grammar inactive
+until its trigger; ``required`` and a named function force that format from the first token, or, where no parser is
+configured or the template ignores tools, the ``json_list`` format. Where the template ignores tools, they are described
+to the model in the format it is asked to write, and past calls are written in it.
 """
 
 from __future__ import annotations
@@ -57,8 +55,8 @@ class ToolPlan:
 
     Attributes:
         parser: reads calls out of the output; None for ``tool_choice: none`` (or no tools).
-        grammar: the output's grammar in llguidance's Lark, "" for none; ``compile_tool_grammar``
-            compiles it once the prompt is known to fit.
+        grammar: the output's grammar in llguidance's Lark, "" for none; ``compile_tool_grammar`` compiles it once the
+            prompt is known to fit.
         allowed: the tools the grammar allows, with their index in ``tools`` (to name one at fault).
         trigger: with ``auto``, the text before which the grammar is inactive.
         trigger_at_start: the trigger counts only at the output's start.
@@ -110,9 +108,8 @@ class ToolCalling:
         """Check the request's tools, choice and history, and say how to serve them.
 
         Raises:
-            APIError: 400 naming the field: a malformed tool or schema, an
-                unknown ``tool_choice`` or function, ``auto`` without the flags,
-                a ``tool_call_id`` without its call, arguments that are not a JSON object.
+            APIError: 400 naming the field: a malformed tool or schema, an unknown ``tool_choice`` or function, ``auto``
+                without the flags, a ``tool_call_id`` without its call, arguments that are not a JSON object.
         """
         specs = _tool_specs(req.tools or [])
         choice = _tool_choice(req.tool_choice, specs)
@@ -159,12 +156,10 @@ class ToolCalling:
     def conversation(self, messages: Sequence[ChatMessage], parser: ToolParser | None = None) -> list[dict]:
         """The messages as the chat template takes them (transformers' shape).
 
-        Past calls' arguments become objects, as templates iterate them; for a
-        template that ignores ``tool_calls`` they are written into the content
-        in ``parser``'s format, the one the model is asked to write (by default
-        ``auto``'s: the configured parser's, else ``json_list``). For a template
-        that refuses the ``tool`` role, results are the user's text, one turn for
-        those in a row, so that roles still alternate.
+        Past calls' arguments become objects, as templates iterate them; for a template that ignores ``tool_calls`` they
+        are written into the content in ``parser``'s format, the one the model is asked to write (by default ``auto``'s:
+        the configured parser's, else ``json_list``). For a template that refuses the ``tool`` role, results are the
+        user's text, one turn for those in a row, so that roles still alternate.
 
         Raises:
             APIError: 400 for a ``tool_call_id`` no earlier call has, or arguments that are not a JSON object.
@@ -258,8 +253,8 @@ def _tool_specs(tools: list[ChatTool]) -> list[ToolSpec]:
 
 
 def _closed(schema: object) -> object:
-    """``schema`` with ``additionalProperties: false`` on each object that lists its properties and does
-    not say otherwise: the model writes only declared properties, which the schema allows too."""
+    """``schema`` with ``additionalProperties: false`` on each object that lists its properties and does not say
+    otherwise: the model writes only declared properties, which the schema allows too."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
@@ -310,8 +305,8 @@ def _template_tools(tools: list[ChatTool]) -> list[dict]:
 
 
 def compile_tool_grammar(plan: ToolPlan) -> str:
-    """The plan's grammar compiled and checked (hundreds of milliseconds for thousands of tools: off the
-    event loop, and only for a prompt that fits).
+    """The plan's grammar compiled and checked (hundreds of milliseconds for thousands of tools: off the event loop, and
+    only for a prompt that fits).
 
     Raises:
         APIError: 400 naming the tool whose schema llguidance refuses (``tools`` if none alone).
@@ -338,8 +333,8 @@ def _describe_tools(
     free: bool,
     system_role: bool,
 ) -> str:
-    """Tell the model which functions it may call and how, for a template that would not show it the
-    tools: in the system message, or the first user message where the template has no system role.
+    """Tell the model which functions it may call and how, for a template that would not show it the tools: in the
+    system message, or the first user message where the template has no system role.
 
     Returns:
         Where the description went ("system message" or "first user message").

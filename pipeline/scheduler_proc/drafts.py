@@ -1,5 +1,5 @@
-"""The scheduler's side of speculative decoding: which rows draft in a step, and each row's run of tokens
-applied with its rejected drafts rolled back one step late (docs/design.md, "Speculative decoding")."""
+"""The scheduler's side of speculative decoding: which rows draft in a step, and each row's run of tokens applied with
+its rejected drafts rolled back one step late (docs/design.md, "Speculative decoding")."""
 
 from __future__ import annotations
 
@@ -30,13 +30,13 @@ class Drafts:
     Args:
         max_num_seqs: req_indices.
         k: drafts per row at most (``num_speculative_tokens``).
-        adaptive: the policy chooses k and the rows from measured acceptance and cost; False: every
-            row that may draft drafts ``k`` (``SpecPolicy``'s ``adaptive``).
+        adaptive: the policy chooses k and the rows from measured acceptance and cost; False: every row that may draft
+            drafts ``k`` (``SpecPolicy``'s ``adaptive``).
         pool, steady, builder: the scheduler's block pool, steady rows and descriptor builder.
-        apply_token: the scheduler's ``(req, token, finished)``: append ``token`` to ``req``; if that
-            ends it, remove it, list it in ``finished`` and return True.
-        grammar_rows: rows with a grammar draft too (its masks check the drafts), except where it is
-            lazy (a tool-call trigger).
+        apply_token: the scheduler's ``(req, token, finished)``: append ``token`` to ``req``; if that ends it, remove
+            it, list it in ``finished`` and return True.
+        grammar_rows: rows with a grammar draft too (its masks check the drafts), except where it is lazy (a tool-call
+            trigger).
         jump_forward: such a row whose grammar forces its next tokens drafts those (``GrammarState.forced``).
     """
 
@@ -85,12 +85,11 @@ class Drafts:
     ) -> np.ndarray | None:
         """Give decode rows drafts where the policy says they pay, once the step is planned as without them.
 
-        Drafts take only what is left of the token ``budget``, free blocks and the ``max_blocks``
-        block-table entries the step's ring entry holds (they never preempt). General rows chosen
-        become ``(req, 1 + k, True)`` in ``rows``; returns the steady rows' drafts (``[D]``, None:
-        none). Rows before ``min_tokens`` or new at their req_index (no drafts proposed there yet) do
-        not draft; nor do rows with a grammar unless ``grammar_rows``. With ``jump_forward``, a row whose
-        grammar forces its next tokens drafts those (``known``), whatever the policy says.
+        Drafts take only what is left of the token ``budget``, free blocks and the ``max_blocks`` block-table entries
+        the step's ring entry holds (they never preempt). General rows chosen become ``(req, 1 + k, True)`` in ``rows``;
+        returns the steady rows' drafts (``[D]``, None: none). Rows before ``min_tokens`` or new at their req_index (no
+        drafts proposed there yet) do not draft; nor do rows with a grammar unless ``grammar_rows``. With
+        ``jump_forward``, a row whose grammar forces its next tokens drafts those (``known``), whatever the policy says.
         """
         base = len(steady_rows) + sum(n for _, n, _ in rows)
         self._step_tokens[step_id] = base
@@ -159,8 +158,8 @@ class Drafts:
         return drafts
 
     def known(self, step_id: int) -> dict[int, list[int]]:
-        """The drafts ``plan`` named for step ``step_id``'s rows (a grammar's forced tokens), by req_num;
-        forgotten once read."""
+        """The drafts ``plan`` named for step ``step_id``'s rows (a grammar's forced tokens), by req_num; forgotten once
+        read."""
         return self._known.pop(step_id, _NO_KNOWN)
 
     def apply_output(
@@ -178,9 +177,9 @@ class Drafts:
         """Apply step ``step_id``'s output rows after its ``d`` steady ones (those went through
         ``SteadyRows.apply_output``, whose last value is ``verified``) and measure the step.
 
-        ``device_ns``: its device time; ``matched``: ``[rows]`` ``draft_matched`` (None: not known). Per
-        request its run of tokens (``apply_run``); ``finished`` gets the requests that end. Whether each
-        row's proposer matched counts at once; the other measurements wait for ``observe``.
+        ``device_ns``: its device time; ``matched``: ``[rows]`` ``draft_matched`` (None: not known). Per request its run
+        of tokens (``apply_run``); ``finished`` gets the requests that end. Whether each row's proposer matched counts
+        at once; the other measurements wait for ``observe``.
         """
         self._last_output = step_id
         record = self._observations.append
@@ -219,10 +218,10 @@ class Drafts:
     def _choose(
         self, num_sampled: int, base: int, cand: np.ndarray, remaining: np.ndarray, budget: int
     ) -> tuple[int, np.ndarray]:
-        """``SpecPolicy.choose``'s ``(k, rows)``, or, when ``prepare`` made the choice since the last step,
-        that choice applied to these candidates: its ``k`` for those at least as likely to accept as the
-        least likely it took, the likeliest first while the token budget lasts (a few array operations
-        instead of the search; the adaptive policy with ``_PREPARED_MIN_ROWS`` candidates only)."""
+        """``SpecPolicy.choose``'s ``(k, rows)``, or, when ``prepare`` made the choice since the last step, that choice
+        applied to these candidates: its ``k`` for those at least as likely to accept as the least likely it took, the
+        likeliest first while the token budget lasts (a few array operations instead of the search; the adaptive policy
+        with ``_PREPARED_MIN_ROWS`` candidates only)."""
         policy, args = self.policy, (num_sampled, base, cand, remaining, budget)
         if self._prepared is not None and policy.adaptive and len(cand) >= _PREPARED_MIN_ROWS:
             self._prepared_steps += 1
@@ -240,9 +239,8 @@ class Drafts:
         return policy.choose(*args)
 
     def prepare(self) -> None:
-        """Make the policy's choice for the next steps from this one's candidates (``_choose``), every
-        ``_CHOICE_STEPS`` steps: called off the path from an output to the next step, once this one is
-        published."""
+        """Make the policy's choice for the next steps from this one's candidates (``_choose``), every ``_CHOICE_STEPS``
+        steps: called off the path from an output to the next step, once this one is published."""
         if self._to_prepare is None or (self._prepared is not None and self._prepared_steps < _CHOICE_STEPS):
             return
         (args, idle_steps), self._to_prepare = self._to_prepare, None
@@ -255,9 +253,9 @@ class Drafts:
     def observe(self, all_outputs: bool = True) -> None:
         """Give the policy and the stats the measurements of the outputs applied (False: all but the newest).
 
-        The scheduler's loop calls this once the next step is published, so that measuring is not
-        between an output and the step planned from it; a step's planning catches up first on all but
-        the newest (``Scheduler.schedule``), so the policy sees the same evidence however it is driven.
+        The scheduler's loop calls this once the next step is published, so that measuring is not between an output and
+        the step planned from it; a step's planning catches up first on all but the newest (``Scheduler.schedule``), so
+        the policy sees the same evidence however it is driven.
         """
         obs, newest = self._observations, self._last_output
         n = len(obs) if all_outputs else next((i for i, o in enumerate(obs) if o[0] >= newest), len(obs))
@@ -266,11 +264,11 @@ class Drafts:
         del obs[:n]
 
     def apply_run(self, req: Request, n: int, tokens: list[int], finished: list[int]) -> bool:
-        """Roll back the rejected drafts of a row of ``req`` planned with ``n`` tokens, then append the
-        ``tokens`` it got, up to the one that ends it (then listed in ``finished``); True if it ended.
+        """Roll back the rejected drafts of a row of ``req`` planned with ``n`` tokens, then append the ``tokens`` it
+        got, up to the one that ends it (then listed in ``finished``); True if it ended.
 
-        The rollback comes first: an appended token counts as final (nameable for prefix caching) only up
-        to the positions really computed or planned.
+        The rollback comes first: an appended token counts as final (nameable for prefix caching) only up to the
+        positions really computed or planned.
         """
         rejected = n - len(tokens)
         if rejected > 0:
@@ -285,8 +283,8 @@ class Drafts:
 
 
 def _forced_drafts(req: Request) -> list[int]:
-    """The tokens ``req``'s grammar forces after its tokens in flight (counted as if its drafts in flight are
-    all accepted), if its outputs since the grammar said so are those it forced; else none."""
+    """The tokens ``req``'s grammar forces after its tokens in flight (counted as if its drafts in flight are all
+    accepted), if its outputs since the grammar said so are those it forced; else none."""
     at, tokens = req.grammar.forced
     out = req.output_token_ids
     done = len(out) - at

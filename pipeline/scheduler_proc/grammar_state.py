@@ -1,6 +1,6 @@
-"""One constrained request's matcher and the mask for its next output position (docs/design.md,
-"Structured output"); the grammar manager makes them, advances them and runs their jobs on its threads. A
-state calls nobody back: it holds its matcher and mask, and says what advancing it takes."""
+"""One constrained request's matcher and the mask for its next output position (docs/design.md, "Structured output");
+the grammar manager makes them, advances them and runs their jobs on its threads. A state calls nobody back: it holds
+its matcher and mask, and says what advancing it takes."""
 
 from __future__ import annotations
 
@@ -47,15 +47,11 @@ class CompiledGrammar:
 class GrammarState:
     """The matcher of one constrained request (a choice), and the mask for its next output position.
 
-    The matcher has consumed the request's output tokens so far, or is
-    consuming the last one on a grammar thread (then ``ready`` is False).
-    With a trigger, the mask is needed only where ``needs_mask`` says,
-    and the matcher exists only there (a copy of the pristine one, fed the
-    text's tail).
-    Ending is the model's choice among the request's stop token ids, allowed
-    exactly when the grammar accepts, and the only tokens allowed once it
-    cannot continue; so the request finishes with "stop" in the scheduler
-    and io_proc alike (``check_finish``).
+    The matcher has consumed the request's output tokens so far, or is consuming the last one on a grammar thread (then
+    ``ready`` is False). With a trigger, the mask is needed only where ``needs_mask`` says, and the matcher exists only
+    there (a copy of the pristine one, fed the text's tail). Ending is the model's choice among the request's stop token
+    ids, allowed exactly when the grammar accepts, and the only tokens allowed once it cannot continue; so the request
+    finishes with "stop" in the scheduler and io_proc alike (``check_finish``).
 
     Attributes:
         req_num: the request (choice) it constrains.
@@ -67,8 +63,8 @@ class GrammarState:
         closed: its request has ended (``GrammarManager.release``).
         on_background: its matcher is advancing on the background thread (a costly mask).
         forced: ``(outputs consumed, tokens)``: the tokens the grammar forces after that many output tokens
-            (llguidance's fast-forward tokens; with ``jump_forward`` and no trigger, else none), which the
-            row's next steps verify as drafts (docs/design.md, "Jump-forward").
+            (llguidance's fast-forward tokens; with ``jump_forward`` and no trigger, else none), which the row's next
+            steps verify as drafts (docs/design.md, "Jump-forward").
     """
 
     __slots__ = (
@@ -120,15 +116,15 @@ class GrammarState:
         return self.cost_s >= PACE_MASK_S
 
     def needs_mask(self, in_flight: int) -> bool:
-        """Whether the next sampled token needs ``mask``, with ``in_flight`` of the row's tokens not
-        advanced past yet (a row that needs one waits for them). Always, without a trigger."""
+        """Whether the next sampled token needs ``mask``, with ``in_flight`` of the row's tokens not advanced past yet
+        (a row that needs one waits for them). Always, without a trigger."""
         return self.trigger is None or self.trigger.needs_mask(in_flight)
 
     def follow(self, token_id: int) -> tuple[bool, bytes | None, llguidance.LLMatcher | None]:
-        """Output ``token_id`` has come: ``(whether a mask job follows, the text's tail that job makes a
-        matcher from (None: it consumes ``token_id``), a matcher no longer used)``. A stop id ends the
-        output. With a trigger, the text is followed here, and a job follows only where a mask is needed
-        next; a matcher is given up where the text turned away from the trigger."""
+        """Output ``token_id`` has come: ``(whether a mask job follows, the text's tail that job makes a matcher from
+        (None: it consumes ``token_id``), a matcher no longer used)``. A stop id ends the output. With a trigger, the
+        text is followed here, and a job follows only where a mask is needed next; a matcher is given up where the text
+        turned away from the trigger."""
         if token_id in self._stop_ids or self.error:
             return False, None, None
         trigger = self.trigger
@@ -151,8 +147,8 @@ class GrammarState:
         return matchers
 
     def compute(self, token_ids: list[int], tail: bytes | None) -> None:  # on a grammar thread
-        """Consume ``token_ids``, or with ``tail`` make a matcher from the pristine one fed it; then the next
-        mask. A failure sets ``error``."""
+        """Consume ``token_ids``, or with ``tail`` make a matcher from the pristine one fed it; then the next mask. A
+        failure sets ``error``."""
         t0 = time.thread_time()  # CPU time: a thread that waits for the GIL or a core is not charged
         m, pristine = self._matcher, self._pristine
         if self.closed or (m is None and pristine is None):  # its request has ended meanwhile
@@ -186,10 +182,10 @@ class GrammarState:
         self.ready = True
 
     def walk(self, drafts: list[int]) -> np.ndarray:  # on the mask thread, once ``ready``
-        """The masks of a row that verifies ``drafts`` from here: ``[1 + k, W]`` int32, ``mask`` and then the
-        mask after each draft, as long as the drafts are allowed. A position after a forbidden draft or a
-        stop id is never sampled from (verification rejects there): it allows everything. The matcher is
-        rolled back; a failure sets ``error``."""
+        """The masks of a row that verifies ``drafts`` from here: ``[1 + k, W]`` int32, ``mask`` and then the mask after
+        each draft, as long as the drafts are allowed. A position after a forbidden draft or a stop id is never sampled
+        from (verification rejects there): it allows everything. The matcher is rolled back; a failure sets ``error``.
+        """
         out = np.full((1 + len(drafts), len(self.mask)), -1, np.int32)
         out[0] = self.mask
         m = self._matcher

@@ -1,10 +1,8 @@
 """scheduler_proc: the process that plans steps.
 
-Loop: take control messages (zmq), plan a step into the descriptor ring
-whenever fewer than ``max_inflight`` steps are in flight
-(``MAX_INFLIGHT_STEPS`` with asynchronous
-scheduling, 1 in lock step), otherwise wait on the output ring for the oldest
-step's tokens. Imports neither torch nor model code.
+Loop: take control messages (zmq), plan a step into the descriptor ring whenever fewer than ``max_inflight`` steps are
+in flight (``MAX_INFLIGHT_STEPS`` with asynchronous scheduling, 1 in lock step), otherwise wait on the output ring for
+the oldest step's tokens. Imports neither torch nor model code.
 """
 
 from __future__ import annotations
@@ -63,12 +61,10 @@ class StepTimeout(Exception):
 class SchedulerProc:
     """Owns the scheduler, its rings and sockets; ``run`` is the process body.
 
-    A control message that does not decode is logged and dropped. With
-    ``config.step_timeout_s`` > 0, ``run`` raises ``StepTimeout``
-    when the oldest step in flight has waited that long for its output
-    (counted from the worker's start), unless io_proc's heartbeat is as old
-    (then the worker waits on io_proc, and the launcher names io_proc). Each turn of the loop beats in
-    ``heartbeats`` (docs/design.md, "Liveness").
+    A control message that does not decode is logged and dropped. With ``config.step_timeout_s`` > 0, ``run`` raises
+    ``StepTimeout`` when the oldest step in flight has waited that long for its output (counted from the worker's
+    start), unless io_proc's heartbeat is as old (then the worker waits on io_proc, and the launcher names io_proc).
+    Each turn of the loop beats in ``heartbeats`` (docs/design.md, "Liveness").
     """
 
     def __init__(
@@ -156,9 +152,8 @@ class SchedulerProc:
     def _release_memory(self) -> None:
         """After a burst of requests: free the free lists and what cycles hold, then give the heap back.
 
-        With the start-up heap frozen the collection sees only what serving
-        allocated (milliseconds once the burst is over); the trim, tens of
-        milliseconds after a burst of hundreds of MB, runs on a thread of its own.
+        With the start-up heap frozen the collection sees only what serving allocated (milliseconds once the burst is
+        over); the trim, tens of milliseconds after a burst of hundreds of MB, runs on a thread of its own.
         """
         self.scheduler.shrink()
         gc.collect()
@@ -191,8 +186,8 @@ class SchedulerProc:
     def _add_request(self, msg: AddRequest) -> None:
         """A request with a grammar waits for its matchers; others are queued at once.
 
-        A request the scheduler cannot take (a fault of its own, never the
-        engine's) fails alone: io_proc is told and the loop goes on.
+        A request the scheduler cannot take (a fault of its own, never the engine's) fails alone: io_proc is told and
+        the loop goes on.
         """
         if msg.params.grammar:
             if self.grammars is None:
@@ -210,8 +205,8 @@ class SchedulerProc:
                 self._reply(RequestFailed(msg.req_num + i, f"{type(e).__name__}: {e}"))
 
     def _grammar_turn(self) -> None:
-        """Queue the requests whose matchers are ready, tell io_proc of those refused, and end those whose
-        matcher failed on a token (docs/design.md, "Structured output")."""
+        """Queue the requests whose matchers are ready, tell io_proc of those refused, and end those whose matcher
+        failed on a token (docs/design.md, "Structured output")."""
         ready, refused = self.grammars.poll()
         for msg, states, aborted in ready:
             self.scheduler.add_request(msg, states)
@@ -231,8 +226,8 @@ class SchedulerProc:
                 self._reply(RequestFailed(state.req_num, state.error))
 
     def _publish_masks(self) -> bool:
-        """Write the masks of planned steps whose constrained rows' tokens are known, oldest first; on the
-        scheduler's thread, or on the mask thread once it has computed a step's masks.
+        """Write the masks of planned steps whose constrained rows' tokens are known, oldest first; on the scheduler's
+        thread, or on the mask thread once it has computed a step's masks.
 
         Returns:
             True if a step's masks are being computed now or cannot be written yet (its sampling waits for

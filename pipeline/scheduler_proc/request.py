@@ -13,27 +13,21 @@ from pipeline.scheduler_proc.grammar_state import GrammarState
 class Request:
     """Scheduler-side state of one request.
 
-    ``num_computed_tokens`` counts tokens already placed in a step (in flight
-    included); ``num_placeholders`` counts tokens sampled in steps whose
-    output has not arrived (0 or 1, or with speculative decoding every planned
-    draft counted as accepted); ``num_rejected`` the drafts rejected since it
-    took its req_index (docs/design.md, "Speculative decoding"). ``req_index`` is its row while it runs
-    (-1 otherwise), ``is_new`` says its next row is its first at that index
-    (the descriptor then carries its parameters), ``admit_seq`` orders the
-    running requests by admission. ``block_hashes`` names its prompt's full
-    blocks and those of its final tokens so far; its first
-    ``num_named_blocks`` blocks carry their names in the pool (docs/design.md,
-    "Prefix caching"). ``grammar`` is the matcher of a structured-output
-    request (None for others); it has consumed every token of
-    ``output_token_ids``; ``proposed_drafts`` (int64 array), the drafts the worker proposed for its next
-    row, which its grammar checks when that row verifies them. ``queued_ns``, ``scheduled_ns`` (first admission; 0
-    before) and ``first_token_ns`` (0 before) are vLLM's request events on
-    ``time.monotonic_ns()`` (docs/design.md, "Metrics").
+    ``num_computed_tokens`` counts tokens already placed in a step (in flight included); ``num_placeholders`` counts
+    tokens sampled in steps whose output has not arrived (0 or 1, or with speculative decoding every planned draft
+    counted as accepted); ``num_rejected`` the drafts rejected since it took its req_index (docs/design.md, "Speculative
+    decoding"). ``req_index`` is its row while it runs (-1 otherwise), ``is_new`` says its next row is its first at that
+    index (the descriptor then carries its parameters), ``admit_seq`` orders the running requests by admission.
+    ``block_hashes`` names its prompt's full blocks and those of its final tokens so far; its first ``num_named_blocks``
+    blocks carry their names in the pool (docs/design.md, "Prefix caching"). ``grammar`` is the matcher of a
+    structured-output request (None for others); it has consumed every token of ``output_token_ids``;
+    ``proposed_drafts`` (int64 array), the drafts the worker proposed for its next row, which its grammar checks when
+    that row verifies them. ``queued_ns``, ``scheduled_ns`` (first admission; 0 before) and ``first_token_ns`` (0
+    before) are vLLM's request events on ``time.monotonic_ns()`` (docs/design.md, "Metrics").
 
-    While the request is a steady row, ``SteadyRows`` owns its progress:
-    ``num_computed_tokens``, ``num_placeholders``, ``last_step_id`` and
-    ``output_token_ids`` are None here (``num_rejected`` is stale), so a stray read fails at once, and
-    ``SteadyRows.release`` hands them back up to date.
+    While the request is a steady row, ``SteadyRows`` owns its progress: ``num_computed_tokens``, ``num_placeholders``,
+    ``last_step_id`` and ``output_token_ids`` are None here (``num_rejected`` is stale), so a stray read fails at once,
+    and ``SteadyRows.release`` hands them back up to date.
     """
 
     __slots__ = (
@@ -96,8 +90,8 @@ class Request:
     def samples(self, end: int) -> bool:
         """Whether a row that computes up to position ``end`` samples a token.
 
-        Only the chunk that reaches the last known token samples, and a request
-        with ``max_tokens`` 0 (prompt log-probabilities only) never does.
+        Only the chunk that reaches the last known token samples, and a request with ``max_tokens`` 0 (prompt
+        log-probabilities only) never does.
         """
         return end >= self.num_known_tokens and self.params.max_tokens > 0
 
@@ -117,8 +111,8 @@ class Request:
 
     def prompt_logprob_span(self, pos: int, k: int) -> tuple[int, int]:
         """For a row of ``k`` tokens from ``pos``: how many of its positions predict a prompt token whose
-        log-probability is wanted (position ``j`` predicts token ``j + 1``), and the prompt token after the
-        row when all of them do (else -1)."""
+        log-probability is wanted (position ``j`` predicts token ``j + 1``), and the prompt token after the row when all
+        of them do (else -1)."""
         if self.params.prompt_logprobs < 0:
             return 0, -1
         n = max(0, min(k, len(self.prompt_token_ids) - 1 - pos))

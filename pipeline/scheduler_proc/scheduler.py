@@ -1,16 +1,12 @@
 """Continuous-batching step planner with asynchronous scheduling (docs/design.md, "The scheduler").
 
-The scheduler plans step N+1 while step N runs, assuming every decoding
-request produces exactly one token in N; N+1's input for that token is the
-placeholder the worker resolves on the device. Policy (as vLLM v1's):
-running requests first, in arrival order, one token per decode and a chunk
-per unfinished prefill, then waiting requests in FIFO order, each from its
-longest cached prefix, all under ``max_num_batched_tokens`` and
-``max_num_seqs``. KV blocks are allocated on demand; when none are left the
-newest running request is preempted (recompute). Running requests that
-plainly decode are planned as steady rows (``steady_rows.py``), with the same
-result. Speculative decoding's drafts are planned by ``drafts.py``; outputs are applied by
-``scheduler_outputs.py``.
+The scheduler plans step N+1 while step N runs, assuming every decoding request produces exactly one token in N; N+1's
+input for that token is the placeholder the worker resolves on the device. Policy (as vLLM v1's): running requests
+first, in arrival order, one token per decode and a chunk per unfinished prefill, then waiting requests in FIFO order,
+each from its longest cached prefix, all under ``max_num_batched_tokens`` and ``max_num_seqs``. KV blocks are allocated
+on demand; when none are left the newest running request is preempted (recompute). Running requests that plainly decode
+are planned as steady rows (``steady_rows.py``), with the same result. Speculative decoding's drafts are planned by
+``drafts.py``; outputs are applied by ``scheduler_outputs.py``.
 """
 
 from __future__ import annotations
@@ -71,10 +67,10 @@ class Scheduler(SchedulerOutputsMixin):
         block_hash_root: the parent name of a first block (``EngineConfig.block_hash_root``).
         num_speculative_tokens, adaptive_speculation: speculative decoding's K (0: off) and policy (``Drafts``).
         grammars: advances the matchers of constrained requests (None: no request has a grammar).
-        grammar_drafts: constrained rows draft too, their masks checking each draft (the worker reports
-            the drafts it proposes: prompt lookup or the simulated device's, not a draft model's).
-        jump_forward: with ``grammar_drafts``, a constrained row whose grammar forces its next tokens drafts
-            those (docs/design.md, "Jump-forward").
+        grammar_drafts: constrained rows draft too, their masks checking each draft (the worker reports the drafts it
+            proposes: prompt lookup or the simulated device's, not a draft model's).
+        jump_forward: with ``grammar_drafts``, a constrained row whose grammar forces its next tokens drafts those
+            (docs/design.md, "Jump-forward").
 
     Raises:
         ValueError: if one request of ``max_model_len`` tokens could not fit.
@@ -160,10 +156,9 @@ class Scheduler(SchedulerOutputsMixin):
 
         A repeated ``req_num`` is ignored.
 
-        With ``msg.n`` > 1 its choices are the requests ``req_num + i``, each
-        seeded ``choice_seed(seed, i)``; they share the prompt through the
-        prefix cache: the first computes it, and the others, admitted behind
-        it, find its blocks (docs/design.md, "Parallel choices").
+        With ``msg.n`` > 1 its choices are the requests ``req_num + i``, each seeded ``choice_seed(seed, i)``; they
+        share the prompt through the prefix cache: the first computes it, and the others, admitted behind it, find its
+        blocks (docs/design.md, "Parallel choices").
         """
         if msg.req_num in self.requests:
             return
@@ -183,8 +178,7 @@ class Scheduler(SchedulerOutputsMixin):
     def abort_request(self, req_num: int, finished_ns: int = 0) -> bool:
         """Drop a request now; its blocks and req_index return after its last step in flight.
 
-        ``finished_ns`` > 0 means the request finished then (a stop string),
-        and its phases are observed.
+        ``finished_ns`` > 0 means the request finished then (a stop string), and its phases are observed.
 
         Returns:
             False if there was no such request (it had finished, or never came).
@@ -205,9 +199,9 @@ class Scheduler(SchedulerOutputsMixin):
     # -- planning ---------------------------------------------------------------
 
     def observe_outputs(self) -> None:
-        """Name the blocks of the requests that ended, measure the outputs applied so far (speculation's
-        policy and stats) and make the policy's next choice: call it once a step is published, off the path
-        from an output to the next step."""
+        """Name the blocks of the requests that ended, measure the outputs applied so far (speculation's policy and
+        stats) and make the policy's next choice: call it once a step is published, off the path from an output to the
+        next step."""
         self._name_ended()
         if self.drafts is not None:
             self.drafts.observe()
@@ -283,10 +277,10 @@ class Scheduler(SchedulerOutputsMixin):
             step.add(req, n, sample)
 
     def _mask_would_hold(self, req: Request, step: _StepPlan) -> bool:
-        """Whether ``req``'s row sits out this step: its grammar is costly, the mask for its sample is still
-        to be computed (being computed, or after its token in flight), and it would take more of
-        ``step.mask_budget_s`` than is left (the step's sampling waits for every row's mask; docs/design.md,
-        "Structured output"). Counted in ``num_grammar_rows_deferred``."""
+        """Whether ``req``'s row sits out this step: its grammar is costly, the mask for its sample is still to be
+        computed (being computed, or after its token in flight), and it would take more of ``step.mask_budget_s`` than
+        is left (the step's sampling waits for every row's mask; docs/design.md, "Structured output"). Counted in
+        ``num_grammar_rows_deferred``."""
         g, in_flight = req.grammar, req.num_placeholders
         if not g.costly or not g.needs_mask(in_flight) or (g.ready and not in_flight):
             return False
@@ -297,8 +291,8 @@ class Scheduler(SchedulerOutputsMixin):
         return True
 
     def _admit_waiting(self, step: _StepPlan) -> None:
-        """Waiting requests in FIFO order, each from its longest cached prefix, while a req_index and the
-        blocks of its first chunk are free."""
+        """Waiting requests in FIFO order, each from its longest cached prefix, while a req_index and the blocks of its
+        first chunk are free."""
         while self.waiting and not step.full:
             req = self.waiting[0]
             if req.num_placeholders:
@@ -371,8 +365,8 @@ class Scheduler(SchedulerOutputsMixin):
         return True
 
     def _preempt(self, req: Request) -> None:
-        """Recompute: ``req`` gives back its blocks (its named ones stay cached, for its readmission) and
-        req_index, and waits first in line."""
+        """Recompute: ``req`` gives back its blocks (its named ones stay cached, for its readmission) and req_index, and
+        waits first in line."""
         self._leave_running(req)
         self.prefix.name_final(req, num_final_tokens(req))
         self._free(req)
@@ -391,8 +385,8 @@ class Scheduler(SchedulerOutputsMixin):
         continues: bool,
         steady_drafts: np.ndarray | None = None,
     ) -> int:
-        """Write the step: the ``steady`` rows' decodes (req_index ``[D]``, with ``steady_drafts`` ``[D]``
-        each; None: none), then ``rows``; update counters. Returns the step's tokens.
+        """Write the step: the ``steady`` rows' decodes (req_index ``[D]``, with ``steady_drafts`` ``[D]`` each; None:
+        none), then ``rows``; update counters. Returns the step's tokens.
 
         ``continues``: some row's request was running before (the descriptor's flag).
         """
@@ -445,8 +439,8 @@ class Scheduler(SchedulerOutputsMixin):
         return num_tokens
 
     def start_walks(self) -> None:
-        """Give the grammar manager the draft walks whose rows' previous outputs are applied (their masks
-        follow the advances of those outputs on the mask thread; ``GrammarManager.flush`` starts them)."""
+        """Give the grammar manager the draft walks whose rows' previous outputs are applied (their masks follow the
+        advances of those outputs on the mask thread; ``GrammarManager.flush`` starts them)."""
         for row in self.masks.due_walks():
             drafts = row.drafts if row.drafts is not None else row.req.proposed_drafts[: row.num_drafts].tolist()
             self.grammars.walk(row, drafts)
@@ -469,8 +463,8 @@ class Scheduler(SchedulerOutputsMixin):
     # -- removal ----------------------------------------------------------------
 
     def _remove(self, req: Request, ended: bool = False) -> None:
-        """Drop ``req`` (finished or aborted; ``ended``: it finished in the output being applied); its named
-        blocks stay cached."""
+        """Drop ``req`` (finished or aborted; ``ended``: it finished in the output being applied); its named blocks stay
+        cached."""
         del self.requests[req.req_num]
         if req.grammar is not None:
             self.grammars.release(req.grammar)
@@ -497,11 +491,10 @@ class Scheduler(SchedulerOutputsMixin):
     def _free_ended(self, req: Request) -> None:
         """``_free`` for ``req``, which ended in the output being applied (off the running lists).
 
-        Naming its blocks (hashing its output) is most of the cost of its end. With a step in flight
-        after this output (asynchronous scheduling) no step waits for it: it is done once the next step
-        is published (``observe_outputs``), or before it is planned if a request waits to be admitted
-        (it may resend this one's tokens), the blocks owned until the step in flight completes, as they
-        are anyway when that step has the row.
+        Naming its blocks (hashing its output) is most of the cost of its end. With a step in flight after this output
+        (asynchronous scheduling) no step waits for it: it is done once the next step is published
+        (``observe_outputs``), or before it is planned if a request waits to be admitted (it may resend this one's
+        tokens), the blocks owned until the step in flight completes, as they are anyway when that step has the row.
         """
         step_id = self._output_step
         if not self.prefix.enabled or self.next_step_id <= step_id + 1:
@@ -515,8 +508,8 @@ class Scheduler(SchedulerOutputsMixin):
         req.block_ids, req.req_index = [], -1
 
     def _name_ended(self, completed: int | None = None) -> None:
-        """Name the blocks of the requests ``_free_ended`` left unnamed: all, or those that step ``completed``
-        releases (a block is named while it is owned)."""
+        """Name the blocks of the requests ``_free_ended`` left unnamed: all, or those that step ``completed`` releases
+        (a block is named while it is owned)."""
         if not self._unnamed:
             return
         later = []

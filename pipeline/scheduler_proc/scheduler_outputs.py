@@ -1,8 +1,8 @@
-"""Applying a StepOutput to the scheduler's requests: tokens appended, finishes, phase metrics
-(docs/design.md, "Outputs").
+"""Applying a StepOutput to the scheduler's requests: tokens appended, finishes, phase metrics (docs/design.md,
+"Outputs").
 
-A mixin of ``Scheduler``, whose state it uses (``requests``, ``running``, ``steady``, ``drafts``,
-``prefix``, ``pool``), so the per-token path keeps plain attribute lookups.
+A mixin of ``Scheduler``, whose state it uses (``requests``, ``running``, ``steady``, ``drafts``, ``prefix``, ``pool``),
+so the per-token path keeps plain attribute lookups.
 """
 
 from __future__ import annotations
@@ -31,13 +31,12 @@ class SchedulerOutputsMixin:
     ) -> list[int]:
         """Apply StepOutput ``step_id``: append tokens, finish requests, release frees.
 
-        A token for a request that finished or was aborted is the one wasted
-        token of a step already in flight: it is dropped. ``time_ns`` is the
-        output's engine timestamp (now if 0), which its tokens get. With
-        speculation a request's tokens are consecutive rows (``Drafts.apply_output``). ``device_ns``: the
-        worker's device busy time since the previous output (0: unknown), which sizes the steps' budget for
-        costly masks. ``proposals``: ``(req_nums, drafts [D, K])``, the drafts each sampled row's next step
-        reads (None: none), which a constrained row's masks for that step check.
+        A token for a request that finished or was aborted is the one wasted token of a step already in flight: it is
+        dropped. ``time_ns`` is the output's engine timestamp (now if 0), which its tokens get. With speculation a
+        request's tokens are consecutive rows (``Drafts.apply_output``). ``device_ns``: the worker's device busy time
+        since the previous output (0: unknown), which sizes the steps' budget for costly masks. ``proposals``:
+        ``(req_nums, drafts [D, K])``, the drafts each sampled row's next step reads (None: none), which a constrained
+        row's masks for that step check.
 
         ``req_nums`` and ``token_ids``: ``[rows]`` (int64 arrays are taken as they are).
 
@@ -112,8 +111,8 @@ class SchedulerOutputsMixin:
         return ends
 
     def _observe_finish(self, req: Request, end_ns: int) -> None:
-        """Observe the phases of ``req``, which finished at ``end_ns`` (vLLM's intervals:
-        queued -> first scheduled -> first token -> last token; docs/design.md, "Metrics")."""
+        """Observe the phases of ``req``, which finished at ``end_ns`` (vLLM's intervals: queued -> first scheduled ->
+        first token -> last token; docs/design.md, "Metrics")."""
         if not req.scheduled_ns:
             return
         first = req.first_token_ns or end_ns  # a prefill-only request (max_tokens 0) ends at its last chunk
@@ -123,11 +122,11 @@ class SchedulerOutputsMixin:
         self.inference_time.observe((end_ns - req.scheduled_ns) * 1e-9)
 
     def _remove_ended(self, reqs: list[Request]) -> None:
-        """``_remove`` for steady rows that ended in the output being applied (already released), with one
-        pass over the running list.
+        """``_remove`` for steady rows that ended in the output being applied (already released), with one pass over the
+        running list.
 
-        At batch 1024 a few dozen rows can end in one step; removing them one
-        by one would scan the running list once for each.
+        At batch 1024 a few dozen rows can end in one step; removing them one by one would scan the running list once
+        for each.
         """
         for req in reqs:
             self._observe_finish(req, self._output_ns)

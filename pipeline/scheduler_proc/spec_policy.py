@@ -1,8 +1,7 @@
 """How many drafts each step verifies, and for which rows (docs/design.md, "Speculative decoding").
 
-Verifying ``k`` drafts costs a row ``k`` more tokens in the step; it pays only when the tokens it is
-expected to gain beat what those tokens would cost at the step's throughput. Both sides are
-measured, so nothing is tuned by hand:
+Verifying ``k`` drafts costs a row ``k`` more tokens in the step; it pays only when the tokens it is expected to gain
+beat what those tokens would cost at the step's throughput. Both sides are measured, so nothing is tuned by hand:
 
 * **Acceptance** per request: a geometric model (each draft accepted with probability ``a``
   given the ones before it were), estimated from the request's own verified rows with
@@ -15,11 +14,10 @@ measured, so nothing is tuned by hand:
   the smallest proportional to the tokens: either guess flatters the side not tried yet, so the
   policy tries it once and learns.
 
-Each step then takes, for every ``k`` in ``1..K``, the rows in order of their gain while each
-row's gain per added unit of time beats the step's average, and keeps the ``k`` with the best
-expected tokens per second (``0`` when none beats verifying nothing). A workload whose drafts
-are never accepted thus stops drafting after a few tries, and retries a request only as its
-evidence fades.
+Each step then takes, for every ``k`` in ``1..K``, the rows in order of their gain while each row's gain per added unit
+of time beats the step's average, and keeps the ``k`` with the best expected tokens per second (``0`` when none beats
+verifying nothing). A workload whose drafts are never accepted thus stops drafting after a few tries, and retries a
+request only as its evidence fades.
 """
 
 from __future__ import annotations
@@ -45,8 +43,8 @@ class SpecPolicy:
         k_max: drafts per row at most (``num_speculative_tokens``).
         prior: acceptance assumed before anything is measured.
         prior_weight: how many drafts' worth of evidence the prior (then the global estimate) counts for.
-        adaptive: False: every candidate whose proposer matched drafts ``k_max`` (while ``remaining``
-            and the budget allow), whatever acceptance and cost say (``--speculative-policy always``).
+        adaptive: False: every candidate whose proposer matched drafts ``k_max`` (while ``remaining`` and the budget
+            allow), whatever acceptance and cost say (``--speculative-policy always``).
     """
 
     def __init__(
@@ -81,15 +79,15 @@ class SpecPolicy:
         return (a + g * w) / (a + r + w)
 
     def observe_row(self, req_index: int, k: int, accepted: int, matched: bool) -> None:
-        """A row's verified output: ``accepted`` of its ``k`` drafts (``k`` 0: it verified none);
-        ``matched``: its proposer found drafts for its next step."""
+        """A row's verified output: ``accepted`` of its ``k`` drafts (``k`` 0: it verified none); ``matched``: its
+        proposer found drafts for its next step."""
         self.observe_rows(np.array([req_index]), np.array([k]), np.array([accepted]), np.array([matched]))
 
     def observe_rows(
         self, req_indices: np.ndarray, k: np.ndarray, accepted: np.ndarray, matched: np.ndarray | None = None
     ) -> None:
-        """``observe_row`` for many rows (``[N]`` arrays, distinct ``req_indices``); ``matched`` None: set apart
-        (in ``self.matched``)."""
+        """``observe_row`` for many rows (``[N]`` arrays, distinct ``req_indices``); ``matched`` None: set apart (in
+        ``self.matched``)."""
         if matched is not None:
             self.matched[req_indices] = matched
         v = k > 0
@@ -120,12 +118,11 @@ class SpecPolicy:
         """Estimated device ns of steps of ``num_tokens`` (an array, any shape); 1 everywhere before any step is
         measured.
 
-        Inside a measured bucket whose steps differ in tokens, the bucket's least-squares line (slope
-        at least 0); elsewhere between measured buckets, interpolated; past the largest, flat; below
-        the smallest, proportional to the tokens. Both guesses flatter the untried side, so it gets
-        tried. The line tells a step from the others in its bucket: a step without drafts and one
-        with a few (256 and 300 tokens) cost the same where step time does not follow the tokens
-        (docs/design.md, "Speculative decoding").
+        Inside a measured bucket whose steps differ in tokens, the bucket's least-squares line (slope at least 0);
+        elsewhere between measured buckets, interpolated; past the largest, flat; below the smallest, proportional to
+        the tokens. Both guesses flatter the untried side, so it gets tried. The line tells a step from the others in
+        its bucket: a step without drafts and one with a few (256 and 300 tokens) cost the same where step time does not
+        follow the tokens (docs/design.md, "Speculative decoding").
         """
         if self._curve is None:
             seen = self._bucket_weight > 0
@@ -166,11 +163,11 @@ class SpecPolicy:
             num_sampled: the step's sampled rows (each gives at least one token).
             base_tokens: the step's tokens without drafts (each decode row's one, prefill chunks).
             req_indices: ``[C]`` the candidate rows' req_index (decoding rows that may draft).
-            remaining: ``[C]`` tokens each may still be given before ``max_tokens`` (so at most
-                ``remaining - 1`` drafts).
+            remaining: ``[C]`` tokens each may still be given before ``max_tokens`` (so at most ``remaining - 1``
+                drafts).
             budget: tokens left in the step for drafts.
-            idle_steps: the evidence of the candidates not chosen fades by ``_IDLE_DECAY`` this many
-                times: the steps since the last choice (0: a choice made again for the same step).
+            idle_steps: the evidence of the candidates not chosen fades by ``_IDLE_DECAY`` this many times: the steps
+                since the last choice (0: a choice made again for the same step).
         """
         best_k, best_rows = 0, np.zeros(0, dtype=np.int64)
         if not self.adaptive:
@@ -206,11 +203,11 @@ class SpecPolicy:
 
 
 class SpecStats:
-    """Speculative decoding's cumulative counts, vLLM's ``spec_decode_*``: verified rows (drafts), draft
-    tokens, accepted tokens, and accepted tokens by draft position (``[K]``).
+    """Speculative decoding's cumulative counts, vLLM's ``spec_decode_*``: verified rows (drafts), draft tokens,
+    accepted tokens, and accepted tokens by draft position (``[K]``).
 
-    Kept as a histogram of (drafts, accepted) per row, so that adding a step's rows is one bincount;
-    the counts are read from it.
+    Kept as a histogram of (drafts, accepted) per row, so that adding a step's rows is one bincount; the counts are read
+    from it.
     """
 
     def __init__(self, num_speculative_tokens: int):
@@ -242,8 +239,8 @@ class SpecStats:
 
 
 def output_runs(req_nums: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(starts, lengths)`` of the runs of equal request numbers in a StepOutput's rows (``[rows]``):
-    with speculation a request's tokens of one step are consecutive rows."""
+    """``(starts, lengths)`` of the runs of equal request numbers in a StepOutput's rows (``[rows]``): with speculation
+    a request's tokens of one step are consecutive rows."""
     if not len(req_nums):
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
     starts = np.flatnonzero(np.concatenate([[True], req_nums[1:] != req_nums[:-1]]))

@@ -1,9 +1,8 @@
 """Steady rows: running requests that decode one token a step, planned and applied in numpy.
 
-At batch 1024 a step's Python work per request costs more than the rest of
-the step, so requests with nothing to change (no prefill, no grammar, no new
-parameters) join the steady rows, whose counters live in arrays indexed by
-req_index (docs/design.md, "The scheduler").
+At batch 1024 a step's Python work per request costs more than the rest of the step, so requests with nothing to change
+(no prefill, no grammar, no new parameters) join the steady rows, whose counters live in arrays indexed by req_index
+(docs/design.md, "The scheduler").
 """
 
 from __future__ import annotations
@@ -29,30 +28,23 @@ _TOKEN_BUFFER = 128
 class SteadyRows:
     """The steady rows' counters, by req_index; the one copy of them while a row is steady.
 
-    The rule: from ``join`` to ``release``, this class owns a request's
-    progress. Its ``num_computed_tokens``, ``num_placeholders``,
-    ``last_step_id`` and ``output_token_ids`` live here and are None on the
-    ``Request``; ``release`` writes them back up to date. Tokens for a steady
-    request go through ``apply_output`` (its steady rows) or ``receive`` (a
-    row it had before joining).
+    The rule: from ``join`` to ``release``, this class owns a request's progress. Its ``num_computed_tokens``,
+    ``num_placeholders``, ``last_step_id`` and ``output_token_ids`` live here and are None on the ``Request``;
+    ``release`` writes them back up to date. Tokens for a steady request go through ``apply_output`` (its steady rows)
+    or ``receive`` (a row it had before joining).
 
-    Per row: ``_pos`` (num_computed_tokens), ``_in_flight``
-    (num_placeholders), ``_last_step`` (last_step_id), ``_remaining`` (tokens
-    it may still plan), ``_left`` (tokens it may still receive before
-    ``max_tokens``), ``_stop`` (its stop token ids, -1 padded; none with
-    ``ignore_eos``), ``_last_token``, ``_admitted`` (its ``admit_seq``),
-    ``_req_num`` (-1 once the row holds no steady request) and its newest
-    tokens, ``_buffer[i, :_num_buffered[i]]``. With speculative decoding
-    (docs/design.md, "Speculative decoding") ``_pos``, ``_in_flight`` and
-    ``_remaining`` count every planned draft as accepted until the output
-    shows its rejection (``rollback``); ``_rejected`` (num_rejected),
-    ``_num_blocks`` (blocks held, which after a rollback may exceed what
-    ``_pos`` needs) and ``_draft_left`` (a row drafts once ``_left`` is down
-    to it: past ``min_tokens``) serve that.
+    Per row: ``_pos`` (num_computed_tokens), ``_in_flight`` (num_placeholders), ``_last_step`` (last_step_id),
+    ``_remaining`` (tokens it may still plan), ``_left`` (tokens it may still receive before ``max_tokens``), ``_stop``
+    (its stop token ids, -1 padded; none with ``ignore_eos``), ``_last_token``, ``_admitted`` (its ``admit_seq``),
+    ``_req_num`` (-1 once the row holds no steady request) and its newest tokens, ``_buffer[i, :_num_buffered[i]]``.
+    With speculative decoding (docs/design.md, "Speculative decoding") ``_pos``, ``_in_flight`` and ``_remaining`` count
+    every planned draft as accepted until the output shows its rejection (``rollback``); ``_rejected`` (num_rejected),
+    ``_num_blocks`` (blocks held, which after a rollback may exceed what ``_pos`` needs) and ``_draft_left`` (a row
+    drafts once ``_left`` is down to it: past ``min_tokens``) serve that.
 
     Args:
-        keep_ended_tokens: an ended request gets its buffered tokens back
-            (prefix caching names its blocks from them); else they are dropped.
+        keep_ended_tokens: an ended request gets its buffered tokens back (prefix caching names its blocks from them);
+            else they are dropped.
     """
 
     def __init__(self, max_num_seqs: int, block_size: int, keep_ended_tokens: bool):
@@ -124,19 +116,15 @@ class SteadyRows:
     ) -> np.ndarray | None:
         """The rows (req_index, int64 ``[D]``) that decode in the step being planned, or None.
 
-        Allocates the blocks of those that cross into a new one. A row that
-        has planned its last token sits out. Planning the steady rows before
-        the other running requests must give the step the general path would,
-        so this returns None (the caller releases every row) when the token
-        budget might not reach every row while some other request precedes a
-        steady one, or when blocks might run short (the general path would
-        make rows wait or preempt).
+        Allocates the blocks of those that cross into a new one. A row that has planned its last token sits out.
+        Planning the steady rows before the other running requests must give the step the general path would, so this
+        returns None (the caller releases every row) when the token budget might not reach every row while some other
+        request precedes a steady one, or when blocks might run short (the general path would make rows wait or
+        preempt).
 
         Args:
-            others_tokens, others_blocks: at most what the other running
-                requests take this step.
-            first_other_admitted: the first other running request's
-                ``admit_seq``; None when there is none.
+            others_tokens, others_blocks: at most what the other running requests take this step.
+            first_other_admitted: the first other running request's ``admit_seq``; None when there is none.
         """
         active = self.order[self._remaining[self.order] > 0]
         # After rejected drafts a row may already hold the block its next position needs.
@@ -158,16 +146,16 @@ class SteadyRows:
         return active
 
     def draft_candidates(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Of ``rows`` (planned this step), those that may draft (past ``min_tokens``), and the tokens each
-        may still plan (at most that minus one drafts)."""
+        """Of ``rows`` (planned this step), those that may draft (past ``min_tokens``), and the tokens each may still
+        plan (at most that minus one drafts)."""
         cand = rows[self._left[rows] <= self._draft_left[rows]]
         return cand, self._remaining[cand]
 
     def grow_for_drafts(
         self, rows: np.ndarray, k: int, pool: BlockPool, builder: DescriptorBuilder, room: int
     ) -> np.ndarray:
-        """Blocks for ``k`` drafts after each of ``rows``' token, in order while free blocks and ``room``
-        block-table entries last; returns the rows that got them (the others do not draft)."""
+        """Blocks for ``k`` drafts after each of ``rows``' token, in order while free blocks and ``room`` block-table
+        entries last; returns the rows that got them (the others do not draft)."""
         need = np.maximum(0, cdiv(self._pos[rows] + 1 + k, self.block_size) - self._num_blocks[rows])
         if need.sum() > min(pool.num_free_blocks, room):
             fits = np.cumsum(need) <= min(pool.num_free_blocks, room)
@@ -192,8 +180,8 @@ class SteadyRows:
         return self._rejected[rows]
 
     def rollback(self, req: Request, rejected: int) -> None:
-        """``rejected`` tokens planned for steady ``req`` in a row it had before joining were drafts the
-        worker rejected: its counters go back by them."""
+        """``rejected`` tokens planned for steady ``req`` in a row it had before joining were drafts the worker
+        rejected: its counters go back by them."""
         i = req.req_index
         self._pos[i] -= rejected
         self._remaining[i] += rejected
@@ -203,9 +191,9 @@ class SteadyRows:
     def write(
         self, step_id: int, rows: np.ndarray, inputs_known: bool, drafts: np.ndarray | None = None
     ) -> tuple[np.ndarray, ...]:
-        """Count ``rows`` (from ``plan``) as planned in step ``step_id``, each with ``drafts`` (``[D]``, None:
-        none) counted as accepted; returns ``DescriptorBuilder.write``'s ``decode``. With ``inputs_known``
-        (lock step) each row's input is its last token, else the placeholder."""
+        """Count ``rows`` (from ``plan``) as planned in step ``step_id``, each with ``drafts`` (``[D]``, None: none)
+        counted as accepted; returns ``DescriptorBuilder.write``'s ``decode``. With ``inputs_known`` (lock step) each
+        row's input is its last token, else the placeholder."""
         pos = self._pos[rows]
         if inputs_known:
             tokens = self._last_token[rows]
@@ -226,9 +214,8 @@ class SteadyRows:
     ) -> tuple[int, list[tuple[int, int, list[int]]], list[Request], tuple | None]:
         """Apply the tokens of step ``step_id``'s steady rows, vectorized.
 
-        A row planned with drafts has one output row per token it got (a run);
-        the tokens it planned beyond them were rejected, and its counters go
-        back by them. A run ends at its first stop token.
+        A row planned with drafts has one output row per token it got (a run); the tokens it planned beyond them were
+        rejected, and its counters go back by them. A run ends at its first stop token.
 
         Returns:
             How many leading output rows were the step's steady rows; the
@@ -240,9 +227,8 @@ class SteadyRows:
             each row's last token: ``arange``), or None without steady rows.
 
         Raises:
-            RuntimeError: the output's first rows are not the step's steady
-                rows in the order planned (the worker writes sampled rows in
-                descriptor order).
+            RuntimeError: the output's first rows are not the step's steady rows in the order planned (the worker writes
+                sampled rows in descriptor order).
         """
         planned = self._planned.pop(step_id, None)
         if planned is None:
@@ -353,8 +339,8 @@ class SteadyRows:
         return check_finish(token, len(out), req.params) is not None
 
     def flush(self, step_id: int) -> None:
-        """Move the buffers whose turn it is to their requests' lists: each row's once every _TOKEN_BUFFER
-        steps, never all at once."""
+        """Move the buffers whose turn it is to their requests' lists: each row's once every _TOKEN_BUFFER steps, never
+        all at once."""
         for i in self.order[(self.order + step_id) % _TOKEN_BUFFER == 0].tolist():
             self._move_tokens(i)
 

@@ -1,13 +1,10 @@
-"""The token masks of planned steps, written once their constrained rows' previous tokens are known
-(docs/design.md, "Structured output").
+"""The token masks of planned steps, written once their constrained rows' previous tokens are known (docs/design.md,
+"Structured output").
 
-A constrained row is planned like any other, with a placeholder under
-asynchronous scheduling; its mask depends on that placeholder's token, so the
-step's ``TokenMasks`` entry follows the descriptor: the scheduler writes it as
-soon as each row's matcher has consumed every output token before the one the
-step samples (and, for a row that verifies drafts, walked them: a mask per
-sampled position). The worker runs the forward pass meanwhile and waits only
-before sampling.
+A constrained row is planned like any other, with a placeholder under asynchronous scheduling; its mask depends on that
+placeholder's token, so the step's ``TokenMasks`` entry follows the descriptor: the scheduler writes it as soon as each
+row's matcher has consumed every output token before the one the step samples (and, for a row that verifies drafts,
+walked them: a mask per sampled position). The worker runs the forward pass meanwhile and waits only before sampling.
 """
 
 from __future__ import annotations
@@ -23,8 +20,8 @@ from pipeline.scheduler_proc.request import Request
 
 @dataclass
 class MaskedRow:
-    """A constrained row of a planned step: one mask, or with ``num_drafts`` drafts one per sampled position
-    (``masks``, once its grammar has walked them: ``GrammarState.walk``)."""
+    """A constrained row of a planned step: one mask, or with ``num_drafts`` drafts one per sampled position (``masks``,
+    once its grammar has walked them: ``GrammarState.walk``)."""
 
     req: Request
     after_step: int  # the row's previous step: its output comes before this step's masks (-1: none)
@@ -38,8 +35,8 @@ class StepMasks:
     """Planned steps whose masks are not written yet, oldest first.
 
     Args:
-        requests: the scheduler's live requests (by ``req_num``); a row whose request left it (finished,
-            aborted, failed) gets masks that allow everything, since its tokens are dropped.
+        requests: the scheduler's live requests (by ``req_num``); a row whose request left it (finished, aborted,
+            failed) gets masks that allow everything, since its tokens are dropped.
 
     Attributes:
         applied_step: the newest step whose output the scheduler has applied.
@@ -65,8 +62,8 @@ class StepMasks:
         self._steps.append((step_id, rows))
 
     def due_walks(self) -> list[MaskedRow]:
-        """The rows with drafts whose previous step's output is applied and whose walk has not started:
-        marked as started (on the scheduler's thread; the mask thread may be writing the oldest step)."""
+        """The rows with drafts whose previous step's output is applied and whose walk has not started: marked as
+        started (on the scheduler's thread; the mask thread may be writing the oldest step)."""
         due, self.walks_waiting = [], False
         for _, rows in tuple(self._steps):
             for row in rows:
@@ -79,13 +76,13 @@ class StepMasks:
         return due
 
     def oldest_ready(self) -> bool:
-        """Whether the oldest step's masks can be written: every row's matcher has consumed the tokens
-        before its samples and computed the masks after them."""
+        """Whether the oldest step's masks can be written: every row's matcher has consumed the tokens before its
+        samples and computed the masks after them."""
         return all(self._row_ready(row) for row in self._steps[0][1])
 
     def oldest_computing(self) -> bool:
-        """Whether a mask of the oldest step is being computed now, or its drafts wait to be walked: its
-        row's tokens are known and its matcher is at work (rather than waiting for a step in flight)."""
+        """Whether a mask of the oldest step is being computed now, or its drafts wait to be walked: its row's tokens
+        are known and its matcher is at work (rather than waiting for a step in flight)."""
         return any(row.after_step <= self.applied_step and not self._row_ready(row) for row in self._steps[0][1])
 
     def _live(self, row: MaskedRow) -> bool:

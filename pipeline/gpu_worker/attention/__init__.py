@@ -1,9 +1,7 @@
 """The attention backends and how one is chosen (docs/design.md, "Attention backends").
 
-``ATTENTION_BACKENDS`` is the one list of them: ``--attention-backend``
-offers its names and ``make_backend`` builds from it. Registering imports no
-torch (the launcher reads the names); a backend's module is imported when
-one is made.
+``ATTENTION_BACKENDS`` is the one list of them: ``--attention-backend`` offers its names and ``make_backend`` builds
+from it. Registering imports no torch (the launcher reads the names); a backend's module is imported when one is made.
 """
 
 from __future__ import annotations
@@ -55,9 +53,8 @@ class Registry(Generic[T]):
 class ModelShape:
     """What a backend is made for: where the model runs and its attention shape (0: the simulated device).
 
-    ``scale`` (None: ``head_dim ** -0.5``) and ``kinds``, the layers'
-    ``(window, softcap)`` pairs, are for a backend that plans them per step
-    (flashinfer); the others take them per layer.
+    ``scale`` (None: ``head_dim ** -0.5``) and ``kinds``, the layers' ``(window, softcap)`` pairs, are for a backend
+    that plans them per step (flashinfer); the others take them per layer.
     """
 
     device: torch.device
@@ -148,10 +145,9 @@ def make_backend(
 ) -> AttentionBackend:
     """The attention backend ``name`` (or ``auto``) for a model of this shape on ``device`` (default CPU, float32).
 
-    ``auto`` takes the first of flashinfer and cpu_paged that can run for the
-    model (one log line when cpu_paged would suit but cannot), else
-    torch_bucketed; the simulated device (``head_dim`` 0) gets torch_bucketed.
-    ``scale`` and ``kinds`` as in ``ModelShape``.
+    ``auto`` takes the first of flashinfer and cpu_paged that can run for the model (one log line when cpu_paged would
+    suit but cannot), else torch_bucketed; the simulated device (``head_dim`` 0) gets torch_bucketed. ``scale`` and
+    ``kinds`` as in ``ModelShape``.
 
     Raises:
         ValueError: an unknown name, or a backend not made for this model (``NotForThisModel``).

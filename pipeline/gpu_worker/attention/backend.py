@@ -1,16 +1,12 @@
 """The attention-backend interface: per-step metadata, per-layer forward.
 
-The runner asks the backend once per step for its metadata; every layer
-then calls ``forward`` with its own queries, keys, values and KV cache and
-that metadata, so a new backend is a new module, not an edit of the model or
-the runner (docs/design.md, "Attention backends"). Metadata is built without
-waiting for the device: what the batch shapes is decided on the host
-(``StepLayout``) and uploaded at once; what is large is computed on the
-device from it. Each backend declares how it uses the cache's memory
-(``cache_layout``, ``kv_layout.py``). With speculative decoding the host's
-start positions may be upper bounds, and a per-row ``shift`` on the device
-moves every position, context length and slot derived from them back
-(docs/design.md, "Speculative decoding").
+The runner asks the backend once per step for its metadata; every layer then calls ``forward`` with its own queries,
+keys, values and KV cache and that metadata, so a new backend is a new module, not an edit of the model or the runner
+(docs/design.md, "Attention backends"). Metadata is built without waiting for the device: what the batch shapes is
+decided on the host (``StepLayout``) and uploaded at once; what is large is computed on the device from it. Each backend
+declares how it uses the cache's memory (``cache_layout``, ``kv_layout.py``). With speculative decoding the host's start
+positions may be upper bounds, and a per-row ``shift`` on the device moves every position, context length and slot
+derived from them back (docs/design.md, "Speculative decoding").
 """
 
 from __future__ import annotations
@@ -45,11 +41,11 @@ def sdpa(
     softcap: float | None = None,
     enable_gqa: bool = False,
 ) -> torch.Tensor:
-    """``scaled_dot_product_attention`` over ``[B, H, Q, D]`` queries and ``[B, KVH, K, D]`` keys, with the
-    scores soft-capped when ``softcap`` is set.
+    """``scaled_dot_product_attention`` over ``[B, H, Q, D]`` queries and ``[B, KVH, K, D]`` keys, with the scores
+    soft-capped when ``softcap`` is set.
 
-    SDPA cannot cap scores, so a capped call runs the attention as
-    transformers' eager path does: matmul, cap, mask, softmax in float32, matmul.
+    SDPA cannot cap scores, so a capped call runs the attention as transformers' eager path does: matmul, cap, mask,
+    softmax in float32, matmul.
     """
     if softcap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
@@ -70,17 +66,15 @@ def host_upload(arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
 class StepLayout:
     """One step's token layout, computed on the host (numpy int64; no device values).
 
-    Request ``i`` owns step tokens ``[token_starts[i], token_starts[i] +
-    query_lens[i])``; their positions are ``start_positions[i] + 0 ..
-    query_lens[i] - 1``.
+    Request ``i`` owns step tokens ``[token_starts[i], token_starts[i] + query_lens[i])``; their positions are
+    ``start_positions[i] + 0 .. query_lens[i] - 1``.
 
     Attributes:
         query_lens: ``[B]`` tokens scheduled per request, each >= 1.
-        start_positions: ``[B]`` position of each request's first scheduled
-            token (= tokens already in its KV cache).
+        start_positions: ``[B]`` position of each request's first scheduled token (= tokens already in its KV cache).
         req_indices: ``[B]`` each request's row in the block table.
-        num_draft_tokens: ``[B]`` drafts among each request's last queries (a row verifying them);
-            0 for a decode row or a prefill chunk.
+        num_draft_tokens: ``[B]`` drafts among each request's last queries (a row verifying them); 0 for a decode row or
+            a prefill chunk.
         block_size: tokens per KV cache block.
         token_starts: ``[B]`` exclusive cumulative sum of ``query_lens``.
         request_of_token: ``[T]`` the request each token belongs to.
@@ -111,9 +105,8 @@ class StepLayout:
             max_blocks_per_seq: width of a block-table row.
 
         Raises:
-            ValueError: on inconsistent shapes, an empty batch, a query_len < 1,
-                a negative start position, or a context that does not fit a
-                block-table row.
+            ValueError: on inconsistent shapes, an empty batch, a query_len < 1, a negative start position, or a context
+                that does not fit a block-table row.
         """
         q = np.asarray(query_lens, dtype=np.int64)
         s = np.asarray(start_positions, dtype=np.int64)
@@ -157,8 +150,8 @@ class StepLayout:
         return [self.req_indices[self.request_of_token], self.positions // self.block_size]
 
     def shifted_inputs(self, shifted: bool) -> list[np.ndarray]:
-        """``[positions, *slot_mapping_inputs()]``, plus ``request_of_token`` when ``shifted``: what
-        ``shifted_slots`` reads."""
+        """``[positions, *slot_mapping_inputs()]``, plus ``request_of_token`` when ``shifted``: what ``shifted_slots``
+        reads."""
         return [self.positions, *self.slot_mapping_inputs()] + ([self.request_of_token] if shifted else [])
 
 
@@ -166,8 +159,8 @@ class StepLayout:
 class PaddedQueries:
     """Requests ``rows`` of a step as a ``[R, q_max]`` grid of queries, for backends that pad rows.
 
-    Padded query positions repeat the row's last real query: a valid token index
-    and a non-empty mask row, whose output is then dropped.
+    Padded query positions repeat the row's last real query: a valid token index and a non-empty mask row, whose output
+    is then dropped.
 
     Attributes:
         q_max: the longest row's scheduled tokens.
@@ -231,8 +224,8 @@ def slot_mapping(
 
     Args:
         block_table: ``[rows, max_blocks_per_seq]`` int64.
-        token_req_indices, token_cols: ``[T]`` the block-table row and column of
-            each token (from ``StepLayout.slot_mapping_inputs``).
+        token_req_indices, token_cols: ``[T]`` the block-table row and column of each token (from
+            ``StepLayout.slot_mapping_inputs``).
         positions: ``[T]`` each token's position.
     """
     return block_table[token_req_indices, token_cols] * block_size + positions % block_size
@@ -245,10 +238,8 @@ class AttentionMetadata:
     Attributes:
         num_tokens: T, the number of tokens in the step.
         block_size: tokens per KV cache block.
-        positions: ``[T]`` int64 on the device, position of each token in its
-            sequence (the model's RoPE index).
-        slot_mapping: ``[T]`` int64 on the device, flat KV cache index each
-            token's key and value are written to.
+        positions: ``[T]`` int64 on the device, position of each token in its sequence (the model's RoPE index).
+        slot_mapping: ``[T]`` int64 on the device, flat KV cache index each token's key and value are written to.
     """
 
     num_tokens: int
@@ -260,8 +251,8 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     """Paged attention for one model: metadata once per step, forward per layer.
 
-    A backend instance belongs to one model and may keep scratch memory
-    shared by its layers (layers run one after another, in stream order).
+    A backend instance belongs to one model and may keep scratch memory shared by its layers (layers run one after
+    another, in stream order).
 
     Attributes:
         name: its registry name (``attention.ATTENTION_BACKENDS``).
@@ -279,13 +270,12 @@ class AttentionBackend(ABC):
 
         Args:
             layout: the step's host-side layout.
-            block_table: ``[rows, max_blocks_per_seq]`` int64 on the device;
-                request ``i`` uses row ``layout.req_indices[i]``. Entries past a
-                request's context are ignored and may hold anything.
+            block_table: ``[rows, max_blocks_per_seq]`` int64 on the device; request ``i`` uses row
+                ``layout.req_indices[i]``. Entries past a request's context are ignored and may hold anything.
             upload: moves the host arrays the build derives to the device.
-            shift: ``[B]`` int64 on the device: row ``i`` starts ``shift[i]``
-                positions before ``layout.start_positions[i]`` (the drafts of
-                its previous step that were rejected); None: the layout is exact.
+            shift: ``[B]`` int64 on the device: row ``i`` starts ``shift[i]`` positions before
+                ``layout.start_positions[i]`` (the drafts of its previous step that were rejected); None: the layout is
+                exact.
 
         Raises:
             ValueError: a ``shift`` for a backend that needs exact host positions.
@@ -305,9 +295,8 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """Write this step's keys and values into ``kv_cache``, then attend.
 
-        Each token attends to itself and to every earlier position of its
-        own sequence (earlier steps' keys come from the cache), or only to
-        the last ``window`` of them.
+        Each token attends to itself and to every earlier position of its own sequence (earlier steps' keys come from
+        the cache), or only to the last ``window`` of them.
 
         Args:
             q: ``[T, H, D]`` queries (RoPE applied).
@@ -316,11 +305,10 @@ class AttentionBackend(ABC):
             kv_cache: the layer's ``(k_cache, v_cache)``, written in place.
             meta: this step's metadata from ``build_metadata``.
             scale: softmax scale, usually ``D ** -0.5``.
-            window: a sliding window of this many keys, the query's own
-                included (position p attends p - window + 1 .. p, as
-                transformers masks); None: the whole context.
-            softcap: scores ``s`` become ``softcap * tanh(s / softcap)``
-                before the mask and softmax (Gemma 2); None: none.
+            window: a sliding window of this many keys, the query's own included (position p attends p - window + 1 ..
+                p, as transformers masks); None: the whole context.
+            softcap: scores ``s`` become ``softcap * tanh(s / softcap)`` before the mask and softmax (Gemma 2); None:
+                none.
 
         Returns:
             ``[T, H, D]`` attention output, dtype of ``q``.

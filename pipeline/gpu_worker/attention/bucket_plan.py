@@ -1,7 +1,7 @@
 """Grouping a step's rows into buckets of similar context and query length (docs/design.md, "Attention backends").
 
-``torch_bucketed`` makes one SDPA call per bucket, so a row pays at most the bucket's padding over its own
-context, and a step makes a few calls per layer, not one per request.
+``torch_bucketed`` makes one SDPA call per bucket, so a row pays at most the bucket's padding over its own context, and
+a step makes a few calls per layer, not one per request.
 """
 
 from __future__ import annotations
@@ -25,11 +25,9 @@ def plan_buckets(
 ) -> list[np.ndarray]:
     """Group rows of similar context (and query) length (docs/design.md, "Attention backends").
 
-    Greedy, longest context first: a bucket is opened by its longest row and
-    takes each next row (in descending context order) while the bucket's
-    longest context is within ``slack`` x (or ``min_pad`` tokens of) the
-    row's, and the bucket's query lengths stay within ``slack`` x (or
-    ``min_query_pad`` of) each other.
+    Greedy, longest context first: a bucket is opened by its longest row and takes each next row (in descending context
+    order) while the bucket's longest context is within ``slack`` x (or ``min_pad`` tokens of) the row's, and the
+    bucket's query lengths stay within ``slack`` x (or ``min_query_pad`` of) each other.
 
     Args:
         context_lens: ``[R]`` integer, each row's context in tokens (keys it attends), R >= 1.

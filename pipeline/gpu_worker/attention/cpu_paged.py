@@ -1,23 +1,18 @@
 """The ``cpu_paged`` attention backend: decode rows, drafts included, read the paged cache in place.
 
-``torch_bucketed`` copies each bucket's blocks into a scratch buffer in every
-layer before its SDPA call: for a 64-request decode step at contexts of 300
-that is every row's whole K/V written once and read twice per layer, and on
-this project's CPU the gather and the small-query SDPA calls took about half
-of the step (docs/design.md, "Attention backends"). Here decode rows go through a
-C++ kernel (``cpu_paged.cpp``) that reads each row's keys and values block
-by block straight from the cache, as vLLM's CPU paged-attention kernel does:
-one task per (row, KV head), on torch's intra-op threads, its cost following
-the row's own context (no buckets, no padding). A row of up to
-``DECODE_QUERY_MAX`` queries (a decode row verifying its speculative drafts)
-runs there too, its keys read once for all its queries. Longer rows (prefill
-chunks) keep ``torch_bucketed``'s path (one SDPA call per bucket: its
-GEMM-shaped work suits SDPA), and the cache memory is used head-major as there.
+``torch_bucketed`` copies each bucket's blocks into a scratch buffer in every layer before its SDPA call: for a
+64-request decode step at contexts of 300 that is every row's whole K/V written once and read twice per layer, and on
+this project's CPU the gather and the small-query SDPA calls took about half of the step (docs/design.md, "Attention
+backends"). Here decode rows go through a C++ kernel (``cpu_paged.cpp``) that reads each row's keys and values block by
+block straight from the cache, as vLLM's CPU paged-attention kernel does: one task per (row, KV head), on torch's
+intra-op threads, its cost following the row's own context (no buckets, no padding). A row of up to ``DECODE_QUERY_MAX``
+queries (a decode row verifying its speculative drafts) runs there too, its keys read once for all its queries. Longer
+rows (prefill chunks) keep ``torch_bucketed``'s path (one SDPA call per bucket: its GEMM-shaped work suits SDPA), and
+the cache memory is used head-major as there.
 
-The kernel is compiled for the host CPU at start-up by
-``torch.utils.cpp_extension`` (ninja and a C++ compiler; 10-50 s, once per
-build key: ``kernel_cache``). Where it cannot be built or loaded, ``unavailable_reason`` says
-why and ``auto`` keeps ``torch_bucketed``.
+The kernel is compiled for the host CPU at start-up by ``torch.utils.cpp_extension`` (ninja and a C++ compiler; 10-50 s,
+once per build key: ``kernel_cache``). Where it cannot be built or loaded, ``unavailable_reason`` says why and ``auto``
+keeps ``torch_bucketed``.
 """
 
 from __future__ import annotations
@@ -73,12 +68,11 @@ class CpuPagedBackend(TorchBucketedBackend):
     """Decode rows by the in-place paged kernel, prefill rows as ``torch_bucketed`` (see the module docstring).
 
     Args:
-        num_heads, num_kv_heads, head_dim: the model's attention shape; rows of several queries go to the kernel
-            only for a shape it is compiled for (0: not known, decode rows of one query only).
-        decode_query_max: rows verifying drafts of up to this many queries go to the kernel (1: decode rows
-            only); prefill chunks never do.
-        slack, min_pad, min_query_pad: prefill bucket limits (see
-            ``plan_buckets``).
+        num_heads, num_kv_heads, head_dim: the model's attention shape; rows of several queries go to the kernel only
+            for a shape it is compiled for (0: not known, decode rows of one query only).
+        decode_query_max: rows verifying drafts of up to this many queries go to the kernel (1: decode rows only);
+            prefill chunks never do.
+        slack, min_pad, min_query_pad: prefill bucket limits (see ``plan_buckets``).
 
     Raises:
         RuntimeError: the kernel cannot be built or loaded here (the reason is given).

@@ -1,21 +1,18 @@
 """The ``flashinfer`` attention backend (CUDA): FlashInfer's paged-KV batch prefill kernel.
 
-One kernel call per layer serves the whole step, decode rows and prefill chunks alike, reading
-each request's own pages through its block table: no gather, no padding. The cache is used as
-allocated, ``[num_blocks * block_size, KVH, D]`` viewed as FlashInfer's "NHD" pages
-``[num_blocks, block_size, KVH, D]``. Not flash-attn: its paged KV needs pages of a multiple of
-256 tokens, and blocks here are 16; FlashInfer takes any page size, GQA, and a query length per
-request with the causal mask aligned to the end of its keys.
+One kernel call per layer serves the whole step, decode rows and prefill chunks alike, reading each request's own pages
+through its block table: no gather, no padding. The cache is used as allocated, ``[num_blocks * block_size, KVH, D]``
+viewed as FlashInfer's "NHD" pages ``[num_blocks, block_size, KVH, D]``. Not flash-attn: its paged KV needs pages of a
+multiple of 256 tokens, and blocks here are 16; FlashInfer takes any page size, GQA, and a query length per request with
+the causal mask aligned to the end of its keys.
 
-``plan`` reads its index arrays on the host, so they are pinned host tensors from the step's
-``StepLayout`` (device ones would be copied back, a sync); the page ids are read on the device from
-the block table. Two planned wrappers alternate, which the in-flight limit makes safe
-(docs/design.md, "Attention backends", "The in-flight limit").
+``plan`` reads its index arrays on the host, so they are pinned host tensors from the step's ``StepLayout`` (device ones
+would be copied back, a sync); the page ids are read on the device from the block table. Two planned wrappers alternate,
+which the in-flight limit makes safe (docs/design.md, "Attention backends", "The in-flight limit").
 
-Supported: CUDA, float16 / bfloat16 (FlashInfer has no float32 kernels), head sizes 64, 128 and
-256; ``unsupported_reason`` says why not otherwise, and start-up falls back to a torch backend.
-The first step may JIT-compile FlashInfer's kernels (minutes) unless its prebuilt kernels are
-installed.
+Supported: CUDA, float16 / bfloat16 (FlashInfer has no float32 kernels), head sizes 64, 128 and 256;
+``unsupported_reason`` says why not otherwise, and start-up falls back to a torch backend. The first step may
+JIT-compile FlashInfer's kernels (minutes) unless its prebuilt kernels are installed.
 """
 
 from __future__ import annotations
@@ -67,8 +64,8 @@ class FlashInferMetadata(AttentionMetadata):
     """Per-step metadata for ``FlashInferBackend`` (beyond the common fields).
 
     Attributes:
-        wrappers: per ``(window, softcap)`` of the model's layers, the
-            ``BatchPrefillWithPagedKVCacheWrapper`` planned for this step.
+        wrappers: per ``(window, softcap)`` of the model's layers, the ``BatchPrefillWithPagedKVCacheWrapper`` planned
+            for this step.
     """
 
     wrappers: dict[tuple[int | None, float | None], Any]
@@ -86,11 +83,10 @@ class FlashInferBackend(AttentionBackend):
         num_heads, num_kv_heads, head_dim: the model's attention shape.
         dtype: the model's (and KV cache's) dtype.
         device: a CUDA device.
-        scale: softmax scale, default ``head_dim ** -0.5``; planned once per
-            step, so ``forward`` must be given the same.
-        kinds: the ``(window, softcap)`` pairs of the model's layers (see
-            ``AttentionBackend.forward``); each is planned once per step, as
-            FlashInfer's ``window_left = window - 1`` and ``logits_soft_cap``.
+        scale: softmax scale, default ``head_dim ** -0.5``; planned once per step, so ``forward`` must be given the
+            same.
+        kinds: the ``(window, softcap)`` pairs of the model's layers (see ``AttentionBackend.forward``); each is planned
+            once per step, as FlashInfer's ``window_left = window - 1`` and ``logits_soft_cap``.
 
     Raises:
         ValueError: if ``unsupported_reason`` finds a reason.

@@ -1,13 +1,11 @@
 """The attention of decode graphs, whatever the model's backend: each row attends its whole block-table row.
 
-A graph replays fixed shapes at fixed addresses (docs/design.md, "CUDA
-graphs"). So the graph of ``n`` rows reads static per-row buffers (req_index,
-position, context length, filled before each replay), derives the block ids,
-the slot mapping and the mask on the device from them and from the device
-block table, and attends every row over ``max_blocks_per_seq`` blocks with
-one masked SDPA call per layer, in the backend's cache layout. Padding rows
-have req_index -1, position 0 and a one-token context; every block id of
-theirs is the padding block, which the scheduler never hands out.
+A graph replays fixed shapes at fixed addresses (docs/design.md, "CUDA graphs"). So the graph of ``n`` rows reads static
+per-row buffers (req_index, position, context length, filled before each replay), derives the block ids, the slot
+mapping and the mask on the device from them and from the device block table, and attends every row over
+``max_blocks_per_seq`` blocks with one masked SDPA call per layer, in the backend's cache layout. Padding rows have
+req_index -1, position 0 and a one-token context; every block id of theirs is the padding block, which the scheduler
+never hands out.
 """
 
 from __future__ import annotations
@@ -33,11 +31,11 @@ class GraphDecodeMetadata(AttentionMetadata):
     """What the layers see inside a decode graph of ``n = num_tokens`` rows (all on the device).
 
     Attributes:
-        block_ids: ``[n, max_blocks_per_seq]`` int64, each row's blocks; the
-            padding block past a row's context and for padding rows.
+        block_ids: ``[n, max_blocks_per_seq]`` int64, each row's blocks; the padding block past a row's context and for
+            padding rows.
         mask: ``[n, 1, 1, max_blocks_per_seq * block_size]`` bool, True for the keys a row attends.
-        window_masks: ``mask`` narrowed to each sliding window the layers
-            use (``window_mask``), made by the first layer that asks.
+        window_masks: ``mask`` narrowed to each sliding window the layers use (``window_mask``), made by the first layer
+            that asks.
     """
 
     block_ids: torch.Tensor
@@ -54,8 +52,8 @@ class GraphDecodeMetadata(AttentionMetadata):
 
 
 class GraphDecodeInputs:
-    """The static buffers a backend's decode graphs read: ``rows`` (req_index, position, context length)
-    ``[3, max_rows]`` int64 and ``slot_mapping [max_rows]``, at fixed addresses.
+    """The static buffers a backend's decode graphs read: ``rows`` (req_index, position, context length) ``[3,
+    max_rows]`` int64 and ``slot_mapping [max_rows]``, at fixed addresses.
 
     Args:
         max_rows: the largest graph's rows.
@@ -74,8 +72,8 @@ class GraphDecodeInputs:
         self.slot_mapping = torch.zeros(max_rows, dtype=torch.int64, device=device)
 
     def fill(self, layout: StepLayout, size: int, upload: Upload, shift: torch.Tensor | None = None) -> torch.Tensor:
-        """Write a decode-only step's rows, padded to ``size``, with one upload and one device copy (and one
-        subtraction with a ``shift``); returns the rows' positions."""
+        """Write a decode-only step's rows, padded to ``size``, with one upload and one device copy (and one subtraction
+        with a ``shift``); returns the rows' positions."""
         num_rows = layout.query_lens.size
         host = np.empty((3, size), dtype=np.int64)
         host[:, num_rows:] = [[-1], [0], [1]]
@@ -111,8 +109,8 @@ class GraphDecodeInputs:
 
 
 class GraphDecodeBackend(AttentionBackend):
-    """The attention of captured decode steps: ``DecodeGraphs`` installs it in place of the model's
-    backend, over the static rows of ``inputs``, in the model backend's ``cache_layout``."""
+    """The attention of captured decode steps: ``DecodeGraphs`` installs it in place of the model's backend, over the
+    static rows of ``inputs``, in the model backend's ``cache_layout``."""
 
     name = "graph_decode"
 

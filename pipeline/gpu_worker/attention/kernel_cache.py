@@ -1,13 +1,10 @@
 """Compiled C++ kernels, shared by every install on a machine and built at most once per build key.
 
-``torch.utils.cpp_extension`` rebuilds whenever the ``build.ninja`` it writes
-differs from the last one in the directory, and that file names the source's
-absolute path and torch's include directories: two checkouts or venvs sharing
-one build directory recompiled at each other's every start. So builds run in
-a private temporary directory, and what is shared is only the finished
-library, ``<cache>/kernels/<name>_<key>.so``, named by a hash of everything
-that changes the binary and renamed into place once complete
-(docs/design.md, "The kernel cache").
+``torch.utils.cpp_extension`` rebuilds whenever the ``build.ninja`` it writes differs from the last one in the
+directory, and that file names the source's absolute path and torch's include directories: two checkouts or venvs
+sharing one build directory recompiled at each other's every start. So builds run in a private temporary directory, and
+what is shared is only the finished library, ``<cache>/kernels/<name>_<key>.so``, named by a hash of everything that
+changes the binary and renamed into place once complete (docs/design.md, "The kernel cache").
 """
 
 from __future__ import annotations
@@ -45,8 +42,8 @@ def cpu_tag() -> str:
 
 
 def build_key(source: Path, cflags: Sequence[str], compiler: str, compiler_version: str) -> str:
-    """A hash of what the binary depends on: the source, torch's version and C++ ABI, the compiler, its
-    version and flags, and the CPU."""
+    """A hash of what the binary depends on: the source, torch's version and C++ ABI, the compiler, its version and
+    flags, and the CPU."""
     parts = [
         hashlib.sha256(source.read_bytes()).hexdigest(),
         torch.__version__,
@@ -76,8 +73,8 @@ def library_path(name: str, source: Path, cflags: Sequence[str]) -> Path:
 
 
 def load(name: str, source: Path, cflags: Sequence[str]) -> Path:
-    """Load the library built from ``source`` with ``cflags`` into torch, building it first if no process has;
-    returns its path.
+    """Load the library built from ``source`` with ``cflags`` into torch, building it first if no process has; returns
+    its path.
 
     Raises:
         KernelUnavailable: no compiler, or the build or the load failed.

@@ -1,11 +1,9 @@
 """How a backend uses the KV cache's memory (docs/design.md, "Attention backends").
 
-Each layer's K and V caches are allocated ``[num_blocks * block_size, KVH,
-D]``. A backend declares (``AttentionBackend.cache_layout``) whether it uses
-that memory as allocated, ``TOKEN_MAJOR``, or viewed ``[KVH, slots, D]``,
-``HEAD_MAJOR`` (a gathered row's keys of one head come out contiguous, which
-the CPU SDPA kernel reads faster). Either way position ``p`` of a request
-whose block table is ``bt`` is slot ``bt[p // block_size] * block_size + p %
+Each layer's K and V caches are allocated ``[num_blocks * block_size, KVH, D]``. A backend declares
+(``AttentionBackend.cache_layout``) whether it uses that memory as allocated, ``TOKEN_MAJOR``, or viewed ``[KVH, slots,
+D]``, ``HEAD_MAJOR`` (a gathered row's keys of one head come out contiguous, which the CPU SDPA kernel reads faster).
+Either way position ``p`` of a request whose block table is ``bt`` is slot ``bt[p // block_size] * block_size + p %
 block_size``.
 """
 
@@ -23,9 +21,8 @@ HEAD_MAJOR = "head_major"
 def finite(x: torch.Tensor) -> torch.Tensor:
     """``x`` with NaN and infinities as 0, for a cache read by masked gathers of whole blocks.
 
-    Such a gather reads slots its request never wrote (a block's tail, stale table entries): masked out,
-    they count 0 x value, which is NaN for a NaN or an infinity a failed request left there
-    (docs/design.md, "Non-finite logits").
+    Such a gather reads slots its request never wrote (a block's tail, stale table entries): masked out, they count 0 x
+    value, which is NaN for a NaN or an infinity a failed request left there (docs/design.md, "Non-finite logits").
     """
     return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
 

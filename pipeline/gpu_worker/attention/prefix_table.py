@@ -1,5 +1,5 @@
-"""Masks of the form "the first ``n`` of ``width`` keys", read as rows of a cached table (docs/design.md,
-"Attention metadata")."""
+"""Masks of the form "the first ``n`` of ``width`` keys", read as rows of a cached table (docs/design.md, "Attention
+metadata")."""
 
 from __future__ import annotations
 
@@ -12,13 +12,11 @@ _PREFIX_TABLE_MAX = 4096
 class PrefixTable:
     """Masks of the form "the first ``n`` of ``width`` keys", as a row gather from a cached table.
 
-    ``table[n, k] = k < n``. A broadcast comparison writes an ``[R, W]`` bool
-    mask element by element, which on CPU torch costs about 0.5 ns per
-    element (140 us for 1,024 decode rows of 288 keys, more than the rest of
-    the step's metadata); gathering ``R`` rows of this table costs 12 us. On
-    a GPU both are one kernel. The table grows by doubling as contexts grow
-    (a rebuild costs one comparison of its size), up to
-    ``_PREFIX_TABLE_MAX`` keys; wider masks fall back to the comparison.
+    ``table[n, k] = k < n``. A broadcast comparison writes an ``[R, W]`` bool mask element by element, which on CPU
+    torch costs about 0.5 ns per element (140 us for 1,024 decode rows of 288 keys, more than the rest of the step's
+    metadata); gathering ``R`` rows of this table costs 12 us. On a GPU both are one kernel. The table grows by doubling
+    as contexts grow (a rebuild costs one comparison of its size), up to ``_PREFIX_TABLE_MAX`` keys; wider masks fall
+    back to the comparison.
     """
 
     def __init__(self) -> None:

@@ -1,16 +1,14 @@
 """The ``torch_bucketed`` attention backend: cost follows each request's own context.
 
-Padding every row to the step's longest context (``torch_sdpa``) makes one long request cost the
-whole batch its length. Here the step's rows are grouped on the host (``bucket_plan.plan_buckets``) into a few
-buckets of similar context (and, for prefill rows, chunk) length, within ``SLACK`` or ``MIN_PAD``,
-and each bucket is one SDPA call over its rows' own blocks. Decode queries run as
-``[rows, KVH, H / KVH, D]``, so K/V are never expanded. The cache memory is used head-major
-(``kv_layout.HEAD_MAJOR``), which CPU SDPA reads faster; ``head_major=False`` uses it as allocated.
-Design and figures: docs/design.md, "Attention backends"; the alternatives measured are in
-``scripts/bench_attention.py``.
+Padding every row to the step's longest context (``torch_sdpa``) makes one long request cost the whole batch its length.
+Here the step's rows are grouped on the host (``bucket_plan.plan_buckets``) into a few buckets of similar context (and,
+for prefill rows, chunk) length, within ``SLACK`` or ``MIN_PAD``, and each bucket is one SDPA call over its rows' own
+blocks. Decode queries run as ``[rows, KVH, H / KVH, D]``, so K/V are never expanded. The cache memory is used
+head-major (``kv_layout.HEAD_MAJOR``), which CPU SDPA reads faster; ``head_major=False`` uses it as allocated. Design
+and figures: docs/design.md, "Attention backends"; the alternatives measured are in ``scripts/bench_attention.py``.
 
-The module is one unit: the build lays out exactly what ``forward`` indexes, and splitting them
-would only scatter that contract.
+The module is one unit: the build lays out exactly what ``forward`` indexes, and splitting them would only scatter that
+contract.
 """
 
 from __future__ import annotations
@@ -43,26 +41,22 @@ class Bucket:
 
     Attributes:
         q_max: queries per row after padding (1 for decode).
-        block_ids: ``[rows, n_blocks]`` int64 KV blocks to gather; entries
-            past a row's context point at block 0 and are masked out.
-        mask: ``[rows, 1, q_max, n_blocks * block_size]`` bool, True where a
-            query may attend a key (``key_pos <= query_pos``).
-        token_index: ``[rows * q_max]`` int64, step-token index of each
-            (padded) query; padded queries repeat the row's last token, so
-            their mask row is not empty.
-        out_rows: ``[n]`` int64, which of the ``rows * q_max`` queries are
-            real; None when all are (decode).
+        block_ids: ``[rows, n_blocks]`` int64 KV blocks to gather; entries past a row's context point at block 0 and are
+            masked out.
+        mask: ``[rows, 1, q_max, n_blocks * block_size]`` bool, True where a query may attend a key (``key_pos <=
+            query_pos``).
+        token_index: ``[rows * q_max]`` int64, step-token index of each (padded) query; padded queries repeat the row's
+            last token, so their mask row is not empty.
+        out_rows: ``[n]`` int64, which of the ``rows * q_max`` queries are real; None when all are (decode).
         out_tokens: ``[n]`` int64, step-token index of each real query.
-        identity: the bucket is the whole step, in order, without padding:
-            queries and output are plain reshapes.
-        visible: ``[rows * q_max]`` int64, the keys each query attends
-            without a window (its position + 1): the count ``mask`` holds per query.
-        context_lens: ``[rows]`` int64, each row's context in tokens (decode
-            buckets; None for prefill).
-        query_lens: ``[rows]`` int64, each row's queries, the last ones of its
-            context (decode buckets; None for prefill).
-        window_masks: ``mask`` narrowed to each sliding window used this
-            step, made by the first layer that asks (``mask_for``).
+        identity: the bucket is the whole step, in order, without padding: queries and output are plain reshapes.
+        visible: ``[rows * q_max]`` int64, the keys each query attends without a window (its position + 1): the count
+            ``mask`` holds per query.
+        context_lens: ``[rows]`` int64, each row's context in tokens (decode buckets; None for prefill).
+        query_lens: ``[rows]`` int64, each row's queries, the last ones of its context (decode buckets; None for
+            prefill).
+        window_masks: ``mask`` narrowed to each sliding window used this step, made by the first layer that asks
+            (``mask_for``).
     """
 
     q_max: int
@@ -80,8 +74,8 @@ class Bucket:
     def mask_for(self, window: int | None, prefix: PrefixTable) -> torch.Tensor:
         """The bucket's mask for a layer with this sliding window (None: the causal mask).
 
-        A query that sees ``n`` keys keeps the last ``window`` of them: the
-        causal mask minus the first ``n - window`` keys.
+        A query that sees ``n`` keys keeps the last ``window`` of them: the causal mask minus the first ``n - window``
+        keys.
         """
         if window is None:
             return self.mask
@@ -95,9 +89,8 @@ class Bucket:
 class BucketedMetadata(AttentionMetadata):
     """Per-step layout for ``TorchBucketedBackend``, shared by every layer.
 
-    Attributes (beyond ``AttentionMetadata``):
-        decode: buckets of rows with query_len <= the backend's ``decode_query_max``, longest first.
-        prefill: buckets of the other rows, longest first.
+    Attributes (beyond ``AttentionMetadata``): decode: buckets of rows with query_len <= the backend's
+        ``decode_query_max``, longest first. prefill: buckets of the other rows, longest first.
     """
 
     decode: list[Bucket]
@@ -107,8 +100,8 @@ class BucketedMetadata(AttentionMetadata):
 def _block_ids(block_table: torch.Tensor, req_indices: torch.Tensor, n_blocks: int) -> torch.Tensor:
     """``[rows, n_blocks]`` each row's first blocks, read on the device.
 
-    Entries past a row's context hold a block id or -1 (the tests' tables): clamped, the gather stays in
-    bounds, and the mask hides them.
+    Entries past a row's context hold a block id or -1 (the tests' tables): clamped, the gather stays in bounds, and the
+    mask hides them.
     """
     # index_select of the sliced table, not block_table[req_indices, :n]: advanced indexing is 3x slower on CPU.
     return block_table[:, :n_blocks].index_select(0, req_indices).clamp_(min=0)
@@ -141,8 +134,8 @@ class _HostPrefill:
 
 
 def _host_prefill(layout: StepLayout, rows: np.ndarray, shifted: bool) -> _HostPrefill:
-    """Shapes and indices of the prefill bucket of requests ``rows`` (see ``Bucket``); with ``shifted``
-    also the rows, whose shift moves the bucket's positions on the device."""
+    """Shapes and indices of the prefill bucket of requests ``rows`` (see ``Bucket``); with ``shifted`` also the rows,
+    whose shift moves the bucket's positions on the device."""
     g = PaddedQueries.of(layout, rows)
     token_index = g.token_index.ravel()
     padded = not g.real.all()
@@ -195,8 +188,8 @@ class _HostDecode:
 
 
 def _host_decode(layout: StepLayout, rows: np.ndarray, plan: list[np.ndarray], shifted: bool) -> _HostDecode:
-    """Every decode bucket's indices in four arrays (five ``shifted``: the rows too), so the build costs the
-    same for 1 bucket or 20."""
+    """Every decode bucket's indices in four arrays (five ``shifted``: the rows too), so the build costs the same for 1
+    bucket or 20."""
     order = rows[np.concatenate(plan)]
     query_lens = layout.query_lens[order]
     context_lens = layout.start_positions[order] + query_lens
@@ -250,8 +243,8 @@ class _HostVerify:
 
 
 def _host_verify(layout: StepLayout, rows: np.ndarray, plan: list[np.ndarray], q: int, shifted: bool) -> _HostVerify:
-    """Every bucket of verifying rows of ``q`` queries in three arrays (four ``shifted``): with no padding
-    to plan, their grids need no per-bucket build, unlike prefill chunks."""
+    """Every bucket of verifying rows of ``q`` queries in three arrays (four ``shifted``): with no padding to plan,
+    their grids need no per-bucket build, unlike prefill chunks."""
     order = rows[np.concatenate(plan)]
     bounds = _bucket_bounds(plan, -(-(layout.start_positions[order] + q) // layout.block_size))
     offsets = np.arange(q)
@@ -270,8 +263,8 @@ def _device_verify(
     prefix: PrefixTable,
     shift: torch.Tensor | None,
 ) -> list[Bucket]:
-    """Verifying rows' buckets, their block ids views of one table built on the device; each bucket's
-    causal mask is read at its own width (one mask at the widest would cost a long row's width for all)."""
+    """Verifying rows' buckets, their block ids views of one table built on the device; each bucket's causal mask is
+    read at its own width (one mask at the widest would cost a long row's width for all)."""
     req_indices, query_pos, token_index = dev[:3]
     if shift is not None:
         query_pos = query_pos - shift.index_select(0, dev[3])[:, None]
@@ -296,13 +289,11 @@ def _device_verify(
 class TorchBucketedBackend(AttentionBackend):
     """SDPA per bucket of similar-length requests (see the module docstring).
 
-    Owns the ``GatherBuffer``
-    its layers share and the ``PrefixTable`` its masks are read from.
+    Owns the ``GatherBuffer`` its layers share and the ``PrefixTable`` its masks are read from.
 
     Attributes:
         decode_query_max: rows verifying drafts of up to this many queries go to the decode buckets
-            (``StepLayout.num_draft_tokens``); here 1, as those buckets' SDPA call folds the query heads
-            of one query.
+            (``StepLayout.num_draft_tokens``); here 1, as those buckets' SDPA call folds the query heads of one query.
 
     Args:
         head_major: use the cache memory head-major (faster gathers on CPU).
@@ -421,8 +412,7 @@ class TorchBucketedBackend(AttentionBackend):
             b: the bucket.
             block_size: tokens per block.
             scale: softmax scale.
-            window, softcap: as ``AttentionBackend.forward`` (a window masks the
-                older keys; they are still gathered).
+            window, softcap: as ``AttentionBackend.forward`` (a window masks the older keys; they are still gathered).
 
         Returns:
             ``[len(b.out_tokens), H, D]``: the output of each of the bucket's

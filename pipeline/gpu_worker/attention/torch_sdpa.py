@@ -1,8 +1,7 @@
 """The ``torch_sdpa`` attention backend: padded groups over ``scaled_dot_product_attention``.
 
-Attention cost must stay O(batch x context) (docs/design.md, "Attention backends"):
-one mask spanning every request's tokens would be O(tokens^2). So the step's
-requests are split into two groups, each attended with one batched call:
+Attention cost must stay O(batch x context) (docs/design.md, "Attention backends"): one mask spanning every request's
+tokens would be O(tokens^2). So the step's requests are split into two groups, each attended with one batched call:
 
 - decode rows (query_len == 1): queries ``[Bd, H, 1, D]`` (run as
   ``[Bd, KVH, H / KVH, D]``) against each row's own keys, padded to the
@@ -10,12 +9,10 @@ requests are split into two groups, each attended with one batched call:
 - prefill rows (query_len > 1): queries padded to the longest chunk among the
   prefill rows only, ``[Bp, H, Qmax, D]``, with a causal mask.
 
-Keys and values are gathered block by block through each row's block table
-(cache layout in ``kv_layout``, token-major here). Everything
-shaped by the batch is computed once per step in ``TorchSDPABackend.build_metadata``:
-small index arrays on the host, masks and block ids on the device; the
-per-layer path only indexes precomputed tensors, so it has no Python loop
-over requests and no host synchronisation.
+Keys and values are gathered block by block through each row's block table (cache layout in ``kv_layout``, token-major
+here). Everything shaped by the batch is computed once per step in ``TorchSDPABackend.build_metadata``: small index
+arrays on the host, masks and block ids on the device; the per-layer path only indexes precomputed tensors, so it has no
+Python loop over requests and no host synchronisation.
 """
 
 from __future__ import annotations
@@ -46,22 +43,20 @@ class AttentionGroup:
     """Precomputed indices for one batched attention call (decode or prefill), on the device.
 
     Attributes:
-        token_index: ``[rows, q_max]`` int64, index into the step's tokens of
-            each query; padded query positions repeat the row's last token so that
-            their mask row is non-empty (no NaN from an all-masked softmax).
-        block_ids: ``[rows, n_blocks]`` int64 KV block ids to gather; entries
-            beyond a row's context point at block 0 and are masked out.
-        mask: ``[rows, 1, q_max, n_blocks * block_size]`` bool, True where a
-            query may attend a key (key_pos <= query_pos, hence also
-            key_pos < context_len).
-        out_rows: ``[n_tokens]`` int64, index into the flattened
-            ``[rows * q_max]`` queries of each real (unpadded) query.
+        token_index: ``[rows, q_max]`` int64, index into the step's tokens of each query; padded query positions repeat
+            the row's last token so that their mask row is non-empty (no NaN from an all-masked softmax).
+        block_ids: ``[rows, n_blocks]`` int64 KV block ids to gather; entries beyond a row's context point at block 0
+            and are masked out.
+        mask: ``[rows, 1, q_max, n_blocks * block_size]`` bool, True where a query may attend a key (key_pos <=
+            query_pos, hence also key_pos < context_len).
+        out_rows: ``[n_tokens]`` int64, index into the flattened ``[rows * q_max]`` queries of each real (unpadded)
+            query.
         out_tokens: ``[n_tokens]`` int64, step-token index of each of them.
-        identity: True when the group holds every token of the step in order
-            with no padding, so queries and outputs are plain reshapes.
+        identity: True when the group holds every token of the step in order with no padding, so queries and outputs are
+            plain reshapes.
         query_pos: ``[rows, q_max]`` int64, each query's position.
-        window_masks: ``mask`` narrowed to each sliding window used this
-            step (``key_pos > query_pos - window``), made by the first layer that asks.
+        window_masks: ``mask`` narrowed to each sliding window used this step (``key_pos > query_pos - window``), made
+            by the first layer that asks.
     """
 
     token_index: torch.Tensor
@@ -86,8 +81,7 @@ class AttentionGroup:
 class SDPAMetadata(AttentionMetadata):
     """Per-step layout for ``TorchSDPABackend``, shared by every layer.
 
-    Attributes (beyond ``AttentionMetadata``):
-        decode: group of requests with query_len == 1, or None if there are none.
+    Attributes (beyond ``AttentionMetadata``): decode: group of requests with query_len == 1, or None if there are none.
         prefill: group of requests with query_len > 1, or None if there are none.
     """
 
@@ -106,8 +100,8 @@ class _HostGroup:
 
 
 def _host_group(layout: StepLayout, rows: np.ndarray, shifted: bool) -> _HostGroup:
-    """Shapes and indices of the padded group of requests ``rows`` (see ``AttentionGroup``); with
-    ``shifted`` also the rows, whose shift moves the group's positions on the device."""
+    """Shapes and indices of the padded group of requests ``rows`` (see ``AttentionGroup``); with ``shifted`` also the
+    rows, whose shift moves the group's positions on the device."""
     g = PaddedQueries.of(layout, rows)
     out_rows = np.flatnonzero(g.real)
     out_tokens = g.token_index.ravel()[out_rows]
@@ -146,10 +140,9 @@ def _device_group(
 class GatherBuffer:
     """Grow-only scratch memory for gathered keys and values.
 
-    On CPU a fresh multi-megabyte tensor per layer is served by glibc with
-    mmap and page-faulted in on every use: measured here, that doubled a
-    batch-64 decode step. Reusing one buffer across layers and steps avoids it.
-    Users run sequentially (one layer at a time, in stream order on CUDA).
+    On CPU a fresh multi-megabyte tensor per layer is served by glibc with mmap and page-faulted in on every use:
+    measured here, that doubled a batch-64 decode step. Reusing one buffer across layers and steps avoids it. Users run
+    sequentially (one layer at a time, in stream order on CUDA).
     """
 
     def __init__(self) -> None:
@@ -208,8 +201,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Write this step's keys and values into the cache, then attend.
 
-    The write comes first so each token attends to itself and to earlier
-    chunks of its own sequence.
+    The write comes first so each token attends to itself and to earlier chunks of its own sequence.
 
     Args:
         q: ``[T, H, D]`` queries (RoPE applied).
@@ -219,8 +211,8 @@ def paged_attention(
         v_cache: same shape, written in place.
         meta: the step's metadata, on the same device as the tensors.
         scale: softmax scale, usually ``D ** -0.5``.
-        workspace: scratch for the gathered keys/values, shared by all
-            layers; None allocates per call (fine on CUDA, slow on CPU).
+        workspace: scratch for the gathered keys/values, shared by all layers; None allocates per call (fine on CUDA,
+            slow on CPU).
         window, softcap: as ``AttentionBackend.forward``.
 
     Returns:

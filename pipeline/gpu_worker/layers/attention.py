@@ -16,11 +16,9 @@ from pipeline.gpu_worker.layers.tp import SINGLE_RANK, TPGroup
 class Attention(nn.Module):
     """Fused QKV, optional per-head q/k norm, RoPE, paged attention, output projection.
 
-    Switches, from ``config``: ``qkv_bias`` and ``o_bias``; ``qk_norm``
-    (an RMSNorm of kind ``config.norm`` over each head of q and k, before
-    RoPE); ``attn_scale``; the layer's sliding window
-    (``config.window(layer, max_model_len)``) and ``attn_logit_softcapping``.
-    Under tensor parallelism the rank attends its own heads only.
+    Switches, from ``config``: ``qkv_bias`` and ``o_bias``; ``qk_norm`` (an RMSNorm of kind ``config.norm`` over each
+    head of q and k, before RoPE); ``attn_scale``; the layer's sliding window (``config.window(layer, max_model_len)``)
+    and ``attn_logit_softcapping``. Under tensor parallelism the rank attends its own heads only.
     """
 
     def __init__(self, config: ModelConfig, layer: int, max_model_len: int, tp: TPGroup = SINGLE_RANK) -> None:

@@ -26,8 +26,8 @@ class RMSNorm(nn.Module):
 class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: normalised and scaled by ``1 + w`` in float32, then cast back.
 
-    Llama casts to the input dtype before the scale, Gemma after it
-    (transformers PR #29402); in bfloat16 the two round differently.
+    Llama casts to the input dtype before the scale, Gemma after it (transformers PR #29402); in bfloat16 the two round
+    differently.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

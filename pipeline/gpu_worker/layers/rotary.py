@@ -1,9 +1,8 @@
 """Rotary position embeddings: the inverse frequencies of each RoPE type, and their cos/sin tables.
 
-The frequencies follow transformers' ``modeling_rope_utils`` in the same
-float32 arithmetic, so the tables match bit for bit. Two types depend on
-the sequence length in transformers; a server fixes them once
-(docs/design.md, "Model families"):
+The frequencies follow transformers' ``modeling_rope_utils`` in the same float32 arithmetic, so the tables match bit for
+bit. Two types depend on the sequence length in transformers; a server fixes them once (docs/design.md, "Model
+families"):
 
 - ``dynamic`` (NTK) scales only past ``max_position_embeddings``, which no
   request reaches (``--max-model-len`` is at most that): unscaled.
@@ -96,8 +95,8 @@ def _yarn(base: float, dim: int, p: dict, max_position_embeddings: int) -> tuple
 class RotaryEmbedding(nn.Module):
     """cos and sin tables ``[max_position_embeddings, rotary_dim]`` in the model dtype (as transformers rounds them).
 
-    ``sin`` carries the sign of ``rotate_half`` in its first half, so the
-    rotation is a swap of halves: ``rotate_half(x) * sin_hf == swap(x) * sin``.
+    ``sin`` carries the sign of ``rotate_half`` in its first half, so the rotation is a swap of halves: ``rotate_half(x)
+    * sin_hf == swap(x) * sin``.
     """
 
     def __init__(self, rope: RopeConfig, max_position_embeddings: int, max_model_len: int) -> None:

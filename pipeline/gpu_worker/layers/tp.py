@@ -15,8 +15,8 @@ class TPGroup:
     Attributes:
         rank: 0 .. size - 1 within the group.
         size: ranks in the group (N); 1 is a single rank, whose layers run no collective.
-        group: the torch.distributed process group; None only where no
-            collective runs (one rank, or building and loading a shard in tests).
+        group: the torch.distributed process group; None only where no collective runs (one rank, or building and
+            loading a shard in tests).
     """
 
     rank: int = 0

@@ -1,14 +1,12 @@
 """What every family shares: embedding, decoder layers, final norm, LM head, and loading checkpoint tensors.
 
-The modules are named as transformers names them (``model.layers.0.self_attn.o_proj``),
-so a checkpoint tensor maps to a parameter by name, after the family's
-renames and ``packed_modules_mapping`` (the parts of a fused projection).
-Each parameter's ``weight_loader`` takes the full checkpoint tensor and
-keeps this rank's part (``pipeline.gpu_worker.layers.linear``;
-docs/design.md, "Model families").
+The modules are named as transformers names them (``model.layers.0.self_attn.o_proj``), so a checkpoint tensor maps to a
+parameter by name, after the family's renames and ``packed_modules_mapping`` (the parts of a fused projection). Each
+parameter's ``weight_loader`` takes the full checkpoint tensor and keeps this rank's part
+(``pipeline.gpu_worker.layers.linear``; docs/design.md, "Model families").
 
-The forward pass makes no host synchronisation on CUDA (no ``.item()``, no
-data-dependent Python branching), so it can be enqueued on a stream as is.
+The forward pass makes no host synchronisation on CUDA (no ``.item()``, no data-dependent Python branching), so it can
+be enqueued on a stream as is.
 """
 
 from __future__ import annotations
@@ -44,13 +42,12 @@ class CausalLM(nn.Module):
     Args:
         config: the model.
         tp: this rank's group; every layer is built at the rank's size.
-        max_model_len: the longest sequence served (sliding windows at least
-            this long are dropped; longrope picks its factors); default
-            ``config.max_position_embeddings``.
+        max_model_len: the longest sequence served (sliding windows at least this long are dropped; longrope picks its
+            factors); default ``config.max_position_embeddings``.
         attn_backend: how attention is computed; default ``default_backend()``.
 
-    Parameters are created uninitialised, in the default dtype on the
-    default device; ``load_weights`` fills every one or raises.
+    Parameters are created uninitialised, in the default dtype on the default device; ``load_weights`` fills every one
+    or raises.
 
     Raises:
         ValueError: ``tp.size`` does not fit the model (the message lists sizes that do).
@@ -117,14 +114,11 @@ class CausalLM(nn.Module):
 
         Args:
             input_ids: ``[T]`` int64 token ids, laid out as ``meta`` describes.
-            positions: ``[T]`` int64, each below ``max_position_embeddings``
-                (out-of-range positions are an indexing error).
-            meta: the step's metadata from ``self.attn_backend.build_metadata``,
-                on the model's device.
-            kv_caches: one ``(k_cache, v_cache)`` per layer, as made by
-                ``allocate_kv_caches``; written in place.
-            attn_backend: the backend ``meta`` is for; None: ``self.attn_backend`` (a decode graph's
-                differs).
+            positions: ``[T]`` int64, each below ``max_position_embeddings`` (out-of-range positions are an indexing
+                error).
+            meta: the step's metadata from ``self.attn_backend.build_metadata``, on the model's device.
+            kv_caches: one ``(k_cache, v_cache)`` per layer, as made by ``allocate_kv_caches``; written in place.
+            attn_backend: the backend ``meta`` is for; None: ``self.attn_backend`` (a decode graph's differs).
 
         Returns:
             ``[T, hidden_size]`` final-normed hidden states, model dtype.
@@ -199,13 +193,12 @@ class CausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Fill every parameter from ``(checkpoint name, full tensor)`` pairs, one tensor at a time.
 
-        Tensors may be in any dtype and on any device (views of a memory-mapped
-        file included): each is cast and copied into this rank's part.
+        Tensors may be in any dtype and on any device (views of a memory-mapped file included): each is cast and copied
+        into this rank's part.
 
         Raises:
-            CheckpointError: a tensor has the wrong shape, is loaded twice,
-                has no parameter here, or a parameter is left unfilled; the
-                message lists the checkpoint names.
+            CheckpointError: a tensor has the wrong shape, is loaded twice, has no parameter here, or a parameter is
+                left unfilled; the message lists the checkpoint names.
         """
         params = dict(self.named_parameters())
         filled: dict[str, set] = {name: set() for name in params}
@@ -242,8 +235,8 @@ class CausalLM(nn.Module):
     def pack_weights(self) -> None:
         """Reorder every linear weight and the LM head once into oneDNN's layout, after ``load_weights``.
 
-        On the CPU in float32 and bfloat16 only, elsewhere a no-op (see
-        ``linear.packed``); a packed weight is no longer loadable.
+        On the CPU in float32 and bfloat16 only, elsewhere a no-op (see ``linear.packed``); a packed weight is no longer
+        loadable.
         """
         for module in self.modules():
             if isinstance(module, LinearBase):

@@ -1,10 +1,8 @@
 """The Llama decoder, which also serves Mistral, Qwen2, Qwen3, Qwen3-MoE and Gemma (1) through its switches.
 
-Pre-norm blocks: ``h + attn(norm(h))``, then ``h + mlp(norm(h))``. What the
-families change is a switch of the shared layers, set in ``ModelConfig``:
-q/k/v and o biases (Qwen2), per-head q/k norms (Qwen3), a sliding window
-(Mistral), experts instead of the MLP (Qwen3-MoE), Gemma's norm, embedding
-scale and GeGLU (docs/design.md, "Model families").
+Pre-norm blocks: ``h + attn(norm(h))``, then ``h + mlp(norm(h))``. What the families change is a switch of the shared
+layers, set in ``ModelConfig``: q/k/v and o biases (Qwen2), per-head q/k norms (Qwen3), a sliding window (Mistral),
+experts instead of the MLP (Qwen3-MoE), Gemma's norm, embedding scale and GeGLU (docs/design.md, "Model families").
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Log-probabilities of chosen tokens, computed on the device in the step that produces them.
 
-They are the raw model's log-softmax, before temperature, penalties and
-top-k/top-p (as vLLM returns by default), so a token's log-probability does
-not depend on how it was sampled. Prompt log-probabilities (``echo`` with
-``logprobs``) come from the prefill chunks: position ``j`` of a prompt
-predicts the prompt token at ``j+1``; chunking changes which step computes
-it, not its value.
+They are the raw model's log-softmax, before temperature, penalties and top-k/top-p (as vLLM returns by default), so a
+token's log-probability does not depend on how it was sampled. Prompt log-probabilities (``echo`` with ``logprobs``)
+come from the prefill chunks: position ``j`` of a prompt predicts the prompt token at ``j+1``; chunking changes which
+step computes it, not its value.
 """
 
 from __future__ import annotations
@@ -44,9 +42,8 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch
 class PromptLogprobPlan:
     """Which positions of a step predict a prompt token whose log-probability is wanted (host numpy).
 
-    ``flat[e]`` indexes the step's tokens (request-major), ``next_token[e]``
-    is the prompt token it predicts, at position ``pos[e]`` of request
-    ``req_num[e]``.
+    ``flat[e]`` indexes the step's tokens (request-major), ``next_token[e]`` is the prompt token it predicts, at
+    position ``pos[e]`` of request ``req_num[e]``.
     """
 
     flat: np.ndarray  # [P] int64

@@ -1,5 +1,5 @@
-"""The masks of a step's constrained rows, which the scheduler writes after the step's descriptor
-(docs/design.md, "Structured output"): read just before the step samples, while its forward pass runs.
+"""The masks of a step's constrained rows, which the scheduler writes after the step's descriptor (docs/design.md,
+"Structured output"): read just before the step samples, while its forward pass runs.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ class MaskReader:
     def read(self, step_id: int, num_masks: int, meanwhile: Callable[[], None] | None) -> np.ndarray:
         """The ``[num_masks, W]`` int32 bitmasks of step ``step_id``, once the scheduler wrote them.
 
-        ``meanwhile`` runs while they are awaited: the worker publishes finished steps there, whose
-        tokens the masks may be waiting for.
+        ``meanwhile`` runs while they are awaited: the worker publishes finished steps there, whose tokens the masks may
+        be waiting for.
 
         Raises:
             Stopped: the process is stopping.

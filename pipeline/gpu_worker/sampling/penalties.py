@@ -1,7 +1,6 @@
 """Penalties and biases on the logits, per request, on the device (docs/design.md, "Penalties and biases").
 
-Before sampling, the rows of a step whose request asked for any of them get,
-in vLLM's order:
+Before sampling, the rows of a step whose request asked for any of them get, in vLLM's order:
 
 1. ``logit_bias``: each listed token's bias added to its logit;
 2. ``min_tokens``: the stop token ids set to -inf while the request has
@@ -14,15 +13,13 @@ in vLLM's order:
    details": ``mu[j] -> mu[j] - c[j] * alpha_frequency - float(c[j] > 0) *
    alpha_presence``), ``c[j]`` counting token ``j`` in the output so far.
 
-Temperature, ``min_p`` and top-k/top-p follow in the sampler. The
-log-probabilities stay the raw model's: this works on a copy of the logits.
+Temperature, ``min_p`` and top-k/top-p follow in the sampler. The log-probabilities stay the raw model's: this works on
+a copy of the logits.
 
-The counts live on the device, per req_index (``InputBatch``):
-they are updated from each step's resolved input ids, so the token a
-placeholder stands for is counted on the device when the next step reads it,
-and no step waits for the host. Which rows and which of the four run is
-decided on the host (``plan_penalties``), from the rows' host mirrors and
-the descriptor's positions.
+The counts live on the device, per req_index (``InputBatch``): they are updated from each step's resolved input ids, so
+the token a placeholder stands for is counted on the device when the next step reads it, and no step waits for the host.
+Which rows and which of the four run is decided on the host (``plan_penalties``), from the rows' host mirrors and the
+descriptor's positions.
 """
 
 from __future__ import annotations
@@ -45,12 +42,10 @@ class PenaltyInputs:
         req_indices: ``[Q]`` int64, those rows' req_index.
         use_bias: some row has ``logit_bias`` entries.
         use_penalties: some row has a presence, frequency or repetition penalty.
-        min_tokens_rows, min_tokens_ids: ``[M]`` int64 each: set the logit of
-            token ``min_tokens_ids[m]`` in row ``rows[min_tokens_rows[m]]``
-            to -inf (a stop token id before ``min_tokens``); None for none.
-        draft_rows, draft_tokens: ``[E]`` int64 each: count token
-            ``draft_tokens[e]`` once more in row ``rows[draft_rows[e]]`` (the
-            drafts before a verified position); None for none.
+        min_tokens_rows, min_tokens_ids: ``[M]`` int64 each: set the logit of token ``min_tokens_ids[m]`` in row
+            ``rows[min_tokens_rows[m]]`` to -inf (a stop token id before ``min_tokens``); None for none.
+        draft_rows, draft_tokens: ``[E]`` int64 each: count token ``draft_tokens[e]`` once more in row
+            ``rows[draft_rows[e]]`` (the drafts before a verified position); None for none.
     """
 
     rows: torch.Tensor
@@ -67,10 +62,9 @@ class PenaltyInputs:
 class PenaltyPlan:
     """The host half of ``PenaltyInputs`` (numpy int64), decided by ``plan_penalties``.
 
-    ``stage`` puts its arrays into the step's upload batch;
-    ``on_device``, after the batch is uploaded, gives the inputs.
-    ``draft_flat`` is the step-token index of each counted draft (its id is
-    read from the step's input ids on the device).
+    ``stage`` puts its arrays into the step's upload batch; ``on_device``, after the batch is uploaded, gives the
+    inputs. ``draft_flat`` is the step-token index of each counted draft (its id is read from the step's input ids on
+    the device).
     """
 
     rows: np.ndarray
@@ -120,16 +114,14 @@ def plan_penalties(
 
     Args:
         req_indices: ``[S]`` the sampled rows' req_index.
-        output_index: ``[S]`` how many output tokens each request has before
-            the one being sampled (its position minus its prompt length).
-        penalized, num_bias, min_tokens: ``[S]`` the rows' host mirrors
-            (``min_tokens`` 0 where there are no stop ids to mask).
+        output_index: ``[S]`` how many output tokens each request has before the one being sampled (its position minus
+            its prompt length).
+        penalized, num_bias, min_tokens: ``[S]`` the rows' host mirrors (``min_tokens`` 0 where there are no stop ids to
+            mask).
         stop_ids: per req_index (all rows), the ids ``min_tokens`` masks.
-        drafts_before, first_draft: ``[S]`` for a step that verifies drafts
-            (None otherwise): how many drafts precede each sampled position in
-            its row, and the step-token index of the row's first draft. Those
-            drafts count as output tokens at that position, as they would
-            once accepted (docs/design.md, "Speculative decoding").
+        drafts_before, first_draft: ``[S]`` for a step that verifies drafts (None otherwise): how many drafts precede
+            each sampled position in its row, and the step-token index of the row's first draft. Those drafts count as
+            output tokens at that position, as they would once accepted (docs/design.md, "Speculative decoding").
     """
     masks_stop = output_index < min_tokens
     rows = np.flatnonzero(penalized | (num_bias > 0) | masks_stop)

@@ -1,11 +1,10 @@
 """Verification of speculative drafts on the device (docs/design.md, "Speculative decoding").
 
-A row verifying ``K`` drafts ``d_1..d_K`` has ``K + 1`` sampled positions: position ``j`` predicts the
-token after the row's resolved last token and ``d_1..d_j``. Every position is processed exactly as a
-one-token step would process it (penalties counting ``d_1..d_j`` as output, ``logit_bias``,
-``min_tokens`` at its own output index, temperature, min-p, top-k, top-p, noise keyed by (seed,
-position)), and the row emits its accepted drafts plus one token from the target: ``accepted + 1``
-tokens, the last the correction (or, with every draft accepted, the bonus).
+A row verifying ``K`` drafts ``d_1..d_K`` has ``K + 1`` sampled positions: position ``j`` predicts the token after the
+row's resolved last token and ``d_1..d_j``. Every position is processed exactly as a one-token step would process it
+(penalties counting ``d_1..d_j`` as output, ``logit_bias``, ``min_tokens`` at its own output index, temperature, min-p,
+top-k, top-p, noise keyed by (seed, position)), and the row emits its accepted drafts plus one token from the target:
+``accepted + 1`` tokens, the last the correction (or, with every draft accepted, the bonus).
 
 **Drafts without probabilities** (prompt lookup; a greedy draft model): the target's own token at each
 position is drawn first, with the noise it would use without speculation, and the row accepts the
@@ -44,11 +43,11 @@ class VerifyInputs:
     """The verified rows of a step, on the device; shapes are host-known.
 
     Attributes:
-        index: ``[R, K + 1]`` int64, the sampled positions (rows of the step's ``[S', V]`` logits)
-            of each verified row, in order.
+        index: ``[R, K + 1]`` int64, the sampled positions (rows of the step's ``[S', V]`` logits) of each verified row,
+            in order.
         drafts: ``[R, K]`` int64 draft token ids.
-        draft_probs: ``[H, K, V]`` float32, the draft distribution each draft of the ``H`` sampled
-            (temperature > 0) verified rows was drawn from; None for drafts without probabilities.
+        draft_probs: ``[H, K, V]`` float32, the draft distribution each draft of the ``H`` sampled (temperature > 0)
+            verified rows was drawn from; None for drafts without probabilities.
         hot_rows: ``[H]`` int64, which of the ``R`` rows those are (with ``draft_probs``).
         hot_index: ``[H, K + 1]`` int64, their positions' rows among the sampler's temperature rows
             (``SamplingInputs.plan.rows``).
@@ -62,8 +61,8 @@ class VerifyInputs:
 
 
 def accept_one_hot(targets: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
-    """``[R]`` int64: per row, the longest prefix of ``drafts`` (``[R, K]``) equal to ``targets[:, :K]``
-    (``targets``: ``[R, K + 1]``)."""
+    """``[R]`` int64: per row, the longest prefix of ``drafts`` (``[R, K]``) equal to ``targets[:, :K]`` (``targets``:
+    ``[R, K + 1]``)."""
     return (targets[:, :-1] == drafts).long().cumprod(1).sum(1)
 
 

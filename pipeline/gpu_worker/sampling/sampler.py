@@ -1,21 +1,17 @@
 """Token sampling: greedy, temperature, min-p, top-k, top-p, per-request seeds.
 
-A sampled row's token depends only on its own logits, its request's seed and
-its output position, never on which other rows share the batch or where the
-row sits in it: every batched operation is row-wise, and the noise of row
-``r`` at vocabulary index ``v`` is a counter-based hash of ``(seed_r,
-position_r, v)``, computed for all rows at once (no generator per row).
+A sampled row's token depends only on its own logits, its request's seed and its output position, never on which other
+rows share the batch or where the row sits in it: every batched operation is row-wise, and the noise of row ``r`` at
+vocabulary index ``v`` is a counter-based hash of ``(seed_r, position_r, v)``, computed for all rows at once (no
+generator per row).
 
-Sampling is the exponential race: with ``E_i ~ Exp(1)`` i.i.d.,
-``argmax_i(p_i / E_i)`` is distributed as ``p``. It is computed in log space,
-``argmax_i(x_i - log E_i)`` over the filtered, temperature-scaled logits
-``x`` (the softmax normaliser is a common shift), which needs no softmax and
-cannot underflow.
+Sampling is the exponential race: with ``E_i ~ Exp(1)`` i.i.d., ``argmax_i(p_i / E_i)`` is distributed as ``p``. It is
+computed in log space, ``argmax_i(x_i - log E_i)`` over the filtered, temperature-scaled logits ``x`` (the softmax
+normaliser is a common shift), which needs no softmax and cannot underflow.
 
-Nothing here reads a device value on the host (docs/design.md, "The
-worker"): the decisions that shape the work (which rows sample, how many
-top-k candidates, whether top-p runs) come from a host-side
-``SamplingPlan``; the per-row values live on the device.
+Nothing here reads a device value on the host (docs/design.md, "The worker"): the decisions that shape the work (which
+rows sample, how many top-k candidates, whether top-p runs) come from a host-side ``SamplingPlan``; the per-row values
+live on the device.
 """
 
 from __future__ import annotations
@@ -43,13 +39,13 @@ class SamplingPlan:
     """Host-side decisions for one batch's sampling; never derived from device values.
 
     Attributes:
-        rows: ``[R]`` int64 on the logits' device, the rows (of ``S``) with
-            temperature > 0; None when every row is greedy.
+        rows: ``[R]`` int64 on the logits' device, the rows (of ``S``) with temperature > 0; None when every row is
+            greedy.
         k_max: the largest active top-k among ``rows`` (0: top-k is off for all).
         use_top_p: some row in ``rows`` has top_p < 1.
         use_min_p: some row in ``rows`` has min_p > 0.
-        host_reads_ok: the device is the host (CPU torch), so the sampler may
-            take shortcuts that read values (a partial sort with a fallback).
+        host_reads_ok: the device is the host (CPU torch), so the sampler may take shortcuts that read values (a partial
+            sort with a fallback).
     """
 
     rows: torch.Tensor | None
@@ -92,11 +88,10 @@ def sample(
 ) -> torch.Tensor:
     """Pick one token per row, from host (CPU) parameter tensors.
 
-    Rows with ``temperature == 0`` are greedy: exactly ``logits.argmax(-1)``.
-    Other rows: logits / temperature, then min-p, then top-k, then top-p over what top-k
-    kept, then one seeded draw. Tokens tied with the last one kept by top-k or
-    top-p are kept as well. The worker calls ``sample_rows`` with a plan
-    and device parameters instead; this wrapper validates and plans.
+    Rows with ``temperature == 0`` are greedy: exactly ``logits.argmax(-1)``. Other rows: logits / temperature, then
+    min-p, then top-k, then top-p over what top-k kept, then one seeded draw. Tokens tied with the last one kept by
+    top-k or top-p are kept as well. The worker calls ``sample_rows`` with a plan and device parameters instead; this
+    wrapper validates and plans.
 
     Args:
         logits: ``[S, V]`` float32, on any device.
@@ -104,17 +99,15 @@ def sample(
         top_p: ``[S]`` float32 in (0, 1]; 1 disables it.
         top_k: ``[S]`` int32/int64; <= 0 disables it.
         seeds: ``[S]`` int64, the request's seed (any 64-bit value).
-        output_positions: ``[S]`` int64, position of the token being sampled
-            (its output index or its sequence position: anything that
-            depends only on the request and the token, never on the batch).
+        output_positions: ``[S]`` int64, position of the token being sampled (its output index or its sequence position:
+            anything that depends only on the request and the token, never on the batch).
         min_p: ``[S]`` float32 in [0, 1]; None or 0 disables it.
 
     Returns:
         ``[S]`` int64 token ids on ``logits.device``.
 
     Raises:
-        ValueError: on mismatched shapes, a negative or NaN temperature,
-            top_p outside (0, 1], or min_p outside [0, 1].
+        ValueError: on mismatched shapes, a negative or NaN temperature, top_p outside (0, 1], or min_p outside [0, 1].
     """
     num_rows, vocab = logits.shape
     if min_p is None:
@@ -155,11 +148,9 @@ def sample_rows(
 ) -> torch.Tensor:
     """Pick one token per row with no host synchronisation.
 
-    Temperature, then min-p (tokens whose probability is below ``min_p``
-    times the most likely one's are dropped: Nguyen et al. 2024, "Turning Up
-    the Heat: Min-p Sampling for Creative and Coherent LLM Outputs"; after
-    temperature and before top-k/top-p, as vLLM applies it), then top-k and
-    top-p, then the seeded draw.
+    Temperature, then min-p (tokens whose probability is below ``min_p`` times the most likely one's are dropped: Nguyen
+    et al. 2024, "Turning Up the Heat: Min-p Sampling for Creative and Coherent LLM Outputs"; after temperature and
+    before top-k/top-p, as vLLM applies it), then top-k and top-p, then the seeded draw.
 
     Args:
         logits: ``[S, V]`` float32.
@@ -186,8 +177,8 @@ def filtered_logits(
     top_k: torch.Tensor,
     min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``[R, V]`` float32: the ``plan.rows`` rows of ``logits`` divided by temperature, min-p, top-k and top-p
-    applied (dropped tokens -inf); a softmax of them is the distribution ``race`` draws from.
+    """``[R, V]`` float32: the ``plan.rows`` rows of ``logits`` divided by temperature, min-p, top-k and top-p applied
+    (dropped tokens -inf); a softmax of them is the distribution ``race`` draws from.
 
     Arguments as ``sample_rows``; ``plan.rows`` must be set.
     """
@@ -215,10 +206,8 @@ def race(x: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch
 def apply_min_p(x: torch.Tensor, min_p: torch.Tensor) -> None:
     """Set to -inf, in place, each row's logits whose probability is below ``min_p`` times its largest.
 
-    Min-p sampling (Nguyen et al. 2024): ``p_i < min_p * p_max`` is
-    ``x_i < x_max + log(min_p)`` in logit space, so no softmax is needed, and
-    ``min_p`` 0 (``log`` = -inf) keeps every token. The most likely token is
-    always kept.
+    Min-p sampling (Nguyen et al. 2024): ``p_i < min_p * p_max`` is ``x_i < x_max + log(min_p)`` in logit space, so no
+    softmax is needed, and ``min_p`` 0 (``log`` = -inf) keeps every token. The most likely token is always kept.
 
     Args:
         x: ``[R, V]`` float32 temperature-scaled logits, modified in place.
@@ -230,9 +219,8 @@ def apply_min_p(x: torch.Tensor, min_p: torch.Tensor) -> None:
 def _mix32(x: torch.Tensor) -> torch.Tensor:
     """A 32-bit integer bijection with strong avalanche (a "lowbias32" of C. Wellons), in place.
 
-    ``x`` is int64 holding values in ``[0, 2**32)``. Both multipliers are
-    below 2**31, so no product overflows int64 (signed overflow would be
-    undefined), and masking keeps the low 32 bits.
+    ``x`` is int64 holding values in ``[0, 2**32)``. Both multipliers are below 2**31, so no product overflows int64
+    (signed overflow would be undefined), and masking keeps the low 32 bits.
     """
     x ^= x >> 16
     x *= 0x21F0AAAD
@@ -261,13 +249,11 @@ def _counter_bits(vocab: int, device: torch.device) -> torch.Tensor:
 def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
     """Uniforms ``[R, vocab]`` float32 in ``[2**-24, 1 - 2**-24]``, a pure function of (seed, position, index).
 
-    Counter-based noise (the idea of Philox) in plain torch ops, for every
-    row at once: each row's 32-bit key comes from its seed and position
-    (three rounds of ``_mix32``), the counter is the vocabulary index,
-    and ``mix32(mix32(index) ^ key)`` gives 32 random bits per (row, index):
-    two rounds with the key between them. A row therefore draws the same
-    noise in any batch, and no per-row generator or kernel is needed. On a
-    GPU this is ~15 elementwise passes over ``[R, V]``.
+    Counter-based noise (the idea of Philox) in plain torch ops, for every row at once: each row's 32-bit key comes from
+    its seed and position (three rounds of ``_mix32``), the counter is the vocabulary index, and ``mix32(mix32(index) ^
+    key)`` gives 32 random bits per (row, index): two rounds with the key between them. A row therefore draws the same
+    noise in any batch, and no per-row generator or kernel is needed. On a GPU this is ~15 elementwise passes over ``[R,
+    V]``.
 
     Args:
         seeds: ``[R]`` int64 (any 64-bit value).

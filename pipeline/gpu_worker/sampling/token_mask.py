@@ -1,12 +1,9 @@
 """Structured output on the device: a packed token bitmask applied to the logits before sampling.
 
-The scheduler sends, per constrained sampled row, the tokens its grammar
-allows as ``ceil(V / 32)`` int32 words (docs/design.md, "Structured
-output"); this module turns them into ``-inf`` on the sampler's copy of the
-logits, so a rejected token is never drawn, greedy or sampled. The raw
-logits stay as they are for the log-probabilities. The bit layout is
-llguidance's and xgrammar's: token ``t`` is allowed iff bit ``t % 32`` of
-word ``t // 32`` is set.
+The scheduler sends, per constrained sampled row, the tokens its grammar allows as ``ceil(V / 32)`` int32 words
+(docs/design.md, "Structured output"); this module turns them into ``-inf`` on the sampler's copy of the logits, so a
+rejected token is never drawn, greedy or sampled. The raw logits stay as they are for the log-probabilities. The bit
+layout is llguidance's and xgrammar's: token ``t`` is allowed iff bit ``t % 32`` of word ``t // 32`` is set.
 """
 
 from __future__ import annotations
@@ -39,11 +36,11 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor | None, bitmask
 
 
 def nearest_allowed(tokens: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """The simulated device's masked draw: ``tokens`` with each constrained row's token replaced by the
-    allowed token nearest to it (the lower one on a tie); a row that allows nothing keeps its own.
+    """The simulated device's masked draw: ``tokens`` with each constrained row's token replaced by the allowed token
+    nearest to it (the lower one on a tie); a row that allows nothing keeps its own.
 
-    Host arrays only (the simulated device's tensors live on the CPU). A row whose own token is allowed
-    costs a bit test; only the others unpack their mask, so 256 rows take a fraction of a 2 ms step.
+    Host arrays only (the simulated device's tensors live on the CPU). A row whose own token is allowed costs a bit
+    test; only the others unpack their mask, so 256 rows take a fraction of a 2 ms step.
 
     Args:
         tokens: ``[S]`` int64 (changed in place and returned).
@@ -61,8 +58,8 @@ def nearest_allowed(tokens: torch.Tensor, rows: torch.Tensor, bitmask: torch.Ten
 
 
 def _nearest_bit(words: np.ndarray, t: int) -> int:
-    """The set bit of ``words`` (``[W]`` uint32, bit ``t % 32`` of word ``t // 32`` is ``t``) nearest to ``t``,
-    the lower on a tie, with ``t`` itself not set; -1 if none is set."""
+    """The set bit of ``words`` (``[W]`` uint32, bit ``t % 32`` of word ``t // 32`` is ``t``) nearest to ``t``, the
+    lower on a tie, with ``t`` itself not set; -1 if none is set."""
     w, b = divmod(t, MASK_BITS)
     below = int(words[w]) & ((1 << b) - 1)
     above = int(words[w]) >> (b + 1) << (b + 1)

@@ -1,15 +1,14 @@
 """Prompt-lookup drafts on the device, from each request's token history (docs/design.md, "Speculative decoding").
 
-For each row, the longest suffix n-gram of its tokens (``prompt_lookup_min <= n <=
-prompt_lookup_max``) that also ends earlier in its prompt plus output, the latest such occurrence,
-and the ``K`` tokens that followed it there (Saxena 2023, "Prompt Lookup Decoding"; vLLM's
-``ngram`` method). When the occurrence ends fewer than ``K`` tokens before the end, the tokens
-after it are the sequence's own last ones and the drafts go round that cycle again (a loop of
-period ``P`` repeats every ``P`` tokens), so every matched row has ``K`` drafts. A row with no match
-gets its last token ``K`` times as filler: verification rejects it unless it happens to be right.
+For each row, the longest suffix n-gram of its tokens (``prompt_lookup_min <= n <= prompt_lookup_max``) that also ends
+earlier in its prompt plus output, the latest such occurrence, and the ``K`` tokens that followed it there (Saxena 2023,
+"Prompt Lookup Decoding"; vLLM's ``ngram`` method). When the occurrence ends fewer than ``K`` tokens before the end, the
+tokens after it are the sequence's own last ones and the drafts go round that cycle again (a loop of period ``P``
+repeats every ``P`` tokens), so every matched row has ``K`` drafts. A row with no match gets its last token ``K`` times
+as filler: verification rejects it unless it happens to be right.
 
-All rows at once, in ``prompt_lookup_max`` passes of elementwise comparisons over ``[R, W]``; the
-result stays on the device, so no sampled token is read back.
+All rows at once, in ``prompt_lookup_max`` passes of elementwise comparisons over ``[R, W]``; the result stays on the
+device, so no sampled token is read back.
 """
 
 from __future__ import annotations
@@ -24,8 +23,8 @@ def propose_ngram(
     """Draft ``k`` tokens per row by prompt lookup.
 
     Args:
-        history: ``[R, W]`` integer token ids (>= 0); row ``r``'s sequence is ``history[r, : lengths[r]]``,
-            later entries are ignored.
+        history: ``[R, W]`` integer token ids (>= 0); row ``r``'s sequence is ``history[r, : lengths[r]]``, later
+            entries are ignored.
         lengths: ``[R]`` int64, each in ``[1, W]``.
         k: drafts per row, >= 1.
         n_min, n_max: the n-gram lengths tried, ``1 <= n_min <= n_max``.

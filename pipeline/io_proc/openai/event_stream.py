@@ -1,5 +1,5 @@
-"""Server-Sent Event streams (OpenAI API): each event is ``data: <json>\\n\\n``; a stream ends with
-``data: [DONE]\\n\\n``. With several choices, their updates interleave as they arrive.
+"""Server-Sent Event streams (OpenAI API): each event is ``data: <json>\\n\\n``; a stream ends with ``data:
+[DONE]\\n\\n``. With several choices, their updates interleave as they arrive.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ def sse(obj: msgspec.Struct) -> bytes:
 
 
 class EventStream(StreamingResponse):
-    """An SSE response that runs ``on_close`` however it ends: fully sent,
-    client gone (Starlette cancels the send task), or server shutdown."""
+    """An SSE response that runs ``on_close`` however it ends: fully sent, client gone (Starlette cancels the send
+    task), or server shutdown."""
 
     def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]):
         super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -39,8 +39,8 @@ class EventStream(StreamingResponse):
 
 
 async def merged_updates(states: list[RequestState]) -> AsyncIterator[tuple[int, tuple | None]]:
-    """Each request's ``RequestState.updates`` as ``(i, update)``, as they arrive, then
-    ``(i, None)`` when request ``i`` has finished; ends when all have."""
+    """Each request's ``RequestState.updates`` as ``(i, update)``, as they arrive, then ``(i, None)`` when request ``i``
+    has finished; ends when all have."""
     if len(states) == 1:
         async for update in states[0].updates():
             yield 0, update

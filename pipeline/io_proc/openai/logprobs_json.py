@@ -1,10 +1,8 @@
 """Log-probabilities as the OpenAI API shapes them.
 
-Two shapes exist (OpenAI API reference): the legacy completions object
-``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` (what
-lm-evaluation-harness reads with ``echo``), and the chat object
-``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}``.
-Values are the raw model's log-softmax, computed on the device
+Two shapes exist (OpenAI API reference): the legacy completions object ``{"tokens", "token_logprobs", "top_logprobs",
+"text_offset"}`` (what lm-evaluation-harness reads with ``echo``), and the chat object ``{"content": [{"token",
+"logprob", "bytes", "top_logprobs": [...]}]}``. Values are the raw model's log-softmax, computed on the device
 (``pipeline.gpu_worker.sampling.logprobs``).
 """
 
@@ -42,10 +40,9 @@ class TokenLogprob:
 class TokenTexts:
     """Each token id's raw bytes and display text, computed once per id.
 
-    A byte-level BPE token (GPT-2, Llama 3, SmolLM) maps back to its bytes
-    through GPT-2's table; a SentencePiece token maps ``▁`` to a space and
-    ``<0xNN>`` to that byte. A token that is part of a multi-byte character
-    shows as U+FFFD in its text; its ``bytes`` are exact.
+    A byte-level BPE token (GPT-2, Llama 3, SmolLM) maps back to its bytes through GPT-2's table; a SentencePiece token
+    maps ``▁`` to a space and ``<0xNN>`` to that byte. A token that is part of a multi-byte character shows as U+FFFD in
+    its text; its ``bytes`` are exact.
     """
 
     def __init__(self, tokenizer: Any):
@@ -76,12 +73,10 @@ class TokenTexts:
 def completion_logprobs(texts: TokenTexts, entries: list[TokenLogprob], text_offset: int = 0) -> dict:
     """The legacy completions ``logprobs`` object for consecutive tokens.
 
-    An entry whose ``logprob`` is None (the first prompt token under
-    ``echo``) has ``token_logprobs`` and ``top_logprobs`` None, as OpenAI
-    gives them; its token is still listed. ``top_logprobs`` maps each
-    alternative's text to its log-probability and includes the chosen token,
-    as vLLM does. ``text_offset`` is where each token's text starts,
-    counting from ``text_offset``.
+    An entry whose ``logprob`` is None (the first prompt token under ``echo``) has ``token_logprobs`` and
+    ``top_logprobs`` None, as OpenAI gives them; its token is still listed. ``top_logprobs`` maps each alternative's
+    text to its log-probability and includes the chosen token, as vLLM does. ``text_offset`` is where each token's text
+    starts, counting from ``text_offset``.
     """
     tokens, lps, tops, offsets = [], [], [], []
     pos = text_offset

@@ -1,18 +1,15 @@
-"""Shapes of the OpenAI API as served by io_proc: errors, the sampling fields every generation endpoint
-takes, usage and the model list. Each endpoint's own shapes are in ``protocol_chat``, ``protocol_completion``
-and ``protocol_tokenization``.
+"""Shapes of the OpenAI API as served by io_proc: errors, the sampling fields every generation endpoint takes, usage and
+the model list. Each endpoint's own shapes are in ``protocol_chat``, ``protocol_completion`` and
+``protocol_tokenization``.
 
-Requests are pydantic models, validated by FastAPI (any failure becomes an
-HTTP 400 ``ErrorResponse``). Responses are msgspec structs: io_proc
-encodes a streaming chunk per request per step, and msgspec encodes them
-several times faster than pydantic.
+Requests are pydantic models, validated by FastAPI (any failure becomes an HTTP 400 ``ErrorResponse``). Responses are
+msgspec structs: io_proc encodes a streaming chunk per request per step, and msgspec encodes them several times faster
+than pydantic.
 
-Source of the shapes: the OpenAI API reference for ``/v1/chat/completions``,
-``/v1/completions`` and ``/v1/models`` (the objects the ``openai`` Python
-client parses), with the conventions and extensions of vLLM's
-OpenAI-compatible server (``top_k``, ``ignore_eos``, ``return_token_ids``, the
-400 error for too long requests). Fields that exist only for an extension are
-omitted from responses unless the request asked for them.
+Source of the shapes: the OpenAI API reference for ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/models`` (the
+objects the ``openai`` Python client parses), with the conventions and extensions of vLLM's OpenAI-compatible server
+(``top_k``, ``ignore_eos``, ``return_token_ids``, the 400 error for too long requests). Fields that exist only for an
+extension are omitted from responses unless the request asked for them.
 """
 
 from __future__ import annotations
@@ -96,12 +93,10 @@ class StreamOptions(OpenAIBaseModel):
 class SamplingRequest(OpenAIBaseModel):
     """Fields shared by chat and text completions.
 
-    ``top_k`` -1 or 0 disables it; ``seed`` absent means a random seed;
-    ``max_completion_tokens`` (OpenAI's newer name for ``max_tokens``) wins
-    over ``max_tokens``; ``user`` is accepted and ignored (as every unknown
-    field); ``n`` (1..``MAX_CHOICES``) choices per prompt, choice ``i`` seeded with
-    ``seed + i``; ``best_of`` is refused; ``return_token_ids`` (vLLM) adds the prompt
-    and output token ids to the response (per chunk when streaming).
+    ``top_k`` -1 or 0 disables it; ``seed`` absent means a random seed; ``max_completion_tokens`` (OpenAI's newer name
+    for ``max_tokens``) wins over ``max_tokens``; ``user`` is accepted and ignored (as every unknown field); ``n``
+    (1..``MAX_CHOICES``) choices per prompt, choice ``i`` seeded with ``seed + i``; ``best_of`` is refused;
+    ``return_token_ids`` (vLLM) adds the prompt and output token ids to the response (per chunk when streaming).
 
     Penalties and biases (docs/design.md, "Penalties and biases"):
     ``presence_penalty`` and ``frequency_penalty`` in -2..2 (OpenAI API
@@ -115,12 +110,10 @@ class SamplingRequest(OpenAIBaseModel):
     it, also with ``ignore_eos``. Token ids are checked against the
     vocabulary when the request is served.
 
-    Structured output (docs/design.md, "Structured output"): ``response_format``
-    ``{"type": "text"}`` (the default), ``{"type": "json_object"}`` or
-    ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...},
-    "strict": ...}}`` (OpenAI's structured outputs guide), or one of vLLM's
-    ``guided_json`` (a schema, as an object or JSON text), ``guided_regex``
-    and ``guided_choice`` (a list of strings); see ``structured_output``.
+    Structured output (docs/design.md, "Structured output"): ``response_format`` ``{"type": "text"}`` (the default),
+    ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict":
+    ...}}`` (OpenAI's structured outputs guide), or one of vLLM's ``guided_json`` (a schema, as an object or JSON text),
+    ``guided_regex`` and ``guided_choice`` (a list of strings); see ``structured_output``.
     """
 
     model: str | None = None
@@ -153,9 +146,8 @@ class SamplingRequest(OpenAIBaseModel):
         """``(kind, spec, param)`` for ``build_grammar``, or None for free text.
 
         Raises:
-            APIError: 400 naming the field: an unknown ``response_format``
-                type, a ``json_schema`` without its ``schema``, or more than
-                one way of constraining the output.
+            APIError: 400 naming the field: an unknown ``response_format`` type, a ``json_schema`` without its
+                ``schema``, or more than one way of constraining the output.
         """
         found = []
         rf = self.response_format

@@ -1,5 +1,5 @@
-"""Shapes of ``POST /v1/chat/completions``: messages, tools, the request, and the response whole or as
-stream chunks (OpenAI API reference; ``pipeline.io_proc.openai.protocol`` for the conventions)."""
+"""Shapes of ``POST /v1/chat/completions``: messages, tools, the request, and the response whole or as stream chunks
+(OpenAI API reference; ``pipeline.io_proc.openai.protocol`` for the conventions)."""
 
 from __future__ import annotations
 
@@ -38,8 +38,8 @@ class ToolCallItem(OpenAIBaseModel):
 class ChatMessage(OpenAIBaseModel):
     """One input message; the content is a string or a list of text parts.
 
-    An assistant message may carry ``tool_calls`` (then its content may be
-    null); a ``tool`` message answers the call ``tool_call_id`` of an earlier one.
+    An assistant message may carry ``tool_calls`` (then its content may be null); a ``tool`` message answers the call
+    ``tool_call_id`` of an earlier one.
     """
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -90,10 +90,8 @@ class ChatTool(OpenAIBaseModel):
 class ChatCompletionRequest(SamplingRequest):
     """Body of ``POST /v1/chat/completions``.
 
-    ``logprobs: true`` returns each output token's log-probability, with its
-    ``top_logprobs`` (0..20) most likely alternatives; ``top_logprobs``
-    needs ``logprobs: true`` (OpenAI API reference; vLLM refuses it
-    otherwise too).
+    ``logprobs: true`` returns each output token's log-probability, with its ``top_logprobs`` (0..20) most likely
+    alternatives; ``top_logprobs`` needs ``logprobs: true`` (OpenAI API reference; vLLM refuses it otherwise too).
     """
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -142,8 +140,8 @@ class ChatCompletionMessage(msgspec.Struct, kw_only=True):
 
 
 class ChatCompletionChoice(msgspec.Struct, kw_only=True):
-    """One choice of a ``chat.completion`` (``index`` 0..n-1); ``logprobs`` is
-    ``{"content": [...]}`` (see ``chat_logprobs``) when asked."""
+    """One choice of a ``chat.completion`` (``index`` 0..n-1); ``logprobs`` is ``{"content": [...]}`` (see
+    ``chat_logprobs``) when asked."""
 
     index: int = 0
     message: ChatCompletionMessage
@@ -189,8 +187,8 @@ class DeltaMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class ChatCompletionChunkChoice(msgspec.Struct, kw_only=True):
-    """The choice a chunk is about; ``finish_reason`` is null until its last; ``logprobs``
-    covers the chunk's tokens when asked."""
+    """The choice a chunk is about; ``finish_reason`` is null until its last; ``logprobs`` covers the chunk's tokens
+    when asked."""
 
     index: int = 0
     delta: DeltaMessage
@@ -200,9 +198,8 @@ class ChatCompletionChunkChoice(msgspec.Struct, kw_only=True):
 
 
 class ChatCompletionChunk(msgspec.Struct, kw_only=True):
-    """One ``chat.completion.chunk``. ``usage`` is omitted unless the client
-    asked for it (``stream_options.include_usage``); then it is null on every
-    chunk but the last, which has no choices."""
+    """One ``chat.completion.chunk``. ``usage`` is omitted unless the client asked for it
+    (``stream_options.include_usage``); then it is null on every chunk but the last, which has no choices."""
 
     id: str
     object: str = "chat.completion.chunk"

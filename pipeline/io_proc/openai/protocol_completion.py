@@ -1,5 +1,5 @@
-"""Shapes of ``POST /v1/completions``: the request and the ``text_completion`` object, whole or as a
-stream chunk (OpenAI API reference; ``pipeline.io_proc.openai.protocol`` for the conventions)."""
+"""Shapes of ``POST /v1/completions``: the request and the ``text_completion`` object, whole or as a stream chunk
+(OpenAI API reference; ``pipeline.io_proc.openai.protocol`` for the conventions)."""
 
 from __future__ import annotations
 
@@ -19,18 +19,14 @@ MAX_PROMPTS = 2048
 class CompletionRequest(SamplingRequest):
     """Body of ``POST /v1/completions``.
 
-    ``prompt`` is, as in the OpenAI API, a non-empty string, a list of such
-    strings, a non-empty list of token ids (ints >= 0; the upper bound is
-    checked against the tokenizer when the request is served), or a list of
-    such lists; each prompt of a list gets its own choice, ``index`` in list
-    order. After validation it is a list of prompts, each a ``str`` or a
-    ``list[int]``.
+    ``prompt`` is, as in the OpenAI API, a non-empty string, a list of such strings, a non-empty list of token ids (ints
+    >= 0; the upper bound is checked against the tokenizer when the request is served), or a list of such lists; each
+    prompt of a list gets its own choice, ``index`` in list order. After validation it is a list of prompts, each a
+    ``str`` or a ``list[int]``.
 
-    ``logprobs`` (0..20) returns each token's log-probability and that many
-    alternatives; ``echo`` prepends the prompt to the text (and, with
-    ``logprobs``, the prompt tokens' log-probabilities, the first null).
-    ``max_tokens`` 0 is allowed with ``echo`` (the prompt alone: what
-    evaluation harnesses score).
+    ``logprobs`` (0..20) returns each token's log-probability and that many alternatives; ``echo`` prepends the prompt
+    to the text (and, with ``logprobs``, the prompt tokens' log-probabilities, the first null). ``max_tokens`` 0 is
+    allowed with ``echo`` (the prompt alone: what evaluation harnesses score).
     """
 
     prompt: Any
@@ -79,8 +75,8 @@ class CompletionRequest(SamplingRequest):
 
 
 class CompletionChoice(msgspec.Struct, kw_only=True):
-    """One choice of a ``text_completion`` (whole or chunk), one per prompt; ``logprobs`` is
-    the legacy object (see ``completion_logprobs``) when asked."""
+    """One choice of a ``text_completion`` (whole or chunk), one per prompt; ``logprobs`` is the legacy object (see
+    ``completion_logprobs``) when asked."""
 
     index: int = 0
     text: str
@@ -91,8 +87,8 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
 
 
 class CompletionResponse(msgspec.Struct, kw_only=True):
-    """A ``text_completion`` object: the whole response, or one streamed chunk
-    (then ``usage`` follows the same rule as ``ChatCompletionChunk``)."""
+    """A ``text_completion`` object: the whole response, or one streamed chunk (then ``usage`` follows the same rule as
+    ``ChatCompletionChunk``)."""
 
     id: str
     object: str = "text_completion"

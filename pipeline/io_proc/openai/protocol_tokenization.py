@@ -10,8 +10,8 @@ from pipeline.io_proc.openai.protocol_chat import ChatMessage
 
 
 class TokenizeRequest(OpenAIBaseModel):
-    """Body of ``POST /tokenize`` (vLLM's shape): a ``prompt``, or chat ``messages`` rendered
-    with the chat template (``add_generation_prompt``, default true), exactly one of them."""
+    """Body of ``POST /tokenize`` (vLLM's shape): a ``prompt``, or chat ``messages`` rendered with the chat template
+    (``add_generation_prompt``, default true), exactly one of them."""
 
     model: str | None = None
     prompt: str | None = None

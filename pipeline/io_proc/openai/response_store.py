@@ -1,10 +1,10 @@
 """The in-memory store of ``/v1/responses`` objects kept for ``previous_response_id`` (``store: true``).
 
-A stored response keeps only the items its request added (its input and output) and a link to the
-response it continued: a chain of follow-ups shares its history instead of copying it per hop.
-Bounded three ways, each evicting the oldest first: entries, bytes and age. The bytes bound counts
-what the store keeps alive: an evicted response whose items a kept follow-up still reaches keeps
-them (not its response object) counted until that follow-up goes too. docs/design.md, "The Responses API".
+A stored response keeps only the items its request added (its input and output) and a link to the response it continued:
+a chain of follow-ups shares its history instead of copying it per hop. Bounded three ways, each evicting the oldest
+first: entries, bytes and age. The bytes bound counts what the store keeps alive: an evicted response whose items a kept
+follow-up still reaches keeps them (not its response object) counted until that follow-up goes too. docs/design.md, "The
+Responses API".
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from collections import OrderedDict
 
 
 class StoredResponse:
-    """A stored response: ``response`` its JSON, ``items`` the JSON list of the items its request
-    added (input, then output), ``previous`` the stored response it continued (None: none)."""
+    """A stored response: ``response`` its JSON, ``items`` the JSON list of the items its request added (input, then
+    output), ``previous`` the stored response it continued (None: none)."""
 
     __slots__ = ("response", "items", "previous", "stored_at", "_holders")
 
@@ -43,8 +43,8 @@ class ResponseStore:
 
     Args:
         max_entries: responses kept at most (0: none is kept).
-        max_bytes: the JSON bytes the kept responses hold alive, at most; one whose own bytes and
-            history exceed it alone is not kept.
+        max_bytes: the JSON bytes the kept responses hold alive, at most; one whose own bytes and history exceed it
+            alone is not kept.
         max_age_s: seconds one is kept.
         clock: seconds, monotonic (tests pass their own).
     """
@@ -59,8 +59,8 @@ class ResponseStore:
         return len(self._entries)
 
     def put(self, response_id: str, response: bytes, items: bytes, previous: StoredResponse | None = None) -> bool:
-        """Keep a response that continues ``previous``, evicting the oldest as the bounds require; False
-        if it cannot be kept within them."""
+        """Keep a response that continues ``previous``, evicting the oldest as the bounds require; False if it cannot be
+        kept within them."""
         entry = StoredResponse(response, items, previous, self._clock())
         if self._max_entries == 0 or entry.size > self._max_bytes:
             return False
@@ -93,8 +93,8 @@ class ResponseStore:
             self._unindex(self._entries.popitem(last=False)[1])
 
     def _unindex(self, entry: StoredResponse) -> None:
-        """``entry`` is no longer found by its id: its response object goes at once, its items when no
-        kept follow-up reaches them."""
+        """``entry`` is no longer found by its id: its response object goes at once, its items when no kept follow-up
+        reaches them."""
         self.num_bytes -= len(entry.response)
         entry.response = b""
         self._release(entry)

@@ -1,13 +1,10 @@
 """``/v1/responses``: OpenAI's Responses API, served through the chat path.
 
-A request becomes a chat request (input items to messages, function tools to
-chat tools, ``text.format`` to ``response_format``) and is served as chat
-completions are; the output becomes output items (a message, function calls).
-A stream sends the standard semantic events, each ``event: <type>`` with
-its ``sequence_number``. ``store: true`` keeps the response for
-``previous_response_id`` in a bounded store (``pipeline.io_proc.openai.response_store``),
-and a response the store cannot keep says ``store: false``; the default is stateless.
-docs/design.md, "The Responses API".
+A request becomes a chat request (input items to messages, function tools to chat tools, ``text.format`` to
+``response_format``) and is served as chat completions are; the output becomes output items (a message, function calls).
+A stream sends the standard semantic events, each ``event: <type>`` with its ``sequence_number``. ``store: true`` keeps
+the response for ``previous_response_id`` in a bounded store (``pipeline.io_proc.openai.response_store``), and a
+response the store cannot keep says ``store: false``; the default is stateless. docs/design.md, "The Responses API".
 """
 
 from __future__ import annotations
@@ -60,8 +57,8 @@ class ResponsesServing:
         """Serve ``POST /v1/responses``.
 
         Raises:
-            APIError: 400 for input this server cannot take or an unknown
-                ``previous_response_id``, and as chat completions do.
+            APIError: 400 for input this server cannot take or an unknown ``previous_response_id``, and as chat
+                completions do.
         """
         previous = None
         if req.previous_response_id is not None:

@@ -1,5 +1,5 @@
-"""A ``/v1/responses`` request as a chat request: input items to messages, function tools to chat
-tools, ``text.format`` to ``response_format``; chat errors named as the Responses API names the field."""
+"""A ``/v1/responses`` request as a chat request: input items to messages, function tools to chat tools, ``text.format``
+to ``response_format``; chat errors named as the Responses API names the field."""
 
 from __future__ import annotations
 
@@ -45,9 +45,8 @@ def input_items(req: ResponsesRequest) -> list[dict]:
 
 
 def stored_items(items: list[dict]) -> list[dict]:
-    """``items`` as a follow-up reads them: only the fields ``chat_messages`` uses, and no ``reasoning``
-    items (they carry nothing this server's models read), so that what the store keeps is what the
-    prompt holds."""
+    """``items`` as a follow-up reads them: only the fields ``chat_messages`` uses, and no ``reasoning`` items (they
+    carry nothing this server's models read), so that what the store keeps is what the prompt holds."""
     out = []
     for item in items:
         kind = item.get("type", "message")

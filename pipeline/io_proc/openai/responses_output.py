@@ -23,8 +23,8 @@ class Events:
 
 
 class ResponseBuilder:
-    """A response being built: its output items, whole or streamed; ``previous`` is the stored response
-    it continues (None: none)."""
+    """A response being built: its output items, whole or streamed; ``previous`` is the stored response it continues
+    (None: none)."""
 
     def __init__(self, req: ResponsesRequest, model: str, previous: StoredResponse | None):
         self.req, self.model, self.previous = req, model, previous
@@ -87,8 +87,8 @@ class ResponseBuilder:
         }
 
     def stream_delta(self, ev: Events, content: str | None, calls: list | None, empty: bool = False) -> list[bytes]:
-        """Events for a delta's text and call pieces, opening and closing items as they start and end
-        (``empty``: open a message for no text)."""
+        """Events for a delta's text and call pieces, opening and closing items as they start and end (``empty``: open a
+        message for no text)."""
         out: list[bytes] = []
         if content or empty:
             if self._open is None or self._open["type"] != "message":

@@ -1,12 +1,11 @@
-"""The steps every generation endpoint shares: checks, sampling parameters, adding a request's choices
-to the engine, waiting for them, usage. The endpoints are ``serving_chat``, ``serving_completion`` and
-``responses``; their streams go through ``event_stream``.
+"""The steps every generation endpoint shares: checks, sampling parameters, adding a request's choices to the engine,
+waiting for them, usage. The endpoints are ``serving_chat``, ``serving_completion`` and ``responses``; their streams go
+through ``event_stream``.
 
-With ``return_token_ids`` (vLLM), the prompt token ids go in the first chunk and each chunk carries the output
-token ids it covers, so a stream sends a chunk per token even when a token adds no text (part of a character, or
-text held back for stop strings). Log-probabilities stream the same way: each chunk carries the entries of the
-tokens it covers. Streamed text concatenates exactly to the non-streamed text: both read the same per-request
-deltas.
+With ``return_token_ids`` (vLLM), the prompt token ids go in the first chunk and each chunk carries the output token ids
+it covers, so a stream sends a chunk per token even when a token adds no text (part of a character, or text held back
+for stop strings). Log-probabilities stream the same way: each chunk carries the entries of the tokens it covers.
+Streamed text concatenates exactly to the non-streamed text: both read the same per-request deltas.
 """
 
 from __future__ import annotations
@@ -61,8 +60,7 @@ class OpenAIServing:
         config: gives ``served_model_name``, ``max_model_len`` and the model's ``vocab_size``.
         client: the engine client.
         tokenization: prompt encoding.
-        stop_token_ids: token ids that end generation (see
-            ``load_tokenizer``).
+        stop_token_ids: token ids that end generation (see ``load_tokenizer``).
     """
 
     def __init__(
@@ -119,8 +117,8 @@ class OpenAIServing:
             )
 
     def _check_chars(self, num_chars: int, param: str, what: str | None = None) -> None:
-        """Refuse, before tokenizing it, a text too long to fit ``max_model_len`` whatever it encodes to
-        (``what``: the text, if it is not the field ``param``).
+        """Refuse, before tokenizing it, a text too long to fit ``max_model_len`` whatever it encodes to (``what``: the
+        text, if it is not the field ``param``).
 
         Raises:
             APIError: 400 ``context_length_exceeded``.
@@ -137,8 +135,8 @@ class OpenAIServing:
             )
 
     def _sampling_params(self, req: SamplingRequest, prompt: list[int], prompt_param: str) -> SamplingParams:
-        """Check the prompt's ids and length and the request's token ids; its sampling parameters without
-        a grammar. Before any grammar is compiled: a request that cannot fit costs no compile.
+        """Check the prompt's ids and length and the request's token ids; its sampling parameters without a grammar.
+        Before any grammar is compiled: a request that cannot fit costs no compile.
 
         Raises:
             APIError: 400 naming the field (``context_length_exceeded`` for lengths).
@@ -220,8 +218,8 @@ class OpenAIServing:
     ) -> list[RequestState]:
         """Add the request's ``n`` choices to the engine.
 
-        ``params``: from ``_sampling_params``; ``grammar``: from ``_request_grammar`` ("" for free text);
-        ``plan``: a chat request's tools.
+        ``params``: from ``_sampling_params``; ``grammar``: from ``_request_grammar`` ("" for free text); ``plan``: a
+        chat request's tools.
 
         Raises:
             APIError: 503 when the scheduler takes no more requests.
@@ -256,9 +254,9 @@ class OpenAIServing:
         return tuple(dict.fromkeys((*(req.stop_token_ids or ()), *eos_ids)))
 
     async def _request_grammar(self, req: SamplingRequest, plan: ToolPlan | None = None) -> str:
-        """The request's grammar ("" for free text), built on a thread: a schema of megabytes takes tens of
-        milliseconds to serialize, and a tool plan's hundreds to check, which the event loop must not spend.
-        Called once the prompt is known to fit (``_sampling_params``).
+        """The request's grammar ("" for free text), built on a thread: a schema of megabytes takes tens of milliseconds
+        to serialize, and a tool plan's hundreds to check, which the event loop must not spend. Called once the prompt
+        is known to fit (``_sampling_params``).
 
         Raises:
             APIError: 400 naming the field (see ``_grammar``).
@@ -268,13 +266,12 @@ class OpenAIServing:
         return await asyncio.to_thread(self._grammar, req, self._stop_ids(req), plan)
 
     def _grammar(self, req: SamplingRequest, stop_ids: tuple[int, ...], plan: ToolPlan | None) -> str:
-        """The request's llguidance grammar (docs/design.md, "Structured output"; the tool plan's,
-        "Tool calling"), or "" for free text.
+        """The request's llguidance grammar (docs/design.md, "Structured output"; the tool plan's, "Tool calling"), or
+        "" for free text.
 
         Raises:
-            APIError: 400 naming the field for a malformed schema, regex or
-                choice list, without a vocabulary, with ``min_tokens`` (it could forbid the only
-                token the grammar allows), or with no stop token to end on.
+            APIError: 400 naming the field for a malformed schema, regex or choice list, without a vocabulary, with
+                ``min_tokens`` (it could forbid the only token the grammar allows), or with no stop token to end on.
         """
         tools = plan is not None and bool(plan.grammar)
         so = ("lark", plan.grammar, "tools") if tools else req.structured_output()
@@ -301,8 +298,8 @@ class OpenAIServing:
     def closer(
         self, rid: str, req: SamplingRequest, states: list[RequestState], plan: ToolPlan | None = None
     ) -> Callable[[], None]:
-        """What ends a request's response however it ends: release its states, then log it
-        (``--enable-log-requests``, with how ``plan`` served its tools; its prompt only with ``--log-prompts``)."""
+        """What ends a request's response however it ends: release its states, then log it (``--enable-log-requests``,
+        with how ``plan`` served its tools; its prompt only with ``--log-prompts``)."""
 
         def close() -> None:
             for st in states:
@@ -320,8 +317,8 @@ class OpenAIServing:
     async def wait(
         self, states: list[RequestState], raw: Request, close: Callable[[], None], grammar_param: str | None = None
     ) -> bool:
-        """Wait for non-streaming requests to finish, then ``close``; False if the client left
-        first (then the requests are aborted at once, within the step).
+        """Wait for non-streaming requests to finish, then ``close``; False if the client left first (then the requests
+        are aborted at once, within the step).
 
         Raises:
             APIError: as ``_raise_ended``.
@@ -342,9 +339,9 @@ class OpenAIServing:
     async def compiled(
         self, states: list[RequestState], raw: Request, close: Callable[[], None], grammar_param: str | None
     ) -> bool:
-        """Before a stream starts: wait until the scheduler has compiled the grammar of ``states`` (if they
-        have one) and queued them, so that a grammar it refuses is still a 400. False if the client left
-        first; then, and on an error, ``close`` has run.
+        """Before a stream starts: wait until the scheduler has compiled the grammar of ``states`` (if they have one)
+        and queued them, so that a grammar it refuses is still a 400. False if the client left first; then, and on an
+        error, ``close`` has run.
 
         Raises:
             APIError: as ``_raise_ended``.
@@ -398,8 +395,8 @@ async def _all_finished(states: list[RequestState]) -> None:
 async def _client_left(raw: Request) -> None:
     """Return when the client disconnects (the ASGI ``http.disconnect`` message).
 
-    Only for a request whose body has been read: the server's ``receive``
-    then has nothing but the disconnect to deliver.
+    Only for a request whose body has been read: the server's ``receive`` then has nothing but the disconnect to
+    deliver.
     """
     while (await raw.receive())["type"] != "http.disconnect":
         pass
@@ -417,10 +414,9 @@ def _raise_ended(states: list[RequestState], grammar_param: str | None) -> None:
     """Raise the error of the first of ``states`` that the server ended.
 
     Raises:
-        APIError: 503 if the server stopped a request (shutting down); 400
-            naming ``grammar_param`` if the scheduler refused its grammar; 500
-            if a request failed while it ran (its finish reason "error", as
-            vLLM reports a request-level internal error).
+        APIError: 503 if the server stopped a request (shutting down); 400 naming ``grammar_param`` if the scheduler
+            refused its grammar; 500 if a request failed while it ran (its finish reason "error", as vLLM reports a
+            request-level internal error).
     """
     for st in states:
         if st.finish_reason == "abort":

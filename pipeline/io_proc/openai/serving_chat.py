@@ -1,9 +1,9 @@
 """``POST /v1/chat/completions``.
 
-A chat stream starts with a delta ``{"role": "assistant", "content": ""}``, sends content deltas, then a chunk
-with an empty delta and the finish reason, then (``include_usage``) a chunk with no choices and the usage.
-With tools, each choice's text goes through the tool-call parser: calls stream as ``tool_calls`` deltas and end
-the choice with ``"tool_calls"`` (docs/design.md, "Tool calling").
+A chat stream starts with a delta ``{"role": "assistant", "content": ""}``, sends content deltas, then a chunk with an
+empty delta and the finish reason, then (``include_usage``) a chunk with no choices and the usage. With tools, each
+choice's text goes through the tool-call parser: calls stream as ``tool_calls`` deltas and end the choice with
+``"tool_calls"`` (docs/design.md, "Tool calling").
 """
 
 from __future__ import annotations
@@ -52,8 +52,7 @@ class OpenAIServingChat(OpenAIServing):
         """Serve ``POST /v1/chat/completions``.
 
         Raises:
-            APIError: 404 unknown model, 400 invalid or too long request,
-                503 scheduler not taking requests.
+            APIError: 404 unknown model, 400 invalid or too long request, 503 scheduler not taking requests.
         """
         plan, prompt, states = await self.start_chat(req)
         param = grammar_field(req, plan)
@@ -91,12 +90,11 @@ class OpenAIServingChat(OpenAIServing):
         )
 
     async def start_chat(self, req: ChatCompletionRequest) -> tuple[ToolPlan, list[int], list[RequestState]]:
-        """Check a chat request, render and encode its prompt and add its choices to the engine:
-        ``(tool plan, prompt token ids, one state per choice)``.
+        """Check a chat request, render and encode its prompt and add its choices to the engine: ``(tool plan, prompt
+        token ids, one state per choice)``.
 
         Raises:
-            APIError: 404 unknown model, 400 invalid or too long request,
-                503 scheduler not taking requests.
+            APIError: 404 unknown model, 400 invalid or too long request, 503 scheduler not taking requests.
         """
         self._check_model(req)
         self._check_fan_out(1, req.num_choices())
@@ -198,8 +196,8 @@ class OpenAIServingChat(OpenAIServing):
 
 
 def chat_output(plan: ToolPlan, state: RequestState) -> tuple[str | None, list[ToolCall], str | None]:
-    """A finished choice's ``(content, tool calls, finish reason)``: calls end it with ``"tool_calls"``
-    (unless cut short by ``max_tokens``), and its content is null when it is calls only."""
+    """A finished choice's ``(content, tool calls, finish reason)``: calls end it with ``"tool_calls"`` (unless cut
+    short by ``max_tokens``), and its content is null when it is calls only."""
     text = state.take_text()
     if plan.parser is None:
         return text, [], state.finish_reason

@@ -1,9 +1,7 @@
 """The base of tool-call parsers: a format's layout, and the grammar (llguidance's Lark) it gives.
 
-A format is free text, then a *calls region* that starts at the parser's
-trigger: an optional opening, calls (each with an optional opening and
-closing tag) separated by a separator, an optional closing.
-docs/design.md, "Tool calling".
+A format is free text, then a *calls region* that starts at the parser's trigger: an optional opening, calls (each with
+an optional opening and closing tag) separated by a separator, an optional closing. docs/design.md, "Tool calling".
 """
 
 from __future__ import annotations
@@ -19,10 +17,8 @@ from pipeline.io_proc.tool_parsers.stream import ToolCallStream
 class ToolParser(ABC):
     """A model family's tool-call format: its parser (``stream``) and the grammar that enforces it.
 
-    Subclasses set ``name`` (the ``--tool-call-parser`` value), the layout
-    below and ``call_scanner`` / ``call_rules``. The layout's literals
-    are written as the grammar emits them; the parser skips whitespace
-    around them.
+    Subclasses set ``name`` (the ``--tool-call-parser`` value), the layout below and ``call_scanner`` / ``call_rules``.
+    The layout's literals are written as the grammar emits them; the parser skips whitespace around them.
     """
 
     name: ClassVar[str]
@@ -79,8 +75,8 @@ class ToolParser(ABC):
 
         Args:
             tools: the functions it may call.
-            free: text may come instead (``tool_choice: auto``): the grammar is
-                inactive until the trigger; otherwise the output is calls only.
+            free: text may come instead (``tool_choice: auto``): the grammar is inactive until the trigger; otherwise
+                the output is calls only.
             parallel: several calls, else one.
         """
         one = [self.call_open, "call", self.call_close]

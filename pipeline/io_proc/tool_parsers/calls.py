@@ -70,8 +70,7 @@ class CallScanner(ABC):
             it may go on). ``pieces`` get ``("name", name)`` and ``("args", fragment)``.
 
         Raises:
-            Broken: the text is not a call of this format from that position on
-                (``pieces`` has what came before it).
+            Broken: the text is not a call of this format from that position on (``pieces`` has what came before it).
         """
 
     @property
@@ -81,8 +80,8 @@ class CallScanner(ABC):
 
 
 class CallLayout(Protocol):
-    """What reading a format's calls needs of its parser (``ToolParser`` has it): the layout's literals and a
-    scanner for one call."""
+    """What reading a format's calls needs of its parser (``ToolParser`` has it): the layout's literals and a scanner
+    for one call."""
 
     trigger: str
     anchored: bool

@@ -48,9 +48,8 @@ _WS = " \t\n\r"
 class JsonCallScanner(CallScanner):
     """One call as a JSON object: ``{"name": ..., "arguments": {...}}``, keys in any order.
 
-    The arguments stream as the raw text of their value (arguments given as
-    a JSON string come whole, decoded, when it ends); arguments before the
-    name are held until the name is read; a call without them has ``{}``.
+    The arguments stream as the raw text of their value (arguments given as a JSON string come whole, decoded, when it
+    ends); arguments before the name are held until the name is read; a call without them has ``{}``.
 
     Args:
         args_keys: the keys that may hold the arguments (Llama 3 writes ``parameters``).

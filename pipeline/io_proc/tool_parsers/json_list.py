@@ -1,5 +1,5 @@
-"""The format of ``tool_choice`` ``required`` or a named function where no parser fits the template:
-``[{"name": ..., "arguments": {...}}, ...]`` (vLLM forces the same list, with ``parameters``)."""
+"""The format of ``tool_choice`` ``required`` or a named function where no parser fits the template: ``[{"name": ...,
+"arguments": {...}}, ...]`` (vLLM forces the same list, with ``parameters``)."""
 
 from pipeline.io_proc.tool_parsers.mistral import MistralToolParser
 

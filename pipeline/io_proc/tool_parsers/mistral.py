@@ -1,7 +1,7 @@
 """Mistral 7B v0.3 and its kin: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``.
 
-The marker must reach the text: with a tokenizer that makes ``[TOOL_CALLS]`` a
-special token, the detokenizer drops it (docs/design.md, "Tool calling").
+The marker must reach the text: with a tokenizer that makes ``[TOOL_CALLS]`` a special token, the detokenizer drops it
+(docs/design.md, "Tool calling").
 """
 
 from pipeline.io_proc.tool_parsers.json_call import JsonToolParser
