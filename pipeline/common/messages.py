@@ -1,8 +1,5 @@
-"""Control messages between io_proc and scheduler_proc (zmq + msgspec).
-
-Control is everything that happens per request, not per step: add, abort, stats, shutdown. Messages are msgspec structs
-in a tagged union, encoded as msgpack. ``io_proc -> scheduler`` uses ``ToScheduler``; ``scheduler -> io_proc`` uses
-``ToIO``.
+"""Control messages between io_proc and scheduler_proc (msgspec tagged unions over zmq): per-request add, abort, stats,
+shutdown. ``ToScheduler`` goes to the scheduler, ``ToIO`` back.
 """
 
 from __future__ import annotations
@@ -17,48 +14,23 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 
 
 class SamplingParams(msgspec.Struct, frozen=True):
-    """How to sample one request.
+    """How to sample one request (field semantics follow OpenAI unless noted).
 
     Attributes:
-        max_tokens: output tokens to generate at most (>= 0; 0 only with
-            ``prompt_logprobs``), already clamped so that prompt + output
-            fits ``max_model_len``.
-        temperature: 0 means greedy.
-        top_p: nucleus mass in (0, 1].
-        top_k: keep the k most likely tokens; <= 0 disables.
+        max_tokens: at most this many output tokens, clamped to fit ``max_model_len`` (0 only with ``prompt_logprobs``).
+        top_k: <= 0 disables.
         seed: 63-bit seed of the request's sampling noise.
-        ignore_eos: keep generating after a stop token id.
-        stop_token_ids: token ids that end the request (EOS and the chat
-            template's end-of-turn token).
-        logprobs: with each sampled token, return its log-probability and
-            the ``logprobs`` most likely alternatives (0..MAX_LOGPROBS);
-            -1 returns none.
-        prompt_logprobs: the same for every prompt token after the first
-            (what ``echo`` with ``logprobs`` needs); -1 for none. With
-            ``max_tokens`` 0 the request ends after its prefill.
-        presence_penalty: subtracted from the logit of every token that
-            occurs in the output so far (OpenAI semantics, -2..2; 0 is off).
-        frequency_penalty: subtracted once per occurrence in the output so
-            far (OpenAI semantics, -2..2; 0 is off).
-        repetition_penalty: divides positive and multiplies negative logits
-            of tokens in the prompt or the output (vLLM semantics, after
-            Keskar et al. 2019; > 0, 1 is off).
-        min_p: drop tokens less likely than ``min_p`` times the most likely
-            one, after temperature (Nguyen et al. 2024; 0 is off).
-        min_tokens: ``stop_token_ids`` cannot be sampled before this many
-            output tokens, and a stop string counts only if a later token
-            completes it (vLLM's rule; 0 is off).
-        logit_bias: ``(token id, bias)`` pairs added to the logits before
-            sampling, at most ``MAX_LOGIT_BIAS`` (step_protocol).
-        grammar: an llguidance grammar (``pipeline.common.grammar.build_grammar``)
-            every output token must follow; empty for none. The scheduler
-            sends its token bitmask with each step that samples the request
-            (docs/design.md, "Structured output").
-        grammar_trigger: with ``grammar``, text the grammar lets anything
-            through until (tool calling's ``auto``); masks are sent only where
-            the next token could complete it, and after it (docs/design.md,
-            "Tool calling"). Empty: the grammar constrains every token.
-        grammar_trigger_at_start: the trigger counts only at the output's start.
+        stop_token_ids: EOS and the chat template's end-of-turn token.
+        logprobs: alternatives returned per sampled token (0..MAX_LOGPROBS; -1: none).
+        prompt_logprobs: the same per prompt token after the first (``echo``); -1: none.
+        presence_penalty, frequency_penalty: -2..2, 0 off.
+        repetition_penalty: vLLM semantics after Keskar et al. 2019 (> 0, 1 off).
+        min_p: after temperature (Nguyen et al. 2024; 0 off).
+        min_tokens: no stop token id before this many output tokens (vLLM's rule).
+        logit_bias: at most ``MAX_LOGIT_BIAS`` ``(token id, bias)`` pairs.
+        grammar: an llguidance grammar every output token follows; empty: none (docs/design.md, "Structured output").
+        grammar_trigger: text the grammar lets anything through until (tool calling's ``auto``); empty: constrain every
+            token (docs/design.md, "Tool calling").
     """
 
     max_tokens: int
@@ -82,11 +54,8 @@ class SamplingParams(msgspec.Struct, frozen=True):
 
 
 class AddRequest(msgspec.Struct, tag=True):
-    """Add a request. ``req_num`` is unique for the server's life.
-
-    With ``n`` > 1 the prompt has ``n`` choices: they are the requests ``req_num .. req_num + n - 1`` (io_proc reserves
-    all ``n`` numbers), choice ``i`` sampling with ``choice_seed`` ``(params.seed, i)`` (docs/design.md, "Parallel
-    choices").
+    """Add a request. ``req_num`` is unique for the server's life; with ``n`` > 1, choice ``i`` is request ``req_num +
+    i`` (docs/design.md, "Parallel choices").
     """
 
     req_num: int
@@ -104,10 +73,10 @@ def choice_seed(seed: int, index: int) -> int:
 
 
 class AbortRequest(msgspec.Struct, tag=True):
-    """Stop a request now (client gone, stop string seen). Unknown numbers are ignored.
+    """Stop a request now (client gone, stop string seen); unknown numbers are ignored.
 
-    ``finished_ns`` is 0 for a client that left; for a stop string it is the ``time_ns`` of the StepOutput whose token
-    completed it: the request finished then, and its phase times end there (docs/design.md, "Metrics").
+    ``finished_ns``: 0 for a client that left; for a stop string, the ``time_ns`` of the StepOutput that completed it
+    (docs/design.md, "Metrics").
     """
 
     req_num: int
@@ -125,14 +94,8 @@ class Shutdown(msgspec.Struct, tag=True):
 
 
 class WorkerStats(msgspec.Struct, array_like=True):
-    """The worker's own clocks (rank 0), cumulative since it started (docs/design.md, "Metrics").
-
-    Attributes:
-        token_gap: device idle between a step and the next one that continues running requests, nanoseconds
-            (``TOKEN_GAP_BUCKETS_NS``).
-        device_busy_ns: device time of every step.
-        busy_fraction: device time / (device time + token gaps) over the last second of steps; -1 before there is one.
-        step_cpu: the process's CPU time per such step, nanoseconds (``STEP_CPU_BUCKETS_NS``).
+    """The worker's own clocks (rank 0), cumulative since it started (docs/design.md, "Metrics"); times in nanoseconds,
+    ``busy_fraction`` -1 before the first second of steps.
     """
 
     token_gap: HistogramData = msgspec.field(default_factory=HistogramData)
@@ -142,14 +105,8 @@ class WorkerStats(msgspec.Struct, array_like=True):
 
 
 class Stats(msgspec.Struct, tag=True):
-    """One engine's occupancy and cumulative figures, answered to ``GetStats`` with the same nonce.
-
-    The histograms are the scheduler's (vLLM's request phases from its own events, in seconds; tokens per step; its CPU
-    time per step in nanoseconds) and the worker's (``WorkerStats``). ``prefix_cache_queries`` and ``prefix_cache_hits``
-    count prompt tokens looked up in the prefix cache and found there, since the start (vLLM's counters; None with
-    caching off); ``num_cached_blocks`` is the KV blocks that hold a cached prefix now, in use or not (docs/design.md,
-    "Prefix caching"). The fields that are None are counted by features still to come (speculative decoding); metrics
-    and the stats line show them once they are set.
+    """One engine's occupancy and cumulative figures, answered to ``GetStats`` with the same nonce (docs/design.md,
+    "Metrics"; "Prefix caching"). Fields that are None are not counted yet (caching off, features to come).
     """
 
     nonce: int
@@ -204,10 +161,8 @@ def merge_stats(per_engine: list[Stats]) -> Stats:
 
 
 class Admitted(msgspec.Struct, tag=True):
-    """Requests the scheduler admitted for the first time in one step, sent before the step.
-
-    ``num_cached_tokens[i]`` is the prompt tokens ``req_nums[i]`` found in the prefix cache: what its usage reports as
-    ``cached_tokens``.
+    """Requests the scheduler admitted for the first time in one step, sent before the step; ``num_cached_tokens`` is
+    each one's prefix-cache hit (usage's ``cached_tokens``).
     """
 
     req_nums: list[int]
@@ -215,10 +170,8 @@ class Admitted(msgspec.Struct, tag=True):
 
 
 class GrammarCompiled(msgspec.Struct, tag=True):
-    """The scheduler's answer to an ``AddRequest`` with a grammar, once its matchers exist or not.
-
-    ``error`` empty: the request is queued. Otherwise it was refused before it ran (the grammar does not compile, takes
-    more memory than a request may, or the request was aborted meanwhile), and ``error`` says why.
+    """The scheduler's answer to an ``AddRequest`` with a grammar: ``error`` empty means queued, else why it was
+    refused.
     """
 
     req_num: int
@@ -226,10 +179,7 @@ class GrammarCompiled(msgspec.Struct, tag=True):
 
 
 class RequestFailed(msgspec.Struct, tag=True):
-    """The scheduler ended request ``req_num`` (a choice) with an error: its finish reason is "error".
-
-    A failure tied to one request, such as its matcher leaving its grammar mid-output; the engine serves on.
-    """
+    """The scheduler ended request ``req_num`` (a choice) on an error (finish reason "error"); the engine goes on."""
 
     req_num: int
     message: str
@@ -240,14 +190,9 @@ ToIO = Union[Stats, Admitted, GrammarCompiled, RequestFailed]
 
 
 def check_finish(token_id: int, num_output_tokens: int, params: SamplingParams) -> FinishReason | None:
-    """Why a request ends after producing ``token_id`` as its ``num_output_tokens``-th token.
+    """Why a request ends after producing ``token_id`` as its ``num_output_tokens``-th token: "stop", "length" or None.
 
-    The scheduler and io_proc both call this on the same tokens, so they agree on every finish without talking to each
-    other. Stop strings are io_proc's alone (they need text) and end the request with an abort.
-
-    Returns:
-        "stop" for a stop token id (unless ``ignore_eos``), "length" when
-        ``max_tokens`` is reached, else None.
+    The scheduler and io_proc both call this, so they agree without talking; stop strings are io_proc's alone.
     """
     if not params.ignore_eos and token_id in params.stop_token_ids:
         return "stop"

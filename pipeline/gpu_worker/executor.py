@@ -1,8 +1,5 @@
-"""What the model runner drives: the real model or the simulated device.
-
-``ModelRunner`` prepares a step (row updates, placeholder resolution, attention metadata) the same way for both; an
-``Executor`` then turns the resolved inputs into sampled tokens (docs/design.md, "The worker"; "The simulated device").
-It owns what only the forward pass needs (the KV cache).
+"""What the model runner drives: the real model or the simulated device (docs/design.md, "The worker"; "The simulated
+device"). ``ModelRunner`` prepares steps alike for both; the ``Executor`` turns them into sampled tokens.
 """
 
 from __future__ import annotations
@@ -40,14 +37,11 @@ LogprobTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 @dataclass
 class SamplingInputs:
-    """How to sample a step's ``S`` sampled rows.
+    """How to sample a step's ``S`` sampled rows (docs/design.md, "Structured output").
 
-    ``plan.rows`` selects the ``R`` rows with temperature > 0; the six tensors are ``[R]`` on the device, for those
-    rows: ``temperature``, ``top_p`` and ``min_p`` float32, ``top_k`` (0 = off), ``seed`` and ``position`` (of the token
-    being sampled) int64. ``penalties`` says which of the ``S`` rows get penalties and biases first (None: none), read
-    from ``penalty_state``. ``mask_rows`` (``[M]`` int64, None for none) are the rows constrained by a grammar, and
-    ``bitmask`` (``[M, W]``) the tokens each may sample (``apply_token_bitmask``), or ``await_bitmask`` gives it once
-    the forward pass is enqueued (the scheduler writes it after the step: docs/design.md, "Structured output").
+    ``plan.rows`` selects the ``R`` rows with temperature > 0; the six tensors are ``[R]`` on the device (float32
+    ``temperature``, ``top_p``, ``min_p``; int64 ``top_k`` (0 = off), ``seed``, ``position``). ``mask_rows`` (``[M]``
+    int64) get ``bitmask`` (``[M, W]``), or ``await_bitmask`` supplies it after the forward is enqueued.
     """
 
     plan: SamplingPlan
@@ -64,9 +58,9 @@ class SamplingInputs:
     await_bitmask: Callable[[], torch.Tensor] | None = None
 
     def processed_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """Penalties and biases, then the grammar's mask (last, so that no bias or penalty can bring back a rejected
-        token), on a copy of the raw ``[S, V]`` float32 ``logits``. Waits for the masks if they are still to come
-        (``await_bitmask``), never for the device."""
+        """Penalties and biases, then the grammar's mask (last, so nothing revives a rejected token), on a copy of the
+        raw ``[S, V]`` float32 ``logits``; may wait for the masks, never for the device.
+        """
         penalized = apply_penalties(logits, self.penalties, self.penalty_state)
         return apply_token_bitmask(penalized, self.mask_rows, self.resolved_bitmask())
 
@@ -79,14 +73,11 @@ class SamplingInputs:
 
 @dataclass
 class LogprobInputs:
-    """Which log-probabilities a step computes (docs/design.md, "The step protocol").
+    """Which log-probabilities a step computes (docs/design.md, "The step protocol"); int64 on the device, None for
+    none.
 
-    Attributes:
-        rows: ``[L]`` int64 on the device, indices into the ``S`` sampled rows whose request asked for
-            log-probabilities; None for none.
-        prompt_positions: ``[P]`` int64 on the device, step-token indices whose position predicts a wanted prompt token;
-            None for none.
-        prompt_targets: ``[P]`` int64 on the device, the prompt token each predicts.
+    ``rows``: ``[L]`` sampled rows asking for them; ``prompt_positions``/``prompt_targets``: ``[P]`` step-token indices
+    and the prompt token each predicts.
     """
 
     rows: torch.Tensor | None = None
@@ -96,19 +87,11 @@ class LogprobInputs:
 
 @dataclass
 class Executed:
-    """Tokens of one enqueued step, and the step's timeline if the executor has its own clock.
+    """Tokens of one enqueued step, and its timeline if the executor has its own clock.
 
-    Attributes:
-        tokens: ``[S]`` int64 on the device (may still be being computed), one per sampled position (speculating,
-            ``SpecState.after_step`` appends its counts).
-        accepted: ``[V]`` int64 on the device, the accepted drafts of each verified row; None when the step verifies
-            none.
-        logprobs: the ``L`` requested sampled rows' log-probabilities (see ``token_logprobs``), or None.
-        prompt_logprobs: the ``P`` prompt positions' log-probabilities, or None.
-        nonfinite: ``[S']`` bool on the device, whether each sampled position's raw logits hold a NaN or an infinity;
-            None: not checked (the simulated device has no logits).
-        done: fires when the tokens exist (the simulated device); None otherwise.
-        device_start_ns, device_end_ns: the simulated timeline (``time.monotonic_ns()``); 0 otherwise.
+    ``tokens``: ``[S]`` int64 on the device, one per sampled position; ``accepted``: ``[V]`` int64 accepted drafts per
+    verified row (None: none verified); ``nonfinite``: ``[S']`` bool, raw logits held NaN/inf (None: unchecked);
+    ``done``: fires when tokens exist (simulated device only).
     """
 
     tokens: torch.Tensor
@@ -124,8 +107,8 @@ class Executed:
 def sample_tokens(logits: torch.Tensor, s: SamplingInputs) -> torch.Tensor:
     """``[S]`` int64 token ids, below ``V``, from the sampled rows' raw ``[S, V]`` float32 logits (left unchanged).
 
-    ``SamplingInputs.processed_logits``, then sampling. Seeded noise is keyed by the sampled token's position, so a
-    request draws the same noise whatever batch it is in. Defined for any logits, NaN and infinities included.
+    Seeded noise is keyed by the sampled token's position, so a request draws the same noise in any batch. Defined for
+    any logits, NaN and infinities included.
     """
     processed = s.processed_logits(logits)
     return sample_rows(processed, s.plan, s.temperature, s.top_p, s.top_k, s.seed, s.position, s.min_p)
@@ -134,17 +117,11 @@ def sample_tokens(logits: torch.Tensor, s: SamplingInputs) -> torch.Tensor:
 def sample_and_verify(
     logits: torch.Tensor, s: SamplingInputs, v: VerifyInputs | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``sample_tokens`` for the ``S'`` sampled positions of a step, then each verified row's accepted drafts.
+    """``sample_tokens`` for the ``S'`` sampled positions (``logits`` ``[S', V]`` float32), then each verified row's
+    accepted drafts (``v`` None: nothing verified; docs/design.md, "Speculative decoding").
 
-    Args:
-        logits: ``[S', V]`` float32 raw logits, one row per sampled position (left unchanged).
-        s: how to sample every position (penalties, masks and temperatures per position).
-        v: the verified rows (docs/design.md, "Speculative decoding"); None when the step verifies nothing.
-
-    Returns:
-        ``(tokens [S'] int64, accepted [R] int64 or None)``. Verified row ``r`` emits
-        ``tokens[v.index[r, : accepted[r] + 1]]``: its accepted drafts, then the correction or bonus.
-        Later positions hold draws after rejected drafts, never emitted.
+    Returns ``(tokens [S'] int64, accepted [R] int64 or None)``: verified row ``r`` emits ``tokens[v.index[r, :
+    accepted[r] + 1]]``; later positions are never emitted.
     """
     if v is None:
         return sample_tokens(logits, s), None
@@ -175,13 +152,8 @@ def sample_and_verify(
 
 
 class Executor(ABC):
-    """Forward and sample, given a step's resolved inputs and its metadata.
-
-    Attributes:
-        attn_backend: builds the step's attention metadata (the runner calls it; the simulated device uses it for the
-            host cost and positions).
-        vocab_size: token ids must be below it (None: no limit of its own).
-        max_positions: positions must be below it (None: no limit of its own).
+    """Forward and sample, given a step's resolved inputs and its metadata; ``vocab_size``/``max_positions`` None: no
+    limit.
     """
 
     attn_backend: AttentionBackend
@@ -206,32 +178,17 @@ class Executor(ABC):
     ) -> Executed:
         """Enqueue the step's forward, sampling and log-probabilities; must not wait for the device.
 
-        Args:
-            input_ids: ``[T]`` int64 on the device, placeholders and drafts resolved.
-            meta: the step's attention metadata, on the device.
-            last: ``[S]`` int64 on the device, step-token index of each sampled position (a sampled row's last token;
-                with drafts, its last ``1 + K`` tokens).
-            sampling: how to sample those positions.
-            logprobs: which log-probabilities to compute, from the same forward.
-            verify: the rows whose drafts are verified (docs/design.md, "Speculative decoding"), or None.
+        ``input_ids``: ``[T]`` int64 on the device; ``last``: ``[S]`` int64 step-token index of each sampled position
+        (with drafts, a row's last ``1 + K`` tokens); ``verify``: rows whose drafts are verified, or None.
         """
 
 
 class ModelExecutor(Executor):
-    """The real model over a paged KV cache on ``device``.
-
-    Args:
-        config: gives the KV cache size (blocks, block size) and ``max_model_len``.
-        model: a model of ``pipeline.gpu_worker.models`` on ``device``.
-        device: where the model lives.
-        dtype: the KV cache dtype (the model's).
-
-    The KV cache holds ``PAD_BLOCKS`` blocks beyond ``config.num_kv_blocks``. ``graphs`` serves decode-only steps once
-    ``capture_decode_graphs`` made them.
+    """The real model over a paged KV cache (``PAD_BLOCKS`` blocks beyond ``config.num_kv_blocks``) on ``device``.
 
     Raises:
-        ValueError: ``config.max_model_len`` exceeds the model's ``max_position_embeddings`` (a position past the RoPE
-            table is an asynchronous device assert on CUDA, so it is refused up front).
+        ValueError: ``config.max_model_len`` exceeds the model's ``max_position_embeddings`` (on CUDA a position past
+            the RoPE table is an asynchronous device assert).
     """
 
     def __init__(self, config: EngineConfig, model, device: torch.device, dtype: torch.dtype):
@@ -250,10 +207,8 @@ class ModelExecutor(Executor):
 
     @torch.inference_mode()
     def warm_up(self, upload: Upload) -> None:
-        """Run one step, a 2-token prefill chunk beside a decode row, to its greedy tokens on the host.
-
-        Both rows read and write only the padding block. The first request's step then pays none of the first-call costs
-        (the attention kernel's and the linear algebra libraries' set-up, the allocator's first blocks).
+        """Run one step (a 2-token prefill chunk beside a decode row, padding block only) so the first request pays no
+        first-call costs.
         """
         cols = cdiv(2, self.block_size)
         layout = StepLayout.build([2, 1], [0, 1], [0, 1], self.block_size, cols)
@@ -263,10 +218,8 @@ class ModelExecutor(Executor):
         self.model.compute_logits(hidden).argmax(-1).cpu()
 
     def capture_decode_graphs(self, block_table: torch.Tensor, sizes: Sequence[int]) -> DecodeGraphs:
-        """Serve decode-only steps of up to ``max(sizes)`` rows through CUDA graphs, captured now on CUDA.
-
-        Call once, after the runner's block table exists (``[max_num_reqs, max_blocks_per_seq]`` int64 on the device).
-        On CPU nothing is captured and graph steps run the graph body eagerly.
+        """Serve decode-only steps of up to ``max(sizes)`` rows through CUDA graphs (on CPU, eagerly); call once, after
+        the block table exists.
 
         Raises:
             ValueError, NotImplementedError: as ``DecodeGraphs``.
@@ -324,17 +277,11 @@ class ModelExecutor(Executor):
 
 
 class SimExecutor(Executor):
-    """The simulated device: deterministic tokens, computed timeline (see ``.sim_device``).
+    """The simulated device: deterministic tokens, computed timeline (see ``.sim_device``; docs/design.md, "The
+    simulated device").
 
-    Its "device" is host memory, so it reads the resolved inputs directly (a real device would compute the tokens on the
-    device). Sampling parameters, penalties and biases are ignored. Log-probabilities are deterministic stand-ins
-    (``sim_logprobs``) of the same shapes, so the async-equals-lock-step tests cover their path. A constrained row draws
-    the allowed token nearest to its own (``nearest_allowed``), so grammars cost the host what they would.
-
-    Args:
-        sim: the simulated device's timeline.
-        attn_backend: builds the step's metadata, as it would for a model (docs/design.md, "The simulated device");
-            default ``default_backend``.
+    Sampling parameters, penalties and biases are ignored; log-probabilities are same-shape stand-ins
+    (``sim_logprobs``); a constrained row draws the allowed token nearest its own (``nearest_allowed``).
     """
 
     def __init__(self, sim: SimulatedDevice, attn_backend: AttentionBackend | None = None):

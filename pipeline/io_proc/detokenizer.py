@@ -1,10 +1,7 @@
 """Output token ids -> client text: incremental detokenization, stop strings, finish.
 
-Everything here runs on io_proc's output-reader thread, one object set per request. Two detokenizers give the same text,
-chosen per tokenizer at start-up (``new_detokenizer``): for a byte-level BPE tokenizer (decoder ``ByteLevel``: GPT-2,
-Llama 3, SmolLM) ``ByteLevelDetokenizer`` looks each token's text up in a table built once (about 0.2 us per token); for
-every other decoder ``IncrementalDetokenizer`` runs the ``tokenizers`` library's streaming decoder (``DecodeStream``, in
-Rust, as vLLM uses it; about 1 us per token, which at a batch of 1024 is a millisecond per step).
+Runs on io_proc's output-reader thread. ``new_detokenizer`` picks a table lookup (``ByteLevelDetokenizer``) for a
+byte-level BPE decoder, else the ``tokenizers`` streaming decoder (``IncrementalDetokenizer``); both give the same text.
 """
 
 from __future__ import annotations
@@ -34,18 +31,11 @@ NewDetokenizer = Callable[[], Detokenizer]
 
 
 class IncrementalDetokenizer:
-    """Turns one request's output tokens into text deltas, one token at a time.
+    """Turns one request's output tokens into text deltas with ``DecodeStream`` (prefix/read-offset algorithm of TGI and
+    vLLM): constant cost per token, special tokens skipped.
 
-    ``DecodeStream`` implements the prefix-offset / read-offset algorithm of text-generation-inference and vLLM: it
-    decodes a short window ending at the new token and returns the text beyond what the window's start already produced,
-    so the cost per token is constant, and context-dependent decoders (SentencePiece's leading space) stay right. A
-    character whose UTF-8 bytes are split over several tokens (emoji, CJK) yields nothing until its last byte arrives
-    and is then emitted whole; an incomplete character still pending when the request ends is never emitted (no U+FFFD
-    reaches a client). Special tokens are skipped. For text made of complete characters the deltas concatenate to
-    ``decode(token_ids, skip_special_tokens=True)``.
-
-    Args:
-        tokenizer: a ``tokenizers.Tokenizer`` (a fast tokenizer's ``backend_tokenizer``), used by this thread only.
+    A character split over tokens is emitted whole once its last byte arrives; one still pending at the end is never
+    emitted (no U+FFFD reaches a client). ``tokenizer`` is used by this thread only.
     """
 
     __slots__ = ("_tokenizer", "_stream")
@@ -64,19 +54,11 @@ class IncrementalDetokenizer:
 
 
 class ByteLevelDetokenizer:
-    """Turns one request's output tokens into the text deltas ``DecodeStream`` gives, for a byte-level tokenizer.
+    """The deltas ``DecodeStream`` gives, for a byte-level tokenizer, from the bytes alone.
 
-    With a ``ByteLevel`` decoder, ``DecodeStream(skip_special_tokens=True)`` emits, at each token, the lossy UTF-8
-    decoding of the bytes of the tokens since its previous emission, once that text is non-empty and does not end in
-    U+FFFD (an incomplete character, or a literal U+FFFD, waits for the next token; what is still pending at the end
-    never comes out). This reproduces that from the bytes alone: while nothing is pending, a token whose own bytes are
-    complete text (``ByteLevelVocab.texts``) is emitted straight from the table, and only a token that leaves bytes
-    pending, or follows pending bytes, decodes bytes. Python's ``errors="replace"`` substitutes U+FFFD for invalid bytes
-    as Rust's ``String::from_utf8_lossy`` does (both follow the Unicode standard's "maximal subpart" practice), so even
-    invalid byte sequences come out the same.
-
-    Args:
-        vocab: the tokenizer's ``ByteLevelVocab`` (shared by all requests).
+    ``DecodeStream`` emits the lossy UTF-8 decoding of pending bytes once non-empty and not ending in U+FFFD; here a
+    token whose bytes are complete text comes from ``ByteLevelVocab.texts``, and only pending bytes are decoded
+    (Python's ``errors="replace"`` matches Rust's ``from_utf8_lossy``, so invalid bytes come out the same).
     """
 
     __slots__ = ("_vocab", "_texts", "_pending")
@@ -126,11 +108,8 @@ class ByteLevelDetokenizer:
 
 
 def new_detokenizer(tokenizer: Any) -> NewDetokenizer:
-    """The per-request detokenizer factory for ``tokenizer`` (a ``tokenizers.Tokenizer``).
-
-    ``ByteLevelDetokenizer`` (over a ``ByteLevelVocab`` built here, once) when the tokenizer's decoder is ``ByteLevel``,
-    otherwise ``IncrementalDetokenizer``; the choice follows the decoder, not the model's name. Both give the same
-    deltas for a byte-level tokenizer.
+    """The per-request detokenizer factory for ``tokenizer``: ``ByteLevelDetokenizer`` when its decoder is
+    ``ByteLevel``, else ``IncrementalDetokenizer``.
     """
     if is_byte_level(tokenizer):
         return functools.partial(ByteLevelDetokenizer, ByteLevelVocab(tokenizer))
@@ -140,19 +119,9 @@ def new_detokenizer(tokenizer: Any) -> NewDetokenizer:
 class StopStringMatcher:
     """Finds stop strings in a stream of text deltas without leaking any part of one.
 
-    The last ``max(len(stop)) - 1`` characters not yet released are held back, because they may be the beginning of a
-    stop string that the next delta completes. When a stop string appears, the text before its earliest occurrence is
-    released and the rest is dropped (the stop string is not part of the output, like the OpenAI API). When the request
-    ends for another reason, ``flush`` releases what is held.
-
-    With ``until`` (a tool call's trigger), stop strings apply to the free text only: one counts if it ends by the
-    trigger's end, and from there on (the calls, which their grammar ends) the text passes unsearched, so a stop string
-    never cuts a call (docs/design.md, "Stop strings").
-
-    Args:
-        stop: the stop strings, each non-empty.
-        until: the text after which stop strings no longer apply ("" for none).
-        until_at_start: ``until`` counts only at the text's start.
+    Holds back the last ``max(len(stop)) - 1`` unreleased characters; on a match, releases the text before it and drops
+    the rest (as the OpenAI API does). With ``until`` (a tool call's trigger), only free text before it is searched
+    (docs/design.md, "Stop strings").
 
     Raises:
         ValueError: ``stop`` is empty or contains an empty string.
@@ -172,15 +141,9 @@ class StopStringMatcher:
         self._in_calls = False
 
     def push(self, text: str, check: bool = True) -> tuple[str, bool]:
-        """Add a delta.
+        """Add a delta; with ``check`` false it is held, not searched (vLLM's ``min_tokens`` rule).
 
-        With ``check`` false the delta is only held back, not searched: a stop string must end in a delta that is
-        checked, though it may start in earlier text (vLLM's rule for ``min_tokens``).
-
-        Returns:
-            ``(released, matched)``: the text that can be sent now, and
-            whether a stop string was found (then ``released`` ends right
-            before it, and nothing more must be sent for this request).
+        Returns ``(released, matched)``: text to send now, and whether a stop string ended the output.
         """
         if self._in_calls:
             return text, False
@@ -229,26 +192,10 @@ class StopStringMatcher:
 
 
 class OutputProcessor:
-    """One request's output path: tokens in, client text and finish reason out.
+    """One request's output path: tokens in, client text and finish reason out (``check_finish`` plus stop strings).
 
-    Applies, per token: incremental detokenization, stop strings, and ``pipeline.common.messages.check_finish`` (stop
-    token ids and ``max_tokens``, the same rule the scheduler applies on its side). The text accumulates here until the
-    reader hands it on (``take_text``). When nothing needs the text before the finish (``incremental`` false and no stop
-    strings: a client that waits for the whole answer), a token costs only its finish check, and the text is detokenized
-    all at once (``Detokenizer.push_many``) with the finishing token: the same text, for a fraction of the work.
-
-    Args:
-        detokenizer: this request's ``Detokenizer``.
-        params: the request's sampling parameters.
-        stop: stop strings (may be empty).
-        incremental: the text is wanted as it comes (a stream).
-
-    Attributes:
-        num_output_tokens: tokens pushed so far, the finishing one included (what ``usage.completion_tokens`` reports).
-        token_ids: those tokens (a list that only grows).
-        text_pieces: text produced and not yet taken (non-empty strings).
-        needs_abort: set with a "stop" finish that came from a stop string: the scheduler does not know about it and
-            must be told to abort (it finishes stop token ids and ``max_tokens`` on its own).
+    Without a stream or stop strings a token costs only its finish check and the text is decoded at the finish
+    (``Detokenizer.push_many``). ``needs_abort``: a stop-string finish the scheduler must be told of.
     """
 
     __slots__ = (
@@ -283,12 +230,8 @@ class OutputProcessor:
         self.needs_abort = False
 
     def push(self, token_id: int) -> FinishReason | None:
-        """Process the next sampled token; its text (if any) joins ``text_pieces``.
-
-        Must not be called again once a finish reason was returned.
-
-        Returns:
-            Why the request ended with this token, or None if it goes on.
+        """Process the next sampled token (its text joins ``text_pieces``); returns the finish reason, or None. Not
+        called again after a finish.
         """
         self.token_ids.append(token_id)
         n = self.num_output_tokens = self.num_output_tokens + 1

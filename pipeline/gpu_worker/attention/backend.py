@@ -1,12 +1,7 @@
-"""The attention-backend interface: per-step metadata, per-layer forward.
+"""The attention-backend interface: per-step metadata, per-layer forward (docs/design.md, "Attention backends").
 
-The runner asks the backend once per step for its metadata; every layer then calls ``forward`` with its own queries,
-keys, values and KV cache and that metadata, so a new backend is a new module, not an edit of the model or the runner
-(docs/design.md, "Attention backends"). Metadata is built without waiting for the device: what the batch shapes is
-decided on the host (``StepLayout``) and uploaded at once; what is large is computed on the device from it. Each backend
-declares how it uses the cache's memory (``cache_layout``, ``kv_layout.py``). With speculative decoding the host's start
-positions may be upper bounds, and a per-row ``shift`` on the device moves every position, context length and slot
-derived from them back (docs/design.md, "Speculative decoding").
+Host-decided shapes (``StepLayout``) are uploaded at once; a per-row ``shift`` moves positions back after rejected
+drafts (docs/design.md, "Speculative decoding").
 """
 
 from __future__ import annotations
@@ -41,11 +36,8 @@ def sdpa(
     softcap: float | None = None,
     enable_gqa: bool = False,
 ) -> torch.Tensor:
-    """``scaled_dot_product_attention`` over ``[B, H, Q, D]`` queries and ``[B, KVH, K, D]`` keys, with the scores
-    soft-capped when ``softcap`` is set.
-
-    SDPA cannot cap scores, so a capped call runs the attention as transformers' eager path does: matmul, cap, mask,
-    softmax in float32, matmul.
+    """``scaled_dot_product_attention`` over ``[B, H, Q, D]`` queries and ``[B, KVH, K, D]`` keys; with ``softcap``,
+    runs transformers' eager path instead (matmul, cap, mask, float32 softmax, matmul), as SDPA cannot cap scores.
     """
     if softcap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
@@ -64,22 +56,12 @@ def host_upload(arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
 
 @dataclasses.dataclass
 class StepLayout:
-    """One step's token layout, computed on the host (numpy int64; no device values).
+    """One step's token layout on the host (numpy int64): request ``i`` owns step tokens ``token_starts[i] + [0,
+    query_lens[i])`` at positions ``start_positions[i] + [0, query_lens[i])``.
 
-    Request ``i`` owns step tokens ``[token_starts[i], token_starts[i] + query_lens[i])``; their positions are
-    ``start_positions[i] + 0 .. query_lens[i] - 1``.
-
-    Attributes:
-        query_lens: ``[B]`` tokens scheduled per request, each >= 1.
-        start_positions: ``[B]`` position of each request's first scheduled token (= tokens already in its KV cache).
-        req_indices: ``[B]`` each request's row in the block table.
-        num_draft_tokens: ``[B]`` drafts among each request's last queries (a row verifying them); 0 for a decode row or
-            a prefill chunk.
-        block_size: tokens per KV cache block.
-        token_starts: ``[B]`` exclusive cumulative sum of ``query_lens``.
-        request_of_token: ``[T]`` the request each token belongs to.
-        positions: ``[T]`` position of each token in its sequence.
-        num_tokens: T.
+    ``[B]`` per request: ``query_lens`` (>= 1), ``start_positions`` (tokens already cached), ``req_indices``
+    (block-table row), ``num_draft_tokens`` (0 unless verifying drafts), ``token_starts``; ``[T]`` per token:
+    ``request_of_token``, ``positions``.
     """
 
     query_lens: np.ndarray
@@ -96,17 +78,11 @@ class StepLayout:
     def build(
         cls, query_lens, start_positions, req_indices, block_size: int, max_blocks_per_seq: int, num_draft_tokens=None
     ) -> StepLayout:
-        """Check and lay out a step.
-
-        Args:
-            query_lens, start_positions, req_indices: ``[B]`` integer arrays (or host tensors).
-            num_draft_tokens: ``[B]`` integers, each below its query_len; None: no drafts.
-            block_size: tokens per KV cache block.
-            max_blocks_per_seq: width of a block-table row.
+        """Check and lay out a step; ``num_draft_tokens`` None means no drafts.
 
         Raises:
-            ValueError: on inconsistent shapes, an empty batch, a query_len < 1, a negative start position, or a context
-                that does not fit a block-table row.
+            ValueError: inconsistent shapes, an empty batch, a query_len < 1, a negative start position, or a context
+                wider than a block-table row.
         """
         q = np.asarray(query_lens, dtype=np.int64)
         s = np.asarray(start_positions, dtype=np.int64)
@@ -157,18 +133,11 @@ class StepLayout:
 
 @dataclasses.dataclass(frozen=True)
 class PaddedQueries:
-    """Requests ``rows`` of a step as a ``[R, q_max]`` grid of queries, for backends that pad rows.
+    """Requests ``rows`` of a step as a ``[R, q_max]`` grid of queries (int64 ``token_index``, ``query_pos``), for
+    backends that pad rows; ``real`` (``[R * q_max]`` bool) marks real queries, ``context_lens`` (``[R]``) tokens
+    attended.
 
-    Padded query positions repeat the row's last real query: a valid token index and a non-empty mask row, whose output
-    is then dropped.
-
-    Attributes:
-        q_max: the longest row's scheduled tokens.
-        n_blocks: KV blocks of the longest context.
-        context_lens: ``[R]`` int64 tokens each row attends to after this step.
-        token_index: ``[R, q_max]`` int64 index of each query in the step's tokens.
-        query_pos: ``[R, q_max]`` int64 position of each query.
-        real: ``[R * q_max]`` bool, the grid's real queries (row-major).
+    Padded queries repeat the row's last real query (a valid index, a non-empty mask row); their output is dropped.
     """
 
     q_max: int
@@ -199,12 +168,8 @@ class PaddedQueries:
 def shifted_slots(
     layout_dev: list[torch.Tensor], shift: torch.Tensor | None, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(positions, token_req_indices, token_cols)`` of the step's tokens on the device, moved back by ``shift``.
-
-    Args:
-        layout_dev: the device copies of ``StepLayout.shifted_inputs``' arrays, in order.
-        shift: ``[B]`` int64 per row on the device, or None (the layout is exact).
-        block_size: tokens per KV block.
+    """``(positions, token_req_indices, token_cols)`` of the step's tokens on the device, moved back by ``shift``
+    (``[B]`` int64; None: exact); ``layout_dev`` holds the device copies of ``StepLayout.shifted_inputs``.
     """
     positions, token_req_indices, token_cols = layout_dev[:3]
     if shift is None:
@@ -220,26 +185,14 @@ def slot_mapping(
     positions: torch.Tensor,
     block_size: int,
 ) -> torch.Tensor:
-    """``[T]`` int64 flat KV-cache index of each token, on the device.
-
-    Args:
-        block_table: ``[rows, max_blocks_per_seq]`` int64.
-        token_req_indices, token_cols: ``[T]`` the block-table row and column of each token (from
-            ``StepLayout.slot_mapping_inputs``).
-        positions: ``[T]`` each token's position.
-    """
+    """``[T]`` int64 flat KV-cache slot of each token on the device (inputs from ``StepLayout.slot_mapping_inputs``)."""
     return block_table[token_req_indices, token_cols] * block_size + positions % block_size
 
 
 @dataclasses.dataclass
 class AttentionMetadata:
-    """Fields every backend's per-step metadata has; backends subclass it.
-
-    Attributes:
-        num_tokens: T, the number of tokens in the step.
-        block_size: tokens per KV cache block.
-        positions: ``[T]`` int64 on the device, position of each token in its sequence (the model's RoPE index).
-        slot_mapping: ``[T]`` int64 on the device, flat KV cache index each token's key and value are written to.
+    """Fields every backend's per-step metadata has: ``positions`` (RoPE index) and ``slot_mapping`` (KV write index),
+    ``[T]`` int64 on the device.
     """
 
     num_tokens: int
@@ -249,14 +202,10 @@ class AttentionMetadata:
 
 
 class AttentionBackend(ABC):
-    """Paged attention for one model: metadata once per step, forward per layer.
+    """Paged attention for one model: metadata once per step, forward per layer; may keep scratch memory its layers
+    share.
 
-    A backend instance belongs to one model and may keep scratch memory shared by its layers (layers run one after
-    another, in stream order).
-
-    Attributes:
-        name: its registry name (``attention.ATTENTION_BACKENDS``).
-        cache_layout: ``kv_layout.TOKEN_MAJOR`` or ``HEAD_MAJOR``.
+    ``cache_layout`` is ``kv_layout.TOKEN_MAJOR`` or ``HEAD_MAJOR``.
     """
 
     name: str = "abstract"
@@ -268,14 +217,9 @@ class AttentionBackend(ABC):
     ) -> AttentionMetadata:
         """Lay out one step on the device without waiting for it.
 
-        Args:
-            layout: the step's host-side layout.
-            block_table: ``[rows, max_blocks_per_seq]`` int64 on the device; request ``i`` uses row
-                ``layout.req_indices[i]``. Entries past a request's context are ignored and may hold anything.
-            upload: moves the host arrays the build derives to the device.
-            shift: ``[B]`` int64 on the device: row ``i`` starts ``shift[i]`` positions before
-                ``layout.start_positions[i]`` (the drafts of its previous step that were rejected); None: the layout is
-                exact.
+        ``block_table`` (``[rows, max_blocks_per_seq]`` int64 on the device): request ``i`` uses row
+        ``layout.req_indices[i]``; entries past its context may hold anything. ``shift`` (``[B]`` int64 on the device):
+        row ``i`` starts ``shift[i]`` positions before ``layout.start_positions[i]`` (its rejected drafts); None: exact.
 
         Raises:
             ValueError: a ``shift`` for a backend that needs exact host positions.
@@ -293,36 +237,18 @@ class AttentionBackend(ABC):
         window: int | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        """Write this step's keys and values into ``kv_cache``, then attend.
+        """Write this step's keys and values into ``kv_cache`` in place, then attend causally (or to the last ``window``
+        keys, the query's own included, as transformers masks).
 
-        Each token attends to itself and to every earlier position of its own sequence (earlier steps' keys come from
-        the cache), or only to the last ``window`` of them.
-
-        Args:
-            q: ``[T, H, D]`` queries (RoPE applied).
-            k: ``[T, KVH, D]`` keys (RoPE applied), H a multiple of KVH.
-            v: ``[T, KVH, D]`` values.
-            kv_cache: the layer's ``(k_cache, v_cache)``, written in place.
-            meta: this step's metadata from ``build_metadata``.
-            scale: softmax scale, usually ``D ** -0.5``.
-            window: a sliding window of this many keys, the query's own included (position p attends p - window + 1 ..
-                p, as transformers masks); None: the whole context.
-            softcap: scores ``s`` become ``softcap * tanh(s / softcap)`` before the mask and softmax (Gemma 2); None:
-                none.
-
-        Returns:
-            ``[T, H, D]`` attention output, dtype of ``q``.
+        ``q``: ``[T, H, D]``, ``k``/``v``: ``[T, KVH, D]`` (RoPE applied, H a multiple of KVH). ``softcap``: scores
+        become ``softcap * tanh(s / softcap)`` before mask and softmax (Gemma 2). Returns ``[T, H, D]`` in ``q``'s
+        dtype.
         """
 
     def build_from_rows(
         self, query_lens, start_positions, block_table: torch.Tensor, block_size: int, num_draft_tokens=None
     ) -> AttentionMetadata:
         """``build_metadata`` with one block-table row per request, for CPU tensors (tests, benchmarks).
-
-        Args:
-            query_lens, start_positions: ``[B]`` host integers.
-            block_table: ``[B, max_blocks_per_seq]`` integer CPU tensor, row ``i`` for request ``i``.
-            num_draft_tokens: as ``StepLayout.build``.
 
         Raises:
             ValueError: as ``StepLayout.build``, or a block table whose rows do not match.

@@ -1,17 +1,9 @@
 """Token sampling: greedy, temperature, min-p, top-k, top-p, per-request seeds.
 
-A sampled row's token depends only on its own logits, its request's seed and its output position, never on which other
-rows share the batch or where the row sits in it: every batched operation is row-wise, and the noise of row ``r`` at
-vocabulary index ``v`` is a counter-based hash of ``(seed_r, position_r, v)``, computed for all rows at once (no
-generator per row).
-
-Sampling is the exponential race: with ``E_i ~ Exp(1)`` i.i.d., ``argmax_i(p_i / E_i)`` is distributed as ``p``. It is
-computed in log space, ``argmax_i(x_i - log E_i)`` over the filtered, temperature-scaled logits ``x`` (the softmax
-normaliser is a common shift), which needs no softmax and cannot underflow.
-
-Nothing here reads a device value on the host (docs/design.md, "The worker"): the decisions that shape the work (which
-rows sample, how many top-k candidates, whether top-p runs) come from a host-side ``SamplingPlan``; the per-row values
-live on the device.
+A row's token depends only on its logits, seed and output position, never on the batch: the noise is a counter-based
+hash of ``(seed, position, vocab index)``. The draw is the exponential race in log space, ``argmax_i(x_i - log E_i)``
+with ``E_i ~ Exp(1)`` (no softmax, no underflow). Shapes of the work come from a host-side ``SamplingPlan``, never from
+device values (docs/design.md, "The worker").
 """
 
 from __future__ import annotations
@@ -38,14 +30,8 @@ _U_BITS = 23
 class SamplingPlan:
     """Host-side decisions for one batch's sampling; never derived from device values.
 
-    Attributes:
-        rows: ``[R]`` int64 on the logits' device, the rows (of ``S``) with temperature > 0; None when every row is
-            greedy.
-        k_max: the largest active top-k among ``rows`` (0: top-k is off for all).
-        use_top_p: some row in ``rows`` has top_p < 1.
-        use_min_p: some row in ``rows`` has min_p > 0.
-        host_reads_ok: the device is the host (CPU torch), so the sampler may take shortcuts that read values (a partial
-            sort with a fallback).
+    ``rows``: ``[R]`` int64 on the logits' device, the rows with temperature > 0 (None: all greedy); ``k_max``: largest
+    active top-k (0: off); ``host_reads_ok``: the device is the host, so shortcuts that read values are allowed.
     """
 
     rows: torch.Tensor | None
@@ -86,28 +72,14 @@ def sample(
     output_positions: torch.Tensor,
     min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Pick one token per row, from host (CPU) parameter tensors.
+    """Pick one token per row from host (CPU) parameter tensors; validates and plans, then ``sample_rows``.
 
-    Rows with ``temperature == 0`` are greedy: exactly ``logits.argmax(-1)``. Other rows: logits / temperature, then
-    min-p, then top-k, then top-p over what top-k kept, then one seeded draw. Tokens tied with the last one kept by
-    top-k or top-p are kept as well. The worker calls ``sample_rows`` with a plan and device parameters instead; this
-    wrapper validates and plans.
-
-    Args:
-        logits: ``[S, V]`` float32, on any device.
-        temperature: ``[S]`` float32, >= 0; 0 means greedy.
-        top_p: ``[S]`` float32 in (0, 1]; 1 disables it.
-        top_k: ``[S]`` int32/int64; <= 0 disables it.
-        seeds: ``[S]`` int64, the request's seed (any 64-bit value).
-        output_positions: ``[S]`` int64, position of the token being sampled (its output index or its sequence position:
-            anything that depends only on the request and the token, never on the batch).
-        min_p: ``[S]`` float32 in [0, 1]; None or 0 disables it.
-
-    Returns:
-        ``[S]`` int64 token ids on ``logits.device``.
+    ``temperature == 0`` rows are exactly ``logits.argmax(-1)``; others: temperature, min-p, top-k, top-p, one seeded
+    draw (ties with the last token kept are kept). ``logits``: ``[S, V]`` float32; the rest ``[S]``; ``top_k`` <= 0,
+    ``top_p`` 1 and ``min_p`` None/0 disable. Returns ``[S]`` int64 on ``logits.device``.
 
     Raises:
-        ValueError: on mismatched shapes, a negative or NaN temperature, top_p outside (0, 1], or min_p outside [0, 1].
+        ValueError: mismatched shapes, a negative or NaN temperature, top_p outside (0, 1], or min_p outside [0, 1].
     """
     num_rows, vocab = logits.shape
     if min_p is None:
@@ -146,21 +118,11 @@ def sample_rows(
     positions: torch.Tensor,
     min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Pick one token per row with no host synchronisation.
+    """Pick one token per row with no host synchronisation: temperature, min-p (Nguyen et al. 2024; before top-k/top-p,
+    as vLLM applies it), top-k, top-p, the seeded draw.
 
-    Temperature, then min-p (tokens whose probability is below ``min_p`` times the most likely one's are dropped: Nguyen
-    et al. 2024, "Turning Up the Heat: Min-p Sampling for Creative and Coherent LLM Outputs"; after temperature and
-    before top-k/top-p, as vLLM applies it), then top-k and top-p, then the seeded draw.
-
-    Args:
-        logits: ``[S, V]`` float32.
-        plan: which rows sample and what filtering runs (see ``SamplingPlan``).
-        temperature, top_p: ``[R]`` float32 on the logits' device, for ``plan.rows``.
-        top_k, seeds, positions: ``[R]`` int64 on the logits' device.
-        min_p: ``[R]`` float32 in [0, 1] on the logits' device; read only if ``plan.use_min_p``.
-
-    Returns:
-        ``[S]`` int64 token ids on the logits' device.
+    ``logits``: ``[S, V]`` float32; parameters ``[R]`` on the logits' device for ``plan.rows`` (``min_p`` read only if
+    ``plan.use_min_p``). Returns ``[S]`` int64.
     """
     tokens = logits.argmax(-1)
     if plan.rows is None:
@@ -177,10 +139,8 @@ def filtered_logits(
     top_k: torch.Tensor,
     min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``[R, V]`` float32: the ``plan.rows`` rows of ``logits`` divided by temperature, min-p, top-k and top-p applied
-    (dropped tokens -inf); a softmax of them is the distribution ``race`` draws from.
-
-    Arguments as ``sample_rows``; ``plan.rows`` must be set.
+    """``[R, V]`` float32: the ``plan.rows`` rows of ``logits`` with temperature, min-p, top-k and top-p applied
+    (dropped tokens -inf), the distribution ``race`` draws from; arguments as ``sample_rows``.
     """
     vocab = logits.shape[1]
     x = logits.index_select(0, plan.rows)
@@ -204,14 +164,8 @@ def race(x: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch
 
 
 def apply_min_p(x: torch.Tensor, min_p: torch.Tensor) -> None:
-    """Set to -inf, in place, each row's logits whose probability is below ``min_p`` times its largest.
-
-    Min-p sampling (Nguyen et al. 2024): ``p_i < min_p * p_max`` is ``x_i < x_max + log(min_p)`` in logit space, so no
-    softmax is needed, and ``min_p`` 0 (``log`` = -inf) keeps every token. The most likely token is always kept.
-
-    Args:
-        x: ``[R, V]`` float32 temperature-scaled logits, modified in place.
-        min_p: ``[R]`` float32 in [0, 1] on the same device.
+    """Set to -inf, in place, the logits of ``x`` (``[R, V]``) whose probability is below ``min_p`` (``[R]``) times the
+    row's largest: ``x_i < x_max + log(min_p)``, no softmax (Nguyen et al. 2024). The top token is always kept.
     """
     x.masked_fill_(x < x.amax(-1, keepdim=True) + min_p.log()[:, None], float("-inf"))
 
@@ -249,16 +203,8 @@ def _counter_bits(vocab: int, device: torch.device) -> torch.Tensor:
 def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
     """Uniforms ``[R, vocab]`` float32 in ``[2**-24, 1 - 2**-24]``, a pure function of (seed, position, index).
 
-    Counter-based noise (the idea of Philox) in plain torch ops, for every row at once: each row's 32-bit key comes from
-    its seed and position (three rounds of ``_mix32``), the counter is the vocabulary index, and ``mix32(mix32(index) ^
-    key)`` gives 32 random bits per (row, index): two rounds with the key between them. A row therefore draws the same
-    noise in any batch, and no per-row generator or kernel is needed. On a GPU this is ~15 elementwise passes over ``[R,
-    V]``.
-
-    Args:
-        seeds: ``[R]`` int64 (any 64-bit value).
-        positions: ``[R]`` int64, the sampled token's position.
-        vocab: V.
+    Counter-based noise (the idea of Philox) in torch ops: a 32-bit key per row from seed and position, then
+    ``mix32(mix32(index) ^ key)`` per vocabulary index, so a row draws the same noise in any batch.
     """
     lo, hi = seeds & _M32, (seeds >> 32) & _M32
     key = _mix32(_mix32(_mix32(lo ^ 0x9E3779B9) ^ hi) ^ (positions & _M32))
@@ -273,13 +219,8 @@ def bits_to_uniform(h: torch.Tensor) -> torch.Tensor:
 
 
 def _filter(x: torch.Tensor, k: torch.Tensor, p: torch.Tensor, plan: SamplingPlan) -> None:
-    """Set to -inf, in place, the logits outside each row's top-k then top-p set.
-
-    Args:
-        x: ``[R, V]`` temperature-scaled logits, modified in place.
-        k: ``[R]`` int64, 0 where top-k is off.
-        p: ``[R]`` float32, 1 where top-p is off.
-        plan: ``k_max`` and ``use_top_p`` say what runs at all.
+    """Set to -inf, in place, the logits of ``x`` (``[R, V]``) outside each row's top-k (``k`` 0: off) then top-p (``p``
+    1: off) set.
     """
     vocab = x.shape[1]
     if plan.k_max == 0 and not plan.use_top_p:
@@ -321,16 +262,9 @@ def _filter(x: torch.Tensor, k: torch.Tensor, p: torch.Tensor, plan: SamplingPla
 def _top_p_threshold(
     cand: torch.Tensor, lse: torch.Tensor, k_limit: torch.Tensor, p: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Smallest prefix of the sorted candidates whose probability reaches ``p``.
+    """Smallest prefix of ``cand`` (``[R, C]`` sorted descending, at most ``k_limit``) whose probability reaches ``p``.
 
-    Args:
-        cand: ``[R, C]`` logits sorted descending.
-        lse: ``[R, 1]`` log-normaliser of each row.
-        k_limit: ``[R]`` the prefix may not exceed this many tokens.
-        p: ``[R]`` nucleus mass.
-
-    Returns:
-        ``(kept [R], threshold [R])``: prefix length (>= 1) and its last logit.
+    Returns ``(kept [R], threshold [R])``: prefix length (>= 1) and its last logit.
     """
     probs = (cand - lse).exp()
     mass_before = probs.cumsum(dim=-1) - probs
