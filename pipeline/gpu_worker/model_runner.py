@@ -1,27 +1,9 @@
-"""Turns a StepDescriptor into enqueued device work and, later, host tokens.
+"""Turns a StepDescriptor into enqueued device work and, later, host tokens (docs/design.md, "The step protocol"; "The
+worker").
 
-``ModelRunner.launch`` first decides on the host everything the step needs from the device and stages those arrays in
-one ``UploadBatch``, copied up at once; it then runs four named steps (docs/design.md, "The step protocol"; "The
-worker"):
-
-1. ``InputBatch.write``: new block-table entries and the sampling parameters
-   of rows new at their req_index, written on the device;
-2. ``ModelRunner._resolve_placeholders``: placeholder inputs read the
-   token-id cache on the device; poison mode poisons what they read and
-   computes a "stale" flag on the device; the inputs of rows with penalties
-   are counted on the device (``InputBatch.count_inputs``);
-3. ``ModelRunner._forward_and_sample``: attention metadata, then the
-   ``Executor`` (real model or simulated
-   device), which also computes the log-probabilities asked for from the
-   same forward; the sampled tokens go into the token-id cache;
-4. ``LaunchedStep.start_host_copy``: the tokens, the stale flags and the
-   log-probabilities travel together to pinned host memory on a copy stream
-   (one copy); an event says when.
-
-On a GPU none of these waits for the device: inputs go up through pinned staging buffers, decisions are taken from host
-copies of the descriptor and of the per-request parameters, and nothing device-side is read on the host until
-``ModelRunner.finish``, which the worker calls once the step's event has fired. ``tests/unit/test_no_host_sync.py``
-guards this.
+``launch`` stages the step's host-decided arrays in one ``UploadBatch``, then writes rows, resolves placeholders,
+forwards and samples, and starts the host copy; nothing on the device is read on the host until ``finish``
+(``tests/unit/test_no_host_sync.py`` guards this).
 """
 
 from __future__ import annotations
@@ -69,9 +51,8 @@ class _Placeholders:
 class _Sampling:
     """A step's sampling decided on the host (staged arrays; None: not needed).
 
-    ``last``/``sample_req_indices [S]``: step-token index and req_index of each sampled row. ``hot [R]``: the sampled
-    rows with temperature > 0, with their ``hot_req_indices`` and ``positions``, and host copies of their ``top_k``,
-    ``top_p`` and ``min_p`` for the ``SamplingPlan``.
+    ``last``/``sample_req_indices [S]``: step-token index and req_index of each sampled row; ``hot [R]``: rows with
+    temperature > 0, with host copies of their ``top_k``, ``top_p``, ``min_p`` for the ``SamplingPlan``.
     """
 
     last: Staged
@@ -98,20 +79,8 @@ class _Logprobs:
 
 
 class ModelRunner:
-    """Runs steps of a model on one device.
-
-    Args:
-        config: the engine configuration (rows, blocks, block size).
-        executor: the real model (``ModelExecutor``) or the simulated device (``SimExecutor``, which replaces only the
-            forward pass and the sampling kernel).
-        device: where the model and all per-request state live.
-        ops: how data moves to and from ``device``; default ``device_ops``.
-        draft_model: with ``--speculative-config``'s ``draft_model``, the draft (on ``device``); its KV cache is made
-            here.
-
-    Attributes:
-        masks: reads the bitmasks of a step's constrained rows before it samples; a step with some needs it set (the
-            worker sets it).
+    """Runs steps of a model on one device (``executor``: ``ModelExecutor`` or ``SimExecutor``); ``masks`` must be set
+    (by the worker) before a step with constrained rows.
     """
 
     def __init__(
@@ -145,20 +114,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, x: StepInputs, prepare_start_ns: int, meanwhile: Callable[[], None] | None = None) -> LaunchedStep:
-        """Enqueue step ``x`` on the device: state updates, forward, sampling, host copy.
+        """Enqueue step ``x`` on the device: state updates, forward, sampling, host copy; one upload carries the staged
+        arrays.
 
-        ``prepare_start_ns`` (``time.monotonic_ns()``) is when the worker started reading the step; it goes into the
-        step's trace spans. ``meanwhile`` runs once the forward is enqueued, before the step's bookkeeping
-        (speculation's, the host copy), and with speculation again before the drafting: the worker publishes the outputs
-        of earlier steps there, which the next step's planning waits for. Every tensor the step reads is written in
-        stream order before it, so per-request state of steps still queued is never changed under them.
-
-        Every part of the step first decides on the host what it needs and stages its arrays; one upload then copies
-        them all (the attention metadata makes the step's only other copy), and the device work follows in stream order.
+        ``prepare_start_ns`` (``time.monotonic_ns()``) starts the step's trace spans. ``meanwhile`` runs once the
+        forward is enqueued (and, speculating, again before drafting): the worker publishes earlier outputs there.
 
         Raises:
-            ValueError: a token id or position the model cannot take (checked on the host: on CUDA it would be an
-                asynchronous device assert).
+            ValueError: a token id or position the model cannot take (on CUDA an asynchronous device assert).
         """
         step = LaunchedStep(step_id=x.step_id, req_num=x.req_num[x.sample_rows], prepare_start_ns=prepare_start_ns)
         if self.ops.is_async and self._in_flight == 0:
@@ -211,10 +174,8 @@ class ModelRunner:
         return ph
 
     def _resolve_placeholders(self, ph: _Placeholders, step: LaunchedStep) -> torch.Tensor:
-        """``[T]`` int64 device input ids, placeholders read from the token-id cache.
-
-        In poison mode each consumed cache entry is overwritten with ``POISON_TOKEN_ID``, and the step gets, per
-        placeholder, a device flag "read a poisoned entry" that ``finish`` checks (``add_stale``).
+        """``[T]`` int64 device input ids, placeholders read from the token-id cache; in poison mode each consumed entry
+        is poisoned and a per-placeholder stale flag goes to ``finish``.
         """
         input_ids = ph.token_ids.dev
         if ph.index is None:
@@ -230,12 +191,8 @@ class ModelRunner:
         return input_ids
 
     def _stage_sampling(self, x: StepInputs, batch: UploadBatch, spec: SpecStep | None) -> _Sampling:
-        """Stage what sampling the step's sampled positions need, decided on the host.
-
-        Which positions are greedy, what filtering runs and which get penalties is decided from the host mirror of the
-        rows' parameters and the descriptor's positions; the values are gathered from the device copy in
-        ``_sampling_inputs``. A batch where no row samples with temperature, or none has penalties, skips that planning.
-        A sampled row has one position, or with drafts ``1 + K`` (``SampledPositions``).
+        """Stage the sampling of the step's sampled positions (``1 + K`` per row with drafts), decided from the host
+        mirror of the rows' parameters; values are gathered on the device in ``_sampling_inputs``.
         """
         rows = x.sample_rows
         sample_req_indices = x.req_index[rows]
@@ -294,10 +251,8 @@ class ModelRunner:
         step_id: int,
         meanwhile: Callable[[], None] | None,
     ) -> SamplingInputs:
-        """The ``SamplingInputs`` of a staged plan (its batch uploaded): parameters gathered on the device.
-
-        ``shift`` moves shifted rows' positions back (the noise is keyed by the true one). The bitmasks of step
-        ``step_id``'s constrained rows are read when its sampling needs them (``meanwhile``: as ``launch``).
+        """The ``SamplingInputs`` of a staged plan, parameters gathered on the device; ``shift`` moves shifted rows'
+        positions back (the noise is keyed by the true one).
         """
         s = self.input_batch
         if st.hot is None:
@@ -333,10 +288,8 @@ class ModelRunner:
     def _stage_logprobs(
         self, x: StepInputs, step: LaunchedStep, batch: UploadBatch, spec: SpecStep | None
     ) -> _Logprobs:
-        """Stage which sampled positions and prompt positions get log-probabilities, decided on the host.
-
-        Sampled positions come from the host mirror of the rows' ``logprobs`` (skipped when no row wants any); prompt
-        positions from the descriptor (``PromptLogprobPlan``).
+        """Stage which sampled and prompt positions get log-probabilities, from the host mirror and
+        ``PromptLogprobPlan``.
         """
         out = _Logprobs()
         wants = self.input_batch.host_logprobs[x.req_index[x.sample_rows]] >= 0 if self.input_batch.any_logprobs else ()
@@ -362,9 +315,9 @@ class ModelRunner:
         device_start: int | None = None,
         meanwhile: Callable[[], None] | None = None,
     ) -> Executed:
-        """Build the attention metadata, run the executor, write the token-id cache (and, speculating, the rest of the
-        rows' state and their next drafts). ``device_start``: when the step's device work began, if before this
-        (``step.start_event`` then recorded); ``meanwhile``: as ``launch``."""
+        """Build the attention metadata, run the executor, write the token-id cache (speculating, also the rows' state
+        and next drafts); ``meanwhile`` as ``launch``.
+        """
         layout = StepLayout.build(
             x.num_scheduled_tokens,
             x.start_pos,

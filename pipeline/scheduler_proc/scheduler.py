@@ -1,12 +1,8 @@
 """Continuous-batching step planner with asynchronous scheduling (docs/design.md, "The scheduler").
 
-The scheduler plans step N+1 while step N runs, assuming every decoding request produces exactly one token in N; N+1's
-input for that token is the placeholder the worker resolves on the device. Policy (as vLLM v1's): running requests
-first, in arrival order, one token per decode and a chunk per unfinished prefill, then waiting requests in FIFO order,
-each from its longest cached prefix, all under ``max_num_batched_tokens`` and ``max_num_seqs``. KV blocks are allocated
-on demand; when none are left the newest running request is preempted (recompute). Running requests that plainly decode
-are planned as steady rows (``steady_rows.py``), with the same result. Speculative decoding's drafts are planned by
-``drafts.py``; outputs are applied by ``scheduler_outputs.py``.
+Plans step N+1 while N runs, assuming each decode yields one token (a placeholder the worker resolves). Policy as vLLM
+v1's: running first, then waiting FIFO from the longest cached prefix; the newest running request is preempted when
+blocks run out.
 """
 
 from __future__ import annotations
@@ -57,20 +53,8 @@ class _StepPlan:
 class Scheduler(SchedulerOutputsMixin):
     """Plans steps into StepDescriptor views and applies StepOutputs.
 
-    Args:
-        max_num_seqs: requests per step at most; also the number of req_indices.
-        max_num_batched_tokens: tokens per step at most.
-        block_size: tokens per KV block.
-        num_kv_blocks: KV blocks in the cache.
-        max_blocks_per_seq: block-table row width (``ceil(max_model_len / block_size)``).
-        enable_prefix_caching: reuse the blocks of cached prefixes.
-        block_hash_root: the parent name of a first block (``EngineConfig.block_hash_root``).
-        num_speculative_tokens, adaptive_speculation: speculative decoding's K (0: off) and policy (``Drafts``).
-        grammars: advances the matchers of constrained requests (None: no request has a grammar).
-        grammar_drafts: constrained rows draft too, their masks checking each draft (the worker reports the drafts it
-            proposes: prompt lookup or the simulated device's, not a draft model's).
-        jump_forward: with ``grammar_drafts``, a constrained row whose grammar forces its next tokens drafts those
-            (docs/design.md, "Jump-forward").
+    ``max_num_seqs`` is also the number of req_indices; ``grammars`` None: no request has a grammar; ``grammar_drafts``
+    and ``jump_forward``: docs/design.md, "Jump-forward".
 
     Raises:
         ValueError: if one request of ``max_model_len`` tokens could not fit.
@@ -152,13 +136,9 @@ class Scheduler(SchedulerOutputsMixin):
     # -- control ----------------------------------------------------------------
 
     def add_request(self, msg: AddRequest, grammars: list[GrammarState] | None = None) -> None:
-        """Queue a new request; ``grammars``: its matchers (one per choice) if it has a grammar.
+        """Queue a new request (a repeated ``req_num`` is ignored); ``grammars``: one matcher per choice.
 
-        A repeated ``req_num`` is ignored.
-
-        With ``msg.n`` > 1 its choices are the requests ``req_num + i``, each seeded ``choice_seed(seed, i)``; they
-        share the prompt through the prefix cache: the first computes it, and the others, admitted behind it, find its
-        blocks (docs/design.md, "Parallel choices").
+        Choices ``req_num + i`` share the prompt through the prefix cache (docs/design.md, "Parallel choices").
         """
         if msg.req_num in self.requests:
             return
@@ -176,12 +156,9 @@ class Scheduler(SchedulerOutputsMixin):
             self.waiting.append(req)
 
     def abort_request(self, req_num: int, finished_ns: int = 0) -> bool:
-        """Drop a request now; its blocks and req_index return after its last step in flight.
+        """Drop a request now (blocks and req_index return after its last step in flight); False if unknown.
 
-        ``finished_ns`` > 0 means the request finished then (a stop string), and its phases are observed.
-
-        Returns:
-            False if there was no such request (it had finished, or never came).
+        ``finished_ns`` > 0: it finished then (a stop string), and its phases are observed.
         """
         req = self.requests.get(req_num)
         if req is None:
@@ -199,21 +176,16 @@ class Scheduler(SchedulerOutputsMixin):
     # -- planning ---------------------------------------------------------------
 
     def observe_outputs(self) -> None:
-        """Name the blocks of the requests that ended, measure the outputs applied so far (speculation's policy and
-        stats) and make the policy's next choice: call it once a step is published, off the path from an output to the
-        next step."""
+        """Name ended requests' blocks, measure applied outputs and make speculation's next choice; call once a step is
+        published, off the output-to-step path.
+        """
         self._name_ended()
         if self.drafts is not None:
             self.drafts.observe()
             self.drafts.prepare()
 
     def schedule(self, desc: StepDescriptor) -> int:
-        """Plan the next step into the descriptor ring entry ``desc``.
-
-        Returns:
-            The number of requests planned; 0 means nothing could run now
-            and ``desc`` holds no step (the step id is not consumed).
-        """
+        """Plan the next step into ``desc``; returns the requests planned (0: no step, the step id is not consumed)."""
         if self.drafts is not None:  # before admission: a request's req_index may be an ended one's
             self.drafts.observe(all_outputs=False)
         if self._unnamed and self.waiting:  # a request about to be admitted may resend an ended one's tokens
@@ -277,10 +249,9 @@ class Scheduler(SchedulerOutputsMixin):
             step.add(req, n, sample)
 
     def _mask_would_hold(self, req: Request, step: _StepPlan) -> bool:
-        """Whether ``req``'s row sits out this step: its grammar is costly, the mask for its sample is still to be
-        computed (being computed, or after its token in flight), and it would take more of ``step.mask_budget_s`` than
-        is left (the step's sampling waits for every row's mask; docs/design.md, "Structured output"). Counted in
-        ``num_grammar_rows_deferred``."""
+        """Whether ``req`` sits out this step: its costly grammar's mask is not ready and would exceed what is left of
+        ``step.mask_budget_s`` (docs/design.md, "Structured output").
+        """
         g, in_flight = req.grammar, req.num_placeholders
         if not g.costly or not g.needs_mask(in_flight) or (g.ready and not in_flight):
             return False
@@ -385,10 +356,8 @@ class Scheduler(SchedulerOutputsMixin):
         continues: bool,
         steady_drafts: np.ndarray | None = None,
     ) -> int:
-        """Write the step: the ``steady`` rows' decodes (req_index ``[D]``, with ``steady_drafts`` ``[D]`` each; None:
-        none), then ``rows``; update counters. Returns the step's tokens.
-
-        ``continues``: some row's request was running before (the descriptor's flag).
+        """Write the step: the ``steady`` rows' decodes (req_index ``[D]``, ``steady_drafts`` ``[D]``), then ``rows``;
+        returns its tokens.
         """
         b = self._builder
         drafted = self.drafts.drafted(step_id) if self.drafts is not None else {}  # req_num -> drafts
@@ -489,12 +458,8 @@ class Scheduler(SchedulerOutputsMixin):
             self._general.remove(req)
 
     def _free_ended(self, req: Request) -> None:
-        """``_free`` for ``req``, which ended in the output being applied (off the running lists).
-
-        Naming its blocks (hashing its output) is most of the cost of its end. With a step in flight after this output
-        (asynchronous scheduling) no step waits for it: it is done once the next step is published
-        (``observe_outputs``), or before it is planned if a request waits to be admitted (it may resend this one's
-        tokens), the blocks owned until the step in flight completes, as they are anyway when that step has the row.
+        """``_free`` for ``req``, which ended in the output being applied; naming its blocks waits until the next step
+        is published (``observe_outputs``) or a request waits to be admitted.
         """
         step_id = self._output_step
         if not self.prefix.enabled or self.next_step_id <= step_id + 1:

@@ -1,12 +1,8 @@
-"""Speculative decoding in the worker: drafts in, verification's bookkeeping on the device, drafts out.
+"""Speculative decoding in the worker: drafts in, verification's bookkeeping on the device, drafts out (docs/design.md,
+"Speculative decoding").
 
-A row with ``K`` drafts is scheduled as its resolved last token plus ``K`` ``DRAFT_TOKEN_ID`` placeholders, which read
-the drafts proposed for it at the end of its previous step (or ``K`` tokens the descriptor names: a grammar's forced
-tokens); all ``1 + K`` positions are sampled and verified (``sample_and_verify``). Then, on the device: the last emitted
-token goes into the token-id cache, the row's length and rejected-draft count move on, the accepted drafts join the
-penalty counts and the token history, and the proposer drafts the row's next step. The scheduler planned the next step
-as if every draft were accepted, so a row whose previous step verified drafts is moved back on the device by the
-rejections the scheduler did not know yet (``shift``). docs/design.md, "Speculative decoding".
+A row with ``K`` drafts is its last token plus ``K`` ``DRAFT_TOKEN_ID`` placeholders, all ``1 + K`` sampled and
+verified; the scheduler assumed full acceptance, so rows are moved back on the device by the rejections (``shift``).
 """
 
 from __future__ import annotations
@@ -32,14 +28,10 @@ from pipeline.gpu_worker.spec.ngram_proposer import propose_ngram
 
 @dataclass
 class SampledPositions:
-    """A step's sampled positions (host numpy int64): each sampled row's last token, or with ``K`` drafts its last ``1 +
-    K`` tokens (its resolved last token and the drafts).
+    """A step's sampled positions (host numpy int64): each sampled row's last token, or its last ``1 + K`` with drafts.
 
-    ``row [S']``: which sampled row (``0 .. S - 1``) each position is of; ``j [S']``: its place in the row (the drafts
-    before it); ``token [S']``: the step-token index whose logits it samples; ``position [S']``: the sampled token's
-    position (the host's, an upper bound when the row is shifted); ``first [S]``/``count [S]``: each sampled row's first
-    position and number of them; ``k``: drafts per verified row (0: none); ``verify_rows [V]``: the sampled rows that
-    verify; ``proposed``: drafts per sampled row its output reports for the row's next step (0: none).
+    ``row``/``j``/``token``/``position [S']``: each position's sampled row, place in it, step-token index and (upper
+    bound) position; ``first``/``count [S]`` per row; ``verify_rows [V]``; ``proposed``: drafts reported per row.
     """
 
     row: np.ndarray
@@ -84,11 +76,9 @@ class SampledPositions:
     def output_rows(
         self, host: torch.Tensor, req_num: np.ndarray, logprobs: TokenLogprobs | None
     ) -> tuple[torch.Tensor, np.ndarray, np.ndarray, TokenLogprobs | None, tuple[np.ndarray, np.ndarray] | None]:
-        """A finished step's output rows, each sampled row's emitted tokens: ``(tokens, req_num, draft_matched,
-        logprobs, proposals)`` from ``host`` (``[S' + 2S + S * proposed]`` int64: the positions' tokens, then per
-        sampled row the tokens emitted, the drafts matched and the drafts proposed), the sampled rows' ``req_num``
-        ``[S]`` and the positions' ``logprobs`` (index: sampled position; None: none). ``proposals``: ``(req_num [S],
-        drafts [S, proposed])``, None if none."""
+        """A finished step's output rows ``(tokens, req_num, draft_matched, logprobs, proposals)`` from ``host`` (``[S'
+        + 2S + S * proposed]`` int64, layout as ``SpecState.after_step``).
+        """
         n, s = len(self.row), len(self.first)
         values = host.numpy()  # numpy's boolean indexing costs a fraction of torch's
         emitted, matched = values[n : n + s], values[n + s : n + 2 * s]
@@ -112,17 +102,10 @@ class SampledPositions:
 class SpecStep:
     """One step's speculative part, decided on the host and staged (None: not needed).
 
-    ``verify_drafts [V * K]``: step-token index of each draft input; ``draft_index``/``draft_flat [D]``: those the
-    proposer's drafts fill and where in ``SpecState.drafts`` (flattened) each is read (the descriptor names the others).
-    ``shift_req``/``known_rejected [R]``: every row's req_index and the rejections the scheduler knew, when some row may
-    have to move back. ``verify_index [V, K + 1]``: the verified rows' sampled positions. ``first``/``base [S]``: each
-    sampled row's first sampled position and the step-token index of its input. ``sample_req [S]``: the sampled rows'
-    req_index. ``token_req [T]``: each token's req_index (history). ``pos_row``/``pos_j [S']``: each sampled position's
-    row and place. ``penalized [P]``: verified rows (of ``V``) with penalties, whose accepted drafts are counted.
-    ``width``: the proposer's history window (the longest row after the step, an upper bound). With a draft model:
-    ``draft_plan``, its passes; ``hot_rows [H]``/``hot_index [H, K + 1]`` and, once proposed, ``draft_probs``, as
-    ``VerifyInputs`` takes them. ``shift_dev``: ``shift``'s value, once computed. ``cached_req``/``cached_pos [C]``: the
-    positions of new rows' cached prefixes, whose tokens the history takes from ``slot_tokens``.
+    Index arrays, host int64: ``verify_drafts [V * K]`` and ``draft_index``/``draft_flat [D]`` (draft inputs and where
+    their drafts are read), ``shift_req``/``known_rejected [R]``, ``verify_index [V, K + 1]``, ``first``/``base``/
+    ``sample_req [S]``, ``token_req [T]``, ``pos_row``/``pos_j [S']``, ``penalized [P]``, ``cached_req``/``cached_pos
+    [C]`` (cached prefixes for the history). ``width``: the proposer's history window (an upper bound).
     """
 
     sp: SampledPositions
@@ -185,22 +168,9 @@ class SimProposer:
 class SpecState:
     """Per-request speculative state on the device, by req_index, and the step protocol around it.
 
-    Device tensors: ``drafts [R, K]`` int64 (the next step's drafts; ``poison`` once consumed in poison mode),
-    ``num_rejected [R]`` int64 (rejected drafts since the request became new at its req_index), ``seq_len [R]`` int64
-    (tokens known after its latest step) and, for prompt lookup, ``history [R, max_model_len]`` int32 (its prompt and
-    output tokens) and ``slot_tokens [num_slots]`` int32 (the token whose key and value each KV slot holds). Host:
-    ``verified_at [R]``, the last step that verified drafts at each req_index.
-
-    Args:
-        max_num_reqs, max_model_len: the table sizes.
-        k: drafts per row at most (``num_speculative_tokens``).
-        device: where the tensors live.
-        proposer: drafts the next step (``NgramProposer`` or ``SimProposer``).
-        poison: the token-id cache's poison value when poison mode is on (drafts read after being consumed are reported
-            as stale), else None.
-        input_batch: the rows' state: the token-id cache, the penalty counts and the block table.
-        block_size, num_slots: the KV cache's block size and slots (blocks times block size, padding blocks included),
-            for the tokens of cached prefixes.
+    ``drafts [R, K]`` int64 (``poison`` once consumed), ``num_rejected``/``seq_len [R]`` int64, and for prompt lookup
+    ``history [R, max_model_len]`` and ``slot_tokens [num_slots]`` int32 (each KV slot's token; ``num_slots`` includes
+    padding blocks). ``poison`` None: poison mode off.
     """
 
     def __init__(
@@ -308,9 +278,9 @@ class SpecState:
         return isinstance(self.proposer, DraftModel)
 
     def resolve_drafts(self, st: SpecStep, input_ids: torch.Tensor) -> tuple[torch.Tensor, np.ndarray] | None:
-        """Write the drafts into ``input_ids`` (in place) and reset new rows (their history gets their cached prefix); a
-        draft model computes them now. Returns, in poison mode, each draft's stale flag (``[D]`` int64 on the device, 1
-        where it was read after being consumed) and its req_index (``LaunchedStep.add_stale``); None otherwise."""
+        """Write the drafts into ``input_ids`` in place and reset new rows (a draft model drafts now); in poison mode
+        returns ``[D]`` int64 stale flags on the device and their req_index, else None.
+        """
         if st.new_req is not None:
             self.num_rejected.index_fill_(0, st.new_req.dev, 0)
         if st.cached_req is not None:  # the block table holds the new rows' blocks by now
@@ -342,9 +312,9 @@ class SpecState:
         return st.shift_dev
 
     def verify_inputs(self, st: SpecStep, input_ids: torch.Tensor, meta: AttentionMetadata) -> VerifyInputs | None:
-        """Record the step's input tokens (``[T]``, resolved) in the history at their device positions, and in
-        ``slot_tokens`` at their KV slots (``meta``: the step's attention metadata); returns what the executor verifies
-        (None: no drafts)."""
+        """Record the step's resolved inputs in the history and ``slot_tokens`` at their device positions and KV slots;
+        returns what the executor verifies (None: no drafts).
+        """
         if self.history is not None:
             self._write_history(st.token_req.dev, meta.positions, input_ids)
             self.slot_tokens.index_copy_(0, meta.slot_mapping, input_ids.to(torch.int32))
@@ -365,15 +335,10 @@ class SpecState:
         input_ids: torch.Tensor,
         meanwhile: Callable[[], None] | None = None,
     ) -> None:
-        """Apply a step's verification on the device, then draft every sampled row's next step (a draft model instead
-        runs over the step's inputs; it drafts in the next step); ``meanwhile`` runs between the two
-        (``ModelRunner.launch``'s: a step that ended by then is published before the drafting).
+        """Apply a step's verification on the device, run ``meanwhile``, then draft every sampled row's next step.
 
-        The last emitted token of each row goes into the token-id cache, accepted drafts into the penalty counts.
-        ``executed.tokens`` (``[S']``, the sampled positions') is followed by ``[S]`` tokens emitted, ``[S]`` drafts
-        matched and, from a proposer, ``[S, K]`` drafts proposed per sampled row (``SampledPositions.output_rows``).
-        ``meta``/``layout``: the step's attention metadata (its ``positions``, ``[T]`` on the device, shifted) and host
-        layout; ``input_ids``: ``[T]`` its resolved inputs (the drafts among them).
+        ``executed.tokens`` is ``[S']`` positions' tokens, then ``[S]`` emitted, ``[S]`` drafts matched and ``[S, K]``
+        proposed (``SampledPositions.output_rows``); ``meta.positions`` (``[T]``) are shifted.
         """
         positions = meta.positions
         tokens, accepted = executed.tokens, executed.accepted
@@ -417,8 +382,7 @@ class SpecState:
 def spec_state(
     config: EngineConfig, device: torch.device, input_batch: InputBatch, draft: DraftModel | None = None
 ) -> SpecState | None:
-    """The speculative state ``config`` asks for: prompt lookup, the draft model ``draft``, or the simulated device's
-    drafts; None: off.
+    """The speculative state ``config`` asks for (prompt lookup, draft model ``draft``, simulated drafts); None: off.
 
     Raises:
         ValueError: ``draft_model`` without ``draft``, or another method this worker does not run.
