@@ -1,13 +1,5 @@
-"""io_proc's control client of the engine, and the lifecycle that wires its parts.
-
-* Control (zmq, msgspec msgpack): ``AddRequest`` / ``AbortRequest`` /
-  ``GetStats`` are pushed to the scheduler; ``Stats`` replies are pulled back
-  (docs/design.md, "The control channel").
-* Tokens come back through the output ring, read by the ``OutputReader`` thread this client
-  starts; each request's state is a ``RequestState``.
-
-The table of live requests (``req_num -> RequestState``) belongs to this client and is shared with the reader thread:
-see ``pipeline.io_proc.output_reader`` for who inserts and who removes.
+"""io_proc's control client of the engine (docs/design.md, "The control channel"), and the lifecycle that wires its
+parts; tokens come back through the ``OutputReader`` thread (see ``output_reader`` for the live-request table).
 """
 
 from __future__ import annotations
@@ -63,26 +55,13 @@ class EngineUnavailable(Exception):
 
 
 class EngineClient:
-    """Sends requests to the engines' schedulers and routes sampled tokens back to them.
+    """Sends requests to the engines' schedulers and routes sampled tokens back (docs/design.md, "Parallelism").
 
-    With data parallelism (``config.data_parallel_size`` engines) each new request goes to the engine that holds the
-    longest prefix of it, by the ``PrefixRouter``'s account (with prefix caching), unless that engine is overloaded;
-    otherwise to the engine with the fewest waiting requests, then the fewest running ones, as io_proc sees them: a live
-    request is waiting until its first token arrives. Aborts go to the request's engine, and ``get_engine_stats`` asks
-    every engine (docs/design.md, "Parallelism").
-
-    Args:
-        config: the server configuration (its zmq addresses).
-        rings: each engine's output ring, attached (``create=False``) with two readers, in engine order; one reader
-            thread per ring.
-        new_detokenizer: makes each request's detokenizer (see ``Detokenizer``), which only the reader thread uses.
-        trace: if given, the reader thread records its per-step handling span.
+    A new request goes to the engine with its longest cached prefix (``PrefixRouter``) unless overloaded, else the least
+    loaded. Counters per engine: ``prompt_tokens``, ``generation_tokens``, ``num_finished``.
 
     Raises:
         zmq.ZMQError: the reply address cannot be bound.
-
-    Counters (read by the metrics endpoint), per engine: ``prompt_tokens``, ``generation_tokens`` (tokens delivered to
-    live requests); and ``num_finished`` (requests by finish reason; a client that left counts as "abort").
     """
 
     def __init__(
@@ -222,26 +201,12 @@ class EngineClient:
         return_token_ids: bool = False,
         n: int = 1,
     ) -> list[RequestState]:
-        """Register ``n`` choices of one prompt and send them to the scheduler as one request.
+        """Register ``n`` choices of one prompt and send them as one request (docs/design.md, "Parallel choices").
 
-        With ``n`` > 1 the scheduler prefills the prompt once for all of them, through its prefix cache (docs/design.md,
-        "Parallel choices"); choice ``i`` samples with seed ``choice_seed`` ``(params.seed, i)``.
-
-        Args:
-            prompt_token_ids: the prompt, already checked against ``max_model_len``.
-            params: sampling parameters (``max_tokens`` already clamped; 0 returns only what the prompt gives: its
-                log-probabilities if asked, and the request finishes with "length").
-            stop: stop strings (possibly empty).
-            streaming: the consumer reads ``RequestState.updates`` (woken per step) rather than
-                ``RequestState.wait_finished``.
-            return_token_ids: a stream needs every token, text or not.
-            n: choices, >= 1.
-
-        Returns:
-            One state per choice, in choice order.
+        Returns one state per choice, in order.
 
         Raises:
-            EngineUnavailable: the scheduler's queue is full, or the server is shutting down (``abort_all`` was called).
+            EngineUnavailable: the scheduler's queue is full, or the server is shutting down.
         """
         if self._shutting_down:
             # A request still being tokenized when the stop came would
@@ -291,10 +256,8 @@ class EngineClient:
         return states
 
     def _pick_engine(self, prompt: list[int]) -> int:
-        """The engine for a new request of ``prompt`` (``pick_engine``).
-
-        Overloaded means more live requests than the least loaded engine by over a quarter of ``max_num_seqs`` (SGLang's
-        router balances alike, its default 32 being a quarter of 128 sequences).
+        """The engine for a new request of ``prompt``; overloaded means over a quarter of ``max_num_seqs`` above the
+        least loaded (as SGLang's router).
         """
         if len(self._pushes) == 1:
             return 0
@@ -311,10 +274,7 @@ class EngineClient:
         return engine
 
     def release(self, state: RequestState) -> None:
-        """The client is done with ``state``; abort the request if it still runs.
-
-        Idempotent. Output that arrives later for it is dropped.
-        """
+        """The client is done with ``state``: abort it if it still runs (idempotent; later output is dropped)."""
         if state.released:
             return
         state.released = True
@@ -350,7 +310,7 @@ class EngineClient:
         return merge_stats(await self.get_engine_stats(timeout))
 
     async def get_engine_stats(self, timeout: float) -> list[Stats]:
-        """Ask every engine's scheduler for its occupancy; one reply per engine, in engine order.
+        """Ask every engine's scheduler for its occupancy; one reply per engine, in order.
 
         Raises:
             TimeoutError: not every reply came within ``timeout`` seconds.
@@ -417,11 +377,7 @@ class EngineClient:
                 future.set_result(None)
 
     async def wait_admitted(self, states: list[RequestState]) -> None:
-        """Return once each of ``states`` knows its ``num_cached_tokens`` (0 if it does not within a few seconds).
-
-        A request's Admitted message leaves its scheduler before its first step, so a finished request almost always has
-        it; the wait covers the reply socket being read later than the output ring.
-        """
+        """Return once each of ``states`` knows its ``num_cached_tokens`` (0 after a few seconds)."""
         loop = asyncio.get_running_loop()
         missing = [st for st in states if st.num_cached_tokens is None]
         for st in missing:

@@ -1,12 +1,7 @@
-"""One live request on io_proc's side: what waits to be sent to its client.
+"""One live request on io_proc's side: what waits to be sent to its client (docs/design.md, "io_proc").
 
-A ``RequestState`` is created by ``EngineClient.add_request``, fed by the output reader
-(``pipeline.io_proc.output_reader``) and consumed by a handler in ``pipeline.io_proc.openai.serving_chat`` or
-``serving_completion`` (docs/design.md, "io_proc").
-
-Thread ownership: ``processor`` is used only by the output-reader thread, which also appends to ``token_steps``,
-``logprobs`` and ``prompt_logprobs``; everything else is the event loop's (the reader hands each step's results to the
-loop, which calls ``RequestState.deliver``).
+``processor``, ``token_steps``, ``logprobs`` and ``prompt_logprobs`` belong to the output-reader thread; the rest to the
+event loop.
 """
 
 from __future__ import annotations
@@ -21,16 +16,8 @@ from pipeline.io_proc.openai.logprobs_json import TokenLogprob
 
 
 class StepTime:
-    """One step as io_proc saw it: when the reader read it, its engine time, and when the loop took it.
-
-    The reader makes one per step and appends it to ``RequestState.token_steps`` of every request that got a token in
-    the step; the loop sets ``time`` when it handles the step, once for all of them.
-
-    Attributes:
-        seq: the step's number among those this reader has read (consecutive).
-        read_time: ``time.perf_counter()`` seconds when the reader read it.
-        engine_ns: the StepOutput's ``time_ns``.
-        time: ``time.perf_counter()`` seconds, None until the loop has taken the step.
+    """One step as io_proc saw it: ``read_time`` and ``time`` (when the loop took it; None until then) in
+    ``time.perf_counter()`` seconds, ``engine_ns`` the StepOutput's ``time_ns``.
     """
 
     __slots__ = ("seq", "read_time", "engine_ns", "time")
@@ -41,42 +28,16 @@ class StepTime:
 
 
 class RequestState:
-    """One live request: its output processor and what waits to be sent to the client.
-
-    ``EngineClient.release`` must be called when the client side is done with it.
+    """One live request; call ``EngineClient.release`` when done with it.
 
     Attributes:
-        req_num: the request's number (unique for the server's life).
-        prompt_len: prompt tokens.
-        processor: token -> text (reader thread only).
-        finish_reason: None while running, then "stop", "length", "abort" or "error" (see ``error``).
-        error: with finish reason "error", what went wrong.
-        refused: with finish reason "error", the request was refused before it ran (its grammar: a client error, 400)
-            rather than failed while running (500).
-        compiled: for a request with a grammar, resolved with "" once the scheduler has compiled it and queued the
-            request, or with why it was refused; None for others. Choices of one request share it.
-        num_output_tokens: output tokens delivered to this side so far (all of them once finished; a non-streaming
-            request's only at its finish).
-        streaming: the consumer reads ``updates`` and is woken per step; otherwise it waits for the finish
-            (``wait_finished``) and nothing is delivered before it.
-        every_token: deliver every token, even one that adds no text (a stream that returns token ids or
-            log-probabilities).
-        logprobs: each output token's ``TokenLogprob``, appended by the reader thread before the token is delivered
-            (requests that asked for log-probabilities; otherwise stays empty).
-        prompt_logprobs: per prompt position, its ``TokenLogprob`` (position 0's logprob is None: nothing predicts it),
-            filled by the reader thread; None unless the request asked for them.
-        prompt_logprobs_missing: prompt positions whose entry has not arrived.
-        released: the client side is done with it (set by ``EngineClient.release``).
-        engine: the data-parallel engine that serves it (0 with one engine).
-        num_cached_tokens: prompt tokens its engine found in the prefix cache when it admitted the request; None until
-            that is known.
-        arrival_time: ``time.perf_counter()`` when it was added (seconds).
-        token_steps: one ``StepTime`` per output token, that of the step which brought it (appended by the reader
-            thread); see ``delivery_times``.
-        choices: shared by the ``n`` > 1 choices of one request: ``[choices not finished, most tokens of a finished one,
-            n]``; None for one choice.
-        ttft, e2e: time to first token and end-to-end latency in seconds, set by the reader thread when the request
-            finishes (None before, and for one the client left).
+        finish_reason: None while running, then "stop", "length", "abort" or "error".
+        refused: "error" before it ran (a grammar: 400), not while running (500).
+        compiled: with a grammar, resolved with "" once queued or with why it was refused; shared by choices.
+        every_token: deliver tokens that add no text too (token ids or log-probabilities streamed).
+        prompt_logprobs: per prompt position (position 0's None); None unless asked.
+        choices: ``[choices not finished, most tokens of a finished one, n]`` shared by ``n`` > 1 choices.
+        ttft, e2e: seconds, set at the finish (None for a client that left).
     """
 
     __slots__ = (
@@ -152,13 +113,7 @@ class RequestState:
         self._event = asyncio.Event()
 
     def deliver(self, text: str, finish: FinishReason | None, num_output_tokens: int) -> None:
-        """Queue ``text`` for the client and record a finish (event loop only).
-
-        Args:
-            text: new text (possibly "").
-            finish: the finish reason if the request ended with this step.
-            num_output_tokens: output tokens so far, this step's included.
-        """
+        """Queue ``text`` (possibly "") for the client and record a finish; event loop only."""
         if text:
             self._pieces.append(text)
         self.num_output_tokens = num_output_tokens
@@ -216,13 +171,7 @@ class RequestState:
             self._event.clear()
 
     async def updates(self) -> AsyncIterator[tuple[str, list[int], list[TokenLogprob]]]:
-        """Yield ``(text, token_ids, logprobs)`` as output arrives; end when the request finishes.
-
-        ``token_ids`` are the output tokens since the previous update, and ``logprobs`` their entries (empty unless the
-        request asked). An update is yielded when there is text, or, with ``every_token``, when there are tokens. What
-        arrived while the consumer was busy is joined into one update, so a slow client costs fewer chunks, not more
-        memory.
-        """
+        """Yield ``(text, token_ids, logprobs)`` until the finish, joining what arrived meanwhile."""
         while True:
             await self._event.wait()
             self._event.clear()

@@ -1,14 +1,8 @@
-"""The ``torch_bucketed`` attention backend: cost follows each request's own context.
+"""The ``torch_bucketed`` attention backend: cost follows each request's own context (docs/design.md, "Attention
+backends"; alternatives measured by ``scripts/bench_attention.py``).
 
-Padding every row to the step's longest context (``torch_sdpa``) makes one long request cost the whole batch its length.
-Here the step's rows are grouped on the host (``bucket_plan.plan_buckets``) into a few buckets of similar context (and,
-for prefill rows, chunk) length, within ``SLACK`` or ``MIN_PAD``, and each bucket is one SDPA call over its rows' own
-blocks. Decode queries run as ``[rows, KVH, H / KVH, D]``, so K/V are never expanded. The cache memory is used
-head-major (``kv_layout.HEAD_MAJOR``), which CPU SDPA reads faster; ``head_major=False`` uses it as allocated. Design
-and figures: docs/design.md, "Attention backends"; the alternatives measured are in ``scripts/bench_attention.py``.
-
-The module is one unit: the build lays out exactly what ``forward`` indexes, and splitting them would only scatter that
-contract.
+Rows are grouped on the host (``bucket_plan.plan_buckets``) into buckets of similar length, one SDPA call each over
+their own blocks; decode queries run as ``[rows, KVH, H / KVH, D]`` so K/V are never expanded.
 """
 
 from __future__ import annotations
@@ -37,26 +31,12 @@ from pipeline.gpu_worker.attention.torch_sdpa import GatherBuffer
 
 @dataclasses.dataclass
 class Bucket:
-    """One SDPA call: rows of similar length, on the device.
+    """One SDPA call: rows of similar length, on the device (int64 index tensors unless noted).
 
-    Attributes:
-        q_max: queries per row after padding (1 for decode).
-        block_ids: ``[rows, n_blocks]`` int64 KV blocks to gather; entries past a row's context point at block 0 and are
-            masked out.
-        mask: ``[rows, 1, q_max, n_blocks * block_size]`` bool, True where a query may attend a key (``key_pos <=
-            query_pos``).
-        token_index: ``[rows * q_max]`` int64, step-token index of each (padded) query; padded queries repeat the row's
-            last token, so their mask row is not empty.
-        out_rows: ``[n]`` int64, which of the ``rows * q_max`` queries are real; None when all are (decode).
-        out_tokens: ``[n]`` int64, step-token index of each real query.
-        identity: the bucket is the whole step, in order, without padding: queries and output are plain reshapes.
-        visible: ``[rows * q_max]`` int64, the keys each query attends without a window (its position + 1): the count
-            ``mask`` holds per query.
-        context_lens: ``[rows]`` int64, each row's context in tokens (decode buckets; None for prefill).
-        query_lens: ``[rows]`` int64, each row's queries, the last ones of its context (decode buckets; None for
-            prefill).
-        window_masks: ``mask`` narrowed to each sliding window used this step, made by the first layer that asks
-            (``mask_for``).
+    ``block_ids``: ``[rows, n_blocks]``, entries past a context point at block 0, masked; ``mask``: ``[rows, 1, q_max,
+    n_blocks * block_size]`` bool; ``token_index``: ``[rows * q_max]`` (padding repeats a row's last token);
+    ``out_rows``/``out_tokens``: ``[n]`` real queries (``out_rows`` None: all real); ``identity``: queries and output
+    are plain reshapes; ``context_lens``/``query_lens``: ``[rows]``, decode only.
     """
 
     q_max: int
@@ -72,9 +52,7 @@ class Bucket:
     window_masks: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     def mask_for(self, window: int | None, prefix: PrefixTable) -> torch.Tensor:
-        """The bucket's mask for a layer with this sliding window (None: the causal mask).
-
-        A query that sees ``n`` keys keeps the last ``window`` of them: the causal mask minus the first ``n - window``
+        """The bucket's mask for a layer with this sliding window (None: causal): each query keeps its last ``window``
         keys.
         """
         if window is None:
@@ -87,10 +65,8 @@ class Bucket:
 
 @dataclasses.dataclass
 class BucketedMetadata(AttentionMetadata):
-    """Per-step layout for ``TorchBucketedBackend``, shared by every layer.
-
-    Attributes (beyond ``AttentionMetadata``): decode: buckets of rows with query_len <= the backend's
-        ``decode_query_max``, longest first. prefill: buckets of the other rows, longest first.
+    """Per-step layout for ``TorchBucketedBackend``: ``decode`` (query_len <= ``decode_query_max``) and ``prefill``
+    buckets, longest first.
     """
 
     decode: list[Bucket]
@@ -98,10 +74,8 @@ class BucketedMetadata(AttentionMetadata):
 
 
 def _block_ids(block_table: torch.Tensor, req_indices: torch.Tensor, n_blocks: int) -> torch.Tensor:
-    """``[rows, n_blocks]`` each row's first blocks, read on the device.
-
-    Entries past a row's context hold a block id or -1 (the tests' tables): clamped, the gather stays in bounds, and the
-    mask hides them.
+    """``[rows, n_blocks]`` each row's first blocks, read on the device; entries past a context (a block id or -1) are
+    clamped in bounds and masked.
     """
     # index_select of the sliced table, not block_table[req_indices, :n]: advanced indexing is 3x slower on CPU.
     return block_table[:, :n_blocks].index_select(0, req_indices).clamp_(min=0)
@@ -287,17 +261,11 @@ def _device_verify(
 
 
 class TorchBucketedBackend(AttentionBackend):
-    """SDPA per bucket of similar-length requests (see the module docstring).
+    """SDPA per bucket of similar-length requests (see the module docstring); owns the shared ``GatherBuffer`` and
+    ``PrefixTable``.
 
-    Owns the ``GatherBuffer`` its layers share and the ``PrefixTable`` its masks are read from.
-
-    Attributes:
-        decode_query_max: rows verifying drafts of up to this many queries go to the decode buckets
-            (``StepLayout.num_draft_tokens``); here 1, as those buckets' SDPA call folds the query heads of one query.
-
-    Args:
-        head_major: use the cache memory head-major (faster gathers on CPU).
-        slack, min_pad, min_query_pad: bucket limits (see ``plan_buckets``).
+    ``decode_query_max`` is 1: a decode bucket's SDPA call folds the query heads of one query. ``slack``, ``min_pad``,
+    ``min_query_pad``: see ``plan_buckets``.
     """
 
     name = "torch_bucketed"
@@ -404,19 +372,9 @@ class TorchBucketedBackend(AttentionBackend):
         window: int | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        """One bucket's SDPA call over its gathered blocks.
+        """One bucket's SDPA call over its gathered blocks (``window``, ``softcap`` as ``AttentionBackend.forward``).
 
-        Args:
-            q: ``[T, H, D]`` the step's queries.
-            k_cache, v_cache: the layer's caches as ``write_kv`` returns them.
-            b: the bucket.
-            block_size: tokens per block.
-            scale: softmax scale.
-            window, softcap: as ``AttentionBackend.forward`` (a window masks the older keys; they are still gathered).
-
-        Returns:
-            ``[len(b.out_tokens), H, D]``: the output of each of the bucket's
-            real queries, in the order of ``b.out_tokens``.
+        Returns ``[len(b.out_tokens), H, D]``, the bucket's real queries' outputs in ``b.out_tokens`` order.
         """
         num_heads, head_dim = q.shape[1:]
         kv_heads = k_cache.shape[0] if self.cache_layout == HEAD_MAJOR else k_cache.shape[1]

@@ -1,11 +1,7 @@
-"""The steps every generation endpoint shares: checks, sampling parameters, adding a request's choices to the engine,
-waiting for them, usage. The endpoints are ``serving_chat``, ``serving_completion`` and ``responses``; their streams go
-through ``event_stream``.
+"""The steps every generation endpoint shares: checks, sampling parameters, adding a request's choices, waiting, usage.
 
-With ``return_token_ids`` (vLLM), the prompt token ids go in the first chunk and each chunk carries the output token ids
-it covers, so a stream sends a chunk per token even when a token adds no text (part of a character, or text held back
-for stop strings). Log-probabilities stream the same way: each chunk carries the entries of the tokens it covers.
-Streamed text concatenates exactly to the non-streamed text: both read the same per-request deltas.
+With vLLM's ``return_token_ids`` each chunk carries the token ids it covers, so a stream sends a chunk per token;
+streamed text concatenates exactly to the non-streamed text.
 """
 
 from __future__ import annotations
@@ -54,14 +50,7 @@ def json_response(obj: msgspec.Struct, status_code: int = 200) -> Response:
 
 
 class OpenAIServing:
-    """The steps the endpoints share; each endpoint's class extends it.
-
-    Args:
-        config: gives ``served_model_name``, ``max_model_len`` and the model's ``vocab_size``.
-        client: the engine client.
-        tokenization: prompt encoding.
-        stop_token_ids: token ids that end generation (see ``load_tokenizer``).
-    """
+    """The steps the endpoints share; each endpoint's class extends it."""
 
     def __init__(
         self, config: EngineConfig, client: EngineClient, tokenization: Tokenization, stop_token_ids: tuple[int, ...]
@@ -117,8 +106,7 @@ class OpenAIServing:
             )
 
     def _check_chars(self, num_chars: int, param: str, what: str | None = None) -> None:
-        """Refuse, before tokenizing it, a text too long to fit ``max_model_len`` whatever it encodes to (``what``: the
-        text, if it is not the field ``param``).
+        """Refuse, before tokenizing, a text too long to fit ``max_model_len`` whatever it encodes to.
 
         Raises:
             APIError: 400 ``context_length_exceeded``.
@@ -135,8 +123,7 @@ class OpenAIServing:
             )
 
     def _sampling_params(self, req: SamplingRequest, prompt: list[int], prompt_param: str) -> SamplingParams:
-        """Check the prompt's ids and length and the request's token ids; its sampling parameters without a grammar.
-        Before any grammar is compiled: a request that cannot fit costs no compile.
+        """Check the prompt and token ids, before any grammar compiles; the sampling parameters without a grammar.
 
         Raises:
             APIError: 400 naming the field (``context_length_exceeded`` for lengths).
@@ -216,10 +203,7 @@ class OpenAIServing:
         grammar: str = "",
         plan: ToolPlan | None = None,
     ) -> list[RequestState]:
-        """Add the request's ``n`` choices to the engine.
-
-        ``params``: from ``_sampling_params``; ``grammar``: from ``_request_grammar`` ("" for free text); ``plan``: a
-        chat request's tools.
+        """Add the request's ``n`` choices to the engine; ``grammar`` "" for free text.
 
         Raises:
             APIError: 503 when the scheduler takes no more requests.
@@ -246,17 +230,12 @@ class OpenAIServing:
             raise APIError(503, f"{e}; retry later", type="service_unavailable_error") from None
 
     def _stop_ids(self, req: SamplingRequest) -> tuple[int, ...]:
-        """The ids that end the request: its own ``stop_token_ids``, then the model's EOS ids unless ``ignore_eos``.
-
-        As in vLLM, ignore_eos drops only the EOS ids: the request's own stop_token_ids still end it.
-        """
+        """The request's own ``stop_token_ids``, then the model's EOS ids unless ``ignore_eos`` (as vLLM)."""
         eos_ids = () if req.ignore_eos else self._stop_token_ids
         return tuple(dict.fromkeys((*(req.stop_token_ids or ()), *eos_ids)))
 
     async def _request_grammar(self, req: SamplingRequest, plan: ToolPlan | None = None) -> str:
-        """The request's grammar ("" for free text), built on a thread: a schema of megabytes takes tens of milliseconds
-        to serialize, and a tool plan's hundreds to check, which the event loop must not spend. Called once the prompt
-        is known to fit (``_sampling_params``).
+        """The request's grammar ("" for free text), built on a thread so large schemas do not stall the event loop.
 
         Raises:
             APIError: 400 naming the field (see ``_grammar``).
@@ -266,12 +245,11 @@ class OpenAIServing:
         return await asyncio.to_thread(self._grammar, req, self._stop_ids(req), plan)
 
     def _grammar(self, req: SamplingRequest, stop_ids: tuple[int, ...], plan: ToolPlan | None) -> str:
-        """The request's llguidance grammar (docs/design.md, "Structured output"; the tool plan's, "Tool calling"), or
-        "" for free text.
+        """The request's llguidance grammar, or "" (docs/design.md, "Structured output"; "Tool calling").
 
         Raises:
-            APIError: 400 naming the field for a malformed schema, regex or choice list, without a vocabulary, with
-                ``min_tokens`` (it could forbid the only token the grammar allows), or with no stop token to end on.
+            APIError: 400 naming the field: a malformed schema, regex or choice list, no vocabulary, ``min_tokens`` set,
+                or no stop token to end on.
         """
         tools = plan is not None and bool(plan.grammar)
         so = ("lark", plan.grammar, "tools") if tools else req.structured_output()
@@ -317,8 +295,7 @@ class OpenAIServing:
     async def wait(
         self, states: list[RequestState], raw: Request, close: Callable[[], None], grammar_param: str | None = None
     ) -> bool:
-        """Wait for non-streaming requests to finish, then ``close``; False if the client left first (then the requests
-        are aborted at once, within the step).
+        """Wait for non-streaming requests to finish, then ``close``; False (requests aborted) if the client left first.
 
         Raises:
             APIError: as ``_raise_ended``.
@@ -339,9 +316,8 @@ class OpenAIServing:
     async def compiled(
         self, states: list[RequestState], raw: Request, close: Callable[[], None], grammar_param: str | None
     ) -> bool:
-        """Before a stream starts: wait until the scheduler has compiled the grammar of ``states`` (if they have one)
-        and queued them, so that a grammar it refuses is still a 400. False if the client left first; then, and on an
-        error, ``close`` has run.
+        """Before a stream starts, wait until the scheduler compiled ``states``' grammar, so a refusal is still a 400;
+        False if the client left first.
 
         Raises:
             APIError: as ``_raise_ended``.
@@ -370,10 +346,7 @@ class OpenAIServing:
         return state.take_token_ids() if req.return_token_ids else msgspec.UNSET
 
     async def usage(self, states: list[RequestState], n: int) -> UsageInfo:
-        """Prompt tokens once per prompt (its ``n`` choices are consecutive), completion tokens of every choice.
-
-        A prompt's cached tokens are its first choice's: the others find the blocks it computed.
-        """
+        """Prompt tokens once per prompt, completion tokens of every choice; cached tokens are the first choice's."""
         await self._client.wait_admitted(states[::n])
         prompt = sum(st.prompt_len for st in states[::n])
         completion = sum(st.num_output_tokens for st in states)
@@ -393,11 +366,7 @@ async def _all_finished(states: list[RequestState]) -> None:
 
 
 async def _client_left(raw: Request) -> None:
-    """Return when the client disconnects (the ASGI ``http.disconnect`` message).
-
-    Only for a request whose body has been read: the server's ``receive`` then has nothing but the disconnect to
-    deliver.
-    """
+    """Return when the client disconnects; only once the request body has been read."""
     while (await raw.receive())["type"] != "http.disconnect":
         pass
 
@@ -414,9 +383,7 @@ def _raise_ended(states: list[RequestState], grammar_param: str | None) -> None:
     """Raise the error of the first of ``states`` that the server ended.
 
     Raises:
-        APIError: 503 if the server stopped a request (shutting down); 400 naming ``grammar_param`` if the scheduler
-            refused its grammar; 500 if a request failed while it ran (its finish reason "error", as vLLM reports a
-            request-level internal error).
+        APIError: 503 if shutting down; 400 naming ``grammar_param`` for a refused grammar; 500 for a failed request.
     """
     for st in states:
         if st.finish_reason == "abort":
