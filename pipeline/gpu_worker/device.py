@@ -1,20 +1,8 @@
-"""How the runner moves data to and from its device and marks time there.
+"""How the runner moves data to and from its device and marks time there (docs/design.md, "Nothing in `launch` waits for
+the device").
 
-On a GPU nothing in ``ModelRunner.launch`` may make the host wait for the device (docs/design.md, "Nothing in `launch`
-waits for the device"), so every transfer follows one of two patterns, both here:
-
-* **host -> device** (``DeviceOps.upload``): host arrays are packed into
-  one staging buffer (pinned on CUDA) and copied with ``non_blocking=True``.
-  An ``UploadBatch`` collects the arrays of several parts of a step
-  (each keeping its dtype) so that they travel in one such copy.
-  A copy from pageable memory would be synchronous. The caching host
-  allocator keeps a pinned buffer from being reused until its copy has run.
-* **device -> host** (``DeviceOps.copy_to_host``): a copy into a fresh
-  pinned buffer on a separate copy stream, gated by an event recorded after
-  the producer; a second event says when the bytes have arrived.
-
-``DeviceOps`` itself is CPU torch: the "device" is host memory, work runs when it is called, and nothing is copied.
-``CudaOps`` is the GPU. ``DeviceClock`` maps device events onto ``time.monotonic_ns()``.
+Uploads pack host arrays into one staging buffer (pinned on CUDA) copied non-blocking; downloads copy into fresh pinned
+memory on a copy stream, gated by events. ``DeviceOps`` is CPU torch, ``CudaOps`` the GPU.
 """
 
 from __future__ import annotations
@@ -33,12 +21,8 @@ _ALIGN = 8
 
 
 class DeviceOps:
-    """CPU torch: synchronous, and host arrays are used in place.
-
-    Attributes:
-        device: where the runner's device tensors live.
-        is_async: True when enqueued work may still be running after the call that enqueued it returns (so events, not
-            wall time, time it).
+    """CPU torch: synchronous, and host arrays are used in place; ``is_async``: events, not wall time, time enqueued
+    work.
     """
 
     is_async = False
@@ -47,9 +31,8 @@ class DeviceOps:
         self.device = device
 
     def upload(self, arrays: Sequence[np.ndarray], dtype: type = np.int64) -> list[torch.Tensor]:
-        """Device copies of ``arrays`` (each cast to ``dtype``: int64, int32 or float32), in order, in one copy.
-
-        On CPU torch these share memory with the cast arrays: callers pass arrays they no longer change.
+        """Device copies of ``arrays`` (each cast to ``dtype``: int64, int32 or float32), in order, in one copy; on CPU
+        they share memory with the cast arrays.
         """
         return self.upload_mixed([np.asarray(a, dtype=dtype) for a in arrays])
 
@@ -58,9 +41,8 @@ class DeviceOps:
         return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
 
     def copy_to_host(self, t: torch.Tensor) -> tuple[torch.Tensor, object | None]:
-        """Start copying ``t`` to the host; returns ``(host tensor, done event or None)``.
-
-        The host tensor is valid once the event has fired (None: at once).
+        """Start copying ``t`` to the host; returns ``(host tensor, done event or None)``, the tensor valid once it
+        fired.
         """
         return t, None
 
@@ -70,10 +52,8 @@ class DeviceOps:
 
 
 class AsyncOps(DeviceOps):
-    """A stream-ordered device: staging buffers, non-blocking copies, events.
-
-    Subclasses provide the buffers, events and the copy stream (``host_buffer``, ``new_event``, ``copy_stream_ctx``);
-    the transfer patterns are written once, here.
+    """A stream-ordered device: staging buffers, non-blocking copies, events; subclasses provide ``host_buffer``,
+    ``new_event`` and ``copy_stream_ctx``.
     """
 
     is_async = True
@@ -160,12 +140,8 @@ class Staged:
 
 
 class UploadBatch:
-    """Host arrays from the parts of one step, copied to the device together (docs/design.md, "Host work per step").
-
-    Each part of a step first decides on the host what it will need (``add`` returns a ``Staged`` handle), then
-    ``upload`` makes one staging buffer and one non-blocking copy for all of them, and the parts enqueue their device
-    work reading ``handle.dev``. A copy costs the host a pinned buffer, a device buffer and a copy call whatever its
-    size, so a step pays that once, not once per part.
+    """Host arrays from the parts of one step, copied to the device in one copy (docs/design.md, "Host work per step"):
+    ``add`` returns a ``Staged`` handle whose ``dev`` is set by ``upload``.
     """
 
     def __init__(self) -> None:
@@ -194,18 +170,8 @@ def device_ops(device: torch.device) -> DeviceOps:
 class DeviceClock:
     """Maps device events onto ``time.monotonic_ns()`` without waiting for the device.
 
-    CUDA times an event only relative to another (``elapsed_time``, float32 milliseconds, about 0.5 us resolution).
-    Timing every event against one event from start-up loses precision with uptime (float32 keeps ~7 digits: ~4 us after
-    a minute, ~0.25 ms after an hour). Instead each step is timed against a **reference** that is at most one step old:
-
-    * an **anchor**, recorded when the device is idle (nothing in flight),
-      with the host time of recording: the idle stream runs it at once, so
-      its device time is that host time (give or take the launch latency);
-    * otherwise the previous finished step's end event, whose host time was
-      derived the same way.
-
-    So every ``elapsed_time`` spans about one step, and the gap between two consecutive steps is measured directly
-    between their events.
+    CUDA's ``elapsed_time`` is float32 milliseconds, so each step is timed against a reference at most one step old: an
+    anchor recorded on an idle device, or the previous step's end event.
     """
 
     def __init__(self) -> None:
@@ -219,11 +185,8 @@ class DeviceClock:
         return event, time.monotonic_ns()
 
     def span(self, anchor: tuple[object, int] | None, start, end) -> tuple[int, int]:
-        """Host times ``(start_ns, end_ns)`` of two completed events of the next step in order.
-
-        Args:
-            anchor: the step's anchor if it was launched on an idle device, else None.
-            start, end: the step's events; both must have completed.
+        """Host times ``(start_ns, end_ns)`` of the next step's two completed events; ``anchor`` if launched on an idle
+        device.
 
         Raises:
             RuntimeError: no anchor was ever given (the first step must have one).

@@ -1,7 +1,5 @@
-"""Loading the tokenizer and turning requests into prompt token ids.
-
-``transformers`` is imported inside ``load_tokenizer``, not at module level, so importing io_proc stays light
-(``AutoTokenizer`` pulls in torch).
+"""Loading the tokenizer and turning requests into prompt token ids (``transformers`` is imported lazily: it pulls in
+torch).
 """
 
 from __future__ import annotations
@@ -23,18 +21,12 @@ from pipeline.io_proc.openai.protocol import APIError
 
 
 def load_tokenizer(model_dir: str) -> tuple[Any, tuple[int, ...]]:
-    """Load the tokenizer of a Hugging Face model directory.
-
-    Returns:
-        ``(tokenizer, stop_token_ids)``: the ``transformers`` tokenizer, and the
-        token ids that end generation: the tokenizer's ``eos_token_id`` plus
-        ``eos_token_id`` (int or list) of ``generation_config.json`` in the
-        directory, if present (chat models list their end-of-turn token there).
+    """Load a Hugging Face model directory's tokenizer; returns ``(tokenizer, stop_token_ids)``, the stop ids being its
+    EOS plus ``generation_config.json``'s ``eos_token_id``.
 
     Raises:
-        FileNotFoundError: ``model_dir`` is not a directory (nothing is downloaded: the server must start offline).
-        OSError, ValueError: from ``transformers`` when the directory has no usable tokenizer; ``json.JSONDecodeError``
-            for a broken ``generation_config.json``.
+        FileNotFoundError: ``model_dir`` is not a directory (nothing is downloaded).
+        OSError, ValueError: no usable tokenizer; ``json.JSONDecodeError`` for a broken ``generation_config.json``.
     """
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"{model_dir!r} is not a directory")
@@ -55,7 +47,7 @@ def load_tokenizer(model_dir: str) -> tuple[Any, tuple[int, ...]]:
 
 
 def utf8_text(text: str, param: str) -> str:
-    """``text`` if it is valid Unicode text (JSON can carry lone surrogates, which no tokenizer takes).
+    """``text`` if it is valid Unicode (JSON can carry lone surrogates).
 
     Raises:
         APIError: 400 naming ``param``.
@@ -84,27 +76,11 @@ _NORMALIZER_MARGIN = 4
 
 
 class Tokenization:
-    """Prompt encoding on a pool of threads, and decoders for output tokens.
+    """Prompt encoding on ``num_threads`` threads sharing the tokenizer (safe: no call changes truncation or padding),
+    and decoders for output tokens.
 
-    Encoding runs off the event loop (a long prompt or a chat template takes milliseconds to seconds) on ``num_threads``
-    threads that share the tokenizer. That is safe because encoding only reads it: a Hugging Face fast tokenizer raises
-    "Already borrowed" only when a call changes its truncation or padding while another runs, and every call here uses
-    the same settings (none). The output-reader thread decodes with its own copy (``make_detokenizer``).
-
-    Args:
-        tokenizer: a ``transformers`` tokenizer (see ``load_tokenizer``).
-        num_threads: encoding threads.
-        chat_template: a Jinja chat template to use instead of the tokenizer's (``--chat-template``).
-
-    Attributes:
-        vocab_size: token ids are ``0..vocab_size-1``.
-        renders_tools: the chat template shows ``tools`` to the model (its prompt differs with them; SmolLM2's does
-            not).
-        renders_tool_calls: it shows an assistant message's ``tool_calls``.
-        system_role: it renders a system message (some templates refuse the role).
-        tool_role: it renders a ``tool`` message (some templates refuse the role).
-        max_token_chars: the most characters one token stands for (the longest vocabulary entry; a byte-level entry's
-            length is its byte count), times a margin if the tokenizer normalizes text first.
+    ``renders_tools``, ``renders_tool_calls``, ``system_role``, ``tool_role``: what the chat template renders;
+    ``max_token_chars``: the most characters one token stands for, with a margin if the tokenizer normalizes.
     """
 
     def __init__(self, tokenizer: Any, num_threads: int = ENCODE_THREADS, chat_template: str | None = None):
@@ -124,23 +100,16 @@ class Tokenization:
     async def encode_chat(
         self, conversation: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
     ) -> list[int]:
-        """Prompt token ids of a conversation: ``render_chat`` then ``encode_rendered``.
-
-        Raises:
-            APIError: as those two.
-        """
+        """Prompt token ids of a conversation: ``render_chat`` then ``encode_rendered`` (raising as they do)."""
         return await self.encode_rendered(await self.render_chat(conversation, add_generation_prompt, tools))
 
     async def render_chat(
         self, conversation: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
     ) -> str:
-        """The prompt text of a conversation (messages in transformers' shape), rendered with the chat template with
-        ``tools`` and (unless ``add_generation_prompt`` is false) the generation prompt. Its length can refuse a prompt
-        before it is tokenized (seconds for megabytes of tools).
+        """The prompt text of a conversation, rendered with the chat template, ``tools`` and the generation prompt.
 
         Raises:
-            APIError: 400 if the model has no chat template or the template rejects the conversation (e.g. roles not
-                alternating).
+            APIError: 400 if the model has no chat template or the template rejects the conversation.
         """
         if not self._chat_template:
             raise APIError.bad_request(
@@ -163,8 +132,7 @@ class Tokenization:
             raise APIError.bad_request(f"the chat template rejected the messages: {e}", param="messages") from e
 
     async def encode_rendered(self, text: str) -> list[int]:
-        """Prompt token ids of a rendered chat prompt (the template writes the special tokens itself, so none are added,
-        as ``apply_chat_template`` tokenizes).
+        """Prompt token ids of a rendered chat prompt, no special tokens added (as ``apply_chat_template`` tokenizes).
 
         Raises:
             APIError: 400 if the text is not valid Unicode (a tool's lone surrogate, which ``tojson`` keeps).
@@ -223,9 +191,7 @@ class Tokenization:
         return TokenTexts(self._tokenizer)
 
     def make_detokenizer(self) -> NewDetokenizer:
-        """A factory of per-request detokenizers for the output-reader thread (``new_detokenizer``: a table lookup for a
-        byte-level tokenizer, ``DecodeStream`` otherwise), over a private copy of the tokenizer: that thread then never
-        shares the Rust tokenizer with the encoding threads.
+        """A per-request detokenizer factory for the output-reader thread, over a private copy of the tokenizer.
 
         Raises:
             ValueError: the tokenizer is not a fast one (no ``tokenizer.json``).

@@ -1,8 +1,5 @@
-"""Steady rows: running requests that decode one token a step, planned and applied in numpy.
-
-At batch 1024 a step's Python work per request costs more than the rest of the step, so requests with nothing to change
-(no prefill, no grammar, no new parameters) join the steady rows, whose counters live in arrays indexed by req_index
-(docs/design.md, "The scheduler").
+"""Steady rows: running requests that decode one token a step, planned and applied in numpy arrays by req_index, as
+per-request Python costs more than the step at batch 1024 (docs/design.md, "The scheduler").
 """
 
 from __future__ import annotations
@@ -28,23 +25,9 @@ _TOKEN_BUFFER = 128
 class SteadyRows:
     """The steady rows' counters, by req_index; the one copy of them while a row is steady.
 
-    The rule: from ``join`` to ``release``, this class owns a request's progress. Its ``num_computed_tokens``,
-    ``num_placeholders``, ``last_step_id`` and ``output_token_ids`` live here and are None on the ``Request``;
-    ``release`` writes them back up to date. Tokens for a steady request go through ``apply_output`` (its steady rows)
-    or ``receive`` (a row it had before joining).
-
-    Per row: ``_pos`` (num_computed_tokens), ``_in_flight`` (num_placeholders), ``_last_step`` (last_step_id),
-    ``_remaining`` (tokens it may still plan), ``_left`` (tokens it may still receive before ``max_tokens``), ``_stop``
-    (its stop token ids, -1 padded; none with ``ignore_eos``), ``_last_token``, ``_admitted`` (its ``admit_seq``),
-    ``_req_num`` (-1 once the row holds no steady request) and its newest tokens, ``_buffer[i, :_num_buffered[i]]``.
-    With speculative decoding (docs/design.md, "Speculative decoding") ``_pos``, ``_in_flight`` and ``_remaining`` count
-    every planned draft as accepted until the output shows its rejection (``rollback``); ``_rejected`` (num_rejected),
-    ``_num_blocks`` (blocks held, which after a rollback may exceed what ``_pos`` needs) and ``_draft_left`` (a row
-    drafts once ``_left`` is down to it: past ``min_tokens``) serve that.
-
-    Args:
-        keep_ended_tokens: an ended request gets its buffered tokens back (prefix caching names its blocks from them);
-            else they are dropped.
+    From ``join`` to ``release`` this owns a request's progress (its ``Request`` fields are None; ``release`` writes
+    them back). Speculating, counters assume every draft accepted until ``rollback`` (docs/design.md, "Speculative
+    decoding"). ``keep_ended_tokens``: ended requests get their buffered tokens back (for prefix caching).
     """
 
     def __init__(self, max_num_seqs: int, block_size: int, keep_ended_tokens: bool):
@@ -114,17 +97,10 @@ class SteadyRows:
         others_blocks: int,
         first_other_admitted: int | None,
     ) -> np.ndarray | None:
-        """The rows (req_index, int64 ``[D]``) that decode in the step being planned, or None.
+        """The rows (req_index, int64 ``[D]``) that decode in the step being planned, allocating blocks they cross into.
 
-        Allocates the blocks of those that cross into a new one. A row that has planned its last token sits out.
-        Planning the steady rows before the other running requests must give the step the general path would, so this
-        returns None (the caller releases every row) when the token budget might not reach every row while some other
-        request precedes a steady one, or when blocks might run short (the general path would make rows wait or
-        preempt).
-
-        Args:
-            others_tokens, others_blocks: at most what the other running requests take this step.
-            first_other_admitted: the first other running request's ``admit_seq``; None when there is none.
+        Returns None (release every row) when the result could differ from the general path: a budget that might not
+        reach every row, or blocks that might run short.
         """
         active = self.order[self._remaining[self.order] > 0]
         # After rejected drafts a row may already hold the block its next position needs.
@@ -212,23 +188,13 @@ class SteadyRows:
     def apply_output(
         self, step_id: int, req_nums: np.ndarray, token_ids: np.ndarray
     ) -> tuple[int, list[tuple[int, int, list[int]]], list[Request], tuple | None]:
-        """Apply the tokens of step ``step_id``'s steady rows, vectorized.
+        """Apply the tokens of step ``step_id``'s steady rows, vectorized (a run ends at its first stop token).
 
-        A row planned with drafts has one output row per token it got (a run); the tokens it planned beyond them were
-        rejected, and its counters go back by them. A run ends at its first stop token.
-
-        Returns:
-            How many leading output rows were the step's steady rows; the
-            ``(req_num, tokens planned, tokens got)`` of those whose request
-            left the steady rows since (the caller applies or drops them); the
-            requests that ended, released; and for speculation's bookkeeping
-            ``(req_indices, planned, got, last_row)`` of the other rows (None
-            for planned and got: one each; for last_row, the output row of
-            each row's last token: ``arange``), or None without steady rows.
+        Returns the number of leading steady output rows, the rows whose request left since, the ended requests, and
+        speculation's ``(req_indices, planned, got, last_row)``, or None without steady rows.
 
         Raises:
-            RuntimeError: the output's first rows are not the step's steady rows in the order planned (the worker writes
-                sampled rows in descriptor order).
+            RuntimeError: the output's first rows are not the step's steady rows in planned order.
         """
         planned = self._planned.pop(step_id, None)
         if planned is None:

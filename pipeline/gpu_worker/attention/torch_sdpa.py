@@ -1,18 +1,8 @@
-"""The ``torch_sdpa`` attention backend: padded groups over ``scaled_dot_product_attention``.
+"""The ``torch_sdpa`` attention backend: padded groups over ``scaled_dot_product_attention`` (docs/design.md, "Attention
+backends").
 
-Attention cost must stay O(batch x context) (docs/design.md, "Attention backends"): one mask spanning every request's
-tokens would be O(tokens^2). So the step's requests are split into two groups, each attended with one batched call:
-
-- decode rows (query_len == 1): queries ``[Bd, H, 1, D]`` (run as
-  ``[Bd, KVH, H / KVH, D]``) against each row's own keys, padded to the
-  longest context among decode rows;
-- prefill rows (query_len > 1): queries padded to the longest chunk among the
-  prefill rows only, ``[Bp, H, Qmax, D]``, with a causal mask.
-
-Keys and values are gathered block by block through each row's block table (cache layout in ``kv_layout``, token-major
-here). Everything shaped by the batch is computed once per step in ``TorchSDPABackend.build_metadata``: small index
-arrays on the host, masks and block ids on the device; the per-layer path only indexes precomputed tensors, so it has no
-Python loop over requests and no host synchronisation.
+Decode rows (``[Bd, KVH, H / KVH, D]``) and prefill rows (``[Bp, H, Qmax, D]``, causal mask) are each one batched call
+over gathered blocks; ``build_metadata`` precomputes every index, so layers have no Python loop or host sync.
 """
 
 from __future__ import annotations
@@ -40,23 +30,11 @@ from pipeline.gpu_worker.attention.kv_layout import finite
 
 @dataclasses.dataclass
 class AttentionGroup:
-    """Precomputed indices for one batched attention call (decode or prefill), on the device.
+    """Precomputed int64 indices for one batched attention call, on the device.
 
-    Attributes:
-        token_index: ``[rows, q_max]`` int64, index into the step's tokens of each query; padded query positions repeat
-            the row's last token so that their mask row is non-empty (no NaN from an all-masked softmax).
-        block_ids: ``[rows, n_blocks]`` int64 KV block ids to gather; entries beyond a row's context point at block 0
-            and are masked out.
-        mask: ``[rows, 1, q_max, n_blocks * block_size]`` bool, True where a query may attend a key (key_pos <=
-            query_pos, hence also key_pos < context_len).
-        out_rows: ``[n_tokens]`` int64, index into the flattened ``[rows * q_max]`` queries of each real (unpadded)
-            query.
-        out_tokens: ``[n_tokens]`` int64, step-token index of each of them.
-        identity: True when the group holds every token of the step in order with no padding, so queries and outputs are
-            plain reshapes.
-        query_pos: ``[rows, q_max]`` int64, each query's position.
-        window_masks: ``mask`` narrowed to each sliding window used this step (``key_pos > query_pos - window``), made
-            by the first layer that asks.
+    ``token_index``/``query_pos``: ``[rows, q_max]`` (padding repeats a row's last token: no all-masked softmax);
+    ``block_ids``: ``[rows, n_blocks]`` (past a context: block 0, masked); ``mask``: ``[rows, 1, q_max, n_blocks *
+    block_size]`` bool; ``out_rows``/``out_tokens``: ``[n_tokens]`` real queries; ``identity``: plain reshapes.
     """
 
     token_index: torch.Tensor
@@ -79,11 +57,7 @@ class AttentionGroup:
 
 @dataclasses.dataclass
 class SDPAMetadata(AttentionMetadata):
-    """Per-step layout for ``TorchSDPABackend``, shared by every layer.
-
-    Attributes (beyond ``AttentionMetadata``): decode: group of requests with query_len == 1, or None if there are none.
-        prefill: group of requests with query_len > 1, or None if there are none.
-    """
+    """Per-step layout for ``TorchSDPABackend``: ``decode`` (query_len == 1) and ``prefill`` groups, None when empty."""
 
     decode: AttentionGroup | None
     prefill: AttentionGroup | None
@@ -138,11 +112,8 @@ def _device_group(
 
 
 class GatherBuffer:
-    """Grow-only scratch memory for gathered keys and values.
-
-    On CPU a fresh multi-megabyte tensor per layer is served by glibc with mmap and page-faulted in on every use:
-    measured here, that doubled a batch-64 decode step. Reusing one buffer across layers and steps avoids it. Users run
-    sequentially (one layer at a time, in stream order on CUDA).
+    """Grow-only scratch for gathered keys and values, reused across layers and steps (a fresh tensor per layer is
+    mmapped and page-faulted on CPU); users run sequentially.
     """
 
     def __init__(self) -> None:
@@ -166,10 +137,7 @@ def _gather_kv(
     block_size: int,
     workspace: GatherBuffer | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gather each row's keys and values as ``[rows, KVH, n_blocks * block_size, D]`` views.
-
-    Whole blocks are gathered (block_size times fewer indices than per-token).
-    """
+    """Gather each row's keys and values, whole blocks, as ``[rows, KVH, n_blocks * block_size, D]`` views."""
     _, kv_heads, head_dim = k_cache.shape
     rows, n_blocks = block_ids.shape
     flat_ids = block_ids.flatten()
@@ -199,24 +167,10 @@ def paged_attention(
     window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """Write this step's keys and values into the cache, then attend.
+    """Write this step's keys and values into the caches (``[num_blocks * block_size, KVH, D]``) in place, then attend.
 
-    The write comes first so each token attends to itself and to earlier chunks of its own sequence.
-
-    Args:
-        q: ``[T, H, D]`` queries (RoPE applied).
-        k: ``[T, KVH, D]`` keys (RoPE applied), H a multiple of KVH.
-        v: ``[T, KVH, D]`` values.
-        k_cache: ``[num_blocks * block_size, KVH, D]``, written in place.
-        v_cache: same shape, written in place.
-        meta: the step's metadata, on the same device as the tensors.
-        scale: softmax scale, usually ``D ** -0.5``.
-        workspace: scratch for the gathered keys/values, shared by all layers; None allocates per call (fine on CUDA,
-            slow on CPU).
-        window, softcap: as ``AttentionBackend.forward``.
-
-    Returns:
-        ``[T, H, D]`` attention output, dtype of ``q``.
+    Shapes and ``window``/``softcap`` as ``AttentionBackend.forward``; ``workspace`` None allocates per call (slow on
+    CPU).
     """
     k_cache.index_copy_(0, meta.slot_mapping, finite(k))
     v_cache.index_copy_(0, meta.slot_mapping, finite(v))
@@ -266,10 +220,7 @@ def _single_identity_group(meta: SDPAMetadata) -> bool:
 
 
 class TorchSDPABackend(AttentionBackend):
-    """Padded decode and prefill groups over SDPA (see the module docstring).
-
-    Owns the ``GatherBuffer`` its layers share.
-    """
+    """Padded decode and prefill groups over SDPA (see the module docstring); owns its layers' ``GatherBuffer``."""
 
     name = "torch_sdpa"
 

@@ -1,25 +1,8 @@
 """Penalties and biases on the logits, per request, on the device (docs/design.md, "Penalties and biases").
 
-Before sampling, the rows of a step whose request asked for any of them get, in vLLM's order:
-
-1. ``logit_bias``: each listed token's bias added to its logit;
-2. ``min_tokens``: the stop token ids set to -inf while the request has
-   fewer output tokens than ``min_tokens``;
-3. the repetition penalty (vLLM's semantics, after the CTRL paper, Keskar et
-   al. 2019, "CTRL: A Conditional Transformer Language Model for
-   Controllable Generation", eq. 2): the logit ``l`` of every token seen in
-   the prompt or the output becomes ``l / r`` if ``l > 0``, else ``l * r``;
-4. the frequency and presence penalties (OpenAI API reference, "Parameter
-   details": ``mu[j] -> mu[j] - c[j] * alpha_frequency - float(c[j] > 0) *
-   alpha_presence``), ``c[j]`` counting token ``j`` in the output so far.
-
-Temperature, ``min_p`` and top-k/top-p follow in the sampler. The log-probabilities stay the raw model's: this works on
-a copy of the logits.
-
-The counts live on the device, per req_index (``InputBatch``): they are updated from each step's resolved input ids, so
-the token a placeholder stands for is counted on the device when the next step reads it, and no step waits for the host.
-Which rows and which of the four run is decided on the host (``plan_penalties``), from the rows' host mirrors and the
-descriptor's positions.
+In vLLM's order: ``logit_bias``; ``min_tokens`` (stop ids -inf); repetition (Keskar et al. 2019, "CTRL", eq. 2: ``l /
+r`` if ``l > 0`` else ``l * r``); frequency and presence (OpenAI API reference: ``mu[j] - c[j] * alpha_frequency -
+float(c[j] > 0) * alpha_presence``). Works on a copy: log-probabilities stay raw.
 """
 
 from __future__ import annotations
@@ -35,17 +18,10 @@ from pipeline.gpu_worker.device import Staged, UploadBatch
 
 @dataclass
 class PenaltyInputs:
-    """What one step's penalties need, on the device.
+    """What one step's penalties need, on the device (int64 index tensors).
 
-    Attributes:
-        rows: ``[Q]`` int64, the sampled rows (of ``S``) that any of them applies to.
-        req_indices: ``[Q]`` int64, those rows' req_index.
-        use_bias: some row has ``logit_bias`` entries.
-        use_penalties: some row has a presence, frequency or repetition penalty.
-        min_tokens_rows, min_tokens_ids: ``[M]`` int64 each: set the logit of token ``min_tokens_ids[m]`` in row
-            ``rows[min_tokens_rows[m]]`` to -inf (a stop token id before ``min_tokens``); None for none.
-        draft_rows, draft_tokens: ``[E]`` int64 each: count token ``draft_tokens[e]`` once more in row
-            ``rows[draft_rows[e]]`` (the drafts before a verified position); None for none.
+    ``rows``/``req_indices``: ``[Q]``; ``min_tokens_rows``/``min_tokens_ids``: ``[M]`` tokens set to -inf;
+    ``draft_rows``/``draft_tokens``: ``[E]`` drafts counted once more; None for none.
     """
 
     rows: torch.Tensor
@@ -60,11 +36,8 @@ class PenaltyInputs:
 
 @dataclass
 class PenaltyPlan:
-    """The host half of ``PenaltyInputs`` (numpy int64), decided by ``plan_penalties``.
-
-    ``stage`` puts its arrays into the step's upload batch; ``on_device``, after the batch is uploaded, gives the
-    inputs. ``draft_flat`` is the step-token index of each counted draft (its id is read from the step's input ids on
-    the device).
+    """The host half of ``PenaltyInputs`` (numpy int64) from ``plan_penalties``; ``draft_flat`` is each counted draft's
+    step-token index.
     """
 
     rows: np.ndarray
@@ -87,9 +60,8 @@ class PenaltyPlan:
         self._staged = [batch.add(a) for a in arrays]
 
     def on_device(self, input_ids: torch.Tensor | None = None) -> PenaltyInputs:
-        """The ``PenaltyInputs`` of the staged arrays (their batch uploaded).
-
-        ``input_ids`` (``[T]`` int64, placeholders resolved) holds the drafts; needed with ``draft_rows``.
+        """The ``PenaltyInputs`` of the staged arrays; ``input_ids`` (``[T]`` int64, resolved) needed with
+        ``draft_rows``.
         """
         dev = iter(s.dev for s in self._staged)
         out = PenaltyInputs(next(dev), next(dev), self.use_bias, self.use_penalties)
@@ -110,18 +82,10 @@ def plan_penalties(
     drafts_before: np.ndarray | None = None,
     first_draft: np.ndarray | None = None,
 ) -> PenaltyPlan | None:
-    """Decide on the host which sampled rows get what; None when no row gets anything.
+    """Decide on the host which sampled rows get what; None when none.
 
-    Args:
-        req_indices: ``[S]`` the sampled rows' req_index.
-        output_index: ``[S]`` how many output tokens each request has before the one being sampled (its position minus
-            its prompt length).
-        penalized, num_bias, min_tokens: ``[S]`` the rows' host mirrors (``min_tokens`` 0 where there are no stop ids to
-            mask).
-        stop_ids: per req_index (all rows), the ids ``min_tokens`` masks.
-        drafts_before, first_draft: ``[S]`` for a step that verifies drafts (None otherwise): how many drafts precede
-            each sampled position in its row, and the step-token index of the row's first draft. Those drafts count as
-            output tokens at that position, as they would once accepted (docs/design.md, "Speculative decoding").
+    ``[S]`` arrays: ``output_index`` counts output tokens before the one sampled; ``drafts_before``/``first_draft``
+    (None without verification) count preceding drafts as output (docs/design.md, "Speculative decoding").
     """
     masks_stop = output_index < min_tokens
     rows = np.flatnonzero(penalized | (num_bias > 0) | masks_stop)
@@ -150,12 +114,8 @@ def plan_penalties(
 class PenaltyState:
     """The per-request device tensors the penalties read (owned by ``InputBatch``).
 
-    Attributes:
-        counts: ``[max_num_reqs, V]`` int32, occurrences of each token in the output so far.
-        in_prompt: ``[max_num_reqs, V]`` bool, the token occurs in the prompt.
-        presence, frequency, repetition: ``[max_num_reqs]`` float32.
-        bias_ids: ``[max_num_reqs, MAX_LOGIT_BIAS]`` int64; unused entries point at token 0 with value 0.
-        bias_values: ``[max_num_reqs, MAX_LOGIT_BIAS]`` float32.
+    ``counts``: ``[max_num_reqs, V]`` int32 output occurrences; ``in_prompt``: same shape, bool; ``bias_ids`` int64 and
+    ``bias_values`` float32: ``[max_num_reqs, MAX_LOGIT_BIAS]`` (unused: token 0, value 0).
     """
 
     counts: torch.Tensor
@@ -168,15 +128,8 @@ class PenaltyState:
 
 
 def apply_penalties(logits: torch.Tensor, inputs: PenaltyInputs | None, state: PenaltyState) -> torch.Tensor:
-    """The logits the sampler should see: ``logits`` itself when no row is penalized, else a penalized copy.
-
-    Args:
-        logits: ``[S, V]`` float32 raw logits of the sampled rows (left unchanged).
-        inputs: which rows and what to apply; None for nothing.
-        state: the rows' counts and parameters.
-
-    Returns:
-        ``[S, V]`` float32 on the logits' device. Never waits for the device.
+    """The ``[S, V]`` float32 logits the sampler should see: ``logits`` itself when no row is penalized, else a
+    penalized copy; never waits for the device.
     """
     if inputs is None:
         return logits
