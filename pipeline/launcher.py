@@ -1,11 +1,5 @@
-"""``pipeline-serve``: create the rings, start the three processes, watch them.
-
-The launcher owns the lifecycle (docs/design.md, "Processes and lifecycle"): it creates every shared-memory ring, starts
-io_proc, scheduler_proc and gpu_worker, unlinks the rings as soon as all three have attached (so the kernel frees them
-however the processes end), and stops everyone on a signal or on the death of any child. With ``--nnodes > 1`` a
-launcher on a node other than the head starts only that node's worker ranks (docs/design.md, "Parallelism"). The flags
-are in ``pipeline.server_args``, the config they make in ``pipeline.server_config``, ``--profile``'s py-spy recording in
-``pipeline.profiler``.
+"""``pipeline-serve``: create the rings, start the three processes, watch them (docs/design.md, "Processes and
+lifecycle"; "Parallelism").
 """
 
 from __future__ import annotations
@@ -51,11 +45,8 @@ class _Child(subprocess.Popen):
 
     @classmethod
     def start(cls, kind: str, config: EngineConfig, rank: int = 0) -> tuple[_Child, Connection]:
-        """Start a process of ``kind`` (io_proc, scheduler, gpu_worker rank ``rank``) for the engine ``config``
-        addresses; returns it and the read end of its status pipe.
-
-        The config goes over the child's standard input; the package's own directory leads ``PYTHONPATH``, so the child
-        runs this very code.
+        """Start a process of ``kind`` (io_proc, scheduler, gpu_worker rank ``rank``); returns it and its status pipe's
+        read end. The config goes over its stdin.
         """
         status_r, status_w = os.pipe()
         env = dict(os.environ)
@@ -88,17 +79,8 @@ class HeadStopped(Exception):
 
 
 class Launcher:
-    """Starts, watches and stops the processes of one server instance.
-
-    Args:
-        config: the instance's configuration.
-        roles: which processes to start; a benchmark that plays io_proc's part in-process starts only the scheduler and
-            the worker.
-        trace_file: write the merged Chrome trace here on stop.
-        profile_dir: record each process with py-spy; flame graphs land here on stop.
-
-    With ``config.trace``, ``stop`` loads the spans every role wrote to ``config.trace_path(role)`` into ``spans`` (a
-    benchmark playing io_proc's part writes io_proc's file itself, before calling stop).
+    """Starts, watches and stops the processes of one server instance; ``roles`` lets a benchmark play io_proc
+    in-process.
     """
 
     def __init__(
@@ -151,10 +133,7 @@ class Launcher:
             add("io_proc", "io_proc", self.config)
 
     def start(self, timeout: float = 600.0) -> None:
-        """Start every process and wait until all are ready.
-
-        When the workers size the KV cache (``config.num_kv_blocks`` 0), they start first; the others start once every
-        engine's rank 0 has reported its blocks, with the smallest figure in their config.
+        """Start every process and wait until all are ready (workers first when they size the KV cache).
 
         Raises:
             ChildFailed: a process died or reported an error first.
@@ -247,10 +226,7 @@ class Launcher:
                 raise ChildFailed(f"{name} {_exit_description(p.returncode)}" + (f": {why}" if why else ""))
 
     def _check_heartbeats(self) -> None:
-        """The watchdog: a child whose heartbeat is older than ``--step-timeout`` is hung.
-
-        docs/design.md, "Liveness".
-        """
+        """Watchdog: a child with a heartbeat older than ``--step-timeout`` is hung (docs/design.md, "Liveness")."""
         timeout = self.config.step_timeout_s
         if self.heartbeats is None or not timeout:
             return
@@ -326,10 +302,8 @@ class Launcher:
             self.stop()
 
     def stop(self) -> None:
-        """Stop every process (SIGTERM, then SIGKILL after a grace period), then clean up.
-
-        Writes the trace and the flame graphs if asked for, unlinks the rings (a no-op once they were unlinked at
-        start-up) and removes the socket directory.
+        """Stop every process (SIGTERM, then SIGKILL after a grace period), then write traces and remove rings and
+        sockets.
         """
         hung = {self._hung} if self._hung else set()
         if self.heartbeats is not None and self.config.step_timeout_s:
@@ -381,12 +355,7 @@ def _interrupt_start_up(signum: int, _frame) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console entry of ``pipeline-serve``; exits with ``Launcher.serve``'s status.
-
-    A SIGINT or SIGTERM while the flags are read, the model is resolved or the rings are created (before the children
-    start) ends start-up with a message and status 0, and removes the socket directory and ring names this launcher had
-    made (docs/design.md, "Processes and lifecycle").
-    """
+    """Console entry of ``pipeline-serve``; exits with ``Launcher.serve``'s status (0 for a signal during start-up)."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _interrupt_start_up)
     try:

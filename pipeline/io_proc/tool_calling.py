@@ -1,9 +1,5 @@
-"""Tool calling on chat requests: checks, the prompt's conversation, the grammar and the output's parser.
-
-docs/design.md, "Tool calling". ``tool_choice`` ``auto`` runs the configured parser's format under a grammar inactive
-until its trigger; ``required`` and a named function force that format from the first token, or, where no parser is
-configured or the template ignores tools, the ``json_list`` format. Where the template ignores tools, they are described
-to the model in the format it is asked to write, and past calls are written in it.
+"""Tool calling on chat requests: checks, the prompt's conversation, the grammar and the output's parser
+(docs/design.md, "Tool calling").
 """
 
 from __future__ import annotations
@@ -54,14 +50,9 @@ class ToolPlan:
     """How one chat request uses its tools.
 
     Attributes:
-        parser: reads calls out of the output; None for ``tool_choice: none`` (or no tools).
-        grammar: the output's grammar in llguidance's Lark, "" for none; ``compile_tool_grammar`` compiles it once the
-            prompt is known to fit.
-        allowed: the tools the grammar allows, with their index in ``tools`` (to name one at fault).
+        parser: None for ``tool_choice: none`` (or no tools).
+        grammar: llguidance Lark, "" for none; compiled by ``compile_tool_grammar``.
         trigger: with ``auto``, the text before which the grammar is inactive.
-        trigger_at_start: the trigger counts only at the output's start.
-        template_tools: ``tools`` for the chat template (None: not passed).
-        conversation: the messages as the chat template takes them.
         route: how the tools reach the model, for the request log ("" without tools).
     """
 
@@ -76,15 +67,8 @@ class ToolPlan:
 
 
 class ToolCalling:
-    """The server's tool-calling settings and each request's ``ToolPlan``.
-
-    Args:
-        parser_name: ``--tool-call-parser`` (None: none).
-        enable_auto: ``--enable-auto-tool-choice``.
-        renders_tools: the chat template shows ``tools`` to the model.
-        renders_tool_calls: it shows an assistant message's ``tool_calls``.
-        system_role: it renders a system message (else tools are described in the first user message).
-        tool_role: it renders a ``tool`` message (else results go to the model as the user's text).
+    """The server's tool-calling settings (``--tool-call-parser``, ``--enable-auto-tool-choice``, what the chat template
+    renders) and each request's ``ToolPlan``.
     """
 
     def __init__(
@@ -154,12 +138,9 @@ class ToolCalling:
         return plan
 
     def conversation(self, messages: Sequence[ChatMessage], parser: ToolParser | None = None) -> list[dict]:
-        """The messages as the chat template takes them (transformers' shape).
-
-        Past calls' arguments become objects, as templates iterate them; for a template that ignores ``tool_calls`` they
-        are written into the content in ``parser``'s format, the one the model is asked to write (by default ``auto``'s:
-        the configured parser's, else ``json_list``). For a template that refuses the ``tool`` role, results are the
-        user's text, one turn for those in a row, so that roles still alternate.
+        """The messages as the chat template takes them (transformers' shape); past calls are written in ``parser``'s
+        format for a template that ignores ``tool_calls``, and results become user text where the ``tool`` role is
+        refused.
 
         Raises:
             APIError: 400 for a ``tool_call_id`` no earlier call has, or arguments that are not a JSON object.
@@ -305,8 +286,7 @@ def _template_tools(tools: list[ChatTool]) -> list[dict]:
 
 
 def compile_tool_grammar(plan: ToolPlan) -> str:
-    """The plan's grammar compiled and checked (hundreds of milliseconds for thousands of tools: off the event loop, and
-    only for a prompt that fits).
+    """The plan's grammar compiled and checked (slow for many tools: off the event loop).
 
     Raises:
         APIError: 400 naming the tool whose schema llguidance refuses (``tools`` if none alone).
@@ -333,11 +313,8 @@ def _describe_tools(
     free: bool,
     system_role: bool,
 ) -> str:
-    """Tell the model which functions it may call and how, for a template that would not show it the tools: in the
-    system message, or the first user message where the template has no system role.
-
-    Returns:
-        Where the description went ("system message" or "first user message").
+    """Describe the functions to a model whose template would not show them; returns where ("system message" or "first
+    user message").
     """
     names = {s.name for s in chosen}
     described = "\n".join(

@@ -1,12 +1,5 @@
-"""Structured output in the scheduler: grammars compiled, matchers advanced and masks computed off its loop.
-
-A grammar can take seconds to compile and megabytes per copy, so nothing of it runs in the scheduler's loop: a request
-with a grammar waits here until its matchers exist, compiled once per grammar text (an LRU cache) and deep-copied per
-choice on a low-priority background thread; masks are computed on threads, and a row whose mask is not ready sits out
-the step. A request with a ``grammar_trigger`` (``pipeline.common.lazy_grammar``) is masked only near and after its
-trigger. Memory (the compilation's heap, ``mallinfo2``, plus each copy; two copies a choice with a trigger) is counted
-per request and in total (``max_grammar_memory_per_request``: refused with a 400; ``max_grammar_memory``: waits).
-docs/design.md, "Structured output" ("Off the loop", "Memory").
+"""Structured output in the scheduler: grammars compiled, matchers advanced and masks computed off its loop
+(docs/design.md, "Structured output", "Off the loop", "Memory").
 """
 
 from __future__ import annotations
@@ -58,20 +51,8 @@ class _Pending:
 class GrammarManager:
     """Compiles, caches and copies the matchers of the requests with a grammar, and runs their masks.
 
-    Everything but the jobs runs on the scheduler's thread. Jobs run on two threads of their own: the background one
-    (compile, copy, costly masks, freeing, trimming; low priority) and the mask one (the other masks, one job per
-    ``flush``).
-
-    Args:
-        tokenizer: llguidance's tokenizer (``load_tokenizer``).
-        vocab_size: token ids with a mask bit.
-        max_request_bytes: matcher memory one request may take.
-        max_total_bytes: matcher memory all requests (and the cache) may take.
-        jump_forward: the states say which tokens their grammar forces next (``GrammarState.forced``).
-
-    Attributes:
-        failed: states whose matcher failed on a token (appended by the threads); the scheduler ends their requests with
-            an error.
+    Jobs run on a low-priority background thread (compile, copy, costly masks) and a mask thread; the rest on the
+    scheduler's. ``failed``: states whose matcher failed on a token, appended by the threads.
     """
 
     def __init__(
@@ -129,14 +110,9 @@ class GrammarManager:
         return False
 
     def poll(self) -> tuple[list[tuple[AddRequest, list[GrammarState], set[int]]], list[tuple[int, str]]]:
-        """Move the waiting requests on; cheap, called once per turn of the scheduler's loop.
+        """Move the waiting requests on (cheap, once per loop turn).
 
-        Returns:
-            The requests whose matchers are ready, as ``(msg, one state per
-            choice, choices aborted meanwhile)``, and the refused ones as
-            ``(req_num, why)``: the grammar does not compile, or it takes more
-            memory than one request may. A request whose every choice was
-            aborted is refused with "aborted".
+        Returns the ready ``(msg, states, choices aborted meanwhile)`` and the refused ``(req_num, why)``.
         """
         ready, refused = [], []
         now = time.monotonic()
@@ -277,14 +253,8 @@ class GrammarManager:
         self._dropped += state.take_matchers()
 
     def advance(self, state: GrammarState, token_id: int, awaited: bool = False) -> None:
-        """``state``'s request has output ``token_id``: its matcher consumes it and computes the next mask on a grammar
-        thread (``state.ready`` until then is False), once the next ``flush`` starts it; a failure lands in ``failed``.
-        The tokens of one output (a run of accepted drafts) are one job and one mask: a mask after only some of them
-        would look ready.
-
-        ``awaited``: a step in flight samples the row next, so its mask goes in the next ``flush``'s job on the mask
-        thread, whatever it costs; so does a cheap one (``PACE_MASK_S``). A costly one runs alone on the background
-        thread.
+        """``state``'s request output ``token_id``: the next ``flush`` advances its matcher and computes the next mask
+        (``state.ready`` False until then; failures go to ``failed``). ``awaited`` or cheap masks go to the mask thread.
         """
         job, tail, dropped = state.follow(token_id)
         if dropped is not None:
@@ -304,16 +274,16 @@ class GrammarManager:
             self._costly.append(advance)
 
     def walk(self, row: MaskedRow, drafts: list[int]) -> None:
-        """``row`` verifies ``drafts``: its masks, one per sampled position (``GrammarState.walk``), go in the next
-        ``flush``'s job, after the advance that makes its first (the mask thread runs in order). ``row.masks`` is set
-        when they exist; a failure lands in ``failed``."""
+        """``row`` verifies ``drafts``: one mask per sampled position goes in the next ``flush``'s job; ``row.masks`` is
+        set when they exist.
+        """
         self._last = None
         self._batch.append(partial(self._walk, row, drafts))
 
     def flush(self, then: Callable[[], object] | None = None) -> None:
-        """Start the advances and walks submitted since the last flush: the paced ones as one job on the mask thread
-        (one job, not one per row: a step's masks take microseconds each), ``then`` running on that thread after them;
-        the costly ones on the background thread, a job each."""
+        """Start the advances and walks submitted since the last flush: paced ones as one mask-thread job, then
+        ``then``; costly ones a job each on the background thread.
+        """
         self._last = None
         for advance in self._costly:
             self._background.submit(self._compute, *advance)
@@ -391,9 +361,9 @@ class GrammarManager:
 
 
 def _later_mask_s(m: llguidance.LLMatcher, first: np.ndarray, eos: int, tokens: int = 4) -> float:
-    """What a row's masks are expected to take before its own are measured: the least CPU seconds of ``m``'s masks along
-    ``tokens`` tokens (each the lowest allowed other than ``eos``), since one can take ten times the others while it
-    builds lexer states; 0 if the grammar allows none. Advances ``m``."""
+    """A row's expected mask CPU seconds before its own are measured: the least along ``tokens`` tokens; 0 if none
+    allowed. Advances ``m``.
+    """
     least, mask = float("inf"), first.copy()
     for _ in range(tokens):
         ids = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))

@@ -1,23 +1,8 @@
 """How many drafts each step verifies, and for which rows (docs/design.md, "Speculative decoding").
 
-Verifying ``k`` drafts costs a row ``k`` more tokens in the step; it pays only when the tokens it is expected to gain
-beat what those tokens would cost at the step's throughput. Both sides are measured, so nothing is tuned by hand:
-
-* **Acceptance** per request: a geometric model (each draft accepted with probability ``a``
-  given the ones before it were), estimated from the request's own verified rows with
-  exponential forgetting and a prior from every request's (``prior_weight`` drafts' worth). A
-  row with ``k`` drafts then gains ``a + a^2 + ... + a^k`` tokens. A request whose proposer found
-  no match last step gains nothing (its drafts would be filler).
-* **Step cost** as a function of the step's tokens: the device time of recent steps per bucket of
-  token counts (four buckets per doubling), a least-squares line inside a bucket whose steps differ
-  in tokens, interpolated between buckets. Beyond the largest bucket seen it is assumed flat and below
-  the smallest proportional to the tokens: either guess flatters the side not tried yet, so the
-  policy tries it once and learns.
-
-Each step then takes, for every ``k`` in ``1..K``, the rows in order of their gain while each row's gain per added unit
-of time beats the step's average, and keeps the ``k`` with the best expected tokens per second (``0`` when none beats
-verifying nothing). A workload whose drafts are never accepted thus stops drafting after a few tries, and retries a
-request only as its evidence fades.
+Both sides are measured: acceptance per request (geometric, exponential forgetting, a global prior), and step cost per
+bucket of token counts (least-squares inside, interpolated between). Each step keeps the ``k`` with the best expected
+tokens per second, 0 when none beats verifying nothing.
 """
 
 from __future__ import annotations
@@ -38,13 +23,8 @@ _BUCKETS_PER_DOUBLING = 4
 class SpecPolicy:
     """Chooses each step's drafts per row (0 or the step's ``k``) from measured acceptance and cost.
 
-    Args:
-        max_num_seqs: rows (req_index) tracked.
-        k_max: drafts per row at most (``num_speculative_tokens``).
-        prior: acceptance assumed before anything is measured.
-        prior_weight: how many drafts' worth of evidence the prior (then the global estimate) counts for.
-        adaptive: False: every candidate whose proposer matched drafts ``k_max`` (while ``remaining`` and the budget
-            allow), whatever acceptance and cost say (``--speculative-policy always``).
+    ``prior_weight``: drafts' worth of evidence the prior counts for; ``adaptive`` False: every matched candidate drafts
+    ``k_max`` (``--speculative-policy always``).
     """
 
     def __init__(
@@ -115,14 +95,10 @@ class SpecPolicy:
         self._curve = None  # drawn again when next asked (choose runs once in a few steps)
 
     def cost(self, num_tokens: np.ndarray) -> np.ndarray:
-        """Estimated device ns of steps of ``num_tokens`` (an array, any shape); 1 everywhere before any step is
-        measured.
+        """Estimated device ns of steps of ``num_tokens`` (any shape); 1 before any step is measured.
 
-        Inside a measured bucket whose steps differ in tokens, the bucket's least-squares line (slope at least 0);
-        elsewhere between measured buckets, interpolated; past the largest, flat; below the smallest, proportional to
-        the tokens. Both guesses flatter the untried side, so it gets tried. The line tells a step from the others in
-        its bucket: a step without drafts and one with a few (256 and 300 tokens) cost the same where step time does not
-        follow the tokens (docs/design.md, "Speculative decoding").
+        Least-squares line inside a measured bucket, interpolated between, flat past the largest, proportional below the
+        smallest: both guesses flatter the untried side, so it gets tried.
         """
         if self._curve is None:
             seen = self._bucket_weight > 0
@@ -157,17 +133,10 @@ class SpecPolicy:
         budget: int,
         idle_steps: int = 1,
     ) -> tuple[int, np.ndarray]:
-        """This step's drafts: ``(k, rows)``, the candidates (indices into ``req_indices``) that verify ``k``.
+        """This step's drafts: ``(k, rows)``, the candidates (indices into ``req_indices``, ``[C]``) that verify ``k``.
 
-        Args:
-            num_sampled: the step's sampled rows (each gives at least one token).
-            base_tokens: the step's tokens without drafts (each decode row's one, prefill chunks).
-            req_indices: ``[C]`` the candidate rows' req_index (decoding rows that may draft).
-            remaining: ``[C]`` tokens each may still be given before ``max_tokens`` (so at most ``remaining - 1``
-                drafts).
-            budget: tokens left in the step for drafts.
-            idle_steps: the evidence of the candidates not chosen fades by ``_IDLE_DECAY`` this many times: the steps
-                since the last choice (0: a choice made again for the same step).
+        ``remaining`` (``[C]``) allows at most ``remaining - 1`` drafts; ``idle_steps``: the unchosen candidates'
+        evidence fades by ``_IDLE_DECAY`` this many times.
         """
         best_k, best_rows = 0, np.zeros(0, dtype=np.int64)
         if not self.adaptive:
@@ -203,11 +172,8 @@ class SpecPolicy:
 
 
 class SpecStats:
-    """Speculative decoding's cumulative counts, vLLM's ``spec_decode_*``: verified rows (drafts), draft tokens,
-    accepted tokens, and accepted tokens by draft position (``[K]``).
-
-    Kept as a histogram of (drafts, accepted) per row, so that adding a step's rows is one bincount; the counts are read
-    from it.
+    """Speculative decoding's cumulative counts (vLLM's ``spec_decode_*``), kept as a (drafts, accepted) histogram per
+    row.
     """
 
     def __init__(self, num_speculative_tokens: int):

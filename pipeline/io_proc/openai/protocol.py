@@ -1,15 +1,8 @@
-"""Shapes of the OpenAI API as served by io_proc: errors, the sampling fields every generation endpoint takes, usage and
-the model list. Each endpoint's own shapes are in ``protocol_chat``, ``protocol_completion`` and
-``protocol_tokenization``.
+"""Shapes of the OpenAI API as served by io_proc: errors, shared sampling fields, usage, the model list (each endpoint's
+own in ``protocol_chat``, ``protocol_completion``, ``protocol_tokenization``).
 
-Requests are pydantic models, validated by FastAPI (any failure becomes an HTTP 400 ``ErrorResponse``). Responses are
-msgspec structs: io_proc encodes a streaming chunk per request per step, and msgspec encodes them several times faster
-than pydantic.
-
-Source of the shapes: the OpenAI API reference for ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/models`` (the
-objects the ``openai`` Python client parses), with the conventions and extensions of vLLM's OpenAI-compatible server
-(``top_k``, ``ignore_eos``, ``return_token_ids``, the 400 error for too long requests). Fields that exist only for an
-extension are omitted from responses unless the request asked for them.
+Requests are pydantic (failures become a 400 ``ErrorResponse``), responses msgspec structs (faster per chunk). Shapes
+follow the OpenAI API reference with vLLM's extensions, omitted from responses unless asked for.
 """
 
 from __future__ import annotations
@@ -32,15 +25,7 @@ MAX_CHOICES = 128
 
 
 class APIError(Exception):
-    """An error returned to the client as ``{"error": {...}}`` with ``status_code``.
-
-    Args:
-        status_code: HTTP status.
-        message: human-readable, says what is wrong and what is allowed.
-        type: OpenAI error type ("invalid_request_error", "not_found_error", ...).
-        param: the offending request field, if any.
-        code: machine-readable code, if any (e.g. "model_not_found").
-    """
+    """An error returned to the client as ``{"error": {...}}`` with ``status_code``; ``type`` is OpenAI's error type."""
 
     def __init__(
         self,
@@ -91,29 +76,13 @@ class StreamOptions(OpenAIBaseModel):
 
 
 class SamplingRequest(OpenAIBaseModel):
-    """Fields shared by chat and text completions.
+    """Fields shared by chat and text completions (OpenAI's, plus vLLM's ``top_k``, ``min_p``, ``min_tokens``,
+    ``stop_token_ids``, ``return_token_ids``, ``guided_*``).
 
-    ``top_k`` -1 or 0 disables it; ``seed`` absent means a random seed; ``max_completion_tokens`` (OpenAI's newer name
-    for ``max_tokens``) wins over ``max_tokens``; ``user`` is accepted and ignored (as every unknown field); ``n``
-    (1..``MAX_CHOICES``) choices per prompt, choice ``i`` seeded with ``seed + i``; ``best_of`` is refused;
-    ``return_token_ids`` (vLLM) adds the prompt and output token ids to the response (per chunk when streaming).
-
-    Penalties and biases (docs/design.md, "Penalties and biases"):
-    ``presence_penalty`` and ``frequency_penalty`` in -2..2 (OpenAI API
-    reference); ``repetition_penalty`` in 0.01..100, 1 off (vLLM, after Keskar
-    et al. 2019; the sampler stays defined past that range, where a logit
-    divided by it overflows float32); ``logit_bias`` maps token ids (as
-    decimal strings, the JSON keys OpenAI's clients send) to a bias in -100..100, at most
-    ``MAX_LOGIT_BIAS`` of them; ``min_p`` in 0..1 (vLLM, after Nguyen et al.
-    2024); ``min_tokens`` (vLLM): the stop token ids cannot end the output
-    before this many tokens; ``stop_token_ids`` (vLLM): more ids that end
-    it, also with ``ignore_eos``. Token ids are checked against the
-    vocabulary when the request is served.
-
-    Structured output (docs/design.md, "Structured output"): ``response_format`` ``{"type": "text"}`` (the default),
-    ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict":
-    ...}}`` (OpenAI's structured outputs guide), or one of vLLM's ``guided_json`` (a schema, as an object or JSON text),
-    ``guided_regex`` and ``guided_choice`` (a list of strings); see ``structured_output``.
+    ``max_completion_tokens`` wins over ``max_tokens``; choice ``i`` of ``n`` is seeded ``seed + i``; ``best_of`` is
+    refused. Ranges: penalties -2..2, ``repetition_penalty`` 0.01..100, ``logit_bias`` -100..100 keyed by decimal token
+    ids (docs/design.md, "Penalties and biases"). ``response_format`` or ``guided_*``: docs/design.md, "Structured
+    output".
     """
 
     model: str | None = None
@@ -146,8 +115,8 @@ class SamplingRequest(OpenAIBaseModel):
         """``(kind, spec, param)`` for ``build_grammar``, or None for free text.
 
         Raises:
-            APIError: 400 naming the field: an unknown ``response_format`` type, a ``json_schema`` without its
-                ``schema``, or more than one way of constraining the output.
+            APIError: 400 naming the field: an unknown ``response_format`` type, a ``json_schema`` without ``schema``,
+                or more than one constraint.
         """
         found = []
         rf = self.response_format
@@ -255,10 +224,7 @@ class SamplingRequest(OpenAIBaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def requested_max_tokens(self) -> int | None:
-        """The client's output-token limit, or None for "up to ``max_model_len``".
-
-        ``max_completion_tokens`` (OpenAI's newer name) wins over ``max_tokens``.
-        """
+        """The client's output-token limit (``max_completion_tokens`` first), or None for "up to ``max_model_len``"."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def sampled_logprobs(self) -> int:
