@@ -1,10 +1,7 @@
-"""Start-up, status reporting and exit shared by the three child processes.
+"""Start-up, status reporting and exit shared by the three child processes (docs/design.md, "Processes and lifecycle").
 
-The launcher starts each child as ``python -m pipeline.child`` (see ``pipeline.child``) with a pipe end; the child
-reports ``("attached", name)`` once it has opened every shared-memory ring (the launcher then unlinks their names),
-``("ready", name)`` once it can serve, and ``("error", name, message)`` before exiting on an error, at start-up or later
-(docs/design.md, "Processes and lifecycle"). A worker rank on a node other than the head reports ``("done", name,
-message)`` before exiting cleanly because the head stopped (docs/design.md, "Parallelism").
+Children report ``("attached", name)``, ``("ready", name)``, ``("error", name, message)`` or, for a remote rank after
+the head stopped, ``("done", name, message)`` over their pipe.
 """
 
 from __future__ import annotations
@@ -29,20 +26,13 @@ BACKGROUND_THREAD_PREFIX = b"bg-"
 
 
 class Stopped(BaseException):
-    """Raised by ``StopFlag.interrupting`` when a stop cuts a long start-up step short.
-
-    A BaseException, like KeyboardInterrupt, so that no ``except Exception`` in the interrupted library code takes it
-    for an error of its own.
+    """Raised by ``StopFlag.interrupting`` when a stop cuts a start-up step short; a BaseException so library ``except
+    Exception`` clauses let it pass.
     """
 
 
 class StopFlag:
-    """Set by SIGTERM (from the launcher); loops poll ``is_set``.
-
-    Args:
-        launcher_pid: the launcher's pid; once this process's parent is another one, the launcher is gone and the flag
-            reads as set.
-    """
+    """Set by SIGTERM (from the launcher); reads as set once the parent is no longer ``launcher_pid``."""
 
     def __init__(self, launcher_pid: int) -> None:
         self._event = threading.Event()
@@ -61,11 +51,7 @@ class StopFlag:
 
     @contextlib.contextmanager
     def interrupting(self) -> Iterator[None]:
-        """Within the block, SIGTERM raises ``Stopped`` (and sets the flag) instead of waiting to be polled.
-
-        For a long step with no loop to poll from, such as loading a model: a stop then takes effect at once rather than
-        after the load. Raises ``Stopped`` at once if the flag is already set.
-        """
+        """Within the block SIGTERM raises ``Stopped`` (and sets the flag) at once, for steps with no loop to poll."""
 
         def interrupt(*_args) -> None:
             self.set()
@@ -81,12 +67,8 @@ class StopFlag:
 
 
 def child_setup(name: str, launcher_pid: int) -> StopFlag:
-    """Prepare a child process: own process group, die with the launcher, private files.
-
-    Ctrl-C in a terminal reaches only the launcher's process group, which then stops the children in order; SIGTERM sets
-    the returned flag. ``PR_SET_PDEATHSIG`` makes the kernel send SIGTERM if the launcher dies, even by ``kill -9``; a
-    launcher that died before this call shows as a parent other than ``launcher_pid``. The umask makes every file the
-    child creates (zmq socket files, traces) private to the user.
+    """Prepare a child process: own process group (Ctrl-C reaches only the launcher), ``PR_SET_PDEATHSIG`` SIGTERM, a
+    umask making its files private; SIGTERM sets the returned flag.
     """
     os.setpgrp()
     os.umask(0o077)
@@ -112,9 +94,8 @@ def name_process(name: str) -> None:
 
 
 def start_background_thread(name: str, nice: int = 0) -> None:
-    """Name the calling thread ``bg-<name>`` for the OS (15 bytes kept) and run it at niceness ``nice``.
-
-    A ThreadPoolExecutor initializer. Linux only; elsewhere it does nothing.
+    """Name the calling thread ``bg-<name>`` (15 bytes kept) and run it at niceness ``nice``; a ThreadPoolExecutor
+    initializer, Linux only.
     """
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, (BACKGROUND_THREAD_PREFIX + name.encode())[:15])
@@ -125,10 +106,7 @@ def start_background_thread(name: str, nice: int = 0) -> None:
 
 
 def pin_to_cpus(cpus: tuple[int, ...]) -> None:
-    """Restrict the calling process (all its threads) to ``cpus``; ``()`` leaves it on every CPU.
-
-    On a machine with few cores the worker's intra-op threads and the other two processes otherwise take turns on the
-    same cores, and a decode step waits for whichever thread was descheduled (docs/design.md, "CPU placement").
+    """Restrict the calling process to ``cpus`` (``()``: every CPU; docs/design.md, "CPU placement").
 
     Raises:
         OSError: a CPU that does not exist or is not allowed to this process.
@@ -146,24 +124,16 @@ def report(conn: Connection, *msg) -> None:
 
 
 def freeze_startup_heap() -> None:
-    """Move every object alive now out of the garbage collector's reach (``gc.freeze``).
-
-    Called once start-up is over, before serving. torch, transformers and the tokenizers leave millions of long-lived
-    objects, and each full (generation 2) collection walks all of them: 100-150 ms measured in a process that imported
-    them, during which no other thread of the process runs. In io_proc that stalled the output reader for whole steps,
-    and the worker filled the output ring and waited. Frozen objects are never scanned, so a collection costs what
-    serving allocated since (Python's ``gc.freeze`` documentation recommends exactly this).
+    """``gc.freeze`` every object alive now, once start-up is over, so full collections no longer walk the libraries'
+    long-lived objects (as Python's ``gc.freeze`` documentation recommends).
     """
     gc.collect()
     gc.freeze()
 
 
 def exit_now(code: int) -> None:
-    """Flush the logs and standard streams, then end the process with ``code`` at once.
-
-    A child calls this once it has released everything it holds (rings, sockets, trace files). Skipping the
-    interpreter's own teardown is what makes a stop fast: with torch, transformers and the tokenizers loaded, collecting
-    and finalizing their module graphs costs 1-3 s of CPU per process, for memory the kernel frees anyway.
+    """Flush logs and standard streams, then ``os._exit``-style end with ``code``, skipping the interpreter's slow
+    teardown; call once everything held is released.
     """
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

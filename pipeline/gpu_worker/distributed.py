@@ -1,15 +1,8 @@
-"""The tensor-parallel process group of one engine's worker ranks, and the descriptor relay between nodes.
+"""The tensor-parallel process group of one engine's worker ranks, and the descriptor relay between nodes
+(docs/design.md, "Parallelism").
 
-Each rank is one gpu_worker process with one device. On one node the ranks meet over a private rendezvous: a ``file://``
-store in the instance's socket directory, which only this user can reach and which needs no free port, and their gloo
-(and NCCL bootstrap) sockets bind 127.0.0.1. Over several nodes (``--nnodes``) they meet at the head's TCP store, which
-listens on ``master_addr:master_port`` only, in the style of ``torchrun``, and each node's sockets bind its address on
-the route to ``master_addr``. The collectives run on gloo for CPU tensors and NCCL for CUDA ones (docs/design.md,
-"Parallelism").
-
-A rank on another node cannot map the head's shared-memory descriptor ring, so rank 0 relays every descriptor it reads
-to those ranks with a ``torch.distributed`` broadcast, as vLLM's message queue does for its remote readers
-(``DescriptorRelay``).
+One node meets over a private ``file://`` store with sockets on 127.0.0.1; several meet at the head's TCP store on
+``master_addr:master_port``. Collectives run on gloo (CPU) or NCCL (CUDA).
 """
 
 from __future__ import annotations
@@ -73,22 +66,14 @@ _SHARED_FIELDS = (
 
 
 class DescriptorRelay:
-    """Rank 0's copy of every StepDescriptor, broadcast to the ranks on other nodes.
+    """Rank 0's copy of every StepDescriptor, broadcast (asynchronously) to the ranks on other nodes, as vLLM's message
+    queue does for remote readers.
 
-    The relay group is a gloo group of rank 0 and every rank not on the head node, apart from the model's group so that
-    relay messages never interleave with the model's collectives. Each message is the packed descriptor
-    (``pack_descriptor``, its live bytes only) as a uint8 CPU tensor: a fixed first broadcast of ``min(4096, entry
-    size)`` bytes holding the header, then one of the rest when the step is larger. Rank 0's sends are asynchronous, so
-    relaying adds the packing and an enqueue to its step, not the network.
+    Messages are the packed descriptor as uint8 CPU tensors on a gloo group apart from the model's: a fixed first
+    broadcast of ``min(4096, entry size)`` bytes, then the rest if larger.
 
-    Args:
-        config: the engine's configuration (its descriptor layout).
-        rank: this process's tensor-parallel rank; 0 sends, the others receive.
-        group: the relay process group.
-
-    Raises (from ``send``, ``heartbeat`` and ``receive``):
-        RuntimeError: a peer's connection failed (gloo's error: its process
-            died or the network is down).
+    Raises (from ``send``, ``heartbeat`` and ``receive``): RuntimeError: a peer's connection failed (its process died or
+        the network is down).
     """
 
     def __init__(self, config: EngineConfig, rank: int, group: dist.ProcessGroup):
@@ -156,10 +141,8 @@ class DescriptorRelay:
         return words.numpy()
 
     def receive(self, timeout: float) -> StepDescriptor | None:
-        """Ranks on other nodes: the next relayed descriptor, or None after ``timeout`` seconds.
-
-        The returned view stays valid until the next call. A broadcast that has not arrived stays posted, so the next
-        call resumes it. None with ``head_stopped`` set: rank 0 stopped (``send_stop``).
+        """Ranks on other nodes: the next relayed descriptor (valid until the next call), or None after ``timeout``
+        seconds (``head_stopped`` set: rank 0 stopped).
         """
         if not self._works:
             self._works.append(dist.broadcast(self._buf[: self._first], 0, group=self.group, async_op=True))
@@ -185,11 +168,8 @@ class DescriptorRelay:
 
 
 def init_tensor_parallel(config: EngineConfig, rank: int) -> tuple[TPGroup, DescriptorRelay | None]:
-    """Join the engine's process group as ``rank``; returns once every rank has joined.
-
-    On CUDA, the rank takes device ``config.device_index(rank)``. With ``config.nnodes > 1`` every rank also joins the
-    relay group; rank 0 and the ranks on other nodes get a ``DescriptorRelay`` (the head's other ranks read the ring and
-    get None), after checking that every node was started with the head's settings.
+    """Join the engine's process group as ``rank`` (on CUDA, device ``config.device_index(rank)``); with several nodes,
+    rank 0 and remote ranks also get a ``DescriptorRelay``.
 
     Raises:
         RuntimeError: the rendezvous or the backend failed (from torch.distributed).
@@ -240,10 +220,8 @@ def _check_same_settings(config: EngineConfig, group: dist.ProcessGroup, size: i
 
 
 def bind_sockets_to(address: str) -> None:
-    """Make gloo's and NCCL's sockets of this process bind ``address`` (an IPv4 address of this host).
-
-    Both pick an interface by name (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``), else by resolving the host name,
-    which lands on loopback only where the host name maps there. A name the user set is kept.
+    """Make gloo's and NCCL's sockets bind ``address`` (an IPv4 address of this host), unless the user set their
+    ``*_SOCKET_IFNAME``.
     """
     name = interface_of(address)
     if name is None:
@@ -277,10 +255,8 @@ def _route_source(host: str, port: int) -> str:
 
 
 def _tcp_store(config: EngineConfig, rank: int) -> dist.TCPStore:
-    """The ranks' rendezvous over several nodes: rank 0 serves it on ``master_addr:master_port`` alone.
-
-    torch's own server would listen on every address of the head; this one is handed a socket bound to the address
-    given.
+    """The ranks' rendezvous over several nodes, rank 0 serving it on ``master_addr:master_port`` only (torch's own
+    listens on every address).
     """
     host, port, world = config.master_addr, config.master_port, config.tensor_parallel_size
     timeout = dist.constants.default_pg_timeout

@@ -1,19 +1,8 @@
-"""The simulated device: a CUDA-stream stand-in for measuring host overhead.
+"""The simulated device: a CUDA-stream stand-in for measuring host overhead (docs/design.md, "The simulated device").
 
-It replaces only the forward pass and the sampling kernel (docs/design.md, "The simulated device"). Work enqueued on it
-returns at once and runs in order "in the background": a step enqueued at host time ``t`` starts at ``max(t, end of the
-previous step)`` and lasts ``step_us + token_us × tokens`` microseconds. The timeline is computed, not slept through, so
-no thread competes with the worker's host code for the GIL or a core; only waiting for an event sleeps, until the time
-that event completes.
-
-Tokens are deterministic: the token sampled after position ``p`` whose input token is ``x`` is a hash of ``(x, p)``,
-mapped onto ordinary words of the real vocabulary. Every token therefore depends on the whole chain before it, so a
-placeholder resolved to a wrong token changes all later output, which is what the async-equals-sync tests need to see.
-Its log-probabilities are stand-ins derived the same way (``sim_logprobs``).
-
-With speculative decoding its drafts (``sim_drafts``) are the chain's own next tokens, each right with a configured
-probability and decided by a hash, so that the token gap and the accepted lengths can be measured without a model;
-verification is the real comparison with the chain's tokens.
+A step enqueued at ``t`` runs from ``max(t, previous end)`` for ``step_us + token_us × tokens`` us, computed, not slept.
+Tokens hash ``(input token, position)`` onto real words, so a wrongly resolved placeholder changes all later output;
+drafts (``sim_drafts``) are right with a configured probability.
 """
 
 from __future__ import annotations
@@ -49,12 +38,7 @@ class SimEvent:
 
 
 class SimulatedDevice:
-    """An in-order stream whose kernels take ``step_us + token_us × num_tokens``.
-
-    Args:
-        step_us: fixed cost of one step, microseconds (the A of A + B·tokens).
-        token_us: cost per token in the step, microseconds (the B).
-    """
+    """An in-order stream whose kernels take ``step_us + token_us × num_tokens`` microseconds."""
 
     def __init__(self, step_us: float, token_us: float):
         if step_us < 0 or token_us < 0:
@@ -70,14 +54,8 @@ class SimulatedDevice:
 
 
 def sim_next_tokens(last_input_ids: np.ndarray, last_positions: np.ndarray) -> np.ndarray:
-    """Deterministic "sampled" tokens.
-
-    Args:
-        last_input_ids: ``[S]`` int64, input token at each sampled row's last position.
-        last_positions: ``[S]`` int64, that position.
-
-    Returns:
-        ``[S]`` int64 token ids in ``SIM_WORD_ID_RANGE``.
+    """Deterministic "sampled" tokens: ``[S]`` int64 ids in ``SIM_WORD_ID_RANGE`` from each sampled row's last input id
+    and position (``[S]`` int64).
     """
     return _word(_hash2(last_input_ids, last_positions))
 
@@ -87,15 +65,8 @@ def _word(h: np.ndarray) -> np.ndarray:
 
 
 def sim_drafts(last_ids: np.ndarray, last_positions: np.ndarray, k: int, acceptance: float) -> np.ndarray:
-    """``[R, k]`` int64 drafts continuing each row: draft ``i`` is the chain's ``i``-th next token after the row's last
-    when the high half of that token's hash falls below ``acceptance``, else the word beside it, which verification
-    rejects (and with it every later draft: a row accepts its leading right drafts).
-
-    Args:
-        last_ids: ``[R]`` int64, each row's last token (the newest sampled).
-        last_positions: ``[R]`` int64, its position.
-        k: drafts per row.
-        acceptance: the probability in [0, 1] that each draft is the chain's token.
+    """``[R, k]`` int64 drafts continuing each row: draft ``i`` is the chain's ``i``-th next token with probability
+    ``acceptance`` (by hash), else the word beside it, which verification rejects.
     """
     # _hash2 of (token, position) along the chain, token i + 1 following token i, in place.
     x = last_ids.astype(np.uint64)
@@ -130,22 +101,11 @@ def _mix(h: np.ndarray) -> np.ndarray:
 def sim_logprobs(
     input_ids: np.ndarray, positions: np.ndarray, targets: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Deterministic stand-in log-probabilities of ``targets``, each following (input token, position).
+    """Deterministic stand-in log-probabilities of ``targets`` (``[N]`` int64), each following (input token, position).
 
-    The simulated model's most likely token after ``(x, p)`` is ``sim_next_tokens``'s, with a log-probability in (-1.05,
-    -0.05] hashed from ``(x, p)``; its other ``MAX_LOGPROBS - 1`` alternatives are distinct word ids, each 0.5 below the
-    previous. A target among them gets its listed value, any other a value below all of them. Like the real values they
-    depend only on the inputs, never on the batch.
-
-    Args:
-        input_ids: ``[N]`` int64, the token at the predicting position.
-        positions: ``[N]`` int64, that position.
-        targets: ``[N]`` int64, the token whose log-probability is wanted.
-
-    Returns:
-        ``(logprob [N] float32, top_ids [N, MAX_LOGPROBS] int32,
-        top_logprobs [N, MAX_LOGPROBS] float32)``: finite, at most 0, top
-        entries in descending order.
+    The top token is ``sim_next_tokens``'s (logprob in (-1.05, -0.05] by hash), alternatives 0.5 apart;
+    batch-independent. Returns ``(logprob [N] float32, top_ids [N, MAX_LOGPROBS] int32, top_logprobs [N, MAX_LOGPROBS]
+    float32)``.
     """
     h = _hash2(input_ids, positions)
     first = (h % np.uint64(_NUM_WORD_IDS)).astype(np.int64)

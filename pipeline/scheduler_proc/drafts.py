@@ -27,17 +27,8 @@ _PREPARED_MIN_ROWS = 64
 class Drafts:
     """Plans drafts into steps and applies the outputs of steps that had them.
 
-    Args:
-        max_num_seqs: req_indices.
-        k: drafts per row at most (``num_speculative_tokens``).
-        adaptive: the policy chooses k and the rows from measured acceptance and cost; False: every row that may draft
-            drafts ``k`` (``SpecPolicy``'s ``adaptive``).
-        pool, steady, builder: the scheduler's block pool, steady rows and descriptor builder.
-        apply_token: the scheduler's ``(req, token, finished)``: append ``token`` to ``req``; if that ends it, remove
-            it, list it in ``finished`` and return True.
-        grammar_rows: rows with a grammar draft too (its masks check the drafts), except where it is lazy (a tool-call
-            trigger).
-        jump_forward: such a row whose grammar forces its next tokens drafts those (``GrammarState.forced``).
+    ``apply_token``: the scheduler's ``(req, token, finished)``, True if the token ended ``req``; ``grammar_rows``: rows
+    with a (non-lazy) grammar draft too; ``jump_forward``: they draft forced tokens (``GrammarState.forced``).
     """
 
     def __init__(
@@ -83,13 +74,11 @@ class Drafts:
     def plan(
         self, step_id: int, steady_rows: np.ndarray, rows: list[tuple[Request, int, bool]], budget: int, max_blocks: int
     ) -> np.ndarray | None:
-        """Give decode rows drafts where the policy says they pay, once the step is planned as without them.
+        """Give decode rows drafts where the policy says they pay, within what the planned step leaves (budget, free
+        blocks, ``max_blocks``); never preempts.
 
-        Drafts take only what is left of the token ``budget``, free blocks and the ``max_blocks`` block-table entries
-        the step's ring entry holds (they never preempt). General rows chosen become ``(req, 1 + k, True)`` in ``rows``;
-        returns the steady rows' drafts (``[D]``, None: none). Rows before ``min_tokens`` or new at their req_index (no
-        drafts proposed there yet) do not draft; nor do rows with a grammar unless ``grammar_rows``. With
-        ``jump_forward``, a row whose grammar forces its next tokens drafts those (``known``), whatever the policy says.
+        Chosen general rows become ``(req, 1 + k, True)`` in ``rows``; returns the steady rows' drafts (``[D]``, None:
+        none).
         """
         base = len(steady_rows) + sum(n for _, n, _ in rows)
         self._step_tokens[step_id] = base
@@ -174,12 +163,8 @@ class Drafts:
         requests: dict[int, Request],
         finished: list[int],
     ) -> None:
-        """Apply step ``step_id``'s output rows after its ``d`` steady ones (those went through
-        ``SteadyRows.apply_output``, whose last value is ``verified``) and measure the step.
-
-        ``device_ns``: its device time; ``matched``: ``[rows]`` ``draft_matched`` (None: not known). Per request its run
-        of tokens (``apply_run``); ``finished`` gets the requests that end. Whether each row's proposer matched counts
-        at once; the other measurements wait for ``observe``.
+        """Apply step ``step_id``'s output rows after its ``d`` steady ones, and measure the step (``matched``:
+        ``[rows]`` ``draft_matched``, None: unknown); ``finished`` gets the requests that end.
         """
         self._last_output = step_id
         record = self._observations.append
@@ -218,10 +203,9 @@ class Drafts:
     def _choose(
         self, num_sampled: int, base: int, cand: np.ndarray, remaining: np.ndarray, budget: int
     ) -> tuple[int, np.ndarray]:
-        """``SpecPolicy.choose``'s ``(k, rows)``, or, when ``prepare`` made the choice since the last step, that choice
-        applied to these candidates: its ``k`` for those at least as likely to accept as the least likely it took, the
-        likeliest first while the token budget lasts (a few array operations instead of the search; the adaptive policy
-        with ``_PREPARED_MIN_ROWS`` candidates only)."""
+        """``SpecPolicy.choose``'s ``(k, rows)``, or a choice ``prepare`` made since the last step applied to these
+        candidates (adaptive policy, ``_PREPARED_MIN_ROWS`` candidates only).
+        """
         policy, args = self.policy, (num_sampled, base, cand, remaining, budget)
         if self._prepared is not None and policy.adaptive and len(cand) >= _PREPARED_MIN_ROWS:
             self._prepared_steps += 1
@@ -251,11 +235,8 @@ class Drafts:
         self._prepared_steps = 0
 
     def observe(self, all_outputs: bool = True) -> None:
-        """Give the policy and the stats the measurements of the outputs applied (False: all but the newest).
-
-        The scheduler's loop calls this once the next step is published, so that measuring is not between an output and
-        the step planned from it; a step's planning catches up first on all but the newest (``Scheduler.schedule``), so
-        the policy sees the same evidence however it is driven.
+        """Give the policy and stats the applied outputs' measurements (False: all but the newest); called off the
+        output-to-step path.
         """
         obs, newest = self._observations, self._last_output
         n = len(obs) if all_outputs else next((i for i, o in enumerate(obs) if o[0] >= newest), len(obs))
@@ -264,11 +245,8 @@ class Drafts:
         del obs[:n]
 
     def apply_run(self, req: Request, n: int, tokens: list[int], finished: list[int]) -> bool:
-        """Roll back the rejected drafts of a row of ``req`` planned with ``n`` tokens, then append the ``tokens`` it
-        got, up to the one that ends it (then listed in ``finished``); True if it ended.
-
-        The rollback comes first: an appended token counts as final (nameable for prefix caching) only up to the
-        positions really computed or planned.
+        """Roll back a row's rejected drafts (planned ``n`` tokens), then append the ``tokens`` it got; True if ``req``
+        ended.
         """
         rejected = n - len(tokens)
         if rejected > 0:

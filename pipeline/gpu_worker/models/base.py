@@ -1,12 +1,8 @@
-"""What every family shares: embedding, decoder layers, final norm, LM head, and loading checkpoint tensors.
+"""What every family shares: embedding, decoder layers, final norm, LM head, and loading checkpoint tensors
+(docs/design.md, "Model families").
 
-The modules are named as transformers names them (``model.layers.0.self_attn.o_proj``), so a checkpoint tensor maps to a
-parameter by name, after the family's renames and ``packed_modules_mapping`` (the parts of a fused projection). Each
-parameter's ``weight_loader`` takes the full checkpoint tensor and keeps this rank's part
-(``pipeline.gpu_worker.layers.linear``; docs/design.md, "Model families").
-
-The forward pass makes no host synchronisation on CUDA (no ``.item()``, no data-dependent Python branching), so it can
-be enqueued on a stream as is.
+Modules carry transformers' names, so checkpoint tensors map by name; each ``weight_loader`` keeps this rank's part. The
+forward makes no host synchronisation on CUDA.
 """
 
 from __future__ import annotations
@@ -39,15 +35,8 @@ class CheckpointError(ValueError):
 class CausalLM(nn.Module):
     """A decoder-only LM over a paged KV cache; a family sets ``decoder_layer`` and its checkpoint names.
 
-    Args:
-        config: the model.
-        tp: this rank's group; every layer is built at the rank's size.
-        max_model_len: the longest sequence served (sliding windows at least this long are dropped; longrope picks its
-            factors); default ``config.max_position_embeddings``.
-        attn_backend: how attention is computed; default ``default_backend()``.
-
-    Parameters are created uninitialised, in the default dtype on the default device; ``load_weights`` fills every one
-    or raises.
+    Parameters start uninitialised (default dtype and device) until ``load_weights``. ``max_model_len`` drops sliding
+    windows at least that long and picks longrope factors.
 
     Raises:
         ValueError: ``tp.size`` does not fit the model (the message lists sizes that do).
@@ -110,18 +99,10 @@ class CausalLM(nn.Module):
         kv_caches: list[KVCache],
         attn_backend: AttentionBackend | None = None,
     ) -> torch.Tensor:
-        """Run one step over the flat token batch.
+        """Run one step over the flat token batch: ``input_ids`` and ``positions`` ``[T]`` int64 (positions below
+        ``max_position_embeddings``); ``kv_caches`` written in place; ``attn_backend`` None: ``self.attn_backend``.
 
-        Args:
-            input_ids: ``[T]`` int64 token ids, laid out as ``meta`` describes.
-            positions: ``[T]`` int64, each below ``max_position_embeddings`` (out-of-range positions are an indexing
-                error).
-            meta: the step's metadata from ``self.attn_backend.build_metadata``, on the model's device.
-            kv_caches: one ``(k_cache, v_cache)`` per layer, as made by ``allocate_kv_caches``; written in place.
-            attn_backend: the backend ``meta`` is for; None: ``self.attn_backend`` (a decode graph's differs).
-
-        Returns:
-            ``[T, hidden_size]`` final-normed hidden states, model dtype.
+        Returns ``[T, hidden_size]`` final-normed hidden states, model dtype.
         """
         ropes = [r.lookup(positions) for r in self.rotary]
         hidden = self.model.embed_tokens(input_ids)
@@ -142,12 +123,8 @@ class CausalLM(nn.Module):
     def allocate_kv_caches(
         self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
     ) -> list[KVCache]:
-        """Preallocate the paged KV cache of this rank's KV heads.
-
-        Returns:
-            One ``(k_cache, v_cache)`` per layer, each
-            ``[num_blocks * block_size, num_kv_heads, head_dim]`` of ``dtype``
-            on ``device``, zero-filled (so padded gathers never read NaN).
+        """Preallocate this rank's paged KV cache: per layer ``(k_cache, v_cache)``, each ``[num_blocks * block_size,
+        num_kv_heads, head_dim]``, zero-filled (padded gathers never read NaN).
         """
         shape = (num_blocks * block_size, self.num_kv_heads, self.head_dim)
         return [
@@ -191,10 +168,8 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Fill every parameter from ``(checkpoint name, full tensor)`` pairs, one tensor at a time.
-
-        Tensors may be in any dtype and on any device (views of a memory-mapped file included): each is cast and copied
-        into this rank's part.
+        """Fill every parameter from ``(checkpoint name, full tensor)`` pairs (any dtype or device), one tensor at a
+        time.
 
         Raises:
             CheckpointError: a tensor has the wrong shape, is loaded twice, has no parameter here, or a parameter is
@@ -233,10 +208,8 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def pack_weights(self) -> None:
-        """Reorder every linear weight and the LM head once into oneDNN's layout, after ``load_weights``.
-
-        On the CPU in float32 and bfloat16 only, elsewhere a no-op (see ``linear.packed``); a packed weight is no longer
-        loadable.
+        """Reorder every linear weight and the LM head once into oneDNN's layout (CPU float32/bfloat16; else a no-op);
+        packed weights are no longer loadable.
         """
         for module in self.modules():
             if isinstance(module, LinearBase):
