@@ -1,9 +1,5 @@
-"""ModelConfig: every switch the shared layers take, read once from a checkpoint's config (no torch).
-
-``ModelConfig.from_hf`` takes transformers' config object (the worker) or the raw ``config.json`` dict (the launcher,
-which must not import torch), in transformers 5's form (``rope_parameters``, ``layer_types``) or the older one of most
-hub checkpoints (``rope_theta`` + ``rope_scaling``), and resolves what a family implies without saying it
-(``families.FAMILIES``; docs/design.md, "Model families").
+"""ModelConfig: every switch the shared layers take, read once from a checkpoint's config without torch (docs/design.md,
+"Model families"); takes transformers 5's and the older config forms.
 """
 
 from __future__ import annotations
@@ -54,16 +50,8 @@ class RopeConfig:
 class ModelConfig:
     """A decoder-only model's architecture, normalised (field names as transformers' where it has one).
 
-    Attributes beyond transformers' names: architecture: ``architectures[0]``, the registry key. qkv_bias, o_bias: bias
-        on the q, k and v projections; on the output projection. qk_norm: an RMSNorm over each head of q and k before
-        RoPE (Qwen3, Gemma 3). norm: "rms" (Llama's RMSNorm) or "gemma" (``x̂ (1 + w)`` in float32). embed_scale:
-        embeddings are multiplied by this (Gemma: sqrt(hidden_size)); None: not scaled. attn_scale: softmax scale
-        (``head_dim ** -0.5``, or ``query_pre_attn_scalar ** -0.5``). layer_types: per layer, FULL or SLIDING (a window
-        of ``sliding_window`` keys, the current one included). rope: the rotary embedding of full-attention layers (and
-        of every layer but for ``rope_sliding``). rope_sliding: sliding layers' own rotary embedding (Gemma 3's local
-        base), else None. num_experts: routed experts per MoE layer; 0 for a dense model. moe_layers: per layer, whether
-        its MLP is the experts (else the dense MLP). dtype: the checkpoint's dtype as config.json states it ("bfloat16",
-        ...), or None.
+    Others: ``norm`` "rms" or "gemma" (``x̂ (1 + w)`` in float32); ``embed_scale`` (None: unscaled); ``layer_types``
+    FULL or SLIDING per layer; ``rope_sliding``: sliding layers' own RoPE (Gemma 3) or None; ``num_experts`` 0: dense.
     """
 
     architecture: str
@@ -101,13 +89,11 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: Any) -> ModelConfig:
-        """Normalise a transformers config object or a ``config.json`` dict.
-
-        A multimodal wrapper (``text_config``) is read as its language model.
+        """Normalise a transformers config object or a ``config.json`` dict (a ``text_config`` wrapper reads as its LM).
 
         Raises:
-            ValueError: an architecture no family serves, a required field missing, or a value not supported (RoPE type,
-                activation, quantization); the message says which.
+            ValueError: an architecture no family serves, a required field missing, or an unsupported value; the message
+                says which.
         """
         top = _Fields(hf, {})
         architecture = (top.get("architectures") or [""])[0]
@@ -208,10 +194,8 @@ class ModelConfig:
         )
 
     def window(self, layer: int, max_model_len: int) -> int | None:
-        """Layer ``layer``'s sliding window in keys, or None when it attends its whole context.
-
-        A window of at least ``max_model_len`` keys never cuts anything off (position p sees keys p - W + 1 .. p), so it
-        is None too.
+        """Layer ``layer``'s sliding window in keys, or None when it attends its whole context (also for windows >=
+        ``max_model_len``).
         """
         if self.layer_types[layer] != SLIDING or self.sliding_window is None:
             return None
@@ -256,7 +240,7 @@ def _size(f: _Fields, key: str, minimum: int = 1) -> int | None:
     """Field ``key``, an integer from ``minimum`` to ``SIZE_LIMITS[key]``, or None when missing.
 
     Raises:
-        ValueError: another type (a string, a float, a bool) or a value out of bounds, naming the field.
+        ValueError: another type or a value out of bounds, naming the field.
     """
     value = f.get(key)
     if value is None:

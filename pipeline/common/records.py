@@ -1,8 +1,5 @@
-"""Fixed-layout records defined by one field table each (docs/step-protocol.md).
-
-A record's table gives every field once: name, dtype, extent and meaning. The byte layout, the typed views over a ring
-entry, the reader's host copy, the live-bytes packing and the reference table are all derived from it, so a new field is
-one line in the table plus the code that uses it.
+"""Fixed-layout records defined by one field table each (docs/step-protocol.md): layout, views, host copy, packing and
+reference table all derive from it.
 """
 
 from __future__ import annotations
@@ -20,15 +17,8 @@ from pipeline.common.layouts import Layout
 class Field:
     """One array of a record (or, in a header, one int64 value).
 
-    Attributes:
-        name: its name in the layout, the views and the host copy.
-        dtype: its numpy dtype on the wire.
-        meaning: one line for the reference table.
-        width: elements per entry: a number or the name of a constant or header field holding it; a field wider than 1
-            is 2-D ``[capacity, width]``.
-        rows: for a uint8 flag, the name under which the host copy holds the indices of its set entries (instead of the
-            flag itself).
-        widen: integers become int64 in the host copy (False: bit patterns, copied as they are).
+    ``width``: elements per entry, a number or the constant or header field holding it (> 1: 2-D); ``rows``: a uint8
+    flag's host copy holds its set entries' indices under this name; ``widen`` False: bit patterns copied as they are.
     """
 
     name: str
@@ -41,16 +31,8 @@ class Field:
 
 @dataclass(frozen=True)
 class Group:
-    """Fields of one extent: ``capacity`` entries laid out, the first ``count`` live.
-
-    Attributes:
-        name: how code finds the group (``Record.group``).
-        per: what one entry is, for the reference table ("request row").
-        capacity: the dimension (layout argument or constant) giving the entries laid out.
-        count: the header field giving the live entries, or a constant (all live).
-        fields: the group's fields.
-        select: a flag's ``rows`` name: the host copy then holds only those entries.
-        meaning: one line for the reference table.
+    """Fields of one extent: ``capacity`` entries laid out, the first ``count`` live; ``select``: a flag's ``rows``
+    name, the host copy then holding only those entries.
     """
 
     name: str
@@ -78,10 +60,8 @@ class RecordView:
 
 
 class HostCopy:
-    """The reader's copy of one entry (``Record.read``): header values as ints, live fields as arrays.
-
-    Integer fields are widened to int64 (unless ``widen`` is False); a flag with ``rows`` becomes the indices of its set
-    entries; a group with ``select`` holds the selected entries only.
+    """The reader's copy of one entry (``Record.read``): header values as ints, live fields as arrays (int64 unless
+    ``widen`` is False; ``rows`` flags as indices; ``select`` groups narrowed).
     """
 
     __slots__ = ()
@@ -93,14 +73,7 @@ class HostCopy:
 
 @dataclass(frozen=True, eq=False)
 class Record:
-    """A record's field table: an int64 header, then groups of fields.
-
-    Attributes:
-        name: the record's name ("StepDescriptor").
-        header: int64 values, held in one array ``header``; they include every group's ``count``.
-        groups: the fields, in layout order.
-        constants: named widths and capacities that are not layout arguments.
-    """
+    """A record's field table: an int64 ``header`` (with every group's ``count``), then ``groups`` in layout order."""
 
     name: str
     header: tuple[Field, ...]

@@ -1,14 +1,7 @@
 """A single-writer, multi-reader ring of fixed-layout entries in POSIX shared memory.
 
-Ordering and back-pressure use POSIX named semaphores (``posix_ipc``), which are full memory barriers: the writer fills
-an entry, then posts each reader's ``full`` semaphore; a reader waits on its ``full`` semaphore, reads, then posts its
-``empty`` semaphore. The writer waits on every reader's ``empty`` semaphore before reusing an entry, so an entry is
-rewritten only after every reader released it, and a full ring makes the writer wait instead of overwriting. Waits sleep
-in the kernel (futex), so an idle process burns no CPU. This is the classic bounded-buffer protocol (Dijkstra), with one
-``full``/``empty`` pair per reader so each reader consumes every entry.
-
-Both sides keep their entry index locally: the protocol is FIFO, so the writer's n-th publish is every reader's n-th
-acquire.
+Dijkstra's bounded buffer with a ``full``/``empty`` POSIX semaphore pair per reader (full memory barriers, futex
+sleeps): each reader consumes every entry, and a full ring makes the writer wait.
 """
 
 from __future__ import annotations
@@ -30,16 +23,8 @@ class RingTimeout(Exception):
 
 
 class ShmRing(Generic[EntryT]):
-    """One ring: ``num_entries`` entries of ``layout`` plus its semaphores.
-
-    Args:
-        name: POSIX name prefix, starting with ``/`` (unique per server instance).
-        layout: the entry layout.
-        num_entries: entries in the ring; size it from the worst case in flight.
-        num_readers: readers that must each consume every entry.
-        create: True in the process that creates the segment (the launcher), False in processes that attach to it.
-        wrap: turns an entry's ``{field: view}`` dict into what the acquire calls return (e.g. a typed view class); by
-            default the dict itself.
+    """One ring: ``num_entries`` entries of ``layout`` plus its semaphores; ``create`` in the launcher, attach
+    elsewhere; ``wrap`` turns an entry's ``{field: view}`` dict into what acquires return.
 
     Raises:
         posix_ipc.ExistentialError: creating a name that exists, or attaching to one that does not.
@@ -78,14 +63,10 @@ class ShmRing(Generic[EntryT]):
     # -- writer side ---------------------------------------------------------
 
     def acquire_write(self, timeout: float | None = None) -> EntryT:
-        """Wait until the next entry is free in every reader; return its views.
-
-        Args:
-            timeout: seconds to wait; None waits forever, 0 does not wait.
+        """Wait until the next entry is free in every reader (``timeout`` None: forever, 0: no wait); return its views.
 
         Raises:
-            RingTimeout: the entry did not become free in time. Semaphores already taken for this entry are kept, so
-                calling again resumes the wait without losing an entry.
+            RingTimeout: not free in time; semaphores taken are kept, so calling again resumes.
         """
         while self._write_taken < self.num_readers:
             try:
@@ -106,9 +87,7 @@ class ShmRing(Generic[EntryT]):
     # -- reader side ---------------------------------------------------------
 
     def acquire_read(self, reader: int, timeout: float | None = None) -> EntryT:
-        """Wait for the next published entry for ``reader``; return its views.
-
-        The views stay valid until ``release_read``; copy what must outlive it.
+        """Wait for the next published entry for ``reader``; its views stay valid until ``release_read``.
 
         Raises:
             RingTimeout: nothing was published in time.
@@ -127,11 +106,7 @@ class ShmRing(Generic[EntryT]):
     # -- lifecycle -----------------------------------------------------------
 
     def unlink(self) -> None:
-        """Remove the names; the memory lives on until the last process unmaps it.
-
-        Called once every process has attached, so nothing is left behind however the processes end (``kill -9``
-        included). Idempotent.
-        """
+        """Remove the names (idempotent); the memory lives until the last process unmaps it."""
         names = [self.name] + [s.name for s in self._full + self._empty]
         for i, n in enumerate(names):
             try:

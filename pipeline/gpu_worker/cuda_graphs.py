@@ -1,12 +1,7 @@
 """CUDA graphs for decode-only steps (docs/design.md, "CUDA graphs for decode").
 
-A decode step of a small model is bound by kernel launches; a CUDA graph replays a step's kernels with one launch
-(PyTorch, "CUDA Graphs"). A graph replays fixed shapes at fixed addresses, so, as vLLM does, graphs are captured at
-start-up for a few batch sizes and a decode-only step of ``B`` rows runs as the graph of the smallest size ``n >= B``.
-Inside a graph the model attends through ``GraphDecodeBackend`` over static per-row buffers (``GraphDecodeInputs``) in
-its own backend's cache layout; this module owns those buffers, the token ids, the logits and the graphs. On CPU nothing
-is captured: ``run`` calls the graph body eagerly on the same padded buffers, which is how the tests check it against
-the eager path.
+As vLLM, graphs are captured at start-up for a few batch sizes over static buffers; a decode-only step of ``B`` rows
+runs as the smallest size ``>= B``. On CPU ``run`` calls the graph body eagerly (how tests check it).
 """
 
 from __future__ import annotations
@@ -23,12 +18,7 @@ from pipeline.gpu_worker.attention.kv_layout import KVCache
 
 
 def padded_size(sizes: Sequence[int], num_rows: int) -> int | None:
-    """The smallest captured size ``>= num_rows``, or None when ``num_rows`` exceeds them all.
-
-    Args:
-        sizes: captured batch sizes, ascending.
-        num_rows: rows of a decode-only step, >= 1.
-    """
+    """The smallest captured size (``sizes`` ascending) ``>= num_rows``, or None when ``num_rows`` exceeds them all."""
     i = bisect.bisect_left(sizes, num_rows)
     return sizes[i] if i < len(sizes) else None
 
@@ -49,17 +39,8 @@ class GraphStep:
 
 
 class DecodeGraphs:
-    """Token ids, logits, capture and replay of decode-only steps.
-
-    Args:
-        model: a model of ``pipeline.gpu_worker.models``, which calls ``attn_backend`` in its layers.
-        attn_backend: the model's backend (the graphs attend in its cache layout).
-        kv_caches: the model's caches, the padding block included.
-        block_table: ``[max_num_reqs, max_blocks_per_seq]`` int64, the runner's device block table (read by the graphs
-            at this address).
-        sizes: batch sizes to serve, >= 1.
-        block_size: tokens per KV block.
-        pad_block: the padding block's id, a block the scheduler never hands out.
+    """Token ids, logits, capture and replay of decode-only steps; ``block_table`` is read by the graphs at its address,
+    ``pad_block`` is never handed out.
 
     Raises:
         ValueError: no sizes, or a KV cache without the padding block.
@@ -90,10 +71,7 @@ class DecodeGraphs:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
     def prepare(self, layout: StepLayout, upload: Upload, shift: torch.Tensor | None = None) -> GraphStep | None:
-        """Fill the static buffers for a decode-only step; None if the step runs eagerly (too big, or a prefill row).
-
-        ``shift``: as ``AttentionBackend.build_metadata``'s.
-        """
+        """Fill the static buffers for a decode-only step; None if it runs eagerly (too big, or a prefill row)."""
         num_rows = layout.query_lens.size
         size = padded_size(self.sizes, num_rows)
         if size is None or layout.num_tokens != num_rows:
@@ -102,15 +80,8 @@ class DecodeGraphs:
         return GraphStep(num_tokens=num_rows, size=size, graphs=self, positions=positions)
 
     def run(self, step: GraphStep, input_ids: torch.Tensor) -> torch.Tensor:
-        """Run ``step`` (the latest from ``prepare``): its captured graph, or the body eagerly where none was captured
-        (CPU).
-
-        Args:
-            input_ids: ``[B]`` int64 on the device, placeholders resolved.
-
-        Returns:
-            ``[B, vocab]`` float32 logits, a view of the static buffer that the
-            next step overwrites (consume it in stream order before then).
+        """Run ``step`` (the latest from ``prepare``) on ``input_ids`` (``[B]`` int64); returns ``[B, vocab]`` float32
+        logits, a view the next step overwrites.
         """
         self.input_ids[: step.num_tokens].copy_(input_ids)
         graph = self._graphs.get(step.size)
@@ -128,11 +99,7 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture one graph per size on the current CUDA device (PyTorch's ``torch.cuda.graph``).
-
-        The static buffers must hold padding rows only (as after construction), so warm-up and capture write nothing but
-        the padding block.
-        """
+        """Capture one graph per size on the current CUDA device; the static buffers must hold padding rows only."""
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its pool memory
             # One eager run on a side stream first initialises libraries and

@@ -1,10 +1,5 @@
-"""Per-request state the worker keeps on the device, by req_index, updated in stream order.
-
-A request keeps one req_index while it runs. Its row holds the last sampled token (the token-id cache), the block-table
-row, the sampling parameters and, with penalties, its token counts. Updates come from the descriptor and are enqueued on
-the compute stream before the step that reads them, so a step already queued never sees a later step's update
-(docs/design.md, "The step protocol"). The sampling parameters are mirrored on the host, which decides how to sample;
-nothing is read back from the device.
+"""Per-request state the worker keeps on the device, by req_index, updated in stream order before the step that reads it
+(docs/design.md, "The step protocol"); sampling parameters are mirrored on the host, nothing is read back.
 """
 
 from __future__ import annotations
@@ -41,12 +36,10 @@ INT_COLUMN = {name: i for i, name in enumerate(INT_PARAMS)}
 
 @dataclass
 class RowUpdate:
-    """One step's writes to the rows, staged for the step's upload (None: nothing of that kind).
+    """One step's writes to the rows, staged for its upload (None: nothing of that kind).
 
-    ``block_index``/``block_ids`` ``[B]`` int64: flat block-table index and block id of each new block-table entry.
-    ``req_indices [K]`` int64, ``floats [K, len(FLOAT_PARAMS)]`` float32, ``ints [K, len(INT_PARAMS)]`` int64: the new
-    rows' parameters. ``bias_ids``/``bias_values [K, MAX_LOGIT_BIAS]``: their logit_bias entries (some new row has one).
-    ``fresh [F]`` int64: penalized new rows, whose counts restart at zero.
+    ``block_index``/``block_ids`` ``[B]`` int64; new rows' ``req_indices [K]`` int64, ``floats``/``ints [K, n]``
+    float32/int64, ``bias_ids``/``bias_values [K, MAX_LOGIT_BIAS]``; ``fresh [F]``: penalized new rows (counts reset).
     """
 
     block_index: Staged | None = None
@@ -61,10 +54,8 @@ class RowUpdate:
 
 @dataclass
 class InputCounts:
-    """Which of a step's input tokens the penalties count, staged (see ``InputBatch.count_inputs``).
-
-    ``out_flat``/``out_req_index``: step-token index and req_index of each output token of a penalized row;
-    ``in_flat``/``in_req_index``: the same for prompt tokens.
+    """Which of a step's input tokens the penalties count, staged: step-token index and req_index of output (``out_*``)
+    and prompt (``in_*``) tokens.
     """
 
     out_flat: Staged
@@ -78,21 +69,9 @@ class InputCounts:
 class InputBatch:
     """Token-id cache, block table and sampling parameters of ``max_num_reqs`` rows (vLLM's persistent batch).
 
-    Device tensors (on ``ops.device``): ``token_cache [max_num_reqs]`` int64 (starts at ``POISON_TOKEN_ID``),
-    ``block_table [max_num_reqs, max_blocks_per_seq]`` int64, ``float_params`` and ``int_params`` (columns
-    ``FLOAT_COLUMN`` and ``INT_COLUMN``; ``params`` has a ``[max_num_reqs]`` view of each column by name). Host mirrors
-    (numpy): ``host_temperature``, ``host_top_p``, ``host_top_k``, ``host_min_p``; host only: ``host_logprobs`` int64,
-    alternatives wanted per sampled token, -1 for none (the worker computes all ``MAX_LOGPROBS``; io_proc keeps what was
-    asked).
-
-    Penalties and biases: ``penalty`` (a ``PenaltyState``) on the device when ``vocab_size`` is given (the simulated
-    device ignores them); host only: ``host_penalized`` (a presence, frequency or repetition penalty is on),
-    ``host_num_bias``, ``host_min_tokens``, ``host_prompt_len`` and ``host_stop_ids`` (what ``min_tokens`` masks).
-
-    ``any_hot``, ``any_logprobs``, ``any_penalized`` and ``any_penalty_work`` say whether some row samples with
-    temperature, wants log-probabilities, has a penalty, or has a penalty, bias or ``min_tokens``: when none does, a
-    step skips that planning. A row keeps its last request's parameters until a new one arrives, so they may stay True a
-    while after the last such request finished (the per-row planning then finds no row).
+    Device: ``token_cache [max_num_reqs]`` int64 (starts at ``POISON_TOKEN_ID``), ``block_table [max_num_reqs,
+    max_blocks_per_seq]`` int64, ``float_params``/``int_params``, ``penalty`` (when ``vocab_size`` is given). Host
+    mirrors ``host_*`` decide the planning; ``any_*`` flags skip it when no row needs it (they may stay True a while).
     """
 
     def __init__(self, max_num_reqs: int, max_blocks_per_seq: int, ops: DeviceOps, vocab_size: int | None = None):
@@ -196,9 +175,8 @@ class InputBatch:
             st.in_prompt.index_fill_(0, u.fresh.dev, False)
 
     def stage_counts(self, x: StepInputs, batch: UploadBatch) -> InputCounts | None:
-        """Stage which of step ``x``'s input tokens ``count_inputs`` counts; None when no row is penalized.
-
-        Call after ``stage`` of the same step (it reads the updated mirrors).
+        """Stage which of step ``x``'s input tokens ``count_inputs`` counts (None: no row penalized); call after
+        ``stage``.
         """
         if self.penalty is None or not self.any_penalized:
             return None
@@ -224,16 +202,11 @@ class InputBatch:
         )
 
     def count_inputs(self, counts: InputCounts | None, input_ids: torch.Tensor) -> None:
-        """Count a step's input tokens of penalized rows, on the device, before the step samples.
+        """Count penalized rows' input tokens on the device before the step samples (``input_ids``: ``[T]`` int64,
+        resolved).
 
-        A token at a position below its row's ``prompt_len`` marks the prompt mask; any other is an output token (a
-        decode input, or an output re-prefilled after a preemption) and adds one to its count. Every output token but
-        the last is some step's input, and the last is never penalized against, so the counts are exact without reading
-        the sampled tokens back.
-
-        Args:
-            counts: from ``stage_counts`` (its batch uploaded); None counts nothing.
-            input_ids: ``[T]`` int64 on the device, placeholders resolved.
+        Positions below ``prompt_len`` mark the prompt mask, others add to the output counts: every output token but the
+        last is some step's input, so counts are exact without reading sampled tokens back.
         """
         if counts is None:
             return
