@@ -12,14 +12,8 @@ from pipeline.common.step_protocol import DESCRIPTOR, DRAFT_TOKEN_ID, StepDescri
 
 
 class DescriptorBuilder:
-    """Collects one step's rows, then writes them into a descriptor ring entry.
-
-    Rows are added in descriptor order; ``write`` fills a ``StepDescriptor`` and ``clear`` readies the builder for the
-    next step (one builder is reused, so planning allocates no per-step objects beyond the row lists).
-
-    Args:
-        record: the descriptor's field table; its ``sampling`` group is copied from the ``SamplingParams`` attributes of
-            the same names.
+    """Collects one step's rows in descriptor order, then ``write``s them into a ring entry; reused across steps
+    (``clear``). ``record``'s ``sampling`` group is copied from the same-named ``SamplingParams`` attributes.
     """
 
     def __init__(self, record: Record = DESCRIPTOR) -> None:
@@ -88,20 +82,11 @@ class DescriptorBuilder:
         num_drafts: int = 0,
         num_rejected: int = 0,
     ) -> None:
-        """Schedule ``token_ids`` (positions ``start_pos...``) of request ``req_num`` at row ``req_index``.
+        """Schedule ``token_ids`` (real or ``PLACEHOLDER_TOKEN_ID``, at least one; positions ``start_pos...``) of
+        ``req_num`` at row ``req_index``.
 
-        Args:
-            token_ids: real ids or ``PLACEHOLDER_TOKEN_ID``; at least one.
-            do_sample: sample a token from the last scheduled position.
-            new_params: the request's sampling parameters on its first row at ``req_index`` (the worker keeps them per
-                req_index), else None.
-            num_prompt_logprobs, next_prompt_token: as the descriptor's fields.
-            prompt_len: with ``new_params``, the request's prompt length.
-            masked: with ``do_sample``, a grammar constrains the sampled token; its mask follows in the step's
-                ``TokenMasks`` entry.
-            num_drafts: the last ``num_drafts`` of ``token_ids`` are drafts (``DRAFT_TOKEN_ID``) to verify; needs
-                ``do_sample``.
-            num_rejected: the request's rejected drafts that ``start_pos`` accounts for (the descriptor's field).
+        ``new_params``: only on a request's first row at ``req_index``; ``masked``: its mask follows in ``TokenMasks``;
+        ``num_drafts``: the last ones are ``DRAFT_TOKEN_ID`` drafts (needs ``do_sample``).
         """
         if masked:
             self._masks.append(len(self._req_num))
@@ -139,14 +124,8 @@ class DescriptorBuilder:
     ) -> int:
         """Write the collected rows into ``desc`` as step ``step_id``; returns its number of tokens.
 
-        Args:
-            decode: ``(req_num, req_index, start_pos, token_ids)``, int arrays ``[D]``: D rows of one token each (then
-                their drafts), which sample and are not new at their req_index (the scheduler's steady rows), written
-                first; the rows added with ``add_row`` follow.
-            continues: the header's ``continues`` flag.
-            decode_rejected: ``[D]`` those rows' ``num_rejected``; None: 0.
-            decode_drafts: ``[D]`` drafts each of those rows verifies after its token (``DRAFT_TOKEN_ID`` tokens follow
-                it); None: none.
+        ``decode``: ``(req_num, req_index, start_pos, token_ids)`` int arrays ``[D]``, the steady rows, written first;
+        ``decode_rejected``/``decode_drafts``: ``[D]`` (None: 0 / none).
         """
         d = 0 if decode is None else len(decode[0])
         td = d if decode_drafts is None else d + int(decode_drafts.sum())  # the decode rows' tokens

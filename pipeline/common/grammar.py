@@ -1,13 +1,7 @@
-"""Structured output: grammars through llguidance (no torch).
+"""Structured output: grammars through llguidance, no torch (docs/design.md, "Structured output").
 
-io_proc turns ``response_format`` (and vLLM's ``guided_*`` fields) into an llguidance grammar (``build_grammar``); the
-grammar travels as text in ``SamplingParams.grammar``. The scheduler compiles it, off its loop, and holds a matcher per
-constrained request, which advances with each output token and gives the token bitmask of the next sampled position
-(``pipeline.scheduler_proc.grammar_manager``; docs/design.md, "Structured output").
-
-Sources: OpenAI's structured outputs guide (``response_format`` ``json_object`` and ``json_schema``), vLLM's guided
-decoding extensions (``guided_json``, ``guided_regex``, ``guided_choice``), and llguidance's Python API and JSON schema
-support (github.com/guidance-ai/llguidance, ``python/llguidance/_lib.pyi`` and ``docs/json_schema.md``).
+Sources: OpenAI's structured outputs guide, vLLM's ``guided_*`` extensions, llguidance's Python API and JSON schema
+support (github.com/guidance-ai/llguidance, ``python/llguidance/_lib.pyi``, ``docs/json_schema.md``).
 """
 
 from __future__ import annotations
@@ -35,25 +29,13 @@ class GrammarError(ValueError):
 
 
 def build_grammar(kind: str, spec: object, param: str) -> str:
-    """The llguidance grammar for one structured-output request.
+    """The llguidance grammar (JSON text) for one structured-output request; compilability is found by the scheduler.
 
-    Its form is checked here, and a JSON schema that admits only infinite values is refused; whether llguidance can
-    compile it (and within the memory a request may take) is found when the scheduler compiles it.
-
-    Args:
-        kind: ``"json_object"`` (any JSON object), ``"json_schema"`` (``spec`` a JSON schema as a dict or JSON text),
-            ``"regex"`` (``spec`` a regular expression in Rust's ``regex`` syntax), ``"choice"`` (``spec`` a non-empty
-            list of strings: exactly one of them) or ``"lark"`` (``spec`` a grammar in llguidance's Lark dialect, as
-            tool calling builds them).
-        spec: as ``kind`` says; ignored for ``json_object``.
-        param: the request field ``spec`` came from, for the error.
-
-    Returns:
-        The grammar as llguidance's JSON text (``LLMatcher`` takes it).
+    ``kind``: ``"json_object"``, ``"json_schema"`` (dict or JSON text), ``"regex"`` (Rust ``regex`` syntax),
+    ``"choice"`` (non-empty list of strings) or ``"lark"`` (llguidance's Lark); ``param`` names the field in errors.
 
     Raises:
-        GrammarError: the schema, regex or choice list is malformed or not supported, or the schema admits no finite
-            value.
+        GrammarError: the schema, regex or choice list is malformed or unsupported, or admits no finite value.
     """
     if kind == "json_object":
         kind, spec = "json_schema", {"type": "object"}
@@ -101,20 +83,16 @@ def check_finite(schema: object, param: str) -> None:
 
 
 def check_grammar(grammar: str, param: str) -> None:
-    """Raise ``GrammarError`` naming ``param`` if llguidance cannot compile ``grammar``.
-
-    Checked without the tokenizer (milliseconds for a few tool schemas, on the caller's thread: llguidance lets go of
-    the GIL); only tool calling checks here, to name the tool at fault. The scheduler compiles for real.
+    """Raise ``GrammarError`` naming ``param`` if llguidance cannot compile ``grammar`` (no tokenizer; tool calling
+    only).
     """
     if err := llguidance.LLMatcher.validate_grammar(grammar, None):
         raise GrammarError(f"{param} is invalid: {err}", param)
 
 
 def load_tokenizer(tokenizer_dir: str, vocab_size: int) -> llguidance.LLTokenizer:
-    """llguidance's view of the model's tokenizer, from ``tokenizer_dir/tokenizer.json``.
-
-    Building it takes about 0.2 s for a 49,152-token vocabulary, so the scheduler does it once at start-up. Token ids up
-    to ``vocab_size`` (the model's embedding rows, which may exceed the tokenizer's) get mask bits.
+    """llguidance's view of the model's tokenizer, from ``tokenizer_dir/tokenizer.json``; ids up to ``vocab_size`` get
+    bits.
 
     Raises:
         FileNotFoundError: no ``tokenizer.json`` (only fast tokenizers are supported).

@@ -1,9 +1,5 @@
-"""Giving the heap back to the system after a burst (docs/design.md, "Memory after a burst").
-
-glibc's malloc keeps what a process frees: a page in the middle of a heap, or in the arena of another thread, stays
-mapped as long as one live object shares it. After a burst of requests (262,144 sequences in one request once left
-io_proc 500 MB larger for good) nothing is garbage, but the memory is not returned until ``malloc_trim`` releases every
-free page of every arena.
+"""Giving the heap back to the system after a burst (docs/design.md, "Memory after a burst"): glibc keeps freed pages
+that a live object shares until ``malloc_trim``.
 """
 
 from __future__ import annotations
@@ -31,10 +27,8 @@ if _mallinfo2 is not None:
 
 
 def heap_in_use() -> int | None:
-    """Bytes the process's malloc heap has handed out and not yet had back (glibc's ``mallinfo2``).
-
-    Every thread's allocations count, so a difference measures one piece of work only while the process's other threads
-    allocate little. None without glibc 2.33 or later. About 1 us.
+    """Bytes the malloc heap has handed out and not had back (glibc's ``mallinfo2``, all threads); None before glibc
+    2.33.
     """
     if _mallinfo2 is None:
         return None
@@ -43,21 +37,15 @@ def heap_in_use() -> int | None:
 
 
 def trim_heap() -> None:
-    """Return the free pages of every malloc arena to the system (glibc's ``malloc_trim(0)``).
-
-    Tens of milliseconds after a burst of hundreds of MB; ctypes releases the GIL meanwhile, so callers run it on a
-    thread of their own. A no-op without glibc.
+    """Return every malloc arena's free pages to the system (``malloc_trim(0)``); releases the GIL, so run it on its own
+    thread. A no-op without glibc.
     """
     if _malloc_trim is not None:
         _malloc_trim(0)
 
 
 def limit_arenas(n: int) -> None:
-    """Let the threads started after this share ``n`` malloc arenas (glibc's ``mallopt(M_ARENA_MAX)``).
-
-    Each thread otherwise gets an arena of its own (up to 8 per core), and each keeps the pages a few live objects pin
-    after a burst. A no-op without glibc.
-    """
+    """Let threads started after this share ``n`` malloc arenas (``mallopt(M_ARENA_MAX)``); a no-op without glibc."""
     if _mallopt is not None:
         _mallopt(_M_ARENA_MAX, n)
 
@@ -85,13 +73,7 @@ class _Settle:
 
 
 class BurstWatch(_Settle):
-    """Tells when a burst of live items (requests, sequences) has passed.
-
-    Args:
-        threshold: the smallest peak that counts as a burst.
-        settle_s: how long the count must stay down, so that what the last items left (a response being written) is
-            freed first.
-    """
+    """Tells when a burst of live items has passed: a peak of at least ``threshold``, then ``settle_s`` down."""
 
     def __init__(self, threshold: int = 1024, settle_s: float = 1.0):
         super().__init__(settle_s)
@@ -104,13 +86,8 @@ class BurstWatch(_Settle):
 
 
 class HeapWatch(_Settle):
-    """Tells when the malloc heap has stayed ``min_bytes`` below its peak for ``settle_s``: a burst of large work
-    (request bodies, rendered prompts, refused or not) has passed, and the pages it freed can go back to the system.
-
-    Args:
-        min_bytes: how much must have been freed since the peak.
-        settle_s: how long the heap must stay down, so that a burst still under way is not trimmed in the middle (and
-            then not again at its end).
+    """Tells when the malloc heap has stayed ``min_bytes`` below its peak for ``settle_s``: a burst has passed and its
+    freed pages can go back.
     """
 
     def __init__(self, min_bytes: int = 16 * 2**20, settle_s: float = 1.0):

@@ -1,13 +1,7 @@
-"""Bounds on what one HTTP client can cost io_proc: time, bytes and sockets.
+"""Bounds on what one HTTP client can cost io_proc: time, bytes and sockets (docs/design.md, "Bounds per client").
 
-* ``guarded_h11_protocol`` (the connection layer) subclasses uvicorn's h11 protocol: read
-  deadlines for a request's headers (``header_timeout_s``) and body (``body_timeout_s``), which
-  uvicorn lacks, and no writes to a transport already closing (asyncio would log
-  ``socket.send() raised exception`` for each after the fifth).
-* ``RequestBodyLimit`` (the ASGI layer) caps a request body's size (413) before any JSON is parsed.
-
-uvicorn's own bounds are used as they are (``limit_concurrency``, ``timeout_keep_alive``, h11's 16 KiB header limit);
-``OncePerInterval`` thins out their warnings. docs/design.md, "Bounds per client".
+``guarded_h11_protocol`` adds header and body read deadlines to uvicorn's h11 protocol and skips writes to closing
+transports; ``RequestBodyLimit`` caps body size (413); ``OncePerInterval`` thins uvicorn's warnings.
 """
 
 from __future__ import annotations
@@ -47,10 +41,8 @@ class _QuietTransport:
 
 
 class _GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with read deadlines and quiet writes (see the module docstring).
-
-    Subclasses made by ``guarded_h11_protocol`` set the two timeouts (seconds). A missed header deadline closes the
-    connection; a missed body deadline answers 408 (if no response has started) and closes it.
+    """uvicorn's h11 protocol with read deadlines and quiet writes: a missed header deadline closes the connection, a
+    missed body deadline answers 408 (if no response started) and closes it.
     """
 
     header_timeout_s: float = 10.0
@@ -76,12 +68,7 @@ class _GuardedH11Protocol(H11Protocol):
         self._update_deadline()
 
     def _update_deadline(self) -> None:
-        """Time the phase the client is in: "headers", "body", or none.
-
-        None covers a request that has fully arrived and an idle kept-alive connection, which uvicorn's keep-alive timer
-        covers (uvicorn cancels that timer when bytes arrive, and does not arm it after the rest of a body was
-        discarded: then the header deadline runs instead).
-        """
+        """Time the phase the client is in: "headers", "body", or none (left to uvicorn's keep-alive timer)."""
         if self.transport.is_closing():
             phase = None
         elif self.conn.their_state is h11.IDLE:
@@ -144,16 +131,8 @@ def guarded_h11_protocol(header_timeout_s: float, body_timeout_s: float) -> type
 
 
 class RequestBodyLimit:
-    """ASGI middleware: read each HTTP request body up to ``max_bytes`` before the app runs.
-
-    Over the limit the client gets 413 with an OpenAI error object, at once when ``Content-Length`` says so (nothing is
-    read) and otherwise as soon as the bytes read pass it. The app then receives the body as one ``http.request``
-    message, and later ``receive`` calls go to the server (a disconnect). A client that leaves while sending is simply
-    dropped.
-
-    Args:
-        app: the ASGI app.
-        max_bytes: the largest body accepted, in bytes.
+    """ASGI middleware: read each request body up to ``max_bytes`` before the app runs, else 413 with an OpenAI error
+    (at once when ``Content-Length`` says so); the app gets the body as one ``http.request`` message.
     """
 
     def __init__(self, app: ASGIApp, max_bytes: int):
@@ -214,11 +193,8 @@ class RequestBodyLimit:
 
 
 class OncePerInterval(logging.Filter):
-    """A logging filter that passes records with message ``message`` at most once per ``interval_s`` seconds, noting how
-    many it dropped since the last one.
-
-    uvicorn logs "Exceeded concurrency limit." for every request it refuses with 503, and "Invalid HTTP request
-    received." for every malformed one: under a flood that would be a line per request.
+    """A logging filter passing ``message`` at most once per ``interval_s`` seconds, noting how many it dropped (uvicorn
+    logs one per refused or malformed request).
     """
 
     def __init__(self, message: str, interval_s: float):

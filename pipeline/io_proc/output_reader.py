@@ -1,12 +1,8 @@
-"""The output reader thread: StepOutputs from the ring -> text per request -> the event loop.
+"""The output reader thread: StepOutputs from the ring -> text per request -> the event loop (docs/design.md, "Output
+reader thread").
 
-It reads every ``StepOutput`` as reader ``OUTPUT_READER_IO``, copies the rows and releases the entry before any text
-work, so the worker never waits on io_proc's text; each live row goes through its request's ``OutputProcessor``, and a
-step's results reach the loop in one ``call_soon_threadsafe`` (docs/design.md, "Output reader thread").
-
-The table of live requests is shared with the ``EngineClient`` (single dict operations, atomic under the GIL): the loop
-inserts before sending ``AddRequest`` and removes on abort; this thread removes on finish. A row whose request is not in
-the table is dropped, so no token after a finish reaches a client.
+It copies each entry and releases it before text work. The live-request table is shared with ``EngineClient`` (dict
+operations, atomic under the GIL); rows of requests not in it are dropped, so nothing after a finish reaches a client.
 """
 
 from __future__ import annotations
@@ -42,24 +38,9 @@ StepResult = tuple[RequestState, str, FinishReason | None, int]
 class OutputReader:
     """The thread that routes sampled tokens to their requests.
 
-    Args:
-        ring: the output ring, attached with two readers; this reads as ``OUTPUT_READER_IO``.
-        requests: the live-request table, ``req_num -> RequestState`` (shared with the engine client; see the module
-            docstring).
-        send_abort: tells the scheduler to abort a request, ``send_abort(req_num, finished_ns)`` (called from this
-            thread when a stop string ends one; must be thread-safe).
-        dispatch: called on the event loop as ``dispatch(step, results)`` once per step that gave live requests tokens
-            or has results; it must set ``step.time`` (the ``StepTime`` every such request's ``token_steps`` got in this
-            step).
-        metrics: this engine's request histograms, which this thread observes.
-        trace: if given, each step's handling is recorded as a ``detokenize`` span, and the process's CPU time per step
-            as a ``cpu`` span.
-
-    Attributes:
-        error: the exception that ended the thread, if one did.
-        num_generation_tokens: tokens accepted for live requests so far.
-        last_turn: ``time.monotonic()`` of the loop's last turn (at least every ``POLL_INTERVAL_S`` while it runs);
-            io_proc's heartbeat.
+    ``send_abort(req_num, finished_ns)`` is called from this thread (thread-safe); ``dispatch(step, results)`` runs on
+    the loop once per step with results and must set ``step.time``. ``last_turn``: ``time.monotonic()`` of the last loop
+    turn, io_proc's heartbeat.
     """
 
     def __init__(
@@ -125,11 +106,8 @@ class OutputReader:
             logger.exception("output reader thread failed")
 
     def process_step(self, out: DecodedOutput, step: StepTime) -> None:
-        """Run one step's rows (``out.req_nums[i]`` sampled ``out.token_ids[i]``) and log-probabilities through their
-        requests and dispatch the results to the loop (reader thread); ``step`` is the step's ``StepTime``.
-
-        Log-probabilities come first: a request's last prompt entries arrive in the step that samples its first token,
-        and a token's own entry must be stored before the token is delivered.
+        """Run one step's rows and log-probabilities through their requests and dispatch the results (reader thread);
+        log-probabilities first, so a token's entry is stored before it is delivered.
         """
         requests = self._requests
         outputs: list[StepResult] = []

@@ -1,6 +1,4 @@
-"""One constrained request's matcher and the mask for its next output position (docs/design.md, "Structured output");
-the grammar manager makes them, advances them and runs their jobs on its threads. A state calls nobody back: it holds
-its matcher and mask, and says what advancing it takes."""
+"""One constrained request's matcher and the mask for its next output position (docs/design.md, "Structured output")."""
 
 from __future__ import annotations
 
@@ -47,24 +45,9 @@ class CompiledGrammar:
 class GrammarState:
     """The matcher of one constrained request (a choice), and the mask for its next output position.
 
-    The matcher has consumed the request's output tokens so far, or is consuming the last one on a grammar thread (then
-    ``ready`` is False). With a trigger, the mask is needed only where ``needs_mask`` says, and the matcher exists only
-    there (a copy of the pristine one, fed the text's tail). Ending is the model's choice among the request's stop token
-    ids, allowed exactly when the grammar accepts, and the only tokens allowed once it cannot continue; so the request
-    finishes with "stop" in the scheduler and io_proc alike (``check_finish``).
-
-    Attributes:
-        req_num: the request (choice) it constrains.
-        mask: int32 ``[ceil(V / 32)]``, bit set = allowed; valid while ``ready``.
-        ready: the mask is that of the next output position.
-        error: why the matcher failed (it left its grammar, or hit a limit); "" if it did not.
-        trigger: where the text stands against the request's ``grammar_trigger``; None without one.
-        cost_s: CPU seconds its masks take: the last one's, or a quarter of the previous figure if more.
-        closed: its request has ended (``GrammarManager.release``).
-        on_background: its matcher is advancing on the background thread (a costly mask).
-        forced: ``(outputs consumed, tokens)``: the tokens the grammar forces after that many output tokens
-            (llguidance's fast-forward tokens; with ``jump_forward`` and no trigger, else none), which the row's next
-            steps verify as drafts (docs/design.md, "Jump-forward").
+    Stop ids are allowed exactly when the grammar accepts, so the request finishes with "stop" in the scheduler and
+    io_proc alike. ``mask``: int32 ``[ceil(V / 32)]``, bit set = allowed, valid while ``ready``; ``error``: why the
+    matcher failed, "" if not; ``forced``: tokens the grammar forces next (docs/design.md, "Jump-forward").
     """
 
     __slots__ = (
@@ -121,10 +104,9 @@ class GrammarState:
         return self.trigger is None or self.trigger.needs_mask(in_flight)
 
     def follow(self, token_id: int) -> tuple[bool, bytes | None, llguidance.LLMatcher | None]:
-        """Output ``token_id`` has come: ``(whether a mask job follows, the text's tail that job makes a matcher from
-        (None: it consumes ``token_id``), a matcher no longer used)``. A stop id ends the output. With a trigger, the
-        text is followed here, and a job follows only where a mask is needed next; a matcher is given up where the text
-        turned away from the trigger."""
+        """Output ``token_id`` has come: ``(whether a mask job follows, the text tail the job builds a matcher from
+        (None: consume ``token_id``), a matcher no longer used)``.
+        """
         if token_id in self._stop_ids or self.error:
             return False, None, None
         trigger = self.trigger
@@ -182,9 +164,8 @@ class GrammarState:
         self.ready = True
 
     def walk(self, drafts: list[int]) -> np.ndarray:  # on the mask thread, once ``ready``
-        """The masks of a row that verifies ``drafts`` from here: ``[1 + k, W]`` int32, ``mask`` and then the mask after
-        each draft, as long as the drafts are allowed. A position after a forbidden draft or a stop id is never sampled
-        from (verification rejects there): it allows everything. The matcher is rolled back; a failure sets ``error``.
+        """The masks of a row verifying ``drafts``: ``[1 + k, W]`` int32, ``mask`` then one after each allowed draft
+        (all allowed after a forbidden one); the matcher is rolled back, a failure sets ``error``.
         """
         out = np.full((1 + len(drafts), len(self.mask)), -1, np.int32)
         out[0] = self.mask

@@ -1,18 +1,8 @@
-"""The ``flashinfer`` attention backend (CUDA): FlashInfer's paged-KV batch prefill kernel.
+"""The ``flashinfer`` attention backend (CUDA): FlashInfer's paged-KV batch prefill kernel, one call per layer for the
+whole step, no gather or padding (docs/design.md, "Attention backends", "The in-flight limit").
 
-One kernel call per layer serves the whole step, decode rows and prefill chunks alike, reading each request's own pages
-through its block table: no gather, no padding. The cache is used as allocated, ``[num_blocks * block_size, KVH, D]``
-viewed as FlashInfer's "NHD" pages ``[num_blocks, block_size, KVH, D]``. Not flash-attn: its paged KV needs pages of a
-multiple of 256 tokens, and blocks here are 16; FlashInfer takes any page size, GQA, and a query length per request with
-the causal mask aligned to the end of its keys.
-
-``plan`` reads its index arrays on the host, so they are pinned host tensors from the step's ``StepLayout`` (device ones
-would be copied back, a sync); the page ids are read on the device from the block table. Two planned wrappers alternate,
-which the in-flight limit makes safe (docs/design.md, "Attention backends", "The in-flight limit").
-
-Supported: CUDA, float16 / bfloat16 (FlashInfer has no float32 kernels), head sizes 64, 128 and 256;
-``unsupported_reason`` says why not otherwise, and start-up falls back to a torch backend. The first step may
-JIT-compile FlashInfer's kernels (minutes) unless its prebuilt kernels are installed.
+Chosen over flash-attn, whose paged KV needs pages of 256 tokens. ``plan`` reads pinned host index arrays; two planned
+wrappers alternate. float16/bfloat16, head sizes 64, 128, 256; the first step may JIT-compile (minutes).
 """
 
 from __future__ import annotations
@@ -41,13 +31,7 @@ WORKSPACE_BYTES = 128 * 1024 * 1024
 
 
 def unsupported_reason(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
-    """Why the flashinfer backend cannot serve this model here, or None if it can.
-
-    Args:
-        device: where the model runs.
-        dtype: the model's and KV cache's dtype.
-        head_dim: the model's attention head size, in elements.
-    """
+    """Why the flashinfer backend cannot serve this model here (``head_dim`` in elements), or None if it can."""
     if device.type != "cuda":
         return f"it runs on CUDA only, not {device.type}"
     if dtype not in SUPPORTED_DTYPES:
@@ -61,11 +45,8 @@ def unsupported_reason(device: torch.device, dtype: torch.dtype, head_dim: int) 
 
 @dataclasses.dataclass
 class FlashInferMetadata(AttentionMetadata):
-    """Per-step metadata for ``FlashInferBackend`` (beyond the common fields).
-
-    Attributes:
-        wrappers: per ``(window, softcap)`` of the model's layers, the ``BatchPrefillWithPagedKVCacheWrapper`` planned
-            for this step.
+    """Per-step metadata for ``FlashInferBackend``: ``wrappers``, per ``(window, softcap)`` of the model's layers,
+    planned for this step.
     """
 
     wrappers: dict[tuple[int | None, float | None], Any]
@@ -79,14 +60,8 @@ def _pinned_int32(a: np.ndarray) -> torch.Tensor:
 class FlashInferBackend(AttentionBackend):
     """FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` over the paged cache (see the module docstring).
 
-    Args:
-        num_heads, num_kv_heads, head_dim: the model's attention shape.
-        dtype: the model's (and KV cache's) dtype.
-        device: a CUDA device.
-        scale: softmax scale, default ``head_dim ** -0.5``; planned once per step, so ``forward`` must be given the
-            same.
-        kinds: the ``(window, softcap)`` pairs of the model's layers (see ``AttentionBackend.forward``); each is planned
-            once per step, as FlashInfer's ``window_left = window - 1`` and ``logits_soft_cap``.
+    ``scale`` is planned per step, so ``forward`` must be given the same; each ``kinds`` pair plans as ``window_left =
+    window - 1`` and ``logits_soft_cap``.
 
     Raises:
         ValueError: if ``unsupported_reason`` finds a reason.
