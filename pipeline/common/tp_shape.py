@@ -1,11 +1,6 @@
-"""Tensor-parallel shard sizes: how a model's dimensions split over ranks (no torch).
-
-The launcher checks a tensor-parallel size against the model before any process starts, and sizes the KV cache per rank,
-with the same arithmetic the worker uses to build its shard (docs/design.md, "Parallelism"). The scheme is Megatron-LM's
-(Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using Model Parallelism", section
-3): attention heads and the MLP's intermediate dimension are split evenly; vLLM's parallel layers were read as a
-reference for replicating KV heads when there are more ranks than KV heads, and for padding the vocabulary to a multiple
-of the size.
+"""Tensor-parallel shard sizes, no torch, shared by the launcher's checks and the worker (docs/design.md,
+"Parallelism"): Megatron-LM's scheme (Shoeybi et al. 2019, section 3), KV-head replication and vocabulary padding as
+vLLM's.
 """
 
 from __future__ import annotations
@@ -17,19 +12,10 @@ from pipeline.common.constants import cdiv
 
 @dataclass(frozen=True)
 class TPShape:
-    """One rank's share of a model under tensor parallelism of ``size`` ranks.
+    """One rank's share of a model under tensor parallelism of ``N = size`` ranks.
 
-    Attributes:
-        size: ranks (N).
-        num_heads: query heads per rank, ``H / N``.
-        num_kv_heads: KV heads per rank: ``KV / N`` when N divides KV, else 1 (each KV head replicated on ``N / KV``
-            ranks).
-        kv_replicas: ranks holding each KV head (1 unless replicated).
-        intermediate_size: dense MLP intermediate width per rank, ``I / N`` (0: no dense MLP).
-        vocab_size: the model's vocabulary (V).
-        vocab_per_rank: embedding / LM-head rows per rank, ``ceil(V / N)``; the last rank's rows past V are zero
-            padding.
-        moe_intermediate_size: each expert's intermediate width per rank (0: no experts).
+    ``num_kv_heads``: ``KV / N`` when N divides KV, else 1 (replicated on ``kv_replicas = N / KV`` ranks);
+    ``vocab_per_rank``: ``ceil(V / N)``, the last rank zero-padded; intermediate sizes 0: none.
     """
 
     size: int
@@ -51,17 +37,11 @@ class TPShape:
         vocab_size: int,
         moe_intermediate_size: int = 0,
     ) -> TPShape:
-        """Split a model's dimensions over ``size`` ranks.
-
-        Args:
-            size: tensor-parallel size N >= 1.
-            num_heads, num_kv_heads, intermediate_size, vocab_size: the full model's (``intermediate_size`` 0 when no
-                layer has a dense MLP).
-            moe_intermediate_size: each expert's intermediate width; 0 for a dense model.
+        """Split a model's dimensions over ``size`` ranks (``intermediate_size``/``moe_intermediate_size`` 0: none).
 
         Raises:
-            ValueError: N does not divide the attention heads or an intermediate size, or N and the KV heads divide
-                neither one the other (a KV head would straddle two ranks); the message lists the sizes that would work.
+            ValueError: N does not divide the heads or an intermediate size, or N and the KV heads divide neither one
+                the other; the message lists the sizes that would work.
         """
         if size < 1:
             raise ValueError(f"tensor-parallel size must be at least 1, got {size}")

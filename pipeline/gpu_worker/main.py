@@ -1,10 +1,7 @@
 """gpu_worker: the only process that touches the device.
 
-Loop: publish every launched step whose tokens have reached the host, then take the next StepDescriptor and launch it;
-with as many steps pending as the scheduler keeps in flight, wait for the oldest one instead (no descriptor can come
-before its output). With a CUDA device, step N+1 is launched while N still runs (the scheduler queues it ahead), so the
-device never waits for the host; on CPU torch each launch runs to completion, and the overlap is the scheduler planning
-N+1 during N's forward.
+Loop: publish every step whose tokens reached the host, then launch the next StepDescriptor (or wait for the oldest step
+when the scheduler's in-flight count is reached); on CUDA, step N+1 launches while N runs.
 """
 
 from __future__ import annotations
@@ -44,16 +41,10 @@ _BUSY_POLL_S = 0.0002
 
 
 class WorkerProc:
-    """Owns the model runner and its rings; ``run`` is the process body.
+    """Owns the model runner and its rings; ``run`` is the process body (docs/design.md, "Parallelism").
 
-    With ``config.trace`` it records, per step, the host spans ``prepare`` (descriptor read to inputs ready) and
-    ``launch`` (inputs ready to the step enqueued) and the ``device`` span, and writes them to
-    ``config.trace_path(role)`` in ``close``.
-
-    Under tensor parallelism every rank runs this loop on the same descriptors (rank ``r`` on the head node reads as
-    descriptor-ring reader ``r``) and samples the same tokens into its own token-id cache; only rank 0 has ``out_ring``
-    and publishes the StepOutput. Over several nodes rank 0 also relays each descriptor to the other nodes' ranks, which
-    have no ``desc_ring`` and receive from ``relay`` instead (docs/design.md, "Parallelism").
+    With ``config.trace`` it records ``prepare``, ``launch`` and ``device`` spans per step. Every tensor-parallel rank
+    runs this loop on the same descriptors; only rank 0 publishes StepOutputs and relays descriptors to other nodes.
     """
 
     def __init__(
@@ -88,8 +79,7 @@ class WorkerProc:
         """Run steps until ``stop.is_set()`` or, on a node other than the head, until rank 0 stops.
 
         Raises:
-            Exception: whatever a launch raised (a failing forward pass, ``StaleTokenError``); the process reports it
-                and exits with 1.
+            Exception: whatever a launch raised (a failing forward, ``StaleTokenError``); the process exits with 1.
         """
         self.runner.masks = MaskReader(self.mask_ring, self.rank, stop, self.relay)
         try:
@@ -196,11 +186,8 @@ class WorkerProc:
 
 
 def load_runner(config: EngineConfig, rank: int = 0) -> tuple[ModelRunner, DescriptorRelay | None]:
-    """Load the model named by ``config`` (rank ``rank``'s shard under tensor parallelism) and build its runner.
-
-    With ``config.tensor_parallel_size > 1`` this first joins the ranks' process group, so it returns only once every
-    rank has started. Returns the runner and, over several nodes, rank 0's or a remote rank's descriptor relay (else
-    None).
+    """Load ``config``'s model (rank ``rank``'s shard) and build its runner; with tensor parallelism, returns once every
+    rank has joined, with the descriptor relay over several nodes (else None).
 
     Raises:
         ValueError: the model cannot be loaded as configured, or another node's settings differ from the head's.

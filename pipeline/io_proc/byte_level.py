@@ -1,9 +1,5 @@
-"""Byte-level BPE vocabularies (GPT-2, Llama 3, SmolLM): each token's bytes, computed once.
-
-Such a vocabulary spells every byte as one printable character (GPT-2's ``bytes_to_unicode`` alphabet), and the
-tokenizer's ``ByteLevel`` decoder maps a token's characters back to bytes and decodes the bytes of a whole sequence as
-UTF-8, lossily. A token's bytes therefore do not depend on its neighbours, so they can be tabulated per id; that is what
-lets ``ByteLevelDetokenizer`` turn most tokens into text with one list lookup.
+"""Byte-level BPE vocabularies (GPT-2, Llama 3, SmolLM): each token's bytes, tabulated once, since a token's bytes do
+not depend on its neighbours.
 """
 
 from __future__ import annotations
@@ -14,10 +10,8 @@ from tokenizers.decoders import ByteLevel
 
 
 def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table that byte-level BPE vocabularies are written in.
-
-    From OpenAI's GPT-2 ``encoder.py`` (also ``tokenizers``' ``ByteLevel``): printable Latin-1 bytes stand for
-    themselves, the other 68 bytes for ``chr(256 + n)`` in byte order.
+    """GPT-2's byte -> printable character table (OpenAI's GPT-2 ``encoder.py``): printable Latin-1 bytes stand for
+    themselves, the other 68 for ``chr(256 + n)``.
     """
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs, n = bs[:], 0
@@ -34,10 +28,8 @@ UNICODE_TO_BYTE: dict[str, int] = {c: b for b, c in _bytes_to_unicode().items()}
 
 
 def token_bytes(token: str) -> bytes:
-    """The bytes the ``ByteLevel`` decoder makes of one token's string.
-
-    As ``tokenizers``' ``ByteLevel::decode_chain``: the bytes its characters stand for if every character is in the
-    alphabet, else the string's own UTF-8 (an added token such as ``"<|im_end|>"`` or one with other characters).
+    """The bytes the ``ByteLevel`` decoder makes of one token's string (as ``ByteLevel::decode_chain``), or its UTF-8
+    when a character is outside the alphabet.
     """
     try:
         return bytes([UNICODE_TO_BYTE[c] for c in token])
@@ -46,31 +38,18 @@ def token_bytes(token: str) -> bytes:
 
 
 def is_byte_level(tokenizer: Any) -> bool:
-    """True if ``tokenizer`` (a ``tokenizers.Tokenizer``) decodes with exactly a ``ByteLevel`` decoder.
-
-    Only then does ``ByteLevelVocab`` describe its decoding; a sequence of decoders or any other decoder
-    (SentencePiece's ``Metaspace``, ``WordPiece``, ...) does not qualify.
-    """
+    """True if ``tokenizer`` decodes with exactly a ``ByteLevel`` decoder (not a sequence, not another decoder)."""
     return isinstance(tokenizer.decoder, ByteLevel)
 
 
 class ByteLevelVocab:
-    """Per token id, the bytes and (when they stand alone as text) the text that decoding gives it.
+    """Per token id, the bytes and (when they stand alone as text) the text decoding gives it; read-only, shared by
+    threads.
 
-    Built once per tokenizer (about 0.1 s for 128k tokens) and then only read, so one instance serves every request on
-    any thread.
-
-    Args:
-        tokenizer: a ``tokenizers.Tokenizer`` for which ``is_byte_level`` holds.
+    ``texts[id]``: the text when complete and not ending in U+FFFD, ``""`` for special or missing ids, else None.
 
     Raises:
         ValueError: the tokenizer's decoder is not ``ByteLevel``.
-
-    Attributes:
-        texts: ``texts[id]`` is the token's text when its bytes are complete UTF-8 whose last character is not U+FFFD
-            (so a decoder that sees it after a character boundary emits it at once, whole), ``""`` for a special token
-            or an id with no token (``DecodeStream`` with ``skip_special_tokens`` drops both), and None otherwise (a
-            piece of a multi-byte character: it needs the bytes around it).
     """
 
     __slots__ = ("_bytes", "texts")

@@ -1,7 +1,5 @@
-"""io_proc's process body: uvicorn serving the OpenAI API over the engine client.
-
-``run_io_proc`` is the entry the launcher's child runs (``pipeline.child``); it builds an ``IoProc`` and runs it
-(docs/design.md, "Processes and lifecycle").
+"""io_proc's process body: uvicorn serving the OpenAI API over the engine client (docs/design.md, "Processes and
+lifecycle").
 """
 
 from __future__ import annotations
@@ -68,12 +66,8 @@ class StartupError(Exception):
 
 
 class IoProc:
-    """Owns the HTTP socket, the tokenizer, the engine client and the uvicorn server; ``run`` is the process body.
-
-    Construction does the start-up steps: bind the HTTP port (``config.host:config.port``), load the tokenizer from
-    ``config.tokenizer``, open the control sockets (push to each engine's ``control_address``, pull on
-    ``config.reply_address``) and build the app. ``close`` releases all of it (and writes the trace when
-    ``config.trace``); the output rings (one per engine) stay the caller's.
+    """Owns the HTTP socket, the tokenizer, the engine client and the uvicorn server; ``run`` is the process body,
+    ``close`` releases all but the output rings.
 
     Raises:
         StartupError: a start-up step failed (what was opened is closed again).
@@ -138,10 +132,8 @@ class IoProc:
         self.server = _Server(server_config)
 
     def run(self, stop: StopFlag, status_conn: Connection) -> int:
-        """Serve until ``stop`` is set; returns the exit status.
-
-        Reports ``("ready", "io_proc")`` once uvicorn listens. Exits with 1 if the output reader thread dies or the HTTP
-        server stops on its own. A stop ends every open request with finish reason "abort" first.
+        """Serve until ``stop`` is set; returns the exit status (1 if the reader thread dies or the server stops on its
+        own).
 
         Raises:
             StartupError: the HTTP server did not start.
@@ -201,11 +193,8 @@ class IoProc:
 
 
 def run_io_proc(config: EngineConfig, status_conn: Connection, stop: StopFlag) -> int:
-    """Process body of io_proc: run until ``stop`` is set (SIGTERM or the launcher's death).
-
-    Attaches every engine's output ring (reader ``OUTPUT_READER_IO``) and reports ``("attached", "io_proc")``, then
-    builds and runs an ``IoProc``. Returns the exit status: 1 after a start-up failure (reported as ``("error",
-    "io_proc", message)``) or if the output reader thread dies, else 0. A stop returns within about 0.3 s.
+    """Process body of io_proc: attach the output rings, report, run an ``IoProc`` until ``stop``; returns the exit
+    status.
     """
     # Before any thread starts: the threads that parse, render and tokenize large bodies share two malloc
     # arenas, whose free pages the trim after a burst gives back (docs/design.md, "Memory after a burst").

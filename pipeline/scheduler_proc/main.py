@@ -1,8 +1,7 @@
-"""scheduler_proc: the process that plans steps.
+"""scheduler_proc: the process that plans steps (no torch, no model code).
 
-Loop: take control messages (zmq), plan a step into the descriptor ring whenever fewer than ``max_inflight`` steps are
-in flight (``MAX_INFLIGHT_STEPS`` with asynchronous scheduling, 1 in lock step), otherwise wait on the output ring for
-the oldest step's tokens. Imports neither torch nor model code.
+Loop: take control messages, plan a step whenever fewer than ``max_inflight`` are in flight, else wait on the output
+ring for the oldest step's tokens.
 """
 
 from __future__ import annotations
@@ -59,12 +58,10 @@ class StepTimeout(Exception):
 
 
 class SchedulerProc:
-    """Owns the scheduler, its rings and sockets; ``run`` is the process body.
+    """Owns the scheduler, its rings and sockets; ``run`` is the process body (docs/design.md, "Liveness").
 
-    A control message that does not decode is logged and dropped. With ``config.step_timeout_s`` > 0, ``run`` raises
-    ``StepTimeout`` when the oldest step in flight has waited that long for its output (counted from the worker's
-    start), unless io_proc's heartbeat is as old (then the worker waits on io_proc, and the launcher names io_proc).
-    Each turn of the loop beats in ``heartbeats`` (docs/design.md, "Liveness").
+    Undecodable control messages are logged and dropped. With ``config.step_timeout_s`` > 0, ``run`` raises
+    ``StepTimeout`` when the oldest step waits that long, unless io_proc's heartbeat is as old.
     """
 
     def __init__(
@@ -150,11 +147,7 @@ class SchedulerProc:
                 wait_ms = int(POLL_INTERVAL_S * 1000)
 
     def _release_memory(self) -> None:
-        """After a burst of requests: free the free lists and what cycles hold, then give the heap back.
-
-        With the start-up heap frozen the collection sees only what serving allocated (milliseconds once the burst is
-        over); the trim, tens of milliseconds after a burst of hundreds of MB, runs on a thread of its own.
-        """
+        """After a burst of requests: collect, free the free lists, and trim the heap on a thread of its own."""
         self.scheduler.shrink()
         gc.collect()
         threading.Thread(target=trim_heap, name="trim-heap", daemon=True).start()
@@ -184,11 +177,7 @@ class SchedulerProc:
                 self._running = False
 
     def _add_request(self, msg: AddRequest) -> None:
-        """A request with a grammar waits for its matchers; others are queued at once.
-
-        A request the scheduler cannot take (a fault of its own, never the engine's) fails alone: io_proc is told and
-        the loop goes on.
-        """
+        """Queue a request (one with a grammar waits for its matchers); one the scheduler cannot take fails alone."""
         if msg.params.grammar:
             if self.grammars is None:
                 self._reply(
@@ -226,13 +215,10 @@ class SchedulerProc:
                 self._reply(RequestFailed(state.req_num, state.error))
 
     def _publish_masks(self) -> bool:
-        """Write the masks of planned steps whose constrained rows' tokens are known, oldest first; on the scheduler's
-        thread, or on the mask thread once it has computed a step's masks.
+        """Write the masks of planned steps whose constrained rows' tokens are known, oldest first.
 
-        Returns:
-            True if a step's masks are being computed now or cannot be written yet (its sampling waits for
-            them on the worker); False when they wait for a step's output, which wakes the loop anyway (a
-            poll every 0.2 ms through a 100 ms forward pass cost the scheduler 18 ms of CPU a step).
+        Returns True if a step's masks are being computed or cannot be written yet; False when they wait for a step's
+        output (which wakes the loop anyway, so no polling).
         """
         masks = self.scheduler.masks
         with self._mask_lock:

@@ -1,18 +1,9 @@
-"""The ``cpu_paged`` attention backend: decode rows, drafts included, read the paged cache in place.
+"""The ``cpu_paged`` attention backend: decode rows, drafts included, read the paged cache in place (docs/design.md,
+"Attention backends").
 
-``torch_bucketed`` copies each bucket's blocks into a scratch buffer in every layer before its SDPA call: for a
-64-request decode step at contexts of 300 that is every row's whole K/V written once and read twice per layer, and on
-this project's CPU the gather and the small-query SDPA calls took about half of the step (docs/design.md, "Attention
-backends"). Here decode rows go through a C++ kernel (``cpu_paged.cpp``) that reads each row's keys and values block by
-block straight from the cache, as vLLM's CPU paged-attention kernel does: one task per (row, KV head), on torch's
-intra-op threads, its cost following the row's own context (no buckets, no padding). A row of up to ``DECODE_QUERY_MAX``
-queries (a decode row verifying its speculative drafts) runs there too, its keys read once for all its queries. Longer
-rows (prefill chunks) keep ``torch_bucketed``'s path (one SDPA call per bucket: its GEMM-shaped work suits SDPA), and
-the cache memory is used head-major as there.
-
-The kernel is compiled for the host CPU at start-up by ``torch.utils.cpp_extension`` (ninja and a C++ compiler; 10-50 s,
-once per build key: ``kernel_cache``). Where it cannot be built or loaded, ``unavailable_reason`` says why and ``auto``
-keeps ``torch_bucketed``.
+Rows of up to ``DECODE_QUERY_MAX`` queries go through a C++ kernel (``cpu_paged.cpp``, as vLLM's CPU paged attention):
+one task per (row, KV head), no gather. Prefill rows keep ``torch_bucketed``'s path. The kernel compiles at start-up
+(``kernel_cache``); ``unavailable_reason`` says why not.
 """
 
 from __future__ import annotations
@@ -41,9 +32,8 @@ DECODE_QUERY_MAX = 32
 
 @functools.cache
 def unavailable_reason() -> str | None:
-    """None once the kernel is built and loaded (first call builds it if no process has), else why it cannot be.
-
-    The ops are then ``torch.ops.pipeline_cpu.paged_decode`` and ``.supports``.
+    """None once the kernel (``torch.ops.pipeline_cpu``) is built and loaded, building it if needed; else why it cannot
+    be.
     """
     try:
         kernel_cache.load("pipeline_cpu_paged", _SOURCE, _CFLAGS)
@@ -54,7 +44,7 @@ def unavailable_reason() -> str | None:
 
 @functools.cache
 def supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-    """Whether the kernel is compiled for this attention shape (it is specialised per query group and head size).
+    """Whether the kernel is compiled for this attention shape (specialised per query group and head size).
 
     Raises:
         RuntimeError: the kernel is not available (see ``unavailable_reason``).
@@ -67,12 +57,7 @@ def supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
 class CpuPagedBackend(TorchBucketedBackend):
     """Decode rows by the in-place paged kernel, prefill rows as ``torch_bucketed`` (see the module docstring).
 
-    Args:
-        num_heads, num_kv_heads, head_dim: the model's attention shape; rows of several queries go to the kernel only
-            for a shape it is compiled for (0: not known, decode rows of one query only).
-        decode_query_max: rows verifying drafts of up to this many queries go to the kernel (1: decode rows only);
-            prefill chunks never do.
-        slack, min_pad, min_query_pad: prefill bucket limits (see ``plan_buckets``).
+    ``num_heads`` etc. 0: unknown, one-query rows only; ``decode_query_max`` 1: decode rows only.
 
     Raises:
         RuntimeError: the kernel cannot be built or loaded here (the reason is given).

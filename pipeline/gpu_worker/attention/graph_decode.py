@@ -1,11 +1,8 @@
-"""The attention of decode graphs, whatever the model's backend: each row attends its whole block-table row.
+"""The attention of decode graphs, whatever the model's backend: each row attends its whole block-table row
+(docs/design.md, "CUDA graphs").
 
-A graph replays fixed shapes at fixed addresses (docs/design.md, "CUDA graphs"). So the graph of ``n`` rows reads static
-per-row buffers (req_index, position, context length, filled before each replay), derives the block ids, the slot
-mapping and the mask on the device from them and from the device block table, and attends every row over
-``max_blocks_per_seq`` blocks with one masked SDPA call per layer, in the backend's cache layout. Padding rows have
-req_index -1, position 0 and a one-token context; every block id of theirs is the padding block, which the scheduler
-never hands out.
+Static per-row buffers (req_index, position, context length) are filled before each replay; block ids, slots and mask
+are derived on the device. Padding rows (req_index -1) use only the padding block.
 """
 
 from __future__ import annotations
@@ -28,14 +25,8 @@ from pipeline.gpu_worker.attention.kv_layout import KVCache, finite, gather_bloc
 
 @dataclasses.dataclass
 class GraphDecodeMetadata(AttentionMetadata):
-    """What the layers see inside a decode graph of ``n = num_tokens`` rows (all on the device).
-
-    Attributes:
-        block_ids: ``[n, max_blocks_per_seq]`` int64, each row's blocks; the padding block past a row's context and for
-            padding rows.
-        mask: ``[n, 1, 1, max_blocks_per_seq * block_size]`` bool, True for the keys a row attends.
-        window_masks: ``mask`` narrowed to each sliding window the layers use (``window_mask``), made by the first layer
-            that asks.
+    """What the layers see inside a decode graph of ``n = num_tokens`` rows, on the device: ``block_ids`` ``[n,
+    max_blocks_per_seq]`` int64 (padding block past a context), ``mask`` ``[n, 1, 1, max_blocks_per_seq * block_size]``.
     """
 
     block_ids: torch.Tensor
@@ -52,14 +43,8 @@ class GraphDecodeMetadata(AttentionMetadata):
 
 
 class GraphDecodeInputs:
-    """The static buffers a backend's decode graphs read: ``rows`` (req_index, position, context length) ``[3,
-    max_rows]`` int64 and ``slot_mapping [max_rows]``, at fixed addresses.
-
-    Args:
-        max_rows: the largest graph's rows.
-        block_table: ``[max_num_reqs, max_blocks_per_seq]`` int64 on the device, read at this address.
-        pad_block: the padding block's id.
-        block_size: tokens per KV block.
+    """The static buffers decode graphs read at fixed addresses: ``rows`` (req_index, position, context length) ``[3,
+    max_rows]`` int64 and ``slot_mapping [max_rows]``; ``block_table`` is read at its address.
     """
 
     def __init__(self, max_rows: int, block_table: torch.Tensor, pad_block: int, block_size: int) -> None:
@@ -133,10 +118,8 @@ class GraphDecodeBackend(AttentionBackend):
         window: int | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        """Decode attention with the graph's fixed shapes: write K/V, gather every row's blocks, one SDPA call.
-
-        ``q [n, H, D]`` (one query per row), ``k, v [n, KVH, D]`` written at ``meta.slot_mapping``; the rest as
-        ``AttentionBackend.forward``.
+        """Decode attention with the graph's fixed shapes: write K/V at ``meta.slot_mapping``, gather every row's
+        blocks, one SDPA call (``q [n, H, D]``).
         """
         k_cache, v_cache = write_kv(kv_cache, finite(k), finite(v), meta.slot_mapping, self.cache_layout)
         rows, num_heads, head_dim = q.shape

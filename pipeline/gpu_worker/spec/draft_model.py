@@ -1,13 +1,7 @@
 """Drafts from a smaller model with the target's vocabulary (docs/design.md, "Speculative decoding").
 
-The draft model keeps its own paged KV cache, of the target's block size and number of blocks, addressed by the same
-block table and slots: every step it runs over the step's inputs at the target's positions (``consume``), so its cache
-holds its keys and values wherever the target's holds the target's, prefix-cached blocks included. A row that verifies
-``k`` drafts gets them just before the target's forward (``propose``): ``k`` one-token passes feeding the row's last
-token, then each pass's draw, at the row's first ``k`` positions of the step (moved back on the device like the step's
-own), so no block the step does not hold is written. Greedy rows take the draft's argmax; sampled rows draw from ``q``,
-the draft's distribution after the request's temperature, min-p, top-k and top-p, and ``q`` goes to verification
-(``rejection_sample``).
+Its own paged KV cache shares the target's block table and slots (``consume`` runs it over every step's inputs);
+``propose`` runs ``k`` one-token passes per verifying row, sampled rows handing ``q`` to ``rejection_sample``.
 """
 
 from __future__ import annotations
@@ -35,9 +29,9 @@ if TYPE_CHECKING:  # the simulated device never loads the model code
 class DraftPlan:
     """One step's draft passes, decided on the host: its ``V`` verified rows and ``k``.
 
-    ``rows [V]``: their descriptor rows; ``req``/``start [V]``: req_index and the host's position of each row's first
-    input (an upper bound when shifted); ``first [V]``: that input's step-token index; ``hot [H]``: the rows (of ``V``)
-    that sample, with their ``hot_req`` and host ``top_k``, ``top_p``, ``min_p``.
+    ``rows``/``req``/``start``/``first [V]``: descriptor row, req_index, host position (an upper bound when shifted) and
+    step-token index of each row's first input; ``hot [H]``: rows that sample, with host ``top_k``, ``top_p``,
+    ``min_p``.
     """
 
     k: int
@@ -53,16 +47,8 @@ class DraftPlan:
 
 
 class DraftModel:
-    """The draft model, its KV cache and its passes.
-
-    Args:
-        model: the draft, on ``device``, with the target's vocabulary.
-        config: block size, blocks and rows (the target's).
-        device: where it runs.
-        input_batch: the rows' state: the block table and the sampling parameters.
-        ops: the runner's device operations (its upload makes the passes' attention metadata).
-        target: the target model; when it attends with the same backend and head shapes, ``consume`` reuses the target's
-            metadata (None: never).
+    """The draft model, its KV cache and its passes; ``consume`` reuses ``target``'s metadata when backend and head
+    shapes match (None: never).
 
     Raises:
         ValueError: the draft's vocabulary size differs from the target's.
@@ -114,10 +100,8 @@ class DraftModel:
     def propose(
         self, plan: DraftPlan, input_ids: torch.Tensor, shift: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(drafts [V, k] int64, q [H, k, V_vocab] float32 or None)``: the plan's rows' drafts and, for the rows that
-        sample, the distribution each was drawn from.
-
-        ``input_ids``: the step's ``[T]`` resolved inputs; ``shift``: ``[B]`` per descriptor row (None: exact).
+        """``(drafts [V, k] int64, q [H, k, V_vocab] float32 or None)``: the plan's rows' drafts and the sampled rows'
+        draft distributions; ``shift``: ``[B]`` per descriptor row (None: exact).
         """
         n = len(plan.req)
         cur = input_ids.index_select(0, plan.first.dev)
