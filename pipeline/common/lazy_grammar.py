@@ -1,15 +1,7 @@
 """A grammar inactive until its trigger: tool calling's ``tool_choice: auto`` (docs/design.md, "Tool calling").
 
-The grammar (llguidance's Lark, with a lazy trigger rule or a start anchor) lets any text through until the trigger,
-then constrains the call. ``Trigger`` follows the output's text against the trigger, in the scheduler's loop and without
-a matcher: while the text cannot reach the trigger in the next token, the row needs no mask and decodes every step, with
-placeholders, like an unconstrained one. Only where the next token could complete the trigger does the row need a mask,
-from a matcher (a copy of a pristine one, fed the text's last bytes, ``Trigger.tail``); once the trigger is in, it is a
-constrained row like any other. A row waits for its token in flight only when that token could bring it to such a point
-(``needs_mask(1)``). The grammar manager runs the matchers (``pipeline.scheduler_proc.grammar_manager``).
-
-The decisions depend on the tokens consumed only, so asynchronous scheduling and lock step mask the same positions and
-sample the same tokens.
+``Trigger`` follows the output text without a matcher: a row needs a mask only where the next token could complete the
+trigger (and from then on). Decisions depend on consumed tokens only, so async and lock step agree.
 """
 
 from __future__ import annotations
@@ -38,10 +30,8 @@ def _vocab(tokenizer: llguidance.LLTokenizer) -> _Vocab:
 
 
 class _TriggerTable:
-    """For a trigger ``T`` of ``L`` bytes, per state ``s`` (the text ends with ``T[:s]``, ``s < L``):
-
-    ``risky[s]``: some token completes ``T`` from ``s`` (the next token needs a mask); ``maybe[s]``: some token leads
-    from ``s`` to completion or to a risky state (a token in flight from ``s`` must be waited for).
+    """For a trigger ``T`` of ``L`` bytes, per state ``s < L`` (text ends with ``T[:s]``): ``risky[s]``, some token
+    completes ``T``; ``maybe[s]``, some token leads to completion or a risky state.
     """
 
     def __init__(self, vocab: _Vocab, trigger: bytes):
@@ -91,13 +81,7 @@ def advance(trigger: bytes, s: int, data: bytes) -> int:
 
 
 class Trigger:
-    """Where the output's text stands against the trigger of one ``auto`` tool-calling request (a choice).
-
-    Args:
-        tokenizer: the llguidance tokenizer of the request's grammar.
-        trigger: the text that starts the constrained part (ASCII).
-        at_start: the trigger counts only at the start of the output.
-    """
+    """Where the output's text stands against the (ASCII) trigger of one ``auto`` tool-calling request (a choice)."""
 
     __slots__ = ("_vocab", "_trigger", "_at_start", "_table", "_s", "_tail")
 

@@ -1,7 +1,5 @@
-"""The StepOutput record: the tokens a step sampled, worker -> scheduler and io_proc.
-
-Defined by the field table ``OUTPUT`` (docs/design.md, "The step protocol"); ``step_protocol`` defines the
-StepDescriptor and generates docs/step-protocol.md from both tables.
+"""The StepOutput record, worker -> scheduler and io_proc, defined by the field table ``OUTPUT`` (docs/design.md, "The
+step protocol").
 """
 
 from __future__ import annotations
@@ -123,11 +121,8 @@ OUTPUT = Record(
 
 @dataclass
 class TokenLogprobs:
-    """Log-probabilities of ``N`` chosen tokens (raw model log-softmax).
-
-    ``logprob[i]`` is token ``i``'s own; ``top_ids[i, :k]`` and ``top_logprobs[i, :k]`` its ``k`` most likely
-    alternatives in descending order (``k`` as the request asked; columns past it are unspecified). ``index`` says whose
-    tokens they are: output rows for sampled tokens, request numbers for prompt tokens.
+    """Log-probabilities of ``N`` chosen tokens (raw log-softmax): ``logprob[i]``, and ``top_ids``/``top_logprobs[i,
+    :k]`` descending (columns past ``k`` unspecified); ``index``: output rows, or request numbers for prompt tokens.
     """
 
     index: np.ndarray  # [N] int64
@@ -141,13 +136,9 @@ class TokenLogprobs:
 class DecodedOutput:
     """One StepOutput copied out of its ring entry: row ``r`` gave ``token_ids[r]`` to ``req_nums[r]``.
 
-    A request whose row verified drafts has one output row per token it got, consecutive and in order. ``draft_matched``
-    (``[rows]`` uint8, when asked for): the proposer found drafts for the request's next step; ``proposals`` (asked for
-    with it; None: none): ``(req_nums [D], drafts [D, K] int64)``, the drafts each sampled row's next step reads.
-    ``logprobs`` (rows whose request asked, ``index`` = row) and ``prompt_logprobs`` (``index`` = request number, with
-    positions) are None when the step has none or the reader did not ask for them. ``time_ns`` and ``continues`` are the
-    header's. ``failed``: the requests whose logits were not finite (``NONFINITE_LOGITS``), which end before their rows
-    here are applied.
+    A verifying request has one consecutive row per token it got. ``draft_matched``: ``[rows]`` uint8; ``proposals``:
+    ``(req_nums [D], drafts [D, K] int64)`` or None; ``failed``: requests with non-finite logits, ended before their
+    rows.
     """
 
     step_id: int
@@ -191,11 +182,8 @@ class StepOutput(OUTPUT.view_base):
         failed: np.ndarray | None = None,
         proposals: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> None:
-        """Fill the entry with step ``step_id``'s ``[S]`` request numbers and sampled token ids.
-
-        ``logprobs.index`` are output rows; ``prompt_logprobs.index`` request numbers, with ``pos`` set; the rest are
-        the header fields and the worker's counts (left as they are if None), ``draft_matched`` ``[S]`` (None: 0), the
-        ``failed`` request numbers (None: none) and the ``proposals``: ``(req_num [D], drafts [D, K])`` (None: none).
+        """Fill the entry with step ``step_id``'s ``[S]`` request numbers and sampled token ids; None fields are left as
+        they are (counts), 0 (``draft_matched``) or empty.
         """
         n = len(req_nums)
         h = self.header

@@ -1,14 +1,8 @@
-"""Step timeline: spans recorded by the processes, merged into a Chrome trace.
+"""Step timeline: spans recorded by the processes on ``time.monotonic_ns()``, merged into a Chrome trace (Trace Event
+Format, for Perfetto and chrome://tracing).
 
-Every time is ``time.monotonic_ns()`` (one system-wide clock, so spans from different processes line up). A span is
-``(role, track, name, step_id, start_ns, end_ns, cpu_ns)``; ``cpu_ns`` is -1 except on the ``cpu`` track, where one span
-per step covers the wall time since the process's previous step and ``cpu_ns`` is the CPU time the whole process (all
-its threads) spent in it: the host cost of a step, per process. Each process records its own spans and writes them to
-``EngineConfig.trace_path(role)`` when it exits; the launcher merges the files.
-
-The merged file is Chrome's Trace Event Format (JSON object with ``traceEvents``, complete events ``"ph": "X"`` in
-microseconds, one ``pid`` per process and one ``tid`` per track, and a counter ``"ph": "C"`` of CPU per step), which
-Perfetto and chrome://tracing open.
+A span is ``(role, track, name, step_id, start_ns, end_ns, cpu_ns)``; ``cpu_ns`` is -1 except on the ``cpu`` track, the
+whole process's CPU time per step.
 """
 
 from __future__ import annotations
@@ -36,9 +30,8 @@ class TraceRecorder:
         self.spans.append((role, track, name, int(step_id), int(start_ns), int(end_ns), -1))
 
     def add_step_cpu(self, role: str, step_id: int) -> None:
-        """Close step ``step_id`` of this process: a ``cpu`` span since the previous call.
-
-        The first call only sets the starting point (it would count start-up).
+        """Close step ``step_id`` of this process: a ``cpu`` span since the previous call (the first only starts the
+        clock).
         """
         now, cpu = time.monotonic_ns(), time.process_time_ns()
         if self._last_step is not None:
@@ -125,14 +118,8 @@ def token_gaps_us(dev: np.ndarray) -> np.ndarray:
 
 
 def gap_metrics(dev: np.ndarray) -> dict:
-    """Token gap and device-busy fraction over consecutive device spans.
-
-    Token gap as ``token_gaps_us`` (docs/design.md, "Measuring the token gap"); busy fraction = Σ device time / (last
-    end − first start).
-
-    Returns:
-        ``{"token_gap_us": {p50, p90, p99, max, mean}, "device_busy_fraction"}``
-        (gaps are None with fewer than two steps).
+    """Token gap (docs/design.md, "Measuring the token gap") and device-busy fraction over consecutive device spans:
+    ``{"token_gap_us": {p50, p90, p99, max, mean}, "device_busy_fraction"}`` (gaps None below two steps).
     """
     if len(dev) < 2:
         return {"token_gap_us": None, "device_busy_fraction": None}

@@ -1,7 +1,5 @@
-"""A step whose device work is enqueued, the one copy that brings its results to the host, and their read-back.
-
-``ModelRunner.launch`` ends with ``LaunchedStep.start_host_copy``; ``ModelRunner.finish``, once the step's event has
-fired, with ``LaunchedStep.read_host_copy`` (docs/design.md, "The worker").
+"""A step whose device work is enqueued, the one copy that brings its results to the host, and their read-back
+(docs/design.md, "The worker").
 """
 
 from __future__ import annotations
@@ -24,10 +22,8 @@ class StaleTokenError(RuntimeError):
 
 @dataclass
 class LaunchedStep:
-    """A step whose device work is enqueued; ``ModelRunner.finish`` collects it.
-
-    Times are ``time.monotonic_ns()``. ``tokens`` and ``stale`` are host tensors whose contents are valid once ``done``
-    has fired; ``logprobs`` and ``prompt_logprobs`` are filled by ``read_host_copy``.
+    """A step whose device work is enqueued; ``tokens`` and ``stale`` (host tensors) are valid once ``done`` fired,
+    times are ``time.monotonic_ns()``.
     """
 
     step_id: int
@@ -70,12 +66,8 @@ class LaunchedStep:
             self.done.synchronize()
 
     def start_host_copy(self, executed: Executed, ops: DeviceOps) -> None:
-        """Start copying the tokens, poison flags, non-finite flags and log-probabilities to the host, in one copy.
-
-        Everything travels as one int64 tensor, so one event says when all of it has arrived: the tokens (with
-        speculation, then the counts ``SpecState.after_step`` appends), then the stale flags, then the non-finite flags,
-        then per log-probability set ``N`` values, ``N x MAX_LOGPROBS`` ids and ``N x MAX_LOGPROBS`` values, float32
-        travelling as their int32 bit patterns. ``done`` fires when they are there.
+        """Start copying tokens, stale and non-finite flags and log-probabilities to the host as one int64 tensor
+        (float32 as int32 bit patterns), so one event (``done``) covers all.
         """
         tokens = executed.tokens
         parts = [tokens] + ([self.stale] if self.stale is not None else [])
@@ -99,12 +91,8 @@ class LaunchedStep:
         self.done = executed.done if executed.done is not None else done
 
     def read_host_copy(self) -> None:
-        """Check the poison flags, list the requests with non-finite logits (``failed``), and unpack the
-        log-probabilities and, speculating, the output rows.
-
-        Call once ``done`` has fired. With speculation, ``req_num``, ``tokens`` and ``logprobs`` then hold one output
-        row per token each sampled row got (its accepted drafts, then the correction or bonus), and ``draft_matched``
-        whether each row's next step has drafts.
+        """Check the poison flags, list requests with non-finite logits (``failed``), unpack log-probabilities and,
+        speculating, one output row per token got; call once ``done`` fired.
 
         Raises:
             StaleTokenError: in poison mode, if a placeholder (or draft) of the step read a consumed entry.

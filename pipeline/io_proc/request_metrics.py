@@ -1,10 +1,5 @@
-"""vLLM's per-request histograms that io_proc measures, as vLLM's frontend measures them.
-
-The output reader thread of each engine keeps one ``RequestMetrics``: once per step it records the step
-(``RequestMetrics.step``), and once per finished request it observes time to first token and end-to-end latency (on this
-process's ``perf_counter``, from the request's arrival), inter-token latencies and time per output token (on the
-engine's step timestamps, ``StepOutput.time_ns``), token counts and ``n`` (docs/design.md, "Metrics"). A request that
-the client abandoned is not observed, as in vLLM. Nothing here is done per row of a step.
+"""vLLM's per-request histograms that io_proc measures, as vLLM's frontend does (docs/design.md, "Metrics"); abandoned
+requests are not observed, and nothing is done per row of a step.
 """
 
 from __future__ import annotations
@@ -38,11 +33,8 @@ _FLUSH_SPANS = 1024
 
 
 class _InterTokenLatency:
-    """Inter-token latencies, counted per request span of consecutive steps in one pass at ``data``.
-
-    For a request whose tokens came in steps ``a-1 .. b-1`` of this reader, its latencies are the step-to-step intervals
-    of steps ``a .. b-1``: the bucket of each step's interval is stored once per step, and the spans of finished
-    requests are added up with a difference array when the counts are read (or every ``_FLUSH_SPANS`` spans).
+    """Inter-token latencies, counted per request span of consecutive steps: per-step buckets, summed over finished
+    spans with a difference array when read (or every ``_FLUSH_SPANS`` spans).
     """
 
     def __init__(self, speculative: bool = False) -> None:
@@ -65,9 +57,9 @@ class _InterTokenLatency:
         return seq
 
     def observe(self, steps: list[StepTime]) -> None:
-        """Count the latencies between the steps that brought one request's tokens (``steps``: one per token, in order;
-        with speculative decoding a step's several tokens repeat it and count one latency, as vLLM counts one per engine
-        output)."""
+        """Count the latencies between the steps that brought one request's tokens (``steps``: one per token; a repeated
+        step counts once, as vLLM counts one per engine output).
+        """
         if self.speculative and len(steps) > 1:
             steps = list(dict.fromkeys(steps))  # each step once, in order
         n = len(steps)
@@ -109,14 +101,8 @@ class _InterTokenLatency:
 class RequestMetrics:
     """One engine's request histograms as io_proc sees them (vLLM's buckets), and io_proc's CPU per step.
 
-    Attributes (each a ``Histogram``): ``ttft``, ``e2e`` (seconds, from arrival), ``time_per_output_token`` (a request's
-    decode time over its tokens after the first; 0 with one token), ``prompt_tokens``, ``generation_tokens``,
-    ``max_tokens`` (the parameter), and per request of ``n`` choices, once all have finished, ``n`` and
-    ``max_generation_tokens`` (the longest choice). ``success``: finished requests by finish reason.
-
-    Args:
-        max_model_len: the largest token count (the token histograms' top bucket).
-        speculative: the engine verifies drafts, so one step may bring a request several tokens.
+    ``ttft``/``e2e`` in seconds from arrival; ``time_per_output_token`` 0 for one token; ``n`` and
+    ``max_generation_tokens`` once all choices finished; ``speculative``: a step may bring several tokens.
     """
 
     def __init__(self, max_model_len: int, speculative: bool = False):

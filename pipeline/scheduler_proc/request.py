@@ -11,23 +11,11 @@ from pipeline.scheduler_proc.grammar_state import GrammarState
 
 
 class Request:
-    """Scheduler-side state of one request.
+    """Scheduler-side state of one request (docs/design.md, "Speculative decoding"; "Prefix caching"; "Metrics").
 
-    ``num_computed_tokens`` counts tokens already placed in a step (in flight included); ``num_placeholders`` counts
-    tokens sampled in steps whose output has not arrived (0 or 1, or with speculative decoding every planned draft
-    counted as accepted); ``num_rejected`` the drafts rejected since it took its req_index (docs/design.md, "Speculative
-    decoding"). ``req_index`` is its row while it runs (-1 otherwise), ``is_new`` says its next row is its first at that
-    index (the descriptor then carries its parameters), ``admit_seq`` orders the running requests by admission.
-    ``block_hashes`` names its prompt's full blocks and those of its final tokens so far; its first ``num_named_blocks``
-    blocks carry their names in the pool (docs/design.md, "Prefix caching"). ``grammar`` is the matcher of a
-    structured-output request (None for others); it has consumed every token of ``output_token_ids``;
-    ``proposed_drafts`` (int64 array), the drafts the worker proposed for its next row, which its grammar checks when
-    that row verifies them. ``queued_ns``, ``scheduled_ns`` (first admission; 0 before) and ``first_token_ns`` (0
-    before) are vLLM's request events on ``time.monotonic_ns()`` (docs/design.md, "Metrics").
-
-    While the request is a steady row, ``SteadyRows`` owns its progress: ``num_computed_tokens``, ``num_placeholders``,
-    ``last_step_id`` and ``output_token_ids`` are None here (``num_rejected`` is stale), so a stray read fails at once,
-    and ``SteadyRows.release`` hands them back up to date.
+    ``num_placeholders``: tokens sampled in steps whose output has not arrived; ``req_index`` -1 when not running;
+    ``block_hashes``: names of its full blocks, the first ``num_named_blocks`` named in the pool. While a steady row,
+    ``SteadyRows`` owns its progress and those fields are None here (a stray read fails).
     """
 
     __slots__ = (
@@ -88,10 +76,8 @@ class Request:
         return len(self.output_token_ids) + self.num_placeholders
 
     def samples(self, end: int) -> bool:
-        """Whether a row that computes up to position ``end`` samples a token.
-
-        Only the chunk that reaches the last known token samples, and a request with ``max_tokens`` 0 (prompt
-        log-probabilities only) never does.
+        """Whether a row computing up to ``end`` samples: only the chunk reaching the last known token, never with
+        ``max_tokens`` 0.
         """
         return end >= self.num_known_tokens and self.params.max_tokens > 0
 
@@ -110,9 +96,9 @@ class Request:
         return self.prompt_token_ids[pos : pos + k]
 
     def prompt_logprob_span(self, pos: int, k: int) -> tuple[int, int]:
-        """For a row of ``k`` tokens from ``pos``: how many of its positions predict a prompt token whose
-        log-probability is wanted (position ``j`` predicts token ``j + 1``), and the prompt token after the row when all
-        of them do (else -1)."""
+        """For a row of ``k`` tokens from ``pos``: how many positions predict a wanted prompt logprob, and the prompt
+        token after the row when all do (else -1).
+        """
         if self.params.prompt_logprobs < 0:
             return 0, -1
         n = max(0, min(k, len(self.prompt_token_ids) - 1 - pos))

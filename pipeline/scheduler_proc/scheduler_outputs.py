@@ -1,8 +1,5 @@
-"""Applying a StepOutput to the scheduler's requests: tokens appended, finishes, phase metrics (docs/design.md,
-"Outputs").
-
-A mixin of ``Scheduler``, whose state it uses (``requests``, ``running``, ``steady``, ``drafts``, ``prefix``, ``pool``),
-so the per-token path keeps plain attribute lookups.
+"""Applying a StepOutput to the scheduler's requests (docs/design.md, "Outputs"); a ``Scheduler`` mixin, for plain
+attribute lookups on the per-token path.
 """
 
 from __future__ import annotations
@@ -29,20 +26,12 @@ class SchedulerOutputsMixin:
         device_ns: int = 0,
         proposals: tuple[list[int], np.ndarray] | None = None,
     ) -> list[int]:
-        """Apply StepOutput ``step_id``: append tokens, finish requests, release frees.
+        """Apply StepOutput ``step_id`` (``req_nums``/``token_ids``: ``[rows]``): append tokens, finish requests,
+        release frees.
 
-        A token for a request that finished or was aborted is the one wasted token of a step already in flight: it is
-        dropped. ``time_ns`` is the output's engine timestamp (now if 0), which its tokens get. With speculation a
-        request's tokens are consecutive rows (``Drafts.apply_output``). ``device_ns``: the worker's device busy time
-        since the previous output (0: unknown), which sizes the steps' budget for costly masks. ``proposals``:
-        ``(req_nums, drafts [D, K])``, the drafts each sampled row's next step reads (None: none), which a constrained
-        row's masks for that step check.
-
-        ``req_nums`` and ``token_ids``: ``[rows]`` (int64 arrays are taken as they are).
-
-        Returns:
-            ``req_num`` of the requests that finished (stop token, length, or the
-            end of the prefill of a request with ``max_tokens`` 0).
+        Tokens of finished or aborted requests are dropped. ``time_ns`` 0 means now; ``device_ns`` sizes the costly-mask
+        budget; ``proposals`` (``(req_nums, drafts [D, K])``) are checked by constrained rows' next masks. Returns the
+        finished ``req_num``.
 
         Raises:
             RuntimeError: as ``SteadyRows.apply_output``.
@@ -122,12 +111,7 @@ class SchedulerOutputsMixin:
         self.inference_time.observe((end_ns - req.scheduled_ns) * 1e-9)
 
     def _remove_ended(self, reqs: list[Request]) -> None:
-        """``_remove`` for steady rows that ended in the output being applied (already released), with one pass over the
-        running list.
-
-        At batch 1024 a few dozen rows can end in one step; removing them one by one would scan the running list once
-        for each.
-        """
+        """``_remove`` for steady rows that ended in this output (already released), in one pass over ``running``."""
         for req in reqs:
             self._observe_finish(req, self._output_ns)
             del self.requests[req.req_num]

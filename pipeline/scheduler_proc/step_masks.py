@@ -1,10 +1,5 @@
 """The token masks of planned steps, written once their constrained rows' previous tokens are known (docs/design.md,
-"Structured output").
-
-A constrained row is planned like any other, with a placeholder under asynchronous scheduling; its mask depends on that
-placeholder's token, so the step's ``TokenMasks`` entry follows the descriptor: the scheduler writes it as soon as each
-row's matcher has consumed every output token before the one the step samples (and, for a row that verifies drafts,
-walked them: a mask per sampled position). The worker runs the forward pass meanwhile and waits only before sampling.
+"Structured output"); the worker waits for them only before sampling.
 """
 
 from __future__ import annotations
@@ -32,15 +27,8 @@ class MaskedRow:
 
 
 class StepMasks:
-    """Planned steps whose masks are not written yet, oldest first.
-
-    Args:
-        requests: the scheduler's live requests (by ``req_num``); a row whose request left it (finished, aborted,
-            failed) gets masks that allow everything, since its tokens are dropped.
-
-    Attributes:
-        applied_step: the newest step whose output the scheduler has applied.
-        walks_waiting: ``due_walks`` left a row whose advance runs on the background thread.
+    """Planned steps whose masks are not written yet, oldest first; rows whose request left ``requests`` get allow-all
+    masks. ``walks_waiting``: a walk waits on a background-thread advance.
     """
 
     def __init__(self, requests: dict[int, Request]):
@@ -99,9 +87,7 @@ class StepMasks:
         )
 
     def write_oldest(self, entry: TokenMasks) -> int:
-        """Write the oldest step's masks into ``entry`` and forget the step; returns its step id.
-
-        Call once ``oldest_ready``."""
+        """Write the oldest step's masks into ``entry``; returns its step id. Call once ``oldest_ready``."""
         step_id, rows = self._steps.popleft()
         i = 0
         for row in rows:

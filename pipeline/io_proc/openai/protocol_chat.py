@@ -36,10 +36,8 @@ class ToolCallItem(OpenAIBaseModel):
 
 
 class ChatMessage(OpenAIBaseModel):
-    """One input message; the content is a string or a list of text parts.
-
-    An assistant message may carry ``tool_calls`` (then its content may be null); a ``tool`` message answers the call
-    ``tool_call_id`` of an earlier one.
+    """One input message, content a string or text parts; assistant messages may carry ``tool_calls`` (content then
+    nullable), ``tool`` messages answer ``tool_call_id``.
     """
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -88,11 +86,7 @@ class ChatTool(OpenAIBaseModel):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    """Body of ``POST /v1/chat/completions``.
-
-    ``logprobs: true`` returns each output token's log-probability, with its ``top_logprobs`` (0..20) most likely
-    alternatives; ``top_logprobs`` needs ``logprobs: true`` (OpenAI API reference; vLLM refuses it otherwise too).
-    """
+    """Body of ``POST /v1/chat/completions``; ``top_logprobs`` (0..20) needs ``logprobs: true`` (as OpenAI and vLLM)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
