@@ -33,11 +33,8 @@ Send = Callable[[list[int], int, int], Awaitable[tuple[Any, list[int]]]]
 
 
 async def play(work: Workload | MultiTurn, send: Send, concurrency: int | None = None) -> list[tuple[Any, int]]:
-    """Send every request of ``work`` through ``send``: a fixed workload's all at once (or ``concurrency`` at a time,
-    the next as one finishes), a multi-turn one's turn after turn per user (every user at once).
-
-    Returns:
-        ``(what send kept, turn)`` per request; a user's turns in order.
+    """Send every request of ``work`` through ``send`` (fixed: all at once or ``concurrency`` at a time; multi-turn:
+    turn after turn per user); returns ``(what send kept, turn)`` per request.
     """
     if isinstance(work, Workload):
         gate = asyncio.Semaphore(concurrency or len(work.prompts) or 1)
@@ -67,11 +64,8 @@ async def drive_engine(
     bar,
     concurrency: int | None = None,
 ) -> tuple[list[RequestTimes], dict | None]:
-    """Play io_proc's part in-process: an EngineClient on ``output_rings`` (one per engine).
-
-    Returns the times and, with speculative decoding, its counts (``spec_counts``). The client's spans go to
-    ``config.trace_path("io_proc")``, the file io_proc itself would write, so the launcher's stop() finds them with the
-    others'.
+    """Play io_proc's part in-process: an EngineClient on ``output_rings``; returns the times and ``spec_counts``, its
+    spans in ``config.trace_path("io_proc")``.
     """
     from pipeline.io_proc.engine_client import EngineClient
     from pipeline.io_proc.tokenization import Tokenization, load_tokenizer
@@ -103,12 +97,8 @@ def spec_counts(figures: dict) -> dict | None:
 
 
 async def _drive_client(client, work: Workload | MultiTurn, bar, concurrency: int | None = None) -> list[RequestTimes]:
-    """Play ``work`` through a started EngineClient (``concurrency``: as ``play``).
-
-    Consumers wait for the finish only; each request's token timeline comes from the delivery times the client records
-    per step, so the benchmark measures the runtime rather than a thousand coroutine wake-ups per step. The timelines
-    are read once every request has finished: built as each one finishes, they cost the loop ~0.1 ms per request in the
-    very steps whose io_proc CPU the benchmark reports.
+    """Play ``work`` through a started EngineClient; timelines come from the client's per-step delivery times, read once
+    every request has finished.
     """
 
     async def send(prompt: list[int], max_tokens: int, seed: int):

@@ -1,9 +1,5 @@
-"""The composition of every step the worker ran, for replay without the runtime.
-
-``pipeline-bench --bound`` needs what each step asked of the model: per row, the tokens scheduled, the position of the
-first, and whether its last token is sampled. The worker appends each step's rows here (three small array copies per
-step, only when ``EngineConfig.step_shapes_file`` is set) and saves them on exit (docs/design.md, "Measuring the token
-gap").
+"""The composition of every step the worker ran, for ``pipeline-bench --bound`` replay (docs/design.md, "Measuring the
+token gap"); recorded only when ``EngineConfig.step_shapes_file`` is set.
 """
 
 from __future__ import annotations
@@ -17,13 +13,8 @@ from pipeline.common.step_protocol import StepInputs
 
 @dataclass
 class StepShapes:
-    """Rows of many steps, concatenated; step ``i`` owns rows ``row_start[i]:row_start[i + 1]``.
-
-    Attributes:
-        query_lens: ``[N]`` int32, tokens scheduled per row.
-        start_pos: ``[N]`` int32, position of each row's first scheduled token.
-        sampled: ``[N]`` bool, whether the row's last token is sampled.
-        row_start: ``[steps + 1]`` int64 offsets.
+    """Rows of many steps, concatenated; step ``i`` owns rows ``row_start[i]:row_start[i + 1]`` (``[N]`` int32
+    ``query_lens``/``start_pos``, bool ``sampled``; ``row_start`` int64).
     """
 
     query_lens: np.ndarray

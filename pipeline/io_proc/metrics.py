@@ -1,10 +1,5 @@
-"""Prometheus metrics of ``GET /metrics`` (docs/design.md, "Metrics").
-
-Each scrape renders one ``Stats`` reply per engine (the scheduler's figures and histograms, and the worker's, which ride
-along) and io_proc's own counters and request histograms. The ``pipeline_`` family is always there; ``--metrics-compat
-vllm`` adds every vLLM metric the server has, under vLLM's name and labels (``model_name``, ``engine``), so dashboards
-and autoscalers made for vLLM read it unchanged. Adding a metric is one row in ``HISTOGRAMS`` or ``COUNTERS``. Each app
-has its own registry, so several servers in one process (tests) do not collide.
+"""Prometheus metrics of ``GET /metrics`` (docs/design.md, "Metrics"): the ``pipeline_`` family always, plus vLLM's
+names and labels with ``--metrics-compat vllm``; one registry per app.
 """
 
 from __future__ import annotations
@@ -38,9 +33,7 @@ Source = Callable[[Stats, RequestMetrics], HistogramData]
 
 @dataclass(frozen=True)
 class HistogramDef:
-    """A histogram: ``pipeline_<name>``, and ``vllm`` (vLLM's name) with ``--metrics-compat vllm``.
-
-    ``bounds`` are in the unit of ``source``'s values except for ``scale`` (1e-9 for bounds in nanoseconds);
+    """A histogram ``pipeline_<name>`` (``vllm``: vLLM's name); ``scale`` converts ``bounds`` (1e-9 for nanoseconds),
     ``"tokens"`` means vLLM's ``max_model_len`` 1-2-5 bounds.
     """
 
@@ -155,13 +148,8 @@ def _cumulative(data: HistogramData, bounds: tuple, scale: float) -> tuple[list[
 
 
 class PipelineMetrics:
-    """A registry exposing the engines' last ``Stats``, io_proc's counters and its request histograms.
-
-    Args:
-        client: the engine client (counters, request histograms).
-        model_name: the served model name (vLLM's ``model_name`` label).
-        max_model_len: sets the token-count bounds, as in vLLM.
-        compat: ``"vllm"`` adds the ``vllm:`` family.
+    """A registry exposing the engines' last ``Stats``, io_proc's counters and request histograms; ``compat`` ``"vllm"``
+    adds the ``vllm:`` family.
     """
 
     def __init__(self, client: EngineClient, model_name: str, max_model_len: int, compat: str = "none"):

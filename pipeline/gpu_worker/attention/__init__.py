@@ -1,8 +1,4 @@
-"""The attention backends and how one is chosen (docs/design.md, "Attention backends").
-
-``ATTENTION_BACKENDS`` is the one list of them: ``--attention-backend`` offers its names and ``make_backend`` builds
-from it. Registering imports no torch (the launcher reads the names); a backend's module is imported when one is made.
-"""
+"""The attention backends and how one is chosen (docs/design.md, "Attention backends"); registering imports no torch."""
 
 from __future__ import annotations
 
@@ -51,10 +47,8 @@ class Registry(Generic[T]):
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What a backend is made for: where the model runs and its attention shape (0: the simulated device).
-
-    ``scale`` (None: ``head_dim ** -0.5``) and ``kinds``, the layers' ``(window, softcap)`` pairs, are for a backend
-    that plans them per step (flashinfer); the others take them per layer.
+    """What a backend is made for: device and attention shape (0: the simulated device); ``scale`` and ``kinds`` only
+    for backends that plan per step (flashinfer).
     """
 
     device: torch.device
@@ -143,11 +137,8 @@ def make_backend(
     scale: float | None = None,
     kinds: Sequence[tuple[int | None, float | None]] = ((None, None),),
 ) -> AttentionBackend:
-    """The attention backend ``name`` (or ``auto``) for a model of this shape on ``device`` (default CPU, float32).
-
-    ``auto`` takes the first of flashinfer and cpu_paged that can run for the model (one log line when cpu_paged would
-    suit but cannot), else torch_bucketed; the simulated device (``head_dim`` 0) gets torch_bucketed. ``scale`` and
-    ``kinds`` as in ``ModelShape``.
+    """The attention backend ``name`` (or ``auto``: flashinfer, then cpu_paged, else torch_bucketed) for a model of this
+    shape on ``device`` (default CPU, float32).
 
     Raises:
         ValueError: an unknown name, or a backend not made for this model (``NotForThisModel``).

@@ -1,10 +1,5 @@
-"""Compiled C++ kernels, shared by every install on a machine and built at most once per build key.
-
-``torch.utils.cpp_extension`` rebuilds whenever the ``build.ninja`` it writes differs from the last one in the
-directory, and that file names the source's absolute path and torch's include directories: two checkouts or venvs
-sharing one build directory recompiled at each other's every start. So builds run in a private temporary directory, and
-what is shared is only the finished library, ``<cache>/kernels/<name>_<key>.so``, named by a hash of everything that
-changes the binary and renamed into place once complete (docs/design.md, "The kernel cache").
+"""Compiled C++ kernels, shared by every install on a machine and built at most once per build key (docs/design.md, "The
+kernel cache"): built in a private directory, renamed into ``<cache>/kernels/<name>_<key>.so`` once complete.
 """
 
 from __future__ import annotations
@@ -73,8 +68,8 @@ def library_path(name: str, source: Path, cflags: Sequence[str]) -> Path:
 
 
 def load(name: str, source: Path, cflags: Sequence[str]) -> Path:
-    """Load the library built from ``source`` with ``cflags`` into torch, building it first if no process has; returns
-    its path.
+    """Load the library built from ``source`` with ``cflags`` into torch, building it if no process has; returns its
+    path.
 
     Raises:
         KernelUnavailable: no compiler, or the build or the load failed.
@@ -92,11 +87,7 @@ def load(name: str, source: Path, cflags: Sequence[str]) -> Path:
 
 
 def _build(lib: Path, source: Path, cflags: Sequence[str]) -> bool:
-    """Build ``lib`` and load it, unless another process built it while this one waited for the lock.
-
-    Returns:
-        True if built (and loaded) here; False if it was there once the lock was taken.
-    """
+    """Build and load ``lib``; False if another process built it while this one waited for the lock."""
     from torch.utils import cpp_extension
 
     lib.parent.mkdir(parents=True, exist_ok=True)

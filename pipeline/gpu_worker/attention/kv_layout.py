@@ -1,10 +1,5 @@
-"""How a backend uses the KV cache's memory (docs/design.md, "Attention backends").
-
-Each layer's K and V caches are allocated ``[num_blocks * block_size, KVH, D]``. A backend declares
-(``AttentionBackend.cache_layout``) whether it uses that memory as allocated, ``TOKEN_MAJOR``, or viewed ``[KVH, slots,
-D]``, ``HEAD_MAJOR`` (a gathered row's keys of one head come out contiguous, which the CPU SDPA kernel reads faster).
-Either way position ``p`` of a request whose block table is ``bt`` is slot ``bt[p // block_size] * block_size + p %
-block_size``.
+"""How a backend uses the KV cache's memory (docs/design.md, "Attention backends"): ``[num_blocks * block_size, KVH,
+D]`` as allocated (``TOKEN_MAJOR``) or viewed ``[KVH, slots, D]`` (``HEAD_MAJOR``, faster CPU SDPA reads).
 """
 
 from __future__ import annotations
@@ -19,24 +14,15 @@ HEAD_MAJOR = "head_major"
 
 
 def finite(x: torch.Tensor) -> torch.Tensor:
-    """``x`` with NaN and infinities as 0, for a cache read by masked gathers of whole blocks.
-
-    Such a gather reads slots its request never wrote (a block's tail, stale table entries): masked out, they count 0 x
-    value, which is NaN for a NaN or an infinity a failed request left there (docs/design.md, "Non-finite logits").
+    """``x`` with NaN and infinities as 0: masked gathers read unwritten slots, and 0 x NaN is NaN (docs/design.md,
+    "Non-finite logits").
     """
     return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def write_kv(kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, layout: str) -> KVCache:
-    """Write a step's keys and values into one layer's cache; returns the cache in ``layout``.
-
-    Args:
-        kv_cache: ``(k_cache, v_cache)``, each ``[slots, KVH, D]`` as allocated.
-        k, v: ``[T, KVH, D]``.
-        slot_mapping: ``[T]`` int64, flat cache index of each token.
-
-    Returns:
-        ``(k_cache, v_cache)`` as ``[KVH, slots, D]`` views if ``HEAD_MAJOR``, else as given.
+    """Write ``k``/``v`` (``[T, KVH, D]``) at ``slot_mapping`` (``[T]`` int64) into one layer's cache; returns the cache
+    in ``layout`` (``[KVH, slots, D]`` views if ``HEAD_MAJOR``).
     """
     k_cache, v_cache = kv_cache
     if layout == HEAD_MAJOR:
@@ -54,13 +40,8 @@ def write_kv(kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: 
 def gather_blocks(
     cache: torch.Tensor, block_ids: torch.Tensor, block_size: int, layout: str, out: torch.Tensor
 ) -> torch.Tensor:
-    """Gather each row's blocks of one cache into ``out``, as a ``[rows, KVH, n_blocks * block_size, D]`` view.
-
-    Args:
-        cache: as ``write_kv`` returns it in ``layout``.
-        block_ids: ``[rows, n_blocks]`` int64 block ids.
-        block_size: tokens per block.
-        out: ``rows * n_blocks * block_size * KVH * D`` contiguous elements of the cache's dtype.
+    """Gather each row's blocks (``block_ids``: ``[rows, n_blocks]`` int64) of one cache into ``out`` (contiguous, the
+    cache's dtype), as a ``[rows, KVH, n_blocks * block_size, D]`` view.
     """
     rows, n_blocks = block_ids.shape
     flat = block_ids.flatten()

@@ -1,9 +1,6 @@
-"""Structured output on the device: a packed token bitmask applied to the logits before sampling.
-
-The scheduler sends, per constrained sampled row, the tokens its grammar allows as ``ceil(V / 32)`` int32 words
-(docs/design.md, "Structured output"); this module turns them into ``-inf`` on the sampler's copy of the logits, so a
-rejected token is never drawn, greedy or sampled. The raw logits stay as they are for the log-probabilities. The bit
-layout is llguidance's and xgrammar's: token ``t`` is allowed iff bit ``t % 32`` of word ``t // 32`` is set.
+"""Structured output on the device: a packed token bitmask applied to a copy of the logits before sampling
+(docs/design.md, "Structured output"). Token ``t`` is allowed iff bit ``t % 32`` of word ``t // 32`` is set
+(llguidance's and xgrammar's layout).
 """
 
 from __future__ import annotations
@@ -15,16 +12,9 @@ from pipeline.common.step_protocol import MASK_BITS
 
 
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor | None, bitmask: torch.Tensor | None) -> torch.Tensor:
-    """The logits the sampler should see: ``logits`` itself without masks, else a masked copy.
-
-    Args:
-        logits: ``[S, V]`` float32 logits of the sampled rows (left unchanged).
-        rows: ``[M]`` int64 on the device, the constrained rows among the ``S``; None for none.
-        bitmask: ``[M, W]`` int64 (int32 words, widened) on the device, ``W >= ceil(V / 32)``.
-
-    Returns:
-        ``[S, V]`` float32 where each constrained row's disallowed tokens are
-        ``-inf``. Never waits for the device.
+    """The ``[S, V]`` float32 logits the sampler should see: ``logits`` itself without masks, else a copy with
+    disallowed tokens of ``rows`` (``[M]`` int64) ``-inf``; ``bitmask``: ``[M, W]`` int64-widened words. Never waits for
+    the device.
     """
     if rows is None:
         return logits
@@ -36,15 +26,8 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor | None, bitmask
 
 
 def nearest_allowed(tokens: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """The simulated device's masked draw: ``tokens`` with each constrained row's token replaced by the allowed token
-    nearest to it (the lower one on a tie); a row that allows nothing keeps its own.
-
-    Host arrays only (the simulated device's tensors live on the CPU). A row whose own token is allowed costs a bit
-    test; only the others unpack their mask, so 256 rows take a fraction of a 2 ms step.
-
-    Args:
-        tokens: ``[S]`` int64 (changed in place and returned).
-        rows, bitmask: as ``apply_token_bitmask``.
+    """The simulated device's masked draw: ``tokens`` (``[S]`` int64, changed in place) with each constrained row's
+    token replaced by the nearest allowed one (lower on a tie; kept if none is allowed). Host arrays only.
     """
     out, rows_np = tokens.numpy(), rows.numpy()
     words = bitmask.numpy().astype(np.uint32)  # the low 32 bits of each widened word

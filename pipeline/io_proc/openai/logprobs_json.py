@@ -1,9 +1,5 @@
-"""Log-probabilities as the OpenAI API shapes them.
-
-Two shapes exist (OpenAI API reference): the legacy completions object ``{"tokens", "token_logprobs", "top_logprobs",
-"text_offset"}`` (what lm-evaluation-harness reads with ``echo``), and the chat object ``{"content": [{"token",
-"logprob", "bytes", "top_logprobs": [...]}]}``. Values are the raw model's log-softmax, computed on the device
-(``pipeline.gpu_worker.sampling.logprobs``).
+"""Log-probabilities as the OpenAI API shapes them: the legacy completions object (what lm-evaluation-harness reads with
+``echo``) and the chat object; values are the raw model's log-softmax.
 """
 
 from __future__ import annotations
@@ -22,10 +18,7 @@ _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")  # SentencePiece byte fallba
 
 @dataclass
 class TokenLogprob:
-    """One token's log-probability and its ``k`` most likely alternatives (ids, log-probabilities).
-
-    ``logprob`` is None for a prompt's first token, which nothing predicts.
-    """
+    """One token's log-probability (None for a prompt's first token) and its ``k`` most likely alternatives."""
 
     token_id: int
     logprob: float | None
@@ -38,11 +31,8 @@ class TokenLogprob:
 
 
 class TokenTexts:
-    """Each token id's raw bytes and display text, computed once per id.
-
-    A byte-level BPE token (GPT-2, Llama 3, SmolLM) maps back to its bytes through GPT-2's table; a SentencePiece token
-    maps ``▁`` to a space and ``<0xNN>`` to that byte. A token that is part of a multi-byte character shows as U+FFFD in
-    its text; its ``bytes`` are exact.
+    """Each token id's raw bytes and display text, computed once per id (byte-level or SentencePiece); a partial
+    character shows as U+FFFD, its ``bytes`` exact.
     """
 
     def __init__(self, tokenizer: Any):
@@ -71,12 +61,8 @@ class TokenTexts:
 
 
 def completion_logprobs(texts: TokenTexts, entries: list[TokenLogprob], text_offset: int = 0) -> dict:
-    """The legacy completions ``logprobs`` object for consecutive tokens.
-
-    An entry whose ``logprob`` is None (the first prompt token under ``echo``) has ``token_logprobs`` and
-    ``top_logprobs`` None, as OpenAI gives them; its token is still listed. ``top_logprobs`` maps each alternative's
-    text to its log-probability and includes the chosen token, as vLLM does. ``text_offset`` is where each token's text
-    starts, counting from ``text_offset``.
+    """The legacy completions ``logprobs`` object for consecutive tokens; ``top_logprobs`` includes the chosen token (as
+    vLLM), and entries with ``logprob`` None have None values (as OpenAI).
     """
     tokens, lps, tops, offsets = [], [], [], []
     pos = text_offset

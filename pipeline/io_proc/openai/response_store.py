@@ -1,10 +1,5 @@
-"""The in-memory store of ``/v1/responses`` objects kept for ``previous_response_id`` (``store: true``).
-
-A stored response keeps only the items its request added (its input and output) and a link to the response it continued:
-a chain of follow-ups shares its history instead of copying it per hop. Bounded three ways, each evicting the oldest
-first: entries, bytes and age. The bytes bound counts what the store keeps alive: an evicted response whose items a kept
-follow-up still reaches keeps them (not its response object) counted until that follow-up goes too. docs/design.md, "The
-Responses API".
+"""The in-memory store of ``/v1/responses`` objects kept for ``previous_response_id`` (docs/design.md, "The Responses
+API"): follow-ups share history by link; bounded by entries, bytes kept alive and age, oldest evicted first.
 """
 
 from __future__ import annotations
@@ -39,14 +34,8 @@ class StoredResponse:
 
 
 class ResponseStore:
-    """Responses by id, oldest first.
-
-    Args:
-        max_entries: responses kept at most (0: none is kept).
-        max_bytes: the JSON bytes the kept responses hold alive, at most; one whose own bytes and history exceed it
-            alone is not kept.
-        max_age_s: seconds one is kept.
-        clock: seconds, monotonic (tests pass their own).
+    """Responses by id, oldest first (``max_entries`` 0: none kept; a response larger than ``max_bytes`` alone is not
+    kept).
     """
 
     def __init__(self, max_entries: int, max_bytes: int, max_age_s: float, clock=time.monotonic):

@@ -1,10 +1,7 @@
-"""``/v1/responses``: OpenAI's Responses API, served through the chat path.
+"""``/v1/responses``: OpenAI's Responses API, served through the chat path (docs/design.md, "The Responses API").
 
-A request becomes a chat request (input items to messages, function tools to chat tools, ``text.format`` to
-``response_format``) and is served as chat completions are; the output becomes output items (a message, function calls).
-A stream sends the standard semantic events, each ``event: <type>`` with its ``sequence_number``. ``store: true`` keeps
-the response for ``previous_response_id`` in a bounded store (``pipeline.io_proc.openai.response_store``), and a
-response the store cannot keep says ``store: false``; the default is stateless. docs/design.md, "The Responses API".
+Requests become chat requests and outputs become items; streams send the standard semantic events. ``store: true`` keeps
+the response in a bounded store (``response_store``).
 """
 
 from __future__ import annotations
@@ -42,13 +39,7 @@ logger = logging.getLogger(__name__)
 
 
 class ResponsesServing:
-    """The ``/v1/responses`` routes' logic, over ``OpenAIServingChat``.
-
-    Args:
-        serving: the chat path.
-        store: where ``store: true`` responses go.
-        model: the served model name.
-    """
+    """The ``/v1/responses`` routes' logic, over ``OpenAIServingChat``."""
 
     def __init__(self, serving: OpenAIServingChat, store: ResponseStore, model: str):
         self._serving, self._store, self._model = serving, store, model
@@ -57,8 +48,7 @@ class ResponsesServing:
         """Serve ``POST /v1/responses``.
 
         Raises:
-            APIError: 400 for input this server cannot take or an unknown ``previous_response_id``, and as chat
-                completions do.
+            APIError: 400 for input this server cannot take or an unknown ``previous_response_id``, and as chat does.
         """
         previous = None
         if req.previous_response_id is not None:

@@ -1,7 +1,5 @@
-"""The base of tool-call parsers: a format's layout, and the grammar (llguidance's Lark) it gives.
-
-A format is free text, then a *calls region* that starts at the parser's trigger: an optional opening, calls (each with
-an optional opening and closing tag) separated by a separator, an optional closing. docs/design.md, "Tool calling".
+"""The base of tool-call parsers: a format's layout, and the llguidance Lark grammar it gives (docs/design.md, "Tool
+calling"): free text, then a calls region from the trigger.
 """
 
 from __future__ import annotations
@@ -15,10 +13,8 @@ from pipeline.io_proc.tool_parsers.stream import ToolCallStream
 
 
 class ToolParser(ABC):
-    """A model family's tool-call format: its parser (``stream``) and the grammar that enforces it.
-
-    Subclasses set ``name`` (the ``--tool-call-parser`` value), the layout below and ``call_scanner`` / ``call_rules``.
-    The layout's literals are written as the grammar emits them; the parser skips whitespace around them.
+    """A model family's tool-call format: its parser (``stream``) and the grammar that enforces it; subclasses set
+    ``name`` (``--tool-call-parser``), the layout and ``call_scanner``/``call_rules``.
     """
 
     name: ClassVar[str]
@@ -71,13 +67,8 @@ class ToolParser(ABC):
         return content, calls
 
     def grammar(self, tools: list[ToolSpec], *, free: bool, parallel: bool) -> str:
-        """The grammar (llguidance's Lark) of an output in this format.
-
-        Args:
-            tools: the functions it may call.
-            free: text may come instead (``tool_choice: auto``): the grammar is inactive until the trigger; otherwise
-                the output is calls only.
-            parallel: several calls, else one.
+        """The grammar (llguidance's Lark) of an output in this format: with ``free``, inactive until the trigger; with
+        ``parallel``, several calls.
         """
         one = [self.call_open, "call", self.call_close]
         region = [self.region_open, *one]
