@@ -86,11 +86,8 @@ class Workload:
 
     @classmethod
     def rewrite(cls, num_requests: int, tokenizer, max_model_len: int, seed: int) -> Workload:
-        """Requests to rewrite a function given in the prompt, as a chat turn: the output mostly quotes the prompt.
-
-        Each prompt is an instruction (type hints, comments, a rename, a fix) and a 20-80 line function from the
-        standard library; the output is given the function's length plus 64 tokens. Where prompt lookup pays
-        (docs/design.md, "Speculative decoding").
+        """Chat requests to rewrite a 20-80 line standard-library function given in the prompt, so the output mostly
+        quotes it (where prompt lookup pays: docs/design.md, "Speculative decoding").
         """
         functions = []
         for name in _REWRITE_MODULES:
@@ -132,11 +129,8 @@ class Workload:
 
 @dataclass
 class MultiTurn:
-    """Chat traffic: users that each hold a conversation of several turns, in a closed loop.
-
-    Every turn's prompt is the shared system prompt, then the user's earlier messages each followed by the reply it got
-    (the server's own tokens), then a new message; a user sends its next turn when the previous reply has ended. Replies
-    are ``output_len`` tokens, ignoring EOS.
+    """Chat traffic in a closed loop: users each hold a multi-turn conversation (history plus the server's own replies),
+    replies ``output_len`` tokens ignoring EOS.
     """
 
     system: list[int]

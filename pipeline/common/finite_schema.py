@@ -1,16 +1,9 @@
-"""Whether a JSON schema admits a finite value, which llguidance does not check.
+"""Whether a JSON schema admits a finite value, which llguidance does not check (docs/design.md, "Structured output",
+"Errors").
 
-llguidance refuses a schema that is unsatisfiable where it stands (a required property ``false``, an empty ``enum``),
-but compiles one whose every value would be infinite: a required property that refers back to its own object, ``{"type":
-"object", "required": ["a"], "properties": {"a": {"$ref": "#"}}}``. Its matcher then forces ``{"a": {"a": ...`` until
-the output runs out, and the request fails mid-output. This finds such schemas before they are served (docs/design.md,
-"Structured output", "Errors").
-
-A sub-schema is *productive* when it has a finite value given which of the others do; productive sub-schemas are found
-by a fixpoint from none (a worklist: linear in the schema's size). Only ``$ref``, ``anyOf``, ``oneOf``, ``allOf`` and an
-object's ``required`` properties or an array's ``minItems`` can make a value infinite; anything else (other keywords,
-other types, references outside the document) counts as productive, so a schema is refused only where every value must
-be infinite.
+E.g. ``{"type": "object", "required": ["a"], "properties": {"a": {"$ref": "#"}}}`` compiles but fails mid-output.
+Productive sub-schemas are found by a linear worklist fixpoint; only references, combinators, required properties and
+``minItems`` can make a value infinite.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""Heartbeats: when each process last showed progress, in shared memory (docs/design.md, "Liveness").
-
-One float64 per process of the head node: the ``time.monotonic()`` of its loop's last turn (CLOCK_MONOTONIC, one clock
-for every process of the machine), 0 until its first. The launcher creates the segment with the rings and unlinks its
-name once every child has attached; it watches every entry, io_proc's ``/health`` and ``/metrics`` read the engines'
-entries, and the scheduler reads io_proc's before it blames the worker for a late step.
+"""Heartbeats in shared memory (docs/design.md, "Liveness"): per head-node process, one float64, the
+``time.monotonic()`` of its loop's last turn (0 before the first).
 """
 
 from __future__ import annotations
@@ -17,12 +13,7 @@ import posix_ipc
 
 
 class Heartbeats:
-    """The heartbeat table of one server instance.
-
-    Args:
-        name: POSIX shared-memory name, starting with ``/``.
-        roles: the process names, one entry each, in a fixed order.
-        create: True in the launcher, False in the processes that attach.
+    """The heartbeat table of one server instance; ``create`` in the launcher, attach elsewhere.
 
     Raises:
         posix_ipc.ExistentialError: creating a name that exists, or attaching to one that does not.

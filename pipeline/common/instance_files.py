@@ -1,11 +1,5 @@
-"""The files a server instance leaves in the file system, and their removal.
-
-An instance owns two kinds of named objects (docs/design.md, "Processes and lifecycle"): its socket directory
-``<tmp>/pipeline-<launcher pid>-<random>`` (mode 0700) and, until every child has attached, its rings' shared-memory
-segments and semaphores ``/dev/shm/[sem.]pipeline-<launcher pid>-<hex>-*`` (mode 0600). Both names start with the
-launcher's pid, so whoever finds one can tell whether its owner still runs. The children remove their instance's files
-when they notice the launcher died, and every launcher first sweeps away what dead instances of the same user left (a
-``kill -9`` of a launcher before its children attached, or of the whole process group).
+"""The files a server instance leaves in the file system, and their removal (docs/design.md, "Processes and lifecycle"):
+names start with the launcher's pid, so dead instances' files can be swept.
 """
 
 from __future__ import annotations
@@ -22,10 +16,8 @@ _SHM_DIR = "/dev/shm"
 
 
 def make_ipc_dir() -> str:
-    """Create this process's private socket directory (mode 0700) under the system temp directory.
-
-    Its name starts with ``pipeline-<pid>-``, so ``sweep_dead_instances`` can tell when its owner is gone. Raises
-    ``OSError`` if it cannot be created.
+    """Create this process's private socket directory (mode 0700, ``pipeline-<pid>-...``); raises ``OSError`` if it
+    cannot.
     """
     return tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-")
 
@@ -42,10 +34,8 @@ def pid_alive(pid: int) -> bool:
 
 
 def remove_files_of(pid: int, *, only_if_dead: bool = False) -> list[str]:
-    """Remove the socket directories and ring names that instance owner ``pid`` left.
-
-    Only entries owned by this user are touched. With ``only_if_dead``, an entry is removed only while ``pid`` runs no
-    more (checked per entry). Returns the paths removed; errors (a racing remover) are ignored.
+    """Remove this user's socket directories and ring names left by ``pid`` (``only_if_dead``: while it runs no more);
+    returns the paths removed, ignoring errors.
     """
     removed = []
     for base in (tempfile.gettempdir(), _SHM_DIR):
@@ -66,10 +56,7 @@ def remove_files_of(pid: int, *, only_if_dead: bool = False) -> list[str]:
 
 
 def sweep_dead_instances() -> list[str]:
-    """Remove every socket directory and ring name of this user whose launcher is gone.
-
-    A launcher calls this before it creates its own files. Returns the paths removed.
-    """
+    """Remove every socket directory and ring name of this user whose launcher is gone; returns the paths removed."""
     removed = []
     owners = set()
     for base in (tempfile.gettempdir(), _SHM_DIR):

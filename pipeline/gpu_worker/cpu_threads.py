@@ -1,6 +1,5 @@
-"""The worker's intra-op thread count: the CPUs it may use, less those other programs keep busy.
-
-docs/design.md, "Threads follow the machine's load".
+"""The worker's intra-op thread count: the CPUs it may use, less those other programs keep busy (docs/design.md,
+"Threads follow the machine's load").
 """
 
 from __future__ import annotations
@@ -65,11 +64,8 @@ def _busy_ticks(cpus: set[int]) -> int:
 
 
 def _engine_ticks(background: dict[str, bool | None]) -> int:
-    """Clock ticks used by this process and its siblings (the launcher's other children: the engine), less those of
-    their background threads (``BACKGROUND_THREAD_PREFIX``), which run beside the worker's steps.
-
-    ``background`` maps the thread ids seen at the last look to whether each is one (None: not known yet); it is updated
-    in place.
+    """Clock ticks used by this process and its sibling processes, less their background threads'; ``background``
+    (whether each thread id is one, None unknown) is updated in place.
     """
     ppid = os.getppid()
     try:
@@ -112,11 +108,8 @@ def _cpu_ticks(stat_path: str) -> int:
 
 
 class ThreadGovernor:
-    """Sets torch's intra-op threads to ``max_threads`` less the CPUs other programs keep busy, at least 1.
-
-    ``check`` runs in the worker's loop, busy or idle, and looks at the load of the last 0.25 s at most that often. The
-    engine's own processes are not other programs, but their background threads are. Without /proc it keeps
-    ``max_threads``.
+    """Sets torch's intra-op threads to ``max_threads`` less the CPUs other programs keep busy (at least 1), checked at
+    most every 0.25 s; without /proc, keeps ``max_threads``.
     """
 
     def __init__(self, max_threads: int, now_ns: int) -> None:

@@ -1,10 +1,6 @@
-"""A sparse mixture-of-experts MLP: softmax router, top-k, experts stacked per layer.
-
-Each token goes to the ``k`` experts with the highest router probability, weighted by those probabilities (renormalised
-to sum to 1 when ``norm_topk_prob``), as transformers' Qwen3-MoE and Mixtral blocks do. The step's (token, expert) pairs
-are sorted by expert so that each expert runs one matmul over its tokens (docs/design.md, "Model families"). Under
-tensor parallelism every rank holds every expert's ``1 / N`` of the intermediate dimension and the block's output is
-summed over the ranks, as a dense MLP's.
+"""A sparse mixture-of-experts MLP: softmax router, top-k, experts stacked per layer, as transformers' Qwen3-MoE and
+Mixtral (docs/design.md, "Model families"). Pairs are sorted by expert; tensor parallelism splits the intermediate
+dimension.
 """
 
 from __future__ import annotations
@@ -18,11 +14,8 @@ from pipeline.gpu_worker.layers.tp import SINGLE_RANK, TPGroup
 
 
 class FusedExperts(nn.Module):
-    """``E`` gated MLPs as two stacked parameters, named as transformers 5 stores them.
-
-    ``gate_up_proj`` is ``[E, 2 I_r, H]`` (each expert's gate rows, then its up rows) and ``down_proj`` ``[E, H, I_r]``,
-    with ``I_r = I / N``. Checkpoints hold either one tensor per expert and projection (shard id ``(expert, part)``,
-    part 0 gate and 1 up, or ``(expert,)`` for down), or the stacked ``[E, ...]`` tensors (shard id None).
+    """``E`` gated MLPs as two stacked parameters, named as transformers 5 stores them: ``gate_up_proj`` ``[E, 2 I_r,
+    H]`` and ``down_proj`` ``[E, H, I_r]``, ``I_r = I / N``.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act: str, tp: TPGroup) -> None:
@@ -62,9 +55,8 @@ class FusedExperts(nn.Module):
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, grouped: bool | None = None):
         """``x [T, H]``, each token's ``expert_ids`` and ``weights`` ``[T, k]`` -> ``[T, H]`` (this rank's part).
 
-        ``grouped``: one ``torch._grouped_mm`` per projection over all experts, with no host synchronisation (the
-        default off the CPU); else a loop over the experts that have tokens, with oneDNN matmuls (the CPU default:
-        1.5-2x faster than the grouped op on this project's CPU, and a host read of the counts costs nothing there).
+        ``grouped``: one ``torch._grouped_mm`` per projection, no host sync (default off the CPU); else a loop over
+        experts with tokens (the CPU default).
         """
         if grouped is None:
             grouped = x.device.type != "cpu"

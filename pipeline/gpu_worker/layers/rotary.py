@@ -1,15 +1,5 @@
-"""Rotary position embeddings: the inverse frequencies of each RoPE type, and their cos/sin tables.
-
-The frequencies follow transformers' ``modeling_rope_utils`` in the same float32 arithmetic, so the tables match bit for
-bit. Two types depend on the sequence length in transformers; a server fixes them once (docs/design.md, "Model
-families"):
-
-- ``dynamic`` (NTK) scales only past ``max_position_embeddings``, which no
-  request reaches (``--max-model-len`` is at most that): unscaled.
-- ``longrope`` uses its long factors when ``--max-model-len`` exceeds the
-  pre-training length (``original_max_position_embeddings``), its short
-  ones otherwise; transformers switches per forward pass, by the longest
-  position in it.
+"""Rotary position embeddings: each RoPE type's inverse frequencies (transformers' ``modeling_rope_utils``, bit for bit)
+and cos/sin tables. Length-dependent types are fixed once per server (docs/design.md, "Model families").
 """
 
 from __future__ import annotations
@@ -93,10 +83,8 @@ def _yarn(base: float, dim: int, p: dict, max_position_embeddings: int) -> tuple
 
 
 class RotaryEmbedding(nn.Module):
-    """cos and sin tables ``[max_position_embeddings, rotary_dim]`` in the model dtype (as transformers rounds them).
-
-    ``sin`` carries the sign of ``rotate_half`` in its first half, so the rotation is a swap of halves: ``rotate_half(x)
-    * sin_hf == swap(x) * sin``.
+    """cos and sin tables ``[max_position_embeddings, rotary_dim]`` in the model dtype; ``sin`` carries
+    ``rotate_half``'s sign, so the rotation is a swap of halves.
     """
 
     def __init__(self, rope: RopeConfig, max_position_embeddings: int, max_model_len: int) -> None:

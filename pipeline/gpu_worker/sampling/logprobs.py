@@ -1,9 +1,5 @@
-"""Log-probabilities of chosen tokens, computed on the device in the step that produces them.
-
-They are the raw model's log-softmax, before temperature, penalties and top-k/top-p (as vLLM returns by default), so a
-token's log-probability does not depend on how it was sampled. Prompt log-probabilities (``echo`` with ``logprobs``)
-come from the prefill chunks: position ``j`` of a prompt predicts the prompt token at ``j+1``; chunking changes which
-step computes it, not its value.
+"""Log-probabilities of chosen tokens, computed on the device: the raw model's log-softmax (as vLLM by default); prompt
+position ``j`` predicts token ``j + 1``.
 """
 
 from __future__ import annotations
@@ -22,15 +18,11 @@ _FLOOR = float(np.finfo(np.float32).min)
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each row's log-probability of its token, and its ``MAX_LOGPROBS`` most likely tokens.
+    """Each row's log-probability of its ``token_ids`` (``[N]`` int64) from ``logits`` (``[N, V]``, computed in
+    float32).
 
-    Args:
-        logits: ``[N, V]`` raw logits (any float dtype; computed in float32).
-        token_ids: ``[N]`` int64, the chosen token of each row, on the same device.
-
-    Returns:
-        ``(logprob [N] float32, top_ids [N, MAX_LOGPROBS] int32, top_logprobs
-        [N, MAX_LOGPROBS] float32)``, top entries in descending order, all finite.
+    Returns ``(logprob [N] float32, top_ids [N, MAX_LOGPROBS] int32, top_logprobs [N, MAX_LOGPROBS] float32)``, top
+    entries descending, all finite.
     """
     lsm = torch.log_softmax(logits.float(), dim=-1).clamp_(min=_FLOOR)
     lp = lsm.gather(1, token_ids[:, None]).squeeze(1)
@@ -40,10 +32,8 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch
 
 @dataclass
 class PromptLogprobPlan:
-    """Which positions of a step predict a prompt token whose log-probability is wanted (host numpy).
-
-    ``flat[e]`` indexes the step's tokens (request-major), ``next_token[e]`` is the prompt token it predicts, at
-    position ``pos[e]`` of request ``req_num[e]``.
+    """Which step positions predict a wanted prompt logprob (host numpy): ``flat`` step-token index, ``next_token``,
+    ``pos``, ``req_num``.
     """
 
     flat: np.ndarray  # [P] int64

@@ -1,14 +1,8 @@
-"""Prompt-lookup drafts on the device, from each request's token history (docs/design.md, "Speculative decoding").
+"""Prompt-lookup drafts on the device, from each request's token history (docs/design.md, "Speculative decoding"; Saxena
+2023, "Prompt Lookup Decoding"; vLLM's ``ngram``).
 
-For each row, the longest suffix n-gram of its tokens (``prompt_lookup_min <= n <= prompt_lookup_max``) that also ends
-earlier in its prompt plus output, the latest such occurrence, and the ``K`` tokens that followed it there (Saxena 2023,
-"Prompt Lookup Decoding"; vLLM's ``ngram`` method). When the occurrence ends fewer than ``K`` tokens before the end, the
-tokens after it are the sequence's own last ones and the drafts go round that cycle again (a loop of period ``P``
-repeats every ``P`` tokens), so every matched row has ``K`` drafts. A row with no match gets its last token ``K`` times
-as filler: verification rejects it unless it happens to be right.
-
-All rows at once, in ``prompt_lookup_max`` passes of elementwise comparisons over ``[R, W]``; the result stays on the
-device, so no sampled token is read back.
+The latest earlier occurrence of the longest matching suffix n-gram gives the next ``K`` tokens (cycling near the end);
+unmatched rows repeat their last token. Nothing is read back.
 """
 
 from __future__ import annotations
@@ -20,18 +14,9 @@ import torch.nn.functional as F
 def propose_ngram(
     history: torch.Tensor, lengths: torch.Tensor, k: int, n_min: int, n_max: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draft ``k`` tokens per row by prompt lookup.
+    """Draft ``k`` tokens per row by prompt lookup over ``history`` (``[R, W]``, row ``r`` valid up to ``lengths[r]``).
 
-    Args:
-        history: ``[R, W]`` integer token ids (>= 0); row ``r``'s sequence is ``history[r, : lengths[r]]``, later
-            entries are ignored.
-        lengths: ``[R]`` int64, each in ``[1, W]``.
-        k: drafts per row, >= 1.
-        n_min, n_max: the n-gram lengths tried, ``1 <= n_min <= n_max``.
-
-    Returns:
-        ``(drafts [R, k] int64, num_matched [R] int64)``: ``num_matched`` is ``k`` for a row whose
-        suffix was found (its drafts are the lookup's) and 0 for one whose drafts are filler.
+    Returns ``(drafts [R, k] int64, num_matched [R] int64)``, ``num_matched`` ``k`` for a found suffix, 0 for filler.
     """
     rows, width = history.shape
     last = lengths - 1

@@ -63,8 +63,6 @@ def stored_items(items: list[dict]) -> list[dict]:
 def chat_messages(items: list[dict], instructions: str | None) -> list[dict]:
     """Chat messages for ``items`` (checked), ``instructions`` first as the system message.
 
-    Consecutive function calls, with the assistant text before them, become one assistant message.
-
     Raises:
         APIError: 400 naming ``input[i]`` for an item this server cannot take.
     """
@@ -125,7 +123,7 @@ def chat_tools(tools: list[dict] | None) -> list[dict] | None:
     """Responses function tools as chat tools.
 
     Raises:
-        APIError: 400 for a tool that is not a function (web search, file search, ...).
+        APIError: 400 for a tool that is not a function.
     """
     if tools is None:
         return None

@@ -1,10 +1,4 @@
-"""``POST /v1/chat/completions``.
-
-A chat stream starts with a delta ``{"role": "assistant", "content": ""}``, sends content deltas, then a chunk with an
-empty delta and the finish reason, then (``include_usage``) a chunk with no choices and the usage. With tools, each
-choice's text goes through the tool-call parser: calls stream as ``tool_calls`` deltas and end the choice with
-``"tool_calls"`` (docs/design.md, "Tool calling").
-"""
+"""``POST /v1/chat/completions`` (tools: docs/design.md, "Tool calling")."""
 
 from __future__ import annotations
 
@@ -90,8 +84,8 @@ class OpenAIServingChat(OpenAIServing):
         )
 
     async def start_chat(self, req: ChatCompletionRequest) -> tuple[ToolPlan, list[int], list[RequestState]]:
-        """Check a chat request, render and encode its prompt and add its choices to the engine: ``(tool plan, prompt
-        token ids, one state per choice)``.
+        """Check, render and encode a chat request and add its choices: ``(tool plan, prompt ids, one state per
+        choice)``.
 
         Raises:
             APIError: 404 unknown model, 400 invalid or too long request, 503 scheduler not taking requests.

@@ -1,7 +1,5 @@
-"""The incremental parser every tool-call format shares (``ToolCallStream``).
-
-One machine serves a stream and a whole output (the whole output is one chunk), so a stream reassembles exactly to the
-non-streamed result however it is split.
+"""The incremental parser every tool-call format shares (``ToolCallStream``); any split of the stream gives the
+non-streamed result.
 """
 
 from __future__ import annotations
@@ -15,14 +13,8 @@ _TEXT, _REGION_OPEN, _CALL_OPEN, _CALL, _CALL_CLOSE, _AFTER_CALL, _TAIL = range(
 class ToolCallStream:
     """The incremental parser of one output: ``feed`` each text delta, then ``finish``.
 
-    Text that may begin the trigger or a tag is held back until it is told apart. Where the text stops following the
-    format, the rest is content, from the start of the call it was in if nothing of that call was emitted. An output
-    that ends inside a call (``max_tokens``) gives that call's text as content if its name was not emitted, else as
-    ``cut``.
-
-    Attributes:
-        cut: after ``finish``, the text of a call the output ended inside whose name and arguments so far were emitted
-            ("" if none).
+    Possible triggers or tags are held back until told apart; text leaving the format becomes content. ``cut``: after
+    ``finish``, the partly emitted call the output ended inside ("" if none).
     """
 
     def __init__(self, parser: CallLayout):
