@@ -1,9 +1,5 @@
-"""Cumulative histograms that a process keeps and ships as plain counts, and the bucket bounds.
-
-A process observes into a ``Histogram`` (a bisect and two additions per value) and sends ``Histogram.data`` in its stats
-reply; io_proc renders the counts as Prometheus histograms (docs/design.md, "Metrics"). Bounds are upper bounds
-(Prometheus ``le``); the last count is the +Inf bucket. The request histograms use vLLM's bounds
-(``vllm/v1/metrics/loggers.py``), so its dashboards read them unchanged.
+"""Cumulative histograms kept as plain counts and shipped in stats replies, rendered by io_proc for Prometheus
+(docs/design.md, "Metrics"); request histograms use vLLM's bounds (``vllm/v1/metrics/loggers.py``).
 """
 
 from __future__ import annotations
@@ -51,9 +47,8 @@ def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
 
 
 class HistogramData(msgspec.Struct, array_like=True):
-    """A histogram's counts per bucket (not cumulative; the last is +Inf) and the sum of the values.
-
-    Empty ``counts`` means nothing was observed.
+    """A histogram's counts per bucket (not cumulative; the last is +Inf; empty: nothing observed) and the sum of
+    values.
     """
 
     counts: list[int] = []

@@ -17,13 +17,8 @@ _ALIGN = 64
 
 @dataclass(frozen=True)
 class Layout:
-    """A fixed layout of named arrays.
-
-    Attributes:
-        fields: ``(name, numpy dtype, number of elements)`` triples, in memory order.
-        shapes: each field's view shape (1-D unless laid out with a shape).
-        offsets: byte offset of each field from the start of an entry.
-        nbytes: size of one entry in bytes (multiple of 64).
+    """A fixed layout of named arrays: ``fields`` ``(name, dtype, elements)`` in memory order, byte ``offsets``,
+    ``nbytes`` per entry (a multiple of 64).
     """
 
     fields: tuple[tuple[str, np.dtype, int], ...]
@@ -54,9 +49,8 @@ class Layout:
         return cls(tuple(out), tuple(shapes), tuple(offsets), max(off, _ALIGN))
 
     def views(self, buf, base: int = 0) -> dict[str, np.ndarray]:
-        """Numpy views of every field of the entry starting at byte ``base`` of ``buf``.
-
-        The views alias ``buf`` (an mmap or bytearray): writes go straight to it.
+        """Numpy views of every field of the entry at byte ``base`` of ``buf``, aliasing it (writes go straight
+        through).
         """
         return {
             name: np.frombuffer(buf, dtype=dt, count=length, offset=base + off).reshape(shape)

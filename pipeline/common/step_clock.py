@@ -1,11 +1,5 @@
-"""Per-step figures from a process's own clocks, kept as cumulative counts (docs/design.md, "Metrics").
-
-``CpuPerStep`` is each process's CPU time per step (sampled). ``WorkerClock`` is worker rank 0's view of the device: the
-token gap (device start of a step minus device end of the one before, clamped at 0, as ``trace.token_gaps_us``) and
-device time. Both count only steps that continue running requests (the scheduler marks them): the gap before a step that
-only starts new requests is the wait for their arrival, not the host's cost. The worker packs its counts into every
-StepOutput (``worker_stats`` unpacks them), so they reach io_proc with the scheduler's stats reply and no message of
-their own.
+"""Per-step figures from a process's own clocks, as cumulative counts (docs/design.md, "Metrics"): CPU per step, and
+worker rank 0's token gap and device time, over steps that continue running requests only.
 """
 
 from __future__ import annotations
@@ -35,10 +29,8 @@ WORKER_STATS_LEN = _CPU + _NUM_CPU
 
 
 class CpuPerStep:
-    """The process's CPU time (all threads) per step, one step in ``CPU_SAMPLE_EVERY``, as a histogram in ns.
-
-    The clock (``CLOCK_PROCESS_CPUTIME_ID``) is a system call of microseconds in a virtual machine, too dear for every
-    step.
+    """The process's CPU time per step in ns, sampled one step in ``CPU_SAMPLE_EVERY`` (the clock is a costly system
+    call in a VM).
     """
 
     __slots__ = ("histogram", "_steps", "_start")

@@ -1,15 +1,8 @@
-"""How many KV cache blocks a worker allocates when the launcher leaves the sizing to it.
-
-On CUDA without ``--kv-cache-memory`` the cache gets what the device's memory leaves, as in vLLM (docs/design.md, "KV
-cache size"): after the weights are loaded, one profiling step of ``--max-num-batched-tokens`` tokens (and the LM head
-over ``--max-num-seqs`` rows) measures the activations' peak, and
+"""How many KV cache blocks a worker allocates when it sizes the cache (docs/design.md, "KV cache size"), as vLLM:
 
     KV bytes = total x gpu_memory_utilization - (total - free) - activation peak
 
-where ``total - free`` is everything on the device then (weights, the CUDA context, other processes). Tensor-parallel
-ranks take the smallest of their figures, so every rank holds the same blocks. A draft model (speculative decoding) has
-a cache of the same blocks: a block's bytes are both models', and the draft's weights are on the device when the profile
-runs.
+after a profiling step; tensor-parallel ranks take the smallest figure, and a draft model's blocks count too.
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""The periodic stats line (vLLM's "Avg prompt throughput: ..."), logged while there is traffic.
-
-Every ``--log-stats-interval`` seconds io_proc takes the same figures ``/metrics`` renders (the engines' ``Stats`` and
-its own token counters) and logs what changed since the last line: throughput, running and waiting requests, KV cache
-usage, preemptions, the token gap p50 and the device-busy fraction over the interval, and, once the stats carry them,
-the prefix-cache hit rate and the speculative acceptance rate. An interval with no tokens and no request in the engines
-logs nothing.
+"""The periodic stats line (vLLM's "Avg prompt throughput: ..."), from the figures ``/metrics`` renders, logged every
+``--log-stats-interval`` seconds while there is traffic.
 """
 
 from __future__ import annotations
@@ -69,10 +64,7 @@ def stats_line(prev: Snapshot, cur: Snapshot) -> str | None:
 
 
 class StatsLogger:
-    """Logs ``stats_line`` every ``interval_s`` seconds (on a fixed beat, so intervals do not drift).
-
-    A scrape that fails (scheduler busy, shutting down) skips its line; the next one covers the longer interval.
-    """
+    """Logs ``stats_line`` every ``interval_s`` seconds on a fixed beat; a failed scrape skips its line."""
 
     def __init__(self, client: EngineClient, interval_s: float, timeout_s: float):
         self._client = client

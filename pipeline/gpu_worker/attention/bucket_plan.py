@@ -1,7 +1,5 @@
-"""Grouping a step's rows into buckets of similar context and query length (docs/design.md, "Attention backends").
-
-``torch_bucketed`` makes one SDPA call per bucket, so a row pays at most the bucket's padding over its own context, and
-a step makes a few calls per layer, not one per request.
+"""Grouping a step's rows into buckets of similar context and query length, one SDPA call each (docs/design.md,
+"Attention backends").
 """
 
 from __future__ import annotations
@@ -23,20 +21,10 @@ def plan_buckets(
     min_pad: int = MIN_PAD,
     min_query_pad: int = MIN_QUERY_PAD,
 ) -> list[np.ndarray]:
-    """Group rows of similar context (and query) length (docs/design.md, "Attention backends").
+    """Group rows greedily, longest context first, while context and query lengths stay within ``slack`` x (or
+    ``min_pad`` / ``min_query_pad`` tokens) of the bucket's longest (``context_lens``, ``query_lens``: ``[R]``, R >= 1).
 
-    Greedy, longest context first: a bucket is opened by its longest row and takes each next row (in descending context
-    order) while the bucket's longest context is within ``slack`` x (or ``min_pad`` tokens of) the row's, and the
-    bucket's query lengths stay within ``slack`` x (or ``min_query_pad`` of) each other.
-
-    Args:
-        context_lens: ``[R]`` integer, each row's context in tokens (keys it attends), R >= 1.
-        query_lens: ``[R]`` integer, each row's queries in tokens.
-        slack, min_pad, min_query_pad: the limits above.
-
-    Returns:
-        The buckets, as int64 arrays of row indices in ascending order (so a
-        single bucket of every row keeps the step's order); longest bucket first.
+    Returns int64 arrays of row indices, ascending within a bucket, longest bucket first.
     """
     if query_lens.min() == query_lens.max():
         # Equal queries (decode rows): a bucket opened at context ``top`` takes

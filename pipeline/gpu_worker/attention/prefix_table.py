@@ -10,24 +10,16 @@ _PREFIX_TABLE_MAX = 4096
 
 
 class PrefixTable:
-    """Masks of the form "the first ``n`` of ``width`` keys", as a row gather from a cached table.
-
-    ``table[n, k] = k < n``. A broadcast comparison writes an ``[R, W]`` bool mask element by element, which on CPU
-    torch costs about 0.5 ns per element (140 us for 1,024 decode rows of 288 keys, more than the rest of the step's
-    metadata); gathering ``R`` rows of this table costs 12 us. On a GPU both are one kernel. The table grows by doubling
-    as contexts grow (a rebuild costs one comparison of its size), up to ``_PREFIX_TABLE_MAX`` keys; wider masks fall
-    back to the comparison.
+    """Masks "the first ``n`` of ``width`` keys" as row gathers from a cached ``table[n, k] = k < n``, cheaper on CPU
+    than a broadcast comparison; grows by doubling up to ``_PREFIX_TABLE_MAX`` keys.
     """
 
     def __init__(self) -> None:
         self.table: torch.Tensor | None = None
 
     def rows(self, lengths: torch.Tensor, width: int) -> torch.Tensor:
-        """``[R, width]`` bool on ``lengths``' device: row ``r`` is True at ``k < lengths[r]``.
-
-        Args:
-            lengths: ``[R]`` int64 on the device, each in ``[0, width]``.
-            width: keys per row.
+        """``[R, width]`` bool on ``lengths``' device: row ``r`` is True at ``k < lengths[r]`` (``lengths``: ``[R]``
+        int64).
         """
         device = lengths.device
         if width > _PREFIX_TABLE_MAX:

@@ -12,9 +12,8 @@ from pipeline.gpu_worker.layers.tp import SINGLE_RANK, TPGroup
 
 
 class VocabParallelEmbedding(nn.Module):
-    """``V_r = ceil(V / N)`` rows of a ``[V, hidden]`` table; the last rank's rows past ``V`` are zeros.
-
-    Serves as the embedding (``forward``) and as the LM head (``logits``), so a tied model uses one table for both.
+    """``V_r = ceil(V / N)`` rows of a ``[V, hidden]`` table (last rank zero-padded): the embedding (``forward``) and
+    the LM head (``logits``).
     """
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup = SINGLE_RANK) -> None:
@@ -28,10 +27,8 @@ class VocabParallelEmbedding(nn.Module):
         self.register_buffer("packed_weight", None, persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """``ids [T]`` int64 of the full vocabulary -> ``[T, hidden]``, the same on every rank.
-
-        Under tensor parallelism each rank looks up the ids it holds, zeroes the others, and an all-reduce sums the
-        ranks' rows.
+        """``ids [T]`` int64 of the full vocabulary -> ``[T, hidden]``, the same on every rank (lookup, then
+        all-reduce).
         """
         if self.tp.size == 1:
             return F.embedding(ids, self.weight)
@@ -48,11 +45,8 @@ class VocabParallelEmbedding(nn.Module):
         return out.float()
 
     def pack_weights(self, keep_dense: bool) -> None:
-        """Pack the table for ``logits`` where ``linear.packed`` can; after loading.
-
-        An untied LM head (``keep_dense`` False) is replaced by its packed form. A tied table (``keep_dense``) is also
-        the embedding, whose lookups need it dense: the packed copy is kept beside it in ``packed_weight``, ``V_r x
-        hidden`` more elements (as vLLM does).
+        """Pack the table for ``logits`` where ``linear.packed`` can, after loading; a tied table (``keep_dense``) keeps
+        its dense copy beside ``packed_weight`` (as vLLM).
         """
         weight = packed(self.weight)
         if weight is None:

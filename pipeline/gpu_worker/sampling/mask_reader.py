@@ -21,23 +21,16 @@ _MASK_POLL_S = 0.0002
 
 
 class MaskReader:
-    """Reads each masked step's ``TokenMasks`` entry, in step order.
-
-    Args:
-        ring: the mask ring, read as reader ``rank`` (None on a node other than the head's).
-        rank: this worker's tensor-parallel rank.
-        stop: the process's stop flag: a wait ends with ``Stopped`` once it is set.
-        relay: over several nodes, rank 0 relays each entry and the other nodes' ranks receive it.
+    """Reads each masked step's ``TokenMasks`` entry, in step order (``ring`` None on a non-head node, which gets
+    ``relay``'s); a wait ends with ``Stopped`` once ``stop`` is set.
     """
 
     def __init__(self, ring: ShmRing[TokenMasks] | None, rank: int, stop: StopFlag, relay: DescriptorRelay | None):
         self.ring, self.rank, self.stop, self.relay = ring, rank, stop, relay
 
     def read(self, step_id: int, num_masks: int, meanwhile: Callable[[], None] | None) -> np.ndarray:
-        """The ``[num_masks, W]`` int32 bitmasks of step ``step_id``, once the scheduler wrote them.
-
-        ``meanwhile`` runs while they are awaited: the worker publishes finished steps there, whose tokens the masks may
-        be waiting for.
+        """The ``[num_masks, W]`` int32 bitmasks of step ``step_id``, once written; ``meanwhile`` runs while they are
+        awaited.
 
         Raises:
             Stopped: the process is stopping.

@@ -17,16 +17,11 @@ MAX_PROMPTS = 2048
 
 
 class CompletionRequest(SamplingRequest):
-    """Body of ``POST /v1/completions``.
+    """Body of ``POST /v1/completions``; ``prompt`` is validated into a list of prompts, each ``str`` or ``list[int]``
+    (token ids checked against the tokenizer when served).
 
-    ``prompt`` is, as in the OpenAI API, a non-empty string, a list of such strings, a non-empty list of token ids (ints
-    >= 0; the upper bound is checked against the tokenizer when the request is served), or a list of such lists; each
-    prompt of a list gets its own choice, ``index`` in list order. After validation it is a list of prompts, each a
-    ``str`` or a ``list[int]``.
-
-    ``logprobs`` (0..20) returns each token's log-probability and that many alternatives; ``echo`` prepends the prompt
-    to the text (and, with ``logprobs``, the prompt tokens' log-probabilities, the first null). ``max_tokens`` 0 is
-    allowed with ``echo`` (the prompt alone: what evaluation harnesses score).
+    ``echo`` prepends the prompt (and its log-probabilities, the first null); ``max_tokens`` 0 is allowed with ``echo``
+    (what evaluation harnesses score).
     """
 
     prompt: Any

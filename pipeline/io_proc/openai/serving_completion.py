@@ -1,13 +1,5 @@
-"""``POST /v1/completions``.
-
-A list of prompts runs one engine request per prompt, concurrently; choice ``i`` answers prompt ``i`` (OpenAI API), and
-a stream interleaves the choices' chunks as their tokens arrive. With ``n`` > 1, each prompt has ``n`` choices,
-prompt-major (choice ``p * n + i`` is prompt ``p``'s ``i``-th), from one engine request that prefills the prompt once
-(docs/design.md, "Parallel choices"); usage counts each prompt once. With ``echo``, a choice's text starts with its
-prompt (the prompt string, or the decoded token ids), and its first streamed chunk is that prompt.
-
-A stream sends text chunks with ``finish_reason`` null, then a chunk with empty text and the finish reason, then
-(``include_usage``) a chunk with no choices and the usage.
+"""``POST /v1/completions``: one engine request per prompt, run concurrently; with ``n`` > 1, choice ``p * n + i`` is
+prompt ``p``'s ``i``-th (docs/design.md, "Parallel choices"). ``echo`` starts a choice's text with its prompt.
 """
 
 from __future__ import annotations

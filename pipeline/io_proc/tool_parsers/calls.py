@@ -63,11 +63,8 @@ class CallScanner(ABC):
 
     @abstractmethod
     def feed(self, text: str, i: int, pieces: list[tuple[str, str]]) -> int:
-        """Consume ``text[i:]`` up to the end of the call, appending to ``pieces``.
-
-        Returns:
-            The call ends before ``text[j]`` for the ``j`` returned (``len(text)``:
-            it may go on). ``pieces`` get ``("name", name)`` and ``("args", fragment)``.
+        """Consume ``text[i:]`` up to the end of the call, appending ``("name", name)`` and ``("args", fragment)`` to
+        ``pieces``; returns the ``j`` the call ends before (``len(text)``: it may go on).
 
         Raises:
             Broken: the text is not a call of this format from that position on (``pieces`` has what came before it).
