@@ -1,15 +1,8 @@
-"""Entry of the launcher's children: ``python -m pipeline.child KIND STATUS_FD LAUNCHER_PID RANK``.
+"""Entry of the launcher's children: ``python -m pipeline.child KIND STATUS_FD LAUNCHER_PID RANK`` (docs/design.md,
+"Processes and lifecycle").
 
-``KIND`` is ``io_proc``, ``scheduler`` or ``gpu_worker``; ``RANK`` is a worker's tensor-parallel rank (0 for the
-others). The process's name (``gpu_worker-tp1``, ``scheduler-dp1``, ...) comes from the config it reads.
-
-The launcher starts io_proc, scheduler_proc and gpu_worker as plain subprocesses rather than through
-``multiprocessing``, whose spawn start method always runs a resource-tracker process: nothing here needs one (the rings
-are ``posix_ipc`` objects, unlinked by name), and a tracker only warns about "leaked" objects after a ``kill -9``. The
-child reads its ``EngineConfig`` as JSON from standard input, reports its status over the inherited pipe ``STATUS_FD``,
-imports only its own role's package (so the scheduler never loads torch), and ends through ``exit_now`` (docs/design.md,
-"Processes and lifecycle"). A child that finds the launcher gone when it ends removes the instance's socket directory
-and ring names.
+Plain subprocesses, not ``multiprocessing`` (no resource tracker). The child reads its ``EngineConfig`` as JSON on
+stdin, reports over ``STATUS_FD``, imports only its role's package, and ends through ``exit_now``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
-"""``pipeline-bench --bound``: what the same steps cost the bare model, with no runtime around it.
+"""``pipeline-bench --bound``: what the same steps cost the bare model, with no runtime around it (docs/design.md,
+"Measuring the token gap").
 
-The worker records every step's rows (``pipeline.gpu_worker.step_shapes``). After a run, with the server stopped, this
-module replays them in one process: for each step, attention metadata from the rows, the model forward over the step's
-tokens, the LM head over the sampled rows and a greedy pick. The replay's total time is the **bound**: how fast the
-engine could have been with zero overhead of its own (no scheduler, no rings, no HTTP, no gap). The benchmark reports
-engine throughput ÷ bound throughput, i.e. replay time ÷ engine wall time (docs/design.md, "Measuring the token gap").
+Replays the worker's recorded steps (``step_shapes``) in one process; the bound is engine throughput ÷ bound throughput,
+i.e. replay time ÷ engine wall time.
 """
 
 from __future__ import annotations
@@ -48,10 +46,7 @@ class BoundReplay:
         self.model.compute_logits(hidden.index_select(0, last)).argmax(-1)
 
     def replay(self, path: str, label: str) -> float:
-        """Replay the steps recorded in ``path``; returns their total time in seconds.
-
-        Step 0 runs once untimed first: it pays one-off allocations that the engine paid before its run started.
-        """
+        """Replay the steps recorded in ``path`` (step 0 once untimed first); returns their total time in seconds."""
         shapes = StepShapes.load(path)
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         with torch.inference_mode():

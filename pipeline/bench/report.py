@@ -9,14 +9,11 @@ from pipeline.common.trace import ROLES, cpu_per_step_us, device_spans, gap_metr
 
 
 def summarize(times: list[RequestTimes], spans: list, spec: dict | None = None) -> dict:
-    """Per-mode figures from client-side token times, the worker's device spans and speculative decoding's counts
-    (``spec``, None without it).
+    """Per-mode figures from client-side token times, the worker's device spans and speculative counts (``spec``, or
+    None).
 
-    Wall time runs from the first request's submission to the last token. The acceptance rate is accepted over drafted
-    tokens; the mean accepted length is vLLM's, tokens per verified row (``1 + accepted / drafts``). The host CPU per
-    output token is every process's CPU of every step (each engine's, under ``-dp``), summed, over the output tokens:
-    what the host spends per token, whatever the tokens per step. A multi-turn workload also gets
-    ``ttft_p50_ms_by_turn``.
+    Wall time runs from the first submission to the last token; mean accepted length is vLLM's ``1 + accepted /
+    drafts``; host CPU per output token sums every process's step CPU over output tokens.
     """
     wall_s = max(t.token_times[-1] for t in times if t.token_times) - min(t.submit for t in times)
     ttft = [t.token_times[0] - t.submit for t in times if t.token_times]

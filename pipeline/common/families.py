@@ -1,7 +1,5 @@
-"""The model families: one row per architecture a checkpoint's config names (``architectures[0]``).
-
-A row says where the family's code lives and what it implies that its config does not say. No torch: the launcher checks
-the architecture, the worker imports the row's module when it loads a model (docs/design.md, "Model families").
+"""The model families: one row per architecture (``architectures[0]``), with no torch (docs/design.md, "Model
+families").
 """
 
 from __future__ import annotations
@@ -14,10 +12,9 @@ from typing import Any
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-    """``module``/``cls``: the class in ``pipeline.gpu_worker.models`` that serves it; ``implied``: switches of
-    ``ModelConfig`` the family always has; ``defaults``: transformers' config defaults that hub configs leave out (a
-    config object already holds them); ``opt_in_window``: its sliding window is on only when ``use_sliding_window`` says
-    so."""
+    """``module``/``cls``: the serving class; ``implied``: ``ModelConfig`` switches always on; ``defaults``:
+    transformers' defaults hub configs omit; ``opt_in_window``: sliding window only with ``use_sliding_window``.
+    """
 
     module: str
     cls: str
@@ -82,7 +79,7 @@ def family(architecture: str) -> Family:
     """``architecture``'s row.
 
     Raises:
-        ValueError: naming ``architecture`` and the supported ones, unless it is supported.
+        ValueError: an unsupported ``architecture`` (the message lists the supported ones).
     """
     if architecture not in FAMILIES:
         raise ValueError(

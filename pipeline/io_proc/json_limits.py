@@ -1,9 +1,5 @@
-"""How deeply a request's free-form JSON may nest: values the body carries as objects (schemas, ``metadata``, Responses
-items) and JSON the body carries as text (a past call's ``arguments``).
-
-Past ``MAX_JSON_DEPTH`` levels the value is refused with a 400 naming its field. Without the bound, each later step that
-walks the value (``json.dumps``, the chat template's ``tojson``, llguidance's parser, msgspec) has a depth at which it
-raises ``RecursionError`` instead. docs/design.md, "Bounds per client".
+"""How deeply a request's free-form JSON may nest (docs/design.md, "Bounds per client"): past ``MAX_JSON_DEPTH`` a 400
+names the field, before any later walk hits ``RecursionError``.
 """
 
 from __future__ import annotations
@@ -49,8 +45,7 @@ def loads(text: str) -> object:
     """``text`` parsed as JSON.
 
     Raises:
-        ValueError: not JSON, or nested more than ``MAX_JSON_DEPTH`` deep (``json``'s own recursion limit, about a
-            thousand levels, is a ``RecursionError``).
+        ValueError: not JSON, or nested more than ``MAX_JSON_DEPTH`` deep.
     """
     try:
         value = json.loads(text)

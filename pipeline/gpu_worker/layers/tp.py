@@ -10,14 +10,7 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class TPGroup:
-    """A rank of a tensor-parallel group (docs/design.md, "Parallelism").
-
-    Attributes:
-        rank: 0 .. size - 1 within the group.
-        size: ranks in the group (N); 1 is a single rank, whose layers run no collective.
-        group: the torch.distributed process group; None only where no collective runs (one rank, or building and
-            loading a shard in tests).
-    """
+    """A rank of a tensor-parallel group (docs/design.md, "Parallelism"); ``group`` None where no collective runs."""
 
     rank: int = 0
     size: int = 1

@@ -1,8 +1,4 @@
-"""Gemma 2 and Gemma 3 (text): norms on both sides of attention and of the MLP.
-
-What else differs from Llama is a switch of the shared layers, set in ``ModelConfig``: ``(1 + w)`` RMSNorms in float32,
-embeddings times sqrt(hidden), GeGLU, the ``query_pre_attn_scalar`` softmax scale, Gemma 2's soft-caps on attention
-scores and final logits, sliding and full layers (``layer_types``), and Gemma 3's q/k norms and local RoPE base
+"""Gemma 2 and Gemma 3 (text): norms on both sides of attention and of the MLP; the rest are ``ModelConfig`` switches
 (docs/design.md, "Model families").
 """
 

@@ -46,13 +46,8 @@ _WS = " \t\n\r"
 
 
 class JsonCallScanner(CallScanner):
-    """One call as a JSON object: ``{"name": ..., "arguments": {...}}``, keys in any order.
-
-    The arguments stream as the raw text of their value (arguments given as a JSON string come whole, decoded, when it
-    ends); arguments before the name are held until the name is read; a call without them has ``{}``.
-
-    Args:
-        args_keys: the keys that may hold the arguments (Llama 3 writes ``parameters``).
+    """One call as a JSON object ``{"name": ..., "arguments": {...}}``, keys in any order; ``args_keys`` may hold the
+    arguments (Llama 3 writes ``parameters``), which stream as raw text (a JSON string comes whole, decoded).
     """
 
     def __init__(self, args_keys: tuple[str, ...] = ("arguments",)):

@@ -1,8 +1,5 @@
-"""Llama 3.2 / Llama 4 / ToolACE Python-style calls: the output is ``[get_weather(city="Paris"), f()]``.
-
-Each call's arguments stream whole, as JSON, when its closing parenthesis comes. The grammar enforces the argument
-names, which are required, and each value's type, enum and items as a Python literal; string lengths, patterns and
-numeric bounds are not enforced.
+"""Llama 3.2 / Llama 4 / ToolACE Python-style calls, ``[get_weather(city="Paris"), f()]``; arguments stream whole as
+JSON. The grammar enforces names, types, enums and items, not string lengths, patterns or numeric bounds.
 """
 
 from __future__ import annotations
