@@ -1,6 +1,5 @@
 """``pipeline-serve``: create the rings, start the three processes, watch them (docs/design.md, "Processes and
-lifecycle"; "Parallelism").
-"""
+lifecycle"; "Parallelism")."""
 
 from __future__ import annotations
 
@@ -46,8 +45,7 @@ class _Child(subprocess.Popen):
     @classmethod
     def start(cls, kind: str, config: EngineConfig, rank: int = 0) -> tuple[_Child, Connection]:
         """Start a process of ``kind`` (io_proc, scheduler, gpu_worker rank ``rank``); returns it and its status pipe's
-        read end. The config goes over its stdin.
-        """
+        read end. The config goes over its stdin."""
         status_r, status_w = os.pipe()
         env = dict(os.environ)
         root = os.path.dirname(os.path.dirname(os.path.abspath(pipeline.__file__)))
@@ -80,8 +78,7 @@ class HeadStopped(Exception):
 
 class Launcher:
     """Starts, watches and stops the processes of one server instance; ``roles`` lets a benchmark play io_proc
-    in-process.
-    """
+    in-process."""
 
     def __init__(
         self,
@@ -303,8 +300,7 @@ class Launcher:
 
     def stop(self) -> None:
         """Stop every process (SIGTERM, then SIGKILL after a grace period), then write traces and remove rings and
-        sockets.
-        """
+        sockets."""
         hung = {self._hung} if self._hung else set()
         if self.heartbeats is not None and self.config.step_timeout_s:
             hung.update(name for name, _ in self.heartbeats.stale(self.config.step_timeout_s, list(self.procs)))

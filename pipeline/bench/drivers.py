@@ -34,8 +34,7 @@ Send = Callable[[list[int], int, int], Awaitable[tuple[Any, list[int]]]]
 
 async def play(work: Workload | MultiTurn, send: Send, concurrency: int | None = None) -> list[tuple[Any, int]]:
     """Send every request of ``work`` through ``send`` (fixed: all at once or ``concurrency`` at a time; multi-turn:
-    turn after turn per user); returns ``(what send kept, turn)`` per request.
-    """
+    turn after turn per user); returns ``(what send kept, turn)`` per request."""
     if isinstance(work, Workload):
         gate = asyncio.Semaphore(concurrency or len(work.prompts) or 1)
 
@@ -65,8 +64,7 @@ async def drive_engine(
     concurrency: int | None = None,
 ) -> tuple[list[RequestTimes], dict | None]:
     """Play io_proc's part in-process: an EngineClient on ``output_rings``; returns the times and ``spec_counts``, its
-    spans in ``config.trace_path("io_proc")``.
-    """
+    spans in ``config.trace_path("io_proc")``."""
     from pipeline.io_proc.engine_client import EngineClient
     from pipeline.io_proc.tokenization import Tokenization, load_tokenizer
 
@@ -98,8 +96,7 @@ def spec_counts(figures: dict) -> dict | None:
 
 async def _drive_client(client, work: Workload | MultiTurn, bar, concurrency: int | None = None) -> list[RequestTimes]:
     """Play ``work`` through a started EngineClient; timelines come from the client's per-step delivery times, read once
-    every request has finished.
-    """
+    every request has finished."""
 
     async def send(prompt: list[int], max_tokens: int, seed: int):
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, seed=seed, ignore_eos=True)

@@ -87,8 +87,7 @@ class Workload:
     @classmethod
     def rewrite(cls, num_requests: int, tokenizer, max_model_len: int, seed: int) -> Workload:
         """Chat requests to rewrite a 20-80 line standard-library function given in the prompt, so the output mostly
-        quotes it (where prompt lookup pays: docs/design.md, "Speculative decoding").
-        """
+        quotes it (where prompt lookup pays: docs/design.md, "Speculative decoding")."""
         functions = []
         for name in _REWRITE_MODULES:
             source = inspect.getsource(importlib.import_module(name))
@@ -130,8 +129,7 @@ class Workload:
 @dataclass
 class MultiTurn:
     """Chat traffic in a closed loop: users each hold a multi-turn conversation (history plus the server's own replies),
-    replies ``output_len`` tokens ignoring EOS.
-    """
+    replies ``output_len`` tokens ignoring EOS."""
 
     system: list[int]
     messages: list[list[list[int]]]  # [user][turn] -> that turn's new message

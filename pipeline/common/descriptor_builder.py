@@ -13,8 +13,7 @@ from pipeline.common.step_protocol import DESCRIPTOR, DRAFT_TOKEN_ID, StepDescri
 
 class DescriptorBuilder:
     """Collects one step's rows in descriptor order, then ``write``s them into a ring entry; reused across steps
-    (``clear``). ``record``'s ``sampling`` group is copied from the same-named ``SamplingParams`` attributes.
-    """
+    (``clear``). ``record``'s ``sampling`` group is copied from the same-named ``SamplingParams`` attributes."""
 
     def __init__(self, record: Record = DESCRIPTOR) -> None:
         self._h = record.header_index

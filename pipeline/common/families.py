@@ -1,6 +1,5 @@
 """The model families: one row per architecture (``architectures[0]``), with no torch (docs/design.md, "Model
-families").
-"""
+families")."""
 
 from __future__ import annotations
 
@@ -13,8 +12,7 @@ from typing import Any
 @dataclasses.dataclass(frozen=True)
 class Family:
     """``module``/``cls``: the serving class; ``implied``: ``ModelConfig`` switches always on; ``defaults``:
-    transformers' defaults hub configs omit; ``opt_in_window``: sliding window only with ``use_sliding_window``.
-    """
+    transformers' defaults hub configs omit; ``opt_in_window``: sliding window only with ``use_sliding_window``."""
 
     module: str
     cls: str

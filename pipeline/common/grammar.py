@@ -84,8 +84,7 @@ def check_finite(schema: object, param: str) -> None:
 
 def check_grammar(grammar: str, param: str) -> None:
     """Raise ``GrammarError`` naming ``param`` if llguidance cannot compile ``grammar`` (no tokenizer; tool calling
-    only).
-    """
+    only)."""
     if err := llguidance.LLMatcher.validate_grammar(grammar, None):
         raise GrammarError(f"{param} is invalid: {err}", param)
 

@@ -1,6 +1,5 @@
 """Heartbeats in shared memory (docs/design.md, "Liveness"): per head-node process, one float64, the
-``time.monotonic()`` of its loop's last turn (0 before the first).
-"""
+``time.monotonic()`` of its loop's last turn (0 before the first)."""
 
 from __future__ import annotations
 

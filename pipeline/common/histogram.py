@@ -1,6 +1,5 @@
 """Cumulative histograms kept as plain counts and shipped in stats replies, rendered by io_proc for Prometheus
-(docs/design.md, "Metrics"); request histograms use vLLM's bounds (``vllm/v1/metrics/loggers.py``).
-"""
+(docs/design.md, "Metrics"); request histograms use vLLM's bounds (``vllm/v1/metrics/loggers.py``)."""
 
 from __future__ import annotations
 
@@ -48,8 +47,7 @@ def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
 
 class HistogramData(msgspec.Struct, array_like=True):
     """A histogram's counts per bucket (not cumulative; the last is +Inf; empty: nothing observed) and the sum of
-    values.
-    """
+    values."""
 
     counts: list[int] = []
     sum: float = 0.0

@@ -1,6 +1,5 @@
 """The files a server instance leaves in the file system, and their removal (docs/design.md, "Processes and lifecycle"):
-names start with the launcher's pid, so dead instances' files can be swept.
-"""
+names start with the launcher's pid, so dead instances' files can be swept."""
 
 from __future__ import annotations
 
@@ -17,8 +16,7 @@ _SHM_DIR = "/dev/shm"
 
 def make_ipc_dir() -> str:
     """Create this process's private socket directory (mode 0700, ``pipeline-<pid>-...``); raises ``OSError`` if it
-    cannot.
-    """
+    cannot."""
     return tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-")
 
 
@@ -35,8 +33,7 @@ def pid_alive(pid: int) -> bool:
 
 def remove_files_of(pid: int, *, only_if_dead: bool = False) -> list[str]:
     """Remove this user's socket directories and ring names left by ``pid`` (``only_if_dead``: while it runs no more);
-    returns the paths removed, ignoring errors.
-    """
+    returns the paths removed, ignoring errors."""
     removed = []
     for base in (tempfile.gettempdir(), _SHM_DIR):
         try:

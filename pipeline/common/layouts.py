@@ -18,8 +18,7 @@ _ALIGN = 64
 @dataclass(frozen=True)
 class Layout:
     """A fixed layout of named arrays: ``fields`` ``(name, dtype, elements)`` in memory order, byte ``offsets``,
-    ``nbytes`` per entry (a multiple of 64).
-    """
+    ``nbytes`` per entry (a multiple of 64)."""
 
     fields: tuple[tuple[str, np.dtype, int], ...]
     shapes: tuple[tuple[int, ...], ...]
@@ -50,8 +49,7 @@ class Layout:
 
     def views(self, buf, base: int = 0) -> dict[str, np.ndarray]:
         """Numpy views of every field of the entry at byte ``base`` of ``buf``, aliasing it (writes go straight
-        through).
-        """
+        through)."""
         return {
             name: np.frombuffer(buf, dtype=dt, count=length, offset=base + off).reshape(shape)
             for (name, dt, length), shape, off in zip(self.fields, self.shapes, self.offsets)

@@ -31,8 +31,7 @@ def _vocab(tokenizer: llguidance.LLTokenizer) -> _Vocab:
 
 class _TriggerTable:
     """For a trigger ``T`` of ``L`` bytes, per state ``s < L`` (text ends with ``T[:s]``): ``risky[s]``, some token
-    completes ``T``; ``maybe[s]``, some token leads to completion or a risky state.
-    """
+    completes ``T``; ``maybe[s]``, some token leads to completion or a risky state."""
 
     def __init__(self, vocab: _Vocab, trigger: bytes):
         t, n = trigger, len(trigger)

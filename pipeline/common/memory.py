@@ -1,6 +1,5 @@
 """Giving the heap back to the system after a burst (docs/design.md, "Memory after a burst"): glibc keeps freed pages
-that a live object shares until ``malloc_trim``.
-"""
+that a live object shares until ``malloc_trim``."""
 
 from __future__ import annotations
 
@@ -28,8 +27,7 @@ if _mallinfo2 is not None:
 
 def heap_in_use() -> int | None:
     """Bytes the malloc heap has handed out and not had back (glibc's ``mallinfo2``, all threads); None before glibc
-    2.33.
-    """
+    2.33."""
     if _mallinfo2 is None:
         return None
     info = _mallinfo2()
@@ -38,8 +36,7 @@ def heap_in_use() -> int | None:
 
 def trim_heap() -> None:
     """Return every malloc arena's free pages to the system (``malloc_trim(0)``); releases the GIL, so run it on its own
-    thread. A no-op without glibc.
-    """
+    thread. A no-op without glibc."""
     if _malloc_trim is not None:
         _malloc_trim(0)
 
@@ -87,8 +84,7 @@ class BurstWatch(_Settle):
 
 class HeapWatch(_Settle):
     """Tells when the malloc heap has stayed ``min_bytes`` below its peak for ``settle_s``: a burst has passed and its
-    freed pages can go back.
-    """
+    freed pages can go back."""
 
     def __init__(self, min_bytes: int = 16 * 2**20, settle_s: float = 1.0):
         super().__init__(settle_s)

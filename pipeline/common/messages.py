@@ -1,6 +1,5 @@
 """Control messages between io_proc and scheduler_proc (msgspec tagged unions over zmq): per-request add, abort, stats,
-shutdown. ``ToScheduler`` goes to the scheduler, ``ToIO`` back.
-"""
+shutdown. ``ToScheduler`` goes to the scheduler, ``ToIO`` back."""
 
 from __future__ import annotations
 
@@ -55,8 +54,7 @@ class SamplingParams(msgspec.Struct, frozen=True):
 
 class AddRequest(msgspec.Struct, tag=True):
     """Add a request. ``req_num`` is unique for the server's life; with ``n`` > 1, choice ``i`` is request ``req_num +
-    i`` (docs/design.md, "Parallel choices").
-    """
+    i`` (docs/design.md, "Parallel choices")."""
 
     req_num: int
     prompt_token_ids: list[int]
@@ -95,8 +93,7 @@ class Shutdown(msgspec.Struct, tag=True):
 
 class WorkerStats(msgspec.Struct, array_like=True):
     """The worker's own clocks (rank 0), cumulative since it started (docs/design.md, "Metrics"); times in nanoseconds,
-    ``busy_fraction`` -1 before the first second of steps.
-    """
+    ``busy_fraction`` -1 before the first second of steps."""
 
     token_gap: HistogramData = msgspec.field(default_factory=HistogramData)
     device_busy_ns: int = 0
@@ -106,8 +103,7 @@ class WorkerStats(msgspec.Struct, array_like=True):
 
 class Stats(msgspec.Struct, tag=True):
     """One engine's occupancy and cumulative figures, answered to ``GetStats`` with the same nonce (docs/design.md,
-    "Metrics"; "Prefix caching"). Fields that are None are not counted yet (caching off, features to come).
-    """
+    "Metrics"; "Prefix caching"). Fields that are None are not counted yet (caching off, features to come)."""
 
     nonce: int
     num_running: int
@@ -162,8 +158,7 @@ def merge_stats(per_engine: list[Stats]) -> Stats:
 
 class Admitted(msgspec.Struct, tag=True):
     """Requests the scheduler admitted for the first time in one step, sent before the step; ``num_cached_tokens`` is
-    each one's prefix-cache hit (usage's ``cached_tokens``).
-    """
+    each one's prefix-cache hit (usage's ``cached_tokens``)."""
 
     req_nums: list[int]
     num_cached_tokens: list[int]
@@ -171,8 +166,7 @@ class Admitted(msgspec.Struct, tag=True):
 
 class GrammarCompiled(msgspec.Struct, tag=True):
     """The scheduler's answer to an ``AddRequest`` with a grammar: ``error`` empty means queued, else why it was
-    refused.
-    """
+    refused."""
 
     req_num: int
     error: str = ""

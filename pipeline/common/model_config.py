@@ -1,6 +1,5 @@
 """ModelConfig: every switch the shared layers take, read once from a checkpoint's config without torch (docs/design.md,
-"Model families"); takes transformers 5's and the older config forms.
-"""
+"Model families"); takes transformers 5's and the older config forms."""
 
 from __future__ import annotations
 
@@ -195,8 +194,7 @@ class ModelConfig:
 
     def window(self, layer: int, max_model_len: int) -> int | None:
         """Layer ``layer``'s sliding window in keys, or None when it attends its whole context (also for windows >=
-        ``max_model_len``).
-        """
+        ``max_model_len``)."""
         if self.layer_types[layer] != SLIDING or self.sliding_window is None:
             return None
         return self.sliding_window if self.sliding_window < max_model_len else None

@@ -27,8 +27,7 @@ BACKGROUND_THREAD_PREFIX = b"bg-"
 
 class Stopped(BaseException):
     """Raised by ``StopFlag.interrupting`` when a stop cuts a start-up step short; a BaseException so library ``except
-    Exception`` clauses let it pass.
-    """
+    Exception`` clauses let it pass."""
 
 
 class StopFlag:
@@ -68,8 +67,7 @@ class StopFlag:
 
 def child_setup(name: str, launcher_pid: int) -> StopFlag:
     """Prepare a child process: own process group (Ctrl-C reaches only the launcher), ``PR_SET_PDEATHSIG`` SIGTERM, a
-    umask making its files private; SIGTERM sets the returned flag.
-    """
+    umask making its files private; SIGTERM sets the returned flag."""
     os.setpgrp()
     os.umask(0o077)
     try:
@@ -95,8 +93,7 @@ def name_process(name: str) -> None:
 
 def start_background_thread(name: str, nice: int = 0) -> None:
     """Name the calling thread ``bg-<name>`` (15 bytes kept) and run it at niceness ``nice``; a ThreadPoolExecutor
-    initializer, Linux only.
-    """
+    initializer, Linux only."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, (BACKGROUND_THREAD_PREFIX + name.encode())[:15])
         if nice:
@@ -125,16 +122,14 @@ def report(conn: Connection, *msg) -> None:
 
 def freeze_startup_heap() -> None:
     """``gc.freeze`` every object alive now, once start-up is over, so full collections no longer walk the libraries'
-    long-lived objects (as Python's ``gc.freeze`` documentation recommends).
-    """
+    long-lived objects (as Python's ``gc.freeze`` documentation recommends)."""
     gc.collect()
     gc.freeze()
 
 
 def exit_now(code: int) -> None:
     """Flush logs and standard streams, then ``os._exit``-style end with ``code``, skipping the interpreter's slow
-    teardown; call once everything held is released.
-    """
+    teardown; call once everything held is released."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

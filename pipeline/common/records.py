@@ -1,6 +1,5 @@
 """Fixed-layout records defined by one field table each (docs/step-protocol.md): layout, views, host copy, packing and
-reference table all derive from it.
-"""
+reference table all derive from it."""
 
 from __future__ import annotations
 
@@ -32,8 +31,7 @@ class Field:
 @dataclass(frozen=True)
 class Group:
     """Fields of one extent: ``capacity`` entries laid out, the first ``count`` live; ``select``: a flag's ``rows``
-    name, the host copy then holding only those entries.
-    """
+    name, the host copy then holding only those entries."""
 
     name: str
     per: str
@@ -61,8 +59,7 @@ class RecordView:
 
 class HostCopy:
     """The reader's copy of one entry (``Record.read``): header values as ints, live fields as arrays (int64 unless
-    ``widen`` is False; ``rows`` flags as indices; ``select`` groups narrowed).
-    """
+    ``widen`` is False; ``rows`` flags as indices; ``select`` groups narrowed)."""
 
     __slots__ = ()
 

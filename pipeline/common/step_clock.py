@@ -1,6 +1,5 @@
 """Per-step figures from a process's own clocks, as cumulative counts (docs/design.md, "Metrics"): CPU per step, and
-worker rank 0's token gap and device time, over steps that continue running requests only.
-"""
+worker rank 0's token gap and device time, over steps that continue running requests only."""
 
 from __future__ import annotations
 
@@ -30,8 +29,7 @@ WORKER_STATS_LEN = _CPU + _NUM_CPU
 
 class CpuPerStep:
     """The process's CPU time per step in ns, sampled one step in ``CPU_SAMPLE_EVERY`` (the clock is a costly system
-    call in a VM).
-    """
+    call in a VM)."""
 
     __slots__ = ("histogram", "_steps", "_start")
 

@@ -1,6 +1,5 @@
 """The StepOutput record, worker -> scheduler and io_proc, defined by the field table ``OUTPUT`` (docs/design.md, "The
-step protocol").
-"""
+step protocol")."""
 
 from __future__ import annotations
 
@@ -122,8 +121,7 @@ OUTPUT = Record(
 @dataclass
 class TokenLogprobs:
     """Log-probabilities of ``N`` chosen tokens (raw log-softmax): ``logprob[i]``, and ``top_ids``/``top_logprobs[i,
-    :k]`` descending (columns past ``k`` unspecified); ``index``: output rows, or request numbers for prompt tokens.
-    """
+    :k]`` descending (columns past ``k`` unspecified); ``index``: output rows, or request numbers for prompt tokens."""
 
     index: np.ndarray  # [N] int64
     logprob: np.ndarray  # [N] float32
@@ -183,8 +181,7 @@ class StepOutput(OUTPUT.view_base):
         proposals: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> None:
         """Fill the entry with step ``step_id``'s ``[S]`` request numbers and sampled token ids; None fields are left as
-        they are (counts), 0 (``draft_matched``) or empty.
-        """
+        they are (counts), 0 (``draft_matched``) or empty."""
         n = len(req_nums)
         h = self.header
         h[_OUT["step_id"]], h[_OUT["num_rows"]] = step_id, n

@@ -1,7 +1,6 @@
 """Tensor-parallel shard sizes, no torch, shared by the launcher's checks and the worker (docs/design.md,
 "Parallelism"): Megatron-LM's scheme (Shoeybi et al. 2019, section 3), KV-head replication and vocabulary padding as
-vLLM's.
-"""
+vLLM's."""
 
 from __future__ import annotations
 

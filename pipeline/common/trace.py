@@ -31,8 +31,7 @@ class TraceRecorder:
 
     def add_step_cpu(self, role: str, step_id: int) -> None:
         """Close step ``step_id`` of this process: a ``cpu`` span since the previous call (the first only starts the
-        clock).
-        """
+        clock)."""
         now, cpu = time.monotonic_ns(), time.process_time_ns()
         if self._last_step is not None:
             start, cpu0 = self._last_step
@@ -119,8 +118,7 @@ def token_gaps_us(dev: np.ndarray) -> np.ndarray:
 
 def gap_metrics(dev: np.ndarray) -> dict:
     """Token gap (docs/design.md, "Measuring the token gap") and device-busy fraction over consecutive device spans:
-    ``{"token_gap_us": {p50, p90, p99, max, mean}, "device_busy_fraction"}`` (gaps None below two steps).
-    """
+    ``{"token_gap_us": {p50, p90, p99, max, mean}, "device_busy_fraction"}`` (gaps None below two steps)."""
     if len(dev) < 2:
         return {"token_gap_us": None, "device_busy_fraction": None}
     gaps = token_gaps_us(dev)

@@ -1,6 +1,5 @@
 """The worker's intra-op thread count: the CPUs it may use, less those other programs keep busy (docs/design.md,
-"Threads follow the machine's load").
-"""
+"Threads follow the machine's load")."""
 
 from __future__ import annotations
 
@@ -65,8 +64,7 @@ def _busy_ticks(cpus: set[int]) -> int:
 
 def _engine_ticks(background: dict[str, bool | None]) -> int:
     """Clock ticks used by this process and its sibling processes, less their background threads'; ``background``
-    (whether each thread id is one, None unknown) is updated in place.
-    """
+    (whether each thread id is one, None unknown) is updated in place."""
     ppid = os.getppid()
     try:
         with open(f"/proc/{ppid}/task/{ppid}/children") as f:
@@ -109,8 +107,7 @@ def _cpu_ticks(stat_path: str) -> int:
 
 class ThreadGovernor:
     """Sets torch's intra-op threads to ``max_threads`` less the CPUs other programs keep busy (at least 1), checked at
-    most every 0.25 s; without /proc, keeps ``max_threads``.
-    """
+    most every 0.25 s; without /proc, keeps ``max_threads``."""
 
     def __init__(self, max_threads: int, now_ns: int) -> None:
         self.max_threads = max_threads

@@ -81,8 +81,7 @@ class DecodeGraphs:
 
     def run(self, step: GraphStep, input_ids: torch.Tensor) -> torch.Tensor:
         """Run ``step`` (the latest from ``prepare``) on ``input_ids`` (``[B]`` int64); returns ``[B, vocab]`` float32
-        logits, a view the next step overwrites.
-        """
+        logits, a view the next step overwrites."""
         self.input_ids[: step.num_tokens].copy_(input_ids)
         graph = self._graphs.get(step.size)
         if graph is None:

@@ -22,8 +22,7 @@ _ALIGN = 8
 
 class DeviceOps:
     """CPU torch: synchronous, and host arrays are used in place; ``is_async``: events, not wall time, time enqueued
-    work.
-    """
+    work."""
 
     is_async = False
 
@@ -32,8 +31,7 @@ class DeviceOps:
 
     def upload(self, arrays: Sequence[np.ndarray], dtype: type = np.int64) -> list[torch.Tensor]:
         """Device copies of ``arrays`` (each cast to ``dtype``: int64, int32 or float32), in order, in one copy; on CPU
-        they share memory with the cast arrays.
-        """
+        they share memory with the cast arrays."""
         return self.upload_mixed([np.asarray(a, dtype=dtype) for a in arrays])
 
     def upload_mixed(self, arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
@@ -42,8 +40,7 @@ class DeviceOps:
 
     def copy_to_host(self, t: torch.Tensor) -> tuple[torch.Tensor, object | None]:
         """Start copying ``t`` to the host; returns ``(host tensor, done event or None)``, the tensor valid once it
-        fired.
-        """
+        fired."""
         return t, None
 
     def timing_event(self) -> object | None:
@@ -53,8 +50,7 @@ class DeviceOps:
 
 class AsyncOps(DeviceOps):
     """A stream-ordered device: staging buffers, non-blocking copies, events; subclasses provide ``host_buffer``,
-    ``new_event`` and ``copy_stream_ctx``.
-    """
+    ``new_event`` and ``copy_stream_ctx``."""
 
     is_async = True
 
@@ -141,8 +137,7 @@ class Staged:
 
 class UploadBatch:
     """Host arrays from the parts of one step, copied to the device in one copy (docs/design.md, "Host work per step"):
-    ``add`` returns a ``Staged`` handle whose ``dev`` is set by ``upload``.
-    """
+    ``add`` returns a ``Staged`` handle whose ``dev`` is set by ``upload``."""
 
     def __init__(self) -> None:
         self._staged: list[Staged] = []

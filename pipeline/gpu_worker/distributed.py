@@ -142,8 +142,7 @@ class DescriptorRelay:
 
     def receive(self, timeout: float) -> StepDescriptor | None:
         """Ranks on other nodes: the next relayed descriptor (valid until the next call), or None after ``timeout``
-        seconds (``head_stopped`` set: rank 0 stopped).
-        """
+        seconds (``head_stopped`` set: rank 0 stopped)."""
         if not self._works:
             self._works.append(dist.broadcast(self._buf[: self._first], 0, group=self.group, async_op=True))
         work = self._works[0]
@@ -221,8 +220,7 @@ def _check_same_settings(config: EngineConfig, group: dist.ProcessGroup, size: i
 
 def bind_sockets_to(address: str) -> None:
     """Make gloo's and NCCL's sockets bind ``address`` (an IPv4 address of this host), unless the user set their
-    ``*_SOCKET_IFNAME``.
-    """
+    ``*_SOCKET_IFNAME``."""
     name = interface_of(address)
     if name is None:
         log.warning("no network interface has the address %s; gloo and NCCL choose their own", address)
@@ -256,8 +254,7 @@ def _route_source(host: str, port: int) -> str:
 
 def _tcp_store(config: EngineConfig, rank: int) -> dist.TCPStore:
     """The ranks' rendezvous over several nodes, rank 0 serving it on ``master_addr:master_port`` only (torch's own
-    listens on every address).
-    """
+    listens on every address)."""
     host, port, world = config.master_addr, config.master_port, config.tensor_parallel_size
     timeout = dist.constants.default_pg_timeout
     if rank != 0:

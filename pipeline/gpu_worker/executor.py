@@ -1,6 +1,5 @@
 """What the model runner drives: the real model or the simulated device (docs/design.md, "The worker"; "The simulated
-device"). ``ModelRunner`` prepares steps alike for both; the ``Executor`` turns them into sampled tokens.
-"""
+device"). ``ModelRunner`` prepares steps alike for both; the ``Executor`` turns them into sampled tokens."""
 
 from __future__ import annotations
 
@@ -59,8 +58,7 @@ class SamplingInputs:
 
     def processed_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Penalties and biases, then the grammar's mask (last, so nothing revives a rejected token), on a copy of the
-        raw ``[S, V]`` float32 ``logits``; may wait for the masks, never for the device.
-        """
+        raw ``[S, V]`` float32 ``logits``; may wait for the masks, never for the device."""
         penalized = apply_penalties(logits, self.penalties, self.penalty_state)
         return apply_token_bitmask(penalized, self.mask_rows, self.resolved_bitmask())
 
@@ -153,8 +151,7 @@ def sample_and_verify(
 
 class Executor(ABC):
     """Forward and sample, given a step's resolved inputs and its metadata; ``vocab_size``/``max_positions`` None: no
-    limit.
-    """
+    limit."""
 
     attn_backend: AttentionBackend
     vocab_size: int | None = None
@@ -208,8 +205,7 @@ class ModelExecutor(Executor):
     @torch.inference_mode()
     def warm_up(self, upload: Upload) -> None:
         """Run one step (a 2-token prefill chunk beside a decode row, padding block only) so the first request pays no
-        first-call costs.
-        """
+        first-call costs."""
         cols = cdiv(2, self.block_size)
         layout = StepLayout.build([2, 1], [0, 1], [0, 1], self.block_size, cols)
         (table, input_ids) = upload([np.full((2, cols), self.pad_block), np.zeros(layout.num_tokens)])

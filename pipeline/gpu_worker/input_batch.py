@@ -1,6 +1,5 @@
 """Per-request state the worker keeps on the device, by req_index, updated in stream order before the step that reads it
-(docs/design.md, "The step protocol"); sampling parameters are mirrored on the host, nothing is read back.
-"""
+(docs/design.md, "The step protocol"); sampling parameters are mirrored on the host, nothing is read back."""
 
 from __future__ import annotations
 
@@ -55,8 +54,7 @@ class RowUpdate:
 @dataclass
 class InputCounts:
     """Which of a step's input tokens the penalties count, staged: step-token index and req_index of output (``out_*``)
-    and prompt (``in_*``) tokens.
-    """
+    and prompt (``in_*``) tokens."""
 
     out_flat: Staged
     out_req_index: Staged
@@ -176,8 +174,7 @@ class InputBatch:
 
     def stage_counts(self, x: StepInputs, batch: UploadBatch) -> InputCounts | None:
         """Stage which of step ``x``'s input tokens ``count_inputs`` counts (None: no row penalized); call after
-        ``stage``.
-        """
+        ``stage``."""
         if self.penalty is None or not self.any_penalized:
             return None
         rows = np.flatnonzero(self.host_penalized[x.req_index])

@@ -1,6 +1,5 @@
 """A step whose device work is enqueued, the one copy that brings its results to the host, and their read-back
-(docs/design.md, "The worker").
-"""
+(docs/design.md, "The worker")."""
 
 from __future__ import annotations
 
@@ -23,8 +22,7 @@ class StaleTokenError(RuntimeError):
 @dataclass
 class LaunchedStep:
     """A step whose device work is enqueued; ``tokens`` and ``stale`` (host tensors) are valid once ``done`` fired,
-    times are ``time.monotonic_ns()``.
-    """
+    times are ``time.monotonic_ns()``."""
 
     step_id: int
     req_num: np.ndarray  # [S] int64 of the sampled rows
@@ -67,8 +65,7 @@ class LaunchedStep:
 
     def start_host_copy(self, executed: Executed, ops: DeviceOps) -> None:
         """Start copying tokens, stale and non-finite flags and log-probabilities to the host as one int64 tensor
-        (float32 as int32 bit patterns), so one event (``done``) covers all.
-        """
+        (float32 as int32 bit patterns), so one event (``done``) covers all."""
         tokens = executed.tokens
         parts = [tokens] + ([self.stale] if self.stale is not None else [])
         if executed.nonfinite is not None:

@@ -80,8 +80,7 @@ class _Logprobs:
 
 class ModelRunner:
     """Runs steps of a model on one device (``executor``: ``ModelExecutor`` or ``SimExecutor``); ``masks`` must be set
-    (by the worker) before a step with constrained rows.
-    """
+    (by the worker) before a step with constrained rows."""
 
     def __init__(
         self,
@@ -175,8 +174,7 @@ class ModelRunner:
 
     def _resolve_placeholders(self, ph: _Placeholders, step: LaunchedStep) -> torch.Tensor:
         """``[T]`` int64 device input ids, placeholders read from the token-id cache; in poison mode each consumed entry
-        is poisoned and a per-placeholder stale flag goes to ``finish``.
-        """
+        is poisoned and a per-placeholder stale flag goes to ``finish``."""
         input_ids = ph.token_ids.dev
         if ph.index is None:
             return input_ids
@@ -192,8 +190,7 @@ class ModelRunner:
 
     def _stage_sampling(self, x: StepInputs, batch: UploadBatch, spec: SpecStep | None) -> _Sampling:
         """Stage the sampling of the step's sampled positions (``1 + K`` per row with drafts), decided from the host
-        mirror of the rows' parameters; values are gathered on the device in ``_sampling_inputs``.
-        """
+        mirror of the rows' parameters; values are gathered on the device in ``_sampling_inputs``."""
         rows = x.sample_rows
         sample_req_indices = x.req_index[rows]
         sp = spec.sp if spec is not None and spec.sp.k else None
@@ -252,8 +249,7 @@ class ModelRunner:
         meanwhile: Callable[[], None] | None,
     ) -> SamplingInputs:
         """The ``SamplingInputs`` of a staged plan, parameters gathered on the device; ``shift`` moves shifted rows'
-        positions back (the noise is keyed by the true one).
-        """
+        positions back (the noise is keyed by the true one)."""
         s = self.input_batch
         if st.hot is None:
             sampling = SamplingInputs(SamplingPlan(rows=None), **self._no_rows)
@@ -289,8 +285,7 @@ class ModelRunner:
         self, x: StepInputs, step: LaunchedStep, batch: UploadBatch, spec: SpecStep | None
     ) -> _Logprobs:
         """Stage which sampled and prompt positions get log-probabilities, from the host mirror and
-        ``PromptLogprobPlan``.
-        """
+        ``PromptLogprobPlan``."""
         out = _Logprobs()
         wants = self.input_batch.host_logprobs[x.req_index[x.sample_rows]] >= 0 if self.input_batch.any_logprobs else ()
         if len(wants) and spec is not None and spec.sp.k:
@@ -316,8 +311,7 @@ class ModelRunner:
         meanwhile: Callable[[], None] | None = None,
     ) -> Executed:
         """Build the attention metadata, run the executor, write the token-id cache (speculating, also the rows' state
-        and next drafts); ``meanwhile`` as ``launch``.
-        """
+        and next drafts); ``meanwhile`` as ``launch``."""
         layout = StepLayout.build(
             x.num_scheduled_tokens,
             x.start_pos,

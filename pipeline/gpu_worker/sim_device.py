@@ -55,8 +55,7 @@ class SimulatedDevice:
 
 def sim_next_tokens(last_input_ids: np.ndarray, last_positions: np.ndarray) -> np.ndarray:
     """Deterministic "sampled" tokens: ``[S]`` int64 ids in ``SIM_WORD_ID_RANGE`` from each sampled row's last input id
-    and position (``[S]`` int64).
-    """
+    and position (``[S]`` int64)."""
     return _word(_hash2(last_input_ids, last_positions))
 
 
@@ -66,8 +65,7 @@ def _word(h: np.ndarray) -> np.ndarray:
 
 def sim_drafts(last_ids: np.ndarray, last_positions: np.ndarray, k: int, acceptance: float) -> np.ndarray:
     """``[R, k]`` int64 drafts continuing each row: draft ``i`` is the chain's ``i``-th next token with probability
-    ``acceptance`` (by hash), else the word beside it, which verification rejects.
-    """
+    ``acceptance`` (by hash), else the word beside it, which verification rejects."""
     # _hash2 of (token, position) along the chain, token i + 1 following token i, in place.
     x = last_ids.astype(np.uint64)
     h = (last_positions.astype(np.uint64)[:, None] + np.arange(k, dtype=np.uint64)) * _C2

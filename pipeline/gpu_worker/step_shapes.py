@@ -1,6 +1,5 @@
 """The composition of every step the worker ran, for ``pipeline-bench --bound`` replay (docs/design.md, "Measuring the
-token gap"); recorded only when ``EngineConfig.step_shapes_file`` is set.
-"""
+token gap"); recorded only when ``EngineConfig.step_shapes_file`` is set."""
 
 from __future__ import annotations
 
@@ -14,8 +13,7 @@ from pipeline.common.step_protocol import StepInputs
 @dataclass
 class StepShapes:
     """Rows of many steps, concatenated; step ``i`` owns rows ``row_start[i]:row_start[i + 1]`` (``[N]`` int32
-    ``query_lens``/``start_pos``, bool ``sampled``; ``row_start`` int64).
-    """
+    ``query_lens``/``start_pos``, bool ``sampled``; ``row_start`` int64)."""
 
     query_lens: np.ndarray
     start_pos: np.ndarray

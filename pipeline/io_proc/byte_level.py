@@ -1,6 +1,5 @@
 """Byte-level BPE vocabularies (GPT-2, Llama 3, SmolLM): each token's bytes, tabulated once, since a token's bytes do
-not depend on its neighbours.
-"""
+not depend on its neighbours."""
 
 from __future__ import annotations
 
@@ -11,8 +10,7 @@ from tokenizers.decoders import ByteLevel
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table (OpenAI's GPT-2 ``encoder.py``): printable Latin-1 bytes stand for
-    themselves, the other 68 for ``chr(256 + n)``.
-    """
+    themselves, the other 68 for ``chr(256 + n)``."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs, n = bs[:], 0
     for b in range(256):
@@ -29,8 +27,7 @@ UNICODE_TO_BYTE: dict[str, int] = {c: b for b, c in _bytes_to_unicode().items()}
 
 def token_bytes(token: str) -> bytes:
     """The bytes the ``ByteLevel`` decoder makes of one token's string (as ``ByteLevel::decode_chain``), or its UTF-8
-    when a character is outside the alphabet.
-    """
+    when a character is outside the alphabet."""
     try:
         return bytes([UNICODE_TO_BYTE[c] for c in token])
     except KeyError:

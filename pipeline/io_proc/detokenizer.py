@@ -109,8 +109,7 @@ class ByteLevelDetokenizer:
 
 def new_detokenizer(tokenizer: Any) -> NewDetokenizer:
     """The per-request detokenizer factory for ``tokenizer``: ``ByteLevelDetokenizer`` when its decoder is
-    ``ByteLevel``, else ``IncrementalDetokenizer``.
-    """
+    ``ByteLevel``, else ``IncrementalDetokenizer``."""
     if is_byte_level(tokenizer):
         return functools.partial(ByteLevelDetokenizer, ByteLevelVocab(tokenizer))
     return functools.partial(IncrementalDetokenizer, tokenizer)
@@ -231,8 +230,7 @@ class OutputProcessor:
 
     def push(self, token_id: int) -> FinishReason | None:
         """Process the next sampled token (its text joins ``text_pieces``); returns the finish reason, or None. Not
-        called again after a finish.
-        """
+        called again after a finish."""
         self.token_ids.append(token_id)
         n = self.num_output_tokens = self.num_output_tokens + 1
         finish = None

@@ -1,6 +1,5 @@
 """io_proc's control client of the engine (docs/design.md, "The control channel"), and the lifecycle that wires its
-parts; tokens come back through the ``OutputReader`` thread (see ``output_reader`` for the live-request table).
-"""
+parts; tokens come back through the ``OutputReader`` thread (see ``output_reader`` for the live-request table)."""
 
 from __future__ import annotations
 
@@ -257,8 +256,7 @@ class EngineClient:
 
     def _pick_engine(self, prompt: list[int]) -> int:
         """The engine for a new request of ``prompt``; overloaded means over a quarter of ``max_num_seqs`` above the
-        least loaded (as SGLang's router).
-        """
+        least loaded (as SGLang's router)."""
         if len(self._pushes) == 1:
             return 0
         load = [[0, 0] for _ in self._pushes]

@@ -42,8 +42,7 @@ class _QuietTransport:
 
 class _GuardedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with read deadlines and quiet writes: a missed header deadline closes the connection, a
-    missed body deadline answers 408 (if no response started) and closes it.
-    """
+    missed body deadline answers 408 (if no response started) and closes it."""
 
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
@@ -132,8 +131,7 @@ def guarded_h11_protocol(header_timeout_s: float, body_timeout_s: float) -> type
 
 class RequestBodyLimit:
     """ASGI middleware: read each request body up to ``max_bytes`` before the app runs, else 413 with an OpenAI error
-    (at once when ``Content-Length`` says so); the app gets the body as one ``http.request`` message.
-    """
+    (at once when ``Content-Length`` says so); the app gets the body as one ``http.request`` message."""
 
     def __init__(self, app: ASGIApp, max_bytes: int):
         self.app = app
@@ -194,8 +192,7 @@ class RequestBodyLimit:
 
 class OncePerInterval(logging.Filter):
     """A logging filter passing ``message`` at most once per ``interval_s`` seconds, noting how many it dropped (uvicorn
-    logs one per refused or malformed request).
-    """
+    logs one per refused or malformed request)."""
 
     def __init__(self, message: str, interval_s: float):
         super().__init__()

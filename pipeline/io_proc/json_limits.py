@@ -1,6 +1,5 @@
 """How deeply a request's free-form JSON may nest (docs/design.md, "Bounds per client"): past ``MAX_JSON_DEPTH`` a 400
-names the field, before any later walk hits ``RecursionError``.
-"""
+names the field, before any later walk hits ``RecursionError``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """io_proc's process body: uvicorn serving the OpenAI API over the engine client (docs/design.md, "Processes and
-lifecycle").
-"""
+lifecycle")."""
 
 from __future__ import annotations
 
@@ -194,8 +193,7 @@ class IoProc:
 
 def run_io_proc(config: EngineConfig, status_conn: Connection, stop: StopFlag) -> int:
     """Process body of io_proc: attach the output rings, report, run an ``IoProc`` until ``stop``; returns the exit
-    status.
-    """
+    status."""
     # Before any thread starts: the threads that parse, render and tokenize large bodies share two malloc
     # arenas, whose free pages the trim after a burst gives back (docs/design.md, "Memory after a burst").
     limit_arenas(2)

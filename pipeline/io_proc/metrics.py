@@ -1,6 +1,5 @@
 """Prometheus metrics of ``GET /metrics`` (docs/design.md, "Metrics"): the ``pipeline_`` family always, plus vLLM's
-names and labels with ``--metrics-compat vllm``; one registry per app.
-"""
+names and labels with ``--metrics-compat vllm``; one registry per app."""
 
 from __future__ import annotations
 
@@ -34,8 +33,7 @@ Source = Callable[[Stats, RequestMetrics], HistogramData]
 @dataclass(frozen=True)
 class HistogramDef:
     """A histogram ``pipeline_<name>`` (``vllm``: vLLM's name); ``scale`` converts ``bounds`` (1e-9 for nanoseconds),
-    ``"tokens"`` means vLLM's ``max_model_len`` 1-2-5 bounds.
-    """
+    ``"tokens"`` means vLLM's ``max_model_len`` 1-2-5 bounds."""
 
     name: str
     doc: str
@@ -149,8 +147,7 @@ def _cumulative(data: HistogramData, bounds: tuple, scale: float) -> tuple[list[
 
 class PipelineMetrics:
     """A registry exposing the engines' last ``Stats``, io_proc's counters and request histograms; ``compat`` ``"vllm"``
-    adds the ``vllm:`` family.
-    """
+    adds the ``vllm:`` family."""
 
     def __init__(self, client: EngineClient, model_name: str, max_model_len: int, compat: str = "none"):
         self._client = client

@@ -107,8 +107,7 @@ class OutputReader:
 
     def process_step(self, out: DecodedOutput, step: StepTime) -> None:
         """Run one step's rows and log-probabilities through their requests and dispatch the results (reader thread);
-        log-probabilities first, so a token's entry is stored before it is delivered.
-        """
+        log-probabilities first, so a token's entry is stored before it is delivered."""
         requests = self._requests
         outputs: list[StepResult] = []
         # First: their rows and log-probabilities (NaN) are then dropped as those of a finished request.

@@ -1,6 +1,5 @@
 """vLLM's per-request histograms that io_proc measures, as vLLM's frontend does (docs/design.md, "Metrics"); abandoned
-requests are not observed, and nothing is done per row of a step.
-"""
+requests are not observed, and nothing is done per row of a step."""
 
 from __future__ import annotations
 
@@ -34,8 +33,7 @@ _FLUSH_SPANS = 1024
 
 class _InterTokenLatency:
     """Inter-token latencies, counted per request span of consecutive steps: per-step buckets, summed over finished
-    spans with a difference array when read (or every ``_FLUSH_SPANS`` spans).
-    """
+    spans with a difference array when read (or every ``_FLUSH_SPANS`` spans)."""
 
     def __init__(self, speculative: bool = False) -> None:
         self.speculative = speculative  # a step may bring a request several tokens
@@ -58,8 +56,7 @@ class _InterTokenLatency:
 
     def observe(self, steps: list[StepTime]) -> None:
         """Count the latencies between the steps that brought one request's tokens (``steps``: one per token; a repeated
-        step counts once, as vLLM counts one per engine output).
-        """
+        step counts once, as vLLM counts one per engine output)."""
         if self.speculative and len(steps) > 1:
             steps = list(dict.fromkeys(steps))  # each step once, in order
         n = len(steps)

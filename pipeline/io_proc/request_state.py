@@ -17,8 +17,7 @@ from pipeline.io_proc.openai.logprobs_json import TokenLogprob
 
 class StepTime:
     """One step as io_proc saw it: ``read_time`` and ``time`` (when the loop took it; None until then) in
-    ``time.perf_counter()`` seconds, ``engine_ns`` the StepOutput's ``time_ns``.
-    """
+    ``time.perf_counter()`` seconds, ``engine_ns`` the StepOutput's ``time_ns``."""
 
     __slots__ = ("seq", "read_time", "engine_ns", "time")
 

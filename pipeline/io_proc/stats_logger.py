@@ -1,6 +1,5 @@
 """The periodic stats line (vLLM's "Avg prompt throughput: ..."), from the figures ``/metrics`` renders, logged every
-``--log-stats-interval`` seconds while there is traffic.
-"""
+``--log-stats-interval`` seconds while there is traffic."""
 
 from __future__ import annotations
 

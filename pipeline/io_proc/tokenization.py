@@ -1,6 +1,5 @@
 """Loading the tokenizer and turning requests into prompt token ids (``transformers`` is imported lazily: it pulls in
-torch).
-"""
+torch)."""
 
 from __future__ import annotations
 

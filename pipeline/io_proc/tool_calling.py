@@ -1,6 +1,5 @@
 """Tool calling on chat requests: checks, the prompt's conversation, the grammar and the output's parser
-(docs/design.md, "Tool calling").
-"""
+(docs/design.md, "Tool calling")."""
 
 from __future__ import annotations
 
@@ -68,8 +67,7 @@ class ToolPlan:
 
 class ToolCalling:
     """The server's tool-calling settings (``--tool-call-parser``, ``--enable-auto-tool-choice``, what the chat template
-    renders) and each request's ``ToolPlan``.
-    """
+    renders) and each request's ``ToolPlan``."""
 
     def __init__(
         self,
@@ -314,8 +312,7 @@ def _describe_tools(
     system_role: bool,
 ) -> str:
     """Describe the functions to a model whose template would not show them; returns where ("system message" or "first
-    user message").
-    """
+    user message")."""
     names = {s.name for s in chosen}
     described = "\n".join(
         json.dumps(t.function.model_dump(exclude_none=True)) for t in tools if t.function.name in names

@@ -164,8 +164,7 @@ class Drafts:
         finished: list[int],
     ) -> None:
         """Apply step ``step_id``'s output rows after its ``d`` steady ones, and measure the step (``matched``:
-        ``[rows]`` ``draft_matched``, None: unknown); ``finished`` gets the requests that end.
-        """
+        ``[rows]`` ``draft_matched``, None: unknown); ``finished`` gets the requests that end."""
         self._last_output = step_id
         record = self._observations.append
         record((step_id, self.policy.observe_step, (self._step_tokens.pop(step_id, 0), device_ns)))
@@ -204,8 +203,7 @@ class Drafts:
         self, num_sampled: int, base: int, cand: np.ndarray, remaining: np.ndarray, budget: int
     ) -> tuple[int, np.ndarray]:
         """``SpecPolicy.choose``'s ``(k, rows)``, or a choice ``prepare`` made since the last step applied to these
-        candidates (adaptive policy, ``_PREPARED_MIN_ROWS`` candidates only).
-        """
+        candidates (adaptive policy, ``_PREPARED_MIN_ROWS`` candidates only)."""
         policy, args = self.policy, (num_sampled, base, cand, remaining, budget)
         if self._prepared is not None and policy.adaptive and len(cand) >= _PREPARED_MIN_ROWS:
             self._prepared_steps += 1
@@ -236,8 +234,7 @@ class Drafts:
 
     def observe(self, all_outputs: bool = True) -> None:
         """Give the policy and stats the applied outputs' measurements (False: all but the newest); called off the
-        output-to-step path.
-        """
+        output-to-step path."""
         obs, newest = self._observations, self._last_output
         n = len(obs) if all_outputs else next((i for i, o in enumerate(obs) if o[0] >= newest), len(obs))
         for _, what, args in obs[:n]:
@@ -246,8 +243,7 @@ class Drafts:
 
     def apply_run(self, req: Request, n: int, tokens: list[int], finished: list[int]) -> bool:
         """Roll back a row's rejected drafts (planned ``n`` tokens), then append the ``tokens`` it got; True if ``req``
-        ended.
-        """
+        ended."""
         rejected = n - len(tokens)
         if rejected > 0:
             if self.steady.holds(req):

@@ -1,6 +1,5 @@
 """Structured output in the scheduler: grammars compiled, matchers advanced and masks computed off its loop
-(docs/design.md, "Structured output", "Off the loop", "Memory").
-"""
+(docs/design.md, "Structured output", "Off the loop", "Memory")."""
 
 from __future__ import annotations
 
@@ -275,15 +274,13 @@ class GrammarManager:
 
     def walk(self, row: MaskedRow, drafts: list[int]) -> None:
         """``row`` verifies ``drafts``: one mask per sampled position goes in the next ``flush``'s job; ``row.masks`` is
-        set when they exist.
-        """
+        set when they exist."""
         self._last = None
         self._batch.append(partial(self._walk, row, drafts))
 
     def flush(self, then: Callable[[], object] | None = None) -> None:
         """Start the advances and walks submitted since the last flush: paced ones as one mask-thread job, then
-        ``then``; costly ones a job each on the background thread.
-        """
+        ``then``; costly ones a job each on the background thread."""
         self._last = None
         for advance in self._costly:
             self._background.submit(self._compute, *advance)
@@ -362,8 +359,7 @@ class GrammarManager:
 
 def _later_mask_s(m: llguidance.LLMatcher, first: np.ndarray, eos: int, tokens: int = 4) -> float:
     """A row's expected mask CPU seconds before its own are measured: the least along ``tokens`` tokens; 0 if none
-    allowed. Advances ``m``.
-    """
+    allowed. Advances ``m``."""
     least, mask = float("inf"), first.copy()
     for _ in range(tokens):
         ids = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))

@@ -105,8 +105,7 @@ class GrammarState:
 
     def follow(self, token_id: int) -> tuple[bool, bytes | None, llguidance.LLMatcher | None]:
         """Output ``token_id`` has come: ``(whether a mask job follows, the text tail the job builds a matcher from
-        (None: consume ``token_id``), a matcher no longer used)``.
-        """
+        (None: consume ``token_id``), a matcher no longer used)``."""
         if token_id in self._stop_ids or self.error:
             return False, None, None
         trigger = self.trigger
@@ -165,8 +164,7 @@ class GrammarState:
 
     def walk(self, drafts: list[int]) -> np.ndarray:  # on the mask thread, once ``ready``
         """The masks of a row verifying ``drafts``: ``[1 + k, W]`` int32, ``mask`` then one after each allowed draft
-        (all allowed after a forbidden one); the matcher is rolled back, a failure sets ``error``.
-        """
+        (all allowed after a forbidden one); the matcher is rolled back, a failure sets ``error``."""
         out = np.full((1 + len(drafts), len(self.mask)), -1, np.int32)
         out[0] = self.mask
         m = self._matcher

@@ -77,8 +77,7 @@ class Request:
 
     def samples(self, end: int) -> bool:
         """Whether a row computing up to ``end`` samples: only the chunk reaching the last known token, never with
-        ``max_tokens`` 0.
-        """
+        ``max_tokens`` 0."""
         return end >= self.num_known_tokens and self.params.max_tokens > 0
 
     def chunk(self, pos: int, k: int) -> list[int]:
@@ -97,8 +96,7 @@ class Request:
 
     def prompt_logprob_span(self, pos: int, k: int) -> tuple[int, int]:
         """For a row of ``k`` tokens from ``pos``: how many positions predict a wanted prompt logprob, and the prompt
-        token after the row when all do (else -1).
-        """
+        token after the row when all do (else -1)."""
         if self.params.prompt_logprobs < 0:
             return 0, -1
         n = max(0, min(k, len(self.prompt_token_ids) - 1 - pos))

@@ -177,8 +177,7 @@ class Scheduler(SchedulerOutputsMixin):
 
     def observe_outputs(self) -> None:
         """Name ended requests' blocks, measure applied outputs and make speculation's next choice; call once a step is
-        published, off the output-to-step path.
-        """
+        published, off the output-to-step path."""
         self._name_ended()
         if self.drafts is not None:
             self.drafts.observe()
@@ -250,8 +249,7 @@ class Scheduler(SchedulerOutputsMixin):
 
     def _mask_would_hold(self, req: Request, step: _StepPlan) -> bool:
         """Whether ``req`` sits out this step: its costly grammar's mask is not ready and would exceed what is left of
-        ``step.mask_budget_s`` (docs/design.md, "Structured output").
-        """
+        ``step.mask_budget_s`` (docs/design.md, "Structured output")."""
         g, in_flight = req.grammar, req.num_placeholders
         if not g.costly or not g.needs_mask(in_flight) or (g.ready and not in_flight):
             return False
@@ -357,8 +355,7 @@ class Scheduler(SchedulerOutputsMixin):
         steady_drafts: np.ndarray | None = None,
     ) -> int:
         """Write the step: the ``steady`` rows' decodes (req_index ``[D]``, ``steady_drafts`` ``[D]``), then ``rows``;
-        returns its tokens.
-        """
+        returns its tokens."""
         b = self._builder
         drafted = self.drafts.drafted(step_id) if self.drafts is not None else {}  # req_num -> drafts
         known = self.drafts.known(step_id) if self.drafts is not None else {}  # req_num -> the drafts named
@@ -459,8 +456,7 @@ class Scheduler(SchedulerOutputsMixin):
 
     def _free_ended(self, req: Request) -> None:
         """``_free`` for ``req``, which ended in the output being applied; naming its blocks waits until the next step
-        is published (``observe_outputs``) or a request waits to be admitted.
-        """
+        is published (``observe_outputs``) or a request waits to be admitted."""
         step_id = self._output_step
         if not self.prefix.enabled or self.next_step_id <= step_id + 1:
             self._name_released(req)

@@ -1,6 +1,5 @@
 """Applying a StepOutput to the scheduler's requests (docs/design.md, "Outputs"); a ``Scheduler`` mixin, for plain
-attribute lookups on the per-token path.
-"""
+attribute lookups on the per-token path."""
 
 from __future__ import annotations
 

@@ -173,8 +173,7 @@ class SpecPolicy:
 
 class SpecStats:
     """Speculative decoding's cumulative counts (vLLM's ``spec_decode_*``), kept as a (drafts, accepted) histogram per
-    row.
-    """
+    row."""
 
     def __init__(self, num_speculative_tokens: int):
         self.num_speculative_tokens = k = num_speculative_tokens

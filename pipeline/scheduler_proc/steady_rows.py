@@ -1,6 +1,5 @@
 """Steady rows: running requests that decode one token a step, planned and applied in numpy arrays by req_index, as
-per-request Python costs more than the step at batch 1024 (docs/design.md, "The scheduler").
-"""
+per-request Python costs more than the step at batch 1024 (docs/design.md, "The scheduler")."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """The token masks of planned steps, written once their constrained rows' previous tokens are known (docs/design.md,
-"Structured output"); the worker waits for them only before sampling.
-"""
+"Structured output"); the worker waits for them only before sampling."""
 
 from __future__ import annotations
 
@@ -28,8 +27,7 @@ class MaskedRow:
 
 class StepMasks:
     """Planned steps whose masks are not written yet, oldest first; rows whose request left ``requests`` get allow-all
-    masks. ``walks_waiting``: a walk waits on a background-thread advance.
-    """
+    masks. ``walks_waiting``: a walk waits on a background-thread advance."""
 
     def __init__(self, requests: dict[int, Request]):
         self._requests = requests

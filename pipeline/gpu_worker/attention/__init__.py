@@ -48,8 +48,7 @@ class Registry(Generic[T]):
 @dataclass(frozen=True)
 class ModelShape:
     """What a backend is made for: device and attention shape (0: the simulated device); ``scale`` and ``kinds`` only
-    for backends that plan per step (flashinfer).
-    """
+    for backends that plan per step (flashinfer)."""
 
     device: torch.device
     dtype: torch.dtype

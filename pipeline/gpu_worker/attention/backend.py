@@ -37,8 +37,7 @@ def sdpa(
     enable_gqa: bool = False,
 ) -> torch.Tensor:
     """``scaled_dot_product_attention`` over ``[B, H, Q, D]`` queries and ``[B, KVH, K, D]`` keys; with ``softcap``,
-    runs transformers' eager path instead (matmul, cap, mask, float32 softmax, matmul), as SDPA cannot cap scores.
-    """
+    runs transformers' eager path instead (matmul, cap, mask, float32 softmax, matmul), as SDPA cannot cap scores."""
     if softcap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
     if enable_gqa and k.shape[1] != q.shape[1]:
@@ -169,8 +168,7 @@ def shifted_slots(
     layout_dev: list[torch.Tensor], shift: torch.Tensor | None, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(positions, token_req_indices, token_cols)`` of the step's tokens on the device, moved back by ``shift``
-    (``[B]`` int64; None: exact); ``layout_dev`` holds the device copies of ``StepLayout.shifted_inputs``.
-    """
+    (``[B]`` int64; None: exact); ``layout_dev`` holds the device copies of ``StepLayout.shifted_inputs``."""
     positions, token_req_indices, token_cols = layout_dev[:3]
     if shift is None:
         return positions, token_req_indices, token_cols
@@ -192,8 +190,7 @@ def slot_mapping(
 @dataclasses.dataclass
 class AttentionMetadata:
     """Fields every backend's per-step metadata has: ``positions`` (RoPE index) and ``slot_mapping`` (KV write index),
-    ``[T]`` int64 on the device.
-    """
+    ``[T]`` int64 on the device."""
 
     num_tokens: int
     block_size: int

@@ -1,6 +1,5 @@
 """Grouping a step's rows into buckets of similar context and query length, one SDPA call each (docs/design.md,
-"Attention backends").
-"""
+"Attention backends")."""
 
 from __future__ import annotations
 

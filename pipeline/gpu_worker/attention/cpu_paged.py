@@ -33,8 +33,7 @@ DECODE_QUERY_MAX = 32
 @functools.cache
 def unavailable_reason() -> str | None:
     """None once the kernel (``torch.ops.pipeline_cpu``) is built and loaded, building it if needed; else why it cannot
-    be.
-    """
+    be."""
     try:
         kernel_cache.load("pipeline_cpu_paged", _SOURCE, _CFLAGS)
     except kernel_cache.KernelUnavailable as e:

@@ -46,8 +46,7 @@ def unsupported_reason(device: torch.device, dtype: torch.dtype, head_dim: int) 
 @dataclasses.dataclass
 class FlashInferMetadata(AttentionMetadata):
     """Per-step metadata for ``FlashInferBackend``: ``wrappers``, per ``(window, softcap)`` of the model's layers,
-    planned for this step.
-    """
+    planned for this step."""
 
     wrappers: dict[tuple[int | None, float | None], Any]
 

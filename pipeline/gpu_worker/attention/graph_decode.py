@@ -44,8 +44,7 @@ class GraphDecodeMetadata(AttentionMetadata):
 
 class GraphDecodeInputs:
     """The static buffers decode graphs read at fixed addresses: ``rows`` (req_index, position, context length) ``[3,
-    max_rows]`` int64 and ``slot_mapping [max_rows]``; ``block_table`` is read at its address.
-    """
+    max_rows]`` int64 and ``slot_mapping [max_rows]``; ``block_table`` is read at its address."""
 
     def __init__(self, max_rows: int, block_table: torch.Tensor, pad_block: int, block_size: int) -> None:
         self.block_table, self.pad_block, self.block_size = block_table, pad_block, block_size
@@ -119,8 +118,7 @@ class GraphDecodeBackend(AttentionBackend):
         softcap: float | None = None,
     ) -> torch.Tensor:
         """Decode attention with the graph's fixed shapes: write K/V at ``meta.slot_mapping``, gather every row's
-        blocks, one SDPA call (``q [n, H, D]``).
-        """
+        blocks, one SDPA call (``q [n, H, D]``)."""
         k_cache, v_cache = write_kv(kv_cache, finite(k), finite(v), meta.slot_mapping, self.cache_layout)
         rows, num_heads, head_dim = q.shape
         kv_heads = k.shape[1]

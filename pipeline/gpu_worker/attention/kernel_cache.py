@@ -1,6 +1,5 @@
 """Compiled C++ kernels, shared by every install on a machine and built at most once per build key (docs/design.md, "The
-kernel cache"): built in a private directory, renamed into ``<cache>/kernels/<name>_<key>.so`` once complete.
-"""
+kernel cache"): built in a private directory, renamed into ``<cache>/kernels/<name>_<key>.so`` once complete."""
 
 from __future__ import annotations
 

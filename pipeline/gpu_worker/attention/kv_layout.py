@@ -1,6 +1,5 @@
 """How a backend uses the KV cache's memory (docs/design.md, "Attention backends"): ``[num_blocks * block_size, KVH,
-D]`` as allocated (``TOKEN_MAJOR``) or viewed ``[KVH, slots, D]`` (``HEAD_MAJOR``, faster CPU SDPA reads).
-"""
+D]`` as allocated (``TOKEN_MAJOR``) or viewed ``[KVH, slots, D]`` (``HEAD_MAJOR``, faster CPU SDPA reads)."""
 
 from __future__ import annotations
 
@@ -15,15 +14,13 @@ HEAD_MAJOR = "head_major"
 
 def finite(x: torch.Tensor) -> torch.Tensor:
     """``x`` with NaN and infinities as 0: masked gathers read unwritten slots, and 0 x NaN is NaN (docs/design.md,
-    "Non-finite logits").
-    """
+    "Non-finite logits")."""
     return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def write_kv(kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, layout: str) -> KVCache:
     """Write ``k``/``v`` (``[T, KVH, D]``) at ``slot_mapping`` (``[T]`` int64) into one layer's cache; returns the cache
-    in ``layout`` (``[KVH, slots, D]`` views if ``HEAD_MAJOR``).
-    """
+    in ``layout`` (``[KVH, slots, D]`` views if ``HEAD_MAJOR``)."""
     k_cache, v_cache = kv_cache
     if layout == HEAD_MAJOR:
         kv_heads, head_dim = k.shape[1], k.shape[2]
@@ -41,8 +38,7 @@ def gather_blocks(
     cache: torch.Tensor, block_ids: torch.Tensor, block_size: int, layout: str, out: torch.Tensor
 ) -> torch.Tensor:
     """Gather each row's blocks (``block_ids``: ``[rows, n_blocks]`` int64) of one cache into ``out`` (contiguous, the
-    cache's dtype), as a ``[rows, KVH, n_blocks * block_size, D]`` view.
-    """
+    cache's dtype), as a ``[rows, KVH, n_blocks * block_size, D]`` view."""
     rows, n_blocks = block_ids.shape
     flat = block_ids.flatten()
     if layout == HEAD_MAJOR:

@@ -11,16 +11,14 @@ _PREFIX_TABLE_MAX = 4096
 
 class PrefixTable:
     """Masks "the first ``n`` of ``width`` keys" as row gathers from a cached ``table[n, k] = k < n``, cheaper on CPU
-    than a broadcast comparison; grows by doubling up to ``_PREFIX_TABLE_MAX`` keys.
-    """
+    than a broadcast comparison; grows by doubling up to ``_PREFIX_TABLE_MAX`` keys."""
 
     def __init__(self) -> None:
         self.table: torch.Tensor | None = None
 
     def rows(self, lengths: torch.Tensor, width: int) -> torch.Tensor:
         """``[R, width]`` bool on ``lengths``' device: row ``r`` is True at ``k < lengths[r]`` (``lengths``: ``[R]``
-        int64).
-        """
+        int64)."""
         device = lengths.device
         if width > _PREFIX_TABLE_MAX:
             return torch.arange(width, device=device)[None, :] < lengths[:, None]

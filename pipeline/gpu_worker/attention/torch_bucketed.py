@@ -53,8 +53,7 @@ class Bucket:
 
     def mask_for(self, window: int | None, prefix: PrefixTable) -> torch.Tensor:
         """The bucket's mask for a layer with this sliding window (None: causal): each query keeps its last ``window``
-        keys.
-        """
+        keys."""
         if window is None:
             return self.mask
         if window not in self.window_masks:
@@ -66,8 +65,7 @@ class Bucket:
 @dataclasses.dataclass
 class BucketedMetadata(AttentionMetadata):
     """Per-step layout for ``TorchBucketedBackend``: ``decode`` (query_len <= ``decode_query_max``) and ``prefill``
-    buckets, longest first.
-    """
+    buckets, longest first."""
 
     decode: list[Bucket]
     prefill: list[Bucket]
@@ -75,8 +73,7 @@ class BucketedMetadata(AttentionMetadata):
 
 def _block_ids(block_table: torch.Tensor, req_indices: torch.Tensor, n_blocks: int) -> torch.Tensor:
     """``[rows, n_blocks]`` each row's first blocks, read on the device; entries past a context (a block id or -1) are
-    clamped in bounds and masked.
-    """
+    clamped in bounds and masked."""
     # index_select of the sliced table, not block_table[req_indices, :n]: advanced indexing is 3x slower on CPU.
     return block_table[:, :n_blocks].index_select(0, req_indices).clamp_(min=0)
 

@@ -113,8 +113,7 @@ def _device_group(
 
 class GatherBuffer:
     """Grow-only scratch for gathered keys and values, reused across layers and steps (a fresh tensor per layer is
-    mmapped and page-faulted on CPU); users run sequentially.
-    """
+    mmapped and page-faulted on CPU); users run sequentially."""
 
     def __init__(self) -> None:
         self._buffer: torch.Tensor | None = None

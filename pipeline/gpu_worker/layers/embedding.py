@@ -13,8 +13,7 @@ from pipeline.gpu_worker.layers.tp import SINGLE_RANK, TPGroup
 
 class VocabParallelEmbedding(nn.Module):
     """``V_r = ceil(V / N)`` rows of a ``[V, hidden]`` table (last rank zero-padded): the embedding (``forward``) and
-    the LM head (``logits``).
-    """
+    the LM head (``logits``)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup = SINGLE_RANK) -> None:
         super().__init__()
@@ -28,8 +27,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids [T]`` int64 of the full vocabulary -> ``[T, hidden]``, the same on every rank (lookup, then
-        all-reduce).
-        """
+        all-reduce)."""
         if self.tp.size == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.start
@@ -46,8 +44,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def pack_weights(self, keep_dense: bool) -> None:
         """Pack the table for ``logits`` where ``linear.packed`` can, after loading; a tied table (``keep_dense``) keeps
-        its dense copy beside ``packed_weight`` (as vLLM).
-        """
+        its dense copy beside ``packed_weight`` (as vLLM)."""
         weight = packed(self.weight)
         if weight is None:
             return

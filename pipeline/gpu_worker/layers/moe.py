@@ -1,7 +1,6 @@
 """A sparse mixture-of-experts MLP: softmax router, top-k, experts stacked per layer, as transformers' Qwen3-MoE and
 Mixtral (docs/design.md, "Model families"). Pairs are sorted by expert; tensor parallelism splits the intermediate
-dimension.
-"""
+dimension."""
 
 from __future__ import annotations
 
@@ -15,8 +14,7 @@ from pipeline.gpu_worker.layers.tp import SINGLE_RANK, TPGroup
 
 class FusedExperts(nn.Module):
     """``E`` gated MLPs as two stacked parameters, named as transformers 5 stores them: ``gate_up_proj`` ``[E, 2 I_r,
-    H]`` and ``down_proj`` ``[E, H, I_r]``, ``I_r = I / N``.
-    """
+    H]`` and ``down_proj`` ``[E, H, I_r]``, ``I_r = I / N``."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, act: str, tp: TPGroup) -> None:
         super().__init__()

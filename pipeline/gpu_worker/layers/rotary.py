@@ -1,6 +1,5 @@
 """Rotary position embeddings: each RoPE type's inverse frequencies (transformers' ``modeling_rope_utils``, bit for bit)
-and cos/sin tables. Length-dependent types are fixed once per server (docs/design.md, "Model families").
-"""
+and cos/sin tables. Length-dependent types are fixed once per server (docs/design.md, "Model families")."""
 
 from __future__ import annotations
 
@@ -84,8 +83,7 @@ def _yarn(base: float, dim: int, p: dict, max_position_embeddings: int) -> tuple
 
 class RotaryEmbedding(nn.Module):
     """cos and sin tables ``[max_position_embeddings, rotary_dim]`` in the model dtype; ``sin`` carries
-    ``rotate_half``'s sign, so the rotation is a swap of halves.
-    """
+    ``rotate_half``'s sign, so the rotation is a swap of halves."""
 
     def __init__(self, rope: RopeConfig, max_position_embeddings: int, max_model_len: int) -> None:
         super().__init__()

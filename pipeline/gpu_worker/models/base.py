@@ -124,8 +124,7 @@ class CausalLM(nn.Module):
         self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
     ) -> list[KVCache]:
         """Preallocate this rank's paged KV cache: per layer ``(k_cache, v_cache)``, each ``[num_blocks * block_size,
-        num_kv_heads, head_dim]``, zero-filled (padded gathers never read NaN).
-        """
+        num_kv_heads, head_dim]``, zero-filled (padded gathers never read NaN)."""
         shape = (num_blocks * block_size, self.num_kv_heads, self.head_dim)
         return [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
@@ -209,8 +208,7 @@ class CausalLM(nn.Module):
     @torch.no_grad()
     def pack_weights(self) -> None:
         """Reorder every linear weight and the LM head once into oneDNN's layout (CPU float32/bfloat16; else a no-op);
-        packed weights are no longer loadable.
-        """
+        packed weights are no longer loadable."""
         for module in self.modules():
             if isinstance(module, LinearBase):
                 module.pack_weights()

@@ -1,6 +1,5 @@
 """Gemma 2 and Gemma 3 (text): norms on both sides of attention and of the MLP; the rest are ``ModelConfig`` switches
-(docs/design.md, "Model families").
-"""
+(docs/design.md, "Model families")."""
 
 from __future__ import annotations
 

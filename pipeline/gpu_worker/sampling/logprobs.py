@@ -1,6 +1,5 @@
 """Log-probabilities of chosen tokens, computed on the device: the raw model's log-softmax (as vLLM by default); prompt
-position ``j`` predicts token ``j + 1``.
-"""
+position ``j`` predicts token ``j + 1``."""
 
 from __future__ import annotations
 
@@ -33,8 +32,7 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch
 @dataclass
 class PromptLogprobPlan:
     """Which step positions predict a wanted prompt logprob (host numpy): ``flat`` step-token index, ``next_token``,
-    ``pos``, ``req_num``.
-    """
+    ``pos``, ``req_num``."""
 
     flat: np.ndarray  # [P] int64
     next_token: np.ndarray  # [P] int64

@@ -1,6 +1,5 @@
 """The masks of a step's constrained rows, which the scheduler writes after the step's descriptor (docs/design.md,
-"Structured output"): read just before the step samples, while its forward pass runs.
-"""
+"Structured output"): read just before the step samples, while its forward pass runs."""
 
 from __future__ import annotations
 
@@ -22,8 +21,7 @@ _MASK_POLL_S = 0.0002
 
 class MaskReader:
     """Reads each masked step's ``TokenMasks`` entry, in step order (``ring`` None on a non-head node, which gets
-    ``relay``'s); a wait ends with ``Stopped`` once ``stop`` is set.
-    """
+    ``relay``'s); a wait ends with ``Stopped`` once ``stop`` is set."""
 
     def __init__(self, ring: ShmRing[TokenMasks] | None, rank: int, stop: StopFlag, relay: DescriptorRelay | None):
         self.ring, self.rank, self.stop, self.relay = ring, rank, stop, relay

@@ -37,8 +37,7 @@ class PenaltyInputs:
 @dataclass
 class PenaltyPlan:
     """The host half of ``PenaltyInputs`` (numpy int64) from ``plan_penalties``; ``draft_flat`` is each counted draft's
-    step-token index.
-    """
+    step-token index."""
 
     rows: np.ndarray
     req_indices: np.ndarray
@@ -61,8 +60,7 @@ class PenaltyPlan:
 
     def on_device(self, input_ids: torch.Tensor | None = None) -> PenaltyInputs:
         """The ``PenaltyInputs`` of the staged arrays; ``input_ids`` (``[T]`` int64, resolved) needed with
-        ``draft_rows``.
-        """
+        ``draft_rows``."""
         dev = iter(s.dev for s in self._staged)
         out = PenaltyInputs(next(dev), next(dev), self.use_bias, self.use_penalties)
         if self.min_tokens_rows is not None:
@@ -129,8 +127,7 @@ class PenaltyState:
 
 def apply_penalties(logits: torch.Tensor, inputs: PenaltyInputs | None, state: PenaltyState) -> torch.Tensor:
     """The ``[S, V]`` float32 logits the sampler should see: ``logits`` itself when no row is penalized, else a
-    penalized copy; never waits for the device.
-    """
+    penalized copy; never waits for the device."""
     if inputs is None:
         return logits
     x = logits.index_select(0, inputs.rows)

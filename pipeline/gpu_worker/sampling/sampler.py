@@ -140,8 +140,7 @@ def filtered_logits(
     min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[R, V]`` float32: the ``plan.rows`` rows of ``logits`` with temperature, min-p, top-k and top-p applied
-    (dropped tokens -inf), the distribution ``race`` draws from; arguments as ``sample_rows``.
-    """
+    (dropped tokens -inf), the distribution ``race`` draws from; arguments as ``sample_rows``."""
     vocab = logits.shape[1]
     x = logits.index_select(0, plan.rows)
     x.div_(temperature[:, None])
@@ -165,8 +164,7 @@ def race(x: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch
 
 def apply_min_p(x: torch.Tensor, min_p: torch.Tensor) -> None:
     """Set to -inf, in place, the logits of ``x`` (``[R, V]``) whose probability is below ``min_p`` (``[R]``) times the
-    row's largest: ``x_i < x_max + log(min_p)``, no softmax (Nguyen et al. 2024). The top token is always kept.
-    """
+    row's largest: ``x_i < x_max + log(min_p)``, no softmax (Nguyen et al. 2024). The top token is always kept."""
     x.masked_fill_(x < x.amax(-1, keepdim=True) + min_p.log()[:, None], float("-inf"))
 
 
@@ -220,8 +218,7 @@ def bits_to_uniform(h: torch.Tensor) -> torch.Tensor:
 
 def _filter(x: torch.Tensor, k: torch.Tensor, p: torch.Tensor, plan: SamplingPlan) -> None:
     """Set to -inf, in place, the logits of ``x`` (``[R, V]``) outside each row's top-k (``k`` 0: off) then top-p (``p``
-    1: off) set.
-    """
+    1: off) set."""
     vocab = x.shape[1]
     if plan.k_max == 0 and not plan.use_top_p:
         return

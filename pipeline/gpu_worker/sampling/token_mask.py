@@ -1,7 +1,6 @@
 """Structured output on the device: a packed token bitmask applied to a copy of the logits before sampling
 (docs/design.md, "Structured output"). Token ``t`` is allowed iff bit ``t % 32`` of word ``t // 32`` is set
-(llguidance's and xgrammar's layout).
-"""
+(llguidance's and xgrammar's layout)."""
 
 from __future__ import annotations
 
@@ -14,8 +13,7 @@ from pipeline.common.step_protocol import MASK_BITS
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor | None, bitmask: torch.Tensor | None) -> torch.Tensor:
     """The ``[S, V]`` float32 logits the sampler should see: ``logits`` itself without masks, else a copy with
     disallowed tokens of ``rows`` (``[M]`` int64) ``-inf``; ``bitmask``: ``[M, W]`` int64-widened words. Never waits for
-    the device.
-    """
+    the device."""
     if rows is None:
         return logits
     vocab = logits.shape[1]
@@ -27,8 +25,7 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor | None, bitmask
 
 def nearest_allowed(tokens: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """The simulated device's masked draw: ``tokens`` (``[S]`` int64, changed in place) with each constrained row's
-    token replaced by the nearest allowed one (lower on a tie; kept if none is allowed). Host arrays only.
-    """
+    token replaced by the nearest allowed one (lower on a tie; kept if none is allowed). Host arrays only."""
     out, rows_np = tokens.numpy(), rows.numpy()
     words = bitmask.numpy().astype(np.uint32)  # the low 32 bits of each widened word
     drawn = out[rows_np]

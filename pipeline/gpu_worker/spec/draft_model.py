@@ -101,8 +101,7 @@ class DraftModel:
         self, plan: DraftPlan, input_ids: torch.Tensor, shift: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(drafts [V, k] int64, q [H, k, V_vocab] float32 or None)``: the plan's rows' drafts and the sampled rows'
-        draft distributions; ``shift``: ``[B]`` per descriptor row (None: exact).
-        """
+        draft distributions; ``shift``: ``[B]`` per descriptor row (None: exact)."""
         n = len(plan.req)
         cur = input_ids.index_select(0, plan.first.dev)
         row_shift = shift.index_select(0, plan.rows.dev) if shift is not None else None

@@ -77,8 +77,7 @@ class SampledPositions:
         self, host: torch.Tensor, req_num: np.ndarray, logprobs: TokenLogprobs | None
     ) -> tuple[torch.Tensor, np.ndarray, np.ndarray, TokenLogprobs | None, tuple[np.ndarray, np.ndarray] | None]:
         """A finished step's output rows ``(tokens, req_num, draft_matched, logprobs, proposals)`` from ``host`` (``[S'
-        + 2S + S * proposed]`` int64, layout as ``SpecState.after_step``).
-        """
+        + 2S + S * proposed]`` int64, layout as ``SpecState.after_step``)."""
         n, s = len(self.row), len(self.first)
         values = host.numpy()  # numpy's boolean indexing costs a fraction of torch's
         emitted, matched = values[n : n + s], values[n + s : n + 2 * s]
@@ -279,8 +278,7 @@ class SpecState:
 
     def resolve_drafts(self, st: SpecStep, input_ids: torch.Tensor) -> tuple[torch.Tensor, np.ndarray] | None:
         """Write the drafts into ``input_ids`` in place and reset new rows (a draft model drafts now); in poison mode
-        returns ``[D]`` int64 stale flags on the device and their req_index, else None.
-        """
+        returns ``[D]`` int64 stale flags on the device and their req_index, else None."""
         if st.new_req is not None:
             self.num_rejected.index_fill_(0, st.new_req.dev, 0)
         if st.cached_req is not None:  # the block table holds the new rows' blocks by now
@@ -313,8 +311,7 @@ class SpecState:
 
     def verify_inputs(self, st: SpecStep, input_ids: torch.Tensor, meta: AttentionMetadata) -> VerifyInputs | None:
         """Record the step's resolved inputs in the history and ``slot_tokens`` at their device positions and KV slots;
-        returns what the executor verifies (None: no drafts).
-        """
+        returns what the executor verifies (None: no drafts)."""
         if self.history is not None:
             self._write_history(st.token_req.dev, meta.positions, input_ids)
             self.slot_tokens.index_copy_(0, meta.slot_mapping, input_ids.to(torch.int32))

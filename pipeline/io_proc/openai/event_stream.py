@@ -1,6 +1,5 @@
 """Server-Sent Event streams (OpenAI API): each event is ``data: <json>\\n\\n``; a stream ends with ``data:
-[DONE]\\n\\n``. With several choices, their updates interleave as they arrive.
-"""
+[DONE]\\n\\n``. With several choices, their updates interleave as they arrive."""
 
 from __future__ import annotations
 

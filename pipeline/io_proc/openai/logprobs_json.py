@@ -1,6 +1,5 @@
 """Log-probabilities as the OpenAI API shapes them: the legacy completions object (what lm-evaluation-harness reads with
-``echo``) and the chat object; values are the raw model's log-softmax.
-"""
+``echo``) and the chat object; values are the raw model's log-softmax."""
 
 from __future__ import annotations
 
@@ -32,8 +31,7 @@ class TokenLogprob:
 
 class TokenTexts:
     """Each token id's raw bytes and display text, computed once per id (byte-level or SentencePiece); a partial
-    character shows as U+FFFD, its ``bytes`` exact.
-    """
+    character shows as U+FFFD, its ``bytes`` exact."""
 
     def __init__(self, tokenizer: Any):
         self._tokens = tokenizer.convert_ids_to_tokens
@@ -62,8 +60,7 @@ class TokenTexts:
 
 def completion_logprobs(texts: TokenTexts, entries: list[TokenLogprob], text_offset: int = 0) -> dict:
     """The legacy completions ``logprobs`` object for consecutive tokens; ``top_logprobs`` includes the chosen token (as
-    vLLM), and entries with ``logprob`` None have None values (as OpenAI).
-    """
+    vLLM), and entries with ``logprob`` None have None values (as OpenAI)."""
     tokens, lps, tops, offsets = [], [], [], []
     pos = text_offset
     for e in entries:

@@ -37,8 +37,7 @@ class ToolCallItem(OpenAIBaseModel):
 
 class ChatMessage(OpenAIBaseModel):
     """One input message, content a string or text parts; assistant messages may carry ``tool_calls`` (content then
-    nullable), ``tool`` messages answer ``tool_call_id``.
-    """
+    nullable), ``tool`` messages answer ``tool_call_id``."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None

@@ -1,6 +1,5 @@
 """The in-memory store of ``/v1/responses`` objects kept for ``previous_response_id`` (docs/design.md, "The Responses
-API"): follow-ups share history by link; bounded by entries, bytes kept alive and age, oldest evicted first.
-"""
+API"): follow-ups share history by link; bounded by entries, bytes kept alive and age, oldest evicted first."""
 
 from __future__ import annotations
 
@@ -35,8 +34,7 @@ class StoredResponse:
 
 class ResponseStore:
     """Responses by id, oldest first (``max_entries`` 0: none kept; a response larger than ``max_bytes`` alone is not
-    kept).
-    """
+    kept)."""
 
     def __init__(self, max_entries: int, max_bytes: int, max_age_s: float, clock=time.monotonic):
         self._max_entries, self._max_bytes, self._max_age_s = max_entries, max_bytes, max_age_s

@@ -1,6 +1,5 @@
 """``POST /v1/completions``: one engine request per prompt, run concurrently; with ``n`` > 1, choice ``p * n + i`` is
-prompt ``p``'s ``i``-th (docs/design.md, "Parallel choices"). ``echo`` starts a choice's text with its prompt.
-"""
+prompt ``p``'s ``i``-th (docs/design.md, "Parallel choices"). ``echo`` starts a choice's text with its prompt."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """The base of tool-call parsers: a format's layout, and the llguidance Lark grammar it gives (docs/design.md, "Tool
-calling"): free text, then a calls region from the trigger.
-"""
+calling"): free text, then a calls region from the trigger."""
 
 from __future__ import annotations
 
@@ -14,8 +13,7 @@ from pipeline.io_proc.tool_parsers.stream import ToolCallStream
 
 class ToolParser(ABC):
     """A model family's tool-call format: its parser (``stream``) and the grammar that enforces it; subclasses set
-    ``name`` (``--tool-call-parser``), the layout and ``call_scanner``/``call_rules``.
-    """
+    ``name`` (``--tool-call-parser``), the layout and ``call_scanner``/``call_rules``."""
 
     name: ClassVar[str]
     # The text that starts the calls region; it must be ASCII.
@@ -68,8 +66,7 @@ class ToolParser(ABC):
 
     def grammar(self, tools: list[ToolSpec], *, free: bool, parallel: bool) -> str:
         """The grammar (llguidance's Lark) of an output in this format: with ``free``, inactive until the trigger; with
-        ``parallel``, several calls.
-        """
+        ``parallel``, several calls."""
         one = [self.call_open, "call", self.call_close]
         region = [self.region_open, *one]
         if parallel:

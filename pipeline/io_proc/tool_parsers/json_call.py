@@ -47,8 +47,7 @@ _WS = " \t\n\r"
 
 class JsonCallScanner(CallScanner):
     """One call as a JSON object ``{"name": ..., "arguments": {...}}``, keys in any order; ``args_keys`` may hold the
-    arguments (Llama 3 writes ``parameters``), which stream as raw text (a JSON string comes whole, decoded).
-    """
+    arguments (Llama 3 writes ``parameters``), which stream as raw text (a JSON string comes whole, decoded)."""
 
     def __init__(self, args_keys: tuple[str, ...] = ("arguments",)):
         self._args_keys = args_keys

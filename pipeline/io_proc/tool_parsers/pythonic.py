@@ -1,6 +1,5 @@
 """Llama 3.2 / Llama 4 / ToolACE Python-style calls, ``[get_weather(city="Paris"), f()]``; arguments stream whole as
-JSON. The grammar enforces names, types, enums and items, not string lengths, patterns or numeric bounds.
-"""
+JSON. The grammar enforces names, types, enums and items, not string lengths, patterns or numeric bounds."""
 
 from __future__ import annotations
 

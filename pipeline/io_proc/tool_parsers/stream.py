@@ -1,6 +1,5 @@
 """The incremental parser every tool-call format shares (``ToolCallStream``); any split of the stream gives the
-non-streamed result.
-"""
+non-streamed result."""
 
 from __future__ import annotations
 
