@@ -1,8 +1,5 @@
-"""scheduler_proc: the process that plans steps (no torch, no model code).
-
-Loop: take control messages, plan a step whenever fewer than ``max_inflight`` are in flight, else wait on the output
-ring for the oldest step's tokens.
-"""
+"""scheduler_proc: the process that plans steps (no torch, no model code); it plans while fewer than ``max_inflight``
+steps are in flight, else waits for the oldest step's tokens."""
 
 from __future__ import annotations
 
@@ -58,11 +55,8 @@ class StepTimeout(Exception):
 
 
 class SchedulerProc:
-    """Owns the scheduler, its rings and sockets; ``run`` is the process body (docs/design.md, "Liveness").
-
-    Undecodable control messages are logged and dropped. With ``config.step_timeout_s`` > 0, ``run`` raises
-    ``StepTimeout`` when the oldest step waits that long, unless io_proc's heartbeat is as old.
-    """
+    """Owns the scheduler, its rings and sockets; ``run`` is the process body, raising ``StepTimeout`` when the oldest
+    step waits ``config.step_timeout_s`` and io_proc's heartbeat is fresher (docs/design.md, "Liveness")."""
 
     def __init__(
         self,
@@ -215,11 +209,8 @@ class SchedulerProc:
                 self._reply(RequestFailed(state.req_num, state.error))
 
     def _publish_masks(self) -> bool:
-        """Write the masks of planned steps whose constrained rows' tokens are known, oldest first.
-
-        Returns True if a step's masks are being computed or cannot be written yet; False when they wait for a step's
-        output (which wakes the loop anyway, so no polling).
-        """
+        """Write the masks of planned steps whose constrained rows' tokens are known, oldest first; True if some step's
+        masks are being computed or cannot be written yet."""
         masks = self.scheduler.masks
         with self._mask_lock:
             while len(masks):

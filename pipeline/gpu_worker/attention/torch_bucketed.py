@@ -1,9 +1,5 @@
 """The ``torch_bucketed`` attention backend: cost follows each request's own context (docs/design.md, "Attention
-backends"; alternatives measured by ``scripts/bench_attention.py``).
-
-Rows are grouped on the host (``bucket_plan.plan_buckets``) into buckets of similar length, one SDPA call each over
-their own blocks; decode queries run as ``[rows, KVH, H / KVH, D]`` so K/V are never expanded.
-"""
+backends"): rows grouped into buckets of similar length (``plan_buckets``), one SDPA call each over their own blocks."""
 
 from __future__ import annotations
 
@@ -259,11 +255,7 @@ def _device_verify(
 
 class TorchBucketedBackend(AttentionBackend):
     """SDPA per bucket of similar-length requests (see the module docstring); owns the shared ``GatherBuffer`` and
-    ``PrefixTable``.
-
-    ``decode_query_max`` is 1: a decode bucket's SDPA call folds the query heads of one query. ``slack``, ``min_pad``,
-    ``min_query_pad``: see ``plan_buckets``.
-    """
+    ``PrefixTable``. ``decode_query_max`` is 1: a decode bucket's SDPA call folds one query's heads."""
 
     name = "torch_bucketed"
     decode_query_max = 1
@@ -369,10 +361,8 @@ class TorchBucketedBackend(AttentionBackend):
         window: int | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        """One bucket's SDPA call over its gathered blocks (``window``, ``softcap`` as ``AttentionBackend.forward``).
-
-        Returns ``[len(b.out_tokens), H, D]``, the bucket's real queries' outputs in ``b.out_tokens`` order.
-        """
+        """One bucket's SDPA call over its gathered blocks (``window``, ``softcap`` as ``AttentionBackend.forward``);
+        returns ``[len(b.out_tokens), H, D]`` in ``b.out_tokens`` order."""
         num_heads, head_dim = q.shape[1:]
         kv_heads = k_cache.shape[0] if self.cache_layout == HEAD_MAJOR else k_cache.shape[1]
         rows, n_blocks = b.block_ids.shape

@@ -1,9 +1,5 @@
 """Speculative decoding in the worker: drafts in, verification's bookkeeping on the device, drafts out (docs/design.md,
-"Speculative decoding").
-
-A row with ``K`` drafts is its last token plus ``K`` ``DRAFT_TOKEN_ID`` placeholders, all ``1 + K`` sampled and
-verified; the scheduler assumed full acceptance, so rows are moved back on the device by the rejections (``shift``).
-"""
+"Speculative decoding"); rows are moved back on the device by rejections the scheduler did not know (``shift``)."""
 
 from __future__ import annotations
 
@@ -46,11 +42,8 @@ class SampledPositions:
 
     @classmethod
     def of(cls, x: StepInputs) -> SampledPositions:
-        """The sampled positions of step ``x``.
-
-        Raises:
-            ValueError: rows verifying different numbers of drafts, or drafts on a row that does not sample.
-        """
+        """The sampled positions of step ``x``; raises ``ValueError`` for rows verifying different numbers of drafts, or
+        drafts on a row that does not sample."""
         rows = x.sample_rows
         n = len(rows)
         # One token per row (decode): each row's last token is its own index.
@@ -379,11 +372,8 @@ class SpecState:
 def spec_state(
     config: EngineConfig, device: torch.device, input_batch: InputBatch, draft: DraftModel | None = None
 ) -> SpecState | None:
-    """The speculative state ``config`` asks for (prompt lookup, draft model ``draft``, simulated drafts); None: off.
-
-    Raises:
-        ValueError: ``draft_model`` without ``draft``, or another method this worker does not run.
-    """
+    """The speculative state ``config`` asks for (prompt lookup, draft model ``draft``, simulated drafts), or None;
+    raises ``ValueError`` for ``draft_model`` without ``draft`` or another method this worker does not run."""
     spec = config.speculative
     if spec is None:
         return None
