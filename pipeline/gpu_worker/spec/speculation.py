@@ -12,7 +12,7 @@ import torch
 from pipeline.common.config import EngineConfig
 from pipeline.common.step_output import TokenLogprobs
 from pipeline.common.step_protocol import DRAFT_TOKEN_ID, MAX_INFLIGHT_STEPS, StepInputs
-from pipeline.gpu_worker.attention.backend import AttentionMetadata, StepLayout
+from pipeline.gpu_worker.attention.backend import AttentionMetadata, StepLayout, slot_mapping
 from pipeline.gpu_worker.device import Staged, UploadBatch
 from pipeline.gpu_worker.executor import PAD_BLOCKS, Executed
 from pipeline.gpu_worker.input_batch import POISON_TOKEN_ID, InputBatch
@@ -276,8 +276,8 @@ class SpecState:
             self.num_rejected.index_fill_(0, st.new_req.dev, 0)
         if st.cached_req is not None:  # the block table holds the new rows' blocks by now
             req, pos = st.cached_req.dev, st.cached_pos.dev
-            blocks = self.input_batch.block_table[req, torch.div(pos, self.block_size, rounding_mode="floor")]
-            slots = blocks * self.block_size + pos % self.block_size
+            cols = torch.div(pos, self.block_size, rounding_mode="floor")
+            slots = slot_mapping(self.input_batch.block_table, req, cols, pos, self.block_size)
             self._write_history(req, pos, self.slot_tokens.index_select(0, slots))
         if st.draft_index is None:
             return None
