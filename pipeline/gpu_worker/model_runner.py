@@ -18,7 +18,7 @@ import torch
 
 from pipeline.common.config import EngineConfig
 from pipeline.common.step_protocol import PLACEHOLDER_TOKEN_ID, StepInputs
-from pipeline.gpu_worker.attention.backend import StepLayout
+from pipeline.gpu_worker.attention.backend import AttentionMetadata, StepLayout
 from pipeline.gpu_worker.device import DeviceClock, DeviceOps, Staged, UploadBatch, device_ops
 from pipeline.gpu_worker.executor import Executed, Executor, LogprobInputs, SamplingInputs
 from pipeline.gpu_worker.input_batch import FLOAT_COLUMN, INT_COLUMN, POISON_TOKEN_ID, InputBatch
@@ -26,6 +26,7 @@ from pipeline.gpu_worker.launched_step import LaunchedStep
 from pipeline.gpu_worker.sampling.logprobs import PromptLogprobPlan
 from pipeline.gpu_worker.sampling.mask_reader import MaskReader
 from pipeline.gpu_worker.sampling.penalties import PenaltyPlan, plan_penalties
+from pipeline.gpu_worker.sampling.rejection_sampler import VerifyInputs
 from pipeline.gpu_worker.sampling.sampler import SamplingPlan
 from pipeline.gpu_worker.spec.draft_model import DraftModel
 from pipeline.gpu_worker.spec.speculation import SpecStep, spec_state
@@ -76,6 +77,15 @@ class _Logprobs:
     rows: Staged | None = None
     prompt_positions: Staged | None = None
     prompt_targets: Staged | None = None
+
+
+@dataclass
+class _DeviceInputs:
+    layout: StepLayout
+    meta: AttentionMetadata
+    sampling: SamplingInputs
+    logprobs: LogprobInputs
+    verify: VerifyInputs | None
 
 
 class ModelRunner:
@@ -144,7 +154,17 @@ class ModelRunner:
             if (stale := self.spec.resolve_drafts(spec, input_ids)) is not None:
                 step.add_stale(*stale)
         self.input_batch.count_inputs(counts, input_ids)
-        executed = self._forward_and_sample(x, input_ids, sampling, logprobs, step, spec, device_start, meanwhile)
+        inputs = self._device_inputs(x, input_ids, sampling, logprobs, spec, meanwhile)
+        step.prepare_end_ns = time.monotonic_ns()
+        if device_start is None:
+            step.start_event, device_start = self.ops.timing_event(), time.monotonic_ns()
+        executed = self.executor.execute(
+            input_ids, inputs.meta, sampling.last.dev, inputs.sampling, inputs.logprobs, inputs.verify
+        )
+        if meanwhile is not None:
+            meanwhile()
+        self._record_sampled(executed, inputs, sampling.sample_req_indices.dev, input_ids, step, spec, meanwhile)
+        self._stamp_launch(step, executed, device_start)
         step.start_host_copy(executed, self.ops)
         self._in_flight += 1
         return step
@@ -299,19 +319,17 @@ class ModelRunner:
             out.prompt_positions, out.prompt_targets = batch.add(plan.flat), batch.add(plan.next_token)
         return out
 
-    def _forward_and_sample(
+    def _device_inputs(
         self,
         x: StepInputs,
         input_ids: torch.Tensor,
         staged_sampling: _Sampling,
         staged_logprobs: _Logprobs,
-        step: LaunchedStep,
         spec: SpecStep | None,
-        device_start: int | None = None,
-        meanwhile: Callable[[], None] | None = None,
-    ) -> Executed:
-        """Build the attention metadata, run the executor, write the token-id cache (speculating, also the rows' state
-        and next drafts); ``meanwhile`` as ``launch``."""
+        meanwhile: Callable[[], None] | None,
+    ) -> _DeviceInputs:
+        """The attention metadata and the sampling, log-probability and verification inputs; ``meanwhile`` as
+        ``launch`` (it may run while the masks are awaited)."""
         layout = StepLayout.build(
             x.num_scheduled_tokens,
             x.start_pos,
@@ -330,25 +348,33 @@ class ModelRunner:
             )
         )
         verify = self.spec.verify_inputs(spec, input_ids, meta) if spec is not None else None
-        step.prepare_end_ns = time.monotonic_ns()
+        return _DeviceInputs(layout, meta, sampling, logprobs, verify)
 
-        if device_start is None:
-            step.start_event = self.ops.timing_event()
-            device_start = time.monotonic_ns()
-        executed = self.executor.execute(input_ids, meta, staged_sampling.last.dev, sampling, logprobs, verify)
-        if meanwhile is not None:
-            meanwhile()
-        if spec is None:
-            self.input_batch.token_cache.index_copy_(0, staged_sampling.sample_req_indices.dev, executed.tokens)
-        else:
-            step.spec = spec.sp
-            self.spec.after_step(spec, executed, meta, layout, input_ids, meanwhile)
+    def _stamp_launch(self, step: LaunchedStep, executed: Executed, device_start: int) -> None:
+        """The launch's end; where the host knows them, the device's start and end."""
         step.launch_ns = time.monotonic_ns()
         if executed.done is not None:  # the simulated device's own timeline
             step.device_start_ns, step.device_end_ns = executed.device_start_ns, executed.device_end_ns
         elif not self.ops.is_async:  # CPU torch ran the step synchronously: wall time around it
             step.device_start_ns, step.device_end_ns = device_start, step.launch_ns
-        return executed
+
+    def _record_sampled(
+        self,
+        executed: Executed,
+        inputs: _DeviceInputs,
+        sample_req_indices: torch.Tensor,
+        input_ids: torch.Tensor,
+        step: LaunchedStep,
+        spec: SpecStep | None,
+        meanwhile: Callable[[], None] | None,
+    ) -> None:
+        """Write the sampled tokens into the token-id cache; speculating, the rows' state after verification and
+        their next drafts instead."""
+        if spec is None:
+            self.input_batch.token_cache.index_copy_(0, sample_req_indices, executed.tokens)
+        else:
+            step.spec = spec.sp
+            self.spec.after_step(spec, executed, inputs.meta, inputs.layout, input_ids, meanwhile)
 
     def _upload_masks(self, step_id: int, num_masks: int, meanwhile: Callable[[], None] | None) -> torch.Tensor:
         """``[M, W]`` int64 (int32 words, widened) on the device: step ``step_id``'s bitmasks, once written (a
