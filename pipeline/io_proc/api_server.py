@@ -47,6 +47,7 @@ from pipeline.io_proc.protocol_tokenization import DetokenizeRequest, TokenizeRe
 from pipeline.io_proc.response_store import ResponseStore
 from pipeline.io_proc.responses import ResponsesServing
 from pipeline.io_proc.responses_input import ResponsesRequest
+from pipeline.io_proc.server_info import model_info, server_info
 from pipeline.io_proc.serving import json_response
 from pipeline.io_proc.serving_chat import OpenAIServingChat
 from pipeline.io_proc.serving_completion import OpenAIServingCompletion
@@ -320,6 +321,15 @@ def build_app(
                 ]
             )
         )
+
+    # SGLang's names, read by its model gateway when it registers this server (docs/design.md, "Behind a router").
+    @app.get("/server_info")
+    async def show_server_info() -> Response:
+        return Response(json.dumps(server_info(config)).encode(), media_type="application/json")
+
+    @app.get("/model_info")
+    async def show_model_info() -> Response:
+        return Response(json.dumps(model_info(config)).encode(), media_type="application/json")
 
     @app.get("/health")
     async def health() -> Response:
