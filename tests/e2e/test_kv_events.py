@@ -85,3 +85,23 @@ def test_an_unknown_publisher_is_refused_at_start():
     )
     assert out.returncode == 2
     assert "--kv-events-config: publisher must be one of null, zmq, got 'nats'" in out.stderr
+
+
+def test_an_endpoint_in_use_is_refused_at_start():
+    ctx = zmq.Context()
+    try:
+        taken = ctx.socket(zmq.PUB)  # held until the server has tried
+        port = taken.bind_to_random_port("tcp://*")
+        config = json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"})
+        out = subprocess.run(
+            [sys.executable, "-m", "pipeline.launcher", *SIM, "--kv-events-config", config],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=120,
+        )
+    finally:
+        taken.close(linger=0)
+        ctx.destroy(linger=0)
+    assert out.returncode == 1
+    assert f"--kv-events-config: cannot open tcp://*:{port}: Address already in use" in out.stdout + out.stderr

@@ -10,8 +10,10 @@ import re
 import signal
 import threading
 
+import httpx
 import pytest
 
+from pipeline import __version__
 from pipeline.bench.router import ChatWork, play_chat, prefix_counters, router_python, start_router
 from tests.conftest import Server, free_port
 
@@ -77,3 +79,24 @@ def test_conversations_stay_on_their_replica(python, replicas, tmp_path):
         calls = re.findall(r'"(GET|POST) (\S+) HTTP/1.1" (\d+)', s.output())
         assert {path for _, path, _ in calls} >= {"/health", "/server_info", "/model_info"}
         assert [c for c in calls if not c[2].startswith("2")] == []
+
+
+def test_sglang_metadata_routes(sim_async):
+    """SGLang's names and shapes: the gateway labels a replica with ``served_model_name`` from ``/server_info``."""
+    info = httpx.get(f"{sim_async.url}/server_info", timeout=10).json()
+    tokenizer = info.pop("tokenizer_path")
+    assert info == {
+        "model_path": "sim",
+        "served_model_name": "sim",
+        "tp_size": 1,
+        "dp_size": 1,
+        "max_running_requests": 256,
+        "max_prefill_tokens": 32,
+        "context_length": 1024,
+        "page_size": 16,
+        "disable_radix_cache": False,
+        "version": __version__,
+        "max_total_tokens": 256 * 1024,
+    }
+    model = httpx.get(f"{sim_async.url}/model_info", timeout=10).json()
+    assert model == {"model_path": "sim", "tokenizer_path": tokenizer, "is_generation": True}
