@@ -9,9 +9,10 @@ Setups, each on fresh servers (empty caches), one after the other:
 - two replicas behind sglang-router --policy round_robin;
 - one server with -dp 2 (its own prefix-aware routing between two engines).
 Prints output tok/s, TTFT p50 per turn, the prefix-cache hit rate (hits / queries, prompt tokens, from
-the servers' /metrics) and how many requests each replica served. With --failover, it then kills one of
-two cache-aware replicas (SIGKILL) under load and reports the errors and the time until requests succeed
-again. sglang-router is installed on first use into a venv of its own (pipeline/bench/router.py).
+the servers' /metrics) and how many requests each replica served. With --failover also (or only), it then
+kills one of two cache-aware replicas (SIGKILL) under load, starts it again on its port, and reports the
+errors, the time until requests succeed again and the time until the router lists the replica healthy.
+sglang-router is installed on first use into a venv of its own (pipeline/bench/router.py).
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args: list[str], log) -> tuple[subprocess.Popen, str]:
-    port = free_port()
+def start_server(args: list[str], log, port: int | None = None) -> tuple[subprocess.Popen, str]:
+    port = port or free_port()
     cmd = [sys.executable, "-m", "pipeline.launcher", "--port", str(port), *args]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
@@ -116,16 +117,22 @@ def run_setup(name: str, serve: list[str], num_servers: int, policy: str | None,
     }
 
 
-def failover(serve: list[str], work: ChatWork, python, logs, kill_after_s: float) -> dict:
-    """Two replicas behind cache_aware; one is killed (SIGKILL) ``kill_after_s`` into a closed loop of
-    requests. Returns the errors, the requests in flight that hung (none may), and the seconds from the
-    kill to the first success after the last error."""
+def failover(serve: list[str], work: ChatWork, python, logs, kill_after_s: float, health_s: int = 5) -> dict:
+    """Two replicas behind cache_aware (health checked every ``health_s`` seconds); the busier is killed
+    (SIGKILL) ``kill_after_s`` into a closed loop of requests, then started again on its port.
+
+    Returns the requests and errors (a hung request fails at the client's 60 s timeout) after the kill,
+    the seconds from the kill to the first success after the last error, and from the restarted
+    replica's first healthy /health to the router listing it healthy again (None: it never did).
+    """
     servers = [start_server(serve, logs) for _ in range(2)]
     port = free_port()
-    router = start_router(python, port, [u for _, u in servers], "cache_aware", logs)
+    extra = ("--health-check-interval-secs", str(health_s))
+    router = start_router(python, port, [u for _, u in servers], "cache_aware", logs, extra)
     url = f"http://127.0.0.1:{port}"
     model = model_name(url)
     events: list[tuple[float, bool]] = []  # (time, ok)
+    rejoin: dict = {}
 
     async def loop(user: int, until: float) -> None:
         async with httpx.AsyncClient(base_url=url, timeout=60) as client:
@@ -147,14 +154,25 @@ def failover(serve: list[str], work: ChatWork, python, logs, kill_after_s: float
                 if not ok:
                     await asyncio.sleep(0.05)
 
+    def healthy_in_router(worker_url: str) -> bool:
+        workers = httpx.get(f"{url}/workers", timeout=5).json()["workers"]
+        return any(w["url"] == worker_url and w["is_healthy"] for w in workers)
+
     async def main() -> float:
         start = time.perf_counter()
-        runs = asyncio.gather(*(loop(u, start + kill_after_s + 30) for u in range(len(work.messages))))
+        runs = asyncio.gather(*(loop(u, start + kill_after_s + 60) for u in range(len(work.messages))))
         await asyncio.sleep(kill_after_s)
         # The replica that served most so far: the one conversations went to.
-        victim = max(servers, key=lambda s: prefix_counters(s[1])[2])
-        victim[0].kill()
+        i = max(range(2), key=lambda k: prefix_counters(servers[k][1])[2])
+        servers[i][0].kill()
         killed = time.perf_counter()
+        await asyncio.sleep(3)
+        victim_url = servers[i][1]
+        servers[i] = await asyncio.to_thread(start_server, serve, logs, int(victim_url.rsplit(":", 1)[1]))
+        up = time.perf_counter()
+        while time.perf_counter() < up + 6 * health_s and not await asyncio.to_thread(healthy_in_router, victim_url):
+            await asyncio.sleep(0.2)
+        rejoin["s"] = time.perf_counter() - up if await asyncio.to_thread(healthy_in_router, victim_url) else None
         await runs
         return killed
 
@@ -168,7 +186,12 @@ def failover(serve: list[str], work: ChatWork, python, logs, kill_after_s: float
     errors = [t for t, ok in after if not ok]
     last_error = max(errors, default=0.0)
     recovered = min((t for t, ok in after if ok and t > last_error), default=float("nan"))
-    return {"requests_after_kill": len(after), "errors": len(errors), "recovered_after_s": recovered}
+    return {
+        "requests_after_kill": len(after),
+        "errors": len(errors),
+        "recovered_after_s": round(recovered, 3),
+        "rejoined_after_s": rejoin.get("s") and round(rejoin["s"], 2),
+    }
 
 
 def main() -> None:
@@ -179,7 +202,12 @@ def main() -> None:
     p.add_argument("--system-words", type=int, default=300)
     p.add_argument("--message-words", type=int, default=60)
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--failover", action="store_true", help="also measure a replica's SIGKILL under load")
+    p.add_argument(
+        "--failover",
+        choices=("off", "also", "only"),
+        default="off",
+        help="measure a replica's SIGKILL under load and its return, after the setups or alone",
+    )
     p.add_argument("--log", default=None, help="the servers' and routers' output (default: a temporary file)")
     args = p.parse_args()
     serve = shlex.split(args.serve_args)
@@ -198,15 +226,15 @@ def main() -> None:
             ("2 x sglang-router round_robin", serve, 2, "round_robin"),
             ("-dp 2, our server", [*serve, "--data-parallel-size", "2"], 1, None),
         ]
-        for name, flags, n, policy in setups:
+        for name, flags, n, policy in setups if args.failover != "only" else ():
             rows.append(run_setup(name, flags, n, policy, work, python, logs))
             r = rows[-1]
             ttft = " ".join(f"{x:7.1f}" for x in r["ttft_p50_ms"])
             print(f"{r['setup']:32s} {r['tok/s']:8.1f} tok/s  TTFT p50 by turn (ms): {ttft}  "
                   f"prefix hits {100 * r['hit_rate']:5.1f} %  served {r['served']}", flush=True)  # fmt: skip
-        if args.failover:
+        if args.failover != "off":
             f = failover(serve, work, python, logs, kill_after_s=5.0)
-            print(f"failover (SIGKILL of the busier of 2 cache_aware replicas): {f}")
+            print(f"failover (SIGKILL of the busier of 2 cache_aware replicas, restarted 3 s later): {f}")
 
 
 if __name__ == "__main__":
