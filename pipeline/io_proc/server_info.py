@@ -1,16 +1,18 @@
-"""SGLang's ``/server_info`` and ``/model_info``: what SGLang's model gateway (``sglang-router``) reads from a
-backend when it registers it (docs/design.md, "Behind a router").
+"""SGLang's ``/server_info``, ``/model_info`` and ``/get_load``: what SGLang's model gateway (``sglang-router``)
+reads from a backend (docs/design.md, "Behind a router").
 
-The gateway asks both (then their older names, ``/get_server_info`` and
-``/get_model_info``) and labels the worker with the model it serves; without
-them it registers every backend as model ``unknown``. The fields are SGLang's
-names for what this server has.
+The gateway asks the first two (then their older names, ``/get_server_info``
+and ``/get_model_info``) when it registers a backend, and labels it with the
+model it serves; without them it registers every backend as model
+``unknown``. Its power_of_two policy polls ``/get_load``. The fields are
+SGLang's names for what this server has.
 """
 
 from __future__ import annotations
 
 from pipeline import __version__
 from pipeline.common.config import EngineConfig
+from pipeline.common.messages import Stats
 
 
 def server_info(config: EngineConfig) -> dict:
@@ -36,3 +38,17 @@ def server_info(config: EngineConfig) -> dict:
 def model_info(config: EngineConfig) -> dict:
     """SGLang's ``/model_info``."""
     return {"model_path": config.model, "tokenizer_path": config.tokenizer, "is_generation": True}
+
+
+def engine_loads(stats: list[Stats], block_size: int) -> list[dict]:
+    """SGLang's ``/get_load``: per engine (its ``dp_rank``), the requests it holds and the tokens their
+    KV blocks hold."""
+    return [
+        {
+            "dp_rank": e,
+            "num_reqs": s.num_running + s.num_waiting,
+            "num_waiting_reqs": s.num_waiting,
+            "num_tokens": (s.num_total_blocks - s.num_free_blocks) * block_size,
+        }
+        for e, s in enumerate(stats)
+    ]

@@ -82,7 +82,8 @@ def test_conversations_stay_on_their_replica(python, replicas, tmp_path):
 
 
 def test_sglang_metadata_routes(sim_async):
-    """SGLang's names and shapes: the gateway labels a replica with ``served_model_name`` from ``/server_info``."""
+    """SGLang's names and shapes: the gateway labels a replica with ``served_model_name`` from ``/server_info``;
+    its power_of_two policy sums ``num_tokens`` over ``/get_load``'s ranks."""
     info = httpx.get(f"{sim_async.url}/server_info", timeout=10).json()
     tokenizer = info.pop("tokenizer_path")
     assert info == {
@@ -100,3 +101,6 @@ def test_sglang_metadata_routes(sim_async):
     }
     model = httpx.get(f"{sim_async.url}/model_info", timeout=10).json()
     assert model == {"model_path": "sim", "tokenizer_path": tokenizer, "is_generation": True}
+    sim_async.wait_idle()
+    load = httpx.get(f"{sim_async.url}/get_load", timeout=10).json()
+    assert load == [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
