@@ -392,6 +392,19 @@ def build_parser() -> argparse.ArgumentParser:
         "names alone cannot be mistaken for vLLM's.",
     )
     p.add_argument(
+        "--kv-events-config",
+        default=None,
+        metavar="JSON",
+        help="Publish KV-cache events in vLLM's format, for routers that follow each engine's prefix "
+        "cache (llm-d's precise prefix-cache scorer): "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}\' sends '
+        "BlockStored, BlockRemoved and AllBlocksCleared batches on a ZMQ PUB socket, [topic, 8-byte "
+        "sequence, msgpack batch]. vLLM's other keys: topic, replay_endpoint (a ROUTER socket answering "
+        "missed batches), buffer_steps (batches held for it), hwm, max_queue_size (batches waiting to be "
+        "sent; more are dropped and counted in pipeline_kv_events_dropped_total). With -dp, engine e "
+        "adds e to the ports.",
+    )
+    p.add_argument(
         "--log-stats-interval",
         type=float,
         default=10.0,

@@ -16,6 +16,7 @@ import msgspec
 
 from pipeline.common.config import SPECULATIVE_METHODS, EngineConfig, SpeculativeConfig
 from pipeline.common.instance_files import make_ipc_dir, sweep_dead_instances
+from pipeline.common.kv_events import KVEventsConfig, parse_kv_events_config
 
 MAX_CUDA_GRAPH_SIZE = 512
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -122,6 +123,16 @@ def check_draft_model(spec: SpeculativeConfig, target_dir: Path, target, max_mod
         except ValueError as e:
             _die(f"{flag}: the draft model {draft_dir} does not split over --tensor-parallel-size {tp}: {e}")
     return msgspec.structs.replace(spec, model=str(draft_dir)), draft
+
+
+def kv_events_config(text: str | None) -> KVEventsConfig | None:
+    """``--kv-events-config``'s JSON; None when not given or off. Exits with a message naming the key."""
+    if text is None:
+        return None
+    try:
+        return parse_kv_events_config(text)
+    except ValueError as e:
+        _die(f"--kv-events-config: {e}")
 
 
 def _die(msg: str) -> None:
@@ -274,6 +285,7 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
     if dtype == "auto":
         dtype = checkpoint_dtype(model_dir, cfg) if device == "cuda" and not sim else "float32"
     speculative = parse_speculative_config(args.speculative_config)
+    kv_events = kv_events_config(args.kv_events_config)
     draft = None
     if speculative is not None and speculative.method == "draft_model" and not sim:
         speculative, draft = check_draft_model(speculative, model_dir, cfg, max_model_len, tp)
@@ -374,6 +386,7 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         cuda_graph_sizes=graph_sizes,
         step_timeout_s=args.step_timeout,
         metrics_compat=args.metrics_compat,
+        kv_events=kv_events,
         log_stats_interval_s=args.log_stats_interval,
         uvicorn_access_log=not args.disable_uvicorn_access_log,
         enable_log_requests=args.enable_log_requests,

@@ -7,6 +7,7 @@ import msgspec
 from pipeline.common.block_hash import root_hash
 from pipeline.common.constants import cdiv
 from pipeline.common.heartbeat import Heartbeats
+from pipeline.common.kv_events import KVEventsConfig
 from pipeline.common.layouts import Layout
 from pipeline.common.shm_ring import ShmRing
 from pipeline.common.step_output import OUTPUT_RING_ENTRIES, StepOutput
@@ -137,6 +138,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
         metrics_compat: ``"vllm"``: ``/metrics`` also exports vLLM's metric
             names and labels (docs/design.md, "Metrics"); ``"none"``: only the
             ``pipeline_`` family.
+        kv_events: publish the prefix cache's KV-cache events (``--kv-events-config``); None: off.
         debug_fail_step: the worker raises ``RuntimeError`` when it
             launches this step, as a failing forward pass would (the fault
             tests use it); -1: never.
@@ -202,6 +204,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
     grammar_jump_forward: bool = True
     sim_draft_acceptance: float = 0.7
     metrics_compat: str = "none"
+    kv_events: KVEventsConfig | None = None
     log_stats_interval_s: float = 10.0
     uvicorn_access_log: bool = True
     enable_log_requests: bool = False

@@ -129,6 +129,7 @@ class Stats(msgspec.Struct, tag=True):
     spec_decode_num_accepted_tokens_per_pos: list[int] | None = None
     num_cached_blocks: int = 0
     num_grammar_rows_deferred: int = 0  # constrained decode rows left out of a step while their mask was computed
+    num_kv_events_dropped: int = 0  # KV-cache events dropped because the publisher's queue was full
 
 
 def merge_stats(per_engine: list[Stats]) -> Stats:

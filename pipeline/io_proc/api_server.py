@@ -36,6 +36,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pipeline.common.config import EngineConfig
 from pipeline.common.heartbeat import Heartbeats
+from pipeline.common.messages import Stats
 from pipeline.io_proc.engine_client import EngineClient
 from pipeline.io_proc.http_limits import RequestBodyLimit
 from pipeline.io_proc.json_limits import too_deep_message
@@ -51,11 +52,12 @@ from pipeline.io_proc.openai.serving import json_response
 from pipeline.io_proc.openai.serving_chat import OpenAIServingChat
 from pipeline.io_proc.openai.serving_completion import OpenAIServingCompletion
 from pipeline.io_proc.openai.serving_tokenization import OpenAIServingTokenization
+from pipeline.io_proc.server_info import engine_loads, model_info, server_info
 from pipeline.io_proc.tokenization import Tokenization
 
 logger = logging.getLogger(__name__)
 
-# How long /metrics waits for the scheduler's Stats reply.
+# How long /metrics and /get_load wait for the schedulers' Stats replies.
 STATS_TIMEOUT_S = 5.0
 
 _ERROR_TYPES = {
@@ -321,6 +323,16 @@ def build_app(
             )
         )
 
+    # SGLang's names, read by its model gateway when it registers this server and, for its power_of_two
+    # policy, every few seconds (docs/design.md, "Behind a router").
+    @app.get("/server_info")
+    async def show_server_info() -> Response:
+        return Response(json.dumps(server_info(config)).encode(), media_type="application/json")
+
+    @app.get("/model_info")
+    async def show_model_info() -> Response:
+        return Response(json.dumps(model_info(config)).encode(), media_type="application/json")
+
     @app.get("/health")
     async def health() -> Response:
         if not client.is_healthy():
@@ -329,20 +341,28 @@ def build_app(
             return _error(503, why, "service_unavailable_error")
         return Response(b"{}", media_type="application/json")
 
-    @app.get("/metrics")
-    async def show_metrics() -> Response:
+    async def engine_stats(what: str) -> list[Stats]:
+        """Every engine's ``Stats``; raises a 503 ``APIError`` saying why there are no ``what``."""
         if why := "the server is shutting down" if client.shutting_down else hung():
-            return _error(503, f"no metrics: {why}", "service_unavailable_error")
+            raise APIError(503, f"no {what}: {why}", "service_unavailable_error")
         try:
-            stats = await client.get_engine_stats(STATS_TIMEOUT_S)
+            return await client.get_engine_stats(STATS_TIMEOUT_S)
         except TimeoutError:
-            return _error(
+            raise APIError(
                 503,
                 f"the scheduler did not answer a stats request within {STATS_TIMEOUT_S:g} s",
                 "service_unavailable_error",
-            )
+            ) from None
         except Exception as e:  # EngineUnavailable: its queue is full, or the server is stopping
-            return _error(503, f"no metrics: {e}", "service_unavailable_error")
-        return Response(metrics.render(stats), media_type=metrics.content_type)
+            raise APIError(503, f"no {what}: {e}", "service_unavailable_error") from None
+
+    @app.get("/metrics")
+    async def show_metrics() -> Response:
+        return Response(metrics.render(await engine_stats("metrics")), media_type=metrics.content_type)
+
+    @app.get("/get_load")
+    async def show_load() -> Response:
+        loads = engine_loads(await engine_stats("load"), config.block_size)
+        return Response(json.dumps(loads).encode(), media_type="application/json")
 
     return app

@@ -126,6 +126,7 @@ _ENGINE_COUNTERS = (
         "Decode rows of constrained requests left out of a step while their costly mask was being computed.",
         "num_grammar_rows_deferred",
     ),
+    ("kv_events_dropped", "KV-cache events dropped: the publisher's queue was full.", "num_kv_events_dropped"),
 )
 # Counters of COUNTERS also reported per engine (pipeline_engine_<name>{engine}): where a request went matters.
 _PER_ENGINE = {"prefix_cache_queries", "prefix_cache_hits"}

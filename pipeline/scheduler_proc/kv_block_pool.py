@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from collections import OrderedDict, defaultdict
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipeline.scheduler_proc.kv_event_publisher import KVEventPublisher
 
 
 class BlockPool:
@@ -29,6 +33,9 @@ class BlockPool:
         num_req_indices: request indices (ids ``0..num_req_indices-1``), i.e. ``max_num_seqs``.
         enable_caching: name blocks at all; without it ``cache_blocks``
             does nothing and ``lookup`` finds nothing.
+
+    ``events``, when set, hears of each name an eviction forgets
+    (``removed``; docs/design.md, "KV-cache events").
     """
 
     def __init__(self, num_blocks: int, num_req_indices: int, enable_caching: bool = True):
@@ -44,6 +51,7 @@ class BlockPool:
         self._deferred: dict[int, list[tuple[list[int], int]]] = defaultdict(list)
         self._num_deferred_blocks = 0
         self._completed_step = -1
+        self.events: KVEventPublisher | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -76,6 +84,8 @@ class BlockPool:
         for _ in range(n - k):  # evict the least recently freed named blocks
             b, _ = self._evictable.popitem(last=False)
             del self._cached[self._hash[b]]
+            if self.events is not None:
+                self.events.removed(self._hash[b])
             self._hash[b] = None
             out.append(b)
         for b in out:
@@ -106,19 +116,22 @@ class BlockPool:
                 del evictable[b]
             refs[b] += 1
 
-    def cache_blocks(self, blocks: list[int], hashes: list[bytes]) -> None:
-        """Name owned full blocks whose tokens are final: ``blocks[i]`` gets ``hashes[i]``.
+    def cache_blocks(self, blocks: list[int], hashes: list[bytes]) -> list[int]:
+        """Name owned full blocks whose tokens are final: ``blocks[i]`` gets ``hashes[i]``; returns the ``i`` named.
 
         A name that already names another block (the same prefix computed
         twice at once) leaves this block unnamed: it is freed unnamed.
         """
+        named: list[int] = []
         if not self.enable_caching:
-            return
+            return named
         cached, names = self._cached, self._hash
-        for b, h in zip(blocks, hashes):
+        for i, (b, h) in enumerate(zip(blocks, hashes)):
             if h not in cached and names[b] is None:
                 cached[h] = b
                 names[b] = h
+                named.append(i)
+        return named
 
     def allocate_req_index(self) -> int | None:
         """Take a req_index, or None if none is free."""

@@ -17,6 +17,7 @@ from pipeline.common.config import EngineConfig
 from pipeline.common.constants import POLL_INTERVAL_S
 from pipeline.common.grammar import load_tokenizer
 from pipeline.common.heartbeat import Heartbeats
+from pipeline.common.kv_events import engine_endpoint
 from pipeline.common.memory import BurstWatch, limit_arenas, trim_heap
 from pipeline.common.messages import (
     AbortRequest,
@@ -37,6 +38,7 @@ from pipeline.common.step_protocol import MAX_INFLIGHT_STEPS, StepDescriptor, To
 from pipeline.common.trace import TraceRecorder
 from pipeline.scheduler_proc.grammar_manager import GrammarManager
 from pipeline.scheduler_proc.grammar_state import MASK_SHARE_OF_STEP
+from pipeline.scheduler_proc.kv_event_publisher import KVEventPublisher
 from pipeline.scheduler_proc.scheduler import Scheduler
 
 logger = logging.getLogger("pipeline.scheduler")
@@ -101,6 +103,16 @@ class SchedulerProc:
             grammar_drafts=grammar_drafts,
             jump_forward=jump_forward,
         )
+        self.kv_events = None
+        if config.kv_events is not None:
+            medium = "GPU" if config.device == "cuda" else "CPU"
+            try:
+                self.kv_events = KVEventPublisher(config.kv_events, config.block_size, config.engine_index, medium)
+            except zmq.ZMQError as e:
+                endpoint = engine_endpoint(config.kv_events.endpoint, config.engine_index)
+                raise ValueError(f"--kv-events-config: cannot open {endpoint}: {e}") from None
+            self.kv_events.cleared()  # a subscriber that followed an earlier server on this endpoint starts over
+            self.scheduler.set_kv_events(self.kv_events)
         self.max_inflight = MAX_INFLIGHT_STEPS if config.async_scheduling else 1
         self.inflight: deque[int] = deque()
         # time.monotonic() at which the oldest step in flight was published, or since its
@@ -122,6 +134,8 @@ class SchedulerProc:
         while self._running and not stop.is_set():
             if self.heartbeats is not None:
                 self.heartbeats.beat(role)
+            if self.kv_events is not None:  # the last turn's events
+                self.kv_events.flush()
             self._drain_control(wait_ms)
             wait_ms = 0
             if self._burst.passed(self.scheduler.num_unfinished):
@@ -340,6 +354,7 @@ class SchedulerProc:
             prefix_cache_queries=s.prefix.num_queries if s.prefix.enabled else None,
             prefix_cache_hits=s.prefix.num_hits if s.prefix.enabled else None,
             num_cached_blocks=s.pool.num_cached_blocks,
+            num_kv_events_dropped=self.kv_events.num_dropped_events if self.kv_events is not None else 0,
             **self._spec_stats(),
         )
 
@@ -387,6 +402,8 @@ def run_scheduler(config: EngineConfig, status_conn, stop: StopFlag) -> int:
             loop.trace.dump(config.trace_path(role))
         if loop.grammars is not None:
             loop.grammars.close()
+        if loop.kv_events is not None:
+            loop.kv_events.close()
         ctx.destroy(linger=0)
         desc_ring.close()
         if mask_ring is not None:

@@ -17,6 +17,7 @@ from array import array
 
 from pipeline.common.block_hash import hash_blocks
 from pipeline.scheduler_proc.kv_block_pool import BlockPool
+from pipeline.scheduler_proc.kv_event_publisher import KVEventPublisher
 from pipeline.scheduler_proc.request import Request
 
 
@@ -37,6 +38,8 @@ class PrefixCache:
     def __init__(self, pool: BlockPool, block_size: int, root: bytes):
         self.pool, self.block_size, self.root = pool, block_size, root
         self.num_queries = self.num_hits = 0  # prompt tokens looked up and found, since the start
+        # Hears of each run of blocks named (docs/design.md, "KV-cache events").
+        self.events: KVEventPublisher | None = None
 
     @property
     def enabled(self) -> bool:
@@ -87,8 +90,23 @@ class PrefixCache:
             tokens = array("i", req.prompt_token_ids[start:end]) if start < p else array("i")
             tokens += req.output_token_ids[max(0, start - p) : max(0, end - p)]
             names += hash_blocks(tokens, bs, names[-1] if names else self.root)
-        self.pool.cache_blocks(block_ids[done:full], names[done:full])
+        named = self.pool.cache_blocks(block_ids[done:full], names[done:full])
+        if named and self.events is not None:
+            self._publish_stored(req, [done + i for i in named])
         req.num_named_blocks = full
+
+    def _publish_stored(self, req: Request, blocks: list[int]) -> None:
+        """Tell ``events`` of ``req``'s blocks ``blocks`` (ascending), now named: one event per consecutive run."""
+        names, bs, p = req.block_hashes, self.block_size, len(req.prompt_token_ids)
+        start = 0
+        for k in range(1, len(blocks) + 1):
+            if k < len(blocks) and blocks[k] == blocks[k - 1] + 1:
+                continue
+            first, end = blocks[start], blocks[k - 1] + 1
+            lo, hi = first * bs, end * bs
+            tokens = list(req.prompt_token_ids[lo:hi]) + req.output_token_ids[max(0, lo - p) : max(0, hi - p)].tolist()
+            self.events.stored(names[first:end], names[first - 1] if first else None, tokens)
+            start = k
 
 
 def may_reuse(req: Request) -> bool:

@@ -23,6 +23,7 @@ from pipeline.scheduler_proc.drafts import Drafts
 from pipeline.scheduler_proc.grammar_manager import GrammarManager
 from pipeline.scheduler_proc.grammar_state import COSTLY_MASKS_PER_STEP_S, MASK_SHARE_OF_STEP, GrammarState
 from pipeline.scheduler_proc.kv_block_pool import BlockPool
+from pipeline.scheduler_proc.kv_event_publisher import KVEventPublisher
 from pipeline.scheduler_proc.prefix_cache import PrefixCache, num_final_tokens
 from pipeline.scheduler_proc.request import Request
 from pipeline.scheduler_proc.scheduler_outputs import SchedulerOutputsMixin
@@ -123,6 +124,10 @@ class Scheduler(SchedulerOutputsMixin):
             if num_speculative_tokens
             else None
         )
+
+    def set_kv_events(self, events: KVEventPublisher) -> None:
+        """Tell ``events`` of every block the prefix cache names or evicts (docs/design.md, "KV-cache events")."""
+        self.pool.events = self.prefix.events = events
 
     @property
     def num_unfinished(self) -> int:

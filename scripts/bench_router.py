@@ -1,0 +1,241 @@
+"""Replicas behind SGLang's model gateway against one server, on a multi-turn chat workload, in one invocation.
+
+    python scripts/bench_router.py                       # the simulated device, 16 users x 4 turns
+    python scripts/bench_router.py --serve-args "--model DIR"
+
+Setups, each on fresh servers (empty caches), one after the other:
+- one replica, clients straight to it;
+- two replicas behind sglang-router --policy cache_aware;
+- two replicas behind sglang-router --policy round_robin;
+- one server with -dp 2 (its own prefix-aware routing between two engines).
+Prints output tok/s, TTFT p50 per turn, the prefix-cache hit rate (hits / queries, prompt tokens, from
+the servers' /metrics) and how many requests each replica served. With --failover also (or only), it then
+kills one of two cache-aware replicas (SIGKILL) under load, starts it again on its port, and reports the
+errors, the time until requests succeed again and the time until the router lists the replica healthy.
+sglang-router is installed on first use into a venv of its own (pipeline/bench/router.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from pipeline.bench.router import (  # noqa: E402
+    ChatWork,
+    play_chat,
+    prefix_counters,
+    router_python,
+    start_router,
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args: list[str], log, port: int | None = None) -> tuple[subprocess.Popen, str]:
+    port = port or free_port()
+    cmd = [sys.executable, "-m", "pipeline.launcher", "--port", str(port), *args]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited {proc.returncode}: {shlex.join(cmd)}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError("server did not become healthy")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def model_name(url: str) -> str:
+    return httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+def run_setup(name: str, serve: list[str], num_servers: int, policy: str | None, work: ChatWork, python, logs):
+    """Fresh servers (and a router before them), the workload once; returns the row of figures."""
+    servers = [start_server(serve, logs) for _ in range(num_servers)]
+    router = None
+    try:
+        url = servers[0][1]
+        if policy is not None:
+            port = free_port()
+            router = start_router(python, port, [u for _, u in servers], policy, logs)
+            url = f"http://127.0.0.1:{port}"
+        model = model_name(url)
+        before = [prefix_counters(u) for _, u in servers]
+        t0 = time.perf_counter()
+        turns = asyncio.run(play_chat(url, model, work))
+        wall = max(t.end for t in turns) - t0
+        after = [prefix_counters(u) for _, u in servers]
+    finally:
+        if router is not None:
+            stop(router)
+        for proc, _ in servers:
+            stop(proc)
+    queries = sum(a[0] - b[0] for a, b in zip(after, before))
+    hits = sum(a[1] - b[1] for a, b in zip(after, before))
+    served = [int(a[2] - b[2]) for a, b in zip(after, before)]
+    ttft = [statistics.median(t.ttft for t in turns if t.turn == k) * 1e3 for k in range(len(work.messages[0]))]
+    return {
+        "setup": name,
+        "tok/s": sum(t.completion_tokens for t in turns) / wall,
+        "ttft_p50_ms": ttft,
+        "hit_rate": hits / queries if queries else 0.0,
+        "served": served,
+    }
+
+
+def failover(serve: list[str], work: ChatWork, python, logs, kill_after_s: float, health_s: int = 5) -> dict:
+    """Two replicas behind cache_aware (health checked every ``health_s`` seconds); the busier is killed
+    (SIGKILL) ``kill_after_s`` into a closed loop of requests, then started again on its port.
+
+    Returns the requests and errors (a hung request fails at the client's 60 s timeout) after the kill,
+    the seconds from the kill to the first success after the last error, and from the restarted
+    replica's first healthy /health to the router listing it healthy again (None: it never did).
+    """
+    servers = [start_server(serve, logs) for _ in range(2)]
+    port = free_port()
+    extra = ("--health-check-interval-secs", str(health_s))
+    router = start_router(python, port, [u for _, u in servers], "cache_aware", logs, extra)
+    url = f"http://127.0.0.1:{port}"
+    model = model_name(url)
+    events: list[tuple[float, bool]] = []  # (time, ok)
+    rejoin: dict = {}
+
+    async def loop(user: int, until: float) -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            while time.perf_counter() < until:
+                body = {
+                    "model": model,
+                    "messages": [
+                        {"role": "system", "content": work.system},
+                        {"role": "user", "content": work.messages[user % len(work.messages)][0]},
+                    ],
+                    "max_tokens": work.max_tokens,
+                    "ignore_eos": True,
+                }
+                try:
+                    ok = (await client.post("/v1/chat/completions", json=body)).status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                events.append((time.perf_counter(), ok))
+                if not ok:
+                    await asyncio.sleep(0.05)
+
+    def healthy_in_router(worker_url: str) -> bool:
+        workers = httpx.get(f"{url}/workers", timeout=5).json()["workers"]
+        return any(w["url"] == worker_url and w["is_healthy"] for w in workers)
+
+    async def main() -> float:
+        start = time.perf_counter()
+        runs = asyncio.gather(*(loop(u, start + kill_after_s + 60) for u in range(len(work.messages))))
+        await asyncio.sleep(kill_after_s)
+        # The replica that served most so far: the one conversations went to.
+        i = max(range(2), key=lambda k: prefix_counters(servers[k][1])[2])
+        servers[i][0].kill()
+        killed = time.perf_counter()
+        await asyncio.sleep(3)
+        victim_url = servers[i][1]
+        servers[i] = await asyncio.to_thread(start_server, serve, logs, int(victim_url.rsplit(":", 1)[1]))
+        up = time.perf_counter()
+        while time.perf_counter() < up + 6 * health_s and not await asyncio.to_thread(healthy_in_router, victim_url):
+            await asyncio.sleep(0.2)
+        rejoin["s"] = time.perf_counter() - up if await asyncio.to_thread(healthy_in_router, victim_url) else None
+        await runs
+        return killed
+
+    try:
+        killed = asyncio.run(main())
+    finally:
+        stop(router)
+        for proc, _ in servers:
+            stop(proc)
+    after = [(t - killed, ok) for t, ok in events if t >= killed]
+    errors = [t for t, ok in after if not ok]
+    last_error = max(errors, default=0.0)
+    recovered = min((t for t, ok in after if ok and t > last_error), default=float("nan"))
+    return {
+        "requests_after_kill": len(after),
+        "errors": len(errors),
+        "recovered_after_s": round(recovered, 3),
+        "rejoined_after_s": rejoin.get("s") and round(rejoin["s"], 2),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--serve-args", default="--model sim --sim-step-us 2000 --sim-token-us 20 --max-model-len 4096")
+    p.add_argument("--users", type=int, default=16)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--system-words", type=int, default=300)
+    p.add_argument("--message-words", type=int, default=60)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument(
+        "--failover",
+        choices=("off", "also", "only"),
+        default="off",
+        help="measure a replica's SIGKILL under load and its return, after the setups or alone",
+    )
+    p.add_argument("--log", default=None, help="the servers' and routers' output (default: a temporary file)")
+    args = p.parse_args()
+    serve = shlex.split(args.serve_args)
+    work = ChatWork.synth(args.users, args.turns, args.system_words, args.message_words, args.max_tokens)
+    python = router_python()
+    log_path = args.log or tempfile.mkstemp(prefix="bench-router-", suffix=".log")[1]
+    print(
+        f"{args.users} users x {args.turns} turns, {args.max_tokens} tokens a reply; pipeline-serve {args.serve_args}"
+    )
+    print(f"servers' and routers' output: {log_path}")
+    rows = []
+    with open(log_path, "w") as logs:
+        setups = [
+            ("1 replica", serve, 1, None),
+            ("2 x sglang-router cache_aware", serve, 2, "cache_aware"),
+            ("2 x sglang-router round_robin", serve, 2, "round_robin"),
+            ("-dp 2, our server", [*serve, "--data-parallel-size", "2"], 1, None),
+        ]
+        for name, flags, n, policy in setups if args.failover != "only" else ():
+            rows.append(run_setup(name, flags, n, policy, work, python, logs))
+            r = rows[-1]
+            ttft = " ".join(f"{x:7.1f}" for x in r["ttft_p50_ms"])
+            print(f"{r['setup']:32s} {r['tok/s']:8.1f} tok/s  TTFT p50 by turn (ms): {ttft}  "
+                  f"prefix hits {100 * r['hit_rate']:5.1f} %  served {r['served']}", flush=True)  # fmt: skip
+        if args.failover != "off":
+            f = failover(serve, work, python, logs, kill_after_s=5.0)
+            print(f"failover (SIGKILL of the busier of 2 cache_aware replicas, restarted 3 s later): {f}")
+
+
+if __name__ == "__main__":
+    main()
