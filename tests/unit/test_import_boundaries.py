@@ -88,9 +88,10 @@ def test_no_import_cycle():
 
 
 def _level(module: str) -> int:
-    """0: ``common``, what every process shares; 1: a process's package; 2: the launcher side above them."""
+    """0: the package root and ``common``, what every process shares; 1: a process's package; 2: the launcher
+    side above them."""
     parts = module.split(".")
-    if parts[1] == "common":
+    if len(parts) == 1 or parts[1] == "common":
         return 0
     return 1 if parts[1] in ("gpu_worker", "scheduler_proc", "io_proc") else 2
 
