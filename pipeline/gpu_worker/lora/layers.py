@@ -1,0 +1,177 @@
+"""The batched LoRA update around the base model's projections, adapters in fixed slots.
+
+Each wrapped projection keeps the stacked weights of every slot: ``lora_a``
+``[slots, P R, in]`` and ``lora_b`` ``[out, slots, P R]``, where a fused
+projection of P parts (q/k/v, gate/up) gives each part its own R rank rows
+(``R = --max-lora-rank``; an adapter of lower rank leaves the rest zero), and
+part p's B fills only that part's output rows. Slot 0 is "no adapter" and
+stays zero. A step runs the base matmul once for all its tokens; then, over
+the ``U`` slots its rows use, ``shrink = x @ A_used.T`` ``[T, U P R]`` keeps
+each token's own slot (a one-hot mask) and ``expand = shrink @ B_used.T``
+adds every token's own update in one matmul: no loop over rows, and a step
+without adapters costs nothing more (docs/design.md, "Multi-LoRA").
+Under tensor parallelism a column-parallel projection holds its rows of B,
+a row-parallel one its columns of A and sums its partial update over the ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from pipeline.gpu_worker.layers.linear import (
+    LinearBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    linear,
+)
+from pipeline.gpu_worker.layers.tp import TPGroup
+from pipeline.gpu_worker.lora.checkpoint import LoraAdapter
+
+
+class LoraBatch:
+    """Which slot each token of the current step uses, shared by every LoRA layer of a model.
+
+    Attributes:
+        slots: ``[U]`` int64, the slots (>= 1) the step's tokens use; None when no token has an adapter.
+        onehot: ``[T, U]`` model dtype, 1 where token t uses ``slots[u]``.
+    """
+
+    def __init__(self) -> None:
+        self.slots: torch.Tensor | None = None
+        self.onehot: torch.Tensor | None = None
+
+    def set_rows(self, row_slots: np.ndarray, num_tokens: np.ndarray, dtype: torch.dtype, device) -> None:
+        """The step's rows: ``row_slots [R]`` (0: none) over ``num_tokens [R]`` tokens each (host arrays)."""
+        used = np.unique(row_slots[row_slots > 0])
+        if not len(used):
+            self.slots = self.onehot = None
+            return
+        token_slots = np.repeat(row_slots, num_tokens)
+        onehot = torch.from_numpy(token_slots[:, None] == used[None, :]).to(dtype)
+        self.slots = torch.from_numpy(used.astype(np.int64)).to(device)
+        self.onehot = onehot.to(device)
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One projection of a wrapped layer: its output rows here, and which rows of B and columns of A are
+    this rank's."""
+
+    projection: str
+    out_rows: slice
+    b_rows: slice
+    a_cols: slice
+
+
+class LoraLinear(nn.Module):
+    """``base(x)`` plus each token's adapter update (see the module docstring)."""
+
+    def __init__(
+        self,
+        base: LinearBase,
+        parts: list[_Part],
+        in_features: int,
+        out_features: int,
+        batch: LoraBatch,
+        num_slots: int,
+        max_rank: int,
+        reduce: TPGroup | None = None,
+    ) -> None:
+        super().__init__()
+        self.base, self.parts, self.batch, self.rank, self.reduce = base, parts, batch, max_rank, reduce
+        dtype, device = torch.get_default_dtype(), base.weight.device
+        width = len(parts) * max_rank
+        self.register_buffer("lora_a", torch.zeros(num_slots, width, in_features, dtype=dtype, device=device))
+        self.register_buffer("lora_b", torch.zeros(out_features, num_slots, width, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        slots, onehot = self.batch.slots, self.batch.onehot
+        if slots is None:
+            return y
+        t, u = x.shape[0], len(slots)
+        shrink = linear(x, self.lora_a.index_select(0, slots).view(-1, x.shape[1]))
+        shrink = (shrink.view(t, u, -1) * onehot[:, :, None]).view(t, -1)
+        delta = linear(shrink, self.lora_b.index_select(1, slots).view(y.shape[1], -1))
+        if self.reduce is not None:
+            delta = self.reduce.all_reduce(delta)
+        return y + delta
+
+    def load(self, slot: int, layer: int, adapter: LoraAdapter | None) -> None:
+        """Put ``adapter``'s weights of decoder layer ``layer`` into ``slot`` (None: clear it)."""
+        self.lora_a[slot].zero_()
+        self.lora_b[:, slot].zero_()
+        if adapter is None:
+            return
+        for i, part in enumerate(self.parts):
+            ab = adapter.weights.get((layer, part.projection))
+            if ab is None:
+                continue
+            a, b = ab
+            cols = slice(i * self.rank, i * self.rank + a.shape[0])
+            self.lora_a[slot, cols] = a[:, part.a_cols]
+            self.lora_b[part.out_rows, slot, cols] = b[part.b_rows]
+
+
+class LoraSlots:
+    """A model's adapter slots: wraps its projections at construction, then loads adapters and sets steps.
+
+    Args:
+        model: a loaded ``CausalLM`` (its weights may be packed).
+        max_loras: slots 1 .. max_loras hold adapters (slot 0: none).
+        max_rank: the largest adapter rank.
+    """
+
+    def __init__(self, model: nn.Module, max_loras: int, max_rank: int) -> None:
+        self.batch = LoraBatch()
+        self.layers: list[tuple[int, LoraLinear]] = []
+        n = max_loras + 1
+        for i, layer in enumerate(model.model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv_proj = self._wrap(i, _qkv(attn.qkv_proj), attn.qkv_proj, n, max_rank)
+            attn.o_proj = self._wrap(i, _row(attn.o_proj, "o_proj"), attn.o_proj, n, max_rank)
+            if hasattr(mlp, "gate_up_proj"):  # a dense MLP (experts take no adapter)
+                mlp.gate_up_proj = self._wrap(i, _merged(mlp.gate_up_proj), mlp.gate_up_proj, n, max_rank)
+                mlp.down_proj = self._wrap(i, _row(mlp.down_proj, "down_proj"), mlp.down_proj, n, max_rank)
+
+    def _wrap(self, layer: int, spec, base: LinearBase, num_slots: int, max_rank: int) -> LoraLinear:
+        parts, in_features, out_features, reduce = spec
+        wrapped = LoraLinear(base, parts, in_features, out_features, self.batch, num_slots, max_rank, reduce)
+        self.layers.append((layer, wrapped))
+        return wrapped
+
+    @torch.no_grad()
+    def load(self, slot: int, adapter: LoraAdapter | None) -> None:
+        """Put ``adapter`` into ``slot`` (>= 1) of every wrapped projection (None: clear the slot)."""
+        for layer, wrapped in self.layers:
+            wrapped.load(slot, layer, adapter)
+
+
+def _qkv(layer: QKVParallelLinear):
+    parts = [
+        _Part(f"{sid}_proj", slice(dst, dst + n), slice(src, src + n), slice(None))
+        for sid, (n, dst, src) in layer.layout.items()
+    ]
+    out = sum(n for n, _, _ in layer.layout.values())
+    return parts, layer.weight.shape[1], out, None
+
+
+def _merged(layer: MergedColumnParallelLinear):
+    parts, dst = [], 0
+    for name, n in zip(("gate_proj", "up_proj"), layer.local_sizes, strict=True):
+        src = layer.tp.rank * n
+        parts.append(_Part(name, slice(dst, dst + n), slice(src, src + n), slice(None)))
+        dst += n
+    return parts, layer.weight.shape[1], dst, None
+
+
+def _row(layer: RowParallelLinear, name: str):
+    n = layer.in_features // layer.tp.size
+    out = layer.weight.shape[0]
+    cols = slice(layer.tp.rank * n, (layer.tp.rank + 1) * n)
+    return [_Part(name, slice(None), slice(None), cols)], n, out, layer.tp if layer.tp.size > 1 else None
