@@ -60,6 +60,7 @@ class SamplingParams(msgspec.Struct, frozen=True):
             the next token could complete it, and after it (docs/design.md,
             "Tool calling"). Empty: the grammar constrains every token.
         grammar_trigger_at_start: the trigger counts only at the output's start.
+        lora_id: the LoRA adapter the request runs with (io_proc's id for its name); 0: the base model.
     """
 
     max_tokens: int
@@ -80,6 +81,7 @@ class SamplingParams(msgspec.Struct, frozen=True):
     grammar: str = ""
     grammar_trigger: str = ""
     grammar_trigger_at_start: bool = False
+    lora_id: int = 0
 
 
 class AddRequest(msgspec.Struct, tag=True):

@@ -135,6 +135,7 @@ class ModelRunner:
             target = getattr(executor, "model", None)
             draft = DraftModel(draft_model, config, device, self.input_batch, self.ops, target)
         self.spec = spec_state(config, device, self.input_batch, draft)
+        self.lora = getattr(executor, "lora", None)  # with --enable-lora
         self.clock = DeviceClock()
         self._in_flight = 0  # launched, not yet finished
         self.masks: MaskReader | None = None
@@ -191,6 +192,8 @@ class ModelRunner:
             if (stale := self.spec.resolve_drafts(spec, input_ids)) is not None:
                 step.add_stale(*stale)
         self.input_batch.count_inputs(counts, input_ids)
+        if self.lora is not None:
+            self.lora.prepare(x)
         executed = self._forward_and_sample(x, input_ids, sampling, logprobs, step, spec, device_start, meanwhile)
         step.start_host_copy(executed, self.ops)
         self._in_flight += 1

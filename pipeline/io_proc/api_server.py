@@ -2,8 +2,9 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``,
 ``POST /v1/responses`` (with ``GET`` and ``DELETE /v1/responses/{id}``),
-``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize`` (vLLM's
-shapes), ``GET /health``, ``GET /metrics``. With an API key configured,
+``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize``, with
+``--allow-runtime-lora-updating`` ``POST /v1/load_lora_adapter`` and
+``/v1/unload_lora_adapter`` (vLLM's shapes), ``GET /health``, ``GET /metrics``. With an API key configured,
 every route but ``/health`` and ``/metrics`` needs ``Authorization: Bearer
 <key>`` (401 otherwise, as the OpenAI API and vLLM's ``--api-key`` answer).
 
@@ -39,6 +40,7 @@ from pipeline.common.heartbeat import Heartbeats
 from pipeline.io_proc.engine_client import EngineClient
 from pipeline.io_proc.http_limits import RequestBodyLimit
 from pipeline.io_proc.json_limits import too_deep_message
+from pipeline.io_proc.lora_adapters import LoraAdapters
 from pipeline.io_proc.metrics import PipelineMetrics
 from pipeline.io_proc.protocol import APIError, ErrorInfo, ErrorResponse, ModelCard, ModelList
 from pipeline.io_proc.protocol_chat import ChatCompletionRequest
@@ -50,6 +52,7 @@ from pipeline.io_proc.responses_input import ResponsesRequest
 from pipeline.io_proc.serving import json_response
 from pipeline.io_proc.serving_chat import OpenAIServingChat
 from pipeline.io_proc.serving_completion import OpenAIServingCompletion
+from pipeline.io_proc.serving_lora import LoadLoRAAdapterRequest, LoraServing, UnloadLoRAAdapterRequest
 from pipeline.io_proc.serving_tokenization import OpenAIServingTokenization
 from pipeline.io_proc.tokenization import Tokenization
 
@@ -219,9 +222,10 @@ def build_app(
             every engine has beaten once, and ``/health`` and ``/metrics``
             while one is older than ``config.step_timeout_s``.
     """
-    chat = OpenAIServingChat(config, client, tokenization, stop_token_ids)
-    completion = OpenAIServingCompletion(config, client, tokenization, stop_token_ids)
-    tokenizer = OpenAIServingTokenization(config, client, tokenization, stop_token_ids)
+    adapters = LoraAdapters(config)
+    chat = OpenAIServingChat(config, client, tokenization, stop_token_ids, adapters)
+    completion = OpenAIServingCompletion(config, client, tokenization, stop_token_ids, adapters)
+    tokenizer = OpenAIServingTokenization(config, client, tokenization, stop_token_ids, adapters)
     store = ResponseStore(
         config.responses_store_max_entries, config.responses_store_max_bytes, config.responses_store_max_age_s
     )
@@ -316,10 +320,31 @@ def build_app(
                         created=created,
                         root=config.model,
                         max_model_len=config.max_model_len,
-                    )
+                    ),
+                    *(
+                        ModelCard(
+                            id=name,
+                            created=created,
+                            root=path,
+                            parent=config.served_model_name,
+                            max_model_len=config.max_model_len,
+                        )
+                        for name, (_, path) in adapters.by_name.items()
+                    ),
                 ]
             )
         )
+
+    if config.lora is not None and config.lora.allow_runtime_updating:
+        loras = LoraServing(config, adapters)
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(raw_request: Request) -> Response:
+            return Response(loras.load(await _body(raw_request, LoadLoRAAdapterRequest)), media_type="text/plain")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(raw_request: Request) -> Response:
+            return Response(loras.unload(await _body(raw_request, UnloadLoRAAdapterRequest)), media_type="text/plain")
 
     @app.get("/health")
     async def health() -> Response:

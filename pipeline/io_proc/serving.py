@@ -25,6 +25,7 @@ from pipeline.common.messages import SamplingParams
 from pipeline.common.step_protocol import MAX_STOP_TOKEN_IDS
 from pipeline.io_proc.engine_client import EngineClient, EngineUnavailable
 from pipeline.io_proc.event_stream import ABORTED
+from pipeline.io_proc.lora_adapters import LoraAdapters
 from pipeline.io_proc.protocol import APIError, PromptTokensDetails, SamplingRequest, UsageInfo
 from pipeline.io_proc.protocol_chat import ChatCompletionRequest
 from pipeline.io_proc.protocol_tokenization import DetokenizeRequest, TokenizeRequest
@@ -63,10 +64,16 @@ class OpenAIServing:
         tokenization: prompt encoding.
         stop_token_ids: token ids that end generation (see
             ``load_tokenizer``).
+        adapters: the LoRA adapters a request's ``model`` may name (shared by the endpoints); default none.
     """
 
     def __init__(
-        self, config: EngineConfig, client: EngineClient, tokenization: Tokenization, stop_token_ids: tuple[int, ...]
+        self,
+        config: EngineConfig,
+        client: EngineClient,
+        tokenization: Tokenization,
+        stop_token_ids: tuple[int, ...],
+        adapters: LoraAdapters | None = None,
     ):
         self.tool_calling = ToolCalling(
             config.tool_call_parser or None,
@@ -77,6 +84,7 @@ class OpenAIServing:
             tokenization.tool_role,
         )
         self._model = config.served_model_name
+        self._adapters = adapters or LoraAdapters(config)
         self._max_model_len = config.max_model_len
         self._max_prompt_chars = tokenization.max_prompt_chars(config.max_model_len)
         self._client = client
@@ -95,7 +103,7 @@ class OpenAIServing:
         return self._tokenization.token_texts
 
     def _check_model(self, req: SamplingRequest | TokenizeRequest | DetokenizeRequest) -> None:
-        if req.model is not None and req.model != self._model:
+        if req.model is not None and req.model != self._model and self._adapters.id_of(req.model) is None:
             raise APIError(
                 404,
                 f"The model `{req.model}` does not exist. This server serves `{self._model}`.",
@@ -208,6 +216,7 @@ class OpenAIServing:
             min_p=req.min_p or 0.0,
             min_tokens=req.min_tokens,
             logit_bias=logit_bias,
+            lora_id=self._adapters.id_of(req.model) or 0,
         )
 
     def _start(

@@ -113,6 +113,7 @@ class SchedulerProc:
             self.grammars,
             grammar_drafts=grammar_drafts,
             jump_forward=jump_forward,
+            max_loras=config.lora.max_loras if config.lora is not None else 0,
         )
         self.max_inflight = MAX_INFLIGHT_STEPS if config.async_scheduling else 1
         self.inflight: deque[int] = deque()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from array import array
 
-from pipeline.common.block_hash import hash_blocks
+from pipeline.common.block_hash import adapter_root, hash_blocks
 from pipeline.scheduler_proc.kv_block_pool import BlockPool
 from pipeline.scheduler_proc.request import Request
 
@@ -31,7 +31,8 @@ class PrefixCache:
     Args:
         pool: the block pool; its ``enable_caching`` turns all of this off.
         block_size: tokens per KV block.
-        root: the parent name of a first block (``EngineConfig.block_hash_root``).
+        root: the parent name of a first block (``EngineConfig.block_hash_root``), under
+            ``adapter_root`` for a request with a LoRA adapter.
     """
 
     def __init__(self, pool: BlockPool, block_size: int, root: bytes):
@@ -45,7 +46,8 @@ class PrefixCache:
     def name_prompt(self, req: Request) -> None:
         """Name the full blocks of ``req``'s prompt (what its lookup needs); O(prompt blocks), once."""
         if self.enabled:
-            req.block_hashes = hash_blocks(array("i", req.prompt_token_ids), self.block_size, self.root)
+            root = adapter_root(self.root, req.params.lora_id)
+            req.block_hashes = hash_blocks(array("i", req.prompt_token_ids), self.block_size, root)
 
     def lookup(self, req: Request) -> list[int]:
         """The cached blocks ``req`` may start from; takes nothing (the caller shares them when it admits ``req``).
@@ -86,7 +88,7 @@ class PrefixCache:
             start, end, p = len(names) * bs, full * bs, len(req.prompt_token_ids)
             tokens = array("i", req.prompt_token_ids[start:end]) if start < p else array("i")
             tokens += req.output_token_ids[max(0, start - p) : max(0, end - p)]
-            names += hash_blocks(tokens, bs, names[-1] if names else self.root)
+            names += hash_blocks(tokens, bs, names[-1] if names else adapter_root(self.root, req.params.lora_id))
         self.pool.cache_blocks(block_ids[done:full], names[done:full])
         req.num_named_blocks = full
 

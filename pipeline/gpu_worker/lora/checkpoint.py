@@ -16,10 +16,13 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from pipeline.gpu_worker.models.config import ModelConfig
+from pipeline.model_files import read_safetensors_header
+
+if TYPE_CHECKING:
+    import torch
 
 # The projections an adapter may target: the attention and dense MLP ones.
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -39,6 +42,23 @@ _UNSUPPORTED = {
 
 class LoraError(ValueError):
     """An adapter that cannot be served on this base model; the message names the cause."""
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """A checked adapter, before its tensors are read.
+
+    Attributes:
+        rank: its ``r``.
+        scaling: what ``B`` is multiplied by.
+        tensors: ``(layer, projection, "A" or "B") -> checkpoint tensor name``.
+        tensors_path: its safetensors file.
+    """
+
+    rank: int
+    scaling: float
+    tensors: dict[tuple[int, str, str], str]
+    tensors_path: Path
 
 
 @dataclass(frozen=True)
@@ -69,8 +89,9 @@ def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     }
 
 
-def read_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> LoraAdapter:
-    """The PEFT adapter in directory ``path`` for a base model of ``config``.
+def check_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> AdapterSpec:
+    """Check the PEFT adapter in directory ``path`` against a base model of ``config`` from its config and
+    its safetensors header alone (no tensor data is read, and no torch is needed).
 
     Raises:
         LoraError: no adapter there, a rank over ``max_rank``, a target module
@@ -78,51 +99,68 @@ def read_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> LoraAd
             model), a feature not served (DoRA, biases, ...), a missing or
             extra tensor, or a tensor shape that another base model implies.
     """
-    from pipeline.gpu_worker.models.loader import iter_tensors
-
     path = Path(path)
     cfg_path, tensors_path = path / "adapter_config.json", path / "adapter_model.safetensors"
     if not cfg_path.is_file() or not tensors_path.is_file():
         raise LoraError(f"{path} is not a PEFT LoRA adapter: it needs {cfg_path.name} and {tensors_path.name}")
     try:
         cfg = json.loads(cfg_path.read_text())
+        header, _ = read_safetensors_header(tensors_path)
     except (OSError, ValueError) as e:
-        raise LoraError(f"{cfg_path}: cannot read it: {e}") from None
+        raise LoraError(f"{path}: cannot read the adapter: {e}") from None
+    if not isinstance(cfg, dict):
+        raise LoraError(f"{cfg_path} is not a JSON object")
     targets = _check_config(cfg, config, max_rank)
     rank = int(cfg["r"])
     alpha = float(cfg.get("lora_alpha", 8))
     scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
     shapes = projection_shapes(config)
-    parts: dict[tuple[int, str, str], torch.Tensor] = {}
-    try:
-        for name, tensor in iter_tensors(tensors_path):
-            m = _TENSOR.search(name)
-            if m is None or m[2] not in targets or int(m[1]) >= config.num_hidden_layers:
-                raise LoraError(f"{tensors_path.name}: tensor {name} is not a LoRA weight of a targeted projection")
-            layer, proj, which = int(m[1]), m[2], m[3]
-            n_in, n_out = shapes[proj]
-            expected = (rank, n_in) if which == "A" else (n_out, rank)
-            if tuple(tensor.shape) != expected:
-                raise LoraError(
-                    f"{name} has shape {tuple(tensor.shape)}, this base model needs {expected}: "
-                    "the adapter was trained for another base model (or another r)"
-                )
-            parts[layer, proj, which] = tensor.to(torch.float32, copy=True)
-    except ValueError as e:  # a malformed file or a NaN (CheckpointError)
-        raise LoraError(str(e)) from None
+    tensors: dict[tuple[int, str, str], str] = {}
+    for name, info in header.items():
+        m = _TENSOR.search(name)
+        if m is None or m[2] not in targets or int(m[1]) >= config.num_hidden_layers:
+            raise LoraError(f"{tensors_path.name}: tensor {name} is not a LoRA weight of a targeted projection")
+        layer, proj, which = int(m[1]), m[2], m[3]
+        n_in, n_out = shapes[proj]
+        expected = (rank, n_in) if which == "A" else (n_out, rank)
+        if tuple(info["shape"]) != expected:
+            raise LoraError(
+                f"{name} has shape {tuple(info['shape'])}, this base model needs {expected}: "
+                "the adapter was trained for another base model (or another r)"
+            )
+        tensors[layer, proj, which] = name
     missing = [
         f"layers.{i}.{p}.lora_{w}"
         for i in range(config.num_hidden_layers)
         for p in targets
         for w in "AB"
-        if (i, p, w) not in parts
+        if (i, p, w) not in tensors
     ]
     if missing:
         raise LoraError(f"{tensors_path.name} lacks tensors of its target modules: {', '.join(missing[:8])}")
-    weights = {
-        (i, p): (parts[i, p, "A"], parts[i, p, "B"] * scaling) for i in range(config.num_hidden_layers) for p in targets
-    }
-    return LoraAdapter(rank, weights)
+    return AdapterSpec(rank, scaling, tensors, tensors_path)
+
+
+def read_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> LoraAdapter:
+    """The PEFT adapter in directory ``path`` for a base model of ``config``, checked (``check_adapter``).
+
+    Raises:
+        LoraError: as ``check_adapter``, or a tensor holding NaN or infinities.
+    """
+    import torch
+
+    from pipeline.gpu_worker.models.loader import iter_tensors
+
+    spec = check_adapter(path, config, max_rank)
+    names = {name: key for key, name in spec.tensors.items()}
+    parts = {}
+    try:
+        for name, tensor in iter_tensors(spec.tensors_path):
+            parts[names[name]] = tensor.to(torch.float32, copy=True)
+    except ValueError as e:  # a NaN (CheckpointError)
+        raise LoraError(str(e)) from None
+    weights = {(i, p): (parts[i, p, "A"], parts[i, p, "B"] * spec.scaling) for i, p, w in parts if w == "A"}
+    return LoraAdapter(spec.rank, weights)
 
 
 def _check_config(cfg: dict, config: ModelConfig, max_rank: int) -> tuple[str, ...]:
