@@ -157,7 +157,9 @@ class Stats(msgspec.Struct, tag=True):
     looked up in the prefix cache and found there, since the start (vLLM's
     counters; None with caching off); ``num_cached_blocks`` is the KV blocks
     that hold a cached prefix now, in use or not (docs/design.md, "Prefix
-    caching"). The fields that are None are counted by features still to
+    caching"). ``lora_running`` and ``lora_waiting`` are the ids of the LoRA
+    adapters of running and of waiting requests (None without ``--enable-lora``).
+    The fields that are None are counted by features still to
     come (speculative decoding); metrics and the stats line show them once
     they are set.
     """
@@ -185,6 +187,8 @@ class Stats(msgspec.Struct, tag=True):
     spec_decode_num_accepted_tokens: int | None = None
     spec_decode_num_accepted_tokens_per_pos: list[int] | None = None
     num_cached_blocks: int = 0
+    lora_running: list[int] | None = None
+    lora_waiting: list[int] | None = None
     num_grammar_rows_deferred: int = 0  # constrained decode rows left out of a step while their mask was computed
 
 

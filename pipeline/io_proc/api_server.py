@@ -250,7 +250,8 @@ def build_app(
         role, age = max(stale, key=lambda s: s[1])
         return f"{role} has shown no progress for {age:.1f} s (--step-timeout {config.step_timeout_s:g}): it is hung"
 
-    metrics = PipelineMetrics(client, config.served_model_name, config.max_model_len, config.metrics_compat)
+    lora_info = (config.lora.max_loras, adapters.names) if config.lora is not None else None
+    metrics = PipelineMetrics(client, config.served_model_name, config.max_model_len, config.metrics_compat, lora_info)
     created = int(time.time())
 
     @asynccontextmanager

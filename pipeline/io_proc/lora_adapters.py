@@ -21,6 +21,7 @@ class LoraAdapters:
     def __init__(self, config: EngineConfig) -> None:
         modules = config.lora.modules if config.lora is not None else ()
         self.by_name: dict[str, tuple[int, str]] = {m.name: (i, m.path) for i, m in enumerate(modules, start=1)}
+        self.names = {i: m.name for i, m in enumerate(modules, start=1)}  # every id given, unloaded ones too
         self._next_id = len(modules) + 1
 
     def id_of(self, name: str | None) -> int | None:
@@ -32,6 +33,7 @@ class LoraAdapters:
         """Serve the adapter in ``path`` as ``name`` (replacing one of that name) under a new id; returns it."""
         lora_id, self._next_id = self._next_id, self._next_id + 1
         self.by_name[name] = (lora_id, path)
+        self.names[lora_id] = name
         return lora_id
 
     def remove(self, name: str) -> None:

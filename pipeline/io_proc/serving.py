@@ -322,7 +322,8 @@ class OpenAIServing:
                     chat = isinstance(req, ChatCompletionRequest)
                     prompt = [m.model_dump(exclude_none=True) for m in req.messages] if chat else req.prompt
                 tools = plan.route if plan is not None else ""
-                log_request(rid, states, req.num_choices(), req.stop_strings(), req.stream, prompt, tools)
+                lora = req.model if states[0].params.lora_id else ""
+                log_request(rid, states, req.num_choices(), req.stop_strings(), req.stream, prompt, tools, lora)
 
         return close
 

@@ -369,6 +369,8 @@ class SchedulerProc:
             prefix_cache_queries=s.prefix.num_queries if s.prefix.enabled else None,
             prefix_cache_hits=s.prefix.num_hits if s.prefix.enabled else None,
             num_cached_blocks=s.pool.num_cached_blocks,
+            lora_running=s.adapters_of(s.running),
+            lora_waiting=s.adapters_of(s.waiting),
             **self._spec_stats(),
         )
 

@@ -507,6 +507,12 @@ class Scheduler(SchedulerOutputsMixin):
         else:
             self._general.remove(req)
 
+    def adapters_of(self, reqs) -> list[int] | None:
+        """The LoRA adapter ids of ``reqs``, sorted (None without ``--enable-lora``)."""
+        if self.loras is None:
+            return None
+        return sorted({r.params.lora_id for r in reqs} - {0})
+
     def _release_lora(self, req: Request) -> None:
         """``req`` leaves the running requests: its adapter slot may go to another adapter."""
         if self.loras is not None:

@@ -9,6 +9,7 @@ target-module sets and ranks, each also merged into a full model that ``tests.re
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 
@@ -69,7 +70,7 @@ def serve(dirs, *extra: str) -> Server:
             "--lora-modules", f"a={dirs['a'][0]}", json.dumps({"name": "b", "path": str(dirs["b"][0])}),
             "--max-loras", "2", "--max-lora-rank", "8", "--allow-runtime-lora-updating",
             "--kv-cache-memory", "0.25", "--max-model-len", "512", "--max-num-batched-tokens", "32",
-            "--debug-token-cache-poison", *extra,
+            "--debug-token-cache-poison", "--metrics-compat", "vllm", "--enable-log-requests", *extra,
         ]
     )  # fmt: skip
 
@@ -139,6 +140,22 @@ def test_the_openai_sdk_names_an_adapter_and_an_unknown_name_is_404(server, dirs
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="nope", prompt="hi", max_tokens=2)
     assert e.value.body["code"] == "model_not_found"
+
+
+def test_lora_requests_info_and_the_request_log_name_the_adapters(server):
+    """vLLM's gauge shows a running adapter's name while its request runs; the request log names it."""
+    with ThreadPoolExecutor(1) as pool:
+        long = pool.submit(complete, server, "b", PROMPT[:5], 200)
+        seen = ""
+        while not long.done() and 'running_lora_adapters="b"' not in seen:
+            seen = httpx.get(f"{server.url}/metrics").text
+        long.result()
+    assert re.search(
+        r'vllm:lora_requests_info\{max_lora="2",running_lora_adapters="b",waiting_lora_adapters=""\} ', seen
+    )
+    idle = httpx.get(f"{server.url}/metrics").text
+    assert 'vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""}' in idle
+    assert "lora_adapter='b', prompt_tokens=5," in server.output()
 
 
 def test_identical_prompts_on_two_adapters_never_share_prefix_cache_blocks(server):
