@@ -1,15 +1,16 @@
 """The batched LoRA update around the base model's projections, adapters in fixed slots.
 
 Each wrapped projection keeps the stacked weights of every slot: ``lora_a``
-``[slots, P R, in]`` and ``lora_b`` ``[out, slots, P R]``, where a fused
-projection of P parts (q/k/v, gate/up) gives each part its own R rank rows
-(``R = --max-lora-rank``; an adapter of lower rank leaves the rest zero), and
-part p's B fills only that part's output rows. Slot 0 is "no adapter" and
-stays zero. A step runs the base matmul once for all its tokens; then, over
-the ``U`` slots its rows use, ``shrink = x @ A_used.T`` ``[T, U P R]`` keeps
-each token's own slot (a one-hot mask) and ``expand = shrink @ B_used.T``
-adds every token's own update in one matmul: no loop over rows, and a step
-without adapters costs nothing more (docs/design.md, "Multi-LoRA").
+``[slots, P R, in]`` and ``lora_b`` ``[slots, P R, out]`` (B transposed), where
+a fused projection of P parts (q/k/v, gate/up) gives each part its own R rank
+rows (``R = --max-lora-rank``; an adapter of lower rank leaves the rest zero),
+and part p's B fills only that part's output columns. Slot 0 is "no adapter"
+and stays zero. A step runs the base matmul once for all its tokens; then,
+over the ``U`` slots from the lowest to the highest its rows use (a view of
+the stacks, no copy), ``shrink = x @ A.T`` ``[T, U P R]`` keeps each token's
+own slot (a one-hot mask) and ``shrink @ B`` adds every token's own update in
+one matmul: no loop over rows, and a step without adapters costs nothing more
+(docs/design.md, "Multi-LoRA").
 Under tensor parallelism a column-parallel projection holds its rows of B,
 a row-parallel one its columns of A and sums its partial update over the ranks.
 """
@@ -37,24 +38,25 @@ class LoraBatch:
     """Which slot each token of the current step uses, shared by every LoRA layer of a model.
 
     Attributes:
-        slots: ``[U]`` int64, the slots (>= 1) the step's tokens use; None when no token has an adapter.
-        onehot: ``[T, U]`` model dtype, 1 where token t uses ``slots[u]``.
+        slots: ``(first, last)``, the lowest and highest slot (>= 1) the step's tokens use; None when no
+            token has an adapter.
+        onehot: ``[T, last - first + 1]`` model dtype, 1 where token t uses slot ``first + u``.
     """
 
     def __init__(self) -> None:
-        self.slots: torch.Tensor | None = None
+        self.slots: tuple[int, int] | None = None
         self.onehot: torch.Tensor | None = None
 
     def set_rows(self, row_slots: np.ndarray, num_tokens: np.ndarray, dtype: torch.dtype, device) -> None:
         """The step's rows: ``row_slots [R]`` (0: none) over ``num_tokens [R]`` tokens each (host arrays)."""
-        used = np.unique(row_slots[row_slots > 0])
+        used = row_slots[row_slots > 0]
         if not len(used):
             self.slots = self.onehot = None
             return
+        first, last = int(used.min()), int(used.max())
         token_slots = np.repeat(row_slots, num_tokens)
-        onehot = torch.from_numpy(token_slots[:, None] == used[None, :]).to(dtype)
-        self.slots = torch.from_numpy(used.astype(np.int64)).to(device)
-        self.onehot = onehot.to(device)
+        onehot = token_slots[:, None] == np.arange(first, last + 1)[None, :]
+        self.slots, self.onehot = (first, last), torch.from_numpy(onehot).to(dtype).to(device)
 
 
 @dataclass(frozen=True)
@@ -87,25 +89,25 @@ class LoraLinear(nn.Module):
         dtype, device = torch.get_default_dtype(), base.weight.device
         width = len(parts) * max_rank
         self.register_buffer("lora_a", torch.zeros(num_slots, width, in_features, dtype=dtype, device=device))
-        self.register_buffer("lora_b", torch.zeros(out_features, num_slots, width, dtype=dtype, device=device))
+        self.register_buffer("lora_b", torch.zeros(num_slots, width, out_features, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        slots, onehot = self.batch.slots, self.batch.onehot
-        if slots is None:
+        if self.batch.slots is None:
             return y
-        t, u = x.shape[0], len(slots)
-        shrink = linear(x, self.lora_a.index_select(0, slots).view(-1, x.shape[1]))
-        shrink = (shrink.view(t, u, -1) * onehot[:, :, None]).view(t, -1)
-        delta = linear(shrink, self.lora_b.index_select(1, slots).view(y.shape[1], -1))
-        if self.reduce is not None:
-            delta = self.reduce.all_reduce(delta)
-        return y + delta
+        (first, last), onehot = self.batch.slots, self.batch.onehot
+        t, u = x.shape[0], last - first + 1
+        shrink = linear(x, self.lora_a[first : last + 1].view(-1, x.shape[1]))
+        shrink = shrink.view(t, u, -1).mul_(onehot[:, :, None]).view(t, -1)
+        b = self.lora_b[first : last + 1].view(-1, y.shape[1])
+        if self.reduce is None:
+            return y.addmm_(shrink, b)
+        return y.add_(self.reduce.all_reduce(shrink @ b))
 
     def load(self, slot: int, layer: int, adapter: LoraAdapter | None) -> None:
         """Put ``adapter``'s weights of decoder layer ``layer`` into ``slot`` (None: clear it)."""
         self.lora_a[slot].zero_()
-        self.lora_b[:, slot].zero_()
+        self.lora_b[slot].zero_()
         if adapter is None:
             return
         for i, part in enumerate(self.parts):
@@ -115,7 +117,7 @@ class LoraLinear(nn.Module):
             a, b = ab
             cols = slice(i * self.rank, i * self.rank + a.shape[0])
             self.lora_a[slot, cols] = a[:, part.a_cols]
-            self.lora_b[part.out_rows, slot, cols] = b[part.b_rows]
+            self.lora_b[slot, cols, part.out_rows] = b[part.b_rows].T
 
 
 class LoraSlots:
