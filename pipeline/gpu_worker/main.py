@@ -252,7 +252,7 @@ def load_runner(config: EngineConfig, rank: int = 0) -> tuple[ModelRunner, Descr
     if config.lora is not None:
         from pipeline.gpu_worker.lora.worker import LoraWorker
 
-        executor.lora = LoraWorker(model, config.lora, config.max_num_seqs, dtype, config.ipc_dir)
+        executor.lora = LoraWorker(model, config.lora, config.max_num_seqs, config.ipc_dir)
     runner = ModelRunner(config, executor, device, draft_model=draft)
     if config.cuda_graph_sizes:  # after the KV cache exists, so the graphs' pool comes from what is left
         runner.executor.capture_decode_graphs(runner.input_batch.block_table, config.cuda_graph_sizes)

@@ -108,7 +108,7 @@ def run_greedy(model, slots: LoraSlots, seqs: list[list[int]], row_slots: list[i
     for _ in range(STEPS):
         chunks = [s[done[i] :] for i, s in enumerate(seqs)]
         lens = torch.tensor([len(c) for c in chunks])
-        slots.batch.set_rows(np.asarray(row_slots), lens.numpy(), torch.float32, CPU)
+        slots.batch.set_rows(np.asarray(row_slots), lens.numpy(), CPU)
         meta = model.attn_backend.build_from_rows(lens, torch.tensor(done), table, BLOCK)
         hidden = model(torch.tensor([t for c in chunks for t in c]), meta.positions, meta, kv)
         rows = model.compute_logits(hidden[torch.cumsum(lens, 0) - 1])

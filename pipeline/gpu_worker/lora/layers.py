@@ -5,11 +5,12 @@ Each wrapped projection keeps the stacked weights of every slot: ``lora_a``
 a fused projection of P parts (q/k/v, gate/up) gives each part its own R rank
 rows (``R = --max-lora-rank``; an adapter of lower rank leaves the rest zero),
 and part p's B fills only that part's output columns. Slot 0 is "no adapter"
-and stays zero. A step runs the base matmul once for all its tokens; then,
-over the ``U`` slots from the lowest to the highest its rows use (a view of
-the stacks, no copy), ``shrink = x @ A.T`` ``[T, U P R]`` keeps each token's
-own slot (a one-hot mask) and ``shrink @ B`` adds every token's own update in
-one matmul: no loop over rows, and a step without adapters costs nothing more
+and stays zero. A step runs the base matmul once for all its tokens; then its
+tokens with an adapter, gathered in slot order, take their low-rank update a
+slot at a time (SGMV's grouping: ``x_s @ A_s.T @ B_s`` over each slot's run of
+tokens, at most ``--max-loras`` runs, never a loop over rows), which is added
+back at their rows. Each token thus costs its own adapter's rank only, however
+many adapters the step holds, and a step without adapters costs nothing more
 (docs/design.md, "Multi-LoRA").
 Under tensor parallelism a column-parallel projection holds its rows of B,
 a row-parallel one its columns of A and sums its partial update over the ranks.
@@ -28,7 +29,6 @@ from pipeline.gpu_worker.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
-    linear,
 )
 from pipeline.gpu_worker.layers.tp import TPGroup
 from pipeline.gpu_worker.lora.checkpoint import LoraAdapter
@@ -38,25 +38,26 @@ class LoraBatch:
     """Which slot each token of the current step uses, shared by every LoRA layer of a model.
 
     Attributes:
-        slots: ``(first, last)``, the lowest and highest slot (>= 1) the step's tokens use; None when no
-            token has an adapter.
-        onehot: ``[T, last - first + 1]`` model dtype, 1 where token t uses slot ``first + u``.
+        slots: ``(slot, start, end)`` per slot the step uses: its tokens are ``tokens[start:end]``;
+            None when no token has an adapter.
+        tokens: ``[N]`` int64, the step's tokens that have an adapter, in slot order (stable).
     """
 
     def __init__(self) -> None:
-        self.slots: tuple[int, int] | None = None
-        self.onehot: torch.Tensor | None = None
+        self.slots: list[tuple[int, int, int]] | None = None
+        self.tokens: torch.Tensor | None = None
 
-    def set_rows(self, row_slots: np.ndarray, num_tokens: np.ndarray, dtype: torch.dtype, device) -> None:
+    def set_rows(self, row_slots: np.ndarray, num_tokens: np.ndarray, device) -> None:
         """The step's rows: ``row_slots [R]`` (0: none) over ``num_tokens [R]`` tokens each (host arrays)."""
-        used = row_slots[row_slots > 0]
-        if not len(used):
-            self.slots = self.onehot = None
+        if not row_slots.any():
+            self.slots = self.tokens = None
             return
-        first, last = int(used.min()), int(used.max())
         token_slots = np.repeat(row_slots, num_tokens)
-        onehot = token_slots[:, None] == np.arange(first, last + 1)[None, :]
-        self.slots, self.onehot = (first, last), torch.from_numpy(onehot).to(dtype).to(device)
+        tokens = np.flatnonzero(token_slots)
+        tokens = tokens[np.argsort(token_slots[tokens], kind="stable")]
+        used, starts, counts = np.unique(token_slots[tokens], return_index=True, return_counts=True)
+        self.slots = [(int(s), int(a), int(a + n)) for s, a, n in zip(used, starts, counts, strict=True)]
+        self.tokens = torch.from_numpy(tokens).to(device)
 
 
 @dataclass(frozen=True)
@@ -95,14 +96,14 @@ class LoraLinear(nn.Module):
         y = self.base(x)
         if self.batch.slots is None:
             return y
-        (first, last), onehot = self.batch.slots, self.batch.onehot
-        t, u = x.shape[0], last - first + 1
-        shrink = linear(x, self.lora_a[first : last + 1].view(-1, x.shape[1]))
-        shrink = shrink.view(t, u, -1).mul_(onehot[:, :, None]).view(t, -1)
-        b = self.lora_b[first : last + 1].view(-1, y.shape[1])
-        if self.reduce is None:
-            return y.addmm_(shrink, b)
-        return y.add_(self.reduce.all_reduce(shrink @ b))
+        tokens = self.batch.tokens
+        xs = x.index_select(0, tokens)
+        delta = xs.new_empty(len(tokens), y.shape[1])
+        for slot, start, end in self.batch.slots:
+            torch.mm(torch.mm(xs[start:end], self.lora_a[slot].T), self.lora_b[slot], out=delta[start:end])
+        if self.reduce is not None:
+            delta = self.reduce.all_reduce(delta)
+        return y.index_add_(0, tokens, delta)
 
     def load(self, slot: int, layer: int, adapter: LoraAdapter | None) -> None:
         """Put ``adapter``'s weights of decoder layer ``layer`` into ``slot`` (None: clear it)."""

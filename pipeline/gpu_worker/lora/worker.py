@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from pipeline.common.config import LoraConfig
 from pipeline.common.instance_files import lora_adapter_file
@@ -22,7 +21,6 @@ class LoraWorker:
         model: the loaded model; its projections are wrapped now.
         config: ``--enable-lora``'s settings; its ``modules`` are read now (adapter ids 1, 2, ...).
         max_num_seqs: req_index rows.
-        dtype: the model's.
         ipc_dir: where io_proc records the directory of each adapter loaded at run time
             (``instance_files.lora_adapter_file``).
 
@@ -30,9 +28,9 @@ class LoraWorker:
         LoraError: a ``--lora-modules`` adapter that does not fit the model (the message names it).
     """
 
-    def __init__(self, model, config: LoraConfig, max_num_seqs: int, dtype: torch.dtype, ipc_dir: str) -> None:
+    def __init__(self, model, config: LoraConfig, max_num_seqs: int, ipc_dir: str) -> None:
         self.slots = LoraSlots(model, config.max_loras, config.max_lora_rank)
-        self.device, self.dtype = next(model.parameters()).device, dtype
+        self.device = next(model.parameters()).device
         self.model_config, self.max_rank, self.ipc_dir = model.config, config.max_lora_rank, ipc_dir
         self.max_adapters = config.max_cpu_loras
         self.static_paths = {i: m.path for i, m in enumerate(config.modules, start=1)}
@@ -61,7 +59,7 @@ class LoraWorker:
                 if slot and self.held[slot] != lora_id:
                     self.slots.load(slot, self._adapter(lora_id))
                     self.held[slot] = lora_id
-        self.slots.batch.set_rows(self.row_slot[x.req_index], x.num_scheduled_tokens, self.dtype, self.device)
+        self.slots.batch.set_rows(self.row_slot[x.req_index], x.num_scheduled_tokens, self.device)
 
     def _adapter(self, lora_id: int) -> LoraAdapter:
         """Adapter ``lora_id`` from host memory, or read now from its directory (the least recently used
