@@ -383,6 +383,37 @@ def build_parser() -> argparse.ArgumentParser:
         "worker has gone that long. 0 disables the watchdog.",
     )
     p.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="Serve LoRA adapters on the base model: a request whose `model` names one runs with it, "
+        'batched with requests of other adapters and of none (docs/design.md, "Multi-LoRA").',
+    )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="With --enable-lora: adapters served from the start, each `name=path` (a PEFT directory: "
+        'adapter_config.json and adapter_model.safetensors) or vLLM\'s JSON \'{"name": N, "path": P}\'.',
+    )
+    p.add_argument(
+        "--max-loras", type=int, default=1, help="With --enable-lora: distinct adapters in one step at most."
+    )
+    p.add_argument("--max-lora-rank", type=int, default=16, help="With --enable-lora: the largest adapter rank.")
+    p.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=None,
+        help="With --enable-lora: adapters the worker keeps in host memory (others are read again from "
+        "their directory when a step needs them); default --max-loras, and at least it.",
+    )
+    p.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="With --enable-lora: serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+        "bodies; vLLM's switch is VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, also honoured).",
+    )
+    p.add_argument(
         "--metrics-compat",
         choices=["none", "vllm"],
         default="none",

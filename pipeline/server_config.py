@@ -14,7 +14,7 @@ from pathlib import Path
 
 import msgspec
 
-from pipeline.common.config import SPECULATIVE_METHODS, EngineConfig, SpeculativeConfig
+from pipeline.common.config import SPECULATIVE_METHODS, EngineConfig, LoraConfig, LoraModule, SpeculativeConfig
 from pipeline.common.instance_files import make_ipc_dir, sweep_dead_instances
 from pipeline.common.kv_events import KVEventsConfig, parse_kv_events_config
 
@@ -86,6 +86,58 @@ def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
     if "model" in raw:
         _die(f"{flag}: model is for method draft_model only")
     return SpeculativeConfig(method, k, lo, hi)
+
+
+def parse_lora_module(text: str) -> LoraModule:
+    """One ``--lora-modules`` entry: ``name=path`` or vLLM's JSON ``{"name": ..., "path": ...}``; exits
+    with a message on anything else."""
+    if text.lstrip().startswith("{"):
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            _die(f"--lora-modules: {text!r} is not JSON ({e})")
+        if not isinstance(raw, dict) or not isinstance(raw.get("name"), str) or not isinstance(raw.get("path"), str):
+            _die(f'--lora-modules: {text!r} must be {{"name": NAME, "path": PATH}}')
+        name, path = raw["name"], raw["path"]
+    else:
+        name, _, path = text.partition("=")
+    if not name or not path:
+        _die(f"--lora-modules: {text!r} must be NAME=PATH or vLLM's JSON form")
+    return LoraModule(name, path)
+
+
+def make_lora_config(args: argparse.Namespace, served_name: str, model) -> LoraConfig | None:
+    """``--enable-lora`` and its flags as a ``LoraConfig``, each ``--lora-modules`` adapter read and
+    checked against the base ``model`` (a ModelConfig); None when off. Exits with a message naming the
+    flag or the adapter."""
+    given = [f for f in ("lora_modules", "max_cpu_loras") if getattr(args, f) is not None]
+    if not args.enable_lora:
+        if given or args.allow_runtime_lora_updating:
+            _die(f"--{given[0].replace('_', '-') if given else 'allow-runtime-lora-updating'} needs --enable-lora")
+        return None
+    if model is None:
+        _die("--enable-lora needs a model (the simulated device has no layers to adapt)")
+    if args.max_loras < 1 or args.max_lora_rank < 1:
+        _die("--max-loras and --max-lora-rank must be positive")
+    max_cpu = args.max_cpu_loras if args.max_cpu_loras is not None else args.max_loras
+    if max_cpu < args.max_loras:
+        _die(f"--max-cpu-loras ({max_cpu}) must be at least --max-loras ({args.max_loras})")
+    modules = tuple(parse_lora_module(t) for t in args.lora_modules or ())
+    names = [m.name for m in modules]
+    if len(set(names)) != len(names) or served_name in names:
+        _die(f"--lora-modules: adapter names must differ from each other and from the model's ({served_name!r})")
+    from pipeline.common.lora_checkpoint import LoraError, check_adapter
+
+    for m in modules:
+        try:
+            check_adapter(m.path, model, args.max_lora_rank)
+        except LoraError as e:
+            _die(f"--lora-modules {m.name}: {e}")
+    runtime = args.allow_runtime_lora_updating or os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in (
+        "1",
+        "true",
+    )
+    return LoraConfig(modules, args.max_loras, args.max_lora_rank, max_cpu, runtime)
 
 
 def check_draft_model(spec: SpeculativeConfig, target_dir: Path, target, max_model_len: int, tp: int):
@@ -286,6 +338,8 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         dtype = checkpoint_dtype(model_dir, cfg) if device == "cuda" and not sim else "float32"
     speculative = parse_speculative_config(args.speculative_config)
     kv_events = kv_events_config(args.kv_events_config)
+    served_name = args.served_model_name or ("sim" if sim else name)
+    lora = make_lora_config(args, served_name, None if sim else cfg)
     draft = None
     if speculative is not None and speculative.method == "draft_model" and not sim:
         speculative, draft = check_draft_model(speculative, model_dir, cfg, max_model_len, tp)
@@ -342,7 +396,7 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
     return EngineConfig(
         model="sim" if sim else str(model_dir),
         tokenizer=str(model_dir),
-        served_model_name=args.served_model_name or ("sim" if sim else name),
+        served_model_name=served_name,
         dtype=dtype,
         device=device,
         host=args.host,
@@ -371,6 +425,7 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         attention_backend=attention_backend,
         speculative=speculative,
         speculative_policy=args.speculative_policy,
+        lora=lora,
         grammar_jump_forward=args.grammar_jump_forward,
         sim_draft_acceptance=args.sim_draft_acceptance,
         worker_threads=args.worker_threads,

@@ -3,7 +3,7 @@
 Block ``i`` of a token sequence is named ``sha256(name of block i-1 ‖ its
 token ids as native int32)`` cut to ``HASH_BYTES``; block 0's parent is
 a root name made of everything else that changes a block's keys and values
-(the model, its dtype). A name thus stands for the block's tokens and every
+(the model, its dtype, and the LoRA adapter: ``adapter_root``). A name thus stands for the block's tokens and every
 token before them. The scheduler and io_proc compute the same names, io_proc
 to route a request to the engine that holds its prefix.
 
@@ -24,6 +24,15 @@ HASH_BYTES = 16  # 128 bits: a collision takes ~2^64 work
 def root_hash(*keys: str) -> bytes:
     """The parent name of every sequence's first block, from what changes a block's content."""
     return sha256("\0".join(keys).encode()).digest()[:HASH_BYTES]
+
+
+def adapter_root(root: bytes, lora_id: int) -> bytes:
+    """The root of a request that runs with LoRA adapter ``lora_id``: ``root`` itself for the base model.
+
+    Adapter ids are never reused while the server runs, so two adapters, or
+    an adapter unloaded and loaded again, never share a block.
+    """
+    return root if lora_id == 0 else sha256(root + b"lora" + lora_id.to_bytes(8, "little")).digest()[:HASH_BYTES]
 
 
 def hash_blocks(tokens: array, block_size: int, parent: bytes, start: int = 0, stop: int | None = None) -> list[bytes]:

@@ -34,6 +34,31 @@ class SpeculativeConfig(msgspec.Struct, frozen=True):
     model: str = ""
 
 
+class LoraModule(msgspec.Struct, frozen=True):
+    """An adapter served from the start: the name clients put in ``model``, and its PEFT directory."""
+
+    name: str
+    path: str
+
+
+class LoraConfig(msgspec.Struct, frozen=True):
+    """Multi-LoRA serving (docs/design.md, "Multi-LoRA"), vLLM's flags.
+
+    Attributes:
+        modules: ``--lora-modules``; module ``i`` has adapter id ``i + 1`` (0 is the base model).
+        max_loras: distinct adapters in one step at most (the worker's adapter slots).
+        max_lora_rank: the largest rank; every slot holds this rank.
+        max_cpu_loras: adapters the worker keeps in host memory, least recently used out.
+        allow_runtime_updating: ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` are served.
+    """
+
+    modules: tuple[LoraModule, ...] = ()
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 1
+    allow_runtime_updating: bool = False
+
+
 class EngineConfig(msgspec.Struct, frozen=True):
     """Everything the processes need to agree on.
 
@@ -123,6 +148,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
             or a process without a heartbeat, before the server declares it
             hung and stops with a message naming it; 0 disables the watchdog.
         speculative: speculative decoding's settings; None: off.
+        lora: LoRA adapters' settings; None: ``--enable-lora`` off.
         speculative_policy: ``"adaptive"`` (each step drafts where measured acceptance and cost say it
             pays) or ``"always"`` (every row that may draft drafts K).
         grammar_jump_forward: with prompt lookup, a constrained row whose grammar forces its next tokens
@@ -201,6 +227,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
     step_timeout_s: float = 300.0
     speculative: SpeculativeConfig | None = None
     speculative_policy: str = "adaptive"
+    lora: LoraConfig | None = None
     grammar_jump_forward: bool = True
     sim_draft_acceptance: float = 0.7
     metrics_compat: str = "none"

@@ -29,7 +29,7 @@ class DescriptorBuilder:
         self._next_prompt_token: list[int] = []
         self._num_drafts: list[int] = []
         self._num_rejected: list[int] = []
-        self._new: list[tuple[int, SamplingParams, int]] = []
+        self._new: list[tuple[int, SamplingParams, int, tuple[int, int]]] = []
         self._token_ids: list[int] = []
         self._new_blocks: list[tuple[int, int, int]] = []
         self._new_block_arrays: list[np.ndarray] = []  # [3, k] int: req_index, column, block (from add_blocks)
@@ -80,17 +80,20 @@ class DescriptorBuilder:
         masked: bool = False,
         num_drafts: int = 0,
         num_rejected: int = 0,
+        lora: tuple[int, int] = (0, 0),
     ) -> None:
         """Schedule ``token_ids`` (real or ``PLACEHOLDER_TOKEN_ID``, at least one; positions ``start_pos...``) of
         ``req_num`` at row ``req_index``.
 
         ``new_params``: only on a request's first row at ``req_index``; ``masked``: its mask follows in ``TokenMasks``;
-        ``num_drafts``: the last ones are ``DRAFT_TOKEN_ID`` drafts (needs ``do_sample``).
+        ``num_drafts``: the last ones are ``DRAFT_TOKEN_ID`` drafts (needs ``do_sample``);
+        ``lora``: with ``new_params``, ``(lora_slot, lora_id)``, the adapter slot the row uses and the adapter it
+        holds (``(0, 0)``: none).
         """
         if masked:
             self._masks.append(len(self._req_num))
         if new_params is not None:
-            self._new.append((len(self._req_num), new_params, prompt_len))
+            self._new.append((len(self._req_num), new_params, prompt_len, lora))
         self._req_num.append(req_num)
         self._req_index.append(req_index)
         self._num_tokens.append(len(token_ids))
@@ -173,11 +176,12 @@ class DescriptorBuilder:
         """The parameters of the rows new at their req_index: the ``sampling`` group by name, then the rest."""
         columns = [getattr(desc, name) for name in self._sampling_names]
         get = self._sampling_values
-        for i, p, prompt_len in self._new:
+        for i, p, prompt_len, lora in self._new:
             i += d
             for column, v in zip(columns, get(p)):
                 column[i] = v
             desc.prompt_len[i] = prompt_len
+            desc.lora_slot[i], desc.lora_id[i] = lora
             nb = desc.num_logit_bias[i] = len(p.logit_bias)
             if nb:
                 ids, values = zip(*p.logit_bias)

@@ -20,6 +20,12 @@ def make_ipc_dir() -> str:
     return tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-")
 
 
+def lora_adapter_file(ipc_dir: str, lora_id: int) -> str:
+    """The file in the socket directory naming the directory of LoRA adapter ``lora_id``, loaded at run time
+    (io_proc writes it, the worker reads it)."""
+    return os.path.join(ipc_dir, f"lora-{lora_id}")
+
+
 def pid_alive(pid: int) -> bool:
     """True if a process ``pid`` exists (of any user)."""
     try:

@@ -30,6 +30,7 @@ class SamplingParams(msgspec.Struct, frozen=True):
         grammar: an llguidance grammar every output token follows; empty: none (docs/design.md, "Structured output").
         grammar_trigger: text the grammar lets anything through until (tool calling's ``auto``); empty: constrain every
             token (docs/design.md, "Tool calling").
+        lora_id: the LoRA adapter the request runs with (io_proc's id for its name); 0: the base model.
     """
 
     max_tokens: int
@@ -50,6 +51,7 @@ class SamplingParams(msgspec.Struct, frozen=True):
     grammar: str = ""
     grammar_trigger: str = ""
     grammar_trigger_at_start: bool = False
+    lora_id: int = 0
 
 
 class AddRequest(msgspec.Struct, tag=True):
@@ -128,6 +130,8 @@ class Stats(msgspec.Struct, tag=True):
     spec_decode_num_accepted_tokens: int | None = None
     spec_decode_num_accepted_tokens_per_pos: list[int] | None = None
     num_cached_blocks: int = 0
+    lora_running: list[int] | None = None
+    lora_waiting: list[int] | None = None
     num_grammar_rows_deferred: int = 0  # constrained decode rows left out of a step while their mask was computed
     num_kv_events_dropped: int = 0  # KV-cache events dropped because the publisher's queue was full
 

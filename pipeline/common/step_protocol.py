@@ -117,6 +117,12 @@ DESCRIPTOR = Record(
             "num_reqs",
             (
                 Field("prompt_len", i32, "positions from it on hold output tokens (penalties count them)"),
+                Field(
+                    "lora_slot", i32, 'the LoRA adapter slot its tokens use, 0 for none (docs/design.md, "Multi-LoRA")'
+                ),
+                Field(
+                    "lora_id", i32, "the adapter that slot holds: the worker loads it there first if it holds another"
+                ),
                 Field("num_logit_bias", i32, "live entries of the next two"),
                 Field("logit_bias_ids", i32, "token ids of its logit_bias", width="MAX_LOGIT_BIAS"),
                 Field("logit_bias_values", f32, "the biases", width="MAX_LOGIT_BIAS"),
@@ -275,7 +281,7 @@ def pack_descriptor(desc: StepDescriptor, out: np.ndarray) -> int:
     The header comes first, so a reader holding the first
     ``PACKED_HEADER_NBYTES`` bytes knows the total. A step of R rows, T
     tokens, B new block-table entries and M masked rows takes ``48 +
-    2626 R + 4 T + 12 B + 4 M`` bytes (2,528 of a row's bytes are its
+    2634 R + 4 T + 12 B + 4 M`` bytes (2,528 of a row's bytes are its
     bias and stop-id room), where the entry has the fixed size of the
     configured maxima: this is what rank 0 relays to ranks on other nodes
     (docs/design.md, "Parallelism"). ``out`` holds at least the layout's ``nbytes``.

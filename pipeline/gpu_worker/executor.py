@@ -182,6 +182,7 @@ class Executor(ABC):
 
 class ModelExecutor(Executor):
     """The real model over a paged KV cache (``PAD_BLOCKS`` blocks beyond ``config.num_kv_blocks``) on ``device``.
+    Steps with LoRA adapters (``lora``, with ``--enable-lora``) run eagerly, never as graphs.
 
     Raises:
         ValueError: ``config.max_model_len`` exceeds the model's ``max_position_embeddings`` (on CUDA a position past
@@ -201,6 +202,7 @@ class ModelExecutor(Executor):
         self.kv_caches = model.allocate_kv_caches(config.num_kv_blocks + PAD_BLOCKS, config.block_size, dtype, device)
         self.block_size, self.pad_block = config.block_size, config.num_kv_blocks
         self.graphs: DecodeGraphs | None = None
+        self.lora = None
 
     @torch.inference_mode()
     def warm_up(self, upload: Upload) -> None:
@@ -231,7 +233,8 @@ class ModelExecutor(Executor):
         self, layout: StepLayout, block_table: torch.Tensor, upload: Upload, shift: torch.Tensor | None = None
     ) -> AttentionMetadata | GraphStep:
         """A ``GraphStep`` for a decode-only step that fits a graph, else the backend's metadata."""
-        step = self.graphs.prepare(layout, upload, shift) if self.graphs is not None else None
+        eager = self.graphs is None or (self.lora is not None and self.lora.active)
+        step = None if eager else self.graphs.prepare(layout, upload, shift)
         return step if step is not None else self.attn_backend.build_metadata(layout, block_table, upload, shift)
 
     def execute(

@@ -226,7 +226,12 @@ def load_runner(config: EngineConfig, rank: int = 0) -> tuple[ModelRunner, Descr
 
         blocks = kv_cache_blocks(config, model, device, dtype, tp, draft)
         config = msgspec.structs.replace(config, num_kv_blocks=blocks)
-    runner = ModelRunner(config, ModelExecutor(config, model, device, dtype), device, draft_model=draft)
+    executor = ModelExecutor(config, model, device, dtype)
+    if config.lora is not None:
+        from pipeline.gpu_worker.lora.worker import LoraWorker
+
+        executor.lora = LoraWorker(model, config.lora, config.max_num_seqs, config.ipc_dir)
+    runner = ModelRunner(config, executor, device, draft_model=draft)
     if config.cuda_graph_sizes:  # after the KV cache exists, so the graphs' pool comes from what is left
         runner.executor.capture_decode_graphs(runner.input_batch.block_table, config.cuda_graph_sizes)
     # Before "ready": /health says 200 once a request can be served at full speed (docs/design.md, "Readiness").

@@ -109,6 +109,7 @@ class ModelRunner:
             target = getattr(executor, "model", None)
             draft = DraftModel(draft_model, config, device, self.input_batch, self.ops, target)
         self.spec = spec_state(config, device, self.input_batch, draft)
+        self.lora = getattr(executor, "lora", None)  # with --enable-lora
         self.clock = DeviceClock()
         self._in_flight = 0  # launched, not yet finished
         self.masks: MaskReader | None = None
@@ -154,6 +155,8 @@ class ModelRunner:
             if (stale := self.spec.resolve_drafts(spec, input_ids)) is not None:
                 step.add_stale(*stale)
         self.input_batch.count_inputs(counts, input_ids)
+        if self.lora is not None:
+            self.lora.prepare(x)
         inputs = self._device_inputs(x, input_ids, sampling, logprobs, spec, meanwhile)
         step.prepare_end_ns = time.monotonic_ns()
         if device_start is None:

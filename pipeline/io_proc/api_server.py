@@ -2,8 +2,9 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``,
 ``POST /v1/responses`` (with ``GET`` and ``DELETE /v1/responses/{id}``),
-``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize`` (vLLM's
-shapes), ``GET /health``, ``GET /metrics``. With an API key configured,
+``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize``, with
+``--allow-runtime-lora-updating`` ``POST /v1/load_lora_adapter`` and
+``/v1/unload_lora_adapter`` (vLLM's shapes), ``GET /health``, ``GET /metrics``. With an API key configured,
 every route but ``/health`` and ``/metrics`` needs ``Authorization: Bearer
 <key>`` (401 otherwise, as the OpenAI API and vLLM's ``--api-key`` answer).
 
@@ -40,6 +41,7 @@ from pipeline.common.messages import Stats
 from pipeline.io_proc.engine_client import EngineClient
 from pipeline.io_proc.http_limits import RequestBodyLimit
 from pipeline.io_proc.json_limits import too_deep_message
+from pipeline.io_proc.lora_adapters import LoraAdapters
 from pipeline.io_proc.metrics import PipelineMetrics
 from pipeline.io_proc.openai.protocol import APIError, ErrorInfo, ErrorResponse, ModelCard, ModelList
 from pipeline.io_proc.openai.protocol_chat import ChatCompletionRequest
@@ -53,6 +55,7 @@ from pipeline.io_proc.openai.serving_chat import OpenAIServingChat
 from pipeline.io_proc.openai.serving_completion import OpenAIServingCompletion
 from pipeline.io_proc.openai.serving_tokenization import OpenAIServingTokenization
 from pipeline.io_proc.server_info import engine_loads, model_info, server_info
+from pipeline.io_proc.serving_lora import LoadLoRAAdapterRequest, LoraServing, UnloadLoRAAdapterRequest
 from pipeline.io_proc.tokenization import Tokenization
 
 logger = logging.getLogger(__name__)
@@ -221,9 +224,10 @@ def build_app(
             every engine has beaten once, and ``/health`` and ``/metrics``
             while one is older than ``config.step_timeout_s``.
     """
-    chat = OpenAIServingChat(config, client, tokenization, stop_token_ids)
-    completion = OpenAIServingCompletion(config, client, tokenization, stop_token_ids)
-    tokenizer = OpenAIServingTokenization(config, client, tokenization, stop_token_ids)
+    adapters = LoraAdapters(config)
+    chat = OpenAIServingChat(config, client, tokenization, stop_token_ids, adapters)
+    completion = OpenAIServingCompletion(config, client, tokenization, stop_token_ids, adapters)
+    tokenizer = OpenAIServingTokenization(config, client, tokenization, stop_token_ids, adapters)
     store = ResponseStore(
         config.responses_store_max_entries, config.responses_store_max_bytes, config.responses_store_max_age_s
     )
@@ -248,7 +252,8 @@ def build_app(
         role, age = max(stale, key=lambda s: s[1])
         return f"{role} has shown no progress for {age:.1f} s (--step-timeout {config.step_timeout_s:g}): it is hung"
 
-    metrics = PipelineMetrics(client, config.served_model_name, config.max_model_len, config.metrics_compat)
+    lora_info = (config.lora.max_loras, adapters.names) if config.lora is not None else None
+    metrics = PipelineMetrics(client, config.served_model_name, config.max_model_len, config.metrics_compat, lora_info)
     created = int(time.time())
 
     @asynccontextmanager
@@ -318,7 +323,17 @@ def build_app(
                         created=created,
                         root=config.model,
                         max_model_len=config.max_model_len,
-                    )
+                    ),
+                    *(
+                        ModelCard(
+                            id=name,
+                            created=created,
+                            root=path,
+                            parent=config.served_model_name,
+                            max_model_len=config.max_model_len,
+                        )
+                        for name, (_, path) in adapters.by_name.items()
+                    ),
                 ]
             )
         )
@@ -332,6 +347,17 @@ def build_app(
     @app.get("/model_info")
     async def show_model_info() -> Response:
         return Response(json.dumps(model_info(config)).encode(), media_type="application/json")
+
+    if config.lora is not None and config.lora.allow_runtime_updating:
+        loras = LoraServing(config, adapters)
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(raw_request: Request) -> Response:
+            return Response(loras.load(await _body(raw_request, LoadLoRAAdapterRequest)), media_type="text/plain")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(raw_request: Request) -> Response:
+            return Response(loras.unload(await _body(raw_request, UnloadLoRAAdapterRequest)), media_type="text/plain")
 
     @app.get("/health")
     async def health() -> Response:

@@ -231,7 +231,7 @@ class EngineClient:
                 state.deliver("", "length", 0)
             self.num_finished["length"] += n
             return states
-        engine = self._pick_engine(prompt_token_ids)
+        engine = self._pick_engine(prompt_token_ids, params.lora_id)
         for state in states:
             state.engine = engine
         if params.grammar:
@@ -254,9 +254,9 @@ class EngineClient:
         self.prompt_tokens[engine] += len(prompt_token_ids)
         return states
 
-    def _pick_engine(self, prompt: list[int]) -> int:
-        """The engine for a new request of ``prompt``; overloaded means over a quarter of ``max_num_seqs`` above the
-        least loaded (as SGLang's router)."""
+    def _pick_engine(self, prompt: list[int], lora_id: int = 0) -> int:
+        """The engine for a new request of ``prompt`` with LoRA adapter ``lora_id``; overloaded means over a quarter
+        of ``max_num_seqs`` above the least loaded (as SGLang's router)."""
         if len(self._pushes) == 1:
             return 0
         load = [[0, 0] for _ in self._pushes]
@@ -266,7 +266,7 @@ class EngineClient:
             load[state.engine][state.processor.num_output_tokens > 0] += 1
         if self._router is None:
             return pick_engine(load, None, 0)
-        names = self._router.names(prompt)
+        names = self._router.names(prompt, lora_id)
         engine = pick_engine(load, self._router.matches(names), self._balance_threshold)
         self._router.record(engine, names)
         return engine
@@ -403,7 +403,7 @@ class EngineClient:
                 self.num_finished[finish] += 1
                 if self._router is not None:  # the engine now caches the output's blocks too
                     tokens = state.prompt_token_ids + state.processor.token_ids[:num_output_tokens]
-                    self._router.record(state.engine, self._router.names(tokens))
+                    self._router.record(state.engine, self._router.names(tokens, state.params.lora_id))
 
     # -- control sends (any thread) --------------------------------------------
 

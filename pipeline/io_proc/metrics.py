@@ -3,6 +3,7 @@ names and labels with ``--metrics-compat vllm``; one registry per app."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -148,13 +149,22 @@ def _cumulative(data: HistogramData, bounds: tuple, scale: float) -> tuple[list[
 
 class PipelineMetrics:
     """A registry exposing the engines' last ``Stats``, io_proc's counters and request histograms; ``compat`` ``"vllm"``
-    adds the ``vllm:`` family."""
+    adds the ``vllm:`` family; ``lora``: with ``--enable-lora``, ``(max_loras, adapter names by id)`` for vLLM's
+    ``lora_requests_info``."""
 
-    def __init__(self, client: EngineClient, model_name: str, max_model_len: int, compat: str = "none"):
+    def __init__(
+        self,
+        client: EngineClient,
+        model_name: str,
+        max_model_len: int,
+        compat: str = "none",
+        lora: tuple[int, dict[int, str]] | None = None,
+    ):
         self._client = client
         self._model = model_name
         self._token_bounds = buckets_1_2_5(max_model_len)
         self._vllm = compat == "vllm"
+        self._lora = lora
         self._stats: list[Stats] = []
         self._registry = CollectorRegistry(auto_describe=False)
         self._registry.register(self)
@@ -278,6 +288,25 @@ class PipelineMetrics:
             for e, s in enumerate(stats):
                 family.add_metric([self._model, str(e)], value(s))
             yield family
+        if self._lora is not None:
+            yield self._lora_requests_info(stats)
+
+    def _lora_requests_info(self, stats: list[Stats]) -> Metric:
+        """vLLM's ``lora_requests_info``: the adapters of running and of waiting requests (names joined by
+        commas) as labels, the time of the figures as its value (as vLLM sets it)."""
+        max_loras, names = self._lora
+        family = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "Running stats on lora requests.",
+            labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+        )
+
+        def joined(ids) -> str:
+            return ",".join(names.get(i, str(i)) for i in sorted({i for s in stats for i in ids(s) or ()}))
+
+        waiting, running = joined(lambda s: s.lora_waiting), joined(lambda s: s.lora_running)
+        family.add_metric([str(max_loras), waiting, running], time.time())
+        return family
 
     def _vllm_success(self) -> Iterator[Metric]:
         family = CounterMetricFamily(

@@ -14,7 +14,7 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict
 
-from pipeline.common.block_hash import hash_blocks
+from pipeline.common.block_hash import adapter_root, hash_blocks
 
 
 class PrefixRouter:
@@ -31,9 +31,9 @@ class PrefixRouter:
         self._seen: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(num_engines)]
         self._capacity, self._block_size, self._root = capacity, block_size, root
 
-    def names(self, tokens: list[int]) -> list[bytes]:
-        """The names of the full blocks of ``tokens``."""
-        return hash_blocks(array("i", tokens), self._block_size, self._root)
+    def names(self, tokens: list[int], lora_id: int = 0) -> list[bytes]:
+        """The names of the full blocks of ``tokens`` run with LoRA adapter ``lora_id`` (0: none)."""
+        return hash_blocks(array("i", tokens), self._block_size, adapter_root(self._root, lora_id))
 
     def matches(self, names: list[bytes]) -> list[int]:
         """Per engine, how many of ``names`` from the first on it was sent."""

@@ -18,6 +18,8 @@ def _params(params: SamplingParams, n: int, stop: list[str], stream: bool) -> st
     """The sampling parameters that differ from the defaults (a grammar and biases by their size)."""
     out = {"n": n, "stream": stream}
     for name in params.__struct_fields__:
+        if name == "lora_id":  # logged by its name
+            continue
         v = getattr(params, name)
         if name == "max_tokens" or v != getattr(_DEFAULTS, name):
             out[name] = v
@@ -43,18 +45,22 @@ def log_request(
     stream: bool,
     prompt: object = None,
     tools: str = "",
+    lora: str = "",
 ) -> None:
     """Log one finished (or abandoned) request: its id, prompt tokens, parameters, how its tools reached the model
     (``tools``, a chat request's ``ToolPlan.route``), finish reasons, output tokens, time to first token (the earliest
     choice's) and end-to-end latency (the last choice's).
 
-    ``prompt`` (the request's prompt or messages) is logged only when given: ``--log-prompts``.
+    ``prompt`` (the request's prompt or messages) is logged only when given: ``--log-prompts``;
+    ``lora``: the LoRA adapter it ran with ("" for the base model).
     """
     one = len(states) == 1
     reasons = [st.finish_reason or "abort" for st in states]
     tokens = [st.num_output_tokens for st in states]
     line = (
-        f"{request_id}: prompt_tokens={sum(st.prompt_len for st in states[::n])}, "
+        f"{request_id}: "
+        + (f"lora_adapter={lora!r}, " if lora else "")
+        + f"prompt_tokens={sum(st.prompt_len for st in states[::n])}, "
         f"params=({_params(states[0].params, n, stop, stream)}), "
         + (f"tools=({tools}), " if tools else "")
         + f"finish_reason={reasons[0] if one else reasons}, completion_tokens={tokens[0] if one else tokens}, "

@@ -80,9 +80,10 @@ class KVEventPublisher:
         self._thread = threading.Thread(target=self._send_loop, name="kv-events", daemon=True)
         self._thread.start()
 
-    def stored(self, names: list[bytes], parent: bytes | None, token_ids: list[int]) -> None:
-        """Consecutive blocks of one sequence were named; ``parent`` names the block before the first."""
-        self._pending.append((_STORED, names, parent, token_ids))
+    def stored(self, names: list[bytes], parent: bytes | None, token_ids: list[int], lora_id: int = 0) -> None:
+        """Consecutive blocks of one sequence were named; ``parent`` names the block before the first; ``lora_id``: its
+        LoRA adapter (0: none)."""
+        self._pending.append((_STORED, names, parent, token_ids, lora_id))
 
     def removed(self, name: bytes) -> None:
         """The block named ``name`` was evicted (its name forgotten)."""
@@ -120,14 +121,14 @@ class KVEventPublisher:
         out = []
         for ev in events:
             if ev[0] == _STORED:
-                _, names, parent, tokens = ev
+                _, names, parent, tokens, lora_id = ev
                 out.append(
                     BlockStored(
                         block_hashes=[external_hash(n) for n in names],
                         parent_block_hash=None if parent is None else external_hash(parent),
                         token_ids=tokens,
                         block_size=self.block_size,
-                        lora_id=None,
+                        lora_id=lora_id or None,
                         medium=self.medium,
                         lora_name=None,
                     )

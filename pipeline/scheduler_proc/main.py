@@ -102,6 +102,7 @@ class SchedulerProc:
             self.grammars,
             grammar_drafts=grammar_drafts,
             jump_forward=jump_forward,
+            max_loras=config.lora.max_loras if config.lora is not None else 0,
         )
         self.kv_events = None
         if config.kv_events is not None:
@@ -355,6 +356,8 @@ class SchedulerProc:
             prefix_cache_hits=s.prefix.num_hits if s.prefix.enabled else None,
             num_cached_blocks=s.pool.num_cached_blocks,
             num_kv_events_dropped=self.kv_events.num_dropped_events if self.kv_events is not None else 0,
+            lora_running=s.adapters_of(s.running),
+            lora_waiting=s.adapters_of(s.waiting),
             **self._spec_stats(),
         )
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from array import array
 
-from pipeline.common.block_hash import hash_blocks
+from pipeline.common.block_hash import adapter_root, hash_blocks
 from pipeline.scheduler_proc.kv_block_pool import BlockPool
 from pipeline.scheduler_proc.kv_event_publisher import KVEventPublisher
 from pipeline.scheduler_proc.request import Request
@@ -32,7 +32,8 @@ class PrefixCache:
     Args:
         pool: the block pool; its ``enable_caching`` turns all of this off.
         block_size: tokens per KV block.
-        root: the parent name of a first block (``EngineConfig.block_hash_root``).
+        root: the parent name of a first block (``EngineConfig.block_hash_root``), under
+            ``adapter_root`` for a request with a LoRA adapter.
     """
 
     def __init__(self, pool: BlockPool, block_size: int, root: bytes):
@@ -48,7 +49,8 @@ class PrefixCache:
     def name_prompt(self, req: Request) -> None:
         """Name the full blocks of ``req``'s prompt (what its lookup needs); O(prompt blocks), once."""
         if self.enabled:
-            req.block_hashes = hash_blocks(array("i", req.prompt_token_ids), self.block_size, self.root)
+            root = adapter_root(self.root, req.params.lora_id)
+            req.block_hashes = hash_blocks(array("i", req.prompt_token_ids), self.block_size, root)
 
     def lookup(self, req: Request) -> list[int]:
         """The cached blocks ``req`` may start from; takes nothing (the caller shares them when it admits ``req``).
@@ -89,7 +91,7 @@ class PrefixCache:
             start, end, p = len(names) * bs, full * bs, len(req.prompt_token_ids)
             tokens = array("i", req.prompt_token_ids[start:end]) if start < p else array("i")
             tokens += req.output_token_ids[max(0, start - p) : max(0, end - p)]
-            names += hash_blocks(tokens, bs, names[-1] if names else self.root)
+            names += hash_blocks(tokens, bs, names[-1] if names else adapter_root(self.root, req.params.lora_id))
         named = self.pool.cache_blocks(block_ids[done:full], names[done:full])
         if named and self.events is not None:
             self._publish_stored(req, [done + i for i in named])
@@ -105,7 +107,7 @@ class PrefixCache:
             first, end = blocks[start], blocks[k - 1] + 1
             lo, hi = first * bs, end * bs
             tokens = list(req.prompt_token_ids[lo:hi]) + req.output_token_ids[max(0, lo - p) : max(0, hi - p)].tolist()
-            self.events.stored(names[first:end], names[first - 1] if first else None, tokens)
+            self.events.stored(names[first:end], names[first - 1] if first else None, tokens, req.params.lora_id)
             start = k
 
 

@@ -38,6 +38,7 @@ class Request:
         "queued_ns",
         "scheduled_ns",
         "first_token_ns",
+        "lora_slot",
     )
 
     def __init__(
@@ -64,6 +65,7 @@ class Request:
         self.queued_ns = time.monotonic_ns()
         self.scheduled_ns = 0
         self.first_token_ns = 0
+        self.lora_slot = 0  # the adapter slot it holds while running (``LoraSlots``)
 
     @property
     def num_known_tokens(self) -> int:

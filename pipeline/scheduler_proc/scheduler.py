@@ -24,6 +24,7 @@ from pipeline.scheduler_proc.grammar_manager import GrammarManager
 from pipeline.scheduler_proc.grammar_state import COSTLY_MASKS_PER_STEP_S, MASK_SHARE_OF_STEP, GrammarState
 from pipeline.scheduler_proc.kv_block_pool import BlockPool
 from pipeline.scheduler_proc.kv_event_publisher import KVEventPublisher
+from pipeline.scheduler_proc.lora_slots import LoraSlots
 from pipeline.scheduler_proc.prefix_cache import PrefixCache, num_final_tokens
 from pipeline.scheduler_proc.request import Request
 from pipeline.scheduler_proc.scheduler_outputs import SchedulerOutputsMixin
@@ -75,6 +76,7 @@ class Scheduler(SchedulerOutputsMixin):
         grammars: GrammarManager | None = None,
         grammar_drafts: bool = False,
         jump_forward: bool = False,
+        max_loras: int = 0,
     ):
         if num_kv_blocks < max_blocks_per_seq:
             raise ValueError(
@@ -90,6 +92,7 @@ class Scheduler(SchedulerOutputsMixin):
         self.steady = SteadyRows(max_num_seqs, block_size, keep_ended_tokens=enable_prefix_caching)
         self.requests: dict[int, Request] = {}
         self.grammars = grammars
+        self.loras = LoraSlots(max_loras) if max_loras else None  # with --enable-lora
         self.masks = StepMasks(self.requests)  # the masks of planned steps' constrained rows, to be written
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
@@ -265,14 +268,19 @@ class Scheduler(SchedulerOutputsMixin):
         return True
 
     def _admit_waiting(self, step: _StepPlan) -> None:
-        """Waiting requests in FIFO order, each from its longest cached prefix, while a req_index and the blocks of its
-        first chunk are free."""
+        """Waiting requests in FIFO order, each from its longest cached prefix, while a req_index and the
+        blocks of its first chunk are free. A request whose LoRA adapter finds no slot waits for one; those
+        behind it go ahead."""
+        skipped: list[Request] = []
         while self.waiting and not step.full:
             req = self.waiting[0]
             if req.num_placeholders:
                 break  # preempted with a token still in flight: wait for it, keep FIFO order
             if self.pool.num_free_req_indices == 0:
                 break
+            if self.loras is not None and not self.loras.can_admit(req.params.lora_id):
+                skipped.append(self.waiting.popleft())
+                continue
             # It starts after its longest cached prefix, in those blocks (found in this step too).
             hit = self.prefix.lookup(req)
             room = self._max_new_blocks - self._builder.num_blocks  # block-table entries the step can still set
@@ -294,6 +302,7 @@ class Scheduler(SchedulerOutputsMixin):
             self._grow_blocks(req, n)
             self.prefix.name_final(req, min(req.num_known_tokens, start + n))
             step.add(req, n, sample)
+        self.waiting.extendleft(reversed(skipped))
 
     def _admit(self, req: Request, hit: list[int]) -> None:
         """``req`` starts running from the cached blocks ``hit``: a req_index, their block-table entries."""
@@ -307,6 +316,8 @@ class Scheduler(SchedulerOutputsMixin):
         if not req.scheduled_ns:  # the first admission; a preempted request keeps it, as in vLLM
             req.scheduled_ns = time.monotonic_ns()
         req.req_index = self.pool.allocate_req_index()
+        if self.loras is not None:
+            req.lora_slot = self.loras.acquire(req.params.lora_id)
         req.is_new = True
         if self.drafts is not None:
             self.drafts.admit(req)
@@ -385,6 +396,7 @@ class Scheduler(SchedulerOutputsMixin):
                 masked,
                 num_drafts,
                 req.num_rejected,
+                (req.lora_slot, req.params.lora_id),
             )
             req.is_new = False
             if req.params.max_tokens == 0 and pos + k >= req.num_known_tokens:
@@ -454,10 +466,23 @@ class Scheduler(SchedulerOutputsMixin):
     def _leave_running(self, req: Request) -> None:
         """Take ``req`` (running) out of the running lists, steady or not, its counters up to date."""
         self.running.remove(req)
+        self._release_lora(req)
         if self.steady.holds(req):
             self.steady.release(req)
         else:
             self._general.remove(req)
+
+    def adapters_of(self, reqs) -> list[int] | None:
+        """The LoRA adapter ids of ``reqs``, sorted (None without ``--enable-lora``)."""
+        if self.loras is None:
+            return None
+        return sorted({r.params.lora_id for r in reqs} - {0})
+
+    def _release_lora(self, req: Request) -> None:
+        """``req`` leaves the running requests: its adapter slot may go to another adapter."""
+        if self.loras is not None:
+            self.loras.release(req.lora_slot)
+            req.lora_slot = 0
 
     def _free_ended(self, req: Request) -> None:
         """``_free`` for ``req``, which ended in the output being applied; naming its blocks waits until the next step

@@ -114,5 +114,6 @@ class SchedulerOutputsMixin:
         for req in reqs:
             self._observe_finish(req, self._output_ns)
             del self.requests[req.req_num]
+            self._release_lora(req)
             self._free_ended(req)
         self.running = [r for r in self.running if r.req_index >= 0]  # a running request has a req_index

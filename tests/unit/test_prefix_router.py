@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from array import array
 
-from pipeline.common.block_hash import hash_blocks, root_hash
+from pipeline.common.block_hash import adapter_root, hash_blocks, root_hash
 from pipeline.io_proc.prefix_router import PrefixRouter, pick_engine
 
 ROOT = root_hash("m", "float32")
@@ -15,6 +15,17 @@ def test_names_are_the_schedulers():
     tokens = list(range(10))
     assert router.names(tokens) == hash_blocks(array("i", tokens), 4, ROOT)
     assert len(router.names(tokens)) == 2
+
+
+def test_names_include_the_lora_adapter_as_the_schedulers_do():
+    router = PrefixRouter(2, capacity=100, block_size=4, root=ROOT)
+    tokens = list(range(10))
+    assert router.names(tokens, 3) == hash_blocks(array("i", tokens), 4, adapter_root(ROOT, 3))
+    names = [set(router.names(tokens, lora_id)) for lora_id in (0, 1, 2)]
+    assert not names[0] & names[1] and not names[0] & names[2] and not names[1] & names[2]
+    router.record(1, router.names(tokens, 1))
+    assert router.matches(router.names(tokens, 1)) == [0, 2]
+    assert router.matches(router.names(tokens)) == [0, 0]
 
 
 def test_matches_count_the_prefix_each_engine_was_sent():

@@ -160,7 +160,7 @@ def test_packed_descriptor_round_trip(step, previous):
     buf = np.full(layout.nbytes, 0xAB, dtype=np.uint8)
     n = pack_descriptor(src, buf)
     _, rows, blocks = step
-    assert n == packed_descriptor_nbytes(src.header) == 48 + 2626 * len(rows) + 4 * src.num_tokens + 12 * len(blocks)
+    assert n == packed_descriptor_nbytes(src.header) == 48 + 2634 * len(rows) + 4 * src.num_tokens + 12 * len(blocks)
     unpack_descriptor(buf, dst)
     want, got = read_descriptor(src), read_descriptor(dst)
     for name in type(want).__slots__:
@@ -177,7 +177,7 @@ def test_masked_rows_round_trip():
     b.add_row(8, 1, 5, [3], True, None, masked=True)
     b.write(src, 4)
     buf = np.zeros(layout.nbytes, dtype=np.uint8)
-    assert pack_descriptor(src, buf) == packed_descriptor_nbytes(src.header) == 48 + 2 * 2626 + 12 + 4
+    assert pack_descriptor(src, buf) == packed_descriptor_nbytes(src.header) == 48 + 2 * 2634 + 12 + 4
     unpack_descriptor(buf, dst)
     for desc in (src, dst):
         x = read_descriptor(desc)

@@ -255,13 +255,15 @@ class UsageInfo(msgspec.Struct, kw_only=True):
 
 
 class ModelCard(msgspec.Struct, kw_only=True):
-    """One served model; ``root`` is the model directory."""
+    """One served model; ``root`` is the model (or LoRA adapter) directory, ``parent`` an adapter's base model
+    (null for the base model, as vLLM)."""
 
     id: str
     object: str = "model"
     created: int
     owned_by: str = "pipeline"
     root: str
+    parent: str | None = None
     max_model_len: int
 
 

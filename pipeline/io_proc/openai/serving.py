@@ -19,6 +19,7 @@ from pipeline.common.grammar import GrammarError, build_grammar
 from pipeline.common.messages import SamplingParams
 from pipeline.common.step_protocol import MAX_STOP_TOKEN_IDS
 from pipeline.io_proc.engine_client import EngineClient, EngineUnavailable
+from pipeline.io_proc.lora_adapters import LoraAdapters
 from pipeline.io_proc.openai.event_stream import ABORTED
 from pipeline.io_proc.openai.protocol import APIError, PromptTokensDetails, SamplingRequest, UsageInfo
 from pipeline.io_proc.openai.protocol_chat import ChatCompletionRequest
@@ -50,10 +51,16 @@ def json_response(obj: msgspec.Struct, status_code: int = 200) -> Response:
 
 
 class OpenAIServing:
-    """The steps the endpoints share; each endpoint's class extends it."""
+    """The steps the endpoints share; each endpoint's class extends it; ``adapters``: the LoRA adapters a request's
+    ``model`` may name."""
 
     def __init__(
-        self, config: EngineConfig, client: EngineClient, tokenization: Tokenization, stop_token_ids: tuple[int, ...]
+        self,
+        config: EngineConfig,
+        client: EngineClient,
+        tokenization: Tokenization,
+        stop_token_ids: tuple[int, ...],
+        adapters: LoraAdapters | None = None,
     ):
         self.tool_calling = ToolCalling(
             config.tool_call_parser or None,
@@ -64,6 +71,7 @@ class OpenAIServing:
             tokenization.tool_role,
         )
         self._model = config.served_model_name
+        self._adapters = adapters or LoraAdapters(config)
         self._max_model_len = config.max_model_len
         self._max_prompt_chars = tokenization.max_prompt_chars(config.max_model_len)
         self._client = client
@@ -82,7 +90,7 @@ class OpenAIServing:
         return self._tokenization.token_texts
 
     def _check_model(self, req: SamplingRequest | TokenizeRequest | DetokenizeRequest) -> None:
-        if req.model is not None and req.model != self._model:
+        if req.model is not None and req.model != self._model and self._adapters.id_of(req.model) is None:
             raise APIError(
                 404,
                 f"The model `{req.model}` does not exist. This server serves `{self._model}`.",
@@ -193,6 +201,7 @@ class OpenAIServing:
             min_p=req.min_p or 0.0,
             min_tokens=req.min_tokens,
             logit_bias=logit_bias,
+            lora_id=self._adapters.id_of(req.model) or 0,
         )
 
     def _start(
@@ -288,7 +297,8 @@ class OpenAIServing:
                     chat = isinstance(req, ChatCompletionRequest)
                     prompt = [m.model_dump(exclude_none=True) for m in req.messages] if chat else req.prompt
                 tools = plan.route if plan is not None else ""
-                log_request(rid, states, req.num_choices(), req.stop_strings(), req.stream, prompt, tools)
+                lora = req.model if states[0].params.lora_id else ""
+                log_request(rid, states, req.num_choices(), req.stop_strings(), req.stream, prompt, tools, lora)
 
         return close
 

@@ -1,0 +1,149 @@
+"""A PEFT LoRA adapter as ``save_pretrained`` writes it, checked against the base model without torch (io_proc and
+the launcher check adapters too; the worker reads them with ``gpu_worker.lora.adapter``).
+
+A directory holds ``adapter_config.json`` (``r``, ``lora_alpha``,
+``use_rslora``, ``target_modules``) and ``adapter_model.safetensors`` with,
+per targeted projection of every decoder layer, ``...layers.{i}.{self_attn|mlp}.{proj}.lora_A.weight``
+``[r, in]`` and ``lora_B.weight`` ``[out, r]``. The update of a projection is
+``x @ A.T @ B.T * scaling``, with ``scaling = lora_alpha / r`` (or
+``lora_alpha / sqrt(r)`` with rsLoRA, Kalajdzievski 2023); ``B`` is returned
+pre-scaled.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.common.model_config import ModelConfig
+from pipeline.common.model_files import read_safetensors_header
+
+# The projections an adapter may target: the attention and dense MLP ones.
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+PROJECTIONS = ATTENTION_PROJECTIONS + MLP_PROJECTIONS
+_TENSOR = re.compile(r"\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+# adapter_config.json keys whose non-default values change the computation in ways not served here.
+_UNSUPPORTED = {
+    "use_dora": (False, None),
+    "bias": ("none", None),
+    "modules_to_save": (None, []),
+    "rank_pattern": ({}, None),
+    "alpha_pattern": ({}, None),
+    "layers_to_transform": (None, []),
+}
+
+
+class LoraError(ValueError):
+    """An adapter that cannot be served on this base model; the message names the cause."""
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """A checked adapter, before its tensors are read.
+
+    Attributes:
+        rank: its ``r``.
+        scaling: what ``B`` is multiplied by.
+        tensors: ``(layer, projection, "A" or "B") -> checkpoint tensor name``.
+        tensors_path: its safetensors file.
+    """
+
+    rank: int
+    scaling: float
+    tensors: dict[tuple[int, str, str], str]
+    tensors_path: Path
+
+
+def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """Each projection's full ``(in, out)`` in ``config``'s model."""
+    h, d = config.hidden_size, config.head_dim
+    q, kv, i = config.num_attention_heads * d, config.num_key_value_heads * d, config.intermediate_size
+    return {
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, i),
+        "up_proj": (h, i),
+        "down_proj": (i, h),
+    }
+
+
+def check_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> AdapterSpec:
+    """Check the PEFT adapter in directory ``path`` against a base model of ``config`` from its config and
+    its safetensors header alone (no tensor data is read, and no torch is needed).
+
+    Raises:
+        LoraError: no adapter there, a rank over ``max_rank``, a target module
+            other than ``PROJECTIONS`` (or an MLP one on a mixture-of-experts
+            model), a feature not served (DoRA, biases, ...), a missing or
+            extra tensor, or a tensor shape that another base model implies.
+    """
+    path = Path(path)
+    cfg_path, tensors_path = path / "adapter_config.json", path / "adapter_model.safetensors"
+    if not cfg_path.is_file() or not tensors_path.is_file():
+        raise LoraError(f"{path} is not a PEFT LoRA adapter: it needs {cfg_path.name} and {tensors_path.name}")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+        header, _ = read_safetensors_header(tensors_path)
+    except (OSError, ValueError) as e:
+        raise LoraError(f"{path}: cannot read the adapter: {e}") from None
+    if not isinstance(cfg, dict):
+        raise LoraError(f"{cfg_path} is not a JSON object")
+    targets = _check_config(cfg, config, max_rank)
+    rank = int(cfg["r"])
+    alpha = float(cfg.get("lora_alpha", 8))
+    scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
+    shapes = projection_shapes(config)
+    tensors: dict[tuple[int, str, str], str] = {}
+    for name, info in header.items():
+        m = _TENSOR.search(name)
+        if m is None or m[2] not in targets or int(m[1]) >= config.num_hidden_layers:
+            raise LoraError(f"{tensors_path.name}: tensor {name} is not a LoRA weight of a targeted projection")
+        layer, proj, which = int(m[1]), m[2], m[3]
+        n_in, n_out = shapes[proj]
+        expected = (rank, n_in) if which == "A" else (n_out, rank)
+        if tuple(info["shape"]) != expected:
+            raise LoraError(
+                f"{name} has shape {tuple(info['shape'])}, this base model needs {expected}: "
+                "the adapter was trained for another base model (or another r)"
+            )
+        tensors[layer, proj, which] = name
+    missing = [
+        f"layers.{i}.{p}.lora_{w}"
+        for i in range(config.num_hidden_layers)
+        for p in targets
+        for w in "AB"
+        if (i, p, w) not in tensors
+    ]
+    if missing:
+        raise LoraError(f"{tensors_path.name} lacks tensors of its target modules: {', '.join(missing[:8])}")
+    return AdapterSpec(rank, scaling, tensors, tensors_path)
+
+
+def _check_config(cfg: dict, config: ModelConfig, max_rank: int) -> tuple[str, ...]:
+    """The adapter's target projections, after refusing what this server cannot serve."""
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise LoraError(f"peft_type {cfg.get('peft_type')!r} is not LoRA")
+    rank = cfg.get("r")
+    if not isinstance(rank, int) or rank < 1:
+        raise LoraError(f"adapter_config.json: r must be a positive integer, got {rank!r}")
+    if rank > max_rank:
+        raise LoraError(f"the adapter's rank {rank} is over --max-lora-rank {max_rank}")
+    for key, defaults in _UNSUPPORTED.items():
+        if cfg.get(key, defaults[0]) not in defaults:
+            raise LoraError(f"adapter_config.json: {key}={cfg[key]!r} is not supported")
+    targets = cfg.get("target_modules")
+    if isinstance(targets, str):
+        targets = [targets]
+    if not targets:
+        raise LoraError("adapter_config.json names no target_modules")
+    served = PROJECTIONS if not any(config.moe_layers) else ATTENTION_PROJECTIONS
+    unknown = sorted(set(targets) - set(served))
+    if unknown:
+        raise LoraError(f"target modules {unknown} are not served; adapters may target {list(served)}")
+    return tuple(p for p in PROJECTIONS if p in targets)
