@@ -14,7 +14,7 @@ from pathlib import Path
 
 import msgspec
 
-from pipeline.common.config import SPECULATIVE_METHODS, EngineConfig, SpeculativeConfig
+from pipeline.common.config import SPECULATIVE_METHODS, EngineConfig, QuantizationConfig, SpeculativeConfig
 from pipeline.common.instance_files import make_ipc_dir, sweep_dead_instances
 
 MAX_CUDA_GRAPH_SIZE = 512
@@ -189,6 +189,7 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         checkpoint_dtype,
         read_model_config,
         resolve_model,
+        resolve_quantization,
     )
 
     if unknown := flags.keys() - vars(args).keys():
@@ -273,6 +274,14 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
     dtype = args.dtype
     if dtype == "auto":
         dtype = checkpoint_dtype(model_dir, cfg) if device == "cuda" and not sim else "float32"
+    quantization = QuantizationConfig()
+    if not sim:
+        try:
+            quantization = resolve_quantization(
+                args.quantization, args.quantization_group_size, args.model, model_dir, cfg
+            )
+        except ValueError as e:
+            _die(str(e))
     speculative = parse_speculative_config(args.speculative_config)
     draft = None
     if speculative is not None and speculative.method == "draft_model" and not sim:
@@ -332,6 +341,7 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         tokenizer=str(model_dir),
         served_model_name=args.served_model_name or ("sim" if sim else name),
         dtype=dtype,
+        quantization=quantization,
         device=device,
         host=args.host,
         port=args.port,
