@@ -11,10 +11,15 @@ Two layouts, both group-wise along the input dimension (a group is
 
 The matmul runs on torch's weight-only ops: on the CPU
 ``_weight_int4pack_mm_for_cpu`` and ``_weight_int8pack_mm`` (per-channel
-scales only), on CUDA ``_weight_int4pack_mm`` (bfloat16 activations) and
-``_weight_int8pack_mm``. Where the op is missing or refuses the shape, the
-weight stays as codes and each call dequantizes it into the activation dtype
-and multiplies (``QuantizedWeight.kernel`` says which).
+scales only), on CUDA ``_weight_int4pack_mm`` and ``_weight_int8pack_mm``.
+They run in bfloat16 whatever the model dtype: the activations and the
+scales are rounded to bfloat16 for them (GGUF's float16 scales lose 3 bits),
+since on the CPU their float32 variants measured 6x (batch 1) to 100x
+(batch 32) slower than oneDNN's dense float32 matmul of the same weight,
+and the CUDA int4 op takes bfloat16 only. Where the op is missing or
+refuses the shape, the weight stays as codes and each call dequantizes it
+into the activation dtype and multiplies (``QuantizedWeight.kernel`` says
+which).
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ _LOG = logging.getLogger(__name__)
 _aten = torch.ops.aten
 # The group sizes torch's int4 kernels take.
 _INT4_GROUPS = (32, 64, 128, 256)
+# The dtype the weight-only kernels compute in, read when a weight is packed (see above); float32 runs
+# them to float32 rounding, slowly.
+KERNEL_DTYPE = torch.bfloat16
 
 
 def quantize_rtn(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -85,20 +93,22 @@ class QuantizedWeight(nn.Module):
 
     @classmethod
     def pack(cls, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> QuantizedWeight:
-        """Pack ``codes``/``scale``/``zero`` (as ``quantize_rtn`` returns them, scales in the activation dtype)
-        for the fastest kernel this device and torch build run, else keep them for the dequantizing one."""
+        """Pack ``codes``/``scale``/``zero`` (as ``quantize_rtn`` returns them) for the weight-only kernel this
+        device and torch build run, else keep them for the dequantizing one."""
         out, inp = codes.shape
         bits = 8 if zero is None else 4
         group_size = inp // scale.shape[1]
         device, shape = codes.device.type, (out, inp)
         if bits == 4 and group_size in _INT4_GROUPS:
             # [groups, out, 2]: the scale and zero of each group, as both int4 kernels take them.
-            scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()
-            packed = _pack_int4(codes, device, scale.dtype)
+            scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(KERNEL_DTYPE).contiguous()
+            packed = _pack_int4(codes, device)
             if packed is not None:
                 return cls._with(shape, bits, group_size, f"int4_{device}", packed=packed, scales_zeros=scales_zeros)
-        if bits == 8 and group_size == inp and _int8_op_runs(codes, scale):
-            return cls._with(shape, bits, group_size, "int8", codes=codes, scale=scale.reshape(out).contiguous())
+        if bits == 8 and group_size == inp:
+            kernel_scale = scale.reshape(out).to(KERNEL_DTYPE).contiguous()
+            if _int8_op_runs(codes, kernel_scale):
+                return cls._with(shape, bits, group_size, "int8", codes=codes, scale=kernel_scale)
         kw = {"codes": codes, "scale": scale} | ({} if zero is None else {"zero": zero})
         return cls._with(shape, bits, group_size, "dequantize", **kw)
 
@@ -107,30 +117,30 @@ class QuantizedWeight(nn.Module):
         module = cls(shape, bits, group_size, kernel)
         for name, t in buffers.items():
             module.register_buffer(name, t)
+        module.compute_dtype = KERNEL_DTYPE
         return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "dequantize":
+            return F.linear(x, self.dequantized(x.dtype))
+        xk = x.to(self.compute_dtype)
         if self.kernel == "int4_cpu":
-            return _aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_zeros.to(x.dtype))
-        if self.kernel == "int4_cuda":
-            y = _aten._weight_int4pack_mm(x.to(torch.bfloat16), self.packed, self.group_size, self.scales_zeros)
-            return y.to(x.dtype)
-        if self.kernel == "int8":
-            return _aten._weight_int8pack_mm(x, self.codes, self.scale.to(x.dtype))
-        return F.linear(x, self.dequantized(x.dtype))
+            y = _aten._weight_int4pack_mm_for_cpu(xk, self.packed, self.group_size, self.scales_zeros)
+        elif self.kernel == "int4_cuda":
+            y = _aten._weight_int4pack_mm(xk, self.packed, self.group_size, self.scales_zeros)
+        else:
+            y = _aten._weight_int8pack_mm(xk, self.codes, self.scale)
+        return y.to(x.dtype)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight ``[out, in]`` these buffers hold, in ``dtype`` (for the fallback kernel and for checks)."""
-        if self.kernel in ("int4_cpu", "int4_cuda"):
-            eye = torch.eye(self.shape[1], dtype=self.scales_zeros.dtype, device=self.packed.device)
-            if self.kernel == "int4_cuda":
-                eye = eye.to(torch.bfloat16)
-            # The packed layout is opaque: multiply the identity through the kernel.
+        if self.kernel.startswith("int4"):
+            # The packed layout is opaque: multiply the identity through the kernel (each weight rounded to bfloat16).
+            eye = torch.eye(self.shape[1], dtype=self.compute_dtype, device=self.packed.device)
             return self.forward(eye).t().to(dtype)
-        zero = getattr(self, "zero", None)
         if self.kernel == "int8":
             return dequantize(self.codes, self.scale[:, None], None, dtype)
-        return dequantize(self.codes, self.scale, zero, dtype)
+        return dequantize(self.codes, self.scale, getattr(self, "zero", None), dtype)
 
     def nbytes(self) -> int:
         """Bytes of the buffers this weight holds."""
@@ -140,15 +150,17 @@ class QuantizedWeight(nn.Module):
         return f"shape={self.shape}, bits={self.bits}, group_size={self.group_size}, kernel={self.kernel}"
 
 
-def _pack_int4(codes: torch.Tensor, device: str, dtype: torch.dtype) -> torch.Tensor | None:
+def _pack_int4(codes: torch.Tensor, device: str) -> torch.Tensor | None:
     """The int4 kernel's packed form of ``codes [out, in]`` (0..15), or None where this build has no such op."""
     try:
         if device == "cpu":
             return _aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
-        if device == "cuda" and dtype == torch.bfloat16:
-            # Two codes a byte, the even column in the high nibble: the layout the CUDA op documents.
+        if device == "cuda":
+            # Two codes a byte, the even column in the high nibble: the layout the CUDA op documents; its tiles
+            # span 16 x inner_k_tiles input columns.
             pairs = codes.to(torch.uint8).reshape(codes.shape[0], -1, 2)
-            return _aten._convert_weight_to_int4pack((pairs[..., 0] << 4) | pairs[..., 1], 8)
+            inner_k_tiles = next(t for t in (8, 4, 2) if codes.shape[1] % (16 * t) == 0)
+            return _aten._convert_weight_to_int4pack((pairs[..., 0] << 4) | pairs[..., 1], inner_k_tiles)
     except (RuntimeError, NotImplementedError) as e:
         _LOG.info("int4 weights fall back to dequantize-and-multiply: %s", str(e).splitlines()[0])
     return None
