@@ -94,6 +94,8 @@ def read_gguf(path: Path, model: CausalLM, shapes_only: bool = False) -> Iterato
         parts = _meta_parts(kind, rows, cols) if shapes_only else _decode(kind, torch.from_numpy(np.array(t.data)))
         for suffix, part in zip(("", "_scale", "_zero"), parts, strict=False):
             yield name + suffix, part if n_heads is None or shapes_only else _unpermute(part, n_heads)
+    if not shapes_only:  # the last pass: the mapped pages and parsed fields (225 MiB for SmolLM2's file) go
+        _reader.cache_clear()
 
 
 @functools.cache
