@@ -6,8 +6,10 @@ smaller vocabulary than the real model so that a 2-core machine finishes,
 see the flags), then for each format
 
 - ``float32`` and ``bfloat16``: ``--quantization none`` in that dtype;
-- ``int8``: per-channel, ``int4``: groups of 128, both quantized at load time
-  (model dtype float32; the weight-only kernels compute in bfloat16);
+- ``int8``: per-channel, ``int4``: groups of 128, both quantized at load time,
+  in a bfloat16 model (embeddings, LM head, activations; the weight-only
+  kernels compute in bfloat16 whatever the model dtype), and int4 in a
+  float32 model (the CPU's default ``--dtype``);
 
 reports the resident memory a fresh process gains by loading it (``VmRSS``
 after minus before, imports done), and the decode tokens/s of one step of B
@@ -40,8 +42,9 @@ sys.path.insert(0, str(REPO / "scripts"))
 FORMATS = {
     "float32": ("float32", {}),
     "bfloat16": ("bfloat16", {}),
-    "int8": ("float32", {"method": "int8"}),
-    "int4": ("float32", {"method": "int4", "group_size": 128}),
+    "int8": ("bfloat16", {"method": "int8"}),
+    "int4": ("bfloat16", {"method": "int4", "group_size": 128}),
+    "int4, float32 model": ("float32", {"method": "int4", "group_size": 128}),
 }
 BLOCK_SIZE = 16
 

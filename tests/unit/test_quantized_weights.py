@@ -340,3 +340,20 @@ def test_two_tensor_parallel_ranks_decode_as_one(float_dir, tmp_path):
         for (rank_tokens, rank_logits), (tokens, logits) in zip(torch.load(tmp_path / f"rank{rank}.pt"), single):
             assert rank_tokens == tokens
             torch.testing.assert_close(rank_logits, logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_quantized_layer_refuses_float_values_for_its_codes():
+    from pipeline.gpu_worker.layers.linear import QKVParallelLinear
+
+    layer = QKVParallelLinear(64, 16, 4, 2, bias=False)
+    layer.quantize(4, 32)
+    assert layer.weight.dtype == torch.uint8 and layer.weight_scale.shape == (128, 2)
+    with pytest.raises(
+        ValueError, match=r"dtype torch\.float32 in the checkpoint, the quantized layer holds torch\.uint8"
+    ):
+        layer.weight.weight_loader(layer.weight, torch.zeros(64, 64), "q")
+    with pytest.raises(
+        ValueError, match=r"dtype torch\.int8 in the checkpoint, the quantized layer holds torch\.uint8"
+    ):
+        layer.weight.weight_loader(layer.weight, torch.zeros(64, 64, dtype=torch.int8), "q")
+    assert layer.weight.weight_loader(layer.weight, torch.zeros(64, 64, dtype=torch.uint8), "q") == ("q",)
