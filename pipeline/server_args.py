@@ -61,6 +61,22 @@ def build_parser() -> argparse.ArgumentParser:
         'and changed 3 %% of SmolLM2\'s greedy tokens (docs/design.md, "The worker").',
     )
     p.add_argument(
+        "--quantization",
+        choices=["auto", "none", "int8", "int4"],
+        default="auto",
+        help="How the linear weights are held. auto: as the checkpoint says (a GGUF file's Q4_0, Q4_1 and Q8_0 "
+        "weights stay quantized, a float checkpoint stays in --dtype); none: expanded to --dtype (for exact "
+        "comparison with transformers); int8 / int4: weight-only round-to-nearest quantization at load time "
+        "(int8 per-channel, int4 in groups of 128, unless --quantization-group-size).",
+    )
+    p.add_argument(
+        "--quantization-group-size",
+        type=int,
+        default=None,
+        help="With --quantization int8 or int4: input columns per scale (32, 64, 128 or 256 run torch's "
+        "int4 kernel; it must divide every layer's input width on each tensor-parallel rank).",
+    )
+    p.add_argument(
         "--trust-remote-code",
         action="store_true",
         help="Refused: this server runs only its own implementation of the architectures it supports, "

@@ -14,7 +14,14 @@ from pathlib import Path
 
 import msgspec
 
-from pipeline.common.config import SPECULATIVE_METHODS, EngineConfig, LoraConfig, LoraModule, SpeculativeConfig
+from pipeline.common.config import (
+    SPECULATIVE_METHODS,
+    EngineConfig,
+    LoraConfig,
+    LoraModule,
+    QuantizationConfig,
+    SpeculativeConfig,
+)
 from pipeline.common.instance_files import make_ipc_dir, sweep_dead_instances
 from pipeline.common.kv_events import KVEventsConfig, parse_kv_events_config
 
@@ -252,6 +259,7 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         checkpoint_dtype,
         read_model_config,
         resolve_model,
+        resolve_quantization,
     )
 
     if unknown := flags.keys() - vars(args).keys():
@@ -336,6 +344,14 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
     dtype = args.dtype
     if dtype == "auto":
         dtype = checkpoint_dtype(model_dir, cfg) if device == "cuda" and not sim else "float32"
+    quantization = QuantizationConfig()
+    if not sim:
+        try:
+            quantization = resolve_quantization(
+                args.quantization, args.quantization_group_size, args.model, model_dir, cfg
+            )
+        except ValueError as e:
+            _die(str(e))
     speculative = parse_speculative_config(args.speculative_config)
     kv_events = kv_events_config(args.kv_events_config)
     served_name = args.served_model_name or ("sim" if sim else name)
@@ -398,6 +414,7 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         tokenizer=str(model_dir),
         served_model_name=served_name,
         dtype=dtype,
+        quantization=quantization,
         device=device,
         host=args.host,
         port=args.port,

@@ -72,7 +72,8 @@ class Server:
     """A running `pipeline-serve` subprocess.
 
     Args:
-        args: pipeline-serve flags (``--port`` is added).
+        args: pipeline-serve flags (``--port`` is added, and ``--quantization none`` unless they set it: the
+            tests compare the default model's tokens with transformers' float32 expansion of its GGUF file).
         timeout: seconds to wait for ``/health``.
         config: ``EngineConfig`` fields to set that have no flag (see
             ``tests/serve_with_config.py``).
@@ -84,6 +85,8 @@ class Server:
         self, args: list[str], timeout: float = 180.0, config: dict | None = None, log=None, api_key: str | None = None
     ):
         self.port = free_port()
+        if "--quantization" not in args:
+            args = [*args, "--quantization", "none"]
         if config:
             self.args = [
                 sys.executable,

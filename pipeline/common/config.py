@@ -59,6 +59,21 @@ class LoraConfig(msgspec.Struct, frozen=True):
     allow_runtime_updating: bool = False
 
 
+class QuantizationConfig(msgspec.Struct, frozen=True):
+    """How the linear weights are held (``--quantization``, resolved by the launcher).
+
+    Attributes:
+        method: ``"none"`` (the model dtype), ``"int8"`` / ``"int4"`` (round-to-nearest at load time),
+            or ``"gguf"`` (as ``gguf_file`` holds them).
+        group_size: int8/int4: input columns per scale; 0: per-channel for int8, 128 for int4.
+        gguf_file: the GGUF file, for ``"gguf"``.
+    """
+
+    method: str = "none"
+    group_size: int = 0
+    gguf_file: str = ""
+
+
 class EngineConfig(msgspec.Struct, frozen=True):
     """Everything the processes need to agree on.
 
@@ -69,6 +84,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
             or the default model's for the simulated device).
         served_model_name: the name clients put in ``model``.
         dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` (``--dtype auto`` resolved).
+        quantization: how the linear weights are held (``--quantization auto`` resolved).
         device: ``"cpu"`` or ``"cuda"``.
         host, port: where the HTTP server listens.
         max_num_seqs: requests in one step at most (also the number of req_index rows).
@@ -185,6 +201,7 @@ class EngineConfig(msgspec.Struct, frozen=True):
     model: str
     served_model_name: str
     dtype: str = "float32"
+    quantization: QuantizationConfig = QuantizationConfig()
     device: str = "cpu"
     host: str = "127.0.0.1"
     port: int = 8000

@@ -100,7 +100,10 @@ class ModelConfig:
         quant = top.get("quantization_config")
         if quant is not None:
             method = quant.get("quant_method") if isinstance(quant, Mapping) else getattr(quant, "quant_method", "")
-            raise ValueError(f"quantized checkpoints are not supported (quantization_config: {method!r})")
+            raise ValueError(
+                f"quantization_config method {method!r} is not loaded yet (loaded: GGUF files, their Q4_0, Q4_1 "
+                "and Q8_0 weights kept quantized, and --quantization int8|int4 of a float checkpoint)"
+            )
         text = top.get("text_config")
         model_type = (_Fields(text, {}) if text is not None else top).get("model_type") or ""
         f = _Fields(text if text is not None else hf, fam.defaults)

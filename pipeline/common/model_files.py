@@ -15,6 +15,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from pipeline.common.config import QuantizationConfig
+from pipeline.common.gguf_layout import MODEL_TYPES
 from pipeline.common.model_config import ModelConfig
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -116,6 +118,31 @@ def resolve_model(model: str | None) -> tuple[Path, str]:
             "(models are never downloaded)"
         )
     raise ValueError(f"--model {model!r} is neither a .gguf file nor a directory with config.json")
+
+
+def resolve_quantization(
+    flag: str, group_size: int | None, model: str | None, model_dir: Path, config: ModelConfig
+) -> QuantizationConfig:
+    """Turn ``--quantization`` and ``--quantization-group-size`` into how the worker holds the linear weights.
+
+    Args:
+        flag: ``auto``, ``none``, ``int8`` or ``int4``.
+        group_size: the group size flag (None: not given).
+        model: ``--model`` as given (None: the default model's GGUF file).
+        model_dir: its Hugging Face directory (``resolve_model``'s).
+        config: its config.
+
+    Raises:
+        ValueError: a group size that is not positive or comes without int8/int4.
+    """
+    if group_size is not None and (flag not in ("int8", "int4") or group_size <= 0):
+        raise ValueError("--quantization-group-size takes a positive size, with --quantization int8 or int4")
+    if flag in ("int8", "int4"):
+        return QuantizationConfig(method=flag, group_size=group_size or 0)
+    gguf = default_model_path() if model is None else Path(model).expanduser()
+    if flag == "auto" and gguf.suffix == ".gguf" and config.model_type in MODEL_TYPES:
+        return QuantizationConfig(method="gguf", gguf_file=str(gguf.resolve()))
+    return QuantizationConfig()
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:

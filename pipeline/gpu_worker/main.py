@@ -6,6 +6,7 @@ when the scheduler's in-flight count is reached); on CUDA, step N+1 launches whi
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 import traceback
@@ -211,13 +212,17 @@ def load_runner(config: EngineConfig, rank: int = 0) -> tuple[ModelRunner, Descr
     torch.set_num_threads(config.worker_threads or usable_cpus())
     from pipeline.gpu_worker.layers.tp import SINGLE_RANK
     from pipeline.gpu_worker.models.loader import load_model
+    from pipeline.gpu_worker.models.quantized import describe
 
     tp, relay = SINGLE_RANK, None
     if config.tensor_parallel_size > 1:
         from pipeline.gpu_worker.distributed import init_tensor_parallel
 
         tp, relay = init_tensor_parallel(config, rank)
-    model = load_model(config.model, dtype, device, config.attention_backend, tp, config.max_model_len)
+    model = load_model(
+        config.model, dtype, device, config.attention_backend, tp, config.max_model_len, config.quantization
+    )
+    logging.getLogger(__name__).info("%s", describe(model))
     draft = None
     if config.speculative is not None and config.speculative.method == "draft_model":
         draft = load_model(config.speculative.model, dtype, device, config.attention_backend, tp, config.max_model_len)

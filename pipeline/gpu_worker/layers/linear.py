@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.gpu_worker.layers.quant import QuantizedWeight
 from pipeline.gpu_worker.layers.tp import SINGLE_RANK, TPGroup
 
 _LOG = logging.getLogger(__name__)
@@ -47,7 +48,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     on CPU uses oneDNN: aten's float32 matmul is MKL sgemm, which on this
     project's AMD EPYC measured 2-3x slower than oneDNN for every shape these
     models run (bf16 already goes through oneDNN).
+    A ``QuantizedWeight`` multiplies with its own kernel.
     """
+    if isinstance(weight, QuantizedWeight):
+        y = weight(x)
+        return y if bias is None else y + bias
     if weight.is_mkldnn or (_onednn_linear is not None and x.dtype == torch.float32 and x.device.type == "cpu"):
         return _onednn_linear(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -109,11 +114,68 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 
+    def quantize(self, bits: int, group_size: int | None) -> None:
+        """Hold ``weight`` as integer codes plus ``weight_scale`` (and ``weight_zero`` for 4 bits), before loading.
+
+        The three parameters share the weight's loader, so the checkpoint
+        tensors ``<name>.weight``, ``<name>.weight_scale`` and
+        ``<name>.weight_zero`` (see ``quant.quantize_rtn`` for their layout)
+        are sharded like the weight; ``pack_weights`` packs them.
+
+        Args:
+            bits: 4 or 8.
+            group_size: input columns per scale; None: one group per row of this rank's shard.
+
+        Raises:
+            ValueError: ``group_size`` does not divide this rank's input width.
+        """
+        out, inp = self.weight.shape
+        group_size = group_size or inp
+        if inp % group_size:
+            raise ValueError(f"quantization group size {group_size} does not divide the input width {inp}")
+        loader, shards = self.weight.weight_loader, getattr(self.weight, "shards", None)
+        dtype, device = self.weight.dtype, self.weight.device
+
+        def param(cols: int, dtype: torch.dtype) -> nn.Parameter:
+            return nn.Parameter(torch.empty(out, cols, dtype=dtype, device=device), requires_grad=False)
+
+        del self.weight
+        self.weight = param(inp, torch.uint8 if bits == 4 else torch.int8)
+        self.weight_scale = param(inp // group_size, dtype)
+        if bits == 4:
+            self.weight_zero = param(inp // group_size, dtype)
+        for p in (self.weight, self.weight_scale, getattr(self, "weight_zero", None)):
+            if p is not None:
+                p.weight_loader = _same_dtype(loader)
+                if shards is not None:
+                    p.shards = set(shards)
+        self.quant_bits, self.quant_group = bits, group_size
+
     def pack_weights(self) -> None:
         """Replace ``weight`` by its ``packed`` form where there is one, freeing the dense one; after loading."""
+        if isinstance(self.weight, nn.Parameter) and hasattr(self, "weight_scale"):
+            codes, scale, zero = self.weight, self.weight_scale, getattr(self, "weight_zero", None)
+            del self.weight, self.weight_scale
+            if zero is not None:
+                del self.weight_zero
+            self.weight = QuantizedWeight.pack(codes.data, scale.data, None if zero is None else zero.data)
+            return
         weight = packed(self.weight)
         if weight is not None:
             self.weight = nn.Parameter(weight, requires_grad=False)
+
+
+def _same_dtype(loader):
+    """``loader`` refusing a tensor of another dtype than its parameter (codes are never cast from floats)."""
+
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> tuple:
+        if param.dtype.is_floating_point != loaded.dtype.is_floating_point or (
+            not param.dtype.is_floating_point and loaded.dtype != param.dtype
+        ):
+            raise ValueError(f"dtype {loaded.dtype} in the checkpoint, the quantized layer holds {param.dtype}")
+        return loader(param, loaded, shard_id)
+
+    return load
 
 
 class ReplicatedLinear(LinearBase):
@@ -243,7 +305,8 @@ class RowParallelLinear(LinearBase):
         return y if self.bias is None else y + self.bias
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> tuple:
-        check_shape(loaded, (param.shape[0], self.in_features))
+        # A quantized layer's scales have a column per group: the same split.
         n = param.shape[1]
+        check_shape(loaded, (param.shape[0], n * self.tp.size))
         param.copy_(loaded.narrow(1, self.tp.rank * n, n))
         return (None,)

@@ -1,0 +1,95 @@
+"""Loading a model with weight-only quantized linear layers: which layers, and the checkpoint tensors that fill them.
+
+``--quantization int8|int4`` quantizes a float checkpoint's linear weights
+round-to-nearest as they stream in (one float tensor at a time, before the
+weight loader shards it); ``gguf`` reads a GGUF file's quantized weights as
+they are (``gguf_loader``). The MoE router (a ``ReplicatedLinear``), the
+experts, the embeddings and the LM head stay in the model dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+
+from pipeline.common.config import QuantizationConfig
+from pipeline.gpu_worker.layers.linear import LinearBase, ReplicatedLinear, RowParallelLinear
+from pipeline.gpu_worker.layers.quant import QuantizedWeight, quantize_rtn
+from pipeline.gpu_worker.models.base import CausalLM, CheckpointError
+
+# Group size of --quantization int4 when --quantization-group-size is not given (int8 is per-channel then).
+DEFAULT_INT4_GROUP = 128
+
+
+def prepare_layers(model: CausalLM, quant: QuantizationConfig) -> None:
+    """Switch the layers this quantization covers to codes and scales (``LinearBase.quantize``), before loading.
+
+    Raises:
+        CheckpointError: a group size that does not divide a layer's input width (naming the layer).
+    """
+    if quant.method == "gguf":
+        from pipeline.gpu_worker.models.gguf_loader import layer_quantization
+
+        layers = layer_quantization(Path(quant.gguf_file), model)
+    elif quant.method in ("int8", "int4"):
+        bits = int(quant.method[3:])
+        group = quant.group_size or (DEFAULT_INT4_GROUP if bits == 4 else None)
+        layers = {name: (bits, group) for name, m in _linears(model)}
+    else:
+        return
+    modules = dict(model.named_modules())
+    for name, (bits, group) in layers.items():
+        try:
+            modules[name].quantize(bits, group)
+        except ValueError as e:
+            raise CheckpointError(f"{name}: {e}; pass --quantization-group-size with one that does") from None
+
+
+def checkpoint_tensors(
+    model: CausalLM,
+    quant: QuantizationConfig,
+    float_weights: Iterable[tuple[str, torch.Tensor]],
+    shapes_only: bool = False,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint tensors ``model.load_weights`` takes for a model ``prepare`` switched, given the float
+    checkpoint's (unread for ``gguf``)."""
+    if quant.method == "gguf":
+        from pipeline.gpu_worker.models.gguf_loader import read_gguf
+
+        yield from read_gguf(Path(quant.gguf_file), model, shapes_only)
+        return
+    modules = dict(model.named_modules())
+    for name, tensor in float_weights:
+        target = model.parameter_of(name)
+        layer = modules.get(target[0].removesuffix(".weight")) if target and target[0].endswith(".weight") else None
+        if getattr(layer, "quant_bits", None) is None or not tensor.is_floating_point():
+            yield name, tensor
+            continue
+        # The layer's group counts this rank's columns; a row-parallel layer's full tensor has tp times more.
+        groups = layer.weight_scale.shape[1] * (layer.tp.size if isinstance(layer, RowParallelLinear) else 1)
+        codes, scale, zero = quantize_rtn(tensor, layer.quant_bits, tensor.shape[1] // groups)
+        yield name, codes
+        yield name + "_scale", scale
+        if zero is not None:
+            yield name + "_zero", zero
+
+
+def _linears(model: CausalLM) -> Iterator[tuple[str, LinearBase]]:
+    for name, m in model.named_modules():
+        if isinstance(m, LinearBase) and not isinstance(m, ReplicatedLinear):
+            yield name, m
+
+
+def describe(model: CausalLM) -> str:
+    """One line for the log: how many linear layers are quantized, with which kernels, and their bytes."""
+    weights = [m.weight for _, m in _linears(model) if isinstance(m.weight, QuantizedWeight)]
+    if not weights:
+        return "linear weights: not quantized"
+    kinds: dict[str, int] = {}
+    for w in weights:
+        key = f"int{w.bits} group {w.group_size} ({w.kernel})"
+        kinds[key] = kinds.get(key, 0) + 1
+    mib = sum(w.nbytes() for w in weights) / 2**20
+    return f"linear weights: {', '.join(f'{n} x {k}' for k, n in kinds.items())}, {mib:.1f} MiB"

@@ -1,0 +1,183 @@
+"""Decode tokens/s and resident memory of quantized linear weights against float ones, on the bare model.
+
+Writes a random Llama checkpoint in bfloat16 (Llama-3.2-1B's layer shape by
+default: hidden 2048, MLP 8192, 32 query and 8 KV heads; fewer layers and a
+smaller vocabulary than the real model so that a 2-core machine finishes,
+see the flags), then for each format
+
+- ``float32`` and ``bfloat16``: ``--quantization none`` in that dtype;
+- ``int8``: per-channel, ``int4``: groups of 128, both quantized at load time,
+  in a bfloat16 model (embeddings, LM head, activations; the weight-only
+  kernels compute in bfloat16 whatever the model dtype), and int4 in a
+  float32 model (the CPU's default ``--dtype``);
+
+reports the resident memory a fresh process gains by loading it (``VmRSS``
+after minus before, imports done), and the decode tokens/s of one step of B
+rows, each at ``--context`` tokens of context, for each batch size B. Every
+format is loaded in this one process and the measurements interleave: each
+round runs every (batch, format) pair once, in turn, so load from other
+programs falls on all formats alike; the figure is each pair's best round.
+With ``--smollm`` the default model is measured the same way: its GGUF
+file's Q4_1 weights as they are (``auto``) against the float32 expansion
+(``none``).
+
+    python scripts/bench_quantized.py                              # 4 layers of Llama-3.2-1B's shape
+    python scripts/bench_quantized.py --layers 16 --vocab 128256   # the whole 1B shape (slow on 2 cores)
+    python scripts/bench_quantized.py --smollm --batches 1,8,32,64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+
+FORMATS = {
+    "float32": ("float32", {}),
+    "bfloat16": ("bfloat16", {}),
+    "int8": ("bfloat16", {"method": "int8"}),
+    "int4": ("bfloat16", {"method": "int4", "group_size": 128}),
+    "int4, float32 model": ("float32", {"method": "int4", "group_size": 128}),
+}
+BLOCK_SIZE = 16
+
+
+def load(model_dir: str, dtype_name: str, quant: dict):
+    import torch
+
+    from pipeline.common.config import QuantizationConfig
+    from pipeline.gpu_worker.models.loader import load_model
+
+    return load_model(
+        model_dir, getattr(torch, dtype_name), torch.device("cpu"), quantization=QuantizationConfig(**quant)
+    )
+
+
+def child_memory(model_dir: str, dtype_name: str, quant: str) -> None:
+    """Load one format in this fresh process; print the resident bytes it added, as JSON."""
+    import transformers
+    from bench_loader import _status_bytes
+
+    transformers.AutoConfig.from_pretrained(model_dir)  # the imports load_model makes are not the weights'
+    before = _status_bytes("VmRSS")
+    model = load(model_dir, dtype_name, json.loads(quant))
+    print(json.dumps({"rss_bytes": _status_bytes("VmRSS") - before, "params": len(list(model.parameters()))}))
+
+
+def decode_seconds(model, dtype, batch: int, context: int, steps: int) -> float:
+    """Seconds of ``steps`` decode steps of ``batch`` rows at ``context`` tokens each (after one warm-up)."""
+    import torch
+
+    blocks_per_seq = -(-(context + steps + 1) // BLOCK_SIZE)
+    caches = model.allocate_kv_caches(batch * blocks_per_seq, BLOCK_SIZE, dtype, torch.device("cpu"))
+    table = torch.arange(batch * blocks_per_seq).reshape(batch, blocks_per_seq)
+    ids = torch.randint(0, model.config.vocab_size, (batch,))
+    ones = torch.ones(batch, dtype=torch.long)
+
+    def step(pos: int) -> None:
+        meta = model.attn_backend.build_from_rows(ones, torch.full((batch,), pos), table, BLOCK_SIZE)
+        with torch.inference_mode():
+            model.compute_logits(model(ids, meta.positions, meta, caches))
+
+    step(context)
+    t0 = time.perf_counter()
+    for i in range(steps):
+        step(context + 1 + i)
+    return time.perf_counter() - t0
+
+
+def interleaved(models: dict, batches: list[int], args) -> dict[tuple[str, int], float]:
+    """Best decode tokens/s of each (format, batch) over ``args.rounds`` interleaved rounds."""
+    best: dict[tuple[str, int], float] = {}
+    for r in range(args.rounds):
+        for batch in batches:
+            for name, (model, dtype) in models.items():
+                tps = batch * args.steps / decode_seconds(model, dtype, batch, args.context, args.steps)
+                best[name, batch] = max(best.get((name, batch), 0.0), tps)
+        print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+    return best
+
+
+def memory(model_dir: str, formats: dict) -> dict[str, float]:
+    """MiB each format's load adds to a fresh process."""
+    out = {}
+    for name, (dtype_name, quant) in formats.items():
+        cmd = [sys.executable, __file__, "--child-memory", model_dir, dtype_name, json.dumps(quant)]
+        line = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=REPO).stdout.splitlines()[-1]
+        out[name] = json.loads(line)["rss_bytes"] / 2**20
+    return out
+
+
+def table(title: str, best: dict, mib: dict, batches: list[int]) -> None:
+    names = list(mib)
+    print(f"\n{title}\n")
+    print("| format | resident MiB | " + " | ".join(f"tok/s B={b}" for b in batches) + " |")
+    print("| --- | --- | " + " | ".join("---" for _ in batches) + " |")
+    for name in names:
+        cells = " | ".join(f"{best[name, b]:.1f}" for b in batches)
+        print(f"| {name} | {mib[name]:.0f} | {cells} |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--intermediate", type=int, default=8192)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--batches", default="1,8,32,64", help="decode batch sizes, comma-separated")
+    p.add_argument("--context", type=int, default=128, help="tokens of context of every row")
+    p.add_argument("--steps", type=int, default=4, help="decode steps timed per measurement")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds; each pair's best counts")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--smollm", action="store_true", help="also the default model: Q4_1 as it ships vs float32")
+    p.add_argument("--child-memory", nargs=3, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child_memory:
+        child_memory(*args.child_memory)
+        return
+    import torch
+    from bench_loader import write_checkpoint
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    batches = [int(b) for b in args.batches.split(",")]
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu {torch.backends.cpu.get_cpu_capability()}"
+    )
+    with tempfile.TemporaryDirectory() as d:
+        args.checkpoint_dtype, args.shard_gb = "bfloat16", 2.0
+        n = write_checkpoint(Path(d), args)
+        print(f"random Llama: {n / 1e6:.0f} M parameters, {args.layers} layers of hidden {args.hidden}")
+        mib = memory(d, FORMATS)
+        models = {name: (load(d, dt, q), getattr(torch, dt)) for name, (dt, q) in FORMATS.items()}
+        best = interleaved(models, batches, args)
+        del models
+        table(
+            f"Llama-3.2-1B-shaped, {args.layers} layers, vocab {args.vocab}, context {args.context}", best, mib, batches
+        )
+    if args.smollm:
+        from pipeline.common.model_files import convert_gguf, default_model_path
+
+        gguf = default_model_path()
+        smol = {
+            "Q4_1 (auto)": ("float32", {"method": "gguf", "gguf_file": str(gguf)}),
+            "float32 (none)": ("float32", {}),
+        }
+        model_dir = str(convert_gguf(gguf))
+        mib = memory(model_dir, smol)
+        models = {name: (load(model_dir, dt, q), getattr(torch, dt)) for name, (dt, q) in smol.items()}
+        best = interleaved(models, batches, args)
+        table(f"SmolLM2-135M-Instruct, context {args.context}", best, mib, batches)
+
+
+if __name__ == "__main__":
+    main()

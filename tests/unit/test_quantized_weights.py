@@ -1,0 +1,359 @@
+"""Weight-only quantized linear weights: each format's dequantization against its reference, each kernel against
+``x @ dequant(W).T``, tiny models per format against the same model in float, and the start-up refusals."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+import transformers
+from gguf import GGMLQuantizationType as GGML
+from safetensors.torch import save_file
+
+from pipeline.common.config import QuantizationConfig
+from pipeline.common.gguf_layout import hf_name
+from pipeline.common.model_files import read_model_config, resolve_quantization
+from pipeline.gpu_worker.layers import quant
+from pipeline.gpu_worker.layers.linear import LinearBase, ReplicatedLinear
+from pipeline.gpu_worker.layers.quant import QuantizedWeight, dequantize, quantize_rtn
+from pipeline.gpu_worker.layers.tp import TPGroup
+from pipeline.gpu_worker.models.base import CheckpointError
+from pipeline.gpu_worker.models.gguf_loader import _decode
+from pipeline.gpu_worker.models.loader import load_model
+from tests.e2e.test_model import BLOCK_SIZE, run_step, shuffled_block_tables, tiny_config
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize(("bits", "group"), [(4, 32), (4, 64), (4, 128), (8, 32), (8, 256)])
+def test_round_to_nearest_is_within_half_a_step(bits, group):
+    torch.manual_seed(0)
+    w = torch.randn(48, 256) * 0.05
+    codes, scale, zero = quantize_rtn(w, bits, group)
+    assert codes.dtype == (torch.uint8 if bits == 4 else torch.int8) and scale.shape == (48, 256 // group)
+    assert (zero is None) == (bits == 8)
+    lo, hi = (0, 15) if bits == 4 else (-128, 127)
+    assert lo <= int(codes.min()) and int(codes.max()) <= hi
+    step = scale.repeat_interleave(group, dim=1)
+    assert bool(((dequantize(codes, scale, zero) - w).abs() <= step / 2 + 1e-6).all())
+
+
+# (bits, group, dtype) -> the kernel torch runs and the tolerance of its result against x @ dequant(W).T in
+# float64, relative to the result's largest magnitude: the weight-only kernels round the activations, the
+# scales and the output to bfloat16 (8 significant bits) whatever the dtype; the dequantizing fallback is
+# a matmul in the activation dtype.
+BF16 = 1e-2
+KERNELS = [
+    (4, 32, torch.float32, "int4_cpu", BF16),
+    (4, 128, torch.float32, "int4_cpu", BF16),
+    (4, 128, torch.bfloat16, "int4_cpu", BF16),
+    (8, None, torch.float32, "int8", BF16),
+    (8, None, torch.bfloat16, "int8", BF16),
+    (8, 32, torch.float32, "dequantize", 1e-5),
+    (4, 48, torch.float32, "dequantize", 1e-5),
+    (4, 48, torch.bfloat16, "dequantize", BF16),
+]
+
+
+@pytest.mark.parametrize(("bits", "group", "dtype", "kernel", "tol"), KERNELS)
+def test_each_kernel_multiplies_by_the_dequantized_weight(bits, group, dtype, kernel, tol):
+    torch.manual_seed(1)
+    w = torch.randn(96, 384) * 0.05
+    codes, scale, zero = quantize_rtn(w, bits, group or 384)
+    weight = QuantizedWeight.pack(codes, scale, zero)
+    assert weight.kernel == kernel and weight.shape == (96, 384)
+    exact_w = dequantize(codes, scale, zero, torch.float64)
+    for rows in (1, 7, 33):
+        x = torch.randn(rows, 384).to(dtype)
+        with torch.inference_mode():
+            y = weight(x)
+        assert y.shape == (rows, 96) and y.dtype == dtype
+        exact = x.double() @ exact_w.T
+        assert float((y.double() - exact).abs().max()) <= tol * float(exact.abs().max())
+    # Each weight as the kernel sees it: scale and zero rounded to bfloat16, then the weight (each a relative
+    # 2^-9), so the error is bounded by (|w| + 8 |scale| + |zero|) 2^-8 in its group.
+    terms = 8 * scale.double().abs() + (0 if zero is None else zero.double().abs())
+    bound = (exact_w.abs() + terms.repeat_interleave(exact_w.shape[1] // scale.shape[1], dim=1)) * 2**-8
+    assert bool(((weight.dequantized(torch.float64) - exact_w).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_decode_to_gguf_dequantize(kind):
+    x = np.random.default_rng(2).standard_normal((24, 256)).astype(np.float32)
+    qtype = GGML[kind]
+    raw = gguf.quants.quantize(x, qtype)
+    reference = torch.from_numpy(gguf.quants.dequantize(raw, qtype))
+    parts = _decode(kind, torch.from_numpy(raw))
+    codes, scale = parts[:2]
+    zero = parts[2] if len(parts) == 3 else None
+    assert codes.shape == (24, 256) and scale.shape == (24, 8)
+    ours = dequantize(codes, scale, zero)
+    if kind == "Q4_1":
+        # (q - 8) d + (m + 8 d) against d q + m: the rounding of two float32 sums of terms of |m| + 15 |d|.
+        bound = (zero.abs() + 8 * scale.abs()).repeat_interleave(32, dim=1) * 2**-22
+        assert bool(((ours - reference).abs() <= bound).all())
+    else:
+        assert torch.equal(ours, reference)
+
+
+# Tiny models, per format: the quantized model's greedy tokens equal those of the same model with its
+# linear weights replaced by their dequantized values in float32; its logits, to float rounding.
+GGUF_NAMES = {hf_name(n): n for n in ["token_embd.weight", "output_norm.weight"]} | {
+    hf_name(f"blk.{i}.{part}.weight"): f"blk.{i}.{part}.weight"
+    for i in range(2)
+    for part in ["attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]
+}
+
+
+@pytest.fixture(scope="module")
+def float_dir(tmp_path_factory) -> Path:
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-float")
+    config = tiny_config(tie_word_embeddings=True, initializer_range=0.2)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def _state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(model_dir / "model.safetensors")
+
+
+def _is_linear(name: str) -> bool:
+    return name.startswith("model.layers.") and name.endswith("_proj.weight")
+
+
+def _write_float(model_dir: Path, out: Path, tensors: dict[str, torch.Tensor]) -> Path:
+    out.mkdir()
+    shutil.copy(model_dir / "config.json", out / "config.json")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, out / "model.safetensors")
+    return out
+
+
+def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's converter's rotary permutation of a query or key projection's rows."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(float_dir: Path, path: Path, kind: str, linear_kinds: dict[str, str] | None = None) -> Path:
+    """The float checkpoint as a GGUF file, linear weights as ``kind`` (or ``linear_kinds[gguf name]``);
+    returns the float directory of the same weights as llama.cpp would dequantize them."""
+    config = json.loads((float_dir / "config.json").read_text())
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    writer = gguf.GGUFWriter(path, "llama")
+    dequantized = {}
+    for name, tensor in _state_dict(float_dir).items():
+        gname = GGUF_NAMES[name]
+        data = tensor.numpy()
+        if not _is_linear(name):
+            writer.add_tensor(gname, data)
+            dequantized[name] = tensor
+            continue
+        n_heads = heads.get(gname.split(".")[2])
+        if n_heads is not None:
+            data = _permute(data, n_heads)
+        qtype = GGML[(linear_kinds or {}).get(gname, kind)]
+        raw = gguf.quants.quantize(data, qtype)
+        writer.add_tensor(gname, raw, raw_dtype=qtype)
+        back = gguf.quants.dequantize(raw, qtype)
+        if n_heads is not None:  # transformers' reverse_permute
+            back = back.reshape(n_heads, back.shape[0] // n_heads // 2, 2, -1).swapaxes(1, 2).reshape(back.shape)
+        dequantized[name] = torch.from_numpy(np.ascontiguousarray(back))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return _write_float(float_dir, path.with_suffix(".float"), dequantized)
+
+
+def rtn_float_dir(float_dir: Path, out: Path, bits: int, group: int | None) -> Path:
+    """The float checkpoint with its linear weights replaced by their round-to-nearest dequantization."""
+    tensors = _state_dict(float_dir)
+    for name, w in tensors.items():
+        if _is_linear(name):
+            tensors[name] = dequantize(*quantize_rtn(w, bits, group or w.shape[1]))
+    return _write_float(float_dir, out, tensors)
+
+
+def greedy(model, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], torch.Tensor]:
+    """Each prompt's greedy continuation (prefill, then one token a step), and the first step's logits."""
+    num_blocks, tables = shuffled_block_tables(len(prompts), blocks_per_seq=3, seed=4)
+    kv = model.allocate_kv_caches(num_blocks, BLOCK_SIZE, torch.float32, CPU)
+    tokens = [list(p) for p in prompts]
+    first = run_step(model, kv, [(i, 0, p) for i, p in enumerate(prompts)], tables)
+    for seq, row in enumerate(first):
+        tokens[seq].append(int(row.argmax()))
+    for _ in range(new_tokens - 1):
+        chunks = [(seq, len(t) - 1, t[-1:]) for seq, t in enumerate(tokens)]
+        for seq, row in enumerate(run_step(model, kv, chunks, tables)):
+            tokens[seq].append(int(row.argmax()))
+    return tokens, first
+
+
+@contextlib.contextmanager
+def exact_kernels():
+    """Weights packed meanwhile run their weight-only kernels in float32 (to float32 rounding)."""
+    saved, quant.KERNEL_DTYPE = quant.KERNEL_DTYPE, torch.float32
+    try:
+        yield
+    finally:
+        quant.KERNEL_DTYPE = saved
+
+
+PROMPTS = [[5, 77, 300, 2, 41], [400, 12, 9, 9, 250, 131, 7, 60]]
+FORMATS = {
+    # name -> (QuantizationConfig fields, GGUF type or (bits, group) of round-to-nearest, kernel, bits)
+    "int4 g32": ({"method": "int4", "group_size": 32}, (4, 32), "int4_cpu"),
+    "int4 g64": ({"method": "int4", "group_size": 64}, (4, 64), "int4_cpu"),
+    "int8 per-channel": ({"method": "int8"}, (8, None), "int8"),
+    "int8 g32": ({"method": "int8", "group_size": 32}, (8, 32), "dequantize"),
+    "gguf Q4_0": ({"method": "gguf"}, "Q4_0", "int4_cpu"),
+    "gguf Q4_1": ({"method": "gguf"}, "Q4_1", "int4_cpu"),
+    "gguf Q8_0": ({"method": "gguf"}, "Q8_0", "dequantize"),
+}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_quantized_tiny_model_decodes_as_its_dequantized_float_twin(fmt, float_dir, tmp_path):
+    fields, source, kernel = FORMATS[fmt]
+    if isinstance(source, str):
+        reference_dir = write_gguf(float_dir, tmp_path / "m.gguf", source)
+        fields = {**fields, "gguf_file": str(tmp_path / "m.gguf")}
+    else:
+        reference_dir = rtn_float_dir(float_dir, tmp_path / "rtn", *source)
+    quant = QuantizationConfig(**fields)
+    reference = load_model(reference_dir, torch.float32, CPU)
+    theirs, their_logits = greedy(reference, PROMPTS, 12)
+    # The kernels in float32: the same tokens, logits to float32 rounding.
+    with exact_kernels():
+        model = load_model(float_dir, torch.float32, CPU, quantization=quant)
+    linears = [m for m in model.modules() if isinstance(m, LinearBase) and not isinstance(m, ReplicatedLinear)]
+    assert len(linears) == 8 and all(isinstance(m.weight, QuantizedWeight) for m in linears)
+    assert {m.weight.kernel for m in linears} == {kernel}
+    ours, ours_logits = greedy(model, PROMPTS, 12)
+    assert ours == theirs
+    torch.testing.assert_close(ours_logits, their_logits, rtol=0, atol=1e-4)
+    # As served, in bfloat16 (the random model's logits are too flat for the same tokens): the logits of the
+    # prompts within 3 % of their largest magnitude.
+    served = load_model(float_dir, torch.float32, CPU, quantization=quant)
+    _, served_logits = greedy(served, PROMPTS, 1)
+    assert float((served_logits - their_logits).abs().max()) <= 0.03 * float(their_logits.abs().max())
+
+
+def test_a_group_size_that_does_not_divide_a_layer_is_refused_naming_it(float_dir):
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.self_attn\.qkv_proj: .*group size 48 .*width 64"):
+        load_model(float_dir, torch.float32, CPU, quantization=QuantizationConfig("int4", group_size=48))
+
+
+def test_a_truncated_gguf_file_is_refused_naming_it(float_dir, tmp_path):
+    path = tmp_path / "m.gguf"
+    write_gguf(float_dir, path, "Q4_1")
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 100])
+    # gguf-py's reader does not say which tensor runs past the end: the message names the file.
+    with pytest.raises(CheckpointError, match=r"^m\.gguf: not a readable GGUF file, truncated or corrupt \("):
+        load_model(float_dir, torch.float32, CPU, quantization=QuantizationConfig("gguf", gguf_file=str(path)))
+
+
+def test_a_gguf_type_not_kept_quantized_is_refused_naming_the_tensor(float_dir, tmp_path):
+    path = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    # One Q4_K super-block (144 bytes, 256 weights) per row: the bytes are never read.
+    writer.add_tensor("blk.0.ffn_down.weight", np.zeros((64, 144), np.uint8), raw_dtype=GGML.Q4_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(CheckpointError, match=r"tensor blk\.0\.ffn_down\.weight is Q4_K.*--quantization none"):
+        load_model(float_dir, torch.float32, CPU, quantization=QuantizationConfig("gguf", gguf_file=str(path)))
+
+
+def test_gguf_layers_of_one_fused_projection_in_different_types_are_refused(float_dir, tmp_path):
+    path = tmp_path / "m.gguf"
+    write_gguf(float_dir, path, "Q4_1", {"blk.0.attn_k.weight": "Q8_0"})
+    with pytest.raises(
+        CheckpointError,
+        match=r"tensors blk\.0\.attn_k\.weight and blk\.0\.attn_q\.weight fill one layer, "
+        r"model\.layers\.0\.self_attn\.qkv_proj, in different quantized types",
+    ):
+        load_model(float_dir, torch.float32, CPU, quantization=QuantizationConfig("gguf", gguf_file=str(path)))
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq", "compressed-tensors", "fp8"])
+def test_a_quantization_config_method_not_loaded_is_refused_naming_it(float_dir, tmp_path, method):
+    quantized = tmp_path / "q"
+    shutil.copytree(float_dir, quantized)
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": method, "bits": 4, "group_size": 128}
+    (quantized / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=f"config.json: quantization_config method '{method}' is not loaded yet"):
+        read_model_config(quantized)
+
+
+def test_auto_keeps_a_llama_gguf_quantized_and_a_float_checkpoint_float(float_dir, tmp_path):
+    config = read_model_config(float_dir)
+    gguf_file = tmp_path / "m.gguf"
+    assert resolve_quantization("auto", None, str(gguf_file), float_dir, config) == QuantizationConfig(
+        "gguf", gguf_file=str(gguf_file.resolve())
+    )
+    assert resolve_quantization("none", None, str(gguf_file), float_dir, config) == QuantizationConfig()
+    assert resolve_quantization("auto", None, str(float_dir), float_dir, config) == QuantizationConfig()
+    assert resolve_quantization("int4", 64, str(float_dir), float_dir, config) == QuantizationConfig("int4", 64)
+    with pytest.raises(ValueError, match="--quantization-group-size takes a positive size"):
+        resolve_quantization("auto", 64, str(float_dir), float_dir, config)
+
+
+def _sharded_greedy(rank: int, size: int, model_dir: str, quants: list[QuantizationConfig], out_dir: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=size)
+    tp = TPGroup(rank, size, dist.group.WORLD)
+    with exact_kernels():
+        models = [load_model(model_dir, torch.float32, CPU, tp=tp, quantization=q) for q in quants]
+    results = [greedy(model, PROMPTS, 8) for model in models]
+    torch.save(results, f"{out_dir}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_two_tensor_parallel_ranks_decode_as_one(float_dir, tmp_path):
+    """Codes and group scales are sharded from full tensors: two gloo ranks give one rank's greedy tokens,
+    for int4 quantized at load time and for GGUF Q4_1 (kernels in float32: in bfloat16 each rank's partial
+    sum is rounded before the all-reduce, which a random model's flat logits do not survive).
+
+    (int8 per-channel is left out: under tensor parallelism a row-parallel layer's channel is the rank's
+    slice of the row, so its scales differ from one rank's.)"""
+    write_gguf(float_dir, tmp_path / "m.gguf", "Q4_1")
+    quants = [QuantizationConfig("int4", group_size=32), QuantizationConfig("gguf", gguf_file=str(tmp_path / "m.gguf"))]
+    with exact_kernels():
+        models = [load_model(float_dir, torch.float32, CPU, quantization=q) for q in quants]
+    single = [greedy(model, PROMPTS, 8) for model in models]
+    mp.spawn(_sharded_greedy, args=(2, str(float_dir), quants, str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        for (rank_tokens, rank_logits), (tokens, logits) in zip(torch.load(tmp_path / f"rank{rank}.pt"), single):
+            assert rank_tokens == tokens
+            torch.testing.assert_close(rank_logits, logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_quantized_layer_refuses_float_values_for_its_codes():
+    from pipeline.gpu_worker.layers.linear import QKVParallelLinear
+
+    layer = QKVParallelLinear(64, 16, 4, 2, bias=False)
+    layer.quantize(4, 32)
+    assert layer.weight.dtype == torch.uint8 and layer.weight_scale.shape == (128, 2)
+    with pytest.raises(
+        ValueError, match=r"dtype torch\.float32 in the checkpoint, the quantized layer holds torch\.uint8"
+    ):
+        layer.weight.weight_loader(layer.weight, torch.zeros(64, 64), "q")
+    with pytest.raises(
+        ValueError, match=r"dtype torch\.int8 in the checkpoint, the quantized layer holds torch\.uint8"
+    ):
+        layer.weight.weight_loader(layer.weight, torch.zeros(64, 64, dtype=torch.int8), "q")
+    assert layer.weight.weight_loader(layer.weight, torch.zeros(64, 64, dtype=torch.uint8), "q") == ("q",)
