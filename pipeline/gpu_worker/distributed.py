@@ -19,6 +19,7 @@ readers (``DescriptorRelay``).
 from __future__ import annotations
 
 import fcntl
+import functools
 import logging
 import os
 import socket
@@ -26,7 +27,6 @@ import struct
 import time
 from datetime import timedelta
 
-import msgspec
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -62,17 +62,17 @@ _STOP_STEP_ID = -2
 _SHARED_FIELDS = (
     "dtype",
     "device",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "block_size",
+    "scheduler.max_num_seqs",
+    "scheduler.max_num_batched_tokens",
+    "scheduler.block_size",
     "max_model_len",
     "num_kv_blocks",
     "vocab_size",
-    "debug_token_cache_poison",
-    "sim_step_us",
-    "sim_token_us",
-    "tensor_parallel_size",
-    "nnodes",
+    "worker.debug_token_cache_poison",
+    "worker.sim_step_us",
+    "worker.sim_token_us",
+    "parallel.tensor_parallel_size",
+    "parallel.nnodes",
 )
 
 
@@ -196,7 +196,7 @@ def init_tensor_parallel(config: EngineConfig, rank: int) -> tuple[TPGroup, Desc
     """Join the engine's process group as ``rank``; returns once every rank has joined.
 
     On CUDA, the rank takes device ``config.device_index(rank)``. With
-    ``config.nnodes > 1`` every rank also joins the relay group; rank 0 and
+    ``config.parallel.nnodes > 1`` every rank also joins the relay group; rank 0 and
     the ranks on other nodes get a ``DescriptorRelay`` (the head's other
     ranks read the ring and get None), after checking that every node was
     started with the head's settings.
@@ -210,18 +210,22 @@ def init_tensor_parallel(config: EngineConfig, rank: int) -> tuple[TPGroup, Desc
         torch.cuda.set_device(config.device_index(rank))
         backend = "nccl"
     try:
-        bind_sockets_to("127.0.0.1" if config.nnodes == 1 else _route_source(config.master_addr, config.master_port))
+        bind_sockets_to(
+            "127.0.0.1"
+            if config.parallel.nnodes == 1
+            else _route_source(config.parallel.master_addr, config.parallel.master_port)
+        )
     except OSError as e:  # an IPv6 or unresolvable --master-addr: gloo and NCCL keep their own choice
-        log.warning("cannot tell this node's address towards %s (%s)", config.master_addr, e)
-    world = config.tensor_parallel_size
-    if config.nnodes == 1:
+        log.warning("cannot tell this node's address towards %s (%s)", config.parallel.master_addr, e)
+    world = config.parallel.tensor_parallel_size
+    if config.parallel.nnodes == 1:
         dist.init_process_group(backend, init_method=config.tp_init_method, rank=rank, world_size=world)
     else:
         dist.init_process_group(backend, store=_tcp_store(config, rank), rank=rank, world_size=world)
-    tp = TPGroup(rank, config.tensor_parallel_size, dist.group.WORLD)
-    if config.nnodes == 1:
+    tp = TPGroup(rank, config.parallel.tensor_parallel_size, dist.group.WORLD)
+    if config.parallel.nnodes == 1:
         return tp, None
-    members = [0, *range(config.ranks_per_node, config.tensor_parallel_size)]
+    members = [0, *range(config.ranks_per_node, config.parallel.tensor_parallel_size)]
     # Every rank must take part in creating a group, members or not. One
     # relay message may take gloo's default timeout (30 minutes) to come:
     # rank 0's heartbeats keep an idle wait to about a second, and a dead
@@ -235,12 +239,14 @@ def init_tensor_parallel(config: EngineConfig, rank: int) -> tuple[TPGroup, Desc
 
 def _check_same_settings(config: EngineConfig, group: dist.ProcessGroup, size: int) -> None:
     """Compare every relay member's ``_SHARED_FIELDS`` with the head's; raise on all members if any differs."""
-    mine = {k: v for k, v in msgspec.structs.asdict(config).items() if k in _SHARED_FIELDS}
+    mine = {k: functools.reduce(getattr, k.split("."), config) for k in _SHARED_FIELDS}
     head = [mine]
     dist.broadcast_object_list(head, 0, group=group)
     diff = [f"{k}={mine[k]!r} (head: {v!r})" for k, v in head[0].items() if mine[k] != v]
     complaints: list[str] = [""] * size
-    dist.all_gather_object(complaints, f"node {config.node_rank}: {', '.join(diff)}" if diff else "", group=group)
+    dist.all_gather_object(
+        complaints, f"node {config.parallel.node_rank}: {', '.join(diff)}" if diff else "", group=group
+    )
     if bad := [c for c in complaints if c]:
         raise ValueError(
             "the nodes were started with different settings: "
@@ -293,7 +299,7 @@ def _tcp_store(config: EngineConfig, rank: int) -> dist.TCPStore:
     torch's own server would listen on every address of the head; this one
     is handed a socket bound to the address given.
     """
-    host, port, world = config.master_addr, config.master_port, config.tensor_parallel_size
+    host, port, world = config.parallel.master_addr, config.parallel.master_port, config.parallel.tensor_parallel_size
     timeout = dist.constants.default_pg_timeout
     if rank != 0:
         return dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
