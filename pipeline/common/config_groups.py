@@ -120,7 +120,7 @@ class HttpConfig(msgspec.Struct, frozen=True):
         int,
         flag("Largest HTTP request body accepted; a larger one gets 413 before it is parsed.", check=positive),
     ] = 4 * 2**20
-    http_header_timeout_s: Annotated[
+    header_timeout_s: Annotated[
         float,
         flag(
             "Seconds a client has to send a request's headers; then the connection is closed.",
@@ -128,7 +128,7 @@ class HttpConfig(msgspec.Struct, frozen=True):
             check=positive,
         ),
     ] = 10.0
-    http_body_timeout_s: Annotated[
+    body_timeout_s: Annotated[
         float,
         flag(
             "Seconds a client has to send a request's body once its headers are in; then 408.",

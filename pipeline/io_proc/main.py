@@ -128,19 +128,18 @@ class IoProc:
         # Warnings any client can trigger at will, one line per request otherwise.
         for message in ("Exceeded concurrency limit.", "Invalid HTTP request received."):
             logging.getLogger("uvicorn.error").addFilter(OncePerInterval(message, _REPEATED_WARNING_S))
+        access_log = not config.observability.disable_uvicorn_access_log
         server_config = uvicorn.Config(
             app,
             host=config.http.host,
             port=config.http.port,
             log_level="warning",
-            access_log=not config.observability.disable_uvicorn_access_log,
+            access_log=access_log,
             timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S,
             limit_concurrency=config.http.limit_concurrency,
-            http=guarded_h11_protocol(config.http.http_header_timeout_s, config.http.http_body_timeout_s),
+            http=guarded_h11_protocol(config.http.header_timeout_s, config.http.body_timeout_s),
         )
-        if (
-            not config.observability.disable_uvicorn_access_log
-        ):  # uvicorn's own start-up chatter stays at "warning"; its access lines show
+        if access_log:  # uvicorn's own start-up chatter stays at "warning"; its access lines show
             logging.getLogger("uvicorn.access").setLevel(logging.INFO)
         self.server = _Server(server_config)
 

@@ -299,14 +299,11 @@ class SchedulerProc:
                 self._oldest_since = time.monotonic()
                 return
             waited = time.monotonic() - self._oldest_since
-            if (
-                self.config.observability.step_timeout_s
-                and waited > self.config.observability.step_timeout_s
-                and not self._io_proc_hung()
-            ):
+            timeout = self.config.observability.step_timeout_s
+            if timeout and waited > timeout and not self._io_proc_hung():
                 raise StepTimeout(
                     f"step {self.inflight[0]} has produced no output for {waited:.1f} s "
-                    f"(--step-timeout {self.config.observability.step_timeout_s:g}): the worker is hung"
+                    f"(--step-timeout {timeout:g}): the worker is hung"
                 ) from None
             return
         t0 = time.monotonic_ns()

@@ -37,8 +37,8 @@ def guarded(request, tmp_path_factory):
         log=log,
         config={
             "http": {
-                "http_header_timeout_s": HEADER_TIMEOUT_S,
-                "http_body_timeout_s": BODY_TIMEOUT_S,
+                "header_timeout_s": HEADER_TIMEOUT_S,
+                "body_timeout_s": BODY_TIMEOUT_S,
                 "limit_concurrency": LIMIT_CONCURRENCY,
                 "max_request_body_bytes": BODY_LIMIT,
             }
