@@ -239,7 +239,7 @@ def init_tensor_parallel(config: EngineConfig, rank: int) -> tuple[TPGroup, Desc
 
 def _check_same_settings(config: EngineConfig, group: dist.ProcessGroup, size: int) -> None:
     """Compare every relay member's ``_SHARED_FIELDS`` with the head's; raise on all members if any differs."""
-    mine = {k: functools.reduce(getattr, k.split("."), config) for k in _SHARED_FIELDS}
+    mine = {k.rpartition(".")[2]: functools.reduce(getattr, k.split("."), config) for k in _SHARED_FIELDS}
     head = [mine]
     dist.broadcast_object_list(head, 0, group=group)
     diff = [f"{k}={mine[k]!r} (head: {v!r})" for k, v in head[0].items() if mine[k] != v]
