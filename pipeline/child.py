@@ -42,7 +42,7 @@ def main(argv: list[str]) -> None:
         config = msgspec.json.decode(sys.stdin.buffer.read(), type=EngineConfig)
         role = {"gpu_worker": config.worker_role(rank), "scheduler": config.scheduler_role}.get(kind, kind)
         name_process(role)
-        pin_to_cpus(config.worker_cpus if kind == "gpu_worker" else config.frontend_cpus)
+        pin_to_cpus(config.parallel.worker_cpus if kind == "gpu_worker" else config.parallel.frontend_cpus)
         module, function = ENTRIES[kind]
         extra = {"rank": rank} if kind == "gpu_worker" else {}
         code = getattr(importlib.import_module(module), function)(config, status, stop, **extra)

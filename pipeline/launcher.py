@@ -224,7 +224,7 @@ class Launcher:
 
     def _check_heartbeats(self) -> None:
         """Watchdog: a child with a heartbeat older than ``--step-timeout`` is hung (docs/design.md, "Liveness")."""
-        timeout = self.config.step_timeout_s
+        timeout = self.config.observability.step_timeout_s
         if self.heartbeats is None or not timeout:
             return
         # A grace past the timeout at which /health turns 503: a load balancer's probe sees the 503
@@ -262,20 +262,20 @@ class Launcher:
         ready_printed = False
         try:
             self.start()
-            c = self.config
+            c, p = self.config, self.config.parallel
             if c.is_head:
                 print(
-                    f"pipeline-serve: serving {c.served_model_name!r} on http://{c.host}:{c.port} "
-                    f"(async scheduling {'on' if c.async_scheduling else 'off'}, "
+                    f"pipeline-serve: serving {c.served_model_name!r} on http://{c.http.host}:{c.http.port} "
+                    f"(async scheduling {'on' if c.scheduler.async_scheduling else 'off'}, "
                     f"{'simulated device' if c.is_simulated else c.device + ', ' + c.dtype}; "
                     f"ready in {time.monotonic() - t0:.1f} s)",
                     flush=True,
                 )
             else:
                 print(
-                    f"pipeline-serve: node {c.node_rank} of {c.nnodes} running tensor-parallel ranks "
-                    f"{c.local_ranks.start}-{c.local_ranks.stop - 1} of {c.tensor_parallel_size} for the head at "
-                    f"{c.master_addr}:{c.master_port} (ready in {time.monotonic() - t0:.1f} s)",
+                    f"pipeline-serve: node {p.node_rank} of {p.nnodes} running tensor-parallel ranks "
+                    f"{c.local_ranks.start}-{c.local_ranks.stop - 1} of {p.tensor_parallel_size} for the head at "
+                    f"{p.master_addr}:{p.master_port} (ready in {time.monotonic() - t0:.1f} s)",
                     flush=True,
                 )
             ready_printed = True
@@ -302,8 +302,10 @@ class Launcher:
         """Stop every process (SIGTERM, then SIGKILL after a grace period), then write traces and remove rings and
         sockets."""
         hung = {self._hung} if self._hung else set()
-        if self.heartbeats is not None and self.config.step_timeout_s:
-            hung.update(name for name, _ in self.heartbeats.stale(self.config.step_timeout_s, list(self.procs)))
+        if self.heartbeats is not None and self.config.observability.step_timeout_s:
+            hung.update(
+                name for name, _ in self.heartbeats.stale(self.config.observability.step_timeout_s, list(self.procs))
+            )
         for name in hung:  # a stopped or stuck process would only use up the grace period
             if self.procs[name].poll() is None:
                 self.procs[name].kill()
@@ -357,7 +359,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         args = build_parser().parse_args(argv)
         config = make_config(args)
-        launcher = Launcher(config, trace_file=args.trace, profile_dir=args.profile)
+        obs = config.observability
+        launcher = Launcher(config, trace_file=obs.trace_file or None, profile_dir=obs.profile or None)
         code = launcher.serve()  # which takes the signals over at once
     except _StartUpInterrupted as e:
         signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -7,13 +7,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import secrets
-import sys
 from pathlib import Path
 
 import msgspec
 
+from pipeline.common import config_groups
 from pipeline.common.config import (
     SPECULATIVE_METHODS,
     EngineConfig,
@@ -22,8 +21,11 @@ from pipeline.common.config import (
     QuantizationConfig,
     SpeculativeConfig,
 )
+from pipeline.common.config_groups import ModelFlags, ParallelConfig
+from pipeline.common.flags import die
 from pipeline.common.instance_files import make_ipc_dir, sweep_dead_instances
 from pipeline.common.kv_events import KVEventsConfig, parse_kv_events_config
+from pipeline.server_args import group_from_args
 
 MAX_CUDA_GRAPH_SIZE = 512
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -46,7 +48,7 @@ def cuda_graph_sizes(requested: list[int] | None, max_rows: int) -> tuple[int, .
         grid = [1, 2, 4, *range(8, 256, 8), *range(256, cap + 1, 16)]
         return tuple(sorted({n for n in grid if n <= cap} | {cap}))
     if min(requested) < 1:
-        _die(f"--cuda-graph-sizes must be positive, got {requested}")
+        die(f"--cuda-graph-sizes must be positive, got {requested}")
     return tuple(sorted({n for n in requested if n <= max_rows}))
 
 
@@ -63,35 +65,35 @@ def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as e:
-        _die(f'{flag} is not JSON ({e}); e.g. \'{{"method": "ngram", "num_speculative_tokens": 4}}\'')
+        die(f'{flag} is not JSON ({e}); e.g. \'{{"method": "ngram", "num_speculative_tokens": 4}}\'')
     if not isinstance(raw, dict):
-        _die(f"{flag} must be a JSON object")
+        die(f"{flag} must be a JSON object")
     known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"}
     unknown = sorted(set(raw) - known)
     if unknown:
-        _die(f"{flag}: unsupported key {unknown[0]!r}; the keys are {', '.join(sorted(known))}")
+        die(f"{flag}: unsupported key {unknown[0]!r}; the keys are {', '.join(sorted(known))}")
     method = raw.get("method", "draft_model" if "model" in raw else None)
     if method not in SPECULATIVE_METHODS:
-        _die(f"{flag}: method must be one of {', '.join(SPECULATIVE_METHODS)}, got {method!r}")
+        die(f"{flag}: method must be one of {', '.join(SPECULATIVE_METHODS)}, got {method!r}")
     k = raw.get("num_speculative_tokens")
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-        _die(f"{flag}: num_speculative_tokens must be an integer from 1 to {MAX_SPECULATIVE_TOKENS}, got {k!r}")
+        die(f"{flag}: num_speculative_tokens must be an integer from 1 to {MAX_SPECULATIVE_TOKENS}, got {k!r}")
     lo, hi = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
     for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-            _die(f"{flag}: {name} must be an integer >= 1, got {v!r}")
+            die(f"{flag}: {name} must be an integer >= 1, got {v!r}")
     lo, hi = (5, 5) if lo is None and hi is None else (hi if lo is None else lo, lo if hi is None else hi)
     if lo > hi:
-        _die(f"{flag}: prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}")
+        die(f"{flag}: prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}")
     if method == "draft_model":
         if "prompt_lookup_min" in raw or "prompt_lookup_max" in raw:
-            _die(f"{flag}: prompt_lookup_min and prompt_lookup_max are for method ngram only")
+            die(f"{flag}: prompt_lookup_min and prompt_lookup_max are for method ngram only")
         model = raw.get("model")
         if not isinstance(model, str) or not model:
-            _die(f"{flag}: method draft_model needs model, the draft model's directory (or .gguf file)")
+            die(f"{flag}: method draft_model needs model, the draft model's directory (or .gguf file)")
         return SpeculativeConfig(method, k, model=model)
     if "model" in raw:
-        _die(f"{flag}: model is for method draft_model only")
+        die(f"{flag}: model is for method draft_model only")
     return SpeculativeConfig(method, k, lo, hi)
 
 
@@ -102,14 +104,14 @@ def parse_lora_module(text: str) -> LoraModule:
         try:
             raw = json.loads(text)
         except json.JSONDecodeError as e:
-            _die(f"--lora-modules: {text!r} is not JSON ({e})")
+            die(f"--lora-modules: {text!r} is not JSON ({e})")
         if not isinstance(raw, dict) or not isinstance(raw.get("name"), str) or not isinstance(raw.get("path"), str):
-            _die(f'--lora-modules: {text!r} must be {{"name": NAME, "path": PATH}}')
+            die(f'--lora-modules: {text!r} must be {{"name": NAME, "path": PATH}}')
         name, path = raw["name"], raw["path"]
     else:
         name, _, path = text.partition("=")
     if not name or not path:
-        _die(f"--lora-modules: {text!r} must be NAME=PATH or vLLM's JSON form")
+        die(f"--lora-modules: {text!r} must be NAME=PATH or vLLM's JSON form")
     return LoraModule(name, path)
 
 
@@ -120,26 +122,26 @@ def make_lora_config(args: argparse.Namespace, served_name: str, model) -> LoraC
     given = [f for f in ("lora_modules", "max_cpu_loras") if getattr(args, f) is not None]
     if not args.enable_lora:
         if given or args.allow_runtime_lora_updating:
-            _die(f"--{given[0].replace('_', '-') if given else 'allow-runtime-lora-updating'} needs --enable-lora")
+            die(f"--{given[0].replace('_', '-') if given else 'allow-runtime-lora-updating'} needs --enable-lora")
         return None
     if model is None:
-        _die("--enable-lora needs a model (the simulated device has no layers to adapt)")
+        die("--enable-lora needs a model (the simulated device has no layers to adapt)")
     if args.max_loras < 1 or args.max_lora_rank < 1:
-        _die("--max-loras and --max-lora-rank must be positive")
+        die("--max-loras and --max-lora-rank must be positive")
     max_cpu = args.max_cpu_loras if args.max_cpu_loras is not None else args.max_loras
     if max_cpu < args.max_loras:
-        _die(f"--max-cpu-loras ({max_cpu}) must be at least --max-loras ({args.max_loras})")
+        die(f"--max-cpu-loras ({max_cpu}) must be at least --max-loras ({args.max_loras})")
     modules = tuple(parse_lora_module(t) for t in args.lora_modules or ())
     names = [m.name for m in modules]
     if len(set(names)) != len(names) or served_name in names:
-        _die(f"--lora-modules: adapter names must differ from each other and from the model's ({served_name!r})")
+        die(f"--lora-modules: adapter names must differ from each other and from the model's ({served_name!r})")
     from pipeline.common.lora_checkpoint import LoraError, check_adapter
 
     for m in modules:
         try:
             check_adapter(m.path, model, args.max_lora_rank)
         except LoraError as e:
-            _die(f"--lora-modules {m.name}: {e}")
+            die(f"--lora-modules {m.name}: {e}")
     runtime = args.allow_runtime_lora_updating or os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in (
         "1",
         "true",
@@ -160,19 +162,19 @@ def check_draft_model(spec: SpeculativeConfig, target_dir: Path, target, max_mod
         check_checkpoint(draft_dir)
         vocabularies = tokenizer_vocabulary(target_dir), tokenizer_vocabulary(draft_dir)
     except (FileNotFoundError, ValueError, OSError) as e:
-        _die(f"{flag}: draft model: {e}".replace("--model ", "model "))
+        die(f"{flag}: draft model: {e}".replace("--model ", "model "))
     if draft.vocab_size != target.vocab_size:
-        _die(
+        die(
             f"{flag}: the draft model {draft_dir} has a vocabulary of {draft.vocab_size} tokens and the model "
             f"{target_dir} one of {target.vocab_size}: a draft model must have the model's tokenizer"
         )
     if None not in vocabularies and vocabularies[0] != vocabularies[1]:
-        _die(
+        die(
             f"{flag}: the tokenizer files of the draft model {draft_dir} map token ids to other tokens than "
             f"those of the model {target_dir}: a draft model must have the model's tokenizer"
         )
     if draft.max_position_embeddings and draft.max_position_embeddings < max_model_len:
-        _die(
+        die(
             f"{flag}: the draft model {draft_dir} has max_position_embeddings {draft.max_position_embeddings}, "
             f"below --max-model-len {max_model_len}; lower --max-model-len"
         )
@@ -180,7 +182,7 @@ def check_draft_model(spec: SpeculativeConfig, target_dir: Path, target, max_mod
         try:
             draft.tp_shape(tp)
         except ValueError as e:
-            _die(f"{flag}: the draft model {draft_dir} does not split over --tensor-parallel-size {tp}: {e}")
+            die(f"{flag}: the draft model {draft_dir} does not split over --tensor-parallel-size {tp}: {e}")
     return msgspec.structs.replace(spec, model=str(draft_dir)), draft
 
 
@@ -191,65 +193,39 @@ def kv_events_config(text: str | None) -> KVEventsConfig | None:
     try:
         return parse_kv_events_config(text)
     except ValueError as e:
-        _die(f"--kv-events-config: {e}")
+        die(f"--kv-events-config: {e}")
 
 
-def _die(msg: str) -> None:
-    print(f"pipeline-serve: error: {msg}", file=sys.stderr)
-    raise SystemExit(2)
-
-
-def parse_cpu_list(text: str, flag: str) -> tuple[int, ...]:
-    """``"0-3,6"`` → ``(0, 1, 2, 3, 6)``; ``""`` → ``()``. Exits with a message on a malformed list
-    or a CPU this process may not run on (``os.sched_getaffinity``)."""
-    if not text.strip():
-        return ()
-    cpus: set[int] = set()
-    for part in text.split(","):
-        if not re.fullmatch(r"\d+(-\d+)?", part.strip()):
-            _die(f"{flag} {text!r} is not a CPU list; write it like 0-3,6")
-        lo, _, hi = part.strip().partition("-")
-        cpus.update(range(int(lo), int(hi or lo) + 1))
-    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else cpus
-    if not cpus or not cpus <= allowed:
-        _die(
-            f"{flag} {text!r} names CPUs this machine does not offer; available: {','.join(map(str, sorted(allowed)))}"
-        )
-    return tuple(sorted(cpus))
-
-
-def _check_nodes(nnodes: int, node_rank: int, master_addr: str | None, master_port: int, tp: int, dp: int) -> None:
+def _check_nodes(parallel: ParallelConfig) -> None:
     """Exit with a message on a multi-node combination that cannot run (docs/design.md, "Parallelism")."""
-    if nnodes < 1:
-        _die("--nnodes must be positive")
+    nnodes, tp, dp = parallel.nnodes, parallel.tensor_parallel_size, parallel.data_parallel_size
+    node_rank = parallel.node_rank
     if not 0 <= node_rank < nnodes:
-        _die(f"--node-rank {node_rank} is not a node of --nnodes {nnodes}: nodes are numbered 0 .. {nnodes - 1}")
-    if not 0 < master_port < 65536:
-        _die(f"--master-port {master_port} is not a TCP port (1 .. 65535)")
+        die(f"--node-rank {node_rank} is not a node of --nnodes {nnodes}: nodes are numbered 0 .. {nnodes - 1}")
     if nnodes == 1:
         return
     if tp % nnodes:
-        _die(
+        die(
             f"--nnodes {nnodes} does not divide --tensor-parallel-size {tp}: every node runs the same number "
             f"of ranks; use a size that is a multiple of {nnodes}"
         )
-    if not master_addr:
-        _die(
+    if not parallel.master_addr:
+        die(
             f"--nnodes {nnodes} needs --master-addr: the address of the head node (--node-rank 0), where the ranks meet"
         )
     if dp > 1:
-        _die(
+        die(
             "--nnodes > 1 spreads one engine's tensor-parallel ranks over machines; it does not combine with "
             "--data-parallel-size"
         )
 
 
 def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
-    """Resolve the model and derive sizes; exits with a message on bad flags.
+    """Build each flag group, resolve the model and derive sizes; exits with a message on bad flags.
 
     Args:
         args: flags parsed by ``build_parser``'s parser (or one extending it).
-        **flags: values to use instead of parsed ones, by flag name (``max_num_seqs=...``),
+        **flags: values to use instead of parsed ones, by field name (``max_num_seqs=...``),
             before any size is derived from them; ``args`` is left as parsed.
     """
     from pipeline.common.families import supported_architectures
@@ -265,148 +241,124 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
     if unknown := flags.keys() - vars(args).keys():
         raise TypeError(f"make_config: no such flags: {sorted(unknown)}")
     args = argparse.Namespace(**{**vars(args), **flags})
-    for flag in (
-        "max_num_seqs",
-        "max_num_batched_tokens",
-        "block_size",
-        "port",
-        "max_request_body_bytes",
-        "http_header_timeout",
-        "http_body_timeout",
-        "limit_concurrency",
-        "max_seqs_per_request",
-        "max_grammar_memory_per_request",
-        "max_grammar_memory",
-        "tensor_parallel_size",
-        "data_parallel_size",
-    ):
-        if getattr(args, flag) <= 0:
-            _die(f"--{flag.replace('_', '-')} must be positive")
-    if args.worker_threads < 0:
-        _die("--worker-threads must be 0 (automatic) or positive")
-    worker_cpus = parse_cpu_list(args.worker_cpus, "--worker-cpus")
-    frontend_cpus = parse_cpu_list(args.frontend_cpus, "--frontend-cpus")
-    sim = args.model == "sim"
+    m = group_from_args(ModelFlags, args)
+    groups = {name: group_from_args(group, args) for name, group in config_groups.GROUPS.items()}
+    scheduler, worker, parallel = groups["scheduler"], groups["worker"], groups["parallel"]
+    sim = m.model == "sim"
     try:
-        model_dir, name = resolve_model(None if sim else args.model)
+        model_dir, name = resolve_model(None if sim else m.model)
         cfg = read_model_config(model_dir)
         if not sim:
             check_checkpoint(model_dir)
             check_tokenizer(model_dir)
     except (FileNotFoundError, ValueError, OSError) as e:
-        _die(str(e))
+        die(str(e))
     max_positions = cfg.max_position_embeddings
-    max_model_len = args.max_model_len or min(max_positions or 8192, 8192)
+    max_model_len = m.max_model_len or min(max_positions or 8192, 8192)
     if max_model_len < 2:
-        _die("--max-model-len must be at least 2")
+        die("--max-model-len must be at least 2")
     if not sim and max_positions and max_model_len > max_positions:
         # A position past the model's RoPE table is an asynchronous device assert on CUDA.
-        _die(
+        die(
             f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings {max_positions}; "
             f"use at most {max_positions}"
         )
-    tp = args.tensor_parallel_size
-    dp = args.data_parallel_size
-    _check_nodes(args.nnodes, args.node_rank, args.master_addr, args.master_port, tp, dp)
+    tp = parallel.tensor_parallel_size
+    dp = parallel.data_parallel_size
+    _check_nodes(parallel)
     kv_heads = None
     if not sim and tp > 1:
         try:
             kv_heads = cfg.tp_shape(tp).num_kv_heads
         except ValueError as e:
-            _die(f"--tensor-parallel-size: {e}")
-    if args.trust_remote_code:
-        _die(
+            die(f"--tensor-parallel-size: {e}")
+    if m.trust_remote_code:
+        die(
             "--trust-remote-code is not supported: this server never runs modelling code shipped with a "
             f"checkpoint; it serves these architectures with its own code: {', '.join(supported_architectures())}"
         )
-    if not 0 < args.gpu_memory_utilization <= 1:
-        _die(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
-    if args.max_grammar_memory < args.max_grammar_memory_per_request:
-        _die(
-            f"--max-grammar-memory ({args.max_grammar_memory} MiB) must be at least "
-            f"--max-grammar-memory-per-request ({args.max_grammar_memory_per_request} MiB)"
+    if scheduler.max_grammar_memory_mb < scheduler.max_grammar_memory_per_request_mb:
+        die(
+            f"--max-grammar-memory ({scheduler.max_grammar_memory_mb} MiB) must be at least "
+            f"--max-grammar-memory-per-request ({scheduler.max_grammar_memory_per_request_mb} MiB)"
         )
-    if args.step_timeout < 0:
-        _die("--step-timeout must be 0 (off) or positive")
-    if args.log_stats_interval < 0:
-        _die("--log-stats-interval must be 0 (off) or positive")
-    if args.enable_auto_tool_choice and not args.tool_call_parser:
-        _die("--enable-auto-tool-choice needs --tool-call-parser: the format the model writes calls in")
-    if min(args.responses_store_max_entries, args.responses_store_max_bytes) < 0 or args.responses_store_max_age < 0:
-        _die("--responses-store-max-entries, --responses-store-max-bytes and --responses-store-max-age must be >= 0")
-    device = args.device
+    if groups["tools"].enable_auto_tool_choice and not groups["tools"].tool_call_parser:
+        die("--enable-auto-tool-choice needs --tool-call-parser: the format the model writes calls in")
+    device = m.device
     if sim:
         device = "cpu"  # the simulated device is host code
     elif device == "auto":
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = args.dtype
+    dtype = m.dtype
     if dtype == "auto":
         dtype = checkpoint_dtype(model_dir, cfg) if device == "cuda" and not sim else "float32"
     quantization = QuantizationConfig()
     if not sim:
         try:
-            quantization = resolve_quantization(
-                args.quantization, args.quantization_group_size, args.model, model_dir, cfg
-            )
+            quantization = resolve_quantization(m.quantization, m.quantization_group_size, m.model, model_dir, cfg)
         except ValueError as e:
-            _die(str(e))
-    speculative = parse_speculative_config(args.speculative_config)
-    kv_events = kv_events_config(args.kv_events_config)
-    served_name = args.served_model_name or ("sim" if sim else name)
+            die(str(e))
+    speculative = parse_speculative_config(m.speculative_config)
+    kv_events = kv_events_config(m.kv_events_config)
+    served_name = m.served_model_name or ("sim" if sim else name)
     lora = make_lora_config(args, served_name, None if sim else cfg)
     draft = None
     if speculative is not None and speculative.method == "draft_model" and not sim:
         speculative, draft = check_draft_model(speculative, model_dir, cfg, max_model_len, tp)
-    if args.num_kv_blocks:
-        num_blocks = args.num_kv_blocks
+    block_size = scheduler.block_size
+    if m.num_kv_blocks:
+        num_blocks = m.num_kv_blocks
     elif sim:  # nothing is allocated: enough blocks that the simulation never preempts
-        num_blocks = args.max_num_seqs * -(-max_model_len // args.block_size)
-    elif device == "cuda" and args.kv_cache_memory is None:
+        num_blocks = scheduler.max_num_seqs * -(-max_model_len // block_size)
+    elif device == "cuda" and m.kv_cache_memory is None:
         num_blocks = 0  # each worker sizes its cache from --gpu-memory-utilization after a profiling step
     else:
-        per_block = cfg.kv_bytes_per_block(args.block_size, _DTYPE_BYTES[dtype], kv_heads)
+        per_block = cfg.kv_bytes_per_block(block_size, _DTYPE_BYTES[dtype], kv_heads)
         if draft is not None:  # its cache holds the same blocks
             draft_heads = draft.tp_shape(tp).num_kv_heads if tp > 1 else None
-            per_block += draft.kv_bytes_per_block(args.block_size, _DTYPE_BYTES[dtype], draft_heads)
-        num_blocks = int((args.kv_cache_memory or 2.0) * 2**30 // per_block)
-    if num_blocks and num_blocks * args.block_size < max_model_len:
-        _die(
-            f"the KV cache ({num_blocks} blocks of {args.block_size} tokens) cannot hold one request of "
+            per_block += draft.kv_bytes_per_block(block_size, _DTYPE_BYTES[dtype], draft_heads)
+        num_blocks = int((m.kv_cache_memory or 2.0) * 2**30 // per_block)
+    if num_blocks and num_blocks * block_size < max_model_len:
+        die(
+            f"the KV cache ({num_blocks} blocks of {block_size} tokens) cannot hold one request of "
             f"--max-model-len {max_model_len}; raise --kv-cache-memory or lower --max-model-len"
         )
     chat_template = ""
-    if args.chat_template:
+    if m.chat_template:
         try:
-            chat_template = Path(args.chat_template).read_text(encoding="utf-8")
+            chat_template = Path(m.chat_template).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
-            _die(f"--chat-template {args.chat_template!r} cannot be read: {e}")
+            die(f"--chat-template {m.chat_template!r} cannot be read: {e}")
     # Graphs are captured on CUDA with one rank only (docs/design.md, "CUDA graphs for decode").
-    graph_sizes = cuda_graph_sizes(args.cuda_graph_sizes, min(args.max_num_seqs, args.max_num_batched_tokens))
-    if args.enforce_eager or device != "cuda" or tp > 1:
+    graph_sizes = cuda_graph_sizes(
+        worker.cuda_graph_sizes, min(scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
+    )
+    if worker.enforce_eager or device != "cuda" or tp > 1:
         graph_sizes = ()
-    local = tp // args.nnodes * dp  # ranks this machine runs
+    local = tp // parallel.nnodes * dp  # ranks this machine runs
     if device == "cuda" and local > 1:
         import torch
 
         if local > torch.cuda.device_count():
-            _die(
-                f"--tensor-parallel-size {tp} x --data-parallel-size {dp} / --nnodes {args.nnodes} needs "
+            die(
+                f"--tensor-parallel-size {tp} x --data-parallel-size {dp} / --nnodes {parallel.nnodes} needs "
                 f"{local} CUDA devices on this node (one per rank), found {torch.cuda.device_count()}"
             )
-    attention_backend = args.attention_backend
-    if not 0 <= args.sim_draft_acceptance <= 1:
-        _die("--sim-draft-acceptance must be a probability from 0 to 1")
-    if speculative is not None and args.async_scheduling and device == "cuda":
+    attention_backend = worker.attention_backend
+    if speculative is not None and scheduler.async_scheduling and device == "cuda":
         # FlashInfer plans from exact host context lengths; with speculation only the device has them.
         if attention_backend == "flashinfer":
-            _die(
+            die(
                 "--attention-backend flashinfer needs every context length on the host, which speculative "
                 "decoding with asynchronous scheduling only has on the device: use torch_bucketed"
             )
         if attention_backend == "auto":
             attention_backend = "torch_bucketed"
+    groups["worker"] = msgspec.structs.replace(
+        worker, attention_backend=attention_backend, cuda_graph_sizes=graph_sizes
+    )
     # What launchers killed by SIGKILL left behind (their children remove it too, unless they died alike).
     sweep_dead_instances()
     return EngineConfig(
@@ -416,59 +368,16 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
         dtype=dtype,
         quantization=quantization,
         device=device,
-        host=args.host,
-        port=args.port,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
         max_model_len=max_model_len,
         num_kv_blocks=num_blocks,
-        kv_cache_memory_bytes=int((args.kv_cache_memory or 0) * 2**30),
-        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory_bytes=int((m.kv_cache_memory or 0) * 2**30),
         vocab_size=cfg.vocab_size,
-        async_scheduling=args.async_scheduling,
-        enable_prefix_caching=args.enable_prefix_caching,
-        debug_token_cache_poison=args.debug_token_cache_poison,
-        sim_step_us=args.sim_step_us,
-        sim_token_us=args.sim_token_us,
-        trace=bool(args.trace),
-        max_request_body_bytes=args.max_request_body_bytes,
-        http_header_timeout_s=args.http_header_timeout,
-        http_body_timeout_s=args.http_body_timeout,
-        limit_concurrency=args.limit_concurrency,
-        max_seqs_per_request=args.max_seqs_per_request,
-        max_grammar_memory_per_request_mb=args.max_grammar_memory_per_request,
-        max_grammar_memory_mb=args.max_grammar_memory,
-        attention_backend=attention_backend,
         speculative=speculative,
-        speculative_policy=args.speculative_policy,
         lora=lora,
-        grammar_jump_forward=args.grammar_jump_forward,
-        sim_draft_acceptance=args.sim_draft_acceptance,
-        worker_threads=args.worker_threads,
-        worker_cpus=worker_cpus,
-        frontend_cpus=frontend_cpus,
-        tensor_parallel_size=tp,
-        data_parallel_size=dp,
-        nnodes=args.nnodes,
-        node_rank=args.node_rank,
-        master_addr=args.master_addr or "",
-        master_port=args.master_port,
-        api_key=args.api_key or "",
-        cuda_graph_sizes=graph_sizes,
-        step_timeout_s=args.step_timeout,
-        metrics_compat=args.metrics_compat,
         kv_events=kv_events,
-        log_stats_interval_s=args.log_stats_interval,
-        uvicorn_access_log=not args.disable_uvicorn_access_log,
-        enable_log_requests=args.enable_log_requests,
-        log_prompts=args.log_prompts,
         chat_template=chat_template,
-        tool_call_parser=args.tool_call_parser or "",
-        enable_auto_tool_choice=args.enable_auto_tool_choice,
-        responses_store_max_entries=args.responses_store_max_entries,
-        responses_store_max_bytes=args.responses_store_max_bytes,
-        responses_store_max_age_s=args.responses_store_max_age,
+        trace=bool(groups["observability"].trace_file),
         instance=f"{os.getpid()}-{secrets.token_hex(4)}",
         ipc_dir=make_ipc_dir(),
+        **groups,
     )

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from pipeline.common.config import EngineConfig, SpeculativeConfig
+from pipeline.common.config_groups import SchedulerConfig, WorkerConfig
 from pipeline.common.messages import AddRequest, SamplingParams
 from pipeline.common.step_protocol import StepDescriptor, read_descriptor
 from pipeline.gpu_worker.attention import make_backend
@@ -51,24 +52,26 @@ def run(args: argparse.Namespace, speculate: bool) -> dict[str, float]:
     config = EngineConfig(
         model="sim",
         served_model_name="sim",
-        max_num_seqs=args.batch,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=16,
         max_model_len=args.input_len + args.output_len + k + 1,
         num_kv_blocks=args.batch * ((args.input_len + args.output_len + k) // 16 + 2),
-        sim_step_us=0,
         speculative=SpeculativeConfig("ngram", k, 2, 5) if speculate else None,
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.batch, max_num_batched_tokens=args.max_num_batched_tokens, block_size=16
+        ),
+        worker=WorkerConfig(sim_step_us=0),
     )
     sched = Scheduler(
-        config.max_num_seqs,
-        config.max_num_batched_tokens,
-        config.block_size,
+        config.scheduler.max_num_seqs,
+        config.scheduler.max_num_batched_tokens,
+        config.scheduler.block_size,
         config.num_kv_blocks,
         config.max_blocks_per_seq,
         num_speculative_tokens=k if speculate else 0,
     )
     device = _TimedDevice(0, 0)
-    runner = ModelRunner(config, SimExecutor(device, make_backend(config.attention_backend)), torch.device("cpu"))
+    runner = ModelRunner(
+        config, SimExecutor(device, make_backend(config.worker.attention_backend)), torch.device("cpu")
+    )
     rng = np.random.default_rng(args.seed)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     for i in range(args.batch):

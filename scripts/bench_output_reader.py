@@ -38,6 +38,7 @@ import time
 import numpy as np
 
 from pipeline.common.config import EngineConfig
+from pipeline.common.config_groups import SchedulerConfig
 from pipeline.common.constants import SIM_WORD_ID_RANGE
 from pipeline.common.messages import SamplingParams
 from pipeline.common.model_files import convert_gguf, default_model_path
@@ -126,7 +127,11 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as ipc_dir:
         config = EngineConfig(
-            model="sim", served_model_name="sim", tokenizer="", ipc_dir=ipc_dir, max_num_seqs=args.batch
+            model="sim",
+            served_model_name="sim",
+            tokenizer="",
+            ipc_dir=ipc_dir,
+            scheduler=SchedulerConfig(max_num_seqs=args.batch),
         )
         ring = ShmRing(
             f"/bench-output-reader-{os.getpid()}",

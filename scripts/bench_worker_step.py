@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from pipeline.common.config import EngineConfig
+from pipeline.common.config_groups import SchedulerConfig
 from pipeline.common.constants import cdiv
 from pipeline.common.descriptor_builder import DescriptorBuilder
 from pipeline.common.messages import SamplingParams
@@ -93,16 +94,16 @@ def _params(kind: str, i: int) -> SamplingParams:
 def _descriptors(config: EngineConfig, batch: int, steps: int, prompt: int, kind: str) -> list[bytes]:
     """The prefill step, then ``steps`` decode steps, each packed as its ring entry's bytes."""
     layout = config.descriptor_layout
-    per_row = cdiv(config.max_model_len, config.block_size)
+    per_row = cdiv(config.max_model_len, config.scheduler.block_size)
     out, blocks = [], np.zeros(batch, dtype=np.int64)
     # Staggered prompt lengths: each decode step then crosses a block boundary in about 1/block_size of the rows.
-    prompt_lens = prompt + np.arange(batch) % config.block_size
+    prompt_lens = prompt + np.arange(batch) % config.scheduler.block_size
     for step in range(steps + 1):
         b = DescriptorBuilder()
         for r in range(batch):
             start = int(prompt_lens[r]) + step - 1 if step else 0
             ids = [PLACEHOLDER_TOKEN_ID] if step else list(range(1, int(prompt_lens[r]) + 1))
-            need = cdiv(start + len(ids), config.block_size)
+            need = cdiv(start + len(ids), config.scheduler.block_size)
             for i in range(int(blocks[r]), need):
                 b.add_block(r, i, r * per_row + i)
             blocks[r] = max(blocks[r], need)
@@ -117,11 +118,9 @@ def _config(batch: int) -> EngineConfig:
     return EngineConfig(
         model="sim",
         served_model_name="sim",
-        max_num_seqs=batch,
-        max_num_batched_tokens=max(8192, batch * 48),
-        block_size=16,
         max_model_len=2048,
         num_kv_blocks=batch * 128,
+        scheduler=SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=max(8192, batch * 48), block_size=16),
     )
 
 

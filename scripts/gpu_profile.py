@@ -38,7 +38,7 @@ class Decode:
 
     def __init__(self, config, batch: int, prompt_len: int):
         self.config, self.layout = config, config.descriptor_layout
-        self.per_row = cdiv(config.max_model_len, config.block_size)
+        self.per_row = cdiv(config.max_model_len, config.scheduler.block_size)
         self.pos = [0] * batch
         self.prompts = [[(7 * i + j) % 1000 + 100 for j in range(prompt_len)] for i in range(batch)]
         self.step_id = 0
@@ -49,7 +49,9 @@ class Decode:
         for i, pos in enumerate(self.pos):
             ids, params = (self.prompts[i], GREEDY) if pos == 0 else ([PLACEHOLDER_TOKEN_ID], None)
             b.add_row(i, i, pos, ids, True, params)
-            for col in range(cdiv(pos, self.config.block_size), cdiv(pos + len(ids), self.config.block_size)):
+            for col in range(
+                cdiv(pos, self.config.scheduler.block_size), cdiv(pos + len(ids), self.config.scheduler.block_size)
+            ):
                 b.add_block(i, col, i * self.per_row + col)
             self.pos[i] += len(ids)
         desc = StepDescriptor(self.layout.views(bytearray(self.layout.nbytes)))

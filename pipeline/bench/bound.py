@@ -26,15 +26,17 @@ class BoundReplay:
 
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.dtype)
-        self.block_size = config.block_size
+        self.block_size = config.scheduler.block_size
         self.model = load_model(
-            config.model, self.dtype, self.device, config.attention_backend, max_model_len=config.max_model_len
+            config.model, self.dtype, self.device, config.worker.attention_backend, max_model_len=config.max_model_len
         )
-        self.kv_caches = self.model.allocate_kv_caches(config.num_kv_blocks, config.block_size, self.dtype, self.device)
+        self.kv_caches = self.model.allocate_kv_caches(
+            config.num_kv_blocks, config.scheduler.block_size, self.dtype, self.device
+        )
         # Row i of a step gets its own run of blocks, spread over the whole cache as the engine's would be.
         width = config.max_blocks_per_seq
-        ids = np.arange(config.max_num_seqs * width) % config.num_kv_blocks
-        self.block_table = torch.from_numpy(ids.reshape(config.max_num_seqs, width)).to(self.device)
+        ids = np.arange(config.scheduler.max_num_seqs * width) % config.num_kv_blocks
+        self.block_table = torch.from_numpy(ids.reshape(config.scheduler.max_num_seqs, width)).to(self.device)
 
     def _step(self, query_lens: np.ndarray, start_pos: np.ndarray, sampled: np.ndarray) -> None:
         meta = self.model.attn_backend.build_from_rows(

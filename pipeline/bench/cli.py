@@ -67,7 +67,7 @@ def run_mode(
         launcher.start()
         config = launcher.config  # the workers may have sized the KV cache
         if http:
-            url = f"http://{config.host}:{config.port}"
+            url = f"http://{config.http.host}:{config.http.port}"
             drive = drive_http(url, config.served_model_name, work, bar, concurrency)
         else:
             drive = drive_engine(config, launcher.output_rings, work, bar, concurrency)
@@ -125,7 +125,7 @@ def build_bench_parser() -> argparse.ArgumentParser:
     p = build_parser()
     p.prog = "pipeline-bench"
     # Its output is its table: no access or stats lines from a server it starts, unless asked for.
-    p.set_defaults(disable_uvicorn_access_log=True, log_stats_interval=0.0)
+    p.set_defaults(disable_uvicorn_access_log=True, log_stats_interval_s=0.0)
     p.description = __doc__.split("\n\n")[0] + " " + " ".join(__doc__.split("\n\n")[1].split())
     g = p.add_argument_group("benchmark")
     g.add_argument(
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
     unused = {
         "json",
         "plot",
-        "trace",
+        "trace_file",
         "async_scheduling",
         "bound",
         "concurrency",
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     concurrencies = args.concurrency or [None]
     runs = [(c, sp, a) for c in concurrencies for sp in specs for a in modes]
-    trace = args.trace
+    trace = args.trace_file
     results, spans = {}, {}
     replay = None
     shapes_dir = tempfile.TemporaryDirectory(prefix="pipeline-bench-") if args.bound else None
@@ -294,7 +294,8 @@ def main(argv: list[str] | None = None) -> None:
                 tf = f"{root}.{label.replace(' ', '.').replace('=', '')}{ext or '.json'}"
             config = None
             if not args.url:  # spans are always recorded: the gap figures come from them
-                config = msgspec.structs.replace(make_config(args, **sizes), async_scheduling=a, trace=True)
+                config = make_config(args, **sizes, async_scheduling=a)
+                config = msgspec.structs.replace(config, trace=True)
                 if not sp:
                     config = msgspec.structs.replace(config, speculative=None)
                 if shapes_dir:

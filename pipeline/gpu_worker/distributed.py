@@ -8,6 +8,7 @@ One node meets over a private ``file://`` store with sockets on 127.0.0.1; sever
 from __future__ import annotations
 
 import fcntl
+import functools
 import logging
 import os
 import socket
@@ -15,7 +16,6 @@ import struct
 import time
 from datetime import timedelta
 
-import msgspec
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -51,17 +51,17 @@ _STOP_STEP_ID = -2
 _SHARED_FIELDS = (
     "dtype",
     "device",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "block_size",
+    "scheduler.max_num_seqs",
+    "scheduler.max_num_batched_tokens",
+    "scheduler.block_size",
     "max_model_len",
     "num_kv_blocks",
     "vocab_size",
-    "debug_token_cache_poison",
-    "sim_step_us",
-    "sim_token_us",
-    "tensor_parallel_size",
-    "nnodes",
+    "worker.debug_token_cache_poison",
+    "worker.sim_step_us",
+    "worker.sim_token_us",
+    "parallel.tensor_parallel_size",
+    "parallel.nnodes",
 )
 
 
@@ -179,18 +179,22 @@ def init_tensor_parallel(config: EngineConfig, rank: int) -> tuple[TPGroup, Desc
         torch.cuda.set_device(config.device_index(rank))
         backend = "nccl"
     try:
-        bind_sockets_to("127.0.0.1" if config.nnodes == 1 else _route_source(config.master_addr, config.master_port))
+        bind_sockets_to(
+            "127.0.0.1"
+            if config.parallel.nnodes == 1
+            else _route_source(config.parallel.master_addr, config.parallel.master_port)
+        )
     except OSError as e:  # an IPv6 or unresolvable --master-addr: gloo and NCCL keep their own choice
-        log.warning("cannot tell this node's address towards %s (%s)", config.master_addr, e)
-    world = config.tensor_parallel_size
-    if config.nnodes == 1:
+        log.warning("cannot tell this node's address towards %s (%s)", config.parallel.master_addr, e)
+    world = config.parallel.tensor_parallel_size
+    if config.parallel.nnodes == 1:
         dist.init_process_group(backend, init_method=config.tp_init_method, rank=rank, world_size=world)
     else:
         dist.init_process_group(backend, store=_tcp_store(config, rank), rank=rank, world_size=world)
-    tp = TPGroup(rank, config.tensor_parallel_size, dist.group.WORLD)
-    if config.nnodes == 1:
+    tp = TPGroup(rank, config.parallel.tensor_parallel_size, dist.group.WORLD)
+    if config.parallel.nnodes == 1:
         return tp, None
-    members = [0, *range(config.ranks_per_node, config.tensor_parallel_size)]
+    members = [0, *range(config.ranks_per_node, config.parallel.tensor_parallel_size)]
     # Every rank must take part in creating a group, members or not. One
     # relay message may take gloo's default timeout (30 minutes) to come:
     # rank 0's heartbeats keep an idle wait to about a second, and a dead
@@ -204,12 +208,14 @@ def init_tensor_parallel(config: EngineConfig, rank: int) -> tuple[TPGroup, Desc
 
 def _check_same_settings(config: EngineConfig, group: dist.ProcessGroup, size: int) -> None:
     """Compare every relay member's ``_SHARED_FIELDS`` with the head's; raise on all members if any differs."""
-    mine = {k: v for k, v in msgspec.structs.asdict(config).items() if k in _SHARED_FIELDS}
+    mine = {k.rpartition(".")[2]: functools.reduce(getattr, k.split("."), config) for k in _SHARED_FIELDS}
     head = [mine]
     dist.broadcast_object_list(head, 0, group=group)
     diff = [f"{k}={mine[k]!r} (head: {v!r})" for k, v in head[0].items() if mine[k] != v]
     complaints: list[str] = [""] * size
-    dist.all_gather_object(complaints, f"node {config.node_rank}: {', '.join(diff)}" if diff else "", group=group)
+    dist.all_gather_object(
+        complaints, f"node {config.parallel.node_rank}: {', '.join(diff)}" if diff else "", group=group
+    )
     if bad := [c for c in complaints if c]:
         raise ValueError(
             "the nodes were started with different settings: "
@@ -255,7 +261,7 @@ def _route_source(host: str, port: int) -> str:
 def _tcp_store(config: EngineConfig, rank: int) -> dist.TCPStore:
     """The ranks' rendezvous over several nodes, rank 0 serving it on ``master_addr:master_port`` only (torch's own
     listens on every address)."""
-    host, port, world = config.master_addr, config.master_port, config.tensor_parallel_size
+    host, port, world = config.parallel.master_addr, config.parallel.master_port, config.parallel.tensor_parallel_size
     timeout = dist.constants.default_pg_timeout
     if rank != 0:
         return dist.TCPStore(host, port, world, is_master=False, timeout=timeout)

@@ -199,8 +199,10 @@ class ModelExecutor(Executor):
         self.vocab_size = int(model.config.vocab_size)
         self.model = model
         self.attn_backend = model.attn_backend
-        self.kv_caches = model.allocate_kv_caches(config.num_kv_blocks + PAD_BLOCKS, config.block_size, dtype, device)
-        self.block_size, self.pad_block = config.block_size, config.num_kv_blocks
+        self.kv_caches = model.allocate_kv_caches(
+            config.num_kv_blocks + PAD_BLOCKS, config.scheduler.block_size, dtype, device
+        )
+        self.block_size, self.pad_block = config.scheduler.block_size, config.num_kv_blocks
         self.graphs: DecodeGraphs | None = None
         self.lora = None
 

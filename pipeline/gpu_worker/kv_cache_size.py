@@ -26,19 +26,19 @@ def kv_cache_blocks(
     tp: TPGroup,
     draft: CausalLM | None = None,
 ) -> int:
-    """Blocks of ``config.block_size`` tokens this engine's KV cache (and ``draft``'s) holds on every rank.
+    """Blocks of ``config.scheduler.block_size`` tokens this engine's KV cache (and ``draft``'s) holds on every rank.
 
     Raises:
         ValueError: not even one request of ``config.max_model_len`` fits; the message says what to change.
     """
     per_block = sum(
-        m.config.kv_bytes_per_block(config.block_size, dtype.itemsize, m.num_kv_heads)
+        m.config.kv_bytes_per_block(config.scheduler.block_size, dtype.itemsize, m.num_kv_heads)
         for m in (model, draft)
         if m is not None
     )
     if device.type == "cuda" and not config.kv_cache_memory_bytes:
         budget = profiled_kv_bytes(config, model, device, dtype)
-        source = f"--gpu-memory-utilization {config.gpu_memory_utilization} of {device}'s memory"
+        source = f"--gpu-memory-utilization {config.worker.gpu_memory_utilization} of {device}'s memory"
     else:
         budget = config.kv_cache_memory_bytes or 2 * 2**30
         source = "--kv-cache-memory"
@@ -47,9 +47,9 @@ def kv_cache_blocks(
         t = torch.tensor([blocks], dtype=torch.int64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=tp.group)
         blocks = int(t.item())
-    if blocks * config.block_size < config.max_model_len:
+    if blocks * (block_size := config.scheduler.block_size) < config.max_model_len:
         raise ValueError(
-            f"the KV cache that {source} leaves holds {blocks} blocks of {config.block_size} tokens, fewer than "
+            f"the KV cache that {source} leaves holds {blocks} blocks of {block_size} tokens, fewer than "
             f"one request of --max-model-len {config.max_model_len} needs; raise --gpu-memory-utilization or "
             "--kv-cache-memory, lower --max-model-len or --max-num-batched-tokens, or free the device"
         )
@@ -59,18 +59,18 @@ def kv_cache_blocks(
 @torch.inference_mode()
 def profiled_kv_bytes(config: EngineConfig, model: CausalLM, device: torch.device, dtype: torch.dtype) -> int:
     """The KV cache's share of the device after a profiling step (see the module docstring); may be negative."""
-    tokens = min(config.max_num_batched_tokens, config.max_model_len)
-    blocks = cdiv(tokens, config.block_size)
+    tokens = min(config.scheduler.max_num_batched_tokens, config.max_model_len)
+    blocks = cdiv(tokens, config.scheduler.block_size)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    kv = model.allocate_kv_caches(blocks, config.block_size, dtype, device)
-    layout = StepLayout.build([tokens], [0], [0], config.block_size, blocks)
+    kv = model.allocate_kv_caches(blocks, config.scheduler.block_size, dtype, device)
+    layout = StepLayout.build([tokens], [0], [0], config.scheduler.block_size, blocks)
     table = torch.arange(blocks, device=device)[None]
     meta = model.attn_backend.build_metadata(
         layout, table, lambda arrays: [torch.as_tensor(np.asarray(a, dtype=np.int64), device=device) for a in arrays]
     )
     hidden = model(torch.zeros(tokens, dtype=torch.int64, device=device), meta.positions, meta, kv)
-    logits = model.compute_logits(hidden[: min(config.max_num_seqs, tokens)])
+    logits = model.compute_logits(hidden[: min(config.scheduler.max_num_seqs, tokens)])
     torch.softmax(logits, dim=-1)  # sampling works on [rows, vocab] float32 copies of the logits
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
@@ -78,4 +78,4 @@ def profiled_kv_bytes(config: EngineConfig, model: CausalLM, device: torch.devic
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     activations = peak - torch.cuda.memory_allocated(device)
-    return int(total * config.gpu_memory_utilization) - (total - free) - activations
+    return int(total * config.worker.gpu_memory_utilization) - (total - free) - activations

@@ -67,13 +67,13 @@ class WorkerProc:
         self.pending: deque[LaunchedStep] = deque()
         # With this many steps pending the scheduler has its in-flight limit out: no descriptor comes
         # before the oldest one's output.
-        self.max_pending = MAX_INFLIGHT_STEPS if config.async_scheduling else 1
+        self.max_pending = MAX_INFLIGHT_STEPS if config.scheduler.async_scheduling else 1
         self.clock = WorkerClock() if out_ring is not None else None
         self.trace = TraceRecorder() if config.trace else None
         # Every rank runs the same steps: rank 0's record is the step list.
         self.step_shapes = StepShapeRecorder() if config.step_shapes_file and rank == 0 else None
         # A model on the CPU with automatic threads: fewer while other programs contend for the CPUs.
-        auto = config.device == "cpu" and not config.is_simulated and not config.worker_threads
+        auto = config.device == "cpu" and not config.is_simulated and not config.worker.worker_threads
         self.threads = ThreadGovernor(usable_cpus(), time.monotonic_ns()) if auto else None
 
     def run(self, stop: StopFlag) -> None:
@@ -200,32 +200,34 @@ def load_runner(config: EngineConfig, rank: int = 0) -> tuple[ModelRunner, Descr
         # The host side of a step is small tensor work: extra intra-op
         # threads would only spin and take a core from the other processes.
         torch.set_num_threads(1)
-        sim = SimulatedDevice(config.sim_step_us, config.sim_token_us)
+        sim = SimulatedDevice(config.worker.sim_step_us, config.worker.sim_token_us)
         # Simulated ranks run no collectives; over several nodes they still
         # need the process group for the relay.
         relay = None
-        if config.nnodes > 1:
+        if config.parallel.nnodes > 1:
             from pipeline.gpu_worker.distributed import init_tensor_parallel
 
             relay = init_tensor_parallel(config, rank)[1]
-        return ModelRunner(config, SimExecutor(sim, make_backend(config.attention_backend)), device), relay
-    torch.set_num_threads(config.worker_threads or usable_cpus())
+        return ModelRunner(config, SimExecutor(sim, make_backend(config.worker.attention_backend)), device), relay
+    torch.set_num_threads(config.worker.worker_threads or usable_cpus())
     from pipeline.gpu_worker.layers.tp import SINGLE_RANK
     from pipeline.gpu_worker.models.loader import load_model
     from pipeline.gpu_worker.models.quantized import describe
 
     tp, relay = SINGLE_RANK, None
-    if config.tensor_parallel_size > 1:
+    if config.parallel.tensor_parallel_size > 1:
         from pipeline.gpu_worker.distributed import init_tensor_parallel
 
         tp, relay = init_tensor_parallel(config, rank)
     model = load_model(
-        config.model, dtype, device, config.attention_backend, tp, config.max_model_len, config.quantization
+        config.model, dtype, device, config.worker.attention_backend, tp, config.max_model_len, config.quantization
     )
     logging.getLogger(__name__).info("%s", describe(model))
     draft = None
     if config.speculative is not None and config.speculative.method == "draft_model":
-        draft = load_model(config.speculative.model, dtype, device, config.attention_backend, tp, config.max_model_len)
+        draft = load_model(
+            config.speculative.model, dtype, device, config.worker.attention_backend, tp, config.max_model_len
+        )
     if not config.num_kv_blocks:
         from pipeline.gpu_worker.kv_cache_size import kv_cache_blocks
 
@@ -235,10 +237,10 @@ def load_runner(config: EngineConfig, rank: int = 0) -> tuple[ModelRunner, Descr
     if config.lora is not None:
         from pipeline.gpu_worker.lora.worker import LoraWorker
 
-        executor.lora = LoraWorker(model, config.lora, config.max_num_seqs, config.ipc_dir)
+        executor.lora = LoraWorker(model, config.lora, config.scheduler.max_num_seqs, config.ipc_dir)
     runner = ModelRunner(config, executor, device, draft_model=draft)
-    if config.cuda_graph_sizes:  # after the KV cache exists, so the graphs' pool comes from what is left
-        runner.executor.capture_decode_graphs(runner.input_batch.block_table, config.cuda_graph_sizes)
+    if config.worker.cuda_graph_sizes:  # after the KV cache exists, so the graphs' pool comes from what is left
+        runner.executor.capture_decode_graphs(runner.input_batch.block_table, config.worker.cuda_graph_sizes)
     # Before "ready": /health says 200 once a request can be served at full speed (docs/design.md, "Readiness").
     runner.executor.warm_up(runner.ops.upload)
     return runner, relay
@@ -276,7 +278,7 @@ def run_gpu_worker(config: EngineConfig, status_conn, stop: StopFlag, rank: int 
         if relay is not None and relay.head_stopped:
             report(status_conn, "done", role, "the head node stopped")
     except RuntimeError as e:
-        if config.nnodes == 1:
+        if config.parallel.nnodes == 1:
             raise
         # A relay or model collective with another node's ranks failed:
         # their process died or the network is down. Tell the launcher in

@@ -102,8 +102,10 @@ class ModelRunner:
     ):
         self.config, self.device, self.executor = config, device, executor
         self.ops = ops or device_ops(device)
-        self.input_batch = InputBatch(config.max_num_seqs, config.max_blocks_per_seq, self.ops, executor.vocab_size)
-        self.poison = config.debug_token_cache_poison
+        self.input_batch = InputBatch(
+            config.scheduler.max_num_seqs, config.max_blocks_per_seq, self.ops, executor.vocab_size
+        )
+        self.poison = config.worker.debug_token_cache_poison
         draft = None
         if draft_model is not None:
             target = getattr(executor, "model", None)
@@ -337,7 +339,7 @@ class ModelRunner:
             x.num_scheduled_tokens,
             x.start_pos,
             x.req_index,
-            self.config.block_size,
+            self.config.scheduler.block_size,
             self.config.max_blocks_per_seq,
             x.num_draft_tokens,
         )

@@ -222,14 +222,16 @@ def build_app(
         stop_token_ids: token ids that end generation.
         heartbeats: the engines' heartbeats; ``/health`` answers 503 until
             every engine has beaten once, and ``/health`` and ``/metrics``
-            while one is older than ``config.step_timeout_s``.
+            while one is older than ``config.observability.step_timeout_s``.
     """
     adapters = LoraAdapters(config)
     chat = OpenAIServingChat(config, client, tokenization, stop_token_ids, adapters)
     completion = OpenAIServingCompletion(config, client, tokenization, stop_token_ids, adapters)
     tokenizer = OpenAIServingTokenization(config, client, tokenization, stop_token_ids, adapters)
     store = ResponseStore(
-        config.responses_store_max_entries, config.responses_store_max_bytes, config.responses_store_max_age_s
+        config.http.responses_store_max_entries,
+        config.http.responses_store_max_bytes,
+        config.http.responses_store_max_age_s,
     )
     responses = ResponsesServing(chat, store, config.served_model_name)
     engine_roles = [r for r in heartbeats.roles if r != "io_proc"] if heartbeats is not None else []
@@ -244,16 +246,19 @@ def build_app(
 
     def hung() -> str | None:
         """What is wrong when an engine process has shown no progress within the step timeout."""
-        if heartbeats is None or not config.step_timeout_s:
+        timeout = config.observability.step_timeout_s
+        if heartbeats is None or not timeout:
             return None
-        stale = heartbeats.stale(config.step_timeout_s, engine_roles)
+        stale = heartbeats.stale(timeout, engine_roles)
         if not stale:
             return None
         role, age = max(stale, key=lambda s: s[1])
-        return f"{role} has shown no progress for {age:.1f} s (--step-timeout {config.step_timeout_s:g}): it is hung"
+        return f"{role} has shown no progress for {age:.1f} s (--step-timeout {timeout:g}): it is hung"
 
     lora_info = (config.lora.max_loras, adapters.names) if config.lora is not None else None
-    metrics = PipelineMetrics(client, config.served_model_name, config.max_model_len, config.metrics_compat, lora_info)
+    metrics = PipelineMetrics(
+        client, config.served_model_name, config.max_model_len, config.observability.metrics_compat, lora_info
+    )
     created = int(time.time())
 
     @asynccontextmanager
@@ -267,10 +272,10 @@ def build_app(
     app = FastAPI(title="pipeline", lifespan=lifespan)
     # Innermost: what escapes the routes' exception handlers is answered here, below the body limit.
     app.add_middleware(InternalErrors)
-    app.add_middleware(RequestBodyLimit, max_bytes=config.max_request_body_bytes)
-    if config.api_key:
+    app.add_middleware(RequestBodyLimit, max_bytes=config.http.max_request_body_bytes)
+    if config.http.api_key:
         # Added last, so it runs first: an unauthenticated body is never read.
-        app.add_middleware(ApiKeyAuth, api_key=config.api_key)
+        app.add_middleware(ApiKeyAuth, api_key=config.http.api_key)
 
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, exc: APIError) -> Response:
@@ -388,7 +393,7 @@ def build_app(
 
     @app.get("/get_load")
     async def show_load() -> Response:
-        loads = engine_loads(await engine_stats("load"), config.block_size)
+        loads = engine_loads(await engine_stats("load"), config.scheduler.block_size)
         return Response(json.dumps(loads).encode(), media_type="application/json")
 
     return app

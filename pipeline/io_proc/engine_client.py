@@ -107,12 +107,15 @@ class EngineClient:
             for e, ring in enumerate(rings)
         ]
         self._router = None
-        if config.data_parallel_size > 1 and config.enable_prefix_caching:
+        if config.parallel.data_parallel_size > 1 and config.scheduler.enable_prefix_caching:
             self._router = PrefixRouter(
-                config.data_parallel_size, config.num_kv_blocks, config.block_size, config.block_hash_root
+                config.parallel.data_parallel_size,
+                config.num_kv_blocks,
+                config.scheduler.block_size,
+                config.block_hash_root,
             )
         # An engine is overloaded for prefix routing with this many more live requests than the least loaded.
-        self._balance_threshold = max(1, config.max_num_seqs // 4)
+        self._balance_threshold = max(1, config.scheduler.max_num_seqs // 4)
         # Requests sent whose Admitted message has not come; a usage waits on the future, if any.
         self._unadmitted: dict[int, RequestState] = {}
         self._admitted_waiters: dict[int, asyncio.Future[None]] = {}

@@ -84,7 +84,7 @@ class IoProc:
 
     def _open(self, rings: list[ShmRing[StepOutput]]) -> None:
         config, cleanup = self.config, self._cleanup
-        self.sock = _bind(config.host, config.port)
+        self.sock = _bind(config.http.host, config.http.port)
         cleanup.callback(self.sock.close)
         try:
             tokenizer, stop_token_ids = load_tokenizer(config.tokenizer)
@@ -112,21 +112,22 @@ class IoProc:
             ) from e
         cleanup.callback(self.client.close)
         app = build_app(config, self.client, tokenization, stop_token_ids, self.heartbeats)
-        _raise_fd_limit(config.limit_concurrency + _SPARE_FDS)
+        _raise_fd_limit(config.http.limit_concurrency + _SPARE_FDS)
         # Warnings any client can trigger at will, one line per request otherwise.
         for message in ("Exceeded concurrency limit.", "Invalid HTTP request received."):
             logging.getLogger("uvicorn.error").addFilter(OncePerInterval(message, _REPEATED_WARNING_S))
+        access_log = not config.observability.disable_uvicorn_access_log
         server_config = uvicorn.Config(
             app,
-            host=config.host,
-            port=config.port,
+            host=config.http.host,
+            port=config.http.port,
             log_level="warning",
-            access_log=config.uvicorn_access_log,
+            access_log=access_log,
             timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S,
-            limit_concurrency=config.limit_concurrency,
-            http=guarded_h11_protocol(config.http_header_timeout_s, config.http_body_timeout_s),
+            limit_concurrency=config.http.limit_concurrency,
+            http=guarded_h11_protocol(config.http.header_timeout_s, config.http.body_timeout_s),
         )
-        if config.uvicorn_access_log:  # uvicorn's own start-up chatter stays at "warning"; its access lines show
+        if access_log:  # uvicorn's own start-up chatter stays at "warning"; its access lines show
             logging.getLogger("uvicorn.access").setLevel(logging.INFO)
         self.server = _Server(server_config)
 
@@ -159,10 +160,10 @@ class IoProc:
                 await serving
                 return 0
             await asyncio.sleep(0.01)
-        logger.info("serving the OpenAI API on http://%s:%d", self.config.host, self.config.port)
+        logger.info("serving the OpenAI API on http://%s:%d", self.config.http.host, self.config.http.port)
         freeze_startup_heap()
         report(status_conn, "ready", _NAME)
-        interval = self.config.log_stats_interval_s
+        interval = self.config.observability.log_stats_interval_s
         stats_lines = asyncio.create_task(StatsLogger(client, interval, STATS_TIMEOUT_S).run()) if interval else None
         code = 0
         burst, heap = BurstWatch(), HeapWatch()

@@ -21,17 +21,17 @@ def server_info(config: EngineConfig) -> dict:
         "model_path": config.model,
         "tokenizer_path": config.tokenizer,
         "served_model_name": config.served_model_name,
-        "tp_size": config.tensor_parallel_size,
-        "dp_size": config.data_parallel_size,
-        "max_running_requests": config.max_num_seqs,
-        "max_prefill_tokens": config.max_num_batched_tokens,
+        "tp_size": config.parallel.tensor_parallel_size,
+        "dp_size": config.parallel.data_parallel_size,
+        "max_running_requests": config.scheduler.max_num_seqs,
+        "max_prefill_tokens": config.scheduler.max_num_batched_tokens,
         "context_length": config.max_model_len,
-        "page_size": config.block_size,
-        "disable_radix_cache": not config.enable_prefix_caching,
+        "page_size": config.scheduler.block_size,
+        "disable_radix_cache": not config.scheduler.enable_prefix_caching,
         "version": __version__,
     }
     if config.num_kv_blocks:  # 0 on CUDA until each worker has sized its cache
-        info["max_total_tokens"] = config.num_kv_blocks * config.block_size
+        info["max_total_tokens"] = config.num_kv_blocks * config.scheduler.block_size
     return info
 
 

@@ -58,7 +58,8 @@ class StepTimeout(Exception):
 
 class SchedulerProc:
     """Owns the scheduler, its rings and sockets; ``run`` is the process body, raising ``StepTimeout`` when the oldest
-    step waits ``config.step_timeout_s`` and io_proc's heartbeat is fresher (docs/design.md, "Liveness")."""
+    step waits ``config.observability.step_timeout_s`` and io_proc's heartbeat is fresher (docs/design.md,
+    "Liveness")."""
 
     def __init__(
         self,
@@ -79,26 +80,26 @@ class SchedulerProc:
         self.grammars = None
         # The worker reports the drafts a proposer made; a draft model's exist only inside its step.
         grammar_drafts = config.speculative is not None and config.speculative.method != "draft_model"
-        jump_forward = grammar_drafts and config.grammar_jump_forward
+        jump_forward = grammar_drafts and config.scheduler.grammar_jump_forward
         self._jump_forward = jump_forward and bool(config.vocab_size)
         if config.vocab_size:
             self.grammars = GrammarManager(
                 load_tokenizer(config.tokenizer or config.model, config.vocab_size),
                 config.vocab_size,
-                config.max_grammar_memory_per_request_mb * 2**20,
-                config.max_grammar_memory_mb * 2**20,
+                config.scheduler.max_grammar_memory_per_request_mb * 2**20,
+                config.scheduler.max_grammar_memory_mb * 2**20,
                 jump_forward,
             )
         self.scheduler = Scheduler(
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            config.block_size,
+            config.scheduler.max_num_seqs,
+            config.scheduler.max_num_batched_tokens,
+            config.scheduler.block_size,
             config.num_kv_blocks,
             config.max_blocks_per_seq,
-            config.enable_prefix_caching,
+            config.scheduler.enable_prefix_caching,
             config.block_hash_root,
             config.num_speculative_tokens,
-            config.speculative_policy == "adaptive",
+            config.scheduler.speculative_policy == "adaptive",
             self.grammars,
             grammar_drafts=grammar_drafts,
             jump_forward=jump_forward,
@@ -108,13 +109,15 @@ class SchedulerProc:
         if config.kv_events is not None:
             medium = "GPU" if config.device == "cuda" else "CPU"
             try:
-                self.kv_events = KVEventPublisher(config.kv_events, config.block_size, config.engine_index, medium)
+                self.kv_events = KVEventPublisher(
+                    config.kv_events, config.scheduler.block_size, config.engine_index, medium
+                )
             except zmq.ZMQError as e:
                 endpoint = engine_endpoint(config.kv_events.endpoint, config.engine_index)
                 raise ValueError(f"--kv-events-config: cannot open {endpoint}: {e}") from None
             self.kv_events.cleared()  # a subscriber that followed an earlier server on this endpoint starts over
             self.scheduler.set_kv_events(self.kv_events)
-        self.max_inflight = MAX_INFLIGHT_STEPS if config.async_scheduling else 1
+        self.max_inflight = MAX_INFLIGHT_STEPS if config.scheduler.async_scheduling else 1
         self.inflight: deque[int] = deque()
         # time.monotonic() at which the oldest step in flight was published, or since its
         # predecessor's output arrived (it cannot run before): what the watchdog measures.
@@ -286,10 +289,11 @@ class SchedulerProc:
                 self._oldest_since = time.monotonic()
                 return
             waited = time.monotonic() - self._oldest_since
-            if self.config.step_timeout_s and waited > self.config.step_timeout_s and not self._io_proc_hung():
+            timeout = self.config.observability.step_timeout_s
+            if timeout and waited > timeout and not self._io_proc_hung():
                 raise StepTimeout(
                     f"step {self.inflight[0]} has produced no output for {waited:.1f} s "
-                    f"(--step-timeout {self.config.step_timeout_s:g}): the worker is hung"
+                    f"(--step-timeout {timeout:g}): the worker is hung"
                 ) from None
             return
         t0 = time.monotonic_ns()
@@ -329,7 +333,7 @@ class SchedulerProc:
     def _io_proc_hung(self) -> bool:
         """io_proc has stopped reading outputs, so the worker cannot publish: the launcher's watchdog names it."""
         hb = self.heartbeats
-        return hb is not None and bool(hb.stale(self.config.step_timeout_s, ["io_proc"]))
+        return hb is not None and bool(hb.stale(self.config.observability.step_timeout_s, ["io_proc"]))
 
     def _stats(self, nonce: int) -> Stats:
         s = self.scheduler

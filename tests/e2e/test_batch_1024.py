@@ -97,7 +97,7 @@ def serve_and_run(async_scheduling: bool, work: list[dict]) -> tuple[list[list[i
             "--debug-token-cache-poison",
         ]
     )
-    config = msgspec.structs.replace(make_config(args), async_scheduling=async_scheduling)
+    config = make_config(args, async_scheduling=async_scheduling)
     launcher = Launcher(config, roles=("scheduler", "gpu_worker"))
     try:
         launcher.start()

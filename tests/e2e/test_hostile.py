@@ -36,10 +36,12 @@ def guarded(request, tmp_path_factory):
         SIM,
         log=log,
         config={
-            "http_header_timeout_s": HEADER_TIMEOUT_S,
-            "http_body_timeout_s": BODY_TIMEOUT_S,
-            "limit_concurrency": LIMIT_CONCURRENCY,
-            "max_request_body_bytes": BODY_LIMIT,
+            "http": {
+                "header_timeout_s": HEADER_TIMEOUT_S,
+                "body_timeout_s": BODY_TIMEOUT_S,
+                "limit_concurrency": LIMIT_CONCURRENCY,
+                "max_request_body_bytes": BODY_LIMIT,
+            }
         },
     )
     srv.log = log

@@ -329,7 +329,7 @@ def test_attention_backend_flag_reaches_the_worker_config():
     for flags, expected in ([], "auto"), (["--attention-backend", "torch_sdpa"], "torch_sdpa"):
         config = make_config(parser.parse_args(["--model", "sim", *flags]))
         shutil.rmtree(config.ipc_dir)
-        assert config.attention_backend == expected
+        assert config.worker.attention_backend == expected
     with pytest.raises(SystemExit):
         parser.parse_args(["--attention-backend", "nope"])
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from pipeline.common.config import EngineConfig
+from pipeline.common.config_groups import SchedulerConfig, WorkerConfig
 from pipeline.common.constants import cdiv
 from pipeline.common.messages import SamplingParams
 from pipeline.common.step_protocol import PLACEHOLDER_TOKEN_ID
@@ -76,7 +77,7 @@ def test_flags_make_the_config(tiny_dir, flags, sizes):
     args = build_parser().parse_args(["--model", str(tiny_dir), *flags])
     config = make_config(args)
     shutil.rmtree(config.ipc_dir)
-    assert config.cuda_graph_sizes == sizes
+    assert config.worker.cuda_graph_sizes == sizes
 
 
 def test_help_explains_the_flags():
@@ -90,12 +91,10 @@ def engine_config(max_num_seqs: int = 8) -> EngineConfig:
     return EngineConfig(
         model="tiny",
         served_model_name="tiny",
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=64,
-        block_size=BLOCK,
         max_model_len=max_model_len,
         num_kv_blocks=max_num_seqs * cdiv(max_model_len, BLOCK),
-        debug_token_cache_poison=True,
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64, block_size=BLOCK),
+        worker=WorkerConfig(debug_token_cache_poison=True),
     )
 
 

@@ -24,6 +24,7 @@ import torch
 import transformers
 
 from pipeline.common.config import SpeculativeConfig
+from pipeline.common.config_groups import SchedulerConfig
 from pipeline.common.constants import cdiv
 from pipeline.common.descriptor_builder import DescriptorBuilder
 from pipeline.common.messages import SamplingParams
@@ -140,8 +141,7 @@ def sample_pairs(target: CausalLM, draft: CausalLM, top_p: float, repetition: fl
     k = 2
     cfg = msgspec.structs.replace(
         engine_config(max_model_len=32),
-        max_num_seqs=ROWS,
-        max_num_batched_tokens=ROWS * (k + 1),
+        scheduler=SchedulerConfig(max_num_seqs=ROWS, max_num_batched_tokens=ROWS * (k + 1), block_size=BLOCK),
         num_kv_blocks=ROWS * 2,
         speculative=SpeculativeConfig("draft_model", k),
     )

@@ -11,6 +11,7 @@ import posix_ipc
 import pytest
 
 from pipeline.common.config import EngineConfig
+from pipeline.common.config_groups import ParallelConfig
 from pipeline.common.heartbeat import Heartbeats
 
 
@@ -37,7 +38,9 @@ def test_beats_cross_processes_and_stale_ones_are_found():
 
 
 def test_roles_cover_every_head_process():
-    config = EngineConfig(model="sim", served_model_name="sim", data_parallel_size=2, tensor_parallel_size=2)
+    config = EngineConfig(
+        model="sim", served_model_name="sim", parallel=ParallelConfig(data_parallel_size=2, tensor_parallel_size=2)
+    )
     assert config.heartbeat_roles == [
         "io_proc",
         "scheduler",

@@ -23,6 +23,7 @@ import torch
 import transformers
 
 from pipeline.common.config import EngineConfig
+from pipeline.common.config_groups import SchedulerConfig, WorkerConfig
 from pipeline.common.constants import cdiv
 from pipeline.common.descriptor_builder import DescriptorBuilder
 from pipeline.common.messages import SamplingParams
@@ -92,12 +93,10 @@ def engine_config(max_model_len: int = 128) -> EngineConfig:
     return EngineConfig(
         model="tiny",
         served_model_name="tiny",
-        max_num_seqs=8,
-        max_num_batched_tokens=64,
-        block_size=BLOCK,
         max_model_len=max_model_len,
         num_kv_blocks=8 * cdiv(max_model_len, BLOCK),
-        debug_token_cache_poison=True,
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, block_size=BLOCK),
+        worker=WorkerConfig(debug_token_cache_poison=True),
     )
 
 

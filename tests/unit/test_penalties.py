@@ -26,6 +26,7 @@ from transformers.generation.logits_process import (
 )
 
 from pipeline.common.config import EngineConfig
+from pipeline.common.config_groups import SchedulerConfig, WorkerConfig
 from pipeline.common.constants import cdiv
 from pipeline.common.descriptor_builder import DescriptorBuilder
 from pipeline.common.messages import SamplingParams
@@ -189,12 +190,10 @@ def config() -> EngineConfig:
     return EngineConfig(
         model="tiny",
         served_model_name="tiny",
-        max_num_seqs=4,
-        max_num_batched_tokens=32,
-        block_size=BLOCK,
         max_model_len=64,
         num_kv_blocks=4 * cdiv(64, BLOCK),
-        debug_token_cache_poison=True,
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, block_size=BLOCK),
+        worker=WorkerConfig(debug_token_cache_poison=True),
     )
 
 

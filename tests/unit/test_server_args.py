@@ -6,8 +6,9 @@ import os
 
 import pytest
 
+from pipeline.common.flags import parse_cpu_list
 from pipeline.server_args import build_parser
-from pipeline.server_config import make_config, parse_cpu_list
+from pipeline.server_config import make_config
 
 
 def test_cpu_lists():

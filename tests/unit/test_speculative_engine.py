@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from pipeline.common.config import EngineConfig, SpeculativeConfig
+from pipeline.common.config_groups import SchedulerConfig, WorkerConfig
 from pipeline.common.messages import AddRequest, SamplingParams
 from pipeline.common.step_protocol import StepDescriptor, read_descriptor
 from pipeline.gpu_worker.device import DeviceOps
@@ -67,13 +68,11 @@ def run(
     cfg = EngineConfig(
         model="tiny",
         served_model_name="tiny",
-        max_num_seqs=8,
-        max_num_batched_tokens=24,
-        block_size=BLOCK,
         max_model_len=256 if long else 96,
         num_kv_blocks=num_blocks,
-        debug_token_cache_poison=True,
         speculative=SpeculativeConfig("ngram", k, 1, 3) if k else None,
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=24, block_size=BLOCK),
+        worker=WorkerConfig(debug_token_cache_poison=True),
     )
     sched = Scheduler(8, 24, BLOCK, num_blocks, cfg.max_blocks_per_seq, num_speculative_tokens=k)
     runner = ModelRunner(cfg, ModelExecutor(cfg, tiny_model(), CPU, torch.float32), CPU, DeviceOps(CPU))

@@ -21,8 +21,8 @@ CPU = torch.device("cpu")
 
 def test_row_parameters_live_on_the_device_and_change_only_for_new_rows():
     config = engine_config()
-    state = InputBatch(config.max_num_seqs, config.max_blocks_per_seq, DeviceOps(CPU))
-    assert state.token_cache.tolist() == [POISON_TOKEN_ID] * config.max_num_seqs
+    state = InputBatch(config.scheduler.max_num_seqs, config.max_blocks_per_seq, DeviceOps(CPU))
+    assert state.token_cache.tolist() == [POISON_TOKEN_ID] * config.scheduler.max_num_seqs
     steps = Steps(config)
     hot = SamplingParams(max_tokens=8, temperature=0.5, top_p=0.25, top_k=7, seed=-3)
     state.apply(steps.make([(2, 0, [1, 2, 3, 4, 5], True, hot), (5, 0, [1], True, GREEDY)]))
@@ -82,7 +82,7 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_the_device_sees_the
 def test_feature_flags_follow_the_rows_parameters():
     """A step skips sampling, log-probability and penalty planning only while no req_index asks for them."""
     config = engine_config()
-    state = InputBatch(config.max_num_seqs, config.max_blocks_per_seq, DeviceOps(CPU), vocab_size=512)
+    state = InputBatch(config.scheduler.max_num_seqs, config.max_blocks_per_seq, DeviceOps(CPU), vocab_size=512)
     steps = Steps(config)
     flags = lambda: (state.any_hot, state.any_logprobs, state.any_penalized, state.any_penalty_work)  # noqa: E731
     state.apply(steps.make([(0, 0, [1, 2], True, GREEDY), (1, 0, [3], True, GREEDY)]))
@@ -104,7 +104,7 @@ def test_a_new_request_does_not_inherit_its_rows_logit_bias():
     """A request without logit_bias, new at a row whose last request had one, in a step whose other
     rows have none: the old entries must not stay on the device for a later biased step to apply."""
     config = engine_config()
-    state = InputBatch(config.max_num_seqs, config.max_blocks_per_seq, DeviceOps(CPU), vocab_size=512)
+    state = InputBatch(config.scheduler.max_num_seqs, config.max_blocks_per_seq, DeviceOps(CPU), vocab_size=512)
     steps = Steps(config)
     biased = SamplingParams(max_tokens=8, temperature=0.0, logit_bias=((5, 9.0), (7, -3.0)))
     state.apply(steps.make([(1, 0, [3], True, biased)]))

@@ -72,8 +72,10 @@ class DraftModel:
             )
         self.model, self.input_batch, self.upload = model, input_batch, ops.upload
         dtype = getattr(torch, config.dtype)
-        self.kv_caches = model.allocate_kv_caches(config.num_kv_blocks + PAD_BLOCKS, config.block_size, dtype, device)
-        self.block_size, self.max_blocks = config.block_size, config.max_blocks_per_seq
+        self.kv_caches = model.allocate_kv_caches(
+            config.num_kv_blocks + PAD_BLOCKS, config.scheduler.block_size, dtype, device
+        )
+        self.block_size, self.max_blocks = config.scheduler.block_size, config.max_blocks_per_seq
         self.host_reads_ok = not ops.is_async  # as the target's sampling plan
 
         def shape(m: CausalLM) -> tuple:

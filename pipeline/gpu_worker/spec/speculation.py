@@ -379,15 +379,23 @@ def spec_state(
         return None
     k = spec.num_speculative_tokens
     if config.is_simulated:
-        proposer = SimProposer(k, config.sim_draft_acceptance)
+        proposer = SimProposer(k, config.worker.sim_draft_acceptance)
     elif spec.method == "ngram":
         proposer = NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
     elif spec.method == "draft_model" and draft is not None:
         proposer = draft
     else:
         raise ValueError(f"speculative method {spec.method!r} is not supported by this worker")
-    poison = POISON_TOKEN_ID if config.debug_token_cache_poison else None
-    slots = (config.num_kv_blocks + PAD_BLOCKS) * config.block_size
+    poison = POISON_TOKEN_ID if config.worker.debug_token_cache_poison else None
+    slots = (config.num_kv_blocks + PAD_BLOCKS) * config.scheduler.block_size
     return SpecState(
-        config.max_num_seqs, config.max_model_len, k, device, proposer, poison, input_batch, config.block_size, slots
+        config.scheduler.max_num_seqs,
+        config.max_model_len,
+        k,
+        device,
+        proposer,
+        poison,
+        input_batch,
+        config.scheduler.block_size,
+        slots,
     )

@@ -63,8 +63,8 @@ class OpenAIServing:
         adapters: LoraAdapters | None = None,
     ):
         self.tool_calling = ToolCalling(
-            config.tool_call_parser or None,
-            config.enable_auto_tool_choice,
+            config.tools.tool_call_parser or None,
+            config.tools.enable_auto_tool_choice,
             tokenization.renders_tools,
             tokenization.renders_tool_calls,
             tokenization.system_role,
@@ -81,8 +81,11 @@ class OpenAIServing:
         # asynchronous device assert on CUDA) and decode with the tokenizer.
         self._vocab_limit = min(tokenization.vocab_size, config.vocab_size or tokenization.vocab_size)
         self._structured_output = config.vocab_size > 0
-        self._log_requests, self._log_prompts = config.enable_log_requests, config.log_prompts
-        self._max_seqs = config.max_seqs_per_request
+        self._log_requests, self._log_prompts = (
+            config.observability.enable_log_requests,
+            config.observability.log_prompts,
+        )
+        self._max_seqs = config.http.max_seqs_per_request
 
     @property
     def _texts(self):
