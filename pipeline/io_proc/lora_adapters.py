@@ -8,6 +8,8 @@ blocks with its earlier self. ``--lora-modules`` adapter ``i`` has id ``i + 1``.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pipeline.common.config import EngineConfig
 
 
@@ -28,6 +30,14 @@ class LoraAdapters:
         """The id of adapter ``name``; None if no adapter has that name."""
         entry = self.by_name.get(name) if name is not None else None
         return entry[0] if entry is not None else None
+
+    def missing_file(self, name: str) -> str | None:
+        """The file of adapter ``name`` that no longer exists, or None."""
+        _, path = self.by_name[name]
+        for f in (Path(path) / "adapter_config.json", Path(path) / "adapter_model.safetensors"):
+            if not f.is_file():
+                return str(f)
+        return None
 
     def add(self, name: str, path: str) -> int:
         """Serve the adapter in ``path`` as ``name`` (replacing one of that name) under a new id; returns it."""

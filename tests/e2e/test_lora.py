@@ -220,6 +220,14 @@ def test_bad_adapters_are_refused_naming_the_cause_and_the_server_keeps_serving(
     (other / "adapter_config.json").write_text(json.dumps({**cfg, "r": 4}))  # B's shapes then need r 4
     assert "trained for another base model" in refused(other)
     assert "bad" not in {m["id"] for m in httpx.get(f"{server.url}/v1/models").json()["data"]}
+    # Files deleted after the load: refused at the request, before the worker would have to read them.
+    gone = tmp_path / "gone"
+    shutil.copytree(dirs["a"][0], gone)
+    assert post(server, "/v1/load_lora_adapter", {"lora_name": "gone", "lora_path": str(gone)}).status_code == 200
+    shutil.rmtree(gone)
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": "gone", "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 404 and "can no longer be read" in r.json()["error"]["message"], r.text
+    assert post(server, "/v1/unload_lora_adapter", {"lora_name": "gone"}).status_code == 200
     assert len(tokens(server, "a", PROMPT[:8])) == NEW_TOKENS
 
 
