@@ -61,7 +61,7 @@ class _Child(subprocess.Popen):
             os.close(status_w)
         child.sentinel = os.pidfd_open(child.pid)
         try:
-            child.stdin.write(msgspec.json.encode(config))
+            child.stdin.write(msgspec.json.encode(config.for_process(kind)))
             child.stdin.close()
         except BrokenPipeError:
             pass  # it died at once: _check_alive reports it

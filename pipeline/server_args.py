@@ -1,5 +1,5 @@
-"""``pipeline-serve``'s parser, generated from the config groups (``common/config_groups.py``):
-one section per group, one flag per field (``pipeline-bench`` adds its own section to it).
+"""``pipeline-serve``'s parser, generated from the config groups (``common/model_flags.py``,
+``common/config_groups.py``): one section per group, one flag per field (``pipeline-bench`` adds its own section).
 ``group_from_args`` builds a group back from the parsed flags."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import typing
 
 import msgspec
 
-from pipeline.common import config_groups
+from pipeline.common import config_groups, model_flags
 from pipeline.common.flags import die, flag_fields
 
 G = typing.TypeVar("G", bound=msgspec.Struct)
@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the scheduler plans step N+1 while step N runs.",
         formatter_class=_HelpFormatter,
     )
-    for title, group in {"model": config_groups.ModelFlags, **config_groups.GROUPS}.items():
+    for title, group in {**model_flags.RESOLVED, **config_groups.GROUPS}.items():
         add_flags(p.add_argument_group(title, inspect.getdoc(group).split("\n\n")[0]), group)
     return p
 

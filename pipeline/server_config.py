@@ -21,10 +21,11 @@ from pipeline.common.config import (
     QuantizationConfig,
     SpeculativeConfig,
 )
-from pipeline.common.config_groups import ModelFlags, ParallelConfig
+from pipeline.common.config_groups import ParallelConfig
 from pipeline.common.flags import die
 from pipeline.common.instance_files import make_ipc_dir, sweep_dead_instances
 from pipeline.common.kv_events import KVEventsConfig, parse_kv_events_config
+from pipeline.common.model_flags import LoraFlags, ModelFlags
 from pipeline.server_args import group_from_args
 
 MAX_CUDA_GRAPH_SIZE = 512
@@ -115,23 +116,23 @@ def parse_lora_module(text: str) -> LoraModule:
     return LoraModule(name, path)
 
 
-def make_lora_config(args: argparse.Namespace, served_name: str, model) -> LoraConfig | None:
+def make_lora_config(lf: LoraFlags, served_name: str, model) -> LoraConfig | None:
     """``--enable-lora`` and its flags as a ``LoraConfig``, each ``--lora-modules`` adapter read and
     checked against the base ``model`` (a ModelConfig); None when off. Exits with a message naming the
     flag or the adapter."""
-    given = [f for f in ("lora_modules", "max_cpu_loras") if getattr(args, f) is not None]
-    if not args.enable_lora:
-        if given or args.allow_runtime_lora_updating:
+    given = [f for f in ("lora_modules", "max_cpu_loras") if getattr(lf, f) is not None]
+    if not lf.enable_lora:
+        if given or lf.allow_runtime_lora_updating:
             die(f"--{given[0].replace('_', '-') if given else 'allow-runtime-lora-updating'} needs --enable-lora")
         return None
     if model is None:
         die("--enable-lora needs a model (the simulated device has no layers to adapt)")
-    if args.max_loras < 1 or args.max_lora_rank < 1:
+    if lf.max_loras < 1 or lf.max_lora_rank < 1:
         die("--max-loras and --max-lora-rank must be positive")
-    max_cpu = args.max_cpu_loras if args.max_cpu_loras is not None else args.max_loras
-    if max_cpu < args.max_loras:
-        die(f"--max-cpu-loras ({max_cpu}) must be at least --max-loras ({args.max_loras})")
-    modules = tuple(parse_lora_module(t) for t in args.lora_modules or ())
+    max_cpu = lf.max_cpu_loras if lf.max_cpu_loras is not None else lf.max_loras
+    if max_cpu < lf.max_loras:
+        die(f"--max-cpu-loras ({max_cpu}) must be at least --max-loras ({lf.max_loras})")
+    modules = tuple(parse_lora_module(t) for t in lf.lora_modules or ())
     names = [m.name for m in modules]
     if len(set(names)) != len(names) or served_name in names:
         die(f"--lora-modules: adapter names must differ from each other and from the model's ({served_name!r})")
@@ -139,14 +140,14 @@ def make_lora_config(args: argparse.Namespace, served_name: str, model) -> LoraC
 
     for m in modules:
         try:
-            check_adapter(m.path, model, args.max_lora_rank)
+            check_adapter(m.path, model, lf.max_lora_rank)
         except LoraError as e:
             die(f"--lora-modules {m.name}: {e}")
-    runtime = args.allow_runtime_lora_updating or os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in (
+    runtime = lf.allow_runtime_lora_updating or os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in (
         "1",
         "true",
     )
-    return LoraConfig(modules, args.max_loras, args.max_lora_rank, max_cpu, runtime)
+    return LoraConfig(modules, lf.max_loras, lf.max_lora_rank, max_cpu, runtime)
 
 
 def check_draft_model(spec: SpeculativeConfig, target_dir: Path, target, max_model_len: int, tp: int):
@@ -303,7 +304,7 @@ def make_config(args: argparse.Namespace, **flags) -> EngineConfig:
     speculative = parse_speculative_config(m.speculative_config)
     kv_events = kv_events_config(m.kv_events_config)
     served_name = m.served_model_name or ("sim" if sim else name)
-    lora = make_lora_config(args, served_name, None if sim else cfg)
+    lora = make_lora_config(group_from_args(LoraFlags, args), served_name, None if sim else cfg)
     draft = None
     if speculative is not None and speculative.method == "draft_model" and not sim:
         speculative, draft = check_draft_model(speculative, model_dir, cfg, max_model_len, tp)

@@ -25,6 +25,14 @@ from pipeline.common.step_protocol import DESCRIPTOR_RING_ENTRIES, StepDescripto
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
+# The flag groups a process never reads (every process reads ``scheduler`` and ``parallel``).
+_UNREAD_GROUPS = {
+    "io_proc": ("worker",),
+    "scheduler": ("http", "tools", "worker"),
+    "gpu_worker": ("http", "tools", "observability"),
+}
+
+
 class SpeculativeConfig(msgspec.Struct, frozen=True):
     """Speculative decoding (docs/design.md, "Speculative decoding"), vLLM's ``--speculative-config`` fields.
 
@@ -149,12 +157,18 @@ class EngineConfig(msgspec.Struct, frozen=True):
     engine_index: int = 0
     instance: str = ""
     ipc_dir: str = ""
-    http: HttpConfig = msgspec.field(default_factory=HttpConfig)
-    tools: ToolConfig = msgspec.field(default_factory=ToolConfig)
+    # None only in a process that does not read the group (``for_process``).
+    http: HttpConfig | None = msgspec.field(default_factory=HttpConfig)
+    tools: ToolConfig | None = msgspec.field(default_factory=ToolConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
-    worker: WorkerConfig = msgspec.field(default_factory=WorkerConfig)
+    worker: WorkerConfig | None = msgspec.field(default_factory=WorkerConfig)
     parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
-    observability: ObservabilityConfig = msgspec.field(default_factory=ObservabilityConfig)
+    observability: ObservabilityConfig | None = msgspec.field(default_factory=ObservabilityConfig)
+
+    def for_process(self, kind: str) -> EngineConfig:
+        """This config as process ``kind`` (``child.ENTRIES``) receives it: the flag groups it does not read are
+        None."""
+        return msgspec.structs.replace(self, **{group: None for group in _UNREAD_GROUPS[kind]})
 
     @property
     def is_simulated(self) -> bool:

@@ -18,7 +18,7 @@ from pipeline.gpu_worker.cuda_graphs import DecodeGraphs, GraphStep
 from pipeline.gpu_worker.sampling.logprobs import token_logprobs
 from pipeline.gpu_worker.sampling.penalties import PenaltyInputs, PenaltyState, apply_penalties
 from pipeline.gpu_worker.sampling.rejection_sampler import VerifyInputs, accept_one_hot, rejection_sample
-from pipeline.gpu_worker.sampling.sampler import SamplingPlan, filtered_logits, race, sample_rows
+from pipeline.gpu_worker.sampling.sampler import SamplingTensors, filtered_logits, race, sample_rows
 from pipeline.gpu_worker.sampling.token_mask import apply_token_bitmask, nearest_allowed
 from pipeline.gpu_worker.sim_device import SimEvent, SimulatedDevice, sim_logprobs, sim_next_tokens
 
@@ -38,18 +38,13 @@ LogprobTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 class SamplingInputs:
     """How to sample a step's ``S`` sampled rows (docs/design.md, "Structured output").
 
-    ``plan.rows`` selects the ``R`` rows with temperature > 0; the six tensors are ``[R]`` on the device (float32
-    ``temperature``, ``top_p``, ``min_p``; int64 ``top_k`` (0 = off), ``seed``, ``position``). ``mask_rows`` (``[M]``
-    int64) get ``bitmask`` (``[M, W]``), or ``await_bitmask`` supplies it after the forward is enqueued.
+    ``params.plan.rows`` selects the ``R`` rows with temperature > 0; ``position`` (``[R]`` int64 on the device) keys
+    each one's noise. ``mask_rows`` (``[M]`` int64) get ``bitmask`` (``[M, W]``), or ``await_bitmask`` supplies it after
+    the forward is enqueued.
     """
 
-    plan: SamplingPlan
-    temperature: torch.Tensor
-    top_p: torch.Tensor
-    top_k: torch.Tensor
-    seed: torch.Tensor
+    params: SamplingTensors
     position: torch.Tensor
-    min_p: torch.Tensor
     penalties: PenaltyInputs | None = None
     penalty_state: PenaltyState | None = None
     mask_rows: torch.Tensor | None = None
@@ -109,7 +104,7 @@ def sample_tokens(logits: torch.Tensor, s: SamplingInputs) -> torch.Tensor:
     any logits, NaN and infinities included.
     """
     processed = s.processed_logits(logits)
-    return sample_rows(processed, s.plan, s.temperature, s.top_p, s.top_k, s.seed, s.position, s.min_p)
+    return sample_rows(processed, s.params, s.position)
 
 
 def sample_and_verify(
@@ -127,11 +122,11 @@ def sample_and_verify(
     tokens = processed.argmax(-1)
     rows, width = v.index.shape
     hot = None
-    if s.plan.rows is not None:
-        x = filtered_logits(processed, s.plan, s.temperature, s.top_p, s.top_k, s.min_p)
+    if s.params.plan.rows is not None:
+        x = filtered_logits(processed, s.params)
         if v.draft_probs is not None:  # gathered before the race overwrites x
             hot = x.index_select(0, v.hot_index.view(-1)).view(v.hot_index.shape[0], width, -1)
-        tokens.index_copy_(0, s.plan.rows, race(x, s.seed, s.position))
+        tokens.index_copy_(0, s.params.plan.rows, race(x, s.params.seed, s.position))
     targets = tokens.index_select(0, v.index.view(-1)).view(rows, width)
     accepted = accept_one_hot(targets, v.drafts)
     if hot is not None:
@@ -141,7 +136,7 @@ def sample_and_verify(
             v.draft_probs,
             v.drafts.index_select(0, v.hot_rows),
             targets.index_select(0, v.hot_rows),
-            s.seed.index_select(0, v.hot_index[:, 0]),
+            s.params.seed.index_select(0, v.hot_index[:, 0]),
             s.position.index_select(0, v.hot_index.view(-1)).view(-1, width),
         )
         accepted.index_copy_(0, v.hot_rows, hot_accepted)

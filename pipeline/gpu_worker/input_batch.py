@@ -11,6 +11,7 @@ import torch
 from pipeline.common.step_protocol import MAX_LOGIT_BIAS, StepInputs
 from pipeline.gpu_worker.device import DeviceOps, Staged, UploadBatch
 from pipeline.gpu_worker.sampling.penalties import PenaltyState
+from pipeline.gpu_worker.sampling.sampler import SamplingPlan, SamplingTensors
 
 # Written into a token-id cache entry once a placeholder consumed it; reading
 # it again means a placeholder resolved to a stale token.
@@ -155,6 +156,20 @@ class InputBatch:
         self.any_penalized = bool(self.host_penalized.any())
         self.any_penalty_work = self.any_penalized or bool(self.host_num_bias.any() or self.host_min_tokens.any())
         return u
+
+    def sampling_tensors(
+        self, rows: torch.Tensor, req: np.ndarray, req_dev: torch.Tensor, vocab: int, host_reads_ok: bool
+    ) -> SamplingTensors:
+        """The parameters of the sampled rows ``rows`` (``[R]`` on the device), at req_indices ``req`` (``[R]`` host)
+        and ``req_dev`` (the same, staged): one gather per table, the columns views of it."""
+        f, i = self.float_params.index_select(0, req_dev), self.int_params.index_select(0, req_dev)
+        plan = SamplingPlan.build(
+            rows, self.host_top_k[req], self.host_top_p[req], vocab, host_reads_ok, self.host_min_p[req]
+        )
+        fc, ic = FLOAT_COLUMN, INT_COLUMN
+        return SamplingTensors(
+            plan, f[:, fc["temperature"]], f[:, fc["top_p"]], i[:, ic["top_k"]], f[:, fc["min_p"]], i[:, ic["seed"]]
+        )
 
     def write(self, u: RowUpdate) -> None:
         """Enqueue the device writes of ``u`` (staged by ``stage``; its batch uploaded)."""

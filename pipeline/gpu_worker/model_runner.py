@@ -21,13 +21,13 @@ from pipeline.common.step_protocol import PLACEHOLDER_TOKEN_ID, StepInputs
 from pipeline.gpu_worker.attention.backend import AttentionMetadata, StepLayout
 from pipeline.gpu_worker.device import DeviceClock, DeviceOps, Staged, UploadBatch, device_ops
 from pipeline.gpu_worker.executor import Executed, Executor, LogprobInputs, SamplingInputs
-from pipeline.gpu_worker.input_batch import FLOAT_COLUMN, INT_COLUMN, POISON_TOKEN_ID, InputBatch
+from pipeline.gpu_worker.input_batch import POISON_TOKEN_ID, InputBatch
 from pipeline.gpu_worker.launched_step import LaunchedStep
 from pipeline.gpu_worker.sampling.logprobs import PromptLogprobPlan
 from pipeline.gpu_worker.sampling.mask_reader import MaskReader
 from pipeline.gpu_worker.sampling.penalties import PenaltyPlan, plan_penalties
 from pipeline.gpu_worker.sampling.rejection_sampler import VerifyInputs
-from pipeline.gpu_worker.sampling.sampler import SamplingPlan
+from pipeline.gpu_worker.sampling.sampler import SamplingTensors
 from pipeline.gpu_worker.spec.draft_model import DraftModel
 from pipeline.gpu_worker.spec.speculation import SpecStep, spec_state
 
@@ -53,7 +53,7 @@ class _Sampling:
     """A step's sampling decided on the host (staged arrays; None: not needed).
 
     ``last``/``sample_req_indices [S]``: step-token index and req_index of each sampled row; ``hot [R]``: rows with
-    temperature > 0, with host copies of their ``top_k``, ``top_p``, ``min_p`` for the ``SamplingPlan``.
+    temperature > 0, ``host_hot_req`` their req_indices on the host.
     """
 
     last: Staged
@@ -62,9 +62,7 @@ class _Sampling:
     hot_req_indices: Staged | None = None
     positions: Staged | None = None
     hot_rows: Staged | None = None  # descriptor row of each hot position, when rows may be shifted
-    top_k: np.ndarray | None = None
-    top_p: np.ndarray | None = None
-    min_p: np.ndarray | None = None
+    host_hot_req: np.ndarray | None = None
     mask_rows: Staged | None = None
     num_masks: int = 0  # sampled positions whose bitmask follows the descriptor (``MaskReader``)
     penalties: PenaltyPlan | None = None
@@ -115,9 +113,8 @@ class ModelRunner:
         self.clock = DeviceClock()
         self._in_flight = 0  # launched, not yet finished
         self.masks: MaskReader | None = None
-        # The sampling parameters of a batch with no row to sample with temperature: empty, never read.
-        f, i = (torch.zeros(0, dtype=d, device=device) for d in (torch.float32, torch.int64))
-        self._no_rows = dict(temperature=f, top_p=f, min_p=f, top_k=i, seed=i, position=i)
+        # The sampling of a batch with no row to sample with temperature: empty, never read.
+        self._greedy = SamplingTensors.greedy(device), torch.zeros(0, dtype=torch.int64, device=device)
 
     @property
     def token_cache(self) -> torch.Tensor:
@@ -236,11 +233,7 @@ class ModelRunner:
                 batch.add(hot_req_indices),
                 batch.add(positions[hot]),
             )
-            out.top_k, out.top_p, out.min_p = (
-                s.host_top_k[hot_req_indices],
-                s.host_top_p[hot_req_indices],
-                s.host_min_p[hot_req_indices],
-            )
+            out.host_hot_req = hot_req_indices
             if spec is not None and spec.shift_req is not None:
                 out.hot_rows = batch.add(pos_rows[hot])
         if len(x.mask_row):  # structured output: the descriptor rows become sampled positions, a mask each
@@ -277,27 +270,16 @@ class ModelRunner:
         positions back (the noise is keyed by the true one)."""
         s = self.input_batch
         if st.hot is None:
-            sampling = SamplingInputs(SamplingPlan(rows=None), **self._no_rows)
+            sampling = SamplingInputs(*self._greedy)
         else:
             vocab = self.executor.vocab_size or _NO_VOCAB
-            plan = SamplingPlan.build(
-                st.hot.dev, st.top_k, st.top_p, vocab, host_reads_ok=not self.ops.is_async, min_p=st.min_p
+            params = s.sampling_tensors(
+                st.hot.dev, st.host_hot_req, st.hot_req_indices.dev, vocab, not self.ops.is_async
             )
-            # One gather per parameter table; the columns are views of it.
-            f = s.float_params.index_select(0, st.hot_req_indices.dev)
-            i = s.int_params.index_select(0, st.hot_req_indices.dev)
             position = st.positions.dev
             if shift is not None and st.hot_rows is not None:
                 position = position - shift.index_select(0, st.hot_rows.dev)
-            sampling = SamplingInputs(
-                plan,
-                temperature=f[:, FLOAT_COLUMN["temperature"]],
-                top_p=f[:, FLOAT_COLUMN["top_p"]],
-                top_k=i[:, INT_COLUMN["top_k"]],
-                seed=i[:, INT_COLUMN["seed"]],
-                position=position,
-                min_p=f[:, FLOAT_COLUMN["min_p"]],
-            )
+            sampling = SamplingInputs(params, position)
         if st.mask_rows is not None:
             sampling.mask_rows = st.mask_rows.dev
             sampling.await_bitmask = lambda: self._upload_masks(step_id, st.num_masks, meanwhile)

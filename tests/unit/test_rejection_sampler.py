@@ -26,7 +26,7 @@ from pipeline.gpu_worker.device import DeviceOps, UploadBatch
 from pipeline.gpu_worker.executor import SamplingInputs, sample_and_verify
 from pipeline.gpu_worker.sampling.penalties import PenaltyState, plan_penalties
 from pipeline.gpu_worker.sampling.rejection_sampler import VerifyInputs, accept_one_hot
-from pipeline.gpu_worker.sampling.sampler import SamplingPlan
+from pipeline.gpu_worker.sampling.sampler import SamplingPlan, SamplingTensors
 
 VOCAB = 16
 PROMPT = [3, 7, 1]
@@ -147,15 +147,15 @@ def generate(table, top_p: float, repetition: float, drafts: str) -> np.ndarray:
         )
         rows = torch.arange(s_count)
         plan = SamplingPlan.build(rows, np.zeros(s_count, np.int64), np.full(s_count, top_p), VOCAB, True)
-        sampling = SamplingInputs(
+        params = SamplingTensors(
             plan,
             temperature=torch.ones(s_count),
             top_p=torch.full((s_count,), top_p),
             top_k=torch.zeros(s_count, dtype=torch.int64),
-            seed=torch.from_numpy(req_indices.astype(np.int64)),
-            position=torch.from_numpy(position.astype(np.int64)),
             min_p=torch.zeros(s_count),
+            seed=torch.from_numpy(req_indices.astype(np.int64)),
         )
+        sampling = SamplingInputs(params, position=torch.from_numpy(position.astype(np.int64)))
         if pen is not None:
             batch = UploadBatch()
             pen.stage(batch)

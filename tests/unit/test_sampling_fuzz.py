@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from pipeline.common.step_protocol import MASK_BITS, MAX_LOGIT_BIAS
 from pipeline.gpu_worker.executor import SamplingInputs, sample_tokens
 from pipeline.gpu_worker.sampling.penalties import PenaltyInputs, PenaltyState
-from pipeline.gpu_worker.sampling.sampler import SamplingPlan
+from pipeline.gpu_worker.sampling.sampler import SamplingPlan, SamplingTensors
 
 VOCAB = 37
 WORDS = -(-VOCAB // MASK_BITS)
@@ -97,14 +97,17 @@ def _inputs(rows: list[dict]) -> tuple[torch.Tensor, SamplingInputs]:
         host_reads_ok=True,
         min_p=col["min_p"].astype(np.float32),
     )
-    return logits, SamplingInputs(
+    params = SamplingTensors(
         plan=plan,
         temperature=torch.from_numpy(temperature[sampled]),
         top_p=torch.tensor(col["top_p"], dtype=torch.float32),
         top_k=torch.tensor(col["top_k"], dtype=torch.int64),
-        seed=torch.tensor(col["seed"], dtype=torch.int64),
-        position=torch.tensor(col["position"], dtype=torch.int64),
         min_p=torch.tensor(col["min_p"], dtype=torch.float32),
+        seed=torch.tensor(col["seed"], dtype=torch.int64),
+    )
+    return logits, SamplingInputs(
+        params,
+        position=torch.tensor(col["position"], dtype=torch.int64),
         penalties=penalties,
         penalty_state=state,
         mask_rows=torch.tensor(masked) if masked else None,

@@ -3,7 +3,7 @@
 import numpy as np
 import torch
 
-from pipeline.gpu_worker.sampling.sampler import SamplingPlan, sample_rows
+from pipeline.gpu_worker.sampling.sampler import SamplingPlan, SamplingTensors, sample_rows
 from pipeline.gpu_worker.sampling.token_mask import apply_token_bitmask, nearest_allowed
 
 V = 70  # not a multiple of 32: the last word is partly used
@@ -45,15 +45,10 @@ def test_masked_tokens_never_sampled():
     hot = torch.arange(s)
     plan = SamplingPlan.build(hot, np.full(s, 20), np.full(s, 0.9, np.float32), V, host_reads_ok=True)
     for seed in range(100):
-        tokens = sample_rows(
-            masked,
-            plan,
-            torch.ones(s),
-            torch.full((s,), 0.9),
-            torch.full((s,), 20),
-            torch.full((s,), seed),
-            torch.arange(s) + 5,
+        params = SamplingTensors(
+            plan, torch.ones(s), torch.full((s,), 0.9), torch.full((s,), 20), torch.zeros(s), torch.full((s,), seed)
         )
+        tokens = sample_rows(masked, params, torch.arange(s) + 5)
         assert all(allowed[i, t] for i, t in enumerate(tokens.tolist())), seed
 
 

@@ -63,6 +63,27 @@ class SamplingPlan:
         )
 
 
+@dataclass
+class SamplingTensors:
+    """The parameters of a step's ``R`` rows with temperature > 0, ``[R]`` each on the logits' device, and their plan.
+
+    float32 ``temperature``, ``top_p``, ``min_p``; int64 ``top_k`` (0 = off) and ``seed``.
+    """
+
+    plan: SamplingPlan
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    top_k: torch.Tensor
+    min_p: torch.Tensor
+    seed: torch.Tensor
+
+    @classmethod
+    def greedy(cls, device: torch.device) -> SamplingTensors:
+        """No row samples: every row takes its argmax."""
+        f, i = (torch.zeros(0, dtype=d, device=device) for d in (torch.float32, torch.int64))
+        return cls(SamplingPlan(rows=None), f, f, i, f, i)
+
+
 def sample(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -96,61 +117,42 @@ def sample(
         raise ValueError(f"min_p must be in [0, 1], got {min_p.tolist()}")
     rows = torch.nonzero(temperature > 0).flatten()
     device = logits.device
+    if not rows.numel():
+        return sample_rows(logits, SamplingTensors.greedy(device), output_positions)
+    top_k = top_k.long()
     plan = SamplingPlan.build(
-        rows.to(device) if rows.numel() else None,
-        top_k[rows].long().numpy(),
-        top_p[rows].numpy(),
-        vocab,
-        host_reads_ok=device.type == "cpu",
-        min_p=min_p[rows].numpy(),
+        rows.to(device), top_k[rows].numpy(), top_p[rows].numpy(), vocab, device.type == "cpu", min_p[rows].numpy()
     )
-    on_device = [t[rows].to(device) for t in (temperature, top_p, top_k.long(), seeds, output_positions, min_p)]
-    return sample_rows(logits, plan, *on_device)
+    params = [t[rows].to(device) for t in (temperature, top_p, top_k, min_p, seeds.long())]
+    return sample_rows(logits, SamplingTensors(plan, *params), output_positions[rows].to(device))
 
 
-def sample_rows(
-    logits: torch.Tensor,
-    plan: SamplingPlan,
-    temperature: torch.Tensor,
-    top_p: torch.Tensor,
-    top_k: torch.Tensor,
-    seeds: torch.Tensor,
-    positions: torch.Tensor,
-    min_p: torch.Tensor | None = None,
-) -> torch.Tensor:
+def sample_rows(logits: torch.Tensor, s: SamplingTensors, positions: torch.Tensor) -> torch.Tensor:
     """Pick one token per row with no host synchronisation: temperature, min-p (Nguyen et al. 2024; before top-k/top-p,
     as vLLM applies it), top-k, top-p, the seeded draw.
 
-    ``logits``: ``[S, V]`` float32; parameters ``[R]`` on the logits' device for ``plan.rows`` (``min_p`` read only if
-    ``plan.use_min_p``). Returns ``[S]`` int64.
+    ``logits``: ``[S, V]`` float32; ``positions`` ``[R]`` int64, the output position keying each sampled row's noise.
+    Returns ``[S]`` int64.
     """
     tokens = logits.argmax(-1)
-    if plan.rows is None:
+    if s.plan.rows is None:
         return tokens
-    x = filtered_logits(logits, plan, temperature, top_p, top_k, min_p)
-    return tokens.index_copy_(0, plan.rows, race(x, seeds, positions))
+    return tokens.index_copy_(0, s.plan.rows, race(filtered_logits(logits, s), s.seed, positions))
 
 
-def filtered_logits(
-    logits: torch.Tensor,
-    plan: SamplingPlan,
-    temperature: torch.Tensor,
-    top_p: torch.Tensor,
-    top_k: torch.Tensor,
-    min_p: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``[R, V]`` float32: the ``plan.rows`` rows of ``logits`` with temperature, min-p, top-k and top-p applied
-    (dropped tokens -inf), the distribution ``race`` draws from; arguments as ``sample_rows``."""
+def filtered_logits(logits: torch.Tensor, s: SamplingTensors) -> torch.Tensor:
+    """``[R, V]`` float32: the ``s.plan.rows`` rows of ``logits`` with temperature, min-p, top-k and top-p applied
+    (dropped tokens -inf), the distribution ``race`` draws from."""
     vocab = logits.shape[1]
-    x = logits.index_select(0, plan.rows)
-    x.div_(temperature[:, None])
+    x = logits.index_select(0, s.plan.rows)
+    x.div_(s.temperature[:, None])
     # Logits that overflowed (a tiny temperature, an extreme penalty) or became NaN must not turn the
     # nucleus's sums into NaN: NaN cannot be drawn, and +inf becomes the largest float.
     torch.nan_to_num_(x, nan=float("-inf"), posinf=_FLOAT32_MAX, neginf=float("-inf"))
-    if plan.use_min_p:
-        apply_min_p(x, min_p)
-    k = torch.where((top_k > 0) & (top_k < vocab), top_k, 0)
-    _filter(x, k, top_p, plan)
+    if s.plan.use_min_p:
+        apply_min_p(x, s.min_p)
+    k = torch.where((s.top_k > 0) & (s.top_k < vocab), s.top_k, 0)
+    _filter(x, k, s.top_p, s.plan)
     return x
 
 

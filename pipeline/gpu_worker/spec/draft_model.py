@@ -17,9 +17,9 @@ from pipeline.gpu_worker.attention.backend import StepLayout
 from pipeline.gpu_worker.cuda_graphs import GraphStep
 from pipeline.gpu_worker.device import DeviceOps, Staged, UploadBatch
 from pipeline.gpu_worker.executor import PAD_BLOCKS
-from pipeline.gpu_worker.input_batch import FLOAT_COLUMN, INT_COLUMN, InputBatch
+from pipeline.gpu_worker.input_batch import InputBatch
 from pipeline.gpu_worker.sampling.rejection_sampler import DRAFT_SALT
-from pipeline.gpu_worker.sampling.sampler import SamplingPlan, filtered_logits, race
+from pipeline.gpu_worker.sampling.sampler import filtered_logits, race
 
 if TYPE_CHECKING:  # the simulated device never loads the model code
     from pipeline.gpu_worker.models.base import CausalLM
@@ -30,8 +30,7 @@ class DraftPlan:
     """One step's draft passes, decided on the host: its ``V`` verified rows and ``k``.
 
     ``rows``/``req``/``start``/``first [V]``: descriptor row, req_index, host position (an upper bound when shifted) and
-    step-token index of each row's first input; ``hot [H]``: rows that sample, with host ``top_k``, ``top_p``,
-    ``min_p``.
+    step-token index of each row's first input; ``hot [H]``: rows that sample, ``hot_req`` their req_indices.
     """
 
     k: int
@@ -41,9 +40,7 @@ class DraftPlan:
     first: Staged
     hot: Staged | None = None
     hot_req: Staged | None = None
-    top_k: np.ndarray | None = None
-    top_p: np.ndarray | None = None
-    min_p: np.ndarray | None = None
+    host_hot_req: np.ndarray | None = None
 
 
 class DraftModel:
@@ -91,12 +88,7 @@ class DraftModel:
         ib = self.input_batch
         hot = np.flatnonzero(ib.host_temperature[req] > 0) if ib.any_hot else ()
         if len(hot):
-            plan.hot, plan.hot_req = batch.add(hot), batch.add(req[hot])
-            plan.top_k, plan.top_p, plan.min_p = (
-                ib.host_top_k[req[hot]],
-                ib.host_top_p[req[hot]],
-                ib.host_min_p[req[hot]],
-            )
+            plan.hot, plan.hot_req, plan.host_hot_req = batch.add(hot), batch.add(req[hot]), req[hot]
         return plan
 
     def propose(
@@ -110,16 +102,8 @@ class DraftModel:
         ib, vocab = self.input_batch, self.model.config.vocab_size
         sampling = None
         if plan.hot is not None:
-            f = ib.float_params.index_select(0, plan.hot_req.dev)
-            i = ib.int_params.index_select(0, plan.hot_req.dev)
-            sampling = (
-                SamplingPlan.build(plan.hot.dev, plan.top_k, plan.top_p, vocab, self.host_reads_ok, plan.min_p),
-                f[:, FLOAT_COLUMN["temperature"]],
-                f[:, FLOAT_COLUMN["top_p"]],
-                i[:, INT_COLUMN["top_k"]],
-                f[:, FLOAT_COLUMN["min_p"]],
-            )
-            seeds = i[:, INT_COLUMN["seed"]] ^ DRAFT_SALT
+            sampling = ib.sampling_tensors(plan.hot.dev, plan.host_hot_req, plan.hot_req.dev, vocab, self.host_reads_ok)
+            seeds = sampling.seed ^ DRAFT_SALT
         drafts, qs = [], []
         ones = np.ones(n, np.int64)
         for j in range(plan.k):
@@ -128,7 +112,7 @@ class DraftModel:
             logits = self.model.compute_logits(self.model(cur, meta.positions, meta, self.kv_caches))
             cur = logits.argmax(-1)
             if sampling is not None:
-                x = filtered_logits(logits, *sampling)
+                x = filtered_logits(logits, sampling)
                 qs.append(torch.softmax(x, dim=-1))
                 # Keyed by the drafted token's position, as the target's draw there (with its own salt).
                 cur.index_copy_(0, plan.hot.dev, race(x, seeds, meta.positions.index_select(0, plan.hot.dev) + 1))

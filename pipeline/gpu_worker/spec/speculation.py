@@ -42,8 +42,8 @@ class SampledPositions:
 
     @classmethod
     def of(cls, x: StepInputs) -> SampledPositions:
-        """The sampled positions of step ``x``; raises ``ValueError`` for rows verifying different numbers of drafts, or
-        drafts on a row that does not sample."""
+        """Step ``x``'s sampled positions; ``ValueError``: rows verify different numbers of drafts, or a row drafts
+        but does not sample."""
         rows = x.sample_rows
         n = len(rows)
         # One token per row (decode): each row's last token is its own index.
@@ -265,8 +265,7 @@ class SpecState:
             st.hot_index = batch.add(among[first[hot, None] + np.arange(sp.k + 1)[None, :]])
 
     @property
-    def drafts_on_device(self) -> bool:
-        """Drafts are computed in the step that verifies them (a draft model), not read from ``drafts``."""
+    def drafts_on_device(self) -> bool:  # a draft model drafts in the step that verifies, not into ``drafts``
         return isinstance(self.proposer, DraftModel)
 
     def resolve_drafts(self, st: SpecStep, input_ids: torch.Tensor) -> tuple[torch.Tensor, np.ndarray] | None:

@@ -7,11 +7,13 @@ follow the OpenAI API reference with vLLM's extensions, omitted from responses u
 
 from __future__ import annotations
 
+import secrets
 from typing import Annotated
 
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pipeline.common.messages import SamplingParams
 from pipeline.common.step_protocol import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from pipeline.io_proc.json_limits import Shallow, loads
 
@@ -19,6 +21,13 @@ from pipeline.io_proc.json_limits import Shallow, loads
 MAX_STOP_STRINGS = 4
 # Choices per prompt (n); each is a sequence with a req_index of its own.
 MAX_CHOICES = 128
+_SEED_MASK = (1 << 63) - 1
+_MIN_TEMPERATURE = 1e-5
+# A nucleus this small keeps only the most likely token (ties included); any
+# smaller value is the same, and 0 is not a valid float32 top_p.
+_MIN_TOP_P = 1e-6
+# top_k beyond any vocabulary means "disabled"; larger values do not fit int32.
+_INT32_MAX = 2**31 - 1
 
 
 # -- errors -------------------------------------------------------------------
@@ -230,6 +239,30 @@ class SamplingRequest(OpenAIBaseModel):
     def sampled_logprobs(self) -> int:
         """Alternatives wanted with each output token's log-probability; -1 for no log-probabilities."""
         return -1
+
+    def sampling_params(self, max_tokens: int, stop_token_ids: tuple[int, ...], lora_id: int) -> SamplingParams:
+        """The engine's ``SamplingParams`` of this request, once ``max_tokens`` and the stop ids are resolved."""
+        temperature = 1.0 if self.temperature is None else self.temperature
+        top_k = self.top_k if self.top_k is not None and self.top_k > 0 else 0
+        return SamplingParams(
+            max_tokens=max_tokens,
+            # Below _MIN_TEMPERATURE, logits / temperature overflow: that is greedy (as vLLM treats it).
+            temperature=0.0 if temperature < _MIN_TEMPERATURE else temperature,
+            # The descriptor stores top_p as float32 and top_k as int32: keep both representable.
+            top_p=1.0 if self.top_p is None else max(self.top_p, _MIN_TOP_P),
+            top_k=0 if top_k > _INT32_MAX else top_k,
+            seed=secrets.randbits(63) if self.seed is None else self.seed & _SEED_MASK,
+            stop_token_ids=stop_token_ids,
+            logprobs=self.sampled_logprobs(),
+            prompt_logprobs=self.prompt_logprobs(),
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            min_p=self.min_p or 0.0,
+            min_tokens=self.min_tokens,
+            logit_bias=self.logit_bias_pairs(),
+            lora_id=lora_id,
+        )
 
     def prompt_logprobs(self) -> int:
         """Alternatives wanted with each prompt token's log-probability; -1 for none."""

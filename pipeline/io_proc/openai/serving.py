@@ -7,7 +7,6 @@ streamed text concatenates exactly to the non-streamed text.
 from __future__ import annotations
 
 import asyncio
-import secrets
 from collections.abc import Callable
 
 import msgspec
@@ -29,13 +28,6 @@ from pipeline.io_proc.request_state import RequestState
 from pipeline.io_proc.tokenization import Tokenization
 from pipeline.io_proc.tool_calling import ToolCalling, ToolPlan, compile_tool_grammar
 
-_SEED_MASK = (1 << 63) - 1
-_MIN_TEMPERATURE = 1e-5
-# A nucleus this small keeps only the most likely token (ties included); any
-# smaller value is the same, and 0 is not a valid float32 top_p.
-_MIN_TOP_P = 1e-6
-# top_k beyond any vocabulary means "disabled"; larger values do not fit int32.
-_INT32_MAX = 2**31 - 1
 # HTTP status nginx uses for "client closed request"; nobody reads it.
 CLIENT_CLOSED = 499
 
@@ -195,27 +187,7 @@ class OpenAIServing:
                 f"the model's {len(self._stop_token_ids)}",
                 param="stop_token_ids",
             )
-        temperature = 1.0 if req.temperature is None else req.temperature
-        top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
-        return SamplingParams(
-            max_tokens=max_tokens,
-            # Below _MIN_TEMPERATURE, logits / temperature overflow: that is greedy (as vLLM treats it).
-            temperature=0.0 if temperature < _MIN_TEMPERATURE else temperature,
-            # The descriptor stores top_p as float32 and top_k as int32: keep both representable.
-            top_p=1.0 if req.top_p is None else max(req.top_p, _MIN_TOP_P),
-            top_k=0 if top_k > _INT32_MAX else top_k,
-            seed=secrets.randbits(63) if req.seed is None else req.seed & _SEED_MASK,
-            stop_token_ids=stop_ids,
-            logprobs=req.sampled_logprobs(),
-            prompt_logprobs=req.prompt_logprobs(),
-            presence_penalty=req.presence_penalty or 0.0,
-            frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            min_p=req.min_p or 0.0,
-            min_tokens=req.min_tokens,
-            logit_bias=logit_bias,
-            lora_id=self._adapters.id_of(req.model) or 0,
-        )
+        return req.sampling_params(max_tokens, stop_ids, lora_id=self._adapters.id_of(req.model) or 0)
 
     def _start(
         self,
