@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from pipeline.gpu_worker.attention.backend import AttentionBackend, StepLayout, Upload
-from pipeline.gpu_worker.attention.graph_decode import GraphDecodeBackend, GraphDecodeInputs
+from pipeline.gpu_worker.attention.graph_decode import GraphDecodeAttention, GraphDecodeInputs
 from pipeline.gpu_worker.attention.kv_layout import KVCache
 
 
@@ -64,8 +64,8 @@ class DecodeGraphs:
         self.sizes = sorted(sizes)
         self.device = block_table.device
         largest = self.sizes[-1]
-        inputs = GraphDecodeInputs(largest, block_table, pad_block, block_size)
-        self.backend = GraphDecodeBackend(inputs, attn_backend.cache_layout)
+        self.inputs = GraphDecodeInputs(largest, block_table, pad_block, block_size)
+        self.attention = GraphDecodeAttention(attn_backend.cache_layout)
         self.input_ids = torch.zeros(largest, dtype=torch.int64, device=self.device)
         self.logits = torch.zeros(largest, model.config.vocab_size, dtype=torch.float32, device=self.device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -76,7 +76,7 @@ class DecodeGraphs:
         size = padded_size(self.sizes, num_rows)
         if size is None or layout.num_tokens != num_rows:
             return None
-        positions = self.backend.inputs.fill(layout, size, upload, shift)
+        positions = self.inputs.fill(layout, size, upload, shift)
         return GraphStep(num_tokens=num_rows, size=size, graphs=self, positions=positions)
 
     def run(self, step: GraphStep, input_ids: torch.Tensor) -> torch.Tensor:
@@ -92,8 +92,8 @@ class DecodeGraphs:
 
     def body(self, size: int) -> None:
         """The graph's work for ``size`` rows, from the static buffers to ``self.logits[:size]``."""
-        meta = self.backend.inputs.metadata(size)
-        hidden = self.model(self.input_ids[:size], meta.positions, meta, self.kv_caches, self.backend)
+        meta = self.inputs.metadata(size)
+        hidden = self.model(self.input_ids[:size], meta.positions, meta, self.kv_caches, self.attention)
         self.logits[:size].copy_(self.model.compute_logits(hidden))
 
     @torch.inference_mode()

@@ -217,7 +217,7 @@ def test_a_shift_moves_the_graph_rows_back():
 
 def test_padding_rows_write_only_the_padding_block(tiny_dir):
     runner = make_runner(tiny_dir, "torch_bucketed", sizes=[8])
-    graphs = runner.executor.graphs.backend.inputs  # the static rows the graph reads
+    graphs = runner.executor.graphs.inputs  # the static rows the graph reads
     steps = Steps(runner.config)
     rows = [(0, 0, [1, 2, 3, 4, 5], True, GREEDY), (3, 0, [6, 7], True, GREEDY), (6, 0, [9], True, GREEDY)]
     runner.finish(runner.launch(steps.make(rows), 0))

@@ -198,29 +198,14 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
 
 
-class AttentionBackend(ABC):
-    """Paged attention for one model: metadata once per step, forward per layer; may keep scratch memory its layers
-    share.
+class AttentionImpl(ABC):
+    """A layer's paged attention over a step's metadata (vLLM's name for a backend's per-layer half).
 
     ``cache_layout`` is ``kv_layout.TOKEN_MAJOR`` or ``HEAD_MAJOR``.
     """
 
     name: str = "abstract"
     cache_layout: str = TOKEN_MAJOR
-
-    @abstractmethod
-    def build_metadata(
-        self, layout: StepLayout, block_table: torch.Tensor, upload: Upload, shift: torch.Tensor | None = None
-    ) -> AttentionMetadata:
-        """Lay out one step on the device without waiting for it.
-
-        ``block_table`` (``[rows, max_blocks_per_seq]`` int64 on the device): request ``i`` uses row
-        ``layout.req_indices[i]``; entries past its context may hold anything. ``shift`` (``[B]`` int64 on the device):
-        row ``i`` starts ``shift[i]`` positions before ``layout.start_positions[i]`` (its rejected drafts); None: exact.
-
-        Raises:
-            ValueError: a ``shift`` for a backend that needs exact host positions.
-        """
 
     @abstractmethod
     def forward(
@@ -240,6 +225,25 @@ class AttentionBackend(ABC):
         ``q``: ``[T, H, D]``, ``k``/``v``: ``[T, KVH, D]`` (RoPE applied, H a multiple of KVH). ``softcap``: scores
         become ``softcap * tanh(s / softcap)`` before mask and softmax (Gemma 2). Returns ``[T, H, D]`` in ``q``'s
         dtype.
+        """
+
+
+class AttentionBackend(AttentionImpl):
+    """Paged attention for one model: metadata once per step, forward per layer; may keep scratch memory its layers
+    share."""
+
+    @abstractmethod
+    def build_metadata(
+        self, layout: StepLayout, block_table: torch.Tensor, upload: Upload, shift: torch.Tensor | None = None
+    ) -> AttentionMetadata:
+        """Lay out one step on the device without waiting for it.
+
+        ``block_table`` (``[rows, max_blocks_per_seq]`` int64 on the device): request ``i`` uses row
+        ``layout.req_indices[i]``; entries past its context may hold anything. ``shift`` (``[B]`` int64 on the device):
+        row ``i`` starts ``shift[i]`` positions before ``layout.start_positions[i]`` (its rejected drafts); None: exact.
+
+        Raises:
+            ValueError: a ``shift`` for a backend that needs exact host positions.
         """
 
     def build_from_rows(

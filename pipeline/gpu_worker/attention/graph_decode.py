@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from pipeline.gpu_worker.attention.backend import (
-    AttentionBackend,
+    AttentionImpl,
     AttentionMetadata,
     StepLayout,
     Upload,
@@ -92,19 +92,14 @@ class GraphDecodeInputs:
         )
 
 
-class GraphDecodeBackend(AttentionBackend):
-    """The attention of captured decode steps: ``DecodeGraphs`` installs it in place of the model's backend, over the
-    static rows of ``inputs``, in the model backend's ``cache_layout``."""
+class GraphDecodeAttention(AttentionImpl):
+    """The attention of captured decode steps: ``DecodeGraphs`` passes it to the model in place of the model's backend;
+    its metadata comes from ``GraphDecodeInputs.metadata``, inside the graph; the cache is in ``cache_layout``."""
 
     name = "graph_decode"
 
-    def __init__(self, inputs: GraphDecodeInputs, cache_layout: str) -> None:
-        self.inputs, self.cache_layout = inputs, cache_layout
-
-    def build_metadata(
-        self, layout: StepLayout, block_table: torch.Tensor, upload: Upload, shift: torch.Tensor | None = None
-    ) -> AttentionMetadata:
-        raise NotImplementedError("a decode graph's metadata is computed inside it (GraphDecodeInputs.metadata)")
+    def __init__(self, cache_layout: str) -> None:
+        self.cache_layout = cache_layout
 
     def forward(
         self,

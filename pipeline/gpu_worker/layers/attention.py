@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from pipeline.common.model_config import ModelConfig
-from pipeline.gpu_worker.attention.backend import AttentionBackend, AttentionMetadata, KVCache
+from pipeline.gpu_worker.attention.backend import AttentionImpl, AttentionMetadata, KVCache
 from pipeline.gpu_worker.layers.linear import QKVParallelLinear, RowParallelLinear
 from pipeline.gpu_worker.layers.norm import make_norm
 from pipeline.gpu_worker.layers.rotary import apply_rotary
@@ -43,7 +43,7 @@ class Attention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         kv_cache: KVCache,
-        attn: AttentionBackend,
+        attn: AttentionImpl,
     ) -> torch.Tensor:
         """``hidden [T, hidden_size]`` (normed) -> ``[T, hidden_size]``; writes this step's K/V into ``kv_cache``."""
         num_tokens = hidden.shape[0]

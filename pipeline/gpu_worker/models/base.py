@@ -16,7 +16,7 @@ from torch import nn
 
 from pipeline.common.model_config import SLIDING, ModelConfig
 from pipeline.gpu_worker.attention import default_backend
-from pipeline.gpu_worker.attention.backend import AttentionBackend, AttentionMetadata, KVCache
+from pipeline.gpu_worker.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadata, KVCache
 from pipeline.gpu_worker.layers.embedding import VocabParallelEmbedding
 from pipeline.gpu_worker.layers.linear import LinearBase, load_whole
 from pipeline.gpu_worker.layers.norm import make_norm
@@ -97,7 +97,7 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_caches: list[KVCache],
-        attn_backend: AttentionBackend | None = None,
+        attn_backend: AttentionImpl | None = None,
     ) -> torch.Tensor:
         """Run one step over the flat token batch: ``input_ids`` and ``positions`` ``[T]`` int64 (positions below
         ``max_position_embeddings``); ``kv_caches`` written in place; ``attn_backend`` None: ``self.attn_backend``.

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from pipeline.common.model_config import ModelConfig
-from pipeline.gpu_worker.attention.backend import AttentionBackend, AttentionMetadata, KVCache
+from pipeline.gpu_worker.attention.backend import AttentionImpl, AttentionMetadata, KVCache
 from pipeline.gpu_worker.layers.attention import Attention
 from pipeline.gpu_worker.layers.norm import make_norm
 from pipeline.gpu_worker.layers.tp import TPGroup
@@ -35,7 +35,7 @@ class GemmaDecoderLayer(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         kv_cache: KVCache,
-        attn: AttentionBackend,
+        attn: AttentionImpl,
     ) -> torch.Tensor:
         """``hidden [T, hidden_size]`` -> ``[T, hidden_size]``; writes this step's K/V into ``kv_cache``."""
         out = self.self_attn(self.input_layernorm(hidden), rope, meta, kv_cache, attn)
