@@ -3,8 +3,10 @@
 ``--quantization int8|int4`` quantizes a float checkpoint's linear weights
 round-to-nearest as they stream in (one float tensor at a time, before the
 weight loader shards it); ``gguf`` reads a GGUF file's quantized weights as
-they are (``gguf_loader``). The MoE router (a ``ReplicatedLinear``), the
-experts, the embeddings and the LM head stay in the model dtype.
+they are (``gguf_loader``), ``awq``, ``gptq`` and ``compressed-tensors``
+those of a Hugging Face checkpoint (``packed_loader``). The MoE router (a
+``ReplicatedLinear``), the experts, the embeddings and the LM head stay in
+the model dtype, unless the file holds them otherwise.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def prepare_layers(model: CausalLM, quant: QuantizationConfig, model_dir: Path) 
 
     Raises:
         CheckpointError: a group size that does not divide a layer's input width (naming the layer), or as
-            ``gguf_loader.layer_quantization``.
+            the format's ``layer_quantization``.
     """
     if quant.method == "gguf":
         from pipeline.gpu_worker.models.gguf_loader import layer_quantization
@@ -39,6 +41,10 @@ def prepare_layers(model: CausalLM, quant: QuantizationConfig, model_dir: Path) 
         bits = int(quant.method[3:])
         group = quant.group_size or (DEFAULT_INT4_GROUP if bits == 4 else None)
         layers = {name: (bits, group, bits == 4) for name, m in _linears(model)}
+    elif quant.method != "none":
+        from pipeline.gpu_worker.models.packed_loader import layer_quantization
+
+        layers = layer_quantization(model_dir, model)
     else:
         return
     modules = dict(model.named_modules())
@@ -58,11 +64,16 @@ def checkpoint_tensors(
     shapes_only: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint tensors ``model.load_weights`` takes for a model ``prepare`` switched, given the
-    checkpoint's (unread for ``gguf``)."""
+    checkpoint's (unread for ``gguf``; a packed Hugging Face checkpoint's are decoded, to float for ``none``)."""
     if quant.method == "gguf":
         from pipeline.gpu_worker.models.gguf_loader import read_gguf
 
         yield from read_gguf(Path(quant.gguf_file), model, shapes_only)
+        return
+    if model.config.quantization is not None:
+        from pipeline.gpu_worker.models.packed_loader import read_packed
+
+        yield from read_packed(model_dir, model, float_weights, dequantize_all=quant.method == "none")
         return
     modules = dict(model.named_modules())
     for name, tensor in float_weights:
