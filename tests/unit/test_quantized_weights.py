@@ -375,13 +375,13 @@ def test_auto_keeps_a_llama_gguf_quantized_and_a_float_checkpoint_float(float_di
         resolve_quantization("auto", 64, str(float_dir), float_dir, config)
 
 
-def _sharded_greedy(rank: int, size: int, model_dir: str, quants: list[QuantizationConfig], out_dir: str) -> None:
+def _sharded_greedy(rank: int, size: int, loads: list[tuple[str, QuantizationConfig]], out_dir: str) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=size)
     tp = TPGroup(rank, size, dist.group.WORLD)
     with exact_kernels():
-        models = [load_model(model_dir, torch.float32, CPU, tp=tp, quantization=q) for q in quants]
+        models = [load_model(model_dir, torch.float32, CPU, tp=tp, quantization=q) for model_dir, q in loads]
     results = [greedy(model, PROMPTS, 8) for model in models]
     torch.save(results, f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()
@@ -389,17 +389,25 @@ def _sharded_greedy(rank: int, size: int, model_dir: str, quants: list[Quantizat
 
 def test_two_tensor_parallel_ranks_decode_as_one(float_dir, tmp_path):
     """Codes and group scales are sharded from full tensors: two gloo ranks give one rank's greedy tokens,
-    for int4 quantized at load time and for GGUF Q4_1 (kernels in float32: in bfloat16 each rank's partial
-    sum is rounded before the all-reduce, which a random model's flat logits do not survive).
+    for int4 quantized at load time, GGUF Q4_1, and a compressed-tensors int8 checkpoint with one scale a
+    row, each rank's row-parallel columns taking the row's (kernels in float32: in bfloat16 each rank's
+    partial sum is rounded before the all-reduce, which a random model's flat logits do not survive).
 
-    (int8 per-channel is left out: under tensor parallelism a row-parallel layer's channel is the rank's
-    slice of the row, so its scales differ from one rank's.)"""
+    (int8 per-channel quantized at load time is left out: under tensor parallelism a row-parallel layer's
+    channel is the rank's slice of the row, so its scales differ from one rank's.)"""
+    from tests.unit.test_quantized_checkpoints import write_checkpoint
+
     write_gguf(float_dir, tmp_path / "m.gguf", "Q4_1")
-    quants = [QuantizationConfig("int4", group_size=32), QuantizationConfig("gguf", gguf_file=str(tmp_path / "m.gguf"))]
+    write_checkpoint(float_dir, tmp_path / "ct", "ct w8a16")
+    loads = [
+        (str(float_dir), QuantizationConfig("int4", group_size=32)),
+        (str(float_dir), QuantizationConfig("gguf", gguf_file=str(tmp_path / "m.gguf"))),
+        (str(tmp_path / "ct"), QuantizationConfig("compressed-tensors")),
+    ]
     with exact_kernels():
-        models = [load_model(float_dir, torch.float32, CPU, quantization=q) for q in quants]
+        models = [load_model(model_dir, torch.float32, CPU, quantization=q) for model_dir, q in loads]
     single = [greedy(model, PROMPTS, 8) for model in models]
-    mp.spawn(_sharded_greedy, args=(2, str(float_dir), quants, str(tmp_path)), nprocs=2)
+    mp.spawn(_sharded_greedy, args=(2, loads, str(tmp_path)), nprocs=2)
     for rank in range(2):
         for (rank_tokens, rank_logits), (tokens, logits) in zip(torch.load(tmp_path / f"rank{rank}.pt"), single):
             assert rank_tokens == tokens
