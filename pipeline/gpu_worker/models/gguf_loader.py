@@ -154,8 +154,9 @@ def decode(kind: str, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
         codes = flat(torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1))
         return codes, d, flat(f16(2)) + 8 * d if kind == "Q4_1" else torch.zeros_like(d)
     if kind == "Q6_K":
-        # Each half of 128 weights: 64 bytes of low nibbles (byte l: element l, l + 32 of its high nibble
-        # element l + 64) and 32 bytes of high parts (bits 2k..2k+1 of byte l: element 32 k + l).
+        # Each half of 128 weights: 64 bytes of low 4 bits (byte l < 32: element l in its low nibble, l + 64 in
+        # its high one; byte 32 + l: elements 32 + l and 96 + l) and 32 bytes of high 2 bits (bits 2k..2k+1
+        # of byte l: element 32 k + l).
         low = blocks[..., :128].reshape(rows, -1, 2, 1, 2, 32)
         low = torch.cat([low & 0x0F, low >> 4], dim=3)
         high = blocks[..., 128:192].reshape(rows, -1, 2, 1, 32)
@@ -163,8 +164,9 @@ def decode(kind: str, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
         codes = (low.reshape(high.shape) | (high << 4)).to(torch.int8) - 32
         sc = blocks[..., 192:208].contiguous().view(torch.int8).float()
         return flat(codes), flat(f16(208) * sc), None
-    # Q4_K, Q5_K: eight 6-bit scales and mins in 12 bytes: bytes 0..3 and 4..7 hold the low 6 bits of scales
-    # and mins 0..3 and their top 2 bits are the high bits of 4..7, whose low 4 bits are bytes 8..11.
+    # Q4_K, Q5_K: eight 6-bit scales and mins in 12 bytes. Bytes 0..3 and 4..7 hold scales and mins 0..3 in
+    # their low 6 bits; bytes 8..11 the low 4 bits of scales (low nibble) and mins (high nibble) 4..7, whose
+    # top 2 bits are the top 2 bits of bytes 0..3 and 4..7.
     packed = blocks[..., 4:16]
     a, b, c = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
     sc = torch.cat([a & 63, (c & 0x0F) | ((a >> 6) << 4)], dim=-1).float()
