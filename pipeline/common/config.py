@@ -80,7 +80,8 @@ class QuantizationConfig(msgspec.Struct, frozen=True):
 
     Attributes:
         method: ``"none"`` (the model dtype), ``"int8"`` / ``"int4"`` (round-to-nearest at load time),
-            or ``"gguf"`` (as ``gguf_file`` holds them).
+            ``"gguf"`` (as ``gguf_file`` holds them), or a quantized checkpoint's own method
+            (``checkpoint_quant.METHODS``: as its tensors hold them).
         group_size: int8/int4: input columns per scale; 0: per-channel for int8, 128 for int4.
         gguf_file: the GGUF file, for ``"gguf"``.
     """

@@ -12,8 +12,16 @@ import re
 
 # The model types (config.json's, GGUF's general.architecture) whose GGUF tensors are read as they are.
 MODEL_TYPES = ("llama",)
-# The linear weights' GGUF types kept quantized: (bits, group size) of the layout they repack into.
-KEPT = {"Q4_0": (4, 32), "Q4_1": (4, 32), "Q8_0": (8, 32)}
+# The linear weights' GGUF types kept quantized: (bits, group size, whether it has a zero) of the layout
+# they repack into (gguf_loader says how).
+KEPT = {
+    "Q4_0": (4, 32, True),
+    "Q4_1": (4, 32, True),
+    "Q8_0": (8, 32, False),
+    "Q4_K": (4, 32, True),
+    "Q5_K": (8, 32, True),
+    "Q6_K": (8, 16, False),
+}
 FLOAT = ("F32", "F16", "BF16")
 
 _GLOBAL = {

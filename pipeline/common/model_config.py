@@ -7,6 +7,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from pipeline.common import checkpoint_quant
+from pipeline.common.checkpoint_quant import CheckpointQuantization
 from pipeline.common.families import family
 from pipeline.common.tp_shape import TPShape
 
@@ -50,7 +52,8 @@ class ModelConfig:
     """A decoder-only model's architecture, normalised (field names as transformers' where it has one).
 
     Others: ``norm`` "rms" or "gemma" (``x̂ (1 + w)`` in float32); ``embed_scale`` (None: unscaled); ``layer_types``
-    FULL or SLIDING per layer; ``rope_sliding``: sliding layers' own RoPE (Gemma 3) or None; ``num_experts`` 0: dense.
+    FULL or SLIDING per layer; ``rope_sliding``: sliding layers' own RoPE (Gemma 3) or None; ``num_experts`` 0: dense;
+    ``quantization``: config.json's ``quantization_config`` (``checkpoint_quant``), None for a float checkpoint.
     """
 
     architecture: str
@@ -85,6 +88,7 @@ class ModelConfig:
     norm_topk_prob: bool
     moe_layers: tuple[bool, ...]
     dtype: str | None
+    quantization: CheckpointQuantization | None = None
 
     @classmethod
     def from_hf(cls, hf: Any) -> ModelConfig:
@@ -98,12 +102,7 @@ class ModelConfig:
         architecture = (top.get("architectures") or [""])[0]
         fam = family(architecture)
         quant = top.get("quantization_config")
-        if quant is not None:
-            method = quant.get("quant_method") if isinstance(quant, Mapping) else getattr(quant, "quant_method", "")
-            raise ValueError(
-                f"quantization_config method {method!r} is not loaded yet (loaded: GGUF files, their Q4_0, Q4_1 "
-                "and Q8_0 weights kept quantized, and --quantization int8|int4 of a float checkpoint)"
-            )
+        quantization = None if quant is None else checkpoint_quant.parse(quant)
         text = top.get("text_config")
         model_type = (_Fields(text, {}) if text is not None else top).get("model_type") or ""
         f = _Fields(text if text is not None else hf, fam.defaults)
@@ -193,6 +192,7 @@ class ModelConfig:
                 num_experts > 0 and i not in dense_layers and (i + 1) % sparse_step == 0 for i in range(layers)
             ),
             dtype=None if dtype is None else str(dtype).removeprefix("torch."),
+            quantization=quantization,
         )
 
     def window(self, layer: int, max_model_len: int) -> int | None:

@@ -126,19 +126,30 @@ def resolve_quantization(
     """Turn ``--quantization`` and ``--quantization-group-size`` into how the worker holds the linear weights.
 
     Args:
-        flag: ``auto``, ``none``, ``int8`` or ``int4``.
+        flag: ``auto`` (a GGUF file or a quantized checkpoint as it is), ``none``, ``int8`` or ``int4``.
         group_size: the group size flag (None: not given).
         model: ``--model`` as given (None: the default model's GGUF file).
         model_dir: its Hugging Face directory (``resolve_model``'s).
         config: its config.
 
     Raises:
-        ValueError: a group size that is not positive or comes without int8/int4.
+        ValueError: a group size that is not positive or comes without int8/int4, or int8/int4 of a
+            checkpoint that is already quantized.
     """
     if group_size is not None and (flag not in ("int8", "int4") or group_size <= 0):
         raise ValueError("--quantization-group-size takes a positive size, with --quantization int8 or int4")
+    packed = config.quantization
     if flag in ("int8", "int4"):
+        if packed is not None:
+            raise ValueError(
+                f"--quantization {flag} quantizes a float checkpoint; this one is already {packed.method}: "
+                "pass --quantization auto to serve it as it is, or none to expand it to --dtype"
+            )
         return QuantizationConfig(method=flag, group_size=group_size or 0)
+    if packed is not None:
+        if flag == "auto":
+            return QuantizationConfig(method=packed.method)
+        return QuantizationConfig()
     gguf = default_model_path() if model is None else Path(model).expanduser()
     if flag == "auto" and gguf.suffix == ".gguf" and config.model_type in MODEL_TYPES:
         return QuantizationConfig(method="gguf", gguf_file=str(gguf.resolve()))

@@ -45,7 +45,8 @@ class ModelFlags(msgspec.Struct, frozen=True):
         str,
         flag(
             "How the linear weights are held. none: expanded to --dtype (exact comparison with transformers); "
-            "auto: as the checkpoint says (a GGUF file's Q4_0, Q4_1 and Q8_0 weights stay quantized: SmolLM2's "
+            "auto: as the checkpoint says (a GGUF file's Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K weights, and an "
+            "AWQ, GPTQ or compressed-tensors W4A16/W8A16 checkpoint's, stay quantized: SmolLM2's "
             "Q4_1 decodes about 2x faster than float32 at batch 1 and 0.8-0.9x at 64 streams, so none stays "
             "the default for now); int8 / int4: weight-only round-to-nearest quantization at load time "
             "(int8 per-channel, int4 in groups of 128, unless --quantization-group-size).",

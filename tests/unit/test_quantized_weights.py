@@ -25,7 +25,7 @@ from pipeline.gpu_worker.layers.linear import LinearBase, ReplicatedLinear
 from pipeline.gpu_worker.layers.quant import QuantizedWeight, dequantize, quantize_rtn
 from pipeline.gpu_worker.layers.tp import TPGroup
 from pipeline.gpu_worker.models.base import CheckpointError
-from pipeline.gpu_worker.models.gguf_loader import _decode
+from pipeline.gpu_worker.models.gguf_loader import decode
 from pipeline.gpu_worker.models.loader import load_model
 from tests.e2e.test_model import BLOCK_SIZE, run_step, shuffled_block_tables, tiny_config
 
@@ -84,18 +84,41 @@ def test_each_kernel_multiplies_by_the_dequantized_weight(bits, group, dtype, ke
     assert bool(((weight.dequantized(torch.float64) - exact_w).abs() <= bound).all())
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
-def test_gguf_blocks_decode_to_gguf_dequantize(kind):
-    x = np.random.default_rng(2).standard_normal((24, 256)).astype(np.float32)
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+
+
+def random_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator, magnitude: float) -> np.ndarray:
+    """``[rows, cols / 256 * block bytes]`` uint8 of random K-quant super-blocks: any bytes are a valid block
+    once its f16 ``d`` (and ``dmin``) are finite; these are drawn of either sign, so that the weights
+    centre on 0, and sized so that they reach about ``magnitude``."""
     qtype = GGML[kind]
-    raw = gguf.quants.quantize(x, qtype)
+    block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows, cols // block, block_bytes), dtype=np.uint8)
+    # The largest |d sc q| of a block: 6-bit scales times 4-, 5-bit codes; Q6_K's int8 scales times q - 32.
+    largest = {"Q4_K": 63 * 15, "Q5_K": 63 * 31, "Q6_K": 128 * 32}[kind]
+    d_offsets = [208] if kind == "Q6_K" else [0, 2]
+    for offset in d_offsets:
+        d = rng.uniform(-1, 1, raw.shape[:2]) * magnitude / largest
+        raw[..., offset : offset + 2] = d.astype(np.float16)[..., None].view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", *K_QUANTS])
+def test_gguf_blocks_decode_to_gguf_dequantize(kind):
+    rng = np.random.default_rng(2)
+    qtype = GGML[kind]
+    if kind in K_QUANTS:
+        raw = random_blocks(kind, 24, 512, rng, magnitude=4.0)
+    else:
+        raw = gguf.quants.quantize(rng.standard_normal((24, 512)).astype(np.float32), qtype)
     reference = torch.from_numpy(gguf.quants.dequantize(raw, qtype))
-    parts = _decode(kind, torch.from_numpy(raw))
-    codes, scale = parts[:2]
-    zero = parts[2] if len(parts) == 3 else None
-    assert codes.shape == (24, 256) and scale.shape == (24, 8)
+    codes, scale, zero = decode(kind, torch.from_numpy(raw))
+    group = {"Q6_K": 16}.get(kind, 32)
+    assert codes.shape == (24, 512) and scale.shape == (24, 512 // group)
+    assert codes.dtype == (torch.uint8 if kind in ("Q4_0", "Q4_1", "Q4_K") else torch.int8)
+    assert (zero is None) == (kind in ("Q8_0", "Q6_K"))
     ours = dequantize(codes, scale, zero)
-    if kind == "Q4_1":
+    if kind in ("Q4_1", "Q4_K"):
         # (q - 8) d + (m + 8 d) against d q + m: the rounding of two float32 sums of terms of |m| + 15 |d|.
         bound = (zero.abs() + 8 * scale.abs()).repeat_interleave(32, dim=1) * 2**-22
         assert bool(((ours - reference).abs() <= bound).all())
@@ -145,7 +168,11 @@ def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def write_gguf(float_dir: Path, path: Path, kind: str, linear_kinds: dict[str, str] | None = None) -> Path:
     """The float checkpoint as a GGUF file, linear weights as ``kind`` (or ``linear_kinds[gguf name]``);
-    returns the float directory of the same weights as llama.cpp would dequantize them."""
+    returns the float directory of the same weights as llama.cpp would dequantize them.
+
+    gguf-py has no K-quant quantizer: their weights are random blocks (``random_blocks``) of about the
+    float weights' magnitude instead."""
+    rng = np.random.default_rng(5)
     config = json.loads((float_dir / "config.json").read_text())
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     writer = gguf.GGUFWriter(path, "llama")
@@ -161,7 +188,10 @@ def write_gguf(float_dir: Path, path: Path, kind: str, linear_kinds: dict[str, s
         if n_heads is not None:
             data = _permute(data, n_heads)
         qtype = GGML[(linear_kinds or {}).get(gname, kind)]
-        raw = gguf.quants.quantize(data, qtype)
+        if qtype.name in K_QUANTS:
+            raw = random_blocks(qtype.name, *data.shape, rng, magnitude=float(np.abs(data).max()))
+        else:
+            raw = gguf.quants.quantize(data, qtype)
         writer.add_tensor(gname, raw, raw_dtype=qtype)
         back = gguf.quants.dequantize(raw, qtype)
         if n_heads is not None:  # transformers' reverse_permute
@@ -198,6 +228,28 @@ def greedy(model, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[
     return tokens, first
 
 
+# Each layer of the model and the checkpoint tensors it fuses, in order.
+FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down_proj": ("mlp.down_proj",),
+}
+
+
+def assert_weights_equal(model, reference_dir: Path) -> None:
+    """Each quantized layer's weight, as its kernel holds it, equals the float weights of ``reference_dir``
+    to float32 rounding (the model was packed under ``exact_kernels``)."""
+    reference = _state_dict(reference_dir)
+    for name, m in model.named_modules():
+        if not isinstance(getattr(m, "weight", None), QuantizedWeight):
+            continue
+        block, layer = name.split(".")[:3], ".".join(name.split(".")[3:])
+        expected = torch.cat([reference[".".join([*block, part, "weight"])] for part in FUSED[layer]])
+        atol = 2**-20 * float(expected.abs().max())
+        torch.testing.assert_close(m.weight.dequantized(torch.float32), expected, rtol=0, atol=atol, msg=name)
+
+
 @contextlib.contextmanager
 def exact_kernels():
     """Weights packed meanwhile run their weight-only kernels in float32 (to float32 rounding)."""
@@ -218,14 +270,33 @@ FORMATS = {
     "gguf Q4_0": ({"method": "gguf"}, "Q4_0", "int4_cpu"),
     "gguf Q4_1": ({"method": "gguf"}, "Q4_1", "int4_cpu"),
     "gguf Q8_0": ({"method": "gguf"}, "Q8_0", "dequantize"),
+    "gguf Q4_K": ({"method": "gguf"}, "Q4_K", "int4_cpu"),
+    "gguf Q5_K": ({"method": "gguf"}, "Q5_K", "dequantize"),
+    "gguf Q6_K": ({"method": "gguf"}, "Q6_K", "dequantize"),
+    # llama.cpp's Q4_K_M: Q6_K values and down projections beside Q4_K; the fused qkv layer holds int8 with a
+    # zero in groups of 16, which both fit.
+    "gguf Q4_K_M": ({"method": "gguf"}, "Q4_K_M", {"dequantize", "int4_cpu"}),
 }
+Q4_K_M = {f"blk.{i}.{part}.weight": "Q6_K" for i in range(2) for part in ("attn_v", "ffn_down")}
+
+
+@pytest.fixture(scope="module")
+def float_dir_256(tmp_path_factory) -> Path:
+    """A tiny model whose linear layers' input widths are multiples of 256, the K-quants' super-block."""
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-float-256")
+    config = tiny_config(hidden_size=256, intermediate_size=512, tie_word_embeddings=True, initializer_range=0.2)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_a_quantized_tiny_model_decodes_as_its_dequantized_float_twin(fmt, float_dir, tmp_path):
+def test_a_quantized_tiny_model_decodes_as_its_dequantized_float_twin(fmt, request, tmp_path):
     fields, source, kernel = FORMATS[fmt]
+    float_dir = request.getfixturevalue("float_dir_256" if "_K" in fmt else "float_dir")
     if isinstance(source, str):
-        reference_dir = write_gguf(float_dir, tmp_path / "m.gguf", source)
+        kinds = Q4_K_M if source == "Q4_K_M" else None
+        reference_dir = write_gguf(float_dir, tmp_path / "m.gguf", "Q4_K" if kinds else source, kinds)
         fields = {**fields, "gguf_file": str(tmp_path / "m.gguf")}
     else:
         reference_dir = rtn_float_dir(float_dir, tmp_path / "rtn", *source)
@@ -237,7 +308,8 @@ def test_a_quantized_tiny_model_decodes_as_its_dequantized_float_twin(fmt, float
         model = load_model(float_dir, torch.float32, CPU, quantization=quant)
     linears = [m for m in model.modules() if isinstance(m, LinearBase) and not isinstance(m, ReplicatedLinear)]
     assert len(linears) == 8 and all(isinstance(m.weight, QuantizedWeight) for m in linears)
-    assert {m.weight.kernel for m in linears} == {kernel}
+    assert {m.weight.kernel for m in linears} == ({kernel} if isinstance(kernel, str) else kernel)
+    assert_weights_equal(model, reference_dir)
     ours, ours_logits = greedy(model, PROMPTS, 12)
     assert ours == theirs
     torch.testing.assert_close(ours_logits, their_logits, rtol=0, atol=1e-4)
@@ -266,36 +338,28 @@ def test_a_truncated_gguf_file_is_refused_naming_it(float_dir, tmp_path):
 def test_a_gguf_type_not_kept_quantized_is_refused_naming_the_tensor(float_dir, tmp_path):
     path = tmp_path / "m.gguf"
     writer = gguf.GGUFWriter(path, "llama")
-    # One Q4_K super-block (144 bytes, 256 weights) per row: the bytes are never read.
-    writer.add_tensor("blk.0.ffn_down.weight", np.zeros((64, 144), np.uint8), raw_dtype=GGML.Q4_K)
+    # One Q2_K super-block (84 bytes, 256 weights) per row: the bytes are never read.
+    writer.add_tensor("blk.0.ffn_down.weight", np.zeros((64, 84), np.uint8), raw_dtype=GGML.Q2_K)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(CheckpointError, match=r"tensor blk\.0\.ffn_down\.weight is Q4_K.*--quantization none"):
+    with pytest.raises(CheckpointError, match=r"tensor blk\.0\.ffn_down\.weight is Q2_K.*--quantization none"):
         load_model(float_dir, torch.float32, CPU, quantization=QuantizationConfig("gguf", gguf_file=str(path)))
 
 
-def test_gguf_layers_of_one_fused_projection_in_different_types_are_refused(float_dir, tmp_path):
+def test_gguf_layers_of_one_fused_projection_in_different_types_share_a_layout_both_fit(float_dir, tmp_path):
+    # Q4_1 queries and values, Q8_0 keys: int8 codes with a zero (Q4_1's codes less 8) in groups of 32.
     path = tmp_path / "m.gguf"
-    write_gguf(float_dir, path, "Q4_1", {"blk.0.attn_k.weight": "Q8_0"})
-    with pytest.raises(
-        CheckpointError,
-        match=r"tensors blk\.0\.attn_k\.weight and blk\.0\.attn_q\.weight fill one layer, "
-        r"model\.layers\.0\.self_attn\.qkv_proj, in different quantized types",
-    ):
-        load_model(float_dir, torch.float32, CPU, quantization=QuantizationConfig("gguf", gguf_file=str(path)))
-
-
-@pytest.mark.parametrize("method", ["awq", "gptq", "compressed-tensors", "fp8"])
-def test_a_quantization_config_method_not_loaded_is_refused_naming_it(float_dir, tmp_path, method):
-    quantized = tmp_path / "q"
-    shutil.copytree(float_dir, quantized)
-    config = json.loads((quantized / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": method, "bits": 4, "group_size": 128}
-    (quantized / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=f"config.json: quantization_config method '{method}' is not loaded yet"):
-        read_model_config(quantized)
+    reference_dir = write_gguf(float_dir, path, "Q4_1", {"blk.0.attn_k.weight": "Q8_0"})
+    with exact_kernels():
+        model = load_model(float_dir, torch.float32, CPU, quantization=QuantizationConfig("gguf", gguf_file=str(path)))
+    qkv = [m for n, m in model.named_modules() if n.endswith("qkv_proj")]
+    assert [(m.weight.bits, m.weight.group_size, m.weight.kernel) for m in qkv] == [
+        (8, 32, "dequantize"),
+        (4, 32, "int4_cpu"),
+    ]
+    assert_weights_equal(model, reference_dir)
 
 
 def test_auto_keeps_a_llama_gguf_quantized_and_a_float_checkpoint_float(float_dir, tmp_path):
@@ -311,13 +375,13 @@ def test_auto_keeps_a_llama_gguf_quantized_and_a_float_checkpoint_float(float_di
         resolve_quantization("auto", 64, str(float_dir), float_dir, config)
 
 
-def _sharded_greedy(rank: int, size: int, model_dir: str, quants: list[QuantizationConfig], out_dir: str) -> None:
+def _sharded_greedy(rank: int, size: int, loads: list[tuple[str, QuantizationConfig]], out_dir: str) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=size)
     tp = TPGroup(rank, size, dist.group.WORLD)
     with exact_kernels():
-        models = [load_model(model_dir, torch.float32, CPU, tp=tp, quantization=q) for q in quants]
+        models = [load_model(model_dir, torch.float32, CPU, tp=tp, quantization=q) for model_dir, q in loads]
     results = [greedy(model, PROMPTS, 8) for model in models]
     torch.save(results, f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()
@@ -325,17 +389,25 @@ def _sharded_greedy(rank: int, size: int, model_dir: str, quants: list[Quantizat
 
 def test_two_tensor_parallel_ranks_decode_as_one(float_dir, tmp_path):
     """Codes and group scales are sharded from full tensors: two gloo ranks give one rank's greedy tokens,
-    for int4 quantized at load time and for GGUF Q4_1 (kernels in float32: in bfloat16 each rank's partial
-    sum is rounded before the all-reduce, which a random model's flat logits do not survive).
+    for int4 quantized at load time, GGUF Q4_1, and a compressed-tensors int8 checkpoint with one scale a
+    row, each rank's row-parallel columns taking the row's (kernels in float32: in bfloat16 each rank's
+    partial sum is rounded before the all-reduce, which a random model's flat logits do not survive).
 
-    (int8 per-channel is left out: under tensor parallelism a row-parallel layer's channel is the rank's
-    slice of the row, so its scales differ from one rank's.)"""
+    (int8 per-channel quantized at load time is left out: under tensor parallelism a row-parallel layer's
+    channel is the rank's slice of the row, so its scales differ from one rank's.)"""
+    from tests.unit.test_quantized_checkpoints import write_checkpoint
+
     write_gguf(float_dir, tmp_path / "m.gguf", "Q4_1")
-    quants = [QuantizationConfig("int4", group_size=32), QuantizationConfig("gguf", gguf_file=str(tmp_path / "m.gguf"))]
+    write_checkpoint(float_dir, tmp_path / "ct", "ct w8a16")
+    loads = [
+        (str(float_dir), QuantizationConfig("int4", group_size=32)),
+        (str(float_dir), QuantizationConfig("gguf", gguf_file=str(tmp_path / "m.gguf"))),
+        (str(tmp_path / "ct"), QuantizationConfig("compressed-tensors")),
+    ]
     with exact_kernels():
-        models = [load_model(float_dir, torch.float32, CPU, quantization=q) for q in quants]
+        models = [load_model(model_dir, torch.float32, CPU, quantization=q) for model_dir, q in loads]
     single = [greedy(model, PROMPTS, 8) for model in models]
-    mp.spawn(_sharded_greedy, args=(2, str(float_dir), quants, str(tmp_path)), nprocs=2)
+    mp.spawn(_sharded_greedy, args=(2, loads, str(tmp_path)), nprocs=2)
     for rank in range(2):
         for (rank_tokens, rank_logits), (tokens, logits) in zip(torch.load(tmp_path / f"rank{rank}.pt"), single):
             assert rank_tokens == tokens

@@ -114,8 +114,8 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 
-    def quantize(self, bits: int, group_size: int | None) -> None:
-        """Hold ``weight`` as integer codes plus ``weight_scale`` (and ``weight_zero`` for 4 bits), before loading.
+    def quantize(self, bits: int, group_size: int | None, zero: bool | None = None) -> None:
+        """Hold ``weight`` as integer codes plus ``weight_scale`` (and ``weight_zero``), before loading.
 
         The three parameters share the weight's loader, so the checkpoint
         tensors ``<name>.weight``, ``<name>.weight_scale`` and
@@ -125,6 +125,7 @@ class LinearBase(nn.Module):
         Args:
             bits: 4 or 8.
             group_size: input columns per scale; None: one group per row of this rank's shard.
+            zero: whether the layout has ``weight_zero``; None: for 4 bits only (int4 always has one).
 
         Raises:
             ValueError: ``group_size`` does not divide this rank's input width.
@@ -142,7 +143,7 @@ class LinearBase(nn.Module):
         del self.weight
         self.weight = param(inp, torch.uint8 if bits == 4 else torch.int8)
         self.weight_scale = param(inp // group_size, dtype)
-        if bits == 4:
+        if bits == 4 or zero:
             self.weight_zero = param(inp // group_size, dtype)
         for p in (self.weight, self.weight_scale, getattr(self, "weight_zero", None)):
             if p is not None:

@@ -7,7 +7,11 @@ Two layouts, both group-wise along the input dimension (a group is
   ``_weight_int4pack_mm`` formula); GGUF's Q4_0 (``zero = 0``) and Q4_1
   (``w = d q + m``, so ``zero = m + 8 d``) map onto it exactly.
 - int8: codes ``q`` in -128..127, ``w = q * scale``, symmetric (GGUF's Q8_0
-  with groups of 32; per-channel when a group is a whole row).
+  with groups of 32; per-channel when a group is a whole row), or with a
+  zero, ``w = q * scale + zero`` (GGUF's Q5_K: 5-bit codes with a minimum;
+  dequantized per call).
+
+The codes' dtype says which: uint8 for int4, int8 for int8.
 
 The matmul runs on torch's weight-only ops: on the CPU
 ``_weight_int4pack_mm_for_cpu`` and ``_weight_int8pack_mm`` (per-channel
@@ -69,14 +73,15 @@ def dequantize(
     codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """``codes [out, in]``, ``scale``/``zero [out, groups]`` -> the weight ``[out, in]`` in ``dtype`` (formulas
-    above; 4 bits when ``zero`` is given)."""
+    above; uint8 codes are int4)."""
     out, inp = codes.shape
     group_size = inp // scale.shape[1]
     q = codes.to(dtype).reshape(out, -1, group_size)
-    if zero is None:
-        w = q * scale.to(dtype)[..., None]
-    else:
-        w = (q - 8) * scale.to(dtype)[..., None] + zero.to(dtype)[..., None]
+    if codes.dtype == torch.uint8:
+        q = q - 8
+    w = q * scale.to(dtype)[..., None]
+    if zero is not None:
+        w = w + zero.to(dtype)[..., None]
     return w.reshape(out, inp)
 
 
@@ -93,10 +98,10 @@ class QuantizedWeight(nn.Module):
 
     @classmethod
     def pack(cls, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> QuantizedWeight:
-        """Pack ``codes``/``scale``/``zero`` (as ``quantize_rtn`` returns them) for the weight-only kernel this
-        device and torch build run, else keep them for the dequantizing one."""
+        """Pack ``codes``/``scale``/``zero`` (in a layout above, e.g. as ``quantize_rtn`` returns them) for the
+        weight-only kernel this device and torch build run, else keep them for the dequantizing one."""
         out, inp = codes.shape
-        bits = 8 if zero is None else 4
+        bits = 4 if codes.dtype == torch.uint8 else 8
         group_size = inp // scale.shape[1]
         device, shape = codes.device.type, (out, inp)
         if bits == 4 and group_size in _INT4_GROUPS:
@@ -105,7 +110,7 @@ class QuantizedWeight(nn.Module):
             packed = _pack_int4(codes, device)
             if packed is not None:
                 return cls._with(shape, bits, group_size, f"int4_{device}", packed=packed, scales_zeros=scales_zeros)
-        if bits == 8 and group_size == inp:
+        if bits == 8 and zero is None and group_size == inp:
             kernel_scale = scale.reshape(out).to(KERNEL_DTYPE).contiguous()
             if _int8_op_runs(codes, kernel_scale):
                 return cls._with(shape, bits, group_size, "int8", codes=codes, scale=kernel_scale)

@@ -1,24 +1,38 @@
-"""Reading a GGUF file's tensors as checkpoint tensors, its Q4_0 / Q4_1 / Q8_0 linear weights as codes and scales.
+"""Reading a GGUF file's tensors as checkpoint tensors, its quantized linear weights as codes and scales.
 
 A quantized linear weight ``<name>.weight`` becomes three tensors in the
 layout of ``pipeline.gpu_worker.layers.quant``: ``<name>.weight`` (codes),
-``<name>.weight_scale`` and, for 4 bits, ``<name>.weight_zero``, each
-``[out, ...]`` so the layer's weight loader shards them like the weight
-(ggml's block formats, from ggml-common.h):
+``<name>.weight_scale`` and, where the layout has one, ``<name>.weight_zero``,
+each ``[out, ...]`` so the layer's weight loader shards them like the weight.
+ggml's block formats (ggml-common.h; ``d``, ``dmin`` and ``m`` are f16):
 
-- Q4_0, 18-byte blocks of 32: ``d`` (f16), 16 bytes of nibbles (the low
-  nibbles are elements 0..15, the high ones 16..31); ``w = d (q - 8)``:
-  int4 with ``scale = d``, ``zero = 0``.
-- Q4_1, 20-byte blocks: ``d``, ``m`` (f16), nibbles; ``w = d q + m``: int4
-  with ``scale = d``, ``zero = m + 8 d`` (exact up to the rounding of that sum
-  in the model dtype).
-- Q8_0, 34-byte blocks: ``d`` (f16), 32 int8; ``w = d q``: int8 in groups of 32.
+- Q4_0, 18-byte blocks of 32: ``d``, 16 bytes of nibbles (the low nibbles
+  are elements 0..15, the high ones 16..31); ``w = d (q - 8)``: int4 with
+  ``scale = d``, ``zero = 0``.
+- Q4_1, 20-byte blocks: ``d``, ``m``, nibbles; ``w = d q + m``: int4 with
+  ``scale = d``, ``zero = m + 8 d`` (exact up to the rounding of that sum).
+- Q8_0, 34-byte blocks: ``d``, 32 int8; ``w = d q``: int8 in groups of 32.
+- Q4_K, 144-byte super-blocks of 256: ``d``, ``dmin``, 12 bytes holding
+  eight 6-bit scales ``sc`` and mins ``m``, 128 bytes of nibbles (each 32
+  bytes: the low nibbles are one sub-block of 32, the high ones the next);
+  ``w = d sc q - dmin m``: int4 in groups of 32 with ``scale = d sc``,
+  ``zero = 8 scale - dmin m``.
+- Q5_K, 176 bytes: ``d``, ``dmin``, the 12 scale bytes, 32 bytes of high
+  bits (bit ``j`` of byte ``l``: element ``l`` of sub-block ``j``), the
+  nibbles as in Q4_K; the same formula with 5-bit ``q``: int8 codes with a
+  zero, groups of 32, ``scale = d sc``, ``zero = -dmin m``.
+- Q6_K, 210 bytes: 128 bytes of low nibbles, 64 of 2-bit high parts, 16
+  int8 scales ``sc``, ``d``; ``w = d sc (q - 32)``: int8 in groups of 16,
+  ``scale = d sc``.
 
-Every other tensor (embeddings, norms, an untied LM head) is dequantized to
-float with gguf-py's ``dequantize``: the embedding is a row gather, and the
-LM head is also the embedding in the tied models this reads. llama.cpp's
-converter permutes the rows of the query and key projections for its rotary
-layout; they are permuted back, as transformers does, codes and scales alike.
+Q4_K_M files mix types within one fused layer (Q6_K values beside Q4_K
+queries and keys); such a layer holds the one layout all its parts fit
+exactly (``quant_layout.common_layout``). Every other tensor (embeddings,
+norms, an untied LM head) is dequantized to float with gguf-py's
+``dequantize``: the embedding is a row gather, and the LM head is also the
+embedding in the tied models this reads. llama.cpp's converter permutes the
+rows of the query and key projections for its rotary layout; they are
+permuted back, as transformers does, codes and scales alike.
 """
 
 from __future__ import annotations
@@ -32,18 +46,19 @@ import torch
 
 from pipeline.common.gguf_layout import FLOAT, KEPT, hf_name, is_linear
 from pipeline.gpu_worker.models.base import CausalLM, CheckpointError
+from pipeline.gpu_worker.models.quant_layout import Layout, common_layout, to_layout
 
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 
 
-def layer_quantization(path: Path, model: CausalLM) -> dict[str, tuple[int, int]]:
-    """``{module name: (bits, group size)}`` of the model's linear layers the GGUF file holds quantized.
+def layer_quantization(path: Path, model: CausalLM) -> dict[str, Layout]:
+    """``{module name: layout}`` of the model's linear layers the GGUF file holds quantized.
 
     Raises:
-        CheckpointError: a linear weight of a type not in ``KEPT`` (naming it), the parts of one fused
-            layer (q, k and v) in different types, or a file gguf-py cannot read (``_reader``).
+        CheckpointError: a linear weight of a type not in ``KEPT`` (naming it), or a file gguf-py
+            cannot read (``_reader``).
     """
-    found: dict[str, tuple[tuple[int, int], str]] = {}
+    found: dict[str, list[Layout]] = {}
     for t in _reader(path).tensors:
         kind = t.tensor_type.name
         if not is_linear(t.name) or kind in FLOAT:
@@ -54,19 +69,13 @@ def layer_quantization(path: Path, model: CausalLM) -> dict[str, tuple[int, int]
                 f"(kept quantized: {', '.join(KEPT)}); pass --quantization none to expand it to --dtype"
             )
         target = model.parameter_of(hf_name(t.name))
-        module = target[0].removesuffix(".weight")
-        if module in found and found[module][0] != KEPT[kind]:
-            raise CheckpointError(
-                f"{path.name}: tensors {found[module][1]} and {t.name} fill one layer, {module}, "
-                "in different quantized types; pass --quantization none"
-            )
-        found[module] = (KEPT[kind], t.name)
-    return {m: spec for m, (spec, _) in found.items()}
+        found.setdefault(target[0].removesuffix(".weight"), []).append(KEPT[kind])
+    return {module: common_layout(layouts) for module, layouts in found.items()}
 
 
 def read_gguf(path: Path, model: CausalLM, shapes_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """``(checkpoint name, tensor)`` for every tensor of the GGUF file, as described above (meta tensors of the
-    same shapes and dtypes with ``shapes_only``).
+    same shapes and dtypes with ``shapes_only``), quantized ones in the layout of the layer they fill.
 
     Raises:
         CheckpointError: as ``layer_quantization``.
@@ -75,6 +84,7 @@ def read_gguf(path: Path, model: CausalLM, shapes_only: bool = False) -> Iterato
 
     config = model.config
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    modules = dict(model.named_modules())
     for t in _reader(path).tensors:
         name = hf_name(t.name)
         if name is None:
@@ -91,9 +101,20 @@ def read_gguf(path: Path, model: CausalLM, shapes_only: bool = False) -> Iterato
             tensor = torch.from_numpy(np.array(data, dtype=np.float32)).reshape(shape)
             yield name, tensor if n_heads is None else _unpermute(tensor, n_heads)
             continue
-        parts = _meta_parts(kind, rows, cols) if shapes_only else _decode(kind, torch.from_numpy(np.array(t.data)))
-        for suffix, part in zip(("", "_scale", "_zero"), parts, strict=False):
-            yield name + suffix, part if n_heads is None or shapes_only else _unpermute(part, n_heads)
+        if shapes_only:
+            block, block_bytes = gguf.GGML_QUANT_SIZES[t.tensor_type]
+            raw = torch.empty(rows, cols // block * block_bytes, dtype=torch.uint8, device="meta")
+        else:
+            raw = torch.from_numpy(np.array(t.data))
+        parts = decode(kind, raw)
+        if n_heads is not None:
+            parts = tuple(None if part is None else _unpermute(part, n_heads) for part in parts)
+        layer = modules[model.parameter_of(name)[0].removesuffix(".weight")]
+        codes, scale, zero = to_layout(layer, *parts)
+        yield name, codes
+        yield name + "_scale", scale
+        if zero is not None:
+            yield name + "_zero", zero
     if not shapes_only:  # the last pass: the mapped pages and parsed fields (225 MiB for SmolLM2's file) go
         _reader.cache_clear()
 
@@ -113,32 +134,51 @@ def _reader(path: Path):
         raise CheckpointError(f"{path.name}: not a readable GGUF file, truncated or corrupt ({e})") from None
 
 
-def _decode(kind: str, raw: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``raw [rows, blocks * block bytes]`` uint8 of one ggml block type -> codes, scale (and zero), float32 scales."""
+def decode(kind: str, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``raw [rows, blocks * block bytes]`` uint8 of one ggml block type (``KEPT``) -> ``(codes, scale, zero)``
+    in its layout (``KEPT[kind]``; zero None for the symmetric ones), float32 scales."""
     rows = raw.shape[0]
     blocks = raw.reshape(rows, -1, _BLOCK_BYTES[kind])
 
     def f16(offset: int) -> torch.Tensor:
-        return blocks[..., offset : offset + 2].contiguous().view(torch.float16).reshape(rows, -1).float()
+        return blocks[..., offset : offset + 2].contiguous().view(torch.float16).float()
 
-    d = f16(0)
+    def flat(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(rows, -1)
+
     if kind == "Q8_0":
-        return blocks[..., 2:].contiguous().view(torch.int8).reshape(rows, -1), d
-    nibbles = blocks[..., 4:] if kind == "Q4_1" else blocks[..., 2:]
-    codes = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).reshape(rows, -1)
-    zero = f16(2) + 8 * d if kind == "Q4_1" else torch.zeros_like(d)
-    return codes, d, zero
-
-
-def _meta_parts(kind: str, rows: int, cols: int) -> tuple[torch.Tensor, ...]:
-    groups = cols // 32
-    if kind == "Q8_0":
-        return torch.empty(rows, cols, dtype=torch.int8, device="meta"), torch.empty(rows, groups, device="meta")
-    return (
-        torch.empty(rows, cols, dtype=torch.uint8, device="meta"),
-        torch.empty(rows, groups, device="meta"),
-        torch.empty(rows, groups, device="meta"),
-    )
+        return flat(blocks[..., 2:].contiguous().view(torch.int8)), flat(f16(0)), None
+    if kind in ("Q4_0", "Q4_1"):
+        d = flat(f16(0))
+        nibbles = blocks[..., 4:] if kind == "Q4_1" else blocks[..., 2:]
+        codes = flat(torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1))
+        return codes, d, flat(f16(2)) + 8 * d if kind == "Q4_1" else torch.zeros_like(d)
+    if kind == "Q6_K":
+        # Each half of 128 weights: 64 bytes of low 4 bits (byte l < 32: element l in its low nibble, l + 64 in
+        # its high one; byte 32 + l: elements 32 + l and 96 + l) and 32 bytes of high 2 bits (bits 2k..2k+1
+        # of byte l: element 32 k + l).
+        low = blocks[..., :128].reshape(rows, -1, 2, 1, 2, 32)
+        low = torch.cat([low & 0x0F, low >> 4], dim=3)
+        high = blocks[..., 128:192].reshape(rows, -1, 2, 1, 32)
+        high = (high >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=raw.device)[:, None]) & 3
+        codes = (low.reshape(high.shape) | (high << 4)).to(torch.int8) - 32
+        sc = blocks[..., 192:208].contiguous().view(torch.int8).float()
+        return flat(codes), flat(f16(208) * sc), None
+    # Q4_K, Q5_K: eight 6-bit scales and mins in 12 bytes. Bytes 0..3 and 4..7 hold scales and mins 0..3 in
+    # their low 6 bits; bytes 8..11 the low 4 bits of scales (low nibble) and mins (high nibble) 4..7, whose
+    # top 2 bits are the top 2 bits of bytes 0..3 and 4..7.
+    packed = blocks[..., 4:16]
+    a, b, c = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = torch.cat([a & 63, (c & 0x0F) | ((a >> 6) << 4)], dim=-1).float()
+    m = torch.cat([b & 63, (c >> 4) | ((b >> 6) << 4)], dim=-1).float()
+    scale, minimum = f16(0) * sc, f16(2) * m
+    nibbles = blocks[..., -128:].reshape(rows, -1, 4, 1, 32)
+    codes = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=3).reshape(rows, -1, 8, 32)
+    if kind == "Q4_K":
+        return flat(codes), flat(scale), flat(8 * scale - minimum)
+    shifts = torch.arange(8, dtype=torch.uint8, device=raw.device)[:, None]
+    high = (blocks[..., 16:48].reshape(rows, -1, 1, 32) >> shifts) & 1
+    return flat((codes | (high << 4)).to(torch.int8)), flat(scale), flat(-minimum)
 
 
 def _unpermute(rows: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -193,13 +193,13 @@ def load_model(
     # config whose sizes the file does not have is named by tensor, not an allocation failure.
     with torch.device("meta"):
         meta = model_class(config.architecture)(config, tp, max_model_len)
-        prepare_layers(meta, quantization)
+        prepare_layers(meta, quantization, Path(model_dir))
         shapes = read_checkpoint(Path(model_dir), shapes_only=True)
-        meta.load_weights(checkpoint_tensors(meta, quantization, shapes, shapes_only=True))
+        meta.load_weights(checkpoint_tensors(meta, quantization, shapes, Path(model_dir), shapes_only=True))
     model = build_model(config, dtype, device, attention_backend, tp, max_model_len)
-    prepare_layers(model, quantization)
+    prepare_layers(model, quantization, Path(model_dir))
     tensors = read_checkpoint(Path(model_dir), check_finite=tp.rank == 0)
-    model.load_weights(checkpoint_tensors(model, quantization, tensors))
+    model.load_weights(checkpoint_tensors(model, quantization, tensors, Path(model_dir)))
     model.pack_weights()
     trim_heap()  # the dense weights and integer codes packing replaced: 160 MiB for SmolLM2's Q4_1 file
     return model

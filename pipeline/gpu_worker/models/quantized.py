@@ -3,8 +3,10 @@
 ``--quantization int8|int4`` quantizes a float checkpoint's linear weights
 round-to-nearest as they stream in (one float tensor at a time, before the
 weight loader shards it); ``gguf`` reads a GGUF file's quantized weights as
-they are (``gguf_loader``). The MoE router (a ``ReplicatedLinear``), the
-experts, the embeddings and the LM head stay in the model dtype.
+they are (``gguf_loader``), ``awq``, ``gptq`` and ``compressed-tensors``
+those of a Hugging Face checkpoint (``packed_loader``). The MoE router (a
+``ReplicatedLinear``), the experts, the embeddings and the LM head stay in
+the model dtype, unless the file holds them otherwise.
 """
 
 from __future__ import annotations
@@ -15,19 +17,21 @@ from pathlib import Path
 import torch
 
 from pipeline.common.config import QuantizationConfig
-from pipeline.gpu_worker.layers.linear import LinearBase, ReplicatedLinear, RowParallelLinear
+from pipeline.gpu_worker.layers.linear import LinearBase, ReplicatedLinear
 from pipeline.gpu_worker.layers.quant import QuantizedWeight, quantize_rtn
 from pipeline.gpu_worker.models.base import CausalLM, CheckpointError
+from pipeline.gpu_worker.models.quant_layout import full_groups, quantized_layer
 
 # Group size of --quantization int4 when --quantization-group-size is not given (int8 is per-channel then).
 DEFAULT_INT4_GROUP = 128
 
 
-def prepare_layers(model: CausalLM, quant: QuantizationConfig) -> None:
+def prepare_layers(model: CausalLM, quant: QuantizationConfig, model_dir: Path) -> None:
     """Switch the layers this quantization covers to codes and scales (``LinearBase.quantize``), before loading.
 
     Raises:
-        CheckpointError: a group size that does not divide a layer's input width (naming the layer).
+        CheckpointError: a group size that does not divide a layer's input width (naming the layer), or as
+            the format's ``layer_quantization``.
     """
     if quant.method == "gguf":
         from pipeline.gpu_worker.models.gguf_loader import layer_quantization
@@ -36,40 +40,48 @@ def prepare_layers(model: CausalLM, quant: QuantizationConfig) -> None:
     elif quant.method in ("int8", "int4"):
         bits = int(quant.method[3:])
         group = quant.group_size or (DEFAULT_INT4_GROUP if bits == 4 else None)
-        layers = {name: (bits, group) for name, m in _linears(model)}
+        layers = {name: (bits, group, bits == 4) for name, m in _linears(model)}
+    elif quant.method != "none":
+        from pipeline.gpu_worker.models.packed_loader import layer_quantization
+
+        layers = layer_quantization(model_dir, model)
     else:
         return
     modules = dict(model.named_modules())
-    for name, (bits, group) in layers.items():
+    for name, (bits, group, zero) in layers.items():
         try:
-            modules[name].quantize(bits, group)
+            modules[name].quantize(bits, group, zero)
         except ValueError as e:
-            raise CheckpointError(f"{name}: {e}; pass --quantization-group-size with one that does") from None
+            fix = "pass --quantization-group-size with one that does" if quant.method in ("int8", "int4") else ""
+            raise CheckpointError(f"{name}: {e}{'; ' if fix else ''}{fix}") from None
 
 
 def checkpoint_tensors(
     model: CausalLM,
     quant: QuantizationConfig,
     float_weights: Iterable[tuple[str, torch.Tensor]],
+    model_dir: Path,
     shapes_only: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint tensors ``model.load_weights`` takes for a model ``prepare`` switched, given the float
-    checkpoint's (unread for ``gguf``)."""
+    """The checkpoint tensors ``model.load_weights`` takes for a model ``prepare`` switched, given the
+    checkpoint's (unread for ``gguf``; a packed Hugging Face checkpoint's are decoded, to float for ``none``)."""
     if quant.method == "gguf":
         from pipeline.gpu_worker.models.gguf_loader import read_gguf
 
         yield from read_gguf(Path(quant.gguf_file), model, shapes_only)
         return
+    if model.config.quantization is not None:
+        from pipeline.gpu_worker.models.packed_loader import read_packed
+
+        yield from read_packed(model_dir, model, float_weights, dequantize_all=quant.method == "none")
+        return
     modules = dict(model.named_modules())
     for name, tensor in float_weights:
-        target = model.parameter_of(name)
-        layer = modules.get(target[0].removesuffix(".weight")) if target and target[0].endswith(".weight") else None
-        if getattr(layer, "quant_bits", None) is None or not tensor.is_floating_point():
+        layer = quantized_layer(model, modules, name)
+        if layer is None or not tensor.is_floating_point():
             yield name, tensor
             continue
-        # The layer's group counts this rank's columns; a row-parallel layer's full tensor has tp times more.
-        groups = layer.weight_scale.shape[1] * (layer.tp.size if isinstance(layer, RowParallelLinear) else 1)
-        codes, scale, zero = quantize_rtn(tensor, layer.quant_bits, tensor.shape[1] // groups)
+        codes, scale, zero = quantize_rtn(tensor, layer.quant_bits, tensor.shape[1] // full_groups(layer))
         yield name, codes
         yield name + "_scale", scale
         if zero is not None:
