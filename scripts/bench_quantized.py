@@ -6,10 +6,12 @@ smaller vocabulary than the real model so that a 2-core machine finishes,
 see the flags), then for each format
 
 - ``float32`` and ``bfloat16``: ``--quantization none`` in that dtype;
-- ``int8``: per-channel, ``int4``: groups of 128, both quantized at load time,
-  in a bfloat16 model (embeddings, LM head, activations; the weight-only
-  kernels compute in bfloat16 whatever the model dtype), and int4 in a
-  float32 model (the CPU's default ``--dtype``);
+- ``int8``: per-channel, ``int4``: groups of 128, both quantized at load time
+  in a float32 model (the CPU's default ``--dtype``), multiplied by the
+  compiled CPU kernel (``layers/quant_cpu.py``, in float32);
+- ``int4, torch's op``: the same int4 weights in a bfloat16 model through
+  torch's ``_weight_int4pack_mm_for_cpu`` (in bfloat16), the path the kernel
+  replaced;
 
 reports the resident memory a fresh process gains by loading it (``VmRSS``
 after minus before, imports done), and the decode tokens/s of one step of B
@@ -18,8 +20,8 @@ format is loaded in this one process and the measurements interleave: each
 round runs every (batch, format) pair once, in turn, so load from other
 programs falls on all formats alike; the figure is each pair's best round.
 With ``--smollm`` the default model is measured the same way: its GGUF
-file's Q4_1 weights as they are (``auto``) against the float32 expansion
-(``none``).
+file's Q4_1 weights as they are (``auto``), by the kernel and by torch's op,
+against the float32 expansion (``none``).
 
     python scripts/bench_quantized.py                              # 4 layers of Llama-3.2-1B's shape
     python scripts/bench_quantized.py --layers 16 --vocab 128256   # the whole 1B shape (slow on 2 cores)
@@ -39,35 +41,44 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 
+# name -> (model dtype, QuantizationConfig fields, whether the compiled CPU kernel may run the quantized weights)
 FORMATS = {
-    "float32": ("float32", {}),
-    "bfloat16": ("bfloat16", {}),
-    "int8": ("bfloat16", {"method": "int8"}),
-    "int4": ("bfloat16", {"method": "int4", "group_size": 128}),
-    "int4, float32 model": ("float32", {"method": "int4", "group_size": 128}),
+    "float32": ("float32", {}, True),
+    "bfloat16": ("bfloat16", {}, True),
+    "int8": ("float32", {"method": "int8"}, True),
+    "int4": ("float32", {"method": "int4", "group_size": 128}, True),
+    "int4, torch's op, bfloat16 model": ("bfloat16", {"method": "int4", "group_size": 128}, False),
 }
 BLOCK_SIZE = 16
 
 
-def load(model_dir: str, dtype_name: str, quant: dict):
+def load(model_dir: str, dtype_name: str, quant: dict, cpu_kernel: bool):
     import torch
 
     from pipeline.common.config import QuantizationConfig
+    from pipeline.gpu_worker.layers import quant as quant_layer
     from pipeline.gpu_worker.models.loader import load_model
 
-    return load_model(
-        model_dir, getattr(torch, dtype_name), torch.device("cpu"), quantization=QuantizationConfig(**quant)
-    )
+    quant_layer.CPU_KERNEL = cpu_kernel
+    try:
+        return load_model(
+            model_dir, getattr(torch, dtype_name), torch.device("cpu"), quantization=QuantizationConfig(**quant)
+        )
+    finally:
+        quant_layer.CPU_KERNEL = True
 
 
-def child_memory(model_dir: str, dtype_name: str, quant: str) -> None:
+def child_memory(model_dir: str, dtype_name: str, quant: str, cpu_kernel: str) -> None:
     """Load one format in this fresh process; print the resident bytes it added, as JSON."""
     import transformers
     from bench_loader import _status_bytes
 
+    from pipeline.gpu_worker.layers import quant_cpu
+
     transformers.AutoConfig.from_pretrained(model_dir)  # the imports load_model makes are not the weights'
+    quant_cpu.unavailable_reason()  # nor is the kernel's library
     before = _status_bytes("VmRSS")
-    model = load(model_dir, dtype_name, json.loads(quant))
+    model = load(model_dir, dtype_name, json.loads(quant), cpu_kernel == "1")
     print(json.dumps({"rss_bytes": _status_bytes("VmRSS") - before, "params": len(list(model.parameters()))}))
 
 
@@ -108,8 +119,16 @@ def interleaved(models: dict, batches: list[int], args) -> dict[tuple[str, int],
 def memory(model_dir: str, formats: dict) -> dict[str, float]:
     """MiB each format's load adds to a fresh process."""
     out = {}
-    for name, (dtype_name, quant) in formats.items():
-        cmd = [sys.executable, __file__, "--child-memory", model_dir, dtype_name, json.dumps(quant)]
+    for name, (dtype_name, quant, cpu_kernel) in formats.items():
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child-memory",
+            model_dir,
+            dtype_name,
+            json.dumps(quant),
+            str(int(cpu_kernel)),
+        ]
         line = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=REPO).stdout.splitlines()[-1]
         out[name] = json.loads(line)["rss_bytes"] / 2**20
     return out
@@ -139,7 +158,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds; each pair's best counts")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--smollm", action="store_true", help="also the default model: Q4_1 as it ships vs float32")
-    p.add_argument("--child-memory", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--child-memory", nargs=4, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child_memory:
         child_memory(*args.child_memory)
@@ -158,7 +177,7 @@ def main() -> None:
         n = write_checkpoint(Path(d), args)
         print(f"random Llama: {n / 1e6:.0f} M parameters, {args.layers} layers of hidden {args.hidden}")
         mib = memory(d, FORMATS)
-        models = {name: (load(d, dt, q), getattr(torch, dt)) for name, (dt, q) in FORMATS.items()}
+        models = {name: (load(d, dt, q, k), getattr(torch, dt)) for name, (dt, q, k) in FORMATS.items()}
         best = interleaved(models, batches, args)
         del models
         table(
@@ -168,13 +187,15 @@ def main() -> None:
         from pipeline.common.model_files import convert_gguf, default_model_path
 
         gguf = default_model_path()
+        q4_1 = {"method": "gguf", "gguf_file": str(gguf)}
         smol = {
-            "Q4_1 (auto)": ("float32", {"method": "gguf", "gguf_file": str(gguf)}),
-            "float32 (none)": ("float32", {}),
+            "Q4_1 (auto)": ("float32", q4_1, True),
+            "Q4_1, torch's op": ("float32", q4_1, False),
+            "float32 (none)": ("float32", {}, True),
         }
         model_dir = str(convert_gguf(gguf))
         mib = memory(model_dir, smol)
-        models = {name: (load(model_dir, dt, q), getattr(torch, dt)) for name, (dt, q) in smol.items()}
+        models = {name: (load(model_dir, dt, q, k), getattr(torch, dt)) for name, (dt, q, k) in smol.items()}
         best = interleaved(models, batches, args)
         table(f"SmolLM2-135M-Instruct, context {args.context}", best, mib, batches)
 

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from pipeline.common.config import QuantizationConfig
 from pipeline.common.gguf_layout import hf_name
 from pipeline.common.model_files import read_model_config, resolve_quantization
-from pipeline.gpu_worker.layers import quant
+from pipeline.gpu_worker.layers import quant, quant_cpu
 from pipeline.gpu_worker.layers.linear import LinearBase, ReplicatedLinear
 from pipeline.gpu_worker.layers.quant import QuantizedWeight, dequantize, quantize_rtn
 from pipeline.gpu_worker.layers.tp import TPGroup
@@ -45,29 +45,50 @@ def test_round_to_nearest_is_within_half_a_step(bits, group):
     assert bool(((dequantize(codes, scale, zero) - w).abs() <= step / 2 + 1e-6).all())
 
 
-# (bits, group, dtype) -> the kernel torch runs and the tolerance of its result against x @ dequant(W).T in
-# float64, relative to the result's largest magnitude: the weight-only kernels round the activations, the
-# scales and the output to bfloat16 (8 significant bits) whatever the dtype; the dequantizing fallback is
-# a matmul in the activation dtype.
+# Where the compiled CPU kernel builds, pack chooses it for every weight these tests make.
+PANEL = quant_cpu.unavailable_reason() is None
+needs_panel = pytest.mark.skipif(not PANEL, reason=f"quant_cpu kernel unavailable: {quant_cpu.unavailable_reason()}")
+
+
+@contextlib.contextmanager
+def torch_kernels():
+    """Weights packed meanwhile run torch's weight-only ops (or the dequantizing fallback), not quant_cpu's."""
+    saved, quant.CPU_KERNEL = quant.CPU_KERNEL, False
+    try:
+        yield
+    finally:
+        quant.CPU_KERNEL = saved
+
+
+# (bits, group, dtype, panel) -> the kernel that runs and the tolerance of its result against x @ dequant(W).T
+# in float64, relative to the result's largest magnitude: torch's weight-only kernels round the activations,
+# the scales and the output to bfloat16 (8 significant bits) whatever the dtype; the dequantizing fallback is
+# a matmul in the activation dtype; the panel kernel computes in float32 and rounds the output to the
+# activation dtype.
 BF16 = 1e-2
 KERNELS = [
-    (4, 32, torch.float32, "int4_cpu", BF16),
-    (4, 128, torch.float32, "int4_cpu", BF16),
-    (4, 128, torch.bfloat16, "int4_cpu", BF16),
-    (8, None, torch.float32, "int8", BF16),
-    (8, None, torch.bfloat16, "int8", BF16),
-    (8, 32, torch.float32, "dequantize", 1e-5),
-    (4, 48, torch.float32, "dequantize", 1e-5),
-    (4, 48, torch.bfloat16, "dequantize", BF16),
+    (4, 32, torch.float32, False, "int4_cpu", BF16),
+    (4, 128, torch.float32, False, "int4_cpu", BF16),
+    (4, 128, torch.bfloat16, False, "int4_cpu", BF16),
+    (8, None, torch.float32, False, "int8", BF16),
+    (8, None, torch.bfloat16, False, "int8", BF16),
+    (8, 32, torch.float32, False, "dequantize", 1e-5),
+    (4, 48, torch.float32, False, "dequantize", 1e-5),
+    (4, 48, torch.bfloat16, False, "dequantize", BF16),
+    pytest.param(4, 32, torch.float32, True, "int4_panel", 1e-5, marks=needs_panel),
+    pytest.param(4, 48, torch.bfloat16, True, "int4_panel", BF16, marks=needs_panel),
+    pytest.param(8, None, torch.float32, True, "int8_panel", 1e-5, marks=needs_panel),
+    pytest.param(8, 32, torch.bfloat16, True, "int8_panel", BF16, marks=needs_panel),
 ]
 
 
-@pytest.mark.parametrize(("bits", "group", "dtype", "kernel", "tol"), KERNELS)
-def test_each_kernel_multiplies_by_the_dequantized_weight(bits, group, dtype, kernel, tol):
+@pytest.mark.parametrize(("bits", "group", "dtype", "panel", "kernel", "tol"), KERNELS)
+def test_each_kernel_multiplies_by_the_dequantized_weight(bits, group, dtype, panel, kernel, tol):
     torch.manual_seed(1)
     w = torch.randn(96, 384) * 0.05
     codes, scale, zero = quantize_rtn(w, bits, group or 384)
-    weight = QuantizedWeight.pack(codes, scale, zero)
+    with contextlib.nullcontext() if panel else torch_kernels():
+        weight = QuantizedWeight.pack(codes, scale, zero)
     assert weight.kernel == kernel and weight.shape == (96, 384)
     exact_w = dequantize(codes, scale, zero, torch.float64)
     for rows in (1, 7, 33):
@@ -77,11 +98,38 @@ def test_each_kernel_multiplies_by_the_dequantized_weight(bits, group, dtype, ke
         assert y.shape == (rows, 96) and y.dtype == dtype
         exact = x.double() @ exact_w.T
         assert float((y.double() - exact).abs().max()) <= tol * float(exact.abs().max())
-    # Each weight as the kernel sees it: scale and zero rounded to bfloat16, then the weight (each a relative
-    # 2^-9), so the error is bounded by (|w| + 8 |scale| + |zero|) 2^-8 in its group.
+    # Each weight as the kernel sees it: torch's round scale and zero to bfloat16, then the weight (each a
+    # relative 2^-9), so the error is bounded by (|w| + 8 |scale| + |zero|) 2^-8 in its group; the others
+    # round in float32 (2^-24 each).
     terms = 8 * scale.double().abs() + (0 if zero is None else zero.double().abs())
-    bound = (exact_w.abs() + terms.repeat_interleave(exact_w.shape[1] // scale.shape[1], dim=1)) * 2**-8
+    unit = 2**-8 if kernel in ("int4_cpu", "int8") else 2**-22
+    bound = (exact_w.abs() + terms.repeat_interleave(exact_w.shape[1] // scale.shape[1], dim=1)) * unit
     assert bool(((weight.dequantized(torch.float64) - exact_w).abs() <= bound).all())
+
+
+@needs_panel
+@pytest.mark.parametrize(
+    ("bits", "group", "out", "inp"),
+    [(4, 32, 48, 96), (4, 64, 960, 576), (4, 128, 32, 1280), (8, 32, 16, 320), (8, None, 80, 576)],
+)
+def test_the_panel_kernel_is_exact_to_float32_rounding_for_every_batch_tail(bits, group, out, inp):
+    """Output widths of odd tile counts, input widths past one panel and not a multiple of it, and every row count
+    up to two micro-kernel blocks (plus a serving batch): x @ dequant(W).T within 1e-5 of its largest magnitude."""
+    torch.manual_seed(2)
+    codes, scale, zero = quantize_rtn(torch.randn(out, inp), bits, group or inp)
+    weight = QuantizedWeight.pack(codes, scale, zero)
+    assert weight.kernel == f"int{bits}_panel"
+    exact_w = dequantize(codes, scale, zero, torch.float64)
+    x = torch.randn(64, inp)
+    for rows in [*range(1, 26), 64]:
+        y = weight(x[:rows])
+        exact = x[:rows].double() @ exact_w.T
+        assert float((y.double() - exact).abs().max()) <= 1e-5 * float(exact.abs().max()), rows
+
+
+def test_the_panel_kernel_leaves_an_output_width_not_a_multiple_of_16_to_torch():
+    codes, scale, zero = quantize_rtn(torch.randn(40, 64), 8, 64)
+    assert QuantizedWeight.pack(codes, scale, zero).kernel == "int8"
 
 
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
@@ -262,20 +310,26 @@ def exact_kernels():
 
 PROMPTS = [[5, 77, 300, 2, 41], [400, 12, 9, 9, 250, 131, 7, 60]]
 FORMATS = {
-    # name -> (QuantizationConfig fields, GGUF type or (bits, group) of round-to-nearest, kernel, bits)
-    "int4 g32": ({"method": "int4", "group_size": 32}, (4, 32), "int4_cpu"),
-    "int4 g64": ({"method": "int4", "group_size": 64}, (4, 64), "int4_cpu"),
-    "int8 per-channel": ({"method": "int8"}, (8, None), "int8"),
-    "int8 g32": ({"method": "int8", "group_size": 32}, (8, 32), "dequantize"),
-    "gguf Q4_0": ({"method": "gguf"}, "Q4_0", "int4_cpu"),
-    "gguf Q4_1": ({"method": "gguf"}, "Q4_1", "int4_cpu"),
-    "gguf Q8_0": ({"method": "gguf"}, "Q8_0", "dequantize"),
-    "gguf Q4_K": ({"method": "gguf"}, "Q4_K", "int4_cpu"),
-    "gguf Q5_K": ({"method": "gguf"}, "Q5_K", "dequantize"),
-    "gguf Q6_K": ({"method": "gguf"}, "Q6_K", "dequantize"),
+    # name -> (QuantizationConfig fields, GGUF type or (bits, group) of round-to-nearest, the kernel where
+    # quant_cpu's builds, the kernel where it does not)
+    "int4 g32": ({"method": "int4", "group_size": 32}, (4, 32), "int4_panel", "int4_cpu"),
+    "int4 g64": ({"method": "int4", "group_size": 64}, (4, 64), "int4_panel", "int4_cpu"),
+    "int8 per-channel": ({"method": "int8"}, (8, None), "int8_panel", "int8"),
+    "int8 g32": ({"method": "int8", "group_size": 32}, (8, 32), "int8_panel", "dequantize"),
+    "gguf Q4_0": ({"method": "gguf"}, "Q4_0", "int4_panel", "int4_cpu"),
+    "gguf Q4_1": ({"method": "gguf"}, "Q4_1", "int4_panel", "int4_cpu"),
+    "gguf Q8_0": ({"method": "gguf"}, "Q8_0", "int8_panel", "dequantize"),
+    "gguf Q4_K": ({"method": "gguf"}, "Q4_K", "int4_panel", "int4_cpu"),
+    "gguf Q5_K": ({"method": "gguf"}, "Q5_K", "dequantize", "dequantize"),
+    "gguf Q6_K": ({"method": "gguf"}, "Q6_K", "int8_panel", "dequantize"),
     # llama.cpp's Q4_K_M: Q6_K values and down projections beside Q4_K; the fused qkv layer holds int8 with a
     # zero in groups of 16, which both fit.
-    "gguf Q4_K_M": ({"method": "gguf"}, "Q4_K_M", {"dequantize", "int4_cpu"}),
+    "gguf Q4_K_M": (
+        {"method": "gguf"},
+        "Q4_K_M",
+        {"dequantize", "int4_panel", "int8_panel"},
+        {"dequantize", "int4_cpu"},
+    ),
 }
 Q4_K_M = {f"blk.{i}.{part}.weight": "Q6_K" for i in range(2) for part in ("attn_v", "ffn_down")}
 
@@ -292,7 +346,8 @@ def float_dir_256(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_quantized_tiny_model_decodes_as_its_dequantized_float_twin(fmt, request, tmp_path):
-    fields, source, kernel = FORMATS[fmt]
+    fields, source, panel_kernel, torch_kernel = FORMATS[fmt]
+    kernel = panel_kernel if PANEL else torch_kernel
     float_dir = request.getfixturevalue("float_dir_256" if "_K" in fmt else "float_dir")
     if isinstance(source, str):
         kinds = Q4_K_M if source == "Q4_K_M" else None
@@ -313,8 +368,8 @@ def test_a_quantized_tiny_model_decodes_as_its_dequantized_float_twin(fmt, reque
     ours, ours_logits = greedy(model, PROMPTS, 12)
     assert ours == theirs
     torch.testing.assert_close(ours_logits, their_logits, rtol=0, atol=1e-4)
-    # As served, in bfloat16 (the random model's logits are too flat for the same tokens): the logits of the
-    # prompts within 3 % of their largest magnitude.
+    # As served (torch's kernels in bfloat16, where they run: the random model's logits are too flat for the
+    # same tokens): the logits of the prompts within 3 % of their largest magnitude.
     served = load_model(float_dir, torch.float32, CPU, quantization=quant)
     _, served_logits = greedy(served, PROMPTS, 1)
     assert float((served_logits - their_logits).abs().max()) <= 0.03 * float(their_logits.abs().max())
@@ -357,7 +412,7 @@ def test_gguf_layers_of_one_fused_projection_in_different_types_share_a_layout_b
     qkv = [m for n, m in model.named_modules() if n.endswith("qkv_proj")]
     assert [(m.weight.bits, m.weight.group_size, m.weight.kernel) for m in qkv] == [
         (8, 32, "dequantize"),
-        (4, 32, "int4_cpu"),
+        (4, 32, "int4_panel" if PANEL else "int4_cpu"),
     ]
     assert_weights_equal(model, reference_dir)
 

@@ -13,17 +13,21 @@ Two layouts, both group-wise along the input dimension (a group is
 
 The codes' dtype says which: uint8 for int4, int8 for int8.
 
-The matmul runs on torch's weight-only ops: on the CPU
-``_weight_int4pack_mm_for_cpu`` and ``_weight_int8pack_mm`` (per-channel
-scales only), on CUDA ``_weight_int4pack_mm`` and ``_weight_int8pack_mm``.
-They run in bfloat16 whatever the model dtype: the activations and the
-scales are rounded to bfloat16 for them (GGUF's float16 scales lose 3 bits),
-since on the CPU their float32 variants measured 6x (batch 1) to 100x
-(batch 32) slower than oneDNN's dense float32 matmul of the same weight,
-and the CUDA int4 op takes bfloat16 only. Where the op is missing or
-refuses the shape, the weight stays as codes and each call dequantizes it
-into the activation dtype and multiplies (``QuantizedWeight.kernel`` says
-which).
+On the CPU the matmul runs on ``quant_cpu``'s compiled kernel (kernels
+``int4_panel``/``int8_panel``, any group size, output widths a multiple of 16):
+it dequantizes a tile of the weight once per call into a float32 panel and
+multiplies the whole batch against it in float32, whatever the activation
+dtype. Elsewhere, or where that kernel cannot be built, it runs on torch's
+weight-only ops: on the CPU ``_weight_int4pack_mm_for_cpu`` and
+``_weight_int8pack_mm`` (per-channel scales only), on CUDA
+``_weight_int4pack_mm`` and ``_weight_int8pack_mm``. Those run in bfloat16
+whatever the model dtype: the activations and the scales are rounded to
+bfloat16 for them (GGUF's float16 scales lose 3 bits), since on the CPU their
+float32 variants measured 6x (batch 1) to 100x (batch 32) slower than
+oneDNN's dense float32 matmul of the same weight, and the CUDA int4 op takes
+bfloat16 only. Where no op takes the weight, it stays as codes and each call
+dequantizes it into the activation dtype and multiplies
+(``QuantizedWeight.kernel`` says which).
 """
 
 from __future__ import annotations
@@ -34,14 +38,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.gpu_worker.layers import quant_cpu
+
 _LOG = logging.getLogger(__name__)
 
 _aten = torch.ops.aten
 # The group sizes torch's int4 kernels take.
 _INT4_GROUPS = (32, 64, 128, 256)
-# The dtype the weight-only kernels compute in, read when a weight is packed (see above); float32 runs
+# The dtype torch's weight-only kernels compute in, read when a weight is packed (see above); float32 runs
 # them to float32 rounding, slowly.
 KERNEL_DTYPE = torch.bfloat16
+# Whether pack uses quant_cpu's kernel where it takes the weight; False keeps torch's ops (their tests set it).
+CPU_KERNEL = True
 
 
 def quantize_rtn(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -104,30 +112,38 @@ class QuantizedWeight(nn.Module):
         bits = 4 if codes.dtype == torch.uint8 else 8
         group_size = inp // scale.shape[1]
         device, shape = codes.device.type, (out, inp)
+        # The panel kernel's int8 is symmetric: int8 with a zero (Q5_K) stays on the dequantizing path.
+        panel = quant_cpu.pack(codes, scale, zero) if CPU_KERNEL and (bits == 4 or zero is None) else None
+        if panel is not None:
+            return cls._with(shape, bits, group_size, f"int{bits}_panel", torch.float32, codes=panel[0], coef=panel[1])
         if bits == 4 and group_size in _INT4_GROUPS:
             # [groups, out, 2]: the scale and zero of each group, as both int4 kernels take them.
             scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(KERNEL_DTYPE).contiguous()
             packed = _pack_int4(codes, device)
             if packed is not None:
-                return cls._with(shape, bits, group_size, f"int4_{device}", packed=packed, scales_zeros=scales_zeros)
+                return cls._with(
+                    shape, bits, group_size, f"int4_{device}", KERNEL_DTYPE, packed=packed, scales_zeros=scales_zeros
+                )
         if bits == 8 and zero is None and group_size == inp:
             kernel_scale = scale.reshape(out).to(KERNEL_DTYPE).contiguous()
             if _int8_op_runs(codes, kernel_scale):
-                return cls._with(shape, bits, group_size, "int8", codes=codes, scale=kernel_scale)
+                return cls._with(shape, bits, group_size, "int8", KERNEL_DTYPE, codes=codes, scale=kernel_scale)
         kw = {"codes": codes, "scale": scale} | ({} if zero is None else {"zero": zero})
-        return cls._with(shape, bits, group_size, "dequantize", **kw)
+        return cls._with(shape, bits, group_size, "dequantize", None, **kw)
 
     @classmethod
-    def _with(cls, shape, bits, group_size, kernel, **buffers: torch.Tensor) -> QuantizedWeight:
+    def _with(cls, shape, bits, group_size, kernel, compute_dtype, **buffers: torch.Tensor) -> QuantizedWeight:
         module = cls(shape, bits, group_size, kernel)
         for name, t in buffers.items():
             module.register_buffer(name, t)
-        module.compute_dtype = KERNEL_DTYPE
+        module.compute_dtype = compute_dtype
         return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "dequantize":
             return F.linear(x, self.dequantized(x.dtype))
+        if self.kernel.endswith("_panel"):
+            return quant_cpu.matmul(x, self.codes, self.coef, self.bits, self.group_size)
         xk = x.to(self.compute_dtype)
         if self.kernel == "int4_cpu":
             y = _aten._weight_int4pack_mm_for_cpu(xk, self.packed, self.group_size, self.scales_zeros)
@@ -139,9 +155,10 @@ class QuantizedWeight(nn.Module):
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight ``[out, in]`` these buffers hold, in ``dtype`` (for the fallback kernel and for checks)."""
-        if self.kernel.startswith("int4"):
-            # The packed layout is opaque: multiply the identity through the kernel (each weight rounded to bfloat16).
-            eye = torch.eye(self.shape[1], dtype=self.compute_dtype, device=self.packed.device)
+        if self.kernel.startswith("int4") or self.kernel.endswith("_panel"):
+            # The packed layouts are opaque: multiply the identity through the kernel (torch's round each weight to
+            # bfloat16).
+            eye = torch.eye(self.shape[1], dtype=self.compute_dtype, device=next(self.buffers()).device)
             return self.forward(eye).t().to(dtype)
         if self.kernel == "int8":
             return dequantize(self.codes, self.scale[:, None], None, dtype)
