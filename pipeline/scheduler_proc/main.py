@@ -341,6 +341,7 @@ class SchedulerProc:
             nonce=nonce,
             num_running=len(s.running),
             num_waiting=len(s.waiting),
+            num_waiting_tokens=sum(r.num_known_tokens for r in s.waiting),
             num_free_blocks=s.pool.num_free_blocks,
             num_total_blocks=s.pool.num_blocks,
             num_free_req_indices=s.pool.num_free_req_indices,
