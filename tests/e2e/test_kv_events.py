@@ -34,7 +34,8 @@ def replay_all(ctx: zmq.Context, endpoint: str) -> list[KVEventBatch]:
 
 def test_a_subscriber_follows_the_server_cache():
     """Eight users of one system prompt through a pool of 64 blocks (evictions): replaying the published
-    batches gives as many blocks as ``pipeline_kv_blocks_cached``, every removal of a stored one."""
+    batches gives as many blocks as ``pipeline_kv_blocks_cached``, every removal of a stored one, all in
+    vLLM's device tier though the simulated device runs on the CPU."""
     pub, replay = free_port(), free_port()
     config = {
         "enable_kv_cache_events": True,
@@ -64,9 +65,11 @@ def test_a_subscriber_follows_the_server_cache():
             for ev in batch.events:
                 if isinstance(ev, BlockStored):
                     assert ev.block_size == 16 and len(ev.token_ids) == 16 * len(ev.block_hashes)
+                    # The engine's own cache is vLLM's "GPU" tier on any device: "CPU" means a host offload tier.
+                    assert ev.medium == "GPU"
                     index.update(ev.block_hashes)
                 elif isinstance(ev, BlockRemoved):
-                    assert set(ev.block_hashes) <= index
+                    assert ev.medium == "GPU" and set(ev.block_hashes) <= index
                     index.difference_update(ev.block_hashes)
                     removed += len(ev.block_hashes)
                 else:
