@@ -6,6 +6,8 @@ The router is a registry package (a Rust binary behind a Python launcher) whose 
 not the project's, so it lives in a virtual environment of its own, made on first use. Its
 completions route takes text prompts only, so the workload is chat: every turn resends the
 conversation (a shared system prompt, the user's messages and the replies it got, as text).
+Dynamo's runtime, whose KV indexer ``tests/e2e/test_kv_events.py`` runs on our KV-cache events,
+gets a virtual environment of its own the same way.
 """
 
 from __future__ import annotations
@@ -23,28 +25,43 @@ from pathlib import Path
 import httpx
 
 ROUTER_VERSION = "0.3.2"
+DYNAMO_VERSION = "1.6.1"
 DEFAULT_VENV = Path.home() / ".cache" / "pipeline" / "sglang-router-venv"
 
 
-def router_python(venv: Path | None = None) -> Path:
-    """The interpreter of a virtual environment holding ``sglang-router``, installed there if missing.
-
-    ``venv``: default ``$VENV_SGLANG_ROUTER`` or ``~/.cache/pipeline/sglang-router-venv``.
+def registry_python(requirement: str, module: str, venv: Path) -> Path:
+    """The interpreter of the virtual environment ``venv``, where ``requirement`` is pip-installed first if
+    ``module`` does not import there.
 
     Raises:
         RuntimeError: the package could not be installed (no registry), with pip's message.
     """
-    venv = Path(venv or os.environ.get("VENV_SGLANG_ROUTER") or DEFAULT_VENV)
     python = venv / "bin" / "python"
-    check = [str(python), "-c", "import sglang_router"]
+    check = [str(python), "-c", f"import {module}"]
     if python.exists() and subprocess.run(check, capture_output=True).returncode == 0:
         return python
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True)
-    pip = [str(python), "-m", "pip", "install", "--quiet", f"sglang-router=={ROUTER_VERSION}"]
-    done = subprocess.run(pip, capture_output=True, text=True)
+    done = subprocess.run([str(python), "-m", "pip", "install", "--quiet", requirement], capture_output=True, text=True)
     if done.returncode:
-        raise RuntimeError(f"pip install sglang-router=={ROUTER_VERSION} failed:\n{done.stderr[-2000:]}")
+        raise RuntimeError(f"pip install {requirement} failed:\n{done.stderr[-2000:]}")
     return python
+
+
+def router_python(venv: Path | None = None) -> Path:
+    """The interpreter of a virtual environment holding ``sglang-router`` (``registry_python``).
+
+    ``venv``: default ``$VENV_SGLANG_ROUTER`` or ``~/.cache/pipeline/sglang-router-venv``.
+    """
+    venv = Path(venv or os.environ.get("VENV_SGLANG_ROUTER") or DEFAULT_VENV)
+    return registry_python(f"sglang-router=={ROUTER_VERSION}", "sglang_router", venv)
+
+
+def dynamo_python() -> Path:
+    """The interpreter of a virtual environment holding Dynamo's runtime, whose standalone KV indexer
+    (``python -m dynamo.indexer``) follows engines by their KV-cache events: ``$VENV_DYNAMO`` or
+    ``~/.cache/pipeline/dynamo-venv`` (``registry_python``)."""
+    venv = Path(os.environ.get("VENV_DYNAMO") or DEFAULT_VENV.with_name("dynamo-venv"))
+    return registry_python(f"ai-dynamo-runtime=={DYNAMO_VERSION}", "dynamo.llm", venv)
 
 
 def start_router(
