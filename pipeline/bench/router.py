@@ -178,6 +178,42 @@ async def play_chat(url: str, model: str, work: ChatWork) -> list[TurnResult]:
     return [t for ts in done for t in ts]
 
 
+@dataclass
+class StreamEnd:
+    """How one streamed chat completion ended, as its client saw it."""
+
+    start: float  # time.perf_counter() when sent
+    end: float  # when it ended, one way or another
+    outcome: str  # "done" (finish_reason and [DONE]), "cut" (the body ended without [DONE]), "error event"
+    # (an SSE error object), "HTTP <status>", "timeout" (no byte within the client's read timeout), or the
+    # transport error's class name
+
+
+async def stream_chat(client: httpx.AsyncClient, body: dict) -> StreamEnd:
+    """Send ``body`` streamed and read it to its end; a transport error or a stall past the client's read
+    timeout is an outcome, not an exception, so a cut stream can be counted."""
+    start, outcome, finished = time.perf_counter(), "cut", False
+    try:
+        async with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+            if r.status_code != 200:
+                await r.aread()
+                return StreamEnd(start, time.perf_counter(), f"HTTP {r.status_code}")
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    outcome = "done" if finished else "cut"
+                elif line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        outcome = "error event"
+                        break
+                    finished |= any(c.get("finish_reason") for c in chunk.get("choices", ()))
+    except httpx.TimeoutException:
+        outcome = "timeout"
+    except httpx.HTTPError as e:
+        outcome = type(e).__name__
+    return StreamEnd(start, time.perf_counter(), outcome)
+
+
 def prefix_counters(url: str) -> tuple[float, float, float]:
     """A server's ``(prefix-cache queries, hits, finished requests)`` from its ``/metrics``."""
     queries = hits = finished = 0.0
