@@ -5,13 +5,17 @@
 
 Setups, each on fresh servers (empty caches), one after the other:
 - one replica, clients straight to it;
-- two replicas behind sglang-router --policy cache_aware;
+- two replicas behind sglang-router --policy cache_aware, its balance thresholds left at their defaults;
+- the same with --balance-abs-threshold / --balance-rel-threshold set for this workload (BALANCE_ABS,
+  BALANCE_REL below);
 - two replicas behind sglang-router --policy round_robin;
 - one server with -dp 2 (its own prefix-aware routing between two engines).
 Prints output tok/s, TTFT p50 per turn, the prefix-cache hit rate (hits / queries, prompt tokens, from
-the servers' /metrics) and how many requests each replica served. With --failover also (or only), it then
-kills one of two cache-aware replicas (SIGKILL) under load, starts it again on its port, and reports the
-errors, the time until requests succeed again and the time until the router lists the replica healthy.
+the servers' /metrics), how many requests each replica served, and how many later turns were moved (found
+less than the whole blocks of their conversation's previous turn cached). With --failover also (or only),
+it then kills one of two balanced cache_aware replicas (SIGKILL) under load, starts it again on its port,
+and reports the errors, the time until requests succeed again, the time until the router lists the replica
+healthy, and how the streams in flight on it ended.
 sglang-router is installed on first use into a venv of its own (pipeline/bench/router.py).
 """
 
@@ -28,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -37,11 +42,23 @@ sys.path.insert(0, str(ROOT))
 
 from pipeline.bench.router import (  # noqa: E402
     ChatWork,
+    StreamEnd,
     play_chat,
     prefix_counters,
     router_python,
     start_router,
+    stream_chat,
 )
+
+# The failover's streaming users: replies long enough that some are mid-stream at the kill, and the read
+# timeout that bounds a stream that neither ends nor fails.
+STREAM_USERS = 8
+STREAM_TOKENS = 512
+STREAM_READ_TIMEOUT_S = 30.0
+
+# cache_aware's balance thresholds for this workload (the README's "More than one machine" says why).
+BALANCE_ABS = 2
+BALANCE_REL = 1.5
 
 
 def free_port() -> int:
@@ -83,17 +100,28 @@ def model_name(url: str) -> str:
     return httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
 
 
-def run_setup(name: str, serve: list[str], num_servers: int, policy: str | None, work: ChatWork, python, logs):
-    """Fresh servers (and a router before them), the workload once; returns the row of figures."""
+def run_setup(
+    name: str,
+    serve: list[str],
+    num_servers: int,
+    policy: str | None,
+    router_args: tuple[str, ...],
+    work: ChatWork,
+    python,
+    logs,
+):
+    """Fresh servers (and a router before them, started with ``router_args``), the workload once; returns the
+    row of figures."""
     servers = [start_server(serve, logs) for _ in range(num_servers)]
     router = None
     try:
         url = servers[0][1]
         if policy is not None:
             port = free_port()
-            router = start_router(python, port, [u for _, u in servers], policy, logs)
+            router = start_router(python, port, [u for _, u in servers], policy, logs, router_args)
             url = f"http://127.0.0.1:{port}"
         model = model_name(url)
+        block_size = httpx.get(f"{servers[0][1]}/server_info", timeout=10).json()["page_size"]
         before = [prefix_counters(u) for _, u in servers]
         t0 = time.perf_counter()
         turns = asyncio.run(play_chat(url, model, work))
@@ -108,50 +136,88 @@ def run_setup(name: str, serve: list[str], num_servers: int, policy: str | None,
     hits = sum(a[1] - b[1] for a, b in zip(after, before))
     served = [int(a[2] - b[2]) for a, b in zip(after, before)]
     ttft = [statistics.median(t.ttft for t in turns if t.turn == k) * 1e3 for k in range(len(work.messages[0]))]
+    # A later turn that found less than the whole blocks of the turn before cached went where its
+    # conversation was not: the router moved it (or the cache evicted it), and it paid for the recompute.
+    by = {(t.user, t.turn): t for t in turns}
+    held = {(u, k + 1): t.prompt_tokens // block_size * block_size for (u, k), t in by.items()}
+    moved = sum(t.cached_tokens < held[t.user, t.turn] for t in turns if t.turn)
     return {
         "setup": name,
         "tok/s": sum(t.completion_tokens for t in turns) / wall,
         "ttft_p50_ms": ttft,
         "hit_rate": hits / queries if queries else 0.0,
         "served": served,
+        "moved": moved,
     }
 
 
-def failover(serve: list[str], work: ChatWork, python, logs, kill_after_s: float, health_s: int = 5) -> dict:
-    """Two replicas behind cache_aware (health checked every ``health_s`` seconds); the busier is killed
-    (SIGKILL) ``kill_after_s`` into a closed loop of requests, then started again on its port.
+def finished_streams(url: str, short: int, long: int) -> float:
+    """How many requests of ``long`` max_tokens a replica finished, the others asking ``short``: from the sum
+    and count of its max_tokens histogram."""
+    total = count = 0.0
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name.startswith("pipeline_request_params_max_tokens_sum"):
+            total += float(value)
+        elif name.startswith("pipeline_request_params_max_tokens_count"):
+            count += float(value)
+    return (total - short * count) / (long - short)
 
-    Returns the requests and errors (a hung request fails at the client's 60 s timeout) after the kill,
-    the seconds from the kill to the first success after the last error, and from the restarted
-    replica's first healthy /health to the router listing it healthy again (None: it never did).
+
+def failover(
+    serve: list[str], work: ChatWork, python, logs, kill_after_s: float, router_args: tuple[str, ...], health_s: int = 5
+) -> dict:
+    """Two replicas behind cache_aware (health checked every ``health_s`` seconds); one is killed (SIGKILL)
+    ``kill_after_s`` into a closed loop of requests, then started again on its port.
+
+    Two loops run: every user of ``work`` sends whole (non-streamed) replies to its first message, and
+    ``STREAM_USERS`` more stream long replies to their last, each user its one prompt again and again (so
+    the router keeps it on one replica). The replica killed is the one that finished more streams so far,
+    so that streams are mid-way on it when it dies.
+
+    Returns the non-streamed requests and errors (a hung request fails at the client's 60 s timeout) after
+    the kill, the seconds from the kill to the first success after the last error, and from the restarted
+    replica's first healthy /health to the router listing it healthy again (None: it never did); and for the
+    streams in flight at the kill, how each ended (``StreamEnd.outcome``; a stall is cut at the client's
+    ``STREAM_READ_TIMEOUT_S`` read timeout) and the most seconds from the kill to the end of one cut.
     """
     servers = [start_server(serve, logs) for _ in range(2)]
     port = free_port()
-    extra = ("--health-check-interval-secs", str(health_s))
+    extra = (*router_args, "--health-check-interval-secs", str(health_s))
     router = start_router(python, port, [u for _, u in servers], "cache_aware", logs, extra)
     url = f"http://127.0.0.1:{port}"
     model = model_name(url)
     events: list[tuple[float, bool]] = []  # (time, ok)
+    streams: list[StreamEnd] = []
     rejoin: dict = {}
+
+    def body(user: int, turn: int, max_tokens: int) -> dict:
+        message = work.messages[user % len(work.messages)][turn]
+        return {
+            "model": model,
+            "messages": [{"role": "system", "content": work.system}, {"role": "user", "content": message}],
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+        }
 
     async def loop(user: int, until: float) -> None:
         async with httpx.AsyncClient(base_url=url, timeout=60) as client:
             while time.perf_counter() < until:
-                body = {
-                    "model": model,
-                    "messages": [
-                        {"role": "system", "content": work.system},
-                        {"role": "user", "content": work.messages[user % len(work.messages)][0]},
-                    ],
-                    "max_tokens": work.max_tokens,
-                    "ignore_eos": True,
-                }
                 try:
-                    ok = (await client.post("/v1/chat/completions", json=body)).status_code == 200
+                    r = await client.post("/v1/chat/completions", json=body(user, 0, work.max_tokens))
+                    ok = r.status_code == 200
                 except httpx.HTTPError:
                     ok = False
                 events.append((time.perf_counter(), ok))
                 if not ok:
+                    await asyncio.sleep(0.05)
+
+    async def stream_loop(user: int, until: float) -> None:
+        timeout = httpx.Timeout(10, read=STREAM_READ_TIMEOUT_S)
+        async with httpx.AsyncClient(base_url=url, timeout=timeout) as client:
+            while time.perf_counter() < until:
+                streams.append(await stream_chat(client, body(user, -1, STREAM_TOKENS)))
+                if streams[-1].outcome != "done":
                     await asyncio.sleep(0.05)
 
     def healthy_in_router(worker_url: str) -> bool:
@@ -160,10 +226,13 @@ def failover(serve: list[str], work: ChatWork, python, logs, kill_after_s: float
 
     async def main() -> float:
         start = time.perf_counter()
-        runs = asyncio.gather(*(loop(u, start + kill_after_s + 60) for u in range(len(work.messages))))
+        until = start + kill_after_s + 60
+        runs = asyncio.gather(
+            *(loop(u, until) for u in range(len(work.messages))),
+            *(stream_loop(u, until) for u in range(STREAM_USERS)),
+        )
         await asyncio.sleep(kill_after_s)
-        # The replica that served most so far: the one conversations went to.
-        i = max(range(2), key=lambda k: prefix_counters(servers[k][1])[2])
+        i = max(range(2), key=lambda k: finished_streams(servers[k][1], work.max_tokens, STREAM_TOKENS))
         servers[i][0].kill()
         killed = time.perf_counter()
         await asyncio.sleep(3)
@@ -186,11 +255,17 @@ def failover(serve: list[str], work: ChatWork, python, logs, kill_after_s: float
     errors = [t for t, ok in after if not ok]
     last_error = max(errors, default=0.0)
     recovered = min((t for t, ok in after if ok and t > last_error), default=float("nan"))
+    in_flight = [s for s in streams if s.start < killed <= s.end]
+    cut = [s.end - killed for s in in_flight if s.outcome != "done"]
+    later = [s for s in streams if s.start >= killed]
     return {
         "requests_after_kill": len(after),
         "errors": len(errors),
         "recovered_after_s": round(recovered, 3),
         "rejoined_after_s": rejoin.get("s") and round(rejoin["s"], 2),
+        "streams_in_flight_at_kill": dict(Counter(s.outcome for s in in_flight)),
+        "cut_streams_ended_within_s": round(max(cut), 3) if cut else None,
+        "streams_after_kill": dict(Counter(s.outcome for s in later)),
     }
 
 
@@ -208,6 +283,14 @@ def main() -> None:
         default="off",
         help="measure a replica's SIGKILL under load and its return, after the setups or alone",
     )
+    p.add_argument(
+        "--balance-abs-threshold",
+        type=int,
+        default=BALANCE_ABS,
+        help="the tuned cache_aware row's: the gateway's in-flight requests a replica may have over another "
+        "before it routes by load instead of by prefix (its default, 64, is never reached by 16 users)",
+    )
+    p.add_argument("--balance-rel-threshold", type=float, default=BALANCE_REL, help="and the ratio it must also exceed")
     p.add_argument("--log", default=None, help="the servers' and routers' output (default: a temporary file)")
     args = p.parse_args()
     serve = shlex.split(args.serve_args)
@@ -220,21 +303,29 @@ def main() -> None:
     print(f"servers' and routers' output: {log_path}")
     rows = []
     with open(log_path, "w") as logs:
+        balance = (
+            *("--balance-abs-threshold", str(args.balance_abs_threshold)),
+            *("--balance-rel-threshold", str(args.balance_rel_threshold)),
+        )
         setups = [
-            ("1 replica", serve, 1, None),
-            ("2 x sglang-router cache_aware", serve, 2, "cache_aware"),
-            ("2 x sglang-router round_robin", serve, 2, "round_robin"),
-            ("-dp 2, our server", [*serve, "--data-parallel-size", "2"], 1, None),
+            ("1 replica", serve, 1, None, ()),
+            ("2 x gateway cache_aware, defaults", serve, 2, "cache_aware", ()),
+            ("2 x gateway cache_aware, balanced", serve, 2, "cache_aware", balance),
+            ("2 x gateway round_robin", serve, 2, "round_robin", ()),
+            ("-dp 2, our server", [*serve, "--data-parallel-size", "2"], 1, None, ()),
         ]
-        for name, flags, n, policy in setups if args.failover != "only" else ():
-            rows.append(run_setup(name, flags, n, policy, work, python, logs))
+        print(f"balanced: {shlex.join(balance)}")
+        for name, flags, n, policy, router_args in setups if args.failover != "only" else ():
+            rows.append(run_setup(name, flags, n, policy, router_args, work, python, logs))
             r = rows[-1]
             ttft = " ".join(f"{x:7.1f}" for x in r["ttft_p50_ms"])
-            print(f"{r['setup']:32s} {r['tok/s']:8.1f} tok/s  TTFT p50 by turn (ms): {ttft}  "
-                  f"prefix hits {100 * r['hit_rate']:5.1f} %  served {r['served']}", flush=True)  # fmt: skip
+            print(f"{r['setup']:34s} {r['tok/s']:8.1f} tok/s  TTFT p50 by turn (ms): {ttft}  "
+                  f"prefix hits {100 * r['hit_rate']:5.1f} %  served {r['served']}  moved {r['moved']}",
+                  flush=True)  # fmt: skip
         if args.failover != "off":
-            f = failover(serve, work, python, logs, kill_after_s=5.0)
-            print(f"failover (SIGKILL of the busier of 2 cache_aware replicas, restarted 3 s later): {f}")
+            f = failover(serve, work, python, logs, 5.0, balance)
+            print(f"failover (SIGKILL of the one of 2 balanced cache_aware replicas holding more streams, "
+                  f"restarted 3 s later; {STREAM_USERS} users streaming {STREAM_TOKENS} tokens): {f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ The router is a registry package (a Rust binary behind a Python launcher) whose 
 not the project's, so it lives in a virtual environment of its own, made on first use. Its
 completions route takes text prompts only, so the workload is chat: every turn resends the
 conversation (a shared system prompt, the user's messages and the replies it got, as text).
+Dynamo's runtime, whose KV indexer ``tests/e2e/test_kv_events.py`` runs on our KV-cache events,
+gets a virtual environment of its own the same way.
 """
 
 from __future__ import annotations
@@ -23,28 +25,43 @@ from pathlib import Path
 import httpx
 
 ROUTER_VERSION = "0.3.2"
+DYNAMO_VERSION = "1.6.1"
 DEFAULT_VENV = Path.home() / ".cache" / "pipeline" / "sglang-router-venv"
 
 
-def router_python(venv: Path | None = None) -> Path:
-    """The interpreter of a virtual environment holding ``sglang-router``, installed there if missing.
-
-    ``venv``: default ``$VENV_SGLANG_ROUTER`` or ``~/.cache/pipeline/sglang-router-venv``.
+def registry_python(requirement: str, module: str, venv: Path) -> Path:
+    """The interpreter of the virtual environment ``venv``, where ``requirement`` is pip-installed first if
+    ``module`` does not import there.
 
     Raises:
         RuntimeError: the package could not be installed (no registry), with pip's message.
     """
-    venv = Path(venv or os.environ.get("VENV_SGLANG_ROUTER") or DEFAULT_VENV)
     python = venv / "bin" / "python"
-    check = [str(python), "-c", "import sglang_router"]
+    check = [str(python), "-c", f"import {module}"]
     if python.exists() and subprocess.run(check, capture_output=True).returncode == 0:
         return python
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True)
-    pip = [str(python), "-m", "pip", "install", "--quiet", f"sglang-router=={ROUTER_VERSION}"]
-    done = subprocess.run(pip, capture_output=True, text=True)
+    done = subprocess.run([str(python), "-m", "pip", "install", "--quiet", requirement], capture_output=True, text=True)
     if done.returncode:
-        raise RuntimeError(f"pip install sglang-router=={ROUTER_VERSION} failed:\n{done.stderr[-2000:]}")
+        raise RuntimeError(f"pip install {requirement} failed:\n{done.stderr[-2000:]}")
     return python
+
+
+def router_python(venv: Path | None = None) -> Path:
+    """The interpreter of a virtual environment holding ``sglang-router`` (``registry_python``).
+
+    ``venv``: default ``$VENV_SGLANG_ROUTER`` or ``~/.cache/pipeline/sglang-router-venv``.
+    """
+    venv = Path(venv or os.environ.get("VENV_SGLANG_ROUTER") or DEFAULT_VENV)
+    return registry_python(f"sglang-router=={ROUTER_VERSION}", "sglang_router", venv)
+
+
+def dynamo_python() -> Path:
+    """The interpreter of a virtual environment holding Dynamo's runtime, whose standalone KV indexer
+    (``python -m dynamo.indexer``) follows engines by their KV-cache events: ``$VENV_DYNAMO`` or
+    ``~/.cache/pipeline/dynamo-venv`` (``registry_python``)."""
+    venv = Path(os.environ.get("VENV_DYNAMO") or DEFAULT_VENV.with_name("dynamo-venv"))
+    return registry_python(f"ai-dynamo-runtime=={DYNAMO_VERSION}", "dynamo.llm", venv)
 
 
 def start_router(
@@ -159,6 +176,42 @@ async def play_chat(url: str, model: str, work: ChatWork) -> list[TurnResult]:
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
         done = await asyncio.gather(*(user(client, u) for u in range(len(work.messages))))
     return [t for ts in done for t in ts]
+
+
+@dataclass
+class StreamEnd:
+    """How one streamed chat completion ended, as its client saw it."""
+
+    start: float  # time.perf_counter() when sent
+    end: float  # when it ended, one way or another
+    outcome: str  # "done" (finish_reason and [DONE]), "cut" (the body ended without [DONE]), "error event"
+    # (an SSE error object), "HTTP <status>", "timeout" (no byte within the client's read timeout), or the
+    # transport error's class name
+
+
+async def stream_chat(client: httpx.AsyncClient, body: dict) -> StreamEnd:
+    """Send ``body`` streamed and read it to its end; a transport error or a stall past the client's read
+    timeout is an outcome, not an exception, so a cut stream can be counted."""
+    start, outcome, finished = time.perf_counter(), "cut", False
+    try:
+        async with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+            if r.status_code != 200:
+                await r.aread()
+                return StreamEnd(start, time.perf_counter(), f"HTTP {r.status_code}")
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    outcome = "done" if finished else "cut"
+                elif line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        outcome = "error event"
+                        break
+                    finished |= any(c.get("finish_reason") for c in chunk.get("choices", ()))
+    except httpx.TimeoutException:
+        outcome = "timeout"
+    except httpx.HTTPError as e:
+        outcome = type(e).__name__
+    return StreamEnd(start, time.perf_counter(), outcome)
 
 
 def prefix_counters(url: str) -> tuple[float, float, float]:

@@ -134,6 +134,7 @@ class Stats(msgspec.Struct, tag=True):
     lora_waiting: list[int] | None = None
     num_grammar_rows_deferred: int = 0  # constrained decode rows left out of a step while their mask was computed
     num_kv_events_dropped: int = 0  # KV-cache events dropped because the publisher's queue was full
+    num_waiting_tokens: int = 0  # prompt and output tokens of the waiting requests (SGLang's load counts them)
 
 
 def merge_stats(per_engine: list[Stats]) -> Stats:

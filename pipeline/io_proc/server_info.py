@@ -41,14 +41,15 @@ def model_info(config: EngineConfig) -> dict:
 
 
 def engine_loads(stats: list[Stats], block_size: int) -> list[dict]:
-    """SGLang's ``/get_load``: per engine (its ``dp_rank``), the requests it holds and the tokens their
-    KV blocks hold."""
+    """SGLang's ``/get_load``: per engine (its ``dp_rank``), the requests it holds and, as SGLang counts
+    ``num_tokens``, the tokens in the KV blocks its running requests own (cached blocks no request owns are
+    free to evict: not load) plus the tokens of the requests still waiting, which hold no blocks yet."""
     return [
         {
             "dp_rank": e,
             "num_reqs": s.num_running + s.num_waiting,
             "num_waiting_reqs": s.num_waiting,
-            "num_tokens": (s.num_total_blocks - s.num_free_blocks) * block_size,
+            "num_tokens": (s.num_total_blocks - s.num_free_blocks) * block_size + s.num_waiting_tokens,
         }
         for e, s in enumerate(stats)
     ]

@@ -33,6 +33,10 @@ logger = logging.getLogger("pipeline.scheduler")
 
 _STORED, _REMOVED, _CLEARED = range(3)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay socket's last message
+# The tier of the engine's own KV cache, whatever the device: vLLM's block pool names it "GPU" on its CPU build
+# too, and routers read "CPU" as a host offload tier (Dynamo's indexer files such blocks as host-pinned and
+# gives them no device-tier score).
+MEDIUM = "GPU"
 
 
 def _binds(endpoint: str) -> bool:
@@ -48,14 +52,13 @@ class KVEventPublisher:
         block_size: tokens per block (each BlockStored carries it).
         engine_index: the ``-dp`` engine: its endpoints' TCP ports are offset by it, and each batch's
             ``data_parallel_rank`` is it.
-        medium: the tier the blocks live in (vLLM's ``"GPU"`` for device memory).
 
     Raises:
         zmq.ZMQError: an endpoint cannot be bound (its port is taken) or is malformed.
     """
 
-    def __init__(self, config: KVEventsConfig, block_size: int, engine_index: int = 0, medium: str = "GPU"):
-        self.block_size, self.engine_index, self.medium = block_size, engine_index, medium
+    def __init__(self, config: KVEventsConfig, block_size: int, engine_index: int = 0):
+        self.block_size, self.engine_index = block_size, engine_index
         self.num_dropped_events = 0  # events of batches that found the queue full
         self._pending: list[tuple] = []  # this turn's events, in order, as tuples: built into structs off the loop
         self._queue: queue.Queue[tuple[float, list[tuple]] | None] = queue.Queue(config.max_queue_size)
@@ -129,12 +132,12 @@ class KVEventPublisher:
                         token_ids=tokens,
                         block_size=self.block_size,
                         lora_id=lora_id or None,
-                        medium=self.medium,
+                        medium=MEDIUM,
                         lora_name=None,
                     )
                 )
             elif ev[0] == _REMOVED:
-                out.append(BlockRemoved(block_hashes=[external_hash(n) for n in ev[1]], medium=self.medium))
+                out.append(BlockRemoved(block_hashes=[external_hash(n) for n in ev[1]], medium=MEDIUM))
             else:
                 out.append(AllBlocksCleared())
         return KVEventBatch(ts=ts, events=out, data_parallel_rank=self.engine_index)

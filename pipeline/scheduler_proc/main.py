@@ -107,11 +107,8 @@ class SchedulerProc:
         )
         self.kv_events = None
         if config.kv_events is not None:
-            medium = "GPU" if config.device == "cuda" else "CPU"
             try:
-                self.kv_events = KVEventPublisher(
-                    config.kv_events, config.scheduler.block_size, config.engine_index, medium
-                )
+                self.kv_events = KVEventPublisher(config.kv_events, config.scheduler.block_size, config.engine_index)
             except zmq.ZMQError as e:
                 endpoint = engine_endpoint(config.kv_events.endpoint, config.engine_index)
                 raise ValueError(f"--kv-events-config: cannot open {endpoint}: {e}") from None
@@ -341,6 +338,7 @@ class SchedulerProc:
             nonce=nonce,
             num_running=len(s.running),
             num_waiting=len(s.waiting),
+            num_waiting_tokens=sum(r.num_known_tokens for r in s.waiting),
             num_free_blocks=s.pool.num_free_blocks,
             num_total_blocks=s.pool.num_blocks,
             num_free_req_indices=s.pool.num_free_req_indices,

@@ -1,17 +1,21 @@
 """``--kv-events-config`` through a real server on the simulated device: a subscriber's replay of the
-stream holds exactly the blocks the server reports cached; a publisher it cannot run is refused at start."""
+stream holds exactly the blocks the server reports cached; Dynamo's KV indexer finds each conversation on
+its engine from the events; a publisher it cannot run is refused at start."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import msgspec
+import pytest
 import zmq
 
+from pipeline.bench.router import dynamo_python
 from pipeline.common.kv_events import BlockRemoved, BlockStored, KVEventBatch
 from tests.conftest import REPO, SIM, Server, free_port
 
@@ -34,7 +38,8 @@ def replay_all(ctx: zmq.Context, endpoint: str) -> list[KVEventBatch]:
 
 def test_a_subscriber_follows_the_server_cache():
     """Eight users of one system prompt through a pool of 64 blocks (evictions): replaying the published
-    batches gives as many blocks as ``pipeline_kv_blocks_cached``, every removal of a stored one."""
+    batches gives as many blocks as ``pipeline_kv_blocks_cached``, every removal of a stored one, all in
+    vLLM's device tier though the simulated device runs on the CPU."""
     pub, replay = free_port(), free_port()
     config = {
         "enable_kv_cache_events": True,
@@ -64,9 +69,11 @@ def test_a_subscriber_follows_the_server_cache():
             for ev in batch.events:
                 if isinstance(ev, BlockStored):
                     assert ev.block_size == 16 and len(ev.token_ids) == 16 * len(ev.block_hashes)
+                    # The engine's own cache is vLLM's "GPU" tier on any device: "CPU" means a host offload tier.
+                    assert ev.medium == "GPU"
                     index.update(ev.block_hashes)
                 elif isinstance(ev, BlockRemoved):
-                    assert set(ev.block_hashes) <= index
+                    assert ev.medium == "GPU" and set(ev.block_hashes) <= index
                     index.difference_update(ev.block_hashes)
                     removed += len(ev.block_hashes)
                 else:
@@ -150,3 +157,64 @@ def test_an_endpoint_in_use_is_refused_at_start():
         ctx.destroy(linger=0)
     assert out.returncode == 1
     assert f"--kv-events-config: cannot open tcp://*:{port}: Address already in use" in out.stdout + out.stderr
+
+
+def test_dynamo_indexer_finds_each_conversation_on_its_engine(tmp_path):
+    """Dynamo's standalone KV indexer (a registry package) subscribed to both engines of a ``-dp 2`` server
+    builds its index from our events alone: for each conversation's second turn it finds every whole block
+    of the first on one engine and none on the other, which is what its KV router routes by; the server's
+    own engine router sends that turn there (its cached tokens)."""
+    try:
+        python = dynamo_python()
+    except RuntimeError as e:
+        pytest.skip(f"ai-dynamo-runtime cannot be installed here: {e}")
+    kv = f"ipc://{tmp_path}/kv"  # engine 1 publishes on kv_dp1
+    config = {"enable_kv_cache_events": True, "endpoint": kv}
+    srv = Server([*SIM, "--data-parallel-size", "2", "--kv-events-config", json.dumps(config)])
+    port = free_port()
+    args = ["--port", str(port), "--block-size", "16", "--model-name", srv.model, "--workers", f"1:0={kv},1:1={kv}_dp1"]
+    with open(tmp_path / "indexer.log", "w") as log:
+        indexer = subprocess.Popen([python, "-m", "dynamo.indexer", *args], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert indexer.poll() is None and time.monotonic() < deadline, (tmp_path / "indexer.log").read_text()
+            try:
+                workers = httpx.get(f"{url}/workers", timeout=2).json()
+                if sorted(workers[0]["listeners"]) == ["0", "1"]:
+                    if all(w["status"] == "active" for w in workers[0]["listeners"].values()):
+                        break
+            except (httpx.HTTPError, ValueError, IndexError, KeyError):
+                pass
+            time.sleep(0.2)
+        time.sleep(1)  # a SUB socket's subscription reaches the publisher a moment after it connects
+
+        def first_turn(user: int) -> list[int]:
+            prompt = [1000 + 100 * user + i for i in range(70)]
+            body = {"model": srv.model, "prompt": prompt, "max_tokens": 8, "ignore_eos": True, "return_token_ids": True}
+            r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            return prompt + r.json()["choices"][0]["token_ids"]
+
+        with ThreadPoolExecutor(8) as pool:  # at once: the engine router spreads what it has not cached
+            histories = list(pool.map(first_turn, range(8)))
+        srv.wait_idle()
+        time.sleep(0.5)  # the last batches' way to the indexer
+        engines = set()
+        for user, history in enumerate(histories):
+            second = history + [3000 + user] * 10
+            scores = httpx.post(f"{url}/query", json={"model_name": srv.model, "token_ids": second}, timeout=10)
+            matched = {int(rank): tokens for rank, tokens in scores.json()["scores"].get("1", {}).items()}
+            # The first turn's KV: its prompt and all its output but the last token (never fed back).
+            held = (len(history) - 1) // 16 * 16
+            assert sorted(matched.values()) == [held], (user, scores.json())
+            engines |= matched.keys()
+            body = {"model": srv.model, "prompt": second, "max_tokens": 1}
+            r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60)
+            assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == held
+        assert engines == {0, 1}
+    finally:
+        indexer.terminate()
+        indexer.wait(10)
+        assert srv.stop() == 0

@@ -104,3 +104,33 @@ def test_sglang_metadata_routes(sim_async):
     sim_async.wait_idle()
     load = httpx.get(f"{sim_async.url}/get_load", timeout=10).json()
     assert load == [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
+
+
+def test_get_load_counts_waiting_tokens():
+    """A request waiting for a slot counts in ``/get_load``'s ``num_tokens`` by its tokens, as in SGLang (the
+    gateway's power_of_two policy compares replicas by it), though it holds no KV block yet."""
+    server = Server(["--model", "sim", "--sim-step-us", "2000", "--max-model-len", "2048", "--max-num-seqs", "1"])
+    try:
+
+        async def main() -> dict:
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+
+                def complete(prompt: list[int], max_tokens: int):
+                    body = {"model": "sim", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+                    return asyncio.create_task(client.post("/v1/completions", json=body))
+
+                running = complete(list(range(1, 17)), 300)  # at most 316 tokens: 20 blocks
+                while (await client.get("/get_load")).json()[0]["num_reqs"] == 0:
+                    await asyncio.sleep(0.01)
+                waiting = complete(list(range(1, 1001)), 1)
+                load = {}
+                while not load.get("num_waiting_reqs"):
+                    load = (await client.get("/get_load")).json()[0]
+                await asyncio.gather(running, waiting)
+                return load
+
+        load = asyncio.run(main())
+    finally:
+        server.stop()
+    assert load["num_reqs"] == 2 and load["num_waiting_reqs"] == 1
+    assert 1000 + 16 <= load["num_tokens"] <= 1000 + 20 * BS

@@ -93,7 +93,7 @@ def endpoints(tmp_path):
 
 def make_publisher(endpoints, **config) -> KVEventPublisher:
     pub, replay = endpoints
-    return KVEventPublisher(KVEventsConfig(endpoint=pub, replay_endpoint=replay, **config), BS, medium="GPU")
+    return KVEventPublisher(KVEventsConfig(endpoint=pub, replay_endpoint=replay, **config), BS)
 
 
 @pytest.mark.parametrize("depth", [1, 2], ids=["lock-step", "async"])
@@ -164,7 +164,7 @@ def test_the_wire_format_is_vllms(endpoints):
     """One batch as raw msgpack: [ts, [[tag, fields in vLLM's order...], ...], data_parallel_rank], sent as
     [topic, 8-byte big-endian seq, payload]."""
     pub, replay = endpoints
-    publisher = KVEventPublisher(KVEventsConfig(endpoint=pub, replay_endpoint=replay, topic="kv"), BS, 1, "GPU")
+    publisher = KVEventPublisher(KVEventsConfig(endpoint=pub, replay_endpoint=replay, topic="kv"), BS, 1)
     names = hash_blocks(array("i", range(10, 10 + 2 * BS)), BS, ROOT)
     h0, h1 = external_hash(names[0]), external_hash(names[1])
     ctx = zmq.Context()
