@@ -358,7 +358,8 @@ def build_app(
 
         @app.post("/v1/load_lora_adapter")
         async def load_lora_adapter(raw_request: Request) -> Response:
-            return Response(loras.load(await _body(raw_request, LoadLoRAAdapterRequest)), media_type="text/plain")
+            body = await _body(raw_request, LoadLoRAAdapterRequest)
+            return Response(await loras.load(body), media_type="text/plain")
 
         @app.post("/v1/unload_lora_adapter")
         async def unload_lora_adapter(raw_request: Request) -> Response:

@@ -8,9 +8,12 @@ target-module sets and ranks, each also merged into a full model that ``tests.re
 
 from __future__ import annotations
 
+import glob
 import json
+import os
 import re
 import shutil
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -220,14 +223,29 @@ def test_bad_adapters_are_refused_naming_the_cause_and_the_server_keeps_serving(
     (other / "adapter_config.json").write_text(json.dumps({**cfg, "r": 4}))  # B's shapes then need r 4
     assert "trained for another base model" in refused(other)
     assert "bad" not in {m["id"] for m in httpx.get(f"{server.url}/v1/models").json()["data"]}
-    # Files deleted after the load: refused at the request, before the worker would have to read them.
+    # The adapter is read at its load: its files may go after.
     gone = tmp_path / "gone"
     shutil.copytree(dirs["a"][0], gone)
     assert post(server, "/v1/load_lora_adapter", {"lora_name": "gone", "lora_path": str(gone)}).status_code == 200
     shutil.rmtree(gone)
-    r = httpx.post(f"{server.url}/v1/completions", json={"model": "gone", "prompt": "hi", "max_tokens": 2})
-    assert r.status_code == 404 and "can no longer be read" in r.json()["error"]["message"], r.text
+    assert tokens(server, "gone", PROMPT[:8]) == tokens(server, "a", PROMPT[:8])
     assert post(server, "/v1/unload_lora_adapter", {"lora_name": "gone"}).status_code == 200
+
+
+def test_an_adapter_the_worker_cannot_read_fails_its_request_alone(server, dirs):
+    """The server's prepared copy of an adapter removed before the worker first reads it: that request ends
+    with an OpenAI-style error naming the cause; a request beside it, and the worker, go on."""
+    assert (
+        post(server, "/v1/load_lora_adapter", {"lora_name": "lost", "lora_path": str(dirs["a"][0])}).status_code == 200
+    )
+    copies = glob.glob(f"{tempfile.gettempdir()}/pipeline-{server.proc.pid}-*/lora-*.safetensors")
+    os.unlink(max(copies, key=os.path.getmtime))
+    with ThreadPoolExecutor(2) as pool:
+        beside = pool.submit(tokens, server, "base", PROMPT[:10])
+        r = httpx.post(f"{server.url}/v1/completions", json={"model": "lost", "prompt": PROMPT[:6], "max_tokens": 4})
+        assert r.status_code == 500 and "could not read its LoRA adapter" in r.json()["error"]["message"], r.text
+        assert beside.result() == tokens(server, "base", PROMPT[:10])
+    assert post(server, "/v1/unload_lora_adapter", {"lora_name": "lost"}).status_code == 200
     assert len(tokens(server, "a", PROMPT[:8])) == NEW_TOKENS
 
 
