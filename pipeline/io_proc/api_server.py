@@ -233,7 +233,7 @@ def build_app(
         config.http.responses_store_max_bytes,
         config.http.responses_store_max_age_s,
     )
-    responses = ResponsesServing(chat, store, config.served_model_name)
+    responses = ResponsesServing(chat, store)
     engine_roles = [r for r in heartbeats.roles if r != "io_proc"] if heartbeats is not None else []
 
     def starting() -> str | None:

@@ -102,6 +102,11 @@ class OpenAIServing:
                 code="model_not_found",
             )
 
+    def response_model(self, req: SamplingRequest) -> str:
+        """The ``model`` a response names: the LoRA adapter the request asked for, else the served model (as
+        vLLM answers)."""
+        return req.model if self._adapters.id_of(req.model) is not None else self._model
+
     def _check_fan_out(self, num_prompts: int, n: int) -> None:
         """Refuse a request for more than ``max_seqs_per_request`` sequences (prompts times ``n``).
 
