@@ -21,9 +21,9 @@ def make_ipc_dir() -> str:
 
 
 def lora_adapter_file(ipc_dir: str, lora_id: int) -> str:
-    """The file in the socket directory naming the directory of LoRA adapter ``lora_id``, loaded at run time
-    (io_proc writes it, the worker reads it)."""
-    return os.path.join(ipc_dir, f"lora-{lora_id}")
+    """The prepared copy of LoRA adapter ``lora_id`` in the socket directory (``lora_checkpoint.save_weights``):
+    io_proc writes those it loads at run time, the worker those of ``--lora-modules``."""
+    return os.path.join(ipc_dir, f"lora-{lora_id}.safetensors")
 
 
 def pid_alive(pid: int) -> bool:

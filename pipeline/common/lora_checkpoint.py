@@ -1,5 +1,5 @@
-"""A PEFT LoRA adapter as ``save_pretrained`` writes it, checked against the base model without torch (io_proc and
-the launcher check adapters too; the worker reads them with ``gpu_worker.lora.adapter``).
+"""A PEFT LoRA adapter as ``save_pretrained`` writes it, checked against the base model and read without torch
+(io_proc and the launcher check adapters too; the worker copies them into its slots with ``gpu_worker.lora``).
 
 A directory holds ``adapter_config.json`` (``r``, ``lora_alpha``,
 ``use_rslora``, ``target_modules``) and ``adapter_model.safetensors`` with,
@@ -8,15 +8,23 @@ per targeted projection of every decoder layer, ``...layers.{i}.{self_attn|mlp}.
 ``x @ A.T @ B.T * scaling``, with ``scaling = lora_alpha / r`` (or
 ``lora_alpha / sqrt(r)`` with rsLoRA, Kalajdzievski 2023); ``B`` is returned
 pre-scaled.
+
+An adapter read once is kept as a *prepared copy* (``save_weights``): its
+float32 ``A`` and scaled ``B`` in a safetensors file of the instance, which
+the worker reads back with a copy (``load_weights``) instead of converting
+the user's checkpoint on its step loop (docs/design.md, "Multi-LoRA").
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from pipeline.common.model_config import ModelConfig
 from pipeline.common.model_files import read_safetensors_header
@@ -56,6 +64,97 @@ class AdapterSpec:
     scaling: float
     tensors: dict[tuple[int, str, str], str]
     tensors_path: Path
+
+
+@dataclass(frozen=True)
+class LoraWeights:
+    """An adapter's tensors, read and checked.
+
+    Attributes:
+        weights: ``(layer, projection) -> (A [r, in], B [out, r] times scaling)``, float32.
+    """
+
+    weights: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]
+
+
+# Checkpoint dtypes numpy reads as they are; BF16 is widened from its bits.
+_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "BF16": np.uint16}
+
+
+def read_weights(path: str | Path, config: ModelConfig, max_rank: int) -> LoraWeights:
+    """The PEFT adapter in directory ``path`` checked (``check_adapter``) and read.
+
+    Raises:
+        LoraError: as ``check_adapter``, a dtype other than float32/16/64 or bfloat16, a tensor holding
+            NaN or infinities, or a file that cannot be read.
+    """
+    spec = check_adapter(path, config, max_rank)
+    try:
+        header, start = read_safetensors_header(spec.tensors_path)
+        data = np.fromfile(spec.tensors_path, dtype=np.uint8, offset=start)
+        parts = {key: _float32(data, name, header[name]) for key, name in spec.tensors.items()}
+    except (OSError, ValueError) as e:
+        raise LoraError(f"{spec.tensors_path}: cannot read the adapter: {e}") from None
+    weights = {(i, p): (a, parts[i, p, "B"] * np.float32(spec.scaling)) for (i, p, w), a in parts.items() if w == "A"}
+    return LoraWeights(weights)
+
+
+def _float32(data: np.ndarray, name: str, info: dict) -> np.ndarray:
+    """Tensor ``name`` (header entry ``info``) of the data bytes ``data``, as float32."""
+    dtype = _DTYPES.get(info["dtype"])
+    if dtype is None:
+        raise ValueError(f"tensor {name} has dtype {info['dtype']}; adapters must be float32, float16 or bfloat16")
+    begin, end = info["data_offsets"]
+    if end > len(data):
+        raise ValueError(f"tensor {name} is cut short: the file changed while it was read")
+    raw = data[begin:end].view(dtype)
+    values = (raw.astype(np.uint32) << 16).view(np.float32) if info["dtype"] == "BF16" else raw.astype(np.float32)
+    values = values.reshape(info["shape"])
+    if not np.isfinite(values).all():
+        raise ValueError(f"tensor {name} holds NaN or infinite values")
+    return values
+
+
+def save_weights(weights: LoraWeights, file: str | Path) -> None:
+    """Write ``weights`` to ``file`` as a prepared copy (float32 safetensors; replaced whole, never seen half
+    written)."""
+    names, blobs, offset = {}, [], 0
+    for (layer, proj), (a, b) in weights.weights.items():
+        for which, t in (("A", a), ("B", b)):
+            t = np.ascontiguousarray(t, dtype=np.float32)
+            names[f"{layer}.{proj}.{which}"] = {
+                "dtype": "F32",
+                "shape": list(t.shape),
+                "data_offsets": [offset, offset + t.nbytes],
+            }
+            blobs.append(t)
+            offset += t.nbytes
+    header = json.dumps(names).encode()
+    header += b" " * (-len(header) % 8)
+    tmp = f"{file}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(len(header).to_bytes(8, "little") + header)
+        for t in blobs:
+            f.write(t.data)
+    os.replace(tmp, file)
+
+
+def load_weights(file: str | Path) -> LoraWeights:
+    """A prepared copy written by ``save_weights``.
+
+    Raises:
+        OSError, ValueError: the file is gone or damaged.
+    """
+    file = Path(file)
+    header, start = read_safetensors_header(file)
+    data = np.fromfile(file, dtype=np.uint8, offset=start)
+    parts = {}
+    for name, info in header.items():
+        begin, end = info["data_offsets"]
+        layer, proj, which = name.split(".")
+        parts[int(layer), proj, which] = data[begin:end].view(np.float32).reshape(info["shape"])
+    weights = {(i, p): (a, parts[i, p, "B"]) for (i, p, w), a in parts.items() if w == "A"}
+    return LoraWeights(weights)
 
 
 def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:

@@ -18,8 +18,15 @@ OUTPUT_RING_ENTRIES = 16
 OUTPUT_READER_SCHEDULER, OUTPUT_READER_IO = 0, 1
 # Alternatives returned per token with log-probabilities (OpenAI's top_logprobs limit).
 MAX_LOGPROBS = 20
-# Why a request in a StepOutput's failed list ends (docs/design.md, "Non-finite logits").
+# Why a request in a StepOutput's failed list ends, by its `failed_why` (docs/design.md, "Non-finite logits",
+# "Multi-LoRA").
 NONFINITE_LOGITS = "the model's logits were not finite (NaN or infinite): its output cannot be sampled"
+LORA_UNREADABLE = (
+    "the worker could not read its LoRA adapter (the server's copy of it is gone or damaged); load the adapter "
+    "again with /v1/load_lora_adapter"
+)
+FAILURES = (NONFINITE_LOGITS, LORA_UNREADABLE)
+NONFINITE, LORA_FAILED = range(len(FAILURES))
 
 i32, i64, f32, u8 = np.int32, np.int64, np.float32, np.uint8
 
@@ -37,7 +44,7 @@ OUTPUT = Record(
         Field("num_prompt_entries", i64, "live prompt log-probabilities (P)"),
         Field("time_ns", i64, "the step's device end on `time.monotonic_ns()`'s clock: every token's engine timestamp"),
         Field("continues", i64, "the descriptor's flag"),
-        Field("num_failed", i64, "requests whose logits were not finite this step (F)"),
+        Field("num_failed", i64, "requests that end with an error this step (F)"),
         Field("num_proposals", i64, "speculative decoding: sampled rows whose next drafts follow (D)"),
     ),
     groups=(
@@ -93,8 +100,13 @@ OUTPUT = Record(
                 Field(
                     "failed_req_num",
                     i64,
-                    "a request with a NaN or an infinity in a sampled position's logits: it ends with an error "
-                    "and its rows in this output are dropped",
+                    "a request that ends with an error; its rows in this output are dropped",
+                ),
+                Field(
+                    "failed_why",
+                    u8,
+                    "why, an index of `FAILURES`: 0, a NaN or an infinity in a sampled position's logits; 1, its "
+                    "LoRA adapter could not be read",
                 ),
             ),
         ),
@@ -135,8 +147,8 @@ class DecodedOutput:
     """One StepOutput copied out of its ring entry: row ``r`` gave ``token_ids[r]`` to ``req_nums[r]``.
 
     A verifying request has one consecutive row per token it got. ``draft_matched``: ``[rows]`` uint8; ``proposals``:
-    ``(req_nums [D], drafts [D, K] int64)`` or None; ``failed``: requests with non-finite logits, ended before their
-    rows.
+    ``(req_nums [D], drafts [D, K] int64)`` or None; ``failed``: requests that end with an error, before their rows,
+    ``failed_why`` the index of each one's reason in ``FAILURES``.
     """
 
     step_id: int
@@ -148,6 +160,7 @@ class DecodedOutput:
     prompt_logprobs: TokenLogprobs | None = None
     draft_matched: np.ndarray | None = None
     failed: list[int] = field(default_factory=list)
+    failed_why: list[int] = field(default_factory=list)
     proposals: tuple[list[int], np.ndarray] | None = None
 
 
@@ -179,6 +192,7 @@ class StepOutput(OUTPUT.view_base):
         draft_matched: np.ndarray | None = None,
         failed: np.ndarray | None = None,
         proposals: tuple[np.ndarray, np.ndarray] | None = None,
+        failed_why: np.ndarray | None = None,
     ) -> None:
         """Fill the entry with step ``step_id``'s ``[S]`` request numbers and sampled token ids; None fields are left as
         they are (counts), 0 (``draft_matched``) or empty."""
@@ -194,6 +208,7 @@ class StepOutput(OUTPUT.view_base):
         h[_OUT["num_failed"]] = 0 if failed is None else len(failed)
         if failed is not None:
             self.failed_req_num[: len(failed)] = failed
+            self.failed_why[: len(failed)] = NONFINITE if failed_why is None else failed_why
         h[_OUT["num_proposals"]] = 0 if proposals is None else len(proposals[0])
         if proposals is not None:
             m, k = proposals[1].shape
@@ -232,7 +247,7 @@ class StepOutput(OUTPUT.view_base):
             if m := int(h[_OUT["num_proposals"]]):
                 out.proposals = (self.pr_req_num[:m].tolist(), self.pr_drafts[:m].astype(np.int64))
         if m := int(h[_OUT["num_failed"]]):
-            out.failed = self.failed_req_num[:m].tolist()
+            out.failed, out.failed_why = self.failed_req_num[:m].tolist(), self.failed_why[:m].tolist()
         if logprobs:
             if m := int(h[_OUT["num_logprob_rows"]]):
                 out.logprobs = TokenLogprobs(

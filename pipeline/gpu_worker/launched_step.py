@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.common.step_output import MAX_LOGPROBS, TokenLogprobs
+from pipeline.common.step_output import MAX_LOGPROBS, NONFINITE, TokenLogprobs
 from pipeline.gpu_worker.device import DeviceOps
 from pipeline.gpu_worker.executor import Executed, LogprobTensors
 from pipeline.gpu_worker.sampling.logprobs import PromptLogprobPlan
@@ -34,7 +34,8 @@ class LaunchedStep:
     stale: torch.Tensor | None = None  # poison mode: [P] int64, 1 where a placeholder read a poisoned entry
     stale_req_indices: np.ndarray | None = None  # [P] the req_index each placeholder (then draft) read
     nonfinite: torch.Tensor | None = None  # [S'] int64 on the host: 1 where a position's logits were not finite
-    failed: np.ndarray | None = None  # after finish: req_num of the requests with such a position (None: none)
+    failed: np.ndarray | None = None  # req_num of the requests that end with an error (None: none)
+    failed_why: np.ndarray | None = None  # why each does: an index of step_output.FAILURES
     spec: SampledPositions | None = None  # speculative decoding: the step's sampled positions
     draft_matched: np.ndarray | None = None  # after finish with speculation: [rows] per output row
     proposals: tuple[np.ndarray, np.ndarray] | None = None  # after finish: (req_num [S], next drafts [S, K])
@@ -87,6 +88,14 @@ class LaunchedStep:
         self.lp_host = host[end:]
         self.done = executed.done if executed.done is not None else done
 
+    def fail(self, req_nums: np.ndarray, why: int) -> None:
+        """End ``req_nums`` with an error (``step_output.FAILURES[why]``), those not failed already."""
+        if self.failed is not None:
+            req_nums = np.setdiff1d(req_nums, self.failed)
+        why = np.full(len(req_nums), why, np.uint8)
+        self.failed = req_nums if self.failed is None else np.concatenate([self.failed, req_nums])
+        self.failed_why = why if self.failed_why is None else np.concatenate([self.failed_why, why])
+
     def read_host_copy(self) -> None:
         """Check the poison flags, list requests with non-finite logits (``failed``), unpack log-probabilities and,
         speculating, one output row per token got; call once ``done`` fired.
@@ -104,7 +113,7 @@ class LaunchedStep:
         if self.nonfinite is not None:
             bad = self.nonfinite.numpy().astype(bool)
             if bad.any():  # positions -> sampled rows (speculating, several positions a row) -> requests
-                self.failed = np.unique(self.req_num[self.spec.row[bad] if self.spec is not None else bad])
+                self.fail(np.unique(self.req_num[self.spec.row[bad] if self.spec is not None else bad]), NONFINITE)
         packed, offset = self.lp_host.numpy() if self.lp_host is not None else None, 0
         if self.lp_rows is not None:
             self.logprobs, offset = _unpack(packed, offset, self.lp_rows)

@@ -158,6 +158,7 @@ class WorkerProc:
                 step.draft_matched,
                 step.failed,
                 step.proposals,
+                step.failed_why,
             )
             self.out_ring.publish()
             break

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from pipeline.common.config import EngineConfig
+from pipeline.common.step_output import LORA_FAILED
 from pipeline.common.step_protocol import PLACEHOLDER_TOKEN_ID, StepInputs
 from pipeline.gpu_worker.attention.backend import AttentionMetadata, StepLayout
 from pipeline.gpu_worker.device import DeviceClock, DeviceOps, Staged, UploadBatch, device_ops
@@ -154,8 +155,8 @@ class ModelRunner:
             if (stale := self.spec.resolve_drafts(spec, input_ids)) is not None:
                 step.add_stale(*stale)
         self.input_batch.count_inputs(counts, input_ids)
-        if self.lora is not None:
-            self.lora.prepare(x)
+        if self.lora is not None and (unreadable := self.lora.prepare(x)) is not None:
+            step.fail(unreadable, LORA_FAILED)
         inputs = self._device_inputs(x, input_ids, sampling, logprobs, spec, meanwhile)
         step.prepare_end_ns = time.monotonic_ns()
         if device_start is None:

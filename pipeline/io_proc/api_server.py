@@ -233,7 +233,7 @@ def build_app(
         config.http.responses_store_max_bytes,
         config.http.responses_store_max_age_s,
     )
-    responses = ResponsesServing(chat, store, config.served_model_name)
+    responses = ResponsesServing(chat, store)
     engine_roles = [r for r in heartbeats.roles if r != "io_proc"] if heartbeats is not None else []
 
     def starting() -> str | None:
@@ -358,7 +358,8 @@ def build_app(
 
         @app.post("/v1/load_lora_adapter")
         async def load_lora_adapter(raw_request: Request) -> Response:
-            return Response(loras.load(await _body(raw_request, LoadLoRAAdapterRequest)), media_type="text/plain")
+            body = await _body(raw_request, LoadLoRAAdapterRequest)
+            return Response(await loras.load(body), media_type="text/plain")
 
         @app.post("/v1/unload_lora_adapter")
         async def unload_lora_adapter(raw_request: Request) -> Response:

@@ -8,8 +8,6 @@ blocks with its earlier self. ``--lora-modules`` adapter ``i`` has id ``i + 1``.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from pipeline.common.config import EngineConfig
 
 
@@ -31,20 +29,15 @@ class LoraAdapters:
         entry = self.by_name.get(name) if name is not None else None
         return entry[0] if entry is not None else None
 
-    def missing_file(self, name: str) -> str | None:
-        """The file of adapter ``name`` that no longer exists, or None."""
-        _, path = self.by_name[name]
-        for f in (Path(path) / "adapter_config.json", Path(path) / "adapter_model.safetensors"):
-            if not f.is_file():
-                return str(f)
-        return None
-
-    def add(self, name: str, path: str) -> int:
-        """Serve the adapter in ``path`` as ``name`` (replacing one of that name) under a new id; returns it."""
+    def new_id(self) -> int:
+        """An id not given before, for an adapter being loaded."""
         lora_id, self._next_id = self._next_id, self._next_id + 1
+        return lora_id
+
+    def add(self, name: str, path: str, lora_id: int) -> None:
+        """Serve the adapter in ``path`` as ``name`` (replacing one of that name) under ``lora_id`` (``new_id``)."""
         self.by_name[name] = (lora_id, path)
         self.names[lora_id] = name
-        return lora_id
 
     def remove(self, name: str) -> None:
         del self.by_name[name]

@@ -17,7 +17,7 @@ from pipeline.common.constants import POLL_INTERVAL_S
 from pipeline.common.messages import FinishReason
 from pipeline.common.shm_ring import RingTimeout, ShmRing
 from pipeline.common.step_output import (
-    NONFINITE_LOGITS,
+    FAILURES,
     OUTPUT_READER_IO,
     DecodedOutput,
     StepOutput,
@@ -111,10 +111,10 @@ class OutputReader:
         requests = self._requests
         outputs: list[StepResult] = []
         # First: their rows and log-probabilities (NaN) are then dropped as those of a finished request.
-        for req_num in out.failed:
+        for req_num, why in zip(out.failed, out.failed_why, strict=True):
             state = requests.pop(req_num, None)
             if state is not None:
-                state.error = NONFINITE_LOGITS
+                state.error = FAILURES[why]
                 self.metrics.finished(state, step, "error")
                 outputs.append((state, state.processor.take_text(), "error", state.processor.num_output_tokens))
         if out.prompt_logprobs is not None:

@@ -1,15 +1,18 @@
 """``POST /v1/load_lora_adapter`` and ``POST /v1/unload_lora_adapter`` (vLLM's bodies and answers;
 docs/design.md, "Multi-LoRA").
 
-A load checks the adapter against the base model from its config and
-safetensors header (400 naming the cause), records where the worker finds
-it (a file per adapter id in the instance's private directory), and only
-then serves its name. The worker reads the adapter into host memory when a
-step first uses it, and into the slot the scheduler gives it.
+A load checks the adapter against the base model and reads it (400 naming
+the cause), on a thread off the event loop; writes its prepared copy (float32
+``A`` and scaled ``B``) into the instance's private directory, and only then
+serves its name. The worker copies the prepared copy into host memory when a
+step first uses the adapter, and into the slot the scheduler gives it: no
+checkpoint is parsed or converted on the worker's step loop, and the user's
+files may change or go once the load has answered.
 """
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from pipeline.common.config import EngineConfig
@@ -47,33 +50,50 @@ class LoraServing:
         self._config, self._adapters = config, adapters
         self._model = read_model_config(Path(config.model))
 
-    def load(self, req: LoadLoRAAdapterRequest) -> str:
+    async def load(self, req: LoadLoRAAdapterRequest) -> str:
         """Serve the adapter; returns vLLM's success text.
 
         Raises:
             APIError: 400 for an empty name or path, the base model's name, a name already served (without
-                ``load_inplace``), or an adapter that does not fit.
+                ``load_inplace``), or an adapter that does not fit or cannot be read.
         """
-        from pipeline.common.lora_checkpoint import LoraError, check_adapter
+        from pipeline.common.lora_checkpoint import LoraError
 
-        lora = self._config.lora
         name, path = req.lora_name, req.lora_path
         if not name or not path:
             raise APIError.bad_request("Both 'lora_name' and 'lora_path' must be provided.")
         if name == self._config.served_model_name:
             raise APIError.bad_request(f"The lora adapter '{name}' conflicts with a served base model.")
-        if name in self._adapters.by_name and not req.load_inplace:
+        self._check_new(name, req.load_inplace)
+        lora_id = self._adapters.new_id()
+        try:
+            await asyncio.to_thread(self._prepare, path, lora_id)
+        except LoraError as e:
+            raise APIError.bad_request(f"LoRA adapter '{name}' cannot be loaded: {e}", param="lora_path") from None
+        self._check_new(name, req.load_inplace)  # another load of the name may have answered meanwhile
+        self._adapters.add(name, path, lora_id)
+        return f"Success: LoRA adapter '{name}' added successfully."
+
+    def _check_new(self, name: str, inplace: bool) -> None:
+        if name in self._adapters.by_name and not inplace:
             raise APIError.bad_request(
                 f"The lora adapter '{name}' has already been loaded. If you want to load the adapter in place, "
                 "set 'load_inplace' to True."
             )
+
+    def _prepare(self, path: str, lora_id: int) -> None:
+        """Read and check the adapter in ``path``, and write its prepared copy for id ``lora_id`` (a thread).
+
+        Raises:
+            LoraError: it does not fit the base model, or cannot be read or written.
+        """
+        from pipeline.common.lora_checkpoint import LoraError, read_weights, save_weights
+
+        weights = read_weights(path, self._model, self._config.lora.max_lora_rank)
         try:
-            check_adapter(path, self._model, lora.max_lora_rank)
-        except LoraError as e:
-            raise APIError.bad_request(f"LoRA adapter '{name}' cannot be loaded: {e}", param="lora_path") from None
-        lora_id = self._adapters.add(name, path)
-        Path(lora_adapter_file(self._config.ipc_dir, lora_id)).write_text(str(Path(path).resolve()))
-        return f"Success: LoRA adapter '{name}' added successfully."
+            save_weights(weights, lora_adapter_file(self._config.ipc_dir, lora_id))
+        except OSError as e:
+            raise LoraError(f"its copy for the worker cannot be written: {e}") from None
 
     def unload(self, req: UnloadLoRAAdapterRequest) -> str:
         """Stop serving the adapter (requests already running with it finish with it).

@@ -33,7 +33,7 @@ from pipeline.common.messages import (
 from pipeline.common.process import StopFlag, freeze_startup_heap, report
 from pipeline.common.shm_ring import RingTimeout, ShmRing
 from pipeline.common.step_clock import BUSY_NS, WORKER_STATS_LEN, CpuPerStep, worker_stats
-from pipeline.common.step_output import NONFINITE_LOGITS, OUTPUT_READER_SCHEDULER, StepOutput
+from pipeline.common.step_output import FAILURES, OUTPUT_READER_SCHEDULER, StepOutput
 from pipeline.common.step_protocol import MAX_INFLIGHT_STEPS, StepDescriptor, TokenMasks
 from pipeline.common.trace import TraceRecorder
 from pipeline.scheduler_proc.grammar_manager import GrammarManager
@@ -301,9 +301,9 @@ class SchedulerProc:
         expected = self.inflight.popleft()
         if out.step_id != expected:
             raise RuntimeError(f"worker reported step {out.step_id}, expected {expected}")
-        for req_num in out.failed:  # io_proc reads the same list and ends them with an error
+        for req_num, why in zip(out.failed, out.failed_why, strict=True):  # io_proc ends them with an error
             if self.scheduler.abort_request(req_num):
-                logger.warning("request %d: %s", req_num, NONFINITE_LOGITS)
+                logger.warning("request %d: %s", req_num, FAILURES[why])
         self._oldest_since = time.monotonic()
         self.scheduler.process_output(
             out.step_id,

@@ -8,9 +8,14 @@ target-module sets and ranks, each also merged into a full model that ``tests.re
 
 from __future__ import annotations
 
+import glob
 import json
+import os
 import re
 import shutil
+import tempfile
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -220,14 +225,29 @@ def test_bad_adapters_are_refused_naming_the_cause_and_the_server_keeps_serving(
     (other / "adapter_config.json").write_text(json.dumps({**cfg, "r": 4}))  # B's shapes then need r 4
     assert "trained for another base model" in refused(other)
     assert "bad" not in {m["id"] for m in httpx.get(f"{server.url}/v1/models").json()["data"]}
-    # Files deleted after the load: refused at the request, before the worker would have to read them.
+    # The adapter is read at its load: its files may go after.
     gone = tmp_path / "gone"
     shutil.copytree(dirs["a"][0], gone)
     assert post(server, "/v1/load_lora_adapter", {"lora_name": "gone", "lora_path": str(gone)}).status_code == 200
     shutil.rmtree(gone)
-    r = httpx.post(f"{server.url}/v1/completions", json={"model": "gone", "prompt": "hi", "max_tokens": 2})
-    assert r.status_code == 404 and "can no longer be read" in r.json()["error"]["message"], r.text
+    assert tokens(server, "gone", PROMPT[:8]) == tokens(server, "a", PROMPT[:8])
     assert post(server, "/v1/unload_lora_adapter", {"lora_name": "gone"}).status_code == 200
+
+
+def test_an_adapter_the_worker_cannot_read_fails_its_request_alone(server, dirs):
+    """The server's prepared copy of an adapter removed before the worker first reads it: that request ends
+    with an OpenAI-style error naming the cause; a request beside it, and the worker, go on."""
+    assert (
+        post(server, "/v1/load_lora_adapter", {"lora_name": "lost", "lora_path": str(dirs["a"][0])}).status_code == 200
+    )
+    copies = glob.glob(f"{tempfile.gettempdir()}/pipeline-{server.proc.pid}-*/lora-*.safetensors")
+    os.unlink(max(copies, key=os.path.getmtime))
+    with ThreadPoolExecutor(2) as pool:
+        beside = pool.submit(tokens, server, "base", PROMPT[:10])
+        r = httpx.post(f"{server.url}/v1/completions", json={"model": "lost", "prompt": PROMPT[:6], "max_tokens": 4})
+        assert r.status_code == 500 and "could not read its LoRA adapter" in r.json()["error"]["message"], r.text
+        assert beside.result() == tokens(server, "base", PROMPT[:10])
+    assert post(server, "/v1/unload_lora_adapter", {"lora_name": "lost"}).status_code == 200
     assert len(tokens(server, "a", PROMPT[:8])) == NEW_TOKENS
 
 
@@ -237,3 +257,113 @@ def test_a_bad_lora_module_stops_the_start_up_naming_it(dirs, tmp_path):
     (bad / "adapter_model.safetensors").unlink()
     with pytest.raises(RuntimeError, match=r"--lora-modules x: .* is not a PEFT LoRA adapter"):
         Server(["--model", str(dirs["base"][0]), "--enable-lora", "--lora-modules", f"x={bad}"], timeout=60)
+
+
+def test_the_response_names_the_adapter_asked_for(server):
+    """As vLLM answers: ``model`` is the adapter's name, streamed or not; the base model's name without one."""
+    assert complete(server, "a", PROMPT[:6], 2)["model"] == "a"
+    assert complete(server, "base", PROMPT[:6], 2)["model"] == "base"
+    body = {"model": "b", "prompt": PROMPT[:6], "max_tokens": 2, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+        chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    assert chunks and {c["model"] for c in chunks} == {"b"}
+
+
+def test_unload_and_reload_while_requests_stream_never_mixes_weights(server, dirs):
+    """Streams of a, b, x and y run while x and y are unloaded and loaded again, over two slots: every answer
+    equals its adapter's solo answer (x is always c's weights, y always b's), and a name not loaded is 404."""
+    weights = {"x": "c", "y": "b"}
+    for name, src in weights.items():
+        assert (
+            post(server, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(dirs[src][0])}).status_code
+            == 200
+        )
+    prompts = [PROMPT[i : i + 8 + i % 5] for i in range(8)]
+    models = ["a", "b", "x", "y"]
+    solo = {(m, i): tokens(server, m, p) for m in models for i, p in enumerate(prompts)}
+    assert solo["y", 0] == solo["b", 0] and solo["x", 0] != solo["a", 0]
+    done = threading.Event()
+
+    def stream(k: int) -> list[tuple[str, int, int, list[int] | None]]:
+        seen, j = [], 0
+        while not done.is_set() or j < 4:
+            m, i = models[(k + j) % len(models)], (k * 3 + j) % len(prompts)
+            body = {"model": m, "prompt": prompts[i], "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+            r = httpx.post(f"{server.url}/v1/completions", json={**body, "return_token_ids": True}, timeout=120)
+            seen.append((m, i, r.status_code, r.json()["choices"][0]["token_ids"] if r.status_code == 200 else None))
+            j += 1
+        return seen
+
+    with ThreadPoolExecutor(4) as pool:
+        streams = [pool.submit(stream, k) for k in range(4)]
+        for _ in range(3):
+            for name, src in weights.items():
+                assert post(server, "/v1/unload_lora_adapter", {"lora_name": name}).status_code == 200
+                time.sleep(0.05)
+                body = {"lora_name": name, "lora_path": str(dirs[src][0])}
+                assert post(server, "/v1/load_lora_adapter", body).status_code == 200
+        done.set()
+        seen = [s for f in streams for s in f.result()]
+    for m, i, status, got in seen:
+        assert status == 200 or (status == 404 and m in weights), (m, status)
+        assert got is None or got == solo[m, i], (m, i)
+    assert sum(status == 200 and m in weights for m, _, status, _ in seen) >= 4
+    for name in weights:
+        assert post(server, "/v1/unload_lora_adapter", {"lora_name": name}).status_code == 200
+
+
+def test_n_logprobs_and_structured_output_with_adapters(server):
+    """Beside rows of other adapters: greedy ``n=2`` gives its solo answer twice, log-probabilities equal the
+    solo ones, and a JSON schema's answer equals the solo one and keeps to the schema."""
+    lp = {"model": "a", "prompt": PROMPT[:9], "max_tokens": 8, "temperature": 0, "logprobs": 2, "ignore_eos": True}
+    n2 = {"model": "b", "prompt": PROMPT[:7], "max_tokens": 8, "temperature": 0, "n": 2, "ignore_eos": True}
+    colors = ["red", "green", "blue", "yellow", "purple"]
+    fmt = {"type": "json_schema", "json_schema": {"name": "c", "schema": {"enum": colors}}}
+    so = {"model": "a", "messages": [{"role": "user", "content": "A color."}], "max_tokens": 12, "temperature": 0}
+    so["response_format"] = fmt
+    jobs = [("completions", lp), ("completions", n2), ("chat/completions", so), ("completions", {**lp, "model": "b"})]
+
+    def send(job):
+        r = httpx.post(f"{server.url}/v1/{job[0]}", json=job[1], timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"]
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        mixed = list(pool.map(send, jobs))
+    alone = [send(j) for j in jobs]
+    for got, want in zip(mixed[:2] + mixed[3:], alone[:2] + alone[3:], strict=True):
+        assert [c["text"] for c in got] == [c["text"] for c in want]
+    assert mixed[1][0]["text"] == mixed[1][1]["text"]
+    for got, want in ((mixed[0][0], alone[0][0]), (mixed[3][0], alone[3][0])):
+        assert got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
+        assert got["logprobs"]["token_logprobs"] == pytest.approx(want["logprobs"]["token_logprobs"], abs=1e-4)
+    assert mixed[0][0]["logprobs"]["token_logprobs"] != pytest.approx(mixed[3][0]["logprobs"]["token_logprobs"])
+    assert mixed[2][0]["message"]["content"] == alone[2][0]["message"]["content"]
+    assert json.loads(mixed[2][0]["message"]["content"]) in colors
+
+
+@pytest.fixture(scope="module")
+def spec_server(request, dirs):
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    srv = serve(dirs, "--speculative-config", json.dumps(spec), "--speculative-policy", "always")
+    request.addfinalizer(srv.stop)
+    return srv
+
+
+def test_speculation_verifies_drafts_with_the_request_s_adapter(spec_server, dirs):
+    """Prompt-lookup drafts, proposed without the adapter and verified with it: a mixed batch's greedy tokens,
+    drafts verified on the way, are peft's merged models' (those without speculation). (A random model's
+    output seldom repeats its context, so its drafts are mostly rejected: each correction token is sampled
+    from the verifying pass, which therefore ran with the row's adapter.)"""
+    models = ["base", "a", "b", "a"]
+    prompts = [PROMPT[i : i + 6] * 4 for i in range(len(models))]  # repeats for the lookup to find
+    n = 24
+    drafted = spec_server.metrics().get("pipeline_spec_decode_num_draft_tokens_total", 0)
+    with ThreadPoolExecutor(len(models)) as pool:
+        mixed = list(
+            pool.map(lambda mp: complete(spec_server, *mp, n)["choices"][0]["token_ids"], zip(models, prompts))
+        )
+    for model, prompt, got in zip(models, prompts, mixed, strict=True):
+        merged = str(dirs[model][1])
+        assert_same_greedy(merged, prompt, got, hf_greedy(merged, prompt, n))
+    assert spec_server.metrics()["pipeline_spec_decode_num_draft_tokens_total"] > drafted

@@ -16,8 +16,8 @@ import pytest
 import torch
 import transformers
 
-from pipeline.common.lora_checkpoint import LoraError
-from pipeline.gpu_worker.lora.adapter import read_adapter
+from pipeline.common.lora_checkpoint import LoraError, read_weights, save_weights
+from pipeline.gpu_worker.lora.adapter import load_prepared, read_adapter
 from pipeline.gpu_worker.lora.layers import LoraSlots
 from pipeline.gpu_worker.models.loader import load_model
 from tests.reference import NEAR_TIE
@@ -244,3 +244,37 @@ def test_bad_adapters_are_refused_naming_the_cause(family, tmp_path):
     save_file(tensors, other / "adapter_model.safetensors")
     with pytest.raises(LoraError, match=r"trained for another base model"):
         read_adapter(other, config, MAX_RANK)
+
+
+def test_the_prepared_copy_holds_what_was_read_and_bfloat16_is_widened(family, tmp_path):
+    """The worker's copy (float32, B scaled) reads back equal; a bfloat16 checkpoint reads as its float32
+    widening; a NaN is refused naming the tensor."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    base_dir, _, adapters = family
+    config = load_model(base_dir, torch.float32, CPU).config
+    src = adapters["attn-rs"][0]
+    read = read_adapter(src, config, MAX_RANK)
+    save_weights(read_weights(src, config, MAX_RANK), tmp_path / "copy.safetensors")
+    copy = load_prepared(tmp_path / "copy.safetensors")
+    assert copy.weights.keys() == read.weights.keys()
+    for key, (a, b) in read.weights.items():
+        assert torch.equal(copy.weights[key][0], a) and torch.equal(copy.weights[key][1], b)
+
+    half = tmp_path / "bf16"
+    shutil.copytree(src, half)
+    tensors = load_file(half / "adapter_model.safetensors")
+    save_file({k: v.to(torch.bfloat16) for k, v in tensors.items()}, half / "adapter_model.safetensors")
+    widened = read_adapter(half, config, MAX_RANK)
+    for key, (a, b) in read.weights.items():
+        torch.testing.assert_close(widened.weights[key][0], a.to(torch.bfloat16).float(), atol=0, rtol=0)
+        torch.testing.assert_close(widened.weights[key][1], b, atol=0, rtol=1e-2)
+
+    nan = tmp_path / "nan"
+    shutil.copytree(src, nan)
+    name = next(k for k in tensors if "layers.0.self_attn.q_proj.lora_A" in k)
+    save_file({**tensors, name: torch.full_like(tensors[name], float("nan"))}, nan / "adapter_model.safetensors")
+    with pytest.raises(LoraError, match=r"tensor .*layers\.0\.self_attn\.q_proj\.lora_A.* holds NaN"):
+        read_adapter(nan, config, MAX_RANK)

@@ -196,15 +196,16 @@ def test_output_round_trip(step_id, rows):
     out.write(
         7, np.array([1, 2, 3]), np.array([4, 5, 6]), time_ns=5, continues=True, failed=np.array([2])
     )  # a previous step in the same ring entry
-    assert out.read().failed == [2]
+    assert out.read().failed == [2] and out.read().failed_why == [0]
     counts = np.arange(WORKER_STATS_LEN, dtype=np.int64) * step_id
     ids = np.array([r for r, _ in rows], dtype=np.int64)
-    failed = np.unique(ids)[::2]  # requests whose logits were not finite
+    failed = np.unique(ids)[::2]  # requests whose logits were not finite, or whose LoRA adapter was unreadable
+    why = np.arange(len(failed)) % 2
     tokens = np.array([t for _, t in rows], dtype=np.int64)
-    out.write(step_id, ids, tokens, time_ns=step_id + 1, worker_stats=counts, failed=failed)
+    out.write(step_id, ids, tokens, time_ns=step_id + 1, worker_stats=counts, failed=failed, failed_why=why)
     got = out.read()
     assert (got.step_id, got.req_nums, got.token_ids) == (step_id, [r for r, _ in rows], [t for _, t in rows])
-    assert got.failed == failed.tolist()
+    assert got.failed == failed.tolist() and got.failed_why == why.tolist()
     assert (got.time_ns, got.continues) == (step_id + 1, False)
     np.testing.assert_array_equal(out.worker_stats, counts)
     assert got.logprobs is None and got.prompt_logprobs is None

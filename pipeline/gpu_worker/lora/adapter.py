@@ -7,9 +7,8 @@ from pathlib import Path
 
 import torch
 
-from pipeline.common.lora_checkpoint import LoraError, check_adapter
+from pipeline.common.lora_checkpoint import LoraWeights, load_weights, read_weights
 from pipeline.common.model_config import ModelConfig
-from pipeline.gpu_worker.models.loader import iter_tensors
 
 
 @dataclass(frozen=True)
@@ -17,27 +16,30 @@ class LoraAdapter:
     """A checked adapter in host memory.
 
     Attributes:
-        rank: its ``r``.
         weights: ``(layer, projection) -> (A [r, in], B [out, r] times scaling)``, float32.
     """
 
-    rank: int
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+    @staticmethod
+    def of(w: LoraWeights) -> LoraAdapter:
+        """``w``'s arrays as tensors (shared, not copied)."""
+        return LoraAdapter({k: (torch.from_numpy(a), torch.from_numpy(b)) for k, (a, b) in w.weights.items()})
 
 
 def read_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> LoraAdapter:
-    """The PEFT adapter in directory ``path`` for a base model of ``config``, checked (``check_adapter``).
+    """The PEFT adapter in directory ``path`` for a base model of ``config``, checked and read.
 
     Raises:
-        LoraError: as ``check_adapter``, or a tensor holding NaN or infinities.
+        LoraError: as ``lora_checkpoint.read_weights``.
     """
-    spec = check_adapter(path, config, max_rank)
-    names = {name: key for key, name in spec.tensors.items()}
-    parts = {}
-    try:
-        for name, tensor in iter_tensors(spec.tensors_path):
-            parts[names[name]] = tensor.to(torch.float32, copy=True)
-    except ValueError as e:  # a NaN (CheckpointError)
-        raise LoraError(str(e)) from None
-    weights = {(i, p): (parts[i, p, "A"], parts[i, p, "B"] * spec.scaling) for i, p, w in parts if w == "A"}
-    return LoraAdapter(spec.rank, weights)
+    return LoraAdapter.of(read_weights(path, config, max_rank))
+
+
+def load_prepared(file: str | Path) -> LoraAdapter:
+    """The prepared copy in ``file`` (``lora_checkpoint.save_weights``).
+
+    Raises:
+        OSError, ValueError: the file is gone or damaged.
+    """
+    return LoraAdapter.of(load_weights(file))

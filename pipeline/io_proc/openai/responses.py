@@ -41,8 +41,8 @@ logger = logging.getLogger(__name__)
 class ResponsesServing:
     """The ``/v1/responses`` routes' logic, over ``OpenAIServingChat``."""
 
-    def __init__(self, serving: OpenAIServingChat, store: ResponseStore, model: str):
-        self._serving, self._store, self._model = serving, store, model
+    def __init__(self, serving: OpenAIServingChat, store: ResponseStore):
+        self._serving, self._store = serving, store
 
     async def create(self, req: ResponsesRequest, raw: Request) -> Response:
         """Serve ``POST /v1/responses``.
@@ -66,7 +66,7 @@ class ResponsesServing:
             plan, _, states = await self._serving.start_chat(chat)
         except APIError as e:
             raise responses_error(e) from None
-        resp = ResponseBuilder(req, self._model, previous)
+        resp = ResponseBuilder(req, self._serving.response_model(chat), previous)
         close = self._serving.closer(resp.id, chat, states, plan)
         param = grammar_field(chat, plan)
         try:

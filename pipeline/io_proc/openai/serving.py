@@ -93,16 +93,11 @@ class OpenAIServing:
                 param="model",
                 code="model_not_found",
             )
-        if req.model is not None and req.model != self._model and (gone := self._adapters.missing_file(req.model)):
-            # The worker may have to read it again (past --max-cpu-loras): a file gone then would stop it.
-            raise APIError(
-                404,
-                f"The LoRA adapter `{req.model}` can no longer be read ({gone} is gone); load it again with "
-                "/v1/load_lora_adapter.",
-                type="invalid_request_error",
-                param="model",
-                code="model_not_found",
-            )
+
+    def response_model(self, req: SamplingRequest) -> str:
+        """The ``model`` a response names: the LoRA adapter the request asked for, else the served model (as
+        vLLM answers)."""
+        return req.model if self._adapters.id_of(req.model) is not None else self._model
 
     def _check_fan_out(self, num_prompts: int, n: int) -> None:
         """Refuse a request for more than ``max_seqs_per_request`` sequences (prompts times ``n``).

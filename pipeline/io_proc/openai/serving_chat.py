@@ -76,7 +76,7 @@ class OpenAIServingChat(OpenAIServing):
             ChatCompletionResponse(
                 id=rid,
                 created=created,
-                model=self._model,
+                model=self.response_model(req),
                 prompt_token_ids=prompt_ids,
                 choices=choices,
                 usage=await self.usage(states, len(states)),
@@ -128,7 +128,7 @@ class OpenAIServingChat(OpenAIServing):
                 ChatCompletionChunk(
                     id=rid,
                     created=created,
-                    model=self._model,
+                    model=self.response_model(req),
                     usage=usage,
                     prompt_token_ids=prompt_token_ids,
                     choices=[
@@ -177,7 +177,7 @@ class OpenAIServingChat(OpenAIServing):
                     ChatCompletionChunk(
                         id=rid,
                         created=created,
-                        model=self._model,
+                        model=self.response_model(req),
                         choices=[],
                         usage=await self.usage(states, len(states)),
                     )

@@ -97,7 +97,11 @@ class OpenAIServingCompletion(OpenAIServing):
             )
         return json_response(
             CompletionResponse(
-                id=rid, created=created, model=self._model, choices=choices, usage=await self.usage(states, n)
+                id=rid,
+                created=created,
+                model=self.response_model(req),
+                choices=choices,
+                usage=await self.usage(states, n),
             )
         )
 
@@ -137,7 +141,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 token_ids=token_ids,
             )
             started[i] = True  # the prompt ids go with a choice's first chunk only
-            return sse(CompletionResponse(id=rid, created=created, model=self._model, usage=usage, choices=[c]))
+            return sse(
+                CompletionResponse(id=rid, created=created, model=self.response_model(req), usage=usage, choices=[c])
+            )
 
         try:
             async for i, update in merged_updates(states):
@@ -163,7 +169,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     CompletionResponse(
                         id=rid,
                         created=created,
-                        model=self._model,
+                        model=self.response_model(req),
                         choices=[],
                         usage=await self.usage(states, req.num_choices()),
                     )
