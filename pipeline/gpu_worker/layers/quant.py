@@ -3,31 +3,11 @@
 Two layouts, both group-wise along the input dimension (a group is
 ``group_size`` consecutive input columns of one output row):
 
-- int4: codes ``q`` in 0..15, ``w = (q - 8) * scale + zero`` (torch's
-  ``_weight_int4pack_mm`` formula); GGUF's Q4_0 (``zero = 0``) and Q4_1
-  (``w = d q + m``, so ``zero = m + 8 d``) map onto it exactly.
-- int8: codes ``q`` in -128..127, ``w = q * scale``, symmetric (GGUF's Q8_0
-  with groups of 32; per-channel when a group is a whole row), or with a
-  zero, ``w = q * scale + zero`` (GGUF's Q5_K: 5-bit codes with a minimum;
-  dequantized per call).
+- int4 (uint8 codes ``q`` in 0..15): ``w = (q - 8) * scale + zero`` (torch's
+  ``_weight_int4pack_mm`` formula).
+- int8 (int8 codes): ``w = q * scale``, or ``w = q * scale + zero`` with a zero.
 
-The codes' dtype says which: uint8 for int4, int8 for int8.
-
-On the CPU the matmul runs on ``quant_cpu``'s compiled kernel (kernels
-``int4_panel``/``int8_panel``, any group size, output widths a multiple of 16):
-it dequantizes a tile of the weight once per call into a float32 panel and
-multiplies the whole batch against it in float32, whatever the activation
-dtype. Elsewhere, or where that kernel cannot be built, it runs on torch's
-weight-only ops: on the CPU ``_weight_int4pack_mm_for_cpu`` and
-``_weight_int8pack_mm`` (per-channel scales only), on CUDA
-``_weight_int4pack_mm`` and ``_weight_int8pack_mm``. Those run in bfloat16
-whatever the model dtype: the activations and the scales are rounded to
-bfloat16 for them (GGUF's float16 scales lose 3 bits), since on the CPU their
-float32 variants measured 6x (batch 1) to 100x (batch 32) slower than
-oneDNN's dense float32 matmul of the same weight, and the CUDA int4 op takes
-bfloat16 only. Where no op takes the weight, it stays as codes and each call
-dequantizes it into the activation dtype and multiplies
-(``QuantizedWeight.kernel`` says which).
+The kernels that multiply them, and why: docs/design.md, "Quantized weights".
 """
 
 from __future__ import annotations

@@ -1,14 +1,5 @@
-"""The CPU weight-only matmul of ``quant_cpu.cpp``: int4 and int8 codes, group-wise, multiplied in float32.
-
-The weight is repacked once (``pack``) into tiles of 16 output rows whose codes
-for one input column are contiguous, with per-group coefficients ``a, b`` so
-that a weight dequantizes in one FMA (``w = q a + b``). Each call dequantizes
-a tile of the weight into an L1-resident float panel and multiplies every row
-of the batch against it, so the dequantization is paid once per weight per
-call, and the float32 FMAs run at the rate of a dense float32 matmul while the
-weight is read at 4 or 8 bits. The library is compiled for this CPU at first
-use and cached (``kernel_cache``); it needs AVX2 and FMA (AVX-512 is used where
-the compiler targets it).
+"""The CPU weight-only matmul of ``quant_cpu.cpp`` (int4 and int8 codes, group-wise, in float32), compiled for
+this CPU at first use and cached; needs AVX2 and FMA. Layouts and blocking: docs/design.md, "Quantized weights".
 """
 
 from __future__ import annotations
