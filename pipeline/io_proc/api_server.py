@@ -1,12 +1,7 @@
 """The FastAPI application: routes and the mapping of every error to an OpenAI error body.
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``,
-``POST /v1/responses`` (with ``GET`` and ``DELETE /v1/responses/{id}``),
-``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize``, with
-``--allow-runtime-lora-updating`` ``POST /v1/load_lora_adapter`` and
-``/v1/unload_lora_adapter`` (vLLM's shapes), ``GET /health``, ``GET /metrics``. With an API key configured,
-every route but ``/health`` and ``/metrics`` needs ``Authorization: Bearer
-<key>`` (401 otherwise, as the OpenAI API and vLLM's ``--api-key`` answer).
+Routes: README.md, "API". With an API key configured, every route but ``/health`` and ``/metrics`` needs
+``Authorization: Bearer <key>`` (401 otherwise, as the OpenAI API and vLLM's ``--api-key`` answer).
 
 Errors: invalid input of any kind (bad JSON, a body that is not JSON, wrong
 types, out-of-range values) is HTTP 400 ``invalid_request_error`` (FastAPI's

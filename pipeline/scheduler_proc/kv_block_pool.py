@@ -21,12 +21,7 @@ class BlockPool:
     completion (``step_completed``; docs/design.md, "Deferred free"), so
     no block a step in flight reads or writes is handed out again.
 
-    With prefix caching, a full block whose tokens are final is named
-    (``cache_blocks``) and stays named when its last owner frees it; a
-    new request takes the longest run of named blocks of its prompt
-    (``lookup``, then ``share``). ``allocate_blocks`` takes free
-    blocks first, then evicts cached-free ones, least recently freed first
-    (docs/design.md, "Prefix caching").
+    Naming, sharing and eviction: docs/design.md, "Prefix caching".
 
     Args:
         num_blocks: KV cache blocks (ids ``0..num_blocks-1``).

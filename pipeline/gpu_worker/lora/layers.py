@@ -9,9 +9,7 @@ and stays zero. A step runs the base matmul once for all its tokens; then its
 tokens with an adapter, gathered in slot order, take their low-rank update a
 slot at a time (SGMV's grouping: ``x_s @ A_s.T @ B_s`` over each slot's run of
 tokens, at most ``--max-loras`` runs, never a loop over rows), which is added
-back at their rows. Each token thus costs its own adapter's rank only, however
-many adapters the step holds, and a step without adapters costs nothing more
-(docs/design.md, "Multi-LoRA").
+back at their rows (docs/design.md, "Multi-LoRA").
 Under tensor parallelism a column-parallel projection holds its rows of B,
 a row-parallel one its columns of A and sums its partial update over the ranks.
 """
