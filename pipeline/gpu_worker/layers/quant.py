@@ -92,8 +92,7 @@ class QuantizedWeight(nn.Module):
         bits = 4 if codes.dtype == torch.uint8 else 8
         group_size = inp // scale.shape[1]
         device, shape = codes.device.type, (out, inp)
-        # The panel kernel's int8 is symmetric: int8 with a zero (Q5_K) stays on the dequantizing path.
-        panel = quant_cpu.pack(codes, scale, zero) if CPU_KERNEL and (bits == 4 or zero is None) else None
+        panel = quant_cpu.pack(codes, scale, zero, bits) if CPU_KERNEL else None
         if panel is not None:
             return cls._with(shape, bits, group_size, f"int{bits}_panel", torch.float32, codes=panel[0], coef=panel[1])
         if bits == 4 and group_size in _INT4_GROUPS:

@@ -33,12 +33,14 @@ def unavailable_reason() -> str | None:
 
 
 def pack(
-    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``codes [out, in]``, ``scale``/``zero [out, groups]`` (``quant.quantize_rtn``'s layout) -> the kernel's
     ``(codes, coef)`` (layouts in ``quant_cpu.cpp``), or None where the kernel cannot take this weight (not on the
-    CPU, ``out`` not a multiple of 16, or the kernel unavailable)."""
+    CPU, ``out`` not a multiple of 16, int8 with a zero (its int8 is symmetric), or the kernel unavailable)."""
     out, inp = codes.shape
+    if bits == 8 and zero is not None:
+        return None
     if codes.device.type != "cpu" or out % TILE or unavailable_reason() is not None:
         return None
     tiles = out // TILE
