@@ -47,6 +47,15 @@ class HttpConfig(msgspec.Struct, frozen=True):
             check=positive,
         ),
     ] = 60.0
+    keep_alive_timeout_s: Annotated[
+        float,
+        flag(
+            "Seconds an idle kept-alive connection stays open. Above the 5 s after which httpx (the openai SDK) "
+            "drops an idle connection, so that a client never sends on one the server is closing.",
+            name="--timeout-keep-alive",
+            check=positive,
+        ),
+    ] = 20.0
     limit_concurrency: Annotated[
         int,
         flag("Open HTTP connections plus running requests at which new requests get 503.", check=positive),
