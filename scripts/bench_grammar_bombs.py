@@ -25,17 +25,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench_server import Server
 
 
 def any_of(title: str) -> dict:
@@ -57,39 +52,6 @@ PHASES = {
     "anyof-n128-x2": [{"guided_json": any_of(f"n128-{i}"), "n": 128, "max_tokens": 16} for i in range(2)],
     "deep-json": [{"guided_json": '{"a": ' + "[" * 3000 + "]" * 3000 + "}", "max_tokens": 8}],
 }
-
-
-class Server:
-    """``pipeline-serve`` in a subprocess on a free port."""
-
-    def __init__(self, flags: list[str]):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "pipeline.launcher", "--port", str(self.port), *flags]
-        self.proc = subprocess.Popen(cmd, cwd=REPO)
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("the server did not start")
-            time.sleep(0.5)
-        self.model = httpx.get(f"{self.url}/v1/models").json()["data"][0]["id"]
-        kids = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout.split()
-        self.scheduler = next(int(k) for k in kids if "scheduler" in open(f"/proc/{k}/cmdline").read())
-
-    def rss_mb(self) -> float:
-        with open(f"/proc/{self.scheduler}/statm") as f:
-            return int(f.read().split()[1]) * 4096 / 2**20
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(30)
 
 
 def stream_itl(srv: Server, tokens: int) -> list[float]:

