@@ -120,7 +120,8 @@ class Server:
                 pass
             if time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError("server did not become healthy in time")
+                out = self.output() if self.proc.stdout else "(see its log file)"
+                raise RuntimeError(f"server did not become healthy in {timeout:g} s:\n{out}")
             time.sleep(0.3)
         self.children = child_pids(self.proc.pid)
         auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}

@@ -81,6 +81,23 @@ def assert_idle(*servers) -> None:
         assert m["pipeline_req_indices_free"] == m["pipeline_req_indices_total"], m
 
 
+# First in the module: its two -tp 2 servers (four workers) start before the module-scoped servers below,
+# which stay up until the module ends, beside the session's.
+def test_tensor_parallel(request, tiny_kv4_dir):
+    jobs = workload(8, seed=13)
+    for job in jobs:
+        job["prompt"] += " a b a b a b"
+    # The workload's requests end or are aborted within 5 tokens, and the random model seldom repeats a
+    # token: whether one of them drafts varies with the load. This one repeats " the" long enough to draft.
+    jobs.append(repeating_job(tiny_kv4_dir, 60))
+    base = ["--model", str(tiny_kv4_dir), *TINY, "-tp", "2"]
+    spec = _server(request, [*base, *SPEC])
+    plain = _server(request, [*base, "--no-async-scheduling"])
+    assert asyncio.run(run_all(spec, jobs)) == asyncio.run(run_all(plain, jobs))
+    assert spec_counts(spec)["num_draft_tokens_total"] > 0
+    assert_idle(spec, plain)
+
+
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_sim_tokens_unchanged(request, sim_sync, mode):
     """64 requests at once (aborts, max_tokens 1), then one at a time, and stop tokens met mid-run."""
@@ -381,21 +398,6 @@ def test_smol_constrained_rows_draft_and_are_unchanged(request, smol_sync, kind,
     after = spec_counts(spec)
     assert after["num_accepted_tokens_total"] - before["num_accepted_tokens_total"] >= 4, (before, after)
     assert_idle(spec, smol_sync)
-
-
-def test_tensor_parallel(request, tiny_kv4_dir):
-    jobs = workload(8, seed=13)
-    for job in jobs:
-        job["prompt"] += " a b a b a b"
-    # The workload's requests end or are aborted within 5 tokens, and the random model seldom repeats a
-    # token: whether one of them drafts varies with the load. This one repeats " the" long enough to draft.
-    jobs.append(repeating_job(tiny_kv4_dir, 60))
-    base = ["--model", str(tiny_kv4_dir), *TINY, "-tp", "2"]
-    spec = _server(request, [*base, *SPEC])
-    plain = _server(request, [*base, "--no-async-scheduling"])
-    assert asyncio.run(run_all(spec, jobs)) == asyncio.run(run_all(plain, jobs))
-    assert spec_counts(spec)["num_draft_tokens_total"] > 0
-    assert_idle(spec, plain)
 
 
 def test_vllm_metric_names(request):
