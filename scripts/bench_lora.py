@@ -52,7 +52,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-from bench_server import Server, free_port, wait_healthy
+from bench_server import Server, free_port, stop_process, wait_healthy
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -103,12 +103,7 @@ class VllmServer:
             raise SystemExit(f"vLLM did not start; see {self.log}")
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc, 60)
 
 
 def run(srv: Server | VllmServer, adapters: int, streams: int, max_tokens: int, tag: str) -> float:
