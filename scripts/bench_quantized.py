@@ -9,6 +9,9 @@ see the flags), then for each format
 - ``int8``: per-channel, ``int4``: groups of 128, both quantized at load time
   in a float32 model (the CPU's default ``--dtype``), multiplied by the
   compiled CPU kernel (``layers/quant_cpu.py``, in float32);
+- ``int8`` and ``int4, bfloat16 model``: the same weights in a bfloat16
+  model, where the CPU kernel rounds the activations to int8 and multiplies
+  with integer dot products (AVX-512 VNNI; elsewhere the float32 kernel);
 - ``int4, torch's op``: the same int4 weights in a bfloat16 model through
   torch's ``_weight_int4pack_mm_for_cpu`` (in bfloat16), the path the kernel
   replaced;
@@ -49,6 +52,8 @@ FORMATS = {
     "bfloat16": ("bfloat16", {}, True),
     "int8": ("float32", {"method": "int8"}, True),
     "int4": ("float32", {"method": "int4", "group_size": 128}, True),
+    "int8, bfloat16 model": ("bfloat16", {"method": "int8"}, True),
+    "int4, bfloat16 model": ("bfloat16", {"method": "int4", "group_size": 128}, True),
     "int4, torch's op, bfloat16 model": ("bfloat16", {"method": "int4", "group_size": 128}, False),
     # No kernel takes group-wise int8 outside the panel kernel: the path of int8 with a zero (Q5_K).
     "int8 g32, dequantizing": ("float32", {"method": "int8", "group_size": 32}, False),
@@ -195,7 +200,9 @@ def main() -> None:
         smol = {
             "Q4_1 (auto)": ("float32", q4_1, True),
             "Q4_1, torch's op": ("float32", q4_1, False),
+            "Q4_1, bfloat16 model": ("bfloat16", q4_1, True),
             "float32 (none)": ("float32", {}, True),
+            "bfloat16 (none)": ("bfloat16", {}, True),
         }
         model_dir = str(convert_gguf(gguf))
         mib = memory(model_dir, smol)

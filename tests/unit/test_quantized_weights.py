@@ -127,6 +127,60 @@ def test_the_panel_kernel_is_exact_to_float32_rounding_for_every_batch_tail(bits
         assert float((y.double() - exact).abs().max()) <= 1e-5 * float(exact.abs().max()), rows
 
 
+VNNI = quant_cpu.vnni_unavailable_reason() is None
+needs_vnni = pytest.mark.skipif(not VNNI, reason=f"no int8-activation kernel: {quant_cpu.vnni_unavailable_reason()}")
+
+
+def rounded_as_the_vnni_kernel_rounds(x: torch.Tensor, block: int) -> torch.Tensor:
+    """``x [M, K]`` as ``quant_linear_vnni`` sees it: per row and block of columns, int8 steps of max |x| / 127."""
+    xb = x.float().reshape(x.shape[0], -1, block)
+    amax = xb.abs().amax(-1, keepdim=True)
+    # 127 / amax, as the kernel divides (torch's 127 / t is 127 * (1 / t), rounded twice).
+    q = (xb * torch.where(amax > 0, torch.full_like(amax, 127) / amax, 0)).round()
+    return (q * (amax / 127)).reshape(x.shape)
+
+
+@needs_vnni
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("bits", "group", "with_zero", "out", "inp"),
+    [
+        (4, 32, True, 48, 96),
+        (4, 128, True, 80, 1280),
+        (8, None, False, 80, 576),
+        (8, 32, False, 16, 320),
+        (8, 16, True, 48, 256),
+    ],
+)
+def test_the_vnni_kernel_multiplies_int8_rounded_activations_to_float32_rounding(
+    bits, group, with_zero, out, inp, dtype
+):
+    """Weights with bfloat16 scales (a bfloat16 model's) pack for it; odd tile counts, int8 with a zero, and every
+    row count up to two micro-kernel blocks (plus a serving batch): the activations rounded as the kernel rounds
+    them, times dequant(W).T, within float32 rounding (and the output's rounding to bfloat16)."""
+    torch.manual_seed(3)
+    codes, scale, zero = quantize_rtn(torch.randn(out, inp), bits, group or inp)
+    if with_zero and zero is None:
+        zero = 0.1 * torch.randn_like(scale)
+    scale, zero = scale.bfloat16(), None if zero is None else zero.bfloat16()
+    weight = QuantizedWeight.pack(codes, scale, zero)
+    assert weight.kernel == f"int{bits}_vnni"
+    exact_w = dequantize(codes, scale, zero, torch.float64)
+    x = torch.randn(64, inp).to(dtype)
+    for rows in [*range(1, 14), 64]:
+        y = weight(x[:rows])
+        assert y.dtype == dtype
+        exact = rounded_as_the_vnni_kernel_rounds(x[:rows], weight.block_size).double() @ exact_w.T
+        out_rounding = 2**-8 * exact.abs() if dtype == torch.bfloat16 else 0
+        bound = out_rounding + 1e-5 * float(exact.abs().max())
+        assert bool(((y.double() - exact).abs() <= bound).all()), rows
+
+
+def test_float32_scales_keep_the_float32_kernels():
+    codes, scale, zero = quantize_rtn(torch.randn(32, 64), 4, 32)
+    assert QuantizedWeight.pack(codes, scale, zero).kernel == ("int4_panel" if PANEL else "int4_cpu")
+
+
 def test_the_panel_kernel_leaves_an_output_width_not_a_multiple_of_16_to_torch():
     codes, scale, zero = quantize_rtn(torch.randn(40, 64), 8, 64)
     assert QuantizedWeight.pack(codes, scale, zero).kernel == "int8"
@@ -261,10 +315,12 @@ def rtn_float_dir(float_dir: Path, out: Path, bits: int, group: int | None) -> P
     return _write_float(float_dir, out, tensors)
 
 
-def greedy(model, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], torch.Tensor]:
+def greedy(
+    model, prompts: list[list[int]], new_tokens: int, dtype: torch.dtype = torch.float32
+) -> tuple[list[list[int]], torch.Tensor]:
     """Each prompt's greedy continuation (prefill, then one token a step), and the first step's logits."""
     num_blocks, tables = shuffled_block_tables(len(prompts), blocks_per_seq=3, seed=4)
-    kv = model.allocate_kv_caches(num_blocks, BLOCK_SIZE, torch.float32, CPU)
+    kv = model.allocate_kv_caches(num_blocks, BLOCK_SIZE, dtype, CPU)
     tokens = [list(p) for p in prompts]
     first = run_step(model, kv, [(i, 0, p) for i, p in enumerate(prompts)], tables)
     for seq, row in enumerate(first):
@@ -373,6 +429,29 @@ def test_a_quantized_tiny_model_decodes_as_its_dequantized_float_twin(fmt, reque
     served = load_model(float_dir, torch.float32, CPU, quantization=quant)
     _, served_logits = greedy(served, PROMPTS, 1)
     assert float((served_logits - their_logits).abs().max()) <= 0.03 * float(their_logits.abs().max())
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt", ["int4 g64", "int8 per-channel", "gguf Q4_1", "gguf Q5_K", "gguf Q4_K_M"])
+def test_a_bfloat16_model_runs_every_quantized_layer_on_int8_activations(fmt, request, tmp_path):
+    """In bfloat16 every layer, int8 with a zero too (Q5_K, Q4_K_M's mixed layers), takes the int8-activation
+    kernel. Against the dequantized twin in float32, its logits are off by at most 3x as much as the twin's own in
+    bfloat16 (measured here: 2.3-2.6x; the rounding of the activations to int8 adds to bfloat16's)."""
+    fields, source, *_ = FORMATS[fmt]
+    float_dir = request.getfixturevalue("float_dir_256" if "_K" in fmt else "float_dir")
+    if isinstance(source, str):
+        kinds = Q4_K_M if source == "Q4_K_M" else None
+        reference_dir = write_gguf(float_dir, tmp_path / "m.gguf", "Q4_K" if kinds else source, kinds)
+        fields = {**fields, "gguf_file": str(tmp_path / "m.gguf")}
+    else:
+        reference_dir = rtn_float_dir(float_dir, tmp_path / "rtn", *source)
+    _, exact = greedy(load_model(reference_dir, torch.float32, CPU), PROMPTS, 1)
+    _, twin = greedy(load_model(reference_dir, torch.bfloat16, CPU), PROMPTS, 1, torch.bfloat16)
+    model = load_model(float_dir, torch.bfloat16, CPU, quantization=QuantizationConfig(**fields))
+    linears = [m for m in model.modules() if isinstance(m, LinearBase) and not isinstance(m, ReplicatedLinear)]
+    assert {m.weight.kernel for m in linears} <= {"int4_vnni", "int8_vnni"}
+    _, ours = greedy(model, PROMPTS, 1, torch.bfloat16)
+    assert float((ours.float() - exact).abs().max()) <= 3 * float((twin.float() - exact).abs().max())
 
 
 def test_a_group_size_that_does_not_divide_a_layer_is_refused_naming_it(float_dir):

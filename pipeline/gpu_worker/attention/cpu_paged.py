@@ -22,8 +22,9 @@ _SOURCE = Path(__file__).with_name("cpu_paged.cpp")
 # -march=native: the library is built on the machine that runs it. -ffast-math
 # lets the softmax's exp vectorize (glibc's libmvec) and the dot products
 # reassociate; both stay within float32 rounding of the reference (the tests'
-# 1e-5).
-_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"]
+# 1e-5). -fopenmp: at::parallel_for is inline OpenMP in torch's CPU builds, and
+# without it runs on one thread.
+_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 # Rows of up to this many queries go to the kernel; past it SDPA's GEMM-shaped work wins (docs/design.md,
 # "Attention backends").

@@ -110,6 +110,8 @@ def _build(lib: Path, source: Path, cflags: Sequence[str]) -> bool:
                 lib.stem,
                 [str(source)],
                 extra_cflags=list(cflags),
+                # The OpenMP runtime is torch's (the same soname, already loaded).
+                extra_ldflags=["-fopenmp"] if "-fopenmp" in cflags else [],
                 build_directory=str(build_dir),
                 is_python_module=False,
                 verbose=False,

@@ -87,11 +87,17 @@ class QuantizedWeight(nn.Module):
     @classmethod
     def pack(cls, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> QuantizedWeight:
         """Pack ``codes``/``scale``/``zero`` (in a layout above, e.g. as ``quantize_rtn`` returns them) for the
-        weight-only kernel this device and torch build run, else keep them for the dequantizing one."""
+        weight-only kernel this device and torch build run, else keep them for the dequantizing one. ``scale``'s
+        dtype is the activations': in bfloat16 or float16 the CPU rounds them to int8 where it can (``int*_vnni``)."""
         out, inp = codes.shape
         bits = 4 if codes.dtype == torch.uint8 else 8
         group_size = inp // scale.shape[1]
         device, shape = codes.device.type, (out, inp)
+        vnni = quant_cpu.pack_vnni(codes, scale, zero, bits) if CPU_KERNEL and scale.dtype != torch.float32 else None
+        if vnni is not None:
+            module = cls._with(shape, bits, group_size, f"int{bits}_vnni", torch.float32, codes=vnni[0], coef=vnni[1])
+            module.block_size = vnni[2]
+            return module
         panel = quant_cpu.pack(codes, scale, zero, bits) if CPU_KERNEL else None
         if panel is not None:
             return cls._with(shape, bits, group_size, f"int{bits}_panel", torch.float32, codes=panel[0], coef=panel[1])
@@ -123,6 +129,8 @@ class QuantizedWeight(nn.Module):
             return F.linear(x, self.dequantized(x.dtype))
         if self.kernel.endswith("_panel"):
             return quant_cpu.matmul(x, self.codes, self.coef, self.bits, self.group_size)
+        if self.kernel.endswith("_vnni"):
+            return quant_cpu.matmul_vnni(x, self.codes, self.coef, self.bits, self.group_size, self.block_size)
         xk = x.to(self.compute_dtype)
         if self.kernel == "int4_cpu":
             y = _aten._weight_int4pack_mm_for_cpu(xk, self.packed, self.group_size, self.scales_zeros)
@@ -134,7 +142,7 @@ class QuantizedWeight(nn.Module):
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight ``[out, in]`` these buffers hold, in ``dtype`` (for the fallback kernel and for checks)."""
-        if self.kernel.startswith("int4") or self.kernel.endswith("_panel"):
+        if self.kernel.startswith("int4") or self.kernel.endswith(("_panel", "_vnni")):
             # The packed layouts are opaque: multiply the identity through the kernel (torch's round each weight to
             # bfloat16).
             eye = torch.eye(self.shape[1], dtype=self.compute_dtype, device=next(self.buffers()).device)

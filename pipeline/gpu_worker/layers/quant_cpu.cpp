@@ -20,11 +20,16 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <memory>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define PIPELINE_QUANT_SIMD 1
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define PIPELINE_QUANT_VNNI 1
+#endif
 #endif
 
 namespace {
@@ -205,6 +210,141 @@ void matmul(const float* xp, int64_t M, int64_t K, const uint8_t* codes, const f
 
 #endif  // PIPELINE_QUANT_SIMD
 
+#if defined(PIPELINE_QUANT_VNNI)
+// Integer dot products with int8 activations (quant_linear_vnni, AVX-512 VNNI): codes [N/16, K/4, 16, 4] uint8 for int8
+// (c = q + 128: the instruction multiplies unsigned by signed bytes) and [N/16, K/8, 16, 4] for int4 (byte t of
+// output j in block o: c[8o + t] | c[8o + 4 + t] << 4), with coefficients (a, b) [N/16, G, 2, 16] float32 so
+// that w = c a + b; each 64-byte vector holds 4 (or 8) input columns of 16 outputs, lane j output j's.
+namespace vnni {
+
+constexpr int MR = 8;  // rows per call: 2 integer accumulators per row, 16 + 4 codes + 2 broadcasts
+
+// Each row of x [M, K] in blocks of XB columns -> int8 codes xq [M, K] and, per (row, block), the scale s (max |x|
+// / 127, x ~ s xq) and s sum(xq): with w = c a + b, a block's sum over k of w x is then a s sum(c xq) + b s sum(xq)
+// = s sum(w xq), so its only error is the rounding of x.
+template <class T>
+void quantize_rows(const T* x, int64_t M, int64_t K, int64_t XB, int8_t* xq, float* scale, float* scaled_sum) {
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t k0 = 0, blk = m * (K / XB); k0 < K; k0 += XB, ++blk) {
+        const T* row = x + m * K + k0;
+        float amax = 0.f;
+        for (int64_t k = 0; k < XB; ++k) amax = std::max(amax, std::abs(static_cast<float>(row[k])));
+        const float s = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        int32_t sum = 0;
+        for (int64_t k = 0; k < XB; ++k) {
+          const int32_t q = static_cast<int32_t>(std::nearbyint(static_cast<float>(row[k]) * inv));
+          xq[m * K + k0 + k] = static_cast<int8_t>(q);
+          sum += q;
+        }
+        scale[blk] = s;
+        scaled_sum[blk] = s * static_cast<float>(sum);
+      }
+  });
+}
+
+// y[R, 32 or 16] = x @ W.T for one pair of code tiles (nv = 2) or one (nv = 1), over all K. Only the integer
+// sums of the current block live in registers; each block's float contribution is added to y in memory (L1), so
+// that more rows share each load and unpacking of the codes.
+template <int BITS, int R, int nv>
+inline void micro(const int8_t* xq, int64_t K, int64_t XB, const float* scale, const float* scaled_sum,
+                  const uint8_t* codes, int64_t tile_bytes, const float* coef, int64_t group_size, float* y,
+                  int64_t ldy) {
+  const int64_t blocks = K / XB, groups = K / group_size;
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    __m512i dot[R][nv];
+    PIPELINE_UNROLL
+    for (int i = 0; i < R; ++i)
+      PIPELINE_UNROLL
+      for (int j = 0; j < nv; ++j) dot[i][j] = _mm512_setzero_si512();
+    const int64_t k_end = (blk + 1) * XB;
+    for (int64_t k = blk * XB; k < k_end; k += BITS == 4 ? 8 : 4) {
+      __m512i w[nv], w_hi[nv];
+      PIPELINE_UNROLL
+      for (int j = 0; j < nv; ++j) {
+        const __m512i v = _mm512_loadu_si512(codes + j * tile_bytes + k * 2 * BITS);
+        if constexpr (BITS == 4) {
+          const __m512i low = _mm512_set1_epi8(15);
+          w[j] = _mm512_and_si512(v, low);
+          w_hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        } else {
+          w[j] = v;
+        }
+      }
+      PIPELINE_UNROLL
+      for (int i = 0; i < R; ++i) {
+        const int8_t* xi = xq + i * K + k;
+        const __m512i x0 = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xi));
+        PIPELINE_UNROLL
+        for (int j = 0; j < nv; ++j) dot[i][j] = _mm512_dpbusd_epi32(dot[i][j], w[j], x0);
+        if constexpr (BITS == 4) {
+          const __m512i x1 = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xi + 4));
+          PIPELINE_UNROLL
+          for (int j = 0; j < nv; ++j) dot[i][j] = _mm512_dpbusd_epi32(dot[i][j], w_hi[j], x1);
+        }
+      }
+    }
+    const int64_t g = blk * XB / group_size;
+    PIPELINE_UNROLL
+    for (int j = 0; j < nv; ++j) {
+      const float* c = coef + (j * groups + g) * 32;
+      const __m512 a = _mm512_loadu_ps(c), b = _mm512_loadu_ps(c + 16);
+      PIPELINE_UNROLL
+      for (int i = 0; i < R; ++i) {
+        const int64_t rb = i * blocks + blk;
+        float* yi = y + i * ldy + j * 16;
+        __m512 acc = _mm512_fmadd_ps(b, _mm512_set1_ps(scaled_sum[rb]), blk ? _mm512_loadu_ps(yi) : _mm512_setzero_ps());
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][j]), _mm512_mul_ps(a, _mm512_set1_ps(scale[rb])), acc);
+        _mm512_storeu_ps(yi, acc);
+      }
+    }
+  }
+}
+
+template <int BITS, int nv>
+void rows(const int8_t* xq, int64_t M, int64_t K, int64_t XB, const float* scale, const float* scaled_sum,
+          const uint8_t* codes, int64_t tile_bytes, const float* coef, int64_t group_size, float* y, int64_t N) {
+  const int64_t blocks = K / XB;
+  int64_t m = 0;
+  for (; m + MR <= M; m += MR)
+    micro<BITS, MR, nv>(xq + m * K, K, XB, scale + m * blocks, scaled_sum + m * blocks, codes, tile_bytes, coef,
+                        group_size, y + m * N, N);
+  const int64_t r = M - m;
+  const int8_t* xr = xq + m * K;
+  const float *sr = scale + m * blocks, *ssr = scaled_sum + m * blocks;
+  switch (r) {
+#define PIPELINE_TAIL(n)                                                                               \
+  case n:                                                                                              \
+    micro<BITS, n, nv>(xr, K, XB, sr, ssr, codes, tile_bytes, coef, group_size, y + m * N, N);         \
+    break;
+    PIPELINE_TAIL(1) PIPELINE_TAIL(2) PIPELINE_TAIL(3) PIPELINE_TAIL(4) PIPELINE_TAIL(5) PIPELINE_TAIL(6)
+    PIPELINE_TAIL(7)
+#undef PIPELINE_TAIL
+    default:
+      break;
+  }
+}
+
+template <int BITS>
+void matmul(const int8_t* xq, int64_t M, int64_t K, int64_t XB, const float* scale, const float* scaled_sum,
+            const uint8_t* codes, const float* coef, int64_t N, int64_t group_size, float* y) {
+  const int64_t tile_bytes = K * 16 * BITS / 8, tile_coef = K / group_size * 32, pairs = (N / 16 + 1) / 2;
+  at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t t = 2 * p;
+      const uint8_t* c = codes + t * tile_bytes;
+      const float* cf = coef + t * tile_coef;
+      if ((t + 1) * 16 < N)
+        rows<BITS, 2>(xq, M, K, XB, scale, scaled_sum, c, tile_bytes, cf, group_size, y + t * 16, N);
+      else
+        rows<BITS, 1>(xq, M, K, XB, scale, scaled_sum, c, tile_bytes, cf, group_size, y + t * 16, N);
+    }
+  });
+}
+
+}  // namespace vnni
+#endif  // PIPELINE_QUANT_VNNI
+
 bool supported() {
 #if defined(PIPELINE_QUANT_SIMD)
   return true;
@@ -244,11 +384,67 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
   return y.to(x.scalar_type());
 }
 
+bool vnni_supported() {
+#if defined(PIPELINE_QUANT_VNNI)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x [M, K] (float32 or bfloat16), rounded to int8 per row in blocks of block_size columns, times the weight in
+// the layout above -> [M, N] in x's dtype.
+at::Tensor quant_linear_vnni(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& coef, int64_t bits,
+                              int64_t group_size, int64_t block_size) {
+  TORCH_CHECK(vnni_supported(), "quant_linear_vnni: compiled without AVX-512 VNNI");
+  TORCH_CHECK(x.dim() == 2, "quant_linear_vnni: x must be [M, K], got ", x.sizes());
+  TORCH_CHECK(bits == 4 || bits == 8, "quant_linear_vnni: bits must be 4 or 8, got ", bits);
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(codes.dim() == 4 && codes.size(1) * (bits == 4 ? 8 : 4) == K && codes.size(2) == 16 &&
+                  codes.size(3) == 4 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
+                  coef.is_contiguous() && coef.scalar_type() == at::kFloat,
+              "quant_linear_vnni: codes [N/16, K/", bits == 4 ? 8 : 4, ", 16, 4] uint8 for ", K,
+              " input columns and float32 coefficients, contiguous, as pack_vnni makes them");
+  TORCH_CHECK(block_size % 16 == 0 && group_size % block_size == 0 && K % group_size == 0,
+              "quant_linear_vnni: block size ", block_size, ", group size ", group_size, " and width ", K,
+              " must nest (block a multiple of 16)");
+  const int64_t N = codes.size(0) * 16;
+  TORCH_CHECK(coef.numel() == N * (K / group_size) * 2,
+              "quant_linear_vnni: coefficients do not match the codes' shape and group size");
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+#if defined(PIPELINE_QUANT_VNNI)
+  if (M > 0) {
+    const at::Tensor xc = x.contiguous();
+    const int64_t blocks = K / block_size;
+    const std::unique_ptr<int8_t[]> xq(new int8_t[M * K]);
+    const std::unique_ptr<float[]> scale(new float[M * blocks]), scaled_sum(new float[M * blocks]);
+    if (x.scalar_type() == at::kBFloat16)
+      vnni::quantize_rows(xc.data_ptr<at::BFloat16>(), M, K, block_size, xq.get(), scale.get(), scaled_sum.get());
+    else
+      vnni::quantize_rows(xc.to(at::kFloat).data_ptr<float>(), M, K, block_size, xq.get(), scale.get(),
+                          scaled_sum.get());
+    const auto* c = codes.data_ptr<uint8_t>();
+    if (bits == 4)
+      vnni::matmul<4>(xq.get(), M, K, block_size, scale.get(), scaled_sum.get(), c, coef.data_ptr<float>(), N,
+                      group_size, y.data_ptr<float>());
+    else
+      vnni::matmul<8>(xq.get(), M, K, block_size, scale.get(), scaled_sum.get(), c, coef.data_ptr<float>(), N,
+                      group_size, y.data_ptr<float>());
+  }
+#endif
+  return y.to(x.scalar_type());
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pipeline_quant_cpu, m) {
   m.def("quant_linear(Tensor x, Tensor codes, Tensor coef, int bits, int group_size) -> Tensor");
   m.def("supported() -> bool", &supported);
+  m.def("quant_linear_vnni(Tensor x, Tensor codes, Tensor coef, int bits, int group_size, int block_size) -> Tensor");
+  m.def("vnni_supported() -> bool", &vnni_supported);
 }
 
-TORCH_LIBRARY_IMPL(pipeline_quant_cpu, CPU, m) { m.impl("quant_linear", &quant_linear); }
+TORCH_LIBRARY_IMPL(pipeline_quant_cpu, CPU, m) {
+  m.impl("quant_linear", &quant_linear);
+  m.impl("quant_linear_vnni", &quant_linear_vnni);
+}
