@@ -155,15 +155,14 @@ def rounded_as_the_vnni_kernel_rounds(x: torch.Tensor, block: int) -> torch.Tens
 def test_the_vnni_kernel_multiplies_int8_rounded_activations_to_float32_rounding(
     bits, group, with_zero, out, inp, dtype
 ):
-    """Weights with bfloat16 scales (a bfloat16 model's) pack for it; odd tile counts, int8 with a zero, and every
-    row count up to two micro-kernel blocks (plus a serving batch): the activations rounded as the kernel rounds
-    them, times dequant(W).T, within float32 rounding (and the output's rounding to bfloat16)."""
+    """Weights of a bfloat16 model pack for it; odd tile counts, int8 with a zero, and every row count up to two
+    micro-kernel blocks (plus a serving batch): the activations rounded as the kernel rounds them, times
+    dequant(W).T, within float32 rounding (and the output's rounding to bfloat16)."""
     torch.manual_seed(3)
     codes, scale, zero = quantize_rtn(torch.randn(out, inp), bits, group or inp)
     if with_zero and zero is None:
         zero = 0.1 * torch.randn_like(scale)
-    scale, zero = scale.bfloat16(), None if zero is None else zero.bfloat16()
-    weight = QuantizedWeight.pack(codes, scale, zero)
+    weight = QuantizedWeight.pack(codes, scale, zero, torch.bfloat16)
     assert weight.kernel == f"int{bits}_vnni"
     exact_w = dequantize(codes, scale, zero, torch.float64)
     x = torch.randn(64, inp).to(dtype)
@@ -176,7 +175,7 @@ def test_the_vnni_kernel_multiplies_int8_rounded_activations_to_float32_rounding
         assert bool(((y.double() - exact).abs() <= bound).all()), rows
 
 
-def test_float32_scales_keep_the_float32_kernels():
+def test_a_float32_model_keeps_the_float32_kernels():
     codes, scale, zero = quantize_rtn(torch.randn(32, 64), 4, 32)
     assert QuantizedWeight.pack(codes, scale, zero).kernel == ("int4_panel" if PANEL else "int4_cpu")
 
@@ -435,8 +434,9 @@ def test_a_quantized_tiny_model_decodes_as_its_dequantized_float_twin(fmt, reque
 @pytest.mark.parametrize("fmt", ["int4 g64", "int8 per-channel", "gguf Q4_1", "gguf Q5_K", "gguf Q4_K_M"])
 def test_a_bfloat16_model_runs_every_quantized_layer_on_int8_activations(fmt, request, tmp_path):
     """In bfloat16 every layer, int8 with a zero too (Q5_K, Q4_K_M's mixed layers), takes the int8-activation
-    kernel. Against the dequantized twin in float32, its logits are off by at most 3x as much as the twin's own in
-    bfloat16 (measured here: 2.3-2.6x; the rounding of the activations to int8 adds to bfloat16's)."""
+    kernel. Against the dequantized twin in float32, the RMS of its logits' error is within 5 % of the logits' RMS
+    (measured: 2.2-4.0 %, where the twin run in bfloat16 is off by 1.4-2.6 %: the rounding of the activations to
+    int8 adds to bfloat16's)."""
     fields, source, *_ = FORMATS[fmt]
     float_dir = request.getfixturevalue("float_dir_256" if "_K" in fmt else "float_dir")
     if isinstance(source, str):
@@ -446,12 +446,11 @@ def test_a_bfloat16_model_runs_every_quantized_layer_on_int8_activations(fmt, re
     else:
         reference_dir = rtn_float_dir(float_dir, tmp_path / "rtn", *source)
     _, exact = greedy(load_model(reference_dir, torch.float32, CPU), PROMPTS, 1)
-    _, twin = greedy(load_model(reference_dir, torch.bfloat16, CPU), PROMPTS, 1, torch.bfloat16)
     model = load_model(float_dir, torch.bfloat16, CPU, quantization=QuantizationConfig(**fields))
     linears = [m for m in model.modules() if isinstance(m, LinearBase) and not isinstance(m, ReplicatedLinear)]
     assert {m.weight.kernel for m in linears} <= {"int4_vnni", "int8_vnni"}
     _, ours = greedy(model, PROMPTS, 1, torch.bfloat16)
-    assert float((ours.float() - exact).abs().max()) <= 3 * float((twin.float() - exact).abs().max())
+    assert float((ours.float() - exact).pow(2).mean().sqrt()) <= 0.05 * float(exact.pow(2).mean().sqrt())
 
 
 def test_a_group_size_that_does_not_divide_a_layer_is_refused_naming_it(float_dir):

@@ -142,15 +142,18 @@ class LinearBase(nn.Module):
 
         del self.weight
         self.weight = param(inp, torch.uint8 if bits == 4 else torch.int8)
-        self.weight_scale = param(inp // group_size, dtype)
+        # Scales and zeros in float32 whatever the model's dtype: in bfloat16 a group's zero (Q4_1's m + 8 d) is
+        # off by up to 2^-9 of itself, which can be a tenth of a step, the same for every weight of the group
+        # (SmolLM2's Q4_1 in bfloat16 stopped answering "Paris").
+        self.weight_scale = param(inp // group_size, torch.float32)
         if bits == 4 or zero:
-            self.weight_zero = param(inp // group_size, dtype)
+            self.weight_zero = param(inp // group_size, torch.float32)
         for p in (self.weight, self.weight_scale, getattr(self, "weight_zero", None)):
             if p is not None:
                 p.weight_loader = _same_dtype(loader)
                 if shards is not None:
                     p.shards = set(shards)
-        self.quant_bits, self.quant_group = bits, group_size
+        self.quant_bits, self.quant_group, self.quant_dtype = bits, group_size, dtype
 
     def pack_weights(self) -> None:
         """Replace ``weight`` by its ``packed`` form where there is one, freeing the dense one; after loading."""
@@ -159,7 +162,9 @@ class LinearBase(nn.Module):
             del self.weight, self.weight_scale
             if zero is not None:
                 del self.weight_zero
-            self.weight = QuantizedWeight.pack(codes.data, scale.data, None if zero is None else zero.data)
+            self.weight = QuantizedWeight.pack(
+                codes.data, scale.data, None if zero is None else zero.data, self.quant_dtype
+            )
             return
         weight = packed(self.weight)
         if weight is not None:

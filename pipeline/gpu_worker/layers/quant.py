@@ -85,15 +85,17 @@ class QuantizedWeight(nn.Module):
         self.shape, self.bits, self.group_size, self.kernel = shape, bits, group_size, kernel
 
     @classmethod
-    def pack(cls, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> QuantizedWeight:
+    def pack(
+        cls, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, dtype: torch.dtype = torch.float32
+    ) -> QuantizedWeight:
         """Pack ``codes``/``scale``/``zero`` (in a layout above, e.g. as ``quantize_rtn`` returns them) for the
-        weight-only kernel this device and torch build run, else keep them for the dequantizing one. ``scale``'s
-        dtype is the activations': in bfloat16 or float16 the CPU rounds them to int8 where it can (``int*_vnni``)."""
+        weight-only kernel this device and torch build run, else keep them for the dequantizing one. ``dtype`` is
+        the activations': in bfloat16 or float16 the CPU rounds them to int8 where it can (``int*_vnni``)."""
         out, inp = codes.shape
         bits = 4 if codes.dtype == torch.uint8 else 8
         group_size = inp // scale.shape[1]
         device, shape = codes.device.type, (out, inp)
-        vnni = quant_cpu.pack_vnni(codes, scale, zero, bits) if CPU_KERNEL and scale.dtype != torch.float32 else None
+        vnni = quant_cpu.pack_vnni(codes, scale, zero, bits) if CPU_KERNEL and dtype != torch.float32 else None
         if vnni is not None:
             module = cls._with(shape, bits, group_size, f"int{bits}_vnni", torch.float32, codes=vnni[0], coef=vnni[1])
             module.block_size = vnni[2]
