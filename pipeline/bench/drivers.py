@@ -120,10 +120,14 @@ async def _drive_client(client, work: Workload | MultiTurn, bar, concurrency: in
 
 
 async def drive_http(
-    url: str, model: str, work: Workload | MultiTurn, bar, concurrency: int | None = None
+    url: str, model: str, work: Workload | MultiTurn, bar, concurrency: int | None = None, tokenizer=None
 ) -> tuple[list[RequestTimes], dict | None]:
     """Stream ``work`` through the OpenAI completions API at ``url`` (token-id prompts; ``concurrency``: as ``play``);
-    returns the times and the server's speculative-decoding counts (None: it does not speculate)."""
+    returns the times and the server's speculative-decoding counts (None: it does not speculate).
+
+    With ``tokenizer``, for servers that take text prompts and return no token ids (llama-cpp-python's): each
+    prompt is sent decoded, ``min_tokens`` replaces ``ignore_eos``, and each streamed chunk counts one token (the
+    replies, which a multi-turn workload resends, are then empty)."""
     import httpx
 
     async def send(prompt: list[int], max_tokens: int, seed: int) -> tuple[RequestTimes, list[int]]:
@@ -137,6 +141,9 @@ async def drive_http(
             "stream": True,
             "return_token_ids": True,
         }
+        if tokenizer is not None:
+            body["prompt"], body["min_tokens"] = tokenizer.decode(prompt), max_tokens
+            del body["ignore_eos"], body["return_token_ids"]
         rf = work.response_formats[seed] if isinstance(work, Workload) and work.response_formats else None
         if rf is not None:  # it ends with its JSON (a grammar needs its stop token)
             body["response_format"], t.constrained = rf, True
@@ -147,11 +154,13 @@ async def drive_http(
                 raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}")
             async for line in r.aiter_lines():
                 if line.startswith("data: {"):
-                    ids = json.loads(line[6:])["choices"][0].get("token_ids") or []
+                    choice = json.loads(line[6:])["choices"][0]
+                    ids = choice.get("token_ids") or []
+                    count = len(ids) if tokenizer is None else int(bool(choice.get("text")))
                     now = time.perf_counter()
-                    t.token_times.extend([now] * len(ids))
+                    t.token_times.extend([now] * count)
                     out += ids
-                    bar.update(len(ids))
+                    bar.update(count)
         t.num_tokens = len(t.token_times)
         return t, out
 
