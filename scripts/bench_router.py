@@ -2,6 +2,8 @@
 
     python scripts/bench_router.py                       # the simulated device, 16 users x 4 turns
     python scripts/bench_router.py --serve-args "--model DIR"
+    python scripts/bench_router.py --rounds 3 --setups balanced,round_robin \\
+        --serve-args "--model sim --sim-step-us 2000 --sim-token-us 200 --max-model-len 4096"
 
 Setups, each on fresh servers (empty caches), one after the other:
 - one replica, clients straight to it;
@@ -269,6 +271,12 @@ def failover(
     }
 
 
+def print_row(r: dict) -> None:
+    ttft = " ".join(f"{x:7.1f}" for x in r["ttft_p50_ms"])
+    hits = f"prefix hits {100 * r['hit_rate']:5.1f} %  served {r['served']}  moved {r['moved']}"
+    print(f"{r['setup']:34s} {r['tok/s']:8.1f} tok/s  TTFT p50 by turn (ms): {ttft}  {hits}", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--serve-args", default="--model sim --sim-step-us 2000 --sim-token-us 20 --max-model-len 4096")
@@ -292,6 +300,14 @@ def main() -> None:
     )
     p.add_argument("--balance-rel-threshold", type=float, default=BALANCE_REL, help="and the ratio it must also exceed")
     p.add_argument("--log", default=None, help="the servers' and routers' output (default: a temporary file)")
+    p.add_argument(
+        "--rounds", type=int, default=1, help="run the setups this many times in turn (paired); then print medians"
+    )
+    p.add_argument(
+        "--setups",
+        default=None,
+        help="comma-separated subset of: replica, cache_aware, balanced, round_robin, dp (default: all)",
+    )
     args = p.parse_args()
     serve = shlex.split(args.serve_args)
     work = ChatWork.synth(args.users, args.turns, args.system_words, args.message_words, args.max_tokens)
@@ -307,21 +323,37 @@ def main() -> None:
             *("--balance-abs-threshold", str(args.balance_abs_threshold)),
             *("--balance-rel-threshold", str(args.balance_rel_threshold)),
         )
-        setups = [
-            ("1 replica", serve, 1, None, ()),
-            ("2 x gateway cache_aware, defaults", serve, 2, "cache_aware", ()),
-            ("2 x gateway cache_aware, balanced", serve, 2, "cache_aware", balance),
-            ("2 x gateway round_robin", serve, 2, "round_robin", ()),
-            ("-dp 2, our server", [*serve, "--data-parallel-size", "2"], 1, None, ()),
-        ]
+        setups = {
+            "replica": ("1 replica", serve, 1, None, ()),
+            "cache_aware": ("2 x gateway cache_aware, defaults", serve, 2, "cache_aware", ()),
+            "balanced": ("2 x gateway cache_aware, balanced", serve, 2, "cache_aware", balance),
+            "round_robin": ("2 x gateway round_robin", serve, 2, "round_robin", ()),
+            "dp": ("-dp 2, our server", [*serve, "--data-parallel-size", "2"], 1, None, ()),
+        }
+        chosen = args.setups.split(",") if args.setups else list(setups)
+        unknown = set(chosen) - set(setups)
+        if unknown:
+            p.error(f"unknown setups {sorted(unknown)}; choose from {','.join(setups)}")
         print(f"balanced: {shlex.join(balance)}")
-        for name, flags, n, policy, router_args in setups if args.failover != "only" else ():
-            rows.append(run_setup(name, flags, n, policy, router_args, work, python, logs))
-            r = rows[-1]
-            ttft = " ".join(f"{x:7.1f}" for x in r["ttft_p50_ms"])
-            print(f"{r['setup']:34s} {r['tok/s']:8.1f} tok/s  TTFT p50 by turn (ms): {ttft}  "
-                  f"prefix hits {100 * r['hit_rate']:5.1f} %  served {r['served']}  moved {r['moved']}",
-                  flush=True)  # fmt: skip
+        for _ in range(args.rounds if args.failover != "only" else 0):
+            for name, flags, n, policy, router_args in (setups[c] for c in chosen):
+                rows.append(run_setup(name, flags, n, policy, router_args, work, python, logs))
+                print_row(rows[-1])
+        if args.rounds > 1:
+            print(f"medians of {args.rounds} rounds")
+            for c in chosen:
+                mine = [r for r in rows if r["setup"] == setups[c][0]]
+                turns = range(len(mine[0]["ttft_p50_ms"]))
+                print_row(
+                    {
+                        "setup": setups[c][0],
+                        "tok/s": statistics.median(r["tok/s"] for r in mine),
+                        "ttft_p50_ms": [statistics.median(r["ttft_p50_ms"][k] for r in mine) for k in turns],
+                        "hit_rate": statistics.median(r["hit_rate"] for r in mine),
+                        "served": [r["served"] for r in mine],
+                        "moved": [r["moved"] for r in mine],
+                    }
+                )
         if args.failover != "off":
             f = failover(serve, work, python, logs, 5.0, balance)
             print(f"failover (SIGKILL of the one of 2 balanced cache_aware replicas holding more streams, "
