@@ -399,17 +399,23 @@ def float_dir_256(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_a_quantized_tiny_model_decodes_as_its_dequantized_float_twin(fmt, request, tmp_path):
-    fields, source, panel_kernel, torch_kernel = FORMATS[fmt]
-    kernel = panel_kernel if PANEL else torch_kernel
+def format_dirs(fmt: str, request, tmp_path: Path) -> tuple[Path, Path, dict]:
+    """``FORMATS[fmt]``'s float model (input widths of 256 for the K-quants), the float directory of its weights
+    as the format dequantizes them, and the ``QuantizationConfig`` fields that load it quantized."""
+    fields, source, *_ = FORMATS[fmt]
     float_dir = request.getfixturevalue("float_dir_256" if "_K" in fmt else "float_dir")
     if isinstance(source, str):
         kinds = Q4_K_M if source == "Q4_K_M" else None
         reference_dir = write_gguf(float_dir, tmp_path / "m.gguf", "Q4_K" if kinds else source, kinds)
-        fields = {**fields, "gguf_file": str(tmp_path / "m.gguf")}
-    else:
-        reference_dir = rtn_float_dir(float_dir, tmp_path / "rtn", *source)
+        return float_dir, reference_dir, {**fields, "gguf_file": str(tmp_path / "m.gguf")}
+    return float_dir, rtn_float_dir(float_dir, tmp_path / "rtn", *source), fields
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_quantized_tiny_model_decodes_as_its_dequantized_float_twin(fmt, request, tmp_path):
+    _, _, panel_kernel, torch_kernel = FORMATS[fmt]
+    kernel = panel_kernel if PANEL else torch_kernel
+    float_dir, reference_dir, fields = format_dirs(fmt, request, tmp_path)
     quant = QuantizationConfig(**fields)
     reference = load_model(reference_dir, torch.float32, CPU)
     theirs, their_logits = greedy(reference, PROMPTS, 12)
@@ -437,14 +443,7 @@ def test_a_bfloat16_model_runs_every_quantized_layer_on_int8_activations(fmt, re
     kernel. Against the dequantized twin in float32, the RMS of its logits' error is within 5 % of the logits' RMS
     (measured: 2.2-4.0 %, where the twin run in bfloat16 is off by 1.4-2.6 %: the rounding of the activations to
     int8 adds to bfloat16's)."""
-    fields, source, *_ = FORMATS[fmt]
-    float_dir = request.getfixturevalue("float_dir_256" if "_K" in fmt else "float_dir")
-    if isinstance(source, str):
-        kinds = Q4_K_M if source == "Q4_K_M" else None
-        reference_dir = write_gguf(float_dir, tmp_path / "m.gguf", "Q4_K" if kinds else source, kinds)
-        fields = {**fields, "gguf_file": str(tmp_path / "m.gguf")}
-    else:
-        reference_dir = rtn_float_dir(float_dir, tmp_path / "rtn", *source)
+    float_dir, reference_dir, fields = format_dirs(fmt, request, tmp_path)
     _, exact = greedy(load_model(reference_dir, torch.float32, CPU), PROMPTS, 1)
     model = load_model(float_dir, torch.bfloat16, CPU, quantization=QuantizationConfig(**fields))
     linears = [m for m in model.modules() if isinstance(m, LinearBase) and not isinstance(m, ReplicatedLinear)]
