@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -19,12 +20,13 @@ from safetensors.torch import save_file
 
 from pipeline.common.config import QuantizationConfig
 from pipeline.common.gguf_layout import hf_name
-from pipeline.common.model_files import read_model_config, resolve_quantization
+from pipeline.common.model_files import default_model_path, read_model_config, resolve_quantization
 from pipeline.gpu_worker.layers import quant, quant_cpu
 from pipeline.gpu_worker.layers.linear import LinearBase, ReplicatedLinear
 from pipeline.gpu_worker.layers.quant import QuantizedWeight, dequantize, quantize_rtn
 from pipeline.gpu_worker.layers.tp import TPGroup
 from pipeline.gpu_worker.models.base import CheckpointError
+from pipeline.gpu_worker.models.gguf_index import read_tensors
 from pipeline.gpu_worker.models.gguf_loader import decode
 from pipeline.gpu_worker.models.loader import load_model
 from tests.e2e.test_model import BLOCK_SIZE, run_step, shuffled_block_tables, tiny_config
@@ -461,10 +463,31 @@ def test_a_truncated_gguf_file_is_refused_naming_it(float_dir, tmp_path):
     path = tmp_path / "m.gguf"
     write_gguf(float_dir, path, "Q4_1")
     data = path.read_bytes()
+    path.with_name("whole.gguf").write_bytes(data)
     path.write_bytes(data[: len(data) - 100])
-    # gguf-py's reader does not say which tensor runs past the end: the message names the file.
-    with pytest.raises(CheckpointError, match=r"^m\.gguf: not a readable GGUF file, truncated or corrupt \("):
+    name = read_tensors(path.with_name("whole.gguf"))[-1].name
+    with pytest.raises(
+        CheckpointError,
+        match=rf"^m\.gguf: not a readable GGUF file, truncated or corrupt \(tensor {re.escape(name)}'s data ends",
+    ):
         load_model(float_dir, torch.float32, CPU, quantization=QuantizationConfig("gguf", gguf_file=str(path)))
+
+
+@pytest.mark.parametrize("source", ["gguf Q4_1", "gguf Q4_K_M", "SmolLM2"])
+def test_the_gguf_index_reads_what_gguf_py_reads(source, request, tmp_path):
+    """Names, types, shapes and data of every tensor, against gguf-py's reader (which also parses the metadata:
+    SmolLM2's file holds the tokenizer's arrays of strings and numbers)."""
+    if source == "SmolLM2":
+        path = default_model_path()
+    else:
+        path = Path(format_dirs(source, request, tmp_path)[2]["gguf_file"])
+    ours, theirs = read_tensors(path), gguf.GGUFReader(path).tensors
+    assert [(t.name, t.tensor_type, t.shape) for t in ours] == [
+        (t.name, t.tensor_type, tuple(t.shape.tolist())) for t in theirs
+    ]
+    for a, b in zip(ours, theirs):
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape
+        assert np.array_equal(a.data.view(np.uint8), b.data.view(np.uint8)), a.name
 
 
 def test_a_gguf_type_not_kept_quantized_is_refused_naming_the_tensor(float_dir, tmp_path):

@@ -46,6 +46,7 @@ import torch
 
 from pipeline.common.gguf_layout import FLOAT, KEPT, hf_name, is_linear
 from pipeline.gpu_worker.models.base import CausalLM, CheckpointError
+from pipeline.gpu_worker.models.gguf_index import GGUFTensor, read_tensors
 from pipeline.gpu_worker.models.quant_layout import Layout, common_layout, to_layout
 
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
@@ -55,11 +56,11 @@ def layer_quantization(path: Path, model: CausalLM) -> dict[str, Layout]:
     """``{module name: layout}`` of the model's linear layers the GGUF file holds quantized.
 
     Raises:
-        CheckpointError: a linear weight of a type not in ``KEPT`` (naming it), or a file gguf-py
-            cannot read (``_reader``).
+        CheckpointError: a linear weight of a type not in ``KEPT`` (naming it), or a file that cannot be read
+            (``_tensors``).
     """
     found: dict[str, list[Layout]] = {}
-    for t in _reader(path).tensors:
+    for t in _tensors(path):
         kind = t.tensor_type.name
         if not is_linear(t.name) or kind in FLOAT:
             continue
@@ -85,7 +86,7 @@ def read_gguf(path: Path, model: CausalLM, shapes_only: bool = False) -> Iterato
     config = model.config
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     modules = dict(model.named_modules())
-    for t in _reader(path).tensors:
+    for t in _tensors(path):
         name = hf_name(t.name)
         if name is None:
             continue
@@ -115,21 +116,19 @@ def read_gguf(path: Path, model: CausalLM, shapes_only: bool = False) -> Iterato
         yield name + "_scale", scale
         if zero is not None:
             yield name + "_zero", zero
-    if not shapes_only:  # the last pass: the mapped pages and parsed fields (225 MiB for SmolLM2's file) go
-        _reader.cache_clear()
+    if not shapes_only:  # the last pass: the mapped pages go
+        _tensors.cache_clear()
 
 
 @functools.cache
-def _reader(path: Path):
-    """The file's parsed index (seconds to build for a large vocabulary), shared by the passes over it.
+def _tensors(path: Path) -> list[GGUFTensor]:
+    """The file's tensors, shared by the passes over it.
 
     Raises:
-        CheckpointError: gguf-py cannot parse it, e.g. a tensor's data runs past the end of the file.
+        CheckpointError: the file cannot be read, e.g. a tensor's data runs past the end of the file.
     """
-    import gguf
-
     try:
-        return gguf.GGUFReader(path)
+        return read_tensors(path)
     except (ValueError, IndexError) as e:
         raise CheckpointError(f"{path.name}: not a readable GGUF file, truncated or corrupt ({e})") from None
 
