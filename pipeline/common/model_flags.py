@@ -46,14 +46,15 @@ class ModelFlags(msgspec.Struct, frozen=True):
     quantization: Annotated[
         str,
         flag(
-            "How the linear weights are held. none: expanded to --dtype (exact comparison with transformers); "
-            "auto: as the checkpoint says (a GGUF file's Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K weights, and an "
-            "AWQ, GPTQ or compressed-tensors W4A16/W8A16 checkpoint's, stay quantized; see --dtype for the "
-            "fast path); int8 / int4: weight-only round-to-nearest quantization at load time "
+            "How the linear weights are held. auto: as the checkpoint says (a GGUF file's Q4_0, Q4_1, Q8_0, "
+            "Q4_K, Q5_K and Q6_K weights, the default model's Q4_1 included, and an AWQ, GPTQ or "
+            "compressed-tensors W4A16/W8A16 checkpoint's, stay quantized; see --dtype for the fast path); "
+            "none: expanded to --dtype (for exact comparison with transformers, which expands them); "
+            "int8 / int4: weight-only round-to-nearest quantization at load time "
             "(int8 per-channel, int4 in groups of 128, unless --quantization-group-size).",
             choices=("auto", "none", "int8", "int4"),
         ),
-    ] = "none"
+    ] = "auto"
     quantization_group_size: Annotated[
         int | None,
         flag(
