@@ -19,7 +19,8 @@ see the flags), then for each format
   off, dequantized on every call (the path of int8 with a zero: Q5_K);
 
 reports the resident memory a fresh process gains by loading it (``VmRSS``
-after minus before, imports done), and the decode tokens/s of one step of B
+after minus before, imports done) beside the bytes of the model's tensors
+(codes, scales, embedding, norms; a tied head once) and their ratio, and the decode tokens/s of one step of B
 rows, each at ``--context`` tokens of context, for each batch size B. Every
 format is loaded in this one process and the measurements interleave: each
 round runs every (batch, format) pair once, in turn, so load from other
@@ -78,7 +79,8 @@ def load(model_dir: str, dtype_name: str, quant: dict, cpu_kernel: bool):
 
 
 def child_memory(model_dir: str, dtype_name: str, quant: str, cpu_kernel: str) -> None:
-    """Load one format in this fresh process; print the resident bytes it added, as JSON."""
+    """Load one format in this fresh process; print the resident bytes it added and the bytes of the model's
+    tensors (tied ones once), as JSON."""
     import transformers
     from bench_loader import _status_bytes
 
@@ -88,7 +90,9 @@ def child_memory(model_dir: str, dtype_name: str, quant: str, cpu_kernel: str) -
     quant_cpu.unavailable_reason()  # nor is the kernel's library
     before = _status_bytes("VmRSS")
     model = load(model_dir, dtype_name, json.loads(quant), cpu_kernel == "1")
-    print(json.dumps({"rss_bytes": _status_bytes("VmRSS") - before, "params": len(list(model.parameters()))}))
+    rss = _status_bytes("VmRSS") - before
+    tensors = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in model.state_dict().values()}
+    print(json.dumps({"rss_bytes": rss, "weight_bytes": sum(tensors.values())}))
 
 
 def decode_seconds(model, dtype, batch: int, context: int, steps: int) -> float:
@@ -125,8 +129,8 @@ def interleaved(models: dict, batches: list[int], args) -> dict[tuple[str, int],
     return best
 
 
-def memory(model_dir: str, formats: dict) -> dict[str, float]:
-    """MiB each format's load adds to a fresh process."""
+def memory(model_dir: str, formats: dict) -> dict[str, tuple[float, float]]:
+    """(MiB each format's load adds to a fresh process, MiB of the model's tensors)."""
     out = {}
     for name, (dtype_name, quant, cpu_kernel) in formats.items():
         cmd = [
@@ -139,18 +143,20 @@ def memory(model_dir: str, formats: dict) -> dict[str, float]:
             str(int(cpu_kernel)),
         ]
         line = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=REPO).stdout.splitlines()[-1]
-        out[name] = json.loads(line)["rss_bytes"] / 2**20
+        found = json.loads(line)
+        out[name] = (found["rss_bytes"] / 2**20, found["weight_bytes"] / 2**20)
     return out
 
 
 def table(title: str, best: dict, mib: dict, batches: list[int]) -> None:
     names = list(mib)
     print(f"\n{title}\n")
-    print("| format | resident MiB | " + " | ".join(f"tok/s B={b}" for b in batches) + " |")
-    print("| --- | --- | " + " | ".join("---" for _ in batches) + " |")
+    print("| format | resident MiB | tensors MiB | ratio | " + " | ".join(f"tok/s B={b}" for b in batches) + " |")
+    print("| --- | --- | --- | --- | " + " | ".join("---" for _ in batches) + " |")
     for name in names:
         cells = " | ".join(f"{best[name, b]:.1f}" for b in batches)
-        print(f"| {name} | {mib[name]:.0f} | {cells} |")
+        rss, weights = mib[name]
+        print(f"| {name} | {rss:.0f} | {weights:.0f} | {rss / weights:.2f} | {cells} |")
 
 
 def main() -> None:
