@@ -23,8 +23,12 @@ def test_the_default_model_runs_as_q4_1_and_answers(q4_server):
     # The worker's start-up line: every decoder linear layer (30 layers x qkv, o, gate/up, down) holds int4
     # codes in groups of 32 (Q4_1's blocks) on the compiled CPU kernel (torch's where it cannot be built), with
     # two float32 coefficients a group (torch's: bfloat16 scale and zero): 75.9 MiB (63.3) against 405 MiB of
-    # float32.
-    held = "(int4_panel), 75.9 MiB" if quant_cpu.unavailable_reason() is None else "(int4_cpu), 63.3 MiB"
+    # float32. The tied LM head multiplies by the file's Q8_0 table: int8 codes in groups of 32, one float32
+    # scale a group, 30.4 MiB against 108 MiB (where the kernel is not built, the dense table).
+    if quant_cpu.unavailable_reason() is None:
+        held = "(int4_panel), 75.9 MiB; LM head: int8 group 32 (int8_panel), 30.4 MiB"
+    else:
+        held = "(int4_cpu), 63.3 MiB"
     assert f"linear weights: 120 x int4 group 32 {held}" in q4_server.output()
     body = {
         "model": q4_server.model,

@@ -231,7 +231,7 @@ def test_gguf_blocks_decode_to_gguf_dequantize(kind):
 
 # Tiny models, per format: the quantized model's greedy tokens equal those of the same model with its
 # linear weights replaced by their dequantized values in float32; its logits, to float rounding.
-GGUF_NAMES = {hf_name(n): n for n in ["token_embd.weight", "output_norm.weight"]} | {
+GGUF_NAMES = {hf_name(n): n for n in ["token_embd.weight", "output_norm.weight", "output.weight"]} | {
     hf_name(f"blk.{i}.{part}.weight"): f"blk.{i}.{part}.weight"
     for i in range(2)
     for part in ["attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]
@@ -269,8 +269,11 @@ def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(float_dir: Path, path: Path, kind: str, linear_kinds: dict[str, str] | None = None) -> Path:
-    """The float checkpoint as a GGUF file, linear weights as ``kind`` (or ``linear_kinds[gguf name]``);
+def write_gguf(
+    float_dir: Path, path: Path, kind: str, linear_kinds: dict[str, str] | None = None, head_kind: str | None = None
+) -> Path:
+    """The float checkpoint as a GGUF file, linear weights as ``kind`` (or ``linear_kinds[gguf name]``), the LM
+    head's table (``output.weight``, else the tied ``token_embd.weight``) as ``head_kind`` (None: float);
     returns the float directory of the same weights as llama.cpp would dequantize them.
 
     gguf-py has no K-quant quantizer: their weights are random blocks (``random_blocks``) of about the
@@ -280,17 +283,19 @@ def write_gguf(float_dir: Path, path: Path, kind: str, linear_kinds: dict[str, s
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     writer = gguf.GGUFWriter(path, "llama")
     dequantized = {}
-    for name, tensor in _state_dict(float_dir).items():
+    tensors = _state_dict(float_dir)
+    head = "lm_head.weight" if "lm_head.weight" in tensors else "model.embed_tokens.weight"
+    for name, tensor in tensors.items():
         gname = GGUF_NAMES[name]
         data = tensor.numpy()
-        if not _is_linear(name):
+        if not (_is_linear(name) or (name == head and head_kind)):
             writer.add_tensor(gname, data)
             dequantized[name] = tensor
             continue
-        n_heads = heads.get(gname.split(".")[2])
+        n_heads = heads.get(gname.split(".")[2]) if gname.startswith("blk.") else None
         if n_heads is not None:
             data = _permute(data, n_heads)
-        qtype = GGML[(linear_kinds or {}).get(gname, kind)]
+        qtype = GGML[head_kind if name == head else (linear_kinds or {}).get(gname, kind)]
         if qtype.name in K_QUANTS:
             raw = random_blocks(qtype.name, *data.shape, rng, magnitude=float(np.abs(data).max()))
         else:
@@ -342,15 +347,28 @@ FUSED = {
 }
 
 
+def assert_head_held(model) -> None:
+    """The LM head multiplies by its codes on the panel kernel, or, where that is not built, by the dense table
+    they dequantize to (no other kernel takes group-wise int8)."""
+    head = model.lm_head.weight
+    if PANEL:
+        assert isinstance(head, QuantizedWeight) and head.kernel == "int8_panel"
+    else:
+        assert not isinstance(head, QuantizedWeight) and head.dtype == torch.float32
+
+
 def assert_weights_equal(model, reference_dir: Path) -> None:
-    """Each quantized layer's weight, as its kernel holds it, equals the float weights of ``reference_dir``
-    to float32 rounding (the model was packed under ``exact_kernels``)."""
+    """Each quantized layer's weight (and a quantized LM head's), as its kernel holds it, equals the float weights
+    of ``reference_dir`` to float32 rounding (the model was packed under ``exact_kernels``)."""
     reference = _state_dict(reference_dir)
     for name, m in model.named_modules():
         if not isinstance(getattr(m, "weight", None), QuantizedWeight):
             continue
-        block, layer = name.split(".")[:3], ".".join(name.split(".")[3:])
-        expected = torch.cat([reference[".".join([*block, part, "weight"])] for part in FUSED[layer]])
+        if name == "lm_head":
+            expected = reference.get("lm_head.weight", reference["model.embed_tokens.weight"])
+        else:
+            block, layer = name.split(".")[:3], ".".join(name.split(".")[3:])
+            expected = torch.cat([reference[".".join([*block, part, "weight"])] for part in FUSED[layer]])
         atol = 2**-20 * float(expected.abs().max())
         torch.testing.assert_close(m.weight.dequantized(torch.float32), expected, rtol=0, atol=atol, msg=name)
 
@@ -408,7 +426,9 @@ def format_dirs(fmt: str, request, tmp_path: Path) -> tuple[Path, Path, dict]:
     float_dir = request.getfixturevalue("float_dir_256" if "_K" in fmt else "float_dir")
     if isinstance(source, str):
         kinds = Q4_K_M if source == "Q4_K_M" else None
-        reference_dir = write_gguf(float_dir, tmp_path / "m.gguf", "Q4_K" if kinds else source, kinds)
+        # The tied table as SmolLM2's Q4_1 file holds it (Q8_0), or as llama.cpp's Q4_K_M files hold the head (Q6_K).
+        head = "Q6_K" if "_K" in fmt else "Q8_0"
+        reference_dir = write_gguf(float_dir, tmp_path / "m.gguf", "Q4_K" if kinds else source, kinds, head)
         return float_dir, reference_dir, {**fields, "gguf_file": str(tmp_path / "m.gguf")}
     return float_dir, rtn_float_dir(float_dir, tmp_path / "rtn", *source), fields
 
@@ -427,6 +447,10 @@ def test_a_quantized_tiny_model_decodes_as_its_dequantized_float_twin(fmt, reque
     linears = [m for m in model.modules() if isinstance(m, LinearBase) and not isinstance(m, ReplicatedLinear)]
     assert len(linears) == 8 and all(isinstance(m.weight, QuantizedWeight) for m in linears)
     assert {m.weight.kernel for m in linears} == ({kernel} if isinstance(kernel, str) else kernel)
+    if fields["method"] == "gguf":  # the head as the file holds it: symmetric int8 in groups of 32 (16 for Q6_K)
+        assert_head_held(model)
+    else:
+        assert model.lm_head is None
     assert_weights_equal(model, reference_dir)
     ours, ours_logits = greedy(model, PROMPTS, 12)
     assert ours == theirs
@@ -436,6 +460,26 @@ def test_a_quantized_tiny_model_decodes_as_its_dequantized_float_twin(fmt, reque
     served = load_model(float_dir, torch.float32, CPU, quantization=quant)
     _, served_logits = greedy(served, PROMPTS, 1)
     assert float((served_logits - their_logits).abs().max()) <= 0.03 * float(their_logits.abs().max())
+
+
+def test_an_untied_gguf_head_is_multiplied_as_the_file_holds_it(tmp_path):
+    torch.manual_seed(1)
+    float_dir = tmp_path / "untied"
+    transformers.LlamaForCausalLM(tiny_config(tie_word_embeddings=False, initializer_range=0.2)).save_pretrained(
+        float_dir
+    )
+    reference_dir = write_gguf(float_dir, tmp_path / "m.gguf", "Q4_1", head_kind="Q8_0")
+    theirs, their_logits = greedy(load_model(reference_dir, torch.float32, CPU), PROMPTS, 12)
+    with exact_kernels():
+        model = load_model(
+            float_dir, torch.float32, CPU, quantization=QuantizationConfig("gguf", gguf_file=str(tmp_path / "m.gguf"))
+        )
+    assert_head_held(model)
+    assert model.model.embed_tokens.weight.dtype == torch.float32
+    assert_weights_equal(model, reference_dir)
+    ours, ours_logits = greedy(model, PROMPTS, 12)
+    assert ours == theirs
+    torch.testing.assert_close(ours_logits, their_logits, rtol=0, atol=1e-4)
 
 
 @needs_vnni
@@ -544,7 +588,8 @@ def _sharded_greedy(rank: int, size: int, loads: list[tuple[str, QuantizationCon
 
 def test_two_tensor_parallel_ranks_decode_as_one(float_dir, tmp_path):
     """Codes and group scales are sharded from full tensors: two gloo ranks give one rank's greedy tokens,
-    for int4 quantized at load time, GGUF Q4_1, and a compressed-tensors int8 checkpoint with one scale a
+    for int4 quantized at load time, GGUF Q4_1 (its tied head Q8_0, split by vocabulary rows), and a
+    compressed-tensors int8 checkpoint with one scale a
     row, each rank's row-parallel columns taking the row's (kernels in float32: in bfloat16 each rank's
     partial sum is rounded before the all-reduce, which a random model's flat logits do not survive).
 
@@ -552,7 +597,7 @@ def test_two_tensor_parallel_ranks_decode_as_one(float_dir, tmp_path):
     channel is the rank's slice of the row, so its scales differ from one rank's.)"""
     from tests.unit.test_quantized_checkpoints import write_checkpoint
 
-    write_gguf(float_dir, tmp_path / "m.gguf", "Q4_1")
+    write_gguf(float_dir, tmp_path / "m.gguf", "Q4_1", head_kind="Q8_0")
     write_checkpoint(float_dir, tmp_path / "ct", "ct w8a16")
     loads = [
         (str(float_dir), QuantizationConfig("int4", group_size=32)),

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.common.constants import cdiv
-from pipeline.gpu_worker.layers.linear import check_shape, empty_parameter, linear, packed
+from pipeline.gpu_worker.layers.linear import check_shape, empty_parameter, hold_codes, linear, pack_codes, packed
 from pipeline.gpu_worker.layers.tp import SINGLE_RANK, TPGroup
 
 
@@ -42,9 +42,19 @@ class VocabParallelEmbedding(nn.Module):
             out = self.tp.all_gather_last_dim(out)[:, : self.vocab_size]
         return out.float()
 
+    def quantize(self, bits: int, group_size: int | None, zero: bool | None = None) -> None:
+        """Hold the table as integer codes (``linear.hold_codes``), before loading: an LM head that the checkpoint
+        holds quantized, used for ``logits`` only."""
+        hold_codes(self, bits, group_size, zero)
+
     def pack_weights(self, keep_dense: bool) -> None:
         """Pack the table for ``logits`` where ``linear.packed`` can, after loading; a tied table (``keep_dense``) keeps
-        its dense copy beside ``packed_weight`` (as vLLM)."""
+        its dense copy beside ``packed_weight`` (as vLLM). Codes become a ``QuantizedWeight`` where a kernel takes
+        them, else the dense table they dequantize to (rather than dequantizing it on every call)."""
+        if pack_codes(self):
+            if self.weight.kernel != "dequantize":
+                return
+            self.weight = nn.Parameter(self.weight.dequantized(self.quant_dtype), requires_grad=False)
         weight = packed(self.weight)
         if weight is None:
             return

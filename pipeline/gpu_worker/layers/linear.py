@@ -115,60 +115,72 @@ class LinearBase(nn.Module):
         return linear(x, self.weight, self.bias)
 
     def quantize(self, bits: int, group_size: int | None, zero: bool | None = None) -> None:
-        """Hold ``weight`` as integer codes plus ``weight_scale`` (and ``weight_zero``), before loading.
-
-        The three parameters share the weight's loader, so the checkpoint
-        tensors ``<name>.weight``, ``<name>.weight_scale`` and
-        ``<name>.weight_zero`` (see ``quant.quantize_rtn`` for their layout)
-        are sharded like the weight; ``pack_weights`` packs them.
-
-        Args:
-            bits: 4 or 8.
-            group_size: input columns per scale; None: one group per row of this rank's shard.
-            zero: whether the layout has ``weight_zero``; None: for 4 bits only (int4 always has one).
-
-        Raises:
-            ValueError: ``group_size`` does not divide this rank's input width.
-        """
-        out, inp = self.weight.shape
-        group_size = group_size or inp
-        if inp % group_size:
-            raise ValueError(f"quantization group size {group_size} does not divide the input width {inp}")
-        loader, shards = self.weight.weight_loader, getattr(self.weight, "shards", None)
-        dtype, device = self.weight.dtype, self.weight.device
-
-        def param(cols: int, dtype: torch.dtype) -> nn.Parameter:
-            return nn.Parameter(torch.empty(out, cols, dtype=dtype, device=device), requires_grad=False)
-
-        del self.weight
-        self.weight = param(inp, torch.uint8 if bits == 4 else torch.int8)
-        # Scales and zeros in float32 whatever the model's dtype: in bfloat16 a group's zero (Q4_1's m + 8 d) is
-        # off by up to 2^-9 of itself, which can be a tenth of a step, the same for every weight of the group
-        # (SmolLM2's Q4_1 in bfloat16 stopped answering "Paris").
-        self.weight_scale = param(inp // group_size, torch.float32)
-        if bits == 4 or zero:
-            self.weight_zero = param(inp // group_size, torch.float32)
-        for p in (self.weight, self.weight_scale, getattr(self, "weight_zero", None)):
-            if p is not None:
-                p.weight_loader = _same_dtype(loader)
-                if shards is not None:
-                    p.shards = set(shards)
-        self.quant_bits, self.quant_group, self.quant_dtype = bits, group_size, dtype
+        """Hold ``weight`` as integer codes (``hold_codes``), before loading."""
+        hold_codes(self, bits, group_size, zero)
 
     def pack_weights(self) -> None:
         """Replace ``weight`` by its ``packed`` form where there is one, freeing the dense one; after loading."""
-        if isinstance(self.weight, nn.Parameter) and hasattr(self, "weight_scale"):
-            codes, scale, zero = self.weight, self.weight_scale, getattr(self, "weight_zero", None)
-            del self.weight, self.weight_scale
-            if zero is not None:
-                del self.weight_zero
-            self.weight = QuantizedWeight.pack(
-                codes.data, scale.data, None if zero is None else zero.data, self.quant_dtype
-            )
+        if pack_codes(self):
             return
         weight = packed(self.weight)
         if weight is not None:
             self.weight = nn.Parameter(weight, requires_grad=False)
+
+
+def hold_codes(module: nn.Module, bits: int, group_size: int | None, zero: bool | None = None) -> None:
+    """Hold ``module.weight [out, in]`` as integer codes plus ``weight_scale`` (and ``weight_zero``), before loading.
+
+    The three parameters share the weight's loader, so the checkpoint
+    tensors ``<name>.weight``, ``<name>.weight_scale`` and
+    ``<name>.weight_zero`` (see ``quant.quantize_rtn`` for their layout)
+    are sharded like the weight; ``pack_codes`` packs them.
+
+    Args:
+        bits: 4 or 8.
+        group_size: input columns per scale; None: one group per row of this rank's shard.
+        zero: whether the layout has ``weight_zero``; None: for 4 bits only (int4 always has one).
+
+    Raises:
+        ValueError: ``group_size`` does not divide this rank's input width.
+    """
+    out, inp = module.weight.shape
+    group_size = group_size or inp
+    if inp % group_size:
+        raise ValueError(f"quantization group size {group_size} does not divide the input width {inp}")
+    loader, shards = module.weight.weight_loader, getattr(module.weight, "shards", None)
+    dtype, device = module.weight.dtype, module.weight.device
+
+    def param(cols: int, dtype: torch.dtype) -> nn.Parameter:
+        return nn.Parameter(torch.empty(out, cols, dtype=dtype, device=device), requires_grad=False)
+
+    del module.weight
+    module.weight = param(inp, torch.uint8 if bits == 4 else torch.int8)
+    # Scales and zeros in float32 whatever the model's dtype: in bfloat16 a group's zero (Q4_1's m + 8 d) is
+    # off by up to 2^-9 of itself, which can be a tenth of a step, the same for every weight of the group
+    # (SmolLM2's Q4_1 in bfloat16 stopped answering "Paris").
+    module.weight_scale = param(inp // group_size, torch.float32)
+    if bits == 4 or zero:
+        module.weight_zero = param(inp // group_size, torch.float32)
+    for p in (module.weight, module.weight_scale, getattr(module, "weight_zero", None)):
+        if p is not None:
+            p.weight_loader = _same_dtype(loader)
+            if shards is not None:
+                p.shards = set(shards)
+    module.quant_bits, module.quant_group, module.quant_dtype = bits, group_size, dtype
+
+
+def pack_codes(module: nn.Module) -> bool:
+    """Replace the codes ``hold_codes`` gave ``module`` by a ``QuantizedWeight``, after loading; False where it
+    holds none."""
+    if not (isinstance(module.weight, nn.Parameter) and hasattr(module, "weight_scale")):
+        return False
+    codes, scale, zero = module.weight, module.weight_scale, getattr(module, "weight_zero", None)
+    del module.weight, module.weight_scale
+    if zero is not None:
+        del module.weight_zero
+    zero = None if zero is None else zero.data
+    module.weight = QuantizedWeight.pack(codes.data, scale.data, zero, module.quant_dtype)
+    return True
 
 
 def _same_dtype(loader):

@@ -113,6 +113,14 @@ class CausalLM(nn.Module):
             hidden = layer(hidden, ropes[rope], meta, kv_cache, attn_backend)
         return self.model.norm(hidden)
 
+    def untie_lm_head(self) -> None:
+        """Give a tied model an LM head of its own, before loading: for a checkpoint that holds the head apart from
+        the embedding (a GGUF file's quantized table: the embedding dequantized, the head as codes)."""
+        embed = self.model.embed_tokens
+        with torch.device(embed.weight.device):
+            head = VocabParallelEmbedding(self.config.vocab_size, self.config.hidden_size, embed.tp)
+        self.lm_head = head.to(embed.weight.dtype)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [S, hidden_size]`` (rows to sample) -> ``[S, vocab_size]`` float32 logits, equal on every rank."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head

@@ -27,10 +27,12 @@ ggml's block formats (ggml-common.h; ``d``, ``dmin`` and ``m`` are f16):
 
 Q4_K_M files mix types within one fused layer (Q6_K values beside Q4_K
 queries and keys); such a layer holds the one layout all its parts fit
-exactly (``quant_layout.common_layout``). Every other tensor (embeddings,
-norms, an untied LM head) is dequantized to float with gguf-py's
-``dequantize``: the embedding is a row gather, and the LM head is also the
-embedding in the tied models this reads. llama.cpp's converter permutes the
+exactly (``quant_layout.common_layout``). The LM head (``output.weight``,
+else the tied ``token_embd.weight``) in one of those types is kept the same
+way, in a head of its own (``CausalLM.untie_lm_head``). Every other tensor
+(the embedding, also where it is the tied head's, and the norms) is
+dequantized to float with gguf-py's ``dequantize``: the embedding is a row
+gather. llama.cpp's converter permutes the
 rows of the query and key projections for its rotary layout; they are
 permuted back, as transformers does, codes and scales alike.
 """
@@ -60,7 +62,11 @@ def layer_quantization(path: Path, model: CausalLM) -> dict[str, Layout]:
             (``_tensors``).
     """
     found: dict[str, list[Layout]] = {}
-    for t in _tensors(path):
+    tensors = _tensors(path)
+    head = _head_tensor(tensors)
+    if head is not None and head.tensor_type.name in KEPT:
+        found["lm_head"] = [KEPT[head.tensor_type.name]]
+    for t in tensors:
         kind = t.tensor_type.name
         if not is_linear(t.name) or kind in FLOAT:
             continue
@@ -86,14 +92,19 @@ def read_gguf(path: Path, model: CausalLM, shapes_only: bool = False) -> Iterato
     config = model.config
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     modules = dict(model.named_modules())
-    for t in _tensors(path):
+    tensors = _tensors(path)
+    head = _head_tensor(tensors) if getattr(modules.get("lm_head"), "quant_bits", None) else None
+    for t in tensors:
         name = hf_name(t.name)
         if name is None:
             continue
         kind = t.tensor_type.name
         rows, cols = (int(t.shape[1]), int(t.shape[0])) if len(t.shape) == 2 else (None, int(t.shape[0]))
         n_heads = heads.get(t.name.split(".")[2]) if t.name.startswith("blk.") else None
-        if not (is_linear(t.name) and kind in KEPT):
+        if t is head and name != "lm_head.weight":
+            # A tied table: as codes for the head, and dequantized for the embedding (below).
+            yield from _quantized(t, "lm_head.weight", modules["lm_head"], rows, cols, None, shapes_only)
+        if not (kind in KEPT and (is_linear(t.name) or (t is head and name == "lm_head.weight"))):
             shape = (cols,) if rows is None else (rows, cols)
             if shapes_only:
                 yield name, torch.empty(shape, device="meta")
@@ -102,22 +113,37 @@ def read_gguf(path: Path, model: CausalLM, shapes_only: bool = False) -> Iterato
             tensor = torch.from_numpy(np.array(data, dtype=np.float32)).reshape(shape)
             yield name, tensor if n_heads is None else _unpermute(tensor, n_heads)
             continue
-        if shapes_only:
-            block, block_bytes = gguf.GGML_QUANT_SIZES[t.tensor_type]
-            raw = torch.empty(rows, cols // block * block_bytes, dtype=torch.uint8, device="meta")
-        else:
-            raw = torch.from_numpy(np.array(t.data))
-        parts = decode(kind, raw)
-        if n_heads is not None:
-            parts = tuple(None if part is None else _unpermute(part, n_heads) for part in parts)
         layer = modules[model.parameter_of(name)[0].removesuffix(".weight")]
-        codes, scale, zero = to_layout(layer, *parts)
-        yield name, codes
-        yield name + "_scale", scale
-        if zero is not None:
-            yield name + "_zero", zero
+        yield from _quantized(t, name, layer, rows, cols, n_heads, shapes_only)
     if not shapes_only:  # the last pass: the mapped pages go
         _tensors.cache_clear()
+
+
+def _quantized(
+    t: GGUFTensor, name: str, layer, rows: int, cols: int, n_heads: int | None, shapes_only: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoint tensor ``name``'s codes, scale and zero, from GGUF tensor ``t`` in ``layer``'s layout."""
+    import gguf
+
+    if shapes_only:
+        block, block_bytes = gguf.GGML_QUANT_SIZES[t.tensor_type]
+        raw = torch.empty(rows, cols // block * block_bytes, dtype=torch.uint8, device="meta")
+    else:
+        raw = torch.from_numpy(np.array(t.data))
+    parts = decode(t.tensor_type.name, raw)
+    if n_heads is not None:
+        parts = tuple(None if part is None else _unpermute(part, n_heads) for part in parts)
+    codes, scale, zero = to_layout(layer, *parts)
+    yield name, codes
+    yield name + "_scale", scale
+    if zero is not None:
+        yield name + "_zero", zero
+
+
+def _head_tensor(tensors: list[GGUFTensor]) -> GGUFTensor | None:
+    """The tensor the LM head multiplies by: ``output.weight``, else (tied) ``token_embd.weight``."""
+    by_name = {t.name: t for t in tensors}
+    return by_name.get("output.weight", by_name.get("token_embd.weight"))
 
 
 @functools.cache

@@ -47,6 +47,8 @@ def prepare_layers(model: CausalLM, quant: QuantizationConfig, model_dir: Path) 
         layers = layer_quantization(model_dir, model)
     else:
         return
+    if "lm_head" in layers and model.lm_head is None:
+        model.untie_lm_head()
     modules = dict(model.named_modules())
     for name, (bits, group, zero) in layers.items():
         try:
@@ -95,13 +97,21 @@ def _linears(model: CausalLM) -> Iterator[tuple[str, LinearBase]]:
 
 
 def describe(model: CausalLM) -> str:
-    """One line for the log: how many linear layers are quantized, with which kernels, and their bytes."""
+    """One line for the log: how many linear layers are quantized, with which kernels, and their bytes; the LM
+    head's where it is quantized."""
     weights = [m.weight for _, m in _linears(model) if isinstance(m.weight, QuantizedWeight)]
     if not weights:
         return "linear weights: not quantized"
     kinds: dict[str, int] = {}
     for w in weights:
-        key = f"int{w.bits} group {w.group_size} ({w.kernel})"
-        kinds[key] = kinds.get(key, 0) + 1
+        kinds[_kind(w)] = kinds.get(_kind(w), 0) + 1
     mib = sum(w.nbytes() for w in weights) / 2**20
-    return f"linear weights: {', '.join(f'{n} x {k}' for k, n in kinds.items())}, {mib:.1f} MiB"
+    line = f"linear weights: {', '.join(f'{n} x {k}' for k, n in kinds.items())}, {mib:.1f} MiB"
+    head = getattr(model.lm_head, "weight", None)
+    if isinstance(head, QuantizedWeight):
+        line += f"; LM head: {_kind(head)}, {head.nbytes() / 2**20:.1f} MiB"
+    return line
+
+
+def _kind(w: QuantizedWeight) -> str:
+    return f"int{w.bits} group {w.group_size} ({w.kernel})"
