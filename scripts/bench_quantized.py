@@ -32,6 +32,7 @@ against the float32 expansion (``none``).
     python scripts/bench_quantized.py                              # 4 layers of Llama-3.2-1B's shape
     python scripts/bench_quantized.py --layers 16 --vocab 128256   # the whole 1B shape (slow on 2 cores)
     python scripts/bench_quantized.py --smollm --batches 1,8,32,64
+    python scripts/bench_quantized.py --gguf DIR/llama-1b-shape-4L-{F16,Q8_0,Q4_K_M}.gguf   # scripts/write_gguf.py's
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def load(model_dir: str, dtype_name: str, quant: dict, cpu_kernel: bool):
 
 def child_memory(model_dir: str, dtype_name: str, quant: str, cpu_kernel: str) -> None:
     """Load one format in this fresh process; print the resident bytes it added and the bytes of the model's
-    tensors (tied ones once), as JSON."""
+    tensors (parameters and buffers, a tied table's oneDNN copy included; shared storage once), as JSON."""
     import transformers
     from bench_loader import _status_bytes
 
@@ -91,7 +92,12 @@ def child_memory(model_dir: str, dtype_name: str, quant: str, cpu_kernel: str) -
     before = _status_bytes("VmRSS")
     model = load(model_dir, dtype_name, json.loads(quant), cpu_kernel == "1")
     rss = _status_bytes("VmRSS") - before
-    tensors = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in model.state_dict().values()}
+    tensors = {}  # storage -> bytes; oneDNN's packed weights are opaque: their elements' bytes
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.is_mkldnn:
+            tensors[id(t)] = t.numel() * t.element_size()
+        else:
+            tensors[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     print(json.dumps({"rss_bytes": rss, "weight_bytes": sum(tensors.values())}))
 
 
@@ -172,7 +178,19 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4, help="decode steps timed per measurement")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds; each pair's best counts")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument(
+        "--random",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the random checkpoint's formats (--no-random: only --smollm's and --gguf's)",
+    )
     p.add_argument("--smollm", action="store_true", help="also the default model: Q4_1 as it ships vs float32")
+    p.add_argument(
+        "--gguf",
+        nargs="*",
+        default=[],
+        help="also these GGUF files (scripts/write_gguf.py writes the 1B shape's), as served, in bfloat16 and float32",
+    )
     p.add_argument("--child-memory", nargs=4, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child_memory:
@@ -187,19 +205,14 @@ def main() -> None:
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu {torch.backends.cpu.get_cpu_capability()}"
     )
-    with tempfile.TemporaryDirectory() as d:
-        args.checkpoint_dtype, args.shard_gb = "bfloat16", 2.0
-        n = write_checkpoint(Path(d), args)
-        print(f"random Llama: {n / 1e6:.0f} M parameters, {args.layers} layers of hidden {args.hidden}")
-        mib = memory(d, FORMATS)
-        models = {name: (load(d, dt, q, k), getattr(torch, dt)) for name, (dt, q, k) in FORMATS.items()}
-        best = interleaved(models, batches, args)
-        del models
-        table(
-            f"Llama-3.2-1B-shaped, {args.layers} layers, vocab {args.vocab}, context {args.context}", best, mib, batches
-        )
+    if args.random:
+        with tempfile.TemporaryDirectory() as d:
+            args.checkpoint_dtype, args.shard_gb = "bfloat16", 2.0
+            n = write_checkpoint(Path(d), args)
+            print(f"random Llama: {n / 1e6:.0f} M parameters, {args.layers} layers of hidden {args.hidden}")
+            measure(f"Llama-3.2-1B-shaped, {args.layers} layers, vocab {args.vocab}", d, FORMATS, batches, args)
     if args.smollm:
-        from pipeline.common.model_files import convert_gguf, default_model_path
+        from pipeline.common.model_files import default_model_path
 
         gguf = default_model_path()
         q4_1 = {"method": "gguf", "gguf_file": str(gguf)}
@@ -210,11 +223,30 @@ def main() -> None:
             "float32 (none)": ("float32", {}, True),
             "bfloat16 (none)": ("bfloat16", {}, True),
         }
-        model_dir = str(convert_gguf(gguf))
-        mib = memory(model_dir, smol)
-        models = {name: (load(model_dir, dt, q, k), getattr(torch, dt)) for name, (dt, q, k) in smol.items()}
-        best = interleaved(models, batches, args)
-        table(f"SmolLM2-135M-Instruct, context {args.context}", best, mib, batches)
+        measure("SmolLM2-135M-Instruct", gguf, smol, batches, args)
+    if args.gguf:
+        # As served (--quantization auto), each file in each dtype, interleaved; files of one model (one config:
+        # the first file's converted directory), their weights each file's own.
+        files = {
+            f"{Path(path).stem}, {dtype}": (dtype, {"method": "gguf", "gguf_file": str(Path(path).resolve())}, True)
+            for path in args.gguf
+            for dtype in ("bfloat16", "float32")
+        }
+        measure(", ".join(Path(path).name for path in args.gguf), Path(args.gguf[0]), files, batches, args)
+
+
+def measure(title: str, model: Path | str, formats: dict, batches: list[int], args) -> None:
+    """Print the table of ``formats`` of one model: a checkpoint directory, or a GGUF file (its Hugging Face
+    directory converted once for the config, the formats' ``gguf_file`` for the weights)."""
+    import torch
+
+    from pipeline.common.model_files import convert_gguf
+
+    model_dir = str(convert_gguf(model)) if str(model).endswith(".gguf") else str(model)
+    mib = memory(model_dir, formats)
+    models = {name: (load(model_dir, dt, q, k), getattr(torch, dt)) for name, (dt, q, k) in formats.items()}
+    best = interleaved(models, batches, args)
+    table(f"{title}, context {args.context}", best, mib, batches)
 
 
 if __name__ == "__main__":

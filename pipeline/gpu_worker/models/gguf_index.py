@@ -42,36 +42,16 @@ def read_tensors(path: Path) -> list[GGUFTensor]:
     if version not in (2, 3):
         raise ValueError(f"GGUF version {version}; versions 2 and 3 are read")
     pos, alignment = 24, gguf.GGUF_DEFAULT_ALIGNMENT
-
-    def string(at: int) -> tuple[bytes, int]:
-        (n,) = struct.unpack_from("<Q", buf, at)
-        return bytes(buf[at + 8 : at + 8 + n]), at + 8 + n
-
-    def skip_value(kind: int, at: int) -> int:
-        if kind in _SCALAR_BYTES:
-            return at + _SCALAR_BYTES[kind]
-        if kind == _STRING:
-            return at + 8 + struct.unpack_from("<Q", buf, at)[0]
-        if kind != _ARRAY:
-            raise ValueError(f"unknown metadata value type {kind} at byte {at}")
-        item, count = struct.unpack_from("<IQ", buf, at)
-        at += 12
-        if item in _SCALAR_BYTES:
-            return at + count * _SCALAR_BYTES[item]
-        for _ in range(count):
-            at = skip_value(item, at)
-        return at
-
     try:
         for _ in range(n_kv):
-            key, pos = string(pos)
+            key, pos = _string(buf, pos)
             (kind,) = struct.unpack_from("<I", buf, pos)
             if key == _ALIGNMENT_KEY and kind == 4:
                 (alignment,) = struct.unpack_from("<I", buf, pos + 4)
-            pos = skip_value(kind, pos + 4)
+            pos = _skip_value(buf, kind, pos + 4)
         infos = []
         for _ in range(n_tensors):
-            name, pos = string(pos)
+            name, pos = _string(buf, pos)
             (n_dims,) = struct.unpack_from("<I", buf, pos)
             dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
             kind, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
@@ -95,3 +75,27 @@ def read_tensors(path: Path) -> list[GGUFTensor]:
             raise ValueError(f"tensor {name}'s data ends at byte {end}, past the file's end at {len(data)}")
         tensors.append(GGUFTensor(name, kind, dims, data[begin:end].view(dtype).reshape(shape)))
     return tensors
+
+
+# Module functions, not closures over the mapped file: a recursive closure is a reference cycle, which would keep
+# the whole mapping (and its resident pages) until a garbage collection.
+def _string(buf: memoryview, at: int) -> tuple[bytes, int]:
+    (n,) = struct.unpack_from("<Q", buf, at)
+    return bytes(buf[at + 8 : at + 8 + n]), at + 8 + n
+
+
+def _skip_value(buf: memoryview, kind: int, at: int) -> int:
+    """The offset after a metadata value of type ``kind`` at ``at``."""
+    if kind in _SCALAR_BYTES:
+        return at + _SCALAR_BYTES[kind]
+    if kind == _STRING:
+        return at + 8 + struct.unpack_from("<Q", buf, at)[0]
+    if kind != _ARRAY:
+        raise ValueError(f"unknown metadata value type {kind} at byte {at}")
+    item, count = struct.unpack_from("<IQ", buf, at)
+    at += 12
+    if item in _SCALAR_BYTES:
+        return at + count * _SCALAR_BYTES[item]
+    for _ in range(count):
+        at = _skip_value(buf, item, at)
+    return at
