@@ -28,7 +28,6 @@ import asyncio
 import os
 import shlex
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,6 +40,8 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from bench_server import free_port  # noqa: E402
 
 from pipeline.bench.router import (  # noqa: E402
     ChatWork,
@@ -61,12 +62,6 @@ STREAM_READ_TIMEOUT_S = 30.0
 # cache_aware's balance thresholds for this workload (the README's "More than one machine" says why).
 BALANCE_ABS = 2
 BALANCE_REL = 1.5
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(args: list[str], log, port: int | None = None) -> tuple[subprocess.Popen, str]:

@@ -46,7 +46,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -54,6 +53,7 @@ import time
 
 import httpx
 import numpy as np
+from bench_server import free_port
 from tqdm import tqdm
 
 from pipeline.bench.cli import add_workload_flags, multi_turn, total_output
@@ -70,12 +70,6 @@ _WARM_UP_PROMPT = list(range(1000, 1016))
 def _log_path(label: str) -> str:
     """Where a server's output goes (the temp directory: it is read only when something fails)."""
     return os.path.join(tempfile.gettempdir(), f"compare-peers-{label}.log")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _num_concurrent(work: Workload | MultiTurn) -> int:
@@ -159,7 +153,7 @@ def run_pipeline(
     label: str = "",
 ) -> list[RequestTimes]:
     """``pipeline-serve`` from this interpreter, sized for the workload, with ``extra_args`` added."""
-    port = _free_port()
+    port = free_port()
     cmd = [
         sys.executable,
         "-m",
@@ -188,7 +182,7 @@ def run_pipeline(
 
 def run_vllm(model_dir: str, work: Workload | MultiTurn, args: argparse.Namespace) -> list[RequestTimes]:
     """vLLM's OpenAI server on the converted model directory, from ``--vllm-python``."""
-    port = _free_port()
+    port = free_port()
     cmd = [
         args.vllm_python,
         "-m",
@@ -217,7 +211,7 @@ def run_llamacpp(gguf_file: str, model_dir: str, work: Workload | MultiTurn, arg
     request at a time (no batching), the others waiting."""
     from pipeline.io_proc.tokenization import load_tokenizer
 
-    port, threads = _free_port(), str(os.cpu_count())
+    port, threads = free_port(), str(os.cpu_count())
     cmd = [
         args.llamacpp_python,
         "-m",
