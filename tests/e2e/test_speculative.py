@@ -112,6 +112,10 @@ def test_sim_tokens_unchanged(request, sim_sync, mode):
     stop = {"prompt": "stop here", "max_tokens": 40, "abort_after": None, "sampling": {"stop_token_ids": [ref[17]]}}
     got = asyncio.run(run_all(spec, [{**stop, "sampling": {**stop["sampling"], "ignore_eos": False}}]))[0]
     assert got == ref[:18]
+    # One request that nothing aborts, long enough for a hundred drafts whatever the load (the workload's
+    # aborts land after a number of tokens that depends on it).
+    long = {"prompt": "a long answer", "max_tokens": 240, "abort_after": None}
+    assert asyncio.run(run_all(spec, [long])) == asyncio.run(run_all(sim_sync, [long]))
     after = spec_counts(spec)
     drafted = after["num_draft_tokens_total"] - before["num_draft_tokens_total"]
     accepted = after["num_accepted_tokens_total"] - before["num_accepted_tokens_total"]
