@@ -1,15 +1,16 @@
 """The batched LoRA update around the base model's projections, adapters in fixed slots.
 
 Each wrapped projection keeps the stacked weights of every slot: ``lora_a``
-``[slots, P R, in]`` and ``lora_b`` ``[slots, P R, out]`` (B transposed), where
+``[slots, P R, in]`` and ``lora_b`` ``[slots, R, out]`` (B transposed), where
 a fused projection of P parts (q/k/v, gate/up) gives each part its own R rank
-rows (``R = --max-lora-rank``; an adapter of lower rank leaves the rest zero),
-and part p's B fills only that part's output columns. Slot 0 is "no adapter"
-and stays zero. A step runs the base matmul once for all its tokens; then its
-tokens with an adapter, gathered in slot order, take their low-rank update a
-slot at a time (SGMV's grouping: ``x_s @ A_s.T @ B_s`` over each slot's run of
-tokens, at most ``--max-loras`` runs, never a loop over rows), which is added
-back at their rows (docs/design.md, "Multi-LoRA").
+rows of A (``R = --max-lora-rank``; an adapter of lower rank leaves the rest
+zero), and part p's output columns of B are that part's B (so B holds no
+zeros between parts). Slot 0 is "no adapter" and stays zero. A step runs the
+base matmul once for all its tokens; then its tokens with an adapter,
+gathered in slot order, take their low-rank update a slot at a time (SGMV's
+grouping: ``t = x_s @ A_s.T``, then part p's columns ``t_p @ B_s[:, p]`` over
+each slot's run of tokens, at most ``--max-loras`` runs, never a loop over
+rows), which is added back at their rows (docs/design.md, "Multi-LoRA").
 Under tensor parallelism a column-parallel projection holds its rows of B,
 a row-parallel one its columns of A and sums its partial update over the ranks.
 """
@@ -88,7 +89,10 @@ class LoraLinear(nn.Module):
         dtype, device = torch.get_default_dtype(), base.weight.device
         width = len(parts) * max_rank
         self.register_buffer("lora_a", torch.zeros(num_slots, width, in_features, dtype=dtype, device=device))
-        self.register_buffer("lora_b", torch.zeros(num_slots, width, out_features, dtype=dtype, device=device))
+        self.register_buffer("lora_b", torch.zeros(num_slots, max_rank, out_features, dtype=dtype, device=device))
+        # Each part's rank columns of x A.T and its output columns: the update of a fused projection is one
+        # matmul a part (B's zeros outside a part's columns were a third of a slot's bytes for SmolLM2).
+        self.spans = [(slice(i * max_rank, (i + 1) * max_rank), part.out_rows) for i, part in enumerate(parts)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -98,7 +102,12 @@ class LoraLinear(nn.Module):
         xs = x.index_select(0, tokens)
         delta = xs.new_empty(len(tokens), y.shape[1])
         for slot, start, end in self.batch.slots:
-            torch.mm(torch.mm(xs[start:end], self.lora_a[slot].T), self.lora_b[slot], out=delta[start:end])
+            t = torch.mm(xs[start:end], self.lora_a[slot].T)
+            if len(self.spans) == 1:
+                torch.mm(t, self.lora_b[slot], out=delta[start:end])
+                continue
+            for rank_cols, out_cols in self.spans:
+                delta[start:end, out_cols] = torch.mm(t[:, rank_cols], self.lora_b[slot, :, out_cols])
         if self.reduce is not None:
             delta = self.reduce.all_reduce(delta)
         return y.index_add_(0, tokens, delta)
@@ -114,9 +123,8 @@ class LoraLinear(nn.Module):
             if ab is None:
                 continue
             a, b = ab
-            cols = slice(i * self.rank, i * self.rank + a.shape[0])
-            self.lora_a[slot, cols] = a[:, part.a_cols]
-            self.lora_b[slot, cols, part.out_rows] = b[part.b_rows].T
+            self.lora_a[slot, i * self.rank : i * self.rank + a.shape[0]] = a[:, part.a_cols]
+            self.lora_b[slot, : a.shape[0], part.out_rows] = b[part.b_rows].T
 
 
 class LoraSlots:
