@@ -11,6 +11,7 @@ the model dtype, unless the file holds them otherwise.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -102,9 +103,7 @@ def describe(model: CausalLM) -> str:
     weights = [m.weight for _, m in _linears(model) if isinstance(m.weight, QuantizedWeight)]
     if not weights:
         return "linear weights: not quantized"
-    kinds: dict[str, int] = {}
-    for w in weights:
-        kinds[_kind(w)] = kinds.get(_kind(w), 0) + 1
+    kinds = Counter(_kind(w) for w in weights)
     mib = sum(w.nbytes() for w in weights) / 2**20
     line = f"linear weights: {', '.join(f'{n} x {k}' for k, n in kinds.items())}, {mib:.1f} MiB"
     head = getattr(model.lm_head, "weight", None)
